@@ -1,0 +1,146 @@
+"""Kronos: the decoder-only predictor over (s1, s2) token pairs.
+
+A trunk of causal transformer blocks predicts the next coarse token s1; a dependency layer (cross-attention from the
+s1 embedding to the trunk's hidden states) then predicts the fine token s2 given that s1.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .embeddings import HierarchicalEmbedding, TemporalEmbedding
+from .hub import PretrainedMixin
+from .layers import KVCache, MultiHeadCrossAttentionWithRoPE, RMSNorm, TransformerBlock
+
+DEP_LAYER_HEADS = 4  # the published dependency layer has 4 heads whatever n_heads is
+
+
+class DependencyAwareLayer(nn.Module):
+    """norm(hidden + cross_attn(query=sibling, key=hidden, value=hidden))."""
+
+    def __init__(self, d_model: int, n_heads: int = DEP_LAYER_HEADS):
+        super().__init__()
+        self.cross_attn = MultiHeadCrossAttentionWithRoPE(d_model, n_heads)
+        self.norm = RMSNorm(d_model)
+
+    def forward(self, hidden_states: torch.Tensor, sibling_embed: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None, causal: bool | None = None) -> torch.Tensor:
+        """hidden (B, L, d), sibling (B, Lq, d) -> (B, L, d); a length-1 sibling broadcasts over L (inference)."""
+        attn_out = self.cross_attn(sibling_embed, hidden_states, hidden_states, key_padding_mask, causal=causal)
+        return self.norm(hidden_states + attn_out)
+
+
+class DualHead(nn.Module):
+    """Two vocab projections: proj_s1 on the trunk output, proj_s2 on the dependency layer output."""
+
+    def __init__(self, s1_bits: int, s2_bits: int, d_model: int):
+        super().__init__()
+        self.vocab_s1, self.vocab_s2 = 2 ** s1_bits, 2 ** s2_bits
+        self.proj_s1 = nn.Linear(d_model, self.vocab_s1)
+        self.proj_s2 = nn.Linear(d_model, self.vocab_s2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj_s1(x)
+
+    def cond_forward(self, x2: torch.Tensor) -> torch.Tensor:
+        return self.proj_s2(x2)
+
+    def compute_loss(self, s1_logits, s2_logits, s1_targets, s2_targets, padding_mask=None):
+        """Mean of the two cross-entropies over (valid) positions -> (loss, ce_s1, ce_s2).
+
+        padding_mask (B, T): True/1 = a real position (the attention convention), False/0 = padding.
+        """
+        if padding_mask is not None:
+            valid = padding_mask.to(torch.bool)
+            s1_logits, s2_logits = s1_logits[valid], s2_logits[valid]
+            s1_targets, s2_targets = s1_targets[valid], s2_targets[valid]
+        ce_s1 = F.cross_entropy(s1_logits.reshape(-1, self.vocab_s1).float(), s1_targets.reshape(-1))
+        ce_s2 = F.cross_entropy(s2_logits.reshape(-1, self.vocab_s2).float(), s2_targets.reshape(-1))
+        return (ce_s1 + ce_s2) / 2, ce_s1, ce_s2
+
+
+class Kronos(nn.Module, PretrainedMixin):
+    """The Kronos predictor (published constructor arguments and state-dict keys)."""
+
+    def __init__(self, s1_bits: int, s2_bits: int, n_layers: int, d_model: int, n_heads: int, ff_dim: int,
+                 ffn_dropout_p: float, attn_dropout_p: float, resid_dropout_p: float, token_dropout_p: float,
+                 learn_te: bool):
+        super().__init__()
+        self._record_config(locals())
+        self.s1_bits, self.s2_bits = s1_bits, s2_bits
+        self.s1_vocab_size, self.s2_vocab_size = 2 ** s1_bits, 2 ** s2_bits
+        self.d_model, self.n_layers, self.n_heads = d_model, n_layers, n_heads
+
+        self.embedding = HierarchicalEmbedding(s1_bits, s2_bits, d_model)
+        self.time_emb = TemporalEmbedding(d_model, learn_te)
+        self.token_drop = nn.Dropout(token_dropout_p)
+        self.transformer = nn.ModuleList(
+            TransformerBlock(d_model, n_heads, ff_dim, ffn_dropout_p, attn_dropout_p, resid_dropout_p)
+            for _ in range(n_layers))
+        self.norm = RMSNorm(d_model)
+        self.dep_layer = DependencyAwareLayer(d_model)
+        self.head = DualHead(s1_bits, s2_bits, d_model)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        """Initialisation for training from scratch (xavier-normal Linear, N(0, d^-0.5) Embedding, RMSNorm ones)."""
+        if isinstance(module, nn.Linear):
+            nn.init.xavier_normal_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding) and module.weight.requires_grad:
+            nn.init.normal_(module.weight, mean=0.0, std=module.embedding_dim ** -0.5)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+
+    # ------------------------------------------------------------------ trunk
+    def trunk(self, s1_ids: torch.Tensor, s2_ids: torch.Tensor, stamp: torch.Tensor | None = None,
+              padding_mask: torch.Tensor | None = None, cache: KVCache | None = None,
+              start_pos: int = 0) -> torch.Tensor:
+        """Token ids (B, L) (+ stamps (B, L, 5)) -> normalised hidden states (B, L, d_model).
+
+        With `cache`, the ids are positions start_pos..start_pos+L-1 appended after the cached ones.
+        """
+        x = self.embedding((s1_ids, s2_ids))
+        if stamp is not None:
+            x = x + self.time_emb(stamp)
+        x = self.token_drop(x)
+        for i, layer in enumerate(self.transformer):
+            x = layer(x, padding_mask, cache, i, start_pos)
+        return self.norm(x)
+
+    def forward(self, s1_ids, s2_ids, stamp=None, padding_mask=None, use_teacher_forcing=False, s1_targets=None,
+                causal_dep: bool | None = None):
+        """(B, T) ids -> (s1_logits (B, T, 2^s1_bits), s2_logits (B, T, 2^s2_bits)).
+
+        s2 at position t is conditioned on the true next s1 (`use_teacher_forcing`, `s1_targets` (B, T)) or on an
+        s1 drawn from the model's own s1 distribution. `causal_dep=True` keeps the dependency layer causal in eval
+        mode too (needed for an honest validation loss); None follows the published rule (causal only in training).
+        """
+        x = self.trunk(s1_ids, s2_ids, stamp, padding_mask)
+        s1_logits = self.head(x)
+        if use_teacher_forcing:
+            if s1_targets is None:
+                raise ValueError("use_teacher_forcing=True needs s1_targets")
+            sibling_ids = s1_targets
+        else:
+            probs = F.softmax(s1_logits.detach().float(), dim=-1)
+            sibling_ids = torch.multinomial(probs.view(-1, self.s1_vocab_size), 1).view(s1_ids.shape)
+        x2 = self.dep_layer(x, self.embedding.emb_s1(sibling_ids), padding_mask, causal=causal_dep)
+        return s1_logits, self.head.cond_forward(x2)
+
+    def decode_s1(self, s1_ids, s2_ids, stamp=None, padding_mask=None):
+        """-> (s1_logits (B, T, V1), context = hidden states (B, T, d_model))."""
+        x = self.trunk(s1_ids, s2_ids, stamp, padding_mask)
+        return self.head(x), x
+
+    def decode_s2(self, context, s1_ids, padding_mask=None):
+        """context (B, T, d), s1_ids (B, Lq) -> s2 logits (B, T, V2) (Lq = 1 at inference)."""
+        x2 = self.dep_layer(context, self.embedding.emb_s1(s1_ids), padding_mask)
+        return self.head.cond_forward(x2)
+
+    def new_cache(self, batch: int, max_len: int, device, dtype=torch.float32) -> KVCache:
+        """Empty key/value cache for `batch` sequences of up to `max_len` tokens."""
+        return KVCache(self.n_layers, batch, self.n_heads, max_len, self.d_model // self.n_heads, device, dtype)

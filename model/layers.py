@@ -1,0 +1,195 @@
+"""Transformer building blocks shared by the Kronos tokenizer and predictor.
+
+Module and parameter names are the published checkpoints' state-dict keys; do not rename them.
+Attention modules optionally take a `KVCache` layer slot so the forecaster can generate one token at a time.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 and cast back (so bf16 autocast does not lose precision)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class FeedForward(nn.Module):
+    """SwiGLU feed-forward: w2(silu(w1 x) * w3 x), then dropout."""
+
+    def __init__(self, d_model: int, ff_dim: int, ffn_dropout_p: float = 0.0):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, ff_dim, bias=False)
+        self.w3 = nn.Linear(d_model, ff_dim, bias=False)
+        self.w2 = nn.Linear(ff_dim, d_model, bias=False)
+        self.ffn_dropout = nn.Dropout(ffn_dropout_p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ffn_dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[a, b] -> [-b, a] over the halves of the last dim."""
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class RotaryPositionalEmbedding(nn.Module):
+    """Rotary embedding. `inv_freq` is a persistent float32 buffer (it is in the published state dict)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+        self.register_buffer("inv_freq", inv_freq)
+
+    def cos_sin(self, length: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions offset..offset+length-1, each (1, 1, length, dim)."""
+        t = torch.arange(offset, offset + length, device=self.inv_freq.device, dtype=self.inv_freq.dtype)
+        freqs = torch.outer(t, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos()[None, None], emb.sin()[None, None]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q (B, H, Lq, Dh) and k (B, H, Lk, Dh) with the positions of the *query* (published rule)."""
+        cos, sin = self.cos_sin(q.shape[-2], offset)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class KVCache:
+    """Pre-allocated key/value buffers for incremental decoding.
+
+    `k[i]`, `v[i]` belong to attention layer i, each (B, H, max_len, Dh); `length` is how many positions are filled.
+    """
+
+    def __init__(self, n_layers: int, batch: int, n_heads: int, max_len: int, head_dim: int,
+                 device: torch.device | str, dtype: torch.dtype):
+        shape = (batch, n_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.max_len = max_len
+        self.length = 0
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, H, L_new, Dh) at positions start.. and return all filled keys/values (B, H, start+L_new, Dh)."""
+        end = start + k.shape[-2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache overflow: {end} positions > max_len {self.max_len}")
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+def _attention_mask(key_padding_mask: torch.Tensor | None, lq: int, lk: int, causal: bool,
+                    device: torch.device) -> torch.Tensor | None:
+    """Boolean mask (B or 1, 1, Lq, Lk), True = may attend; None when no masking is needed.
+
+    The causal rule is aligned to the *end* of the keys (query i sits at key position lk - lq + i), which is the
+    usual rule for a query chunk appended after cached keys and the plain lower triangle when lq == lk.
+    """
+    mask = None
+    if causal and lq > 1:
+        qpos = torch.arange(lk - lq, lk, device=device)[:, None]
+        mask = (torch.arange(lk, device=device)[None, :] <= qpos)[None, None]  # (1, 1, Lq, Lk)
+    if key_padding_mask is not None:
+        pad = key_padding_mask.to(torch.bool)[:, None, None, :]  # (B, 1, 1, Lk)
+        mask = pad if mask is None else (mask & pad)
+    return mask
+
+
+class _Attention(nn.Module):
+    """Shared projections and SDPA call of self- and cross-attention (names match the published keys)."""
+
+    def __init__(self, d_model: int, n_heads: int, attn_dropout_p: float = 0.0, resid_dropout_p: float = 0.0):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        self.d_model = d_model
+        self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.k_proj = nn.Linear(d_model, d_model)
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.rotary = RotaryPositionalEmbedding(self.head_dim)
+        self.attn_dropout_p = attn_dropout_p
+        self.resid_dropout = nn.Dropout(resid_dropout_p)
+
+    def split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        b, l, _ = x.shape  # (B, L, d) -> (B, H, L, Dh)
+        return x.view(b, l, self.n_heads, self.head_dim).transpose(1, 2)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               is_causal: bool) -> torch.Tensor:
+        """q (B, H, Lq, Dh), k/v (B, H, Lk, Dh) -> projected output (B, Lq, d)."""
+        dropout = self.attn_dropout_p if self.training else 0.0
+        if mask is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=is_causal)
+        b, _, lq, _ = out.shape
+        out = out.transpose(1, 2).reshape(b, lq, self.d_model)
+        return self.resid_dropout(self.out_proj(out))
+
+
+class MultiHeadAttentionWithRoPE(_Attention):
+    """Causal self-attention with rotary positions (causal in training and in eval)."""
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
+                cache: KVCache | None = None, layer_idx: int = 0, start_pos: int = 0) -> torch.Tensor:
+        """x (B, L, d) -> (B, L, d). With `cache`, x holds positions start_pos.. and attends to the cached past."""
+        q, k, v = self.split_heads(self.q_proj(x)), self.split_heads(self.k_proj(x)), self.split_heads(self.v_proj(x))
+        q, k = self.rotary(q, k, offset=start_pos)
+        if cache is not None:
+            k, v = cache.update(layer_idx, start_pos, k, v)
+        lq, lk = q.shape[-2], k.shape[-2]
+        if key_padding_mask is None and lq == lk:
+            return self.attend(q, k, v, None, is_causal=True)
+        return self.attend(q, k, v, _attention_mask(key_padding_mask, lq, lk, True, x.device), is_causal=False)
+
+
+class MultiHeadCrossAttentionWithRoPE(_Attention):
+    """Cross-attention of the dependency layer.
+
+    Published behaviour kept for checkpoint parity: rotary cos/sin come from the *query* length and are applied to
+    q and k; the attention is causal only in training mode. `causal=True/False` overrides the mode rule (a
+    validation loss must be causal, or position t would see the hidden states of later positions).
+    """
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                key_padding_mask: torch.Tensor | None = None, causal: bool | None = None) -> torch.Tensor:
+        """query (B, Lq, d), key/value (B, Lk, d) -> (B, Lq, d)."""
+        q, k, v = self.split_heads(self.q_proj(query)), self.split_heads(self.k_proj(key)), self.split_heads(self.v_proj(value))
+        q, k = self.rotary(q, k)
+        is_causal = self.training if causal is None else causal
+        lq, lk = q.shape[-2], k.shape[-2]
+        if key_padding_mask is None and (not is_causal or lq == lk):
+            return self.attend(q, k, v, None, is_causal=is_causal)
+        return self.attend(q, k, v, _attention_mask(key_padding_mask, lq, lk, is_causal, query.device), is_causal=False)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(norm1(x)), then x + ffn(norm2(x))."""
+
+    def __init__(self, d_model: int, n_heads: int, ff_dim: int = 1024, ffn_dropout_p: float = 0.0,
+                 attn_dropout_p: float = 0.0, resid_dropout_p: float = 0.0):
+        super().__init__()
+        self.norm1 = RMSNorm(d_model)
+        self.self_attn = MultiHeadAttentionWithRoPE(d_model, n_heads, attn_dropout_p, resid_dropout_p)
+        self.norm2 = RMSNorm(d_model)
+        self.ffn = FeedForward(d_model, ff_dim, ffn_dropout_p)
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
+                cache: KVCache | None = None, layer_idx: int = 0, start_pos: int = 0) -> torch.Tensor:
+        x = x + self.self_attn(self.norm1(x), key_padding_mask, cache, layer_idx, start_pos)
+        return x + self.ffn(self.norm2(x))
