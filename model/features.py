@@ -33,7 +33,7 @@ def check_increasing(timestamps: pd.DatetimeIndex, name: str = "timestamps") -> 
 def calc_time_stamps(timestamps) -> pd.DataFrame:
     """Calendar features (T, 5): minute, hour, weekday (Monday=0), day of month, month."""
     ts = to_datetime_index(timestamps)
-    return pd.DataFrame({"minute": ts.minute, "hour": ts.hour, "weekday": ts.weekday, "day": ts.day,
+    return pd.DataFrame({"minute": ts.minute, "hour": ts.hour, "weekday": ts.day_of_week, "day": ts.day,
                          "month": ts.month})
 
 

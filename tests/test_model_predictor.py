@@ -1,0 +1,182 @@
+"""Forecasting: cached generation equals full recompute, sampling options, returned shapes, bad input."""
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from model import Forecast, KronosPredictor, generate_tokens, sample_from_logits
+from tests.model_factory import tiny_models
+
+
+def candles(n, seed=0, start="2024-01-02 09:30", freq="5min"):
+    rng = np.random.default_rng(seed)
+    close = 100 * np.exp(np.cumsum(rng.normal(0, 0.01, n)))
+    open_ = np.r_[close[0], close[:-1]]
+    high = np.maximum(open_, close) * (1 + rng.uniform(0, 0.005, n))
+    low = np.minimum(open_, close) * (1 - rng.uniform(0, 0.005, n))
+    vol = rng.uniform(1e3, 5e3, n)
+    ts = pd.date_range(start, periods=n, freq=freq)
+    df = pd.DataFrame({"open": open_, "high": high, "low": low, "close": close, "volume": vol,
+                       "amount": vol * close})
+    return df, pd.Series(ts), pd.Series(pd.date_range(ts[-1] + pd.Timedelta(freq), periods=64, freq=freq))
+
+
+def predictors(max_context):
+    tok, pred = tiny_models(seed=1)
+    return (KronosPredictor(pred, tok, device="cpu", max_context=max_context, use_cache=True),
+            KronosPredictor(pred, tok, device="cpu", max_context=max_context, use_cache=False))
+
+
+@pytest.mark.parametrize("n_ctx, pred_len, max_context", [
+    (20, 10, 64),   # everything fits in the window
+    (20, 30, 32),   # the window starts sliding during the forecast
+    (32, 5, 32),    # the context fills the window exactly
+    (40, 8, 32),    # the context alone is longer than the window
+])
+def test_cache_equals_recompute_greedy(n_ctx, pred_len, max_context):
+    cached, plain = predictors(max_context)
+    df, x_ts, y_ts = candles(n_ctx)
+    a = cached.predict(df, x_ts, y_ts[:pred_len], pred_len, top_k=1, verbose=False)
+    b = plain.predict(df, x_ts, y_ts[:pred_len], pred_len, top_k=1, verbose=False)
+    np.testing.assert_allclose(a.to_numpy(), b.to_numpy(), rtol=1e-5, atol=1e-5)
+    assert list(a.columns) == ["open", "high", "low", "close", "volume", "amount"]
+    assert (a.index == pd.DatetimeIndex(y_ts[:pred_len])).all()
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_greedy_tokens_match_and_dropped_tokens_have_no_influence(use_cache):
+    _, pred = tiny_models(seed=2)
+    g = torch.Generator().manual_seed(0)
+    s1 = torch.randint(0, 16, (3, 40), generator=g)
+    s2 = torch.randint(0, 16, (3, 40), generator=g)
+    stamps = torch.randint(0, 7, (3, 52, 5), generator=g)
+    ref = generate_tokens(pred, s1, s2, stamps, 12, max_context=32, top_k=1, use_cache=False)
+    out = generate_tokens(pred, s1, s2, stamps, 12, max_context=32, top_k=1, use_cache=use_cache)
+    assert torch.equal(ref[0], out[0]) and torch.equal(ref[1], out[1])
+    # Tokens before the first window (positions < 40 - 32) never influence the forecast.
+    s1_mod, s2_mod = s1.clone(), s2.clone()
+    s1_mod[:, :8] = (s1_mod[:, :8] + 5) % 16
+    s2_mod[:, :8] = (s2_mod[:, :8] + 3) % 16
+    mod = generate_tokens(pred, s1_mod, s2_mod, stamps, 12, max_context=32, top_k=1, use_cache=use_cache)
+    assert torch.equal(mod[0][:, 40:], ref[0][:, 40:]) and torch.equal(mod[1][:, 40:], ref[1][:, 40:])
+
+
+def test_cached_greedy_tokens_equal_recompute_across_the_window_boundary():
+    _, pred = tiny_models(seed=4)
+    g = torch.Generator().manual_seed(1)
+    s1, s2 = torch.randint(0, 16, (4, 10), generator=g), torch.randint(0, 16, (4, 10), generator=g)
+    stamps = torch.randint(0, 7, (4, 40, 5), generator=g)
+    a = generate_tokens(pred, s1, s2, stamps, 30, max_context=24, top_k=1, use_cache=True)
+    b = generate_tokens(pred, s1, s2, stamps, 30, max_context=24, top_k=1, use_cache=False)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_sampling_filters():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
+    torch.manual_seed(0)
+    assert set(sample_from_logits(logits, top_k=2).unique().tolist()) == {0, 1}
+    # top-p keeps the first token past the threshold: 0.5 < 0.6, 0.8 > 0.6 -> {0, 1}
+    assert set(sample_from_logits(logits, top_k=0, top_p=0.6).unique().tolist()) == {0, 1}
+    assert set(sample_from_logits(logits, top_k=0, top_p=0.4).unique().tolist()) == {0}
+    assert set(sample_from_logits(logits, top_k=None, top_p=None).unique().tolist()) == {0, 1, 2, 3}
+    assert sample_from_logits(logits, top_k=1).unique().tolist() == [0]
+    # a low temperature sharpens towards the mode; a high one flattens
+    cold = (sample_from_logits(logits, temperature=0.2, top_k=None, top_p=None) == 0).float().mean()
+    hot = (sample_from_logits(logits, temperature=5.0, top_k=None, top_p=None) == 0).float().mean()
+    assert cold > 0.85 and hot < 0.4
+    with pytest.raises(ValueError, match="temperature"):
+        sample_from_logits(logits, temperature=0)
+
+
+def test_top_k_one_is_deterministic_and_top_k_none_works():
+    cached, _ = predictors(64)
+    df, x_ts, y_ts = candles(30)
+    a = cached.predict(df, x_ts, y_ts[:6], 6, top_k=1, verbose=False)
+    torch.manual_seed(123)
+    b = cached.predict(df, x_ts, y_ts[:6], 6, top_k=1, verbose=False)
+    pd.testing.assert_frame_equal(a, b)
+    c = cached.predict(df, x_ts, y_ts[:6], 6, top_k=None, top_p=None, sample_count=2, verbose=False)
+    assert c.shape == (6, 6) and np.isfinite(c.to_numpy()).all()
+
+
+def test_samples_and_quantiles():
+    cached, _ = predictors(64)
+    df, x_ts, y_ts = candles(30)
+    torch.manual_seed(0)
+    fc = cached.predict(df, x_ts, y_ts[:5], 5, T=1.5, top_p=1.0, sample_count=8, verbose=False,
+                        return_samples=True, quantiles=[0.1, 0.5, 0.9])
+    assert isinstance(fc, Forecast)
+    assert fc.samples.shape == (8, 5, 6)
+    np.testing.assert_allclose(fc.mean.to_numpy(), fc.samples.mean(axis=0), rtol=1e-6)
+    lo, mid, hi = (fc.quantiles[q].to_numpy() for q in (0.1, 0.5, 0.9))
+    assert (lo <= mid + 1e-9).all() and (mid <= hi + 1e-9).all()
+    assert (fc.samples.std(axis=0) > 0).any()  # the paths differ
+
+
+def test_predict_batch_matches_single_predictions_greedy():
+    cached, _ = predictors(64)
+    frames = [candles(25, seed=s) for s in range(3)]
+    batch = cached.predict_batch([f[0] for f in frames], [f[1] for f in frames], [f[2][:4] for f in frames], 4,
+                                 top_k=1, verbose=False)
+    for (df, x_ts, y_ts), out in zip(frames, batch):
+        single = cached.predict(df, x_ts, y_ts[:4], 4, top_k=1, verbose=False)
+        np.testing.assert_allclose(out.to_numpy(), single.to_numpy(), rtol=1e-5, atol=1e-4)
+
+
+def test_missing_volume_and_amount_are_filled():
+    cached, _ = predictors(64)
+    df, x_ts, y_ts = candles(20)
+    out = cached.predict(df[["open", "high", "low", "close"]], x_ts, y_ts[:3], 3, top_k=1, verbose=False)
+    assert np.allclose(out[["volume", "amount"]].to_numpy(), 0.0, atol=1e-3)
+
+
+def _bad(case):
+    df, x_ts, y_ts = candles(20)
+    y = y_ts[:3]
+    if case == "missing price column":
+        return (df.drop(columns="high"), x_ts, y, 3), "missing price columns"
+    if case == "nan":
+        df.loc[5, "close"] = np.nan
+        return (df, x_ts, y, 3), "NaN/inf"
+    if case == "inf":
+        df.loc[5, "volume"] = np.inf
+        return (df, x_ts, y, 3), "NaN/inf"
+    if case == "non-numeric":
+        df["open"] = df["open"].astype(str)
+        return (df, x_ts, y, 3), "non-numeric"
+    if case == "timestamps not datetimes":
+        return (df, x_ts.astype(str), y, 3), "must be datetimes"
+    if case == "timestamps not increasing":
+        return (df, x_ts.iloc[::-1].reset_index(drop=True), y, 3), "strictly increasing"
+    if case == "y_timestamp length":
+        return (df, x_ts, y_ts[:4], 3), "pred_len is 3"
+    if case == "pred_len < 1":
+        return (df, x_ts, y_ts[:0], 0), "pred_len must be"
+    if case == "empty frame":
+        return (df.iloc[:0], x_ts[:0], y, 3), "empty"
+    if case == "x_timestamp length":
+        return (df, x_ts[:10], y, 3), "x_timestamp has 10"
+    if case == "forecast before context":
+        return (df, x_ts, x_ts[-3:], 3), "must start after the context"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["missing price column", "nan", "inf", "non-numeric", "timestamps not datetimes",
+                                  "timestamps not increasing", "y_timestamp length", "pred_len < 1", "empty frame",
+                                  "x_timestamp length", "forecast before context"])
+def test_bad_input_is_a_clear_value_error(case):
+    cached, _ = predictors(64)
+    args, message = _bad(case)
+    with pytest.raises(ValueError, match=message):
+        cached.predict(*args, verbose=False)
+
+
+def test_predict_batch_rejects_mismatched_inputs():
+    cached, _ = predictors(64)
+    a, b = candles(20), candles(25, seed=1)
+    with pytest.raises(ValueError, match="equal length"):
+        cached.predict_batch([a[0], b[0]], [a[1], b[1]], [a[2][:3], b[2][:3]], 3, verbose=False)
+    with pytest.raises(ValueError, match="different lengths"):
+        cached.predict_batch([a[0], b[0]], [a[1]], [a[2][:3], b[2][:3]], 3, verbose=False)
+    with pytest.raises(ValueError, match="sample_count"):
+        cached.predict(a[0], a[1], a[2][:3], 3, sample_count=0, verbose=False)
