@@ -1,0 +1,281 @@
+"""Build a Qlib provider folder (daily bars) from per-symbol OHLCV(A) tables.
+
+Qlib's on-disk layout, as its `FileCalendarStorage` / `FileInstrumentStorage` / `FileFeatureStorage` read it:
+
+    calendars/day.txt                      one trading day per line, YYYY-MM-DD, ascending
+    instruments/all.txt                    SYMBOL<TAB>first day<TAB>last day, every symbol plus the benchmark
+    instruments/<universe>.txt             the same for the universe's stocks (not the benchmark)
+    features/<symbol lower>/<field>.day.bin
+        little-endian float32: [index of the symbol's first day in the calendar, then one value per calendar day
+        from that first day to its last day], NaN on days the symbol has no row (suspensions)
+
+Fields written: open, high, low, close, volume, amount, vwap (= amount / volume), factor (1.0: prices are taken as
+already adjusted) and change (close / previous available close - 1). The benchmark, unless a table for it is given,
+is an equal-weighted index of the universe starting at 1000 (see `equal_weight_index`).
+
+    frames = load_csv_folder("data/daily_csv")                 # {"SH600000": DataFrame, ...}
+    build_qlib_provider(frames, "data/qlib_cn", universe="csi300", benchmark="SH000300")
+
+The folder is assembled in a temporary sibling and renamed into place, so a failure leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+REQUIRED_COLUMNS = ("timestamps", "open", "high", "low", "close", "volume", "amount")
+PRICE_COLUMNS = ("open", "high", "low", "close")
+FIELDS = ("open", "high", "low", "close", "volume", "amount", "vwap", "factor", "change")
+INDEX_BASE = 1000.0
+_SYMBOL_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")  # a symbol becomes a folder name and an instruments-file entry
+
+
+def load_csv_folder(csv_dir: str | os.PathLike) -> dict[str, pd.DataFrame]:
+    """Read every `*.csv` in `csv_dir` as {SYMBOL (file stem, upper-cased): DataFrame}, columns as written.
+
+    Only checks the folder itself; `build_qlib_provider` validates the contents (all problems reported at once).
+    """
+    folder = Path(csv_dir)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"CSV folder {folder} does not exist (--csv-dir)")
+    paths = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() == ".csv")
+    if not paths:
+        raise ValueError(f"no *.csv files in {folder} (--csv-dir); expected one CSV per symbol, e.g. SH600000.csv")
+    frames: dict[str, pd.DataFrame] = {}
+    sources: dict[str, Path] = {}
+    problems = []
+    for path in paths:
+        symbol = path.stem.upper()
+        if symbol in frames:
+            problems.append(f"{path.name} and {sources[symbol].name} both give symbol {symbol}")
+            continue
+        try:
+            frames[symbol] = pd.read_csv(path)
+        except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
+            problems.append(f"{path.name}: cannot be read as CSV ({err})")
+        sources[symbol] = path
+    if problems:
+        raise ValueError(f"cannot load CSVs from {folder} (--csv-dir):\n  " + "\n  ".join(problems))
+    return frames
+
+
+def _rows(mask: np.ndarray, limit: int = 3) -> str:
+    """'rows 4, 9, 12 (+5 more)' for the True positions of `mask` (0-based data rows: CSV line = row + 2)."""
+    idx = np.flatnonzero(mask)
+    more = f" (+{len(idx) - limit} more)" if len(idx) > limit else ""
+    return "rows " + ", ".join(str(i) for i in idx[:limit]) + more
+
+
+def _one_date(value) -> pd.Timestamp:
+    """One timestamp in any format pandas knows; a time zone is dropped keeping the local wall time; NaT if not."""
+    try:
+        stamp = pd.Timestamp(value)
+    except (ValueError, TypeError):
+        return pd.NaT
+    return stamp.tz_localize(None) if stamp is not pd.NaT and stamp.tzinfo is not None else stamp
+
+
+def _parse_dates(raw: pd.Series) -> pd.Series:
+    """Timestamps (strings or datetimes) -> naive datetime64, NaT where unparseable; tz-aware keeps its local time."""
+    if pd.api.types.is_datetime64_any_dtype(raw):
+        stamps = raw
+    else:
+        try:  # fast path: one ISO format for the whole column
+            stamps = pd.to_datetime(raw, errors="coerce", format="ISO8601")
+        except ValueError:  # mixed time zones
+            stamps = None
+        if stamps is None or (stamps.isna() & raw.notna()).any():  # e.g. 2024/01/02: value by value, slower
+            stamps = pd.to_datetime(raw.map(_one_date))
+    if getattr(stamps.dt, "tz", None) is not None:
+        stamps = stamps.dt.tz_localize(None)
+    return stamps
+
+
+def _clean_daily_table(df: pd.DataFrame) -> tuple[pd.DataFrame | None, list[str]]:
+    """One symbol's table -> (clean copy or None, problems found): see `validate_daily_frames`."""
+    missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
+    if missing:
+        return None, [f"missing columns {missing} (need {list(REQUIRED_COLUMNS)})"]
+    if len(df) == 0:
+        return None, ["has no rows"]
+    df = df.reset_index(drop=True)
+    errs = []
+    stamps = _parse_dates(df["timestamps"])
+    if stamps.isna().any():
+        errs.append(f"unparseable timestamps at {_rows(stamps.isna().to_numpy())}, "
+                    f"e.g. {df['timestamps'][stamps.isna()].iloc[0]!r}")
+    else:
+        intraday = (stamps != stamps.dt.normalize()).to_numpy()
+        if intraday.any():
+            errs.append(f"intraday timestamps at {_rows(intraday)} (e.g. {stamps[intraday].iloc[0]}); "
+                        "a Qlib 'day' folder needs one row per day")
+        dup = stamps.duplicated(keep=False).to_numpy()
+        if dup.any():
+            errs.append(f"duplicate dates at {_rows(dup)} (e.g. {stamps[dup].iloc[0].date()})")
+    out = pd.DataFrame({"timestamps": stamps})
+    for col in REQUIRED_COLUMNS[1:]:
+        out[col] = pd.to_numeric(df[col], errors="coerce").astype("float64")
+        bad = (out[col].isna() & df[col].notna()).to_numpy()
+        if bad.any():
+            errs.append(f"column {col!r} has non-numeric values at {_rows(bad)}")
+    for col in PRICE_COLUMNS:
+        bad = (out[col] <= 0).to_numpy()
+        if bad.any():
+            errs.append(f"column {col!r} is <= 0 at {_rows(bad)}")
+    for col in ("volume", "amount"):
+        bad = (out[col] < 0).to_numpy()
+        if bad.any():
+            errs.append(f"column {col!r} is negative at {_rows(bad)}")
+    if errs:
+        return None, errs
+    return out.sort_values("timestamps", kind="stable").reset_index(drop=True), []
+
+
+def validate_daily_frames(frames: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+    """Check every table and return clean copies: `timestamps` daily datetime64, numeric columns float64, sorted.
+
+    Raises one ValueError listing every problem (missing columns, unparseable or intraday or duplicate timestamps,
+    non-numeric values, prices <= 0, negative volume or amount). Empty cells stay NaN: a missing value is written
+    as missing, never dropped. Row numbers in messages are 0-based data rows (CSV line = row + 2).
+    """
+    if not frames:
+        raise ValueError("no symbols to build a Qlib folder from (--csv-dir is empty or --synthetic 0)")
+    clean: dict[str, pd.DataFrame] = {}
+    problems: list[str] = []
+    for symbol, df in frames.items():
+        if not _SYMBOL_RE.match(symbol):
+            problems.append(f"{symbol}: symbol may only use letters, digits, '_', '.', '-' (rename the file)")
+        table, errs = _clean_daily_table(df)
+        problems += [f"{symbol}: {e}" for e in errs]
+        if table is not None:
+            clean[symbol] = table
+    if problems:
+        raise ValueError("invalid daily OHLCV input (fix the CSVs under --csv-dir):\n  " + "\n  ".join(problems))
+    return clean
+
+
+def qlib_fields(df: pd.DataFrame) -> pd.DataFrame:
+    """One symbol's clean table -> its Qlib fields (FIELDS columns), indexed by date."""
+    t = df.set_index("timestamps")[list(REQUIRED_COLUMNS[1:])]
+    volume = t["volume"].to_numpy()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t["vwap"] = np.where(volume > 0, t["amount"].to_numpy() / volume, np.nan)  # no trades -> no price
+    t["factor"] = 1.0
+    # Over a suspension the change is measured from the last close before it, as a price feed would report it.
+    t["change"] = t["close"] / t["close"].ffill().shift(1) - 1.0
+    return t[list(FIELDS)]
+
+
+def equal_weight_index(tables: dict[str, pd.DataFrame], base: float = INDEX_BASE) -> pd.DataFrame:
+    """Equal-weighted index of `tables` (each from `qlib_fields`), as Qlib fields indexed by date.
+
+    close_t = close_{t-1} * (1 + mean of the constituents' close-to-close returns on day t), starting at `base` on
+    the first day; open/high/low_t = close_t * mean of the constituents' open/high/low / close that day (so
+    high >= max(open, close) and low <= min(open, close) hold for the index too); volume and amount are sums;
+    vwap is the index's typical price (high + low + close) / 3.
+    """
+    def panel(field: str) -> pd.DataFrame:  # (n_days, n_symbols), NaN where a symbol has no row
+        return pd.DataFrame({s: t[field] for s, t in tables.items()}).sort_index()
+
+    close = panel("close")
+    daily_ret = (close / close.ffill().shift(1) - 1.0).mean(axis=1, skipna=True).fillna(0.0)
+    daily_ret.iloc[0] = 0.0
+    traded = close.notna().any(axis=1)
+    idx = pd.DataFrame(index=close.index[traded])
+    idx["close"] = base * (1.0 + daily_ret[traded]).cumprod()
+    for field in ("open", "high", "low"):
+        idx[field] = idx["close"] * (panel(field) / close).mean(axis=1, skipna=True)[traded]
+    idx["volume"] = panel("volume").sum(axis=1, min_count=1)[traded]
+    idx["amount"] = panel("amount").sum(axis=1, min_count=1)[traded]
+    idx["vwap"] = (idx["high"] + idx["low"] + idx["close"]) / 3.0
+    idx["factor"] = 1.0
+    idx["change"] = idx["close"] / idx["close"].shift(1) - 1.0
+    return idx[list(FIELDS)]
+
+
+def _check_names(universe: str, benchmark: str) -> None:
+    problems = []
+    if not _SYMBOL_RE.match(universe):
+        problems.append(f"universe={universe!r} must be a plain file name (--universe)")
+    elif universe.lower() == "all":
+        problems.append("universe='all' is reserved for instruments/all.txt, which also lists the benchmark; "
+                        "pick another name (--universe)")
+    if not _SYMBOL_RE.match(benchmark):
+        problems.append(f"benchmark={benchmark!r} must be a plain symbol like SH000300 (--benchmark)")
+    if problems:
+        raise ValueError("invalid Qlib folder settings:\n  " + "\n  ".join(problems))
+
+
+def _write_bin(path: Path, start_index: int, values: np.ndarray) -> None:
+    """Qlib feature file: little-endian float32 [start_index, values...]."""
+    np.concatenate([[float(start_index)], values]).astype("<f4").tofile(path)
+
+
+def _write_provider(root: Path, tables: dict[str, pd.DataFrame], universe: str, universe_symbols: list[str]) -> None:
+    """Write calendar, instruments and features for `tables` ({SYMBOL: qlib_fields table}) under `root`."""
+    calendar = pd.DatetimeIndex(sorted(set().union(*(t.index for t in tables.values()))))
+    (root / "calendars").mkdir(parents=True)
+    (root / "calendars" / "day.txt").write_text("".join(f"{d:%Y-%m-%d}\n" for d in calendar))
+
+    spans = {s: (t.index.min(), t.index.max()) for s, t in tables.items()}
+    (root / "instruments").mkdir()
+    for name, symbols in (("all", sorted(tables)), (universe.lower(), sorted(universe_symbols))):
+        lines = (f"{s}\t{spans[s][0]:%Y-%m-%d}\t{spans[s][1]:%Y-%m-%d}\n" for s in symbols)
+        (root / "instruments" / f"{name}.txt").write_text("".join(lines))
+
+    position = pd.Series(np.arange(len(calendar)), index=calendar)
+    for symbol, table in tables.items():
+        first, last = position[spans[symbol][0]], position[spans[symbol][1]]
+        aligned = table.reindex(calendar[first:last + 1])  # (n_days_listed, n_fields), NaN on missing days
+        folder = root / "features" / symbol.lower()
+        folder.mkdir(parents=True)
+        for field in FIELDS:
+            _write_bin(folder / f"{field}.day.bin", first, aligned[field].to_numpy(dtype=np.float64))
+
+
+def build_qlib_provider(frames: dict[str, pd.DataFrame], out_dir: str | os.PathLike, universe: str = "csi300",
+                        benchmark: str = "SH000300", overwrite: bool = False) -> Path:
+    """Write a Qlib 'day' provider folder for `frames` ({symbol: OHLCV(A) DataFrame}); returns its path.
+
+    Every symbol goes into instruments/<universe>.txt except `benchmark`: a table under that name is written as
+    given, otherwise the benchmark is the equal-weighted index of the universe. Symbols are upper-cased.
+    """
+    _check_names(universe, benchmark)
+    out = Path(out_dir)
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} already exists and is not empty; pass overwrite=True (--overwrite) to replace it")
+    upper = {s.upper(): s for s in frames}
+    if len(upper) != len(frames):
+        raise ValueError("symbols differ only by case: " + ", ".join(sorted(frames)))
+    clean = validate_daily_frames({s.upper(): df for s, df in frames.items()})
+
+    benchmark = benchmark.upper()
+    tables = {s: qlib_fields(df) for s, df in clean.items()}
+    universe_symbols = [s for s in tables if s != benchmark]
+    if not universe_symbols:
+        raise ValueError(f"the only table given is the benchmark {benchmark}; the universe would be empty")
+    if benchmark not in tables:
+        tables[benchmark] = equal_weight_index({s: tables[s] for s in universe_symbols})
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.building-"))
+    try:
+        _write_provider(staging, tables, universe, universe_symbols)
+        if out.exists():
+            trash = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
+            os.replace(out, trash / "old")
+            os.replace(staging, out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,191 @@
+"""Synthetic OHLCV markets: realistic enough to exercise the pipelines, deterministic by seed.
+
+Each series (symbol) is a log-price driven by GARCH(1,1) returns with occasional jumps, a per-series drift and
+volatility level, overnight gaps at the first bar of each day, a U-shaped intraday profile for both volatility and
+volume, and volume that rises with |return|. Intraday bars exist only inside the trading sessions of weekdays
+(09:30-11:30 and 13:00-15:00, bars labelled by their start time); daily bars fall on business days. Exchange holidays
+are not modelled.
+
+    frames = generate_ohlcv(n_series=8, n_bars=20_000, freq="5min", seed=0)   # {"SH600000": DataFrame, ...}
+    paths = write_csv_folder(frames, "data/synthetic_5min")                   # one <symbol>.csv per series
+
+Everything is vectorised over series; the only Python loop is the GARCH variance recursion over time.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+COLUMNS = ["timestamps", "open", "high", "low", "close", "volume", "amount"]
+SESSIONS = (("09:30", "11:30"), ("13:00", "15:00"))  # (start, end) of each trading session, end exclusive
+FREQ_MINUTES = {"1min": 1, "5min": 5, "15min": 15, "60min": 60, "1D": None}
+TRADING_DAYS_PER_YEAR = 252
+OVERNIGHT_VAR_SHARE = 0.2  # share of a day's return variance that happens between sessions (the gap)
+
+
+def session_offsets(freq: str) -> pd.TimedeltaIndex:
+    """Start times (offsets from midnight) of the bars of one trading day; `[0]` for daily bars."""
+    if freq not in FREQ_MINUTES:
+        raise ValueError(f"freq={freq!r} is not supported; choose one of {sorted(FREQ_MINUTES)}")
+    minutes = FREQ_MINUTES[freq]
+    if minutes is None:
+        return pd.TimedeltaIndex([pd.Timedelta(0)])
+    parts = []
+    for start, end in SESSIONS:
+        lo, hi = pd.Timedelta(f"{start}:00"), pd.Timedelta(f"{end}:00")
+        parts.append(pd.timedelta_range(lo, hi - pd.Timedelta(minutes=minutes), freq=f"{minutes}min"))
+    return parts[0].append(parts[1:])
+
+
+def trading_timestamps(freq: str, start: str, n_bars: int | None = None, end: str | None = None) -> pd.DatetimeIndex:
+    """Bar timestamps from `start` on weekdays only: the first `n_bars`, or every bar up to the day `end` inclusive."""
+    if (n_bars is None) == (end is None):
+        raise ValueError("give exactly one of n_bars (--n-bars) or end (--end)")
+    offsets = session_offsets(freq)
+    first_day = pd.Timestamp(start).normalize()
+    if n_bars is not None:
+        if n_bars < 1:
+            raise ValueError(f"n_bars={n_bars} must be >= 1 (--n-bars)")
+        n_days = -(-n_bars // len(offsets))  # ceil
+        days = pd.bdate_range(first_day, periods=n_days)
+    else:
+        days = pd.bdate_range(first_day, pd.Timestamp(end).normalize())
+        if len(days) == 0:
+            raise ValueError(f"no weekday between start={start} and end={end} (--start / --end)")
+    # (n_days, bars_per_day) grid of day + offset, flattened in time order.
+    grid = days.values[:, None] + offsets.values[None, :]
+    stamps = pd.DatetimeIndex(grid.ravel())
+    return stamps[:n_bars] if n_bars is not None else stamps
+
+
+def _intraday_profiles(offsets: pd.TimedeltaIndex) -> tuple[np.ndarray, np.ndarray]:
+    """(volatility, volume) multipliers per bar of the day, each with mean 1: U-shaped over the trading day."""
+    n = len(offsets)
+    if n == 1:
+        return np.ones(1), np.ones(1)
+    u = np.linspace(-1.0, 1.0, n)  # position in the trading day, open = -1, close = +1
+    vol = 0.7 + 0.9 * u**2
+    volume = 0.5 + 2.0 * u**2
+    # A small bump when the afternoon session opens after lunch, as seen on Asian exchanges.
+    afternoon = np.flatnonzero(offsets >= pd.Timedelta(f"{SESSIONS[1][0]}:00"))
+    if len(afternoon):
+        volume[afternoon[0]] *= 1.5
+    return vol / vol.mean(), volume / volume.mean()
+
+
+def _garch_innovations(z: np.ndarray, jumps: np.ndarray, alpha: np.ndarray, beta: np.ndarray,
+                       target_var: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GARCH(1,1): e_t = sqrt(h_t) z_t + jump_t, h_{t+1} = w + alpha e_t^2 + beta h_t. Inputs (T, S); returns (e, h)."""
+    omega = target_var * (1.0 - alpha - beta)  # (S,) so that the unconditional variance is target_var
+    e = np.empty_like(z)
+    h = np.empty_like(z)
+    h_t = target_var.copy()
+    for t in range(z.shape[0]):
+        h[t] = h_t
+        e_t = np.sqrt(h_t) * z[t] + jumps[t]
+        e[t] = e_t
+        # Cap the variance so a huge jump cannot blow up the series; 50x the target is already extreme.
+        h_t = np.minimum(omega + alpha * e_t * e_t + beta * h_t, 50.0 * target_var)
+    return e, h
+
+
+def generate_ohlcv(n_series: int = 8, n_bars: int | None = None, freq: str = "5min", start: str = "2024-01-02",
+                   seed: int = 0, end: str | None = None) -> dict[str, pd.DataFrame]:
+    """Synthetic OHLCV(A) series, identical for the same arguments.
+
+    Returns {symbol: DataFrame} with symbols SH600000, SH600001, ... and columns `timestamps` (datetime64),
+    open, high, low, close, volume, amount (float64), one row per bar. Give exactly one of `n_bars` or `end`.
+    """
+    if n_series < 1:
+        raise ValueError(f"n_series={n_series} must be >= 1 (--n-series)")
+    stamps = trading_timestamps(freq, start, n_bars=n_bars, end=end)
+    offsets = session_offsets(freq)
+    T, S, per_day = len(stamps), n_series, len(offsets)
+    rng = np.random.default_rng(seed)
+
+    # Per-series character, annualised then scaled to one bar (S,).
+    ann_vol = rng.uniform(0.15, 0.45, S)
+    ann_drift = rng.normal(0.05, 0.10, S)
+    day_var = ann_vol**2 / TRADING_DAYS_PER_YEAR
+    bar_var = (1.0 - OVERNIGHT_VAR_SHARE) * day_var / per_day
+    bar_drift = ann_drift / (TRADING_DAYS_PER_YEAR * per_day)
+    alpha = rng.uniform(0.05, 0.12, S)
+    beta = rng.uniform(0.95, 0.975, S) - alpha  # persistence alpha + beta in [0.95, 0.975)
+    price0 = np.exp(rng.uniform(np.log(5.0), np.log(200.0), S))
+    volume0 = np.exp(rng.uniform(np.log(2e5), np.log(5e6), S)) / per_day  # typical shares per bar
+
+    # Bar position in the day and day boundaries (T,).
+    bar_in_day = np.arange(T) % per_day
+    day_open = bar_in_day == 0
+    day_open[0] = False  # no gap before the first bar: it opens at price0
+    vol_profile, volume_profile = _intraday_profiles(offsets)
+
+    # Returns: GARCH innovations with rare jumps, times the U-shaped intraday volatility profile (T, S).
+    z = rng.standard_normal((T, S))
+    jump_prob = 3.0 / (TRADING_DAYS_PER_YEAR * per_day)  # about three jumps a year per series
+    jumps = (rng.random((T, S)) < jump_prob) * rng.normal(0.0, 6.0, (T, S)) * np.sqrt(bar_var)
+    e, h = _garch_innovations(z, jumps, alpha, beta, bar_var)
+    rel_vol = np.sqrt(h / bar_var)  # (T, S) current volatility regime, ~1 on average
+    ret = bar_drift + e * vol_profile[bar_in_day, None]  # (T, S) open-to-close log return of each bar
+    # Overnight gap, larger in turbulent regimes (T, S); zero except on the first bar of each day.
+    gap = day_open[:, None] * rng.standard_normal((T, S)) * np.sqrt(OVERNIGHT_VAR_SHARE * day_var) * rel_vol
+
+    log_close = np.log(price0) + np.cumsum(gap + ret, axis=0)
+    close = np.exp(log_close)
+    open_ = np.exp(log_close - ret)
+    # Wicks: half-normal excursions beyond the body, scaled by the bar's volatility.
+    bar_sd = np.sqrt(h) * vol_profile[bar_in_day, None]
+    high = np.maximum(open_, close) * np.exp(np.abs(rng.standard_normal((T, S))) * 0.6 * bar_sd)
+    low = np.minimum(open_, close) * np.exp(-np.abs(rng.standard_normal((T, S))) * 0.6 * bar_sd)
+
+    # Volume: intraday U-shape x volatility regime x surprise |z| x lognormal noise, whole shares (T, S).
+    surprise = np.abs(ret - bar_drift) / np.sqrt(bar_var) / vol_profile[bar_in_day, None]
+    noise = np.exp(rng.normal(-0.125, 0.5, (T, S)))
+    volume = np.round(volume0 * volume_profile[bar_in_day, None] * rel_vol**0.5 * (0.5 + 0.6 * surprise) * noise)
+    volume = np.maximum(volume, 0.0)
+    amount = volume * (high + low + close) / 3.0  # typical price
+
+    frames = {}
+    for s in range(S):
+        frames[f"SH{600000 + s:06d}"] = pd.DataFrame({
+            "timestamps": stamps, "open": open_[:, s], "high": high[:, s], "low": low[:, s],
+            "close": close[:, s], "volume": volume[:, s], "amount": amount[:, s],
+        })
+    return frames
+
+
+def _is_daily(stamps: pd.Series) -> bool:
+    return bool((stamps == stamps.dt.normalize()).all())
+
+
+def write_csv_folder(frames: dict[str, pd.DataFrame], out_dir: str | os.PathLike) -> list[Path]:
+    """Write one `<symbol>.csv` per frame (columns COLUMNS, ISO timestamps); returns the paths written, sorted.
+
+    Each file is written to a temporary name and renamed into place, so a failure leaves no half-written CSV.
+    """
+    problems = [f"{sym}: missing columns {sorted(set(COLUMNS) - set(df.columns))}"
+                for sym, df in frames.items() if not set(COLUMNS) <= set(df.columns)]
+    if problems:
+        raise ValueError("cannot write CSVs:\n  " + "\n  ".join(problems))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for symbol, df in sorted(frames.items()):
+        stamps = pd.to_datetime(df["timestamps"])
+        fmt = "%Y-%m-%d" if _is_daily(stamps) else "%Y-%m-%d %H:%M:%S"
+        path = out / f"{symbol}.csv"
+        fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{symbol}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", newline="") as fh:
+                df.assign(timestamps=stamps)[COLUMNS].to_csv(fh, index=False, date_format=fmt)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        paths.append(path)
+    return paths

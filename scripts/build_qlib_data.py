@@ -1,0 +1,58 @@
+"""Build a Qlib provider folder (daily bars) from per-symbol CSVs, or from synthetic daily data in one command.
+
+    python scripts/build_qlib_data.py --csv-dir data/daily_csv --out data/qlib_cn \
+        --universe csi300 --benchmark SH000300
+    python scripts/build_qlib_data.py --synthetic 20 --out data/qlib_demo  # demo store, 2018-01-02..2025-06-30
+
+CSV columns: timestamps, open, high, low, close, volume, amount; the symbol is the file stem, upper-cased.
+Read it back with `qlib.init(provider_uri=OUT, region="cn")`; see finetune/qlib_builder.py for the layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from finetune.qlib_builder import build_qlib_provider, load_csv_folder
+from finetune.synthetic import generate_ohlcv
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--csv-dir", help="folder of daily <SYMBOL>.csv files")
+    source.add_argument("--synthetic", type=int, metavar="N", help="generate N synthetic daily series instead")
+    p.add_argument("--out", required=True, help="provider folder to create")
+    p.add_argument("--universe", default="csi300", help="market name: instruments/<universe>.txt")
+    p.add_argument("--benchmark", default="SH000300",
+                   help="benchmark symbol; a CSV of that name is used as is, else an equal-weighted index is built")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    synth = p.add_argument_group("synthetic data (with --synthetic)")
+    synth.add_argument("--start", default="2018-01-02", help="first day")
+    synth.add_argument("--end", default="2025-06-30", help="last day")
+    synth.add_argument("--seed", type=int, default=0, help="same seed, same data")
+    args = p.parse_args(argv)
+    if args.synthetic is not None and args.synthetic < 1:
+        p.error("--synthetic N needs N >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        build(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as err:  # bad input: the message, not a traceback
+        raise SystemExit(f"error: {err}") from None
+
+
+def build(args: argparse.Namespace) -> None:
+    if args.csv_dir is not None:
+        frames = load_csv_folder(args.csv_dir)
+    else:
+        frames = generate_ohlcv(args.synthetic, freq="1D", start=args.start, end=args.end, seed=args.seed)
+    out = build_qlib_provider(frames, args.out, universe=args.universe, benchmark=args.benchmark,
+                              overwrite=args.overwrite)
+    print(f"built Qlib provider {out}: {len(frames)} symbols, universe {args.universe}, benchmark {args.benchmark}")
+
+
+if __name__ == "__main__":
+    main()
