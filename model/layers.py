@@ -133,7 +133,12 @@ class _Attention(nn.Module):
                is_causal: bool) -> torch.Tensor:
         """q (B, H, Lq, Dh), k/v (B, H, Lk, Dh) -> projected output (B, Lq, d)."""
         dropout = self.attn_dropout_p if self.training else 0.0
-        if mask is not None:
+        if q.shape[-2] == 1 and mask is None and dropout == 0.0:
+            # One query (a generation step): two small matmuls. The CPU flash kernel spends ~20x longer on this
+            # shape than the arithmetic needs, and it dominated the cost of a cached decoding step.
+            scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)  # (B, H, 1, Lk)
+            out = torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v    # (B, H, 1, Dh)
+        elif mask is not None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         else:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=is_causal)
