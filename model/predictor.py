@@ -121,9 +121,9 @@ class KronosPredictor:
         dev = self.device
         b, n, d = x.shape
         s = sample_count
-        rep = lambda a: torch.as_tensor(a, device=dev).repeat_interleave(s, dim=0)  # (B*S, ...)
-        x_t = torch.clip(rep(np.ascontiguousarray(x, dtype=np.float32)), -self.clip, self.clip)
-        stamps = torch.cat([rep(x_stamp), rep(y_stamp)], dim=1).long()  # (B*S, N + pred_len, 5)
+        rep = lambda a, dtype: torch.tensor(np.asarray(a), dtype=dtype, device=dev).repeat_interleave(s, dim=0)
+        x_t = torch.clip(rep(x, torch.float32), -self.clip, self.clip)  # (B*S, N, 6)
+        stamps = torch.cat([rep(x_stamp, torch.long), rep(y_stamp, torch.long)], dim=1)  # (B*S, N + pred_len, 5)
         s1_ctx, s2_ctx = self.tokenizer.encode(x_t, half=True)
         s1, s2 = generate_tokens(self.model, s1_ctx, s2_ctx, stamps, pred_len, self.max_context, T, top_k, top_p,
                                  use_cache=self.use_cache, verbose=verbose)

@@ -1,0 +1,454 @@
+"""Settings of the Qlib pipeline (preprocess -> tokenizer -> predictor -> backtest), one typed dataclass per section.
+
+Defaults mirror the original Kronos Qlib finetuning (CSI 300 daily bars, lookback 90, predict 10, tokenizer lr 2e-4,
+predictor lr 4e-5, 2000 x 50 training windows per epoch, top-50 / drop-5 backtest against SH000300). The one
+deliberate change: the original's validation and test ranges start three months before the previous range ends
+(to give the first window its lookback); here the ranges do not overlap and the preprocessing prepends exactly
+`lookback_window` bars to the validation and test splits instead, so no forecast target is ever seen in training.
+
+    cfg = load_qlib_config("configs/qlib_csi300.yaml", ["data.instrument=csi800", "backtest.benchmark=SH000906"])
+
+Every YAML key is a field below; `--set section.key=value` overrides it. `validate()` raises one ConfigError (a
+ValueError) listing every problem by its YAML key; the entry points add their file checks to the same error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import pandas as pd
+
+from finetune.utils.config_utils import Problems, load_config
+from finetune.utils.training_utils import TrainingConfig, validate_training_config
+
+__all__ = [
+    "DataConfig",
+    "ModelConfig",
+    "QlibTrainingConfig",
+    "StageConfig",
+    "TokenizerStageConfig",
+    "PredictorStageConfig",
+    "PathsConfig",
+    "InferenceConfig",
+    "BacktestConfig",
+    "QlibConfig",
+    "load_qlib_config",
+    "check_model_folder",
+    "FEATURE_LIST",
+    "TIME_FEATURE_LIST",
+    "SIGNALS",
+    "DEFAULT_BENCHMARKS",
+]
+
+# The Kronos models read exactly these columns, in this order (d_in = 6); vol/amt are Qlib's volume and amount.
+FEATURE_LIST = ["open", "high", "low", "close", "vol", "amt"]
+TIME_FEATURE_LIST = ["minute", "hour", "weekday", "day", "month"]
+# Signals from a forecast of `predict_window` closes: predicted return of the last / mean / max / min close
+# relative to the last observed close.
+SIGNALS = ("last", "mean", "max", "min")
+# Benchmark index of each Qlib CN universe (as in the original config).
+DEFAULT_BENCHMARKS = {"csi300": "SH000300", "csi500": "SH000905", "csi800": "SH000906", "csi1000": "SH000852"}
+
+
+@dataclass
+class DataConfig:
+    """Where the Qlib data is, which instruments and dates, and how windows are cut (`data:` in YAML)."""
+
+    qlib_data_path: str = "~/.qlib/qlib_data/cn_data"
+    """Qlib provider folder (holds calendars/, instruments/, features/)."""
+    region: Literal["cn", "us"] = "cn"
+    """Qlib region passed to qlib.init (trading rules such as the A-share price limits)."""
+    freq: str = "day"
+    """Qlib frequency of the bars: 'day' (calendars/day.txt) or e.g. '1min'."""
+    instrument: str = "csi300"
+    """Universe: the name of a file instruments/<name>.txt in the provider folder (csi300, csi500, all, ...)."""
+    dataset_begin_time: str | datetime.date = "2011-01-01"
+    """First date loaded; together with dataset_end_time it must contain the three ranges below."""
+    dataset_end_time: str | datetime.date = "2025-06-05"
+    """Last date loaded."""
+    train_time_range: list[str | datetime.date] = field(default_factory=lambda: ["2011-01-01", "2022-12-31"])
+    """[start, end] of the training split (inclusive dates); every bar of a training window lies inside it."""
+    val_time_range: list[str | datetime.date] = field(default_factory=lambda: ["2023-01-01", "2024-06-30"])
+    """[start, end] of the validation split; its windows also read the lookback_window bars before start."""
+    test_time_range: list[str | datetime.date] = field(default_factory=lambda: ["2024-07-01", "2025-06-05"])
+    """[start, end] of the test split: one forecast per instrument and trading day in it (the backtest period)."""
+    lookback_window: int = 90
+    """Bars of context per window (the normalisation statistics come from these only)."""
+    predict_window: int = 10
+    """Bars forecast after the context."""
+    max_context: int = 512
+    """Predictor context length (512 for Kronos-small/base); lookback + predict must fit in it."""
+    feature_list: list[str] = field(default_factory=lambda: list(FEATURE_LIST))
+    """Candle features in model order; fixed by the published models (kept here so the YAML shows them)."""
+    time_feature_list: list[str] = field(default_factory=lambda: list(TIME_FEATURE_LIST))
+    """Calendar features in model order; fixed by the published models."""
+    amount_source: Literal["ohlc_mean", "vwap"] = "ohlc_mean"
+    """amt = vol * mean(open, high, low, close) (the original's choice, and what the forecaster assumes when a
+    series has no amount) or vol * $vwap."""
+    clip: float = 5.0
+    """Normalised values are clipped to [-clip, clip]."""
+    dataset_path: str = "./data/processed_datasets"
+    """Folder for the preprocessed splits (train.npz, val.npz, test.npz, manifest.json)."""
+
+    def __post_init__(self) -> None:
+        # YAML reads an unquoted 2024-07-01 as a date: keep every date setting as an ISO string.
+        iso = lambda v: v.isoformat() if isinstance(v, datetime.date) else v
+        self.dataset_begin_time, self.dataset_end_time = iso(self.dataset_begin_time), iso(self.dataset_end_time)
+        for name in ("train_time_range", "val_time_range", "test_time_range"):
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)):
+                setattr(self, name, [iso(v) for v in value])
+
+
+@dataclass
+class ModelConfig:
+    """Which models to start from (`model:` in YAML)."""
+
+    pretrained_tokenizer_path: str | None = "NeoQuasar/Kronos-Tokenizer-base"
+    """Tokenizer to finetune: a local save_pretrained folder or a Hugging Face Hub id; null = from scratch."""
+    pretrained_predictor_path: str | None = "NeoQuasar/Kronos-small"
+    """Predictor to finetune: a local save_pretrained folder or a Hugging Face Hub id; null = from scratch."""
+    tokenizer_args: dict[str, Any] = field(default_factory=dict)
+    """KronosTokenizer constructor arguments (config.json keys) used when pretrained_tokenizer_path is null."""
+    predictor_args: dict[str, Any] = field(default_factory=dict)
+    """Kronos constructor arguments (config.json keys) used when pretrained_predictor_path is null."""
+
+
+@dataclass
+class QlibTrainingConfig(TrainingConfig):
+    """Loop settings shared by both stages (`training:`; TrainingConfig documents every field). Only the defaults
+    below differ from the engine's; per-stage values live in `tokenizer_training` / `predictor_training`."""
+
+    max_train_samples: int | None = 100_000
+    """Windows drawn per training epoch (original n_train_iter = 2000 * batch_size 50); null = all."""
+    max_val_samples: int | None = 20_000
+    """Windows drawn per validation (original n_val_iter = 400 * batch_size 50); null = all."""
+
+
+@dataclass
+class StageConfig:
+    """What one stage sets differently from `training:`; null = use the `training:` value."""
+
+    epochs: int | None = None
+    """Epochs of this stage; null = training.epochs."""
+    lr: float | None = None
+    """Peak learning rate of this stage; null = training.lr."""
+    batch_size: int | None = None
+    """Windows per micro-batch on each process; null = training.batch_size."""
+    clip_grad_norm: float | None = None
+    """Gradient-norm clip; null = training.clip_grad_norm, whose null means 2.0 (tokenizer) / 3.0 (predictor)."""
+
+
+@dataclass
+class TokenizerStageConfig(StageConfig):
+    """Tokenizer-stage overrides of `training:`."""
+
+    lr: float | None = 2e-4
+    """Peak learning rate of the tokenizer (original tokenizer_learning_rate 2e-4); null = training.lr."""
+
+
+@dataclass
+class PredictorStageConfig(StageConfig):
+    """Predictor-stage overrides of `training:`."""
+
+    lr: float | None = 4e-5
+    """Peak learning rate of the predictor (original predictor_learning_rate 4e-5); null = training.lr."""
+
+
+@dataclass
+class PathsConfig:
+    """Where the stages write (`paths:` in YAML); `{name}` refers to another field of this section."""
+
+    save_path: str = "./outputs/models"
+    """Base folder of the trained models."""
+    tokenizer_dir: str = "{save_path}/finetune_tokenizer"
+    """Tokenizer stage output: best_model/, checkpoints/last.pt, metrics.jsonl, loss_curve.png, run_info.json."""
+    predictor_dir: str = "{save_path}/finetune_predictor"
+    """Predictor stage output (same layout)."""
+    finetuned_tokenizer_path: str = "{tokenizer_dir}/best_model"
+    """Tokenizer the predictor stage and the backtest use (a save_pretrained folder)."""
+    finetuned_predictor_path: str = "{predictor_dir}/best_model"
+    """Predictor the backtest uses."""
+    backtest_result_path: str = "./outputs/backtest_results"
+    """Folder for signals.csv, ic.csv, backtest_report.json, backtest_returns.csv and cumulative_return.png."""
+
+
+@dataclass
+class InferenceConfig:
+    """How test windows are forecast (`inference:` in YAML); original defaults."""
+
+    T: float = 0.6
+    """Sampling temperature."""
+    top_p: float = 0.9
+    """Nucleus sampling threshold (1.0 = off)."""
+    top_k: int = 0
+    """Top-k sampling (0 = off; 1 = greedy)."""
+    sample_count: int = 5
+    """Sample paths averaged per forecast."""
+    batch_size: int = 1000
+    """Sequences per forward pass (windows x sample_count), as the original's backtest_batch_size."""
+    seed: int = 0
+    """Seed of the sampling, so a backtest can be reproduced."""
+
+
+@dataclass
+class BacktestConfig:
+    """Signals, IC and Qlib's TopkDropoutStrategy backtest (`backtest:` in YAML); original defaults."""
+
+    benchmark: str = ""
+    """Benchmark instrument; empty = the universe's index (csi300 -> SH000300, csi800 -> SH000906, ...)."""
+    signals: list[str] = field(default_factory=lambda: list(SIGNALS))
+    """Signals to evaluate and backtest, among last, mean, max, min."""
+    topk: int = 50
+    """Stocks held (original backtest_n_symbol_hold)."""
+    n_drop: int = 5
+    """Stocks swapped per day (original backtest_n_symbol_drop)."""
+    hold_thresh: int = 5
+    """Minimum days a stock is held before it may be sold."""
+    account: float = 100_000_000
+    """Initial cash."""
+    deal_price: Literal["open", "close", "vwap"] = "open"
+    """Price the orders fill at (orders are placed at the close of the signal day, filled the next day)."""
+    open_cost: float = 0.001
+    """Cost rate of buying."""
+    close_cost: float = 0.0015
+    """Cost rate of selling."""
+    min_cost: float = 5.0
+    """Minimum cost per order."""
+    limit_threshold: float | None = 0.095
+    """Daily price limit: no buying at limit-up / selling at limit-down (null = no limit)."""
+    ic_horizon: int = 1
+    """IC compares each signal with the realised return close[t + ic_horizon] / close[t] - 1."""
+
+
+@dataclass
+class QlibConfig:
+    """Every setting of the Qlib pipeline."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Qlib data, universe, date ranges, windows."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Pretrained or from-scratch models."""
+    training: QlibTrainingConfig = field(default_factory=QlibTrainingConfig)
+    """Training loop settings shared by both stages."""
+    tokenizer_training: TokenizerStageConfig = field(default_factory=TokenizerStageConfig)
+    """Tokenizer-stage overrides of training."""
+    predictor_training: PredictorStageConfig = field(default_factory=PredictorStageConfig)
+    """Predictor-stage overrides of training."""
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    """Output folders."""
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    """Sampling of the test forecasts."""
+    backtest: BacktestConfig = field(default_factory=BacktestConfig)
+    """Signals, IC and backtest."""
+
+    @property
+    def benchmark(self) -> str:
+        """The benchmark instrument actually used ('' when none is configured and the universe has no default)."""
+        return self.backtest.benchmark or DEFAULT_BENCHMARKS.get(self.data.instrument, "")
+
+    def problems(self) -> Problems:
+        """Every problem of the settings themselves (no file access), each named by its YAML key."""
+        p = Problems()
+        _check_data(self.data, p)
+        _check_model(self.model, p)
+        validate_training_config(self.training, p, "training")
+        for stage in ("tokenizer", "predictor"):
+            _check_stage(getattr(self, f"{stage}_training"), f"{stage}_training", p)
+        _check_inference(self.inference, p)
+        _check_backtest(self, p)
+        return p
+
+    def stage_training(self, stage: Literal["tokenizer", "predictor"]) -> TrainingConfig:
+        """`training` with the stage's non-null overrides applied: what the engine runs that stage with."""
+        overrides = {k: v for k, v in dataclasses.asdict(getattr(self, f"{stage}_training")).items() if v is not None}
+        return dataclasses.replace(self.training, **overrides)
+
+    def validate(self) -> None:
+        """Raise one ConfigError (a ValueError) listing every problem; nothing when the settings are consistent."""
+        self.problems().raise_if_any()
+
+
+def load_qlib_config(yaml_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> QlibConfig:
+    """QlibConfig from a YAML file and `key=value` overrides (types checked; call `validate()` for the rest)."""
+    return load_config(QlibConfig, yaml_path, overrides)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checks (pure: settings only)
+
+
+def parse_date(text: Any, key: str, problems: Problems) -> pd.Timestamp | None:
+    """pd.Timestamp of `text`, or None after recording a problem for `key`."""
+    try:
+        ts = pd.Timestamp(str(text))
+    except (ValueError, TypeError):
+        problems.add(key, f"{text!r} is not a date (use YYYY-MM-DD)")
+        return None
+    if ts is pd.NaT:
+        problems.add(key, f"{text!r} is not a date (use YYYY-MM-DD)")
+        return None
+    return ts
+
+
+def parse_range(value: Any, key: str, problems: Problems) -> tuple[pd.Timestamp, pd.Timestamp] | None:
+    """(start, end) of a `[start, end]` setting with start <= end, or None after recording the problem."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        problems.add(key, f"expected [start, end] dates, got {value!r}")
+        return None
+    start, end = parse_date(value[0], f"{key}[0]", problems), parse_date(value[1], f"{key}[1]", problems)
+    if start is None or end is None:
+        return None
+    if start > end:
+        problems.add(key, f"is empty: start {value[0]} is after end {value[1]}")
+        return None
+    return start, end
+
+
+def _check_data(d: DataConfig, p: Problems) -> None:
+    p.check(bool(str(d.qlib_data_path).strip()), "data.qlib_data_path", "is empty; set it to your Qlib data folder")
+    p.check(bool(d.instrument.strip()), "data.instrument", "is empty; name a universe such as csi300")
+    p.check(bool(d.freq.strip()), "data.freq", "is empty; use 'day' for daily bars")
+    p.check(d.lookback_window >= 2, "data.lookback_window", f"must be >= 2 (the std needs 2 bars), got {d.lookback_window}")
+    p.check(d.predict_window >= 1, "data.predict_window", f"must be >= 1, got {d.predict_window}")
+    p.check(
+        d.lookback_window + d.predict_window <= d.max_context,
+        "data.lookback_window",
+        f"lookback_window + predict_window = {d.lookback_window + d.predict_window} does not fit in "
+        f"data.max_context = {d.max_context}; shorten the windows",
+    )
+    p.check(d.clip > 0, "data.clip", f"must be > 0, got {d.clip}")
+    p.check(
+        list(d.feature_list) == FEATURE_LIST,
+        "data.feature_list",
+        f"the Kronos models read exactly {FEATURE_LIST} in this order, got {d.feature_list}",
+    )
+    p.check(
+        list(d.time_feature_list) == TIME_FEATURE_LIST,
+        "data.time_feature_list",
+        f"the Kronos models read exactly {TIME_FEATURE_LIST} in this order, got {d.time_feature_list}",
+    )
+    p.check(bool(str(d.dataset_path).strip()), "data.dataset_path", "is empty; name a folder for the splits")
+
+    begin = parse_date(d.dataset_begin_time, "data.dataset_begin_time", p)
+    end = parse_date(d.dataset_end_time, "data.dataset_end_time", p)
+    if begin is not None and end is not None and begin > end:
+        p.add("data.dataset_end_time", f"{d.dataset_end_time} is before dataset_begin_time {d.dataset_begin_time}")
+        begin = end = None
+    ranges = {name: parse_range(getattr(d, name), f"data.{name}", p) for name in ("train_time_range", "val_time_range", "test_time_range")}
+    for name, r in ranges.items():
+        if r is None or begin is None or end is None:
+            continue
+        if r[0] < begin or r[1] > end:
+            p.add(
+                f"data.{name}",
+                f"{[str(x.date()) for x in r]} is not inside dataset_begin_time..dataset_end_time "
+                f"({d.dataset_begin_time}..{d.dataset_end_time}); widen the dataset range or move this range",
+            )
+    order = list(ranges.items())
+    for i, (a_name, a) in enumerate(order):
+        for b_name, b in order[i + 1 :]:
+            if a is not None and b is not None and b[0] <= a[1]:
+                p.add(
+                    f"data.{b_name}",
+                    f"starts on {b[0].date()}, not after {a_name} ends ({a[1].date()}); the ranges must not overlap "
+                    "(the lookback bars before each range are added automatically)",
+                )
+
+
+def _check_model(m: ModelConfig, p: Problems) -> None:
+    from model import Kronos, KronosTokenizer
+    from model.hub import constructor_args
+
+    for kind, path, args, cls in (
+        ("tokenizer", m.pretrained_tokenizer_path, m.tokenizer_args, KronosTokenizer),
+        ("predictor", m.pretrained_predictor_path, m.predictor_args, Kronos),
+    ):
+        if path is not None:
+            p.check(bool(path.strip()), f"model.pretrained_{kind}_path", "is empty; give a folder or hub id, or null to train from scratch")
+            continue
+        names, required = constructor_args(cls)
+        unknown = sorted(set(args) - set(names))
+        missing = [k for k in required if k not in args and not (kind == "predictor" and k in ("s1_bits", "s2_bits"))]
+        p.check(not unknown, f"model.{kind}_args", f"unknown {cls.__name__} arguments {unknown} (known: {names})")
+        p.check(not missing, f"model.{kind}_args", f"missing {cls.__name__} arguments {missing} (needed when model.pretrained_{kind}_path is null)")
+    if m.pretrained_tokenizer_path is None and "d_in" in m.tokenizer_args:
+        p.check(
+            m.tokenizer_args["d_in"] == len(FEATURE_LIST),
+            "model.tokenizer_args.d_in",
+            f"must be {len(FEATURE_LIST)} (the features {FEATURE_LIST}), got {m.tokenizer_args['d_in']}",
+        )
+
+
+def _check_stage(st: StageConfig, prefix: str, p: Problems) -> None:
+    p.check(st.epochs is None or st.epochs >= 1, f"{prefix}.epochs", f"must be >= 1 or null, got {st.epochs}")
+    p.check(st.lr is None or st.lr > 0, f"{prefix}.lr", f"must be > 0 or null, got {st.lr}")
+    p.check(st.batch_size is None or st.batch_size >= 1, f"{prefix}.batch_size", f"must be >= 1 or null, got {st.batch_size}")
+    p.check(
+        st.clip_grad_norm is None or st.clip_grad_norm >= 0, f"{prefix}.clip_grad_norm", f"must be >= 0 or null, got {st.clip_grad_norm}"
+    )
+
+
+def _check_inference(i: InferenceConfig, p: Problems) -> None:
+    p.check(i.T > 0, "inference.T", f"must be > 0, got {i.T}")
+    p.check(0 < i.top_p <= 1, "inference.top_p", f"must be in (0, 1], got {i.top_p}")
+    p.check(i.top_k >= 0, "inference.top_k", f"must be >= 0 (0 = off), got {i.top_k}")
+    p.check(i.sample_count >= 1, "inference.sample_count", f"must be >= 1, got {i.sample_count}")
+    p.check(
+        i.batch_size >= i.sample_count,
+        "inference.batch_size",
+        f"must be >= inference.sample_count ({i.sample_count}): one window's samples share a batch, got {i.batch_size}",
+    )
+
+
+def _check_backtest(cfg: QlibConfig, p: Problems) -> None:
+    b = cfg.backtest
+    p.check(
+        bool(cfg.benchmark),
+        "backtest.benchmark",
+        f"no default benchmark for universe {cfg.data.instrument!r} (known: {DEFAULT_BENCHMARKS}); set it, e.g. SH000300",
+    )
+    unknown = [s for s in b.signals if s not in SIGNALS]
+    p.check(not unknown, "backtest.signals", f"unknown {unknown}; choose among {list(SIGNALS)}")
+    p.check(bool(b.signals), "backtest.signals", f"is empty; choose among {list(SIGNALS)}")
+    p.check(b.topk >= 1, "backtest.topk", f"must be >= 1, got {b.topk}")
+    p.check(0 <= b.n_drop <= b.topk, "backtest.n_drop", f"must be in [0, topk={b.topk}], got {b.n_drop}")
+    p.check(b.hold_thresh >= 1, "backtest.hold_thresh", f"must be >= 1, got {b.hold_thresh}")
+    p.check(b.account > 0, "backtest.account", f"must be > 0, got {b.account}")
+    for name in ("open_cost", "close_cost", "min_cost"):
+        p.check(getattr(b, name) >= 0, f"backtest.{name}", f"must be >= 0, got {getattr(b, name)}")
+    p.check(
+        b.limit_threshold is None or 0 < b.limit_threshold < 1,
+        "backtest.limit_threshold",
+        f"must be in (0, 1) or null, got {b.limit_threshold}",
+    )
+    p.check(
+        1 <= b.ic_horizon <= cfg.data.predict_window,
+        "backtest.ic_horizon",
+        f"must be in [1, data.predict_window={cfg.data.predict_window}], got {b.ic_horizon}",
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# file checks shared by the entry points (they add to the same Problems as the settings checks)
+
+
+def check_model_folder(path: str | None, key: str, problems: Problems, *, hub_ok: bool) -> None:
+    """Record a problem for `key` unless `path` is a model folder with config.json (or, with `hub_ok`, a bare
+    `owner/name` Hugging Face Hub id, resolved when the model is loaded)."""
+    if path is None:
+        return
+    local = Path(os.path.expanduser(path))
+    if local.is_dir():
+        problems.check((local / "config.json").is_file(), key, f"{local} has no config.json; expected a save_pretrained folder")
+        return
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not local.exists()
+    if hub_ok and looks_like_hub_id:
+        return
+    hint = " (train that stage first, or point the setting at a trained model folder)" if not hub_ok else ""
+    problems.add(key, f"{path} does not exist{hint}")

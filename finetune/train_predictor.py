@@ -1,0 +1,85 @@
+"""Finetune the Kronos predictor on tokens of the finetuned tokenizer (stage 2 of 2; run train_tokenizer.py first).
+
+    torchrun --standalone --nproc_per_node=N finetune/train_predictor.py --config configs/qlib_csi300.yaml
+    DIST_BACKEND=gloo torchrun --standalone --nproc_per_node=2 finetune/train_predictor.py --config configs/qlib_demo.yaml
+
+The tokenizer comes from paths.finetuned_tokenizer_path and stays frozen. Writes paths.predictor_dir: best_model/
+(the finetuned predictor plus tokenizer_config.json), checkpoints/last.pt, metrics.jsonl, loss_curve.png,
+run_info.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from finetune.config import QlibConfig, check_model_folder, load_qlib_config
+from finetune.dataset import build_train_val_datasets, check_processed
+from finetune.train_tokenizer import load_model
+from finetune.utils.config_utils import add_config_args, config_to_dict
+from finetune.utils.distributed import distributed_context, require_torchrun, seed_everything
+from finetune.utils.training_utils import train_predictor
+from model import Kronos, KronosTokenizer
+
+SCRIPT = "finetune/train_predictor.py"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_config_args(parser, default_config="configs/qlib_csi300.yaml")
+    return parser.parse_args(argv)
+
+
+def check_inputs(cfg: QlibConfig) -> None:
+    """Every settings and input-file problem of this stage, raised as one ConfigError before anything starts."""
+    problems = cfg.problems()
+    check_processed(cfg, ("train", "val"), problems)
+    check_model_folder(cfg.paths.finetuned_tokenizer_path, "paths.finetuned_tokenizer_path", problems, hub_ok=False)
+    check_model_folder(cfg.model.pretrained_predictor_path, "model.pretrained_predictor_path", problems, hub_ok=True)
+    problems.raise_if_any()
+
+
+def build_predictor(cfg: QlibConfig, tokenizer: KronosTokenizer) -> Kronos:
+    """The predictor to finetune: pretrained (folder or hub id), or fresh from model.predictor_args with the
+    tokenizer's sub-token sizes; its vocabularies must match the tokenizer's."""
+    path = cfg.model.pretrained_predictor_path
+    if path is None:
+        args = {"s1_bits": tokenizer.s1_bits, "s2_bits": tokenizer.s2_bits, **cfg.model.predictor_args}
+        predictor = Kronos(**args)
+    else:
+        predictor = load_model(Kronos, path, "model.pretrained_predictor_path")
+    if (predictor.s1_bits, predictor.s2_bits) != (tokenizer.s1_bits, tokenizer.s2_bits):
+        raise ValueError(
+            f"model.pretrained_predictor_path / model.predictor_args: the predictor has s1/s2 bits "
+            f"{predictor.s1_bits}/{predictor.s2_bits} but the tokenizer in paths.finetuned_tokenizer_path has "
+            f"{tokenizer.s1_bits}/{tokenizer.s2_bits}; use a matching pair"
+        )
+    return predictor
+
+
+def main(argv: list[str] | None = None) -> None:
+    # Rank 0 reports; the other ranks only warn (torchrun sets RANK before the process starts).
+    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING, format="%(message)s")
+    args = parse_args(argv)
+    require_torchrun(SCRIPT, f"--config {args.config}")
+    cfg = load_qlib_config(args.config, args.set)
+    check_inputs(cfg)
+    training = cfg.stage_training("predictor")
+
+    with distributed_context(training.dist_timeout_s) as dist:
+        seed_everything(training.seed, dist.rank)  # before building: from-scratch init and dropout
+        train_set, val_set, data_info = build_train_val_datasets(cfg)
+        tokenizer = load_model(KronosTokenizer, cfg.paths.finetuned_tokenizer_path, "paths.finetuned_tokenizer_path")
+        predictor = build_predictor(cfg, tokenizer)
+        result = train_predictor(
+            predictor, tokenizer, train_set, val_set, training, cfg.paths.predictor_dir, dist,
+            run_config=config_to_dict(cfg), data_info=data_info,
+        )
+        if dist.is_main:
+            print(f"[predictor] best val loss {result.best_val_loss:.4f} (epoch {result.best_epoch}); "
+                  f"finetuned predictor: {result.best_model_dir}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Finetune the Kronos tokenizer on the preprocessed Qlib splits (stage 1 of 2).
+
+    torchrun --standalone --nproc_per_node=N finetune/train_tokenizer.py --config configs/qlib_csi300.yaml
+    DIST_BACKEND=gloo torchrun --standalone --nproc_per_node=2 finetune/train_tokenizer.py --config configs/qlib_demo.yaml
+
+Writes paths.tokenizer_dir: best_model/ (the finetuned tokenizer, config.json + model.safetensors),
+checkpoints/last.pt (resumed automatically on a rerun), metrics.jsonl, loss_curve.png, run_info.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from finetune.config import QlibConfig, check_model_folder, load_qlib_config
+from finetune.dataset import build_train_val_datasets, check_processed
+from finetune.utils.config_utils import add_config_args, config_to_dict
+from finetune.utils.distributed import distributed_context, require_torchrun, seed_everything
+from finetune.utils.training_utils import train_tokenizer
+from model import KronosTokenizer
+
+SCRIPT = "finetune/train_tokenizer.py"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_config_args(parser, default_config="configs/qlib_csi300.yaml")
+    return parser.parse_args(argv)
+
+
+def check_inputs(cfg: QlibConfig) -> None:
+    """Every settings and input-file problem of this stage, raised as one ConfigError before anything starts."""
+    problems = cfg.problems()
+    check_processed(cfg, ("train", "val"), problems)
+    check_model_folder(cfg.model.pretrained_tokenizer_path, "model.pretrained_tokenizer_path", problems, hub_ok=True)
+    problems.raise_if_any()
+
+
+def build_tokenizer(cfg: QlibConfig) -> KronosTokenizer:
+    """The tokenizer to finetune: pretrained (folder or hub id), or fresh from model.tokenizer_args."""
+    path = cfg.model.pretrained_tokenizer_path
+    if path is None:
+        return KronosTokenizer(**cfg.model.tokenizer_args)
+    return load_model(KronosTokenizer, path, "model.pretrained_tokenizer_path")
+
+
+def load_model(cls: type, path: str, key: str):
+    """`cls.from_pretrained(path)`, with the setting to change named when it fails."""
+    try:
+        return cls.from_pretrained(path)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{key}: cannot load {cls.__name__} from {path!r}: {e}") from e
+
+
+def main(argv: list[str] | None = None) -> None:
+    # Rank 0 reports; the other ranks only warn (torchrun sets RANK before the process starts).
+    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING, format="%(message)s")
+    args = parse_args(argv)
+    require_torchrun(SCRIPT, f"--config {args.config}")
+    cfg = load_qlib_config(args.config, args.set)
+    check_inputs(cfg)
+    training = cfg.stage_training("tokenizer")
+
+    with distributed_context(training.dist_timeout_s) as dist:
+        seed_everything(training.seed, dist.rank)  # before building: from-scratch init and dropout
+        train_set, val_set, data_info = build_train_val_datasets(cfg)
+        tokenizer = build_tokenizer(cfg)
+        result = train_tokenizer(
+            tokenizer, train_set, val_set, training, cfg.paths.tokenizer_dir, dist,
+            run_config=config_to_dict(cfg), data_info=data_info,
+        )
+        if dist.is_main:
+            print(f"[tokenizer] best val loss {result.best_val_loss:.4f} (epoch {result.best_epoch}); "
+                  f"finetuned tokenizer: {result.best_model_dir}")
+
+
+if __name__ == "__main__":
+    main()
