@@ -1,0 +1,195 @@
+"""One code path for a single process and for `torchrun` (N processes), plus per-process seeding.
+
+    with distributed_context(timeout_s=1800) as dist:     # reads RANK / WORLD_SIZE / LOCAL_RANK set by torchrun
+        seed_everything(cfg.seed, dist.rank)               # seed + rank
+        ...                                                # train; side effects only `if dist.is_main`
+
+Without torchrun there is no process group (a world of 1) and the collective helpers below are no-ops, so the
+training loop never branches on "distributed or not". With torchrun the group is created with a timeout and
+destroyed in exactly one place, the `finally` of `distributed_context`, on success and on failure.
+The backend comes from the environment variable DIST_BACKEND (default: nccl with CUDA, else gloo).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import random
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as tdist
+
+__all__ = [
+    "DistInfo",
+    "distributed_context",
+    "launched_by_torchrun",
+    "require_torchrun",
+    "resolve_backend",
+    "barrier",
+    "all_reduce_sum",
+    "broadcast_object",
+    "is_main",
+    "get_rank",
+    "get_world_size",
+    "seed_everything",
+]
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    """Global rank, 0..world_size-1."""
+    world_size: int
+    """Number of processes in the job (1 without torchrun)."""
+    local_rank: int
+    """Rank on this machine; picks the GPU (cuda:local_rank)."""
+    device: torch.device
+    """Device this process trains on."""
+    backend: str | None = None
+    """Process-group backend ('nccl' / 'gloo'), None when no group was created."""
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the only process that creates folders and writes logs, checkpoints and plots."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """True when there is more than one process (models are then wrapped in DDP)."""
+        return self.world_size > 1
+
+
+def launched_by_torchrun(env: Mapping[str, str] | None = None) -> bool:
+    """True when the process was started by torchrun (RANK and WORLD_SIZE are set)."""
+    env = os.environ if env is None else env
+    return "RANK" in env and "WORLD_SIZE" in env
+
+
+def require_torchrun(script: str | None = None, extra_args: str = "--config <your.yaml>") -> None:
+    """Raise a RuntimeError showing the torchrun command unless this process was started by torchrun."""
+    if launched_by_torchrun():
+        return
+    script = script or (sys.argv[0] if sys.argv and sys.argv[0] else "<script.py>")
+    raise RuntimeError(
+        "this trainer must be launched with torchrun (it trains with DistributedDataParallel), e.g.\n"
+        f"  torchrun --standalone --nproc_per_node=1 {script} {extra_args}\n"
+        "Use --nproc_per_node=<number of GPUs>; on a machine without GPUs add DIST_BACKEND=gloo in front."
+    )
+
+
+def resolve_backend(requested: str | None, cuda_available: bool) -> str:
+    """The process-group backend: `requested` (from DIST_BACKEND) or nccl with CUDA / gloo without.
+
+    Raises ValueError when nccl is asked for on a machine without CUDA (nccl only runs on GPUs).
+    """
+    backend = (requested or "").strip().lower() or ("nccl" if cuda_available else "gloo")
+    if backend not in ("nccl", "gloo", "mpi", "ucc"):
+        raise ValueError(f"DIST_BACKEND={requested!r} is not a torch.distributed backend; use nccl or gloo")
+    if backend == "nccl" and not cuda_available:
+        raise ValueError(
+            "DIST_BACKEND=nccl needs CUDA GPUs, but torch.cuda.is_available() is False on this machine; "
+            "set DIST_BACKEND=gloo to train on CPU"
+        )
+    return backend
+
+
+@contextlib.contextmanager
+def distributed_context(timeout_s: float = 1800.0, backend: str | None = None) -> Iterator[DistInfo]:
+    """Set up this process (process group if launched by torchrun, device) and tear it down on exit.
+
+    Args:
+        timeout_s: how long a collective may wait for the other ranks before the job fails instead of hanging.
+        backend: overrides DIST_BACKEND (None: read the environment).
+    Yields a `DistInfo`. The process group is destroyed here, and only here, whether the body succeeds or raises.
+    """
+    cuda = torch.cuda.is_available()
+    if not launched_by_torchrun():
+        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        yield DistInfo(rank=0, world_size=1, local_rank=0, device=device, backend=None)
+        return
+
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    chosen = resolve_backend(backend if backend is not None else os.environ.get("DIST_BACKEND"), cuda)
+    if cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible; "
+                "lower torchrun's --nproc_per_node"
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    tdist.init_process_group(
+        backend=chosen,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        yield DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=chosen)
+    finally:
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+
+
+def _active() -> bool:
+    return tdist.is_available() and tdist.is_initialized()
+
+
+def get_rank() -> int:
+    """Global rank (0 without a process group)."""
+    return tdist.get_rank() if _active() else 0
+
+
+def get_world_size() -> int:
+    """Number of processes (1 without a process group)."""
+    return tdist.get_world_size() if _active() else 1
+
+
+def is_main() -> bool:
+    """True on rank 0 (and in a single process)."""
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op in a single process); used before ranks read what rank 0 wrote."""
+    if _active() and tdist.get_world_size() > 1:
+        if tdist.get_backend() == "nccl":
+            tdist.barrier(device_ids=[torch.cuda.current_device()])
+        else:
+            tdist.barrier()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` over all ranks in place and return it (unchanged in a single process)."""
+    if _active() and tdist.get_world_size() > 1:
+        tdist.all_reduce(tensor, op=tdist.ReduceOp.SUM)
+    return tensor
+
+
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """Return rank `src`'s `obj` on every rank (identity in a single process)."""
+    if not (_active() and tdist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    tdist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def seed_everything(seed: int, rank: int = 0) -> int:
+    """Seed python, numpy and torch (all devices) with `seed + rank`; returns the seed used."""
+    s = int(seed) + int(rank)
+    random.seed(s)
+    np.random.seed(s % 2**32)
+    torch.manual_seed(s)
+    return s

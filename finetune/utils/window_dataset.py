@@ -1,0 +1,274 @@
+"""The one sliding-window dataset both pipelines train on, and the epoch-aware distributed sampler that feeds it.
+
+`WindowDataset` holds every series once, as two contiguous arrays (features float32 (N, F), stamps int64 (N, 5)),
+and maps a sample index to (series, start) with a cumulative count and `np.searchsorted`; a window never crosses
+two series. An item is `(x, x_stamp)`: `x` float32 (lookback + predict, F) normalised with the mean and population
+std of its LOOKBACK rows only, `(x - mean) / (std + 1e-5)` clipped to [-clip, clip] (the future part must not leak
+into the statistics), and `x_stamp` int64 (lookback + predict, 5).
+
+`__getitem__` has no randomness: which windows are used, in which order, is decided by `EpochSampler`, a pure
+function of (seed, epoch, rank), so a resumed run can skip exactly the batches already done.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+__all__ = ["SeriesArrays", "WindowDataset", "EpochSampler", "make_loader", "seed_worker", "epoch_generator"]
+
+N_STAMP_COLUMNS = 5  # minute, hour, weekday, day of month, month
+
+
+@dataclass(frozen=True)
+class SeriesArrays:
+    """One series, already converted to arrays by the pipeline (built once, never per sample)."""
+
+    features: np.ndarray
+    """float32 (N, F): open, high, low, close, volume, amount."""
+    stamps: np.ndarray
+    """int64 (N, 5): minute, hour, weekday, day of month, month."""
+    name: str = ""
+    """Symbol or file name, used in messages."""
+
+
+class WindowDataset(Dataset):
+    """All windows of length `lookback + predict` (every `stride` rows) inside each series.
+
+    Args:
+        series: `SeriesArrays` or `(features, stamps)` pairs; arrays are copied once into one contiguous block.
+        lookback: rows of context; the normalisation statistics come from these rows only.
+        predict: rows after the context that the window also contains.
+        stride: distance between consecutive window starts (1 = every row).
+        clip: normalised values are clipped to [-clip, clip].
+    Series shorter than a window give no windows; they are listed in `short_series` (name, rows) so the pipeline
+    can report them. A dataset with no window at all raises ValueError.
+    """
+
+    def __init__(
+        self,
+        series: Sequence[SeriesArrays | tuple[np.ndarray, np.ndarray]],
+        lookback: int,
+        predict: int,
+        *,
+        stride: int = 1,
+        clip: float = 5.0,
+    ):
+        if lookback < 1 or predict < 0 or stride < 1:
+            raise ValueError(f"need lookback >= 1, predict >= 0, stride >= 1; got {lookback}, {predict}, {stride}")
+        self.lookback = int(lookback)
+        self.predict = int(predict)
+        self.window = self.lookback + self.predict
+        self.stride = int(stride)
+        self.clip = float(clip)
+
+        items = [s if isinstance(s, SeriesArrays) else SeriesArrays(s[0], s[1], f"series {i}") for i, s in enumerate(series)]
+        if not items:
+            raise ValueError("WindowDataset got no series")
+        n_features = items[0].features.shape[1] if items[0].features.ndim == 2 else -1
+        for i, s in enumerate(items):
+            name = s.name or f"series {i}"
+            if s.features.ndim != 2 or s.features.shape[1] != n_features:
+                raise ValueError(f"{name}: features must be (N, {n_features}), got {s.features.shape}")
+            if s.stamps.shape != (s.features.shape[0], N_STAMP_COLUMNS):
+                raise ValueError(f"{name}: stamps must be ({s.features.shape[0]}, 5), got {s.stamps.shape}")
+        self.names = [s.name or f"series {i}" for i, s in enumerate(items)]
+        lengths = np.array([len(s.features) for s in items], dtype=np.int64)
+        # One contiguous block per array: cheap to share with forked DataLoader workers (copy-on-write).
+        self.features = np.ascontiguousarray(np.concatenate([s.features for s in items]), dtype=np.float32)  # (sum N, F)
+        self.stamps = np.ascontiguousarray(np.concatenate([s.stamps for s in items]), dtype=np.int64)  # (sum N, 5)
+        self.row_offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)  # first row of each series
+        counts = np.where(lengths >= self.window, (lengths - self.window) // self.stride + 1, 0)
+        self.windows_per_series = counts.astype(np.int64)
+        self.cum_windows = np.cumsum(self.windows_per_series)  # cum_windows[s] = windows in series 0..s
+        self.short_series = [(self.names[i], int(lengths[i])) for i in np.flatnonzero(counts == 0)]
+        if self.cum_windows[-1] == 0:
+            raise ValueError(
+                f"no series has enough rows for one window of lookback + predict = {self.window} rows "
+                f"(longest series: {int(lengths.max())} rows); lower the lookback/predict window or add data"
+            )
+        self._arange = np.arange(self.window, dtype=np.int64)
+
+    @property
+    def n_features(self) -> int:
+        return int(self.features.shape[1])
+
+    def __len__(self) -> int:
+        return int(self.cum_windows[-1])
+
+    def locate(self, index: int | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Sample index (or array of indices) -> (series index, first row of the window within that series)."""
+        idx = np.asarray(index, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"window index out of range [0, {len(self)})")
+        series = np.searchsorted(self.cum_windows, idx, side="right")
+        before = np.where(series > 0, self.cum_windows[np.maximum(series - 1, 0)], 0)
+        return series, (idx - before) * self.stride
+
+    def _rows(self, indices: np.ndarray) -> np.ndarray:
+        series, start = self.locate(indices)
+        return (self.row_offsets[series] + start)[:, None] + self._arange  # (B, W) global row numbers
+
+    def _normalise(self, x: np.ndarray) -> np.ndarray:
+        """x (B, W, F) float32 -> normalised with the lookback rows' statistics, clipped."""
+        past = x[:, : self.lookback]
+        mean = past.mean(axis=1, keepdims=True)  # (B, 1, F)
+        std = past.std(axis=1, keepdims=True)  # population std (ddof=0), as at inference
+        x = (x - mean) / (std + 1e-5)
+        return np.clip(x, -self.clip, self.clip, out=x)
+
+    def get_batch(self, indices: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Windows `indices` as one batch, vectorised: x (B, W, F) float32, x_stamp (B, W, 5) int64."""
+        rows = self._rows(np.asarray(indices, dtype=np.int64))
+        x = self._normalise(self.features[rows])
+        return torch.from_numpy(x), torch.from_numpy(self.stamps[rows])
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, stamp = self.get_batch([int(index)])
+        return x[0], stamp[0]
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # DataLoader's batched fetch: one vectorised gather for the whole batch instead of B python calls.
+        x, stamp = self.get_batch(indices)
+        return list(zip(x.unbind(0), stamp.unbind(0)))
+
+
+class EpochSampler(Sampler[int]):
+    """Which windows this rank reads in an epoch: a pure function of (seed, epoch, rank), so runs are reproducible.
+
+    Per epoch: (a) all windows are permuted with a generator seeded by (seed, epoch) (or kept in order when
+    `shuffle=False`); (b) when `max_samples` is set and smaller than the dataset, the first `max_samples` of that
+    permutation are used: a fresh seeded subset every epoch (Qlib's n_train_iter / n_val_iter); (c) the chosen
+    windows are dealt round-robin to the ranks (`chosen[rank::world_size]`), so every chosen window is read exactly
+    once across ranks (and across DataLoader workers, which split this rank's batches).
+
+    Remainder policy: with `drop_remainder=True` (training) the last `len(chosen) % world_size` windows of the
+    epoch's order are dropped so that every rank does the same number of steps (DDP requires it; a different
+    handful is dropped each shuffled epoch). With `drop_remainder=False` (validation) nothing is dropped or
+    duplicated; ranks then differ by at most one window, and the loss is summed and counted exactly.
+
+    `set_epoch(epoch, skip=k)` starts the epoch after this rank's first k windows (mid-epoch resume).
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        max_samples: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_remainder: bool = True,
+    ):
+        if num_samples < 1:
+            raise ValueError("EpochSampler needs at least one sample")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        if max_samples is not None and max_samples < 1:
+            raise ValueError(f"max_samples must be >= 1 or None, got {max_samples}")
+        self.num_samples = int(num_samples)
+        self.shuffle = shuffle
+        self.seed = int(seed)
+        self.max_samples = max_samples
+        self.rank = rank
+        self.world_size = world_size
+        self.drop_remainder = drop_remainder
+        self.epoch = 0
+        self.skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """Select the epoch (changes the order/subset) and how many of this rank's windows to skip (resume)."""
+        self.epoch = int(epoch)
+        self.skip = int(skip)
+
+    def epoch_indices(self, epoch: int | None = None) -> np.ndarray:
+        """The windows chosen for `epoch` (all ranks), in the order they are dealt out."""
+        epoch = self.epoch if epoch is None else epoch
+        n = self.num_samples
+        m = n if self.max_samples is None else min(self.max_samples, n)
+        if self.shuffle or m < n:
+            rng = np.random.default_rng([self.seed, epoch])
+            chosen = rng.permutation(n)[:m]
+            if not self.shuffle:
+                chosen = np.sort(chosen)
+        else:
+            chosen = np.arange(n)
+        if self.drop_remainder:
+            chosen = chosen[: len(chosen) - len(chosen) % self.world_size]
+        return chosen
+
+    def rank_indices(self, epoch: int | None = None) -> np.ndarray:
+        """This rank's windows for `epoch`, before skipping."""
+        return self.epoch_indices(epoch)[self.rank :: self.world_size]
+
+    def samples_per_rank(self) -> int:
+        """Windows this rank reads in a full epoch (equal on all ranks when drop_remainder=True)."""
+        m = self.num_samples if self.max_samples is None else min(self.max_samples, self.num_samples)
+        if self.drop_remainder:
+            return m // self.world_size
+        return len(range(self.rank, m, self.world_size))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.rank_indices()[self.skip :].tolist())
+
+    def __len__(self) -> int:
+        return max(0, self.samples_per_rank() - self.skip)
+
+
+def epoch_generator(seed: int, epoch: int, rank: int = 0) -> torch.Generator:
+    """A torch.Generator seeded from (seed, epoch, rank); DataLoader draws its workers' base seed from it."""
+    mixed = np.random.SeedSequence([int(seed), int(epoch), int(rank)]).generate_state(1, dtype=np.uint64)[0]
+    g = torch.Generator()
+    g.manual_seed(int(mixed) & 0x7FFF_FFFF_FFFF_FFFF)
+    return g
+
+
+def seed_worker(worker_id: int) -> None:
+    """DataLoader worker_init_fn: seed numpy and python from the worker's torch seed (base seed + worker id)."""
+    s = torch.initial_seed() % 2**32
+    np.random.seed(s)
+    random.seed(s)
+
+
+def make_loader(
+    dataset: Dataset,
+    sampler: EpochSampler,
+    batch_size: int,
+    *,
+    epoch: int,
+    seed: int,
+    skip_batches: int = 0,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    prefetch_factor: int | None = None,
+) -> DataLoader:
+    """The DataLoader for one epoch: `sampler.set_epoch(epoch, skip_batches * batch_size)`, batches of
+    `batch_size` (last one may be smaller), every worker seeded reproducibly from (seed, epoch, rank, worker id)."""
+    sampler.set_epoch(epoch, skip=skip_batches * batch_size)
+    kwargs = {}
+    if num_workers > 0:
+        kwargs["worker_init_fn"] = seed_worker
+        if prefetch_factor is not None:
+            kwargs["prefetch_factor"] = prefetch_factor
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        drop_last=False,
+        generator=epoch_generator(seed, epoch, sampler.rank),
+        **kwargs,
+    )
+
+
+def batches_per_epoch(samples: int, batch_size: int) -> int:
+    """Number of (possibly partial) batches for `samples` windows."""
+    return math.ceil(samples / batch_size) if samples > 0 else 0

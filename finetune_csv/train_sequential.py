@@ -1,0 +1,126 @@
+"""Finetune Kronos on your own CSV candles: the tokenizer first, then the predictor on the finetuned tokenizer's tokens.
+
+    python finetune_csv/train_sequential.py --config configs/csv_demo.yaml [--set training.epochs=3 ...]
+    DIST_BACKEND=nccl torchrun --standalone --nproc_per_node=8 finetune_csv/train_sequential.py --config ...
+
+The same command runs on one GPU/CPU or, under torchrun, with DistributedDataParallel (DIST_BACKEND: nccl on
+GPUs, gloo on CPU). Everything is checked (settings, every CSV, the starting models) before anything is written.
+Outputs under paths.base_dir: tokenizer/ and basemodel/, each with best_model/ (published format),
+checkpoints/last.pt, metrics.jsonl, loss_curve.png and run_info.json (see finetune/utils/training_utils.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from finetune.utils.config_utils import add_config_args, config_to_dict
+from finetune.utils.distributed import DistInfo, distributed_context, seed_everything
+from finetune.utils.training_utils import TrainResult, train_predictor, train_tokenizer
+from finetune_csv import config as csv_config
+from finetune_csv.config import CsvFinetuneConfig
+from finetune_csv.data import data_summary, load_series, split_series
+from finetune_csv.dataset import build_dataset
+from finetune_csv.models import best_dir, build_predictor, build_tokenizer, predictor_tokenizer_source
+from model import KronosTokenizer
+
+log = logging.getLogger("finetune_csv")
+STAGES = ("tokenizer", "predictor")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = add_config_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser.add_argument("--skip-tokenizer", action="store_true",
+                        help="do not train the tokenizer (the predictor uses the finetuned or pretrained one)")
+    parser.add_argument("--skip-basemodel", "--skip-predictor", dest="skip_predictor", action="store_true",
+                        help="do not train the predictor (basemodel)")
+    parser.add_argument("--skip-existing", action="store_true",
+                        help="skip a stage whose best_model/ already exists")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue each stage from its checkpoints/last.pt (sets training.resume=auto)")
+    return parser.parse_args(argv)
+
+
+def load_settings(args: argparse.Namespace) -> CsvFinetuneConfig:
+    """YAML + --set overrides (+ --resume), validated: one ValueError lists every problem."""
+    overrides = list(args.set) + (["training.resume=auto"] if args.resume else [])
+    return csv_config.load(args.config, overrides)
+
+
+def plan_stages(cfg: CsvFinetuneConfig, skip_tokenizer: bool, skip_predictor: bool,
+                skip_existing: bool) -> dict[str, str | None]:
+    """For each stage, None if it trains, else why it is skipped (flags, 0 epochs, --skip-existing)."""
+    plan: dict[str, str | None] = {}
+    for stage, skipped, folder in (("tokenizer", skip_tokenizer, cfg.tokenizer_dir),
+                                   ("predictor", skip_predictor, cfg.predictor_dir)):
+        if skipped:
+            plan[stage] = f"--skip-{'tokenizer' if stage == 'tokenizer' else 'basemodel'}"
+        elif cfg.stage_training(stage).epochs == 0:
+            plan[stage] = f"{stage}_training.epochs is 0"
+        elif skip_existing and (best_dir(folder) / "config.json").is_file():
+            plan[stage] = f"--skip-existing and {best_dir(folder)} exists"
+        else:
+            plan[stage] = None
+    return plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    cfg = load_settings(args)
+    plan = plan_stages(cfg, args.skip_tokenizer, args.skip_predictor, args.skip_existing)
+
+    # Data: every CSV is read and checked, and the split is cut, before any output folder exists.
+    series = load_series(cfg.data)
+    splits = split_series(series, cfg.data)
+    train_set, val_set = build_dataset(splits["train"], cfg.data), build_dataset(splits["val"], cfg.data)
+    data_info = data_summary(series, splits, cfg.data)
+    run_config = config_to_dict(cfg)
+
+    with distributed_context(cfg.training.dist_timeout_s) as dist:
+        seed_everything(cfg.training.seed, dist.rank)  # before building: from-scratch init (DDP syncs rank 0's)
+        if dist.is_main:
+            log.info("%s", describe(cfg, data_info, plan, dist))
+        results: list[TrainResult] = []
+        if plan["tokenizer"] is None:
+            tokenizer = build_tokenizer(cfg.model)
+            if plan["predictor"] is None:  # check the pair up front, not after an hour of tokenizer training
+                build_predictor(cfg.model, tokenizer)
+            results.append(train_tokenizer(tokenizer, train_set, val_set, cfg.stage_training("tokenizer"),
+                                           cfg.tokenizer_dir, dist, run_config=run_config, data_info=data_info))
+        if plan["predictor"] is None:
+            # The best tokenizer epoch on disk (not the last one in memory): what the predictor will forecast with.
+            tokenizer = KronosTokenizer.from_pretrained(predictor_tokenizer_source(cfg))
+            predictor = build_predictor(cfg.model, tokenizer)
+            results.append(train_predictor(predictor, tokenizer, train_set, val_set, cfg.stage_training("predictor"),
+                                           cfg.predictor_dir, dist, run_config=run_config, data_info=data_info))
+        if dist.is_main:
+            log.info("%s", summarize(results, plan))
+    return 0
+
+
+def describe(cfg: CsvFinetuneConfig, data_info: dict, plan: dict[str, str | None], dist: DistInfo) -> str:
+    """The run at a glance: data, splits, stages, processes."""
+    splits = data_info["splits"]
+    lines = [f"{len(data_info['series'])} series from {len(data_info['files'])} file(s) under {cfg.data.path}; "
+             f"windows of {cfg.data.lookback} + {cfg.data.predict} candles, stride {cfg.data.stride}"]
+    for name, s in splits.items():
+        lines.append(f"  {name:<5} {s['rows']:>9,} rows {s['windows']:>9,} windows  {s['start']} .. {s['end']}")
+    for stage in STAGES:
+        lines.append(f"  {stage}: " + ("train" if plan[stage] is None else f"skipped ({plan[stage]})"))
+    lines.append(f"  {dist.world_size} process(es) on {dist.device}; outputs in {cfg.base_dir}")
+    return "\n".join(lines)
+
+
+def summarize(results: list[TrainResult], plan: dict[str, str | None]) -> str:
+    lines = ["done."]
+    for r in results:
+        lines.append(f"  {r.stage}: best val loss {r.best_val_loss:.4f} (epoch {r.best_epoch}), "
+                     f"{r.global_step} steps -> {r.best_model_dir}")
+    lines += [f"  {stage}: skipped ({why})" for stage, why in plan.items() if why is not None]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Train-step time at the published shapes: a plain fp32 step vs the shared engine's step (and bf16 on CUDA).
+
+    python scripts/bench_train_step.py                                  # CPU defaults: batch 2 x 128, few steps
+    python scripts/bench_train_step.py --batch 8 --seq 512 --models tokenizer-base kronos-small kronos-base
+
+"plain" is the minimal hand-written step on tensors already in memory: forward, loss, backward, clip, AdamW,
+zero_grad (for the predictor the frozen tokenizer encodes the batch first, as in any finetuning step).
+"engine" runs `train_tokenizer` / `train_predictor` for one epoch and reads the per-step wall time from its
+metrics.jsonl, so it includes everything a real step costs: reading and normalising windows from a
+`WindowDataset`, DDP wrapper (none in one process), autocast, logging. Both columns show the fastest of the
+timed steps (as timeit does: on a shared machine the minimum is the least disturbed measurement); the median is
+printed too.
+On CUDA the engine also runs with amp=bf16. Models are randomly initialised (no download).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from finetune.utils.distributed import DistInfo
+from finetune.utils.metrics import read_metrics
+from finetune.utils.training_utils import (
+    PREDICTOR_CLIP,
+    TOKENIZER_CLIP,
+    TrainingConfig,
+    predictor_loss,
+    tokenizer_loss,
+    train_predictor,
+    train_tokenizer,
+)
+from finetune.utils.window_dataset import SeriesArrays, WindowDataset
+from model import Kronos, KronosTokenizer
+
+TOKENIZER_BASE = dict(d_in=6, d_model=256, n_heads=4, ff_dim=512, n_enc_layers=4, n_dec_layers=4, ffn_dropout_p=0.0,
+                      attn_dropout_p=0.0, resid_dropout_p=0.0, s1_bits=10, s2_bits=10, beta=0.05, gamma0=1.0,
+                      gamma=1.1, zeta=0.05, group_size=4)
+PREDICTORS = {
+    "kronos-small": dict(s1_bits=10, s2_bits=10, n_layers=8, d_model=512, n_heads=8, ff_dim=1024, ffn_dropout_p=0.2,
+                         attn_dropout_p=0.0, resid_dropout_p=0.2, token_dropout_p=0.0, learn_te=True),
+    "kronos-base": dict(s1_bits=10, s2_bits=10, n_layers=12, d_model=832, n_heads=16, ff_dim=2048, ffn_dropout_p=0.2,
+                        attn_dropout_p=0.0, resid_dropout_p=0.2, token_dropout_p=0.0, learn_te=True),
+}
+
+
+@dataclass
+class Row:
+    model: str
+    shape: str
+    plain_ms: float
+    engine_ms: float
+    bf16_ms: float | None
+    plain_median_ms: float
+    engine_median_ms: float
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cuda = torch.cuda.is_available()
+    p.add_argument("--models", nargs="+", default=["tokenizer-base", "kronos-small"],
+                   choices=["tokenizer-base", *PREDICTORS])
+    p.add_argument("--batch", type=int, default=8 if cuda else 2, help="windows per step")
+    p.add_argument("--seq", type=int, default=512 if cuda else 128, help="window length (lookback + predict)")
+    p.add_argument("--steps", type=int, default=20 if cuda else 5, help="timed steps")
+    p.add_argument("--warmup", type=int, default=5 if cuda else 3, help="untimed steps first")
+    p.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    return p.parse_args()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_dataset(n_windows: int, seq: int, seed: int = 0) -> WindowDataset:
+    """One random-walk series holding exactly `n_windows` windows of `seq` rows."""
+    rng = np.random.default_rng(seed)
+    n = n_windows + seq - 1
+    close = 100 * np.exp(np.cumsum(rng.normal(0, 0.01, n)))
+    vol = rng.uniform(1e3, 1e4, n)
+    feats = np.stack([close, close * 1.001, close * 0.999, close, vol, vol * close], 1).astype(np.float32)
+    t = np.arange(n)
+    stamps = np.stack([t % 60, (t // 60) % 24, t % 7, 1 + t % 28, 1 + t % 12], 1).astype(np.int64)
+    return WindowDataset([SeriesArrays(feats, stamps, "bench")], seq - 1, 1)
+
+
+def plain_step_ms(name: str, args: argparse.Namespace, device: torch.device) -> tuple[float, float]:
+    """(min, median) ms of the hand-written fp32 step on a fixed in-memory batch."""
+    torch.manual_seed(0)
+    tok = KronosTokenizer(**TOKENIZER_BASE).to(device)
+    x, stamp = make_dataset(args.batch, args.seq).get_batch(list(range(args.batch)))
+    x, stamp = x.to(device), stamp.to(device)
+    if name == "tokenizer-base":
+        model, clip = tok, TOKENIZER_CLIP
+
+        def loss_fn():
+            return tokenizer_loss(model, x)[0]
+    else:
+        model, clip = Kronos(**PREDICTORS[name]).to(device), PREDICTOR_CLIP
+        tok.eval().requires_grad_(False)
+
+        def loss_fn():
+            return predictor_loss(model, tok, x, stamp)[0]
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=device.type == "cuda")
+    times = []
+    for i in range(args.warmup + args.steps):
+        sync(device)
+        t0 = time.perf_counter()
+        loss_fn().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return 1000 * min(times), 1000 * statistics.median(times)
+
+
+def engine_step_ms(name: str, args: argparse.Namespace, device: torch.device, amp: str) -> tuple[float, float]:
+    """(min, median) ms per optimizer step of the real loop (one epoch of warmup + steps batches), from metrics.jsonl."""
+    torch.manual_seed(0)
+    dist = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
+    train_set = make_dataset(args.batch * (args.warmup + args.steps), args.seq)
+    val_set = make_dataset(1, args.seq, seed=1)
+    cfg = TrainingConfig(epochs=1, batch_size=args.batch, lr=1e-5, num_workers=0, log_every_steps=1, amp=amp,
+                         progress_bar=False, resume="never", seed=0)
+    tok = KronosTokenizer(**TOKENIZER_BASE)
+    with tempfile.TemporaryDirectory() as out:
+        if name == "tokenizer-base":
+            train_tokenizer(tok, train_set, val_set, cfg, out, dist)
+        else:
+            train_predictor(Kronos(**PREDICTORS[name]), tok, train_set, val_set, cfg, out, dist)
+        records = [r for r in read_metrics(Path(out) / "metrics.jsonl") if r["kind"] == "train"]
+    # Each record covers one step (log_every_steps=1), measured on the host; the logging all-reduce/.item()
+    # synchronises CUDA, so the time is the step's real cost.
+    times = [r["seconds"] for r in records[args.warmup :]]
+    return 1000 * min(times), 1000 * statistics.median(times)
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_float32_matmul_precision("high")
+    rows = []
+    for name in args.models:
+        plain, plain_median = plain_step_ms(name, args, device)
+        engine, engine_median = engine_step_ms(name, args, device, "none")
+        bf16 = engine_step_ms(name, args, device, "bf16")[0] if device.type == "cuda" else None
+        rows.append(Row(name, f"{args.batch} x {args.seq}", plain, engine, bf16, plain_median, engine_median))
+        print(f"done {name}", flush=True)
+
+    label = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    print(f"\ntrain step, {label}, torch {torch.__version__}, fastest of {args.steps} steps after {args.warmup} warmup")
+    print(f"{'model':<16}{'batch x seq':>13}{'plain fp32 ms':>15}{'engine fp32 ms':>16}{'engine/plain':>14}"
+          f"{'engine bf16 ms':>16}{'fp32/bf16':>11}")
+    for r in rows:
+        bf16 = f"{r.bf16_ms:16.1f}{r.engine_ms / r.bf16_ms:11.2f}" if r.bf16_ms else f"{'n/a (CPU)':>16}{'':>11}"
+        print(f"{r.model:<16}{r.shape:>13}{r.plain_ms:15.1f}{r.engine_ms:16.1f}{r.engine_ms / r.plain_ms:14.2f}{bf16}"
+              f"   (medians: plain {r.plain_median_ms:.1f}, engine {r.engine_median_ms:.1f})")
+    if args.json:
+        args.json.write_text(json.dumps([r.__dict__ for r in rows], indent=2))
+
+
+if __name__ == "__main__":
+    main()

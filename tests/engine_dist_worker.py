@@ -1,0 +1,107 @@
+"""Tiny models and data for the engine tests, and a worker the tests launch (directly or under torchrun).
+
+    python tests/engine_dist_worker.py <stage> <out_dir> [--set key=value ...]
+
+trains a width-16 tokenizer (stage=tokenizer) or predictor (stage=predictor) on a deterministic random-walk data set
+with the shared engine, then writes <out_dir>/final_state.pt (the trained weights) and <out_dir>/result.json on
+rank 0. The fault-injection variables of finetune.utils.training_utils (KRONOS_FAULT_*) make it die mid-run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from finetune.utils.config_utils import load_config
+from finetune.utils.distributed import distributed_context, seed_everything
+from finetune.utils.training_utils import TrainingConfig, train_predictor, train_tokenizer
+from finetune.utils.window_dataset import SeriesArrays, WindowDataset
+from model import Kronos, KronosTokenizer
+
+LOOKBACK, PREDICT = 8, 2
+
+
+def tiny_tokenizer(seed: int = 0, dropout: float = 0.0, gamma: float = 1.1) -> KronosTokenizer:
+    """gamma=0 drops the codebook-entropy term, the one part of the loss that is not a mean over windows."""
+    torch.manual_seed(seed)
+    return KronosTokenizer(
+        d_in=6, d_model=16, n_heads=2, ff_dim=32, n_enc_layers=2, n_dec_layers=2, ffn_dropout_p=dropout,
+        attn_dropout_p=0.0, resid_dropout_p=dropout, s1_bits=4, s2_bits=4, beta=0.05, gamma0=1.0, gamma=gamma,
+        zeta=0.05, group_size=4,
+    )
+
+
+def tiny_predictor(seed: int = 1, dropout: float = 0.0) -> Kronos:
+    torch.manual_seed(seed)
+    return Kronos(
+        s1_bits=4, s2_bits=4, n_layers=1, d_model=16, n_heads=2, ff_dim=32, ffn_dropout_p=dropout,
+        attn_dropout_p=0.0, resid_dropout_p=dropout, token_dropout_p=0.0, learn_te=True,
+    )
+
+
+def random_walk_series(n_series: int = 2, n_rows: int = 40, seed: int = 0, id_stamps: bool = False) -> list[SeriesArrays]:
+    """OHLCV-like random walks. With `id_stamps`, stamp column 0 holds the global row number (to identify windows)."""
+    rng = np.random.default_rng(seed)
+    out, row = [], 0
+    for i in range(n_series):
+        close = 100 * np.exp(np.cumsum(rng.normal(0, 0.01, n_rows)))
+        spread = np.abs(rng.normal(0, 0.005, n_rows)) * close
+        volume = rng.uniform(1e3, 1e4, n_rows)
+        feats = np.stack([close, close + spread, close - spread, close, volume, volume * close], axis=1)
+        t = np.arange(n_rows)
+        stamps = np.stack([t % 60, (t // 60) % 24, t % 7, 1 + t % 28, 1 + t % 12], axis=1).astype(np.int64)
+        if id_stamps:
+            stamps[:, 0] = row + t
+        out.append(SeriesArrays(feats.astype(np.float32), stamps, f"S{i}"))
+        row += n_rows
+    return out
+
+
+def tiny_datasets(n_train_rows: int = 40, n_val_rows: int = 14) -> tuple[WindowDataset, WindowDataset]:
+    train = WindowDataset(random_walk_series(2, n_train_rows, seed=0), LOOKBACK, PREDICT)
+    val = WindowDataset(random_walk_series(1, n_val_rows, seed=1), LOOKBACK, PREDICT)
+    return train, val
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("stage", choices=["tokenizer", "predictor", "both"])
+    parser.add_argument("out_dir")
+    parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--gamma", type=float, default=1.1, help="tokenizer codebook-entropy weight")
+    parser.add_argument("--set", action="append", default=[])
+    args = parser.parse_args(argv)
+    defaults = ["epochs=2", "batch_size=4", "lr=1e-3", "num_workers=0", "log_every_steps=1", "progress_bar=false"]
+    cfg = load_config(TrainingConfig, overrides=[*defaults, *args.set])
+
+    with distributed_context(timeout_s=60) as dist:
+        seed_everything(cfg.seed, dist.rank)
+        train_set, val_set = tiny_datasets()
+        tokenizer = tiny_tokenizer(dropout=args.dropout, gamma=args.gamma)
+        if args.stage in ("tokenizer", "both"):
+            out = Path(args.out_dir) / "tokenizer" if args.stage == "both" else Path(args.out_dir)
+            result = train_tokenizer(tokenizer, train_set, val_set, cfg, out, dist)
+            _write_outputs(tokenizer, result, out, dist)
+        if args.stage in ("predictor", "both"):
+            out = Path(args.out_dir) / "predictor" if args.stage == "both" else Path(args.out_dir)
+            predictor = tiny_predictor(dropout=args.dropout)
+            result = train_predictor(predictor, tokenizer, train_set, val_set, cfg, out, dist)
+            _write_outputs(predictor, result, out, dist)
+    return 0
+
+
+def _write_outputs(model: torch.nn.Module, result, out: Path, dist) -> None:
+    if dist.is_main:
+        torch.save(model.state_dict(), out / "final_state.pt")
+        with open(out / "result.json", "w") as f:
+            json.dump({"best_val_loss": result.best_val_loss, "history": result.history,
+                       "global_step": result.global_step, "world_size": dist.world_size}, f)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

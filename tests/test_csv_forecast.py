@@ -1,0 +1,91 @@
+"""The held-out forecast of the CSV demo: window choice (finetune_csv.forecast) and scores (forecast_metrics)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from finetune_csv.data import Segment, Series
+from finetune_csv.forecast import held_out_windows, score, spread_evenly
+from finetune_csv.forecast_metrics import candle_violations, close_mae, direction_accuracy, persistence_close
+
+
+def test_close_mae_is_mean_absolute_error_over_windows_and_steps():
+    pred = np.array([[1.0, 2.0], [3.0, 5.0]])
+    true = np.array([[1.5, 2.0], [3.0, 3.0]])
+    assert close_mae(pred, true) == pytest.approx((0.5 + 0 + 0 + 2.0) / 4)
+
+
+def test_close_mae_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="differ in shape"):
+        close_mae(np.zeros((2, 3)), np.zeros((2, 4)))
+
+
+def test_persistence_repeats_the_last_close():
+    np.testing.assert_array_equal(persistence_close(np.array([1.0, 2.0]), 3), [[1, 1, 1], [2, 2, 2]])
+
+
+def test_direction_accuracy_compares_step_moves_from_the_last_close():
+    last = np.array([10.0])
+    true = np.array([[11.0, 10.5, 10.5]])  # up, down, flat
+    pred = np.array([[10.2, 10.8, 10.8]])  # up (match), up (miss), flat (match)
+    assert direction_accuracy(pred, true, last) == pytest.approx(2 / 3)
+
+
+def test_direction_accuracy_uses_each_windows_own_last_close():
+    last = np.array([10.0, 20.0])
+    true = np.array([[11.0], [19.0]])
+    pred = np.array([[12.0], [21.0]])  # right for window 0, wrong for window 1
+    assert direction_accuracy(pred, true, last) == pytest.approx(0.5)
+
+
+def test_candle_violations_counts_each_rule_and_any():
+    #              ok    high<close  low>open  vol<0 and high<open
+    open_ = np.array([10.0, 10.0, 10.0, 12.0])
+    close = np.array([11.0, 11.0, 9.0, 11.0])
+    high = np.array([11.5, 10.5, 10.5, 11.5])
+    low = np.array([9.5, 9.5, 9.5, 10.0])
+    volume = np.array([1.0, 1.0, 1.0, -1.0])
+    v = candle_violations(open_, high, low, close, volume)
+    assert v["high_below_body"] == pytest.approx(2 / 4)
+    assert v["low_above_body"] == pytest.approx(1 / 4)
+    assert v["negative_volume"] == pytest.approx(1 / 4)
+    assert v["any"] == pytest.approx(3 / 4)
+
+
+def test_spread_evenly_includes_both_ends():
+    assert spread_evenly(10, 3).tolist() == [0, 4, 9]  # round(4.5) -> 4 (banker's rounding)
+    assert spread_evenly(2, 5).tolist() == [0, 1]
+    assert spread_evenly(0, 3).tolist() == []
+
+
+def make_segment(n: int = 60, first_target: int = 30) -> Segment:
+    values = np.arange(n * 6, dtype=np.float64).reshape(n, 6)  # row r holds 6r .. 6r+5
+    ts = pd.date_range("2024-01-02 09:30", periods=n, freq="5min")
+    series = Series(name="s.csv", source=None, timestamps=ts, values=values)
+    return Segment(series, start=first_target - 8, first_target=first_target, stop=n)
+
+
+def test_held_out_windows_do_not_overlap_and_follow_their_context():
+    seg = make_segment()
+    w = held_out_windows([seg], lookback=8, predict=4, max_windows=10)
+    assert len(w.names) == 30 // 4  # 30 test rows -> 7 non-overlapping horizons of 4
+    first_rows = [int(a[0, 0]) // 6 for a in w.actual]
+    assert first_rows == list(range(30, 58, 4))
+    for ctx, x_ts, y_ts, actual in zip(w.context, w.x_timestamps, w.y_timestamps, w.actual):
+        assert len(ctx) == 8 and ctx["open"].iloc[-1] + 6 == actual[0, 0]  # context ends right before the horizon
+        assert x_ts[-1] < y_ts[0] and len(y_ts) == 4
+
+
+def test_held_out_windows_are_capped_per_series():
+    w = held_out_windows([make_segment()], lookback=8, predict=4, max_windows=2)
+    assert [int(a[0, 0]) // 6 for a in w.actual] == [30, 54]
+
+
+def test_score_of_a_perfect_forecast():
+    w = held_out_windows([make_segment()], lookback=8, predict=4, max_windows=3)
+    m = score(w.actual.copy(), w)
+    assert m["close_mae"] == 0.0 and m["direction_accuracy"] == 1.0
+    assert m["close_mae_persistence"] > 0 and m["windows"] == 3 and m["horizon"] == 4
+    assert m["violations"]["any"] == 1.0  # rows of arange: high (col 1) < close (col 3) in every candle

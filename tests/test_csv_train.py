@@ -1,0 +1,256 @@
+"""End to end runs of finetune_csv/train_sequential.py (+ forecast.py) on tiny models and data, on CPU.
+
+In-process runs cover the files written, the flags, and bad input leaving nothing behind; subprocess runs cover
+--resume after a crash, torchrun with two processes and a two-node launch on one machine (gloo).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from finetune.synthetic import generate_ohlcv, write_csv_folder
+from finetune_csv import train_sequential
+from finetune_csv.config import load
+from finetune_csv.forecast import run_forecast
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "finetune_csv" / "train_sequential.py"
+
+TINY_YAML = """
+data:
+  path: {data}
+  lookback: 16
+  predict: 4
+  train_ratio: 0.7
+  val_ratio: 0.15
+  test_ratio: 0.15
+  stride: 8
+model:
+  pretrained_tokenizer: null
+  pretrained_predictor: null
+  tokenizer_arch: {{d_model: 16, n_heads: 2, ff_dim: 32, n_enc_layers: 2, n_dec_layers: 2, s1_bits: 4, s2_bits: 4,
+                   group_size: 4}}
+  predictor_arch: {{n_layers: 1, d_model: 16, n_heads: 2, ff_dim: 32}}
+training:
+  epochs: 1
+  batch_size: 16
+  num_workers: 0
+  log_every_steps: 2
+  progress_bar: false
+  dist_timeout_s: 120
+tokenizer_training: {{lr: 1.0e-3}}
+predictor_training: {{lr: 1.0e-3}}
+paths:
+  exp_name: tiny
+  base_dir: {out}/{{exp_name}}
+forecast: {{max_windows: 2}}
+"""
+
+STAGE_FILES = {"best_model/config.json", "best_model/model.safetensors", "best_model/run_info.json",
+               "checkpoints/last.pt", "metrics.jsonl", "loss_curve.png", "run_info.json"}
+EXPECTED_FILES = ({f"tokenizer/{f}" for f in STAGE_FILES} | {f"basemodel/{f}" for f in STAGE_FILES}
+                  | {"basemodel/best_model/tokenizer_config.json"})
+
+
+def make_run(root: Path, n_bars: int = 240) -> Path:
+    """Two synthetic series and a tiny config under `root`; returns the config path."""
+    write_csv_folder(generate_ohlcv(n_series=2, n_bars=n_bars, freq="5min", seed=0), root / "data")
+    config = root / "tiny.yaml"
+    config.write_text(TINY_YAML.format(data=root / "data", out=root / "out"))
+    return config
+
+
+def files_under(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+
+
+def env_one_thread() -> dict:
+    # Tiny models: one intra-op thread per process keeps two processes from fighting over the cores.
+    return {**os.environ, "OMP_NUM_THREADS": "1", "DIST_BACKEND": "gloo", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("csv_run")
+    config = make_run(root)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny model: extra intra-op threads only fight the other tests for the cores
+    try:
+        assert train_sequential.main(["--config", str(config)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return config, root / "out" / "tiny"
+
+
+# ------------------------------------------------------------------------------------------ single process
+
+
+def test_single_process_run_writes_exactly_the_expected_files(trained):
+    _, base = trained
+    assert files_under(base) == EXPECTED_FILES
+
+
+def test_run_info_records_config_data_and_splits(trained):
+    config, base = trained
+    info = json.loads((base / "basemodel" / "run_info.json").read_text())
+    data_files = sorted((config.parent / "data").glob("*.csv"))
+    assert [f["sha256"] for f in info["data"]["files"]] == [
+        hashlib.sha256(p.read_bytes()).hexdigest() for p in data_files]
+    assert set(info["data"]["splits"]) == {"train", "val", "test"}
+    assert info["config"]["data"]["lookback"] == 16
+    assert info["config"]["paths"]["base_dir"] == str(config.parent / "out" / "tiny")
+    tok_cfg = json.loads((base / "basemodel" / "best_model" / "tokenizer_config.json").read_text())
+    assert tok_cfg == json.loads((base / "tokenizer" / "best_model" / "config.json").read_text())
+
+
+def test_skip_existing_leaves_trained_stages_alone(trained):
+    config, base = trained
+    weights = base / "basemodel" / "best_model" / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    assert train_sequential.main(["--config", str(config), "--skip-existing"]) == 0
+    assert weights.stat().st_mtime_ns == before
+
+
+def test_forecast_scores_the_held_out_split_and_writes_its_files(trained):
+    config, base = trained
+    metrics = run_forecast(load(config))
+    assert metrics["windows"] == 4 and metrics["horizon"] == 4  # 2 series x forecast.max_windows=2
+    assert 0.0 <= metrics["direction_accuracy"] <= 1.0 and metrics["close_mae"] >= 0.0
+    assert files_under(base / "forecast") == {"metrics.json", "forecast.csv", "forecast_vs_actual.png"}
+    table = pd.read_csv(base / "forecast" / "forecast.csv")
+    assert len(table) == 4 * 4 and {"pred_close", "actual_close", "series"} <= set(table.columns)
+
+
+def test_plan_stages_reports_why_a_stage_is_skipped(trained):
+    config, _ = trained
+    cfg = load(config, ["tokenizer_training.epochs=0"])
+    plan = train_sequential.plan_stages(cfg, skip_tokenizer=False, skip_predictor=True, skip_existing=False)
+    assert plan == {"tokenizer": "tokenizer_training.epochs is 0", "predictor": "--skip-basemodel"}
+    plan = train_sequential.plan_stages(load(config), False, False, skip_existing=True)
+    assert plan["tokenizer"].startswith("--skip-existing") and plan["predictor"].startswith("--skip-existing")
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def test_bad_csv_fails_before_any_output_exists(tmp_path):
+    config = make_run(tmp_path)
+    bad = tmp_path / "data" / "SH600001.csv"
+    frame = pd.read_csv(bad, dtype=str)
+    frame.loc[5, "close"] = "n/a?"
+    frame.to_csv(bad, index=False)
+    with pytest.raises(ValueError, match=r"SH600001.csv: column 'close' .* line\(s\) 7"):
+        train_sequential.main(["--config", str(config)])
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_settings_are_listed_together_before_any_output(tmp_path):
+    config = make_run(tmp_path)
+    with pytest.raises(ValueError) as info:
+        train_sequential.main(["--config", str(config), "--set", "data.lookback=0", "--set", "training.lr=-1"])
+    assert "data.lookback" in str(info.value) and "training.lr" in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_too_little_data_says_how_many_rows_are_needed(tmp_path):
+    config = make_run(tmp_path, n_bars=24)
+    with pytest.raises(ValueError, match=r"needs at least \d+ rows"):
+        train_sequential.main(["--config", str(config)])
+    assert not (tmp_path / "out").exists()
+
+
+def test_skip_tokenizer_without_any_tokenizer_is_an_error(tmp_path):
+    config = make_run(tmp_path)
+    with pytest.raises(ValueError, match="no trained tokenizer"):
+        train_sequential.main(["--config", str(config), "--skip-tokenizer"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_pretrained_folder_names_the_setting(tmp_path):
+    config = make_run(tmp_path)
+    with pytest.raises(ValueError, match="model.pretrained_tokenizer"):
+        train_sequential.main(["--config", str(config), "--set", f"model.pretrained_tokenizer={tmp_path / 'nope'}"])
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------ processes
+
+
+def run(cmd: list[str], timeout: int = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, env=env or env_one_thread(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_resume_continues_after_a_crash(tmp_path):
+    config = make_run(tmp_path, n_bars=480)
+    crash = {**env_one_thread(), "KRONOS_FAULT_EXIT_AFTER_STEP": "3"}
+    args = [sys.executable, str(SCRIPT), "--config", str(config), "--set", "training.save_every_steps=2",
+            "--skip-basemodel"]
+    first = run(args, env=crash)
+    assert first.returncode == 17, first.stderr[-2000:]
+    stage = tmp_path / "out" / "tiny" / "tokenizer"
+    assert (stage / "checkpoints" / "last.pt").is_file() and not (stage / "best_model").exists()
+
+    second = run(args + ["--resume"])
+    assert second.returncode == 0, second.stderr[-2000:]
+    info = json.loads((stage / "run_info.json").read_text())
+    assert info["resumed_from"] == str(stage / "checkpoints" / "last.pt")
+    steps = [r["step"] for r in map(json.loads, (stage / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "train"]
+    assert steps == sorted(set(steps)) and steps[0] == 2  # step 2 kept from the first run, nothing logged twice
+    assert (stage / "best_model" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes(tmp_path):
+    config = make_run(tmp_path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT),
+           "--config", str(config)]
+    result = run(cmd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    base = tmp_path / "out" / "tiny"
+    assert files_under(base) == EXPECTED_FILES
+    assert json.loads((base / "basemodel" / "run_info.json").read_text())["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_two_node_launch_on_one_machine(tmp_path):
+    config = make_run(tmp_path)
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node_rank={rank}",
+             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=csv_two_node", str(SCRIPT),
+             "--config", str(config), "--skip-basemodel"],
+            cwd=REPO, env=env_one_thread(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank in range(2)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    stage = tmp_path / "out" / "tiny" / "tokenizer"
+    assert json.loads((stage / "run_info.json").read_text())["world_size"] == 2
+    assert (stage / "best_model" / "model.safetensors").is_file()
