@@ -127,7 +127,7 @@ def plain_step_ms(name: str, args: argparse.Namespace, device: torch.device) -> 
 
 
 def engine_step_ms(name: str, args: argparse.Namespace, device: torch.device, amp: str) -> tuple[float, float]:
-    """(min, median) ms per optimizer step of the real loop (one epoch of warmup + steps batches), from metrics.jsonl."""
+    """(min, median) ms per optimizer step of the real loop (one epoch of warmup + steps batches; metrics.jsonl)."""
     torch.manual_seed(0)
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
     train_set = make_dataset(args.batch * (args.warmup + args.steps), args.seq)

@@ -44,7 +44,9 @@ def tiny_predictor(seed: int = 1, dropout: float = 0.0) -> Kronos:
     )
 
 
-def random_walk_series(n_series: int = 2, n_rows: int = 40, seed: int = 0, id_stamps: bool = False) -> list[SeriesArrays]:
+def random_walk_series(
+    n_series: int = 2, n_rows: int = 40, seed: int = 0, id_stamps: bool = False
+) -> list[SeriesArrays]:
     """OHLCV-like random walks. With `id_stamps`, stamp column 0 holds the global row number (to identify windows)."""
     rng = np.random.default_rng(seed)
     out, row = [], 0

@@ -64,7 +64,8 @@ def test_checkpoint_and_log_steps():
 
 @pytest.mark.parametrize(
     "samples, batch, accum, sizes, steps",
-    [(10, 4, 1, [4, 4, 2], 3), (10, 4, 2, [4, 4, 2], 2), (8, 4, 2, [4, 4], 1), (3, 4, 3, [3], 1), (9, 1, 4, [1] * 9, 3)],
+    [(10, 4, 1, [4, 4, 2], 3), (10, 4, 2, [4, 4, 2], 2), (8, 4, 2, [4, 4], 1), (3, 4, 3, [3], 1),
+     (9, 1, 4, [1] * 9, 3)],
 )
 def test_micro_batches_and_optimizer_steps(samples, batch, accum, sizes, steps):
     assert micro_batch_sizes(samples, batch) == sizes

@@ -128,7 +128,7 @@ class TrainingConfig:
     resume: str = "auto"
     """'auto' = continue from <output_dir>/checkpoints/last.pt if present; 'never'; or a path to a last.pt."""
     teacher_forcing: bool = True
-    """Predictor: condition the s2 head on the true next s1 (false = on a sampled s1); validation always uses the true s1."""
+    """Predictor: condition s2 on the true next s1 (false = on a sampled s1); validation always uses the true s1."""
     dist_timeout_s: float = 1800.0
     """Seconds a collective waits for the other ranks before the job fails instead of hanging."""
     progress_bar: bool = True
@@ -154,14 +154,16 @@ def validate_training_config(cfg: TrainingConfig, problems: Problems, prefix: st
     problems.check(cfg.accumulation_steps >= 1, k("accumulation_steps"), f"must be >= 1, got {cfg.accumulation_steps}")
     problems.check(cfg.lr > 0, k("lr"), f"must be > 0, got {cfg.lr}")
     problems.check(
-        len(cfg.betas) == 2 and all(0 <= b < 1 for b in cfg.betas), k("betas"), f"need two values in [0, 1), got {cfg.betas}"
+        len(cfg.betas) == 2 and all(0 <= b < 1 for b in cfg.betas), k("betas"),
+        f"need two values in [0, 1), got {cfg.betas}",
     )
     problems.check(cfg.weight_decay >= 0, k("weight_decay"), f"must be >= 0, got {cfg.weight_decay}")
     problems.check(0 < cfg.pct_start < 1, k("pct_start"), f"must be in (0, 1), got {cfg.pct_start}")
     problems.check(cfg.div_factor > 0, k("div_factor"), f"must be > 0, got {cfg.div_factor}")
     problems.check(cfg.final_div_factor > 0, k("final_div_factor"), f"must be > 0, got {cfg.final_div_factor}")
     problems.check(
-        cfg.clip_grad_norm is None or cfg.clip_grad_norm >= 0, k("clip_grad_norm"), f"must be >= 0 or null, got {cfg.clip_grad_norm}"
+        cfg.clip_grad_norm is None or cfg.clip_grad_norm >= 0, k("clip_grad_norm"),
+        f"must be >= 0 or null, got {cfg.clip_grad_norm}",
     )
     problems.check(cfg.amp in ("none", "bf16"), k("amp"), f"must be 'none' or 'bf16', got {cfg.amp!r}")
     problems.check(cfg.num_workers >= 0, k("num_workers"), f"must be >= 0, got {cfg.num_workers}")
@@ -193,14 +195,17 @@ class EarlyStopping:
     """Patience is used up: stop training."""
 
 
-def update_early_stopping(best: float, bad_epochs: int, val_loss: float, patience: int, min_delta: float = 0.0) -> EarlyStopping:
+def update_early_stopping(
+    best: float, bad_epochs: int, val_loss: float, patience: int, min_delta: float = 0.0
+) -> EarlyStopping:
     """Fold one validation loss into the early-stopping state; `patience=0` never stops. NaN never improves."""
     improved = math.isfinite(val_loss) and val_loss < best - min_delta
     if improved:
         best, bad_epochs = val_loss, 0
     else:
         bad_epochs += 1
-    return EarlyStopping(best=best, bad_epochs=bad_epochs, improved=improved, stop=patience > 0 and bad_epochs >= patience)
+    stop = patience > 0 and bad_epochs >= patience
+    return EarlyStopping(best=best, bad_epochs=bad_epochs, improved=improved, stop=stop)
 
 
 def should_save_checkpoint(step: int, every: int) -> bool:
@@ -416,7 +421,9 @@ def train_predictor(
 
 
 @torch.no_grad()
-def evaluate_tokenizer(tokenizer: nn.Module, dataset: Dataset, cfg: TrainingConfig, dist: DistInfo, epoch: int = 0) -> dict[str, float]:
+def evaluate_tokenizer(
+    tokenizer: nn.Module, dataset: Dataset, cfg: TrainingConfig, dist: DistInfo, epoch: int = 0
+) -> dict[str, float]:
     """Tokenizer loss averaged over validation windows (all ranks), e.g. {"val_loss": .., "val_recon": ..}."""
     stage = _TokenizerStage(tokenizer.to(dist.device))
     return _evaluate(stage, tokenizer, dataset, _val_sampler(dataset, cfg, dist), cfg, dist, epoch)
@@ -513,9 +520,11 @@ def _check_resume_compatible(saved: dict, cfg: TrainingConfig, dist: DistInfo, s
     for key in _RESUME_KEYS:
         new_value = config_to_dict(getattr(cfg, key))
         if key in old and old[key] != new_value:
-            problems.add(f"training.{key}", f"the checkpoint was made with {old[key]!r}, the config now says {new_value!r}")
+            problems.add(f"training.{key}",
+                         f"the checkpoint was made with {old[key]!r}, the config now says {new_value!r}")
     if saved.get("world_size") != dist.world_size:
-        problems.add("(torchrun --nproc_per_node)", f"the checkpoint was made with {saved.get('world_size')} processes, now {dist.world_size}")
+        problems.add("(torchrun --nproc_per_node)",
+                     f"the checkpoint was made with {saved.get('world_size')} processes, now {dist.world_size}")
     if problems:
         problems.add("training.resume", "set it to 'never' or use a new output folder to start over")
     problems.raise_if_any()
@@ -637,7 +646,8 @@ class _Run:
             skip_batches=state.step_in_epoch * A, num_workers=cfg.num_workers, pin_memory=device.type == "cuda",
         )
         bar = tqdm(
-            total=self.steps_per_epoch, initial=state.step_in_epoch, disable=not (self.dist.is_main and cfg.progress_bar),
+            total=self.steps_per_epoch, initial=state.step_in_epoch,
+            disable=not (self.dist.is_main and cfg.progress_bar),
             desc=f"{stage.name} epoch {epoch + 1}/{cfg.epochs}", dynamic_ncols=True, leave=False,
         )
         window = _Window(device)
@@ -710,7 +720,9 @@ class _Run:
         epoch = state.epoch
         train_loss = _reduced_mean(self.epoch_sum)
         val = _evaluate(stage, self.wrapped, self.val_set, self.val_sampler, cfg, dist, epoch)
-        decision = update_early_stopping(state.best_val_loss, state.bad_epochs, val["val_loss"], cfg.patience, cfg.min_delta)
+        decision = update_early_stopping(
+            state.best_val_loss, state.bad_epochs, val["val_loss"], cfg.patience, cfg.min_delta
+        )
         if decision.improved:
             state.best_epoch = epoch
             if dist.is_main:
@@ -766,7 +778,8 @@ class _Run:
         state = self.state
         plot_path = self.out / "loss_curve.png"
         if self.dist.is_main:
-            if plot_loss_curves(read_metrics(self.logger.path), plot_path, title=f"{self.stage.name} finetuning") is None:
+            title = f"{self.stage.name} finetuning"
+            if plot_loss_curves(read_metrics(self.logger.path), plot_path, title=title) is None:
                 plot_path = None
             result = {"best_val_loss": state.best_val_loss, "best_epoch": state.best_epoch,
                       "global_step": state.global_step, "stopped_early": state.stopped_early}
@@ -790,7 +803,13 @@ class _Run:
 
 
 def _evaluate(
-    stage: _Stage, wrapped: nn.Module, dataset: Dataset, sampler: EpochSampler, cfg: TrainingConfig, dist: DistInfo, epoch: int
+    stage: _Stage,
+    wrapped: nn.Module,
+    dataset: Dataset,
+    sampler: EpochSampler,
+    cfg: TrainingConfig,
+    dist: DistInfo,
+    epoch: int,
 ) -> dict[str, float]:
     """Loss averaged over every validation window of all ranks: sums and counts are all-reduced, not batch means."""
     was_training = stage.model.training

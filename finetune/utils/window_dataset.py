@@ -21,7 +21,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-__all__ = ["SeriesArrays", "WindowDataset", "EpochSampler", "make_loader", "seed_worker", "epoch_generator"]
+__all__ = [
+    "SeriesArrays", "WindowDataset", "EpochSampler", "make_loader", "seed_worker", "epoch_generator",
+    "batches_per_epoch",
+]
 
 N_STAMP_COLUMNS = 5  # minute, hour, weekday, day of month, month
 
@@ -68,7 +71,8 @@ class WindowDataset(Dataset):
         self.stride = int(stride)
         self.clip = float(clip)
 
-        items = [s if isinstance(s, SeriesArrays) else SeriesArrays(s[0], s[1], f"series {i}") for i, s in enumerate(series)]
+        items = [s if isinstance(s, SeriesArrays) else SeriesArrays(s[0], s[1], f"series {i}")
+                 for i, s in enumerate(series)]
         if not items:
             raise ValueError("WindowDataset got no series")
         n_features = items[0].features.shape[1] if items[0].features.ndim == 2 else -1
@@ -81,7 +85,8 @@ class WindowDataset(Dataset):
         self.names = [s.name or f"series {i}" for i, s in enumerate(items)]
         lengths = np.array([len(s.features) for s in items], dtype=np.int64)
         # One contiguous block per array: cheap to share with forked DataLoader workers (copy-on-write).
-        self.features = np.ascontiguousarray(np.concatenate([s.features for s in items]), dtype=np.float32)  # (sum N, F)
+        # (sum N, F)
+        self.features = np.ascontiguousarray(np.concatenate([s.features for s in items]), dtype=np.float32)
         self.stamps = np.ascontiguousarray(np.concatenate([s.stamps for s in items]), dtype=np.int64)  # (sum N, 5)
         self.row_offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)  # first row of each series
         counts = np.where(lengths >= self.window, (lengths - self.window) // self.stride + 1, 0)
