@@ -6,7 +6,7 @@ Synthetic CSI-300-sized data (symbols x days of daily bars, in Qlib's stacked la
   preprocess   stacked frame -> per-instrument arrays: ours (one sort, offsets, numpy) vs the original
                (a pandas pivot per symbol in a Python loop; timed on --baseline-symbols and scaled up)
   samples/s    training windows (lookback 90 + predict 10, normalised): the original's per-sample
-               DataFrame.iloc + numpy, ours per sample (__getitem__), and ours batched (__getitems__, what the
+               DataFrame.iloc + numpy, ours per sample (__getitem__), and ours batched (get_batch, what the
                DataLoader calls with a batch of indices)
 Prints one table; the numbers depend on the machine (run on an idle one).
 """
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         ("original: pandas per sample", rate(baseline.sample, args.seconds)),
         ("ours: WindowDataset[i] per sample", rate(lambda: ds[int(rng.integers(len(ds)))], args.seconds)),
         (f"ours: batched fetch (batch {args.batch})",
-         rate(lambda: ds.__getitems__(rng.integers(len(ds), size=args.batch).tolist()), args.seconds, args.batch)),
+         rate(lambda: ds.get_batch(rng.integers(len(ds), size=args.batch)), args.seconds, args.batch)),
     ]
     print(f"\npreprocess (frame -> per-instrument arrays), {args.symbols} symbols:")
     print(f"  original pivot loop : {base_pre:8.2f} s  (timed on {len(names)} symbols, scaled)")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
 __all__ = [
     "SeriesArrays", "WindowDataset", "EpochSampler", "make_loader", "seed_worker", "epoch_generator",
@@ -84,10 +84,6 @@ class WindowDataset(Dataset):
                 raise ValueError(f"{name}: stamps must be ({s.features.shape[0]}, 5), got {s.stamps.shape}")
         self.names = [s.name or f"series {i}" for i, s in enumerate(items)]
         lengths = np.array([len(s.features) for s in items], dtype=np.int64)
-        # One contiguous block per array: cheap to share with forked DataLoader workers (copy-on-write).
-        # (sum N, F)
-        self.features = np.ascontiguousarray(np.concatenate([s.features for s in items]), dtype=np.float32)
-        self.stamps = np.ascontiguousarray(np.concatenate([s.stamps for s in items]), dtype=np.int64)  # (sum N, 5)
         self.row_offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)  # first row of each series
         counts = np.where(lengths >= self.window, (lengths - self.window) // self.stride + 1, 0)
         self.windows_per_series = counts.astype(np.int64)
@@ -98,7 +94,25 @@ class WindowDataset(Dataset):
                 f"no series has enough rows for one window of lookback + predict = {self.window} rows "
                 f"(longest series: {int(lengths.max())} rows); lower the lookback/predict window or add data"
             )
-        self._arange = np.arange(self.window, dtype=np.int64)
+        # One contiguous block per array, cheap to share with forked DataLoader workers (copy-on-write).
+        # Features are stored feature-major, (F, sum N): a window's statistics are then reductions over a
+        # contiguous time axis instead of over a stride-F axis with an inner loop of length F (4x faster).
+        self.features_t = np.ascontiguousarray(np.concatenate([s.features for s in items]).T, dtype=np.float32)
+        self.stamps = np.ascontiguousarray(np.concatenate([s.stamps for s in items]), dtype=np.int64)  # (sum N, 5)
+        # Read-only window views indexed by a window's first global row, without copying:
+        # (sum N - W + 1, F, W) and (sum N - W + 1, W, 5). Gathering B windows copies B contiguous blocks.
+        n_rows, f, w = self.stamps.shape[0], self.features_t.shape[0], self.window
+        self._feature_windows = np.lib.stride_tricks.as_strided(
+            self.features_t, (n_rows - w + 1, f, w), (self.features_t.strides[1], self.features_t.strides[0],
+                                                       self.features_t.strides[1]), writeable=False)
+        self._stamp_windows = np.lib.stride_tricks.as_strided(
+            self.stamps, (n_rows - w + 1, w, N_STAMP_COLUMNS), (self.stamps.strides[0],) + self.stamps.strides,
+            writeable=False)
+
+    @property
+    def features(self) -> np.ndarray:
+        """All series' features, (sum N, F) (a view of the feature-major block)."""
+        return self.features_t.T
 
     @property
     def n_features(self) -> int:
@@ -116,32 +130,35 @@ class WindowDataset(Dataset):
         before = np.where(series > 0, self.cum_windows[np.maximum(series - 1, 0)], 0)
         return series, (idx - before) * self.stride
 
-    def _rows(self, indices: np.ndarray) -> np.ndarray:
+    def _starts(self, indices: np.ndarray) -> np.ndarray:
         series, start = self.locate(indices)
-        return (self.row_offsets[series] + start)[:, None] + self._arange  # (B, W) global row numbers
-
-    def _normalise(self, x: np.ndarray) -> np.ndarray:
-        """x (B, W, F) float32 -> normalised with the lookback rows' statistics, clipped."""
-        past = x[:, : self.lookback]
-        mean = past.mean(axis=1, keepdims=True)  # (B, 1, F)
-        std = past.std(axis=1, keepdims=True)  # population std (ddof=0), as at inference
-        x = (x - mean) / (std + 1e-5)
-        return np.clip(x, -self.clip, self.clip, out=x)
+        return self.row_offsets[series] + start  # (B,) global first row of each window
 
     def get_batch(self, indices: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Windows `indices` as one batch, vectorised: x (B, W, F) float32, x_stamp (B, W, 5) int64."""
-        rows = self._rows(np.asarray(indices, dtype=np.int64))
-        x = self._normalise(self.features[rows])
-        return torch.from_numpy(x), torch.from_numpy(self.stamps[rows])
+        """Windows `indices` as one batch, vectorised: x (B, W, F) float32, x_stamp (B, W, 5) int64.
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x is normalised with the mean and population std (ddof=0, as at inference) of its lookback rows only,
+        `(x - mean) / (std + 1e-5)`, then clipped to [-clip, clip].
+        """
+        starts = self._starts(np.asarray(indices, dtype=np.int64))
+        x = self._feature_windows[starts]  # (B, F, W) copy
+        past = x[:, :, : self.lookback]
+        mean = past.mean(axis=2, keepdims=True)  # (B, F, 1)
+        centred = past - mean
+        std = np.sqrt(np.einsum("bfw,bfw->bf", centred, centred) / self.lookback)[:, :, None]  # (B, F, 1)
+        x -= mean
+        x /= std + 1e-5
+        np.clip(x, -self.clip, self.clip, out=x)
+        x = np.ascontiguousarray(x.transpose(0, 2, 1))  # (B, W, F)
+        return torch.from_numpy(x), torch.from_numpy(self._stamp_windows[starts])
+
+    def __getitem__(self, index):
+        """One window (int index) -> (x (W, F), x_stamp (W, 5)); a list of indices -> a whole batch
+        (x (B, W, F), x_stamp (B, W, 5)), which is what `make_loader` asks for."""
+        if isinstance(index, (list, tuple, np.ndarray)):
+            return self.get_batch(index)
         x, stamp = self.get_batch([int(index)])
         return x[0], stamp[0]
-
-    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        # DataLoader's batched fetch: one vectorised gather for the whole batch instead of B python calls.
-        x, stamp = self.get_batch(indices)
-        return list(zip(x.unbind(0), stamp.unbind(0)))
 
 
 class EpochSampler(Sampler[int]):
@@ -262,13 +279,18 @@ def make_loader(
         kwargs["worker_init_fn"] = seed_worker
         if prefetch_factor is not None:
             kwargs["prefetch_factor"] = prefetch_factor
+    # The loader hands the dataset whole index lists (batch_size=None + a BatchSampler): WindowDataset gathers a
+    # batch with one vectorised fancy-index instead of B item fetches that collate would then stack again.
+    batches = BatchSampler(sampler, batch_size, drop_last=False)
+    if not hasattr(dataset, "get_batch"):  # any other map-style dataset: item fetches + default collation
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                          pin_memory=pin_memory, generator=epoch_generator(seed, epoch, sampler.rank), **kwargs)
     return DataLoader(
         dataset,
-        batch_size=batch_size,
-        sampler=sampler,
+        batch_size=None,
+        sampler=batches,
         num_workers=num_workers,
         pin_memory=pin_memory,
-        drop_last=False,
         generator=epoch_generator(seed, epoch, sampler.rank),
         **kwargs,
     )
