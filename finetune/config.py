@@ -14,7 +14,6 @@ ValueError) listing every problem by its YAML key; the entry points add their fi
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from typing import Any, Literal
 import pandas as pd
 
 from finetune.utils.config_utils import Problems, load_config
+from finetune.utils.stage_config import PredictorStageConfig, StageConfig, TokenizerStageConfig, apply_stage, validate_stage
 from finetune.utils.training_utils import TrainingConfig, validate_training_config
 
 __all__ = [
@@ -131,36 +131,6 @@ class QlibTrainingConfig(TrainingConfig):
 
 
 @dataclass
-class StageConfig:
-    """What one stage sets differently from `training:`; null = use the `training:` value."""
-
-    epochs: int | None = None
-    """Epochs of this stage; null = training.epochs."""
-    lr: float | None = None
-    """Peak learning rate of this stage; null = training.lr."""
-    batch_size: int | None = None
-    """Windows per micro-batch on each process; null = training.batch_size."""
-    clip_grad_norm: float | None = None
-    """Gradient-norm clip; null = training.clip_grad_norm, whose null means 2.0 (tokenizer) / 3.0 (predictor)."""
-
-
-@dataclass
-class TokenizerStageConfig(StageConfig):
-    """Tokenizer-stage overrides of `training:`."""
-
-    lr: float | None = 2e-4
-    """Peak learning rate of the tokenizer (original tokenizer_learning_rate 2e-4); null = training.lr."""
-
-
-@dataclass
-class PredictorStageConfig(StageConfig):
-    """Predictor-stage overrides of `training:`."""
-
-    lr: float | None = 4e-5
-    """Peak learning rate of the predictor (original predictor_learning_rate 4e-5); null = training.lr."""
-
-
-@dataclass
 class PathsConfig:
     """Where the stages write (`paths:` in YAML); `{name}` refers to another field of this section."""
 
@@ -259,15 +229,14 @@ class QlibConfig:
         _check_model(self.model, p)
         validate_training_config(self.training, p, "training")
         for stage in ("tokenizer", "predictor"):
-            _check_stage(getattr(self, f"{stage}_training"), f"{stage}_training", p)
+            validate_stage(getattr(self, f"{stage}_training"), f"{stage}_training", p)
         _check_inference(self.inference, p)
         _check_backtest(self, p)
         return p
 
     def stage_training(self, stage: Literal["tokenizer", "predictor"]) -> TrainingConfig:
         """`training` with the stage's non-null overrides applied: what the engine runs that stage with."""
-        overrides = {k: v for k, v in dataclasses.asdict(getattr(self, f"{stage}_training")).items() if v is not None}
-        return dataclasses.replace(self.training, **overrides)
+        return apply_stage(self.training, getattr(self, f"{stage}_training"))
 
     def validate(self) -> None:
         """Raise one ConfigError (a ValueError) listing every problem; nothing when the settings are consistent."""
@@ -383,15 +352,6 @@ def _check_model(m: ModelConfig, p: Problems) -> None:
             "model.tokenizer_args.d_in",
             f"must be {len(FEATURE_LIST)} (the features {FEATURE_LIST}), got {m.tokenizer_args['d_in']}",
         )
-
-
-def _check_stage(st: StageConfig, prefix: str, p: Problems) -> None:
-    p.check(st.epochs is None or st.epochs >= 1, f"{prefix}.epochs", f"must be >= 1 or null, got {st.epochs}")
-    p.check(st.lr is None or st.lr > 0, f"{prefix}.lr", f"must be > 0 or null, got {st.lr}")
-    p.check(st.batch_size is None or st.batch_size >= 1, f"{prefix}.batch_size", f"must be >= 1 or null, got {st.batch_size}")
-    p.check(
-        st.clip_grad_norm is None or st.clip_grad_norm >= 0, f"{prefix}.clip_grad_norm", f"must be >= 0 or null, got {st.clip_grad_norm}"
-    )
 
 
 def _check_inference(i: InferenceConfig, p: Problems) -> None:

@@ -7,13 +7,13 @@ the YAML key to change, before any data is read or any folder is created.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from finetune.utils.config_utils import Problems, load_config
+from finetune.utils.stage_config import PredictorStageConfig, TokenizerStageConfig, apply_stage, validate_stage
 from finetune.utils.training_utils import TrainingConfig, validate_training_config
 
 # Column names of a candle as the models see it, in feature order (the model contract).
@@ -171,36 +171,6 @@ class CsvTrainingConfig(TrainingConfig):
 
 
 @dataclass
-class StageConfig:
-    """What one stage may set differently from `training:`; null = use the `training:` value."""
-
-    epochs: int | None = None
-    """Epochs of this stage; 0 = do not train it (keep the starting model); null = training.epochs."""
-    lr: float | None = None
-    """Peak learning rate of this stage; null = training.lr."""
-    batch_size: int | None = None
-    """Windows per micro-batch on each process for this stage; null = training.batch_size."""
-    clip_grad_norm: float | None = None
-    """Gradient-norm clip; null = training.clip_grad_norm, whose null means 2.0 (tokenizer) / 3.0 (predictor)."""
-
-
-@dataclass
-class TokenizerStageConfig(StageConfig):
-    """Tokenizer-stage overrides of `training:` (reference learning rate 2e-4)."""
-
-    lr: float | None = 2e-4
-    """Peak learning rate of the tokenizer (reference finetuning: 2e-4); null = training.lr."""
-
-
-@dataclass
-class PredictorStageConfig(StageConfig):
-    """Predictor-stage overrides of `training:` (reference learning rate 4e-5)."""
-
-    lr: float | None = 4e-5
-    """Peak learning rate of the predictor (reference finetuning: 4e-5); null = training.lr."""
-
-
-@dataclass
 class PathsConfig:
     """Where outputs go; `{exp_name}` in a path is replaced by the experiment name."""
 
@@ -254,9 +224,7 @@ class CsvFinetuneConfig:
 
     def stage_training(self, stage: Literal["tokenizer", "predictor"]) -> TrainingConfig:
         """The engine's settings for `stage`: `training:` with the stage's non-null overrides applied."""
-        overrides = self.tokenizer_training if stage == "tokenizer" else self.predictor_training
-        changed = {k: v for k, v in vars(overrides).items() if v is not None}
-        return dataclasses.replace(self.training, **changed)
+        return apply_stage(self.training, getattr(self, f"{stage}_training"))
 
     @property
     def tokenizer_dir(self) -> Path:
@@ -340,12 +308,7 @@ def _check_model(m: ModelConfig, p: Problems) -> None:
 def _check_training(cfg: CsvFinetuneConfig, p: Problems) -> None:
     validate_training_config(cfg.training, p, prefix="training")
     for key in ("tokenizer_training", "predictor_training"):
-        o: StageConfig = getattr(cfg, key)
-        p.check(o.epochs is None or o.epochs >= 0, f"{key}.epochs", f"must be >= 0 or null, got {o.epochs}")
-        p.check(o.lr is None or o.lr > 0, f"{key}.lr", f"must be > 0 or null, got {o.lr}")
-        p.check(o.batch_size is None or o.batch_size >= 1, f"{key}.batch_size", f"must be >= 1 or null, got {o.batch_size}")
-        p.check(o.clip_grad_norm is None or o.clip_grad_norm >= 0, f"{key}.clip_grad_norm",
-                f"must be >= 0 or null, got {o.clip_grad_norm}")
+        validate_stage(getattr(cfg, key), key, p, min_epochs=0)  # epochs 0 = skip the stage
 
 
 def _check_paths(paths: PathsConfig, p: Problems) -> None:

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .kronos import Kronos
-from .layers import KVCache
 
 
 def sample_from_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = 0,

@@ -69,7 +69,7 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu ({torch.get_num_threads()} threads)"
     print(f"\nGeneration, Kronos-small shapes, context {args.context}, {args.steps} steps, {args.samples} sample(s), "
           f"max_context {args.max_context}, device {name}, torch {torch.__version__}")
-    print(f"| path | seconds | steps/s | speed-up |\n|---|---|---|---|")
+    print("| path | seconds | steps/s | speed-up |\n|---|---|---|---|")
     print(f"| full recompute | {t_plain:.2f} | {args.steps / t_plain:.1f} | 1.0x |")
     print(f"| kv cache | {t_cache:.2f} | {args.steps / t_cache:.1f} | {t_plain / t_cache:.1f}x |")
     print(f"greedy forecasts identical: {same}")

@@ -50,7 +50,7 @@ from .checkpoint import (
     save_pretrained_atomic,
     set_rng_state,
 )
-from .config_utils import ConfigError, Problems, config_to_dict
+from .config_utils import Problems, config_to_dict
 from .distributed import DistInfo, all_reduce_sum, barrier, seed_everything
 from .metrics import MetricsLogger, plot_loss_curves, read_metrics
 from .provenance import write_run_info
