@@ -39,7 +39,10 @@ def sample_from_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: in
 
 
 class _CachedDecoder:
-    """Incremental trunk + dependency-layer state for one batch of sequences (valid until the window slides)."""
+    """Incremental trunk + dependency-layer state of one batch of sequences.
+
+    The cache holds the tokens from absolute position `offset` on, at window positions 0..length-1.
+    """
 
     def __init__(self, model: Kronos, batch: int, max_context: int, device, dtype):
         self.model = model
@@ -48,7 +51,12 @@ class _CachedDecoder:
         shape = (batch, attn.n_heads, max_context, attn.head_dim)
         self.dep_k = torch.zeros(shape, device=device, dtype=dtype)  # (B, 4, max_context, Dh)
         self.dep_v = torch.zeros(shape, device=device, dtype=dtype)
+        self.offset = 0
         self.length = 0
+
+    def restart(self, offset: int) -> None:
+        """Forget everything: the next `extend` starts a window at absolute position `offset`."""
+        self.offset, self.length = offset, 0
 
     def extend(self, s1: torch.Tensor, s2: torch.Tensor, stamp: torch.Tensor) -> torch.Tensor:
         """Append tokens (B, L) at positions length.. -> hidden state of the last one (B, 1, d)."""
@@ -88,13 +96,14 @@ def generate_tokens(model: Kronos, s1_ctx: torch.Tensor, s2_ctx: torch.Tensor, s
     if use_cache:
         decoder = _CachedDecoder(model, batch, max_context, s1.device, next(model.parameters()).dtype)
     for cur in tqdm(range(n_ctx, total), disable=not verbose, desc="forecast", leave=False):
-        start = max(0, cur - max_context)
-        if decoder is not None and cur <= max_context:
-            # Fits in the window: feed only what the cache has not seen yet (the whole context on the first step).
-            lo = decoder.length
+        start = max(0, cur - max_context)  # the window is tokens start..cur-1, at positions 0..cur-start-1
+        if decoder is not None:
+            if start != decoder.offset:
+                # The window slid: every hidden state in it changes, so the cache restarts on the new window.
+                decoder.restart(start)
+            lo = decoder.offset + decoder.length  # feed what the cache has not seen (the whole window at first)
             h_last = decoder.extend(s1[:, lo:cur], s2[:, lo:cur], stamps[:, lo:cur])
-            s1_logits = model.head(h_last)[:, -1]
-            s1_next = sample_from_logits(s1_logits, temperature, top_k, top_p)
+            s1_next = sample_from_logits(model.head(h_last)[:, -1], temperature, top_k, top_p)
             s2_logits = decoder.s2_logits(h_last, s1_next)
         else:
             # Full recompute of the window (the published algorithm).
