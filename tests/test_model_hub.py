@@ -125,3 +125,14 @@ def test_wrong_shapes_fail_loudly(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(RuntimeError, match="size mismatch"):
         Kronos.from_pretrained(tmp_path)
+
+
+def test_saved_files_get_ordinary_permissions(tmp_path):
+    import os
+    _, pred = tiny_models()
+    pred.save_pretrained(tmp_path)
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~umask
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from model.hub import atomic_write
+
 __all__ = [
     "CHECKPOINT_FORMAT",
     "last_checkpoint_path",
@@ -38,11 +40,6 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def _public(path: str | Path, directory: bool = False) -> None:
-    """mkstemp/mkdtemp create owner-only entries; give the final file the permissions a plain open() would."""
-    os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
 
 
 def last_checkpoint_path(output_dir: str | Path) -> Path:
@@ -74,35 +71,15 @@ def atomic_torch_save(obj: Any, path: str | Path) -> Path:
     """`torch.save(obj)` to a temporary file beside `path`, then `os.replace` it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        _public(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
 def write_json_atomic(data: Any, path: str | Path) -> Path:
-    """Write `data` as indented JSON to `path` via a temporary file and `os.replace`."""
+    """Write `data` as indented JSON (NaN/inf as null) to `path` via a temporary file and `os.replace`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(_strict(data), f, indent=2, default=str)
-            f.write("\n")
-        _public(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    text = json.dumps(_strict(data), indent=2, default=str) + "\n"
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def _strict(data: Any) -> Any:
@@ -158,10 +135,8 @@ def save_pretrained_atomic(model: Any, folder: str | Path, extra_json: dict[str,
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        _public(tmp, directory=True)
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes an owner-only folder
         model.save_pretrained(str(tmp))
-        for written in tmp.iterdir():
-            _public(written)
         for name, data in (extra_json or {}).items():
             write_json_atomic(data, tmp / name)
         old = folder.with_name(f".{folder.name}.old")
