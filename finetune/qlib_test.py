@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from finetune.config import QlibConfig, check_model_folder, load_qlib_config
 from finetune.dataset import QlibSplit, check_processed, load_split, read_manifest, split_path
 from finetune.qlib_data_preprocess import check_qlib_folder, init_qlib, range_bounds, stamps_from_ns
-from finetune.train_tokenizer import load_model
+from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.config_utils import add_config_args, config_to_dict
 from model import Kronos, KronosPredictor, KronosTokenizer
 
@@ -318,8 +318,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # --- forecast every test window
     split = load_split(split_path(d.dataset_path, "test"))
     manifest = read_manifest(d.dataset_path)
-    tokenizer = load_model(KronosTokenizer, cfg.paths.finetuned_tokenizer_path, "paths.finetuned_tokenizer_path")
-    predictor = load_model(Kronos, cfg.paths.finetuned_predictor_path, "paths.finetuned_predictor_path")
+    tokenizer = load_pretrained(KronosTokenizer, cfg.paths.finetuned_tokenizer_path, "paths.finetuned_tokenizer_path")
+    predictor = load_pretrained(Kronos, cfg.paths.finetuned_predictor_path, "paths.finetuned_predictor_path")
     log.info("forecasting the test split on %s: %d instruments", device, split.n_instruments)
     frame = forecast_signals(cfg, split, np.asarray(manifest["test_calendar_ns"], dtype=np.int64), tokenizer, predictor, device)
     log.info("%d forecasts, %s .. %s", len(frame), frame.datetime.min().date(), frame.datetime.max().date())

@@ -16,7 +16,7 @@ import os
 
 from finetune.config import QlibConfig, check_model_folder, load_qlib_config
 from finetune.dataset import build_train_val_datasets, check_processed
-from finetune.train_tokenizer import load_model
+from finetune.utils.checkpoint import check_token_sizes, load_pretrained
 from finetune.utils.config_utils import add_config_args, config_to_dict
 from finetune.utils.distributed import distributed_context, require_torchrun, seed_everything
 from finetune.utils.training_utils import train_predictor
@@ -48,13 +48,9 @@ def build_predictor(cfg: QlibConfig, tokenizer: KronosTokenizer) -> Kronos:
         args = {"s1_bits": tokenizer.s1_bits, "s2_bits": tokenizer.s2_bits, **cfg.model.predictor_args}
         predictor = Kronos(**args)
     else:
-        predictor = load_model(Kronos, path, "model.pretrained_predictor_path")
-    if (predictor.s1_bits, predictor.s2_bits) != (tokenizer.s1_bits, tokenizer.s2_bits):
-        raise ValueError(
-            f"model.pretrained_predictor_path / model.predictor_args: the predictor has s1/s2 bits "
-            f"{predictor.s1_bits}/{predictor.s2_bits} but the tokenizer in paths.finetuned_tokenizer_path has "
-            f"{tokenizer.s1_bits}/{tokenizer.s2_bits}; use a matching pair"
-        )
+        predictor = load_pretrained(Kronos, path, "model.pretrained_predictor_path")
+    check_token_sizes(tokenizer, predictor, "paths.finetuned_tokenizer_path / model.pretrained_predictor_path / "
+                                            "model.predictor_args")
     return predictor
 
 
@@ -70,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     with distributed_context(training.dist_timeout_s) as dist:
         seed_everything(training.seed, dist.rank)  # before building: from-scratch init and dropout
         train_set, val_set, data_info = build_train_val_datasets(cfg)
-        tokenizer = load_model(KronosTokenizer, cfg.paths.finetuned_tokenizer_path, "paths.finetuned_tokenizer_path")
+        tokenizer = load_pretrained(KronosTokenizer, cfg.paths.finetuned_tokenizer_path, "paths.finetuned_tokenizer_path")
         predictor = build_predictor(cfg, tokenizer)
         result = train_predictor(
             predictor, tokenizer, train_set, val_set, training, cfg.paths.predictor_dir, dist,

@@ -15,6 +15,7 @@ import os
 
 from finetune.config import QlibConfig, check_model_folder, load_qlib_config
 from finetune.dataset import build_train_val_datasets, check_processed
+from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.config_utils import add_config_args, config_to_dict
 from finetune.utils.distributed import distributed_context, require_torchrun, seed_everything
 from finetune.utils.training_utils import train_tokenizer
@@ -42,15 +43,7 @@ def build_tokenizer(cfg: QlibConfig) -> KronosTokenizer:
     path = cfg.model.pretrained_tokenizer_path
     if path is None:
         return KronosTokenizer(**cfg.model.tokenizer_args)
-    return load_model(KronosTokenizer, path, "model.pretrained_tokenizer_path")
-
-
-def load_model(cls: type, path: str, key: str):
-    """`cls.from_pretrained(path)`, with the setting to change named when it fails."""
-    try:
-        return cls.from_pretrained(path)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
-        raise ValueError(f"{key}: cannot load {cls.__name__} from {path!r}: {e}") from e
+    return load_pretrained(KronosTokenizer, path, "model.pretrained_tokenizer_path")
 
 
 def main(argv: list[str] | None = None) -> None:

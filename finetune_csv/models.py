@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
+from finetune.utils.checkpoint import check_token_sizes, load_pretrained
 from finetune_csv.config import FEATURES, CsvFinetuneConfig, ModelConfig
 from model import Kronos, KronosTokenizer
 
@@ -24,27 +25,9 @@ def build_predictor(cfg: ModelConfig, tokenizer: KronosTokenizer) -> Kronos:
         predictor = load_pretrained(Kronos, cfg.pretrained_predictor, "model.pretrained_predictor")
     else:
         predictor = Kronos(s1_bits=tokenizer.s1_bits, s2_bits=tokenizer.s2_bits, **asdict(cfg.predictor_arch))
-    check_compatible(tokenizer, predictor)
+    check_token_sizes(tokenizer, predictor, "model.pretrained_tokenizer / model.pretrained_predictor / "
+                                            "model.tokenizer_arch.s1_bits, s2_bits")
     return predictor
-
-
-def load_pretrained(cls: type, source: str, key: str):
-    """`cls.from_pretrained(source)` with the YAML key to change named in the error."""
-    try:
-        return cls.from_pretrained(source)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
-        raise ValueError(f"{key}: cannot load {cls.__name__} from '{source}': {e}\n"
-                         f"  set {key} to a folder with config.json + model.safetensors, or null to train from "
-                         "scratch") from e
-
-
-def check_compatible(tokenizer: KronosTokenizer, predictor: Kronos) -> None:
-    """The predictor's vocabularies must match the tokenizer's sub-token bits (else ids index out of range)."""
-    if (tokenizer.s1_bits, tokenizer.s2_bits) != (predictor.s1_bits, predictor.s2_bits):
-        raise ValueError(
-            f"tokenizer has s1/s2 bits {tokenizer.s1_bits}/{tokenizer.s2_bits} but the predictor expects "
-            f"{predictor.s1_bits}/{predictor.s2_bits}; pick matching model.pretrained_tokenizer / "
-            "model.pretrained_predictor (or model.tokenizer_arch.s1_bits/s2_bits)")
 
 
 def best_dir(stage_dir: Path) -> Path:

@@ -150,3 +150,22 @@ def save_pretrained_atomic(model: Any, folder: str | Path, extra_json: dict[str,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
+
+
+def load_pretrained(cls: Any, source: str | Path, key: str) -> Any:
+    """`cls.from_pretrained(source)` (a published-format folder or Hub id), failing with a ValueError that names
+    the YAML key to change."""
+    try:
+        return cls.from_pretrained(source)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{key}: cannot load {cls.__name__} from '{source}': {e}\n  set {key} to a folder with "
+                         "config.json + model.safetensors (or a Hub id)") from e
+
+
+def check_token_sizes(tokenizer: Any, predictor: Any, keys: str) -> None:
+    """The predictor's vocabularies must match the tokenizer's sub-token bits (else ids index out of range);
+    `keys` names the settings that chose the pair."""
+    if (tokenizer.s1_bits, tokenizer.s2_bits) != (predictor.s1_bits, predictor.s2_bits):
+        raise ValueError(
+            f"{keys}: the tokenizer has s1/s2 bits {tokenizer.s1_bits}/{tokenizer.s2_bits} but the predictor "
+            f"expects {predictor.s1_bits}/{predictor.s2_bits}; use a matching pair")
