@@ -99,8 +99,10 @@ class KronosPredictor:
                               sample_count, verbose)  # (B, S, pred_len, 6), normalised
         results = []
         for i, y_idx in enumerate(y_indexes):
-            samples = paths[i] * (stds[i] + 1e-5) + means[i]  # (S, pred_len, 6) in input units
-            mean_df = pd.DataFrame(samples.mean(axis=0), columns=FEATURE_COLS, index=y_idx)
+            scale = stds[i] + 1e-5
+            # Average in normalised space, then undo the normalisation (the published order: same float32 bits).
+            mean_df = pd.DataFrame(paths[i].mean(axis=0) * scale + means[i], columns=FEATURE_COLS, index=y_idx)
+            samples = paths[i] * scale + means[i]  # (S, pred_len, 6) in input units
             if not (return_samples or quantiles):
                 results.append(mean_df)
                 continue
