@@ -14,6 +14,7 @@ ValueError) listing every problem by its YAML key; the entry points add their fi
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from typing import Any, Literal
 
 import pandas as pd
 
-from finetune.utils.config_utils import Problems, load_config
+from finetune.utils.config_utils import Problems, add_config_args, load_config
 from finetune.utils.stage_config import PredictorStageConfig, StageConfig, TokenizerStageConfig, apply_stage, validate_stage
 from finetune.utils.training_utils import TrainingConfig, validate_training_config
 
@@ -412,3 +413,10 @@ def check_model_folder(path: str | None, key: str, problems: Problems, *, hub_ok
         return
     hint = " (train that stage first, or point the setting at a trained model folder)" if not hub_ok else ""
     problems.add(key, f"{path} does not exist{hint}")
+
+
+def cli_parser(doc: str) -> argparse.ArgumentParser:
+    """What every Qlib entry point takes: --config (default configs/qlib_csi300.yaml) and repeatable --set."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    add_config_args(parser, default_config="configs/qlib_csi300.yaml")
+    return parser

@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from finetune.config import QlibConfig, load_qlib_config, parse_range
+from finetune.config import QlibConfig, cli_parser, load_qlib_config, parse_range
 from finetune.dataset import FORMAT, MANIFEST_NAME, QlibSplit, manifest_settings, save_split, split_path
 from finetune.utils.checkpoint import write_json_atomic
-from finetune.utils.config_utils import ConfigError, Problems, add_config_args
+from finetune.utils.config_utils import ConfigError, Problems
 from model.features import calc_time_stamps
 
 log = logging.getLogger("finetune.qlib")
@@ -329,8 +329,7 @@ def load_frame(cfg: QlibConfig, start: pd.Timestamp, end: pd.Timestamp) -> pd.Da
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_config_args(parser, default_config="configs/qlib_csi300.yaml")
+    parser = cli_parser(__doc__)
     return parser.parse_args(argv)
 
 

@@ -35,11 +35,11 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from finetune.config import QlibConfig, check_model_folder, load_qlib_config
+from finetune.config import QlibConfig, check_model_folder, cli_parser, load_qlib_config
 from finetune.dataset import QlibSplit, check_processed, load_split, read_manifest, split_path
 from finetune.qlib_data_preprocess import check_qlib_folder, init_qlib, range_bounds, stamps_from_ns
 from finetune.utils.checkpoint import load_pretrained
-from finetune.utils.config_utils import add_config_args, config_to_dict
+from finetune.utils.config_utils import config_to_dict
 from model import Kronos, KronosPredictor, KronosTokenizer
 
 log = logging.getLogger("finetune.qlib")
@@ -269,8 +269,7 @@ def plot_cumulative(daily: pd.DataFrame, signals: list[str], benchmark: str, pat
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_config_args(parser, default_config="configs/qlib_csi300.yaml")
+    parser = cli_parser(__doc__)
     parser.add_argument("--device", default=None, help="cuda, cuda:1, cpu, ... (default: cuda if available, else cpu)")
     return parser.parse_args(argv)
 

@@ -14,10 +14,10 @@ import argparse
 import logging
 import os
 
-from finetune.config import QlibConfig, check_model_folder, load_qlib_config
+from finetune.config import QlibConfig, check_model_folder, cli_parser, load_qlib_config
 from finetune.dataset import build_train_val_datasets, check_processed
 from finetune.utils.checkpoint import check_token_sizes, load_pretrained
-from finetune.utils.config_utils import add_config_args, config_to_dict
+from finetune.utils.config_utils import config_to_dict
 from finetune.utils.distributed import distributed_context, require_torchrun, seed_everything
 from finetune.utils.training_utils import train_predictor
 from model import Kronos, KronosTokenizer
@@ -26,8 +26,7 @@ SCRIPT = "finetune/train_predictor.py"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_config_args(parser, default_config="configs/qlib_csi300.yaml")
+    parser = cli_parser(__doc__)
     return parser.parse_args(argv)
 
 

@@ -13,10 +13,10 @@ import argparse
 import logging
 import os
 
-from finetune.config import QlibConfig, check_model_folder, load_qlib_config
+from finetune.config import QlibConfig, check_model_folder, cli_parser, load_qlib_config
 from finetune.dataset import build_train_val_datasets, check_processed
 from finetune.utils.checkpoint import load_pretrained
-from finetune.utils.config_utils import add_config_args, config_to_dict
+from finetune.utils.config_utils import config_to_dict
 from finetune.utils.distributed import distributed_context, require_torchrun, seed_everything
 from finetune.utils.training_utils import train_tokenizer
 from model import KronosTokenizer
@@ -25,8 +25,7 @@ SCRIPT = "finetune/train_tokenizer.py"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_config_args(parser, default_config="configs/qlib_csi300.yaml")
+    parser = cli_parser(__doc__)
     return parser.parse_args(argv)
 
 
