@@ -1,0 +1,176 @@
+"""Typed constructor arguments of the two models, in the spirit of nanoGPT's `GPTConfig` and Chronos' `ChronosConfig`.
+
+Each dataclass mirrors its model's constructor one field per argument (the names are the published `config.json`
+keys), with the published checkpoints' values as defaults:
+
+    KronosTokenizerConfig()          == Kronos-Tokenizer-base
+    KronosConfig()                   == Kronos-small (s1/s2 bits taken from the tokenizer when left null)
+
+    tokenizer = KronosTokenizer(**asdict(KronosTokenizerConfig(d_model=32)))
+
+`problems(prefix)` lists every value that the constructor would reject or that cannot be allocated sanely, as
+`(yaml_key, message)` pairs, so configs and untrusted `config.json` files are checked before any tensor exists.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+# Sane upper bounds for values read from files we did not write (a config.json from the Hub, a YAML typo):
+# far above every published model, far below what would try to allocate terabytes.
+MAX_WIDTH = 16_384
+MAX_LAYERS = 256
+MAX_BITS = 20  # vocabulary 2^20 ~ 1M tokens per sub-token
+
+
+@dataclass
+class KronosTokenizerConfig:
+    """`KronosTokenizer` constructor arguments (defaults: the published Kronos-Tokenizer-base)."""
+
+    d_in: int = 6
+    """Features per candle: open, high, low, close, volume, amount."""
+    d_model: int = 256
+    """Width of the tokenizer's transformer."""
+    n_heads: int = 4
+    """Attention heads (must divide d_model)."""
+    ff_dim: int = 512
+    """Hidden width of the feed-forward layers."""
+    n_enc_layers: int = 4
+    """Encoder depth (the model builds n_enc_layers - 1 blocks, as the published one does)."""
+    n_dec_layers: int = 4
+    """Decoder depth (n_dec_layers - 1 blocks)."""
+    ffn_dropout_p: float = 0.0
+    """Dropout after the feed-forward layers."""
+    attn_dropout_p: float = 0.0
+    """Dropout on attention weights."""
+    resid_dropout_p: float = 0.0
+    """Dropout on the attention output."""
+    s1_bits: int = 10
+    """Bits of the coarse sub-token (vocabulary 2^s1_bits)."""
+    s2_bits: int = 10
+    """Bits of the fine sub-token (must equal s1_bits)."""
+    beta: float = 0.05
+    """Commitment loss weight of the BSQ quantizer."""
+    gamma0: float = 1.0
+    """Per-sample entropy weight."""
+    gamma: float = 1.1
+    """Codebook entropy weight."""
+    zeta: float = 0.05
+    """Weight of the entropy terms."""
+    group_size: int = 4
+    """Quantizer group size for the codebook entropy (must divide s1_bits + s2_bits)."""
+
+    def problems(self, prefix: str = "") -> list[tuple[str, str]]:
+        """Every invalid value as (key, message); empty when the tokenizer can be built."""
+        k = _keyer(prefix)
+        out = _type_problems(self, k)
+        if out:
+            return out
+        _bounded(out, k("d_in"), self.d_in, 1, 1024)
+        _bounded(out, k("d_model"), self.d_model, 1, MAX_WIDTH)
+        _bounded(out, k("ff_dim"), self.ff_dim, 1, 4 * MAX_WIDTH)
+        _bounded(out, k("n_heads"), self.n_heads, 1, self.d_model if self.d_model >= 1 else 1)
+        if self.n_heads >= 1 and self.d_model % self.n_heads:
+            out.append((k("n_heads"), f"({self.n_heads}) must divide d_model ({self.d_model})"))
+        _bounded(out, k("n_enc_layers"), self.n_enc_layers, 1, MAX_LAYERS)
+        _bounded(out, k("n_dec_layers"), self.n_dec_layers, 1, MAX_LAYERS)
+        for name in ("ffn_dropout_p", "attn_dropout_p", "resid_dropout_p"):
+            _bounded(out, k(name), getattr(self, name), 0.0, 1.0, high_open=True)
+        _bounded(out, k("s1_bits"), self.s1_bits, 1, MAX_BITS)
+        _bounded(out, k("s2_bits"), self.s2_bits, 1, MAX_BITS)
+        if self.s1_bits != self.s2_bits:
+            out.append((k("s2_bits"), f"must equal s1_bits ({self.s2_bits} != {self.s1_bits}): decoding assumes it"))
+        _bounded(out, k("group_size"), self.group_size, 1, 16)
+        if self.group_size >= 1 and (self.s1_bits + self.s2_bits) % self.group_size:
+            out.append((k("group_size"),
+                        f"({self.group_size}) must divide s1_bits + s2_bits ({self.s1_bits + self.s2_bits})"))
+        for name in ("beta", "gamma0", "gamma", "zeta"):
+            _bounded(out, k(name), getattr(self, name), 0.0, 1e6)
+        return out
+
+
+@dataclass
+class KronosConfig:
+    """`Kronos` (predictor) constructor arguments (defaults: the published Kronos-small).
+
+    `s1_bits` / `s2_bits` null = take them from the tokenizer the predictor is paired with (a factory fills them in);
+    a value that differs from the tokenizer's is an error there.
+    """
+
+    s1_bits: int | None = None
+    """Bits of the coarse sub-token; null = the tokenizer's."""
+    s2_bits: int | None = None
+    """Bits of the fine sub-token; null = the tokenizer's."""
+    n_layers: int = 8
+    """Transformer depth."""
+    d_model: int = 512
+    """Width of the transformer (a multiple of 4: the dependency layer always has 4 heads)."""
+    n_heads: int = 8
+    """Attention heads (must divide d_model)."""
+    ff_dim: int = 1024
+    """Hidden width of the feed-forward layers."""
+    ffn_dropout_p: float = 0.2
+    """Dropout after the feed-forward layers."""
+    attn_dropout_p: float = 0.0
+    """Dropout on attention weights."""
+    resid_dropout_p: float = 0.2
+    """Dropout on the attention output."""
+    token_dropout_p: float = 0.0
+    """Dropout on the input embeddings."""
+    learn_te: bool = True
+    """Learned time embeddings (true, as published) or fixed sinusoidal ones."""
+
+    def problems(self, prefix: str = "") -> list[tuple[str, str]]:
+        """Every invalid value as (key, message); empty when the predictor can be built (bits may be null)."""
+        k = _keyer(prefix)
+        out = _type_problems(self, k)
+        if out:
+            return out
+        for name in ("s1_bits", "s2_bits"):
+            if getattr(self, name) is not None:
+                _bounded(out, k(name), getattr(self, name), 1, MAX_BITS)
+        _bounded(out, k("n_layers"), self.n_layers, 1, MAX_LAYERS)
+        _bounded(out, k("d_model"), self.d_model, 4, MAX_WIDTH)
+        if self.d_model % 4:
+            out.append((k("d_model"), f"({self.d_model}) must be a multiple of 4 (the dependency layer has 4 heads)"))
+        _bounded(out, k("ff_dim"), self.ff_dim, 1, 4 * MAX_WIDTH)
+        _bounded(out, k("n_heads"), self.n_heads, 1, max(self.d_model, 1))
+        if self.n_heads >= 1 and self.d_model % self.n_heads:
+            out.append((k("n_heads"), f"({self.n_heads}) must divide d_model ({self.d_model})"))
+        for name in ("ffn_dropout_p", "attn_dropout_p", "resid_dropout_p", "token_dropout_p"):
+            _bounded(out, k(name), getattr(self, name), 0.0, 1.0, high_open=True)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _keyer(prefix: str):
+    return lambda name: f"{prefix}.{name}" if prefix else name
+
+
+def _type_problems(cfg: Any, k) -> list[tuple[str, str]]:
+    """Wrong types first (a string d_model would make every bound check meaningless). bool is not an int here."""
+    out = []
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        want = str(f.type)
+        if value is None and "None" in want:
+            continue
+        if want.startswith("int"):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif want.startswith("float"):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif want.startswith("bool"):
+            ok = isinstance(value, bool)
+        else:
+            ok = True
+        if not ok:
+            out.append((k(f.name), f"must be {want.split(' |')[0]}, got {value!r} ({type(value).__name__})"))
+    return out
+
+
+def _bounded(out: list, key: str, value: float, low: float, high: float, high_open: bool = False) -> None:
+    if value < low or value > high or (high_open and value >= high):
+        upper = f"< {high}" if high_open else f"<= {high}"
+        out.append((key, f"must be >= {low} and {upper}, got {value}"))
