@@ -1,0 +1,129 @@
+"""Graceful stop: SIGTERM/SIGINT finish the step, save, print one line, exit 75; a second signal exits at once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from finetune.utils.interrupts import (
+    STOPPED_EXIT_CODE,
+    GracefulStop,
+    TrainingStopped,
+    agree_to_stop,
+    stop_requested,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A dummy training loop: each "step" logs start/end around a sleep; after each step it checks for a stop request,
+# "saves" (writes the step number, slowly when asked, to give the test time for a second signal) and exits.
+LOOP = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from finetune.utils.interrupts import GracefulStop, TrainingStopped, agree_to_stop, stop_requested
+    out, save_seconds = Path(sys.argv[1]), float(sys.argv[2])
+    log = open(out / "steps.log", "w", buffering=1)
+    try:
+        with GracefulStop() as stopper:
+            step = 0
+            while True:
+                step += 1
+                log.write(f"start {step}\\n"); print(f"start {step}", flush=True)
+                time.sleep(0.3)                     # the optimizer step
+                log.write(f"end {step}\\n")
+                if agree_to_stop(stop_requested()):
+                    time.sleep(save_seconds)
+                    (out / "saved.txt").write_text(str(step))
+                    raise TrainingStopped(stopper.signal_name, out / "saved.txt", step)
+    except TrainingStopped as e:
+        print(e, file=sys.stderr)
+        sys.exit(e.exit_code)
+""")
+
+
+def start_loop(tmp_path: Path, save_seconds: float = 0.0) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", LOOP, str(tmp_path), str(save_seconds)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.readline().strip() == "start 1", proc.stderr.read()
+    return proc
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_finishes_the_current_step_saves_and_exits_with_one_line(tmp_path, sig):
+    proc = start_loop(tmp_path)
+    time.sleep(0.1)  # inside step 1's sleep
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == STOPPED_EXIT_CODE == 75
+    assert (tmp_path / "saved.txt").read_text() == "1"
+    assert (tmp_path / "steps.log").read_text().split("\n")[:2] == ["start 1", "end 1"]  # the step completed
+    lines = err.strip().splitlines()
+    name = signal.Signals(sig).name
+    assert len(lines) == 2 and "Traceback" not in err, err
+    assert lines[0].startswith(f"received {name}: finishing the current step")
+    assert lines[1] == f"stopped on {name} at step 1; saved {tmp_path / 'saved.txt'}; run again with " \
+                       "training.resume=auto to continue"
+
+
+def test_second_sigint_exits_immediately_with_one_line(tmp_path):
+    proc = start_loop(tmp_path, save_seconds=30.0)
+    proc.send_signal(signal.SIGINT)
+    assert proc.stderr.readline().startswith("received SIGINT: finishing")
+    time.sleep(0.6)  # now in the slow "save"
+    began = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=20)
+    assert time.monotonic() - began < 10
+    assert proc.returncode == 130
+    assert err.strip() == "received SIGINT again: quitting now without saving"
+    assert not (tmp_path / "saved.txt").exists()
+
+
+def test_handlers_are_restored_and_flag_is_per_context():
+    before_int, before_term = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    assert not stop_requested()
+    with GracefulStop() as stopper:
+        assert signal.getsignal(signal.SIGINT) == stopper._handle
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while not stopper.requested and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stopper.signal_name == "SIGTERM" and stop_requested()
+        assert agree_to_stop(stop_requested()) is True  # no process group: the flag itself
+    assert not stop_requested()
+    assert signal.getsignal(signal.SIGINT) == before_int and signal.getsignal(signal.SIGTERM) == before_term
+    with GracefulStop(enabled=False):
+        assert signal.getsignal(signal.SIGINT) == before_int
+    assert agree_to_stop(False) is False
+
+
+def test_training_stopped_message_without_checkpoint():
+    e = TrainingStopped("SIGTERM")
+    assert str(e) == "stopped on SIGTERM; run again with training.resume=auto to continue" and e.exit_code == 75
+
+
+AGREE = textwrap.dedent("""
+    import sys, torch.distributed as tdist
+    from finetune.utils.interrupts import agree_to_stop
+    rank = int(sys.argv[2])
+    tdist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=rank, world_size=2)
+    print(agree_to_stop(rank == 1), agree_to_stop(False))
+    tdist.destroy_process_group()
+""")
+
+
+@pytest.mark.slow
+def test_ranks_agree_to_stop_when_any_rank_was_signalled(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", AGREE, str(tmp_path / "rdv"), str(r)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [o.strip() for o, _ in outs] == ["True False", "True False"]
