@@ -25,7 +25,8 @@ This module is the public face of the engine; the pieces live beside it, one con
     stages.py           tokenizer_loss, predictor_loss, the two Stages (loss, clip, loss parts, best-model saving)
     schedule.py         pure decisions: early stopping, when to log / checkpoint, micro-batch sizes
     loss_sums.py        the one loss accumulator (log window, epoch loss, validation)
-    trainer.py          Trainer: the loop;  seeding.py, faults.py, logging_setup.py: process-wide helpers
+    trainer.py          Trainer: the loop;  run_state.py: LoopState (last.pt "loop") and TrainResult
+    seeding.py, faults.py, logging_setup.py: process-wide helpers
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ from .stages import (
     predictor_loss,
     tokenizer_loss,
 )
-from .trainer import Trainer, TrainResult, evaluate, val_sampler
+from .run_state import TrainResult
+from .trainer import Trainer, evaluate, val_sampler
 from .training_config import TrainingConfig, validate_training_config
 
 __all__ = [
