@@ -17,6 +17,7 @@ from finetune.utils.distributed import (
     resolve_backend,
     seed_everything,
 )
+from finetune.utils.schedule import step_batch_sizes
 from finetune.utils.training_utils import (
     micro_batch_sizes,
     optimizer_steps_per_epoch,
@@ -70,6 +71,10 @@ def test_checkpoint_and_log_steps():
 def test_micro_batches_and_optimizer_steps(samples, batch, accum, sizes, steps):
     assert micro_batch_sizes(samples, batch) == sizes
     assert optimizer_steps_per_epoch(samples, batch, accum) == steps
+    # The steps' micro-batches cover the epoch's exactly once, in order; past the last step there are none.
+    per_step = [step_batch_sizes(sizes, s, accum) for s in range(steps)]
+    assert all(1 <= len(p) <= accum for p in per_step) and sum(per_step, []) == sizes
+    assert step_batch_sizes(sizes, steps, accum) == []
 
 
 def test_backend_choice_and_nccl_without_cuda_message():

@@ -1,7 +1,6 @@
-"""One code path for a single process and for `torchrun` (N processes), plus per-process seeding.
+"""One code path for a single process and for `torchrun` (N processes).
 
     with distributed_context(timeout_s=1800) as dist:     # reads RANK / WORLD_SIZE / LOCAL_RANK set by torchrun
-        seed_everything(cfg.seed, dist.rank)               # seed + rank
         ...                                                # train; side effects only `if dist.is_main`
 
 Without torchrun there is no process group (a world of 1) and the collective helpers below are no-ops, so the
@@ -14,15 +13,20 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import os
-import random
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as tdist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+# Re-exported for the entry points that import it from here (new code: finetune.utils.seeding).
+from .seeding import seed_everything
 
 __all__ = [
     "DistInfo",
@@ -32,10 +36,9 @@ __all__ = [
     "resolve_backend",
     "barrier",
     "all_reduce_sum",
-    "broadcast_object",
-    "is_main",
-    "get_rank",
-    "get_world_size",
+    "all_gather_object",
+    "wrap_model",
+    "no_sync",
     "seed_everything",
 ]
 
@@ -146,21 +149,6 @@ def _active() -> bool:
     return tdist.is_available() and tdist.is_initialized()
 
 
-def get_rank() -> int:
-    """Global rank (0 without a process group)."""
-    return tdist.get_rank() if _active() else 0
-
-
-def get_world_size() -> int:
-    """Number of processes (1 without a process group)."""
-    return tdist.get_world_size() if _active() else 1
-
-
-def is_main() -> bool:
-    """True on rank 0 (and in a single process)."""
-    return get_rank() == 0
-
-
 def barrier() -> None:
     """Wait for every rank (no-op in a single process); used before ranks read what rank 0 wrote."""
     if _active() and tdist.get_world_size() > 1:
@@ -177,19 +165,38 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def broadcast_object(obj: object, src: int = 0) -> object:
-    """Return rank `src`'s `obj` on every rank (identity in a single process)."""
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank (`[obj]` in a single process); must be picklable."""
     if not (_active() and tdist.get_world_size() > 1):
-        return obj
-    box = [obj]
-    tdist.broadcast_object_list(box, src=src)
-    return box[0]
+        return [obj]
+    out: list[Any] = [None] * tdist.get_world_size()
+    tdist.all_gather_object(out, obj)
+    return out
 
 
-def seed_everything(seed: int, rank: int = 0) -> int:
-    """Seed python, numpy and torch (all devices) with `seed + rank`; returns the seed used."""
-    s = int(seed) + int(rank)
-    random.seed(s)
-    np.random.seed(s % 2**32)
-    torch.manual_seed(s)
-    return s
+def wrap_model(model: nn.Module, dist: DistInfo) -> nn.Module:
+    """DDP around `model` when there are several processes; the model itself otherwise (same call syntax).
+
+    Wrapping broadcasts rank 0's parameters to the other ranks, so every rank starts from the same weights.
+    """
+    if not dist.distributed:
+        return model
+    # broadcast_buffers=False: the only buffers are constants (rotary frequencies, BSQ bases), and skipping the
+    # per-forward broadcast lets ranks run different numbers of validation batches without a collective mismatch.
+    # (newer torch names the flag forward_sync_buffers and deprecates broadcast_buffers)
+    no_buffer_sync = (
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+        else {"broadcast_buffers": False}
+    )
+    return DistributedDataParallel(
+        model,
+        device_ids=[dist.device.index] if dist.device.type == "cuda" else None,
+        gradient_as_bucket_view=True,
+        **no_buffer_sync,
+    )
+
+
+def no_sync(wrapped: nn.Module) -> contextlib.AbstractContextManager:
+    """Skip DDP's gradient all-reduce in this backward (all but the last micro-batch of an optimizer step)."""
+    return wrapped.no_sync() if isinstance(wrapped, DistributedDataParallel) else contextlib.nullcontext()

@@ -1,0 +1,427 @@
+"""The training loop behind both stages: `Trainer(stage, train_set, val_set, cfg, out, dist, ...).fit()`.
+
+    fit():   resume -> open_outputs -> per epoch: train_epoch (train_step per optimizer step) + end_epoch -> finish
+    train_step:  forward_backward_step per micro-batch (DDP syncs on the last) -> optimizer_step -> after_step
+    after_step:  log the window (should_log), mid-epoch last.pt (should_save_checkpoint), test fault hook
+    end_epoch:   validate, keep the best model, early stopping, last.pt
+
+Why a class whose whole state is declared in `__init__` (torchtitan style) rather than one `fit()` function
+(litgpt style): a run is checkpointed from inside the step loop and resumed mid-epoch, so the loop counters, the
+running loss sums, the optimizer and the schedule are read and written at several points (step, log, checkpoint,
+validation, resume). As attributes declared in one place they are visibly "the run's state", each method reads on
+its own, and `save_last` / `resume` show exactly what survives an interruption (`LoopState` + tensors). One `fit()`
+would have to pass that same state to closures or repeat it in a dozen locals. Nothing is created outside
+`__init__`: methods only update the attributes it declares (tests/test_engine_helpers.py checks it).
+The file is a little over 400 lines because the loop's steps are kept together, in the order they run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from .checkpoint import (
+    CHECKPOINT_FORMAT,
+    atomic_torch_save,
+    find_resume_checkpoint,
+    last_checkpoint_path,
+    load_checkpoint,
+    rng_state,
+    set_rng_state,
+)
+from .config_utils import Problems, config_to_dict
+from .distributed import DistInfo, all_gather_object, barrier, no_sync, wrap_model
+from .faults import maybe_die_after_step
+from .loss_sums import LossSums
+from .metrics import MetricsLogger, plot_loss_curves, read_metrics
+from .provenance import write_run_info
+from .run_state import LoopState, TrainResult
+from .schedule import (
+    micro_batch_sizes,
+    optimizer_steps_per_epoch,
+    should_log,
+    should_save_checkpoint,
+    step_batch_sizes,
+    update_early_stopping,
+)
+from .seeding import seed_everything
+from .stages import Stage
+from .training_config import (
+    TrainingConfig,
+    check_resume_compatible,
+    plain,
+    validate_training_config,
+)
+from .window_dataset import EpochSampler, make_loader
+
+__all__ = ["Trainer", "evaluate", "train_sampler", "val_sampler", "autocast"]
+
+log = logging.getLogger(__name__)
+
+
+def train_sampler(dataset: Dataset, cfg: TrainingConfig, dist: DistInfo) -> EpochSampler:
+    """Shuffled per (seed, epoch), capped at max_train_samples, equal share per rank (the remainder dropped)."""
+    return EpochSampler(
+        len(dataset), shuffle=True, seed=cfg.seed, max_samples=cfg.max_train_samples,
+        rank=dist.rank, world_size=dist.world_size, drop_remainder=True,
+    )
+
+
+def val_sampler(dataset: Dataset, cfg: TrainingConfig, dist: DistInfo) -> EpochSampler:
+    """Ordered, nothing dropped or duplicated (an exact loss); a capped run draws a seeded subset per epoch."""
+    return EpochSampler(
+        len(dataset), shuffle=False, seed=cfg.seed + 1, max_samples=cfg.max_val_samples,
+        rank=dist.rank, world_size=dist.world_size, drop_remainder=False,
+    )
+
+
+def autocast(cfg: TrainingConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA when training.amp=bf16; nothing otherwise."""
+    if cfg.amp == "bf16" and device.type == "cuda":
+        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def evaluate(stage: Stage, wrapped: nn.Module, dataset: Dataset, sampler: EpochSampler, cfg: TrainingConfig,
+             dist: DistInfo, epoch: int) -> dict[str, float]:
+    """Validation loss of `stage` over every window `sampler` deals (all ranks), in eval mode.
+
+    Returns {"val_loss", "val_<part>" for each of stage.part_names, "val_windows"}: window-weighted means over all
+    ranks (sums and counts all-reduced, not batch means). A rank with no window still joins the all-reduce.
+    """
+    was_training = stage.model.training
+    stage.model.eval()
+    loader = make_loader(dataset, sampler, cfg.batch_size, epoch=epoch, seed=cfg.seed + 1, num_workers=cfg.num_workers,
+                         pin_memory=dist.device.type == "cuda")
+    sums = LossSums(stage.part_names, dist.device)
+    for x, stamp in loader:
+        x, stamp = x.to(dist.device, non_blocking=True), stamp.to(dist.device, non_blocking=True)  # (B, T, F), (B, T, 5)
+        with autocast(cfg, dist.device):
+            loss, parts = stage.loss(wrapped, x, stamp, training=False)
+        sums.add(loss, parts, x.shape[0])
+    totals = sums.reduce()
+    stage.model.train(was_training)
+    return {**totals.means(prefix="val_"), "val_windows": totals.windows}
+
+
+class Trainer:
+    """One training run of one stage. Build it, call `fit()` once.
+
+    Parameters
+    ----------
+    stage: what is trained and how its loss is computed (`TokenizerStage` / `PredictorStage`).
+    train_set, val_set: datasets of (x (T, F) float32, x_stamp (T, 5) int64) items.
+    cfg: loop settings (validated here: a ConfigError lists every problem).
+    out: the stage's output folder (written by rank 0 only).
+    dist: from `distributed_context()`.
+    run_config, data_info: stored in run_info.json (and run_config in last.pt).
+    """
+
+    def __init__(self, stage: Stage, train_set: Dataset, val_set: Dataset, cfg: TrainingConfig, out: Path,
+                 dist: DistInfo, run_config: dict[str, Any] | None = None, data_info: dict[str, Any] | None = None):
+        problems = Problems()
+        validate_training_config(cfg, problems)
+        problems.raise_if_any()
+        # The one place the global random streams are set (see seeding.py): dropout and sampled tokens of this run
+        # depend on (seed, rank) only.
+        seed_everything(cfg.seed, dist.rank)
+
+        self.stage, self.cfg, self.out, self.dist = stage, cfg, Path(out), dist
+        self.model, self.device = stage.model, dist.device
+        self.train_set, self.val_set = train_set, val_set
+        self.run_config = run_config if run_config is not None else {"training": config_to_dict(cfg)}
+        self.data_info = data_info
+        self.best_dir, self.ckpt_path = self.out / "best_model", last_checkpoint_path(self.out)
+
+        # Data: the samplers fix the order from (seed, epoch); the loaders are rebuilt every epoch.
+        self.train_sampler = train_sampler(train_set, cfg, dist)
+        self.val_sampler = val_sampler(val_set, cfg, dist)
+        samples_per_rank = self.train_sampler.samples_per_rank()
+        if samples_per_rank < 1:
+            raise ValueError(
+                f"{stage.name}: {len(train_set)} training windows cannot be split over {dist.world_size} "
+                "processes; add data or use fewer processes"
+            )
+        self.batch_sizes = micro_batch_sizes(samples_per_rank, cfg.batch_size)  # this rank's micro-batches per epoch
+        self.steps_per_epoch = optimizer_steps_per_epoch(samples_per_rank, cfg.batch_size, cfg.accumulation_steps)
+
+        # Model, optimizer, schedule (OneCycle over every optimizer step of every epoch).
+        self.model.to(self.device)
+        self.clip = stage.default_clip if cfg.clip_grad_norm is None else cfg.clip_grad_norm
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+            fused=self.device.type == "cuda",
+        )
+        # cycle_momentum=False: OneCycleLR would otherwise overwrite AdamW's beta1 (0.85..0.95), ignoring cfg.betas.
+        self.scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            self.optimizer, max_lr=cfg.lr, total_steps=self.steps_per_epoch * cfg.epochs, pct_start=cfg.pct_start,
+            div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor, cycle_momentum=False,
+        )
+        if cfg.amp == "bf16" and self.device.type != "cuda":
+            warnings.warn("training.amp=bf16 needs CUDA; training in float32 on CPU")
+
+        # Run state: replaced by the checkpoint's in resume(); updated by the steps.
+        self.state = LoopState()
+        self.resume_path: Path | None = None
+        self.wrapped: nn.Module = self.model  # the DDP wrapper once resume() ran (the model itself in one process)
+        self.logger = MetricsLogger(self.out, enabled=False)  # the real one is opened in open_outputs()
+        self.run_extra: dict[str, Any] = {}  # stage, world size, resumed_from: added to every run_info.json
+        self.bar = tqdm(disable=True)  # this epoch's progress bar (rank 0 with training.progress_bar)
+        self.epoch_start = time.perf_counter()
+        self.epoch_sums = LossSums(stage.part_names, self.device)  # the epoch's training loss so far
+        self.window = LossSums(stage.part_names, self.device)  # training loss since the last log record
+        self.window_start = time.perf_counter()
+        self.window_data_wait = 0.0  # seconds this rank waited for the loader in the window
+        self.window_len = 0  # T of the last batch: tokens/s = windows/s * T
+        self.grad_norm: torch.Tensor | None = None  # of the last optimizer step (None without clipping)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def fit(self) -> TrainResult:
+        """Resume if asked, train the remaining epochs, write the final outputs; returns the result."""
+        try:
+            self.resume()
+            self.open_outputs()
+            while not self.state.finished:
+                self.train_epoch()
+                self.end_epoch()
+        finally:
+            self.logger.close()
+        return self.finish()
+
+    def resume(self) -> None:
+        """Load checkpoints/last.pt per `training.resume`, then wrap the model for DDP (broadcasts rank 0's weights)."""
+        self.resume_path = find_resume_checkpoint(self.cfg.resume, self.out)
+        if self.resume_path is not None:
+            barrier()  # no rank reads while rank 0 might still be writing
+            saved = load_checkpoint(self.resume_path, map_location=self.device)
+            check_resume_compatible(saved, self.cfg, self.dist.world_size, self.stage.name, self.model_args(),
+                                    self.resume_path)
+            self.model.load_state_dict(saved["model"])
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.scheduler.load_state_dict(saved["scheduler"])
+            self.state = LoopState(**saved["loop"])
+            set_rng_state(saved["rng"][self.dist.rank])  # this rank's own python/numpy/torch streams
+            if self.dist.is_main:
+                log.info("[%s] resuming from %s at step %d", self.stage.name, self.resume_path, self.state.global_step)
+        self.wrapped = wrap_model(self.model, self.dist)
+
+    def open_outputs(self) -> None:
+        """metrics.jsonl and run_info.json (rank 0 only)."""
+        cfg = self.cfg
+        self.logger = MetricsLogger(
+            self.out, enabled=self.dist.is_main, tensorboard=cfg.tensorboard, comet=cfg.comet,
+            comet_project=cfg.comet_project, run_name=f"{self.out.name}-{self.stage.name}",
+            resume_step=self.state.global_step if self.resume_path is not None else None,
+        )
+        self.run_extra = {"stage": self.stage.name, "world_size": self.dist.world_size,
+                          "resumed_from": str(self.resume_path) if self.resume_path else None}
+        if self.dist.is_main:
+            write_run_info(self.out, self.run_config, self.data_info, self.run_extra)
+            self.logger.log_params(self.run_config)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def train_epoch(self) -> None:
+        """The epoch's optimizer steps (or the rest of them, after a mid-epoch resume)."""
+        cfg, state = self.cfg, self.state
+        self.epoch_start = time.perf_counter()
+        self.model.train()
+        loader = make_loader(
+            self.train_set, self.train_sampler, cfg.batch_size, epoch=state.epoch, seed=cfg.seed,
+            skip_batches=state.step_in_epoch * cfg.accumulation_steps, num_workers=cfg.num_workers,
+            pin_memory=self.device.type == "cuda",
+        )
+        # After a resume rank 0 carries the (all ranks') sum of the part of the epoch done before the interruption.
+        carried = (state.epoch_loss_sum, state.epoch_windows) if self.dist.is_main else (0.0, 0)
+        self.epoch_sums = LossSums(self.stage.part_names, self.device, *carried)
+        self.reset_window()
+        show_bar = self.dist.is_main and cfg.progress_bar
+        self.bar = tqdm(total=self.steps_per_epoch, initial=state.step_in_epoch, disable=not show_bar,
+                        desc=f"{self.stage.name} epoch {state.epoch + 1}/{cfg.epochs}", dynamic_ncols=True,
+                        leave=False)
+        with logging_redirect_tqdm() if show_bar else contextlib.nullcontext():  # log lines above the bar
+            batches = iter(loader)
+            while state.step_in_epoch < self.steps_per_epoch:
+                self.train_step(batches)
+                self.after_step()
+            del batches  # shuts the loader's workers down
+        self.bar.close()
+
+    def train_step(self, batches) -> None:
+        """One optimizer step: its micro-batches from `batches` (forward + backward each), then the update."""
+        sizes = step_batch_sizes(self.batch_sizes, self.state.step_in_epoch, self.cfg.accumulation_steps)
+        for i in range(len(sizes)):
+            t_wait = time.perf_counter()
+            x, stamp = next(batches)
+            self.window_data_wait += time.perf_counter() - t_wait
+            x = x.to(self.device, non_blocking=True)  # (B, T, F)
+            stamp = stamp.to(self.device, non_blocking=True)  # (B, T, 5)
+            # Weight each micro-batch by its share of the step's windows, so the step's gradient is the mean over
+            # all its windows also when the epoch's last micro-batch is smaller.
+            self.forward_backward_step(x, stamp, weight=x.shape[0] / sum(sizes), sync=i == len(sizes) - 1)
+        self.optimizer_step()
+
+    def forward_backward_step(self, x: torch.Tensor, stamp: torch.Tensor, weight: float, sync: bool) -> None:
+        """Loss of one micro-batch x (B, T, F), stamp (B, T, 5); backward of loss * weight; DDP all-reduces the
+        gradients only when `sync` (the step's last micro-batch). The loss goes into the window and epoch sums."""
+        with contextlib.nullcontext() if sync else no_sync(self.wrapped):
+            with autocast(self.cfg, self.device):
+                loss, parts = self.stage.loss(self.wrapped, x, stamp, training=True)
+            (loss * weight).backward()
+        self.window.add(loss, parts, x.shape[0])
+        self.epoch_sums.add(loss, parts, x.shape[0])
+        self.window_len = x.shape[1]
+
+    def optimizer_step(self) -> None:
+        """Clip, update, advance the schedule and the step counters."""
+        self.grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip) if self.clip > 0 else None
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.global_step += 1
+        self.state.step_in_epoch += 1
+        self.bar.update(1)
+
+    def after_step(self) -> None:
+        """Log the window, write a mid-epoch checkpoint when due, then the test fault hook."""
+        state, cfg = self.state, self.cfg
+        end_of_epoch = state.step_in_epoch == self.steps_per_epoch
+        if should_log(state.global_step, cfg.log_every_steps, end_of_epoch):
+            self.log_window()
+        if not end_of_epoch and should_save_checkpoint(state.global_step, cfg.save_every_steps):
+            self.save_last(mid_epoch=True)
+        maybe_die_after_step(state.global_step, self.dist.rank)
+
+    def reset_window(self) -> None:
+        """Start a new log window (sums, clock, loader wait)."""
+        self.window = LossSums(self.stage.part_names, self.device)
+        self.window_start = time.perf_counter()
+        self.window_data_wait = 0.0
+
+    def log_window(self) -> None:
+        """One metrics.jsonl "train" record: the window's mean losses over all ranks, throughput, loader wait."""
+        seconds = max(time.perf_counter() - self.window_start, 1e-9)
+        totals = self.window.reduce(extra=[self.window_data_wait])
+        record = totals.means()
+        record["samples_per_s"] = totals.windows / seconds
+        record["tokens_per_s"] = totals.windows * self.window_len / seconds  # candles (= token pairs) per second
+        record["data_wait_s"] = totals.extra[0] / self.dist.world_size  # mean over ranks
+        record["seconds"] = seconds
+        record.update(step=self.state.global_step, epoch=self.state.epoch, lr=self.scheduler.get_last_lr()[0])
+        if self.grad_norm is not None:
+            record["grad_norm"] = float(self.grad_norm)
+        if not math.isfinite(record["loss"]):
+            raise FloatingPointError(
+                f"{self.stage.name}: training loss is {record['loss']} at step {self.state.global_step}; "
+                "lower training.lr or set training.amp=none"
+            )
+        self.logger.log({"kind": "train", **record})
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
+        self.reset_window()
+
+    # ------------------------------------------------------------------------------------------------------------
+    def end_epoch(self) -> None:
+        """Validate, keep the best model, update early stopping, write last.pt."""
+        state, cfg, stage, dist = self.state, self.cfg, self.stage, self.dist
+        epoch = state.epoch
+        train_loss = self.epoch_sums.reduce().mean("loss")
+        val = evaluate(stage, self.wrapped, self.val_set, self.val_sampler, cfg, dist, epoch)
+        decision = update_early_stopping(
+            state.best_val_loss, state.bad_epochs, val["val_loss"], cfg.patience, cfg.min_delta
+        )
+        if decision.improved:
+            state.best_epoch = epoch
+            if dist.is_main:
+                stage.save_best(self.best_dir)
+                write_run_info(self.best_dir, self.run_config, self.data_info,
+                               {**self.run_extra, "epoch": epoch, "val_loss": val["val_loss"]})
+            barrier()
+        state.best_val_loss, state.bad_epochs = decision.best, decision.bad_epochs
+        entry = {"epoch": epoch, "step": state.global_step, "train_loss": train_loss, **val,
+                 "lr": self.scheduler.get_last_lr()[0], "seconds": time.perf_counter() - self.epoch_start}
+        state.history.append(entry)
+        self.logger.log({"kind": "val", **entry, "best_val_loss": state.best_val_loss, "improved": decision.improved})
+        if dist.is_main:
+            log.info("[%s] epoch %d/%d  train %.4f  val %.4f  best %.4f%s", stage.name, epoch + 1, cfg.epochs,
+                     train_loss, val["val_loss"], state.best_val_loss, "  (saved)" if decision.improved else "")
+        state.epoch, state.step_in_epoch = epoch + 1, 0
+        state.epoch_loss_sum, state.epoch_windows = 0.0, 0
+        state.stopped_early = decision.stop and state.epoch < cfg.epochs
+        state.finished = decision.stop or state.epoch >= cfg.epochs
+        self.save_last()
+
+    def save_last(self, mid_epoch: bool = False) -> None:
+        """Write checkpoints/last.pt (rank 0; every rank's RNG state included), then wait for all ranks.
+
+        `mid_epoch`: also store the epoch's running training loss (all ranks' sums) so a resumed epoch reports the
+        same mean as an uninterrupted one.
+        """
+        rngs = all_gather_object(rng_state())  # every rank resumes its own random stream
+        if mid_epoch:
+            totals = self.epoch_sums.reduce()
+            self.state.epoch_loss_sum, self.state.epoch_windows = totals.sums["loss"], totals.windows
+        if self.dist.is_main:
+            atomic_torch_save(
+                {
+                    "format": CHECKPOINT_FORMAT,
+                    "stage": self.stage.name,
+                    "model": self.model.state_dict(),
+                    "model_args": self.model_args(),
+                    "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "grad_scaler": None,  # bf16 autocast needs no loss scaling
+                    "loop": dataclasses.asdict(self.state),
+                    "rng": rngs,
+                    "world_size": self.dist.world_size,
+                    "training_config": config_to_dict(self.cfg),
+                    "run_config": plain(self.run_config),
+                },
+                self.ckpt_path,
+            )
+        barrier()
+
+    def model_args(self) -> dict[str, Any]:
+        """The model's constructor arguments as plain data (checkpoint's "model_args")."""
+        return plain(dict(getattr(self.model, "config", {}) or {}))
+
+    # ------------------------------------------------------------------------------------------------------------
+    def finish(self) -> TrainResult:
+        """Loss plot and final run_info.json (rank 0), then the result."""
+        state = self.state
+        plot_path = self.out / "loss_curve.png"
+        if self.dist.is_main:
+            title = f"{self.stage.name} finetuning"
+            if plot_loss_curves(read_metrics(self.logger.path), plot_path, title=title) is None:
+                plot_path = None
+            result = {"best_val_loss": state.best_val_loss, "best_epoch": state.best_epoch,
+                      "global_step": state.global_step, "stopped_early": state.stopped_early}
+            write_run_info(self.out, self.run_config, self.data_info, {**self.run_extra, "result": result})
+        barrier()
+        return TrainResult(
+            stage=self.stage.name,
+            best_val_loss=state.best_val_loss,
+            best_epoch=state.best_epoch,
+            output_dir=self.out,
+            best_model_dir=self.best_dir,
+            last_checkpoint=self.ckpt_path,
+            metrics_path=self.logger.path,
+            plot_path=plot_path if plot_path is not None and plot_path.exists() else None,
+            run_info_path=self.out / "run_info.json",
+            history=list(state.history),
+            global_step=state.global_step,
+            stopped_early=state.stopped_early,
+            resumed_from=self.resume_path,
+        )
