@@ -9,12 +9,13 @@ import inspect
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from .fileio import atomic_write, write_json  # noqa: F401  (atomic_write: old import path, kept for callers)
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -93,28 +94,5 @@ class PretrainedMixin:
         out.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         atomic_write(out / WEIGHTS_NAME, lambda p: save_file(state, p, metadata={"format": "pt"}))
-        atomic_write(out / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(self.config, indent=2) + "\n"))
+        write_json(out / CONFIG_NAME, self.config)
         return out
-
-
-def atomic_write(target: str | os.PathLike, write: Callable[[str], None]) -> Path:
-    """Call `write(tmp_path)` on a temporary file beside `target`, flush it to disk, then rename it into place.
-
-    A reader sees the old file or the new one, never a half-written one; on failure nothing is left behind.
-    """
-    target = Path(target)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes owner-only files; give the permissions open() would
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return target
