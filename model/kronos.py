@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .embeddings import HierarchicalEmbedding, TemporalEmbedding
+from .config import KronosConfig
 from .hub import PretrainedMixin
 from .layers import KVCache, MultiHeadCrossAttentionWithRoPE, RMSNorm, TransformerBlock
 
@@ -62,6 +63,8 @@ class DualHead(nn.Module):
 
 class Kronos(nn.Module, PretrainedMixin):
     """The Kronos predictor (published constructor arguments and state-dict keys)."""
+
+    config_class = KronosConfig  # checks config.json before from_pretrained allocates anything
 
     def __init__(self, s1_bits: int, s2_bits: int, n_layers: int, d_model: int, n_heads: int, ff_dim: int,
                  ffn_dropout_p: float, attn_dropout_p: float, resid_dropout_p: float, token_dropout_p: float,

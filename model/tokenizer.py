@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from .bsq import BSQuantizer, ids_to_bits
+from .config import KronosTokenizerConfig
 from .hub import PretrainedMixin
 from .layers import TransformerBlock
 
@@ -14,6 +15,8 @@ class KronosTokenizer(nn.Module, PretrainedMixin):
 
     The encoder has n_enc_layers - 1 blocks and the decoder n_dec_layers - 1 blocks (published layout).
     """
+
+    config_class = KronosTokenizerConfig  # checks config.json before from_pretrained allocates anything
 
     def __init__(self, d_in: int, d_model: int, n_heads: int, ff_dim: int, n_enc_layers: int, n_dec_layers: int,
                  ffn_dropout_p: float, attn_dropout_p: float, resid_dropout_p: float, s1_bits: int, s2_bits: int,
