@@ -31,6 +31,18 @@ class DependencyAwareLayer(nn.Module):
         attn_out = self.cross_attn(sibling_embed, hidden_states, hidden_states, key_padding_mask, causal=causal)
         return self.norm(hidden_states + attn_out)
 
+    def memory(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden (B, L, d) -> keys, values (B, 4, L, d/4) for `step` (computed once per position and cached)."""
+        return self.cross_attn.project_kv(hidden_states, hidden_states)
+
+    def step(self, hidden_last: torch.Tensor, sibling_embed: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> torch.Tensor:
+        """`forward` for one query: hidden_last (B, 1, d), sibling (B, 1, d), memory k/v (B, 4, L, d/4) -> (B, 1, d).
+
+        Equals forward(hidden, sibling)[:, -1:] in eval mode when k/v = memory(hidden).
+        """
+        return self.norm(hidden_last + self.cross_attn.attend_kv(sibling_embed, k, v))
+
 
 class DualHead(nn.Module):
     """Two vocab projections: proj_s1 on the trunk output, proj_s2 on the dependency layer output."""
@@ -144,6 +156,38 @@ class Kronos(nn.Module, PretrainedMixin):
         x2 = self.dep_layer(context, self.embedding.emb_s1(s1_ids), padding_mask)
         return self.head.cond_forward(x2)
 
-    def new_cache(self, batch: int, max_len: int, device, dtype=torch.float32) -> KVCache:
-        """Empty key/value cache for `batch` sequences of up to `max_len` tokens."""
-        return KVCache(self.n_layers, batch, self.n_heads, max_len, self.d_model // self.n_heads, device, dtype)
+    # ------------------------------------------------------- cached decoding
+    def new_cache(self, batch: int, max_len: int, device: torch.device | str,
+                  dtype: torch.dtype = torch.float32) -> KVCache:
+        """Empty cache for `batch` sequences of up to `max_len` tokens: slots 0..n_layers-1 for the trunk's
+        self-attention, slot n_layers (`self.dep_slot`) for the dependency layer's memory."""
+        trunk = [(self.n_heads, self.d_model // self.n_heads)] * self.n_layers
+        dep = self.dep_layer.cross_attn
+        return KVCache(batch, max_len, trunk + [(dep.n_heads, dep.head_dim)], device, dtype)
+
+    @property
+    def dep_slot(self) -> int:
+        """Cache slot of the dependency layer's keys/values."""
+        return self.n_layers
+
+    def decode_s1_cached(self, s1_ids: torch.Tensor, s2_ids: torch.Tensor, stamp: torch.Tensor | None,
+                         cache: KVCache, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append tokens (B, L) at window positions start_pos.. to `cache` (trunk and dependency memory).
+
+        Returns (s1 logits of the last position (B, V1), its hidden state (B, 1, d_model)), the same numbers as
+        `decode_s1` on the whole window.
+        """
+        h = self.trunk(s1_ids, s2_ids, stamp, cache=cache, start_pos=start_pos)  # (B, L, d)
+        k, v = self.dep_layer.memory(h)  # (B, 4, L, d/4) each
+        cache.update(self.dep_slot, start_pos, k, v)
+        h_last = h[:, -1:]
+        return self.head(h_last)[:, -1], h_last
+
+    def decode_s2_cached(self, h_last: torch.Tensor, s1_ids: torch.Tensor, cache: KVCache,
+                         length: int) -> torch.Tensor:
+        """h_last (B, 1, d), sampled s1 (B, 1), `length` cached positions -> s2 logits (B, V2).
+
+        The same numbers as `decode_s2(context, s1_ids)[:, -1]` on the window's hidden states.
+        """
+        k, v = cache.filled(self.dep_slot, length)
+        return self.head.cond_forward(self.dep_layer.step(h_last, self.embedding.emb_s1(s1_ids), k, v))[:, -1]
