@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 from safetensors.torch import load_file, save_file
 
-from .fileio import atomic_write, write_json  # noqa: F401  (atomic_write: old import path, kept for callers)
+from .fileio import atomic_write, write_json  # atomic_write: also importable from here (old path)
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

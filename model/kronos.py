@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .embeddings import HierarchicalEmbedding, TemporalEmbedding
 from .config import KronosConfig
+from .embeddings import HierarchicalEmbedding, TemporalEmbedding
 from .hub import PretrainedMixin
 from .layers import KVCache, MultiHeadCrossAttentionWithRoPE, RMSNorm, TransformerBlock
 

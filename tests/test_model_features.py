@@ -4,8 +4,16 @@ import pandas as pd
 import pytest
 
 from model import features
-from model.features import (CLOSE, FEATURES, PRICE_FEATURES, TIME_FEATURES, candle_matrix, denormalize,
-                            fill_amount, normalize)
+from model.features import (
+    CLOSE,
+    FEATURES,
+    PRICE_FEATURES,
+    TIME_FEATURES,
+    candle_matrix,
+    denormalize,
+    fill_amount,
+    normalize,
+)
 
 
 def test_contract_names():

@@ -66,15 +66,13 @@ def test_atomic_dir_success_replace_and_failure(tmp_path):
     with atomic_dir(target) as d:
         (d / "model.safetensors").write_text("2")
     assert sorted(p.name for p in target.iterdir()) == ["model.safetensors"]  # the old folder is replaced whole
-    with pytest.raises(RuntimeError):
-        with atomic_dir(target) as d:
-            (d / "partial").write_text("x")
-            raise RuntimeError("crash")
+    with pytest.raises(RuntimeError), atomic_dir(target) as d:
+        (d / "partial").write_text("x")
+        raise RuntimeError("crash")
     assert sorted(p.name for p in target.iterdir()) == ["model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best_model"]  # no temporary folder left
-    with pytest.raises(FileExistsError, match="already exists"):
-        with atomic_dir(target, overwrite=False):
-            pass
+    with pytest.raises(FileExistsError, match="already exists"), atomic_dir(target, overwrite=False):
+        pass
 
 
 def test_write_json_is_strict(tmp_path):

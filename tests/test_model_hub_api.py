@@ -3,6 +3,7 @@ push_to_hub through huggingface_hub's HfApi (monkeypatched: no network), no non-
 import functools
 import json
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -84,7 +85,7 @@ def test_failed_hub_lookup_is_one_clear_line_without_a_chain(monkeypatch):
 
 
 class FakeApi:
-    instances = []
+    instances: ClassVar[list] = []
 
     def __init__(self, token=None):
         self.token, self.created, self.uploaded = token, [], {}

@@ -2,7 +2,12 @@
 import pytest
 import torch
 
-from model.layers import MultiHeadAttentionWithRoPE, MultiHeadCrossAttentionWithRoPE, RMSNorm, RotaryPositionalEmbedding
+from model.layers import (
+    MultiHeadAttentionWithRoPE,
+    MultiHeadCrossAttentionWithRoPE,
+    RMSNorm,
+    RotaryPositionalEmbedding,
+)
 from tests.model_factory import tiny_models
 
 
