@@ -69,8 +69,19 @@ def generate_tokens(model: Kronos, s1_ctx: torch.Tensor, s2_ctx: torch.Tensor, s
                     use_cache: bool = True, verbose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Continue token sequences by `pred_len` steps.
 
-    s1_ctx, s2_ctx: (B, N) context ids; stamps: (B, N + pred_len, 5) for context and forecast.
-    Returns the full sequences (s1, s2), each (B, N + pred_len).
+    Parameters
+    ----------
+    model: the predictor (eval mode).
+    s1_ctx, s2_ctx: (B, N) context ids.
+    stamps: (B, N + pred_len, 5) calendar stamps of context and forecast.
+    pred_len: steps to generate; max_context: the predictor window.
+    temperature, top_k, top_p: as in `sample_from_logits`.
+    use_cache: key/value-cached steps (True) or the published full recompute (False); same tokens in greedy mode.
+    verbose: progress bar.
+
+    Returns
+    -------
+    The full sequences (s1, s2), each (B, N + pred_len) int64.
     """
     batch, n_ctx = s1_ctx.shape
     total = n_ctx + pred_len

@@ -19,7 +19,10 @@ from typing import Any, TypeVar
 import torch
 from safetensors.torch import load_file, save_file
 
-from .fileio import atomic_write, write_json  # atomic_write: also importable from here (old path)
+from .fileio import (  # atomic_write: also importable from here (old path)
+    atomic_write,
+    write_json,
+)
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

@@ -54,15 +54,20 @@ class DualHead(nn.Module):
         self.proj_s2 = nn.Linear(d_model, self.vocab_s2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Trunk output (B, T, d) -> s1 logits (B, T, 2^s1_bits)."""
         return self.proj_s1(x)
 
     def cond_forward(self, x2: torch.Tensor) -> torch.Tensor:
+        """Dependency-layer output (B, T, d) -> s2 logits (B, T, 2^s2_bits)."""
         return self.proj_s2(x2)
 
-    def compute_loss(self, s1_logits, s2_logits, s1_targets, s2_targets, padding_mask=None):
+    def compute_loss(self, s1_logits: torch.Tensor, s2_logits: torch.Tensor, s1_targets: torch.Tensor,
+                     s2_targets: torch.Tensor,
+                     padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Mean of the two cross-entropies over (valid) positions -> (loss, ce_s1, ce_s2).
 
-        padding_mask (B, T): True/1 = a real position (the attention convention), False/0 = padding.
+        logits (B, T, V1) / (B, T, V2), targets (B, T) int64; padding_mask (B, T): True/1 = a real position (the
+        attention convention), False/0 = padding. Returns three scalars (float32).
         """
         if padding_mask is not None:
             valid = padding_mask.to(torch.bool)
@@ -126,13 +131,25 @@ class Kronos(nn.Module, PretrainedMixin):
             x = layer(x, padding_mask, cache, i, start_pos)
         return self.norm(x)
 
-    def forward(self, s1_ids, s2_ids, stamp=None, padding_mask=None, use_teacher_forcing=False, s1_targets=None,
-                causal_dep: bool | None = None):
-        """(B, T) ids -> (s1_logits (B, T, 2^s1_bits), s2_logits (B, T, 2^s2_bits)).
+    def forward(self, s1_ids: torch.Tensor, s2_ids: torch.Tensor, stamp: torch.Tensor | None = None,
+                padding_mask: torch.Tensor | None = None, use_teacher_forcing: bool = False,
+                s1_targets: torch.Tensor | None = None,
+                causal_dep: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits of the next token pair at every position (training and validation).
 
-        s2 at position t is conditioned on the true next s1 (`use_teacher_forcing`, `s1_targets` (B, T)) or on an
-        s1 drawn from the model's own s1 distribution. `causal_dep=True` keeps the dependency layer causal in eval
-        mode too (needed for an honest validation loss); None follows the published rule (causal only in training).
+        Parameters
+        ----------
+        s1_ids, s2_ids: (B, T) int64 token ids.
+        stamp: (B, T, 5) int64 calendar stamps (minute, hour, weekday, day, month), or None.
+        padding_mask: (B, T), True/1 = a real position, or None.
+        use_teacher_forcing: condition s2 on `s1_targets` (B, T) (the true next s1); otherwise on an s1 drawn from
+            the model's own s1 distribution.
+        causal_dep: True keeps the dependency layer causal in eval mode too (needed for an honest validation loss);
+            None follows the published rule (causal only in training mode).
+
+        Returns
+        -------
+        (s1_logits (B, T, 2^s1_bits), s2_logits (B, T, 2^s2_bits)).
         """
         x = self.trunk(s1_ids, s2_ids, stamp, padding_mask)
         s1_logits = self.head(x)
@@ -146,13 +163,35 @@ class Kronos(nn.Module, PretrainedMixin):
         x2 = self.dep_layer(x, self.embedding.emb_s1(sibling_ids), padding_mask, causal=causal_dep)
         return s1_logits, self.head.cond_forward(x2)
 
-    def decode_s1(self, s1_ids, s2_ids, stamp=None, padding_mask=None):
-        """-> (s1_logits (B, T, V1), context = hidden states (B, T, d_model))."""
+    def decode_s1(self, s1_ids: torch.Tensor, s2_ids: torch.Tensor, stamp: torch.Tensor | None = None,
+                  padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The trunk on a whole window (the full-recompute generator).
+
+        Parameters
+        ----------
+        s1_ids, s2_ids: (B, T) ids; stamp: (B, T, 5) or None; padding_mask: (B, T) or None.
+
+        Returns
+        -------
+        (s1_logits (B, T, 2^s1_bits), context = hidden states (B, T, d_model)).
+        """
         x = self.trunk(s1_ids, s2_ids, stamp, padding_mask)
         return self.head(x), x
 
-    def decode_s2(self, context, s1_ids, padding_mask=None):
-        """context (B, T, d), s1_ids (B, Lq) -> s2 logits (B, T, V2) (Lq = 1 at inference)."""
+    def decode_s2(self, context: torch.Tensor, s1_ids: torch.Tensor,
+                  padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """s2 logits given the chosen s1.
+
+        Parameters
+        ----------
+        context: (B, T, d_model) hidden states from `decode_s1`.
+        s1_ids: (B, Lq) the chosen coarse ids (Lq = 1 at inference: it broadcasts over T).
+        padding_mask: (B, T) or None.
+
+        Returns
+        -------
+        s2 logits (B, T, 2^s2_bits); position -1 is the next token's.
+        """
         x2 = self.dep_layer(context, self.embedding.emb_s1(s1_ids), padding_mask)
         return self.head.cond_forward(x2)
 
