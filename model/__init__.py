@@ -5,5 +5,5 @@ from .kronos import Kronos
 from .predictor import Forecast, KronosPredictor
 from .tokenizer import KronosTokenizer
 
-__all__ = ["Kronos", "KronosTokenizer", "KronosPredictor", "Forecast", "calc_time_stamps", "generate_tokens",
+__all__ = ["Forecast", "Kronos", "KronosPredictor", "KronosTokenizer", "calc_time_stamps", "generate_tokens",
            "sample_from_logits"]

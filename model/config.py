@@ -69,7 +69,7 @@ class KronosTokenizerConfig:
         _bounded(out, k("d_in"), self.d_in, 1, 1024)
         _bounded(out, k("d_model"), self.d_model, 1, MAX_WIDTH)
         _bounded(out, k("ff_dim"), self.ff_dim, 1, 4 * MAX_WIDTH)
-        _bounded(out, k("n_heads"), self.n_heads, 1, self.d_model if self.d_model >= 1 else 1)
+        _bounded(out, k("n_heads"), self.n_heads, 1, max(self.d_model, 1))
         if self.n_heads >= 1 and self.d_model % self.n_heads:
             out.append((k("n_heads"), f"({self.n_heads}) must divide d_model ({self.d_model})"))
         _bounded(out, k("n_enc_layers"), self.n_enc_layers, 1, MAX_LAYERS)

@@ -38,19 +38,13 @@ def sample_from_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: in
     return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
 
 
-class _CachedDecoder:
-    """Incremental trunk + dependency-layer state of one batch of sequences.
+class _CachedWindow:
+    """The cache of one batch of sequences: tokens from absolute position `offset` on, at window positions
+    0..length-1. All model access goes through Kronos' cached-decoding methods."""
 
-    The cache holds the tokens from absolute position `offset` on, at window positions 0..length-1.
-    """
-
-    def __init__(self, model: Kronos, batch: int, max_context: int, device, dtype):
+    def __init__(self, model: Kronos, batch: int, max_context: int, device: torch.device, dtype: torch.dtype):
         self.model = model
         self.cache = model.new_cache(batch, max_context, device, dtype)
-        attn = model.dep_layer.cross_attn
-        shape = (batch, attn.n_heads, max_context, attn.head_dim)
-        self.dep_k = torch.zeros(shape, device=device, dtype=dtype)  # (B, 4, max_context, Dh)
-        self.dep_v = torch.zeros(shape, device=device, dtype=dtype)
         self.offset = 0
         self.length = 0
 
@@ -58,25 +52,15 @@ class _CachedDecoder:
         """Forget everything: the next `extend` starts a window at absolute position `offset`."""
         self.offset, self.length = offset, 0
 
-    def extend(self, s1: torch.Tensor, s2: torch.Tensor, stamp: torch.Tensor) -> torch.Tensor:
-        """Append tokens (B, L) at positions length.. -> hidden state of the last one (B, 1, d)."""
-        start = self.length
-        h = self.model.trunk(s1, s2, stamp, cache=self.cache, start_pos=start)  # (B, L, d)
-        attn = self.model.dep_layer.cross_attn
-        # A length-1 query gets rotary position 0 (identity), so the dependency keys are plain projections.
-        end = start + h.shape[1]
-        self.dep_k[:, :, start:end] = attn.split_heads(attn.k_proj(h))
-        self.dep_v[:, :, start:end] = attn.split_heads(attn.v_proj(h))
-        self.length = end
-        return h[:, -1:]
+    def extend(self, s1: torch.Tensor, s2: torch.Tensor, stamp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append tokens (B, L) -> (s1 logits of the last one (B, V1), its hidden state (B, 1, d))."""
+        logits, h_last = self.model.decode_s1_cached(s1, s2, stamp, self.cache, self.length)
+        self.length += s1.shape[1]
+        return logits, h_last
 
     def s2_logits(self, h_last: torch.Tensor, s1: torch.Tensor) -> torch.Tensor:
         """h_last (B, 1, d), sampled s1 (B, 1) -> s2 logits (B, V2); the s1 query attends to the whole window."""
-        dep = self.model.dep_layer
-        attn = dep.cross_attn
-        q = attn.split_heads(attn.q_proj(self.model.embedding.emb_s1(s1)))  # (B, 4, 1, Dh)
-        out = attn.attend(q, self.dep_k[:, :, : self.length], self.dep_v[:, :, : self.length], None, False)
-        return self.model.head.cond_forward(dep.norm(h_last + out))[:, -1]
+        return self.model.decode_s2_cached(h_last, s1, self.cache, self.length)
 
 
 @torch.inference_mode()
@@ -85,8 +69,19 @@ def generate_tokens(model: Kronos, s1_ctx: torch.Tensor, s2_ctx: torch.Tensor, s
                     use_cache: bool = True, verbose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Continue token sequences by `pred_len` steps.
 
-    s1_ctx, s2_ctx: (B, N) context ids; stamps: (B, N + pred_len, 5) for context and forecast.
-    Returns the full sequences (s1, s2), each (B, N + pred_len).
+    Parameters
+    ----------
+    model: the predictor (eval mode).
+    s1_ctx, s2_ctx: (B, N) context ids.
+    stamps: (B, N + pred_len, 5) calendar stamps of context and forecast.
+    pred_len: steps to generate; max_context: the predictor window.
+    temperature, top_k, top_p: as in `sample_from_logits`.
+    use_cache: key/value-cached steps (True) or the published full recompute (False); same tokens in greedy mode.
+    verbose: progress bar.
+
+    Returns
+    -------
+    The full sequences (s1, s2), each (B, N + pred_len) int64.
     """
     batch, n_ctx = s1_ctx.shape
     total = n_ctx + pred_len
@@ -94,7 +89,7 @@ def generate_tokens(model: Kronos, s1_ctx: torch.Tensor, s2_ctx: torch.Tensor, s
     s2 = torch.cat([s2_ctx, s2_ctx.new_zeros(batch, pred_len)], dim=1)
     decoder = None
     if use_cache:
-        decoder = _CachedDecoder(model, batch, max_context, s1.device, next(model.parameters()).dtype)
+        decoder = _CachedWindow(model, batch, max_context, s1.device, next(model.parameters()).dtype)
     for cur in tqdm(range(n_ctx, total), disable=not verbose, desc="forecast", leave=False):
         start = max(0, cur - max_context)  # the window is tokens start..cur-1, at positions 0..cur-start-1
         if decoder is not None:
@@ -102,8 +97,8 @@ def generate_tokens(model: Kronos, s1_ctx: torch.Tensor, s2_ctx: torch.Tensor, s
                 # The window slid: every hidden state in it changes, so the cache restarts on the new window.
                 decoder.restart(start)
             lo = decoder.offset + decoder.length  # feed what the cache has not seen (the whole window at first)
-            h_last = decoder.extend(s1[:, lo:cur], s2[:, lo:cur], stamps[:, lo:cur])
-            s1_next = sample_from_logits(model.head(h_last)[:, -1], temperature, top_k, top_p)
+            s1_logits, h_last = decoder.extend(s1[:, lo:cur], s2[:, lo:cur], stamps[:, lo:cur])
+            s1_next = sample_from_logits(s1_logits, temperature, top_k, top_p)
             s2_logits = decoder.s2_logits(h_last, s1_next)
         else:
             # Full recompute of the window (the published algorithm).

@@ -1,7 +1,9 @@
 """Save and load models in the published format: a folder with `config.json` + `model.safetensors`.
 
 `config.json` holds the constructor's keyword arguments; `model.safetensors` the state dict. A local path that does
-not exist is an error (it never silently turns into a Hub lookup); only a bare `owner/name` id goes to the Hub.
+not exist is an error (it never silently turns into a Hub lookup); only a bare `owner/name` id goes to the Hub,
+through huggingface_hub's `snapshot_download` (cache, revision, token, offline mode as huggingface_hub defines them).
+`config.json` is type- and bounds-checked with the `model.config` dataclasses before any tensor is allocated.
 """
 from __future__ import annotations
 
@@ -10,11 +12,17 @@ import json
 import os
 import re
 import tempfile
+from dataclasses import fields
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from .fileio import (  # atomic_write: also importable from here (old path)
+    atomic_write,
+    write_json,
+)
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -31,90 +39,160 @@ def constructor_args(cls: type) -> tuple[list[str], list[str]]:
     return names, required
 
 
-def resolve_model_dir(path_or_id: str | os.PathLike) -> Path:
-    """A local folder, or a Hub snapshot for a bare `owner/name` id. Raises FileNotFoundError otherwise."""
+def is_hub_id(text: str) -> bool:
+    """True for a bare `owner/name` that is not a local path (no leading '.', '/', '~')."""
+    return bool(_HUB_ID.match(text)) and not text.startswith(".")
+
+
+def resolve_model_dir(path_or_id: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None,
+                      revision: str | None = None, token: str | bool | None = None, local_files_only: bool = False,
+                      force_download: bool = False, allow_patterns: list[str] | None = None) -> Path:
+    """A local folder, or the Hub snapshot of a bare `owner/name` id.
+
+    Parameters
+    ----------
+    path_or_id: a local folder, or a Hugging Face Hub model id. A path-like string that does not exist locally is
+        an error, never a Hub lookup.
+    cache_dir, revision, token, local_files_only, force_download: passed to `huggingface_hub.snapshot_download`.
+    allow_patterns: files to fetch (default: config.json + model.safetensors).
+
+    Returns
+    -------
+    The folder. Raises FileNotFoundError with one clear line (no chained traceback) when neither works.
+    """
     path = Path(path_or_id).expanduser()
     if path.is_dir():
         return path
     text = str(path_or_id)
     if path.exists():
         raise FileNotFoundError(f"{text!r} is a file; expected a model folder with {CONFIG_NAME} and {WEIGHTS_NAME}")
-    if not _HUB_ID.match(text) or text.startswith("."):
+    if not is_hub_id(text):
         raise FileNotFoundError(f"model path {text!r} does not exist (expected a folder with {CONFIG_NAME} and "
                                 f"{WEIGHTS_NAME}, or a Hugging Face Hub id such as 'NeoQuasar/Kronos-small')")
     try:
         from huggingface_hub import snapshot_download
-        return Path(snapshot_download(text, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME]))
-    except Exception as exc:  # offline, unknown repo, no huggingface_hub: say what was tried
+    except ImportError:
+        raise FileNotFoundError(f"{text!r} is not a local folder, and fetching it from the Hugging Face Hub needs "
+                                "the huggingface_hub package (pip install huggingface_hub)") from None
+    try:
+        folder = snapshot_download(text, revision=revision, cache_dir=cache_dir, token=token,
+                                   local_files_only=local_files_only, force_download=force_download,
+                                   allow_patterns=allow_patterns or [CONFIG_NAME, WEIGHTS_NAME])
+    except Exception as exc:  # offline, unknown repo, gated, bad revision: one line says what was tried and why
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        where = f" at revision {revision!r}" if revision else ""
         raise FileNotFoundError(
-            f"{text!r} is not a local folder and could not be fetched from the Hugging Face Hub ({exc}). "
-            "Download the checkpoint folder and pass its path instead.") from exc
+            f"{text!r} is not a local folder and could not be fetched from the Hugging Face Hub{where}: "
+            f"{type(exc).__name__}: {reason}. Check the id (and token for a private repo), or download the "
+            "checkpoint folder and pass its path instead.") from None
+    return Path(folder)
+
+
+def _config_class(cls: type) -> type | None:
+    return getattr(cls, "config_class", None)
 
 
 def read_config(model_dir: Path, cls: type) -> dict[str, Any]:
-    """config.json as constructor kwargs; names every missing argument and drops unknown keys."""
+    """config.json as checked constructor kwargs.
+
+    Names every missing argument; drops unknown keys; checks types and bounds with `cls.config_class` (the
+    `model.config` dataclass) so a huge or mistyped value is a ValueError naming the file and key, not an
+    allocation of terabytes.
+    """
     cfg_path = model_dir / CONFIG_NAME
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} not found: a {cls.__name__} folder needs {CONFIG_NAME} (the "
                                 f"constructor arguments) and {WEIGHTS_NAME}")
-    with open(cfg_path) as f:
-        config = json.load(f)
+    try:
+        config = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{cfg_path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{cfg_path} must hold a JSON object of constructor arguments, got {type(config).__name__}")
     names, required = constructor_args(cls)
     missing = [k for k in required if k not in config]
     if missing:
         raise ValueError(f"{cfg_path} lacks constructor arguments of {cls.__name__}: {', '.join(missing)}")
-    return {k: v for k, v in config.items() if k in names}
+    kwargs = {k: v for k, v in config.items() if k in names}
+    config_class = _config_class(cls)
+    if config_class is not None:
+        known = {f.name for f in fields(config_class)}
+        problems = [(k, "must not be null") for k, v in kwargs.items() if v is None]
+        problems += config_class(**{k: v for k, v in kwargs.items() if k in known and v is not None}).problems()
+        if problems:
+            lines = "\n".join(f"  {key}: {msg}" for key, msg in problems)
+            raise ValueError(f"{cfg_path} has invalid {cls.__name__} settings:\n{lines}")
+    return kwargs
 
 
 class PretrainedMixin:
-    """`from_pretrained` / `save_pretrained` for an nn.Module whose constructor kwargs are recorded in `self.config`."""
+    """`from_pretrained` / `save_pretrained` / `push_to_hub` for an nn.Module whose constructor kwargs are recorded
+    in `self.config`. A subclass sets `config_class` (a `model.config` dataclass with `.problems()`)."""
 
     config: dict[str, Any]
+    config_class: type | None = None
 
     def _record_config(self, local_vars: dict[str, Any]) -> None:
         names, _ = constructor_args(type(self))
         self.config = {k: local_vars[k] for k in names}
 
     @classmethod
-    def from_pretrained(cls: type[M], path_or_id: str | os.PathLike, map_location: str | torch.device = "cpu") -> M:
-        """Build from `config.json` and load `model.safetensors` strictly (same keys and shapes as published)."""
-        model_dir = resolve_model_dir(path_or_id)
-        model = cls(**read_config(model_dir, cls))
+    def from_pretrained(cls: type[M], path_or_id: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None,
+                        revision: str | None = None, token: str | bool | None = None, local_files_only: bool = False,
+                        force_download: bool = False, map_location: str | torch.device = "cpu") -> M:
+        """Build from `config.json` (checked first) and load `model.safetensors` strictly (published keys/shapes).
+
+        Parameters
+        ----------
+        path_or_id: a local folder or a Hugging Face Hub id (`owner/name`).
+        cache_dir, revision, token, local_files_only, force_download: Hub download options (huggingface_hub's).
+        map_location: device the weights are loaded onto.
+
+        Returns
+        -------
+        The model (in training mode, as a freshly built nn.Module).
+        """
+        model_dir = resolve_model_dir(path_or_id, cache_dir=cache_dir, revision=revision, token=token,
+                                      local_files_only=local_files_only, force_download=force_download)
+        kwargs = read_config(model_dir, cls)
         weights = model_dir / WEIGHTS_NAME
         if not weights.is_file():
             raise FileNotFoundError(f"{weights} not found")
+        model = cls(**kwargs)
         state = load_file(str(weights), device=str(map_location))
         model.load_state_dict(state, strict=True)
         return model
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
-        """Write config.json + model.safetensors into `save_directory` (each file replaced atomically)."""
+        """Write config.json + model.safetensors into `save_directory` (each file replaced atomically).
+
+        Raises ValueError (and writes nothing) when a weight holds NaN/inf: non-finite weights never reach disk.
+        """
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        if bad:
+            raise ValueError(f"refusing to save {type(self).__name__}: {len(bad)} tensors hold NaN/inf, first "
+                             f"{bad[0]!r}")
         out = Path(save_directory)
         out.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         atomic_write(out / WEIGHTS_NAME, lambda p: save_file(state, p, metadata={"format": "pt"}))
-        atomic_write(out / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(self.config, indent=2) + "\n"))
+        write_json(out / CONFIG_NAME, self.config)
         return out
 
+    def push_to_hub(self, repo_id: str, *, commit_message: str | None = None, private: bool | None = None,
+                    token: str | bool | None = None, revision: str | None = None, create_pr: bool = False) -> Any:
+        """Upload config.json + model.safetensors (the published format) to the Hub repo `repo_id`.
 
-def atomic_write(target: str | os.PathLike, write: Callable[[str], None]) -> Path:
-    """Call `write(tmp_path)` on a temporary file beside `target`, flush it to disk, then rename it into place.
+        Creates the repo if needed (`private` as given). Returns huggingface_hub's commit info.
+        """
+        from huggingface_hub import HfApi
 
-    A reader sees the old file or the new one, never a half-written one; on failure nothing is left behind.
-    """
-    target = Path(target)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes owner-only files; give the permissions open() would
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return target
+        if not is_hub_id(repo_id):
+            raise ValueError(f"repo_id must look like 'owner/name', got {repo_id!r}")
+        api = HfApi(token=token)
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp)
+            return api.upload_folder(repo_id=repo_id, folder_path=tmp, repo_type="model", revision=revision,
+                                     commit_message=commit_message or f"Upload {type(self).__name__}",
+                                     create_pr=create_pr)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import KronosConfig
 from .embeddings import HierarchicalEmbedding, TemporalEmbedding
 from .hub import PretrainedMixin
 from .layers import KVCache, MultiHeadCrossAttentionWithRoPE, RMSNorm, TransformerBlock
@@ -30,6 +31,18 @@ class DependencyAwareLayer(nn.Module):
         attn_out = self.cross_attn(sibling_embed, hidden_states, hidden_states, key_padding_mask, causal=causal)
         return self.norm(hidden_states + attn_out)
 
+    def memory(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden (B, L, d) -> keys, values (B, 4, L, d/4) for `step` (computed once per position and cached)."""
+        return self.cross_attn.project_kv(hidden_states, hidden_states)
+
+    def step(self, hidden_last: torch.Tensor, sibling_embed: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> torch.Tensor:
+        """`forward` for one query: hidden_last (B, 1, d), sibling (B, 1, d), memory k/v (B, 4, L, d/4) -> (B, 1, d).
+
+        Equals forward(hidden, sibling)[:, -1:] in eval mode when k/v = memory(hidden).
+        """
+        return self.norm(hidden_last + self.cross_attn.attend_kv(sibling_embed, k, v))
+
 
 class DualHead(nn.Module):
     """Two vocab projections: proj_s1 on the trunk output, proj_s2 on the dependency layer output."""
@@ -41,15 +54,20 @@ class DualHead(nn.Module):
         self.proj_s2 = nn.Linear(d_model, self.vocab_s2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Trunk output (B, T, d) -> s1 logits (B, T, 2^s1_bits)."""
         return self.proj_s1(x)
 
     def cond_forward(self, x2: torch.Tensor) -> torch.Tensor:
+        """Dependency-layer output (B, T, d) -> s2 logits (B, T, 2^s2_bits)."""
         return self.proj_s2(x2)
 
-    def compute_loss(self, s1_logits, s2_logits, s1_targets, s2_targets, padding_mask=None):
+    def compute_loss(self, s1_logits: torch.Tensor, s2_logits: torch.Tensor, s1_targets: torch.Tensor,
+                     s2_targets: torch.Tensor,
+                     padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Mean of the two cross-entropies over (valid) positions -> (loss, ce_s1, ce_s2).
 
-        padding_mask (B, T): True/1 = a real position (the attention convention), False/0 = padding.
+        logits (B, T, V1) / (B, T, V2), targets (B, T) int64; padding_mask (B, T): True/1 = a real position (the
+        attention convention), False/0 = padding. Returns three scalars (float32).
         """
         if padding_mask is not None:
             valid = padding_mask.to(torch.bool)
@@ -62,6 +80,8 @@ class DualHead(nn.Module):
 
 class Kronos(nn.Module, PretrainedMixin):
     """The Kronos predictor (published constructor arguments and state-dict keys)."""
+
+    config_class = KronosConfig  # checks config.json before from_pretrained allocates anything
 
     def __init__(self, s1_bits: int, s2_bits: int, n_layers: int, d_model: int, n_heads: int, ff_dim: int,
                  ffn_dropout_p: float, attn_dropout_p: float, resid_dropout_p: float, token_dropout_p: float,
@@ -111,13 +131,25 @@ class Kronos(nn.Module, PretrainedMixin):
             x = layer(x, padding_mask, cache, i, start_pos)
         return self.norm(x)
 
-    def forward(self, s1_ids, s2_ids, stamp=None, padding_mask=None, use_teacher_forcing=False, s1_targets=None,
-                causal_dep: bool | None = None):
-        """(B, T) ids -> (s1_logits (B, T, 2^s1_bits), s2_logits (B, T, 2^s2_bits)).
+    def forward(self, s1_ids: torch.Tensor, s2_ids: torch.Tensor, stamp: torch.Tensor | None = None,
+                padding_mask: torch.Tensor | None = None, use_teacher_forcing: bool = False,
+                s1_targets: torch.Tensor | None = None,
+                causal_dep: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits of the next token pair at every position (training and validation).
 
-        s2 at position t is conditioned on the true next s1 (`use_teacher_forcing`, `s1_targets` (B, T)) or on an
-        s1 drawn from the model's own s1 distribution. `causal_dep=True` keeps the dependency layer causal in eval
-        mode too (needed for an honest validation loss); None follows the published rule (causal only in training).
+        Parameters
+        ----------
+        s1_ids, s2_ids: (B, T) int64 token ids.
+        stamp: (B, T, 5) int64 calendar stamps (minute, hour, weekday, day, month), or None.
+        padding_mask: (B, T), True/1 = a real position, or None.
+        use_teacher_forcing: condition s2 on `s1_targets` (B, T) (the true next s1); otherwise on an s1 drawn from
+            the model's own s1 distribution.
+        causal_dep: True keeps the dependency layer causal in eval mode too (needed for an honest validation loss);
+            None follows the published rule (causal only in training mode).
+
+        Returns
+        -------
+        (s1_logits (B, T, 2^s1_bits), s2_logits (B, T, 2^s2_bits)).
         """
         x = self.trunk(s1_ids, s2_ids, stamp, padding_mask)
         s1_logits = self.head(x)
@@ -131,16 +163,70 @@ class Kronos(nn.Module, PretrainedMixin):
         x2 = self.dep_layer(x, self.embedding.emb_s1(sibling_ids), padding_mask, causal=causal_dep)
         return s1_logits, self.head.cond_forward(x2)
 
-    def decode_s1(self, s1_ids, s2_ids, stamp=None, padding_mask=None):
-        """-> (s1_logits (B, T, V1), context = hidden states (B, T, d_model))."""
+    def decode_s1(self, s1_ids: torch.Tensor, s2_ids: torch.Tensor, stamp: torch.Tensor | None = None,
+                  padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The trunk on a whole window (the full-recompute generator).
+
+        Parameters
+        ----------
+        s1_ids, s2_ids: (B, T) ids; stamp: (B, T, 5) or None; padding_mask: (B, T) or None.
+
+        Returns
+        -------
+        (s1_logits (B, T, 2^s1_bits), context = hidden states (B, T, d_model)).
+        """
         x = self.trunk(s1_ids, s2_ids, stamp, padding_mask)
         return self.head(x), x
 
-    def decode_s2(self, context, s1_ids, padding_mask=None):
-        """context (B, T, d), s1_ids (B, Lq) -> s2 logits (B, T, V2) (Lq = 1 at inference)."""
+    def decode_s2(self, context: torch.Tensor, s1_ids: torch.Tensor,
+                  padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """s2 logits given the chosen s1.
+
+        Parameters
+        ----------
+        context: (B, T, d_model) hidden states from `decode_s1`.
+        s1_ids: (B, Lq) the chosen coarse ids (Lq = 1 at inference: it broadcasts over T).
+        padding_mask: (B, T) or None.
+
+        Returns
+        -------
+        s2 logits (B, T, 2^s2_bits); position -1 is the next token's.
+        """
         x2 = self.dep_layer(context, self.embedding.emb_s1(s1_ids), padding_mask)
         return self.head.cond_forward(x2)
 
-    def new_cache(self, batch: int, max_len: int, device, dtype=torch.float32) -> KVCache:
-        """Empty key/value cache for `batch` sequences of up to `max_len` tokens."""
-        return KVCache(self.n_layers, batch, self.n_heads, max_len, self.d_model // self.n_heads, device, dtype)
+    # ------------------------------------------------------- cached decoding
+    def new_cache(self, batch: int, max_len: int, device: torch.device | str,
+                  dtype: torch.dtype = torch.float32) -> KVCache:
+        """Empty cache for `batch` sequences of up to `max_len` tokens: slots 0..n_layers-1 for the trunk's
+        self-attention, slot n_layers (`self.dep_slot`) for the dependency layer's memory."""
+        trunk = [(self.n_heads, self.d_model // self.n_heads)] * self.n_layers
+        dep = self.dep_layer.cross_attn
+        return KVCache(batch, max_len, trunk + [(dep.n_heads, dep.head_dim)], device, dtype)
+
+    @property
+    def dep_slot(self) -> int:
+        """Cache slot of the dependency layer's keys/values."""
+        return self.n_layers
+
+    def decode_s1_cached(self, s1_ids: torch.Tensor, s2_ids: torch.Tensor, stamp: torch.Tensor | None,
+                         cache: KVCache, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append tokens (B, L) at window positions start_pos.. to `cache` (trunk and dependency memory).
+
+        Returns (s1 logits of the last position (B, V1), its hidden state (B, 1, d_model)), the same numbers as
+        `decode_s1` on the whole window.
+        """
+        h = self.trunk(s1_ids, s2_ids, stamp, cache=cache, start_pos=start_pos)  # (B, L, d)
+        k, v = self.dep_layer.memory(h)  # (B, 4, L, d/4) each
+        cache.update(self.dep_slot, start_pos, k, v)
+        h_last = h[:, -1:]
+        return self.head(h_last)[:, -1], h_last
+
+    def decode_s2_cached(self, h_last: torch.Tensor, s1_ids: torch.Tensor, cache: KVCache,
+                         length: int) -> torch.Tensor:
+        """h_last (B, 1, d), sampled s1 (B, 1), `length` cached positions -> s2 logits (B, V2).
+
+        The same numbers as `decode_s2(context, s1_ids)[:, -1]` on the window's hidden states.
+        """
+        k, v = cache.filled(self.dep_slot, length)
+        return self.head.cond_forward(self.dep_layer.step(h_last, self.embedding.emb_s1(s1_ids), k, v))[:, -1]

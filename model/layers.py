@@ -67,27 +67,32 @@ class RotaryPositionalEmbedding(nn.Module):
 
 
 class KVCache:
-    """Pre-allocated key/value buffers for incremental decoding.
+    """Pre-allocated key/value buffers for incremental decoding, one slot per attention module.
 
-    `k[i]`, `v[i]` belong to attention layer i, each (B, H, max_len, Dh); `length` is how many positions are filled.
+    Slot i holds `k[i]`, `v[i]`, each (B, H_i, max_len, Dh_i): the predictor uses slots 0..n_layers-1 for its
+    self-attention layers and slot n_layers for the dependency layer's keys/values (4 heads, another head_dim).
+    The caller tracks how many positions are filled.
     """
 
-    def __init__(self, n_layers: int, batch: int, n_heads: int, max_len: int, head_dim: int,
-                 device: torch.device | str, dtype: torch.dtype):
-        shape = (batch, n_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+    def __init__(self, batch: int, max_len: int, slots: list[tuple[int, int]], device: torch.device | str,
+                 dtype: torch.dtype):
+        """slots: (n_heads, head_dim) of every attention module that caches."""
+        self.k = [torch.zeros((batch, h, max_len, dh), device=device, dtype=dtype) for h, dh in slots]
+        self.v = [torch.zeros((batch, h, max_len, dh), device=device, dtype=dtype) for h, dh in slots]
         self.max_len = max_len
-        self.length = 0
 
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, H, L_new, Dh) at positions start.. and return all filled keys/values (B, H, start+L_new, Dh)."""
         end = start + k.shape[-2]
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: {end} positions > max_len {self.max_len}")
-        self.k[layer][:, :, start:end] = k
-        self.v[layer][:, :, start:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        self.k[slot][:, :, start:end] = k
+        self.v[slot][:, :, start:end] = v
+        return self.k[slot][:, :, :end], self.v[slot][:, :, :end]
+
+    def filled(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `length` cached keys/values of `slot`, each (B, H, length, Dh)."""
+        return self.k[slot][:, :, :length], self.v[slot][:, :, :length]
 
 
 def _attention_mask(key_padding_mask: torch.Tensor | None, lq: int, lk: int, causal: bool,
@@ -126,7 +131,8 @@ class _Attention(nn.Module):
         self.resid_dropout = nn.Dropout(resid_dropout_p)
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        b, l, _ = x.shape  # (B, L, d) -> (B, H, L, Dh)
+        """(B, L, d) -> (B, H, L, Dh)."""
+        b, l, _ = x.shape
         return x.view(b, l, self.n_heads, self.head_dim).transpose(1, 2)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -181,6 +187,18 @@ class MultiHeadCrossAttentionWithRoPE(_Attention):
         if key_padding_mask is None and (not is_causal or lq == lk):
             return self.attend(q, k, v, None, is_causal=is_causal)
         return self.attend(q, k, v, _attention_mask(key_padding_mask, lq, lk, is_causal, query.device), is_causal=False)
+
+    # Incremental decoding. At inference the query is one s1 embedding, whose rotary table has one row (position 0,
+    # the identity), so keys need no rotation and can be projected once per position and cached.
+    def project_kv(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """key/value (B, L, d) -> cacheable keys and values, each (B, H, L, Dh), as a length-1 query sees them."""
+        return self.split_heads(self.k_proj(key)), self.split_heads(self.v_proj(value))
+
+    def attend_kv(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One query (B, 1, d) over projected keys/values (B, H, Lk, Dh) -> (B, 1, d); no mask (eval, one query)."""
+        if query.shape[1] != 1:
+            raise ValueError(f"attend_kv takes one query position, got {query.shape[1]}")
+        return self.attend(self.split_heads(self.q_proj(query)), k, v, None, False)
 
 
 class TransformerBlock(nn.Module):

@@ -1,29 +1,58 @@
-"""KronosPredictor: DataFrame in, forecast DataFrame out (the interface existing Kronos user code calls)."""
+"""KronosPredictor: DataFrame in, forecast DataFrame out (the interface existing Kronos user code calls).
+
+`predict` / `predict_batch` take wide frames (one series each), `predict_df` a long frame of many series
+(model/long_format.py); `from_pretrained` loads tokenizer + predictor + window from a folder or Hub id.
+"""
 from __future__ import annotations
 
+import os
+from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, overload
 
 import numpy as np
 import pandas as pd
 import torch
 
-from .features import FEATURE_COLS, calc_time_stamps, candle_matrix, check_increasing, normalize, to_datetime_index
+from .features import (
+    FEATURES,
+    calc_time_stamps,
+    candle_matrix,
+    check_increasing,
+    denormalize,
+    normalize,
+    to_datetime_index,
+)
 from .generation import generate_tokens
+from .hub import resolve_model_dir
 from .kronos import Kronos
+from .predictor_files import (
+    DEFAULT_MAX_CONTEXT,
+    PREDICTOR_INFO_NAME,
+    TOKENIZER_CONFIG_NAME,
+    read_predictor_info,
+    read_tokenizer_config,
+    tokenizer_source,
+)
 from .tokenizer import KronosTokenizer
 
 
 @dataclass
 class Forecast:
-    """A forecast with its sample paths: `mean` (pred_len rows, FEATURE_COLS), `samples` (S, pred_len, 6) and
-    `quantiles` {q: DataFrame}, all in the input's units and indexed by the forecast timestamps."""
+    """A forecast with its sample paths, all in the input's units and indexed by the forecast timestamps."""
 
     mean: pd.DataFrame
+    """(pred_len, 6) mean over the sample paths, columns FEATURES."""
     samples: np.ndarray
+    """(S, pred_len, 6) the sample paths."""
     quantiles: dict[float, pd.DataFrame] = field(default_factory=dict)
+    """{q: (pred_len, 6) DataFrame} per requested quantile."""
 
 
 def default_device() -> str:
+    """cuda:0, else mps, else cpu."""
     if torch.cuda.is_available():
         return "cuda:0"
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
@@ -34,82 +63,163 @@ def default_device() -> str:
 class KronosPredictor:
     """Forecast candles with a Kronos predictor and its tokenizer.
 
-    max_context: the predictor's window (512 for Kronos-small/base); clip: normalised values are clipped to
-    [-clip, clip]. `use_cache=False` selects the plain full-recompute generator (same numbers, slower).
+    Parameters
+    ----------
+    model, tokenizer: a matching pair (same s1/s2 bits).
+    device: where to run; None = `default_device()`.
+    max_context: the predictor's window (512 for Kronos-small/base; lookback + predict for a finetuned one).
+    clip: normalised values are clipped to [-clip, clip].
+    use_cache: True = key/value-cached generation; False = the plain full-recompute generator (same tokens, slower).
     """
 
-    def __init__(self, model: Kronos, tokenizer: KronosTokenizer, device: str | None = None, max_context: int = 512,
-                 clip: float = 5, use_cache: bool = True):
+    def __init__(self, model: Kronos, tokenizer: KronosTokenizer, device: str | None = None,
+                 max_context: int = DEFAULT_MAX_CONTEXT, clip: float = 5, use_cache: bool = True):
+        if (tokenizer.s1_bits, tokenizer.s2_bits) != (model.s1_bits, model.s2_bits):
+            raise ValueError(f"the tokenizer has s1/s2 bits {tokenizer.s1_bits}/{tokenizer.s2_bits} but the "
+                             f"predictor expects {model.s1_bits}/{model.s2_bits}; use a matching pair")
+        if not isinstance(max_context, (int, np.integer)) or max_context < 1:
+            raise ValueError(f"max_context must be an integer >= 1, got {max_context!r}")
         self.device = torch.device(device or default_device())
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer.to(self.device).eval()
         self.max_context = int(max_context)
         self.clip = clip
         self.use_cache = use_cache
-        self.price_cols = FEATURE_COLS[:4]
-        self.vol_col, self.amt_vol = "volume", "amount"
 
-    # ---------------------------------------------------------------- public
-    def predict(self, df: pd.DataFrame, x_timestamp, y_timestamp, pred_len: int, T: float = 1.0,
-                top_k: int | None = 0, top_p: float | None = 0.9, sample_count: int = 1, verbose: bool = True,
-                return_samples: bool = False, quantiles: list[float] | None = None):
+    # ----------------------------------------------------------- loading
+    @classmethod
+    def from_pretrained(cls, folder_or_id: str | os.PathLike, *, tokenizer: str | os.PathLike | KronosTokenizer |
+                        None = None, device: str | None = None, max_context: int | None = None,
+                        clip: float | None = None, use_cache: bool = True, **hub_kwargs: Any) -> KronosPredictor:
+        """Load a predictor, its tokenizer and its window.
+
+        Parameters
+        ----------
+        folder_or_id: a predictor folder (e.g. a finetuned run's predictor best_model/) or Hub id.
+        tokenizer: folder, Hub id or a loaded KronosTokenizer. None = the "tokenizer" recorded in the folder's
+            kronos_predictor.json (written by the engine); without one this is an error (for the published pair
+            pass e.g. tokenizer="NeoQuasar/Kronos-Tokenizer-base").
+        device: as in the constructor.
+        max_context: None = kronos_predictor.json's max_context, else 512 (the published Kronos-small/base window).
+        clip: None = kronos_predictor.json's clip, else 5.
+        hub_kwargs: cache_dir, revision, token, local_files_only, force_download (for both downloads).
+
+        Returns
+        -------
+        A KronosPredictor. When the folder holds tokenizer_config.json, the tokenizer's config must equal it
+        (ValueError otherwise: the pair would not match what the predictor was trained with).
+        """
+        allowed = {"cache_dir", "revision", "token", "local_files_only", "force_download"}
+        unknown = sorted(set(hub_kwargs) - allowed)
+        if unknown:
+            raise TypeError(f"unexpected arguments {unknown}; Hub options are {sorted(allowed)}")
+        folder = resolve_model_dir(folder_or_id, allow_patterns=["*.json", "model.safetensors"], **hub_kwargs)
+        info = read_predictor_info(folder)
+        model = Kronos.from_pretrained(folder)
+        if tokenizer is None:
+            tokenizer = tokenizer_source(folder, info)
+            if tokenizer is None:
+                raise ValueError(f"{folder} records no tokenizer ({PREDICTOR_INFO_NAME} with a 'tokenizer' entry); "
+                                 "pass tokenizer= a tokenizer folder or Hub id, e.g. the tokenizer stage's "
+                                 "best_model/ or 'NeoQuasar/Kronos-Tokenizer-base'")
+        if not isinstance(tokenizer, KronosTokenizer):
+            tokenizer = KronosTokenizer.from_pretrained(tokenizer, **hub_kwargs)
+        expected = read_tokenizer_config(folder)
+        if expected is not None and expected != tokenizer.config:
+            diff = sorted(k for k in set(expected) | set(tokenizer.config)
+                          if expected.get(k) != tokenizer.config.get(k))
+            raise ValueError(f"the tokenizer does not match {Path(folder) / TOKENIZER_CONFIG_NAME} (the one the "
+                             f"predictor was trained with): {diff} differ; pass the matching tokenizer=")
+        return cls(model, tokenizer, device=device,
+                   max_context=max_context if max_context is not None else info.get("max_context",
+                                                                                    DEFAULT_MAX_CONTEXT),
+                   clip=clip if clip is not None else info.get("clip", 5), use_cache=use_cache)
+
+    # ------------------------------------------------------------ public
+    @overload
+    def predict(self, df: pd.DataFrame, x_timestamp: Any, y_timestamp: Any, pred_len: int, T: float = ...,
+                top_k: int | None = ..., top_p: float | None = ..., sample_count: int = ..., verbose: bool = ...,
+                return_samples: Literal[False] = ..., quantiles: None = ...) -> pd.DataFrame: ...
+
+    @overload
+    def predict(self, df: pd.DataFrame, x_timestamp: Any, y_timestamp: Any, pred_len: int, T: float = ...,
+                top_k: int | None = ..., top_p: float | None = ..., sample_count: int = ..., verbose: bool = ...,
+                return_samples: bool = ..., quantiles: Sequence[float] | None = ...) -> Forecast: ...
+
+    def predict(self, df, x_timestamp, y_timestamp, pred_len, T=1.0, top_k=0, top_p=0.9, sample_count=1,
+                verbose=True, return_samples=False, quantiles=None):
         """Forecast `pred_len` candles after `df`.
 
-        df: context candles (T rows; open/high/low/close required, volume/amount optional); x_timestamp: T
-        datetimes; y_timestamp: pred_len datetimes. Returns a DataFrame (pred_len, 6) of the mean over
-        `sample_count` paths, indexed by y_timestamp; with `return_samples` or `quantiles`, a `Forecast`.
+        Parameters
+        ----------
+        df: context candles, N rows; open/high/low/close required, volume/amount optional (filled, see
+            `features.candle_matrix`).
+        x_timestamp: N datetimes of the context; y_timestamp: pred_len datetimes of the forecast.
+        pred_len: steps to forecast.
+        T, top_k, top_p: sampling temperature and filters (top_k=1 is greedy; None disables a filter).
+        sample_count: sample paths averaged into the mean.
+        verbose: progress bar.
+        return_samples, quantiles: ask for a `Forecast` (paths and/or quantile frames) instead of a DataFrame.
+
+        Returns
+        -------
+        DataFrame (pred_len, 6), columns FEATURES, indexed by y_timestamp, the mean over the paths - when
+        return_samples is False and quantiles is None; otherwise a `Forecast`.
         """
         out = self.predict_batch([df], [x_timestamp], [y_timestamp], pred_len, T, top_k, top_p, sample_count,
                                  verbose, return_samples, quantiles)
         return out[0]
 
-    def predict_batch(self, df_list, x_timestamp_list, y_timestamp_list, pred_len: int, T: float = 1.0,
-                      top_k: int | None = 0, top_p: float | None = 0.9, sample_count: int = 1, verbose: bool = True,
-                      return_samples: bool = False, quantiles: list[float] | None = None):
-        """Forecast several series of equal context length in one batch; returns a list as `predict` does."""
+    @overload
+    def predict_batch(self, df_list: Sequence[pd.DataFrame], x_timestamp_list: Sequence[Any],
+                      y_timestamp_list: Sequence[Any], pred_len: int, T: float = ..., top_k: int | None = ...,
+                      top_p: float | None = ..., sample_count: int = ..., verbose: bool = ...,
+                      return_samples: Literal[False] = ..., quantiles: None = ...) -> list[pd.DataFrame]: ...
+
+    @overload
+    def predict_batch(self, df_list: Sequence[pd.DataFrame], x_timestamp_list: Sequence[Any],
+                      y_timestamp_list: Sequence[Any], pred_len: int, T: float = ..., top_k: int | None = ...,
+                      top_p: float | None = ..., sample_count: int = ..., verbose: bool = ...,
+                      return_samples: bool = ..., quantiles: Sequence[float] | None = ...) -> list[Forecast]: ...
+
+    def predict_batch(self, df_list, x_timestamp_list, y_timestamp_list, pred_len, T=1.0, top_k=0, top_p=0.9,
+                      sample_count=1, verbose=True, return_samples=False, quantiles=None):
+        """Forecast several series; arguments as `predict`, one entry per series in each list.
+
+        Series may have different context lengths: they are batched in groups of equal length (in greedy mode the
+        results equal calling `predict` one by one). Returns a list in the input order, of DataFrames or of
+        `Forecast`s as `predict` does.
+        """
         self._check_options(pred_len, sample_count, quantiles)
         if not isinstance(df_list, (list, tuple)) or not df_list:
             raise ValueError("df_list must be a non-empty list of DataFrames")
         if not (len(df_list) == len(x_timestamp_list) == len(y_timestamp_list)):
             raise ValueError(f"df_list, x_timestamp_list and y_timestamp_list have different lengths: "
                              f"{len(df_list)}, {len(x_timestamp_list)}, {len(y_timestamp_list)}")
-        xs, means, stds, x_stamps, y_stamps, y_indexes = [], [], [], [], [], []
-        for i, (df, x_ts, y_ts) in enumerate(zip(df_list, x_timestamp_list, y_timestamp_list)):
-            name = "df" if len(df_list) == 1 else f"df_list[{i}]"
-            x = candle_matrix(df, name)
-            x_idx, y_idx = to_datetime_index(x_ts, "x_timestamp"), to_datetime_index(y_ts, "y_timestamp")
-            if len(x_idx) != len(x):
-                raise ValueError(f"x_timestamp has {len(x_idx)} entries but {name} has {len(x)} rows")
-            if len(y_idx) != pred_len:
-                raise ValueError(f"y_timestamp has {len(y_idx)} entries but pred_len is {pred_len}")
-            check_increasing(x_idx, "x_timestamp")
-            check_increasing(y_idx, "y_timestamp")
-            if x_idx[-1] >= y_idx[0]:
-                raise ValueError(f"y_timestamp must start after the context: first forecast time {y_idx[0]} is not "
-                                 f"after the last context time {x_idx[-1]}")
-            xn, mean, std = normalize(x, self.clip)
-            xs.append(xn), means.append(mean), stds.append(std), y_indexes.append(y_idx)
-            x_stamps.append(calc_time_stamps(x_idx).to_numpy(np.float32))
-            y_stamps.append(calc_time_stamps(y_idx).to_numpy(np.float32))
-        lengths = {len(x) for x in xs}
-        if len(lengths) > 1:
-            raise ValueError(f"predict_batch needs series of equal length, got context lengths {sorted(lengths)}")
+        prepared = [self._prepare(df, x_ts, y_ts, pred_len, "df" if len(df_list) == 1 else f"df_list[{i}]")
+                    for i, (df, x_ts, y_ts) in enumerate(zip(df_list, x_timestamp_list, y_timestamp_list))]
+        groups: dict[int, list[int]] = defaultdict(list)
+        for i, p in enumerate(prepared):
+            groups[len(p["x"])].append(i)
+        paths: list[np.ndarray | None] = [None] * len(prepared)
+        for members in groups.values():
+            out = self.generate(np.stack([prepared[i]["x"] for i in members]),
+                                np.stack([prepared[i]["x_stamp"] for i in members]),
+                                np.stack([prepared[i]["y_stamp"] for i in members]), pred_len, T, top_k, top_p,
+                                sample_count, verbose)  # (G, S, pred_len, 6), normalised
+            for j, i in enumerate(members):
+                paths[i] = out[j]
+        return [self._result(p, path, return_samples, quantiles) for p, path in zip(prepared, paths)]
 
-        paths = self.generate(np.stack(xs), np.stack(x_stamps), np.stack(y_stamps), pred_len, T, top_k, top_p,
-                              sample_count, verbose)  # (B, S, pred_len, 6), normalised
-        results = []
-        for i, y_idx in enumerate(y_indexes):
-            scale = stds[i] + 1e-5
-            # Average in normalised space, then undo the normalisation (the published order: same float32 bits).
-            mean_df = pd.DataFrame(paths[i].mean(axis=0) * scale + means[i], columns=FEATURE_COLS, index=y_idx)
-            samples = paths[i] * scale + means[i]  # (S, pred_len, 6) in input units
-            if not (return_samples or quantiles):
-                results.append(mean_df)
-                continue
-            qs = {q: pd.DataFrame(np.quantile(samples, q, axis=0), columns=FEATURE_COLS, index=y_idx)
-                  for q in (quantiles or [])}
-            results.append(Forecast(mean_df, samples, qs))
-        return results
+    def predict_df(self, df: pd.DataFrame, *, prediction_length: int, id_column: str = "id",
+                   timestamp_column: str = "timestamps", freq: str | None = None, quantiles: Sequence[float] = (),
+                   T: float = 1.0, top_k: int | None = 0, top_p: float | None = 0.9, sample_count: int = 1,
+                   verbose: bool = False) -> pd.DataFrame:
+        """Forecast every series of a long frame (see `model.long_format.predict_df`, which documents it)."""
+        from .long_format import predict_df
+        return predict_df(self, df, prediction_length=prediction_length, id_column=id_column,
+                          timestamp_column=timestamp_column, freq=freq, quantiles=quantiles, T=T, top_k=top_k,
+                          top_p=top_p, sample_count=sample_count, verbose=verbose)
 
     @torch.inference_mode()
     def generate(self, x: np.ndarray, x_stamp: np.ndarray, y_stamp: np.ndarray, pred_len: int, T: float = 1.0,
@@ -133,12 +243,44 @@ class KronosPredictor:
         z = self.tokenizer.decode((s1[:, start:], s2[:, start:]), half=True)  # (B*S, window, 6)
         return z[:, -pred_len:].float().cpu().numpy().reshape(b, s, pred_len, d)
 
+    # ----------------------------------------------------------- helpers
+    def _prepare(self, df: pd.DataFrame, x_ts: Any, y_ts: Any, pred_len: int, name: str) -> dict[str, Any]:
+        """Check one series and normalise it: x (N, 6), mean/std (1, 6), x_stamp (N, 5), y_stamp (pred_len, 5)."""
+        x = candle_matrix(df, name)
+        x_idx, y_idx = to_datetime_index(x_ts, "x_timestamp"), to_datetime_index(y_ts, "y_timestamp")
+        if len(x_idx) != len(x):
+            raise ValueError(f"x_timestamp has {len(x_idx)} entries but {name} has {len(x)} rows")
+        if len(y_idx) != pred_len:
+            raise ValueError(f"y_timestamp has {len(y_idx)} entries but pred_len is {pred_len}")
+        check_increasing(x_idx, "x_timestamp")
+        check_increasing(y_idx, "y_timestamp")
+        if x_idx[-1] >= y_idx[0]:
+            raise ValueError(f"y_timestamp must start after the context: first forecast time {y_idx[0]} is not "
+                             f"after the last context time {x_idx[-1]}")
+        xn, mean, std = normalize(x, self.clip, axis=0)
+        return {"x": xn, "mean": mean, "std": std, "y_index": y_idx,
+                "x_stamp": calc_time_stamps(x_idx).to_numpy(np.float32),
+                "y_stamp": calc_time_stamps(y_idx).to_numpy(np.float32)}
+
     @staticmethod
-    def _check_options(pred_len, sample_count, quantiles) -> None:
-        if not isinstance(pred_len, (int, np.integer)) or pred_len < 1:
+    def _result(p: dict[str, Any], paths: np.ndarray, return_samples: bool,
+                quantiles: Sequence[float] | None) -> pd.DataFrame | Forecast:
+        """Normalised paths (S, pred_len, 6) -> the mean DataFrame, or a Forecast, in input units."""
+        cols, y_idx = list(FEATURES), p["y_index"]
+        # Average in normalised space, then undo the normalisation (the published order: same float32 bits).
+        mean_df = pd.DataFrame(denormalize(paths.mean(axis=0), p["mean"], p["std"]), columns=cols, index=y_idx)
+        if not (return_samples or quantiles):
+            return mean_df
+        samples = denormalize(paths, p["mean"], p["std"])  # (S, pred_len, 6)
+        qs = {q: pd.DataFrame(np.quantile(samples, q, axis=0), columns=cols, index=y_idx) for q in (quantiles or [])}
+        return Forecast(mean_df, samples, qs)
+
+    @staticmethod
+    def _check_options(pred_len: int, sample_count: int, quantiles: Sequence[float] | None) -> None:
+        if not isinstance(pred_len, (int, np.integer)) or isinstance(pred_len, bool) or pred_len < 1:
             raise ValueError(f"pred_len must be an integer >= 1, got {pred_len!r}")
-        if not isinstance(sample_count, (int, np.integer)) or sample_count < 1:
+        if not isinstance(sample_count, (int, np.integer)) or isinstance(sample_count, bool) or sample_count < 1:
             raise ValueError(f"sample_count must be an integer >= 1, got {sample_count!r}")
         for q in quantiles or []:
-            if not 0.0 <= q <= 1.0:
-                raise ValueError(f"quantiles must lie in [0, 1], got {q}")
+            if not isinstance(q, (int, float)) or not 0.0 <= q <= 1.0:
+                raise ValueError(f"quantiles must lie in [0, 1], got {q!r}")

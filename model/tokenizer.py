@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from .bsq import BSQuantizer, ids_to_bits
+from .config import KronosTokenizerConfig
 from .hub import PretrainedMixin
 from .layers import TransformerBlock
 
@@ -14,6 +15,8 @@ class KronosTokenizer(nn.Module, PretrainedMixin):
 
     The encoder has n_enc_layers - 1 blocks and the decoder n_dec_layers - 1 blocks (published layout).
     """
+
+    config_class = KronosTokenizerConfig  # checks config.json before from_pretrained allocates anything
 
     def __init__(self, d_in: int, d_model: int, n_heads: int, ff_dim: int, n_enc_layers: int, n_dec_layers: int,
                  ffn_dropout_p: float, attn_dropout_p: float, resid_dropout_p: float, s1_bits: int, s2_bits: int,
@@ -48,22 +51,42 @@ class KronosTokenizer(nn.Module, PretrainedMixin):
             z = layer(z)
         return self.head(z)  # (B, T, d_in)
 
-    def forward(self, x: torch.Tensor):
-        """x (B, T, d_in) -> ((z_pre, z), bsq_loss, quantized (B, T, D), ids (B, T)).
+    def forward(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor,
+                                                torch.Tensor]:
+        """Encode, quantise and reconstruct (training).
 
-        z is the reconstruction from the full code, z_pre from the coarse (s1) bits alone; both (B, T, d_in).
+        Parameters
+        ----------
+        x: (B, T, d_in) normalised candles.
+
+        Returns
+        -------
+        ((z_pre, z), bsq_loss, quantized, ids): z the reconstruction from the full code and z_pre from the coarse
+        (s1) bits alone, both (B, T, d_in); bsq_loss a scalar; quantized (B, T, D) with D = s1_bits + s2_bits;
+        ids (B, T) int64 over all D bits.
         """
         bsq_loss, quantized, ids = self.tokenizer(self._encode_latent(x))
         z_pre = self._decode_latent(self.post_quant_embed_pre(quantized[..., : self.s1_bits]))
         z = self._decode_latent(self.post_quant_embed(quantized))
         return (z_pre, z), bsq_loss, quantized, ids
 
-    def encode(self, x: torch.Tensor, half: bool = False):
-        """x (B, T, d_in) -> (s1_ids, s2_ids) each (B, T) int64 if half, else one id (B, T) over all D bits."""
+    def encode(self, x: torch.Tensor, half: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Candles to token ids.
+
+        Parameters
+        ----------
+        x: (B, T, d_in) normalised candles.
+        half: split the code into coarse and fine ids.
+
+        Returns
+        -------
+        (s1_ids, s2_ids) each (B, T) int64 if half, else one id (B, T) over all D bits.
+        """
         _, _, ids = self.tokenizer(self._encode_latent(x), half=half)
         return ids
 
-    def indices_to_bits(self, ids, half: bool = False) -> torch.Tensor:
+    def indices_to_bits(self, ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                        half: bool = False) -> torch.Tensor:
         """Token ids -> scaled code (B, T, D) of +-1/sqrt(D)."""
         if half:
             s1_ids, s2_ids = ids
@@ -72,7 +95,16 @@ class KronosTokenizer(nn.Module, PretrainedMixin):
             bits = ids_to_bits(ids, self.codebook_dim)
         return bits * self.tokenizer.bsq.q_scale
 
-    def decode(self, ids, half: bool = False) -> torch.Tensor:
-        """(s1_ids, s2_ids) if half else ids, each (B, T) -> reconstructed candles (B, T, d_in)."""
+    def decode(self, ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor], half: bool = False) -> torch.Tensor:
+        """Token ids to candles.
+
+        Parameters
+        ----------
+        ids: (s1_ids, s2_ids) each (B, T) if half, else one id tensor (B, T) over all D bits.
+
+        Returns
+        -------
+        Reconstructed normalised candles (B, T, d_in).
+        """
         bits = self.indices_to_bits(ids, half).to(self.post_quant_embed.weight.dtype)
         return self._decode_latent(self.post_quant_embed(bits))

@@ -10,6 +10,7 @@ rank 0. The fault-injection variables of finetune.utils.training_utils (KRONOS_F
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -21,27 +22,14 @@ from finetune.utils.config_utils import load_config
 from finetune.utils.distributed import distributed_context, seed_everything
 from finetune.utils.training_utils import TrainingConfig, train_predictor, train_tokenizer
 from finetune.utils.window_dataset import SeriesArrays, WindowDataset
-from model import Kronos, KronosTokenizer
+from tests import model_factory
+from tests.model_factory import tiny_tokenizer
 
 LOOKBACK, PREDICT = 8, 2
 
 
-def tiny_tokenizer(seed: int = 0, dropout: float = 0.0, gamma: float = 1.1) -> KronosTokenizer:
-    """gamma=0 drops the codebook-entropy term, the one part of the loss that is not a mean over windows."""
-    torch.manual_seed(seed)
-    return KronosTokenizer(
-        d_in=6, d_model=16, n_heads=2, ff_dim=32, n_enc_layers=2, n_dec_layers=2, ffn_dropout_p=dropout,
-        attn_dropout_p=0.0, resid_dropout_p=dropout, s1_bits=4, s2_bits=4, beta=0.05, gamma0=1.0, gamma=gamma,
-        zeta=0.05, group_size=4,
-    )
-
-
-def tiny_predictor(seed: int = 1, dropout: float = 0.0) -> Kronos:
-    torch.manual_seed(seed)
-    return Kronos(
-        s1_bits=4, s2_bits=4, n_layers=1, d_model=16, n_heads=2, ff_dim=32, ffn_dropout_p=dropout,
-        attn_dropout_p=0.0, resid_dropout_p=dropout, token_dropout_p=0.0, learn_te=True,
-    )
+# The shared tiny models (tests/model_factory.py); the engine tests use a one-layer predictor.
+tiny_predictor = functools.partial(model_factory.tiny_predictor, n_layers=1)
 
 
 def random_walk_series(

@@ -1,7 +1,13 @@
 """Attention facts the published checkpoints rely on: causality rules, rotary positions, the dependency layer."""
+import pytest
 import torch
 
-from model.layers import MultiHeadAttentionWithRoPE, MultiHeadCrossAttentionWithRoPE, RMSNorm, RotaryPositionalEmbedding
+from model.layers import (
+    MultiHeadAttentionWithRoPE,
+    MultiHeadCrossAttentionWithRoPE,
+    RMSNorm,
+    RotaryPositionalEmbedding,
+)
 from tests.model_factory import tiny_models
 
 
@@ -69,3 +75,30 @@ def test_eval_loss_with_causal_dep_does_not_see_the_future():
     # the published eval-mode dependency layer lets early positions see later tokens; causal_dep=True does not
     assert not torch.allclose(leak[0], leak[1])
     assert torch.allclose(causal[0], causal[1], atol=1e-6)
+
+
+def test_cached_decoding_methods_equal_the_full_window():
+    """Kronos' cached-decoding API (what generation.py uses) gives the numbers of decode_s1/decode_s2."""
+    _, pred = tiny_models(seed=7)
+    g = torch.Generator().manual_seed(0)
+    s1, s2 = torch.randint(0, 16, (2, 9), generator=g), torch.randint(0, 16, (2, 9), generator=g)
+    stamp = torch.randint(0, 7, (2, 9, 5), generator=g)
+    nxt = torch.randint(0, 16, (2, 1), generator=g)
+    cache = pred.new_cache(2, 12, "cpu")
+    assert len(cache.k) == pred.n_layers + 1 and pred.dep_slot == pred.n_layers
+    assert cache.k[0].shape == (2, 2, 12, 8) and cache.k[pred.dep_slot].shape == (2, 4, 12, 4)
+    with torch.no_grad():
+        full_s1, ctx = pred.decode_s1(s1, s2, stamp)
+        full_s2 = pred.decode_s2(ctx, nxt)[:, -1]
+        pred.decode_s1_cached(s1[:, :5], s2[:, :5], stamp[:, :5], cache, 0)  # a prefix, then the rest
+        logits, h_last = pred.decode_s1_cached(s1[:, 5:], s2[:, 5:], stamp[:, 5:], cache, 5)
+        s2_logits = pred.decode_s2_cached(h_last, nxt, cache, 9)
+        step = pred.dep_layer.step(ctx[:, -1:], pred.embedding.emb_s1(nxt), *pred.dep_layer.memory(ctx))
+        fwd = pred.dep_layer(ctx, pred.embedding.emb_s1(nxt))[:, -1:]
+    torch.testing.assert_close(logits, full_s1[:, -1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s2_logits, full_s2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(step, fwd, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="overflow"):
+        pred.decode_s1_cached(s1[:, :4], s2[:, :4], stamp[:, :4], cache, 9)
+    with pytest.raises(ValueError, match="one query"):
+        pred.dep_layer.cross_attn.attend_kv(ctx, *pred.dep_layer.memory(ctx))

@@ -1,0 +1,142 @@
+"""Atomic file and folder writes for the whole project: a reader sees the old version or the new one, never half.
+
+`atomic_write(target, write_fn)` writes a file, `atomic_dir(target)` builds a folder, `write_json(path, data)` writes
+strict JSON. On failure nothing is left behind; a full disk is reported with the file, the free space and the bytes
+written so far.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+_DISK_FULL = (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+def _umask() -> int:
+    """The process umask (reading it means setting it; set it straight back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _free_bytes(folder: Path) -> int | None:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _gib(n: int | None) -> str:
+    return "unknown" if n is None else f"{n / 2**30:.2f} GiB ({n} bytes)"
+
+
+def atomic_write(target: str | os.PathLike, write_fn: Callable[[str], Any]) -> Path:
+    """Call `write_fn(tmp_path)` on a temporary file beside `target`, fsync it, then rename it into place.
+
+    Parameters
+    ----------
+    target: the final file path (its folder must exist).
+    write_fn: writes the whole content to the path it is given (e.g. `lambda p: torch.save(obj, p)`).
+
+    Returns
+    -------
+    `target` as a Path. The file gets the permissions `open()` would give (0o666 minus the umask).
+
+    Raises
+    ------
+    OSError naming `target`, the free space on its filesystem and the bytes written so far when the disk is full
+    (ENOSPC / EFBIG / EDQUOT); any other error of `write_fn` unchanged. The temporary file is removed on any failure.
+    """
+    target = Path(target)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write_fn(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes owner-only files
+        os.replace(tmp, target)
+    except OSError as exc:
+        written = _size(tmp)
+        _remove(tmp)
+        if exc.errno in _DISK_FULL:
+            raise OSError(exc.errno, f"no space left to write {target}: {_gib(_free_bytes(target.parent))} free on "
+                                     f"that filesystem, {written} bytes written before the failure; free some space "
+                                     f"or write elsewhere") from None
+        raise
+    except BaseException:
+        _remove(tmp)
+        raise
+    return target
+
+
+def _remove(tmp: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str | os.PathLike, *, overwrite: bool = True) -> Iterator[Path]:
+    """Build a folder under a temporary name beside `target`; on success swap it into place, on failure remove it.
+
+    Parameters
+    ----------
+    target: the final folder. An existing one is replaced only after the new one is complete (overwrite=True);
+        with overwrite=False an existing target is a FileExistsError before anything is written.
+
+    Yields
+    ------
+    The temporary folder to write into.
+    """
+    target = Path(target)
+    if target.exists() and not overwrite:
+        raise FileExistsError(f"{target} already exists; choose another folder or remove it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes owner-only folders
+        if target.exists():
+            old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".old"))
+            os.replace(target, old / "x")  # move the old folder aside, then the new one in, then drop the old
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _strict(value: Any) -> Any:
+    """NaN / inf -> None recursively (JSON has no such numbers); tuples become lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # numpy / torch scalar
+        return _strict(value.item())
+    return value
+
+
+def write_json(path: str | os.PathLike, data: Any) -> Path:
+    """Write `data` as strict JSON (NaN/inf -> null, indent 2, trailing newline), atomically. Returns the path."""
+    text = json.dumps(_strict(data), indent=2, allow_nan=False) + "\n"
+    return atomic_write(path, lambda p: Path(p).write_text(text, encoding="utf-8"))
