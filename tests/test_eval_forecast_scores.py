@@ -16,7 +16,6 @@ from finetune.evaluation.forecast_scores import (
     ScoreSettings,
     format_summary,
     score_forecasts,
-    strict_json,
 )
 from finetune.evaluation.scoring_rules import (
     crps_ensemble,
@@ -25,6 +24,7 @@ from finetune.evaluation.scoring_rules import (
     sample_quantiles,
     weighted_quantile_loss,
 )
+from finetune.evaluation.strict_json import strict_json
 
 
 def _brute_crps(y, x, fair):

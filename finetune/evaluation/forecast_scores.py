@@ -37,6 +37,7 @@ from finetune.evaluation.scoring_rules import (
     sample_quantiles,
     weighted_quantile_loss,
 )
+from finetune.evaluation.strict_json import strict_json
 
 
 @dataclass
@@ -222,23 +223,6 @@ def _per_series(scores: dict, names: np.ndarray, codes: np.ndarray) -> list[dict
             row[key] = scores[key][w].mean()
         rows.append(row)
     return rows
-
-
-def strict_json(obj):
-    """Copy of `obj` that `json.dumps(..., allow_nan=False)` accepts: numpy scalars -> Python, NaN / inf -> None."""
-    if isinstance(obj, dict):
-        return {str(k): strict_json(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [strict_json(v) for v in obj]
-    if isinstance(obj, np.ndarray):
-        return strict_json(obj.tolist())
-    if isinstance(obj, (bool, np.bool_)):
-        return bool(obj)
-    if isinstance(obj, (int, np.integer)):
-        return int(obj)
-    if isinstance(obj, (float, np.floating)):
-        return float(obj) if math.isfinite(obj) else None
-    return obj
 
 
 def format_summary(scores: dict) -> str:
