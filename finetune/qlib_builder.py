@@ -4,14 +4,23 @@ Qlib's on-disk layout, as its `FileCalendarStorage` / `FileInstrumentStorage` / 
 
     calendars/day.txt                      one trading day per line, YYYY-MM-DD, ascending
     instruments/all.txt                    SYMBOL<TAB>first day<TAB>last day, every symbol plus the benchmark
-    instruments/<universe>.txt             the same for the universe's stocks (not the benchmark)
+    instruments/<universe>.txt             the same for the universe's stocks (not the benchmark); with a
+                                           membership file its rows instead (several spans per symbol allowed)
     features/<symbol lower>/<field>.day.bin
         little-endian float32: [index of the symbol's first day in the calendar, then one value per calendar day
         from that first day to its last day], NaN on days the symbol has no row (suspensions)
 
 Fields written: open, high, low, close, volume, amount, vwap (= amount / volume), factor (1.0: prices are taken as
 already adjusted) and change (close / previous available close - 1). The benchmark, unless a table for it is given,
-is an equal-weighted index of the universe starting at 1000 (see `equal_weight_index`).
+is an equal-weighted index of the universe starting at 1000 (see `equal_weight_index`); a
+`SubstituteBenchmarkWarning` says so, since excess returns against it are not against the real index.
+
+Suspensions: a day with volume <= 0 (or missing) or a missing close is written as NaN in EVERY field, as Qlib's own
+collectors do; Qlib's exchange treats a stock as suspended exactly when $close is NaN, so a zero-volume day with a
+price would otherwise be tradable. The count per symbol is logged (INFO) and kept in build_info.json.
+
+Survivorship: by default a stock is in the universe for its whole life in the data. A membership CSV
+(`symbol,start,end`, one row per membership spell) writes the universe as it was on each day instead.
 
     frames = load_csv_folder("data/daily_csv")                 # {"SH600000": DataFrame, ...}
     build_qlib_provider(frames, "data/qlib_cn", universe="csi300", benchmark="SH000300")
@@ -21,10 +30,13 @@ The folder is assembled in a temporary sibling and renamed into place, so a fail
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +47,12 @@ PRICE_COLUMNS = ("open", "high", "low", "close")
 FIELDS = ("open", "high", "low", "close", "volume", "amount", "vwap", "factor", "change")
 INDEX_BASE = 1000.0
 _SYMBOL_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")  # a symbol becomes a folder name and an instruments-file entry
+MEMBERSHIP_COLUMNS = ("symbol", "start", "end")
+log = logging.getLogger(__name__)
+
+
+class SubstituteBenchmarkWarning(UserWarning):
+    """The benchmark written is an equal-weighted index of the universe, not the named index."""
 
 
 def load_csv_folder(csv_dir: str | os.PathLike) -> dict[str, pd.DataFrame]:
@@ -161,13 +179,20 @@ def validate_daily_frames(frames: dict[str, pd.DataFrame]) -> dict[str, pd.DataF
     return clean
 
 
+def suspended_days(df: pd.DataFrame) -> np.ndarray:
+    """(n_rows,) bool: rows that are suspensions, i.e. volume <= 0 or missing, or close missing."""
+    volume = df["volume"].to_numpy(dtype=np.float64)
+    return ~(volume > 0) | np.isnan(df["close"].to_numpy(dtype=np.float64))
+
+
 def qlib_fields(df: pd.DataFrame) -> pd.DataFrame:
-    """One symbol's clean table -> its Qlib fields (FIELDS columns), indexed by date."""
-    t = df.set_index("timestamps")[list(REQUIRED_COLUMNS[1:])]
+    """One symbol's clean table -> its Qlib fields (FIELDS columns), indexed by date; suspended days all NaN."""
+    t = df.set_index("timestamps")[list(REQUIRED_COLUMNS[1:])].copy()
+    t.loc[suspended_days(df), :] = np.nan  # every field, so no price survives that the exchange could trade at
     volume = t["volume"].to_numpy()
     with np.errstate(divide="ignore", invalid="ignore"):
         t["vwap"] = np.where(volume > 0, t["amount"].to_numpy() / volume, np.nan)  # no trades -> no price
-    t["factor"] = 1.0
+    t["factor"] = np.where(t["close"].notna(), 1.0, np.nan)  # suspended days: NaN like every other field
     # Over a suspension the change is measured from the last close before it, as a price feed would report it.
     t["change"] = t["close"] / t["close"].ffill().shift(1) - 1.0
     return t[list(FIELDS)]
@@ -218,7 +243,57 @@ def _write_bin(path: Path, start_index: int, values: np.ndarray) -> None:
     np.concatenate([[float(start_index)], values]).astype("<f4").tofile(path)
 
 
-def _write_provider(root: Path, tables: dict[str, pd.DataFrame], universe: str, universe_symbols: list[str]) -> None:
+def load_membership(source: str | os.PathLike | pd.DataFrame, symbols: set[str], benchmark: str) -> pd.DataFrame:
+    """Point-in-time universe membership: CSV or DataFrame with columns symbol, start, end (one row per spell).
+
+    Returns a clean copy (symbols upper-cased, start / end datetime64, sorted). Raises one ValueError listing every
+    problem: missing columns, unparseable dates, start after end, overlapping spells of one symbol, symbols without
+    data (they would be listed in the universe but have no features), the benchmark as a member.
+    """
+    where = "membership file (--membership)"
+    if isinstance(source, pd.DataFrame):
+        raw = source.copy()
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"{where} {path} does not exist")
+        raw = pd.read_csv(path, dtype=str)
+        where = f"membership file {path} (--membership)"
+    raw.columns = [str(c).strip().lower() for c in raw.columns]
+    missing = [c for c in MEMBERSHIP_COLUMNS if c not in raw.columns]
+    if missing:
+        raise ValueError(f"{where}: missing columns {missing}; expected a header symbol,start,end")
+    if len(raw) == 0:
+        raise ValueError(f"{where} has no rows")
+    out = pd.DataFrame({"symbol": raw["symbol"].astype(str).str.strip().str.upper(),
+                        "start": _parse_dates(raw["start"]), "end": _parse_dates(raw["end"])})
+    problems = []
+    for col in ("start", "end"):
+        bad = out[col].isna().to_numpy()
+        if bad.any():
+            problems.append(f"unparseable {col} at {_rows(bad)}")
+    reversed_ = (out["start"] > out["end"]).to_numpy()
+    if reversed_.any():
+        problems.append(f"start after end at {_rows(reversed_)}")
+    unknown = sorted(set(out["symbol"]) - symbols - {benchmark})
+    if unknown:
+        problems.append(f"symbols without data: {unknown[:5]}{' ...' if len(unknown) > 5 else ''} "
+                        "(add their CSVs or remove their rows)")
+    if benchmark in set(out["symbol"]):
+        problems.append(f"the benchmark {benchmark} cannot be a member of the universe")
+    out = out.sort_values(["symbol", "start"], kind="stable").reset_index(drop=True)
+    if not problems:
+        same = out["symbol"].eq(out["symbol"].shift())
+        overlap = (same & (out["start"] <= out["end"].shift())).to_numpy()
+        if overlap.any():
+            problems.append("overlapping spells for " + ", ".join(sorted(set(out["symbol"][overlap]))))
+    if problems:
+        raise ValueError(f"invalid {where}:\n  " + "\n  ".join(problems))
+    return out
+
+
+def _write_provider(root: Path, tables: dict[str, pd.DataFrame], universe: str, universe_symbols: list[str],
+                    membership: pd.DataFrame | None) -> None:
     """Write calendar, instruments and features for `tables` ({SYMBOL: qlib_fields table}) under `root`."""
     calendar = pd.DatetimeIndex(sorted(set().union(*(t.index for t in tables.values()))))
     (root / "calendars").mkdir(parents=True)
@@ -226,9 +301,13 @@ def _write_provider(root: Path, tables: dict[str, pd.DataFrame], universe: str, 
 
     spans = {s: (t.index.min(), t.index.max()) for s, t in tables.items()}
     (root / "instruments").mkdir()
-    for name, symbols in (("all", sorted(tables)), (universe.lower(), sorted(universe_symbols))):
-        lines = (f"{s}\t{spans[s][0]:%Y-%m-%d}\t{spans[s][1]:%Y-%m-%d}\n" for s in symbols)
-        (root / "instruments" / f"{name}.txt").write_text("".join(lines))
+    lines = [f"{s}\t{spans[s][0]:%Y-%m-%d}\t{spans[s][1]:%Y-%m-%d}\n" for s in sorted(tables)]
+    (root / "instruments" / "all.txt").write_text("".join(lines))
+    if membership is None:
+        lines = [f"{s}\t{spans[s][0]:%Y-%m-%d}\t{spans[s][1]:%Y-%m-%d}\n" for s in sorted(universe_symbols)]
+    else:
+        lines = [f"{r.symbol}\t{r.start:%Y-%m-%d}\t{r.end:%Y-%m-%d}\n" for r in membership.itertuples()]
+    (root / "instruments" / f"{universe.lower()}.txt").write_text("".join(lines))
 
     position = pd.Series(np.arange(len(calendar)), index=calendar)
     for symbol, table in tables.items():
@@ -241,11 +320,15 @@ def _write_provider(root: Path, tables: dict[str, pd.DataFrame], universe: str, 
 
 
 def build_qlib_provider(frames: dict[str, pd.DataFrame], out_dir: str | os.PathLike, universe: str = "csi300",
-                        benchmark: str = "SH000300", overwrite: bool = False) -> Path:
+                        benchmark: str = "SH000300", overwrite: bool = False,
+                        membership: str | os.PathLike | pd.DataFrame | None = None) -> Path:
     """Write a Qlib 'day' provider folder for `frames` ({symbol: OHLCV(A) DataFrame}); returns its path.
 
-    Every symbol goes into instruments/<universe>.txt except `benchmark`: a table under that name is written as
-    given, otherwise the benchmark is the equal-weighted index of the universe. Symbols are upper-cased.
+    Every symbol goes into instruments/<universe>.txt except `benchmark` (or, with `membership`, the spells of that
+    file: see `load_membership`): a table under the benchmark's name is written as given, otherwise the benchmark
+    is the equal-weighted index of the universe and a `SubstituteBenchmarkWarning` is issued. Symbols are
+    upper-cased. Suspended days (see `suspended_days`) become NaN in every field. build_info.json records the
+    benchmark's source and the suspended-day count per symbol.
     """
     _check_names(universe, benchmark)
     out = Path(out_dir)
@@ -257,17 +340,34 @@ def build_qlib_provider(frames: dict[str, pd.DataFrame], out_dir: str | os.PathL
     clean = validate_daily_frames({s.upper(): df for s, df in frames.items()})
 
     benchmark = benchmark.upper()
+    members = load_membership(membership, set(clean), benchmark) if membership is not None else None
     tables = {s: qlib_fields(df) for s, df in clean.items()}
     universe_symbols = [s for s in tables if s != benchmark]
     if not universe_symbols:
         raise ValueError(f"the only table given is the benchmark {benchmark}; the universe would be empty")
-    if benchmark not in tables:
+    suspended = {s: int(suspended_days(df).sum()) for s, df in clean.items()}
+    for symbol, n in suspended.items():
+        if n:
+            log.info("%s: %d day(s) with zero/missing volume or missing close written as suspended (NaN in every "
+                     "field)", symbol, n)
+    if benchmark in tables:
+        bench_source = "given table"
+    else:
         tables[benchmark] = equal_weight_index({s: tables[s] for s in universe_symbols})
+        bench_source = f"substitute: equal-weighted index of {len(universe_symbols)} symbols"
+        warnings.warn(f"no table for the benchmark {benchmark}: it is written as an equal-weighted index of the "
+                      f"{len(universe_symbols)} universe symbols, so excess returns are NOT against the real "
+                      f"{benchmark}; add {benchmark}.csv (--csv-dir) to use the real index",
+                      SubstituteBenchmarkWarning, stacklevel=2)
+    info = {"universe": universe.lower(), "benchmark": benchmark, "benchmark_source": bench_source,
+            "point_in_time_membership": members is not None, "symbols": len(universe_symbols),
+            "suspended_days": {s: n for s, n in sorted(suspended.items()) if n}}
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.building-"))
     try:
-        _write_provider(staging, tables, universe, universe_symbols)
+        _write_provider(staging, tables, universe, universe_symbols, members)
+        (staging / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
         if out.exists():
             trash = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
             os.replace(out, trash / "old")

@@ -5,12 +5,19 @@
     python scripts/build_qlib_data.py --synthetic 20 --out data/qlib_demo  # demo store, 2018-01-02..2025-06-30
 
 CSV columns: timestamps, open, high, low, close, volume, amount; the symbol is the file stem, upper-cased.
+Days with zero volume or no close are written as suspended (NaN in every field); the count per symbol is printed.
+--membership FILE (CSV symbol,start,end; several rows per symbol allowed) writes the universe point in time, as it
+was on each day, instead of every stock over its whole life (which biases a backtest towards survivors).
+Without <BENCHMARK>.csv the benchmark is an equal-weighted index of the universe, and a warning says so.
 Read it back with `qlib.init(provider_uri=OUT, region="cn")`; see finetune/qlib_builder.py for the layout.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
+import warnings
 
 from finetune.qlib_builder import build_qlib_provider, load_csv_folder
 from finetune.synthetic import generate_ohlcv
@@ -25,6 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--universe", default="csi300", help="market name: instruments/<universe>.txt")
     p.add_argument("--benchmark", default="SH000300",
                    help="benchmark symbol; a CSV of that name is used as is, else an equal-weighted index is built")
+    p.add_argument("--membership", help="CSV symbol,start,end: point-in-time universe membership")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     synth = p.add_argument_group("synthetic data (with --synthetic)")
     synth.add_argument("--start", default="2018-01-02", help="first day")
@@ -38,8 +46,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        build(args)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            build(args)
+        for w in caught:
+            print(f"warning: {w.message}", file=sys.stderr)
     except (ValueError, FileNotFoundError, FileExistsError) as err:  # bad input: the message, not a traceback
         raise SystemExit(f"error: {err}") from None
 
@@ -50,7 +63,7 @@ def build(args: argparse.Namespace) -> None:
     else:
         frames = generate_ohlcv(args.synthetic, freq="1D", start=args.start, end=args.end, seed=args.seed)
     out = build_qlib_provider(frames, args.out, universe=args.universe, benchmark=args.benchmark,
-                              overwrite=args.overwrite)
+                              overwrite=args.overwrite, membership=args.membership)
     print(f"built Qlib provider {out}: {len(frames)} symbols, universe {args.universe}, benchmark {args.benchmark}")
 
 

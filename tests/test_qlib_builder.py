@@ -1,32 +1,49 @@
 """finetune.qlib_builder: the folder it writes is read back by Qlib itself (qlib.init + D.features + a backtest)."""
 
+import json
 import logging
 import runpy
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from finetune.qlib_builder import (FIELDS, build_qlib_provider, equal_weight_index, load_csv_folder, qlib_fields,
-                                   validate_daily_frames)
+from finetune.qlib_builder import (
+    FIELDS,
+    SubstituteBenchmarkWarning,
+    build_qlib_provider,
+    equal_weight_index,
+    load_csv_folder,
+    qlib_fields,
+    validate_daily_frames,
+)
 from finetune.synthetic import generate_ohlcv, write_csv_folder
 
 qlib = pytest.importorskip("qlib")
 # Qlib's own trade indicators average an empty order list on days the strategy only holds; harmless.
-pytestmark = pytest.mark.filterwarnings("ignore:Mean of empty slice:RuntimeWarning")
+# Tests that build without a benchmark table and do not check the warning (pytest.warns still sees it).
+pytestmark = [pytest.mark.filterwarnings("ignore:Mean of empty slice:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore::finetune.qlib_builder.SubstituteBenchmarkWarning")]
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "build_qlib_data.py"
 START, END = "2023-01-02", "2023-06-30"
 
 
 def _ragged_frames() -> dict[str, pd.DataFrame]:
-    """Four daily series over H1 2023 with different listing spans and a two-day suspension."""
+    """Four daily series over H1 2023 with different listing spans and suspensions (missing, zero-volume, no close)."""
     frames = generate_ohlcv(4, None, "1D", start=START, end=END, seed=11)
     frames["SH600001"] = frames["SH600001"].iloc[15:].reset_index(drop=True)  # listed later
     frames["SH600002"] = frames["SH600002"].iloc[:100].reset_index(drop=True)  # delisted earlier
     frames["SH600003"] = frames["SH600003"].drop(index=[40, 41]).reset_index(drop=True)  # suspended 2 days
+    frames["SH600000"].loc[50:52, ["volume", "amount"]] = 0.0  # a zero-volume stretch with prices still quoted
+    frames["SH600003"].loc[60, "close"] = np.nan  # a day without a close
     return frames
+
+
+ZERO_VOLUME_DAYS = pd.bdate_range(START, periods=53)[50:53]  # SH600000 rows 50..52
+NO_CLOSE_DAY = pd.bdate_range(START, periods=63)[62]  # SH600003 row 60 after its two missing days
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +52,31 @@ def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("qlib")
     write_csv_folder(_ragged_frames(), root / "csv")
     frames = load_csv_folder(root / "csv")
-    out = build_qlib_provider(frames, root / "provider", universe="csi300", benchmark="SH000300")
-    # kernels=1: features are read in this process (no joblib worker pool on a 2-core test machine);
-    # no caches, so nothing is written outside the provider folder.
-    qlib.init(provider_uri=str(out), region="cn", kernels=1, expression_cache=None, dataset_cache=None,
-              logging_level=logging.WARNING)
+    with pytest.warns(SubstituteBenchmarkWarning, match="equal-weighted index of the 4 universe symbols"):
+        out = build_qlib_provider(frames, root / "provider", universe="csi300", benchmark="SH000300")
     return frames, out
 
 
+def init_qlib(provider) -> None:
+    """Point Qlib at `provider`. kernels=1: features are read in this process (no joblib worker pool on a 2-core
+    test machine); no caches, so nothing is written outside the provider folder."""
+    qlib.init(provider_uri=str(provider), region="cn", kernels=1, expression_cache=None, dataset_cache=None,
+              logging_level=logging.WARNING)
+
+
+@pytest.fixture
+def on_built(built):
+    """`built`, with Qlib initialised on it (other tests may point Qlib elsewhere)."""
+    init_qlib(built[1])
+    return built
+
+
 def _csv_table(frames, symbol):
+    """A symbol's CSV rows indexed by date, suspended rows (zero volume or no close) blanked as the store does."""
     df = frames[symbol]
-    return df.assign(timestamps=pd.to_datetime(df["timestamps"])).set_index("timestamps")
+    t = df.assign(timestamps=pd.to_datetime(df["timestamps"])).set_index("timestamps")
+    t.loc[~(t["volume"] > 0) | t["close"].isna(), :] = np.nan
+    return t
 
 
 def test_layout_on_disk(built):
@@ -70,15 +101,16 @@ def test_layout_on_disk(built):
     assert raw.dtype == np.float32 and np.isnan(suspended[1 + 40]) and np.isnan(suspended[1 + 41])
 
 
-def test_qlib_reads_back_the_csv_numbers(built):
-    frames, _ = built
+def test_qlib_reads_back_the_csv_numbers(on_built):
+    frames, _ = on_built
     from qlib.data import D
 
     fields = ["$open", "$close", "$volume", "$vwap", "$factor", "$change"]
     got = D.features(D.instruments("csi300"), fields, start_time=START, end_time=END, freq="day")
     assert sorted(got.index.get_level_values("instrument").unique()) == sorted(frames)
     for symbol in frames:
-        csv = _csv_table(frames, symbol)
+        full = _csv_table(frames, symbol)
+        csv = full.dropna(subset=["close"])
         q = got.xs(symbol, level="instrument").dropna(subset=["$close"])
         assert list(q.index) == list(csv.index)  # every CSV row is there, nothing else has a close
         np.testing.assert_allclose(q["$open"], csv["open"], rtol=1e-6)
@@ -98,8 +130,24 @@ def test_qlib_reads_back_the_csv_numbers(built):
     assert late["$close"].isna().all()
 
 
-def test_benchmark_is_equal_weighted_index(built):
-    frames, _ = built
+def test_suspended_days_are_nan_in_every_field(on_built):
+    """Zero volume or no close -> NaN in every field, which is how Qlib's exchange recognises a suspension."""
+    _, out = on_built
+    from qlib.data import D
+
+    fields = [f"${f}" for f in FIELDS]
+    got = D.features(["SH600000", "SH600003"], fields, start_time=START, end_time=END, freq="day")
+    a, b = got.xs("SH600000", level="instrument"), got.xs("SH600003", level="instrument")
+    assert a.loc[ZERO_VOLUME_DAYS].isna().all().all() and b.loc[NO_CLOSE_DAY].isna().all()
+    assert a.drop(index=ZERO_VOLUME_DAYS).iloc[1:].notna().all().all()  # nothing else is blank (day 1: no change)
+    assert b.isna().all(axis=1).sum() == 3  # two missing rows + the day without a close
+    info = json.loads((out / "build_info.json").read_text())
+    assert info["suspended_days"] == {"SH600000": 3, "SH600003": 1}
+    assert info["benchmark_source"].startswith("substitute")
+
+
+def test_benchmark_is_equal_weighted_index(on_built):
+    frames, _ = on_built
     from qlib.data import D
 
     bench = D.features(["SH000300"], ["$open", "$high", "$low", "$close", "$volume"], start_time=START,
@@ -114,9 +162,9 @@ def test_benchmark_is_equal_weighted_index(built):
     np.testing.assert_allclose(bench["$volume"], volumes, rtol=1e-6)
 
 
-def test_backtest_smoke(built):
+def test_backtest_smoke(on_built):
     """The kwargs the Qlib pipeline's evaluation uses: TopkDropout on a random signal over the built folder."""
-    frames, _ = built
+    frames, _ = on_built
     from qlib.backtest import backtest
     from qlib.contrib.evaluate import risk_analysis
     from qlib.contrib.strategy import TopkDropoutStrategy
@@ -143,13 +191,62 @@ def test_backtest_smoke(built):
     assert np.isfinite(risk["risk"]).all()
 
 
+def test_membership_spells_round_trip_through_qlib(tmp_path):
+    """A point-in-time membership file becomes instruments/<universe>.txt; Qlib reads back every spell."""
+    frames = generate_ohlcv(3, 60, "1D", start=START, seed=4)
+    members = pd.DataFrame({"symbol": ["sh600000", "SH600000", "SH600001"],
+                            "start": ["2023-01-02", "2023-02-20", "2023-01-16"],
+                            "end": ["2023-01-31", "2023-03-24", "2023-03-10"]})
+    (tmp_path / "members.csv").write_text(members.to_csv(index=False))
+    with pytest.warns(SubstituteBenchmarkWarning):
+        out = build_qlib_provider(frames, tmp_path / "p", universe="mkt", membership=tmp_path / "members.csv")
+    assert (out / "instruments" / "mkt.txt").read_text().splitlines() == [
+        "SH600000\t2023-01-02\t2023-01-31", "SH600000\t2023-02-20\t2023-03-24", "SH600001\t2023-01-16\t2023-03-10"]
+    assert len((out / "instruments" / "all.txt").read_text().splitlines()) == 4  # SH600002 stays loadable
+    init_qlib(out)
+    from qlib.data import D
+
+    spans = D.list_instruments(D.instruments("mkt"), as_list=False)
+    assert {s: [(f"{a:%Y-%m-%d}", f"{b:%Y-%m-%d}") for a, b in v] for s, v in spans.items()} == {
+        "SH600000": [("2023-01-02", "2023-01-31"), ("2023-02-20", "2023-03-24")],
+        "SH600001": [("2023-01-16", "2023-03-10")]}
+    on_day = D.list_instruments(D.instruments("mkt"), start_time="2023-02-06", end_time="2023-02-10", as_list=True)
+    assert on_day == ["SH600001"]  # SH600000 is out of the universe between its two spells
+    assert json.loads((out / "build_info.json").read_text())["point_in_time_membership"] is True
+
+
+def test_membership_problems_are_listed_and_nothing_is_written(tmp_path):
+    frames = generate_ohlcv(2, 20, "1D", start=START, seed=0)
+    bad = pd.DataFrame({"symbol": ["SH600000", "SH600000", "SH600009", "SH600001", "SH000300"],
+                        "start": ["2023-01-02", "2023-01-10", "2023-01-02", "not a day", "2023-01-02"],
+                        "end": ["2023-01-20", "2023-01-25", "2023-01-05", "2023-01-05", "2023-01-05"]})
+    with pytest.raises(ValueError) as err:
+        build_qlib_provider(frames, tmp_path / "p", membership=bad)
+    msg = str(err.value)
+    for expected in ["unparseable start at rows 3", "symbols without data: ['SH600009']",
+                     "benchmark SH000300 cannot be a member", "--membership"]:
+        assert expected in msg
+    with pytest.raises(ValueError, match="overlapping spells for SH600000"):
+        build_qlib_provider(frames, tmp_path / "p", membership=bad.iloc[:2])
+    with pytest.raises(ValueError, match=r"start after end at rows 0"):
+        build_qlib_provider(frames, tmp_path / "p", membership=bad.iloc[:1].assign(end="2022-12-30"))
+    with pytest.raises(ValueError, match=r"missing columns \['end'\]"):
+        build_qlib_provider(frames, tmp_path / "p", membership=bad[["symbol", "start"]])
+    with pytest.raises(FileNotFoundError, match="--membership"):
+        build_qlib_provider(frames, tmp_path / "p", membership=tmp_path / "nope.csv")
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- without Qlib: the pure parts, validation and the CLI ----
 
 def test_given_benchmark_is_written_as_is(tmp_path):
     frames = generate_ohlcv(3, 30, "1D", start=START, seed=2)
     index_csv = frames.pop("SH600002").assign(close=lambda d: d["close"] * 10)
-    out = build_qlib_provider({**frames, "sh000905": index_csv}, tmp_path / "p", universe="csi500",
-                              benchmark="SH000905")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SubstituteBenchmarkWarning)  # the real index is given: no warning
+        out = build_qlib_provider({**frames, "sh000905": index_csv}, tmp_path / "p", universe="csi500",
+                                  benchmark="SH000905")
+    assert json.loads((out / "build_info.json").read_text())["benchmark_source"] == "given table"
     assert [ln.split("\t")[0] for ln in (out / "instruments" / "csi500.txt").read_text().splitlines()] == [
         "SH600000", "SH600001"]
     close = np.fromfile(out / "features" / "sh000905" / "close.day.bin", dtype="<f4")
@@ -157,17 +254,31 @@ def test_given_benchmark_is_written_as_is(tmp_path):
 
 
 def test_qlib_fields_and_index_on_a_tiny_table():
-    days = pd.to_datetime(["2024-01-02", "2024-01-03", "2024-01-05"])
-    a = pd.DataFrame({"timestamps": days, "open": [10, 11, 12.0], "high": [11, 12, 13.0], "low": [9, 10, 11.0],
-                      "close": [10, 11, 12.1], "volume": [100, 0, 50.0], "amount": [1000, 0, 600.0]})
+    days = pd.to_datetime(["2024-01-02", "2024-01-03", "2024-01-04", "2024-01-05"])
+    a = pd.DataFrame({"timestamps": days, "open": [10, 11, 11, 12.0], "high": [11, 12, 12, 13.0],
+                      "low": [9, 10, 10, 11.0], "close": [10, 11, np.nan, 12.1], "volume": [100, 80, 30, 50.0],
+                      "amount": [1000, 880, 330, 600.0]})
+    a0 = a.assign(volume=[100, 0, 30, 50.0])  # zero volume on day 2
     t = qlib_fields(a)
-    np.testing.assert_allclose(t["vwap"], [10.0, np.nan, 12.0])  # zero volume -> no vwap
-    np.testing.assert_allclose(t["change"], [np.nan, 0.1, 0.1], rtol=1e-12)
-    b = a.assign(close=[20, 20, 22.0], open=[20, 20, 22.0], high=[21, 21, 23.0], low=[19, 19, 21.0])
-    idx = equal_weight_index({"A": t, "B": qlib_fields(b.iloc[[0, 2]])})  # B skips 2024-01-03
-    # Day 2: only A has a return (+10%); day 3: A +10%, B +10% (from its last close 20).
-    np.testing.assert_allclose(idx["close"], [1000.0, 1100.0, 1210.0])
-    np.testing.assert_allclose(idx["volume"], [200.0, 0.0, 100.0])
+    assert t.loc["2024-01-04"].isna().all()  # no close: suspended, every field NaN
+    np.testing.assert_allclose(t["vwap"], [10.0, 11.0, np.nan, 12.0])
+    np.testing.assert_allclose(t["change"], [np.nan, 0.1, np.nan, 0.1], rtol=1e-12)  # day 4 from day 2's close
+    t0 = qlib_fields(a0)
+    assert t0.loc["2024-01-03"].isna().all() and t0.loc["2024-01-05"].notna().all()
+    b = a.assign(close=[20, 20, 21, 22.0], open=[20, 20, 21, 22.0], high=[21, 21, 22, 23.0], low=[19, 19, 20, 21.0])
+    idx = equal_weight_index({"A": t, "B": qlib_fields(b.iloc[[0, 2, 3]])})  # B skips 2024-01-03
+    # Day 2: only A trades (+10%); day 3: only B (+5% from its last close 20); day 4: A +10%, B +4.76%.
+    np.testing.assert_allclose(idx["close"], 1000.0 * np.cumprod([1.0, 1.1, 1.05, 1 + (0.1 + 22 / 21 - 1) / 2]))
+    np.testing.assert_allclose(idx["volume"], [200.0, 80.0, 30.0, 100.0])
+
+
+def test_suspension_count_is_logged(tmp_path, caplog):
+    frames = generate_ohlcv(2, 10, "1D", seed=0)
+    frames["SH600001"].loc[[2, 5], "volume"] = 0.0
+    with caplog.at_level(logging.INFO, logger="finetune.qlib_builder"), pytest.warns(SubstituteBenchmarkWarning):
+        build_qlib_provider(frames, tmp_path / "p")
+    assert "SH600001: 2 day(s) with zero/missing volume or missing close" in caplog.text
+    assert "SH600000" not in caplog.text
 
 
 def test_validation_lists_every_problem_and_writes_nothing(tmp_path):
@@ -217,11 +328,16 @@ def test_cli_synthetic_and_csv_dir(tmp_path, capsys):
     cli(["--synthetic", "3", "--out", str(tmp_path / "demo"), "--start", "2024-01-02", "--end", "2024-03-29"])
     calendar = (tmp_path / "demo" / "calendars" / "day.txt").read_text().split()
     assert calendar[0] == "2024-01-02" and calendar[-1] == "2024-03-29"
-    assert "3 symbols" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "3 symbols" in printed.out and "warning: no table for the benchmark SH000300" in printed.err
     write_csv_folder(generate_ohlcv(2, 20, "1D", seed=1), tmp_path / "csv")
+    (tmp_path / "m.csv").write_text("symbol,start,end\nSH600001,2024-01-03,2024-01-10\n")
     cli(["--csv-dir", str(tmp_path / "csv"), "--out", str(tmp_path / "fromcsv"), "--universe", "mkt",
-         "--benchmark", "IDX"])
-    assert (tmp_path / "fromcsv" / "instruments" / "mkt.txt").read_text().count("\n") == 2
+         "--benchmark", "IDX", "--membership", str(tmp_path / "m.csv")])
+    assert (tmp_path / "fromcsv" / "instruments" / "mkt.txt").read_text() == "SH600001\t2024-01-03\t2024-01-10\n"
+    with pytest.raises(SystemExit, match="(?s)error: .*symbols without data"):
+        (tmp_path / "m.csv").write_text("symbol,start,end\nXYZ,2024-01-03,2024-01-10\n")
+        cli(["--csv-dir", str(tmp_path / "csv"), "--out", str(tmp_path / "x"), "--membership", str(tmp_path / "m.csv")])
     assert (tmp_path / "fromcsv" / "features" / "idx" / "close.day.bin").exists()
 
 

@@ -1,0 +1,188 @@
+"""Cross-sectional signal analysis: IC / RankIC with Newey-West t-statistics, long-short and quantile-group returns,
+an IC decay table over horizons and its plot, and aggregation over inference seeds.
+
+Inputs are pandas objects indexed by (datetime, instrument): `pred` one score per stock and day (higher = expected
+to do better), `labels` the columns label_1..label_P from `qlib_labels.forward_labels`. Per-day statistics come from
+`qlib.contrib.eva.alpha` (`calc_ic`, `calc_long_short_return`), so the numbers match Qlib's own `SigAnaRecord`.
+
+For h > 1 consecutive labels overlap by h - 1 days, so daily ICs (and long-short returns) are autocorrelated and the
+plain t-statistic overstates significance; the t-statistics here use Newey-West standard errors with lag h - 1
+(Bartlett weights), see `newey_west_tstat`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+
+def newey_west_tstat(x, lag: int) -> dict[str, float]:
+    """t-statistic of the mean of `x` with a Newey-West (Bartlett kernel) standard error.
+
+    var(mean) = (g_0 + 2 sum_{l=1..lag} (1 - l / (lag + 1)) g_l) / T,  g_l = (1/T) sum_t (x_t - m)(x_{t-l} - m);
+    lag = 0 gives the iid standard error with the population variance. NaNs are dropped first.
+
+    Parameters
+    ----------
+    x : (T,) observations in time order; lag : number of autocovariances (h - 1 for h-day overlapping returns).
+
+    Returns
+    -------
+    {"mean", "se", "t", "n"}; se and t are NaN for fewer than 2 observations or zero variance.
+    """
+    values = np.asarray(x, dtype=np.float64)
+    values = values[np.isfinite(values)]
+    n = len(values)
+    if lag < 0:
+        raise ValueError(f"lag={lag} must be >= 0")
+    if n < 2:
+        return {"mean": float(values.mean()) if n else math.nan, "se": math.nan, "t": math.nan, "n": n}
+    dev = values - values.mean()
+    var = dev @ dev / n
+    for lag_l in range(1, min(lag, n - 1) + 1):
+        var += 2.0 * (1.0 - lag_l / (lag + 1)) * (dev[lag_l:] @ dev[:-lag_l]) / n
+    if not var > 0:
+        return {"mean": float(values.mean()), "se": math.nan, "t": math.nan, "n": n}
+    se = math.sqrt(var / n)
+    return {"mean": float(values.mean()), "se": se, "t": float(values.mean()) / se, "n": n}
+
+
+def _aligned(pred: pd.Series, label: pd.Series) -> tuple[pd.Series, pd.Series]:
+    """pred and label on their common (datetime, instrument) rows where both are finite."""
+    if list(pred.index.names) != ["datetime", "instrument"]:
+        raise ValueError(f"pred must be indexed by (datetime, instrument), got {list(pred.index.names)}")
+    frame = pd.DataFrame({"pred": pred, "label": label}).dropna()
+    return frame["pred"], frame["label"]
+
+
+def quantile_group_returns(pred: pd.Series, label: pd.Series, n_groups: int = 5) -> pd.DataFrame:
+    """Mean label per day of each score group (group 1 = lowest scores, `n_groups` = highest).
+
+    Stocks are ranked each day (ties by order) and cut into `n_groups` groups of (nearly) equal size.
+
+    Returns
+    -------
+    DataFrame (days, n_groups), columns 1..n_groups.
+    """
+    pred, label = _aligned(pred, label)
+    rank = pred.groupby(level="datetime").rank(method="first")  # 1..n per day
+    count = pred.groupby(level="datetime").transform("size")
+    group = ((rank - 1) * n_groups // count).astype(int) + 1
+    table = label.groupby([label.index.get_level_values("datetime"), group.to_numpy()]).mean().unstack()
+    table.index.name, table.columns.name = "datetime", "group"
+    return table
+
+
+def _long_excess(pred: pd.Series, label: pd.Series, quantile: float) -> pd.Series:
+    """Per day: mean label of the top int(n * quantile) scores minus the mean label of all (calc_long_short's legs)."""
+    by_day = pred.groupby(level="datetime")
+    rank = by_day.rank(method="first", ascending=False)  # 1 = highest score
+    n_long = (by_day.transform("size") * quantile).astype(int)
+    long_mean = label[rank <= n_long].groupby(level="datetime").mean()
+    return (long_mean - label.groupby(level="datetime").mean()).dropna()
+
+
+def analyse_signal(pred: pd.Series, labels: pd.DataFrame, quantile: float = 0.2, n_groups: int = 5) -> dict:
+    """IC, RankIC, long-short, long excess and quantile-group returns of `pred` for every label column.
+
+    Parameters
+    ----------
+    pred : scores indexed by (datetime, instrument); labels : columns label_<h>, same index.
+    quantile : share of stocks in the long and the short leg; n_groups : score groups.
+
+    Returns
+    -------
+    {"label_<h>": {"horizon", "days", "ic": {mean, std, icir, t_nw}, "rank_ic": {...}, "long_short": {mean, t_nw},
+    "long_average": {mean}, "excess_return": {mean, t_nw}, "group_means": [n_groups means]}}; returns are h-day
+    returns per day of the score (not annualised).
+    """
+    from qlib.contrib.eva.alpha import calc_ic, calc_long_short_return
+
+    out = {}
+    for col in labels.columns:
+        horizon = int(str(col).rsplit("_", 1)[-1]) if str(col).rsplit("_", 1)[-1].isdigit() else 1
+        p, y = _aligned(pred, labels[col])
+        if len(p) == 0:
+            raise ValueError(f"no day with both a score and a finite {col}; check the score dates against the store")
+        ic, ric = calc_ic(p, y)
+        ls, avg = calc_long_short_return(p, y, quantile=quantile)
+        excess = _long_excess(p, y, quantile)
+        groups = quantile_group_returns(p, y, n_groups).mean()
+        out[str(col)] = {
+            "horizon": horizon, "days": int(ic.notna().sum()),
+            "ic": _ic_stats(ic, horizon), "rank_ic": _ic_stats(ric, horizon),
+            "long_short": _mean_t(ls, horizon), "long_average": {"mean": float(avg.mean())},
+            "excess_return": _mean_t(excess, horizon),
+            "group_means": [float(groups.get(g, math.nan)) for g in range(1, n_groups + 1)],
+        }
+    return out
+
+
+def _ic_stats(ic: pd.Series, horizon: int) -> dict[str, float]:
+    """mean, std, ICIR = mean / std (as Qlib's SigAnaRecord) and the Newey-West t-statistic with lag h - 1."""
+    ic = ic.dropna().sort_index()
+    std = float(ic.std()) if len(ic) > 1 else math.nan
+    return {"mean": float(ic.mean()), "std": std, "icir": float(ic.mean()) / std if std > 0 else math.nan,
+            "t_nw": newey_west_tstat(ic.to_numpy(), horizon - 1)["t"]}
+
+
+def _mean_t(r: pd.Series, horizon: int) -> dict[str, float]:
+    r = r.dropna().sort_index()
+    return {"mean": float(r.mean()), "t_nw": newey_west_tstat(r.to_numpy(), horizon - 1)["t"]}
+
+
+def ic_decay(analysis: dict) -> pd.DataFrame:
+    """Table (horizons, [ic, rank_ic, ic_t_nw, long_short]) from an `analyse_signal` result, by horizon."""
+    rows = {v["horizon"]: {"ic": v["ic"]["mean"], "rank_ic": v["rank_ic"]["mean"], "ic_t_nw": v["ic"]["t_nw"],
+                           "long_short": v["long_short"]["mean"]} for v in analysis.values()}
+    table = pd.DataFrame.from_dict(rows, orient="index").sort_index()
+    table.index.name = "horizon"
+    return table
+
+
+def plot_ic_decay(tables: dict[str, pd.DataFrame], path: str | Path) -> Path:
+    """PNG of IC and RankIC against horizon, one line pair per signal ({name: `ic_decay` table})."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, table in tables.items():
+        line, = ax.plot(table.index, table["ic"], marker="o", label=f"{name} IC")
+        ax.plot(table.index, table["rank_ic"], marker="x", ls="--", color=line.get_color(), label=f"{name} RankIC")
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set(xlabel="horizon (days held from t+1)", ylabel="mean daily IC", title="IC decay")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def aggregate_seeds(analyses: list[dict]) -> dict:
+    """Mean and std (ddof=1; NaN for one seed) over inference seeds of IC, RankIC, long-short and excess return.
+
+    Parameters
+    ----------
+    analyses : one `analyse_signal` result per seed, same label columns.
+
+    Returns
+    -------
+    {"seeds": n, "label_<h>": {"ic": {"mean", "std"}, "rank_ic": {...}, "long_short": {...},
+    "excess_return": {...}}}.
+    """
+    if not analyses:
+        raise ValueError("no seed results to aggregate")
+    out: dict = {"seeds": len(analyses)}
+    for col in analyses[0]:
+        block = {}
+        for key in ("ic", "rank_ic", "long_short", "excess_return"):
+            vals = np.array([a[col][key]["mean"] for a in analyses], dtype=np.float64)
+            block[key] = {"mean": float(vals.mean()), "std": float(vals.std(ddof=1)) if len(vals) > 1 else math.nan}
+        out[col] = block
+    return out

@@ -1,0 +1,168 @@
+"""finetune.evaluation forecast scores: scoring rules against reference packages and hand computations."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from finetune.evaluation.bootstrap import bootstrap_ci, resample_indices
+from finetune.evaluation.forecast_baselines import (
+    infer_season,
+    persistence_samples,
+    seasonal_naive_samples,
+)
+from finetune.evaluation.forecast_scores import (
+    ScoreSettings,
+    format_summary,
+    score_forecasts,
+)
+from finetune.evaluation.scoring_rules import (
+    crps_ensemble,
+    interval_coverage,
+    pinball_loss,
+    sample_quantiles,
+    weighted_quantile_loss,
+)
+from finetune.evaluation.strict_json import strict_json
+
+
+def _brute_crps(y, x, fair):
+    n = len(x)
+    pairs = np.abs(x[:, None] - x[None, :]).sum() / (n * (n - 1) if fair else n * n)
+    return np.abs(x - y).mean() - 0.5 * pairs
+
+
+def test_crps_matches_reference_packages_and_brute_force():
+    rng = np.random.default_rng(3)
+    ens = rng.normal(size=(4, 5, 7))  # (W, H, S)
+    obs = rng.normal(size=(4, 5))
+    properscoring = pytest.importorskip("properscoring")
+    scoringrules = pytest.importorskip("scoringrules")
+    np.testing.assert_allclose(crps_ensemble(obs, ens), properscoring.crps_ensemble(obs, ens), rtol=1e-12)
+    np.testing.assert_allclose(crps_ensemble(obs, ens), scoringrules.crps_ensemble(obs, ens, estimator="nrg"),
+                               rtol=1e-12)
+    np.testing.assert_allclose(crps_ensemble(obs, ens, fair=True),
+                               scoringrules.crps_ensemble(obs, ens, estimator="fair"), rtol=1e-12)
+    assert crps_ensemble(obs, ens)[1, 2] == pytest.approx(_brute_crps(obs[1, 2], ens[1, 2], False), rel=1e-12)
+    assert crps_ensemble(obs, ens, fair=True)[0, 0] == pytest.approx(_brute_crps(obs[0, 0], ens[0, 0], True))
+    # A one-member ensemble is a point forecast: CRPS = absolute error; the fair variant needs two members.
+    np.testing.assert_allclose(crps_ensemble(np.array([1.0, 2.0]), np.array([[1.5], [0.0]])), [0.5, 2.0])
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        crps_ensemble(np.array([1.0]), np.array([[1.5]]), fair=True)
+    with pytest.raises(ValueError, match="obs shape"):
+        crps_ensemble(obs, ens[:3])
+
+
+def test_pinball_wql_and_coverage_by_hand():
+    sklearn_metrics = pytest.importorskip("sklearn.metrics")
+    rng = np.random.default_rng(0)
+    obs, fc = rng.normal(size=50), rng.normal(size=(50, 3))
+    qs = (0.1, 0.5, 0.9)
+    loss = pinball_loss(obs, fc, qs)
+    for j, q in enumerate(qs):
+        assert loss[:, j].mean() == pytest.approx(sklearn_metrics.mean_pinball_loss(obs, fc[:, j], alpha=q))
+    # Two observations, one level q = 0.5: losses 0.5 * |2 - 1| and 0.5 * |-1 - 1| -> 2 * 1.5 / 3 = 1.
+    assert weighted_quantile_loss(np.array([2.0, -1.0]), np.array([[1.0], [1.0]]), (0.5,)) == pytest.approx(1.0)
+    ens = np.tile(np.arange(1.0, 11.0), (4, 1))  # samples 1..10: 50% interval [3.25, 7.75], 80% [1.9, 9.1]
+    obs = np.array([3.25, 8.0, 2.0, 9.5])
+    np.testing.assert_array_equal(interval_coverage(obs, ens, 0.5), [1, 0, 0, 0])
+    np.testing.assert_array_equal(interval_coverage(obs, ens, 0.8), [1, 1, 1, 0])
+    np.testing.assert_allclose(sample_quantiles(ens, (0.5,))[:, 0], 5.5)
+
+
+def test_baselines_and_season():
+    ctx = np.array([[1.0, 2, 3, 4, 5, 6]])
+    np.testing.assert_array_equal(seasonal_naive_samples(ctx, 5, 2)[0, 0], [5, 6, 5, 6, 5])
+    np.testing.assert_array_equal(persistence_samples(np.array([6.0, 7.0]), 3)[:, 0], [[6, 6, 6], [7, 7, 7]])
+    with pytest.raises(ValueError, match="shorter than one season"):
+        seasonal_naive_samples(ctx, 3, 7)
+    five_min = pd.date_range("2024-01-02 09:30", periods=48, freq="5min").append(
+        pd.date_range("2024-01-03 09:30", periods=48, freq="5min"))
+    assert infer_season(five_min) == 48
+    assert infer_season(pd.bdate_range("2024-01-01", periods=30)) == 5
+    with pytest.raises(ValueError, match="set it explicitly"):
+        infer_season(pd.date_range("2024-01-01", periods=10, freq="W"))
+
+
+def test_bootstrap_is_seeded_and_blocks_are_consecutive():
+    idx = resample_indices(10, 6, block=3, seed=1)
+    assert idx.shape == (6, 10) and idx.min() >= 0 and idx.max() <= 9
+    np.testing.assert_array_equal(np.diff(idx[:, :3], axis=1), 1)  # first block: 3 consecutive windows
+    np.testing.assert_array_equal(idx, resample_indices(10, 6, block=3, seed=1))
+    assert not np.array_equal(idx, resample_indices(10, 6, block=3, seed=2))
+    values = np.random.default_rng(0).normal(1.0, 1.0, size=400)
+    ci = bootstrap_ci(lambda i: values[i].mean(), 400, n_boot=500, seed=0)
+    assert ci["low"] < ci["estimate"] < ci["high"] and ci["estimate"] == pytest.approx(values.mean())
+    se = values.std() / np.sqrt(400)  # the 95% interval is about +-1.96 standard errors wide
+    assert ci["high"] - ci["low"] == pytest.approx(2 * 1.96 * se, rel=0.2)
+
+
+def _run(seed=0, w=40, s=30, h=4, level=(100.0, 1.0)):
+    """Two series (prices ~100 and ~1) of random-walk windows with a calibrated forecaster."""
+    rng = np.random.default_rng(seed)
+    series = np.repeat(["A", "B"], w // 2)
+    price = np.where(series == "A", *level)
+    context = price[:, None] * np.exp(np.cumsum(rng.normal(0, 0.01, size=(w, 20)), axis=1))
+    last = context[:, -1]
+    realised = last[:, None] * np.exp(np.cumsum(rng.normal(0, 0.01, size=(w, h)), axis=1))
+    samples = last[:, None, None] * np.exp(np.cumsum(rng.normal(0, 0.01, size=(w, s, h)), axis=2))
+    return samples, realised, last, context, series
+
+
+def test_score_forecasts_by_hand_and_strict_json():
+    samples, realised, last, context, series = _run()
+    out = score_forecasts(samples, realised, last, context, series, ScoreSettings(season=5, n_boot=200, block=4))
+    json.dumps(out, allow_nan=False)
+    obs_ret = realised / last[:, None] - 1
+    # Persistence predicts a zero return: its MAE and CRPS are the mean |return|.
+    np.testing.assert_allclose(out["persistence"]["per_horizon"]["mae"], np.abs(obs_ret).mean(axis=0))
+    np.testing.assert_allclose(out["persistence"]["per_horizon"]["crps"], np.abs(obs_ret).mean(axis=0))
+    # Model MAE uses the sample median as the point forecast.
+    med = np.median(samples / last[:, None, None] - 1, axis=1)
+    assert out["model"]["overall"]["mae"] == pytest.approx(np.abs(med - obs_ret).mean())
+    # MASE: each series' MAE over its mean in-sample |one-step return|, series weighted equally.
+    scale = {k: np.abs(np.diff(context[series == k], axis=1) / context[series == k][:, :-1]).mean() for k in "AB"}
+    mase = np.mean([np.abs(med - obs_ret)[series == k].mean() / scale[k] for k in "AB"])
+    assert out["model"]["overall"]["mase"] == pytest.approx(mase)
+    assert [r["series"] for r in out["per_series"]] == ["A", "B"] and out["per_series"][0]["windows"] == 20
+    up = (obs_ret[:, -1] > 0).mean()
+    assert out["direction"]["majority_class"] == pytest.approx(max(up, 1 - up))
+    assert out["persistence"]["overall"]["direction_accuracy"] is None
+    assert 0.3 < out["model"]["overall"]["coverage_80"] <= 1 and len(out["model"]["per_horizon"]["coverage_50"]) == 4
+    assert set(out["model"]["overall"]["pinball"]) == {"0.1", "0.2", "0.3", "0.4", "0.5", "0.6", "0.7", "0.8", "0.9"}
+    assert out["seasonal_naive"]["overall"]["mase"] > 0 and "crps_fair" in out["model"]["overall"]
+    boot = out["bootstrap"]["crps_minus_persistence"]
+    assert boot["low"] <= boot["estimate"] <= boot["high"] and boot["block"] == 4
+    assert out["skill"]["crps_vs_persistence"] == pytest.approx(
+        1 - out["model"]["overall"]["crps"] / out["persistence"]["overall"]["crps"])
+    text = format_summary(out)
+    assert len(text.splitlines()) <= 8 and "seasonal(5)" in text and "majority class" in text
+
+
+def test_scores_do_not_depend_on_price_level_and_perfect_forecast_scores_zero():
+    a = score_forecasts(*_run(level=(100.0, 1.0)), settings=ScoreSettings(n_boot=0))
+    b = score_forecasts(*_run(level=(5000.0, 0.1)), settings=ScoreSettings(n_boot=0))
+    for key in ("mae", "mase", "crps", "wql"):
+        assert a["model"]["overall"][key] == pytest.approx(b["model"]["overall"][key])
+    _, realised, last, context, series = _run()
+    perfect = score_forecasts(np.repeat(realised[:, None], 3, axis=1), realised, last, context, series,
+                              ScoreSettings(n_boot=0))
+    assert perfect["model"]["overall"]["mae"] == 0 and perfect["model"]["overall"]["crps"] == pytest.approx(0)
+    assert perfect["model"]["overall"]["direction_accuracy"] == 1.0 and perfect["bootstrap"] is None
+
+
+def test_flat_series_and_bad_inputs():
+    samples, realised, last, context, series = _run()
+    context[series == "B"] = 1.0  # a flat context: no naive error, MASE undefined -> None (strict JSON)
+    last = last.copy()
+    last[series == "B"] = 1.0
+    out = score_forecasts(samples, realised, last, context, series, ScoreSettings(n_boot=0))
+    assert out["per_series"][1]["mase"] is None and out["per_series"][0]["mase"] > 0
+    assert strict_json({"x": np.float32("nan"), "y": [np.inf, np.int64(2)]}) == {"x": None, "y": [None, 2]}
+    with pytest.raises(ValueError, match=r"realised must be \(windows, horizons\)"):
+        score_forecasts(samples, realised[:, :2], last)
+    with pytest.raises(ValueError, match="must be finite"):
+        score_forecasts(samples, np.where(realised > 0, np.nan, realised), last)
+    with pytest.raises(ValueError, match="needs the context"):
+        score_forecasts(samples, realised, last, settings=ScoreSettings(season=5))
