@@ -48,12 +48,29 @@ from .panel import SeriesPanel
 from .provenance import sha256_file
 from .series_cleaning import clean_series, wallclock_stamps
 from .store_writer import FeatureMajorWriter, GrowingNpy
-from .streaming_reader import CSV_SUFFIXES, FEATURES, PARQUET_SUFFIXES, SourceProblems, SourceReader
+from .streaming_reader import (
+    CSV_SUFFIXES,
+    FEATURES,
+    PARQUET_SUFFIXES,
+    SourceProblems,
+    SourceReader,
+)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StoreError", "StoreSettings", "StoreInfo", "FORMAT_VERSION", "list_sources", "source_fingerprint",
-           "prepare_store", "open_store", "read_manifest", "check_store", "ensure_store"]
+__all__ = [
+    "FORMAT_VERSION",
+    "StoreError",
+    "StoreInfo",
+    "StoreSettings",
+    "check_store",
+    "ensure_store",
+    "list_sources",
+    "open_store",
+    "prepare_store",
+    "read_manifest",
+    "source_fingerprint",
+]
 
 FORMAT = "kronos-series-store"
 FORMAT_VERSION = 1
@@ -84,7 +101,7 @@ class StoreSettings:
     """Missing prices/volumes: error | ffill | drop (see finetune_csv.config.DataConfig)."""
 
     @classmethod
-    def from_data_config(cls, data: Any) -> "StoreSettings":
+    def from_data_config(cls, data: Any) -> StoreSettings:
         """From a CSV pipeline `DataConfig`-like object (columns, symbol_column, timestamp_format, nan_policy)."""
         cols = data.columns if isinstance(data.columns, Mapping) else vars(data.columns)
         return cls(columns=dict(cols), symbol_column=data.symbol_column, timestamp_format=data.timestamp_format,
@@ -236,7 +253,7 @@ def _build(files: list[Path], tmp: Path, settings: StoreSettings, block_rows: in
                     features.append(values)
                     stamps.append(wallclock_stamps(ts))
                     datetimes.append(ts)
-                    series.append({"name": name, "source": str(file), "rows": int(len(ts)),
+                    series.append({"name": name, "source": str(file), "rows": len(ts),
                                    "start": str(pd.Timestamp(ts[0])) if len(ts) else None,
                                    "end": str(pd.Timestamp(ts[-1])) if len(ts) else None})
             except SourceProblems as e:
@@ -455,7 +472,7 @@ def ensure_store(sources: str | Path | Sequence[str | Path], store_dir: str | Pa
             log.warning("data store %s: preparing it (%s)", store_dir, reason)
             prepared = prepare_store(files, store_dir, settings, block_rows=block_rows)
             info = StoreInfo(store_dir, prepared.manifest, reused=False, reason=reason)
-    except Exception as e:  # the other ranks must not wait at the barrier forever
+    except Exception as e:  # noqa: BLE001  (re-raised after the barrier: the other ranks must not wait forever)
         error = e
     wait()
     if error is not None:

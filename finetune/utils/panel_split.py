@@ -21,7 +21,7 @@ import torch
 
 from .panel import N_STAMP_COLUMNS, SeriesPanel
 
-__all__ = ["PanelSegments", "split_bounds", "split_panel", "PanelWindows"]
+__all__ = ["PanelSegments", "PanelWindows", "split_bounds", "split_panel"]
 
 SPLITS = ("train", "val", "test")
 

@@ -50,9 +50,9 @@ def clean_series(ts: np.ndarray, values: np.ndarray, lines: np.ndarray, present:
     same = np.flatnonzero(np.diff(ts) == 0)
     if same.size:
         first = ts[same[0]]
-        raise SourceProblems([f"{where}: {same.size} duplicate timestamp(s), first {pd.Timestamp(first)} at {unit} "
-                              f"{_listed(lines[ts == first])}; remove the duplicates (or set data.symbol_column if "
-                              "the file holds several series)"])
+        raise SourceProblems([(f"{where}: {same.size} duplicate timestamp(s), first {pd.Timestamp(first)} at {unit} "
+                               f"{_listed(lines[ts == first])}; remove the duplicates (or set data.symbol_column "
+                               "if the file holds several series)")])
     cols = [i for i, p in enumerate(present) if p]
     nan = np.isnan(values[:, cols])  # (n, n_present)
     if nan.any():
@@ -64,8 +64,8 @@ def clean_series(ts: np.ndarray, values: np.ndarray, lines: np.ndarray, present:
         if nan_policy == "ffill":
             if nan[0].any():
                 which = ", ".join(FEATURES[c] for j, c in enumerate(cols) if nan[0, j])
-                raise SourceProblems([f"{where}: missing value(s) in the first row ({which}) cannot be "
-                                      "forward-filled (data.nan_policy: ffill); fix or drop that row"])
+                raise SourceProblems([(f"{where}: missing value(s) in the first row ({which}) cannot be "
+                                       "forward-filled (data.nan_policy: ffill); fix or drop that row")])
             notes.append(f"{where}: forward-filling {int(nan.sum())} missing value(s) (data.nan_policy: ffill)")
             values = values.copy()
             idx = np.arange(len(ts))

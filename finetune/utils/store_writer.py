@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["npy_header", "GrowingNpy", "FeatureMajorWriter"]
+__all__ = ["FeatureMajorWriter", "GrowingNpy", "npy_header"]
 
 _HEADER_BYTES = 128  # fixed header size: a multiple of 64 (numpy's alignment) with room for any 2-D shape
 
@@ -43,7 +43,7 @@ class GrowingNpy:
     def __init__(self, path: Path, dtype: np.dtype, row_shape: tuple[int, ...] = ()):
         self.path, self.dtype, self.row_shape = Path(path), np.dtype(dtype), tuple(row_shape)
         self.rows = 0
-        self._f = open(self.path, "wb")
+        self._f = open(self.path, "wb")  # noqa: SIM115  (open until finish())
         self._f.write(b"\0" * _HEADER_BYTES)  # placeholder, rewritten by finish()
 
     def append(self, rows: np.ndarray) -> None:
@@ -74,7 +74,7 @@ class FeatureMajorWriter:
         self.n_features = int(n_features)
         self.rows = 0
         self._parts = [self.path.with_name(f".{self.path.stem}.{i}.part") for i in range(self.n_features)]
-        self._files = [open(p, "wb") for p in self._parts]
+        self._files = [open(p, "wb") for p in self._parts]  # noqa: SIM115  (open until finish())
 
     def append(self, values: np.ndarray) -> None:
         """Append a block (n, F) (any float dtype; stored as float32)."""

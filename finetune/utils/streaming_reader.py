@@ -34,8 +34,15 @@ import pyarrow.parquet as pq
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FEATURES", "MISSING_SPELLINGS", "ParsedBlock", "SourceProblems", "SourceReader", "CSV_SUFFIXES",
-           "PARQUET_SUFFIXES"]
+__all__ = [
+    "CSV_SUFFIXES",
+    "FEATURES",
+    "MISSING_SPELLINGS",
+    "PARQUET_SUFFIXES",
+    "ParsedBlock",
+    "SourceProblems",
+    "SourceReader",
+]
 
 FEATURES = ("open", "high", "low", "close", "volume", "amount")
 MISSING_SPELLINGS = ("", "nan", "NaN", "NA", "N/A", "null", "None")
@@ -385,6 +392,6 @@ def _resolve_columns(header: list[str], wanted: dict[str, str | None], symbol_co
     if problems:
         raise SourceProblems(problems)
     if columns["volume"] is None and columns["amount"] is not None:
-        raise SourceProblems([f"{file}: has an amount column but no volume column; set data.columns.amount: null "
-                              "or map data.columns.volume"])
+        raise SourceProblems([(f"{file}: has an amount column but no volume column; set data.columns.amount: "
+                               "null or map data.columns.volume")])
     return columns
