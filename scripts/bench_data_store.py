@@ -135,7 +135,7 @@ def worker(data: str, store: str, lookback: int, predict: int, batch: int) -> No
         t_sampler = time.time() - t0
         anon_sampler = mem.sample()["RssAnon"]
         indices = sampler.rank_indices(0)[:batch]
-        x, stamp = train.get_batch(indices)
+        x, _stamp = train.get_batch(indices)
         t_batch = time.time() - t0
         torch.manual_seed(0)
         tok = KronosTokenizer(6, 32, 2, 64, 2, 2, 0.0, 0.0, 0.0, 6, 6, 0.05, 1.0, 1.1, 0.05, 4)
