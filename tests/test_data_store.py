@@ -120,6 +120,21 @@ def test_parquet_input_gives_the_same_store_as_csv(tmp_path):
         assert np.array_equal(getattr(a, k), getattr(b, k)), k
 
 
+def test_parquet_with_a_categorical_symbol_column_matches_csv(tmp_path):
+    both = pd.concat([candles(80, seed=1, ticker="BBB"), candles(60, seed=2, ticker="AAA")]).sample(
+        frac=1.0, random_state=1)
+    both.to_csv(tmp_path / "m.csv", index=False)
+    table = pa.Table.from_pandas(both.astype({"ticker": "category"}), preserve_index=False)
+    pq.write_table(table, tmp_path / "m.parquet")
+    settings = StoreSettings(symbol_column="ticker")
+    prepare_store(tmp_path / "m.csv", tmp_path / "a", settings, block_rows=32)
+    prepare_store(tmp_path / "m.parquet", tmp_path / "b", settings, block_rows=32)
+    a, b = open_store(tmp_path / "a"), open_store(tmp_path / "b")
+    assert list(b.names) == ["m.parquet[AAA]", "m.parquet[BBB]"] and b.lengths().tolist() == [60, 80]
+    for k in ("features", "stamps", "datetimes"):
+        assert np.array_equal(getattr(a, k), getattr(b, k)), k
+
+
 def test_store_is_reused_and_invalidated_with_a_reason(tmp_path, caplog):
     data = tmp_path / "csv"
     data.mkdir()

@@ -24,6 +24,9 @@ interrupted preparation never leaves a half-written store; any problem raises on
 Reuse: a store is reused when its format version, settings and input files match. A file whose size and mtime are
 unchanged is taken as unchanged; a file whose mtime changed (touched, copied) is hashed and compared with the
 recorded sha256, so only a real change of content re-prepares; the reason is logged and returned in `StoreInfo`.
+
+(Over 400 lines on purpose: the writer and the reader of one on-disk format, and the rules deciding whether it is
+still valid, stay in one file so they cannot drift apart.)
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from .streaming_reader import (
     SourceProblems,
     SourceReader,
 )
+from .symbol_grouping import grouped_series
 
 log = logging.getLogger(__name__)
 
@@ -289,55 +293,7 @@ def _file_series(reader: SourceReader, scratch: Path, block_rows: int):
         yield (reader.path.name, np.concatenate([b.timestamps for b in parts]),
                np.concatenate([b.values for b in parts]), np.concatenate([b.lines for b in parts]))
         return
-    yield from _grouped_series(reader, scratch, block_rows)
-
-
-def _grouped_series(reader: SourceReader, scratch: Path, block_rows: int):
-    """Series of a file with a symbol column, whose rows may be interleaved: the parsed rows are spilled to
-    scratch files, then scattered per symbol (a stable counting sort, memory O(block + symbols)), so only one
-    series is ever held in memory."""
-    spill = {k: scratch / f".spill.{k}" for k in ("ts", "values", "lines", "codes")}
-    counts = np.zeros(0, dtype=np.int64)
-    try:
-        with open(spill["ts"], "wb") as f_ts, open(spill["values"], "wb") as f_v, \
-                open(spill["lines"], "wb") as f_l, open(spill["codes"], "wb") as f_c:
-            for b in reader.blocks():
-                b.timestamps.tofile(f_ts)
-                b.values.tofile(f_v)
-                b.lines.tofile(f_l)
-                b.symbols.tofile(f_c)
-                counts = np.pad(counts, (0, len(reader.symbols) - len(counts)))
-                counts += np.bincount(b.symbols, minlength=len(reader.symbols))
-        if reader.problems:
-            raise SourceProblems(reader.problems)
-        n = int(counts.sum())
-        order = sorted(range(len(reader.symbols)), key=lambda c: reader.symbols[c])  # by symbol name
-        start = np.zeros(len(counts), dtype=np.int64)
-        start[order] = np.concatenate([[0], np.cumsum(counts[order])[:-1]])
-        src = {"ts": np.memmap(spill["ts"], np.int64, "r", shape=(n,)),
-               "values": np.memmap(spill["values"], np.float64, "r", shape=(n, len(FEATURES))),
-               "lines": np.memmap(spill["lines"], np.int64, "r", shape=(n,))}
-        codes = np.memmap(spill["codes"], np.int32, "r", shape=(n,))
-        dst = {k: np.memmap(scratch / f".grouped.{k}", a.dtype, "w+", shape=a.shape) for k, a in src.items()}
-        cursor = start.copy()
-        for a in range(0, n, block_rows):
-            c = np.asarray(codes[a : a + block_rows])
-            perm = np.argsort(c, kind="stable")
-            sc = c[perm]
-            rank = np.arange(len(sc)) - np.searchsorted(sc, sc, side="left")  # position within its symbol
-            where = cursor[sc] + rank
-            for k in src:
-                dst[k][where] = np.asarray(src[k][a : a + block_rows])[perm]
-            cursor += np.bincount(c, minlength=len(cursor))
-        del src, codes
-        for c in order:
-            rows = slice(int(start[c]), int(start[c] + counts[c]))
-            yield (f"{reader.path.name}[{reader.symbols[c]}]", np.array(dst["ts"][rows]),
-                   np.array(dst["values"][rows]), np.array(dst["lines"][rows]))
-        del dst
-    finally:
-        for p in list(spill.values()) + [scratch / f".grouped.{k}" for k in ("ts", "values", "lines")]:
-            p.unlink(missing_ok=True)
+    yield from grouped_series(reader, scratch, block_rows)
 
 
 def _refuse_foreign_folder(out_dir: Path) -> None:
