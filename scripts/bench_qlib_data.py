@@ -21,7 +21,7 @@ import pandas as pd
 
 from finetune.config import load_qlib_config
 from finetune.dataset import build_window_dataset
-from finetune.qlib_data_preprocess import frame_to_panel
+from finetune.qlib_io import frame_to_panel
 
 LOOKBACK, PREDICT = 90, 10
 
