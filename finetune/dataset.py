@@ -51,11 +51,11 @@ log = logging.getLogger("finetune.qlib")
 
 SPLITS = ("train", "val", "test")
 MANIFEST_NAME = "manifest.json"
-FORMAT = "kronos-qlib-splits/v1"
+FORMAT = "kronos-qlib-splits/v2"  # v2: manifest keys lookback / predict / features (v1: *_window / feature_list)
 _ARRAYS = ("features", "stamps", "datetimes", "offsets", "instruments")
 # Settings a split depends on: changing any of them after preprocessing means preprocessing again.
-_MANIFEST_KEYS = ("qlib_data_path", "instrument", "freq", "lookback_window", "predict_window", "amount_source",
-                  "train_time_range", "val_time_range", "test_time_range", "feature_list")
+_MANIFEST_KEYS = ("qlib_data_path", "instrument", "freq", "lookback", "predict", "amount_source",
+                  "train_time_range", "val_time_range", "test_time_range", "features")
 
 
 def split_path(dataset_path: str | Path, split: str) -> Path:
@@ -119,13 +119,13 @@ def manifest_settings(cfg: QlibConfig) -> dict[str, Any]:
         "qlib_data_path": str(Path(os.path.expanduser(d.qlib_data_path)).resolve()),
         "instrument": d.instrument,
         "freq": d.freq,
-        "lookback_window": d.lookback_window,
-        "predict_window": d.predict_window,
+        "lookback": d.lookback,
+        "predict": d.predict,
         "amount_source": d.amount_source,
         "train_time_range": list(d.train_time_range),
         "val_time_range": list(d.val_time_range),
         "test_time_range": list(d.test_time_range),
-        "feature_list": list(d.feature_list),
+        "features": list(FEATURE_COLS),
     }
 
 
@@ -162,7 +162,7 @@ def build_window_dataset(split: SeriesPanel, cfg: QlibConfig, name: str) -> Wind
     if split.n_series == 0:
         raise ValueError(f"data.{name}_time_range: the {name} split holds no instrument; widen the range and preprocess again")
     try:
-        ds = WindowDataset(split, d.lookback_window, d.predict_window, clip=d.clip)
+        ds = WindowDataset(split, d.lookback, d.predict, clip=d.clip)
     except ValueError as e:
         raise ValueError(f"data.{name}_time_range: the {name} split has no window ({e})") from None
     if ds.short_series:

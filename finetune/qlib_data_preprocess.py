@@ -10,9 +10,9 @@ train.npz, val.npz, test.npz and manifest.json into data.dataset_path (all files
 
 Split rules (bars are each instrument's own trading days):
     train  bars inside train_time_range: every bar of every training window, targets included, lies in it.
-    val    the lookback_window bars before val_time_range, then the bars inside it: the earliest window's first
+    val    the lookback bars before val_time_range, then the bars inside it: the earliest window's first
            forecast bar is the first validation day, and no target bar is a training bar.
-    test   the lookback_window bars before test_time_range, the bars inside it, and up to predict_window bars
+    test   the lookback bars before test_time_range, the bars inside it, and up to predict bars
            after it (only to measure the realised returns of the last forecasts; no forecast is made there).
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from finetune.config import QlibConfig, cli_parser, load_qlib_config
+from finetune.config import QlibConfig, cli_parser, load
 from finetune.dataset import FORMAT, MANIFEST_NAME, manifest_settings, save_split, split_path
 from finetune.qlib_io import (check_qlib_folder, check_ranges_in_calendar, date_range, datetimes_ns, frame_to_panel,
                               init_qlib, load_frame, load_range, range_bounds, read_calendar)
@@ -64,13 +64,13 @@ class SplitRule:
 def split_rules(cfg: QlibConfig) -> list[SplitRule]:
     """The three split rules of the module docstring, from the settings."""
     d = cfg.data
-    window = d.lookback_window + d.predict_window
+    window = d.lookback + d.predict
     (tr0, tr1), (va0, va1), (te0, te1) = (range_bounds(r) for r in (d.train_time_range, d.val_time_range, d.test_time_range))
     return [
         SplitRule("train", tr0, tr1, before=0, after=0, min_bars=window),
-        SplitRule("val", va0, va1, before=d.lookback_window, after=0, min_bars=window),
+        SplitRule("val", va0, va1, before=d.lookback, after=0, min_bars=window),
         # a test forecast at bar t needs lookback bars ending at t
-        SplitRule("test", te0, te1, before=d.lookback_window, after=d.predict_window, min_bars=d.lookback_window),
+        SplitRule("test", te0, te1, before=d.lookback, after=d.predict, min_bars=d.lookback),
     ]
 
 
@@ -126,7 +126,7 @@ def make_splits(panel: SeriesPanel, cfg: QlibConfig) -> tuple[dict[str, SeriesPa
                 f"leaves the {rule.name} split empty: no instrument has {rule.min_bars} bars from "
                 f"{rule.before} bars before {rule.start.date()} to {rule.end.date()}"
                 + (f" ({len(dropped)} instruments have fewer)" if dropped else "")
-                + "; widen the range or shorten data.lookback_window / data.predict_window",
+                + "; widen the range or shorten data.lookback / data.predict",
             )
         dates = date_range(split)
         splits[rule.name] = split
@@ -187,27 +187,27 @@ def preprocess(cfg: QlibConfig) -> dict[str, Any]:
     problems = Problems()
     check_ranges_in_calendar(cfg, calendar, problems)
     problems.raise_if_any()
-    start, end = load_range(calendar, d.dataset_begin_time, d.dataset_end_time, d.lookback_window, d.predict_window)
+    start, end = load_range(calendar, d.dataset_begin_time, d.dataset_end_time, d.lookback, d.predict)
     log.info("loading %s from %s (%s .. %s, %s bars)", d.instrument, d.qlib_data_path, start.date(), end.date(), d.freq)
     frame = load_frame(cfg, start, end)
     if frame.empty:
         raise ConfigError([f"data.instrument: universe {d.instrument!r} has no data between {start.date()} and {end.date()}"])
 
     # Fewer bars than one test context cannot serve any split (training windows need lookback + predict).
-    panel, frame_report = frame_to_panel(frame, d.amount_source, min_bars=d.lookback_window)
+    panel, frame_report = frame_to_panel(frame, d.amount_source, min_bars=d.lookback)
     if frame_report.nan_rows:
         log.warning("dropped %d bar(s) with missing values in %d instrument(s): %s",
                     sum(frame_report.nan_rows.values()), len(frame_report.nan_rows), _show(frame_report.nan_rows))
     if frame_report.short:
         log.warning("dropped %d instrument(s) with fewer than %d bars in the whole range: %s",
-                    len(frame_report.short), d.lookback_window, _show(frame_report.short))
+                    len(frame_report.short), d.lookback, _show(frame_report.short))
     splits, split_report = make_splits(panel, cfg)
 
-    # Trading days from the test range's start to predict_window days past its end: the forecast dates
+    # Trading days from the test range's start to predict days past its end: the forecast dates
     # (y timestamps) of the test windows come from here.
     test_rule = split_rules(cfg)[2]
     lo = int(calendar.searchsorted(test_rule.start, side="left"))
-    hi = int(calendar.searchsorted(test_rule.end, side="right")) + d.predict_window
+    hi = int(calendar.searchsorted(test_rule.end, side="right")) + d.predict
     calendar_ns = datetimes_ns(calendar[lo:hi])
     manifest = {
         "format": FORMAT,
@@ -228,7 +228,7 @@ def preprocess(cfg: QlibConfig) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
-    cfg = load_qlib_config(args.config, args.set)
+    cfg = load(args.config, args.set)
     preprocess(cfg)
 
 

@@ -2,8 +2,8 @@
 
     python finetune/qlib_test.py --config configs/qlib_csi300.yaml [--device cuda:0]
 
-For each instrument and trading day t of data.test_time_range with lookback_window bars up to t, the predictor
-samples inference.sample_count paths of predict_window bars (batched, cached generator); the mean path's closes
+For each instrument and trading day t of data.test_time_range with lookback bars up to t, the predictor
+samples forecast.sample_count paths of predict bars (batched, cached generator); the mean path's closes
 give four signals, each a predicted return against the last observed close c_t:
     last = close[t+P] / c_t - 1     mean = mean(close[t+1..t+P]) / c_t - 1
     max  = max(close[t+1..t+P]) / c_t - 1     min = min(...) / c_t - 1
@@ -35,7 +35,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from finetune.config import QlibConfig, check_model_folder, cli_parser, load_qlib_config
+from finetune.config import QlibConfig, check_model_folder, cli_parser, load
 from finetune.dataset import check_processed, load_split, read_manifest, split_path
 from finetune.qlib_io import CLOSE, check_qlib_folder, init_qlib, range_bounds, stamps_from_ns, time_major
 from finetune.utils.checkpoint import load_pretrained
@@ -177,24 +177,24 @@ def backtest_period(calendar: pd.DatetimeIndex, start: pd.Timestamp, end: pd.Tim
 def forecast_signals(cfg: QlibConfig, split: SeriesPanel, calendar_ns: np.ndarray, tokenizer: KronosTokenizer,
                      predictor: Kronos, device: str) -> pd.DataFrame:
     """One row per test window: datetime, instrument, one column per signal, and `label` (realised return)."""
-    d, inf = cfg.data, cfg.inference
+    d, f = cfg.data, cfg.forecast
     start, end = range_bounds(d.test_time_range)
-    ends = forecast_window_ends(split, start.value, end.value, d.lookback_window)
+    ends = forecast_window_ends(split, start.value, end.value, d.lookback)
     if len(ends) == 0:
-        raise ValueError(f"data.test_time_range: no instrument has {d.lookback_window} bars before a day of the test range")
-    future = forecast_dates(calendar_ns, split.datetimes[ends], d.predict_window, d.freq)  # (W, P) ns
+        raise ValueError(f"data.test_time_range: no instrument has {d.lookback} bars before a day of the test range")
+    future = forecast_dates(calendar_ns, split.datetimes[ends], d.predict, d.freq)  # (W, P) ns
 
     kp = KronosPredictor(predictor, tokenizer, device=device, max_context=d.max_context, clip=d.clip)
-    torch.manual_seed(inf.seed)
-    per_batch = max(1, inf.batch_size // inf.sample_count)  # windows per forward pass (each repeated sample_count x)
-    closes = np.empty((len(ends), d.predict_window), dtype=np.float64)
+    torch.manual_seed(f.seed)
+    per_batch = max(1, f.batch_size // f.sample_count)  # windows per forward pass (each repeated sample_count x)
+    closes = np.empty((len(ends), d.predict), dtype=np.float64)
     for lo in tqdm(range(0, len(ends), per_batch), desc="forecast", unit="batch", dynamic_ncols=True):
         hi = min(lo + per_batch, len(ends))
-        rows = context_rows(ends[lo:hi], d.lookback_window)  # (B, L)
+        rows = context_rows(ends[lo:hi], d.lookback)  # (B, L)
         xn, mean, std = normalise_contexts(time_major(split, rows), d.clip)  # (B, L, 6), (B, 6), (B, 6)
-        y_stamp = stamps_from_ns(future[lo:hi].ravel()).reshape(hi - lo, d.predict_window, 5)  # (B, P, 5)
-        paths = kp.generate(xn, split.stamps[rows], y_stamp, d.predict_window, T=inf.T, top_k=inf.top_k,
-                            top_p=inf.top_p, sample_count=inf.sample_count)  # (B, S, P, 6), normalised
+        y_stamp = stamps_from_ns(future[lo:hi].ravel()).reshape(hi - lo, d.predict, 5)  # (B, P, 5)
+        paths = kp.generate(xn, split.stamps[rows], y_stamp, d.predict, T=f.temperature, top_k=f.top_k,
+                            top_p=f.top_p, sample_count=f.sample_count)  # (B, S, P, 6), normalised
         # average the sample paths, then undo the context normalisation of close
         closes[lo:hi] = paths[..., CLOSE].mean(axis=1) * (std[:, CLOSE, None] + 1e-5) + mean[:, CLOSE, None]
 
@@ -309,7 +309,7 @@ def write_results(folder: str | Path, files: dict[str, Any]) -> Path:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
-    cfg = load_qlib_config(args.config, args.set)
+    cfg = load(args.config, args.set)
     check_inputs(cfg)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     d, b = cfg.data, cfg.backtest

@@ -27,9 +27,9 @@ def test_stage_settings_override_the_shared_training_section(tmp_path):
            "tokenizer_training: {epochs: 0}\npredictor_training: {lr: null, batch_size: 4}\n"
     cfg = load(write_yaml(tmp_path, text))
     tok, pred = cfg.stage_training("tokenizer"), cfg.stage_training("predictor")
-    assert (tok.epochs, tok.lr, tok.batch_size) == (0, 2e-4, 8)  # reference tokenizer lr unless overridden
+    assert (tok.epochs, tok.lr, tok.batch_size) == (0, 1e-3, 8)  # stage sections default to null = inherit
     assert (pred.epochs, pred.lr, pred.batch_size) == (5, 1e-3, 4)  # null falls back to training.lr
-    assert cfg.training.resume == "never"  # the CSV pipeline starts fresh unless --resume
+    assert cfg.training.resume == "auto"  # as in the Qlib pipeline: continue from checkpoints/last.pt
 
 
 def test_unknown_key_and_wrong_type_are_reported_with_their_yaml_keys(tmp_path):

@@ -74,7 +74,7 @@ def test_held_out_windows_do_not_overlap_and_follow_their_context():
     first_rows = [int(a[0, 0]) // 6 for a in w.actual]
     assert first_rows == list(range(30, 58, 4))
     for ctx, x_ts, y_ts, actual in zip(w.context, w.x_timestamps, w.y_timestamps, w.actual):
-        assert len(ctx) == 8 and ctx["open"].iloc[-1] + 6 == actual[0, 0]  # context ends right before the horizon
+        assert ctx.shape == (8, 6) and ctx[-1, 0] + 6 == actual[0, 0]  # context ends right before the horizon
         assert x_ts[-1] < y_ts[0] and len(y_ts) == 4
 
 

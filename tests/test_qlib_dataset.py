@@ -7,7 +7,7 @@ import torch
 
 from finetune import qlib_data_preprocess as pre
 from finetune import qlib_io as qio
-from finetune.config import load_qlib_config
+from finetune.config import load
 from finetune.dataset import FORMAT, build_window_dataset, check_processed, manifest_settings
 from finetune.utils.config_utils import Problems
 from finetune.utils.panel import SeriesPanel
@@ -32,7 +32,7 @@ def tiny_split(lengths=(12, 4, 9), seed=0) -> SeriesPanel:
 
 
 def cfg_for(tmp_path, *extra):
-    return load_qlib_config(None, [f"data.lookback_window={LOOKBACK}", f"data.predict_window={PREDICT}",
+    return load(None, [f"data.lookback={LOOKBACK}", f"data.predict={PREDICT}",
                                    f"data.dataset_path={tmp_path / 'processed'}", f"data.qlib_data_path={tmp_path}", *extra])
 
 
@@ -96,7 +96,7 @@ def test_splits_made_with_other_settings_are_named(tmp_path):
     check_processed(cfg, ("train", "val", "test"), problems)
     assert not problems
 
-    changed = cfg_for(tmp_path, "data.lookback_window=7", "data.instrument=csi500", "backtest.benchmark=SH000905")
+    changed = cfg_for(tmp_path, "data.lookback=7", "data.instrument=csi500", "backtest.benchmark=SH000905")
     check_processed(changed, ("train",), problems)
     keys = sorted(p.split(":")[0] for p in problems.items)
-    assert keys == ["data.instrument", "data.lookback_window"]
+    assert keys == ["data.instrument", "data.lookback"]

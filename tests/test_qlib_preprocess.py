@@ -8,9 +8,9 @@ import pytest
 
 from finetune import qlib_data_preprocess as pre
 from finetune import qlib_io as qio
-from finetune.config import load_qlib_config
+from finetune.config import QlibConfig
 from finetune.dataset import MANIFEST_NAME, load_split, split_path
-from finetune.utils.config_utils import ConfigError
+from finetune.utils.config_utils import ConfigError, load_config
 
 LOOKBACK, PREDICT = 6, 2
 
@@ -33,11 +33,11 @@ def stacked_frame(spec: dict[str, tuple[str, int]], seed: int = 0) -> pd.DataFra
 def cfg_for(tmp_path, **data):
     sets = [f"data.{k}={v}" for k, v in {
         "qlib_data_path": tmp_path / "qlib", "dataset_path": tmp_path / "processed",
-        "lookback_window": LOOKBACK, "predict_window": PREDICT,
+        "lookback": LOOKBACK, "predict": PREDICT,
         "dataset_begin_time": "2020-01-01", "dataset_end_time": "2020-12-31",
         "train_time_range": "[2020-01-01, 2020-03-31]", "val_time_range": "[2020-04-01, 2020-05-31]",
         "test_time_range": "[2020-06-01, 2020-06-30]", **data}.items()]
-    return load_qlib_config(None, sets)
+    return load_config(QlibConfig, None, sets)  # settings only: the folder checks are what these tests exercise
 
 
 def dates(split, s):
@@ -122,7 +122,7 @@ def test_too_short_instruments_are_dropped_per_split_by_name(tmp_path, caplog):
 
 
 def test_a_range_that_leaves_a_split_empty_names_the_setting(tmp_path):
-    cfg = cfg_for(tmp_path, lookback_window=40)
+    cfg = cfg_for(tmp_path, lookback=40)
     frame = stacked_frame({"A": ("2020-01-01", 66)})  # ends 2020-04-01: too short for validation, none for the test
     panel, _ = qio.frame_to_panel(frame, "ohlc_mean", min_bars=1)
     with pytest.raises(ConfigError) as err:
