@@ -120,3 +120,20 @@ def test_trainers_started_with_plain_python_show_the_torchrun_command(module, mo
     with pytest.raises(RuntimeError) as err:
         module.main(["--config", "configs/qlib_demo.yaml"])
     assert f"torchrun --standalone --nproc_per_node=1 {module.SCRIPT} --config configs/qlib_demo.yaml" in str(err.value)
+
+
+def test_a_training_override_that_a_stage_section_shadows_is_warned_about(caplog):
+    with caplog.at_level("WARNING"):
+        cfg = load("configs/qlib_csi300.yaml", ["training.lr=1e-3", "training.batch_size=8"])
+    assert (cfg.stage_training("tokenizer").lr, cfg.stage_training("predictor").lr) == (2e-4, 4e-5)
+    warnings = sorted(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert len(warnings) == 2  # lr is set by both stage sections; batch_size by neither
+    assert "predictor_training.lr" in warnings[0] and "tokenizer_training.lr" in warnings[1]
+    assert all("--set training.lr" in w for w in warnings)
+
+
+@pytest.mark.parametrize("old", ["data.lookback_window=60", "data.predict_window=5", "inference.T=0.6",
+                                 "model.pretrained_tokenizer_path=null", "model.tokenizer_args={}"])
+def test_old_key_names_are_rejected(old):
+    with pytest.raises(ConfigError, match="unknown key"):
+        load(None, [old])
