@@ -30,7 +30,12 @@ import pandas as pd
 from finetune.utils.config_utils import Problems, add_config_args, load_config
 from finetune.utils.factory import ModelConfig
 from finetune.utils.forecast_config import SamplingConfig
-from finetune.utils.stage_config import StageConfig, apply_stage, validate_stage, warn_shadowed_overrides
+from finetune.utils.stage_config import (
+    StageConfig,
+    apply_stage,
+    validate_stage,
+    warn_shadowed_overrides,
+)
 from finetune.utils.training_utils import TrainingConfig, validate_training_config
 
 __all__ = [

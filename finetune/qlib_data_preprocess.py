@@ -32,9 +32,25 @@ import numpy as np
 import pandas as pd
 
 from finetune.config import QlibConfig, cli_parser, load
-from finetune.dataset import FORMAT, MANIFEST_NAME, manifest_settings, save_split, split_path
-from finetune.qlib_io import (check_qlib_folder, check_ranges_in_calendar, date_range, datetimes_ns, frame_to_panel,
-                              init_qlib, load_frame, load_range, range_bounds, read_calendar)
+from finetune.dataset import (
+    FORMAT,
+    MANIFEST_NAME,
+    manifest_settings,
+    save_split,
+    split_path,
+)
+from finetune.qlib_io import (
+    check_qlib_folder,
+    check_ranges_in_calendar,
+    date_range,
+    datetimes_ns,
+    frame_to_panel,
+    init_qlib,
+    load_frame,
+    load_range,
+    range_bounds,
+    read_calendar,
+)
 from finetune.utils.checkpoint import write_json_atomic
 from finetune.utils.config_utils import ConfigError, Problems
 from finetune.utils.panel import SeriesPanel

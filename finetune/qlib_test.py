@@ -37,7 +37,14 @@ from tqdm.auto import tqdm
 
 from finetune.config import QlibConfig, check_model_folder, cli_parser, load
 from finetune.dataset import check_processed, load_split, read_manifest, split_path
-from finetune.qlib_io import CLOSE, check_qlib_folder, init_qlib, range_bounds, stamps_from_ns, time_major
+from finetune.qlib_io import (
+    CLOSE,
+    check_qlib_folder,
+    init_qlib,
+    range_bounds,
+    stamps_from_ns,
+    time_major,
+)
 from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.config_utils import config_to_dict
 from finetune.utils.panel import SeriesPanel

@@ -16,7 +16,11 @@ import os
 from finetune.config import QlibConfig, check_model_folder, cli_parser, load
 from finetune.dataset import build_train_val_datasets, check_processed
 from finetune.utils.config_utils import config_to_dict
-from finetune.utils.distributed import distributed_context, require_torchrun, seed_everything
+from finetune.utils.distributed import (
+    distributed_context,
+    require_torchrun,
+    seed_everything,
+)
 from finetune.utils.factory import build_tokenizer
 from finetune.utils.training_utils import train_tokenizer
 

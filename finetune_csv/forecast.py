@@ -26,7 +26,12 @@ from finetune.utils.config_utils import add_config_args
 from finetune_csv import config as csv_config
 from finetune_csv.config import CsvFinetuneConfig
 from finetune_csv.data import Segment, load_series, split_series, window_starts
-from finetune_csv.forecast_metrics import candle_violations, close_mae, direction_accuracy, persistence_close
+from finetune_csv.forecast_metrics import (
+    candle_violations,
+    close_mae,
+    direction_accuracy,
+    persistence_close,
+)
 from finetune_csv.model_dirs import best_dir, predictor_tokenizer_source
 from model import Kronos, KronosPredictor, KronosTokenizer
 from model.features import FEATURE_COLS, calc_time_stamps, normalize

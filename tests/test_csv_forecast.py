@@ -8,7 +8,12 @@ import pytest
 
 from finetune_csv.data import Segment, Series
 from finetune_csv.forecast import held_out_windows, score, spread_evenly
-from finetune_csv.forecast_metrics import candle_violations, close_mae, direction_accuracy, persistence_close
+from finetune_csv.forecast_metrics import (
+    candle_violations,
+    close_mae,
+    direction_accuracy,
+    persistence_close,
+)
 
 
 def test_close_mae_is_mean_absolute_error_over_windows_and_steps():

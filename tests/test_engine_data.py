@@ -8,9 +8,14 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from tests.engine_dist_worker import random_walk_series
 from finetune.utils.panel import SeriesPanel
-from finetune.utils.window_dataset import EpochSampler, SeriesArrays, WindowDataset, make_loader
+from finetune.utils.window_dataset import (
+    EpochSampler,
+    SeriesArrays,
+    WindowDataset,
+    make_loader,
+)
+from tests.engine_dist_worker import random_walk_series
 
 LOOKBACK, PREDICT = 6, 2
 

@@ -8,7 +8,12 @@ import torch
 from finetune import qlib_data_preprocess as pre
 from finetune import qlib_io as qio
 from finetune.config import load
-from finetune.dataset import FORMAT, build_window_dataset, check_processed, manifest_settings
+from finetune.dataset import (
+    FORMAT,
+    build_window_dataset,
+    check_processed,
+    manifest_settings,
+)
 from finetune.utils.config_utils import Problems
 from finetune.utils.panel import SeriesPanel
 from finetune.utils.window_dataset import EpochSampler
