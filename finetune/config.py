@@ -1,15 +1,19 @@
 """Settings of the Qlib pipeline (preprocess -> tokenizer -> predictor -> backtest), one typed dataclass per section.
 
-Defaults mirror the original Kronos Qlib finetuning (CSI 300 daily bars, lookback 90, predict 10, tokenizer lr 2e-4,
-predictor lr 4e-5, 2000 x 50 training windows per epoch, top-50 / drop-5 backtest against SH000300). The one
+Defaults mirror the original Kronos Qlib finetuning (CSI 300 daily bars, lookback 90, predict 10, 2000 x 50 training
+windows per epoch, top-50 / drop-5 backtest against SH000300); its per-stage learning rates (2e-4 / 4e-5) and
+sampling (temperature 0.6, 5 paths) are set in configs/qlib_csi300.yaml, since those keys share the CSV pipeline's
+defaults (stage sections null = inherit training:, KronosPredictor's sampling defaults). The one
 deliberate change: the original's validation and test ranges start three months before the previous range ends
 (to give the first window its lookback); here the ranges do not overlap and the preprocessing prepends exactly
-`lookback_window` bars to the validation and test splits instead, so no forecast target is ever seen in training.
+`lookback` bars to the validation and test splits instead, so no forecast target is ever seen in training.
+Keys shared with the CSV pipeline (model:, data.lookback / predict / clip, training:, the stage sections, the
+sampling keys of forecast:) have the same names and defaults there; the shipped configs set the reference values.
 
-    cfg = load_qlib_config("configs/qlib_csi300.yaml", ["data.instrument=csi800", "backtest.benchmark=SH000906"])
+    cfg = load("configs/qlib_csi300.yaml", ["data.instrument=csi800", "backtest.benchmark=SH000906"])
 
-Every YAML key is a field below; `--set section.key=value` overrides it. `validate()` raises one ConfigError (a
-ValueError) listing every problem by its YAML key; the entry points add their file checks to the same error.
+Every YAML key is a field below; `--set section.key=value` overrides it. `load` raises one ConfigError (a
+ValueError) listing every problem by its YAML key; the entry points add their file checks (`check_inputs`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,14 @@ from typing import Any, Literal
 import pandas as pd
 
 from finetune.utils.config_utils import Problems, add_config_args, load_config
-from finetune.utils.stage_config import PredictorStageConfig, StageConfig, TokenizerStageConfig, apply_stage, validate_stage
+from finetune.utils.factory import ModelConfig
+from finetune.utils.forecast_config import SamplingConfig
+from finetune.utils.stage_config import (
+    StageConfig,
+    apply_stage,
+    validate_stage,
+    warn_shadowed_overrides,
+)
 from finetune.utils.training_utils import TrainingConfig, validate_training_config
 
 __all__ = [
@@ -32,24 +43,18 @@ __all__ = [
     "ModelConfig",
     "QlibTrainingConfig",
     "StageConfig",
-    "TokenizerStageConfig",
-    "PredictorStageConfig",
     "PathsConfig",
-    "InferenceConfig",
+    "ForecastConfig",
     "BacktestConfig",
     "QlibConfig",
-    "load_qlib_config",
+    "load",
     "check_model_folder",
-    "FEATURE_LIST",
-    "TIME_FEATURE_LIST",
+    "cli_parser",
     "SIGNALS",
     "DEFAULT_BENCHMARKS",
 ]
 
-# The Kronos models read exactly these columns, in this order (d_in = 6); vol/amt are Qlib's volume and amount.
-FEATURE_LIST = ["open", "high", "low", "close", "vol", "amt"]
-TIME_FEATURE_LIST = ["minute", "hour", "weekday", "day", "month"]
-# Signals from a forecast of `predict_window` closes: predicted return of the last / mean / max / min close
+# Signals from a forecast of `predict` closes: predicted return of the last / mean / max / min close
 # relative to the last observed close.
 SIGNALS = ("last", "mean", "max", "min")
 # Benchmark index of each Qlib CN universe (as in the original config).
@@ -75,22 +80,18 @@ class DataConfig:
     train_time_range: list[str | datetime.date] = field(default_factory=lambda: ["2011-01-01", "2022-12-31"])
     """[start, end] of the training split (inclusive dates); every bar of a training window lies inside it."""
     val_time_range: list[str | datetime.date] = field(default_factory=lambda: ["2023-01-01", "2024-06-30"])
-    """[start, end] of the validation split; its windows also read the lookback_window bars before start."""
+    """[start, end] of the validation split; its windows also read the lookback bars before start."""
     test_time_range: list[str | datetime.date] = field(default_factory=lambda: ["2024-07-01", "2025-06-05"])
     """[start, end] of the test split: one forecast per instrument and trading day in it (the backtest period)."""
-    lookback_window: int = 90
+    lookback: int = 90
     """Bars of context per window (the normalisation statistics come from these only)."""
-    predict_window: int = 10
+    predict: int = 10
     """Bars forecast after the context."""
     max_context: int = 512
     """Predictor context length (512 for Kronos-small/base); lookback + predict must fit in it."""
-    feature_list: list[str] = field(default_factory=lambda: list(FEATURE_LIST))
-    """Candle features in model order; fixed by the published models (kept here so the YAML shows them)."""
-    time_feature_list: list[str] = field(default_factory=lambda: list(TIME_FEATURE_LIST))
-    """Calendar features in model order; fixed by the published models."""
     amount_source: Literal["ohlc_mean", "vwap"] = "ohlc_mean"
-    """amt = vol * mean(open, high, low, close) (the original's choice, and what the forecaster assumes when a
-    series has no amount) or vol * $vwap."""
+    """amount = $volume * mean(open, high, low, close) (the original's choice, and what the forecaster assumes
+    when a series has no amount) or $volume * $vwap. The features are model.features.FEATURE_COLS."""
     clip: float = 5.0
     """Normalised values are clipped to [-clip, clip]."""
     dataset_path: str = "./data/processed_datasets"
@@ -104,20 +105,6 @@ class DataConfig:
             value = getattr(self, name)
             if isinstance(value, (list, tuple)):
                 setattr(self, name, [iso(v) for v in value])
-
-
-@dataclass
-class ModelConfig:
-    """Which models to start from (`model:` in YAML)."""
-
-    pretrained_tokenizer_path: str | None = "NeoQuasar/Kronos-Tokenizer-base"
-    """Tokenizer to finetune: a local save_pretrained folder or a Hugging Face Hub id; null = from scratch."""
-    pretrained_predictor_path: str | None = "NeoQuasar/Kronos-small"
-    """Predictor to finetune: a local save_pretrained folder or a Hugging Face Hub id; null = from scratch."""
-    tokenizer_args: dict[str, Any] = field(default_factory=dict)
-    """KronosTokenizer constructor arguments (config.json keys) used when pretrained_tokenizer_path is null."""
-    predictor_args: dict[str, Any] = field(default_factory=dict)
-    """Kronos constructor arguments (config.json keys) used when pretrained_predictor_path is null."""
 
 
 @dataclass
@@ -150,21 +137,11 @@ class PathsConfig:
 
 
 @dataclass
-class InferenceConfig:
-    """How test windows are forecast (`inference:` in YAML); original defaults."""
+class ForecastConfig(SamplingConfig):
+    """How test windows are forecast (`forecast:` in YAML): the shared sampling keys plus the batch size."""
 
-    T: float = 0.6
-    """Sampling temperature."""
-    top_p: float = 0.9
-    """Nucleus sampling threshold (1.0 = off)."""
-    top_k: int = 0
-    """Top-k sampling (0 = off; 1 = greedy)."""
-    sample_count: int = 5
-    """Sample paths averaged per forecast."""
     batch_size: int = 1000
     """Sequences per forward pass (windows x sample_count), as the original's backtest_batch_size."""
-    seed: int = 0
-    """Seed of the sampling, so a backtest can be reproduced."""
 
 
 @dataclass
@@ -207,13 +184,13 @@ class QlibConfig:
     """Pretrained or from-scratch models."""
     training: QlibTrainingConfig = field(default_factory=QlibTrainingConfig)
     """Training loop settings shared by both stages."""
-    tokenizer_training: TokenizerStageConfig = field(default_factory=TokenizerStageConfig)
-    """Tokenizer-stage overrides of training."""
-    predictor_training: PredictorStageConfig = field(default_factory=PredictorStageConfig)
-    """Predictor-stage overrides of training."""
+    tokenizer_training: StageConfig = field(default_factory=StageConfig)
+    """Tokenizer-stage overrides of training (null = inherit)."""
+    predictor_training: StageConfig = field(default_factory=StageConfig)
+    """Predictor-stage overrides of training (null = inherit)."""
     paths: PathsConfig = field(default_factory=PathsConfig)
     """Output folders."""
-    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    forecast: ForecastConfig = field(default_factory=ForecastConfig)
     """Sampling of the test forecasts."""
     backtest: BacktestConfig = field(default_factory=BacktestConfig)
     """Signals, IC and backtest."""
@@ -227,11 +204,11 @@ class QlibConfig:
         """Every problem of the settings themselves (no file access), each named by its YAML key."""
         p = Problems()
         _check_data(self.data, p)
-        _check_model(self.model, p)
+        self.model.check(p, "model")
         validate_training_config(self.training, p, "training")
         for stage in ("tokenizer", "predictor"):
             validate_stage(getattr(self, f"{stage}_training"), f"{stage}_training", p)
-        _check_inference(self.inference, p)
+        _check_forecast(self.forecast, p)
         _check_backtest(self, p)
         return p
 
@@ -244,9 +221,13 @@ class QlibConfig:
         self.problems().raise_if_any()
 
 
-def load_qlib_config(yaml_path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> QlibConfig:
-    """QlibConfig from a YAML file and `key=value` overrides (types checked; call `validate()` for the rest)."""
-    return load_config(QlibConfig, yaml_path, overrides)
+def load(yaml_path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> QlibConfig:
+    """QlibConfig from a YAML file and `key=value` overrides, validated: one ConfigError (a ValueError) lists every
+    problem by YAML key. Warns about `--set training.X` overrides that a stage section shadows."""
+    cfg = load_config(QlibConfig, yaml_path, overrides)
+    warn_shadowed_overrides(cfg, overrides)
+    cfg.validate()
+    return cfg
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -284,25 +265,15 @@ def _check_data(d: DataConfig, p: Problems) -> None:
     p.check(bool(str(d.qlib_data_path).strip()), "data.qlib_data_path", "is empty; set it to your Qlib data folder")
     p.check(bool(d.instrument.strip()), "data.instrument", "is empty; name a universe such as csi300")
     p.check(bool(d.freq.strip()), "data.freq", "is empty; use 'day' for daily bars")
-    p.check(d.lookback_window >= 2, "data.lookback_window", f"must be >= 2 (the std needs 2 bars), got {d.lookback_window}")
-    p.check(d.predict_window >= 1, "data.predict_window", f"must be >= 1, got {d.predict_window}")
+    p.check(d.lookback >= 2, "data.lookback", f"must be >= 2 (the std needs 2 bars), got {d.lookback}")
+    p.check(d.predict >= 1, "data.predict", f"must be >= 1, got {d.predict}")
     p.check(
-        d.lookback_window + d.predict_window <= d.max_context,
-        "data.lookback_window",
-        f"lookback_window + predict_window = {d.lookback_window + d.predict_window} does not fit in "
+        d.lookback + d.predict <= d.max_context,
+        "data.lookback",
+        f"lookback + predict = {d.lookback + d.predict} does not fit in "
         f"data.max_context = {d.max_context}; shorten the windows",
     )
     p.check(d.clip > 0, "data.clip", f"must be > 0, got {d.clip}")
-    p.check(
-        list(d.feature_list) == FEATURE_LIST,
-        "data.feature_list",
-        f"the Kronos models read exactly {FEATURE_LIST} in this order, got {d.feature_list}",
-    )
-    p.check(
-        list(d.time_feature_list) == TIME_FEATURE_LIST,
-        "data.time_feature_list",
-        f"the Kronos models read exactly {TIME_FEATURE_LIST} in this order, got {d.time_feature_list}",
-    )
     p.check(bool(str(d.dataset_path).strip()), "data.dataset_path", "is empty; name a folder for the splits")
 
     begin = parse_date(d.dataset_begin_time, "data.dataset_begin_time", p)
@@ -331,39 +302,12 @@ def _check_data(d: DataConfig, p: Problems) -> None:
                 )
 
 
-def _check_model(m: ModelConfig, p: Problems) -> None:
-    from model import Kronos, KronosTokenizer
-    from model.hub import constructor_args
-
-    for kind, path, args, cls in (
-        ("tokenizer", m.pretrained_tokenizer_path, m.tokenizer_args, KronosTokenizer),
-        ("predictor", m.pretrained_predictor_path, m.predictor_args, Kronos),
-    ):
-        if path is not None:
-            p.check(bool(path.strip()), f"model.pretrained_{kind}_path", "is empty; give a folder or hub id, or null to train from scratch")
-            continue
-        names, required = constructor_args(cls)
-        unknown = sorted(set(args) - set(names))
-        missing = [k for k in required if k not in args and not (kind == "predictor" and k in ("s1_bits", "s2_bits"))]
-        p.check(not unknown, f"model.{kind}_args", f"unknown {cls.__name__} arguments {unknown} (known: {names})")
-        p.check(not missing, f"model.{kind}_args", f"missing {cls.__name__} arguments {missing} (needed when model.pretrained_{kind}_path is null)")
-    if m.pretrained_tokenizer_path is None and "d_in" in m.tokenizer_args:
-        p.check(
-            m.tokenizer_args["d_in"] == len(FEATURE_LIST),
-            "model.tokenizer_args.d_in",
-            f"must be {len(FEATURE_LIST)} (the features {FEATURE_LIST}), got {m.tokenizer_args['d_in']}",
-        )
-
-
-def _check_inference(i: InferenceConfig, p: Problems) -> None:
-    p.check(i.T > 0, "inference.T", f"must be > 0, got {i.T}")
-    p.check(0 < i.top_p <= 1, "inference.top_p", f"must be in (0, 1], got {i.top_p}")
-    p.check(i.top_k >= 0, "inference.top_k", f"must be >= 0 (0 = off), got {i.top_k}")
-    p.check(i.sample_count >= 1, "inference.sample_count", f"must be >= 1, got {i.sample_count}")
+def _check_forecast(f: ForecastConfig, p: Problems) -> None:
+    f.check(p, "forecast")
     p.check(
-        i.batch_size >= i.sample_count,
-        "inference.batch_size",
-        f"must be >= inference.sample_count ({i.sample_count}): one window's samples share a batch, got {i.batch_size}",
+        f.batch_size >= f.sample_count,
+        "forecast.batch_size",
+        f"must be >= forecast.sample_count ({f.sample_count}): one window's samples share a batch, got {f.batch_size}",
     )
 
 
@@ -389,9 +333,9 @@ def _check_backtest(cfg: QlibConfig, p: Problems) -> None:
         f"must be in (0, 1) or null, got {b.limit_threshold}",
     )
     p.check(
-        1 <= b.ic_horizon <= cfg.data.predict_window,
+        1 <= b.ic_horizon <= cfg.data.predict,
         "backtest.ic_horizon",
-        f"must be in [1, data.predict_window={cfg.data.predict_window}], got {b.ic_horizon}",
+        f"must be in [1, data.predict={cfg.data.predict}], got {b.ic_horizon}",
     )
 
 

@@ -3,14 +3,17 @@
 `qlib_data_preprocess.py` writes, in `data.dataset_path`:
 
     train.npz, val.npz, test.npz   read with np.load(allow_pickle=False): loading runs no code (unlike pickle)
-        features     float32 (N, 6)   open, high, low, close, vol, amt; one instrument's rows contiguous, in time order
+        features     float32 (N, 6)   open, high, low, close, volume, amount (model.features.FEATURE_COLS); one
+                                      instrument's rows contiguous, in time order
         stamps       int64   (N, 5)   minute, hour, weekday (Mon=0), day of month, month
         datetimes    int64   (N,)     bar time as nanoseconds since 1970-01-01 (naive, as Qlib stores it)
         offsets      int64   (S + 1,) rows of instrument s are offsets[s]:offsets[s + 1]
         instruments  str     (S,)     instrument codes
     manifest.json                     settings the splits were made with, date ranges, counts, dropped instruments
 
-Training reads them into the shared `WindowDataset` (windows never cross two instruments; normalised with
+`load_split` returns a split as a `SeriesPanel` (finetune/utils/panel.py; features transposed to feature-major
+(6, N), names = instrument codes, datetimes set) and `save_split` writes one. Training hands the panel to the
+shared `WindowDataset` as it is (windows never cross two instruments; normalised with
 lookback-only statistics); which windows an epoch uses, on which rank, is the engine's `EpochSampler`'s business.
 """
 
@@ -19,21 +22,22 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from finetune.config import FEATURE_LIST, QlibConfig
+from finetune.config import QlibConfig
+from finetune.qlib_io import date_range
 from finetune.utils.config_utils import Problems
-from finetune.utils.window_dataset import SeriesArrays, WindowDataset
+from finetune.utils.panel import SeriesPanel
+from finetune.utils.window_dataset import WindowDataset
+from model.features import FEATURE_COLS
 
 __all__ = [
     "SPLITS",
     "MANIFEST_NAME",
     "FORMAT",
-    "QlibSplit",
     "split_path",
     "save_split",
     "load_split",
@@ -47,77 +51,28 @@ log = logging.getLogger("finetune.qlib")
 
 SPLITS = ("train", "val", "test")
 MANIFEST_NAME = "manifest.json"
-FORMAT = "kronos-qlib-splits/v1"
+FORMAT = "kronos-qlib-splits/v2"  # v2: manifest keys lookback / predict / features (v1: *_window / feature_list)
 _ARRAYS = ("features", "stamps", "datetimes", "offsets", "instruments")
 # Settings a split depends on: changing any of them after preprocessing means preprocessing again.
-_MANIFEST_KEYS = ("qlib_data_path", "instrument", "freq", "lookback_window", "predict_window", "amount_source",
-                  "train_time_range", "val_time_range", "test_time_range", "feature_list")
-
-
-@dataclass(frozen=True)
-class QlibSplit:
-    """All instruments of one split as contiguous arrays (see the module docstring for shapes)."""
-
-    features: np.ndarray
-    stamps: np.ndarray
-    datetimes: np.ndarray
-    offsets: np.ndarray
-    instruments: np.ndarray
-
-    def __post_init__(self) -> None:
-        n = len(self.features)
-        if self.features.ndim != 2 or self.features.shape[1] != len(FEATURE_LIST):
-            raise ValueError(f"features must be (N, {len(FEATURE_LIST)}), got {self.features.shape}")
-        if self.stamps.shape != (n, 5) or self.datetimes.shape != (n,):
-            raise ValueError(f"stamps {self.stamps.shape} / datetimes {self.datetimes.shape} do not match {n} rows")
-        if self.offsets.shape != (len(self.instruments) + 1,) or (len(self.offsets) and (self.offsets[0] != 0 or self.offsets[-1] != n)):
-            raise ValueError(f"offsets must run from 0 to {n} with one entry per instrument plus one")
-        if np.any(np.diff(self.offsets) < 0):
-            raise ValueError("offsets must be non-decreasing")
-
-    @property
-    def n_instruments(self) -> int:
-        return len(self.instruments)
-
-    @property
-    def n_rows(self) -> int:
-        return len(self.features)
-
-    def lengths(self) -> np.ndarray:
-        """Rows per instrument, int64 (S,)."""
-        return np.diff(self.offsets)
-
-    def rows(self, s: int) -> slice:
-        """Row slice of instrument `s`."""
-        return slice(int(self.offsets[s]), int(self.offsets[s + 1]))
-
-    def series(self) -> list[SeriesArrays]:
-        """One `SeriesArrays` per instrument (views, no copy)."""
-        return [
-            SeriesArrays(self.features[self.rows(s)], self.stamps[self.rows(s)], str(self.instruments[s]))
-            for s in range(self.n_instruments)
-        ]
-
-    def date_range(self) -> tuple[str, str] | None:
-        """(first, last) bar date over all instruments, ISO strings; None when empty."""
-        if self.n_rows == 0:
-            return None
-        lo, hi = np.datetime64(int(self.datetimes.min()), "ns"), np.datetime64(int(self.datetimes.max()), "ns")
-        return str(lo.astype("datetime64[D]")), str(hi.astype("datetime64[D]"))
+_MANIFEST_KEYS = ("qlib_data_path", "instrument", "freq", "lookback", "predict", "amount_source",
+                  "train_time_range", "val_time_range", "test_time_range", "features")
 
 
 def split_path(dataset_path: str | Path, split: str) -> Path:
     return Path(dataset_path).expanduser() / f"{split}.npz"
 
 
-def save_split(path: str | Path, split: QlibSplit) -> Path:
-    """Write one split as an uncompressed .npz (plain arrays only; instrument names as a fixed-width str array)."""
+def save_split(path: str | Path, split: SeriesPanel) -> Path:
+    """Write one split (a panel with datetimes) as an uncompressed .npz of plain arrays: features time-major
+    (N, 6) as stored since v1, instrument names as a fixed-width str array."""
     path = Path(path)
-    names = np.asarray([str(s) for s in split.instruments], dtype=str) if split.n_instruments else np.zeros(0, dtype="<U1")
+    if split.datetimes is None:
+        raise ValueError("a Qlib split needs the bar datetimes (SeriesPanel.datetimes)")
+    names = np.asarray([str(s) for s in split.names], dtype=str) if split.n_series else np.zeros(0, dtype="<U1")
     with open(path, "wb") as f:  # a file object: np.savez would otherwise append ".npz" to the name
         np.savez(
             f,
-            features=np.ascontiguousarray(split.features, dtype=np.float32),
+            features=np.ascontiguousarray(np.asarray(split.features, dtype=np.float32).T),  # (N, 6)
             stamps=np.ascontiguousarray(split.stamps, dtype=np.int64),
             datetimes=np.ascontiguousarray(split.datetimes, dtype=np.int64),
             offsets=np.ascontiguousarray(split.offsets, dtype=np.int64),
@@ -126,8 +81,9 @@ def save_split(path: str | Path, split: QlibSplit) -> Path:
     return path
 
 
-def load_split(path: str | Path) -> QlibSplit:
-    """Read a split written by `save_split`; allow_pickle=False, so a tampered file cannot run code."""
+def load_split(path: str | Path) -> SeriesPanel:
+    """Read a split written by `save_split` as a SeriesPanel (features transposed to (6, N) once);
+    allow_pickle=False, so a tampered file cannot run code."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: run `python finetune/qlib_data_preprocess.py --config ...` first (data.dataset_path)")
@@ -135,13 +91,19 @@ def load_split(path: str | Path) -> QlibSplit:
         missing = [k for k in _ARRAYS if k not in z.files]
         if missing:
             raise ValueError(f"{path} lacks arrays {missing}; it was not written by qlib_data_preprocess.py, rerun it")
-        return QlibSplit(
-            features=z["features"].astype(np.float32, copy=False),
-            stamps=z["stamps"].astype(np.int64, copy=False),
-            datetimes=z["datetimes"].astype(np.int64, copy=False),
-            offsets=z["offsets"].astype(np.int64, copy=False),
-            instruments=z["instruments"],
-        )
+        features = z["features"]
+        if features.ndim != 2 or features.shape[1] != len(FEATURE_COLS):
+            raise ValueError(f"{path}: features must be (N, {len(FEATURE_COLS)}), got {features.shape}; rerun the preprocessing")
+        try:
+            return SeriesPanel(
+                features=np.ascontiguousarray(features.T, dtype=np.float32),  # (6, N) feature-major
+                stamps=z["stamps"].astype(np.int64, copy=False),
+                offsets=z["offsets"].astype(np.int64, copy=False),
+                names=z["instruments"],
+                datetimes=z["datetimes"].astype(np.int64, copy=False),
+            )
+        except ValueError as e:
+            raise ValueError(f"{path}: inconsistent arrays ({e}); rerun the preprocessing") from None
 
 
 def read_manifest(dataset_path: str | Path) -> dict[str, Any]:
@@ -157,13 +119,13 @@ def manifest_settings(cfg: QlibConfig) -> dict[str, Any]:
         "qlib_data_path": str(Path(os.path.expanduser(d.qlib_data_path)).resolve()),
         "instrument": d.instrument,
         "freq": d.freq,
-        "lookback_window": d.lookback_window,
-        "predict_window": d.predict_window,
+        "lookback": d.lookback,
+        "predict": d.predict,
         "amount_source": d.amount_source,
         "train_time_range": list(d.train_time_range),
         "val_time_range": list(d.val_time_range),
         "test_time_range": list(d.test_time_range),
-        "feature_list": list(d.feature_list),
+        "features": list(FEATURE_COLS),
     }
 
 
@@ -190,17 +152,17 @@ def check_processed(cfg: QlibConfig, splits: tuple[str, ...], problems: Problems
             problems.add(f"data.{key}", f"is {now!r} but the splits in {folder} were made with {made_with[key]!r}; {fix}")
 
 
-def build_window_dataset(split: QlibSplit, cfg: QlibConfig, name: str) -> WindowDataset:
+def build_window_dataset(split: SeriesPanel, cfg: QlibConfig, name: str) -> WindowDataset:
     """Every window of lookback + predict bars inside each instrument of `split`, as the shared WindowDataset.
 
     Instruments too short for one window are listed in the log (never dropped silently); a split with no window
     at all raises ValueError naming the time range to widen.
     """
     d = cfg.data
-    if split.n_instruments == 0:
+    if split.n_series == 0:
         raise ValueError(f"data.{name}_time_range: the {name} split holds no instrument; widen the range and preprocess again")
     try:
-        ds = WindowDataset(split.series(), d.lookback_window, d.predict_window, clip=d.clip)
+        ds = WindowDataset(split, d.lookback, d.predict, clip=d.clip)
     except ValueError as e:
         raise ValueError(f"data.{name}_time_range: the {name} split has no window ({e})") from None
     if ds.short_series:
@@ -208,7 +170,7 @@ def build_window_dataset(split: QlibSplit, cfg: QlibConfig, name: str) -> Window
         more = f" and {len(ds.short_series) - 10} more" if len(ds.short_series) > 10 else ""
         log.info("[%s] %d instrument(s) shorter than one window of %d bars give no window: %s%s",
                  name, len(ds.short_series), ds.window, shown, more)
-    log.info("[%s] %d instruments, %d bars, %d windows", name, split.n_instruments, split.n_rows, len(ds))
+    log.info("[%s] %d instruments, %d bars, %d windows", name, split.n_series, split.n_rows, len(ds))
     return ds
 
 
@@ -219,9 +181,9 @@ def build_train_val_datasets(cfg: QlibConfig) -> tuple[WindowDataset, WindowData
     for name in ("train", "val"):
         split = load_split(split_path(folder, name))
         sets[name] = build_window_dataset(split, cfg, name)
-        dates = split.date_range()
+        dates = date_range(split)
         info["splits"][name] = {
-            "instruments": split.n_instruments, "rows": split.n_rows, "windows": len(sets[name]),
+            "instruments": split.n_series, "rows": split.n_rows, "windows": len(sets[name]),
             "start": dates[0] if dates else None, "end": dates[1] if dates else None,
         }
     try:

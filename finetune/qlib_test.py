@@ -2,8 +2,8 @@
 
     python finetune/qlib_test.py --config configs/qlib_csi300.yaml [--device cuda:0]
 
-For each instrument and trading day t of data.test_time_range with lookback_window bars up to t, the predictor
-samples inference.sample_count paths of predict_window bars (batched, cached generator); the mean path's closes
+For each instrument and trading day t of data.test_time_range with lookback bars up to t, the predictor
+samples forecast.sample_count paths of predict bars (batched, cached generator); the mean path's closes
 give four signals, each a predicted return against the last observed close c_t:
     last = close[t+P] / c_t - 1     mean = mean(close[t+1..t+P]) / c_t - 1
     max  = max(close[t+1..t+P]) / c_t - 1     min = min(...) / c_t - 1
@@ -35,26 +35,32 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from finetune.config import QlibConfig, check_model_folder, cli_parser, load_qlib_config
-from finetune.dataset import QlibSplit, check_processed, load_split, read_manifest, split_path
-from finetune.qlib_data_preprocess import check_qlib_folder, init_qlib, range_bounds, stamps_from_ns
+from finetune.config import QlibConfig, check_model_folder, cli_parser, load
+from finetune.dataset import check_processed, load_split, read_manifest, split_path
+from finetune.qlib_io import (
+    CLOSE,
+    check_qlib_folder,
+    init_qlib,
+    range_bounds,
+    stamps_from_ns,
+    time_major,
+)
 from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.config_utils import config_to_dict
+from finetune.utils.panel import SeriesPanel
 from model import Kronos, KronosPredictor, KronosTokenizer
 
 log = logging.getLogger("finetune.qlib")
-
-CLOSE = 3  # column of close in the features
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # windows (pure)
 
 
-def test_window_ends(split: QlibSplit, start_ns: int, end_ns: int, lookback: int) -> np.ndarray:
+def forecast_window_ends(split: SeriesPanel, start_ns: int, end_ns: int, lookback: int) -> np.ndarray:
     """Global row numbers t of every forecast: bar t inside [start, end] with `lookback` bars of its instrument
     ending at t. int64 (W,), ordered by instrument then time."""
-    series = np.repeat(np.arange(split.n_instruments), split.lengths())  # (N,) instrument of each row
+    series = np.repeat(np.arange(split.n_series), split.lengths())  # (N,) instrument of each row
     position = np.arange(split.n_rows) - split.offsets[series]  # (N,) bar number within the instrument
     ok = (position >= lookback - 1) & (split.datetimes >= start_ns) & (split.datetimes <= end_ns)
     return np.flatnonzero(ok).astype(np.int64)
@@ -102,13 +108,14 @@ def signals_from_closes(pred_close: np.ndarray, last_close: np.ndarray) -> dict[
     }
 
 
-def realised_returns(split: QlibSplit, ends: np.ndarray, horizon: int) -> np.ndarray:
+def realised_returns(split: SeriesPanel, ends: np.ndarray, horizon: int) -> np.ndarray:
     """close[t + horizon] / close[t] - 1 within each instrument (W,); NaN where the data ends first."""
     series = np.searchsorted(split.offsets, ends, side="right") - 1
     target = ends + horizon
     ok = target < split.offsets[series + 1]
     out = np.full(len(ends), np.nan)
-    out[ok] = split.features[target[ok], CLOSE].astype(np.float64) / split.features[ends[ok], CLOSE] - 1.0
+    close = split.features[CLOSE]  # (N,)
+    out[ok] = close[target[ok]].astype(np.float64) / close[ends[ok]] - 1.0
     return out
 
 
@@ -174,35 +181,35 @@ def backtest_period(calendar: pd.DatetimeIndex, start: pd.Timestamp, end: pd.Tim
 # forecasting
 
 
-def forecast_signals(cfg: QlibConfig, split: QlibSplit, calendar_ns: np.ndarray, tokenizer: KronosTokenizer,
+def forecast_signals(cfg: QlibConfig, split: SeriesPanel, calendar_ns: np.ndarray, tokenizer: KronosTokenizer,
                      predictor: Kronos, device: str) -> pd.DataFrame:
     """One row per test window: datetime, instrument, one column per signal, and `label` (realised return)."""
-    d, inf = cfg.data, cfg.inference
+    d, f = cfg.data, cfg.forecast
     start, end = range_bounds(d.test_time_range)
-    ends = test_window_ends(split, start.value, end.value, d.lookback_window)
+    ends = forecast_window_ends(split, start.value, end.value, d.lookback)
     if len(ends) == 0:
-        raise ValueError(f"data.test_time_range: no instrument has {d.lookback_window} bars before a day of the test range")
-    future = forecast_dates(calendar_ns, split.datetimes[ends], d.predict_window, d.freq)  # (W, P) ns
+        raise ValueError(f"data.test_time_range: no instrument has {d.lookback} bars before a day of the test range")
+    future = forecast_dates(calendar_ns, split.datetimes[ends], d.predict, d.freq)  # (W, P) ns
 
     kp = KronosPredictor(predictor, tokenizer, device=device, max_context=d.max_context, clip=d.clip)
-    torch.manual_seed(inf.seed)
-    per_batch = max(1, inf.batch_size // inf.sample_count)  # windows per forward pass (each repeated sample_count x)
-    closes = np.empty((len(ends), d.predict_window), dtype=np.float64)
+    torch.manual_seed(f.seed)
+    per_batch = max(1, f.batch_size // f.sample_count)  # windows per forward pass (each repeated sample_count x)
+    closes = np.empty((len(ends), d.predict), dtype=np.float64)
     for lo in tqdm(range(0, len(ends), per_batch), desc="forecast", unit="batch", dynamic_ncols=True):
         hi = min(lo + per_batch, len(ends))
-        rows = context_rows(ends[lo:hi], d.lookback_window)  # (B, L)
-        xn, mean, std = normalise_contexts(split.features[rows], d.clip)  # (B, L, 6), (B, 6), (B, 6)
-        y_stamp = stamps_from_ns(future[lo:hi].ravel()).reshape(hi - lo, d.predict_window, 5)  # (B, P, 5)
-        paths = kp.generate(xn, split.stamps[rows], y_stamp, d.predict_window, T=inf.T, top_k=inf.top_k,
-                            top_p=inf.top_p, sample_count=inf.sample_count)  # (B, S, P, 6), normalised
+        rows = context_rows(ends[lo:hi], d.lookback)  # (B, L)
+        xn, mean, std = normalise_contexts(time_major(split, rows), d.clip)  # (B, L, 6), (B, 6), (B, 6)
+        y_stamp = stamps_from_ns(future[lo:hi].ravel()).reshape(hi - lo, d.predict, 5)  # (B, P, 5)
+        paths = kp.generate(xn, split.stamps[rows], y_stamp, d.predict, T=f.temperature, top_k=f.top_k,
+                            top_p=f.top_p, sample_count=f.sample_count)  # (B, S, P, 6), normalised
         # average the sample paths, then undo the context normalisation of close
         closes[lo:hi] = paths[..., CLOSE].mean(axis=1) * (std[:, CLOSE, None] + 1e-5) + mean[:, CLOSE, None]
 
-    last_close = split.features[ends, CLOSE].astype(np.float64)
+    last_close = split.features[CLOSE, ends].astype(np.float64)
     series = np.searchsorted(split.offsets, ends, side="right") - 1
     frame = pd.DataFrame({
         "datetime": pd.DatetimeIndex(split.datetimes[ends].astype("datetime64[ns]")),
-        "instrument": split.instruments[series].astype(str),
+        "instrument": np.asarray(split.names)[series].astype(str),
         **signals_from_closes(closes, last_close),
         "label": realised_returns(split, ends, cfg.backtest.ic_horizon),
     })
@@ -309,7 +316,7 @@ def write_results(folder: str | Path, files: dict[str, Any]) -> Path:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
-    cfg = load_qlib_config(args.config, args.set)
+    cfg = load(args.config, args.set)
     check_inputs(cfg)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     d, b = cfg.data, cfg.backtest
@@ -319,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     manifest = read_manifest(d.dataset_path)
     tokenizer = load_pretrained(KronosTokenizer, cfg.paths.finetuned_tokenizer_path, "paths.finetuned_tokenizer_path")
     predictor = load_pretrained(Kronos, cfg.paths.finetuned_predictor_path, "paths.finetuned_predictor_path")
-    log.info("forecasting the test split on %s: %d instruments", device, split.n_instruments)
+    log.info("forecasting the test split on %s: %d instruments", device, split.n_series)
     frame = forecast_signals(cfg, split, np.asarray(manifest["test_calendar_ns"], dtype=np.int64), tokenizer, predictor, device)
     log.info("%d forecasts, %s .. %s", len(frame), frame.datetime.min().date(), frame.datetime.max().date())
 

@@ -14,13 +14,18 @@ import argparse
 import logging
 import os
 
-from finetune.config import QlibConfig, check_model_folder, cli_parser, load_qlib_config
+from finetune.config import QlibConfig, check_model_folder, cli_parser, load
 from finetune.dataset import build_train_val_datasets, check_processed
-from finetune.utils.checkpoint import check_token_sizes, load_pretrained
+from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.config_utils import config_to_dict
-from finetune.utils.distributed import distributed_context, require_torchrun, seed_everything
+from finetune.utils.distributed import (
+    distributed_context,
+    require_torchrun,
+    seed_everything,
+)
+from finetune.utils.factory import build_predictor
 from finetune.utils.training_utils import train_predictor
-from model import Kronos, KronosTokenizer
+from model import KronosTokenizer
 
 SCRIPT = "finetune/train_predictor.py"
 
@@ -35,22 +40,8 @@ def check_inputs(cfg: QlibConfig) -> None:
     problems = cfg.problems()
     check_processed(cfg, ("train", "val"), problems)
     check_model_folder(cfg.paths.finetuned_tokenizer_path, "paths.finetuned_tokenizer_path", problems, hub_ok=False)
-    check_model_folder(cfg.model.pretrained_predictor_path, "model.pretrained_predictor_path", problems, hub_ok=True)
+    check_model_folder(cfg.model.pretrained_predictor, "model.pretrained_predictor", problems, hub_ok=True)
     problems.raise_if_any()
-
-
-def build_predictor(cfg: QlibConfig, tokenizer: KronosTokenizer) -> Kronos:
-    """The predictor to finetune: pretrained (folder or hub id), or fresh from model.predictor_args with the
-    tokenizer's sub-token sizes; its vocabularies must match the tokenizer's."""
-    path = cfg.model.pretrained_predictor_path
-    if path is None:
-        args = {"s1_bits": tokenizer.s1_bits, "s2_bits": tokenizer.s2_bits, **cfg.model.predictor_args}
-        predictor = Kronos(**args)
-    else:
-        predictor = load_pretrained(Kronos, path, "model.pretrained_predictor_path")
-    check_token_sizes(tokenizer, predictor, "paths.finetuned_tokenizer_path / model.pretrained_predictor_path / "
-                                            "model.predictor_args")
-    return predictor
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING, format="%(message)s")
     args = parse_args(argv)
     require_torchrun(SCRIPT, f"--config {args.config}")
-    cfg = load_qlib_config(args.config, args.set)
+    cfg = load(args.config, args.set)
     check_inputs(cfg)
     training = cfg.stage_training("predictor")
 
@@ -66,7 +57,8 @@ def main(argv: list[str] | None = None) -> None:
         seed_everything(training.seed, dist.rank)  # before building: from-scratch init and dropout
         train_set, val_set, data_info = build_train_val_datasets(cfg)
         tokenizer = load_pretrained(KronosTokenizer, cfg.paths.finetuned_tokenizer_path, "paths.finetuned_tokenizer_path")
-        predictor = build_predictor(cfg, tokenizer)
+        predictor = build_predictor(cfg.model.pretrained_predictor, cfg.model.predictor_arch, tokenizer, "model",
+                                    tokenizer_key="paths.finetuned_tokenizer_path")
         result = train_predictor(
             predictor, tokenizer, train_set, val_set, training, cfg.paths.predictor_dir, dist,
             run_config=config_to_dict(cfg), data_info=data_info,

@@ -13,13 +13,16 @@ import argparse
 import logging
 import os
 
-from finetune.config import QlibConfig, check_model_folder, cli_parser, load_qlib_config
+from finetune.config import QlibConfig, check_model_folder, cli_parser, load
 from finetune.dataset import build_train_val_datasets, check_processed
-from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.config_utils import config_to_dict
-from finetune.utils.distributed import distributed_context, require_torchrun, seed_everything
+from finetune.utils.distributed import (
+    distributed_context,
+    require_torchrun,
+    seed_everything,
+)
+from finetune.utils.factory import build_tokenizer
 from finetune.utils.training_utils import train_tokenizer
-from model import KronosTokenizer
 
 SCRIPT = "finetune/train_tokenizer.py"
 
@@ -33,16 +36,8 @@ def check_inputs(cfg: QlibConfig) -> None:
     """Every settings and input-file problem of this stage, raised as one ConfigError before anything starts."""
     problems = cfg.problems()
     check_processed(cfg, ("train", "val"), problems)
-    check_model_folder(cfg.model.pretrained_tokenizer_path, "model.pretrained_tokenizer_path", problems, hub_ok=True)
+    check_model_folder(cfg.model.pretrained_tokenizer, "model.pretrained_tokenizer", problems, hub_ok=True)
     problems.raise_if_any()
-
-
-def build_tokenizer(cfg: QlibConfig) -> KronosTokenizer:
-    """The tokenizer to finetune: pretrained (folder or hub id), or fresh from model.tokenizer_args."""
-    path = cfg.model.pretrained_tokenizer_path
-    if path is None:
-        return KronosTokenizer(**cfg.model.tokenizer_args)
-    return load_pretrained(KronosTokenizer, path, "model.pretrained_tokenizer_path")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,14 +45,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING, format="%(message)s")
     args = parse_args(argv)
     require_torchrun(SCRIPT, f"--config {args.config}")
-    cfg = load_qlib_config(args.config, args.set)
+    cfg = load(args.config, args.set)
     check_inputs(cfg)
     training = cfg.stage_training("tokenizer")
 
     with distributed_context(training.dist_timeout_s) as dist:
         seed_everything(training.seed, dist.rank)  # before building: from-scratch init and dropout
         train_set, val_set, data_info = build_train_val_datasets(cfg)
-        tokenizer = build_tokenizer(cfg)
+        tokenizer = build_tokenizer(cfg.model.pretrained_tokenizer, cfg.model.tokenizer_arch, "model")
         result = train_tokenizer(
             tokenizer, train_set, val_set, training, cfg.paths.tokenizer_dir, dist,
             run_config=config_to_dict(cfg), data_info=data_info,

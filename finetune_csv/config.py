@@ -2,7 +2,9 @@
 
 A YAML file in configs/ fills `CsvFinetuneConfig`; `--set training.epochs=3`-style overrides are applied on top
 (see `load`). `validate()` checks every setting at once and raises ONE ValueError listing each problem with
-the YAML key to change, before any data is read or any folder is created.
+the YAML key to change, before any data is read or any folder is created. Keys shared with the Qlib pipeline
+(model:, data.lookback / predict / clip, training:, the stage sections, the sampling keys of forecast:) have the
+same names and defaults there (finetune/utils/factory.py, forecast_config.py, stage_config.py).
 """
 
 from __future__ import annotations
@@ -13,11 +15,16 @@ from pathlib import Path
 from typing import Literal
 
 from finetune.utils.config_utils import Problems, load_config
-from finetune.utils.stage_config import PredictorStageConfig, TokenizerStageConfig, apply_stage, validate_stage
+from finetune.utils.factory import ModelConfig
+from finetune.utils.forecast_config import SamplingConfig
+from finetune.utils.stage_config import (
+    StageConfig,
+    apply_stage,
+    validate_stage,
+    warn_shadowed_overrides,
+)
 from finetune.utils.training_utils import TrainingConfig, validate_training_config
 
-# Column names of a candle as the models see it, in feature order (the model contract).
-FEATURES = ("open", "high", "low", "close", "volume", "amount")
 NAN_POLICIES = ("error", "ffill", "drop")
 
 
@@ -83,80 +90,6 @@ class DataConfig:
 
 
 @dataclass
-class TokenizerArch:
-    """KronosTokenizer constructor arguments, used when training a tokenizer from scratch."""
-
-    d_model: int = 256
-    """Width of the tokenizer's transformer."""
-    n_heads: int = 4
-    """Attention heads."""
-    ff_dim: int = 512
-    """Hidden width of the feed-forward layers."""
-    n_enc_layers: int = 4
-    """Encoder depth (the model builds n_enc_layers - 1 blocks, as the published one does)."""
-    n_dec_layers: int = 4
-    """Decoder depth (n_dec_layers - 1 blocks)."""
-    ffn_dropout_p: float = 0.0
-    """Dropout after the feed-forward layers."""
-    attn_dropout_p: float = 0.0
-    """Dropout on attention weights."""
-    resid_dropout_p: float = 0.0
-    """Dropout on the attention output."""
-    s1_bits: int = 10
-    """Bits of the coarse sub-token (vocabulary 2^s1_bits)."""
-    s2_bits: int = 10
-    """Bits of the fine sub-token (must equal s1_bits)."""
-    beta: float = 0.05
-    """Commitment loss weight of the BSQ quantizer."""
-    gamma0: float = 1.0
-    """Per-sample entropy weight."""
-    gamma: float = 1.1
-    """Codebook entropy weight."""
-    zeta: float = 0.05
-    """Weight of the entropy terms."""
-    group_size: int = 4
-    """Quantizer group size for the codebook entropy (must divide s1_bits + s2_bits)."""
-
-
-@dataclass
-class PredictorArch:
-    """Kronos constructor arguments, used when training a predictor from scratch (s1/s2 bits come from the tokenizer)."""
-
-    n_layers: int = 12
-    """Transformer depth."""
-    d_model: int = 832
-    """Width of the transformer."""
-    n_heads: int = 16
-    """Attention heads (must divide d_model)."""
-    ff_dim: int = 2048
-    """Hidden width of the feed-forward layers."""
-    ffn_dropout_p: float = 0.2
-    """Dropout after the feed-forward layers."""
-    attn_dropout_p: float = 0.0
-    """Dropout on attention weights."""
-    resid_dropout_p: float = 0.2
-    """Dropout on the attention output."""
-    token_dropout_p: float = 0.0
-    """Dropout on the input embeddings."""
-    learn_te: bool = True
-    """Learned time embeddings (true, as published) or fixed sinusoidal ones."""
-
-
-@dataclass
-class ModelConfig:
-    """Starting points of the two models: published weights, or from scratch with the architecture below."""
-
-    pretrained_tokenizer: str | None = "NeoQuasar/Kronos-Tokenizer-base"
-    """Folder or Hugging Face hub id of the tokenizer to finetune; null = train one from scratch (tokenizer_arch)."""
-    pretrained_predictor: str | None = "NeoQuasar/Kronos-base"
-    """Folder or hub id of the predictor to finetune; null = train one from scratch (predictor_arch)."""
-    tokenizer_arch: TokenizerArch = field(default_factory=TokenizerArch)
-    """Tokenizer architecture when pretrained_tokenizer is null (ignored otherwise)."""
-    predictor_arch: PredictorArch = field(default_factory=PredictorArch)
-    """Predictor architecture when pretrained_predictor is null (ignored otherwise)."""
-
-
-@dataclass
 class CsvTrainingConfig(TrainingConfig):
     """Loop settings shared by both stages (finetune.utils.training_utils.TrainingConfig documents every field).
 
@@ -164,8 +97,6 @@ class CsvTrainingConfig(TrainingConfig):
     and win over these. Only the defaults below differ from the shared engine's.
     """
 
-    resume: str = "never"
-    """'never' = start fresh (the --resume flag switches to 'auto': continue from checkpoints/last.pt); or a path."""
     num_workers: int = 0
     """DataLoader worker processes per rank; 0 loads in the training process (the CSV dataset is fast enough)."""
 
@@ -181,21 +112,12 @@ class PathsConfig:
 
 
 @dataclass
-class ForecastConfig:
-    """Held-out forecast after training (scripts/demo.sh, finetune_csv/forecast.py)."""
+class ForecastConfig(SamplingConfig):
+    """Held-out forecast after training (scripts/demo.sh, finetune_csv/forecast.py): the shared sampling keys plus
+    how many windows per series."""
 
     max_windows: int = 4
     """Test windows forecast per series (evenly spaced over its test split)."""
-    sample_count: int = 1
-    """Forecast paths averaged per window."""
-    temperature: float = 1.0
-    """Sampling temperature."""
-    top_k: int = 0
-    """Keep the k most likely tokens when sampling (0 = off; 1 = greedy and deterministic)."""
-    top_p: float = 0.9
-    """Nucleus sampling threshold (1.0 = off)."""
-    seed: int = 0
-    """Seed of the forecast's sampling."""
 
 
 @dataclass
@@ -208,10 +130,10 @@ class CsvFinetuneConfig:
     """Starting weights or architectures."""
     training: CsvTrainingConfig = field(default_factory=CsvTrainingConfig)
     """Loop settings shared by both stages."""
-    tokenizer_training: TokenizerStageConfig = field(default_factory=TokenizerStageConfig)
-    """Tokenizer-stage overrides (epochs, lr, batch_size, clip_grad_norm)."""
-    predictor_training: PredictorStageConfig = field(default_factory=PredictorStageConfig)
-    """Predictor-stage overrides (epochs, lr, batch_size, clip_grad_norm)."""
+    tokenizer_training: StageConfig = field(default_factory=StageConfig)
+    """Tokenizer-stage overrides (epochs, lr, batch_size, clip_grad_norm; null = inherit training:)."""
+    predictor_training: StageConfig = field(default_factory=StageConfig)
+    """Predictor-stage overrides (epochs, lr, batch_size, clip_grad_norm; null = inherit training:)."""
     paths: PathsConfig = field(default_factory=PathsConfig)
     """Output locations."""
     forecast: ForecastConfig = field(default_factory=ForecastConfig)
@@ -238,8 +160,10 @@ class CsvFinetuneConfig:
 
 
 def load(config_path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> CsvFinetuneConfig:
-    """Read the YAML file, apply `--set key=value` overrides and validate; one ValueError lists every problem."""
+    """Read the YAML file, apply `--set key=value` overrides and validate; one ValueError lists every problem.
+    Warns about `--set training.X` overrides that a stage section shadows."""
     cfg = load_config(CsvFinetuneConfig, config_path, overrides)
+    warn_shadowed_overrides(cfg, overrides)
     validate(cfg)
     return cfg
 
@@ -248,7 +172,7 @@ def validate(cfg: CsvFinetuneConfig) -> None:
     """Check every setting; raise ONE ValueError (ConfigError) listing each problem with the YAML key to change."""
     problems = Problems("Invalid CSV finetuning configuration")
     _check_data(cfg.data, problems)
-    _check_model(cfg.model, problems)
+    cfg.model.check(problems, "model")
     _check_training(cfg, problems)
     _check_paths(cfg.paths, problems)
     _check_forecast(cfg.forecast, problems)
@@ -280,31 +204,6 @@ def _check_data(d: DataConfig, p: Problems) -> None:
             f"must be one of {', '.join(NAN_POLICIES)} (got '{d.nan_policy}')")
 
 
-def _check_model(m: ModelConfig, p: Problems) -> None:
-    t, a = m.tokenizer_arch, m.predictor_arch
-    if m.pretrained_tokenizer is None:
-        k = "model.tokenizer_arch"
-        p.check(t.s1_bits == t.s2_bits, f"{k}.s2_bits", f"must equal s1_bits ({t.s2_bits} != {t.s1_bits})")
-        p.check(t.s1_bits >= 1 and t.s2_bits >= 1, f"{k}.s1_bits", "s1_bits and s2_bits must be >= 1")
-        p.check(t.group_size >= 1 and (t.s1_bits + t.s2_bits) % t.group_size == 0, f"{k}.group_size",
-                f"({t.group_size}) must divide s1_bits + s2_bits ({t.s1_bits + t.s2_bits})")
-        p.check(t.n_heads >= 1 and t.d_model % t.n_heads == 0, f"{k}.n_heads",
-                f"({t.n_heads}) must divide d_model ({t.d_model})")
-        p.check(t.n_enc_layers >= 1 and t.n_dec_layers >= 1, f"{k}.n_enc_layers",
-                "n_enc_layers and n_dec_layers must be >= 1")
-    if m.pretrained_predictor is None:
-        k = "model.predictor_arch"
-        p.check(a.n_heads >= 1 and a.d_model % a.n_heads == 0, f"{k}.n_heads",
-                f"({a.n_heads}) must divide d_model ({a.d_model})")
-        p.check(a.d_model % 4 == 0, f"{k}.d_model",
-                f"({a.d_model}) must be a multiple of 4 (the dependency layer always has 4 heads)")
-        p.check(a.n_layers >= 1, f"{k}.n_layers", f"must be >= 1 (got {a.n_layers})")
-    for key in ("pretrained_tokenizer", "pretrained_predictor"):
-        value = getattr(m, key)
-        p.check(value is None or bool(str(value).strip()), f"model.{key}",
-                "is an empty string: give a folder or hub id, or null to train from scratch")
-
-
 def _check_training(cfg: CsvFinetuneConfig, p: Problems) -> None:
     validate_training_config(cfg.training, p, prefix="training")
     for key in ("tokenizer_training", "predictor_training"):
@@ -318,8 +217,5 @@ def _check_paths(paths: PathsConfig, p: Problems) -> None:
 
 
 def _check_forecast(f: ForecastConfig, p: Problems) -> None:
+    f.check(p, "forecast")
     p.check(f.max_windows >= 1, "forecast.max_windows", f"must be >= 1 (got {f.max_windows})")
-    p.check(f.sample_count >= 1, "forecast.sample_count", f"must be >= 1 (got {f.sample_count})")
-    p.check(f.temperature > 0, "forecast.temperature", f"must be > 0 (got {f.temperature})")
-    p.check(f.top_k >= 0, "forecast.top_k", f"must be >= 0 (got {f.top_k})")
-    p.check(0 < f.top_p <= 1, "forecast.top_p", f"must be in (0, 1] (got {f.top_p})")

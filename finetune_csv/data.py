@@ -1,7 +1,8 @@
 """Load the user's CSV candles into validated series and split each series by time into train/val/test.
 
-Everything here runs before any output folder exists: a problem in the data raises one ValueError that names the
-file, the column, the row and the setting to change, and leaves nothing behind. Policies (sorting, duplicates, NaN,
+Everything here runs before any output folder exists: a problem in the data raises one ConfigError (a ValueError,
+collected with finetune.utils.config_utils.Problems) that names the file, the column, the row and the setting to
+change, and leaves nothing behind. Policies (sorting, duplicates, NaN,
 split context) are documented on `finetune_csv.config.DataConfig`.
 """
 
@@ -15,8 +16,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from finetune.utils.config_utils import Problems
 from finetune.utils.provenance import file_fingerprint
-from finetune_csv.config import FEATURES, DataConfig
+from finetune_csv.config import DataConfig
+from model.features import FEATURE_COLS
 
 log = logging.getLogger(__name__)
 
@@ -82,16 +85,15 @@ def list_csv_files(path: str | Path) -> list[Path]:
 
 
 def load_series(cfg: DataConfig) -> list[Series]:
-    """Read, check and clean every CSV named by `cfg.path`; raise one ValueError listing every problem found."""
-    problems: list[str] = []
+    """Read, check and clean every CSV named by `cfg.path`; raise one ConfigError listing every problem found."""
+    problems = Problems("The input data has problems")
     series: list[Series] = []
     for file in list_csv_files(cfg.path):
         try:
             series.extend(_load_file(file, cfg))
         except _DataProblems as e:
             problems.extend(e.problems)
-    if problems:
-        raise ValueError(_format_problems("the input data has problems", problems))
+    problems.raise_if_any()
     names = [s.name for s in series]
     if len(set(names)) != len(names):  # cannot happen with distinct file names; guards future changes
         raise ValueError(f"duplicate series names: {names}")
@@ -99,6 +101,8 @@ def load_series(cfg: DataConfig) -> list[Series]:
 
 
 class _DataProblems(Exception):
+    """Stops reading one file; its problems are collected into the caller's `Problems`."""
+
     def __init__(self, problems: list[str]):
         super().__init__("\n".join(problems))
         self.problems = problems
@@ -119,7 +123,7 @@ def _load_file(file: Path, cfg: DataConfig) -> list[Series]:
     frame = pd.DataFrame(index=raw.index)
     problems: list[str] = []
     frame["timestamps"] = _parse_timestamps(raw[columns["timestamps"]], cfg, file, problems)
-    for field in FEATURES:
+    for field in FEATURE_COLS:
         if columns.get(field) is not None:
             frame[field] = _parse_numbers(raw[columns[field]], field, columns[field], file, problems)
     if problems:
@@ -227,10 +231,10 @@ def _clean_series(name: str, file: Path, frame: pd.DataFrame, columns: dict, cfg
                              f"{_csv_rows(ts.index[ts == first])}; remove the duplicates (or set data.symbol_column "
                              "if the file holds several series)"])
 
-    present = [f for f in FEATURES if columns.get(f) is not None]
+    present = [f for f in FEATURE_COLS if columns.get(f) is not None]
     frame = _apply_nan_policy(frame, present, columns, cfg.nan_policy, where)
-    values = np.zeros((len(frame), len(FEATURES)), dtype=np.float64)  # (T, 6)
-    for i, f in enumerate(FEATURES):
+    values = np.zeros((len(frame), len(FEATURE_COLS)), dtype=np.float64)  # (T, 6)
+    for i, f in enumerate(FEATURE_COLS):
         if f in present:
             values[:, i] = frame[f].to_numpy()
     if columns.get("amount") is None and columns.get("volume") is not None:
@@ -270,10 +274,6 @@ def _csv_rows(index) -> str:
     lines = [str(int(i) + 2) for i in list(index)[:_MAX_LISTED]]
     more = len(index) - _MAX_LISTED
     return ", ".join(lines) + (f" (+{more} more)" if more > 0 else "")
-
-
-def _format_problems(title: str, problems: list[str]) -> str:
-    return f"{title} ({len(problems)}):\n" + "\n".join(f"  - {p}" for p in problems)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -318,12 +318,14 @@ def split_series(series: list[Series], cfg: DataConfig) -> dict[str, list[Segmen
     too_short = [s for s in series if not split_is_usable(len(s.values), cfg)]
     if too_short:
         need = min_rows_needed(cfg)
-        listed = [f"{s.name}: {len(s.values)} rows {split_row_counts(len(s.values), cfg)}" for s in too_short]
-        raise ValueError(_format_problems(
-            f"series too short for one window per split: each needs at least {need} rows with data.lookback="
+        problems = Problems(
+            f"Series too short for one window per split: each needs at least {need} rows with data.lookback="
             f"{cfg.lookback}, data.predict={cfg.predict} and ratios {cfg.train_ratio}/{cfg.val_ratio}/"
             f"{cfg.test_ratio} (train needs lookback + predict rows, val and test need predict rows); "
-            "lower data.lookback / data.predict, change the ratios, or remove these series", listed))
+            "lower data.lookback / data.predict, change the ratios, or remove these series")
+        for s in too_short:
+            problems.add(s.name, f"{len(s.values)} rows {split_row_counts(len(s.values), cfg)}")
+        problems.raise_if_any()
     out: dict[str, list[Segment]] = {name: [] for name in SPLITS}
     for s in series:
         n = len(s.values)

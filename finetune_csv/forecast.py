@@ -5,7 +5,7 @@
 Windows are taken from each series' test split (data.test_ratio > 0): `forecast.max_windows` per series, evenly
 spaced, whose forecast horizons do not overlap. Each gets `data.lookback` candles of context (which may reach
 back into the validation rows, as in training) and is forecast `data.predict` candles ahead with
-model.KronosPredictor (key/value-cache generation). Written to `<base_dir>/forecast/`: metrics.json,
+model.KronosPredictor.generate (key/value-cache generation); the candles stay numpy arrays end to end. Written to `<base_dir>/forecast/`: metrics.json,
 forecast.csv (forecast and actual candles per window) and forecast_vs_actual.png; the metrics are also printed.
 """
 
@@ -24,14 +24,20 @@ import torch
 from finetune.utils.checkpoint import write_json_atomic
 from finetune.utils.config_utils import add_config_args
 from finetune_csv import config as csv_config
-from finetune_csv.config import FEATURES, CsvFinetuneConfig
+from finetune_csv.config import CsvFinetuneConfig
 from finetune_csv.data import Segment, load_series, split_series, window_starts
-from finetune_csv.forecast_metrics import candle_violations, close_mae, direction_accuracy, persistence_close
-from finetune_csv.models import best_dir, predictor_tokenizer_source
+from finetune_csv.forecast_metrics import (
+    candle_violations,
+    close_mae,
+    direction_accuracy,
+    persistence_close,
+)
+from finetune_csv.model_dirs import best_dir, predictor_tokenizer_source
 from model import Kronos, KronosPredictor, KronosTokenizer
+from model.features import FEATURE_COLS, calc_time_stamps, normalize
 
 log = logging.getLogger("finetune_csv.forecast")
-CLOSE = FEATURES.index("close")
+CLOSE = FEATURE_COLS.index("close")
 
 
 @dataclass
@@ -40,14 +46,20 @@ class HeldOutWindows:
 
     names: list[str]
     """(N,) series of each window."""
-    context: list[pd.DataFrame]
-    """N frames of `lookback` candles (columns FEATURES)."""
+    context: np.ndarray
+    """(N, lookback, 6) float64 context candles (columns FEATURE_COLS)."""
     x_timestamps: list[pd.DatetimeIndex]
     """N context time indexes."""
     y_timestamps: list[pd.DatetimeIndex]
     """N forecast time indexes (`predict` each)."""
     actual: np.ndarray
-    """(N, predict, 6) the candles that really followed."""
+    """(N, predict, 6) float64 the candles that really followed."""
+
+    def stamps(self) -> tuple[np.ndarray, np.ndarray]:
+        """Calendar stamps of the contexts (N, lookback, 5) and of the forecast bars (N, predict, 5), int64."""
+        as_array = lambda ts: calc_time_stamps(ts).to_numpy(np.int64)  # (T, 5)
+        return (np.stack([as_array(ts) for ts in self.x_timestamps]),
+                np.stack([as_array(ts) for ts in self.y_timestamps]))
 
 
 def spread_evenly(n_available: int, n_wanted: int) -> np.ndarray:
@@ -66,18 +78,20 @@ def held_out_windows(segments: list[Segment], lookback: int, predict: int, max_w
         for s in starts[spread_evenly(len(starts), max_windows)]:
             values, stamps = seg.values[s: s + lookback + predict], seg.timestamps[s: s + lookback + predict]
             names.append(seg.series.name)
-            context.append(pd.DataFrame(values[:lookback], columns=list(FEATURES)))
+            context.append(values[:lookback])
             x_ts.append(stamps[:lookback])
             y_ts.append(stamps[lookback:])
             actual.append(values[lookback:])
-    return HeldOutWindows(names, context, x_ts, y_ts, np.asarray(actual, dtype=np.float64).reshape(-1, predict, 6))
+    n_features = len(FEATURE_COLS)
+    return HeldOutWindows(names, np.asarray(context, dtype=np.float64).reshape(-1, lookback, n_features), x_ts, y_ts,
+                          np.asarray(actual, dtype=np.float64).reshape(-1, predict, n_features))
 
 
 def score(forecast: np.ndarray, windows: HeldOutWindows) -> dict:
     """Metrics of forecast candles (N, H, 6) against the actual ones; see finetune_csv.forecast_metrics."""
-    last_close = np.array([c["close"].iloc[-1] for c in windows.context])  # (N,)
+    last_close = windows.context[:, -1, CLOSE]  # (N,)
     pred_close, true_close = forecast[..., CLOSE], windows.actual[..., CLOSE]
-    o, h, l, c, v = (forecast[..., FEATURES.index(f)] for f in ("open", "high", "low", "close", "volume"))
+    o, h, l, c, v = (forecast[..., FEATURE_COLS.index(f)] for f in ("open", "high", "low", "close", "volume"))
     return {
         "windows": int(len(forecast)),
         "horizon": int(forecast.shape[1]),
@@ -107,17 +121,25 @@ def format_report(metrics: dict) -> str:
 
 def forecast_windows(predictor: KronosPredictor, windows: HeldOutWindows, cfg: CsvFinetuneConfig,
                      batch: int = 64) -> np.ndarray:
-    """Mean forecast (N, predict, 6) of every window, `batch` windows per predict_batch call."""
+    """Mean forecast (N, predict, 6) float64 of every window, `batch` windows per generate call.
+
+    Each context is normalised on its own (float32, as KronosPredictor.predict_batch does), the sample paths are
+    averaged in normalised space and then scaled back: the same numbers as predict_batch, without DataFrames.
+    """
     f = cfg.forecast
+    x_stamps, y_stamps = windows.stamps()  # (N, L, 5), (N, P, 5)
     torch.manual_seed(f.seed)
     out = []
     for i in range(0, len(windows.context), batch):
         part = slice(i, i + batch)
-        frames = predictor.predict_batch(windows.context[part], windows.x_timestamps[part],
-                                         windows.y_timestamps[part], cfg.data.predict, T=f.temperature,
-                                         top_k=f.top_k, top_p=f.top_p, sample_count=f.sample_count, verbose=False)
-        out.extend(df[list(FEATURES)].to_numpy(dtype=np.float64) for df in frames)
-    return np.stack(out)  # (N, predict, 6)
+        # Column-major like the DataFrame predict_batch reads: numpy's sum order (so the last float32 bit of the
+        # mean / std) depends on the memory layout, and this keeps the forecasts identical to predict_batch's.
+        stats = [normalize(np.asfortranarray(x), predictor.clip) for x in windows.context[part].astype(np.float32)]
+        xn = np.stack([s[0] for s in stats])  # (B, L, 6)
+        paths = predictor.generate(xn, x_stamps[part], y_stamps[part], cfg.data.predict, T=f.temperature,
+                                   top_k=f.top_k, top_p=f.top_p, sample_count=f.sample_count)  # (B, S, P, 6)
+        out.extend(paths[b].mean(axis=0) * (std + 1e-5) + mean for b, (_, mean, std) in enumerate(stats))
+    return np.stack(out).astype(np.float64)  # (N, predict, 6)
 
 
 def plot_forecasts(windows: HeldOutWindows, forecast: np.ndarray, png: Path, max_panels: int = 4) -> Path:
@@ -140,7 +162,7 @@ def plot_forecasts(windows: HeldOutWindows, forecast: np.ndarray, png: Path, max
         # time axis would draw as long flat lines. Both future lines start at the last context close.
         horizon = forecast.shape[1]
         tail = min(len(windows.context[i]), 3 * horizon)
-        past = windows.context[i]["close"].to_numpy()[-tail:]
+        past = windows.context[i, -tail:, CLOSE]
         future_x = np.arange(-1, horizon)
         ax.plot(np.arange(-tail, 0), past, color="0.4", label="context")
         ax.plot(future_x, np.r_[past[-1], windows.actual[i, :, CLOSE]], color="tab:blue", label="actual")
@@ -162,8 +184,8 @@ def forecast_table(windows: HeldOutWindows, forecast: np.ndarray) -> pd.DataFram
     """One row per forecast candle: window, series, timestamp, forecast and actual features."""
     rows = []
     for i, (name, ts) in enumerate(zip(windows.names, windows.y_timestamps)):
-        part = pd.DataFrame(forecast[i], columns=[f"pred_{f}" for f in FEATURES])
-        part[[f"actual_{f}" for f in FEATURES]] = windows.actual[i]
+        part = pd.DataFrame(forecast[i], columns=[f"pred_{f}" for f in FEATURE_COLS])
+        part[[f"actual_{f}" for f in FEATURE_COLS]] = windows.actual[i]
         part.insert(0, "timestamps", ts)
         part.insert(0, "series", name)
         part.insert(0, "window", i)

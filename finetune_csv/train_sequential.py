@@ -17,12 +17,13 @@ import sys
 
 from finetune.utils.config_utils import add_config_args, config_to_dict
 from finetune.utils.distributed import DistInfo, distributed_context, seed_everything
+from finetune.utils.factory import build_predictor, build_tokenizer
 from finetune.utils.training_utils import TrainResult, train_predictor, train_tokenizer
 from finetune_csv import config as csv_config
 from finetune_csv.config import CsvFinetuneConfig
 from finetune_csv.data import data_summary, load_series, split_series
 from finetune_csv.dataset import build_dataset
-from finetune_csv.models import best_dir, build_predictor, build_tokenizer, predictor_tokenizer_source
+from finetune_csv.model_dirs import best_dir, predictor_tokenizer_source
 from model import KronosTokenizer
 
 log = logging.getLogger("finetune_csv")
@@ -38,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-existing", action="store_true",
                         help="skip a stage whose best_model/ already exists")
     parser.add_argument("--resume", action="store_true",
-                        help="continue each stage from its checkpoints/last.pt (sets training.resume=auto)")
+                        help="continue each stage from its checkpoints/last.pt (training.resume=auto, the default; "
+                             "the flag overrides a config that sets never)")
     return parser.parse_args(argv)
 
 
@@ -83,16 +85,17 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_main:
             log.info("%s", describe(cfg, data_info, plan, dist))
         results: list[TrainResult] = []
+        m = cfg.model
         if plan["tokenizer"] is None:
-            tokenizer = build_tokenizer(cfg.model)
+            tokenizer = build_tokenizer(m.pretrained_tokenizer, m.tokenizer_arch, "model")
             if plan["predictor"] is None:  # check the pair up front, not after an hour of tokenizer training
-                build_predictor(cfg.model, tokenizer)
+                build_predictor(m.pretrained_predictor, m.predictor_arch, tokenizer, "model")
             results.append(train_tokenizer(tokenizer, train_set, val_set, cfg.stage_training("tokenizer"),
                                            cfg.tokenizer_dir, dist, run_config=run_config, data_info=data_info))
         if plan["predictor"] is None:
             # The best tokenizer epoch on disk (not the last one in memory): what the predictor will forecast with.
             tokenizer = KronosTokenizer.from_pretrained(predictor_tokenizer_source(cfg))
-            predictor = build_predictor(cfg.model, tokenizer)
+            predictor = build_predictor(m.pretrained_predictor, m.predictor_arch, tokenizer, "model")
             results.append(train_predictor(predictor, tokenizer, train_set, val_set, cfg.stage_training("predictor"),
                                            cfg.predictor_dir, dist, run_config=run_config, data_info=data_info))
         if dist.is_main:

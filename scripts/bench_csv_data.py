@@ -26,11 +26,11 @@ from torch.utils.data import DataLoader, Dataset
 
 from finetune.synthetic import generate_ohlcv, write_csv_folder
 from finetune.utils.window_dataset import EpochSampler, make_loader
-from finetune_csv.config import FEATURES, DataConfig
+from finetune_csv.config import DataConfig
 from finetune_csv.data import load_series, split_series
 from finetune_csv.dataset import build_dataset
 from model import Kronos, KronosTokenizer
-from model.features import TIME_COLS, calc_time_stamps
+from model.features import FEATURE_COLS, TIME_COLS, calc_time_stamps
 
 
 class PandasIlocWindows(Dataset):
@@ -47,7 +47,7 @@ class PandasIlocWindows(Dataset):
     def __getitem__(self, idx: int):
         series, start = self.index[idx]
         window = self.frames[series].iloc[start: start + self.window]
-        x = window[list(FEATURES)].to_numpy(dtype=np.float32)
+        x = window[list(FEATURE_COLS)].to_numpy(dtype=np.float32)
         stamp = window[TIME_COLS].to_numpy(dtype=np.int64)
         mean, std = x[: self.lookback].mean(0), x[: self.lookback].std(0)
         x = np.clip((x - mean) / (std + 1e-5), -self.clip, self.clip)
@@ -117,7 +117,7 @@ def main() -> None:
 
     frames = []
     for seg in segments:
-        f = pd.DataFrame(seg.values, columns=list(FEATURES))
+        f = pd.DataFrame(seg.values, columns=list(FEATURE_COLS))
         f[TIME_COLS] = calc_time_stamps(seg.timestamps).to_numpy()
         frames.append(f)
     baseline = PandasIlocWindows(frames, args.lookback, args.predict, cfg.clip)

@@ -19,9 +19,9 @@ import time
 import numpy as np
 import pandas as pd
 
-from finetune.config import load_qlib_config
+from finetune.config import load
 from finetune.dataset import build_window_dataset
-from finetune.qlib_data_preprocess import frame_to_panel
+from finetune.qlib_io import frame_to_panel
 
 LOOKBACK, PREDICT = 90, 10
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     frames = original_preprocess(frame.loc[names], names)
     base_pre = (time.perf_counter() - t) * args.symbols / len(names)
 
-    cfg = load_qlib_config(None, [f"data.lookback_window={LOOKBACK}", f"data.predict_window={PREDICT}"])
+    cfg = load(None, [f"data.lookback={LOOKBACK}", f"data.predict={PREDICT}"])
     ds = build_window_dataset(panel, cfg, "train")
     rng = np.random.default_rng(0)
     baseline = PandasPerSample(frames)

@@ -22,3 +22,8 @@ def test_config_loads_and_validates(path):
     assert "{" not in str(cfg.base_dir)  # templates resolved
     assert cfg.data.lookback + cfg.data.predict > 1
     assert cfg.tokenizer_dir.parent == cfg.predictor_dir.parent == cfg.base_dir
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_config_holds_out_a_test_split_for_the_readme_forecast_step(path):
+    assert load(path).data.test_ratio > 0  # finetune_csv/forecast.py forecasts the test split

@@ -27,9 +27,9 @@ def test_stage_settings_override_the_shared_training_section(tmp_path):
            "tokenizer_training: {epochs: 0}\npredictor_training: {lr: null, batch_size: 4}\n"
     cfg = load(write_yaml(tmp_path, text))
     tok, pred = cfg.stage_training("tokenizer"), cfg.stage_training("predictor")
-    assert (tok.epochs, tok.lr, tok.batch_size) == (0, 2e-4, 8)  # reference tokenizer lr unless overridden
+    assert (tok.epochs, tok.lr, tok.batch_size) == (0, 1e-3, 8)  # stage sections default to null = inherit
     assert (pred.epochs, pred.lr, pred.batch_size) == (5, 1e-3, 4)  # null falls back to training.lr
-    assert cfg.training.resume == "never"  # the CSV pipeline starts fresh unless --resume
+    assert cfg.training.resume == "auto"  # as in the Qlib pipeline: continue from checkpoints/last.pt
 
 
 def test_unknown_key_and_wrong_type_are_reported_with_their_yaml_keys(tmp_path):
@@ -70,3 +70,24 @@ def test_ratios_must_sum_to_one():
     cfg.data.train_ratio, cfg.data.val_ratio, cfg.data.test_ratio = 0.7, 0.2, 0.2
     with pytest.raises(ValueError, match="must be 1"):
         validate(cfg)
+
+
+def test_a_training_override_that_a_stage_section_shadows_is_warned_about(tmp_path, caplog):
+    path = write_yaml(tmp_path, "data: {path: x.csv}\ntokenizer_training: {lr: 2.0e-4}\n")
+    with caplog.at_level("WARNING"):
+        cfg = load(path, ["training.lr=1e-3", "training.epochs=2"])
+    assert cfg.stage_training("tokenizer").lr == 2e-4 and cfg.stage_training("predictor").lr == 1e-3
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1  # epochs is not shadowed, the predictor stage inherits lr
+    assert "training.lr" in warnings[0] and "tokenizer_training.lr" in warnings[0]
+
+
+def test_old_key_names_are_rejected_with_the_known_keys(tmp_path):
+    path = write_yaml(tmp_path, "data: {path: x.csv}\nmodel: {tokenizer_args: {}}\n")
+    with pytest.raises(ValueError, match=r"model\.tokenizer_args: unknown key .*tokenizer_arch"):
+        load(path)
+
+
+def test_a_column_name_with_a_colon_can_be_set_on_the_command_line(tmp_path):
+    cfg = load(write_yaml(tmp_path, "data: {path: x.csv}\n"), ["data.columns.timestamps=Unnamed: 0"])
+    assert cfg.data.columns.timestamps == "Unnamed: 0"

@@ -169,7 +169,7 @@ def test_all_problems_of_all_files_are_reported_at_once(tmp_path):
     write(bad_num, tmp_path / "a.csv")
     write(candles(30).rename(columns={"close": "Close"}), tmp_path / "b.csv")
     msg = error_of(data_cfg(tmp_path))
-    assert "(2):" in msg and "a.csv" in msg and "b.csv" in msg
+    assert "(2 problems):" in msg and "a.csv" in msg and "b.csv" in msg
 
 
 def test_duplicate_timestamps_are_an_error(tmp_path):

@@ -8,7 +8,12 @@ import pytest
 
 from finetune_csv.data import Segment, Series
 from finetune_csv.forecast import held_out_windows, score, spread_evenly
-from finetune_csv.forecast_metrics import candle_violations, close_mae, direction_accuracy, persistence_close
+from finetune_csv.forecast_metrics import (
+    candle_violations,
+    close_mae,
+    direction_accuracy,
+    persistence_close,
+)
 
 
 def test_close_mae_is_mean_absolute_error_over_windows_and_steps():
@@ -74,7 +79,7 @@ def test_held_out_windows_do_not_overlap_and_follow_their_context():
     first_rows = [int(a[0, 0]) // 6 for a in w.actual]
     assert first_rows == list(range(30, 58, 4))
     for ctx, x_ts, y_ts, actual in zip(w.context, w.x_timestamps, w.y_timestamps, w.actual):
-        assert len(ctx) == 8 and ctx["open"].iloc[-1] + 6 == actual[0, 0]  # context ends right before the horizon
+        assert ctx.shape == (8, 6) and ctx[-1, 0] + 6 == actual[0, 0]  # context ends right before the horizon
         assert x_ts[-1] < y_ts[0] and len(y_ts) == 4
 
 
@@ -89,3 +94,33 @@ def test_score_of_a_perfect_forecast():
     assert m["close_mae"] == 0.0 and m["direction_accuracy"] == 1.0
     assert m["close_mae_persistence"] > 0 and m["windows"] == 3 and m["horizon"] == 4
     assert m["violations"]["any"] == 1.0  # rows of arange: high (col 1) < close (col 3) in every candle
+
+
+def test_the_array_forecast_equals_predict_batch_on_dataframes():
+    from types import SimpleNamespace
+
+    import torch
+
+    from finetune_csv.forecast import forecast_windows
+    from model import KronosPredictor
+    from model.features import FEATURE_COLS
+    from tests.model_factory import tiny_models
+
+    tok, pred = tiny_models(seed=2)
+    rng = np.random.default_rng(0)
+    values = 100 + np.abs(rng.normal(0, 1, (80, 6))).cumsum(axis=0)
+    ts = pd.date_range("2024-01-02 09:30", periods=80, freq="5min")
+    seg = Segment(Series(name="s.csv", source=None, timestamps=ts, values=values), start=40, first_target=48, stop=80)
+    w = held_out_windows([seg], lookback=8, predict=4, max_windows=5)
+    kp = KronosPredictor(pred, tok, device="cpu", max_context=12, clip=5)
+    f = SimpleNamespace(seed=3, temperature=1.0, top_k=0, top_p=0.9, sample_count=2)
+    got = forecast_windows(kp, w, SimpleNamespace(forecast=f, data=SimpleNamespace(predict=4)), batch=3)
+    torch.manual_seed(3)
+    frames = [pd.DataFrame(c, columns=FEATURE_COLS) for c in w.context]
+    expected = []
+    for i in range(0, len(frames), 3):
+        out = kp.predict_batch(frames[i:i + 3], w.x_timestamps[i:i + 3], w.y_timestamps[i:i + 3], 4, T=1.0,
+                               top_k=0, top_p=0.9, sample_count=2, verbose=False)
+        expected += [df[FEATURE_COLS].to_numpy(np.float64) for df in out]
+    assert got.shape == (len(w.names), 4, 6) and got.dtype == np.float64
+    np.testing.assert_array_equal(got, np.stack(expected))  # bit for bit

@@ -175,3 +175,14 @@ def test_unquoted_template_in_yaml_gets_a_quoting_hint(tmp_path):
     path.write_text("output_dir: {exp_name}\n")  # YAML reads this as a mapping
     with pytest.raises(ConfigError, match=r'output_dir: expected str.*quote templates in YAML: "\{exp_name\}"'):
         load_config(Root, path)
+
+
+def test_a_str_setting_takes_the_raw_override_text():
+    # YAML would read `Unnamed: 0` as a mapping and `3` as an int; a str field wants the text as typed.
+    cfg = load_config(Root, None, ["data.path=Unnamed: 0", "exp_name=3", "data.volume=Vol: total"])
+    assert (cfg.data.path, cfg.exp_name, cfg.data.volume) == ("Unnamed: 0", "3", "Vol: total")
+    cfg = load_config(Root, None, ["data.volume=null", 'data.path="quoted: yes"', "data.lookback=7"])
+    assert cfg.data.volume is None and cfg.data.path == "quoted: yes" and cfg.data.lookback == 7
+    assert load_config(Root, None, ["tags=[a, b]"]).tags == ["a", "b"]  # non-str fields still read YAML
+    with pytest.raises(ConfigError, match="data.lookback: expected int"):
+        load_config(Root, None, ["data.lookback=Unnamed: 0"])

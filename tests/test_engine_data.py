@@ -8,8 +8,14 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
+from finetune.utils.panel import SeriesPanel
+from finetune.utils.window_dataset import (
+    EpochSampler,
+    SeriesArrays,
+    WindowDataset,
+    make_loader,
+)
 from tests.engine_dist_worker import random_walk_series
-from finetune.utils.window_dataset import EpochSampler, SeriesArrays, WindowDataset, make_loader
 
 LOOKBACK, PREDICT = 6, 2
 
@@ -149,3 +155,34 @@ def test_each_worker_gets_a_distinct_reproducible_seed():
     assert not torch.equal(first, other_epoch)
     # Worker 0 made batches 0 and 2, worker 1 batches 1 and 3: numpy streams must differ between workers.
     assert not torch.equal(first[0:2, 0], first[2:4, 0])
+
+
+def test_a_memmapped_panel_is_read_in_place_and_gives_the_windows_of_the_array_path(tmp_path):
+    series = random_walk_series(n_series=3, n_rows=25, seed=4)
+    from_arrays = WindowDataset(series, LOOKBACK, PREDICT, stride=2, clip=3.0)
+    panel = SeriesPanel.from_series([s.features for s in series], [s.stamps for s in series],
+                                    [s.name for s in series])
+    # the panel on disk, opened read-only as every rank of a prepared data store would
+    feats = np.lib.format.open_memmap(tmp_path / "f.npy", mode="w+", dtype=np.float32, shape=panel.features.shape)
+    stamps = np.lib.format.open_memmap(tmp_path / "s.npy", mode="w+", dtype=np.int64, shape=panel.stamps.shape)
+    feats[:], stamps[:] = panel.features, panel.stamps
+    feats.flush(), stamps.flush()
+    mapped = SeriesPanel(np.load(tmp_path / "f.npy", mmap_mode="r"), np.load(tmp_path / "s.npy", mmap_mode="r"),
+                         panel.offsets, panel.names)
+    ds = WindowDataset(mapped, LOOKBACK, PREDICT, stride=2, clip=3.0)
+    assert isinstance(ds.features_t, np.memmap) and isinstance(ds.stamps, np.memmap)  # no copy in memory
+    assert ds.features_t is mapped.features and ds.stamps is mapped.stamps
+    assert len(ds) == len(from_arrays) and ds.names == from_arrays.names
+    x, stamp = ds.get_batch(np.arange(len(ds)))
+    x_ref, stamp_ref = from_arrays.get_batch(np.arange(len(ds)))
+    assert torch.equal(x, x_ref) and torch.equal(stamp, stamp_ref)  # bit-identical windows
+
+
+def test_a_panel_of_another_dtype_is_converted_once_and_from_series_equals_the_list_constructor():
+    series = random_walk_series(n_series=2, n_rows=20)
+    panel = SeriesPanel.from_series([s.features for s in series], [s.stamps for s in series], ["a", "b"])
+    as_f64 = SeriesPanel(panel.features.astype(np.float64), panel.stamps, panel.offsets, panel.names)
+    ds = WindowDataset(as_f64, LOOKBACK, PREDICT)
+    assert ds.features_t.dtype == np.float32 and ds.features_t.flags.c_contiguous
+    a, b = WindowDataset.from_series(series, LOOKBACK, PREDICT), WindowDataset(panel, LOOKBACK, PREDICT)
+    assert torch.equal(a[len(a) - 1][0], b[len(b) - 1][0]) and torch.equal(ds[3][0], b[3][0])

@@ -6,15 +6,22 @@ import pytest
 import torch
 
 from finetune import qlib_data_preprocess as pre
-from finetune.config import load_qlib_config
-from finetune.dataset import FORMAT, QlibSplit, build_window_dataset, check_processed, manifest_settings
+from finetune import qlib_io as qio
+from finetune.config import load
+from finetune.dataset import (
+    FORMAT,
+    build_window_dataset,
+    check_processed,
+    manifest_settings,
+)
 from finetune.utils.config_utils import Problems
+from finetune.utils.panel import SeriesPanel
 from finetune.utils.window_dataset import EpochSampler
 
 LOOKBACK, PREDICT = 5, 3
 
 
-def tiny_split(lengths=(12, 4, 9), seed=0) -> QlibSplit:
+def tiny_split(lengths=(12, 4, 9), seed=0) -> SeriesPanel:
     """Instruments with `lengths` bars; feature values encode (instrument, bar) so windows can be traced back."""
     rng = np.random.default_rng(seed)
     feats, when, names = [], [], []
@@ -22,15 +29,15 @@ def tiny_split(lengths=(12, 4, 9), seed=0) -> QlibSplit:
         f = rng.uniform(1, 2, (n, 6)).astype(np.float32)
         f[:, 0] = 1000 * s + np.arange(n)  # open = instrument * 1000 + bar number
         feats.append(f)
-        when.append(pre.datetimes_ns(pd.bdate_range("2021-01-04", periods=n)))
+        when.append(qio.datetimes_ns(pd.bdate_range("2021-01-04", periods=n)))
         names.append(f"S{s}")
     when = np.concatenate(when)
-    return QlibSplit(np.concatenate(feats), pre.stamps_from_ns(when), when,
-                     np.r_[0, np.cumsum(lengths)].astype(np.int64), np.array(names))
+    return SeriesPanel(np.ascontiguousarray(np.concatenate(feats).T), qio.stamps_from_ns(when),
+                       np.r_[0, np.cumsum(lengths)].astype(np.int64), names, when)
 
 
 def cfg_for(tmp_path, *extra):
-    return load_qlib_config(None, [f"data.lookback_window={LOOKBACK}", f"data.predict_window={PREDICT}",
+    return load(None, [f"data.lookback={LOOKBACK}", f"data.predict={PREDICT}",
                                    f"data.dataset_path={tmp_path / 'processed'}", f"data.qlib_data_path={tmp_path}", *extra])
 
 
@@ -53,7 +60,7 @@ def test_items_are_normalised_with_lookback_statistics_only(tmp_path):
     split = tiny_split()
     ds = build_window_dataset(split, cfg_for(tmp_path), "train")
     x, stamp = ds[2]  # instrument S0, bars 2..9
-    raw = split.features[2 : 2 + LOOKBACK + PREDICT].astype(np.float64)
+    raw = split.features[:, 2 : 2 + LOOKBACK + PREDICT].T.astype(np.float64)
     past = raw[:LOOKBACK]
     expected = np.clip((raw - past.mean(0)) / (past.std(0) + 1e-5), -5, 5)
     np.testing.assert_allclose(x.numpy(), expected, rtol=1e-4, atol=1e-4)
@@ -94,7 +101,7 @@ def test_splits_made_with_other_settings_are_named(tmp_path):
     check_processed(cfg, ("train", "val", "test"), problems)
     assert not problems
 
-    changed = cfg_for(tmp_path, "data.lookback_window=7", "data.instrument=csi500", "backtest.benchmark=SH000905")
+    changed = cfg_for(tmp_path, "data.lookback=7", "data.instrument=csi500", "backtest.benchmark=SH000905")
     check_processed(changed, ("train",), problems)
     keys = sorted(p.split(":")[0] for p in problems.items)
-    assert keys == ["data.instrument", "data.lookback_window"]
+    assert keys == ["data.instrument", "data.lookback"]

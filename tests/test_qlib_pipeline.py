@@ -29,15 +29,15 @@ def tiny_config(tmp_path: Path) -> Path:
             "qlib_data_path": str(tmp_path / "qlib"), "instrument": "csi300",
             "dataset_begin_time": "2021-01-04", "dataset_end_time": "2022-06-30",
             "train_time_range": ["2021-01-04", "2021-12-31"], "val_time_range": ["2022-01-01", "2022-03-31"],
-            "test_time_range": TEST_RANGE, "lookback_window": 20, "predict_window": 3,
+            "test_time_range": TEST_RANGE, "lookback": 20, "predict": 3,
             "dataset_path": str(tmp_path / "processed"),
         },
         "model": {
-            "pretrained_tokenizer_path": None, "pretrained_predictor_path": None,
-            "tokenizer_args": {"d_in": 6, "d_model": 16, "n_heads": 2, "ff_dim": 32, "n_enc_layers": 2, "n_dec_layers": 2,
+            "pretrained_tokenizer": None, "pretrained_predictor": None,
+            "tokenizer_arch": {"d_in": 6, "d_model": 16, "n_heads": 2, "ff_dim": 32, "n_enc_layers": 2, "n_dec_layers": 2,
                                "ffn_dropout_p": 0.0, "attn_dropout_p": 0.0, "resid_dropout_p": 0.0, "s1_bits": 4,
                                "s2_bits": 4, "beta": 0.05, "gamma0": 1.0, "gamma": 1.1, "zeta": 0.05, "group_size": 4},
-            "predictor_args": {"n_layers": 1, "d_model": 16, "n_heads": 2, "ff_dim": 32, "ffn_dropout_p": 0.0,
+            "predictor_arch": {"n_layers": 1, "d_model": 16, "n_heads": 2, "ff_dim": 32, "ffn_dropout_p": 0.0,
                                "attn_dropout_p": 0.0, "resid_dropout_p": 0.0, "token_dropout_p": 0.0, "learn_te": True},
         },
         "training": {"epochs": 1, "batch_size": 16, "max_train_samples": 128, "max_val_samples": 64, "pct_start": 0.2,
@@ -45,7 +45,7 @@ def tiny_config(tmp_path: Path) -> Path:
         "tokenizer_training": {"lr": 1e-3},
         "predictor_training": {"lr": 1e-3},
         "paths": {"save_path": str(tmp_path / "models"), "backtest_result_path": str(tmp_path / "backtest")},
-        "inference": {"sample_count": 1, "batch_size": 256},
+        "forecast": {"sample_count": 1, "batch_size": 256},
         "backtest": {"signals": ["mean", "last"], "topk": 3, "n_drop": 1, "hold_thresh": 1, "account": 1_000_000},
     }
     path = tmp_path / "tiny.yaml"
@@ -101,7 +101,7 @@ def test_qlib_chain_end_to_end(tmp_path):
     run_info = json.loads((pred_dir / "run_info.json").read_text())
     assert run_info["world_size"] == 2  # both ranks trained
     assert run_info["data"]["splits"]["train"]["instruments"] == N_STOCKS
-    assert run_info["config"]["data"]["lookback_window"] == 20
+    assert run_info["config"]["data"]["lookback"] == 20
 
     proc = run(["finetune/qlib_test.py", "--config", str(config), "--device", "cpu"])
     out = tmp_path / "backtest"

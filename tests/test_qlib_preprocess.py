@@ -7,9 +7,10 @@ import pandas as pd
 import pytest
 
 from finetune import qlib_data_preprocess as pre
-from finetune.config import load_qlib_config
+from finetune import qlib_io as qio
+from finetune.config import QlibConfig
 from finetune.dataset import MANIFEST_NAME, load_split, split_path
-from finetune.utils.config_utils import ConfigError
+from finetune.utils.config_utils import ConfigError, load_config
 
 LOOKBACK, PREDICT = 6, 2
 
@@ -32,11 +33,11 @@ def stacked_frame(spec: dict[str, tuple[str, int]], seed: int = 0) -> pd.DataFra
 def cfg_for(tmp_path, **data):
     sets = [f"data.{k}={v}" for k, v in {
         "qlib_data_path": tmp_path / "qlib", "dataset_path": tmp_path / "processed",
-        "lookback_window": LOOKBACK, "predict_window": PREDICT,
+        "lookback": LOOKBACK, "predict": PREDICT,
         "dataset_begin_time": "2020-01-01", "dataset_end_time": "2020-12-31",
         "train_time_range": "[2020-01-01, 2020-03-31]", "val_time_range": "[2020-04-01, 2020-05-31]",
         "test_time_range": "[2020-06-01, 2020-06-30]", **data}.items()]
-    return load_qlib_config(None, sets)
+    return load_config(QlibConfig, None, sets)  # settings only: the folder checks are what these tests exercise
 
 
 def dates(split, s):
@@ -45,19 +46,19 @@ def dates(split, s):
 
 def test_panel_derives_vol_and_amount_and_is_contiguous():
     frame = stacked_frame({"B": ("2020-01-01", 30), "A": ("2020-01-01", 25)})
-    panel, report = pre.frame_to_panel(frame, "ohlc_mean", min_bars=8)
-    assert list(panel.instruments) == ["A", "B"] and list(panel.offsets) == [0, 25, 55]
+    panel, report = qio.frame_to_panel(frame, "ohlc_mean", min_bars=8)
+    assert list(panel.names) == ["A", "B"] and list(panel.offsets) == [0, 25, 55]
     a = frame.loc["A"]
-    np.testing.assert_allclose(panel.features[:25, 4], a["$volume"], rtol=1e-6)
+    np.testing.assert_allclose(panel.features[4, :25], a["$volume"], rtol=1e-6)
     ohlc_mean = a[["$open", "$high", "$low", "$close"]].mean(axis=1)
-    np.testing.assert_allclose(panel.features[:25, 5], a["$volume"] * ohlc_mean, rtol=1e-5)
+    np.testing.assert_allclose(panel.features[5, :25], a["$volume"] * ohlc_mean, rtol=1e-5)
     assert panel.features.dtype == np.float32 and panel.stamps.dtype == np.int64
     assert (np.diff(panel.datetimes[:25]) > 0).all()
     # stamps: minute, hour, weekday, day, month of each bar
     first = pd.Timestamp(int(panel.datetimes[0]))
     assert list(panel.stamps[0]) == [0, 0, first.weekday(), first.day, first.month]
-    vwap_panel, _ = pre.frame_to_panel(frame, "vwap", min_bars=8)
-    np.testing.assert_allclose(vwap_panel.features[:25, 5], a["$volume"] * a["$vwap"], rtol=1e-5)
+    vwap_panel, _ = qio.frame_to_panel(frame, "vwap", min_bars=8)
+    np.testing.assert_allclose(vwap_panel.features[5, :25], a["$volume"] * a["$vwap"], rtol=1e-5)
     assert report.nan_rows == {} and report.short == {}
 
 
@@ -65,18 +66,18 @@ def test_panel_drops_missing_rows_and_short_instruments_and_reports_them():
     frame = stacked_frame({"A": ("2020-01-01", 30), "B": ("2020-01-01", 5), "C": ("2020-01-01", 20)})
     frame.loc[("A", frame.loc["A"].index[3]), "$close"] = np.nan
     frame.loc[("C", frame.loc["C"].index[0]), "$volume"] = np.inf
-    panel, report = pre.frame_to_panel(frame, "ohlc_mean", min_bars=8)
+    panel, report = qio.frame_to_panel(frame, "ohlc_mean", min_bars=8)
     assert report.nan_rows == {"A": 1, "C": 1}
     assert report.short == {"B": 5}
-    assert list(panel.instruments) == ["A", "C"] and list(np.diff(panel.offsets)) == [29, 19]
+    assert list(panel.names) == ["A", "C"] and list(np.diff(panel.offsets)) == [29, 19]
     assert np.isfinite(panel.features).all()
 
 
 def test_load_range_adds_lookback_and_predict_margins():
     cal = pd.bdate_range("2020-01-01", periods=100)
-    start, end = pre.load_range(cal, str(cal[10].date()), str(cal[50].date()), lookback=4, predict=3)
+    start, end = qio.load_range(cal, str(cal[10].date()), str(cal[50].date()), lookback=4, predict=3)
     assert (start, end) == (cal[6], cal[53])
-    start, end = pre.load_range(cal, "2019-01-01", "2030-01-01", lookback=4, predict=3)  # clamped
+    start, end = qio.load_range(cal, "2019-01-01", "2030-01-01", lookback=4, predict=3)  # clamped
     assert (start, end) == (cal[0], cal[-1])
 
 
@@ -84,10 +85,10 @@ def test_splits_follow_the_ranges_with_only_the_lookback_margin_shared(tmp_path)
     cfg = cfg_for(tmp_path)
     # "late" is listed inside the validation range: it gets no lookback margin there, and no training bars.
     frame = stacked_frame({"A": ("2020-01-01", 160), "B": ("2020-01-01", 160), "late": ("2020-04-20", 60)})
-    panel, _ = pre.frame_to_panel(frame, "ohlc_mean", min_bars=LOOKBACK)
+    panel, _ = qio.frame_to_panel(frame, "ohlc_mean", min_bars=LOOKBACK)
     splits, report = pre.make_splits(panel, cfg)
     train, val, test = splits["train"], splits["val"], splits["test"]
-    assert list(train.instruments) == ["A", "B"] and list(val.instruments) == ["A", "B", "late"]
+    assert list(train.names) == ["A", "B"] and list(val.names) == ["A", "B", "late"]
 
     train_end, val_start, val_end = pd.Timestamp("2020-03-31"), pd.Timestamp("2020-04-01"), pd.Timestamp("2020-05-31")
     test_start, test_end = pd.Timestamp("2020-06-01"), pd.Timestamp("2020-06-30")
@@ -112,18 +113,18 @@ def test_too_short_instruments_are_dropped_per_split_by_name(tmp_path, caplog):
     cfg = cfg_for(tmp_path)
     # "brief" has 5 bars in the training range: fewer than one window of LOOKBACK + PREDICT.
     frame = stacked_frame({"A": ("2020-01-01", 160), "brief": ("2020-03-25", 5)})
-    panel, _ = pre.frame_to_panel(frame, "ohlc_mean", min_bars=1)
+    panel, _ = qio.frame_to_panel(frame, "ohlc_mean", min_bars=1)
     with caplog.at_level("WARNING", logger="finetune.qlib"):
         splits, report = pre.make_splits(panel, cfg)
-    assert list(splits["train"].instruments) == ["A"]
+    assert list(splits["train"].names) == ["A"]
     assert report["train"]["dropped_too_short"] == {"brief": 5}
     assert "brief" in caplog.text and "train" in caplog.text
 
 
 def test_a_range_that_leaves_a_split_empty_names_the_setting(tmp_path):
-    cfg = cfg_for(tmp_path, lookback_window=40)
+    cfg = cfg_for(tmp_path, lookback=40)
     frame = stacked_frame({"A": ("2020-01-01", 66)})  # ends 2020-04-01: too short for validation, none for the test
-    panel, _ = pre.frame_to_panel(frame, "ohlc_mean", min_bars=1)
+    panel, _ = qio.frame_to_panel(frame, "ohlc_mean", min_bars=1)
     with pytest.raises(ConfigError) as err:
         pre.make_splits(panel, cfg)
     assert "data.val_time_range" in str(err.value) and "data.test_time_range" in str(err.value)
@@ -132,7 +133,7 @@ def test_a_range_that_leaves_a_split_empty_names_the_setting(tmp_path):
 
 def test_written_splits_load_without_pickle_and_round_trip(tmp_path):
     cfg = cfg_for(tmp_path)
-    panel, _ = pre.frame_to_panel(stacked_frame({"A": ("2020-01-01", 160), "B": ("2020-01-01", 160)}), "ohlc_mean", 1)
+    panel, _ = qio.frame_to_panel(stacked_frame({"A": ("2020-01-01", 160), "B": ("2020-01-01", 160)}), "ohlc_mean", 1)
     splits, _ = pre.make_splits(panel, cfg)
     folder = pre.write_splits(tmp_path / "processed", splits, {"format": "x"})
     assert sorted(p.name for p in folder.iterdir()) == [MANIFEST_NAME, "test.npz", "train.npz", "val.npz"]
@@ -141,13 +142,13 @@ def test_written_splits_load_without_pickle_and_round_trip(tmp_path):
     back = load_split(split_path(folder, "val"))
     for name in ("features", "stamps", "datetimes", "offsets"):
         np.testing.assert_array_equal(getattr(back, name), getattr(splits["val"], name))
-    assert list(back.instruments) == ["A", "B"]
+    assert list(back.names) == ["A", "B"]
     assert json.loads((folder / MANIFEST_NAME).read_text()) == {"format": "x"}
 
 
 def test_a_failed_write_leaves_no_partial_output(tmp_path, monkeypatch):
     cfg = cfg_for(tmp_path)
-    panel, _ = pre.frame_to_panel(stacked_frame({"A": ("2020-01-01", 160)}), "ohlc_mean", 1)
+    panel, _ = qio.frame_to_panel(stacked_frame({"A": ("2020-01-01", 160)}), "ohlc_mean", 1)
     splits, _ = pre.make_splits(panel, cfg)
     calls, real_save = [], pre.save_split
 
@@ -181,7 +182,7 @@ def test_bad_qlib_folder_settings_are_named(tmp_path, change, key):
     (root / "features" / "sh000300" / "close.day.bin").write_bytes(b"\0" * 8)
     cfg = cfg_for(tmp_path, **change)
     problems = cfg.problems()
-    pre.check_qlib_folder(cfg, problems)
+    qio.check_qlib_folder(cfg, problems)
     named = {p.split(":")[0]: p for p in problems.items}
     assert key in named
     if key == "data.instrument":  # lists what the folder offers
@@ -196,7 +197,7 @@ def test_missing_benchmark_is_named(tmp_path):
     (root / "instruments" / "csi300.txt").write_text("A\t2020-01-02\t2020-01-02\n")
     cfg = cfg_for(tmp_path)
     problems = cfg.problems()
-    pre.check_qlib_folder(cfg, problems)
+    qio.check_qlib_folder(cfg, problems)
     assert len(problems.items) == 1 and problems.items[0].startswith("backtest.benchmark")
     assert "SH000300" in problems.items[0]
 
@@ -205,5 +206,5 @@ def test_ranges_outside_the_calendar_are_named(tmp_path):
     cfg = cfg_for(tmp_path)
     calendar = pd.bdate_range("2020-01-01", "2020-04-30")  # no trading day in June: the test range is empty
     problems = cfg.problems()
-    pre.check_ranges_in_calendar(cfg, calendar, problems)
+    qio.check_ranges_in_calendar(cfg, calendar, problems)
     assert [p.split(":")[0] for p in problems.items] == ["data.test_time_range"]

@@ -4,31 +4,31 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from finetune import qlib_data_preprocess as pre
+from finetune import qlib_io as qio
 from finetune import qlib_test as qt
-from finetune.dataset import QlibSplit
+from finetune.utils.panel import SeriesPanel
 
 LOOKBACK = 4
 
 
-def split_with(closes: dict[str, np.ndarray], first_day: str = "2021-03-01") -> QlibSplit:
+def split_with(closes: dict[str, np.ndarray], first_day: str = "2021-03-01") -> SeriesPanel:
     feats, when = [], []
     for c in closes.values():
         f = np.ones((len(c), 6), dtype=np.float32)
         f[:, 3] = c
         feats.append(f)
-        when.append(pre.datetimes_ns(pd.bdate_range(first_day, periods=len(c))))
+        when.append(qio.datetimes_ns(pd.bdate_range(first_day, periods=len(c))))
     when = np.concatenate(when)
     lengths = [len(c) for c in closes.values()]
-    return QlibSplit(np.concatenate(feats), pre.stamps_from_ns(when), when, np.r_[0, np.cumsum(lengths)].astype(np.int64),
-                     np.array(list(closes)))
+    return SeriesPanel(np.ascontiguousarray(np.concatenate(feats).T), qio.stamps_from_ns(when),
+                       np.r_[0, np.cumsum(lengths)].astype(np.int64), list(closes), when)
 
 
-def test_window_ends_need_a_full_context_and_a_date_in_range():
+def test_forecast_window_ends_need_a_full_context_and_a_date_in_range():
     split = split_with({"A": np.arange(1.0, 11.0), "B": np.arange(1.0, 4.0)})  # B has 3 bars < LOOKBACK
     days = pd.bdate_range("2021-03-01", periods=10)
-    start, end = pre.range_bounds([str(days[2].date()), str(days[8].date())])
-    ends = qt.test_window_ends(split, start.value, end.value, LOOKBACK)
+    start, end = qio.range_bounds([str(days[2].date()), str(days[8].date())])
+    ends = qt.forecast_window_ends(split, start.value, end.value, LOOKBACK)
     # A: bars 3..8 (bar 3 is the first with 4 bars of context; bar 9 is after the range); B: none
     assert ends.tolist() == [3, 4, 5, 6, 7, 8]
     rows = qt.context_rows(ends, LOOKBACK)
@@ -37,7 +37,7 @@ def test_window_ends_need_a_full_context_and_a_date_in_range():
 
 def test_forecast_dates_follow_the_calendar_then_business_days():
     cal = pd.bdate_range("2021-03-01", periods=5)  # Mon 1 .. Fri 5 March
-    cal_ns = pre.datetimes_ns(cal)
+    cal_ns = qio.datetimes_ns(cal)
     out = qt.forecast_dates(cal_ns, cal_ns[[1, 4]], 3, "day")
     got = [[str(pd.Timestamp(int(v)).date()) for v in row] for row in out]
     assert got[0] == ["2021-03-03", "2021-03-04", "2021-03-05"]
@@ -89,7 +89,7 @@ def test_daily_ic_is_nan_for_a_constant_or_single_stock_day():
 
 def test_backtest_period_stops_before_the_calendars_last_day():
     cal = pd.bdate_range("2021-03-01", periods=10)
-    start, end = pre.range_bounds(["2021-03-02", "2021-12-31"])
+    start, end = qio.range_bounds(["2021-03-02", "2021-12-31"])
     assert qt.backtest_period(cal, start, end) == (cal[1], cal[-2])
     with pytest.raises(ValueError, match="data.test_time_range"):
-        qt.backtest_period(cal, *pre.range_bounds(["2021-03-12", "2021-03-31"]))
+        qt.backtest_period(cal, *qio.range_bounds(["2021-03-12", "2021-03-31"]))

@@ -12,8 +12,14 @@ and raised once as a `ConfigError` (a `ValueError`) that names each YAML key, e.
 `training.epochs: expected int, got 'ten'`. Pipelines validate their own semantic rules with `Problems`, which
 raises the same error type.
 
+`--set` values are read as YAML scalars (`3` -> int, `null` -> None), except for a field typed `str`, which takes
+the raw text: `--set "data.columns.timestamps=Unnamed: 0"` is the column name `Unnamed: 0`, not a YAML mapping.
+
 String fields may refer to other fields with `{name}` templates, e.g. `output_dir: outputs/{exp_name}` or
 `save_dir: {training.output_dir}/tokenizer`; a bare name is looked up in the same section first, then at the top.
+
+(Over 400 lines on purpose: YAML reading, --set parsing, type conversion and templates are one loading pipeline
+whose steps share private helpers; splitting them would only spread one concept over several files.)
 """
 
 from __future__ import annotations
@@ -101,7 +107,8 @@ def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: It
     """Build the dataclass `cls` from a YAML file (optional) and `a.b=value` overrides (applied after the file).
 
     Fields missing from the YAML keep their defaults. Override values are parsed as YAML scalars
-    (`3` -> int, `1e-4` -> float, `true` -> bool, `null` -> None, `[0.9, 0.95]` -> list).
+    (`3` -> int, `1e-4` -> float, `true` -> bool, `null` -> None, `[0.9, 0.95]` -> list), except that a `str`
+    field takes the override's raw text (a `str | None` field: `null` is None, anything else the raw text).
     Raises `ConfigError` (a ValueError) naming every bad key; `FileNotFoundError` if `yaml_path` does not exist.
     """
     if not dataclasses.is_dataclass(cls):
@@ -125,13 +132,54 @@ def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: It
         raw = loaded
 
     problems = Problems(f"Invalid configuration from {source}")
-    for key, value in parse_overrides(overrides, problems):
+    for key, value in _parse_overrides(overrides, problems):
         _set_dotted(raw, key, value, problems)
     cfg = _build(cls, raw, "", problems)
     if not problems:
         _resolve_templates(cfg, problems)
     problems.raise_if_any()
     return cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class _Override:
+    """A `--set` value until its field's type is known: the raw text and its YAML reading."""
+
+    text: str
+    value: Any
+
+
+def _resolve_override(value: Any, tp: Any) -> Any:
+    """The text of an override for a `str` / `Path` field (or a union with str unless the YAML reading is null),
+    else its YAML reading; any other value unchanged. Quoted text (`"a b"`) is unquoted as YAML does."""
+    if not isinstance(value, _Override):
+        return value
+    union = typing.get_origin(tp) in (Union, types.UnionType)
+    wants_text = tp in (str, Path) or (union and str in typing.get_args(tp) and value.value is not None)
+    if not wants_text:
+        return value.value
+    quoted = len(value.text) >= 2 and value.text[0] == value.text[-1] and value.text[0] in "'\""
+    return value.value if quoted and isinstance(value.value, str) else value.text
+
+
+def _plain(value: Any) -> Any:
+    """The YAML reading of an override, recursively (for values that reach untyped containers)."""
+    if isinstance(value, _Override):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _parse_overrides(overrides: Iterable[str], problems: Problems) -> list[tuple[str, _Override]]:
+    """`parse_overrides`, keeping each value's raw text for `str` fields."""
+    out = []
+    for item in overrides or ():
+        key, sep, text = item.partition("=")
+        parsed = parse_overrides([item], problems)
+        if parsed:
+            out.append((parsed[0][0], _Override(text.strip(), parsed[0][1])))
+    return out
 
 
 def parse_overrides(overrides: Iterable[str], problems: Problems | None = None) -> list[tuple[str, Any]]:
@@ -174,6 +222,7 @@ def _set_dotted(raw: dict, key: str, value: Any, problems: Problems) -> None:
 def _build(cls: type, raw: Any, prefix: str, problems: Problems) -> Any:
     """Instantiate dataclass `cls` from the mapping `raw`; problems are recorded with dotted keys."""
     where = prefix or "<top level>"
+    raw = _plain(raw) if isinstance(raw, _Override) else raw
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
@@ -206,10 +255,11 @@ def _build(cls: type, raw: Any, prefix: str, problems: Problems) -> Any:
 
 def _convert(value: Any, tp: Any, key: str, problems: Problems) -> Any:
     """Check/convert one YAML value against the annotation `tp` (int, float, bool, str, Optional, list, ...)."""
+    value = _resolve_override(value, tp)
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if tp is Any:
-        return value
+        return _plain(value)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, key, problems)
     if origin in (Union, types.UnionType):

@@ -1,7 +1,7 @@
 """The one sliding-window dataset both pipelines train on, and the epoch-aware distributed sampler that feeds it.
 
-`WindowDataset` holds every series once, as two contiguous arrays (features float32 (N, F), stamps int64 (N, 5)),
-and maps a sample index to (series, start) with a cumulative count and `np.searchsorted`; a window never crosses
+`WindowDataset` reads a `SeriesPanel` (finetune/utils/panel.py: features float32 (F, N) feature-major, stamps int64
+(N, 5), series offsets) without copying it, and maps a sample index to (series, start) with a cumulative count and `np.searchsorted`; a window never crosses
 two series. An item is `(x, x_stamp)`: `x` float32 (lookback + predict, F) normalised with the mean and population
 std of its LOOKBACK rows only, `(x - mean) / (std + 1e-5)` clipped to [-clip, clip] (the future part must not leak
 into the statistics), and `x_stamp` int64 (lookback + predict, 5).
@@ -21,12 +21,14 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
+from .panel import N_STAMP_COLUMNS, SeriesPanel
+
 __all__ = [
-    "SeriesArrays", "WindowDataset", "EpochSampler", "make_loader", "seed_worker", "epoch_generator",
+    "SeriesArrays", "WindowDataset", "panel_from_series", "EpochSampler", "make_loader", "seed_worker", "epoch_generator",
     "batches_per_epoch",
 ]
 
-N_STAMP_COLUMNS = 5  # minute, hour, weekday, day of month, month
+
 
 
 @dataclass(frozen=True)
@@ -41,11 +43,41 @@ class SeriesArrays:
     """Symbol or file name, used in messages."""
 
 
+def panel_from_series(series: Sequence[SeriesArrays | tuple[np.ndarray, np.ndarray]]) -> SeriesPanel:
+    """Per-series arrays -> one `SeriesPanel` (one copy), after checking every series' shapes (names in messages).
+
+    Parameters: series: `SeriesArrays` or `(features (N_s, F), stamps (N_s, 5))` pairs.
+    Returns: the panel, features float32 (F, sum N_s) feature-major, stamps int64 (sum N_s, 5).
+    """
+    items = [s if isinstance(s, SeriesArrays) else SeriesArrays(s[0], s[1], f"series {i}")
+             for i, s in enumerate(series)]
+    if not items:
+        raise ValueError("WindowDataset got no series")
+    n_features = items[0].features.shape[1] if items[0].features.ndim == 2 else -1
+    for i, s in enumerate(items):
+        name = s.name or f"series {i}"
+        if s.features.ndim != 2 or s.features.shape[1] != n_features:
+            raise ValueError(f"{name}: features must be (N, {n_features}), got {s.features.shape}")
+        if s.stamps.shape != (s.features.shape[0], N_STAMP_COLUMNS):
+            raise ValueError(f"{name}: stamps must be ({s.features.shape[0]}, 5), got {s.stamps.shape}")
+    return SeriesPanel.from_series([s.features for s in items], [s.stamps for s in items],
+                                   [s.name or f"series {i}" for i, s in enumerate(items)])
+
+
+def _as_block(array: np.ndarray, dtype: type) -> np.ndarray:
+    """`array` itself when it already has `dtype` and C order (a memmap stays a memmap), else one converted copy."""
+    if array.dtype == dtype and array.flags.c_contiguous:
+        return array
+    return np.ascontiguousarray(array, dtype=dtype)
+
+
 class WindowDataset(Dataset):
-    """All windows of length `lookback + predict` (every `stride` rows) inside each series.
+    """All windows of length `lookback + predict` (every `stride` rows) inside each series of a `SeriesPanel`.
 
     Args:
-        series: `SeriesArrays` or `(features, stamps)` pairs; arrays are copied once into one contiguous block.
+        data: a `SeriesPanel` (used as it is: float32 C-contiguous features and int64 stamps are not copied, so an
+            np.memmap panel stays memory-mapped), or a list of `SeriesArrays` / `(features, stamps)` pairs, which
+            are concatenated into a panel once (same as `WindowDataset.from_series`).
         lookback: rows of context; the normalisation statistics come from these rows only.
         predict: rows after the context that the window also contains.
         stride: distance between consecutive window starts (1 = every row).
@@ -56,7 +88,7 @@ class WindowDataset(Dataset):
 
     def __init__(
         self,
-        series: Sequence[SeriesArrays | tuple[np.ndarray, np.ndarray]],
+        data: SeriesPanel | Sequence[SeriesArrays | tuple[np.ndarray, np.ndarray]],
         lookback: int,
         predict: int,
         *,
@@ -71,20 +103,13 @@ class WindowDataset(Dataset):
         self.stride = int(stride)
         self.clip = float(clip)
 
-        items = [s if isinstance(s, SeriesArrays) else SeriesArrays(s[0], s[1], f"series {i}")
-                 for i, s in enumerate(series)]
-        if not items:
+        panel = data if isinstance(data, SeriesPanel) else panel_from_series(data)
+        if panel.n_series == 0:
             raise ValueError("WindowDataset got no series")
-        n_features = items[0].features.shape[1] if items[0].features.ndim == 2 else -1
-        for i, s in enumerate(items):
-            name = s.name or f"series {i}"
-            if s.features.ndim != 2 or s.features.shape[1] != n_features:
-                raise ValueError(f"{name}: features must be (N, {n_features}), got {s.features.shape}")
-            if s.stamps.shape != (s.features.shape[0], N_STAMP_COLUMNS):
-                raise ValueError(f"{name}: stamps must be ({s.features.shape[0]}, 5), got {s.stamps.shape}")
-        self.names = [s.name or f"series {i}" for i, s in enumerate(items)]
-        lengths = np.array([len(s.features) for s in items], dtype=np.int64)
-        self.row_offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)  # first row of each series
+        self.panel = panel
+        self.names = [str(n) or f"series {i}" for i, n in enumerate(panel.names)]
+        lengths = panel.lengths().astype(np.int64)
+        self.row_offsets = np.asarray(panel.offsets[:-1], dtype=np.int64)  # first row of each series
         counts = np.where(lengths >= self.window, (lengths - self.window) // self.stride + 1, 0)
         self.windows_per_series = counts.astype(np.int64)
         self.cum_windows = np.cumsum(self.windows_per_series)  # cum_windows[s] = windows in series 0..s
@@ -94,11 +119,11 @@ class WindowDataset(Dataset):
                 f"no series has enough rows for one window of lookback + predict = {self.window} rows "
                 f"(longest series: {int(lengths.max())} rows); lower the lookback/predict window or add data"
             )
-        # One contiguous block per array, cheap to share with forked DataLoader workers (copy-on-write).
-        # Features are stored feature-major, (F, sum N): a window's statistics are then reductions over a
-        # contiguous time axis instead of over a stride-F axis with an inner loop of length F (4x faster).
-        self.features_t = np.ascontiguousarray(np.concatenate([s.features for s in items]).T, dtype=np.float32)
-        self.stamps = np.ascontiguousarray(np.concatenate([s.stamps for s in items]), dtype=np.int64)  # (sum N, 5)
+        # The panel's blocks as they are (one copy only if the dtype or layout is not the engine's): cheap to share
+        # with forked DataLoader workers (copy-on-write), and a memmap stays on disk. Features are feature-major,
+        # (F, sum N): a window's statistics are then reductions over a contiguous time axis (4x faster than (N, F)).
+        self.features_t = _as_block(panel.features, np.float32)  # (F, sum N)
+        self.stamps = _as_block(panel.stamps, np.int64)  # (sum N, 5)
         # Read-only window views indexed by a window's first global row, without copying:
         # (sum N - W + 1, F, W) and (sum N - W + 1, W, 5). Gathering B windows copies B contiguous blocks.
         n_rows, f, w = self.stamps.shape[0], self.features_t.shape[0], self.window
@@ -108,6 +133,12 @@ class WindowDataset(Dataset):
         self._stamp_windows = np.lib.stride_tricks.as_strided(
             self.stamps, (n_rows - w + 1, w, N_STAMP_COLUMNS), (self.stamps.strides[0],) + self.stamps.strides,
             writeable=False)
+
+    @classmethod
+    def from_series(cls, series: Sequence[SeriesArrays | tuple[np.ndarray, np.ndarray]], lookback: int,
+                    predict: int, *, stride: int = 1, clip: float = 5.0) -> "WindowDataset":
+        """Convenience constructor from per-series arrays (features (N_s, F), stamps (N_s, 5)); copies them once."""
+        return cls(panel_from_series(series), lookback, predict, stride=stride, clip=clip)
 
     @property
     def features(self) -> np.ndarray:

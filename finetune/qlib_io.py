@@ -1,0 +1,212 @@
+"""Reading a Qlib provider folder: folder checks, qlib.init, calendar, one D.features call, and the conversion of
+Qlib's stacked frame into a `SeriesPanel` (the engine's data form). Used by both Qlib entry points
+(qlib_data_preprocess.py and qlib_test.py); Qlib itself is imported only inside the functions that need it.
+
+Qlib's fields map to the model's features (model.features.FEATURE_COLS) as
+    open, high, low, close = $open, $high, $low, $close
+    volume                 = $volume
+    amount                 = volume * mean(open, high, low, close)   (data.amount_source: ohlc_mean, the original's)
+                           = volume * $vwap                          (data.amount_source: vwap)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from finetune.config import QlibConfig, parse_range
+from finetune.utils.config_utils import Problems
+from finetune.utils.panel import N_STAMP_COLUMNS, SeriesPanel
+from model.features import FEATURE_COLS, calc_time_stamps
+
+__all__ = [
+    "QLIB_FIELDS", "CLOSE", "FrameReport", "check_qlib_folder", "check_ranges_in_calendar", "load_range",
+    "datetimes_ns", "frame_to_panel", "stamps_from_ns", "range_bounds", "init_qlib", "read_calendar", "load_frame",
+    "date_range", "time_major",
+]
+
+# Qlib expressions read for open, high, low, close, volume (+ $vwap when data.amount_source is vwap).
+QLIB_FIELDS = ["$open", "$high", "$low", "$close", "$volume", "$vwap"]
+CLOSE = FEATURE_COLS.index("close")  # row of close in a panel's features (F, N)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checks that need the Qlib folder (before anything is loaded)
+
+
+def check_qlib_folder(cfg: QlibConfig, problems: Problems, need_benchmark: bool = True) -> None:
+    """Record a problem, naming the setting, for a Qlib folder that lacks what the pipeline reads:
+    the calendar, the universe's instrument list, and the benchmark's close prices."""
+    d = cfg.data
+    root = Path(os.path.expanduser(d.qlib_data_path))
+    if not root.is_dir():
+        problems.add("data.qlib_data_path", f"{root} is not a folder; point it at a Qlib provider folder (with calendars/, instruments/, features/)")
+        return
+    calendar = root / "calendars" / f"{d.freq}.txt"
+    if not calendar.is_file():
+        found = sorted(p.stem for p in (root / "calendars").glob("*.txt"))
+        problems.add(
+            "data.qlib_data_path" if not found else "data.freq",
+            f"{calendar} not found (calendars present: {found or 'none'}); is {root} a Qlib provider folder?",
+        )
+    universe = root / "instruments" / f"{d.instrument}.txt"
+    if not universe.is_file():
+        known = sorted(p.stem for p in (root / "instruments").glob("*.txt"))
+        problems.add("data.instrument", f"unknown universe {d.instrument!r}: {universe} not found (available: {known or 'none'})")
+    bench = cfg.benchmark
+    if need_benchmark and bench:
+        bench_close = root / "features" / bench.lower() / f"close.{d.freq}.bin"
+        if not bench_close.is_file():
+            problems.add("backtest.benchmark", f"{bench!r} is not in the data ({bench_close} not found); pick an instrument under {root / 'features'}")
+
+
+def check_ranges_in_calendar(cfg: QlibConfig, calendar: pd.DatetimeIndex, problems: Problems) -> None:
+    """Each time range must contain at least one trading day of the Qlib calendar."""
+    first, last = calendar[0].date(), calendar[-1].date()
+    for name in ("train_time_range", "val_time_range", "test_time_range"):
+        if parse_range(getattr(cfg.data, name), f"data.{name}", problems) is None:
+            continue
+        r = range_bounds(getattr(cfg.data, name))
+        days = int(((calendar >= r[0]) & (calendar <= r[1])).sum())
+        problems.check(
+            days > 0, f"data.{name}",
+            f"{[str(x.date()) for x in r]} holds no trading day of the Qlib calendar ({first}..{last}); move it inside the data",
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pure conversions (unit-tested without Qlib)
+
+
+def load_range(calendar: pd.DatetimeIndex, begin: str, end: str, lookback: int, predict: int) -> tuple[pd.Timestamp, pd.Timestamp]:
+    """Dates to load: `lookback` trading days before `begin` to `predict` trading days after `end`, clamped to the
+    calendar (the margins give the first windows their context and the last forecasts their realised returns)."""
+    start_i = int(calendar.searchsorted(pd.Timestamp(begin), side="left"))
+    end_i = int(calendar.searchsorted(pd.Timestamp(end), side="right")) - 1  # last trading day <= end
+    start_i = max(0, start_i - lookback)
+    end_i = min(len(calendar) - 1, max(end_i, 0) + predict)
+    return calendar[start_i], calendar[end_i]
+
+
+def datetimes_ns(values: Any) -> np.ndarray:
+    """Datetimes (any pandas resolution) -> int64 nanoseconds since 1970-01-01."""
+    return np.asarray(pd.DatetimeIndex(values).as_unit("ns").asi8, dtype=np.int64)
+
+
+def stamps_from_ns(when: np.ndarray) -> np.ndarray:
+    """int64 ns datetimes (N,) -> int64 (N, 5): minute, hour, weekday, day, month (the model's time features)."""
+    if len(when) == 0:
+        return np.zeros((0, N_STAMP_COLUMNS), dtype=np.int64)
+    unique, inverse = np.unique(when, return_inverse=True)  # stamps once per distinct bar time, then gathered
+    stamps = calc_time_stamps(pd.DatetimeIndex(unique.astype("datetime64[ns]"))).to_numpy(np.int64)
+    return np.ascontiguousarray(stamps[inverse.ravel()], dtype=np.int64)
+
+
+def range_bounds(time_range: list[str]) -> tuple[pd.Timestamp, pd.Timestamp]:
+    """[start, end] dates -> (start 00:00, last nanosecond of end): the end date is inclusive, also for
+    intraday bars."""
+    start = pd.Timestamp(time_range[0]).as_unit("ns")
+    end = pd.Timestamp(time_range[1]).as_unit("ns") + pd.Timedelta(1, "D") - pd.Timedelta(1, "ns")
+    return start, end
+
+
+def date_range(panel: SeriesPanel) -> tuple[str, str] | None:
+    """(first, last) bar date over all series of a panel with datetimes, ISO strings; None when empty."""
+    if panel.n_rows == 0 or panel.datetimes is None:
+        return None
+    lo, hi = np.datetime64(int(panel.datetimes.min()), "ns"), np.datetime64(int(panel.datetimes.max()), "ns")
+    return str(lo.astype("datetime64[D]")), str(hi.astype("datetime64[D]"))
+
+
+def time_major(panel: SeriesPanel, rows: np.ndarray) -> np.ndarray:
+    """Features of the bars `rows` (any int shape R) in time-major order: (*R, F) (a gathered copy)."""
+    return np.ascontiguousarray(np.moveaxis(panel.features[:, rows], 0, -1))
+
+
+@dataclass
+class FrameReport:
+    """What `frame_to_panel` removed, for the log and manifest."""
+
+    nan_rows: dict[str, int] = field(default_factory=dict)
+    """Rows dropped per instrument because a feature was missing (suspended days, gaps in the data)."""
+    short: dict[str, int] = field(default_factory=dict)
+    """Instruments dropped because fewer bars than `min_bars` remained: name -> bars."""
+
+
+def frame_to_panel(frame: pd.DataFrame, amount_source: str, min_bars: int) -> tuple[SeriesPanel, FrameReport]:
+    """Qlib's stacked frame (index instrument, datetime; columns $open ... $vwap) -> one contiguous panel.
+
+    One sort and vectorised column arithmetic; instruments become column ranges (offsets), never per-symbol frames.
+    Rows with a missing or non-finite feature are dropped (counted per instrument); instruments with fewer than
+    `min_bars` bars left are dropped (listed). The panel has datetimes (ns) and names = instrument codes.
+    """
+    missing = [c for c in QLIB_FIELDS[:5] if c not in frame.columns]
+    if missing:
+        raise ValueError(f"the Qlib data lacks fields {missing}")
+    frame = frame.sort_index(level=["instrument", "datetime"])
+    level = frame.index.names.index("instrument")
+    inst = np.asarray(frame.index.codes[level], dtype=np.int64)  # (N,) instrument codes: cheap to compare
+    level_names = np.asarray(frame.index.levels[level].astype(str))
+    when = datetimes_ns(frame.index.get_level_values("datetime"))
+    o, h, l, c, volume = (frame[f].to_numpy(np.float64) for f in QLIB_FIELDS[:5])
+    if amount_source == "vwap":
+        if "$vwap" not in frame.columns:
+            raise ValueError("data.amount_source=vwap but the Qlib data has no $vwap field; use ohlc_mean")
+        amount = volume * frame["$vwap"].to_numpy(np.float64)
+    else:  # the original's amount (and what the forecaster assumes when a series has no amount)
+        amount = volume * (o + h + l + c) / 4.0
+    features = np.stack([o, h, l, c, volume, amount], axis=1)  # (N, 6) float64 in FEATURE_COLS order until checked
+    ok = np.isfinite(features).all(axis=1)
+    report = FrameReport()
+    if not ok.all():
+        codes, counts = np.unique(inst[~ok], return_counts=True)
+        report.nan_rows = {str(level_names[c]): int(k) for c, k in zip(codes, counts)}
+    inst, when, features = inst[ok], when[ok], features[ok]
+
+    # Instrument boundaries: the rows are sorted by instrument, so each one is a contiguous run.
+    starts = np.flatnonzero(np.r_[True, inst[1:] != inst[:-1]]) if len(inst) else np.zeros(0, np.int64)
+    offsets = np.r_[starts, len(inst)].astype(np.int64)
+    names = level_names[inst[starts]]
+    lengths = np.diff(offsets)
+    keep = lengths >= min_bars
+    report.short = {str(n): int(k) for n, k in zip(names[~keep], lengths[~keep])}
+    if not keep.all():
+        rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in np.flatnonzero(keep)] or [np.zeros(0, np.int64)])
+        inst, when, features = inst[rows], when[rows], features[rows]
+        offsets = np.r_[0, np.cumsum(lengths[keep])].astype(np.int64)
+        names = names[keep]
+    panel = SeriesPanel(np.ascontiguousarray(features.astype(np.float32).T), stamps_from_ns(when), offsets,
+                        np.asarray(names, dtype=str), when)
+    return panel, report
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Qlib
+
+
+def init_qlib(cfg: QlibConfig) -> None:
+    """qlib.init on data.qlib_data_path with data.region."""
+    import qlib
+
+    qlib.init(provider_uri=os.path.expanduser(cfg.data.qlib_data_path), region=cfg.data.region)
+
+
+def read_calendar(cfg: QlibConfig) -> pd.DatetimeIndex:
+    """The trading calendar of data.freq (ns resolution)."""
+    from qlib.data import D
+
+    return pd.DatetimeIndex(D.calendar(freq=cfg.data.freq)).as_unit("ns")
+
+
+def load_frame(cfg: QlibConfig, start: pd.Timestamp, end: pd.Timestamp) -> pd.DataFrame:
+    """One D.features call for the whole universe: index (instrument, datetime), columns QLIB_FIELDS."""
+    from qlib.data import D
+
+    universe = D.instruments(cfg.data.instrument)
+    fields = QLIB_FIELDS if cfg.data.amount_source == "vwap" else QLIB_FIELDS[:5]
+    return D.features(universe, fields, start_time=start, end_time=end, freq=cfg.data.freq)

@@ -1,0 +1,109 @@
+"""The models a pipeline starts from: the `model:` settings both pipelines share, and the one factory that builds them.
+
+    model:
+      pretrained_tokenizer: NeoQuasar/Kronos-Tokenizer-base   # folder or hub id; null = from scratch (tokenizer_arch)
+      pretrained_predictor: NeoQuasar/Kronos-small            # folder or hub id; null = from scratch (predictor_arch)
+      tokenizer_arch: {d_model: 32, ...}                      # model.config.KronosTokenizerConfig
+      predictor_arch: {n_layers: 2, ...}                      # model.config.KronosConfig (bits null = the tokenizer's)
+
+    tokenizer = build_tokenizer(cfg.model.pretrained_tokenizer, cfg.model.tokenizer_arch, "model")
+    predictor = build_predictor(cfg.model.pretrained_predictor, cfg.model.predictor_arch, tokenizer, "model")
+
+A pretrained folder or hub id wins over the architecture, which is then ignored (and not checked). Every failure
+is a ValueError naming the YAML keys to change.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from model import Kronos, KronosTokenizer
+from model.config import KronosConfig, KronosTokenizerConfig
+from model.features import FEATURE_COLS
+
+from .checkpoint import check_token_sizes, load_pretrained
+from .config_utils import Problems
+
+__all__ = ["ModelConfig", "build_tokenizer", "build_predictor"]
+
+
+@dataclass
+class ModelConfig:
+    """Starting points of the two models (`model:` in YAML, the same in both pipelines)."""
+
+    pretrained_tokenizer: str | None = "NeoQuasar/Kronos-Tokenizer-base"
+    """Tokenizer to finetune: a save_pretrained folder or a Hugging Face Hub id; null = from scratch (tokenizer_arch)."""
+    pretrained_predictor: str | None = "NeoQuasar/Kronos-small"
+    """Predictor to finetune: a save_pretrained folder or a Hub id; null = from scratch (predictor_arch)."""
+    tokenizer_arch: KronosTokenizerConfig = field(default_factory=KronosTokenizerConfig)
+    """KronosTokenizer constructor arguments when pretrained_tokenizer is null (ignored otherwise)."""
+    predictor_arch: KronosConfig = field(default_factory=KronosConfig)
+    """Kronos constructor arguments when pretrained_predictor is null (s1/s2 bits null = the tokenizer's)."""
+
+    def check(self, problems: Problems, prefix: str = "model") -> None:
+        """Add every problem of these settings to `problems`, named `prefix.key` (no file or Hub access)."""
+        for name in ("pretrained_tokenizer", "pretrained_predictor"):
+            value = getattr(self, name)
+            problems.check(value is None or bool(str(value).strip()), f"{prefix}.{name}",
+                           "is empty; give a folder or hub id, or null to train from scratch")
+        tok, pred = self.tokenizer_arch, self.predictor_arch
+        if self.pretrained_tokenizer is None:
+            for key, message in tok.problems(f"{prefix}.tokenizer_arch"):
+                problems.add(key, message)
+            problems.check(tok.d_in == len(FEATURE_COLS), f"{prefix}.tokenizer_arch.d_in",
+                           f"must be {len(FEATURE_COLS)} (the features {FEATURE_COLS}), got {tok.d_in}")
+        if self.pretrained_predictor is None:
+            for key, message in pred.problems(f"{prefix}.predictor_arch"):
+                problems.add(key, message)
+            if self.pretrained_tokenizer is None:  # both from scratch: the bits can be compared now
+                for bits in ("s1_bits", "s2_bits"):
+                    want, got = getattr(tok, bits), getattr(pred, bits)
+                    problems.check(got is None or got == want, f"{prefix}.predictor_arch.{bits}",
+                                   f"is {got} but {prefix}.tokenizer_arch.{bits} is {want}; set it to null "
+                                   "(= the tokenizer's) or to the same value")
+
+
+def build_tokenizer(pretrained: str | None, arch: KronosTokenizerConfig, key: str = "model") -> KronosTokenizer:
+    """The tokenizer to finetune: `pretrained` loaded (folder or hub id), or a fresh one built from `arch`.
+
+    Parameters: pretrained: folder / hub id, or None = from scratch; arch: constructor arguments used when None;
+    key: YAML section of these settings, named in errors (`{key}.pretrained_tokenizer`, `{key}.tokenizer_arch`).
+    Returns: the tokenizer (encodes (B, T, d_in) candles into two (B, T) token id tensors).
+    """
+    if pretrained is not None:
+        return load_pretrained(KronosTokenizer, pretrained, f"{key}.pretrained_tokenizer")
+    problems = Problems(f"Invalid {key}.tokenizer_arch")
+    for k, message in arch.problems(f"{key}.tokenizer_arch"):
+        problems.add(k, message)
+    problems.raise_if_any()
+    return KronosTokenizer(**asdict(arch))
+
+
+def build_predictor(pretrained: str | None, arch: KronosConfig, tokenizer: KronosTokenizer, key: str = "model",
+                    *, tokenizer_key: str | None = None) -> Kronos:
+    """The predictor to finetune, paired with `tokenizer`: `pretrained` loaded, or a fresh one built from `arch`.
+
+    Parameters: pretrained: folder / hub id, or None = from scratch; arch: constructor arguments used when None,
+    its s1_bits / s2_bits None = the tokenizer's; tokenizer: the (finetuned) tokenizer the predictor reads the
+    tokens of; key: YAML section of these settings; tokenizer_key: the setting the tokenizer came from, for
+    messages (default `{key}.pretrained_tokenizer / {key}.tokenizer_arch`).
+    Returns: the predictor, whose vocabularies (2^s1_bits, 2^s2_bits) match the tokenizer's; a mismatch is a
+    ValueError naming the keys that chose the pair.
+    """
+    tokenizer_key = tokenizer_key or f"{key}.pretrained_tokenizer / {key}.tokenizer_arch"
+    if pretrained is not None:
+        predictor = load_pretrained(Kronos, pretrained, f"{key}.pretrained_predictor")
+        check_token_sizes(tokenizer, predictor, f"{tokenizer_key} / {key}.pretrained_predictor")
+        return predictor
+    problems = Problems(f"Invalid {key}.predictor_arch")
+    for k, message in arch.problems(f"{key}.predictor_arch"):
+        problems.add(k, message)
+    args = asdict(arch)
+    for bits in ("s1_bits", "s2_bits"):
+        have = getattr(tokenizer, bits)
+        if args[bits] is None:
+            args[bits] = have
+        problems.check(args[bits] == have, f"{key}.predictor_arch.{bits}",
+                       f"is {args[bits]} but the tokenizer ({tokenizer_key}) has {bits} = {have}; set it to null "
+                       "(= the tokenizer's) or to the same value")
+    problems.raise_if_any()
+    return Kronos(**args)
