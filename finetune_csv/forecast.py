@@ -132,9 +132,9 @@ def forecast_windows(predictor: KronosPredictor, windows: HeldOutWindows, cfg: C
     out = []
     for i in range(0, len(windows.context), batch):
         part = slice(i, i + batch)
-        # Column-major like the DataFrame predict_batch reads: numpy's sum order (so the last float32 bit of the
+        # Row-major (T, 6) float32 like KronosPredictor._prepare: numpy's sum order (so the last float32 bit of the
         # mean / std) depends on the memory layout, and this keeps the forecasts identical to predict_batch's.
-        stats = [normalize(np.asfortranarray(x), predictor.clip) for x in windows.context[part].astype(np.float32)]
+        stats = [normalize(x, predictor.clip, axis=0) for x in windows.context[part].astype(np.float32)]
         xn = np.stack([s[0] for s in stats])  # (B, L, 6)
         paths = predictor.generate(xn, x_stamps[part], y_stamps[part], cfg.data.predict, T=f.temperature,
                                    top_k=f.top_k, top_p=f.top_p, sample_count=f.sample_count)  # (B, S, P, 6)
