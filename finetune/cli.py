@@ -14,6 +14,7 @@ documented in finetune/utils/errors.py.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -25,7 +26,7 @@ from typing import Any
 
 from finetune.utils.errors import MissingExtraError, PathError, UserError, run_main
 
-__all__ = ["Command", "COMMANDS", "main", "resolve"]
+__all__ = ["Command", "COMMANDS", "main", "resolve", "run_script"]
 
 _ROOT = Path(__file__).resolve().parents[1]
 
@@ -148,21 +149,50 @@ def _dispatch(argv: list[str]) -> int:
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         print(f"error: unknown command '{name}'{hint}; `kronos --help` lists the commands", file=sys.stderr)
         return 2
+    return _run_command(name, args, entry=None)
+
+
+def _run_command(name: str, args: list[str], entry: Callable[..., Any] | None) -> int:
+    """What `kronos <name>` and the script behind it share: config flags, readiness checks, original configs.
+
+    `entry` None = the `kronos` path (import the command's main, check the torchrun launch here so the hint names
+    `kronos`); a function = the script path (`python finetune_csv/forecast.py ...`), whose main reports itself.
+    """
     cmd = COMMANDS[name]
+    prog = f"kronos {name}" if entry is None else None
     if cmd.config is not None and ("--help-config" in args or "--print-config" in args):
         from finetune.utils.config_help import run_config_flags
 
-        return run_config_flags(f"kronos {name}", cmd.config, args)
-    _check_ready(name, cmd, args)
-    entry = resolve(name)
-    # argparse names the program after sys.argv[0]: show `kronos finetune` in usage lines and messages.
-    saved = sys.argv[0]
-    sys.argv[0] = f"kronos {name}"
-    try:
-        result = entry(list(args))
-    finally:
-        sys.argv[0] = saved
+        return run_config_flags(prog or os.path.basename(sys.argv[0]), cmd.config, args)
+    if entry is None:
+        _check_ready(name, cmd, args)
+        entry = resolve(name)
+    else:
+        for module in cmd.needs:  # the script path imports qlib lazily; name the extra before any work
+            if importlib.util.find_spec(module) is None:
+                raise MissingExtraError.for_module(module, os.path.basename(sys.argv[0]))
+    with contextlib.ExitStack() as stack:
+        if cmd.config == "csv":  # a YAML in the original Kronos finetune_csv format runs too
+            from finetune_csv.legacy_config import translated_argv
+
+            args = stack.enter_context(translated_argv(args))
+        saved = sys.argv[0]
+        if prog is not None:  # argparse names the program after sys.argv[0]: `usage: kronos finetune ...`
+            sys.argv[0] = prog
+        try:
+            result = entry(list(args))
+        finally:
+            sys.argv[0] = saved
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+def run_script(name: str, main: Callable[..., Any], argv: Sequence[str] | None = None) -> int:
+    """The `__main__` block of the script behind `kronos <name>`: `sys.exit(run_script("forecast", main))`.
+
+    Same behaviour as the subcommand (clean errors and exit codes, --debug, --help-config, --print-config,
+    original-format CSV configs); returns the exit code.
+    """
+    return run_main(lambda args: _run_command(name, args, entry=main), argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

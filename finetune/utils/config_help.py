@@ -61,7 +61,7 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _own_field_docs(cls: type) -> dict[str, str]:
     try:
         source = textwrap.dedent(inspect.getsource(cls))

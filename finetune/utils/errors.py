@@ -121,8 +121,8 @@ class MissingExtraError(UserError, ImportError):
     def for_module(cls, module: str, what: str = "this command") -> MissingExtraError:
         """The error for a missing `module` of `OPTIONAL_MODULES` (its extra is named in the message)."""
         extra = OPTIONAL_MODULES.get(module.split(".")[0], module)
-        return cls(f"{what} needs the optional dependency '{module}', which is not installed; "
-                   f"install it with: pip install '{PACKAGE_NAME}[{extra}]'  (from a checkout: pip install '.[{extra}]')")
+        return cls(f"{what} needs the optional dependency '{module}', which is not installed; install it with: "
+                   f"pip install '{PACKAGE_NAME}[{extra}]'  (from a checkout: pip install '.[{extra}]')")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -220,7 +220,8 @@ def format_error(exc: BaseException, code: int) -> str:
     else:
         text = str(exc) or type(exc).__name__
     rank = os.environ.get("RANK")
-    prefix = f"error (rank {rank}): " if rank not in (None, "0") and os.environ.get("WORLD_SIZE", "1") != "1" else "error: "
+    several = os.environ.get("WORLD_SIZE", "1") != "1"
+    prefix = f"error (rank {rank}): " if rank not in (None, "0") and several else "error: "
     return prefix + text.strip()
 
 
@@ -242,12 +243,23 @@ def debug_enabled() -> bool:
     return os.environ.get("KRONOS_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
 
 
+def _takes_no_arguments(fn: Callable[..., Any]) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return not any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params)
+
+
 def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> int:
     """Run `main(argv)` and turn its outcome into an exit code, reporting failures as described above.
 
     Parameters
     ----------
-    main: an entry point's `main(argv)`; its return value is the exit code when it is an int, else 0.
+    main: an entry point's `main(argv)` (or `main()`, which then reads `sys.argv`); its return value is the exit
+        code when it is an int, else 0.
     argv: command-line arguments without the program name (default `sys.argv[1:]`); `--debug` is removed from
         them (and turns tracebacks on) before `main` sees them.
 
@@ -260,7 +272,11 @@ def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None
         os.environ["KRONOS_DEBUG"] = "1"  # nested run_main calls (kronos -> subcommand) and child processes see it
     debug = debug_flag or debug_enabled()
     try:
-        result = main(args)
+        if _takes_no_arguments(main):  # a script whose main() reads sys.argv itself
+            sys.argv[1:] = args
+            result = main()
+        else:
+            result = main(args)
     except SystemExit as exc:  # argparse (--help, usage errors) and scripts' own `SystemExit("...")`
         if exc.code is None or isinstance(exc.code, int):
             return int(exc.code or 0)
