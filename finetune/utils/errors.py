@@ -268,8 +268,6 @@ def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None
     The process exit code (`EXIT_*`); pass it to `sys.exit`.
     """
     args, debug_flag = _split_debug(sys.argv[1:] if argv is None else argv)
-    if debug_flag:
-        os.environ["KRONOS_DEBUG"] = "1"  # nested run_main calls (kronos -> subcommand) and child processes see it
     debug = debug_flag or debug_enabled()
     try:
         if _takes_no_arguments(main):  # a script whose main() reads sys.argv itself
