@@ -214,6 +214,7 @@ def test_run_main_calls_argumentless_main_with_sys_argv(monkeypatch):
     assert seen == [["bench.py", "--rows", "5"]]
 
 
+@pytest.mark.slow
 def test_script_error_in_a_subprocess_has_no_traceback(tmp_path):
     """The real thing: `python finetune_csv/train_sequential.py` with a bad setting."""
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
