@@ -13,9 +13,22 @@ import pytest
 from finetune.utils import errors
 from finetune.utils.config_utils import ConfigError, load_config
 from finetune.utils.distributed import resolve_backend
-from finetune.utils.errors import (EXIT_BUG, EXIT_CONFIG, EXIT_DATA, EXIT_INTERRUPTED, EXIT_MISSING_EXTRA,
-                                   EXIT_PATH, EXIT_REFUSED, DataError, MissingExtraError, PathError, RefusedError,
-                                   UserError, classify, run_main)
+from finetune.utils.errors import (
+    EXIT_BUG,
+    EXIT_CONFIG,
+    EXIT_DATA,
+    EXIT_INTERRUPTED,
+    EXIT_MISSING_EXTRA,
+    EXIT_PATH,
+    EXIT_REFUSED,
+    DataError,
+    MissingExtraError,
+    PathError,
+    RefusedError,
+    UserError,
+    classify,
+    run_main,
+)
 from finetune_csv.config import CsvFinetuneConfig
 
 ROOT = Path(__file__).resolve().parents[1]

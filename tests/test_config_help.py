@@ -12,8 +12,15 @@ import yaml
 
 from finetune import cli
 from finetune.config import QlibConfig, load_qlib_config
-from finetune.utils.config_help import (KeyDoc, SectionDoc, _show_default, add_help_config_args, describe_config,
-                                        field_docs, format_config_help)
+from finetune.utils.config_help import (
+    KeyDoc,
+    SectionDoc,
+    _show_default,
+    add_help_config_args,
+    describe_config,
+    field_docs,
+    format_config_help,
+)
 from finetune.utils.config_utils import add_config_args, config_to_dict, load_config
 from finetune_csv import config as csv_config
 from finetune_csv.config import CsvFinetuneConfig

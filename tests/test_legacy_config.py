@@ -15,8 +15,14 @@ from finetune import cli
 from finetune.utils.config_utils import ConfigError, config_to_dict
 from finetune_csv import config as csv_config
 from finetune_csv.config import CsvFinetuneConfig
-from finetune_csv.legacy_config import (ORIGINAL_DEFAULTS, RULES, is_original_config, load_csv_config, translate,
-                                        translated_argv)
+from finetune_csv.legacy_config import (
+    ORIGINAL_DEFAULTS,
+    RULES,
+    is_original_config,
+    load_csv_config,
+    translate,
+    translated_argv,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 ORIGINAL = ROOT / "configs/original_finetune_csv.yaml"
