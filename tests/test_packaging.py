@@ -170,18 +170,20 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int = 600) -> 
 def test_pip_install_into_a_fresh_venv_gives_kronos_and_the_csv_pipeline(tmp_path):
     """`pip install .` with nothing but the declared dependencies visible.
 
-    The machine has no network for pip, so the declared dependencies come from THIS environment: their installed
-    files (the recursive closure of pyproject's `dependencies`, plus setuptools to build) are symlinked into one
+    Tests must not need the network, so the declared dependencies come from THIS environment: their installed
+    files (the recursive closure of pyproject's `dependencies`, plus pip and setuptools) are symlinked into one
     folder that a `.pth` file puts on the fresh venv's path. The venv does not see this environment's site-packages,
     so a library the code imports but pyproject does not declare (pyqlib included) is missing there, and a declared
     one that is not available fails `pip install --no-index`.
     """
-    build_reqs = PYPROJECT["build-system"]["requires"]
+    # pip and the build backend come from here too (the venv is made without pip: ensurepip's old setuptools
+    # would shadow them and cannot build wheels without the `wheel` package).
+    tools = PYPROJECT["build-system"]["requires"] + ["pip"]
     site = tmp_path / "declared_site"
-    _link_site(_closure(PROJECT["dependencies"] + build_reqs), site)
+    _link_site(_closure(PROJECT["dependencies"] + tools), site)
 
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
     py = venv / "bin" / "python"
     purelib = _run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp_path,
                    {"PATH": "/usr/bin:/bin"}).stdout.strip()
