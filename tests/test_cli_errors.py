@@ -133,6 +133,15 @@ def test_user_error_subclasses_keep_builtin_types():
     assert issubclass(MissingExtraError, ImportError)
 
 
+def test_failed_model_load_naming_the_key_is_a_path_error(tmp_path):
+    from finetune.utils.checkpoint import load_pretrained
+    from model import KronosTokenizer
+
+    exc = _raised(load_pretrained, KronosTokenizer, str(tmp_path / "missing"), "model.pretrained_tokenizer")
+    assert isinstance(exc, ValueError) and "model.pretrained_tokenizer" in str(exc)
+    assert classify(exc) == (EXIT_PATH, True)
+
+
 def test_hub_lookup_failure_is_a_path_error():
     hub_errors = pytest.importorskip("huggingface_hub.errors")
     assert classify(hub_errors.LocalEntryNotFoundError("not cached and offline")) == (EXIT_PATH, True)

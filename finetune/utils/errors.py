@@ -33,6 +33,7 @@ How a user error is told from a bug, in this order:
    project's code (model/, finetune/, finetune_csv/, scripts/) -> 2 if that file is a config module
    (config*.py, legacy_config.py), else 3. The same types raised inside numpy/torch/pandas, or by an expression in
    our code (e.g. `int("x")`), are treated as bugs: the check that should have caught them is missing.
+   Such a message raised `from` a path or Hub error (rule 5) keeps that error's code 4.
 7. Anything else is a bug -> 1, with the traceback.
 """
 
@@ -148,6 +149,8 @@ def classify(exc: BaseException) -> tuple[int, bool]:
     if isinstance(exc, (ValueError, RuntimeError, ArithmeticError)):
         origin = _raised_by_project(exc.__traceback__)
         if origin is not None:
+            if isinstance(exc.__cause__, BaseException) and classify(exc.__cause__) == (EXIT_PATH, True):
+                return EXIT_PATH, True  # e.g. load_pretrained's ValueError naming the key, from a failed Hub lookup
             return (EXIT_CONFIG if _is_config_module(origin) else EXIT_DATA), True
     return EXIT_BUG, False
 
