@@ -203,3 +203,11 @@ def test_kronos_print_config_of_an_original_file(capsys):
     assert cli.main(["finetune", "--config", str(ORIGINAL), "--print-config"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed == config_to_dict(load_csv_config(ORIGINAL))
+
+
+def test_kronos_finetune_runs_an_original_file_with_an_original_override(tmp_path, capsys):
+    missing = tmp_path / "nowhere.csv"
+    rc = cli.main(["finetune", "--config", str(ORIGINAL), "--set", f"data.data_path={missing}"])
+    assert rc == 3  # the CSV loader's data check ran on the translated settings
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: data.path: {missing} does not exist")
