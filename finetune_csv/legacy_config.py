@@ -7,7 +7,7 @@ keys (`data.path`, `data.lookback`, `tokenizer_training.epochs`, `predictor_trai
 ...). Loading such a file logs one line per key (its new name, or why it is not needed), warns about every key that
 cannot be honoured, and fills the original's defaults where they differ from ours (`ORIGINAL_DEFAULTS`).
 
-    cfg = load_csv_config("configs/original_finetune_csv.yaml", ["data.data_path=/data/x.csv"])
+    cfg = load_csv_config("configs/original/finetune_csv.yaml", ["data.data_path=/data/x.csv"])
 
 `--set` overrides may use either the original keys (applied before the translation) or ours (applied after).
 A file in this project's format loads unchanged; one that mixes original keys into it is rejected with the new name

@@ -25,7 +25,7 @@ from finetune_csv.legacy_config import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-ORIGINAL = ROOT / "configs/original_finetune_csv.yaml"
+ORIGINAL = ROOT / "configs/original/finetune_csv.yaml"  # a subfolder: configs/*.yaml are csv_*/qlib_* files
 
 
 def _raw() -> dict:
