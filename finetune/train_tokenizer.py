@@ -63,4 +63,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from finetune.cli import run_script  # clean errors, exit codes, --debug, --help-config, --print-config
+
+    sys.exit(run_script("qlib-train-tokenizer", main))

@@ -233,4 +233,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import sys
+
+    from finetune.cli import run_script  # clean errors, exit codes, --debug, --help-config, --print-config
+
+    sys.exit(run_script("forecast", main))

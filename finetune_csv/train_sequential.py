@@ -126,4 +126,8 @@ def summarize(results: list[TrainResult], plan: dict[str, str | None]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import sys
+
+    from finetune.cli import run_script  # clean errors, exit codes, --debug, --help-config, --print-config
+
+    sys.exit(run_script("finetune", main))

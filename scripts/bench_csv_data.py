@@ -146,4 +146,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from finetune.utils.errors import run_main  # clean errors and exit codes (finetune/utils/errors.py)
+
+    sys.exit(run_main(main))

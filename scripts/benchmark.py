@@ -37,4 +37,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    import sys
+
+    from finetune.cli import run_script  # clean errors, exit codes, --debug, --help-config, --print-config
+
+    sys.exit(run_script("benchmark", main))

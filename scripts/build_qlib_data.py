@@ -68,4 +68,8 @@ def build(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from finetune.cli import run_script  # clean errors, exit codes, --debug, --help-config, --print-config
+
+    sys.exit(run_script("build-qlib-store", main))

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment in .venv and install everything into it.
 #
-# torch is installed *first* and pinned (TORCH_SPEC, default torch==2.13.0): requirements.txt only says
+# What gets installed is declared in pyproject.toml (requirements*.txt list the same for `pip install -r` users).
+#
+# torch is installed *first* and pinned (TORCH_SPEC, default torch==2.13.0): pyproject.toml only says
 # torch>=2.3, which an installed torch satisfies, so pip never replaces it with the newest multi-GB CUDA build.
 # On a CUDA machine pick the build you want, e.g.
 #   TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" bash scripts/setup_env.sh
@@ -24,11 +26,13 @@ if [ ! -f "$stamp" ]; then
     # shellcheck disable=SC2086  # TORCH_SPEC may carry pip options (an --index-url)
     "$PY" -m pip install -q $TORCH_SPEC
   fi
-  echo "[setup] installing requirements-dev.txt"
-  "$PY" -m pip install -q -r requirements-dev.txt
-  # Editable install: `import model`, `import finetune` work from any directory and from scripts
-  # launched as `python finetune_csv/train_sequential.py` or `torchrun finetune/train_tokenizer.py`.
-  "$PY" -m pip install -q --no-deps --no-build-isolation -e .
+  # This repository in editable mode with the `dev` extra (pyproject.toml: runtime dependencies, pytest, ruff, pyqlib,
+  # tensorboard): `import model` / `import finetune` work from any directory, also for scripts launched as
+  # `python finetune_csv/train_sequential.py` or `torchrun finetune/train_tokenizer.py`, and `kronos` is on PATH.
+  # setuptools is made present first so the build needs no isolated environment (works offline once installed).
+  echo "[setup] installing this repository with its dev extra (pip install -e '.[dev]')"
+  "$PY" -m pip install -q 'setuptools>=61'
+  "$PY" -m pip install -q --no-build-isolation -e '.[dev]'
   rm -f "$VENV"/.installed-*
   touch "$stamp"
 fi

@@ -1,6 +1,14 @@
 #!/usr/bin/env bash
-# The whole test suite, in the project's own virtual environment (created on first use).
+# The test suite, in the project's own virtual environment (created on first use).
+#   bash scripts/test.sh                 # everything (what CI runs)
+#   bash scripts/test.sh --fast          # skip the tests marked slow (multi-process, end-to-end, packaging)
+#   bash scripts/test.sh tests/test_x.py -x   # extra arguments go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
+fast=()
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  fast=(-m "not slow")
+fi
 bash scripts/setup_env.sh
-exec .venv/bin/python -m pytest "$@"
+exec .venv/bin/python -m pytest ${fast[@]+"${fast[@]}"} "$@"

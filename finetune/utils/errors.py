@@ -1,0 +1,302 @@
+"""User errors versus bugs: how every entry point reports a failure and which exit code it returns.
+
+Every entry point ends with
+
+    if __name__ == "__main__":
+        sys.exit(run_main(main))
+
+and the `kronos` command runs each subcommand the same way. `run_main` prints a user error as ONE message on
+stderr, starting with `error: `, without a traceback; a bug (anything else) keeps its traceback. `--debug` on the
+command line or `KRONOS_DEBUG=1` in the environment adds the traceback to user errors too.
+
+Exit codes (`EXIT_*` below):
+
+    0    success
+    1    a bug: an unexpected exception (traceback printed; please report it)
+    2    configuration: a setting is wrong (ConfigError, a ValueError raised by a config module, a bad command line)
+    3    data or run: an input or run check failed (a ValueError / RuntimeError / FloatingPointError raised by this
+         project's own code, e.g. a bad CSV, too few windows, a non-finite loss, a trainer started without torchrun)
+    4    path or Hub: a file or folder does not exist, or a Hugging Face Hub lookup failed
+    5    refused: the run would overwrite or lose earlier work (FileExistsError, a refused resume)
+    6    missing optional dependency: e.g. the Qlib pipeline without pyqlib (`pip install 'kronos-finetune[qlib]'`)
+    130  interrupted (Ctrl-C)
+
+How a user error is told from a bug, in this order:
+1. `KeyboardInterrupt` -> 130.
+2. An instance of `UserError` (the base below, or one of its subclasses, which also derive from the matching
+   built-in type) -> its `exit_code`. New checks should raise these.
+3. `finetune.utils.config_utils.ConfigError` -> 2.
+4. `ModuleNotFoundError` for a module of an optional extra (`OPTIONAL_MODULES`) -> 6, naming the extra.
+5. `FileExistsError` -> 5; `FileNotFoundError`, `NotADirectoryError`, `IsADirectoryError`, `PermissionError` -> 4;
+   a `huggingface_hub` lookup error -> 4.
+6. A `ValueError`, `RuntimeError` or `ArithmeticError` whose innermost frame is a `raise` statement in this
+   project's code (model/, finetune/, finetune_csv/, scripts/) -> 2 if that file is a config module
+   (config*.py, legacy_config.py), else 3. The same types raised inside numpy/torch/pandas, or by an expression in
+   our code (e.g. `int("x")`), are treated as bugs: the check that should have caught them is missing.
+   Such a message raised `from` a path or Hub error (rule 5) keeps that error's code 4.
+7. Anything else is a bug -> 1, with the traceback.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_BUG",
+    "EXIT_CONFIG",
+    "EXIT_DATA",
+    "EXIT_PATH",
+    "EXIT_REFUSED",
+    "EXIT_MISSING_EXTRA",
+    "EXIT_INTERRUPTED",
+    "OPTIONAL_MODULES",
+    "UserError",
+    "DataError",
+    "PathError",
+    "RefusedError",
+    "MissingExtraError",
+    "classify",
+    "format_error",
+    "run_main",
+]
+
+EXIT_OK = 0
+EXIT_BUG = 1
+EXIT_CONFIG = 2
+EXIT_DATA = 3
+EXIT_PATH = 4
+EXIT_REFUSED = 5
+EXIT_MISSING_EXTRA = 6
+EXIT_INTERRUPTED = 130
+
+# Top-level module -> the extra of this package that installs it.
+OPTIONAL_MODULES = {"qlib": "qlib", "tensorboard": "tensorboard"}
+PACKAGE_NAME = "kronos-finetune"
+
+# Folders (relative to the repository / site-packages root) whose `raise` statements are deliberate messages.
+_PROJECT_DIRS = ("model", "finetune", "finetune_csv", "scripts")
+_ROOT = Path(__file__).resolve().parents[2]
+_DEBUG_FLAG = "--debug"
+_DEBUG_HINT = f"(add {_DEBUG_FLAG} or set KRONOS_DEBUG=1 to see the traceback)"
+
+
+class UserError(Exception):
+    """A mistake the user can fix; shown as one `error: ...` message without a traceback. Base of the others."""
+
+    exit_code: int = EXIT_DATA
+
+
+class DataError(UserError, ValueError):
+    """The input data fails a check (missing column, too few rows, NaN, ...)."""
+
+    exit_code = EXIT_DATA
+
+
+class PathError(UserError, FileNotFoundError):
+    """A file, folder or Hub id the settings name cannot be found."""
+
+    exit_code = EXIT_PATH
+
+
+class RefusedError(UserError):
+    """The run stops rather than overwrite or lose earlier work (e.g. resuming with different settings)."""
+
+    exit_code = EXIT_REFUSED
+
+
+class MissingExtraError(UserError, ImportError):
+    """An optional dependency is not installed; the message says which extra installs it."""
+
+    exit_code = EXIT_MISSING_EXTRA
+
+    @classmethod
+    def for_module(cls, module: str, what: str = "this command") -> MissingExtraError:
+        """The error for a missing `module` of `OPTIONAL_MODULES` (its extra is named in the message)."""
+        extra = OPTIONAL_MODULES.get(module.split(".")[0], module)
+        return cls(f"{what} needs the optional dependency '{module}', which is not installed; install it with: "
+                   f"pip install '{PACKAGE_NAME}[{extra}]'  (from a checkout: pip install '.[{extra}]')")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# classification
+
+
+def classify(exc: BaseException) -> tuple[int, bool]:
+    """(exit code, is a user error) of an exception escaping `main`; see the module docstring for the rules."""
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, True
+    if isinstance(exc, UserError):
+        return exc.exit_code, True
+    if _is_config_error(exc):
+        return EXIT_CONFIG, True
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] in OPTIONAL_MODULES:
+        return EXIT_MISSING_EXTRA, True
+    if isinstance(exc, FileExistsError):
+        return EXIT_REFUSED, True
+    if isinstance(exc, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)):
+        return EXIT_PATH, True
+    if _is_hub_error(exc):
+        return EXIT_PATH, True
+    if isinstance(exc, (ValueError, RuntimeError, ArithmeticError)):
+        origin = _raised_by_project(exc.__traceback__)
+        if origin is not None:
+            if isinstance(exc.__cause__, BaseException) and classify(exc.__cause__) == (EXIT_PATH, True):
+                return EXIT_PATH, True  # e.g. load_pretrained's ValueError naming the key, from a failed Hub lookup
+            return (EXIT_CONFIG if _is_config_module(origin) else EXIT_DATA), True
+    return EXIT_BUG, False
+
+
+def _is_config_error(exc: BaseException) -> bool:
+    # Imported lazily: config_utils needs yaml, which an error path should not depend on.
+    mod = sys.modules.get("finetune.utils.config_utils")
+    return mod is not None and isinstance(exc, mod.ConfigError)
+
+
+def _is_hub_error(exc: BaseException) -> bool:
+    mod = sys.modules.get("huggingface_hub.errors") or sys.modules.get("huggingface_hub.utils")
+    if mod is None:
+        return False
+    kinds = tuple(getattr(mod, n) for n in ("HfHubHTTPError", "LocalEntryNotFoundError", "OfflineModeIsEnabled",
+                                            "RepositoryNotFoundError", "RevisionNotFoundError") if hasattr(mod, n))
+    return bool(kinds) and isinstance(exc, kinds)
+
+
+def _is_config_module(path: Path) -> bool:
+    return path.name.startswith("config") or path.name == "legacy_config.py"
+
+
+def _raised_by_project(tb: TracebackType | None) -> Path | None:
+    """The project file whose `raise` statement raised the exception (innermost frame), else None."""
+    if tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    path = Path(tb.tb_frame.f_code.co_filename)
+    try:
+        rel = path.resolve().relative_to(_ROOT)
+    except (ValueError, OSError):
+        return None
+    if not rel.parts or rel.parts[0] not in _PROJECT_DIRS:
+        return None
+    return path if _is_raise_line(str(path), tb.tb_lineno) else None
+
+
+@functools.lru_cache(maxsize=64)
+def _raise_lines(filename: str) -> frozenset[int]:
+    """Every line number covered by a `raise` statement in `filename` (empty when it cannot be parsed)."""
+    try:
+        tree = ast.parse(Path(filename).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return frozenset()
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Raise):
+            lines.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    return frozenset(lines)
+
+
+def _is_raise_line(filename: str, lineno: int) -> bool:
+    return lineno in _raise_lines(filename)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reporting
+
+
+def format_error(exc: BaseException, code: int) -> str:
+    """The message printed for a user error: `error: <first line>` then any further lines of the message."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "error: interrupted (Ctrl-C); checkpoints/last.pt holds the last completed epoch or save step"
+    if isinstance(exc, ModuleNotFoundError) and not isinstance(exc, MissingExtraError) and code == EXIT_MISSING_EXTRA:
+        return "error: " + str(MissingExtraError.for_module(exc.name or "?"))
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror and not isinstance(exc, UserError):
+        text = f"{exc.strerror}: {exc.filename}"  # `[Errno 2] No such file ...: 'x'` -> `No such file ...: x`
+    else:
+        text = str(exc) or type(exc).__name__
+    rank = os.environ.get("RANK")
+    several = os.environ.get("WORLD_SIZE", "1") != "1"
+    prefix = f"error (rank {rank}): " if rank not in (None, "0") and several else "error: "
+    return prefix + text.strip()
+
+
+def _split_debug(argv: Sequence[str]) -> tuple[list[str], bool]:
+    """Remove `--debug` (before any `--`) from `argv`; returns (rest, found)."""
+    rest, found, passthrough = [], False, False
+    for arg in argv:
+        if arg == "--":
+            passthrough = True
+        if arg == _DEBUG_FLAG and not passthrough:
+            found = True
+            continue
+        rest.append(arg)
+    return rest, found
+
+
+def debug_enabled() -> bool:
+    """True when KRONOS_DEBUG is set to something other than '', '0' or 'false'."""
+    return os.environ.get("KRONOS_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _takes_no_arguments(fn: Callable[..., Any]) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return not any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params)
+
+
+def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> int:
+    """Run `main(argv)` and turn its outcome into an exit code, reporting failures as described above.
+
+    Parameters
+    ----------
+    main: an entry point's `main(argv)` (or `main()`, which then reads `sys.argv`); its return value is the exit
+        code when it is an int, else 0.
+    argv: command-line arguments without the program name (default `sys.argv[1:]`); `--debug` is removed from
+        them (and turns tracebacks on) before `main` sees them.
+
+    Returns
+    -------
+    The process exit code (`EXIT_*`); pass it to `sys.exit`.
+    """
+    args, debug_flag = _split_debug(sys.argv[1:] if argv is None else argv)
+    debug = debug_flag or debug_enabled()
+    try:
+        if _takes_no_arguments(main):  # a script whose main() reads sys.argv itself
+            sys.argv[1:] = args
+            result = main()
+        else:
+            result = main(args)
+    except SystemExit as exc:  # argparse (--help, usage errors) and scripts' own `SystemExit("...")`
+        if exc.code is None or isinstance(exc.code, int):
+            return int(exc.code or 0)
+        message = str(exc.code)
+        print(message if message.startswith("error") else f"error: {message}", file=sys.stderr)
+        return EXIT_DATA
+    except BaseException as exc:  # noqa: BLE001 - this IS the top-level handler
+        code, is_user = classify(exc)
+        sys.stderr.flush()
+        if is_user:
+            print(format_error(exc, code), file=sys.stderr)
+            if debug:
+                traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+            elif code != EXIT_INTERRUPTED:
+                print(_DEBUG_HINT, file=sys.stderr)
+        else:
+            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+            print(f"error: unexpected {type(exc).__name__} (a bug; please report it with the traceback above): "
+                  f"{exc}", file=sys.stderr)
+        sys.stderr.flush()
+        return code
+    return result if isinstance(result, int) and not isinstance(result, bool) else EXIT_OK

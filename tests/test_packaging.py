@@ -1,0 +1,239 @@
+"""Packaging: pyproject.toml declares what the code imports, requirements*.txt agree with it, and `pip install .`
+into a fresh virtual environment gives a working `kronos` command and CSV pipeline without pyqlib."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata as md
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+packaging_req = pytest.importorskip("packaging.requirements")
+from packaging.utils import canonicalize_name  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+PROJECT = PYPROJECT["project"]
+OUR_PACKAGES = ("model", "finetune", "finetune_csv")
+# Imported inside try/except ImportError with a warning (training.comet): not a dependency.
+OPTIONAL_IMPORTS = {"comet_ml"}
+
+
+def _req_set(lines: list[str]) -> set[str]:
+    return {str(packaging_req.Requirement(line)) for line in lines}
+
+
+def _requirement_lines(path: Path) -> list[str]:
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.split(" #")[0].strip()
+        if line and not line.startswith(("#", "-r", "-e", "--")):
+            out.append(line)
+    return out
+
+
+def test_requirements_txt_agrees_with_pyproject():
+    assert _req_set(_requirement_lines(ROOT / "requirements.txt")) == _req_set(PROJECT["dependencies"])
+
+
+def test_requirements_dev_agrees_with_the_dev_extra():
+    dev = ROOT / "requirements-dev.txt"
+    assert "-r requirements.txt" in dev.read_text().splitlines()
+    assert _req_set(_requirement_lines(dev)) == _req_set(PROJECT["optional-dependencies"]["dev"])
+
+
+def test_extras_and_torch_requirement():
+    extras = PROJECT["optional-dependencies"]
+    assert _req_set(extras["qlib"]) == {"pyqlib==0.9.7"}
+    assert "tensorboard" in {packaging_req.Requirement(r).name for r in extras["tensorboard"]}
+    core = {canonicalize_name(packaging_req.Requirement(r).name) for r in PROJECT["dependencies"]}
+    assert "pyqlib" not in core and "tensorboard" not in core
+    torch = next(packaging_req.Requirement(r) for r in PROJECT["dependencies"] if r.startswith("torch"))
+    # A lower bound only: an installed CUDA build satisfies it, so pip never swaps it for another build.
+    assert str(torch.specifier) == ">=2.3" and not torch.url
+
+
+def test_console_script_points_at_the_cli():
+    assert PROJECT["scripts"] == {"kronos": "finetune.cli:main"}
+    from finetune.cli import main
+
+    assert callable(main)
+
+
+def test_every_package_is_included():
+    from setuptools import find_packages
+
+    include = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
+    found = set(find_packages(where=str(ROOT), include=include))
+    inits = [p for top in OUR_PACKAGES for p in (ROOT / top).rglob("__init__.py")]
+    on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in inits}
+    assert on_disk <= found
+
+
+def _third_party_imports() -> dict[str, set[str]]:
+    """{top-level module: files importing it} over model/, finetune/, finetune_csv/."""
+    out: dict[str, set[str]] = {}
+    for top in OUR_PACKAGES:
+        for path in (ROOT / top).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                for name in names:
+                    mod = name.split(".")[0]
+                    if mod not in sys.stdlib_module_names and mod not in OUR_PACKAGES:
+                        out.setdefault(mod, set()).add(str(path.relative_to(ROOT)))
+    return out
+
+
+def test_every_imported_library_is_declared():
+    declared = {canonicalize_name(packaging_req.Requirement(r).name) for r in PROJECT["dependencies"]}
+    qlib_extra = {canonicalize_name(packaging_req.Requirement(r).name)
+                  for r in PROJECT["optional-dependencies"]["qlib"]}
+    dists = md.packages_distributions()
+    problems = []
+    for module, files in sorted(_third_party_imports().items()):
+        if module in OPTIONAL_IMPORTS:
+            continue
+        names = {canonicalize_name(d) for d in dists.get(module, [])}
+        if names & declared:
+            continue
+        if names & qlib_extra and all(Path(f).name.startswith("qlib_") for f in files):
+            continue  # the Qlib entry points import pyqlib lazily and name the extra when it is missing
+        problems.append(f"{module} (distribution {sorted(names) or '?'}) imported by {sorted(files)}")
+    assert not problems, "undeclared dependencies:\n" + "\n".join(problems)
+
+
+def test_ruff_and_pytest_settings():
+    assert PYPROJECT["tool"]["ruff"]["line-length"] == 120
+    assert set(PYPROJECT["tool"]["ruff"]["lint"]["select"]) >= {"E", "F", "I", "B", "UP"}
+    pytest_cfg = PYPROJECT["tool"]["pytest"]["ini_options"]
+    assert pytest_cfg["testpaths"] == ["tests"] and any(m.startswith("slow:") for m in pytest_cfg["markers"])
+    assert '-m "not slow"' in (ROOT / "scripts/test.sh").read_text()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a real install into a fresh virtual environment
+
+
+def _closure(requirements: list[str]) -> list[md.Distribution]:
+    """The installed distributions `requirements` need, recursively (markers evaluated here, extras off)."""
+    seen: dict[str, md.Distribution] = {}
+    todo = list(requirements)
+    while todo:
+        req = packaging_req.Requirement(todo.pop())
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        name = canonicalize_name(req.name)
+        if name in seen:
+            continue
+        try:
+            dist = md.distribution(req.name)
+        except md.PackageNotFoundError:
+            pytest.skip(f"{req.name} is not installed here, so it cannot be offered to the fresh environment")
+        seen[name] = dist
+        todo.extend(dist.requires or [])
+    return list(seen.values())
+
+
+def _link_site(dists: list[md.Distribution], site: Path) -> None:
+    """A folder holding (symlinks to) exactly the files of `dists`: the only packages the fresh venv can see."""
+    site.mkdir()
+    for dist in dists:
+        if dist.files is None:
+            pytest.skip(f"{dist.metadata['Name']} has no RECORD; cannot tell its files")
+        for top in {f.parts[0] for f in dist.files if f.parts and f.parts[0] not in ("..", "bin")}:
+            target = Path(dist.locate_file(top))
+            if target.exists() and not (site / top).exists():
+                (site / top).symlink_to(target)
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_pip_install_into_a_fresh_venv_gives_kronos_and_the_csv_pipeline(tmp_path):
+    """`pip install .` with nothing but the declared dependencies visible.
+
+    Tests must not need the network, so the declared dependencies come from THIS environment: their installed
+    files (the recursive closure of pyproject's `dependencies`, plus pip and setuptools) are symlinked into one
+    folder that a `.pth` file puts on the fresh venv's path. The venv does not see this environment's site-packages,
+    so a library the code imports but pyproject does not declare (pyqlib included) is missing there, and a declared
+    one that is not available fails `pip install --no-index`.
+    """
+    # pip and the build backend come from here too (the venv is made without pip: ensurepip's old setuptools
+    # would shadow them and cannot build wheels without the `wheel` package).
+    tools = PYPROJECT["build-system"]["requires"] + ["pip"]
+    site = tmp_path / "declared_site"
+    _link_site(_closure(PROJECT["dependencies"] + tools), site)
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
+    py = venv / "bin" / "python"
+    purelib = _run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp_path,
+                   {"PATH": "/usr/bin:/bin"}).stdout.strip()
+    (Path(purelib) / "declared_deps.pth").write_text(str(site) + "\n")
+
+    src = tmp_path / "src"  # build from a copy: pip writes build/ and *.egg-info next to the sources
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for top in OUR_PACKAGES:
+        shutil.copytree(ROOT / top, src / top, ignore=shutil.ignore_patterns("__pycache__"))
+
+    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1",
+           "PIP_DISABLE_PIP_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1"}
+    res = _run([str(py), "-m", "pip", "install", "--no-index", "--no-build-isolation", str(src)], tmp_path, env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+    work = tmp_path / "elsewhere"  # outside the repository: nothing resolves to the source tree
+    work.mkdir()
+    res = _run([str(py), "-c", "import finetune, model, qlib"], work, env)
+    assert "No module named 'qlib'" in res.stderr  # pyqlib is not a core dependency
+    res = _run([str(py), "-c", "import finetune, model; print(finetune.__file__); print(model.__file__)"], work, env)
+    assert res.returncode == 0 and all(line.startswith(purelib) for line in res.stdout.split()), res
+
+    res = _run(["kronos", "--help"], work, env)
+    assert res.returncode == 0 and "qlib-train-tokenizer" in res.stdout, res.stderr
+
+    res = _run(["kronos", "qlib-preprocess", "--config", str(ROOT / "configs/qlib_demo.yaml")], work, env)
+    assert res.returncode == 6, res.stderr
+    assert res.stderr.startswith("error: kronos qlib-preprocess needs the optional dependency 'qlib'")
+    assert "pip install 'kronos-finetune[qlib]'" in res.stderr and "Traceback" not in res.stderr
+
+    res = _run(["kronos", "make-synthetic", "--out", "x"], work, env)  # lives in the checkout's scripts/
+    assert res.returncode == 4 and "source checkout" in res.stderr.splitlines()[0], res.stderr
+
+    # The CSV pipeline end to end with the installed package: data, finetune (tiny, from scratch), forecast.
+    gen = ("from finetune.synthetic import generate_ohlcv, write_csv_folder; "
+           "write_csv_folder(generate_ohlcv(2, 700, freq='5min', start='2024-01-02', seed=0), 'candles')")
+    assert _run([str(py), "-c", gen], work, env).returncode == 0
+    cfg = yaml.safe_load((ROOT / "configs/csv_demo.yaml").read_text())
+    cfg["data"].update(path="candles", lookback=32, predict=8, stride=8)
+    cfg["training"].update(epochs=1, batch_size=16)
+    cfg["tokenizer_training"]["epochs"] = cfg["predictor_training"]["epochs"] = 1
+    cfg["forecast"]["max_windows"] = 1
+    (work / "tiny.yaml").write_text(yaml.safe_dump(cfg))
+    res = _run(["kronos", "finetune", "--config", "tiny.yaml"], work, env)
+    assert res.returncode == 0, res.stderr[-4000:]
+    for stage in ("tokenizer", "basemodel"):
+        assert (work / "outputs/csv_demo" / stage / "best_model/model.safetensors").is_file()
+    res = _run(["kronos", "forecast", "--config", "tiny.yaml"], work, env)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert (work / "outputs/csv_demo/forecast").is_dir()
+    assert os.listdir(work / "outputs/csv_demo/forecast")
