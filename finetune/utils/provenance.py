@@ -22,7 +22,8 @@ from .checkpoint import write_json_atomic
 
 __all__ = ["library_versions", "git_commit", "file_fingerprint", "sha256_file", "build_run_info", "write_run_info"]
 
-_LIBRARIES = ("torch", "numpy", "pandas", "pyqlib", "safetensors", "pyyaml", "huggingface_hub")
+_LIBRARIES = ("torch", "numpy", "pandas", "pyqlib", "safetensors", "pyyaml", "huggingface_hub", "matplotlib",
+              "tensorboard", "mlflow")  # the last three: plot and trackers, so a run says which it used
 
 
 def library_versions() -> dict[str, str | None]:
