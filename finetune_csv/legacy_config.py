@@ -116,9 +116,9 @@ def _from_scratch(kind: str) -> Callable[[Any, Mapping[str, Any]], Outcome]:
         if cfg_file is None or not cfg_file.is_file():
             raise _Unsupported(f"the original copies the {which} architecture from {source}/config.json, which is "
                                f"not a local file here; set model.pretrained_{which}: null and model.{which}_arch")
-        from finetune_csv.config import PredictorArch, TokenizerArch
+        from model.config import KronosConfig, KronosTokenizerConfig
 
-        arch_fields = (TokenizerArch if which == "tokenizer" else PredictorArch).__dataclass_fields__
+        arch_fields = (KronosTokenizerConfig if which == "tokenizer" else KronosConfig).__dataclass_fields__
         arch = json.loads(cfg_file.read_text(encoding="utf-8"))
         return [(f"model.pretrained_{which}", None)] + [
             (f"model.{which}_arch.{k}", v) for k, v in arch.items() if k in arch_fields]

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from finetune import cli
-from finetune.config import QlibConfig, load_qlib_config
+from finetune.config import QlibConfig, load as load_qlib_config
 from finetune.utils.config_help import (
     KeyDoc,
     SectionDoc,
@@ -79,7 +79,8 @@ def test_docstrings_types_and_defaults_come_from_the_source():
     assert docs["training.betas"].type == "tuple[float, float]"
     # inherited fields keep the base class's docstring; a subclass's own default and docstring win
     assert docs["training.epochs"].doc.startswith("Passes over the")
-    assert docs["training.resume"].default == "never" and docs["training.resume"].doc.startswith("'never' = start")
+    assert docs["training.resume"].default == "auto" and docs["training.resume"].doc.startswith("'auto' = continue")
+    assert docs["training.num_workers"].default == 0 and docs["training.num_workers"].doc.startswith("DataLoader")
     assert field_docs(CsvFinetuneConfig)["data"] == "Input candles and windows."
 
 
@@ -112,7 +113,7 @@ def test_help_config_flag_prints_and_exits_without_config(capsys):
         _parser().parse_args(["--help-config"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("Settings of CsvFinetuneConfig") and "  predictor_training.lr: float | null = 4e-05" in out
+    assert out.startswith("Settings of CsvFinetuneConfig") and "  predictor_training.lr: float | null = null" in out
 
 
 def test_print_config_flag_prints_resolved_yaml(capsys, tmp_path):

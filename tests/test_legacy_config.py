@@ -147,7 +147,7 @@ def test_not_pretrained_takes_the_architecture_from_the_pretrained_folder(tmp_pa
     result = translate(raw)
     model = result.values["model"]
     assert model["pretrained_tokenizer"] is None
-    assert model["tokenizer_arch"] == {"d_model": 64, "n_heads": 2, "s1_bits": 8, "s2_bits": 8}  # no d_in here
+    assert model["tokenizer_arch"] == {"d_in": 6, "d_model": 64, "n_heads": 2, "s1_bits": 8, "s2_bits": 8}
     assert model["pretrained_predictor"] == "NeoQuasar/Kronos-small"  # pre_trained_predictor overrides pre_trained
     hub = translate({"model_paths": {"pretrained_predictor": "NeoQuasar/Kronos-small"},
                      "experiment": {"pre_trained_predictor": False}})

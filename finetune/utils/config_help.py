@@ -182,7 +182,7 @@ def add_help_config_args(parser: argparse.ArgumentParser, config_cls: type,
     ----------
     parser: the entry point's parser.
     config_cls: the settings dataclass the entry point loads.
-    load_fn: `load_fn(config_path, overrides) -> config` (e.g. `finetune_csv.config.load`, `load_qlib_config`);
+    load_fn: `load_fn(config_path, overrides) -> config` (e.g. `finetune_csv.config.load`, `finetune.config.load`);
         `--print-config` calls it, so it prints exactly what a run would use (and fails the same way).
 
     Returns
@@ -216,7 +216,7 @@ def config_kind(kind: str) -> tuple[type, Callable[[str | None, Sequence[str]], 
 
         return csv_config.CsvFinetuneConfig, load_csv_config, None
     if kind == "qlib":
-        from finetune.config import QlibConfig, load_qlib_config
+        from finetune.config import QlibConfig, load as load_qlib_config
 
         return QlibConfig, load_qlib_config, "configs/qlib_csi300.yaml"
     raise ValueError(f"unknown settings kind {kind!r} (expected 'csv' or 'qlib')")

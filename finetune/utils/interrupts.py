@@ -36,10 +36,8 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from typing_extensions import Self
 
 __all__ = [
     "STOPPED_EXIT_CODE",
@@ -109,7 +107,7 @@ class GracefulStop:
         _write_line(f"received {name} again: quitting now without saving")
         os._exit(128 + signum)
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> "GracefulStop":
         if not self.enabled or threading.current_thread() is not threading.main_thread():
             return self  # signal.signal only works in the main thread; nothing to install elsewhere
         for sig in self.signals:

@@ -37,10 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from typing_extensions import Self
 
 try:  # POSIX only; Windows falls back to exclusive create + pid check
     import fcntl
@@ -137,7 +134,7 @@ class RunLock:
         """True between a successful `acquire()` and `release()`."""
         return self._mode is not None
 
-    def acquire(self) -> Self:
+    def acquire(self) -> "RunLock":
         """Take the lock or raise `RunLockedError` at once (never waits). Returns self."""
         if not self.enabled or self.held:
             return self
@@ -228,7 +225,7 @@ class RunLock:
             except OSError:
                 pass
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> "RunLock":
         return self.acquire()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
