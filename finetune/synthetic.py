@@ -303,7 +303,7 @@ def generate_mix(n_series: int = 48, n_bars: int = 3000, seed: int = 0, start: s
 
         # Drift, mean reversion and return autocorrelation: one recursion over time (T,).
         drift = rng.uniform(-0.03, 0.03) * bar_sd if dynamics == "trend" else 0.0
-        kappa = rng.uniform(0.002, 0.03) if dynamics == "mean_revert" else 0.0
+        kappa = rng.uniform(0.005, 0.05) if dynamics == "mean_revert" else 0.0
         phi = rng.choice([-1, 1]) * rng.uniform(0.05, 0.25) if dynamics == "momentum" else 0.0
         ret = np.empty(T)
         dev, prev = 0.0, 0.0
