@@ -7,7 +7,16 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from finetune.synthetic import COLUMNS, generate_ohlcv, session_offsets, write_csv_folder
+from finetune.synthetic import (
+    COLUMNS,
+    MIX_FREQS,
+    MIX_SESSIONS,
+    generate_mix,
+    generate_ohlcv,
+    mix_timestamps,
+    session_offsets,
+    write_csv_folder,
+)
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_synthetic_data.py"
 
@@ -135,7 +144,6 @@ def test_cli_writes_csvs(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------------------------
 # generate_mix: the broad pretraining mix (scripts/make_pretrained_demo.py)
 
-from finetune.synthetic import MIX_FREQS, MIX_SESSIONS, generate_mix, mix_timestamps  # noqa: E402
 
 
 @pytest.fixture(scope="module")
