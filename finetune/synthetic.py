@@ -15,8 +15,8 @@ Everything is vectorised over series; the only Python loop is the GARCH variance
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np

@@ -90,7 +90,7 @@ def train(config: str, data: Path, out: Path, extra: list[str]) -> dict:
     """One train_sequential run into `out`; returns {'seconds', 'predictor_dir', 'tokenizer_source'}."""
     sets = [f"data.path={data}", f"paths.base_dir={out}", "training.resume=never", *extra]
     t0 = time.perf_counter()
-    rc = train_sequential.main(["--config", config, *sum((["--set", s] for s in sets), [])])
+    rc = train_sequential.main(["--config", config, *[a for s in sets for a in ("--set", s)]])
     if rc != 0:
         raise RuntimeError(f"training into {out} failed with exit code {rc}")
     cfg = load(config, sets)
@@ -149,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def format_table(r: dict) -> str:
-    lines = [f"test split of the demo market, {r['test_windows']} windows; loss = (CE s1 + CE s2) / 2, 95% block "
-             "bootstrap intervals", "| predictor | test loss | 95% interval | training |", "|---|---|---|---|"]
+    lines = [(f"test split of the demo market, {r['test_windows']} windows; loss = (CE s1 + CE s2) / 2, 95% block "
+              "bootstrap intervals"), "| predictor | test loss | 95% interval | training |", "|---|---|---|---|"]
     for name, m in r["models"].items():
         secs = f"{m['train_seconds']:.0f} s" if "train_seconds" in m else "none"
         lines.append(f"| {name} | {m['test_loss']:.4f} | [{m['ci95'][0]:.4f}, {m['ci95'][1]:.4f}] | {secs} |")

@@ -29,7 +29,11 @@ import torch
 
 from finetune.synthetic import generate_mix
 from finetune.utils.distributed import distributed_context, seed_everything
-from finetune.utils.training_utils import TrainingConfig, train_predictor, train_tokenizer
+from finetune.utils.training_utils import (
+    TrainingConfig,
+    train_predictor,
+    train_tokenizer,
+)
 from finetune.utils.window_dataset import SeriesArrays, WindowDataset
 from model import Kronos, KronosTokenizer
 from model.features import calc_time_stamps
@@ -37,11 +41,12 @@ from model.features import calc_time_stamps
 REPO = Path(__file__).resolve().parents[1]
 FEATURES = ["open", "high", "low", "close", "volume", "amount"]
 # The demo's shapes (configs/csv_demo.yaml), so that the demo can start from this checkpoint unchanged.
-TOKENIZER_ARCH = dict(d_in=6, d_model=32, n_heads=2, ff_dim=64, n_enc_layers=2, n_dec_layers=2, ffn_dropout_p=0.0,
-                      attn_dropout_p=0.0, resid_dropout_p=0.0, s1_bits=6, s2_bits=6, beta=0.05, gamma0=1.0,
-                      gamma=1.1, zeta=0.05, group_size=4)
-PREDICTOR_ARCH = dict(s1_bits=6, s2_bits=6, n_layers=2, d_model=64, n_heads=4, ff_dim=128, ffn_dropout_p=0.0,
-                      attn_dropout_p=0.0, resid_dropout_p=0.0, token_dropout_p=0.0, learn_te=True)
+TOKENIZER_ARCH = {"d_in": 6, "d_model": 32, "n_heads": 2, "ff_dim": 64, "n_enc_layers": 2, "n_dec_layers": 2,
+                  "ffn_dropout_p": 0.0, "attn_dropout_p": 0.0, "resid_dropout_p": 0.0, "s1_bits": 6, "s2_bits": 6,
+                  "beta": 0.05, "gamma0": 1.0, "gamma": 1.1, "zeta": 0.05, "group_size": 4}
+PREDICTOR_ARCH = {"s1_bits": 6, "s2_bits": 6, "n_layers": 2, "d_model": 64, "n_heads": 4, "ff_dim": 128,
+                  "ffn_dropout_p": 0.0, "attn_dropout_p": 0.0, "resid_dropout_p": 0.0, "token_dropout_p": 0.0,
+                  "learn_te": True}
 LOOKBACK, PREDICT = 64, 16  # the demo's window
 VAL_SHARE = 0.1  # last 10% of every mix series is the validation split
 
@@ -67,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def mix_datasets(n_series: int, n_bars: int, seed: int, stride: int) -> tuple[WindowDataset, WindowDataset, dict]:
     """Train/val window datasets of the mix: each series split by time, val keeps `LOOKBACK` rows of context."""
     mix = generate_mix(n_series, n_bars, seed=seed)
-    cut = int(round(n_bars * (1.0 - VAL_SHARE)))
+    cut = round(n_bars * (1.0 - VAL_SHARE))
     train, val = [], []
     for s in mix:
         feats = s.frame[FEATURES].to_numpy(dtype=np.float32)  # (n_bars, 6)
@@ -140,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     # Publish: copy both best models into a temporary folder next to `out`, then swap it in whole.
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes an owner-only folder; a checkpoint is meant to be shared
     try:
         for name, src in (("tokenizer", tok_result.best_model_dir), ("predictor", pred_result.best_model_dir)):
             (tmp / name).mkdir()

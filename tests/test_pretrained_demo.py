@@ -78,13 +78,13 @@ def test_encodes_and_decodes_a_demo_window(pair, demo_windows):
     assert len(torch.unique(s1)) >= 8  # the code book is used, not collapsed onto a few tokens
     x_hat = tokenizer.decode((s1, s2), half=True)
     mse = torch.mean((x_hat - x) ** 2).item()
-    assert mse < 0.25 * torch.mean(x**2).item()  # far better than decoding everything to the window mean
+    assert mse < 0.1 * torch.mean(x**2).item()  # far better than decoding everything to the window mean
     # Close prices: the decoded path follows the real one.
     corr = np.corrcoef(x_hat[..., 3].flatten().numpy(), x[..., 3].flatten().numpy())[0, 1]
-    assert corr > 0.9
+    assert corr > 0.95
     predictor.eval()
     loss, _ = predictor_loss(predictor, tokenizer, x, stamp, teacher_forcing=True, causal_dep=True)
-    assert math.isfinite(loss.item()) and loss.item() < 0.8 * math.log(2**predictor.s1_bits)  # beats uniform
+    assert math.isfinite(loss.item()) and loss.item() < 0.5 * math.log(2**predictor.s1_bits)  # beats uniform
 
 
 def test_builder_refuses_to_overwrite_without_force(tmp_path):
