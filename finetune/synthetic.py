@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -189,3 +190,146 @@ def write_csv_folder(frames: dict[str, pd.DataFrame], out_dir: str | os.PathLike
             raise
         paths.append(path)
     return paths
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A broad mix of markets, for pretraining a small starting model (scripts/make_pretrained_demo.py).
+#
+# Deliberately unlike the demo market above (5-minute bars in two Asian sessions with a lunch break, Gaussian
+# GARCH, pure random walk): the mix has other session calendars (US, European, 24x5 FX-like, 24x7 crypto-like),
+# five bar lengths, fat-tailed GARCH with regime switches, trends, mean reversion and short-term momentum or
+# reversal, and several intraday profiles. A model pretrained on it knows candles in general; finetuning on the
+# demo market then has that market's calendar and dynamics left to learn.
+
+MIX_FREQS = ("1min", "5min", "15min", "60min", "1D")
+MIX_SESSIONS = {  # name -> (sessions as (start, end) strings, trades on weekends)
+    "us": ((("09:30", "16:00"),), False),
+    "eu": ((("08:00", "16:30"),), False),
+    "fx24x5": ((("00:00", "24:00"),), False),
+    "crypto24x7": ((("00:00", "24:00"),), True),
+}
+MIX_DYNAMICS = ("trend", "mean_revert", "momentum")
+
+
+def mix_timestamps(freq: str, session: str, start: str, n_bars: int) -> pd.DatetimeIndex:
+    """The first `n_bars` bar times from `start` for a `MIX_SESSIONS` calendar (bars labelled by their start)."""
+    if freq not in FREQ_MINUTES:
+        raise ValueError(f"freq={freq!r} is not supported; choose one of {sorted(FREQ_MINUTES)}")
+    if session not in MIX_SESSIONS:
+        raise ValueError(f"session={session!r} is not supported; choose one of {sorted(MIX_SESSIONS)}")
+    sessions, weekends = MIX_SESSIONS[session]
+    minutes = FREQ_MINUTES[freq]
+    if minutes is None:
+        offsets = pd.TimedeltaIndex([pd.Timedelta(0)])
+    else:
+        lo, hi = (pd.Timedelta(f"{t}:00") if t != "24:00" else pd.Timedelta(days=1) for t in sessions[0])
+        offsets = pd.timedelta_range(lo, hi - pd.Timedelta(minutes=minutes), freq=f"{minutes}min")
+    n_days = -(-n_bars // len(offsets))
+    first = pd.Timestamp(start).normalize()
+    days = pd.date_range(first, periods=n_days, freq="D") if weekends else pd.bdate_range(first, periods=n_days)
+    return pd.DatetimeIndex((days.values[:, None] + offsets.values[None, :]).ravel()[:n_bars])
+
+
+def _mix_profile(frac: np.ndarray, hour: np.ndarray, round_the_clock: bool, rng: np.random.Generator) -> np.ndarray:
+    """A random intraday multiplier with mean ~1 per bar: U/J-shaped over a session, or a 24-hour cycle."""
+    if round_the_clock:  # busiest around one random hour of the day
+        peak, amp = rng.uniform(0, 24), rng.uniform(0.0, 0.6)
+        prof = 1.0 + amp * np.cos(2 * np.pi * (hour - peak) / 24.0)
+    else:
+        u = 2.0 * frac - 1.0  # position in the session, open = -1, close = +1
+        prof = 1.0 + rng.uniform(0.0, 1.5) * u**2 + rng.uniform(-0.5, 0.5) * u
+    prof = np.maximum(prof, 0.2)
+    return prof / prof.mean()
+
+
+@dataclass(frozen=True)
+class MixSeries:
+    """One series of the mix: its candles and what generated them."""
+
+    name: str
+    """Unique name, e.g. 'mix007_crypto24x7_15min_trend'."""
+    frame: pd.DataFrame
+    """Columns COLUMNS (timestamps datetime64, prices/volume/amount float64), one row per bar."""
+    freq: str
+    """Bar length, one of MIX_FREQS."""
+    session: str
+    """Calendar, one of MIX_SESSIONS."""
+    dynamics: str
+    """'trend' (drifting random walk), 'mean_revert' (log price pulled back to a level) or 'momentum'
+    (autocorrelated returns, positive or negative)."""
+
+
+def generate_mix(n_series: int = 48, n_bars: int = 3000, seed: int = 0, start: str = "2021-01-04") -> list[MixSeries]:
+    """A broad, deterministic mix of synthetic markets; series i has freq MIX_FREQS[i % 5] (all five appear once
+    n_series >= 5), and a random calendar, dynamics, price level, volatility, volume level and intraday profile.
+
+    Returns n_series `MixSeries` of n_bars rows each; identical for the same arguments.
+    """
+    if n_series < 1:
+        raise ValueError(f"n_series={n_series} must be >= 1 (--n-series)")
+    if n_bars < 2:
+        raise ValueError(f"n_bars={n_bars} must be >= 2 (--n-bars)")
+    rng = np.random.default_rng([seed, 0x6D6978])  # distinct stream from generate_ohlcv's for the same seed
+    out = []
+    for i in range(n_series):
+        freq, session = MIX_FREQS[i % len(MIX_FREQS)], str(rng.choice(sorted(MIX_SESSIONS)))
+        dynamics = str(rng.choice(MIX_DYNAMICS))
+        stamps = mix_timestamps(freq, session, start, n_bars)
+        T = n_bars
+        day = stamps.normalize()
+        first_bar = np.r_[False, day[1:] != day[:-1]]  # (T,) first bar of each day (no gap before bar 0)
+        round_the_clock = MIX_SESSIONS[session][0][0] == ("00:00", "24:00")
+        # Fraction of the way through the day's bars (0..1) and hour, for the intraday profiles (T,).
+        pos = np.arange(T) - np.maximum.accumulate(np.where(np.r_[True, first_bar[1:]], np.arange(T), 0))
+        per_day = max(int(pd.Series(day).value_counts().max()), 1)
+        frac = pos / max(per_day - 1, 1)
+        hour = stamps.hour.to_numpy() + stamps.minute.to_numpy() / 60.0
+        intraday = FREQ_MINUTES[freq] is not None
+        vol_prof = _mix_profile(frac, hour, round_the_clock, rng) if intraday else np.ones(T)
+        volu_prof = _mix_profile(frac, hour, round_the_clock, rng) if intraday else np.ones(T)
+
+        # Volatility: GARCH(1,1) with Student-t shocks, times a two-state regime (calm / turbulent) (T,).
+        bar_sd = rng.uniform(0.15, 1.2) / np.sqrt(TRADING_DAYS_PER_YEAR * per_day)  # annual vol 15%..120%
+        dof = rng.uniform(3.5, 10.0)
+        z = rng.standard_t(dof, T) / np.sqrt(dof / (dof - 2))  # unit variance
+        persistence = rng.uniform(0.85, 0.985)
+        alpha = rng.uniform(0.03, 0.15) * persistence
+        stay = rng.uniform(0.995, 0.9995)  # regime persistence per bar
+        switches = rng.random(T) > stay
+        regime = np.where(np.cumsum(switches) % 2 == 1, rng.uniform(1.8, 3.0), 1.0)  # (T,) vol multiplier
+        e, h = _garch_innovations(z[:, None], np.zeros((T, 1)), np.array([alpha]),
+                                  np.array([persistence - alpha]), np.array([bar_sd**2]))
+        shock = e[:, 0] * regime * vol_prof  # (T,)
+
+        # Drift, mean reversion and return autocorrelation: one recursion over time (T,).
+        drift = rng.uniform(-0.03, 0.03) * bar_sd if dynamics == "trend" else 0.0
+        kappa = rng.uniform(0.005, 0.05) if dynamics == "mean_revert" else 0.0
+        phi = rng.choice([-1, 1]) * rng.uniform(0.05, 0.25) if dynamics == "momentum" else 0.0
+        ret = np.empty(T)
+        dev, prev = 0.0, 0.0
+        for t in range(T):
+            prev = drift + phi * prev - kappa * dev + shock[t]
+            dev += prev
+            ret[t] = prev
+        gap_sd = rng.uniform(0.0, 3.0) * bar_sd * np.sqrt(regime)
+        gap = first_bar * rng.standard_normal(T) * gap_sd if not round_the_clock else np.zeros(T)
+
+        log_close = np.log(np.exp(rng.uniform(np.log(0.05), np.log(5000.0)))) + np.cumsum(gap + ret)
+        close = np.exp(log_close)
+        open_ = np.exp(log_close - ret)
+        wick_sd = np.sqrt(h[:, 0]) * regime * vol_prof * rng.uniform(0.3, 1.0)
+        high = np.maximum(open_, close) * np.exp(np.abs(rng.standard_normal(T)) * wick_sd)
+        low = np.minimum(open_, close) * np.exp(-np.abs(rng.standard_normal(T)) * wick_sd)
+
+        # Volume: level x profile x regime x reaction to the move x slow drift x noise, whole units (T,).
+        surprise = np.abs(ret) / (np.sqrt(h[:, 0]) * regime * vol_prof)
+        level = np.exp(rng.uniform(np.log(50.0), np.log(1e7)))
+        slow = np.exp(np.cumsum(rng.normal(0.0, 0.01, T)))
+        noise = np.exp(rng.normal(0.0, rng.uniform(0.2, 0.8), T))
+        volume = np.round(level * volu_prof * regime**rng.uniform(0.3, 1.0) * (0.4 + rng.uniform(0.2, 1.0) * surprise)
+                          * slow * noise)
+        amount = volume * (high + low + close) / 3.0
+        frame = pd.DataFrame({"timestamps": stamps, "open": open_, "high": high, "low": low, "close": close,
+                              "volume": volume, "amount": amount})
+        out.append(MixSeries(f"mix{i:03d}_{session}_{freq}_{dynamics}", frame, freq, session, dynamics))
+    return out

@@ -7,7 +7,16 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from finetune.synthetic import COLUMNS, generate_ohlcv, session_offsets, write_csv_folder
+from finetune.synthetic import (
+    COLUMNS,
+    MIX_FREQS,
+    MIX_SESSIONS,
+    generate_mix,
+    generate_ohlcv,
+    mix_timestamps,
+    session_offsets,
+    write_csv_folder,
+)
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_synthetic_data.py"
 
@@ -130,3 +139,99 @@ def test_cli_writes_csvs(tmp_path, capsys):
     expected = generate_ohlcv(3, 50, "15min", seed=5)["SH600002"]
     np.testing.assert_allclose(df["close"], expected["close"], rtol=1e-12)
     assert "wrote 3 CSVs x 50 bars" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# generate_mix: the broad pretraining mix (scripts/make_pretrained_demo.py)
+
+
+
+@pytest.fixture(scope="module")
+def mix():
+    return generate_mix(40, 1500, seed=3)
+
+
+def test_mix_same_seed_same_data_other_seed_differs():
+    a, b, c = generate_mix(6, 300, seed=1), generate_mix(6, 300, seed=1), generate_mix(6, 300, seed=2)
+    assert [s.name for s in a] == [s.name for s in b]
+    for x, y, z in zip(a, b, c):
+        pd.testing.assert_frame_equal(x.frame, y.frame)
+        assert not np.allclose(x.frame["close"], z.frame["close"])
+
+
+def test_mix_candle_invariants_and_names(mix):
+    assert len({s.name for s in mix}) == len(mix) == 40
+    for s in mix:
+        df = s.frame
+        assert list(df.columns) == COLUMNS and len(df) == 1500
+        o, h, l, c, v, a = (df[k].to_numpy() for k in ["open", "high", "low", "close", "volume", "amount"])
+        assert np.isfinite(np.stack([o, h, l, c, v, a])).all(), s.name
+        assert (l > 0).all() and (v >= 0).all()
+        assert (h >= np.maximum(o, c)).all() and (l <= np.minimum(o, c)).all()
+        np.testing.assert_allclose(a, v * (h + l + c) / 3.0, rtol=1e-12)
+        assert df["timestamps"].is_monotonic_increasing and df["timestamps"].is_unique
+        assert s.name.startswith(f"mix{mix.index(s):03d}_{s.session}_{s.freq}_{s.dynamics}")
+
+
+def test_mix_is_broad(mix):
+    assert [s.freq for s in mix[:5]] == list(MIX_FREQS)  # every bar length, in turn
+    assert {s.session for s in mix} == set(MIX_SESSIONS)
+    assert {s.dynamics for s in mix} == {"trend", "mean_revert", "momentum"}
+    first_close = np.array([s.frame["close"].iloc[0] for s in mix])
+    assert first_close.max() / first_close.min() > 100  # price levels span orders of magnitude
+    daily_vol = [np.std(np.diff(np.log(s.frame["close"].to_numpy()))) for s in mix if s.freq == "1D"]
+    assert max(daily_vol) / min(daily_vol) > 2  # calm and wild markets
+    levels = np.array([s.frame["volume"].mean() for s in mix])
+    assert levels.max() / levels.min() > 100
+
+
+def test_mix_calendars_differ_from_the_demo_market():
+    # The demo market trades 09:30-11:30 and 13:00-15:00 (lunch break); no mix calendar has a break.
+    us = mix_timestamps("5min", "us", "2024-01-05", 78 * 3)
+    assert us[0] == pd.Timestamp("2024-01-05 09:30") and us[77] == pd.Timestamp("2024-01-05 15:55")
+    assert us[78] == pd.Timestamp("2024-01-08 09:30")  # Friday -> Monday
+    eu = mix_timestamps("60min", "eu", "2024-01-02", 9)
+    assert list(eu.strftime("%H:%M")) == ["08:00", "09:00", "10:00", "11:00", "12:00", "13:00", "14:00", "15:00",
+                                          "16:00"][:8] + ["08:00"]
+    fx = mix_timestamps("15min", "fx24x5", "2024-01-05", 96 + 1)
+    assert fx[95] == pd.Timestamp("2024-01-05 23:45") and fx[96] == pd.Timestamp("2024-01-08 00:00")
+    crypto = mix_timestamps("1D", "crypto24x7", "2024-01-05", 4)
+    assert list(crypto.day_of_week) == [4, 5, 6, 0]  # trades on weekends
+    for name, (sessions, _) in MIX_SESSIONS.items():
+        assert len(sessions) == 1, f"{name}: a session break would imitate the demo market"
+    with pytest.raises(ValueError, match="session='asia'"):
+        mix_timestamps("5min", "asia", "2024-01-02", 10)
+
+
+def _ac1(x: np.ndarray) -> float:
+    return _lag1_autocorr(x)
+
+
+def _variance_ratio(r: np.ndarray, k: int = 50) -> float:
+    rk = np.convolve(r, np.ones(k), mode="valid")[::k]
+    return float(rk.var() / (k * r.var()))
+
+
+def test_mix_dynamics_behave_as_named(mix):
+    # Bar returns within a day (no overnight gap), per series.
+    rets = {}
+    for s in mix:
+        df = s.frame
+        same_day = (df["timestamps"].dt.normalize().diff() == pd.Timedelta(0)).to_numpy()[1:]
+        r = np.diff(np.log(df["close"].to_numpy()))
+        rets[s.name] = (s, r if s.freq == "1D" or s.session == "crypto24x7" else r[same_day])
+    vr = {d: np.mean([_variance_ratio(r) for s, r in rets.values() if s.dynamics == d]) for d in
+          ("trend", "mean_revert", "momentum")}
+    assert vr["mean_revert"] < 0.75 * vr["trend"]  # pulled back: long-horizon variance below k x short
+    ac = {d: np.mean([abs(_ac1(r)) for s, r in rets.values() if s.dynamics == d]) for d in ("trend", "momentum")}
+    assert ac["momentum"] > 0.05 and ac["momentum"] > 2 * ac["trend"]
+    # Volatility clusters (GARCH + regimes): squared returns are autocorrelated.
+    clus = [_ac1(r**2) for s, r in rets.values() if s.freq == "1D"]
+    assert np.mean(clus) > 0.05
+
+
+def test_mix_bad_arguments():
+    with pytest.raises(ValueError, match="--n-series"):
+        generate_mix(0, 100)
+    with pytest.raises(ValueError, match="--n-bars"):
+        generate_mix(2, 1)

@@ -1,0 +1,106 @@
+"""checkpoints/demo-pretrained: the committed pair loads, matches, and encodes/decodes demo candles sensibly;
+the scripts that build and measure it refuse to clobber and compute honest intervals."""
+
+from __future__ import annotations
+
+import json
+import math
+import runpy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from finetune.synthetic import generate_ohlcv
+from finetune.utils.checkpoint import check_token_sizes
+from finetune.utils.training_utils import predictor_loss
+from finetune.utils.window_dataset import SeriesArrays, WindowDataset
+from finetune_csv.config import load
+from model import Kronos, KronosTokenizer
+from model.features import calc_time_stamps
+
+REPO = Path(__file__).resolve().parents[1]
+CKPT = REPO / "checkpoints" / "demo-pretrained"
+FEATURES = ["open", "high", "low", "close", "volume", "amount"]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return KronosTokenizer.from_pretrained(CKPT / "tokenizer"), Kronos.from_pretrained(CKPT / "predictor")
+
+
+@pytest.fixture(scope="module")
+def demo_windows():
+    """16 windows (64 + 16 rows) of the demo market, normalised as the engine does: x (16, 80, 6), stamps."""
+    df = generate_ohlcv(1, 2000, "5min", seed=0)["SH600000"]
+    arrays = SeriesArrays(df[FEATURES].to_numpy(np.float32),
+                          calc_time_stamps(df["timestamps"]).to_numpy(np.int64), "demo")
+    ds = WindowDataset([arrays], 64, 16, stride=120)
+    return ds.get_batch(np.arange(16))
+
+
+def test_published_format_small_and_finite():
+    for name in ("tokenizer", "predictor"):
+        folder = CKPT / name
+        assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+        assert (folder / "model.safetensors").stat().st_size < 3 * 2**20  # a few MB at most
+        weights = load_file(str(folder / "model.safetensors"))
+        assert weights and all(torch.isfinite(v).all() for v in weights.values())
+    readme = (CKPT / "README.md").read_text()
+    for needed in ("make_pretrained_demo.py", "generate_mix", "seed", "git commit"):
+        assert needed in readme
+
+
+def test_pair_loads_and_token_sizes_match(pair):
+    tokenizer, predictor = pair
+    check_token_sizes(tokenizer, predictor, "checkpoints/demo-pretrained")  # raises on a mismatch
+    assert (tokenizer.s1_bits, tokenizer.s2_bits) == (predictor.s1_bits, predictor.s2_bits)
+    info = json.loads((CKPT / "training_info.json").read_text())
+    assert info["predictor"]["best_val_loss"] < math.log(2**predictor.s1_bits)  # learnt something
+
+
+def test_the_finetune_config_starts_from_this_checkpoint():
+    cfg = load(REPO / "configs" / "csv_demo_finetune.yaml")
+    assert (REPO / cfg.model.pretrained_tokenizer).resolve() == (CKPT / "tokenizer").resolve()
+    assert (REPO / cfg.model.pretrained_predictor).resolve() == (CKPT / "predictor").resolve()
+
+
+@torch.no_grad()
+def test_encodes_and_decodes_a_demo_window(pair, demo_windows):
+    tokenizer, predictor = pair
+    tokenizer.eval()
+    x, stamp = demo_windows  # (16, 80, 6), (16, 80, 5)
+    s1, s2 = tokenizer.encode(x, half=True)  # (16, 80) each
+    assert s1.shape == s2.shape == (16, 80)
+    assert 0 <= int(s1.min()) and int(s1.max()) < 2**tokenizer.s1_bits and int(s2.max()) < 2**tokenizer.s2_bits
+    assert len(torch.unique(s1)) >= 8  # the code book is used, not collapsed onto a few tokens
+    x_hat = tokenizer.decode((s1, s2), half=True)
+    mse = torch.mean((x_hat - x) ** 2).item()
+    assert mse < 0.1 * torch.mean(x**2).item()  # far better than decoding everything to the window mean
+    # Close prices: the decoded path follows the real one.
+    corr = np.corrcoef(x_hat[..., 3].flatten().numpy(), x[..., 3].flatten().numpy())[0, 1]
+    assert corr > 0.95
+    predictor.eval()
+    loss, _ = predictor_loss(predictor, tokenizer, x, stamp, teacher_forcing=True, causal_dep=True)
+    assert math.isfinite(loss.item()) and loss.item() < 0.5 * math.log(2**predictor.s1_bits)  # beats uniform
+
+
+def test_builder_refuses_to_overwrite_without_force(tmp_path):
+    main = runpy.run_path(str(REPO / "scripts" / "make_pretrained_demo.py"))["main"]
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "mine.txt").write_text("user work")
+    with pytest.raises(SystemExit, match="--force"):
+        main(["--out", str(tmp_path / "ck"), "--work", str(tmp_path / "w")])
+    assert (tmp_path / "ck" / "mine.txt").read_text() == "user work" and not (tmp_path / "w").exists()
+
+
+def test_block_bootstrap_interval():
+    ci = runpy.run_path(str(REPO / "scripts" / "compare_pretrained_demo.py"))["block_bootstrap_ci"]
+    series = np.repeat([0, 1], 50)
+    assert ci(np.full(100, 1.5), series) == pytest.approx((1.5, 1.5))
+    rng = np.random.default_rng(0)
+    values = rng.normal(0.3, 1.0, 100)
+    lo, hi = ci(values, series)
+    assert lo < values.mean() < hi and 0.2 < hi - lo < 0.8  # ~ 4 x 1/sqrt(100)
