@@ -1,7 +1,8 @@
 """Finetune the Kronos predictor on tokens of the finetuned tokenizer (stage 2 of 2; run train_tokenizer.py first).
 
     torchrun --standalone --nproc_per_node=N finetune/train_predictor.py --config configs/qlib_csi300.yaml
-    DIST_BACKEND=gloo torchrun --standalone --nproc_per_node=2 finetune/train_predictor.py --config configs/qlib_demo.yaml
+    DIST_BACKEND=gloo torchrun --standalone --nproc_per_node=2 finetune/train_predictor.py \
+        --config configs/qlib_demo.yaml
 
 The tokenizer comes from paths.finetuned_tokenizer_path and stays frozen. Writes paths.predictor_dir: best_model/
 (the finetuned predictor plus tokenizer_config.json), checkpoints/last.pt, metrics.jsonl, loss_curve.png,
@@ -12,21 +13,19 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 from finetune.config import QlibConfig, check_model_folder, cli_parser, load
 from finetune.dataset import build_train_val_datasets, check_processed
 from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.config_utils import config_to_dict
-from finetune.utils.distributed import (
-    distributed_context,
-    require_torchrun,
-    seed_everything,
-)
+from finetune.utils.distributed import distributed_context, require_torchrun
 from finetune.utils.factory import build_predictor
+from finetune.utils.logging_setup import setup_logging
+from finetune.utils.seeding import seeded_init
 from finetune.utils.training_utils import train_predictor
 from model import KronosTokenizer
 
+log = logging.getLogger(__name__)
 SCRIPT = "finetune/train_predictor.py"
 
 
@@ -45,8 +44,7 @@ def check_inputs(cfg: QlibConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    # Rank 0 reports; the other ranks only warn (torchrun sets RANK before the process starts).
-    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING, format="%(message)s")
+    setup_logging()  # rank 0 reports; the other ranks only warn (torchrun sets RANK before the process starts)
     args = parse_args(argv)
     require_torchrun(SCRIPT, f"--config {args.config}")
     cfg = load(args.config, args.set)
@@ -54,17 +52,18 @@ def main(argv: list[str] | None = None) -> None:
     training = cfg.stage_training("predictor")
 
     with distributed_context(training.dist_timeout_s) as dist:
-        seed_everything(training.seed, dist.rank)  # before building: from-scratch init and dropout
         train_set, val_set, data_info = build_train_val_datasets(cfg)
-        tokenizer = load_pretrained(KronosTokenizer, cfg.paths.finetuned_tokenizer_path, "paths.finetuned_tokenizer_path")
-        predictor = build_predictor(cfg.model.pretrained_predictor, cfg.model.predictor_arch, tokenizer, "model",
-                                    tokenizer_key="paths.finetuned_tokenizer_path")
+        tokenizer_key = "paths.finetuned_tokenizer_path"
+        tokenizer = load_pretrained(KronosTokenizer, cfg.paths.finetuned_tokenizer_path, tokenizer_key)
+        with seeded_init(training.seed):  # a from-scratch predictor starts from the same weights on every run
+            predictor = build_predictor(cfg.model.pretrained_predictor, cfg.model.predictor_arch, tokenizer, "model",
+                                        tokenizer_key=tokenizer_key)
         result = train_predictor(
             predictor, tokenizer, train_set, val_set, training, cfg.paths.predictor_dir, dist,
             run_config=config_to_dict(cfg), data_info=data_info,
         )
         if dist.is_main:
-            print(f"[predictor] best val loss {result.best_val_loss:.4f} (epoch {result.best_epoch}); "
+            log.info(f"[predictor] best val loss {result.best_val_loss:.4f} (epoch {result.best_epoch}); "
                   f"finetuned predictor: {result.best_model_dir}")
 
 

@@ -1,7 +1,8 @@
 """Finetune the Kronos tokenizer on the preprocessed Qlib splits (stage 1 of 2).
 
     torchrun --standalone --nproc_per_node=N finetune/train_tokenizer.py --config configs/qlib_csi300.yaml
-    DIST_BACKEND=gloo torchrun --standalone --nproc_per_node=2 finetune/train_tokenizer.py --config configs/qlib_demo.yaml
+    DIST_BACKEND=gloo torchrun --standalone --nproc_per_node=2 finetune/train_tokenizer.py \
+        --config configs/qlib_demo.yaml
 
 Writes paths.tokenizer_dir: best_model/ (the finetuned tokenizer, config.json + model.safetensors),
 checkpoints/last.pt (resumed automatically on a rerun), metrics.jsonl, loss_curve.png, run_info.json.
@@ -11,19 +12,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 from finetune.config import QlibConfig, check_model_folder, cli_parser, load
 from finetune.dataset import build_train_val_datasets, check_processed
 from finetune.utils.config_utils import config_to_dict
-from finetune.utils.distributed import (
-    distributed_context,
-    require_torchrun,
-    seed_everything,
-)
+from finetune.utils.distributed import distributed_context, require_torchrun
 from finetune.utils.factory import build_tokenizer
+from finetune.utils.logging_setup import setup_logging
+from finetune.utils.seeding import seeded_init
 from finetune.utils.training_utils import train_tokenizer
 
+log = logging.getLogger(__name__)
 SCRIPT = "finetune/train_tokenizer.py"
 
 
@@ -41,8 +40,7 @@ def check_inputs(cfg: QlibConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    # Rank 0 reports; the other ranks only warn (torchrun sets RANK before the process starts).
-    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING, format="%(message)s")
+    setup_logging()  # rank 0 reports; the other ranks only warn (torchrun sets RANK before the process starts)
     args = parse_args(argv)
     require_torchrun(SCRIPT, f"--config {args.config}")
     cfg = load(args.config, args.set)
@@ -50,15 +48,15 @@ def main(argv: list[str] | None = None) -> None:
     training = cfg.stage_training("tokenizer")
 
     with distributed_context(training.dist_timeout_s) as dist:
-        seed_everything(training.seed, dist.rank)  # before building: from-scratch init and dropout
         train_set, val_set, data_info = build_train_val_datasets(cfg)
-        tokenizer = build_tokenizer(cfg.model.pretrained_tokenizer, cfg.model.tokenizer_arch, "model")
+        with seeded_init(training.seed):  # a from-scratch tokenizer starts from the same weights on every run
+            tokenizer = build_tokenizer(cfg.model.pretrained_tokenizer, cfg.model.tokenizer_arch, "model")
         result = train_tokenizer(
             tokenizer, train_set, val_set, training, cfg.paths.tokenizer_dir, dist,
             run_config=config_to_dict(cfg), data_info=data_info,
         )
         if dist.is_main:
-            print(f"[tokenizer] best val loss {result.best_val_loss:.4f} (epoch {result.best_epoch}); "
+            log.info(f"[tokenizer] best val loss {result.best_val_loss:.4f} (epoch {result.best_epoch}); "
                   f"finetuned tokenizer: {result.best_model_dir}")
 
 
