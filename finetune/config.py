@@ -39,19 +39,19 @@ from finetune.utils.stage_config import (
 from finetune.utils.training_utils import TrainingConfig, validate_training_config
 
 __all__ = [
+    "DEFAULT_BENCHMARKS",
+    "SIGNALS",
+    "BacktestConfig",
     "DataConfig",
+    "ForecastConfig",
     "ModelConfig",
+    "PathsConfig",
+    "QlibConfig",
     "QlibTrainingConfig",
     "StageConfig",
-    "PathsConfig",
-    "ForecastConfig",
-    "BacktestConfig",
-    "QlibConfig",
-    "load",
     "check_model_folder",
     "cli_parser",
-    "SIGNALS",
-    "DEFAULT_BENCHMARKS",
+    "load",
 ]
 
 # Signals from a forecast of `predict` closes: predicted return of the last / mean / max / min close

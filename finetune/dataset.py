@@ -36,16 +36,16 @@ from finetune.utils.window_dataset import WindowDataset
 from model.features import FEATURE_COLS
 
 __all__ = [
-    "SPLITS",
-    "MANIFEST_NAME",
     "FORMAT",
-    "split_path",
-    "save_split",
+    "MANIFEST_NAME",
+    "SPLITS",
+    "build_train_val_datasets",
+    "build_window_dataset",
+    "check_processed",
     "load_split",
     "read_manifest",
-    "check_processed",
-    "build_window_dataset",
-    "build_train_val_datasets",
+    "save_split",
+    "split_path",
 ]
 
 log = logging.getLogger("finetune.qlib")

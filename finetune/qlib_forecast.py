@@ -30,9 +30,21 @@ log = logging.getLogger("finetune.qlib")
 # contexts (B, L, F) raw, context stamps (B, L, 5), forecast stamps (B, P, 5) -> predicted closes (B, P)
 Forecaster = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
-__all__ = ["Forecaster", "SIGNAL_HORIZON", "signal_horizon", "forecast_window_ends", "context_rows",
-           "extend_calendar", "forecast_dates", "normalise_contexts", "signals_from_closes", "kronos_forecaster",
-           "forecast_frame", "panel_labels", "make_ic_val_metric"]
+__all__ = [
+    "SIGNAL_HORIZON",
+    "Forecaster",
+    "context_rows",
+    "extend_calendar",
+    "forecast_dates",
+    "forecast_frame",
+    "forecast_window_ends",
+    "kronos_forecaster",
+    "make_ic_val_metric",
+    "normalise_contexts",
+    "panel_labels",
+    "signal_horizon",
+    "signals_from_closes",
+]
 
 
 def signal_horizon(signal: str, predict: int) -> int:
@@ -186,12 +198,13 @@ def make_ic_val_metric(cfg, val_panel: SeriesPanel, tokenizer, *, max_days: int 
         calendar_ns = np.asarray(read_manifest(d.dataset_path)["calendar_ns"], dtype=np.int64)
     start, end = pd.Timestamp(d.val_time_range[0]).value, pd.Timestamp(d.val_time_range[1]).value + 86_399_999_999_999
     ends = forecast_window_ends(val_panel, start, end, d.lookback)
-    days = np.unique(np.asarray(val_panel.datetimes)[ends])
-    chosen = days[np.unique(np.linspace(0, len(days) - 1, min(max_days, len(days))).round().astype(int))] if len(days) else days
-    ends = ends[np.isin(np.asarray(val_panel.datetimes)[ends], chosen)]
     price_row = {"open": 0, "close": CLOSE}.get(cfg.backtest.deal_price, CLOSE)
     labels = panel_labels(val_panel, ends, calendar_ns, d.predict, price_row)
-    keep = np.isfinite(labels)
+    ends, labels = ends[np.isfinite(labels)], labels[np.isfinite(labels)]  # days whose label the panel holds
+    days = np.unique(np.asarray(val_panel.datetimes)[ends])
+    if len(days):
+        days = days[np.unique(np.linspace(0, len(days) - 1, min(max_days, len(days))).round().astype(int))]
+    keep = np.isin(np.asarray(val_panel.datetimes)[ends], days)
     ends, labels = ends[keep], labels[keep]
     if len(ends) == 0:
         raise ValueError("data.val_time_range: no validation day has a forecast and a finite label; widen the range")

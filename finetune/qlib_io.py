@@ -25,9 +25,23 @@ from finetune.utils.panel import N_STAMP_COLUMNS, SeriesPanel
 from model.features import FEATURE_COLS, calc_time_stamps
 
 __all__ = [
-    "QLIB_FIELDS", "CLOSE", "FrameReport", "check_qlib_folder", "check_ranges_in_calendar", "load_range",
-    "datetimes_ns", "frame_to_panel", "stamps_from_ns", "range_bounds", "init_qlib", "read_calendar", "load_frame",
-    "date_range", "time_major", "universe_spans", "membership_mask",
+    "CLOSE",
+    "QLIB_FIELDS",
+    "FrameReport",
+    "check_qlib_folder",
+    "check_ranges_in_calendar",
+    "date_range",
+    "datetimes_ns",
+    "frame_to_panel",
+    "init_qlib",
+    "load_frame",
+    "load_range",
+    "membership_mask",
+    "range_bounds",
+    "read_calendar",
+    "stamps_from_ns",
+    "time_major",
+    "universe_spans",
 ]
 
 # Qlib expressions read for open, high, low, close, volume (+ $vwap when data.amount_source is vwap).
@@ -208,9 +222,9 @@ def frame_to_panel(frame: pd.DataFrame, amount_source: str, min_bars: int, calen
 
 def init_qlib(cfg: QlibConfig) -> None:
     """qlib.init on data.qlib_data_path with data.region."""
-    import qlib
-
     import logging
+
+    import qlib
 
     # No expression / dataset cache: nothing is written outside the provider folder, and no stale cache can answer.
     qlib.init(provider_uri=os.path.expanduser(cfg.data.qlib_data_path), region=cfg.data.region, expression_cache=None,

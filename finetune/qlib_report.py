@@ -17,7 +17,7 @@ import pandas as pd
 
 from finetune.evaluation.signal_analysis import analyse_signal, ic_decay
 
-__all__ = ["backtest_period", "run_backtest", "risk", "score_signal", "summary_table", "plot_cumulative", "seed_spread"]
+__all__ = ["backtest_period", "plot_cumulative", "risk", "run_backtest", "score_signal", "seed_spread", "summary_table"]
 
 
 def backtest_period(calendar: pd.DatetimeIndex, start: pd.Timestamp, end: pd.Timestamp) -> tuple[pd.Timestamp, pd.Timestamp]:

@@ -38,9 +38,21 @@ from finetune.evaluation.qlib_labels import forward_labels
 from finetune.evaluation.signal_analysis import ic_decay, plot_ic_decay
 from finetune.evaluation.strict_json import strict_json
 from finetune.qlib_data_preprocess import first_signal_day
-from finetune.qlib_forecast import Forecaster, forecast_frame, forecast_window_ends, kronos_forecaster, signal_horizon
+from finetune.qlib_forecast import (
+    Forecaster,
+    forecast_frame,
+    forecast_window_ends,
+    kronos_forecaster,
+    signal_horizon,
+)
 from finetune.qlib_io import check_qlib_folder, init_qlib, range_bounds
-from finetune.qlib_report import backtest_period, plot_cumulative, score_signal, seed_spread, summary_table
+from finetune.qlib_report import (
+    backtest_period,
+    plot_cumulative,
+    score_signal,
+    seed_spread,
+    summary_table,
+)
 from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.config_utils import config_to_dict
 from finetune.utils.panel import SeriesPanel
@@ -173,7 +185,7 @@ def evaluate(cfg: QlibConfig, forecasters: dict[str, Forecaster], split: SeriesP
         "backtest_period": [str(bt_start.date()), str(bt_end.date())],
         "benchmark": cfg.benchmark,
         "label": f"{b.deal_price}(t+1+h) / {b.deal_price}(t+1) - 1, h = 1..{d.predict}",
-        "forecasts": int(len(index)),
+        "forecasts": len(index),
         "instruments": len(instruments),
     }
     files = {

@@ -12,14 +12,14 @@ import pytest
 import yaml
 
 pytest.importorskip("qlib")
-from finetune import qlib_forecast as qf  # noqa: E402
-from finetune.config import load  # noqa: E402
-from finetune.dataset import load_split, read_manifest, split_path  # noqa: E402
-from finetune.qlib_builder import build_qlib_provider  # noqa: E402
-from finetune.qlib_data_preprocess import preprocess  # noqa: E402
-from finetune.qlib_io import init_qlib  # noqa: E402
-from finetune.qlib_test import evaluate, write_results  # noqa: E402
-from finetune.synthetic import generate_ohlcv  # noqa: E402
+from finetune import qlib_forecast as qf
+from finetune.config import load
+from finetune.dataset import load_split, read_manifest, split_path
+from finetune.qlib_builder import build_qlib_provider
+from finetune.qlib_data_preprocess import preprocess
+from finetune.qlib_io import init_qlib
+from finetune.qlib_test import evaluate, write_results
+from finetune.synthetic import generate_ohlcv
 
 TEST = ["2022-04-01", "2022-05-31"]
 LOOKBACK = 10
@@ -196,3 +196,17 @@ def test_report_perfect_foresight_first_day_and_strict_json(tmp_path, data):
     assert perfect["backtest"]["excess_return_without_cost"]["annualized_return"] > max(
         r["backtest"]["excess_return_without_cost"]["annualized_return"] for r in report["signals"].values())
     assert math.isfinite(perfect["backtest"]["turnover_mean"])
+
+
+def test_ic_val_metric_scores_minus_rank_ic_of_validation_forecasts(tmp_path, data):
+    from tests.model_factory import tiny_models
+
+    cfg = prepared(tmp_path, "val", data)
+    val = load_split(split_path(cfg.data.dataset_path, "val"))
+    tokenizer, predictor = tiny_models()
+    metric = qf.make_ic_val_metric(cfg, val, tokenizer, max_days=4, device="cpu")
+    predictor.train()
+    first = metric(predictor, "predictor")
+    assert predictor.training  # the model is handed back in the mode it came in
+    assert first["days"] == 4 and math.isfinite(first["rank_ic"]) and first["score"] == pytest.approx(-first["rank_ic"])
+    assert metric(predictor, "predictor") == first  # seeded: the same model scores the same

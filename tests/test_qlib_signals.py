@@ -5,8 +5,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from finetune import qlib_io as qio
 from finetune import qlib_forecast as qt
+from finetune import qlib_io as qio
 from finetune import qlib_report as qr
 from finetune.utils.panel import SeriesPanel
 
