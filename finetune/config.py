@@ -39,19 +39,19 @@ from finetune.utils.stage_config import (
 from finetune.utils.training_utils import TrainingConfig, validate_training_config
 
 __all__ = [
+    "DEFAULT_BENCHMARKS",
+    "SIGNALS",
+    "BacktestConfig",
     "DataConfig",
+    "ForecastConfig",
     "ModelConfig",
+    "PathsConfig",
+    "QlibConfig",
     "QlibTrainingConfig",
     "StageConfig",
-    "PathsConfig",
-    "ForecastConfig",
-    "BacktestConfig",
-    "QlibConfig",
-    "load",
     "check_model_folder",
     "cli_parser",
-    "SIGNALS",
-    "DEFAULT_BENCHMARKS",
+    "load",
 ]
 
 # Signals from a forecast of `predict` closes: predicted return of the last / mean / max / min close
@@ -94,8 +94,11 @@ class DataConfig:
     when a series has no amount) or $volume * $vwap. The features are model.features.FEATURE_COLS."""
     clip: float = 5.0
     """Normalised values are clipped to [-clip, clip]."""
+    max_gap_days: int = 5
+    """A stock's history is cut into separate series where more than this many of its trading days in a row are
+    missing (suspended or absent): no window, context or label ever joins bars across such a gap."""
     dataset_path: str = "./data/processed_datasets"
-    """Folder for the preprocessed splits (train.npz, val.npz, test.npz, manifest.json)."""
+    """Folder for the preprocessed splits (train/, val/, test/ memory-mappable stores, manifest.json)."""
 
     def __post_init__(self) -> None:
         # YAML reads an unquoted 2024-07-01 as a date: keep every date setting as an ISO string.
@@ -133,7 +136,8 @@ class PathsConfig:
     finetuned_predictor_path: str = "{predictor_dir}/best_model"
     """Predictor the backtest uses."""
     backtest_result_path: str = "./outputs/backtest_results"
-    """Folder for signals.csv, ic.csv, backtest_report.json, backtest_returns.csv and cumulative_return.png."""
+    """Folder for report.json, signals.csv, ic_daily.csv, ic_decay.csv/.png, backtest_daily.csv, positions.csv and
+    cumulative_return.png."""
 
 
 @dataclass
@@ -142,36 +146,56 @@ class ForecastConfig(SamplingConfig):
 
     batch_size: int = 1000
     """Sequences per forward pass (windows x sample_count), as the original's backtest_batch_size."""
+    seeds: list[int] | None = None
+    """Repeat the test forecast once per seed (e.g. [0, 1, 2]) and report the mean and spread of IC and excess
+    return across them; null = one forecast with `seed`."""
+
+    def seed_list(self) -> list[int]:
+        """The seeds the test forecast runs with."""
+        return list(self.seeds) if self.seeds else [self.seed]
 
 
 @dataclass
 class BacktestConfig:
-    """Signals, IC and Qlib's TopkDropoutStrategy backtest (`backtest:` in YAML); original defaults."""
+    """Signals, IC and Qlib's TopkDropoutStrategy backtest (`backtest:` in YAML).
+
+    Defaults are the ORIGINAL KRONOS example's, kept so results stay comparable with it; Qlib's benchmark workflows
+    (e.g. LightGBM on Alpha158, CSI300) differ where noted per field: deal_price close, open_cost 0.0005,
+    hold_thresh 1. Same as Qlib's: topk 50, n_drop 5, close_cost 0.0015, min_cost 5, limit_threshold 0.095,
+    benchmark SH000300 for csi300. Qlib's workflows start with 1e8 of cash, as here. See docs/qlib_evaluation.md.
+    """
 
     benchmark: str = ""
     """Benchmark instrument; empty = the universe's index (csi300 -> SH000300, csi800 -> SH000906, ...)."""
     signals: list[str] = field(default_factory=lambda: list(SIGNALS))
     """Signals to evaluate and backtest, among last, mean, max, min."""
     topk: int = 50
-    """Stocks held (original backtest_n_symbol_hold)."""
+    """Stocks held (original backtest_n_symbol_hold; Qlib's workflows: 50 too)."""
     n_drop: int = 5
-    """Stocks swapped per day (original backtest_n_symbol_drop)."""
+    """Stocks swapped per day (original backtest_n_symbol_drop; Qlib's workflows: 5 too)."""
     hold_thresh: int = 5
-    """Minimum days a stock is held before it may be sold."""
+    """Minimum days a stock is held before it may be sold (original 5; Qlib's default 1)."""
     account: float = 100_000_000
-    """Initial cash."""
+    """Initial cash (Qlib's workflows: 1e8 too)."""
     deal_price: Literal["open", "close", "vwap"] = "open"
-    """Price the orders fill at (orders are placed at the close of the signal day, filled the next day)."""
+    """Price the orders fill at: the score of day t trades on day t+1 (original open; Qlib's workflows close).
+    The IC labels follow it: price(t+1+h) / price(t+1) - 1."""
     open_cost: float = 0.001
-    """Cost rate of buying."""
+    """Cost rate of buying (original 0.001; Qlib's workflows 0.0005)."""
     close_cost: float = 0.0015
-    """Cost rate of selling."""
+    """Cost rate of selling (original and Qlib: 0.0015)."""
     min_cost: float = 5.0
-    """Minimum cost per order."""
+    """Minimum cost per order (original and Qlib: 5)."""
     limit_threshold: float | None = 0.095
-    """Daily price limit: no buying at limit-up / selling at limit-down (null = no limit)."""
-    ic_horizon: int = 1
-    """IC compares each signal with the realised return close[t + ic_horizon] / close[t] - 1."""
+    """Daily price limit: no buying at limit-up / selling at limit-down (null = no limit; Qlib: 0.095 too)."""
+    baselines: bool = True
+    """Also score and backtest the momentum and short-term reversal signals over the same days."""
+    momentum_window: int = 20
+    """Momentum baseline: close(t) / close(t - momentum_window) - 1."""
+    reversal_window: int = 5
+    """Reversal baseline: close(t - reversal_window) / close(t) - 1."""
+    quantile: float = 0.2
+    """Share of stocks in each leg of the long-short return (Qlib's calc_long_short_return default)."""
 
 
 @dataclass
@@ -274,6 +298,7 @@ def _check_data(d: DataConfig, p: Problems) -> None:
         f"data.max_context = {d.max_context}; shorten the windows",
     )
     p.check(d.clip > 0, "data.clip", f"must be > 0, got {d.clip}")
+    p.check(d.max_gap_days >= 0, "data.max_gap_days", f"must be >= 0, got {d.max_gap_days}")
     p.check(bool(str(d.dataset_path).strip()), "data.dataset_path", "is empty; name a folder for the splits")
 
     begin = parse_date(d.dataset_begin_time, "data.dataset_begin_time", p)
@@ -304,6 +329,9 @@ def _check_data(d: DataConfig, p: Problems) -> None:
 
 def _check_forecast(f: ForecastConfig, p: Problems) -> None:
     f.check(p, "forecast")
+    if f.seeds is not None:
+        p.check(len(f.seeds) >= 1 and len(set(f.seeds)) == len(f.seeds), "forecast.seeds",
+                f"must list distinct seeds (or be null), got {f.seeds}")
     p.check(
         f.batch_size >= f.sample_count,
         "forecast.batch_size",
@@ -332,11 +360,9 @@ def _check_backtest(cfg: QlibConfig, p: Problems) -> None:
         "backtest.limit_threshold",
         f"must be in (0, 1) or null, got {b.limit_threshold}",
     )
-    p.check(
-        1 <= b.ic_horizon <= cfg.data.predict,
-        "backtest.ic_horizon",
-        f"must be in [1, data.predict={cfg.data.predict}], got {b.ic_horizon}",
-    )
+    for name in ("momentum_window", "reversal_window"):
+        p.check(getattr(b, name) >= 1, f"backtest.{name}", f"must be >= 1, got {getattr(b, name)}")
+    p.check(0 < b.quantile <= 0.5, "backtest.quantile", f"must be in (0, 0.5], got {b.quantile}")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,20 +1,18 @@
 """The preprocessed Qlib splits on disk, and the training datasets built from them.
 
-`qlib_data_preprocess.py` writes, in `data.dataset_path`:
+`qlib_data_preprocess.py` writes, in `data.dataset_path`, one prepared data store per split (the layout of
+finetune/utils/data_store.py, so every rank memory-maps it with `open_store` and shares one page-cache copy):
 
-    train.npz, val.npz, test.npz   read with np.load(allow_pickle=False): loading runs no code (unlike pickle)
-        features     float32 (N, 6)   open, high, low, close, volume, amount (model.features.FEATURE_COLS); one
-                                      instrument's rows contiguous, in time order
-        stamps       int64   (N, 5)   minute, hour, weekday (Mon=0), day of month, month
-        datetimes    int64   (N,)     bar time as nanoseconds since 1970-01-01 (naive, as Qlib stores it)
-        offsets      int64   (S + 1,) rows of instrument s are offsets[s]:offsets[s + 1]
-        instruments  str     (S,)     instrument codes
-    manifest.json                     settings the splits were made with, date ranges, counts, dropped instruments
+    train/, val/, test/          each: features_t.npy float32 (6, N) feature-major open, high, low, close, volume,
+                                 amount; stamps.npy int64 (N, 5); datetimes.npy int64 (N,) ns; offsets.npy int64
+                                 (S + 1,); names.json (S instrument codes; one code may own several series: the
+                                 pieces of its history cut at data gaps or between membership spells); manifest.json
+    manifest.json                settings the splits were made with, date ranges, counts, dropped instruments, the
+                                 market calendar (ns) of the load range
 
-`load_split` returns a split as a `SeriesPanel` (finetune/utils/panel.py; features transposed to feature-major
-(6, N), names = instrument codes, datetimes set) and `save_split` writes one. Training hands the panel to the
-shared `WindowDataset` as it is (windows never cross two instruments; normalised with
-lookback-only statistics); which windows an epoch uses, on which rank, is the engine's `EpochSampler`'s business.
+`load_split` returns a split as a `SeriesPanel` of read-only memory maps and `save_split` writes one. Training hands
+the panel to the shared `WindowDataset` as it is (windows never cross two series; normalised with lookback-only
+statistics); which windows an epoch uses, on which rank, is the engine's `EpochSampler`'s business.
 """
 
 from __future__ import annotations
@@ -30,80 +28,73 @@ import numpy as np
 from finetune.config import QlibConfig
 from finetune.qlib_io import date_range
 from finetune.utils.config_utils import Problems
+from finetune.utils.data_store import FORMAT as STORE_FORMAT
+from finetune.utils.data_store import FORMAT_VERSION as STORE_FORMAT_VERSION
+from finetune.utils.data_store import StoreError, open_store
 from finetune.utils.panel import SeriesPanel
 from finetune.utils.window_dataset import WindowDataset
 from model.features import FEATURE_COLS
 
 __all__ = [
-    "SPLITS",
-    "MANIFEST_NAME",
     "FORMAT",
-    "split_path",
-    "save_split",
+    "MANIFEST_NAME",
+    "SPLITS",
+    "build_train_val_datasets",
+    "build_window_dataset",
+    "check_processed",
     "load_split",
     "read_manifest",
-    "check_processed",
-    "build_window_dataset",
-    "build_train_val_datasets",
+    "save_split",
+    "split_path",
 ]
 
 log = logging.getLogger("finetune.qlib")
 
 SPLITS = ("train", "val", "test")
 MANIFEST_NAME = "manifest.json"
-FORMAT = "kronos-qlib-splits/v2"  # v2: manifest keys lookback / predict / features (v1: *_window / feature_list)
-_ARRAYS = ("features", "stamps", "datetimes", "offsets", "instruments")
+# v3: one memory-mappable store per split (v2: .npz), series cut at gaps and membership spells, calendar_ns
+FORMAT = "kronos-qlib-splits/v3"
 # Settings a split depends on: changing any of them after preprocessing means preprocessing again.
 _MANIFEST_KEYS = ("qlib_data_path", "instrument", "freq", "lookback", "predict", "amount_source",
-                  "train_time_range", "val_time_range", "test_time_range", "features")
+                  "train_time_range", "val_time_range", "test_time_range", "max_gap_days", "features")
 
 
 def split_path(dataset_path: str | Path, split: str) -> Path:
-    return Path(dataset_path).expanduser() / f"{split}.npz"
+    """The store folder of one split."""
+    return Path(dataset_path).expanduser() / split
 
 
 def save_split(path: str | Path, split: SeriesPanel) -> Path:
-    """Write one split (a panel with datetimes) as an uncompressed .npz of plain arrays: features time-major
-    (N, 6) as stored since v1, instrument names as a fixed-width str array."""
+    """Write one split (a panel with datetimes) as a prepared data store folder (finetune/utils/data_store.py
+    layout, readable by `open_store`). `path` must not exist yet (the caller writes into a fresh folder)."""
     path = Path(path)
     if split.datetimes is None:
         raise ValueError("a Qlib split needs the bar datetimes (SeriesPanel.datetimes)")
-    names = np.asarray([str(s) for s in split.names], dtype=str) if split.n_series else np.zeros(0, dtype="<U1")
-    with open(path, "wb") as f:  # a file object: np.savez would otherwise append ".npz" to the name
-        np.savez(
-            f,
-            features=np.ascontiguousarray(np.asarray(split.features, dtype=np.float32).T),  # (N, 6)
-            stamps=np.ascontiguousarray(split.stamps, dtype=np.int64),
-            datetimes=np.ascontiguousarray(split.datetimes, dtype=np.int64),
-            offsets=np.ascontiguousarray(split.offsets, dtype=np.int64),
-            instruments=names,
-        )
+    path.mkdir(parents=True, exist_ok=False)
+    np.save(path / "features_t.npy", np.ascontiguousarray(split.features, dtype=np.float32))  # (6, N)
+    np.save(path / "stamps.npy", np.ascontiguousarray(split.stamps, dtype=np.int64))  # (N, 5)
+    np.save(path / "datetimes.npy", np.ascontiguousarray(split.datetimes, dtype=np.int64))  # (N,)
+    np.save(path / "offsets.npy", np.ascontiguousarray(split.offsets, dtype=np.int64))  # (S + 1,)
+    names = [str(n) for n in split.names]
+    (path / "names.json").write_text(json.dumps(names), encoding="utf-8")
+    manifest = {"format": STORE_FORMAT, "format_version": STORE_FORMAT_VERSION, "n_rows": split.n_rows,
+                "n_series": split.n_series, "features": list(FEATURE_COLS), "source": "qlib_data_preprocess.py"}
+    (path / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
     return path
 
 
 def load_split(path: str | Path) -> SeriesPanel:
-    """Read a split written by `save_split` as a SeriesPanel (features transposed to (6, N) once);
-    allow_pickle=False, so a tampered file cannot run code."""
+    """Open a split written by `save_split` as a SeriesPanel of read-only memory maps (no copy)."""
     path = Path(path)
-    if not path.is_file():
+    if not path.is_dir():
         raise FileNotFoundError(f"{path} not found: run `python finetune/qlib_data_preprocess.py --config ...` first (data.dataset_path)")
-    with np.load(path, allow_pickle=False) as z:
-        missing = [k for k in _ARRAYS if k not in z.files]
-        if missing:
-            raise ValueError(f"{path} lacks arrays {missing}; it was not written by qlib_data_preprocess.py, rerun it")
-        features = z["features"]
-        if features.ndim != 2 or features.shape[1] != len(FEATURE_COLS):
-            raise ValueError(f"{path}: features must be (N, {len(FEATURE_COLS)}), got {features.shape}; rerun the preprocessing")
-        try:
-            return SeriesPanel(
-                features=np.ascontiguousarray(features.T, dtype=np.float32),  # (6, N) feature-major
-                stamps=z["stamps"].astype(np.int64, copy=False),
-                offsets=z["offsets"].astype(np.int64, copy=False),
-                names=z["instruments"],
-                datetimes=z["datetimes"].astype(np.int64, copy=False),
-            )
-        except ValueError as e:
-            raise ValueError(f"{path}: inconsistent arrays ({e}); rerun the preprocessing") from None
+    try:
+        panel = open_store(path)
+    except (StoreError, OSError, KeyError) as e:
+        raise ValueError(f"{path}: not a readable split ({e}); rerun the preprocessing") from None
+    if panel.n_features != len(FEATURE_COLS):
+        raise ValueError(f"{path}: features must be ({len(FEATURE_COLS)}, N), got {panel.features.shape}; rerun the preprocessing")
+    return panel
 
 
 def read_manifest(dataset_path: str | Path) -> dict[str, Any]:
@@ -125,6 +116,7 @@ def manifest_settings(cfg: QlibConfig) -> dict[str, Any]:
         "train_time_range": list(d.train_time_range),
         "val_time_range": list(d.val_time_range),
         "test_time_range": list(d.test_time_range),
+        "max_gap_days": d.max_gap_days,
         "features": list(FEATURE_COLS),
     }
 
@@ -134,7 +126,8 @@ def check_processed(cfg: QlibConfig, splits: tuple[str, ...], problems: Problems
     with the current settings (a different lookback, range or universe would silently mix two setups)."""
     folder = Path(cfg.data.dataset_path).expanduser()
     fix = "run `python finetune/qlib_data_preprocess.py` with this config first"
-    missing = [p.name for p in [folder / MANIFEST_NAME, *(split_path(folder, s) for s in splits)] if not p.is_file()]
+    missing = [MANIFEST_NAME] if not (folder / MANIFEST_NAME).is_file() else [
+        f"{s}/" for s in splits if not (split_path(folder, s) / MANIFEST_NAME).is_file()]
     if missing:
         problems.add("data.dataset_path", f"{folder} lacks {', '.join(missing)}; {fix}")
         return

@@ -1,19 +1,24 @@
-"""Load a Qlib universe, cut it into train / val / test splits and save them as plain arrays (no pickle).
+"""Load a Qlib universe, cut it into train / val / test splits and save them as memory-mappable stores.
 
     python finetune/qlib_data_preprocess.py --config configs/qlib_csi300.yaml [--set data.instrument=csi500]
 
-Steps: check the Qlib folder and the settings (one error listing every problem); read $open, $high, $low, $close,
-$volume, $vwap for the universe over the dataset range plus lookback / predict margins (one D.features call);
-derive vol = $volume and amt = vol * mean(open, high, low, close) (or vol * $vwap); drop rows with missing values
-and instruments too short for one window (both logged by name); split by the configured time ranges; write
-train.npz, val.npz, test.npz and manifest.json into data.dataset_path (all files or none).
+Steps: check the Qlib folder and the settings (one error listing every problem); list the universe's instruments and
+their membership spells (D.list_instruments), then read $open, $high, $low, $close, $volume, $vwap of those
+instruments over their WHOLE history in the dataset range plus lookback / predict margins (one D.features call on
+the instrument list, so no bar is hidden by the membership mask); derive vol = $volume and amt = vol * mean(open,
+high, low, close) (or vol * $vwap); drop rows with missing values (suspended days are NaN in the store) and cut an
+instrument into separate series where more than data.max_gap_days of its trading days in a row are missing (all
+logged by name); split by the configured time ranges and membership; write train/, val/, test/ (each a
+finetune/utils/data_store.py store) and manifest.json into data.dataset_path (all or nothing).
 
-Split rules (bars are each instrument's own trading days):
-    train  bars inside train_time_range: every bar of every training window, targets included, lies in it.
-    val    the lookback bars before val_time_range, then the bars inside it: the earliest window's first
-           forecast bar is the first validation day, and no target bar is a training bar.
-    test   the lookback bars before test_time_range, the bars inside it, and up to predict bars
-           after it (only to measure the realised returns of the last forecasts; no forecast is made there).
+Split rules (bars are each instrument's own trading days). A "target" bar lies in the split's range AND in a
+membership spell; each run of consecutive target bars becomes one series, with context bars before it:
+    train  context inside train_time_range too: every bar of every training window lies in the range, and every
+           predicted bar is a member.
+    val    `lookback` bars of context before the run (may precede val_time_range): no predicted bar is a training bar.
+    test   target days run from the last trading day BEFORE test_time_range (its score trades on the first test day)
+           to the range's end, with `lookback - 1` bars of context: one forecast per target day. A stock that joins
+           the universe mid-test is forecast from its join day on, with its prior history as context.
 """
 
 from __future__ import annotations
@@ -48,8 +53,10 @@ from finetune.qlib_io import (
     init_qlib,
     load_frame,
     load_range,
+    membership_mask,
     range_bounds,
     read_calendar,
+    universe_spans,
 )
 from finetune.utils.checkpoint import write_json_atomic
 from finetune.utils.config_utils import ConfigError, Problems
@@ -70,52 +77,72 @@ class SplitRule:
     start: pd.Timestamp
     end: pd.Timestamp
     before: int
-    """Bars kept before `start` (context of the first windows)."""
-    after: int
-    """Bars kept after `end` (realised returns of the last forecasts)."""
+    """Context bars kept before each run of target bars."""
+    context_in_range: bool
+    """Context bars must lie in [start, end] too (train)."""
     min_bars: int
-    """An instrument needs at least this many bars from its first kept bar to its last bar inside the range."""
+    """A piece needs at least this many bars from its first context bar to its last target bar."""
 
 
-def split_rules(cfg: QlibConfig) -> list[SplitRule]:
-    """The three split rules of the module docstring, from the settings."""
+def split_rules(cfg: QlibConfig, calendar: pd.DatetimeIndex | None = None) -> list[SplitRule]:
+    """The three split rules of the module docstring, from the settings; with `calendar`, the test targets start
+    on the last trading day before test_time_range (else on its first day)."""
     d = cfg.data
     window = d.lookback + d.predict
     (tr0, tr1), (va0, va1), (te0, te1) = (range_bounds(r) for r in (d.train_time_range, d.val_time_range, d.test_time_range))
+    if calendar is not None:
+        te0 = first_signal_day(calendar, te0)
     return [
-        SplitRule("train", tr0, tr1, before=0, after=0, min_bars=window),
-        SplitRule("val", va0, va1, before=d.lookback, after=0, min_bars=window),
+        SplitRule("train", tr0, tr1, before=d.lookback, context_in_range=True, min_bars=window),
+        SplitRule("val", va0, va1, before=d.lookback, context_in_range=False, min_bars=window),
         # a test forecast at bar t needs lookback bars ending at t
-        SplitRule("test", te0, te1, before=d.lookback, after=d.predict, min_bars=d.lookback),
+        SplitRule("test", te0, te1, before=d.lookback - 1, context_in_range=False, min_bars=d.lookback),
     ]
 
 
-def cut_split(panel: SeriesPanel, rule: SplitRule) -> tuple[SeriesPanel, dict[str, int]]:
-    """The bars of `panel` that `rule` selects, per instrument; returns (split, dropped: name -> usable bars).
+def first_signal_day(calendar: pd.DatetimeIndex, test_start: pd.Timestamp) -> pd.Timestamp:
+    """The last trading day before `test_start` (its score trades on the first test day); `test_start` itself when
+    the calendar has no earlier day."""
+    before = calendar[calendar < test_start]
+    return pd.Timestamp(before[-1]) if len(before) else test_start
 
-    Instruments without a bar inside the range are simply not part of the split (not in the universe then);
-    instruments with bars inside it but too few for `rule.min_bars` are dropped and returned for the log.
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[(first, last)] inclusive index ranges of the True runs of a bool array."""
+    edges = np.diff(np.r_[0, mask.astype(np.int8), 0])
+    return list(zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1) - 1))
+
+
+def cut_split(panel: SeriesPanel, rule: SplitRule, member: np.ndarray | None = None) -> tuple[SeriesPanel, dict[str, int]]:
+    """The pieces of `panel` that `rule` selects; returns (split, dropped: name -> usable bars of dropped pieces).
+
+    Target bars: inside [rule.start, rule.end] and, with `member` ((N,) bool), members of the universe. Each run of
+    consecutive target bars of a series becomes one piece with up to `rule.before` context bars before it (never
+    before the series' first bar, nor, with `context_in_range`, before rule.start). Instruments without a target
+    bar are simply not part of the split; pieces shorter than `rule.min_bars` are dropped and returned for the log.
     """
     lo_ns, hi_ns = pd.Timestamp(rule.start).value, pd.Timestamp(rule.end).value
     pieces, kept, lengths, dropped = [], [], [], {}
     for s in range(panel.n_series):
         first, last = int(panel.offsets[s]), int(panel.offsets[s + 1])
-        when = panel.datetimes[first:last]
-        a = int(np.searchsorted(when, lo_ns, side="left"))  # first bar inside the range
-        b = int(np.searchsorted(when, hi_ns, side="right"))  # one past the last bar inside it
-        if b <= a:
-            continue
-        a0, b1 = max(0, a - rule.before), min(last - first, b + rule.after)
-        if b - a0 < rule.min_bars:
-            dropped[str(panel.names[s])] = b - a0
-            continue
-        pieces.append(np.arange(first + a0, first + b1))
-        kept.append(s)
-        lengths.append(b1 - a0)
+        when = np.asarray(panel.datetimes[first:last])
+        in_range = (when >= lo_ns) & (when <= hi_ns)
+        target = in_range & (np.asarray(member[first:last]) if member is not None else True)
+        floor = int(np.argmax(in_range)) if rule.context_in_range and in_range.any() else 0
+        for a, b in _runs(target):
+            a0 = max(floor, a - rule.before)
+            if b + 1 - a0 < rule.min_bars:
+                name = str(panel.names[s])
+                dropped[name] = dropped.get(name, 0) + int(b + 1 - a0)
+                continue
+            pieces.append(np.arange(first + a0, first + b + 1))
+            kept.append(s)
+            lengths.append(b + 1 - a0)
     rows = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
     split = SeriesPanel(
-        np.ascontiguousarray(panel.features[:, rows]), panel.stamps[rows], np.r_[0, np.cumsum(lengths)].astype(np.int64),
-        np.asarray(panel.names, dtype=str)[kept], panel.datetimes[rows],
+        np.ascontiguousarray(panel.features[:, rows]), np.asarray(panel.stamps)[rows],
+        np.r_[0, np.cumsum(lengths)].astype(np.int64), [str(panel.names[k]) for k in kept],
+        np.asarray(panel.datetimes)[rows],
     )
     return split, dropped
 
@@ -126,12 +153,14 @@ def _show(names: dict[str, int], limit: int = 10) -> str:
     return text + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def make_splits(panel: SeriesPanel, cfg: QlibConfig) -> tuple[dict[str, SeriesPanel], dict[str, Any]]:
-    """Cut the three splits; raise one ConfigError naming each time range that leaves its split empty."""
+def make_splits(panel: SeriesPanel, cfg: QlibConfig, member: np.ndarray | None = None,
+                calendar: pd.DatetimeIndex | None = None) -> tuple[dict[str, SeriesPanel], dict[str, Any]]:
+    """Cut the three splits (targets restricted to `member` bars when given); raise one ConfigError naming each
+    time range that leaves its split empty."""
     problems = Problems("The time ranges leave a split empty")
     splits, report = {}, {}
-    for rule in split_rules(cfg):
-        split, dropped = cut_split(panel, rule)
+    for rule in split_rules(cfg, calendar):
+        split, dropped = cut_split(panel, rule, member)
         key = f"data.{rule.name}_time_range"
         if dropped:
             log.warning("[%s] dropped %d instrument(s) with fewer than %d usable bars: %s",
@@ -148,12 +177,12 @@ def make_splits(panel: SeriesPanel, cfg: QlibConfig) -> tuple[dict[str, SeriesPa
         splits[rule.name] = split
         report[rule.name] = {
             "time_range": [str(rule.start.date()), str(rule.end.date())],
-            "instruments": split.n_series,
+            "instruments": len(set(split.names)),
+            "series": split.n_series,
             "rows": split.n_rows,
             "first_bar": dates[0] if dates else None,
             "last_bar": dates[1] if dates else None,
-            "bars_before_range": rule.before,
-            "bars_after_range": rule.after,
+            "context_bars": rule.before,
             "dropped_too_short": dropped,
         }
         log.info("[%s] %d instruments, %d bars, %s..%s", rule.name, split.n_series, split.n_rows,
@@ -175,6 +204,8 @@ def write_splits(folder: str | Path, splits: dict[str, SeriesPanel], manifest: d
         folder.mkdir(parents=True, exist_ok=True)
         (folder / MANIFEST_NAME).unlink(missing_ok=True)  # an interrupted move must not leave an old manifest
         for name in splits:
+            if split_path(folder, name).exists():
+                shutil.rmtree(split_path(folder, name))
             os.replace(split_path(tmp, name), split_path(folder, name))
         os.replace(tmp / MANIFEST_NAME, folder / MANIFEST_NAME)
     finally:
@@ -204,37 +235,45 @@ def preprocess(cfg: QlibConfig) -> dict[str, Any]:
     check_ranges_in_calendar(cfg, calendar, problems)
     problems.raise_if_any()
     start, end = load_range(calendar, d.dataset_begin_time, d.dataset_end_time, d.lookback, d.predict)
-    log.info("loading %s from %s (%s .. %s, %s bars)", d.instrument, d.qlib_data_path, start.date(), end.date(), d.freq)
-    frame = load_frame(cfg, start, end)
+    spans = universe_spans(cfg, start, end)
+    if not spans:
+        raise ConfigError([f"data.instrument: universe {d.instrument!r} has no member between {start.date()} and {end.date()}"])
+    log.info("loading the full history of %d instrument(s) of %s from %s (%s .. %s, %s bars)", len(spans),
+             d.instrument, d.qlib_data_path, start.date(), end.date(), d.freq)
+    frame = load_frame(cfg, start, end, instruments=list(spans))
     if frame.empty:
         raise ConfigError([f"data.instrument: universe {d.instrument!r} has no data between {start.date()} and {end.date()}"])
 
     # Fewer bars than one test context cannot serve any split (training windows need lookback + predict).
-    panel, frame_report = frame_to_panel(frame, d.amount_source, min_bars=d.lookback)
+    panel, frame_report = frame_to_panel(frame, d.amount_source, min_bars=d.lookback, calendar=calendar,
+                                         max_gap_days=d.max_gap_days)
     if frame_report.nan_rows:
-        log.warning("dropped %d bar(s) with missing values in %d instrument(s): %s",
+        log.warning("dropped %d bar(s) with missing values (suspended days) in %d instrument(s): %s",
                     sum(frame_report.nan_rows.values()), len(frame_report.nan_rows), _show(frame_report.nan_rows))
+    if frame_report.gaps:
+        log.warning("cut %d instrument(s) at gaps of more than %d missing trading days (data.max_gap_days): %s",
+                    len(frame_report.gaps), d.max_gap_days, _show(frame_report.gaps))
     if frame_report.short:
-        log.warning("dropped %d instrument(s) with fewer than %d bars in the whole range: %s",
+        log.warning("dropped pieces of %d instrument(s) with fewer than %d bars: %s",
                     len(frame_report.short), d.lookback, _show(frame_report.short))
-    splits, split_report = make_splits(panel, cfg)
+    member = membership_mask(panel, spans)
+    splits, split_report = make_splits(panel, cfg, member, calendar)
 
-    # Trading days from the test range's start to predict days past its end: the forecast dates
-    # (y timestamps) of the test windows come from here.
-    test_rule = split_rules(cfg)[2]
-    lo = int(calendar.searchsorted(test_rule.start, side="left"))
-    hi = int(calendar.searchsorted(test_rule.end, side="right")) + d.predict
-    calendar_ns = datetimes_ns(calendar[lo:hi])
+    # The market calendar of the load range plus `predict` days (forecast dates of the last windows).
+    hi = min(len(calendar), int(calendar.searchsorted(end, side="right")) + d.predict)
+    lo = int(calendar.searchsorted(start, side="left"))
     manifest = {
         "format": FORMAT,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "settings": manifest_settings(cfg),
         "load_range": [str(start.date()), str(end.date())],
         "instruments_loaded": int(frame.index.get_level_values("instrument").nunique()),
+        "membership_spells": {k: [[str(a.date()), str(b.date())] for a, b in v] for k, v in spans.items()},
         "nan_rows_dropped": frame_report.nan_rows,
-        "instruments_too_short": frame_report.short,
+        "gap_cuts": frame_report.gaps,
+        "pieces_too_short": frame_report.short,
         "splits": split_report,
-        "test_calendar_ns": calendar_ns.tolist(),
+        "calendar_ns": datetimes_ns(calendar[lo:hi]).tolist(),
     }
     folder = write_splits(d.dataset_path, splits, manifest)
     log.info("wrote %s", ", ".join(p.name for p in sorted(folder.iterdir())))

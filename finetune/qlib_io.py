@@ -25,9 +25,23 @@ from finetune.utils.panel import N_STAMP_COLUMNS, SeriesPanel
 from model.features import FEATURE_COLS, calc_time_stamps
 
 __all__ = [
-    "QLIB_FIELDS", "CLOSE", "FrameReport", "check_qlib_folder", "check_ranges_in_calendar", "load_range",
-    "datetimes_ns", "frame_to_panel", "stamps_from_ns", "range_bounds", "init_qlib", "read_calendar", "load_frame",
-    "date_range", "time_major",
+    "CLOSE",
+    "QLIB_FIELDS",
+    "FrameReport",
+    "check_qlib_folder",
+    "check_ranges_in_calendar",
+    "date_range",
+    "datetimes_ns",
+    "frame_to_panel",
+    "init_qlib",
+    "load_frame",
+    "load_range",
+    "membership_mask",
+    "range_bounds",
+    "read_calendar",
+    "stamps_from_ns",
+    "time_major",
+    "universe_spans",
 ]
 
 # Qlib expressions read for open, high, low, close, volume (+ $vwap when data.amount_source is vwap).
@@ -135,15 +149,22 @@ class FrameReport:
     nan_rows: dict[str, int] = field(default_factory=dict)
     """Rows dropped per instrument because a feature was missing (suspended days, gaps in the data)."""
     short: dict[str, int] = field(default_factory=dict)
-    """Instruments dropped because fewer bars than `min_bars` remained: name -> bars."""
+    """Instruments (or pieces of one cut at a gap) dropped because fewer bars than `min_bars` remained:
+    name -> bars dropped."""
+    gaps: dict[str, int] = field(default_factory=dict)
+    """Cuts per instrument at gaps of more than max_gap_days missing trading days."""
 
 
-def frame_to_panel(frame: pd.DataFrame, amount_source: str, min_bars: int) -> tuple[SeriesPanel, FrameReport]:
+def frame_to_panel(frame: pd.DataFrame, amount_source: str, min_bars: int, calendar: pd.DatetimeIndex | None = None,
+                   max_gap_days: int | None = None) -> tuple[SeriesPanel, FrameReport]:
     """Qlib's stacked frame (index instrument, datetime; columns $open ... $vwap) -> one contiguous panel.
 
     One sort and vectorised column arithmetic; instruments become column ranges (offsets), never per-symbol frames.
-    Rows with a missing or non-finite feature are dropped (counted per instrument); instruments with fewer than
-    `min_bars` bars left are dropped (listed). The panel has datetimes (ns) and names = instrument codes.
+    Rows with a missing or non-finite feature (suspended days: NaN in the store) are dropped (counted per
+    instrument). With `calendar` and `max_gap_days`, an instrument is cut into separate series wherever more than
+    `max_gap_days` trading days of the calendar are missing between two of its bars (a window never joins bars
+    across such a gap). Series with fewer than `min_bars` bars are dropped (listed). The panel has datetimes (ns)
+    and names = instrument codes (one code names several series when it was cut).
     """
     missing = [c for c in QLIB_FIELDS[:5] if c not in frame.columns]
     if missing:
@@ -168,13 +189,23 @@ def frame_to_panel(frame: pd.DataFrame, amount_source: str, min_bars: int) -> tu
         report.nan_rows = {str(level_names[c]): int(k) for c, k in zip(codes, counts)}
     inst, when, features = inst[ok], when[ok], features[ok]
 
-    # Instrument boundaries: the rows are sorted by instrument, so each one is a contiguous run.
-    starts = np.flatnonzero(np.r_[True, inst[1:] != inst[:-1]]) if len(inst) else np.zeros(0, np.int64)
+    # Series boundaries: the rows are sorted by instrument, so each one is a contiguous run; with a calendar, a run
+    # is also cut where the calendar position jumps by more than max_gap_days + 1.
+    new = np.r_[True, inst[1:] != inst[:-1]] if len(inst) else np.zeros(0, bool)
+    if calendar is not None and max_gap_days is not None and len(inst):
+        position = np.searchsorted(datetimes_ns(calendar), when)  # (N,) calendar index of each bar
+        cut = np.r_[False, (np.diff(position) > max_gap_days + 1) & ~new[1:]]
+        if cut.any():
+            codes, counts = np.unique(inst[cut], return_counts=True)
+            report.gaps = {str(level_names[c]): int(k) for c, k in zip(codes, counts)}
+        new = new | cut
+    starts = np.flatnonzero(new) if len(inst) else np.zeros(0, np.int64)
     offsets = np.r_[starts, len(inst)].astype(np.int64)
     names = level_names[inst[starts]]
     lengths = np.diff(offsets)
     keep = lengths >= min_bars
-    report.short = {str(n): int(k) for n, k in zip(names[~keep], lengths[~keep])}
+    for n, k in zip(names[~keep], lengths[~keep]):
+        report.short[str(n)] = report.short.get(str(n), 0) + int(k)
     if not keep.all():
         rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in np.flatnonzero(keep)] or [np.zeros(0, np.int64)])
         inst, when, features = inst[rows], when[rows], features[rows]
@@ -191,9 +222,13 @@ def frame_to_panel(frame: pd.DataFrame, amount_source: str, min_bars: int) -> tu
 
 def init_qlib(cfg: QlibConfig) -> None:
     """qlib.init on data.qlib_data_path with data.region."""
+    import logging
+
     import qlib
 
-    qlib.init(provider_uri=os.path.expanduser(cfg.data.qlib_data_path), region=cfg.data.region)
+    # No expression / dataset cache: nothing is written outside the provider folder, and no stale cache can answer.
+    qlib.init(provider_uri=os.path.expanduser(cfg.data.qlib_data_path), region=cfg.data.region, expression_cache=None,
+              dataset_cache=None, logging_level=logging.WARNING, **({"kernels": 1} if os.cpu_count() and os.cpu_count() <= 2 else {}))
 
 
 def read_calendar(cfg: QlibConfig) -> pd.DatetimeIndex:
@@ -203,10 +238,37 @@ def read_calendar(cfg: QlibConfig) -> pd.DatetimeIndex:
     return pd.DatetimeIndex(D.calendar(freq=cfg.data.freq)).as_unit("ns")
 
 
-def load_frame(cfg: QlibConfig, start: pd.Timestamp, end: pd.Timestamp) -> pd.DataFrame:
-    """One D.features call for the whole universe: index (instrument, datetime), columns QLIB_FIELDS."""
+def universe_spans(cfg: QlibConfig, start: pd.Timestamp, end: pd.Timestamp) -> dict[str, list[tuple[pd.Timestamp, pd.Timestamp]]]:
+    """Membership spells of every instrument of the universe that is a member at some time in [start, end]:
+    {code: [(first day, last day), ...]} (Qlib's instruments/<universe>.txt, clipped to the range)."""
     from qlib.data import D
 
-    universe = D.instruments(cfg.data.instrument)
+    spans = D.list_instruments(D.instruments(cfg.data.instrument), start_time=start, end_time=end,
+                               freq=cfg.data.freq, as_list=False)
+    return {str(k): [(pd.Timestamp(a), pd.Timestamp(b)) for a, b in v] for k, v in sorted(spans.items())}
+
+
+def load_frame(cfg: QlibConfig, start: pd.Timestamp, end: pd.Timestamp, instruments: list[str] | None = None) -> pd.DataFrame:
+    """One D.features call: index (instrument, datetime), columns QLIB_FIELDS.
+
+    `instruments` (a list of codes) are loaded WITHOUT the universe's membership mask, i.e. their whole history in
+    [start, end] (Qlib's `D.instruments(universe)` would hide every bar outside the membership spells and let the
+    rest be joined end to end); None = the universe as Qlib masks it."""
+    from qlib.data import D
+
+    universe = list(instruments) if instruments is not None else D.instruments(cfg.data.instrument)
     fields = QLIB_FIELDS if cfg.data.amount_source == "vwap" else QLIB_FIELDS[:5]
     return D.features(universe, fields, start_time=start, end_time=end, freq=cfg.data.freq)
+
+
+def membership_mask(panel: SeriesPanel, spans: dict[str, list[tuple[pd.Timestamp, pd.Timestamp]]]) -> np.ndarray:
+    """(N,) bool: whether each bar's instrument is a member of the universe on that bar's day (spells inclusive)."""
+    member = np.zeros(panel.n_rows, dtype=bool)
+    day_ns = 86_400_000_000_000
+    for s, name in enumerate(panel.names):
+        rows = panel.rows(s)
+        when = np.asarray(panel.datetimes[rows])
+        for a, b in spans.get(str(name), []):
+            lo, hi = pd.Timestamp(a).normalize().value, pd.Timestamp(b).normalize().value + day_ns
+            member[rows] |= (when >= lo) & (when < hi)
+    return member

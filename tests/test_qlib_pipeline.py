@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 pytest.importorskip("qlib")
-from finetune.qlib_builder import build_qlib_provider  # noqa: E402
-from finetune.synthetic import generate_ohlcv  # noqa: E402
+from finetune.qlib_builder import build_qlib_provider
+from finetune.synthetic import generate_ohlcv
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +81,7 @@ def test_qlib_chain_end_to_end(tmp_path):
 
     run(["finetune/qlib_data_preprocess.py", "--config", str(config)])
     processed = tmp_path / "processed"
-    assert sorted(p.name for p in processed.iterdir()) == ["manifest.json", "test.npz", "train.npz", "val.npz"]
+    assert sorted(p.name for p in processed.iterdir()) == ["manifest.json", "test", "train", "val"]
     manifest = json.loads((processed / "manifest.json").read_text())
     assert [manifest["splits"][s]["instruments"] for s in ("train", "val", "test")] == [N_STOCKS] * 3
 
@@ -105,20 +105,20 @@ def test_qlib_chain_end_to_end(tmp_path):
 
     proc = run(["finetune/qlib_test.py", "--config", str(config), "--device", "cpu"])
     out = tmp_path / "backtest"
-    assert sorted(p.name for p in out.iterdir()) == [
-        "backtest_daily.csv", "cumulative_return.png", "ic_daily.csv", "report.json", "signals.csv"]
+    assert {"report.json", "summary.csv", "signals.csv", "ic_decay.csv", "ic_decay.png", "backtest_daily.csv",
+            "cumulative_return.png"} <= {p.name for p in out.iterdir()}
     signals = pd.read_csv(out / "signals.csv", parse_dates=["datetime"])
     test_days = pd.bdate_range(*TEST_RANGE)
-    # one forecast per stock and trading day of the test range (the synthetic calendar is business days)
-    assert len(signals) == N_STOCKS * len(test_days)
-    assert signals["datetime"].between(*map(pd.Timestamp, TEST_RANGE)).all()
-    assert signals[["mean", "last"]].notna().all().all()
+    # one forecast per stock and trading day of the test range, plus the day before it (it trades on the first)
+    assert len(signals) == N_STOCKS * (len(test_days) + 1)
+    assert signals["datetime"].min() == pd.Timestamp("2022-03-31")
+    assert signals[["mean", "last", "momentum"]].notna().all().all()
     report = json.loads((out / "report.json").read_text())
-    for s in ("mean", "last"):
-        assert set(report["ic"][s]) >= {"IC", "ICIR", "RankIC", "RankICIR"}
-        assert math.isfinite(report["ic"][s]["IC"])
-        excess = report["backtest"][s]["excess_return_with_cost"]
+    for s in ("mean", "last", "momentum", "reversal"):
+        assert math.isfinite(report["summary"][s]["IC"])
+        excess = report["signals"][s]["backtest"]["excess_return_with_cost"]
         assert math.isfinite(excess["annualized_return"]) and excess["max_drawdown"] <= 0
+        assert report["signals"][s]["backtest"]["first_day_turnover"] > 0
     daily = pd.read_csv(out / "backtest_daily.csv")
-    assert {"mean_return", "mean_cost", "last_return", "bench"} <= set(daily.columns)
-    assert "excess_return_with_cost" in proc.stdout
+    assert {"mean_return", "mean_cost", "mean_turnover", "mean_held", "last_return", "bench"} <= set(daily.columns)
+    assert "excess_ann" in proc.stdout

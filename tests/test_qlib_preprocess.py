@@ -99,14 +99,15 @@ def test_splits_follow_the_ranges_with_only_the_lookback_margin_shared(tmp_path)
         assert (va < val_start).sum() == LOOKBACK and va.max() <= val_end
         # ... so every target bar of a validation window (bar >= LOOKBACK of the window) lies inside the range
         assert va[LOOKBACK] >= val_start
-        assert (te < test_start).sum() == LOOKBACK
-        # the test split keeps up to PREDICT bars after its range (realised returns only)
-        assert (te > test_end).sum() == PREDICT
+        # a test forecast at t needs lookback bars ending at t: LOOKBACK - 1 bars of context before the range
+        assert (te < test_start).sum() == LOOKBACK - 1
+        # nothing after the range: labels come from Qlib expressions, not from the split
+        assert (te > test_end).sum() == 0
         # the lookback margin is the only overlap between consecutive splits
-        assert len(tr.intersection(va)) == LOOKBACK and len(va.intersection(te)) == LOOKBACK
+        assert len(tr.intersection(va)) == LOOKBACK and len(va.intersection(te)) == LOOKBACK - 1
         assert len(tr.intersection(te)) == 0
     assert (dates(val, 2) >= pd.Timestamp("2020-04-20")).all()
-    assert report["val"]["bars_before_range"] == LOOKBACK and report["test"]["bars_after_range"] == PREDICT
+    assert report["val"]["context_bars"] == LOOKBACK and report["test"]["context_bars"] == LOOKBACK - 1
 
 
 def test_too_short_instruments_are_dropped_per_split_by_name(tmp_path, caplog):
@@ -136,10 +137,9 @@ def test_written_splits_load_without_pickle_and_round_trip(tmp_path):
     panel, _ = qio.frame_to_panel(stacked_frame({"A": ("2020-01-01", 160), "B": ("2020-01-01", 160)}), "ohlc_mean", 1)
     splits, _ = pre.make_splits(panel, cfg)
     folder = pre.write_splits(tmp_path / "processed", splits, {"format": "x"})
-    assert sorted(p.name for p in folder.iterdir()) == [MANIFEST_NAME, "test.npz", "train.npz", "val.npz"]
-    with np.load(split_path(folder, "train"), allow_pickle=False) as z:  # plain arrays only
-        assert z["instruments"].dtype.kind == "U"
+    assert sorted(p.name for p in folder.iterdir()) == [MANIFEST_NAME, "test", "train", "val"]
     back = load_split(split_path(folder, "val"))
+    assert isinstance(back.features, np.memmap)  # opened memory-mapped (finetune/utils/data_store.open_store)
     for name in ("features", "stamps", "datetimes", "offsets"):
         np.testing.assert_array_equal(getattr(back, name), getattr(splits["val"], name))
     assert list(back.names) == ["A", "B"]

@@ -1,11 +1,13 @@
-"""finetune/qlib_test.py without models: test windows, forecast dates, signals, realised returns, IC, period."""
+"""finetune/qlib_forecast.py and qlib_report.py without models: test windows, forecast dates, signals, calendar labels,
+the backtest period."""
 
 import numpy as np
 import pandas as pd
 import pytest
 
+from finetune import qlib_forecast as qt
 from finetune import qlib_io as qio
-from finetune import qlib_test as qt
+from finetune import qlib_report as qr
 from finetune.utils.panel import SeriesPanel
 
 LOOKBACK = 4
@@ -54,42 +56,38 @@ def test_signals_are_predicted_returns_against_the_last_close():
     np.testing.assert_allclose(s["min"], [-0.1, -0.2])
 
 
-def test_realised_returns_stop_at_the_end_of_each_instrument():
-    split = split_with({"A": np.array([10.0, 11.0, 12.1, 13.0]), "B": np.array([5.0, 6.0, 3.0])})
-    ends = np.array([0, 1, 3, 4, 5, 6])
-    r = qt.realised_returns(split, ends, 1)
-    np.testing.assert_allclose(r[:2], [0.1, 0.1], rtol=1e-6)
-    assert np.isnan(r[2])  # A's last bar: B's first bar must not be used
-    np.testing.assert_allclose(r[3:5], [0.2, -0.5], rtol=1e-6)
-    assert np.isnan(r[5])
+def test_panel_labels_follow_the_trade_on_the_market_calendar():
+    # A trades every day; B misses 2021-03-04 (suspended): a label needing that day is NaN, never a longer return
+    cal = pd.bdate_range("2021-03-01", periods=6)
+    a_close = np.array([10.0, 11.0, 12.1, 13.0, 14.3, 15.0])
+    feats, when = [], []
+    for c, days in ((a_close, cal), (np.array([5.0, 6.0, 3.0, 4.0, 8.0]), cal.delete(3))):
+        f = np.ones((len(c), 6), dtype=np.float32)
+        f[:, 3] = c
+        feats.append(f)
+        when.append(qio.datetimes_ns(days))
+    w = np.concatenate(when)
+    split = SeriesPanel(np.ascontiguousarray(np.concatenate(feats).T), qio.stamps_from_ns(w),
+                        np.array([0, 6, 11]), ["A", "B"], w)
+    ends = np.arange(11)
+    h1 = qt.panel_labels(split, ends, qio.datetimes_ns(cal), 1)
+    # A: close(t+2) / close(t+1) - 1; the last two days have no t+2 in the calendar
+    np.testing.assert_allclose(h1[:4], a_close[2:6] / a_close[1:5] - 1, rtol=1e-6)
+    assert np.isnan(h1[4:6]).all()
+    # B (rows 6..10 = Mar 1, 2, 3, 5, 8): Mar 1 -> 3/6 - 1; Mar 2 and 3 need Mar 4 -> NaN; Mar 5 -> needs Mar 9 -> NaN
+    np.testing.assert_allclose(h1[6], 3.0 / 6.0 - 1, rtol=1e-6)
+    assert np.isnan(h1[7:11]).all()
+    h2 = qt.panel_labels(split, ends[:1], qio.datetimes_ns(cal), 2)
+    np.testing.assert_allclose(h2, [13.0 / 11.0 - 1], rtol=1e-6)
 
 
-def test_daily_ic_matches_pandas_pearson_and_spearman():
-    rng = np.random.default_rng(0)
-    days = np.repeat(pd.bdate_range("2021-01-04", periods=6), 8)
-    frame = pd.DataFrame({"datetime": days, "mean": rng.normal(size=48), "label": rng.normal(size=48)})
-    frame.loc[3, "label"] = np.nan  # rows without a realised return are left out
-    daily = qt.daily_ic(frame, ["mean"])
-    valid = frame.dropna()
-    for day, group in valid.groupby("datetime"):
-        assert daily.loc[day, "mean_ic"] == pytest.approx(group["mean"].corr(group["label"]), abs=1e-9)
-        assert daily.loc[day, "mean_rank_ic"] == pytest.approx(group["mean"].corr(group["label"], method="spearman"), abs=1e-9)
-    summary = qt.summarize_ic(daily, ["mean"])["mean"]
-    assert summary["IC"] == pytest.approx(daily["mean_ic"].mean())
-    assert summary["ICIR"] == pytest.approx(daily["mean_ic"].mean() / daily["mean_ic"].std())
-    assert summary["days"] == 6
-
-
-def test_daily_ic_is_nan_for_a_constant_or_single_stock_day():
-    frame = pd.DataFrame({"datetime": pd.to_datetime(["2021-01-04"] * 3 + ["2021-01-05"]),
-                          "mean": [1.0, 1.0, 1.0, 2.0], "label": [0.1, 0.2, 0.3, 0.1]})
-    daily = qt.daily_ic(frame, ["mean"])
-    assert daily["mean_ic"].isna().all() and daily["mean_rank_ic"].isna().all()
+def test_signal_horizons():
+    assert [qt.signal_horizon(s, 10) for s in ("last", "mean", "max", "min", "momentum")] == [10, 5, 10, 10, 1]
 
 
 def test_backtest_period_stops_before_the_calendars_last_day():
     cal = pd.bdate_range("2021-03-01", periods=10)
     start, end = qio.range_bounds(["2021-03-02", "2021-12-31"])
-    assert qt.backtest_period(cal, start, end) == (cal[1], cal[-2])
+    assert qr.backtest_period(cal, start, end) == (cal[1], cal[-2])
     with pytest.raises(ValueError, match="data.test_time_range"):
-        qt.backtest_period(cal, *qio.range_bounds(["2021-03-12", "2021-03-31"]))
+        qr.backtest_period(cal, *qio.range_bounds(["2021-03-12", "2021-03-31"]))

@@ -1,0 +1,231 @@
+"""Forecasting the test (or validation) days of a Qlib split: which bars get a forecast, the contexts, the model's
+predicted closes and the signals derived from them, and the IC checkpoint-selection metric for the predictor stage.
+
+A forecast is made at bar t of a split (a store written by qlib_data_preprocess.py) when t is a target day (its
+datetime in the requested range) and the `lookback` bars ending at t lie in t's series (series never cross a data gap
+or a membership boundary's context rule, see the preprocess docstring). The forecaster sees only those bars, so a
+signal dated t depends on nothing after t. The mean sample path's closes give four signals, each a predicted return
+against the last observed close c_t:
+    last = close[t+P] / c_t - 1     mean = mean(close[t+1..t+P]) / c_t - 1
+    max  = max(close[t+1..t+P]) / c_t - 1     min = min(...) / c_t - 1
+Each signal forecasts a horizon (`SIGNAL_HORIZON`): last / max / min the P-day move, mean about half of it; the
+report scores it against the trade label of that horizon (and every horizon 1..P in the decay table).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import numpy as np
+import pandas as pd
+import torch
+
+from finetune.qlib_io import CLOSE, stamps_from_ns, time_major
+from finetune.utils.panel import SeriesPanel
+
+log = logging.getLogger("finetune.qlib")
+
+# contexts (B, L, F) raw, context stamps (B, L, 5), forecast stamps (B, P, 5) -> predicted closes (B, P)
+Forecaster = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+__all__ = [
+    "SIGNAL_HORIZON",
+    "Forecaster",
+    "context_rows",
+    "extend_calendar",
+    "forecast_dates",
+    "forecast_frame",
+    "forecast_window_ends",
+    "kronos_forecaster",
+    "make_ic_val_metric",
+    "normalise_contexts",
+    "panel_labels",
+    "signal_horizon",
+    "signals_from_closes",
+]
+
+
+def signal_horizon(signal: str, predict: int) -> int:
+    """The label horizon a signal forecasts: P for last / max / min, ceil(P / 2) for mean, 1 for anything else
+    (baselines such as momentum are scored at the backtest's own one-day holding)."""
+    return {"last": predict, "max": predict, "min": predict, "mean": max(1, math.ceil(predict / 2))}.get(signal, 1)
+
+
+SIGNAL_HORIZON = signal_horizon
+
+
+def forecast_window_ends(split: SeriesPanel, start_ns: int, end_ns: int, lookback: int) -> np.ndarray:
+    """Global row numbers t of every forecast: bar t inside [start, end] with `lookback` bars of its series
+    ending at t. int64 (W,), ordered by series then time."""
+    series = np.repeat(np.arange(split.n_series), split.lengths())  # (N,) series of each row
+    position = np.arange(split.n_rows) - np.asarray(split.offsets)[series]  # (N,) bar number within the series
+    when = np.asarray(split.datetimes)
+    ok = (position >= lookback - 1) & (when >= start_ns) & (when <= end_ns)
+    return np.flatnonzero(ok).astype(np.int64)
+
+
+def context_rows(ends: np.ndarray, lookback: int) -> np.ndarray:
+    """(W, lookback) row numbers of the contexts ending at `ends`."""
+    return ends[:, None] - (lookback - 1) + np.arange(lookback)
+
+
+def extend_calendar(calendar_ns: np.ndarray, extra: int, freq: str) -> np.ndarray:
+    """The calendar plus `extra` dates after its end (business days for daily bars, else the last bar spacing)."""
+    last = pd.Timestamp(int(calendar_ns[-1]))
+    if freq.lower() in ("day", "1d", "d"):
+        more = pd.bdate_range(last + pd.Timedelta(1, "D"), periods=extra)
+    else:
+        step = int(calendar_ns[-1] - calendar_ns[-2]) if len(calendar_ns) > 1 else 60_000_000_000
+        more = pd.DatetimeIndex([last + pd.Timedelta(step * (i + 1), "ns") for i in range(extra)])
+    return np.r_[calendar_ns, more.as_unit("ns").asi8].astype(np.int64)
+
+
+def forecast_dates(calendar_ns: np.ndarray, after_ns: np.ndarray, n: int, freq: str) -> np.ndarray:
+    """(W, n) int64 ns: the `n` trading days after each of `after_ns` (W,)."""
+    cal = extend_calendar(np.asarray(calendar_ns, dtype=np.int64), n, freq)
+    first = np.searchsorted(cal, after_ns, side="right")  # (W,) first calendar day after each context
+    return cal[first[:, None] + np.arange(n)]
+
+
+def normalise_contexts(x: np.ndarray, clip: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x (W, L, F) -> (clipped z-scores, mean (W, F), std (W, F)); population std + 1e-5, as in training."""
+    mean, std = x.mean(axis=1), x.std(axis=1)
+    xn = np.clip((x - mean[:, None]) / (std[:, None] + 1e-5), -clip, clip)
+    return xn.astype(np.float32), mean, std
+
+
+def signals_from_closes(pred_close: np.ndarray, last_close: np.ndarray) -> dict[str, np.ndarray]:
+    """Predicted closes (W, P) and the last observed close (W,) -> predicted returns per signal, each (W,)."""
+    base = last_close[:, None]
+    return {
+        "last": pred_close[:, -1] / last_close - 1.0,
+        "mean": pred_close.mean(axis=1) / last_close - 1.0,
+        "max": (pred_close / base).max(axis=1) - 1.0,
+        "min": (pred_close / base).min(axis=1) - 1.0,
+    }
+
+
+def kronos_forecaster(tokenizer, predictor, *, device: str, max_context: int, clip: float, predict: int,
+                      temperature: float, top_k: int, top_p: float, sample_count: int, seed: int) -> Forecaster:
+    """A Forecaster running KronosPredictor.generate: contexts normalised with their own statistics, `sample_count`
+    paths averaged, close de-normalised. The torch generator is seeded once here (forecasts are then reproducible
+    for the same batches)."""
+    from model import KronosPredictor
+
+    kp = KronosPredictor(predictor, tokenizer, device=device, max_context=max_context, clip=clip)
+    torch.manual_seed(seed)
+
+    def forecast(x: np.ndarray, x_stamp: np.ndarray, y_stamp: np.ndarray) -> np.ndarray:
+        xn, mean, std = normalise_contexts(x, clip)  # (B, L, 6), (B, 6), (B, 6)
+        paths = kp.generate(xn, x_stamp, y_stamp, predict, T=temperature, top_k=top_k, top_p=top_p,
+                            sample_count=sample_count)  # (B, S, P, 6), normalised
+        return paths[..., CLOSE].mean(axis=1) * (std[:, CLOSE, None] + 1e-5) + mean[:, CLOSE, None]
+
+    return forecast
+
+
+def forecast_frame(split: SeriesPanel, ends: np.ndarray, calendar_ns: np.ndarray, forecaster: Forecaster, *,
+                   lookback: int, predict: int, freq: str, batch: int) -> pd.DataFrame:
+    """One row per forecast bar: datetime, instrument and the four signals (see the module docstring).
+
+    Parameters
+    ----------
+    split : the panel; ends : (W,) rows forecast (`forecast_window_ends`); calendar_ns : market calendar (ns) that
+    gives the forecast dates; batch : windows per forecaster call.
+    """
+    closes = np.empty((len(ends), predict), dtype=np.float64)
+    future = forecast_dates(calendar_ns, np.asarray(split.datetimes)[ends], predict, freq)  # (W, P) ns
+    for lo in range(0, len(ends), max(1, batch)):
+        hi = min(lo + max(1, batch), len(ends))
+        rows = context_rows(ends[lo:hi], lookback)  # (B, L)
+        y_stamp = stamps_from_ns(future[lo:hi].ravel()).reshape(hi - lo, predict, 5)  # (B, P, 5)
+        closes[lo:hi] = forecaster(time_major(split, rows).astype(np.float64), np.asarray(split.stamps)[rows], y_stamp)
+    last_close = np.asarray(split.features[CLOSE])[ends].astype(np.float64)
+    series = np.searchsorted(np.asarray(split.offsets), ends, side="right") - 1
+    return pd.DataFrame({
+        "datetime": pd.DatetimeIndex(np.asarray(split.datetimes)[ends].astype("datetime64[ns]")),
+        "instrument": np.asarray([str(n) for n in split.names])[series],
+        **signals_from_closes(closes, last_close),
+    })
+
+
+def panel_labels(split: SeriesPanel, ends: np.ndarray, calendar_ns: np.ndarray, horizon: int,
+                 price_row: int = CLOSE) -> np.ndarray:
+    """Trade labels price(t+1+h) / price(t+1) - 1 from the panel itself, on the market calendar: NaN unless the
+    bars t+1 and t+1+h of t's series are the calendar's next and (1+h)-th next days (no reach over a missing day).
+    (W,) float64. The same label as finetune/evaluation/qlib_labels.py, without a Qlib provider."""
+    offsets = np.asarray(split.offsets)
+    when = np.asarray(split.datetimes)
+    cal = np.asarray(calendar_ns, dtype=np.int64)
+    series = np.searchsorted(offsets, ends, side="right") - 1
+    out = np.full(len(ends), np.nan)
+    enter, leave = ends + 1, ends + 1 + horizon
+    ok = leave < offsets[series + 1]
+    pos = np.searchsorted(cal, when[ends])
+    ok &= pos + 1 + horizon < len(cal)
+    idx = np.flatnonzero(ok)
+    ok_idx = (when[enter[idx]] == cal[pos[idx] + 1]) & (when[leave[idx]] == cal[pos[idx] + 1 + horizon])
+    idx = idx[ok_idx]
+    price = np.asarray(split.features[price_row])
+    out[idx] = price[leave[idx]].astype(np.float64) / price[enter[idx]] - 1.0
+    return out
+
+
+def make_ic_val_metric(cfg, val_panel: SeriesPanel, tokenizer, *, max_days: int = 20, device: str | None = None,
+                       calendar_ns: np.ndarray | None = None) -> Callable:
+    """Checkpoint selection by IC (`training.select_by: ic`): a callable(model, stage) -> {"score", ...} that forecasts
+    up to `max_days` evenly spaced validation days (every member stock on them) with `model` and `tokenizer` and
+    scores the daily RankIC of the `last` signal against the P-day trade label (backtest.deal_price) computed on the
+    market calendar. score = -mean RankIC (lower is better, like a loss).
+
+    Parameters
+    ----------
+    cfg : QlibConfig; val_panel : the validation split; tokenizer : the (frozen) tokenizer the predictor reads;
+    max_days : validation days forecast per call (cost: days x stocks x sample_count sequences);
+    calendar_ns : market calendar (default: the processed manifest's calendar_ns).
+
+    Returns
+    -------
+    metric(model, stage) -> {"score": float, "rank_ic": float, "ic": float, "days": int}.
+    """
+    from finetune.dataset import read_manifest
+    from finetune.evaluation.signal_analysis import analyse_signal
+
+    d, f = cfg.data, cfg.forecast
+    if calendar_ns is None:
+        calendar_ns = np.asarray(read_manifest(d.dataset_path)["calendar_ns"], dtype=np.int64)
+    start, end = pd.Timestamp(d.val_time_range[0]).value, pd.Timestamp(d.val_time_range[1]).value + 86_399_999_999_999
+    ends = forecast_window_ends(val_panel, start, end, d.lookback)
+    price_row = {"open": 0, "close": CLOSE}.get(cfg.backtest.deal_price, CLOSE)
+    labels = panel_labels(val_panel, ends, calendar_ns, d.predict, price_row)
+    ends, labels = ends[np.isfinite(labels)], labels[np.isfinite(labels)]  # days whose label the panel holds
+    days = np.unique(np.asarray(val_panel.datetimes)[ends])
+    if len(days):
+        days = days[np.unique(np.linspace(0, len(days) - 1, min(max_days, len(days))).round().astype(int))]
+    keep = np.isin(np.asarray(val_panel.datetimes)[ends], days)
+    ends, labels = ends[keep], labels[keep]
+    if len(ends) == 0:
+        raise ValueError("data.val_time_range: no validation day has a forecast and a finite label; widen the range")
+
+    def metric(model, stage: str = "predictor") -> dict:
+        was_training = model.training
+        forecaster = kronos_forecaster(tokenizer, model, device=device or str(next(model.parameters()).device),
+                                       max_context=d.max_context, clip=d.clip, predict=d.predict,
+                                       temperature=f.temperature, top_k=f.top_k, top_p=f.top_p,
+                                       sample_count=f.sample_count, seed=f.seed)
+        try:
+            frame = forecast_frame(val_panel, ends, calendar_ns, forecaster, lookback=d.lookback, predict=d.predict,
+                                   freq=d.freq, batch=max(1, f.batch_size // f.sample_count))
+        finally:
+            model.train(was_training)
+        frame = frame.set_index(["datetime", "instrument"])
+        label = pd.DataFrame({f"label_{d.predict}": labels}, index=frame.index)
+        stats = analyse_signal(frame["last"], label)[f"label_{d.predict}"]
+        rank_ic = stats["rank_ic"]["mean"]
+        score = -rank_ic if math.isfinite(rank_ic) else 0.0
+        return {"score": float(score), "rank_ic": float(rank_ic), "ic": float(stats["ic"]["mean"]),
+                "days": int(stats["days"])}
+
+    return metric
