@@ -249,8 +249,8 @@ def load(yaml_path: str | os.PathLike | None = None, overrides: list[str] | tupl
     """QlibConfig from a YAML file and `key=value` overrides, validated: one ConfigError (a ValueError) lists every
     problem by YAML key. Warns about `--set training.X` overrides that a stage section shadows."""
     cfg = load_config(QlibConfig, yaml_path, overrides)
+    cfg.validate()  # errors first: a warning printed before them would push the useful line down
     warn_shadowed_overrides(cfg, overrides)
-    cfg.validate()
     return cfg
 
 

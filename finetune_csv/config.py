@@ -163,8 +163,8 @@ def load(config_path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     """Read the YAML file, apply `--set key=value` overrides and validate; one ValueError lists every problem.
     Warns about `--set training.X` overrides that a stage section shadows."""
     cfg = load_config(CsvFinetuneConfig, config_path, overrides)
+    validate(cfg)  # errors first: a warning printed before them would push the useful line down
     warn_shadowed_overrides(cfg, overrides)
-    validate(cfg)
     return cfg
 
 

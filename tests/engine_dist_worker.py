@@ -22,8 +22,11 @@ from finetune.utils.config_utils import load_config
 from finetune.utils.distributed import distributed_context, seed_everything
 from finetune.utils.training_utils import TrainingConfig, train_predictor, train_tokenizer
 from finetune.utils.window_dataset import SeriesArrays, WindowDataset
-from tests import model_factory
-from tests.model_factory import tiny_tokenizer
+try:  # imported by the tests as tests.engine_dist_worker, or run as a script (tests/ is then on sys.path)
+    from tests import model_factory
+except ImportError:
+    import model_factory
+tiny_tokenizer = model_factory.tiny_tokenizer
 
 LOOKBACK, PREDICT = 8, 2
 
