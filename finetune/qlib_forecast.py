@@ -24,6 +24,7 @@ import torch
 
 from finetune.qlib_io import CLOSE, stamps_from_ns, time_major
 from finetune.utils.panel import SeriesPanel
+from model.features import denormalize, normalize
 
 log = logging.getLogger("finetune.qlib")
 
@@ -40,7 +41,6 @@ __all__ = [
     "forecast_window_ends",
     "kronos_forecaster",
     "make_ic_val_metric",
-    "normalise_contexts",
     "panel_labels",
     "signal_horizon",
     "signals_from_closes",
@@ -89,13 +89,6 @@ def forecast_dates(calendar_ns: np.ndarray, after_ns: np.ndarray, n: int, freq: 
     return cal[first[:, None] + np.arange(n)]
 
 
-def normalise_contexts(x: np.ndarray, clip: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x (W, L, F) -> (clipped z-scores, mean (W, F), std (W, F)); population std + 1e-5, as in training."""
-    mean, std = x.mean(axis=1), x.std(axis=1)
-    xn = np.clip((x - mean[:, None]) / (std[:, None] + 1e-5), -clip, clip)
-    return xn.astype(np.float32), mean, std
-
-
 def signals_from_closes(pred_close: np.ndarray, last_close: np.ndarray) -> dict[str, np.ndarray]:
     """Predicted closes (W, P) and the last observed close (W,) -> predicted returns per signal, each (W,)."""
     base = last_close[:, None]
@@ -118,10 +111,12 @@ def kronos_forecaster(tokenizer, predictor, *, device: str, max_context: int, cl
     torch.manual_seed(seed)
 
     def forecast(x: np.ndarray, x_stamp: np.ndarray, y_stamp: np.ndarray) -> np.ndarray:
-        xn, mean, std = normalise_contexts(x, clip)  # (B, L, 6), (B, 6), (B, 6)
+        # Each context normalised with its own statistics, as in training: (B, L, 6), mean/std (B, 1, 6).
+        xn, mean, std = normalize(x.astype(np.float32), clip, axis=1)
         paths = kp.generate(xn, x_stamp, y_stamp, predict, T=temperature, top_k=top_k, top_p=top_p,
                             sample_count=sample_count)  # (B, S, P, 6), normalised
-        return paths[..., CLOSE].mean(axis=1) * (std[:, CLOSE, None] + 1e-5) + mean[:, CLOSE, None]
+        # Average the paths in normalised space, then undo the normalisation (the published forecaster's order).
+        return denormalize(paths.mean(axis=1), mean, std)[..., CLOSE]  # (B, P)
 
     return forecast
 
