@@ -36,7 +36,6 @@ from finetune.dataset import check_processed, load_split, read_manifest, split_p
 from finetune.evaluation.baselines import BaselineSettings, baseline_signals
 from finetune.evaluation.qlib_labels import forward_labels
 from finetune.evaluation.signal_analysis import ic_decay, plot_ic_decay
-from finetune.evaluation.strict_json import strict_json
 from finetune.qlib_data_preprocess import first_signal_day
 from finetune.qlib_forecast import (
     Forecaster,
@@ -57,6 +56,7 @@ from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.config_utils import config_to_dict
 from finetune.utils.panel import SeriesPanel
 from model import Kronos, KronosTokenizer
+from model.fileio import strict_json
 
 log = logging.getLogger("finetune.qlib")
 

@@ -123,20 +123,24 @@ def atomic_dir(target: str | os.PathLike, *, overwrite: bool = True) -> Iterator
         raise
 
 
-def _strict(value: Any) -> Any:
-    """NaN / inf -> None recursively (JSON has no such numbers); tuples become lists."""
+def strict_json(value: Any) -> Any:
+    """Copy of `value` that `json.dumps(..., allow_nan=False)` accepts (JSON has no NaN / Infinity, and many readers
+    reject the tokens Python would write): NaN / inf -> None, numpy / torch scalars and arrays -> Python numbers and
+    lists, tuples -> lists, dict keys -> str; recursively."""
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {k: _strict(v) for k, v in value.items()}
+        return {str(k): strict_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_strict(v) for v in value]
-    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # numpy / torch scalar
-        return _strict(value.item())
+        return [strict_json(v) for v in value]
+    if hasattr(value, "tolist") and hasattr(value, "ndim"):  # numpy / torch scalar or array
+        return strict_json(value.tolist())
     return value
 
 
 def write_json(path: str | os.PathLike, data: Any) -> Path:
     """Write `data` as strict JSON (NaN/inf -> null, indent 2, trailing newline), atomically. Returns the path."""
-    text = json.dumps(_strict(data), indent=2, allow_nan=False) + "\n"
+    text = json.dumps(strict_json(data), indent=2, allow_nan=False) + "\n"
     return atomic_write(path, lambda p: Path(p).write_text(text, encoding="utf-8"))

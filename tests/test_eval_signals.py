@@ -23,9 +23,9 @@ from finetune.evaluation.signal_analysis import (
     plot_ic_decay,
     quantile_group_returns,
 )
-from finetune.evaluation.strict_json import strict_json
 from finetune.qlib_builder import SubstituteBenchmarkWarning, build_qlib_provider
 from finetune.synthetic import generate_ohlcv
+from model.fileio import strict_json
 
 qlib = pytest.importorskip("qlib")
 START, END = "2023-01-02", "2023-06-30"

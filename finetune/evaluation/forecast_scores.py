@@ -37,7 +37,7 @@ from finetune.evaluation.scoring_rules import (
     sample_quantiles,
     weighted_quantile_loss,
 )
-from finetune.evaluation.strict_json import strict_json
+from model.fileio import strict_json
 
 
 @dataclass
