@@ -186,3 +186,34 @@ def test_a_panel_of_another_dtype_is_converted_once_and_from_series_equals_the_l
     assert ds.features_t.dtype == np.float32 and ds.features_t.flags.c_contiguous
     a, b = WindowDataset.from_series(series, LOOKBACK, PREDICT), WindowDataset(panel, LOOKBACK, PREDICT)
     assert torch.equal(a[len(a) - 1][0], b[len(b) - 1][0]) and torch.equal(ds[3][0], b[3][0])
+
+
+def _reference_epoch_order(n, seed, epoch, rank, world_size, max_samples=None, shuffle=True, drop_remainder=True):
+    """The sampler's order as it was first written (int64 permutation, whole share as a list): resume and the
+    engine's golden runs depend on it staying identical."""
+    m = n if max_samples is None else min(max_samples, n)
+    if shuffle or m < n:
+        chosen = np.random.default_rng([seed, epoch]).permutation(n)[:m]
+        if not shuffle:
+            chosen = np.sort(chosen)
+    else:
+        chosen = np.arange(n)
+    if drop_remainder:
+        chosen = chosen[: len(chosen) - len(chosen) % world_size]
+    return chosen[rank::world_size].tolist()
+
+
+@pytest.mark.parametrize("n,max_samples,shuffle,drop", [(1, None, True, True), (31, None, True, True),
+                                                        (200_003, None, True, True), (1000, 100, False, False),
+                                                        (70_000, 65_537, True, False)])
+def test_compact_epoch_order_equals_the_original_order_and_iterates_in_chunks(n, max_samples, shuffle, drop):
+    for rank in (0, 1, 2):
+        s = EpochSampler(n, seed=11, rank=rank, world_size=3, max_samples=max_samples, shuffle=shuffle,
+                         drop_remainder=drop)
+        for epoch in (0, 4):
+            s.set_epoch(epoch, skip=2)
+            got = list(iter(s))
+            want = _reference_epoch_order(n, 11, epoch, rank, 3, max_samples, shuffle, drop)[2:]
+            assert got == want and len(got) == len(s)
+            assert all(type(i) is int for i in got[:3])
+    assert EpochSampler(1000).epoch_indices(0).dtype == np.int32  # 4 bytes a window, not 8

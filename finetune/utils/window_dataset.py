@@ -28,7 +28,7 @@ __all__ = [
     "batches_per_epoch",
 ]
 
-
+_ITER_CHUNK = 1 << 16  # window indices turned into Python ints at a time by EpochSampler.__iter__
 
 
 @dataclass(frozen=True)
@@ -242,23 +242,32 @@ class EpochSampler(Sampler[int]):
         self.skip = int(skip)
 
     def epoch_indices(self, epoch: int | None = None) -> np.ndarray:
-        """The windows chosen for `epoch` (all ranks), in the order they are dealt out."""
+        """The windows chosen for `epoch` (all ranks), in the order they are dealt out.
+
+        Returns (m,) int32 when the dataset has fewer than 2**31 windows, else int64. The order is the one of
+        `np.random.default_rng([seed, epoch]).permutation(n)`: `permutation(n)` is `shuffle(arange(n))`, and the
+        shuffle's random draws depend only on n, so shuffling an int32 arange gives the same order at half the
+        memory (90M windows: 360 MB instead of 720 MB, once per rank and epoch).
+        """
         epoch = self.epoch if epoch is None else epoch
         n = self.num_samples
         m = n if self.max_samples is None else min(self.max_samples, n)
+        dtype = np.int32 if n < 2**31 else np.int64
         if self.shuffle or m < n:
             rng = np.random.default_rng([self.seed, epoch])
-            chosen = rng.permutation(n)[:m]
+            chosen = np.arange(n, dtype=dtype)
+            rng.shuffle(chosen)  # == rng.permutation(n), see above
+            chosen = chosen[:m]
             if not self.shuffle:
                 chosen = np.sort(chosen)
         else:
-            chosen = np.arange(n)
+            chosen = np.arange(n, dtype=dtype)
         if self.drop_remainder:
             chosen = chosen[: len(chosen) - len(chosen) % self.world_size]
         return chosen
 
     def rank_indices(self, epoch: int | None = None) -> np.ndarray:
-        """This rank's windows for `epoch`, before skipping."""
+        """This rank's windows for `epoch`, before skipping (a strided view of `epoch_indices`, no copy)."""
         return self.epoch_indices(epoch)[self.rank :: self.world_size]
 
     def samples_per_rank(self) -> int:
@@ -269,7 +278,11 @@ class EpochSampler(Sampler[int]):
         return len(range(self.rank, m, self.world_size))
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.rank_indices()[self.skip :].tolist())
+        # Python ints a chunk at a time: a list of this rank's whole share would cost ~36 bytes a window
+        # (45M windows per rank: 1.6 GB), a chunk costs 2 MB.
+        mine = self.rank_indices()[self.skip :]
+        for a in range(0, len(mine), _ITER_CHUNK):
+            yield from mine[a : a + _ITER_CHUNK].tolist()
 
     def __len__(self) -> int:
         return max(0, self.samples_per_rank() - self.skip)
