@@ -82,6 +82,9 @@ class WindowDataset(Dataset):
         predict: rows after the context that the window also contains.
         stride: distance between consecutive window starts (1 = every row).
         clip: normalised values are clipped to [-clip, clip].
+        ranges: optional (start, stop), int64 (S,) each: series s reads only panel columns [start[s], stop[s])
+            (a time split of a shared panel as index ranges, e.g. finetune/utils/panel_split.py; ranges may
+            overlap, as a val split's context overlaps train). None = every series whole.
     Series shorter than a window give no windows; they are listed in `short_series` (name, rows) so the pipeline
     can report them. A dataset with no window at all raises ValueError.
     """
@@ -94,6 +97,7 @@ class WindowDataset(Dataset):
         *,
         stride: int = 1,
         clip: float = 5.0,
+        ranges: tuple[np.ndarray, np.ndarray] | None = None,
     ):
         if lookback < 1 or predict < 0 or stride < 1:
             raise ValueError(f"need lookback >= 1, predict >= 0, stride >= 1; got {lookback}, {predict}, {stride}")
@@ -108,8 +112,16 @@ class WindowDataset(Dataset):
             raise ValueError("WindowDataset got no series")
         self.panel = panel
         self.names = [str(n) or f"series {i}" for i, n in enumerate(panel.names)]
-        lengths = panel.lengths().astype(np.int64)
-        self.row_offsets = np.asarray(panel.offsets[:-1], dtype=np.int64)  # first row of each series
+        if ranges is None:
+            lengths = panel.lengths().astype(np.int64)
+            self.row_offsets = np.asarray(panel.offsets[:-1], dtype=np.int64)  # first row of each series
+        else:
+            start, stop = (np.asarray(r, dtype=np.int64) for r in ranges)
+            offsets = np.asarray(panel.offsets, dtype=np.int64)
+            if start.shape != (panel.n_series,) or stop.shape != start.shape or (start < offsets[:-1]).any() \
+                    or (stop > offsets[1:]).any() or (stop < start).any():
+                raise ValueError("ranges must give, per series, a column range inside that series")
+            lengths, self.row_offsets = stop - start, start
         counts = np.where(lengths >= self.window, (lengths - self.window) // self.stride + 1, 0)
         self.windows_per_series = counts.astype(np.int64)
         self.cum_windows = np.cumsum(self.windows_per_series)  # cum_windows[s] = windows in series 0..s
