@@ -1,22 +1,41 @@
-"""Load the user's CSV candles into validated series and split each series by time into train/val/test.
+"""The user's candles (CSV or Parquet) as validated series, split by time into train/val/test.
 
-Everything here runs before any output folder exists: a problem in the data raises one ConfigError (a ValueError,
-collected with finetune.utils.config_utils.Problems) that names the file, the column, the row and the setting to
-change, and leaves nothing behind. Policies (sorting, duplicates, NaN,
-split context) are documented on `finetune_csv.config.DataConfig`.
+Production path (training): `prepare_data` - rank 0 prepares (or reuses) the memory-mapped data store
+(finetune/utils/data_store.py: streaming parse, the candle checks of finetune/utils/candle_checks.py, a manifest
+with the files' sha256), the other ranks wait at a barrier, every rank opens it memory-mapped; the splits are
+index ranges on that panel (`split_panel`, no copies) and `data_summary_from_store` reads the manifest.
+
+`load_series` / `split_series` below are the in-memory pandas implementation of the same rules: the reference the
+tests compare the store with bit for bit (and what finetune_csv/forecast.py still reads its test windows with).
+A problem in the data raises one ValueError naming the file, the column, the row and the setting to change, and
+leaves nothing behind. Policies (sorting, duplicates, NaN, split context, time zones) are documented on
+`finetune_csv.config.DataConfig`.
 """
 
 from __future__ import annotations
 
 import difflib
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from finetune.utils.candle_checks import (
+    CandleDataError,
+    check_float32_range,
+    check_frequencies,
+    check_tz_consistency,
+    has_utc_offset,
+    infer_frequency,
+    parse_timestamps,
+)
 from finetune.utils.config_utils import Problems
+from finetune.utils.data_store import StoreInfo, StoreSettings, ensure_store
+from finetune.utils.panel import SeriesPanel
+from finetune.utils.panel_split import PanelSegments, split_panel
 from finetune.utils.provenance import file_fingerprint
 from finetune_csv.config import DataConfig
 from model.features import FEATURE_COLS
@@ -88,11 +107,19 @@ def load_series(cfg: DataConfig) -> list[Series]:
     """Read, check and clean every CSV named by `cfg.path`; raise one ConfigError listing every problem found."""
     problems = Problems("The input data has problems")
     series: list[Series] = []
+    aware: dict[str, bool] = {}
     for file in list_csv_files(cfg.path):
         try:
-            series.extend(_load_file(file, cfg))
+            loaded, aware[file.name] = _load_file(file, cfg)
+            series.extend(loaded)
         except _DataProblems as e:
             problems.extend(e.problems)
+    try:
+        check_tz_consistency(aware)
+        check_frequencies({s.name: infer_frequency(s.timestamps, source=s.name) for s in series
+                           if len(s.timestamps) >= 2}, getattr(cfg, "frequency", None))
+    except CandleDataError as e:
+        problems.extend([str(e)])
     problems.raise_if_any()
     names = [s.name for s in series]
     if len(set(names)) != len(names):  # cannot happen with distinct file names; guards future changes
@@ -108,7 +135,7 @@ class _DataProblems(Exception):
         self.problems = problems
 
 
-def _load_file(file: Path, cfg: DataConfig) -> list[Series]:
+def _load_file(file: Path, cfg: DataConfig) -> tuple[list[Series], bool]:
     try:
         # Strings first: numeric parsing is ours, so a bad cell can be reported with its row and value.
         raw = pd.read_csv(file, dtype=str, keep_default_na=False, skipinitialspace=True)
@@ -123,9 +150,17 @@ def _load_file(file: Path, cfg: DataConfig) -> list[Series]:
     frame = pd.DataFrame(index=raw.index)
     problems: list[str] = []
     frame["timestamps"] = _parse_timestamps(raw[columns["timestamps"]], cfg, file, problems)
+    aware = has_utc_offset(raw[columns["timestamps"]])
     for field in FEATURE_COLS:
         if columns.get(field) is not None:
             frame[field] = _parse_numbers(raw[columns[field]], field, columns[field], file, problems)
+    if not problems:
+        present = [f for f in FEATURE_COLS if columns.get(f) is not None]
+        try:
+            check_float32_range(frame[present].to_numpy(dtype=np.float64), [columns[f] for f in present], str(file),
+                                first_row=2)
+        except CandleDataError as e:
+            problems.append(str(e))
     if problems:
         raise _DataProblems(problems)
 
@@ -146,7 +181,7 @@ def _load_file(file: Path, cfg: DataConfig) -> list[Series]:
             problems.extend(e.problems)
     if problems:
         raise _DataProblems(problems)
-    return out
+    return out, aware
 
 
 def _resolve_columns(header: list[str], cfg: DataConfig, file: Path) -> dict[str, str | None]:
@@ -187,6 +222,13 @@ def _resolve_columns(header: list[str], cfg: DataConfig, file: Path) -> dict[str
 
 def _parse_timestamps(raw: pd.Series, cfg: DataConfig, file: Path, problems: list[str]) -> pd.Series:
     text = raw.str.strip()
+    if has_utc_offset(text):  # the candle-checks rule: local wall-clock time, DST changes, data.timezone
+        try:
+            return pd.Series(parse_timestamps(text, source=str(file), fmt=cfg.timestamp_format,
+                                              timezone=getattr(cfg, "timezone", None), first_row=2), index=raw.index)
+        except CandleDataError as e:
+            problems.append(str(e))
+            return pd.Series(pd.NaT, index=raw.index, dtype="datetime64[ns]")
     ts = pd.to_datetime(text, format=cfg.timestamp_format, errors="coerce")
     bad = ts.isna()
     if bad.any():
@@ -367,4 +409,96 @@ def data_summary(series: list[Series], splits: dict[str, list[Segment]], cfg: Da
         "series": [{"name": s.name, "rows": len(s.values), "start": str(s.timestamps[0]),
                     "end": str(s.timestamps[-1])} for s in series],
         "splits": per_split,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Production path: the prepared, memory-mapped store
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """The data of a run: the store on disk, its memory-mapped panel and the time splits as index ranges."""
+
+    store: StoreInfo
+    """The store folder, its manifest and whether it was reused (and why)."""
+    panel: SeriesPanel
+    """All series, features float32 (6, N) and stamps int64 (N, 5) as read-only np.memmap (shared page cache)."""
+    splits: dict[str, PanelSegments]
+    """train / val (/ test when data.test_ratio > 0): per-series column ranges of `panel`."""
+
+
+def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None) -> PreparedData:
+    """Prepare (rank 0) or reuse the data store at `store_dir`, open it memory-mapped and cut the splits.
+
+    Parameters
+    ----------
+    cfg: the `data:` section.
+    store_dir: the store folder (`data.store_dir`, default `<paths.base_dir>/data_store`).
+    dist: a DistInfo-like object (`is_main`); None = one process.
+    barrier: called by every process once the main one has prepared the store (None = no waiting).
+
+    Returns PreparedData. Raises ValueError (StoreError / ConfigError) naming file, column, line and setting; a
+    failed preparation leaves no store and no folder it created.
+    """
+    store_dir = Path(store_dir)
+    is_main = dist is None or dist.is_main
+    created = [p for p in [store_dir, *store_dir.parents] if not p.exists()]
+
+    def undo() -> None:
+        """Remove what this call created (a fresh store, then the folders it made), so a failed run leaves nothing."""
+        if is_main and created:
+            shutil.rmtree(store_dir, ignore_errors=True)
+            for p in created[1:]:  # innermost first; only folders this call made and that are empty now
+                if p.is_dir() and not any(p.iterdir()):
+                    p.rmdir()
+
+    try:
+        info = ensure_store(cfg.path, store_dir, StoreSettings.from_data_config(cfg), dist=dist, barrier=barrier)
+    except Exception:
+        undo()
+        raise
+    panel = info.open()
+    lengths = panel.lengths()
+    too_short = [i for i, n in enumerate(lengths) if not split_is_usable(int(n), cfg)]
+    if too_short:
+        need = min_rows_needed(cfg)
+        problems = Problems(
+            f"Series too short for one window per split: each needs at least {need} rows with data.lookback="
+            f"{cfg.lookback}, data.predict={cfg.predict} and ratios {cfg.train_ratio}/{cfg.val_ratio}/"
+            f"{cfg.test_ratio} (train needs lookback + predict rows, val and test need predict rows); "
+            "lower data.lookback / data.predict, change the ratios, or remove these series")
+        for i in too_short:
+            n = int(lengths[i])
+            problems.add(panel.names[i], f"{n} rows {split_row_counts(n, cfg)}")
+        del panel
+        undo()
+        problems.raise_if_any()
+    splits = split_panel(panel, cfg.train_ratio, cfg.val_ratio, cfg.test_ratio, cfg.lookback, cfg.predict)
+    return PreparedData(info, panel, splits)
+
+
+def data_summary_from_store(data: PreparedData, cfg: DataConfig) -> dict:
+    """What run_info.json records about the data, from the store's manifest: files with sha256, series, and rows,
+    windows and date ranges per split (same keys as `data_summary`), plus the store folder."""
+    manifest = data.store.manifest
+    window = cfg.lookback + cfg.predict
+    when = data.panel.datetimes
+    per_split = {}
+    for name, seg in data.splits.items():
+        n = seg.stop - seg.start
+        windows = np.where(n >= window, (n - window) // cfg.stride + 1, 0)
+        per_split[name] = {
+            "rows": int((seg.stop - seg.first_target).sum()),
+            "context_rows": int((seg.first_target - seg.start).sum()),
+            "windows": int(windows.sum()),
+            "start": str(pd.Timestamp(int(np.min(when[seg.first_target])))),
+            "end": str(pd.Timestamp(int(np.max(when[seg.stop - 1])))),
+        }
+    return {
+        "files": [{"path": f["path"], "bytes": f["bytes"], "sha256": f["sha256"]} for f in manifest["sources"]],
+        "series": [{"name": s["name"], "rows": s["rows"], "start": s["start"], "end": s["end"]}
+                   for s in manifest["series"]],
+        "splits": per_split,
+        "store": {"path": str(data.store.path), "reused": data.store.reused, "reason": data.store.reason},
     }
