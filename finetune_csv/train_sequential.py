@@ -21,7 +21,12 @@ import logging
 import sys
 
 from finetune.utils.config_utils import add_config_args, config_to_dict
-from finetune.utils.distributed import DistInfo, barrier, distributed_context, seed_everything
+from finetune.utils.distributed import (
+    DistInfo,
+    barrier,
+    distributed_context,
+    seed_everything,
+)
 from finetune.utils.factory import build_predictor, build_tokenizer
 from finetune.utils.training_utils import TrainResult, train_predictor, train_tokenizer
 from finetune_csv import config as csv_config

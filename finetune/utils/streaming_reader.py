@@ -36,7 +36,12 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
-from .candle_checks import _OFFSET_RE, CandleDataError, check_float32_range, parse_timestamps
+from .candle_checks import (
+    _OFFSET_RE,
+    CandleDataError,
+    check_float32_range,
+    parse_timestamps,
+)
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +260,7 @@ class SourceReader:
             col = self.columns.get(f)
             if col is not None:
                 values[:, i] = self._parse_numbers(batch.column(col), col, lines)
-        if not any(m.startswith(f"{self.path} line") or m.startswith(f"{self.path} row") for m in self._messages):
+        if not any(m.startswith((f"{self.path} line", f"{self.path} row")) for m in self._messages):
             try:  # the first out-of-range value of the file is reported (one message per file)
                 check_float32_range(values, [self.columns.get(f) or f for f in FEATURES], str(self.path),
                                     first_row=int(lines[0]))
