@@ -217,3 +217,34 @@ def test_compact_epoch_order_equals_the_original_order_and_iterates_in_chunks(n,
             assert got == want and len(got) == len(s)
             assert all(type(i) is int for i in got[:3])
     assert EpochSampler(1000).epoch_indices(0).dtype == np.int32  # 4 bytes a window, not 8
+
+
+def blocked_sampler(n, rank=0, world_size=3, **kw):
+    s = EpochSampler(n, seed=5, rank=rank, world_size=world_size, **kw)
+    s.exact_limit, s.block_size = 1000, 64  # the large-data regime, at a test's size
+    return s
+
+
+def test_blocked_order_above_the_exact_limit_reads_every_window_once_evenly_and_resumes_exactly():
+    n = 5003
+    for epoch in (0, 1):
+        shares = []
+        for rank in range(3):
+            s = blocked_sampler(n, rank)
+            s.set_epoch(epoch)
+            shares.append(list(s))
+            assert len(shares[-1]) == len(s) == n // 3
+            s.set_epoch(epoch, skip=777)  # mid-epoch resume: exactly the tail
+            assert list(s) == shares[-1][777:]
+        merged = shares[0] + shares[1] + shares[2]
+        assert len(set(merged)) == len(merged) == n - n % 3
+        assert list(blocked_sampler(n, 1).rank_indices(epoch)) == shares[1]  # a pure function of (seed, epoch)
+        # a batch mixes the whole data set: 32 windows spread over most of the index range (all series, all dates)
+        first = np.array(shares[0][:32])
+        assert first.max() - first.min() > n // 2
+    assert blocked_sampler(n).epoch_indices(0).tolist() != blocked_sampler(n).epoch_indices(1).tolist()
+    capped = blocked_sampler(n, world_size=1, max_samples=300, shuffle=False, drop_remainder=False)
+    subset = capped.epoch_indices(0)
+    assert len(subset) == 300 and (np.diff(subset) > 0).all()
+    assert blocked_sampler(n).order(0).blocked  # the regime switch took effect
+    assert EpochSampler(n).order(0).blocked is False  # default limit: the exact original order

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
+from .epoch_order import BLOCK_SIZE, EXACT_LIMIT, EpochOrder
 from .panel import N_STAMP_COLUMNS, SeriesPanel
 
 __all__ = [
@@ -208,7 +209,7 @@ class EpochSampler(Sampler[int]):
     """Which windows this rank reads in an epoch: a pure function of (seed, epoch, rank), so runs are reproducible.
 
     Per epoch: (a) all windows are permuted with a generator seeded by (seed, epoch) (or kept in order when
-    `shuffle=False`); (b) when `max_samples` is set and smaller than the dataset, the first `max_samples` of that
+    `shuffle=False`; above `exact_limit` windows, 16.8M, by the blocked streaming order of epoch_order.py); (b) when `max_samples` is set and smaller than the dataset, the first `max_samples` of that
     permutation are used: a fresh seeded subset every epoch (Qlib's n_train_iter / n_val_iter); (c) the chosen
     windows are dealt round-robin to the ranks (`chosen[rank::world_size]`), so every chosen window is read exactly
     once across ranks (and across DataLoader workers, which split this rank's batches).
@@ -247,40 +248,32 @@ class EpochSampler(Sampler[int]):
         self.drop_remainder = drop_remainder
         self.epoch = 0
         self.skip = 0
+        self.exact_limit = EXACT_LIMIT
+        """Windows up to which the original full permutation is the order (see epoch_order.py)."""
+        self.block_size = BLOCK_SIZE
+        """Windows per block of the blocked order used above `exact_limit`."""
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         """Select the epoch (changes the order/subset) and how many of this rank's windows to skip (resume)."""
         self.epoch = int(epoch)
         self.skip = int(skip)
 
-    def epoch_indices(self, epoch: int | None = None) -> np.ndarray:
-        """The windows chosen for `epoch` (all ranks), in the order they are dealt out.
+    def order(self, epoch: int | None = None) -> EpochOrder:
+        """The epoch's order (finetune/utils/epoch_order.py: today's exact permutation up to `exact_limit`
+        windows, a blocked streaming order above)."""
+        return EpochOrder(self.num_samples, self.seed, self.epoch if epoch is None else epoch, shuffle=self.shuffle,
+                          max_samples=self.max_samples, world_size=self.world_size,
+                          drop_remainder=self.drop_remainder, exact_limit=self.exact_limit,
+                          block_size=self.block_size)
 
-        Returns (m,) int32 when the dataset has fewer than 2**31 windows, else int64. The order is the one of
-        `np.random.default_rng([seed, epoch]).permutation(n)`: `permutation(n)` is `shuffle(arange(n))`, and the
-        shuffle's random draws depend only on n, so shuffling an int32 arange gives the same order at half the
-        memory (90M windows: 360 MB instead of 720 MB, once per rank and epoch).
-        """
-        epoch = self.epoch if epoch is None else epoch
-        n = self.num_samples
-        m = n if self.max_samples is None else min(self.max_samples, n)
-        dtype = np.int32 if n < 2**31 else np.int64
-        if self.shuffle or m < n:
-            rng = np.random.default_rng([self.seed, epoch])
-            chosen = np.arange(n, dtype=dtype)
-            rng.shuffle(chosen)  # == rng.permutation(n), see above
-            chosen = chosen[:m]
-            if not self.shuffle:
-                chosen = np.sort(chosen)
-        else:
-            chosen = np.arange(n, dtype=dtype)
-        if self.drop_remainder:
-            chosen = chosen[: len(chosen) - len(chosen) % self.world_size]
-        return chosen
+    def epoch_indices(self, epoch: int | None = None) -> np.ndarray:
+        """The windows chosen for `epoch` (all ranks), in the order they are dealt out (materialised: for tests
+        and small data; iterating the sampler streams the order instead)."""
+        return _joined(self.order(epoch).chunks())
 
     def rank_indices(self, epoch: int | None = None) -> np.ndarray:
-        """This rank's windows for `epoch`, before skipping (a strided view of `epoch_indices`, no copy)."""
-        return self.epoch_indices(epoch)[self.rank :: self.world_size]
+        """This rank's windows for `epoch`, before skipping (materialised, see `epoch_indices`)."""
+        return _joined(self.order(epoch).rank_chunks(self.rank))
 
     def samples_per_rank(self) -> int:
         """Windows this rank reads in a full epoch (equal on all ranks when drop_remainder=True)."""
@@ -291,13 +284,18 @@ class EpochSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         # Python ints a chunk at a time: a list of this rank's whole share would cost ~36 bytes a window
-        # (45M windows per rank: 1.6 GB), a chunk costs 2 MB.
-        mine = self.rank_indices()[self.skip :]
-        for a in range(0, len(mine), _ITER_CHUNK):
-            yield from mine[a : a + _ITER_CHUNK].tolist()
+        # (45M windows per rank: 1.6 GB), a chunk costs a few MB.
+        for chunk in self.order().rank_chunks(self.rank, self.skip):
+            for a in range(0, len(chunk), _ITER_CHUNK):
+                yield from chunk[a : a + _ITER_CHUNK].tolist()
 
     def __len__(self) -> int:
         return max(0, self.samples_per_rank() - self.skip)
+
+
+def _joined(chunks) -> np.ndarray:
+    parts = list(chunks)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def epoch_generator(seed: int, epoch: int, rank: int = 0) -> torch.Generator:
