@@ -11,7 +11,8 @@ first run (rank 0 prepares) and a re-run (the store is reused), plus preparation
    train step of a small tokenizer under DDP (gloo). It reports the seconds from launch to: store ready, sampler
    ready, first step done; and peak memory sampled every 20 ms from /proc/self/status: RssAnon (private memory:
    what each rank costs beyond the shared page cache) and RssFile (pages of mapped files: the page cache shared
-   by all ranks).
+   by all ranks). The epoch order is the sampler's: above 16.8M windows the blocked streaming order
+   (finetune/utils/epoch_order.py), so "sampler ready" is immediate.
 3. Preparation throughput on `--baseline-rows` rows written as CSV: finetune_csv.data.load_series (pandas, the
    current path) against prepare_store on the same CSV files and on the same rows as Parquet; each run in a fresh
    process, with its peak RSS.
@@ -273,8 +274,7 @@ def main() -> None:
             print(f"| {r['kind']} | {r['seconds']:.2f} | {rate:,.0f} | {rate / (base['rows'] / base['seconds']):.1f}x"
                   f" | {r['peak_rss_mib']:.0f} |")
     if not args.keep:  # 100M rows: ~6 GB of Parquet and ~7 GB of store
-        shutil.rmtree(store, ignore_errors=True)
-        shutil.rmtree(data, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)  # Parquet, store and the throughput baseline files
 
 
 if __name__ == "__main__":
