@@ -174,9 +174,12 @@ class WindowDataset(Dataset):
         before = np.where(series > 0, self.cum_windows[np.maximum(series - 1, 0)], 0)
         return series, (idx - before) * self.stride
 
-    def _starts(self, indices: np.ndarray) -> np.ndarray:
-        series, start = self.locate(indices)
+    def starts(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Window indices (B,) -> the first panel column of each window, int64 (B,)."""
+        series, start = self.locate(np.asarray(indices, dtype=np.int64))
         return self.row_offsets[series] + start  # (B,) global first row of each window
+
+    _starts = starts
 
     def get_batch(self, indices: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Windows `indices` as one batch, vectorised: x (B, W, F) float32, x_stamp (B, W, 5) int64.
