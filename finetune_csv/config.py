@@ -108,8 +108,7 @@ class DataConfig:
     frequency: str | None = None
     """Expected bar length, e.g. 5min, 1h, 1D: a file of another length is an error (null = infer, warn if mixed)."""
     store_dir: str | None = None
-    """Folder of the prepared (memory-mapped) data store; null = <paths.base_dir>/data_store. Share one between
-    experiments on the same data by pointing them at the same folder."""
+    """Folder of the prepared, memory-mapped data store (null = <paths.base_dir>/data_store; may be shared)."""
 
 
 @dataclass

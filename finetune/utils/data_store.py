@@ -187,6 +187,11 @@ def list_sources(sources: str | Path | Sequence[str | Path]) -> list[Path]:
             out.append(p)
         elif p.is_dir():
             files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in suffixes)
+            others = sorted(f.name for f in p.iterdir() if f.is_file() and f.suffix.lower() not in suffixes
+                            and not f.name.startswith("."))
+            if others:
+                log.info("ignoring %d file(s) in %s that are not .csv/.parquet: %s", len(others), p,
+                         ", ".join(others[:5]) + (" ..." if len(others) > 5 else ""))
             if not files:
                 raise StoreError(f"data.path: the folder {p} holds no .csv or .parquet file")
             out.extend(files)
