@@ -31,9 +31,9 @@ from finetune.utils.factory import build_predictor, build_tokenizer
 from finetune.utils.training_utils import TrainResult, train_predictor, train_tokenizer
 from finetune_csv import config as csv_config
 from finetune_csv.config import CsvFinetuneConfig
-from finetune_csv.data import data_summary_from_store, prepare_data
 from finetune_csv.dataset import build_dataset
 from finetune_csv.model_dirs import best_dir, predictor_tokenizer_source
+from finetune_csv.prepared import data_summary_from_store, prepare_data
 from model import KronosTokenizer
 
 log = logging.getLogger("finetune_csv")

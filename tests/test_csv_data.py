@@ -12,16 +12,15 @@ import pytest
 from finetune_csv.config import ColumnsConfig, DataConfig
 from finetune_csv.data import (
     data_summary,
-    data_summary_from_store,
     load_series,
     min_rows_needed,
-    prepare_data,
     split_bounds,
     split_is_usable,
     split_series,
     window_starts,
 )
 from finetune_csv.dataset import build_dataset
+from finetune_csv.prepared import data_summary_from_store, prepare_data
 
 
 def candles(n: int, start: str = "2024-01-02 09:30", seed: int = 0, **extra) -> pd.DataFrame:
