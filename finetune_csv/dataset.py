@@ -1,6 +1,6 @@
 """Thin adapter: the CSV splits -> the shared sliding-window dataset (finetune.utils.window_dataset).
 
-Training reads a split of the memory-mapped store (`PanelSegments`, finetune_csv.data.prepare_data): the shared
+Training reads a split of the memory-mapped store (`PanelSegments`, finetune_csv.prepared.prepare_data): the shared
 `WindowDataset` on the mapped panel inside the split's column ranges, nothing copied. A list of in-memory
 `Segment`s (the pandas reference path, finetune_csv.data.split_series) gives the same windows bit for bit; it is
 what the tests compare with.

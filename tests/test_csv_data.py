@@ -289,7 +289,7 @@ def test_data_summary_records_files_hashes_and_split_ranges(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------- production path
-# The training pipeline reads the prepared, memory-mapped store (finetune_csv.data.prepare_data); the tests above
+# The training pipeline reads the prepared, memory-mapped store (finetune_csv.prepared.prepare_data); the tests above
 # exercise the pandas reference implementation of the same rules.
 
 
