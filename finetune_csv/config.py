@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from finetune.utils.candle_checks import frequency_problem, timezone_problem
 from finetune.utils.config_utils import Problems, load_config
 from finetune.utils.factory import ModelConfig
 from finetune.utils.forecast_config import SamplingConfig
@@ -61,10 +62,25 @@ class DataConfig:
     - each series is split by time: the first `train_ratio` of its rows train, the next `val_ratio` validate,
       the rest test. A validation/test window may read the `lookback` rows before its split as context, so every
       row it predicts belongs to that split and no predicted row is shared between splits.
+    - time: the model's time features (minute, hour, weekday, day, month) are the exchange's LOCAL wall-clock
+      time. Timestamps without a UTC offset are taken as that time. Timestamps with an offset
+      (`2024-03-08 09:30:00-05:00`, `...Z`, a tz-aware Parquet column) are converted to `timezone` when it is set
+      (an IANA name such as America/New_York), otherwise each keeps the clock time it states; so a daylight-saving
+      change inside a file (-05:00, then -04:00) still reads 09:30 every morning. Files with offsets and files
+      without them cannot be mixed (an error names both kinds).
+    - bar length: each file's is the median spacing of its stamps; files that differ from the rest are named in
+      a warning, or are an error when `frequency` is set.
+    - values beyond float32's range (|x| > 3.4e38) are an error naming file, column and line (the model computes
+      in float32).
+    - an unnamed first column (what DataFrame.to_csv writes for the index) is taken as the timestamps when the
+      `columns.timestamps` column is missing and its first value reads as a date (a log line says so).
+    - the files are parsed once into a prepared store (`store_dir`), memory-mapped by every process; a re-run with
+      the same files (size + mtime, else sha256) and the same data settings reuses it, a change re-prepares it and
+      the log says why.
     """
 
     path: str = ""
-    """A CSV file, or a folder of CSV files (one series per file unless `symbol_column` is set)."""
+    """A CSV or Parquet file, or a folder of them (one series per file unless `symbol_column` is set)."""
     columns: ColumnsConfig = field(default_factory=ColumnsConfig)
     """Column mapping: the name in your CSV of each field."""
     symbol_column: str | None = None
@@ -87,6 +103,12 @@ class DataConfig:
     """Distance in rows between the starts of consecutive windows (1 = every possible window)."""
     nan_policy: Literal["error", "ffill", "drop"] = "error"
     """What to do with NaN in price/volume columns: error | ffill | drop (see above)."""
+    timezone: str | None = None
+    """The exchange's IANA time zone; timestamps with a UTC offset are converted to it (null = keep their clock)."""
+    frequency: str | None = None
+    """Expected bar length, e.g. 5min, 1h, 1D: a file of another length is an error (null = infer, warn if mixed)."""
+    store_dir: str | None = None
+    """Folder of the prepared, memory-mapped data store (null = <paths.base_dir>/data_store; may be shared)."""
 
 
 @dataclass
@@ -149,6 +171,11 @@ class CsvFinetuneConfig:
         return apply_stage(self.training, getattr(self, f"{stage}_training"))
 
     @property
+    def store_dir(self) -> Path:
+        """Where the prepared data store lives: data.store_dir, or data_store/ inside the output folder."""
+        return Path(self.data.store_dir) if self.data.store_dir else self.base_dir / "data_store"
+
+    @property
     def tokenizer_dir(self) -> Path:
         """Output folder of the tokenizer stage."""
         return self.base_dir / "tokenizer"
@@ -180,7 +207,10 @@ def validate(cfg: CsvFinetuneConfig) -> None:
 
 
 def _check_data(d: DataConfig, p: Problems) -> None:
-    p.check(bool(d.path), "data.path", "is empty: set it to a CSV file or a folder of CSV files")
+    p.check(bool(d.path), "data.path", "is empty: set it to a CSV/Parquet file or a folder of them")
+    for key, problem in (("data.timezone", timezone_problem(d.timezone)),
+                         ("data.frequency", frequency_problem(d.frequency))):
+        p.check(problem is None, key, problem or "")
     for name in ("timestamps", "open", "high", "low", "close"):
         p.check(bool(getattr(d.columns, name)), f"data.columns.{name}", f"is empty: name the CSV column holding {name}")
     p.check(not (d.columns.volume is None and d.columns.amount is not None), "data.columns.amount",

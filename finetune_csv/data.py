@@ -1,9 +1,12 @@
-"""Load the user's CSV candles into validated series and split each series by time into train/val/test.
+"""The user's candles as validated series, split by time into train/val/test: the in-memory pandas reference.
 
-Everything here runs before any output folder exists: a problem in the data raises one ConfigError (a ValueError,
-collected with finetune.utils.config_utils.Problems) that names the file, the column, the row and the setting to
-change, and leaves nothing behind. Policies (sorting, duplicates, NaN,
-split context) are documented on `finetune_csv.config.DataConfig`.
+Training reads the prepared, memory-mapped store instead (finetune_csv/prepared.py `prepare_data`). `load_series`
+/ `split_series` here implement the same rules in pandas: the reference the tests compare the store with bit for
+bit (and what finetune_csv/forecast.py still reads its test windows with); the split rules (`split_bounds`,
+`split_is_usable`, `min_rows_needed`) are shared by both.
+A problem in the data raises one ValueError naming the file, the column, the row and the setting to change, and
+leaves nothing behind. Policies (sorting, duplicates, NaN, split context, time zones) are documented on
+`finetune_csv.config.DataConfig`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,15 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from finetune.utils.candle_checks import (
+    CandleDataError,
+    check_float32_range,
+    check_frequencies,
+    check_tz_consistency,
+    has_utc_offset,
+    infer_frequency,
+    parse_timestamps,
+)
 from finetune.utils.config_utils import Problems
 from finetune.utils.provenance import file_fingerprint
 from finetune_csv.config import DataConfig
@@ -88,11 +100,19 @@ def load_series(cfg: DataConfig) -> list[Series]:
     """Read, check and clean every CSV named by `cfg.path`; raise one ConfigError listing every problem found."""
     problems = Problems("The input data has problems")
     series: list[Series] = []
+    aware: dict[str, bool] = {}
     for file in list_csv_files(cfg.path):
         try:
-            series.extend(_load_file(file, cfg))
+            loaded, aware[file.name] = _load_file(file, cfg)
+            series.extend(loaded)
         except _DataProblems as e:
             problems.extend(e.problems)
+    try:
+        check_tz_consistency(aware)
+        check_frequencies({s.name: infer_frequency(s.timestamps, source=s.name) for s in series
+                           if len(s.timestamps) >= 2}, getattr(cfg, "frequency", None))
+    except CandleDataError as e:
+        problems.extend([str(e)])
     problems.raise_if_any()
     names = [s.name for s in series]
     if len(set(names)) != len(names):  # cannot happen with distinct file names; guards future changes
@@ -108,7 +128,7 @@ class _DataProblems(Exception):
         self.problems = problems
 
 
-def _load_file(file: Path, cfg: DataConfig) -> list[Series]:
+def _load_file(file: Path, cfg: DataConfig) -> tuple[list[Series], bool]:
     try:
         # Strings first: numeric parsing is ours, so a bad cell can be reported with its row and value.
         raw = pd.read_csv(file, dtype=str, keep_default_na=False, skipinitialspace=True)
@@ -123,9 +143,17 @@ def _load_file(file: Path, cfg: DataConfig) -> list[Series]:
     frame = pd.DataFrame(index=raw.index)
     problems: list[str] = []
     frame["timestamps"] = _parse_timestamps(raw[columns["timestamps"]], cfg, file, problems)
+    aware = has_utc_offset(raw[columns["timestamps"]])
     for field in FEATURE_COLS:
         if columns.get(field) is not None:
             frame[field] = _parse_numbers(raw[columns[field]], field, columns[field], file, problems)
+    if not problems:
+        present = [f for f in FEATURE_COLS if columns.get(f) is not None]
+        try:
+            check_float32_range(frame[present].to_numpy(dtype=np.float64), [columns[f] for f in present], str(file),
+                                first_row=2)
+        except CandleDataError as e:
+            problems.append(str(e))
     if problems:
         raise _DataProblems(problems)
 
@@ -146,7 +174,7 @@ def _load_file(file: Path, cfg: DataConfig) -> list[Series]:
             problems.extend(e.problems)
     if problems:
         raise _DataProblems(problems)
-    return out
+    return out, aware
 
 
 def _resolve_columns(header: list[str], cfg: DataConfig, file: Path) -> dict[str, str | None]:
@@ -187,6 +215,13 @@ def _resolve_columns(header: list[str], cfg: DataConfig, file: Path) -> dict[str
 
 def _parse_timestamps(raw: pd.Series, cfg: DataConfig, file: Path, problems: list[str]) -> pd.Series:
     text = raw.str.strip()
+    if has_utc_offset(text):  # the candle-checks rule: local wall-clock time, DST changes, data.timezone
+        try:
+            return pd.Series(parse_timestamps(text, source=str(file), fmt=cfg.timestamp_format,
+                                              timezone=getattr(cfg, "timezone", None), first_row=2), index=raw.index)
+        except CandleDataError as e:
+            problems.append(str(e))
+            return pd.Series(pd.NaT, index=raw.index, dtype="datetime64[ns]")
     ts = pd.to_datetime(text, format=cfg.timestamp_format, errors="coerce")
     bad = ts.isna()
     if bad.any():
@@ -368,3 +403,4 @@ def data_summary(series: list[Series], splits: dict[str, list[Segment]], cfg: Da
                     "end": str(s.timestamps[-1])} for s in series],
         "splits": per_split,
     }
+

@@ -4,9 +4,14 @@
     DIST_BACKEND=nccl torchrun --standalone --nproc_per_node=8 finetune_csv/train_sequential.py --config ...
 
 The same command runs on one GPU/CPU or, under torchrun, with DistributedDataParallel (DIST_BACKEND: nccl on
-GPUs, gloo on CPU). Everything is checked (settings, every CSV, the starting models) before anything is written.
-Outputs under paths.base_dir: tokenizer/ and basemodel/, each with best_model/ (published format),
-checkpoints/last.pt, metrics.jsonl, loss_curve.png and run_info.json (see finetune/utils/training_utils.py).
+GPUs, gloo on CPU). Settings are checked before anything is written; the data is parsed and checked once into the
+prepared store (data.store_dir, default <paths.base_dir>/data_store: rank 0 prepares or reuses it, the other ranks
+wait, every rank memory-maps it; a failed preparation leaves nothing behind). Outputs under paths.base_dir:
+tokenizer/ and basemodel/, each with best_model/ (published format), checkpoints/last.pt, metrics.jsonl,
+loss_curve.png and run_info.json (see finetune/utils/training_utils.py).
+
+`run_finetune(cfg, ...)` is the whole run as a function: this script's `main` and the Python API
+(`finetune_csv.finetune`, finetune_csv/api.py) both call it.
 """
 
 from __future__ import annotations
@@ -16,14 +21,19 @@ import logging
 import sys
 
 from finetune.utils.config_utils import add_config_args, config_to_dict
-from finetune.utils.distributed import DistInfo, distributed_context, seed_everything
+from finetune.utils.distributed import (
+    DistInfo,
+    barrier,
+    distributed_context,
+    seed_everything,
+)
 from finetune.utils.factory import build_predictor, build_tokenizer
 from finetune.utils.training_utils import TrainResult, train_predictor, train_tokenizer
 from finetune_csv import config as csv_config
 from finetune_csv.config import CsvFinetuneConfig
-from finetune_csv.data import data_summary, load_series, split_series
 from finetune_csv.dataset import build_dataset
 from finetune_csv.model_dirs import best_dir, predictor_tokenizer_source
+from finetune_csv.prepared import data_summary_from_store, prepare_data
 from model import KronosTokenizer
 
 log = logging.getLogger("finetune_csv")
@@ -71,25 +81,39 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     cfg = load_settings(args)
-    plan = plan_stages(cfg, args.skip_tokenizer, args.skip_predictor, args.skip_existing)
+    run_finetune(cfg, skip_tokenizer=args.skip_tokenizer, skip_predictor=args.skip_predictor,
+                 skip_existing=args.skip_existing)
+    return 0
 
-    # Data: every CSV is read and checked, and the split is cut, before any output folder exists.
-    series = load_series(cfg.data)
-    splits = split_series(series, cfg.data)
-    train_set, val_set = build_dataset(splits["train"], cfg.data), build_dataset(splits["val"], cfg.data)
-    data_info = data_summary(series, splits, cfg.data)
+
+def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_predictor: bool = False,
+                 skip_existing: bool = False) -> tuple[list[TrainResult], dict[str, str | None], dict]:
+    """The CSV finetuning run for a validated config: data store, tokenizer stage, predictor stage.
+
+    Returns (results of the stages that trained, the stage plan {stage: None | why skipped}, the data summary
+    recorded in run_info.json). Raises ValueError subclasses for user mistakes (data, settings, models).
+    """
+    plan = plan_stages(cfg, skip_tokenizer, skip_predictor, skip_existing)
     run_config = config_to_dict(cfg)
-
+    results: list[TrainResult] = []
     with distributed_context(cfg.training.dist_timeout_s) as dist:
         seed_everything(cfg.training.seed, dist.rank)  # before building: from-scratch init (DDP syncs rank 0's)
-        if dist.is_main:
-            log.info("%s", describe(cfg, data_info, plan, dist))
-        results: list[TrainResult] = []
+        # Models first (cheap to check, and a mistake then leaves no data store behind).
         m = cfg.model
         if plan["tokenizer"] is None:
             tokenizer = build_tokenizer(m.pretrained_tokenizer, m.tokenizer_arch, "model")
             if plan["predictor"] is None:  # check the pair up front, not after an hour of tokenizer training
                 build_predictor(m.pretrained_predictor, m.predictor_arch, tokenizer, "model")
+        elif plan["predictor"] is None:
+            predictor_tokenizer_source(cfg)  # raises now if there is no tokenizer to train the predictor with
+        # Data: rank 0 parses and checks every file into the store (or reuses it), the others wait; every rank
+        # maps it read-only (one page-cache copy per machine); the splits are index ranges, nothing is copied.
+        data = prepare_data(cfg.data, cfg.store_dir, dist=dist, barrier=barrier)
+        train_set, val_set = build_dataset(data.splits["train"], cfg.data), build_dataset(data.splits["val"], cfg.data)
+        data_info = data_summary_from_store(data, cfg.data)
+        if dist.is_main:
+            log.info("%s", describe(cfg, data_info, plan, dist))
+        if plan["tokenizer"] is None:
             results.append(train_tokenizer(tokenizer, train_set, val_set, cfg.stage_training("tokenizer"),
                                            cfg.tokenizer_dir, dist, run_config=run_config, data_info=data_info))
         if plan["predictor"] is None:
@@ -100,14 +124,18 @@ def main(argv: list[str] | None = None) -> int:
                                            cfg.predictor_dir, dist, run_config=run_config, data_info=data_info))
         if dist.is_main:
             log.info("%s", summarize(results, plan))
-    return 0
+    return results, plan, data_info
 
 
 def describe(cfg: CsvFinetuneConfig, data_info: dict, plan: dict[str, str | None], dist: DistInfo) -> str:
     """The run at a glance: data, splits, stages, processes."""
     splits = data_info["splits"]
+    store = data_info.get("store", {})
     lines = [f"{len(data_info['series'])} series from {len(data_info['files'])} file(s) under {cfg.data.path}; "
              f"windows of {cfg.data.lookback} + {cfg.data.predict} candles, stride {cfg.data.stride}"]
+    if store:
+        lines.append(f"  data store {store['path']} ({'reused: ' if store['reused'] else 'prepared: '}"
+                     f"{store['reason']})")
     for name, s in splits.items():
         lines.append(f"  {name:<5} {s['rows']:>9,} rows {s['windows']:>9,} windows  {s['start']} .. {s['end']}")
     for stage in STAGES:

@@ -16,7 +16,7 @@ import numpy as np
 
 from finetune.utils.data_store import StoreSettings, ensure_store
 from finetune.utils.distributed import barrier, distributed_context
-from finetune.utils.panel_split import PanelWindows, split_panel
+from finetune.utils.panel_split import split_panel
 from finetune.utils.window_dataset import EpochSampler
 
 LOOKBACK, PREDICT = 8, 4
@@ -31,7 +31,7 @@ def main(csv_dir: str, store_dir: str, out_dir: str) -> None:
             (out / f"rank{dist.rank}.err").write_text(str(e))
             return
         panel = info.open()
-        train = PanelWindows(split_panel(panel, 0.6, 0.2, 0.2, LOOKBACK, PREDICT)["train"], LOOKBACK, PREDICT)
+        train = split_panel(panel, 0.6, 0.2, 0.2, LOOKBACK, PREDICT)["train"].dataset(LOOKBACK, PREDICT)
         sampler = EpochSampler(len(train), shuffle=True, seed=3, rank=dist.rank, world_size=dist.world_size)
         indices = np.concatenate([sampler.rank_indices(epoch) for epoch in (0, 1)])
         x, stamp = train.get_batch(indices)

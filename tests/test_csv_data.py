@@ -20,6 +20,7 @@ from finetune_csv.data import (
     window_starts,
 )
 from finetune_csv.dataset import build_dataset
+from finetune_csv.prepared import data_summary_from_store, prepare_data
 
 
 def candles(n: int, start: str = "2024-01-02 09:30", seed: int = 0, **extra) -> pd.DataFrame:
@@ -285,3 +286,136 @@ def test_data_summary_records_files_hashes_and_split_ranges(tmp_path):
     assert summary["splits"]["train"]["rows"] == 60 and summary["splits"]["val"]["context_rows"] == 8
     assert summary["splits"]["test"]["end"] == str(series[0].timestamps[-1])
     assert summary["splits"]["val"]["windows"] == 20 - 4 + 1
+
+
+# --------------------------------------------------------------------------------------------- production path
+# The training pipeline reads the prepared, memory-mapped store (finetune_csv.prepared.prepare_data); the tests above
+# exercise the pandas reference implementation of the same rules.
+
+
+def prepare(cfg: DataConfig, tmp_path, name: str = "store"):
+    return prepare_data(cfg, tmp_path / name)
+
+
+def test_prepared_windows_equal_the_reference_windows_and_are_mapped(tmp_path):
+    folder = tmp_path / "csv"
+    folder.mkdir()
+    for i in range(3):
+        write(candles(90 + 11 * i, seed=i), folder / f"s{i}.csv")
+    cfg = data_cfg(folder, stride=3)
+    data = prepare(cfg, tmp_path)
+    ref = split_series(load_series(cfg), cfg)
+    for name in ("train", "val", "test"):
+        ours, theirs = build_dataset(data.splits[name], cfg), build_dataset(ref[name], cfg)
+        assert isinstance(ours.features_t, np.memmap) and len(ours) == len(theirs)
+        idx = np.arange(len(ours))
+        x, st = ours.get_batch(idx)
+        x_ref, st_ref = theirs.get_batch(idx)
+        assert np.array_equal(x.numpy(), x_ref.numpy()) and np.array_equal(st.numpy(), st_ref.numpy())
+    summary, ref_summary = data_summary_from_store(data, cfg), data_summary(load_series(cfg), ref, cfg)
+    assert summary["splits"] == ref_summary["splits"] and summary["series"] == ref_summary["series"]
+    assert [f["sha256"] for f in summary["files"]] == [f["sha256"] for f in ref_summary["files"]]
+    assert not summary["store"]["reused"]
+    again = prepare(cfg, tmp_path)
+    assert again.store.reused and data_summary_from_store(again, cfg)["store"]["reused"]
+
+
+def test_dst_offsets_keep_the_exchange_wall_clock_and_data_timezone_converts(tmp_path):
+    # New York: -05:00 before 2024-03-10, -04:00 after; every bar is 09:30 local time.
+    days = pd.bdate_range("2024-03-04", "2024-03-15")
+    stamps = [f"{d:%Y-%m-%d} 09:30:00{'-05:00' if d < pd.Timestamp('2024-03-10') else '-04:00'}" for d in days]
+    frame = candles(len(days)).assign(timestamps=stamps)
+    path = write(frame, tmp_path / "ny.csv")
+    cfg = data_cfg(path, lookback=2, predict=1)
+    panel = prepare(cfg, tmp_path).panel
+    assert set(panel.stamps[:, 1].tolist()) == {9} and set(panel.stamps[:, 0].tolist()) == {30}
+    shanghai = prepare(data_cfg(path, lookback=2, predict=1, timezone="Asia/Shanghai"), tmp_path, "sh").panel
+    assert shanghai.stamps[0, 1] == 22 and shanghai.stamps[-1, 1] == 21  # 14:30 / 13:30 UTC + 8h
+    # the pandas reference follows the same rule
+    (s,) = load_series(cfg)
+    assert (s.timestamps.hour == 9).all() and s.timestamps.tz is None
+
+
+def test_tz_aware_and_naive_files_mixed_is_an_error_naming_both(tmp_path):
+    folder = tmp_path / "csv"
+    folder.mkdir()
+    write(candles(60), folder / "naive.csv")
+    aware = candles(60)
+    aware["timestamps"] = aware["timestamps"].dt.strftime("%Y-%m-%d %H:%M:%S+08:00")
+    write(aware, folder / "aware.csv")
+    with pytest.raises(ValueError, match=r"UTC offset \(aware.csv\).*without \(naive.csv\)"):
+        prepare(data_cfg(folder), tmp_path)
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_file_of_another_bar_length_is_named_in_a_warning_or_an_error(tmp_path, caplog):
+    folder = tmp_path / "csv"
+    folder.mkdir()
+    write(candles(60), folder / "a_5min.csv")
+    write(candles(60), folder / "b_5min.csv")
+    daily = candles(60)
+    daily["timestamps"] = pd.date_range("2024-01-02", periods=60, freq="D")
+    write(daily, folder / "c_daily.csv")
+    with caplog.at_level(logging.WARNING):
+        data = prepare(data_cfg(folder), tmp_path)
+    assert any("1 day: c_daily.csv" in w for w in data.store.manifest["warnings"])
+    assert "c_daily.csv" in caplog.text
+    with pytest.raises(ValueError, match=r"data.frequency is 5min but 1 file\(s\).*c_daily.csv \(1 day\)"):
+        prepare(data_cfg(folder, frequency="5min"), tmp_path, "strict")
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_values_beyond_float32_name_file_column_and_line(tmp_path, suffix):
+    frame = candles(60)
+    frame.loc[7, "volume"] = 1e39
+    path = tmp_path / f"a{suffix}"
+    frame.to_csv(path, index=False) if suffix == ".csv" else frame.to_parquet(path, index=False)
+    where = "line 9" if suffix == ".csv" else "row 8"
+    with pytest.raises(ValueError, match=rf"a{suffix} {where}, column 'volume': value 1e\+39 is outside float32"):
+        prepare(data_cfg(path), tmp_path)
+    if suffix == ".csv":
+        with pytest.raises(ValueError, match=r"a.csv line 9, column 'volume'"):
+            load_series(data_cfg(path))
+
+
+def test_unnamed_first_column_of_dates_is_taken_as_timestamps(tmp_path, caplog):
+    frame = candles(60).set_index("timestamps")
+    frame.index.name = None
+    frame.to_csv(tmp_path / "indexed.csv")  # header: ",open,high,..."
+    with caplog.at_level(logging.INFO):
+        data = prepare(data_cfg(tmp_path / "indexed.csv"), tmp_path)
+    assert "taking the unnamed first column" in caplog.text
+    assert data.panel.stamps[0, 1] == 9 and data.panel.stamps[0, 0] == 30
+    # an unnamed first column that is not dates: the error suggests what to do
+    candles(60).drop(columns="timestamps").to_csv(tmp_path / "numbered.csv")
+    with pytest.raises(ValueError, match=r"first column has no header \(read as 'Unnamed: 0'\)"):
+        prepare(data_cfg(tmp_path / "numbered.csv"), tmp_path, "numbered")
+
+
+def test_parquet_folder_is_read_through_the_store(tmp_path):
+    folder = tmp_path / "pq"
+    folder.mkdir()
+    for i in range(2):
+        candles(80, seed=i).to_parquet(folder / f"s{i}.parquet", index=False)
+        write(candles(80, seed=i), tmp_path / f"s{i}.csv")
+    data = prepare(data_cfg(folder), tmp_path)
+    ref = split_series(load_series(data_cfg(tmp_path)), data_cfg(tmp_path))
+    assert data.panel.names == ["s0.parquet", "s1.parquet"]
+    x, _ = build_dataset(data.splits["train"], data_cfg(folder)).get_batch([0, 5])
+    assert np.array_equal(x.numpy(), build_dataset(ref["train"], data_cfg(tmp_path)).get_batch([0, 5])[0].numpy())
+
+
+def test_bad_timezone_and_frequency_settings_name_their_keys():
+    from finetune_csv.config import CsvFinetuneConfig, validate
+
+    cfg = CsvFinetuneConfig(data=DataConfig(path="x.csv", timezone="Mars/Olympus", frequency="often"))
+    with pytest.raises(ValueError) as info:
+        validate(cfg)
+    assert "data.timezone" in str(info.value) and "data.frequency" in str(info.value)
+
+
+def test_a_failed_preparation_leaves_no_folder_behind(tmp_path):
+    path = write(candles(10), tmp_path / "short.csv")
+    with pytest.raises(ValueError, match=r"needs at least \d+ rows"):
+        prepare_data(data_cfg(path), tmp_path / "out" / "exp" / "data_store")
+    assert not (tmp_path / "out").exists()

@@ -22,7 +22,7 @@ from finetune.utils.data_store import (
     prepare_store,
 )
 from finetune.utils.panel import SeriesPanel
-from finetune.utils.panel_split import PanelWindows, split_panel
+from finetune.utils.panel_split import split_panel
 from finetune.utils.series_cleaning import wallclock_stamps
 from finetune.utils.store_writer import npy_header
 from finetune.utils.window_dataset import SeriesArrays, WindowDataset
@@ -223,7 +223,8 @@ def test_mapped_windows_equal_in_memory_windows_bit_for_bit(tmp_path):
         ref = WindowDataset([SeriesArrays(s.values.astype(np.float32),
                                           calc_time_stamps(s.timestamps).to_numpy(dtype=np.int64))
                              for s in segments], cfg.lookback, cfg.predict, stride=cfg.stride, clip=cfg.clip)
-        ours = PanelWindows(mapped[name], cfg.lookback, cfg.predict, stride=cfg.stride, clip=cfg.clip)
+        ours = mapped[name].dataset(cfg.lookback, cfg.predict, stride=cfg.stride, clip=cfg.clip)
+        assert isinstance(ours.features_t, np.memmap)  # the shared WindowDataset reads the map, no copy
         assert len(ours) == len(ref)
         idx = np.random.default_rng(0).permutation(len(ref))
         x_ref, st_ref = ref.get_batch(idx)
@@ -275,7 +276,7 @@ def test_two_ranks_share_one_store_and_read_disjoint_windows(tmp_path):
         assert not set(a) & set(b) and len(set(a) | set(b)) == n - n % 2
     # what each rank read equals a single-process read of the same windows
     panel = open_store(tmp_path / "store")
-    train = PanelWindows(split_panel(panel, 0.6, 0.2, 0.2, 8, 4)["train"], 8, 4)
+    train = split_panel(panel, 0.6, 0.2, 0.2, 8, 4)["train"].dataset(8, 4)
     for r in (r0, r1):
         assert np.array_equal(train.get_batch(r["indices"])[0].numpy(), r["x"])
 

@@ -186,3 +186,65 @@ def test_a_panel_of_another_dtype_is_converted_once_and_from_series_equals_the_l
     assert ds.features_t.dtype == np.float32 and ds.features_t.flags.c_contiguous
     a, b = WindowDataset.from_series(series, LOOKBACK, PREDICT), WindowDataset(panel, LOOKBACK, PREDICT)
     assert torch.equal(a[len(a) - 1][0], b[len(b) - 1][0]) and torch.equal(ds[3][0], b[3][0])
+
+
+def _reference_epoch_order(n, seed, epoch, rank, world_size, max_samples=None, shuffle=True, drop_remainder=True):
+    """The sampler's order as it was first written (int64 permutation, whole share as a list): resume and the
+    engine's golden runs depend on it staying identical."""
+    m = n if max_samples is None else min(max_samples, n)
+    if shuffle or m < n:
+        chosen = np.random.default_rng([seed, epoch]).permutation(n)[:m]
+        if not shuffle:
+            chosen = np.sort(chosen)
+    else:
+        chosen = np.arange(n)
+    if drop_remainder:
+        chosen = chosen[: len(chosen) - len(chosen) % world_size]
+    return chosen[rank::world_size].tolist()
+
+
+@pytest.mark.parametrize("n,max_samples,shuffle,drop", [(1, None, True, True), (31, None, True, True),
+                                                        (200_003, None, True, True), (1000, 100, False, False),
+                                                        (70_000, 65_537, True, False)])
+def test_compact_epoch_order_equals_the_original_order_and_iterates_in_chunks(n, max_samples, shuffle, drop):
+    for rank in (0, 1, 2):
+        s = EpochSampler(n, seed=11, rank=rank, world_size=3, max_samples=max_samples, shuffle=shuffle,
+                         drop_remainder=drop)
+        for epoch in (0, 4):
+            s.set_epoch(epoch, skip=2)
+            got = list(iter(s))
+            want = _reference_epoch_order(n, 11, epoch, rank, 3, max_samples, shuffle, drop)[2:]
+            assert got == want and len(got) == len(s)
+            assert all(type(i) is int for i in got[:3])
+    assert EpochSampler(1000).epoch_indices(0).dtype == np.int32  # 4 bytes a window, not 8
+
+
+def blocked_sampler(n, rank=0, world_size=3, **kw):
+    s = EpochSampler(n, seed=5, rank=rank, world_size=world_size, **kw)
+    s.exact_limit, s.block_size = 1000, 64  # the large-data regime, at a test's size
+    return s
+
+
+def test_blocked_order_above_the_exact_limit_reads_every_window_once_evenly_and_resumes_exactly():
+    n = 5003
+    for epoch in (0, 1):
+        shares = []
+        for rank in range(3):
+            s = blocked_sampler(n, rank)
+            s.set_epoch(epoch)
+            shares.append(list(s))
+            assert len(shares[-1]) == len(s) == n // 3
+            s.set_epoch(epoch, skip=777)  # mid-epoch resume: exactly the tail
+            assert list(s) == shares[-1][777:]
+        merged = shares[0] + shares[1] + shares[2]
+        assert len(set(merged)) == len(merged) == n - n % 3
+        assert list(blocked_sampler(n, 1).rank_indices(epoch)) == shares[1]  # a pure function of (seed, epoch)
+        # a batch mixes the whole data set: 32 windows spread over most of the index range (all series, all dates)
+        first = np.array(shares[0][:32])
+        assert first.max() - first.min() > n // 2
+    assert blocked_sampler(n).epoch_indices(0).tolist() != blocked_sampler(n).epoch_indices(1).tolist()
+    capped = blocked_sampler(n, world_size=1, max_samples=300, shuffle=False, drop_remainder=False)
+    subset = capped.epoch_indices(0)
+    assert len(subset) == 300 and (np.diff(subset) > 0).all()
+    assert blocked_sampler(n).order(0).blocked  # the regime switch took effect
+    assert EpochSampler(n).order(0).blocked is False  # default limit: the exact original order

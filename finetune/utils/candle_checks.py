@@ -44,6 +44,8 @@ __all__ = [
     "check_frequencies",
     "check_tz_consistency",
     "format_frequency",
+    "frequency_problem",
+    "timezone_problem",
     "has_utc_offset",
     "infer_frequency",
     "parse_timestamps",
@@ -300,3 +302,25 @@ def check_float32_range(array: Any, columns: Sequence[str], source: str, first_r
         f"{source} line {first_row + row}, column '{name}': value {a[row, col]:.6g} is outside float32's finite "
         f"range (+-{FLOAT32_MAX:.7g}){more}; the model computes in float32, so correct or remove it in the file "
         "(or rescale that column)")
+
+
+def timezone_problem(name: str | None) -> str | None:
+    """Why `data.timezone` is unusable (None when it is unset or a known IANA zone)."""
+    if name is None:
+        return None
+    try:
+        pd.Timestamp(0, tz="UTC").tz_convert(name)
+    except Exception as e:  # pytz/zoneinfo raise different types for an unknown zone
+        return f"unknown time zone '{name}' ({type(e).__name__}); use an IANA name such as 'America/New_York'"
+    return None
+
+
+def frequency_problem(value: str | None) -> str | None:
+    """Why `data.frequency` is unusable (None when it is unset or a positive bar length such as '5min')."""
+    if value is None:
+        return None
+    try:
+        _parse_expected(value)
+    except FrequencyError as e:
+        return str(e).removeprefix("data.frequency: ")
+    return None

@@ -37,6 +37,7 @@ import os
 import shutil
 import time
 import uuid
+import warnings as warnings_module
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,16 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .candle_checks import (
+    FLOAT32_MAX,
+    CandleDataError,
+    MixedFrequencyWarning,
+    check_frequencies,
+    check_tz_consistency,
+    frequency_problem,
+    infer_frequency,
+    timezone_problem,
+)
 from .checkpoint import write_json_atomic
 from .config_utils import Problems
 from .panel import SeriesPanel
@@ -103,20 +114,26 @@ class StoreSettings:
     """strftime format of text timestamps; None = ISO 8601 or inferred from the first value."""
     nan_policy: str = "error"
     """Missing prices/volumes: error | ffill | drop (see finetune_csv.config.DataConfig)."""
+    timezone: str | None = None
+    """IANA zone that offset-carrying stamps are converted to (data.timezone); None = keep their stated clock."""
+    frequency: str | None = None
+    """Expected bar length (data.frequency, e.g. '5min'); None = infer per file and warn about odd files."""
 
     @classmethod
     def from_data_config(cls, data: Any) -> StoreSettings:
         """From a CSV pipeline `DataConfig`-like object (columns, symbol_column, timestamp_format, nan_policy)."""
         cols = data.columns if isinstance(data.columns, Mapping) else vars(data.columns)
         return cls(columns=dict(cols), symbol_column=data.symbol_column, timestamp_format=data.timestamp_format,
-                   nan_policy=data.nan_policy)
+                   nan_policy=data.nan_policy, timezone=getattr(data, "timezone", None),
+                   frequency=getattr(data, "frequency", None))
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able form recorded in (and compared with) the manifest."""
         columns = _default_columns()
         columns.update(self.columns)
         return {"columns": columns, "symbol_column": self.symbol_column,
-                "timestamp_format": self.timestamp_format, "nan_policy": self.nan_policy}
+                "timestamp_format": self.timestamp_format, "nan_policy": self.nan_policy,
+                "timezone": self.timezone, "frequency": self.frequency}
 
     def validate(self) -> None:
         """Raise ConfigError (a ValueError) listing every bad setting."""
@@ -128,6 +145,9 @@ class StoreSettings:
                 p.check(isinstance(value, str) and value != "", f"data.columns.{key}", "must name a column")
         p.check(self.nan_policy in NAN_POLICIES, "data.nan_policy",
                 f"must be one of {list(NAN_POLICIES)}, got {self.nan_policy!r}")
+        for key, problem in (("data.timezone", timezone_problem(self.timezone)),
+                             ("data.frequency", frequency_problem(self.frequency))):
+            p.check(problem is None, key, problem or "")
         p.raise_if_any()
 
 
@@ -167,6 +187,11 @@ def list_sources(sources: str | Path | Sequence[str | Path]) -> list[Path]:
             out.append(p)
         elif p.is_dir():
             files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in suffixes)
+            others = sorted(f.name for f in p.iterdir() if f.is_file() and f.suffix.lower() not in suffixes
+                            and not f.name.startswith("."))
+            if others:
+                log.info("ignoring %d file(s) in %s that are not .csv/.parquet: %s", len(others), p,
+                         ", ".join(others[:5]) + (" ..." if len(others) > 5 else ""))
             if not files:
                 raise StoreError(f"data.path: the folder {p} holds no .csv or .parquet file")
             out.extend(files)
@@ -236,11 +261,13 @@ def _build(files: list[Path], tmp: Path, settings: StoreSettings, block_rows: in
     problems: list[str] = []
     warnings: list[str] = []
     series: list[dict] = []
+    aware: dict[str, bool] = {}  # file name -> stamps carry a UTC offset
+    freqs: dict[str, pd.Timedelta] = {}  # series name -> inferred bar length
     try:
         for file in files:
             try:
                 reader = SourceReader(file, settings.as_dict()["columns"], settings.symbol_column,
-                                      settings.timestamp_format, block_rows)
+                                      settings.timestamp_format, block_rows, timezone=settings.timezone)
                 for name, ts, values, lines in _file_series(reader, tmp, block_rows):
                     where = str(file) if name == file.name else f"{file} (series {name})"
                     try:
@@ -252,6 +279,13 @@ def _build(files: list[Path], tmp: Path, settings: StoreSettings, block_rows: in
                     for note in notes:
                         log.warning(note)
                     warnings.extend(notes)
+                    if reader.tz_aware is not None:
+                        aware[file.name] = reader.tz_aware
+                    if len(ts) >= 2:
+                        freqs[name] = infer_frequency(ts.view("datetime64[ns]"), source=where)
+                    if (np.abs(values) > FLOAT32_MAX).any():  # a derived amount (volume * price) can overflow
+                        problems.append(f"{where}: the derived amount (volume * mean price) exceeds float32's range "
+                                        "(+-3.4e38); rescale the volume or price columns, or give an amount column")
                     if problems:
                         continue  # keep checking the rest, write nothing more
                     features.append(values)
@@ -262,6 +296,7 @@ def _build(files: list[Path], tmp: Path, settings: StoreSettings, block_rows: in
                                    "end": str(pd.Timestamp(ts[-1])) if len(ts) else None})
             except SourceProblems as e:
                 problems.extend(e.problems)
+        problems.extend(_cross_file_checks(aware, freqs, settings, warnings))
         if problems:
             shown = problems[:_MAX_PROBLEMS_SHOWN]
             more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
@@ -281,6 +316,28 @@ def _build(files: list[Path], tmp: Path, settings: StoreSettings, block_rows: in
     (tmp / "names.json").write_text(json.dumps([s["name"] for s in series]), encoding="utf-8")
     return {"n_rows": int(rows.sum()), "n_series": len(series), "features": list(FEATURES), "series": series,
             "warnings": warnings}
+
+
+def _cross_file_checks(aware: dict[str, bool], freqs: dict[str, pd.Timedelta], settings: StoreSettings,
+                       warnings_out: list[str]) -> list[str]:
+    """Checks across files (candle_checks): tz-aware and naive files mixed (error); bar lengths that differ
+    (warning naming them, error when data.frequency is set). Returns the problems; appends warnings."""
+    problems = []
+    try:
+        check_tz_consistency(aware)
+    except CandleDataError as e:
+        problems.append(str(e))
+    with warnings_module.catch_warnings(record=True) as caught:
+        warnings_module.simplefilter("always", MixedFrequencyWarning)
+        try:
+            check_frequencies(freqs, settings.frequency)
+        except CandleDataError as e:
+            problems.append(str(e))
+    for w in caught:
+        if issubclass(w.category, MixedFrequencyWarning):
+            log.warning("%s", w.message)
+            warnings_out.append(str(w.message))
+    return problems
 
 
 def _file_series(reader: SourceReader, scratch: Path, block_rows: int):

@@ -8,12 +8,19 @@
 The cell rules are those of the CSV pipeline (finetune_csv/data.py), so a store prepared from a file holds exactly
 what that pipeline would load: cells are stripped; '', nan, NaN, NA, N/A, null and None are missing values (the
 NaN policy handles them later); any other non-number is an error naming the file, the column, the line and the
-setting; infinite values are errors. Timestamps become naive wall-clock nanoseconds (an offset such as +08:00 is
-kept as local time, like pandas' `.hour` of a tz-aware timestamp).
+setting; infinite values and values beyond float32's range are errors. Timestamps become naive wall-clock
+nanoseconds by the rule of finetune/utils/candle_checks.py (the one implementation both data paths use): a stamp
+with a UTC offset keeps the wall-clock time it states, or is converted to `timezone` (data.timezone) when set; a
+file mixing stamps with and without offsets is an error. An unnamed first column (what `DataFrame.to_csv` writes
+for the index) whose first value parses as a date is taken as the timestamps when the configured timestamps column
+is missing.
 
 Speed: the common cases (ISO timestamps, plain decimal numbers) are parsed by Arrow compute kernels; a block where
 Arrow refuses a cell, or where the timestamp format is set, is re-parsed with the pandas routines the CSV pipeline
 uses, which also finds the exact rows to report.
+
+(Over 400 lines on purpose: the column mapping, the cell rules and the problem messages of one reader stay together,
+so the CSV and Parquet paths cannot drift apart.)
 """
 
 from __future__ import annotations
@@ -31,6 +38,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
+
+from .candle_checks import (
+    _OFFSET_RE,
+    CandleDataError,
+    check_float32_range,
+    parse_timestamps,
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +120,14 @@ class SourceReader:
     """
 
     def __init__(self, path: str | Path, columns: Mapping[str, str | None], symbol_column: str | None = None,
-                 timestamp_format: str | None = None, block_rows: int = 1 << 20):
+                 timestamp_format: str | None = None, block_rows: int = 1 << 20, timezone: str | None = None):
         self.path = Path(path)
         self.symbol_column = symbol_column
         self.timestamp_format = timestamp_format
+        self.timezone = timezone
+        self.tz_aware: bool | None = None
+        """Whether this file's stamps carry a UTC offset (known after the first block)."""
+        self._messages: list[str] = []  # whole-message problems (candle checks), beside the per-cell issues
         self.block_rows = int(block_rows)
         self.is_parquet = self.path.suffix.lower() in PARQUET_SUFFIXES
         self.unit = "row(s)" if self.is_parquet else "line(s)"
@@ -119,7 +137,17 @@ class SourceReader:
         self._guessed_format: str | None = None
         self.n_rows = 0
         header = self._parquet_header() if self.is_parquet else self._csv_header()
-        self.columns = _resolve_columns(header, dict(columns), symbol_column, self.path)
+        self._unnamed_hint: str | None = None
+        columns = self._adopt_unnamed_index(header, dict(columns))
+        try:
+            self.columns = _resolve_columns(header, columns, symbol_column, self.path)
+        except SourceProblems as e:
+            if self._unnamed_hint is not None:  # e.g. a to_csv index of numbers: say what the unnamed column is
+                e.problems[:] = [p + (f"; the first column has no header (read as '{self._unnamed_hint}'): if it "
+                                      f"holds the timestamps set data.columns.timestamps: '{self._unnamed_hint}', "
+                                      "else give it a name in the file"
+                                      if "(data.columns.timestamps) not found" in p else "") for p in e.problems]
+            raise
 
     # ------------------------------------------------------------------------------------------------------------
     @property
@@ -136,7 +164,7 @@ class SourceReader:
                                                 n=issue.count, where=f"{self.unit} {issue.where()}",
                                                 examples=", ".join(issue.examples), fmt=self._fmt_text(),
                                                 symbol=self.symbol_column))
-        return out
+        return out + self._messages
 
     def blocks(self) -> Iterator[ParsedBlock]:
         """Parsed blocks in file order; cells with problems are recorded in `problems` (their values are NaN/0)."""
@@ -153,6 +181,35 @@ class SourceReader:
             raise SourceProblems([f"{self.path}: the file has a header but no rows"])
 
     # ------------------------------------------------------------------------------------------------------------
+    def _adopt_unnamed_index(self, header: list[str], columns: dict[str, str | None]) -> dict[str, str | None]:
+        """Take an unnamed first column (DataFrame.to_csv's index: 'Unnamed: 0'; Parquet: '__index_level_0__') as
+        the timestamps when the configured timestamps column is missing and its first value reads as a date."""
+        wanted = columns.get("timestamps", "timestamps")
+        if wanted in header or not header or header[0] not in ("Unnamed: 0", "__index_level_0__"):
+            return columns
+        first = self._first_value(header[0])
+        try:
+            ok = first is not None and not pd.isna(pd.to_datetime(first, format=self.timestamp_format))
+        except (ValueError, TypeError, OverflowError):
+            ok = False
+        if ok:
+            log.info("%s: no '%s' column; taking the unnamed first column (e.g. %r) as the timestamps "
+                     "(set data.columns.timestamps to name another column)", self.path.name, wanted, first)
+            return {**columns, "timestamps": header[0]}
+        self._unnamed_hint = header[0]
+        return columns
+
+    def _first_value(self, column: str):
+        if self.is_parquet:
+            for batch in self._pq.iter_batches(batch_size=1, columns=[column]):
+                return batch.column(0)[0].as_py() if batch.num_rows else None
+            return None
+        with open(self.path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.reader(f, skipinitialspace=True)
+            next(reader, None)
+            row = next(reader, None)
+        return row[0].strip() if row else None
+
     def _csv_header(self) -> list[str]:
         try:
             with open(self.path, newline="", encoding="utf-8-sig") as f:
@@ -161,6 +218,7 @@ class SourceReader:
             raise SourceProblems([f"{self.path}: not a readable CSV ({e})"]) from None
         if not row:
             raise SourceProblems([f"{self.path}: the file is empty"])
+        row = [c if c != "" else f"Unnamed: {i}" for i, c in enumerate(row)]  # pandas' names for empty cells
         self._header = row
         return row
 
@@ -205,6 +263,12 @@ class SourceReader:
             col = self.columns.get(f)
             if col is not None:
                 values[:, i] = self._parse_numbers(batch.column(col), col, lines)
+        if not any(m.startswith((f"{self.path} line", f"{self.path} row")) for m in self._messages):
+            try:  # the first out-of-range value of the file is reported (one message per file)
+                check_float32_range(values, [self.columns.get(f) or f for f in FEATURES], str(self.path),
+                                    first_row=int(lines[0]))
+            except CandleDataError as e:
+                self._messages.append(str(e) if not self.is_parquet else str(e).replace(" line ", " row ", 1))
         symbols = None if self.symbol_column is None else self._parse_symbols(batch.column(self.symbol_column), lines)
         return ParsedBlock(lines=lines, timestamps=ts, values=values, symbols=symbols)
 
@@ -250,10 +314,14 @@ class SourceReader:
         t = col.type
         try:
             if pa.types.is_timestamp(t):
+                self._note_aware(t.tz is not None, lines)
                 if t.tz is not None:
+                    if self.timezone is not None:
+                        col = col.cast(pa.timestamp(t.unit, tz=self.timezone))  # same instants, the exchange's zone
                     col = pc.local_timestamp(col)  # wall-clock time in the column's zone
                 return self._ns(pc.cast(col, pa.timestamp("ns")), lines, name)
             if pa.types.is_date(t):
+                self._note_aware(False, lines)
                 return self._ns(pc.cast(pc.cast(col, pa.timestamp("s")), pa.timestamp("ns")), lines, name)
         except pa.ArrowInvalid:
             self._issue("ts_range", name, lines[:1])
@@ -264,10 +332,42 @@ class SourceReader:
         text = pc.utf8_trim_whitespace(col)
         if self.timestamp_format is None:
             try:
-                return self._ns(pc.cast(text, pa.timestamp("ns")), lines, name)  # ISO 8601, naive
+                ns = self._ns(pc.cast(text, pa.timestamp("ns")), lines, name)  # ISO 8601, naive
+                self._note_aware(False, lines)
+                return ns
             except pa.ArrowInvalid:
                 pass
+        aware = pc.any(pc.match_substring_regex(text, _OFFSET_RE)).as_py() or False
+        if aware or self.tz_aware:
+            return self._timestamps_with_offsets(text.to_numpy(zero_copy_only=False), lines)
+        self._note_aware(False, lines)
         return self._timestamps_pandas(text.to_numpy(zero_copy_only=False), lines, name)
+
+    def _note_aware(self, aware: bool, lines: np.ndarray) -> None:
+        """Record whether the stamps carry an offset; a file switching between blocks is a problem."""
+        if self.tz_aware is None:
+            self.tz_aware = aware
+        elif self.tz_aware != aware and not any("carry a UTC offset" in m for m in self._messages):
+            self._messages.append(
+                f"{self.path}: some timestamps carry a UTC offset and some do not (the change is near {self.unit} "
+                f"{int(lines[0])}); write all of them with an offset or none")
+
+    def _timestamps_with_offsets(self, text: np.ndarray, lines: np.ndarray) -> np.ndarray:
+        """Offset-carrying text stamps -> naive wall-clock ns (candle_checks.parse_timestamps: DST changes, zone)."""
+        fmt = self.timestamp_format
+        if fmt is None and len(text):
+            if self._guessed_format is None:
+                self._guessed_format = pd.tseries.api.guess_datetime_format(str(text[0])) or ""
+            fmt = self._guessed_format or None
+        try:
+            idx = parse_timestamps(text, source=str(self.path), fmt=fmt, timezone=self.timezone,
+                                   first_row=int(lines[0]))
+        except CandleDataError as e:
+            if str(e) not in self._messages:
+                self._messages.append(str(e))
+            return np.zeros(len(text), dtype=np.int64)
+        self._note_aware(True, lines)
+        return idx.asi8.copy()
 
     def _ns(self, arr: pa.Array, lines: np.ndarray, name: str) -> np.ndarray:
         ns = arr.cast(pa.int64()).to_numpy(zero_copy_only=False) if arr.null_count == 0 else None

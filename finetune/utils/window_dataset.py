@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
+from .epoch_order import BLOCK_SIZE, EXACT_LIMIT, EpochOrder
 from .panel import N_STAMP_COLUMNS, SeriesPanel
 
 __all__ = [
@@ -28,7 +29,7 @@ __all__ = [
     "batches_per_epoch",
 ]
 
-
+_ITER_CHUNK = 1 << 16  # window indices turned into Python ints at a time by EpochSampler.__iter__
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,9 @@ class WindowDataset(Dataset):
         predict: rows after the context that the window also contains.
         stride: distance between consecutive window starts (1 = every row).
         clip: normalised values are clipped to [-clip, clip].
+        ranges: optional (start, stop), int64 (S,) each: series s reads only panel columns [start[s], stop[s])
+            (a time split of a shared panel as index ranges, e.g. finetune/utils/panel_split.py; ranges may
+            overlap, as a val split's context overlaps train). None = every series whole.
     Series shorter than a window give no windows; they are listed in `short_series` (name, rows) so the pipeline
     can report them. A dataset with no window at all raises ValueError.
     """
@@ -94,6 +98,7 @@ class WindowDataset(Dataset):
         *,
         stride: int = 1,
         clip: float = 5.0,
+        ranges: tuple[np.ndarray, np.ndarray] | None = None,
     ):
         if lookback < 1 or predict < 0 or stride < 1:
             raise ValueError(f"need lookback >= 1, predict >= 0, stride >= 1; got {lookback}, {predict}, {stride}")
@@ -108,8 +113,16 @@ class WindowDataset(Dataset):
             raise ValueError("WindowDataset got no series")
         self.panel = panel
         self.names = [str(n) or f"series {i}" for i, n in enumerate(panel.names)]
-        lengths = panel.lengths().astype(np.int64)
-        self.row_offsets = np.asarray(panel.offsets[:-1], dtype=np.int64)  # first row of each series
+        if ranges is None:
+            lengths = panel.lengths().astype(np.int64)
+            self.row_offsets = np.asarray(panel.offsets[:-1], dtype=np.int64)  # first row of each series
+        else:
+            start, stop = (np.asarray(r, dtype=np.int64) for r in ranges)
+            offsets = np.asarray(panel.offsets, dtype=np.int64)
+            if start.shape != (panel.n_series,) or stop.shape != start.shape or (start < offsets[:-1]).any() \
+                    or (stop > offsets[1:]).any() or (stop < start).any():
+                raise ValueError("ranges must give, per series, a column range inside that series")
+            lengths, self.row_offsets = stop - start, start
         counts = np.where(lengths >= self.window, (lengths - self.window) // self.stride + 1, 0)
         self.windows_per_series = counts.astype(np.int64)
         self.cum_windows = np.cumsum(self.windows_per_series)  # cum_windows[s] = windows in series 0..s
@@ -161,9 +174,12 @@ class WindowDataset(Dataset):
         before = np.where(series > 0, self.cum_windows[np.maximum(series - 1, 0)], 0)
         return series, (idx - before) * self.stride
 
-    def _starts(self, indices: np.ndarray) -> np.ndarray:
-        series, start = self.locate(indices)
+    def starts(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Window indices (B,) -> the first panel column of each window, int64 (B,)."""
+        series, start = self.locate(np.asarray(indices, dtype=np.int64))
         return self.row_offsets[series] + start  # (B,) global first row of each window
+
+    _starts = starts
 
     def get_batch(self, indices: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Windows `indices` as one batch, vectorised: x (B, W, F) float32, x_stamp (B, W, 5) int64.
@@ -196,7 +212,7 @@ class EpochSampler(Sampler[int]):
     """Which windows this rank reads in an epoch: a pure function of (seed, epoch, rank), so runs are reproducible.
 
     Per epoch: (a) all windows are permuted with a generator seeded by (seed, epoch) (or kept in order when
-    `shuffle=False`); (b) when `max_samples` is set and smaller than the dataset, the first `max_samples` of that
+    `shuffle=False`; above `exact_limit` windows, 16.8M, by the blocked streaming order of epoch_order.py); (b) when `max_samples` is set and smaller than the dataset, the first `max_samples` of that
     permutation are used: a fresh seeded subset every epoch (Qlib's n_train_iter / n_val_iter); (c) the chosen
     windows are dealt round-robin to the ranks (`chosen[rank::world_size]`), so every chosen window is read exactly
     once across ranks (and across DataLoader workers, which split this rank's batches).
@@ -235,31 +251,32 @@ class EpochSampler(Sampler[int]):
         self.drop_remainder = drop_remainder
         self.epoch = 0
         self.skip = 0
+        self.exact_limit = EXACT_LIMIT
+        """Windows up to which the original full permutation is the order (see epoch_order.py)."""
+        self.block_size = BLOCK_SIZE
+        """Windows per block of the blocked order used above `exact_limit`."""
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         """Select the epoch (changes the order/subset) and how many of this rank's windows to skip (resume)."""
         self.epoch = int(epoch)
         self.skip = int(skip)
 
+    def order(self, epoch: int | None = None) -> EpochOrder:
+        """The epoch's order (finetune/utils/epoch_order.py: today's exact permutation up to `exact_limit`
+        windows, a blocked streaming order above)."""
+        return EpochOrder(self.num_samples, self.seed, self.epoch if epoch is None else epoch, shuffle=self.shuffle,
+                          max_samples=self.max_samples, world_size=self.world_size,
+                          drop_remainder=self.drop_remainder, exact_limit=self.exact_limit,
+                          block_size=self.block_size)
+
     def epoch_indices(self, epoch: int | None = None) -> np.ndarray:
-        """The windows chosen for `epoch` (all ranks), in the order they are dealt out."""
-        epoch = self.epoch if epoch is None else epoch
-        n = self.num_samples
-        m = n if self.max_samples is None else min(self.max_samples, n)
-        if self.shuffle or m < n:
-            rng = np.random.default_rng([self.seed, epoch])
-            chosen = rng.permutation(n)[:m]
-            if not self.shuffle:
-                chosen = np.sort(chosen)
-        else:
-            chosen = np.arange(n)
-        if self.drop_remainder:
-            chosen = chosen[: len(chosen) - len(chosen) % self.world_size]
-        return chosen
+        """The windows chosen for `epoch` (all ranks), in the order they are dealt out (materialised: for tests
+        and small data; iterating the sampler streams the order instead)."""
+        return _joined(self.order(epoch).chunks())
 
     def rank_indices(self, epoch: int | None = None) -> np.ndarray:
-        """This rank's windows for `epoch`, before skipping."""
-        return self.epoch_indices(epoch)[self.rank :: self.world_size]
+        """This rank's windows for `epoch`, before skipping (materialised, see `epoch_indices`)."""
+        return _joined(self.order(epoch).rank_chunks(self.rank))
 
     def samples_per_rank(self) -> int:
         """Windows this rank reads in a full epoch (equal on all ranks when drop_remainder=True)."""
@@ -269,10 +286,19 @@ class EpochSampler(Sampler[int]):
         return len(range(self.rank, m, self.world_size))
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.rank_indices()[self.skip :].tolist())
+        # Python ints a chunk at a time: a list of this rank's whole share would cost ~36 bytes a window
+        # (45M windows per rank: 1.6 GB), a chunk costs a few MB.
+        for chunk in self.order().rank_chunks(self.rank, self.skip):
+            for a in range(0, len(chunk), _ITER_CHUNK):
+                yield from chunk[a : a + _ITER_CHUNK].tolist()
 
     def __len__(self) -> int:
         return max(0, self.samples_per_rank() - self.skip)
+
+
+def _joined(chunks) -> np.ndarray:
+    parts = list(chunks)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def epoch_generator(seed: int, epoch: int, rank: int = 0) -> torch.Generator:

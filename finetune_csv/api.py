@@ -1,0 +1,168 @@
+"""Finetune Kronos from Python: the CSV pipeline's checks and engine as one call, for notebooks and scripts.
+
+    from finetune_csv import finetune
+    result = finetune(df, output_dir="outputs/my_run", lookback=256, predict=24, epochs=3)
+    result.predictor_dir          # best_model/ folder of the finetuned predictor (KronosPredictor-ready)
+    result.metrics["predictor"]   # {"best_val_loss": ..., "best_epoch": ..., "epochs": ..., "steps": ...}
+
+`data` is a DataFrame (one series), a dict {name: DataFrame} (one series each), or a path (a CSV/Parquet file or
+a folder, as `data.path`). DataFrames are written as Parquet files into `<output_dir>/input/` (a DatetimeIndex
+becomes the timestamps column) and then go through exactly what `finetune_csv/train_sequential.py` does:
+`run_finetune` (the data store with every check, the tokenizer stage, the predictor stage). Nothing here calls
+`sys.exit` or parses a command line; a user mistake raises a ValueError (ConfigError / StoreError / data error)
+whose message names the setting to change.
+
+Settings: `config` is a YAML file (or None for the defaults), `overrides` a dict of dotted keys
+({"training.epochs": 2, "data.timezone": "America/New_York"}), and `**settings` short names of any single field
+(`epochs=2`, `lookback=64`, `batch_size=16`), which must name exactly one field of the config's sections (a
+`training:` field wins over the per-stage sections, which inherit it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from finetune.utils.config_utils import ConfigError
+from finetune_csv import config as csv_config
+from finetune_csv.config import CsvFinetuneConfig
+from finetune_csv.train_sequential import run_finetune
+
+log = logging.getLogger("finetune_csv")
+
+__all__ = ["FinetuneResult", "finetune"]
+
+_SECTIONS = ("data", "model", "training", "tokenizer_training", "predictor_training", "paths")
+_INPUT_DIR = "input"  # where DataFrames are written inside the output folder
+
+
+@dataclass(frozen=True)
+class FinetuneResult:
+    """What a finetuning run produced."""
+
+    output_dir: Path
+    """The run's output folder (paths.base_dir)."""
+    tokenizer_dir: Path | None
+    """best_model/ of the tokenizer the predictor uses (finetuned, or None when a published one was used)."""
+    predictor_dir: Path | None
+    """best_model/ of the finetuned predictor (None when the predictor stage did not run)."""
+    metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per trained stage: best_val_loss, best_epoch (0-based), epochs (run), steps, history (one dict per epoch)."""
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Stages that did not train, and why."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """The data summary recorded in run_info.json (files with sha256, series, splits, store)."""
+    config: CsvFinetuneConfig | None = None
+    """The resolved configuration that ran."""
+
+
+def finetune(data: pd.DataFrame | Mapping[str, pd.DataFrame] | str | Path, *, config: str | Path | None = None,
+             overrides: Mapping[str, Any] | None = None, output_dir: str | Path | None = None,
+             **settings: Any) -> FinetuneResult:
+    """Finetune the tokenizer and the predictor on `data`; the same checks and engine as the CLI.
+
+    Parameters
+    ----------
+    data: a DataFrame of one series (columns timestamps, open, high, low, close[, volume, amount] as mapped by
+        data.columns; or a DatetimeIndex), a dict {series name: DataFrame}, or a path for `data.path`.
+    config: YAML file to start from (None = the defaults of CsvFinetuneConfig: the published Kronos-small pair).
+    overrides: {dotted key: value}, applied after the YAML.
+    output_dir: the run's output folder (paths.base_dir); None = the config's.
+    settings: short field names (e.g. epochs=2, lookback=64), each naming exactly one field of data / model /
+        training / tokenizer_training / predictor_training / paths.
+
+    Returns
+    -------
+    FinetuneResult with the best_model folders and the stages' metrics.
+    """
+    dotted = dict(overrides or {})
+    for name, value in settings.items():
+        dotted[_resolve_short_name(name)] = value
+    if output_dir is not None:
+        dotted["paths.base_dir"] = str(output_dir)
+    from_path = isinstance(data, (str, Path))
+    # DataFrames: a placeholder path passes validation; the real folder is written once the settings are valid.
+    dotted["data.path"] = str(data) if from_path else "<DataFrames>"
+    cfg = csv_config.load(config, [_override_text(k, v) for k, v in dotted.items()])
+    created = [] if from_path else [p for p in [cfg.base_dir / _INPUT_DIR, cfg.base_dir, *cfg.base_dir.parents]
+                                    if not p.exists()]
+    if not from_path:
+        cfg.data.path = str(_write_frames(data, cfg))
+    try:
+        results, plan, data_info = run_finetune(cfg)
+    except BaseException:
+        _remove_if_ours(created)
+        raise
+    return _result(cfg, results, plan, data_info)
+
+
+def _remove_if_ours(created: list[Path]) -> None:
+    """After a failed run: remove the input folder this call wrote and the (then empty) folders it created."""
+    if not created:
+        return
+    shutil.rmtree(created[0], ignore_errors=True)
+    for p in [created[0].parent, *created[0].parent.parents]:
+        if p in created and p.is_dir() and not any(p.iterdir()):
+            p.rmdir()
+
+
+def _resolve_short_name(name: str) -> str:
+    """'epochs' -> 'training.epochs'; a name in several sections or none is a ConfigError."""
+    if "." in name or "__" in name:
+        return name.replace("__", ".")
+    owners = [s for s in _SECTIONS if name in {f.name for f in dataclasses.fields(
+        type(getattr(CsvFinetuneConfig(), s)))}]
+    if "training" in owners:  # the stage sections inherit from training: (their null = training's value)
+        owners = [s for s in owners if not s.endswith("_training")]
+    if len(owners) == 1:
+        return f"{owners[0]}.{name}"
+    where = f"it is a field of {', '.join(owners)}" if owners else "no config section has it"
+    raise ConfigError([f"finetune(..., {name}=...): {where}; pass overrides={{'<section>.{name}': ...}}"])
+
+
+def _override_text(key: str, value: Any) -> str:
+    """A `--set` string for `key`: text as it is (str fields take the raw text), anything else as JSON (= YAML)."""
+    if isinstance(value, str):
+        return f"{key}={value}"
+    if isinstance(value, Path):
+        return f"{key}={value}"
+    return f"{key}={json.dumps(value)}"
+
+
+def _write_frames(data: pd.DataFrame | Mapping[str, pd.DataFrame], cfg: CsvFinetuneConfig) -> Path:
+    """DataFrames -> one Parquet file per series in <output_dir>/input/ (replacing that folder's Parquet files)."""
+    frames = {"series": data} if isinstance(data, pd.DataFrame) else dict(data)
+    if not frames or not all(isinstance(f, pd.DataFrame) for f in frames.values()):
+        raise ConfigError(["finetune(data=...): give a DataFrame, a dict {name: DataFrame} or a path"])
+    folder = cfg.base_dir / _INPUT_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("*.parquet"):
+        old.unlink()
+    ts_col = cfg.data.columns.timestamps
+    for name, frame in frames.items():
+        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(name)) or "series"
+        if ts_col not in frame.columns and isinstance(frame.index, pd.DatetimeIndex):
+            frame = frame.rename_axis(ts_col).reset_index()
+        frame.to_parquet(folder / f"{safe}.parquet", index=False)
+    return folder
+
+
+def _result(cfg: CsvFinetuneConfig, results: list, plan: dict[str, str | None], data_info: dict) -> FinetuneResult:
+    from finetune_csv.model_dirs import best_dir
+
+    metrics = {r.stage: {"best_val_loss": r.best_val_loss, "best_epoch": r.best_epoch, "epochs": len(r.history),
+                         "steps": r.global_step, "history": r.history} for r in results}
+    tok = best_dir(cfg.tokenizer_dir)
+    pred = best_dir(cfg.predictor_dir)
+    return FinetuneResult(output_dir=cfg.base_dir, tokenizer_dir=tok if (tok / "config.json").is_file() else None,
+                          predictor_dir=pred if (pred / "config.json").is_file() else None, metrics=metrics,
+                          skipped={k: v for k, v in plan.items() if v is not None}, data=data_info, config=cfg)
