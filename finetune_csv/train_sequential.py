@@ -21,13 +21,10 @@ import logging
 import sys
 
 from finetune.utils.config_utils import add_config_args, config_to_dict
-from finetune.utils.distributed import (
-    DistInfo,
-    barrier,
-    distributed_context,
-    seed_everything,
-)
+from finetune.utils.data_store import list_sources
+from finetune.utils.distributed import DistInfo, barrier, distributed_context
 from finetune.utils.factory import build_predictor, build_tokenizer
+from finetune.utils.seeding import seeded_init
 from finetune.utils.training_utils import TrainResult, train_predictor, train_tokenizer
 from finetune_csv import config as csv_config
 from finetune_csv.config import CsvFinetuneConfig
@@ -97,11 +94,13 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
     run_config = config_to_dict(cfg)
     results: list[TrainResult] = []
     with distributed_context(cfg.training.dist_timeout_s) as dist:
-        seed_everything(cfg.training.seed, dist.rank)  # before building: from-scratch init (DDP syncs rank 0's)
-        # Models first (cheap to check, and a mistake then leaves no data store behind).
+        list_sources(cfg.data.path)  # a missing or wrong data path is named before any model is loaded
+        # Models next (cheap to check, and a mistake then leaves no data store behind). A from-scratch model starts
+        # from the same weights on every run (seeded_init); the engine seeds the training streams itself.
         m = cfg.model
         if plan["tokenizer"] is None:
-            tokenizer = build_tokenizer(m.pretrained_tokenizer, m.tokenizer_arch, "model")
+            with seeded_init(cfg.training.seed):
+                tokenizer = build_tokenizer(m.pretrained_tokenizer, m.tokenizer_arch, "model")
             if plan["predictor"] is None:  # check the pair up front, not after an hour of tokenizer training
                 build_predictor(m.pretrained_predictor, m.predictor_arch, tokenizer, "model")
         elif plan["predictor"] is None:
@@ -119,7 +118,8 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
         if plan["predictor"] is None:
             # The best tokenizer epoch on disk (not the last one in memory): what the predictor will forecast with.
             tokenizer = KronosTokenizer.from_pretrained(predictor_tokenizer_source(cfg))
-            predictor = build_predictor(m.pretrained_predictor, m.predictor_arch, tokenizer, "model")
+            with seeded_init(cfg.training.seed):
+                predictor = build_predictor(m.pretrained_predictor, m.predictor_arch, tokenizer, "model")
             results.append(train_predictor(predictor, tokenizer, train_set, val_set, cfg.stage_training("predictor"),
                                            cfg.predictor_dir, dist, run_config=run_config, data_info=data_info))
         if dist.is_main:
