@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from finetune.utils.checkpoint import load_checkpoint
-from finetune.utils.config_utils import ConfigError
 from finetune.utils.distributed import DistInfo
 from finetune.utils.metrics import read_metrics
 from finetune.utils.training_utils import (

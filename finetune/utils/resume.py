@@ -86,9 +86,9 @@ def check_data(saved: dict, data_info: dict[str, Any] | None, frozen_fp: str | N
     if old_frozen is not None and old_frozen != frozen_fp:
         changes.append(f"the frozen tokenizer's weights changed (sha256 {old_frozen[:12]} -> {str(frozen_fp)[:12]})")
     if changes and not accept:
-        raise ConfigError(f"Cannot resume from {path}:\n  " + "\n  ".join(changes)
-                          + "\n  training.accept_changed_data: set it to true to resume anyway (recorded in "
-                            "run_info.json), or training.overwrite=true to start over")
+        raise ConfigError([f"training.accept_changed_data: {c}; set it to true to resume anyway (recorded in "
+                           "run_info.json), or training.overwrite=true to start over" for c in changes],
+                          title=f"Cannot resume from {path}")
     return changes
 
 

@@ -40,18 +40,22 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from . import checkpoint_store
-from .checkpoint import CHECKPOINT_FORMAT, last_checkpoint_path, rng_state, set_rng_state
+from .checkpoint import (
+    CHECKPOINT_FORMAT,
+    last_checkpoint_path,
+    rng_state,
+    set_rng_state,
+)
 from .config_utils import Problems, config_to_dict
 from .distributed import DistInfo, all_gather_object, barrier, no_sync, wrap_model
 from .faults import maybe_die_after_step
 from .guard import NonFiniteGuard, assert_finite_state_dict
 from .interrupts import GracefulStop, TrainingStopped, ignore_interrupts_in_worker
-from .resume import check_data, load_for_resume, on_main, restore_optimizer, rng_fork
-from .run_lock import RunLock
-from .stage_folder import RunPlan, data_fingerprint, plan_run, remove_outputs
 from .loss_sums import LossSums
 from .metrics import MetricsLogger, plot_loss_curves, read_metrics
 from .provenance import write_run_info
+from .resume import check_data, load_for_resume, on_main, restore_optimizer, rng_fork
+from .run_lock import RunLock
 from .run_state import LoopState, TrainResult
 from .schedule import (
     micro_batch_sizes,
@@ -62,6 +66,7 @@ from .schedule import (
     update_early_stopping,
 )
 from .seeding import seed_everything
+from .stage_folder import RunPlan, data_fingerprint, plan_run, remove_outputs
 from .stages import Stage
 from .training_config import (
     TrainingConfig,
@@ -196,6 +201,7 @@ class Trainer:
             self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
             fused=self.device.type == "cuda",
         )
+        self.optimizer.zero_grad(set_to_none=True)  # a model reused after a failed run may hold (NaN) gradients
         # cycle_momentum=False: OneCycleLR would otherwise overwrite AdamW's beta1 (0.85..0.95), ignoring cfg.betas.
         self.scheduler = torch.optim.lr_scheduler.OneCycleLR(
             self.optimizer, max_lr=cfg.lr, total_steps=self.steps_per_epoch * cfg.epochs, pct_start=cfg.pct_start,
