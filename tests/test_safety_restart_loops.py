@@ -31,13 +31,41 @@ STEPS = 20
 
 
 def command(out: Path, nproc: int) -> list[str]:
+    """The run's command; under torchrun each rank takes 1 window per step (the same 20 steps)."""
     launcher = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return [*launcher, str(WORKER), ARGS[0], str(out), *ARGS[1:]]
+    per_rank = [] if nproc == 1 else ["--set", "batch_size=1"]
+    return [*launcher, str(WORKER), ARGS[0], str(out), *ARGS[1:], *per_rank]
 
 
 def env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DIST_BACKEND": "gloo"}
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and all its descendants (torchrun starts its workers in their own sessions: killpg misses them)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    return tree
+
+
+def signal_tree(pid: int, sig: int) -> None:
+    """Send `sig` to `pid` and every descendant at once, as a scheduler ending a job does."""
+    for p in process_tree(pid):
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
 
 
 def newest_step(out: Path) -> int:
@@ -57,12 +85,10 @@ def interrupt_loop(out: Path, nproc: int, sig: int, times: int, rng: random.Rand
         while newest_step(out) <= before and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         if proc.poll() is not None:  # finished before we could interrupt it: nothing left to test
+            assert proc.returncode == 0, proc.stderr.read()[-3000:]
             break
         time.sleep(rng.uniform(0.0, 0.08))
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
+        signal_tree(proc.pid, sig)
         stdout, stderr = proc.communicate(timeout=120)
         interrupted.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
     final = subprocess.run(command(out, nproc), capture_output=True, text=True, env=env(), timeout=300)

@@ -332,7 +332,7 @@ def load_latest(folder: str | Path, *, map_location: Any = "cpu", validate: Call
     if not candidates:
         return None
     raise CheckpointError("no usable checkpoint in " + str(folder) + ":\n  " + "\n  ".join(failures)
-                          + "\n  Remove these files to start over, or set training.resume=never")
+                          + "\n  Remove these files, or set training.overwrite=true to start over")
 
 
 def _is_model_tmp_dir(p: Path) -> bool:
