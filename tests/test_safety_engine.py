@@ -321,3 +321,12 @@ def test_epoch_zero_is_validated_and_a_metric_can_keep_the_starting_model(tmp_pa
     assert not equal(weights(tok), start)
     vals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["metric_score"] for r in vals if r["kind"] == "val"] == [1.0, 2.0, 3.0]
+
+
+def test_finished_run_with_other_schedule_settings_is_not_skipped_silently(tmp_path):
+    train_set, val_set = tiny_datasets()
+    train_tokenizer(tiny_tokenizer(), train_set, val_set, replace(CFG, epochs=1), tmp_path, CPU)
+    with pytest.raises(ConfigError) as err:
+        train_tokenizer(tiny_tokenizer(), train_set, val_set, CFG, tmp_path, CPU)
+    assert "training.epochs: the checkpoint was made with 1, the config now says 2" in str(err.value)
+    assert "training.overwrite: set it to true" in str(err.value)

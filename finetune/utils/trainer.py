@@ -283,8 +283,13 @@ class Trainer:
         if found is None:
             raise ValueError(f"{self.out}: run_info.json says finished but no checkpoint is left")
         self.resume_path, saved = found
+        # A finished run made with other epochs / batch / model settings is not "this" run: say so, not skip.
+        check_resume_compatible(saved, self.cfg, self.dist.world_size, self.stage.name, self.model_args(),
+                                self.resume_path)
         self.model.load_state_dict(saved["model"])
-        self.state = LoopState(**saved["loop"])
+        loop = dict(saved["loop"])
+        loop.setdefault("best_score", loop.get("best_val_loss", math.inf))
+        self.state = LoopState(**loop)
         plot = self.out / "loss_curve.png"
         return self.result(plot if plot.exists() else None, skipped=True)
 
