@@ -23,7 +23,11 @@ import torch
 from finetune.utils.config_utils import load_config
 from finetune.utils.distributed import distributed_context, seed_everything
 from finetune.utils.interrupts import TrainingStopped
-from finetune.utils.training_utils import TrainingConfig, train_predictor, train_tokenizer
+from finetune.utils.training_utils import (
+    TrainingConfig,
+    train_predictor,
+    train_tokenizer,
+)
 from finetune.utils.window_dataset import SeriesArrays, WindowDataset
 from model import Kronos, KronosTokenizer
 

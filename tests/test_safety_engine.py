@@ -330,3 +330,25 @@ def test_finished_run_with_other_schedule_settings_is_not_skipped_silently(tmp_p
         train_tokenizer(tiny_tokenizer(), train_set, val_set, CFG, tmp_path, CPU)
     assert "training.epochs: the checkpoint was made with 1, the config now says 2" in str(err.value)
     assert "training.overwrite: set it to true" in str(err.value)
+
+
+class HandlerProbe:
+    """A batch dataset that reports, from inside the loader worker, what SIGINT does there."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, indices):
+        return torch.tensor([int(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)])
+
+    get_batch = __getitem__
+
+
+def test_loader_workers_ignore_sigint_and_keep_their_seeding():
+    from finetune.utils.trainer import quiet_loader
+    from finetune.utils.window_dataset import EpochSampler, make_loader
+
+    loader = quiet_loader(make_loader(HandlerProbe(), EpochSampler(4, shuffle=False, seed=0), 2, epoch=0, seed=0,
+                                      num_workers=1))
+    assert [int(b) for b in loader] == [1, 1]  # Ctrl-C reaches the training process only (graceful stop)
+    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # the main process is untouched

@@ -60,6 +60,7 @@ from torch.utils.data import Dataset
 
 from .distributed import DistInfo
 from .faults import FAULT_ENV
+from .run_state import TrainResult
 from .schedule import (
     EarlyStopping,
     micro_batch_sizes,
@@ -68,6 +69,7 @@ from .schedule import (
     should_save_checkpoint,
     update_early_stopping,
 )
+from .stage_folder import stage_status
 from .stages import (
     PREDICTOR_CLIP,
     TOKENIZER_CLIP,
@@ -76,8 +78,6 @@ from .stages import (
     predictor_loss,
     tokenizer_loss,
 )
-from .run_state import TrainResult
-from .stage_folder import stage_status
 from .trainer import Trainer, ValMetric, evaluate, val_sampler
 from .training_config import TrainingConfig, validate_training_config
 
