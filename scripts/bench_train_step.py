@@ -11,6 +11,15 @@ metrics.jsonl, so it includes everything a real step costs: reading and normalis
 timed steps (as timeit does: on a shared machine the minimum is the least disturbed measurement); the median is
 printed too.
 On CUDA the engine also runs with amp=bf16. Models are randomly initialised (no download).
+
+    python scripts/bench_train_step.py --safety        # run-safety overheads, demo and Kronos-small scale
+
+`--safety` times, in the same process and on the same model, a plain predictor step and the run-safety work the
+engine adds: the per-step non-finite guard (`NonFiniteGuard.check`: loss + grad-norm flags, one host sync; plus
+`get_total_norm` when clipping is off) and one rotating checkpoint save (`checkpoint_store.save`: the finite
+check of every tensor, torch.save + fsync of model + AdamW state, hard-linking last.pt, deleting the oldest). Both
+are reported as a share of the step time (same-run ratio); the save also as the share at `save_every_steps`
+intervals, since it is paid once per save, not per step.
 """
 
 from __future__ import annotations
@@ -72,6 +81,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20 if cuda else 5, help="timed steps")
     p.add_argument("--warmup", type=int, default=5 if cuda else 3, help="untimed steps first")
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    p.add_argument("--safety", action="store_true", help="time the run-safety overheads instead (see above)")
     return p.parse_args()
 
 
@@ -147,8 +157,82 @@ def engine_step_ms(name: str, args: argparse.Namespace, device: torch.device, am
     return 1000 * min(times), 1000 * statistics.median(times)
 
 
+DEMO_TOKENIZER = dict(d_in=6, d_model=32, n_heads=2, ff_dim=64, n_enc_layers=2, n_dec_layers=2, ffn_dropout_p=0.0,
+                      attn_dropout_p=0.0, resid_dropout_p=0.0, s1_bits=6, s2_bits=6, beta=0.05, gamma0=1.0,
+                      gamma=1.1, zeta=0.05, group_size=4)  # configs/csv_demo.yaml
+DEMO_PREDICTOR = dict(s1_bits=6, s2_bits=6, n_layers=2, d_model=64, n_heads=4, ff_dim=128, ffn_dropout_p=0.0,
+                      attn_dropout_p=0.0, resid_dropout_p=0.0, token_dropout_p=0.0, learn_te=True)
+SAFETY_SCALES = {  # name: (tokenizer args, predictor args, batch, seq)
+    "demo": (DEMO_TOKENIZER, DEMO_PREDICTOR, 32, 80),  # the demo's batch 32 x (lookback 64 + predict 16)
+    "kronos-small": (TOKENIZER_BASE, PREDICTORS["kronos-small"], 2, 128),
+}
+
+
+def safety_overhead(scale: str, steps: int, warmup: int) -> dict[str, float]:
+    """ms of a predictor step, of the guard check and of one checkpoint save, measured in one process."""
+    from finetune.utils import checkpoint_store
+    from finetune.utils.guard import NonFiniteGuard
+
+    tok_args, pred_args, batch, seq = SAFETY_SCALES[scale]
+    torch.manual_seed(0)
+    tok = KronosTokenizer(**tok_args).eval().requires_grad_(False)
+    model = Kronos(**pred_args).train()
+    x, stamp = make_dataset(batch, seq).get_batch(list(range(batch)))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1)
+    guard = NonFiniteGuard(amp=False)
+    step_t, guard_t, norm_t = [], [], []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        loss = predictor_loss(model, tok, x, stamp)[0]
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, PREDICTOR_CLIP)
+        opt.step()
+        t1 = time.perf_counter()
+        guard.check(i + 1, loss.detach(), norm)
+        t2 = time.perf_counter()
+        torch.nn.utils.get_total_norm([p.grad for p in params])
+        t3 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        if i >= warmup:
+            step_t.append(t1 - t0)
+            guard_t.append(t2 - t1)
+            norm_t.append(t3 - t2)
+    state = {"format": "bench", "model": model.state_dict(), "optimizer": opt.state_dict(), "loop": {"step": 1}}
+    save_t = []
+    with tempfile.TemporaryDirectory() as folder:
+        for i in range(4):
+            t0 = time.perf_counter()
+            checkpoint_store.save(state, folder, i + 1, keep=2)
+            save_t.append(time.perf_counter() - t0)
+        size = (Path(folder) / "last.pt").stat().st_size
+    return {"step_ms": 1000 * statistics.median(step_t), "guard_ms": 1000 * statistics.median(guard_t),
+            "norm_ms": 1000 * statistics.median(norm_t), "save_ms": 1000 * statistics.median(save_t[1:]),
+            "ckpt_mb": size / 2**20, "batch": batch, "seq": seq}
+
+
+def safety_main(args: argparse.Namespace) -> None:
+    print(f"run-safety overhead, CPU ({torch.get_num_threads()} threads), torch {torch.__version__}, medians of "
+          f"{args.steps} steps after {args.warmup} warmup; predictor step incl. the frozen tokenizer's encode")
+    print(f"{'scale':<14}{'batch x seq':>12}{'step ms':>10}{'guard ms':>10}{'guard %':>9}{'+norm %':>9}"
+          f"{'save ms':>10}{'ckpt MiB':>10}{'save/step':>11}{'% @ every 100':>15}")
+    rows = []
+    for scale in SAFETY_SCALES:
+        r = safety_overhead(scale, args.steps, args.warmup)
+        rows.append({"scale": scale, **r})
+        print(f"{scale:<14}{r['batch']:>5} x {r['seq']:<4}{r['step_ms']:10.2f}{r['guard_ms']:10.3f}"
+              f"{100 * r['guard_ms'] / r['step_ms']:9.2f}{100 * r['norm_ms'] / r['step_ms']:9.2f}"
+              f"{r['save_ms']:10.1f}{r['ckpt_mb']:10.1f}{r['save_ms'] / r['step_ms']:11.2f}"
+              f"{r['save_ms'] / (100 * r['step_ms']) * 100:15.2f}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
 def main() -> None:
     args = parse_args()
+    if args.safety:
+        safety_main(args)
+        return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_float32_matmul_precision("high")
     rows = []

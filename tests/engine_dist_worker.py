@@ -4,7 +4,9 @@
 
 trains a width-16 tokenizer (stage=tokenizer) or predictor (stage=predictor) on a deterministic random-walk data set
 with the shared engine, then writes <out_dir>/final_state.pt (the trained weights) and <out_dir>/result.json on
-rank 0. The fault-injection variables of finetune.utils.training_utils (KRONOS_FAULT_*) make it die mid-run.
+rank 0. The fault-injection variables of finetune.utils.training_utils (KRONOS_FAULT_*) make it die mid-run;
+`--batch-seconds S` makes every batch fetch take S seconds (time for a test to kill it mid-run). A run stopped by
+SIGTERM/SIGINT prints the one-line message and exits with 75, as the entry points do.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import functools
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +23,12 @@ import torch
 
 from finetune.utils.config_utils import load_config
 from finetune.utils.distributed import distributed_context, seed_everything
-from finetune.utils.training_utils import TrainingConfig, train_predictor, train_tokenizer
+from finetune.utils.interrupts import TrainingStopped
+from finetune.utils.training_utils import (
+    TrainingConfig,
+    train_predictor,
+    train_tokenizer,
+)
 from finetune.utils.window_dataset import SeriesArrays, WindowDataset
 try:  # imported by the tests as tests.engine_dist_worker, or run as a script (tests/ is then on sys.path)
     from tests import model_factory
@@ -61,12 +69,38 @@ def tiny_datasets(n_train_rows: int = 40, n_val_rows: int = 14) -> tuple[WindowD
     return train, val
 
 
+class SlowBatches:
+    """A WindowDataset whose batch fetches take `seconds` longer (the windows are unchanged)."""
+
+    def __init__(self, inner: WindowDataset, seconds: float):
+        self.inner, self.seconds = inner, seconds
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, indices):
+        return self.get_batch(indices)
+
+    def get_batch(self, indices):
+        time.sleep(self.seconds)
+        return self.inner.get_batch(indices)
+
+
 def main(argv: list[str]) -> int:
+    try:
+        return run(argv)
+    except TrainingStopped as e:
+        print(e, file=sys.stderr)
+        return e.exit_code
+
+
+def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("stage", choices=["tokenizer", "predictor", "both"])
     parser.add_argument("out_dir")
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--gamma", type=float, default=1.1, help="tokenizer codebook-entropy weight")
+    parser.add_argument("--batch-seconds", type=float, default=0.0)
     parser.add_argument("--set", action="append", default=[])
     args = parser.parse_args(argv)
     defaults = ["epochs=2", "batch_size=4", "lr=1e-3", "num_workers=0", "log_every_steps=1", "progress_bar=false"]
@@ -75,6 +109,8 @@ def main(argv: list[str]) -> int:
     with distributed_context(timeout_s=60) as dist:
         seed_everything(cfg.seed, dist.rank)
         train_set, val_set = tiny_datasets()
+        if args.batch_seconds > 0:
+            train_set = SlowBatches(train_set, args.batch_seconds)
         tokenizer = tiny_tokenizer(dropout=args.dropout, gamma=args.gamma)
         if args.stage in ("tokenizer", "both"):
             out = Path(args.out_dir) / "tokenizer" if args.stage == "both" else Path(args.out_dir)

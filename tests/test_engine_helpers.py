@@ -143,4 +143,6 @@ def test_engine_progress_lines_go_through_logging(tmp_path, caplog):
                 CPU).fit()
     messages = [r.getMessage() for r in caplog.records if r.name == "finetune.utils.trainer"]
     assert any(m.startswith("[tokenizer] epoch 1/1  train ") for m in messages)
-    assert any(m.startswith("[tokenizer] resuming from ") for m in messages)
+    assert any(m.startswith("[tokenizer] starting model  val ") for m in messages)
+    assert any(m.endswith("already holds a finished run; skipping it (set training.overwrite=true to train it "
+                          "again)") for m in messages)

@@ -105,7 +105,7 @@ def test_unsafe_pickle_is_refused_without_advising_an_unsafe_load(tmp_path):
         load_latest(tmp_path, log=lambda _: None)
     msg = str(info.value)
     assert f"{tmp_path / LAST_NAME}: holds Python objects other than tensors" in msg
-    assert "weights_only=False" not in msg and "training.resume=never" in msg
+    assert "weights_only=False" not in msg and "training.overwrite=true" in msg
 
 
 def test_all_broken_raises_listing_every_file_and_validate_is_applied(tmp_path):

@@ -86,6 +86,23 @@ def test_second_sigint_exits_immediately_with_one_line(tmp_path):
     assert not (tmp_path / "saved.txt").exists()
 
 
+@pytest.mark.parametrize("second", ["sigterm", "forwarded"])
+def test_repeated_sigterm_or_a_forwarded_copy_keeps_stopping_gracefully(tmp_path, second):
+    # torchrun's agent forwards the signal the workers already got; a scheduler repeats SIGTERM: neither may turn a
+    # graceful stop into a quit without saving.
+    proc = start_loop(tmp_path, save_seconds=1.0)
+    first = signal.SIGTERM if second == "sigterm" else signal.SIGINT
+    proc.send_signal(first)
+    if second == "sigterm":
+        assert proc.stderr.readline().startswith("received SIGTERM: finishing")
+        time.sleep(0.6)
+    proc.send_signal(first)  # "forwarded": within FORWARD_GRACE_S of the first
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == STOPPED_EXIT_CODE, err
+    assert (tmp_path / "saved.txt").read_text() == "1"
+    assert "quitting now" not in err
+
+
 def test_handlers_are_restored_and_flag_is_per_context():
     before_int, before_term = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     assert not stop_requested()

@@ -50,6 +50,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointWriteError",
     "estimate_bytes",
+    "is_space_error",
+    "space_error",
     "list_checkpoints",
     "load_latest",
     "prepare_folder",
@@ -330,7 +332,7 @@ def load_latest(folder: str | Path, *, map_location: Any = "cpu", validate: Call
     if not candidates:
         return None
     raise CheckpointError("no usable checkpoint in " + str(folder) + ":\n  " + "\n  ".join(failures)
-                          + "\n  Remove these files to start over, or set training.resume=never")
+                          + "\n  Remove these files, or set training.overwrite=true to start over")
 
 
 def _is_model_tmp_dir(p: Path) -> bool:
@@ -365,6 +367,16 @@ def remove_orphans(folder: str | Path, log: Callable[[str], None] | None = None)
         (log or _log.warning)(f"{folder}: removed {len(removed)} leftover(s) of interrupted writes: "
                               + ", ".join(p.name for p in removed))
     return removed
+
+
+def is_space_error(e: BaseException) -> bool:
+    """True when `e` (or what it wraps) is a disk-full / file-too-large / quota error."""
+    return _is_space_error(e)
+
+
+def space_error(path: str | Path, needed: int, cause: BaseException | None = None) -> CheckpointWriteError:
+    """The `CheckpointWriteError` for a failed write of about `needed` bytes to `path` (names free space)."""
+    return _space_error(Path(path), needed, cause)
 
 
 def prepare_folder(folder: str | Path, log: Callable[[str], None] | None = None) -> list[Path]:

@@ -33,6 +33,7 @@ __all__ = [
     "StepStats",
     "assert_finite_state_dict",
     "check_finite",
+    "check_step",
     "diagnose",
 ]
 
@@ -92,14 +93,25 @@ def check_finite(loss: torch.Tensor | float, grad_norm: torch.Tensor | float | N
     -------
     False on all ranks as soon as one rank saw NaN/inf.
     """
+    return check_step(loss, grad_norm, dist)[0]
+
+
+def check_step(loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None, dist: Any = None,
+               stop: bool = False) -> tuple[bool, bool]:
+    """`check_finite` plus a stop request agreed in the same all-reduce: (all finite, any rank asked to stop).
+
+    One collective per optimizer step carries both flags, so the stop check of `interrupts` costs nothing extra.
+    """
     import torch.distributed as tdist
 
     bad = _all_finite_flag([loss, grad_norm])
+    flags = torch.stack([bad, torch.tensor(1 if stop else 0, dtype=torch.int32, device=bad.device)])  # (2,)
     if tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
         device = getattr(dist, "device", None) or bad.device
-        bad = bad.to(device).reshape(1)  # (1,)
-        tdist.all_reduce(bad, op=tdist.ReduceOp.MAX)
-    return not bool(bad.item())
+        flags = flags.to(device)
+        tdist.all_reduce(flags, op=tdist.ReduceOp.MAX)
+    bad_any, stop_any = flags.tolist()
+    return not bad_any, bool(stop_any)
 
 
 def _fmt(x: float | None) -> str:
@@ -182,15 +194,17 @@ class NonFiniteGuard:
         self.history: deque[StepStats] = deque(maxlen=window)
         self.keys = keys
 
-    def check(self, step: int, loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None) -> None:
+    def check(self, step: int, loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None,
+              stop: bool = False) -> bool:
         """Call once per optimizer step before `optimizer.step()`; raises `DivergenceError` on every rank if any
-        rank's loss or gradient norm is non-finite."""
-        finite = check_finite(loss, grad_norm, self.dist)
+        rank's loss or gradient norm is non-finite. `stop`: this rank's stop request (interrupts.stop_requested());
+        returns whether any rank asked to stop (agreed in the same all-reduce)."""
+        finite, stop_any = check_step(loss, grad_norm, self.dist, stop)
         loss_f = float(loss)
         norm_f = None if grad_norm is None else float(grad_norm)
         if finite:
             self.history.append(StepStats(step, loss_f, norm_f))
-            return
+            return stop_any
         text = diagnose(self.history, self.amp, step, loss_f, norm_f, data_extremes=self.data_extremes, **self.keys)
         here_finite = math.isfinite(loss_f) and (norm_f is None or math.isfinite(norm_f))
         local = " on another rank" if here_finite else ""

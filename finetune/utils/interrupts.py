@@ -7,7 +7,9 @@ The rule:
   `TrainingStopped`. The entry point catches it, prints its one-line message and exits with `STOPPED_EXIT_CODE`
   (75, EX_TEMPFAIL from sysexits.h: "temporary failure, retry later" - rerun with resume to continue).
 - A second signal while the first is being handled exits immediately via `os._exit(128 + signum)` (130 for
-  Ctrl-C) after one line: no traceback, no save. Temporary files such a hard exit leaves are removed the next time
+  Ctrl-C) after one line: no traceback, no save. Except: a repeated SIGTERM, or any second signal within
+  `FORWARD_GRACE_S` of the first, is the same request delivered twice - torchrun's agent forwards the SIGTERM/SIGINT
+  it got to workers that already got it from the terminal or the scheduler (which escalates with SIGKILL anyway). Temporary files such a hard exit leaves are removed the next time
   the folder is opened (`checkpoint_store.remove_orphans`); the run lock is released by the kernel.
 - Leaving the `GracefulStop` context restores the previous handlers, so the rest of the program (and tests) keep
   the usual Ctrl-C behaviour.
@@ -33,6 +35,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -40,6 +43,7 @@ from typing import Any
 
 
 __all__ = [
+    "FORWARD_GRACE_S",
     "STOPPED_EXIT_CODE",
     "GracefulStop",
     "TrainingStopped",
@@ -47,6 +51,10 @@ __all__ = [
     "ignore_interrupts_in_worker",
     "stop_requested",
 ]
+
+FORWARD_GRACE_S = 0.3
+"""A second signal this soon after the first counts as the same request forwarded by a launcher, not a user's
+second Ctrl-C."""
 
 STOPPED_EXIT_CODE = 75
 """Exit status of a run that stopped on a signal after saving (EX_TEMPFAIL: resume it later)."""
@@ -91,6 +99,7 @@ class GracefulStop:
         self.signal_name: str | None = None
         """Name of the first signal received ('SIGTERM' / 'SIGINT'), None while none arrived."""
         self._previous: dict[int, Any] = {}
+        self._first_at = 0.0  # time.monotonic() of the first signal
 
     @property
     def requested(self) -> bool:
@@ -101,9 +110,12 @@ class GracefulStop:
         name = signal.Signals(signum).name
         if self.signal_name is None:
             self.signal_name = name
+            self._first_at = time.monotonic()
             _write_line(f"received {name}: finishing the current step, saving a checkpoint and stopping "
                         "(send it again to quit at once without saving)")
             return
+        if signum == signal.SIGTERM or time.monotonic() - self._first_at < FORWARD_GRACE_S:
+            return  # the same stop request again (a launcher forwarding it): keep stopping gracefully
         _write_line(f"received {name} again: quitting now without saving")
         os._exit(128 + signum)
 

@@ -17,9 +17,9 @@ class TrainResult:
     stage: str
     """'tokenizer' or 'predictor'."""
     best_val_loss: float
-    """Lowest validation loss (sample-weighted over all validation windows); inf if none was finite."""
+    """Validation loss (sample-weighted over all validation windows) of the best epoch; inf if none was finite."""
     best_epoch: int | None
-    """Epoch (0-based) of the best validation loss."""
+    """Epoch of best_model/: 0 = the starting model (validated before the first step), 1.. = trained epochs."""
     output_dir: Path
     """The run's output folder."""
     best_model_dir: Path
@@ -33,13 +33,18 @@ class TrainResult:
     run_info_path: Path
     """run_info.json."""
     history: list[dict[str, Any]] = field(default_factory=list)
-    """One dict per finished epoch: epoch, step, train_loss, val_loss, lr, seconds."""
+    """One dict per validation: epoch (0 = the starting model, train_loss None), step, train_loss, val_loss,
+    val_<part>, metric_<name> (with a val_metric), score, lr, seconds."""
     global_step: int = 0
     """Optimizer steps done."""
     stopped_early: bool = False
     """True when patience ran out before the last epoch."""
     resumed_from: Path | None = None
-    """Checkpoint this run continued from, if any."""
+    """Checkpoint this run continued from (or read back, when skipped), if any."""
+    best_score: float = math.inf
+    """The best value of what training.select_by chose (val_loss, or the forecast metric's score)."""
+    skipped: bool = False
+    """The folder held a finished run: nothing was trained, the result was read from its final checkpoint."""
 
 
 @dataclass
@@ -57,9 +62,11 @@ class LoopState:
     global_step: int = 0
     """Optimizer steps done in the run."""
     best_val_loss: float = math.inf
-    """Lowest validation loss so far."""
+    """Validation loss of the best epoch so far."""
     best_epoch: int | None = None
-    """Epoch of `best_val_loss`."""
+    """Best epoch so far (0 = the starting model)."""
+    best_score: float = math.inf
+    """Best value of the selection score (val_loss or the forecast metric's score) so far."""
     bad_epochs: int = 0
     """Validations in a row without improvement (early stopping)."""
     stopped_early: bool = False
@@ -67,4 +74,4 @@ class LoopState:
     finished: bool = False
     """No epoch left to train."""
     history: list[dict[str, Any]] = field(default_factory=list)
-    """One entry per finished epoch (train and validation loss, lr, seconds)."""
+    """One entry per validation, epoch 0 (the starting model) first (train and validation loss, lr, seconds)."""

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import save_pretrained_atomic
+from .stage_folder import weights_fingerprint
 
 __all__ = ["TOKENIZER_CLIP", "PREDICTOR_CLIP", "tokenizer_loss", "predictor_loss", "Stage", "TokenizerStage",
            "PredictorStage"]
@@ -95,6 +96,11 @@ class Stage:
         """Write the model in the published format (save_pretrained) to `folder`, atomically."""
         raise NotImplementedError
 
+    def frozen_fingerprint(self) -> str | None:
+        """sha256 of the frozen model this stage's loss depends on (stored in checkpoints; a resume with other
+        frozen weights is refused); None when there is none."""
+        return None
+
 
 class TokenizerStage(Stage):
     """The BSQ tokenizer trained on reconstruction + BSQ loss."""
@@ -141,3 +147,6 @@ class PredictorStage(Stage):
         # The tokenizer's config travels with the predictor so the pair cannot drift apart.
         extra = {"tokenizer_config.json": dict(getattr(self.tokenizer, "config", {}) or {})}
         save_pretrained_atomic(self.model, folder, extra_json=extra)
+
+    def frozen_fingerprint(self):
+        return weights_fingerprint(self.tokenizer)

@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from .config_utils import Problems, config_to_dict
 
-__all__ = ["TrainingConfig", "validate_training_config", "RESUME_KEYS", "check_resume_compatible", "plain"]
+__all__ = ["TrainingConfig", "validate_training_config", "RESUME_KEYS", "CHANGEABLE_KEYS", "check_resume_compatible",
+           "plain"]
 
 
 @dataclass
@@ -59,7 +60,20 @@ class TrainingConfig:
     min_delta: float = 0.0
     """A validation loss counts as better only if it beats the best by more than this."""
     resume: str = "auto"
-    """'auto' = continue from <output_dir>/checkpoints/last.pt if present; 'never'; or a path to a last.pt."""
+    """'auto' = continue an unfinished run in the output folder (skip a finished one); 'required' = the same but an
+    error when there is nothing to resume; 'never' = start fresh (an error if the folder holds a run); or a path
+    to a checkpoint file / run folder."""
+    overwrite: bool = False
+    """Replace a run already in the output folder (finished or not): its outputs are deleted once this run holds
+    the folder's lock."""
+    keep_checkpoints: int = 2
+    """How many step checkpoints (checkpoints/step-*.pt) to keep; last.pt links to the newest."""
+    accept_changed_data: bool = False
+    """Resume even though the data (data_info fingerprint) or the frozen tokenizer's weights changed since the
+    checkpoint; what changed is recorded in run_info.json."""
+    select_by: str = "loss"
+    """What picks best_model/ and drives early stopping: 'loss' (validation loss) or the name of a forecast metric
+    the pipeline computes (e.g. 'crps'; lower is better)."""
     teacher_forcing: bool = True
     """Predictor: condition s2 on the true next s1 (false = on a sampled s1); validation always uses the true s1."""
     dist_timeout_s: float = 1800.0
@@ -75,9 +89,11 @@ class TrainingConfig:
 
 
 
-# Settings that fix the data order and the learning-rate schedule: a checkpoint can only be resumed with the same.
-RESUME_KEYS = ("epochs", "batch_size", "accumulation_steps", "lr", "pct_start", "div_factor", "final_div_factor",
-               "seed", "max_train_samples")
+# Settings a checkpoint cannot be resumed with if changed: they fix the data order, the step count or shapes.
+RESUME_KEYS = ("epochs", "batch_size", "accumulation_steps", "seed", "max_train_samples")
+# Optimisation settings a resume may change (e.g. a lower lr after a divergence); each change is reported.
+CHANGEABLE_KEYS = ("lr", "pct_start", "div_factor", "final_div_factor", "betas", "weight_decay", "clip_grad_norm",
+                   "amp", "patience", "min_delta", "teacher_forcing", "max_val_samples", "select_by")
 
 
 def validate_training_config(cfg: TrainingConfig, problems: Problems, prefix: str = "training") -> None:
@@ -108,16 +124,20 @@ def validate_training_config(cfg: TrainingConfig, problems: Problems, prefix: st
     problems.check(cfg.save_every_steps >= 0, k("save_every_steps"), f"must be >= 0, got {cfg.save_every_steps}")
     problems.check(cfg.patience >= 0, k("patience"), f"must be >= 0 (0 = no early stopping), got {cfg.patience}")
     problems.check(cfg.min_delta >= 0, k("min_delta"), f"must be >= 0, got {cfg.min_delta}")
+    problems.check(cfg.keep_checkpoints >= 1, k("keep_checkpoints"), f"must be >= 1, got {cfg.keep_checkpoints}")
+    problems.check(isinstance(cfg.select_by, str) and cfg.select_by.strip() != "", k("select_by"),
+                   f"must be 'loss' or a metric name, got {cfg.select_by!r}")
     problems.check(cfg.dist_timeout_s > 0, k("dist_timeout_s"), f"must be > 0, got {cfg.dist_timeout_s}")
 
 
 def check_resume_compatible(saved: dict, cfg: TrainingConfig, world_size: int, stage: str,
-                            model_args: dict[str, Any], path: Path) -> None:
-    """Raise one ConfigError listing every setting that differs from the checkpoint `saved` (loaded from `path`).
+                            model_args: dict[str, Any], path: Path) -> list[str]:
+    """Raise one ConfigError listing every setting that cannot differ from the checkpoint `saved` (loaded from
+    `path`); return 'training.key: old -> new' for each changeable optimisation setting that did change.
 
     Parameters
     ----------
-    saved: the last.pt dict (keys "stage", "model_args", "training_config", "world_size").
+    saved: the checkpoint dict (keys "stage", "model_args", "training_config", "world_size").
     cfg, world_size, stage: this run's loop settings, process count and stage name.
     model_args: this run's model constructor arguments, already `plain()`.
     """
@@ -138,8 +158,14 @@ def check_resume_compatible(saved: dict, cfg: TrainingConfig, world_size: int, s
         problems.add("(torchrun --nproc_per_node)",
                      f"the checkpoint was made with {saved.get('world_size')} processes, now {world_size}")
     if problems:
-        problems.add("training.resume", "set it to 'never' or use a new output folder to start over")
+        problems.add("training.overwrite", "set it to true (or use a new output folder) to start over")
     problems.raise_if_any()
+    changed = []
+    for key in CHANGEABLE_KEYS:
+        new_value = plain(getattr(cfg, key))
+        if key in old and plain(old[key]) != new_value:
+            changed.append(f"training.{key}: {old[key]!r} -> {new_value!r}")
+    return changed
 
 
 def plain(obj: Any) -> Any:
