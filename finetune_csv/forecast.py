@@ -152,7 +152,7 @@ def format_report(metrics: dict) -> str:
     lines = [f"held-out forecast: {s['windows']} windows (every non-overlapping test window) x {s['horizon']} "
              f"candles, {s['series']} series, {s['samples']} samples; close, returns vs the last context close",
              f"{'':15}{'MAE':>9}{'MASE':>7}{'CRPS':>9}{'WQL':>7}{'cov50':>7}{'cov80':>7}{'dir':>7}"]
-    num = lambda v, fmt: format(v, fmt) if v is not None else "-"
+    num = lambda v, fmt: format(v, fmt) if v is not None else "-".rjust(int(fmt.split(".")[0]))
     rows = [("finetuned", metrics["finetuned"]["model"])]
     if metrics.get("zero_shot"):
         rows.append(("zero-shot", metrics["zero_shot"]["model"]))
