@@ -116,8 +116,6 @@ class ForecastConfig(SamplingConfig):
     """Held-out and future forecasts (finetune_csv/forecast.py, scripts/demo.sh): the shared sampling keys plus how
     the test split is cut into windows and scored."""
 
-    sample_count: int = 20
-    """Sample paths per window: the quantiles, CRPS and coverage are computed over them (>= 20 recommended)."""
     window_stride: int | None = None
     """Rows between the starts of consecutive held-out windows; null = data.predict (every non-overlapping window)."""
     max_windows: int | None = None
