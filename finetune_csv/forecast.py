@@ -108,7 +108,8 @@ def _window_crps(paths: np.ndarray, windows: HeldOutWindows) -> tuple[np.ndarray
 
 def paired_difference(finetuned: np.ndarray, zero_shot: np.ndarray, windows: HeldOutWindows,
                       settings: ScoreSettings) -> dict:
-    """Finetuned - zero-shot CRPS and MAE per window (same windows), each with a bootstrap CI; < 0 = finetuned better."""
+    """Finetuned - zero-shot CRPS and MAE per window (same windows), each with a bootstrap CI; < 0 = finetuned
+    better. `finetuned`, `zero_shot`: sample paths (W, S, P, 6)."""
     crps_f, mae_f = _window_crps(finetuned, windows)
     crps_z, mae_z = _window_crps(zero_shot, windows)
     out = {"crps": crps_f.mean() - crps_z.mean(), "mae": mae_f.mean() - mae_z.mean(),
@@ -123,8 +124,9 @@ def paired_difference(finetuned: np.ndarray, zero_shot: np.ndarray, windows: Hel
 
 def forecast_table(names: list[str], stamps: list[pd.DatetimeIndex], paths: np.ndarray,
                    actual: np.ndarray | None = None) -> pd.DataFrame:
-    """Long table, one row per series (window) and forecast bar: mean `pred_<f>` and quantiles `pred_<f>_q<NN>` of
-    each feature over the sample paths `(W, S, P, 6)`, plus `actual_<f>` when the actual candles `(W, P, 6)` are known."""
+    """Long table, one row per series (window) and forecast bar: mean `pred_<f>` and quantiles `pred_<f>_q<NN>`
+    of each feature over the sample paths `(W, S, P, 6)`, plus `actual_<f>` when the actual candles `(W, P, 6)`
+    are known."""
     mean = paths.mean(axis=1)  # (W, P, 6)
     quant = np.quantile(paths, TABLE_QUANTILES, axis=1)  # (Q, W, P, 6)
     parts = []

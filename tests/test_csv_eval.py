@@ -57,7 +57,8 @@ def test_every_non_overlapping_test_window_is_scored(tmp_path):
     cfg = load(make_run(tmp_path))
     metrics = forecast.run_forecast(cfg)
     # Independent count (the code uses split_bounds; int(0.6 * 300) = 180, int(0.2 * 300) = 60 -> 60 test rows).
-    assert expected_test_windows(300) == 10 and expected_test_windows(251) == 8  # 51 test rows: 8 full horizons + 3 rows
+    assert expected_test_windows(300) == 10
+    assert expected_test_windows(251) == 8  # 51 test rows: 8 full horizons + 3 rows
     n = expected_test_windows(300) + expected_test_windows(251)
     assert metrics["windows"] == n and metrics["finetuned"]["setup"]["windows"] == n
     assert metrics["finetuned"]["setup"]["samples"] == 8

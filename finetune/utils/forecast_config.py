@@ -1,7 +1,8 @@
 """How forecasts are sampled (`forecast:` in YAML): the keys and defaults both pipelines share.
 
 Each pipeline subclasses `SamplingConfig` with its own extra keys (the Qlib backtest's batch size, the CSV
-pipeline's window stride, bootstrap and calendar keys). Defaults are KronosPredictor's; the shipped configs set the reference values.
+pipeline's window stride, bootstrap and calendar keys). Defaults are KronosPredictor's, except sample_count (20:
+enough paths for quantiles and a CRPS); the shipped configs set the reference values.
 """
 from __future__ import annotations
 
