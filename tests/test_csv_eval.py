@@ -75,6 +75,8 @@ def test_every_non_overlapping_test_window_is_scored(tmp_path):
         np.testing.assert_allclose(rows["actual_close"], frame["close"].iloc[first_test: first_test + len(rows)])
     assert {"pred_close", "pred_close_q10", "pred_close_q90", "actual_close", "series"} <= set(table.columns)
     assert (table["pred_close_q10"] <= table["pred_close_q90"]).all()
+    assert (cfg.base_dir / "forecast" / "forecast_vs_actual.png").stat().st_size > 0
+    assert not list((cfg.base_dir / "forecast").glob("*.tmp*"))  # written whole, no temporary left
 
 
 def test_metrics_json_holds_scores_baselines_intervals_and_the_zero_shot_comparison(tmp_path):
