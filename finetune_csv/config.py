@@ -135,12 +135,26 @@ class PathsConfig:
 
 @dataclass
 class ForecastConfig(SamplingConfig):
-    """Held-out forecast after training (scripts/demo.sh, finetune_csv/forecast.py): the shared sampling keys plus
-    how many windows per series."""
+    """Held-out and future forecasts (finetune_csv/forecast.py, scripts/demo.sh): the shared sampling keys plus how
+    the test split is cut into windows and scored."""
 
-    max_windows: int = 4
-    """Test windows forecast per series (evenly spaced over its test split)."""
-
+    window_stride: int | None = None
+    """Rows between the starts of consecutive held-out windows; null = data.predict (every non-overlapping window)."""
+    max_windows: int | None = None
+    """Cap of held-out windows per series (evenly spread over its test split); null = every window (the default)."""
+    season: int | None = None
+    """Season of the seasonal-naive baseline in bars; null = inferred (bars per day intraday, 5 for daily bars)."""
+    bootstrap_samples: int = 1000
+    """Bootstrap resamples of the confidence intervals (0 = no intervals)."""
+    bootstrap_block: int = 1
+    """Bootstrap block length in consecutive windows (1 = windows resampled independently)."""
+    compare_pretrained: bool = True
+    """Also forecast the same windows with model.pretrained_predictor (zero-shot) and report the paired difference."""
+    calendar: str | None = None
+    """Trading days of --future forecasts: null = weekdays seen in the history; a CSV file whose first column lists
+    the trading dates (e.g. the exchange's sessions). Intraday bar times are always taken from the history."""
+    batch_size: int = 32
+    """Windows per generation call (x sample_count sequences in memory at once)."""
 
 @dataclass
 class CsvFinetuneConfig:
@@ -248,4 +262,13 @@ def _check_paths(paths: PathsConfig, p: Problems) -> None:
 
 def _check_forecast(f: ForecastConfig, p: Problems) -> None:
     f.check(p, "forecast")
-    p.check(f.max_windows >= 1, "forecast.max_windows", f"must be >= 1 (got {f.max_windows})")
+    p.check(f.window_stride is None or f.window_stride >= 1, "forecast.window_stride",
+            f"must be >= 1 or null (= data.predict) (got {f.window_stride})")
+    p.check(f.max_windows is None or f.max_windows >= 1, "forecast.max_windows",
+            f"must be >= 1 or null (= every window) (got {f.max_windows})")
+    p.check(f.season is None or f.season >= 1, "forecast.season", f"must be >= 1 or null (got {f.season})")
+    p.check(f.bootstrap_samples >= 0, "forecast.bootstrap_samples", f"must be >= 0 (got {f.bootstrap_samples})")
+    p.check(f.bootstrap_block >= 1, "forecast.bootstrap_block", f"must be >= 1 (got {f.bootstrap_block})")
+    p.check(f.batch_size >= 1, "forecast.batch_size", f"must be >= 1 (got {f.batch_size})")
+    p.check(f.calendar is None or Path(f.calendar).is_file(), "forecast.calendar",
+            f"'{f.calendar}' is not a file: give a CSV whose first column lists the trading dates, or null")

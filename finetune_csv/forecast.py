@@ -1,12 +1,20 @@
-"""Forecast the held-out test split with the finetuned models, score it and plot it (the demo's last step).
+"""Forecast with the finetuned models: score every held-out test window, or forecast past the end of the data.
 
-    python finetune_csv/forecast.py --config configs/csv_demo.yaml [--set forecast.top_k=1]
+    python finetune_csv/forecast.py --config configs/csv_demo.yaml             # held-out evaluation
+    python finetune_csv/forecast.py --config configs/csv_demo.yaml --future    # the next data.predict candles
 
-Windows are taken from each series' test split (data.test_ratio > 0): `forecast.max_windows` per series, evenly
-spaced, whose forecast horizons do not overlap. Each gets `data.lookback` candles of context (which may reach
-back into the validation rows, as in training) and is forecast `data.predict` candles ahead with
-model.KronosPredictor.generate (key/value-cache generation); the candles stay numpy arrays end to end. Written to `<base_dir>/forecast/`: metrics.json,
-forecast.csv (forecast and actual candles per window) and forecast_vs_actual.png; the metrics are also printed.
+Held-out evaluation: every window of each series' test split (data.test_ratio > 0), starts `forecast.window_stride`
+rows apart (default data.predict: the horizons tile the split without overlap), each with `data.lookback` candles of
+context (which may reach into the validation rows, as in training) and `forecast.sample_count` sampled paths
+(KronosPredictor.generate). The close is scored in return space by finetune.evaluation.forecast_scores (MAE, MASE,
+CRPS, pinball / WQL, 50% / 80% coverage, direction of the cumulative move, bootstrap intervals, per-series table,
+persistence and seasonal-naive baselines). When model.pretrained_predictor is set and loadable, the same windows are
+forecast with it (zero-shot) and the paired difference finetuned - zero-shot is reported with a bootstrap interval.
+Written to `<base_dir>/forecast/`: metrics.json (strict JSON), forecast.csv, forecast_vs_actual.png.
+
+--future: the `data.predict` candles after each series' last row (timestamps from the series' own bar times and
+trading days, or `forecast.calendar`), written to `<base_dir>/future/`: forecast.csv (long format, one row per
+series and timestamp: mean and quantiles of each feature) and forecast.png (quantile bands, real dates).
 """
 
 from __future__ import annotations
@@ -14,218 +22,259 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 
+from finetune.evaluation.bootstrap import bootstrap_ci
+from finetune.evaluation.forecast_baselines import infer_season
+from finetune.evaluation.forecast_scores import ScoreSettings, score_forecasts
+from finetune.evaluation.scoring_rules import crps_ensemble
 from finetune.utils.checkpoint import write_json_atomic
 from finetune.utils.config_utils import add_config_args
 from finetune_csv import config as csv_config
 from finetune_csv.config import CsvFinetuneConfig
-from finetune_csv.data import Segment, load_series, split_series, window_starts
-from finetune_csv.forecast_metrics import (
-    candle_violations,
-    close_mae,
-    direction_accuracy,
-    persistence_close,
-)
+from finetune_csv.data import load_series, split_series
+from finetune_csv.forecast_metrics import candle_violations
+from finetune_csv.forecast_plot import Panel, plot_panels
+from finetune_csv.future_calendar import future_timestamps, read_calendar
+from finetune_csv.held_out import CLOSE, HeldOutWindows, held_out_windows, sample_paths
 from finetune_csv.model_dirs import best_dir, predictor_tokenizer_source
 from model import Kronos, KronosPredictor, KronosTokenizer
-from model.features import FEATURE_COLS, calc_time_stamps, normalize
+from model.features import FEATURE_COLS, calc_time_stamps
 
 log = logging.getLogger("finetune_csv.forecast")
-CLOSE = FEATURE_COLS.index("close")
+TABLE_QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)  # quantile columns of forecast.csv (the plot's bands + median)
 
 
-@dataclass
-class HeldOutWindows:
-    """N test windows: context candles and the actual candles that followed."""
-
-    names: list[str]
-    """(N,) series of each window."""
-    context: np.ndarray
-    """(N, lookback, 6) float64 context candles (columns FEATURE_COLS)."""
-    x_timestamps: list[pd.DatetimeIndex]
-    """N context time indexes."""
-    y_timestamps: list[pd.DatetimeIndex]
-    """N forecast time indexes (`predict` each)."""
-    actual: np.ndarray
-    """(N, predict, 6) float64 the candles that really followed."""
-
-    def stamps(self) -> tuple[np.ndarray, np.ndarray]:
-        """Calendar stamps of the contexts (N, lookback, 5) and of the forecast bars (N, predict, 5), int64."""
-        as_array = lambda ts: calc_time_stamps(ts).to_numpy(np.int64)  # (T, 5)
-        return (np.stack([as_array(ts) for ts in self.x_timestamps]),
-                np.stack([as_array(ts) for ts in self.y_timestamps]))
+def make_predictor(predictor_src, tokenizer_src, cfg: CsvFinetuneConfig) -> KronosPredictor:
+    """A KronosPredictor over a lookback + predict window (the sequence length the predictor was trained on)."""
+    tokenizer = tokenizer_src if isinstance(tokenizer_src, KronosTokenizer) else \
+        KronosTokenizer.from_pretrained(tokenizer_src)
+    model = predictor_src if isinstance(predictor_src, Kronos) else Kronos.from_pretrained(predictor_src)
+    return KronosPredictor(model, tokenizer, device="cuda:0" if torch.cuda.is_available() else "cpu",
+                           max_context=cfg.data.lookback + cfg.data.predict, clip=cfg.data.clip, use_cache=True)
 
 
-def spread_evenly(n_available: int, n_wanted: int) -> np.ndarray:
-    """Indices of min(n_wanted, n_available) items spread evenly over range(n_available), first and last included."""
-    if n_available < 1:
-        return np.zeros(0, dtype=np.int64)
-    k = min(n_wanted, n_available)
-    return np.unique(np.round(np.linspace(0, n_available - 1, k)).astype(np.int64))
-
-
-def held_out_windows(segments: list[Segment], lookback: int, predict: int, max_windows: int) -> HeldOutWindows:
-    """Up to `max_windows` windows per test segment, horizons `predict` rows apart (never overlapping)."""
-    names, context, x_ts, y_ts, actual = [], [], [], [], []
-    for seg in segments:
-        starts = window_starts(seg, lookback + predict, stride=predict)
-        for s in starts[spread_evenly(len(starts), max_windows)]:
-            values, stamps = seg.values[s: s + lookback + predict], seg.timestamps[s: s + lookback + predict]
-            names.append(seg.series.name)
-            context.append(values[:lookback])
-            x_ts.append(stamps[:lookback])
-            y_ts.append(stamps[lookback:])
-            actual.append(values[lookback:])
-    n_features = len(FEATURE_COLS)
-    return HeldOutWindows(names, np.asarray(context, dtype=np.float64).reshape(-1, lookback, n_features), x_ts, y_ts,
-                          np.asarray(actual, dtype=np.float64).reshape(-1, predict, n_features))
-
-
-def score(forecast: np.ndarray, windows: HeldOutWindows) -> dict:
-    """Metrics of forecast candles (N, H, 6) against the actual ones; see finetune_csv.forecast_metrics."""
-    last_close = windows.context[:, -1, CLOSE]  # (N,)
-    pred_close, true_close = forecast[..., CLOSE], windows.actual[..., CLOSE]
-    o, h, l, c, v = (forecast[..., FEATURE_COLS.index(f)] for f in ("open", "high", "low", "close", "volume"))
-    return {
-        "windows": int(len(forecast)),
-        "horizon": int(forecast.shape[1]),
-        "series": sorted(set(windows.names)),
-        "close_mae": close_mae(pred_close, true_close),
-        "close_mae_persistence": close_mae(persistence_close(last_close, forecast.shape[1]), true_close),
-        "direction_accuracy": direction_accuracy(pred_close, true_close, last_close),
-        "violations": candle_violations(o, h, l, c, v),
-    }
-
-
-def format_report(metrics: dict) -> str:
-    """The metrics as the few lines the demo prints."""
-    v = metrics["violations"]
-    return "\n".join([
-        f"held-out forecast: {metrics['windows']} windows x {metrics['horizon']} candles "
-        f"from {len(metrics['series'])} series",
-        f"  close MAE                       {metrics['close_mae']:.4f}"
-        f"   (last-close persistence: {metrics['close_mae_persistence']:.4f})",
-        f"  direction accuracy              {100 * metrics['direction_accuracy']:.1f} %   (close moves, step by step)",
-        f"  candles with high < max(o, c)   {100 * v['high_below_body']:.1f} %",
-        f"  candles with low > min(o, c)    {100 * v['low_above_body']:.1f} %",
-        f"  candles with volume < 0         {100 * v['negative_volume']:.1f} %",
-        f"  candles breaking any rule       {100 * v['any']:.1f} %",
-    ])
-
-
-def forecast_windows(predictor: KronosPredictor, windows: HeldOutWindows, cfg: CsvFinetuneConfig,
-                     batch: int = 64) -> np.ndarray:
-    """Mean forecast (N, predict, 6) float64 of every window, `batch` windows per generate call.
-
-    Each context is normalised on its own (float32, as KronosPredictor.predict_batch does), the sample paths are
-    averaged in normalised space and then scaled back: the same numbers as predict_batch, without DataFrames.
-    """
-    f = cfg.forecast
-    x_stamps, y_stamps = windows.stamps()  # (N, L, 5), (N, P, 5)
-    torch.manual_seed(f.seed)
-    out = []
-    for i in range(0, len(windows.context), batch):
-        part = slice(i, i + batch)
-        # Row-major (T, 6) float32 like KronosPredictor._prepare: numpy's sum order (so the last float32 bit of the
-        # mean / std) depends on the memory layout, and this keeps the forecasts identical to predict_batch's.
-        stats = [normalize(x, predictor.clip, axis=0) for x in windows.context[part].astype(np.float32)]
-        xn = np.stack([s[0] for s in stats])  # (B, L, 6)
-        paths = predictor.generate(xn, x_stamps[part], y_stamps[part], cfg.data.predict, T=f.temperature,
-                                   top_k=f.top_k, top_p=f.top_p, sample_count=f.sample_count)  # (B, S, P, 6)
-        out.extend(paths[b].mean(axis=0) * (std + 1e-5) + mean for b, (_, mean, std) in enumerate(stats))
-    return np.stack(out).astype(np.float64)  # (N, predict, 6)
-
-
-def plot_forecasts(windows: HeldOutWindows, forecast: np.ndarray, png: Path, max_panels: int = 4) -> Path:
-    """Close of context tail, actual and forecast for the first windows of distinct series, one panel each."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    picks, seen = [], set()
-    for i, name in enumerate(windows.names):  # one window per series first, then fill up
-        if name not in seen:
-            picks.append(i)
-            seen.add(name)
-    picks += [i for i in range(len(windows.names)) if i not in picks]
-    picks = picks[:max_panels]
-    fig, axes = plt.subplots(len(picks), 1, figsize=(9, 2.6 * len(picks)), dpi=100, squeeze=False)
-    for ax, i in zip(axes[:, 0], picks):
-        # Bar numbers on the x axis (0 = first forecast bar): trading calendars have nights and lunch breaks that a
-        # time axis would draw as long flat lines. Both future lines start at the last context close.
-        horizon = forecast.shape[1]
-        tail = min(len(windows.context[i]), 3 * horizon)
-        past = windows.context[i, -tail:, CLOSE]
-        future_x = np.arange(-1, horizon)
-        ax.plot(np.arange(-tail, 0), past, color="0.4", label="context")
-        ax.plot(future_x, np.r_[past[-1], windows.actual[i, :, CLOSE]], color="tab:blue", label="actual")
-        ax.plot(future_x, np.r_[past[-1], forecast[i, :, CLOSE]], color="tab:orange", label="forecast")
-        ax.axvline(-0.5, color="0.7", linestyle="--", linewidth=0.8)
-        ax.set_title(f"{windows.names[i]}: close, forecast from {windows.y_timestamps[i][0]} "
-                     f"to {windows.y_timestamps[i][-1]}", fontsize=9)
-        ax.set_xlabel("bars from the forecast start", fontsize=8)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png)
-    plt.close(fig)
-    return png
-
-
-def forecast_table(windows: HeldOutWindows, forecast: np.ndarray) -> pd.DataFrame:
-    """One row per forecast candle: window, series, timestamp, forecast and actual features."""
-    rows = []
-    for i, (name, ts) in enumerate(zip(windows.names, windows.y_timestamps)):
-        part = pd.DataFrame(forecast[i], columns=[f"pred_{f}" for f in FEATURE_COLS])
-        part[[f"actual_{f}" for f in FEATURE_COLS]] = windows.actual[i]
-        part.insert(0, "timestamps", ts)
-        part.insert(0, "series", name)
-        part.insert(0, "window", i)
-        rows.append(part)
-    return pd.concat(rows, ignore_index=True)
-
-
-def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> dict:
-    """Load the finetuned models and the test split, forecast, write metrics/CSV/PNG, return the metrics."""
-    if cfg.data.test_ratio <= 0:
-        raise ValueError("data.test_ratio is 0: there is no held-out test split to forecast; set it > 0 "
-                         "(and retrain, since the ratios move the split boundaries)")
+def finetuned_predictor(cfg: CsvFinetuneConfig) -> KronosPredictor:
+    """The run's best predictor with the tokenizer it was trained with; a clear error when there is none."""
     predictor_dir = best_dir(cfg.predictor_dir)
     if not (predictor_dir / "config.json").is_file():
         raise ValueError(f"no trained predictor in {predictor_dir}; run finetune_csv/train_sequential.py first")
+    return make_predictor(predictor_dir, predictor_tokenizer_source(cfg), cfg)
+
+
+def zero_shot_predictor(cfg: CsvFinetuneConfig) -> KronosPredictor | None:
+    """The starting model (model.pretrained_predictor + its tokenizer), or None with one log line when there is none
+    or it cannot be loaded (e.g. a Hub id without network)."""
+    m = cfg.model
+    if not cfg.forecast.compare_pretrained or m.pretrained_predictor is None:
+        return None
+    tokenizer_src = m.pretrained_tokenizer or predictor_tokenizer_source(cfg)
+    try:
+        return make_predictor(m.pretrained_predictor, tokenizer_src, cfg)
+    except Exception as exc:  # noqa: BLE001 - any load failure (network, files, shapes) only skips the comparison
+        log.warning("zero-shot comparison skipped: cannot load model.pretrained_predictor=%s with tokenizer %s (%s)",
+                    m.pretrained_predictor, tokenizer_src, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return None
+
+
+def _season(cfg: CsvFinetuneConfig, timestamps: pd.DatetimeIndex) -> int | None:
+    """The seasonal-naive season: forecast.season, else inferred from a series' `timestamps` (bars per day intraday,
+    5 for daily bars); None (logged) when it cannot be inferred or is longer than the lookback."""
+    season = cfg.forecast.season
+    if season is None:
+        try:
+            season = infer_season(timestamps)
+        except ValueError as exc:
+            log.info("no seasonal-naive baseline: %s (set forecast.season)", exc)
+            return None
+    if season > cfg.data.lookback:
+        log.info("no seasonal-naive baseline: its season (%d bars) is longer than data.lookback (%d); "
+                 "set forecast.season", season, cfg.data.lookback)
+        return None
+    return season
+
+
+def _window_crps(paths: np.ndarray, windows: HeldOutWindows) -> tuple[np.ndarray, np.ndarray]:
+    """Per-window mean CRPS and MAE of the median (W,) of the close, in returns from the last context close."""
+    last = windows.context[:, -1, CLOSE]  # (W,)
+    obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, H)
+    ens = np.moveaxis(paths[..., CLOSE] / last[:, None, None] - 1.0, 1, -1)  # (W, H, S)
+    return crps_ensemble(obs, ens).mean(axis=1), np.abs(np.median(ens, axis=-1) - obs).mean(axis=1)
+
+
+def paired_difference(finetuned: np.ndarray, zero_shot: np.ndarray, windows: HeldOutWindows,
+                      settings: ScoreSettings) -> dict:
+    """Finetuned - zero-shot CRPS and MAE per window (same windows), each with a bootstrap CI; < 0 = finetuned
+    better. `finetuned`, `zero_shot`: sample paths (W, S, P, 6)."""
+    crps_f, mae_f = _window_crps(finetuned, windows)
+    crps_z, mae_z = _window_crps(zero_shot, windows)
+    out = {"crps": crps_f.mean() - crps_z.mean(), "mae": mae_f.mean() - mae_z.mean(),
+           "windows_finetuned_better_crps": float((crps_f < crps_z).mean())}
+    if settings.n_boot > 0:
+        n = len(windows)
+        boot = lambda d: bootstrap_ci(lambda i: d[i].mean(), n, settings.n_boot, settings.block, settings.seed,
+                                      settings.level)
+        out["bootstrap"] = {"crps": boot(crps_f - crps_z), "mae": boot(mae_f - mae_z)}
+    return out
+
+
+def forecast_table(names: list[str], stamps: list[pd.DatetimeIndex], paths: np.ndarray,
+                   actual: np.ndarray | None = None) -> pd.DataFrame:
+    """Long table, one row per series (window) and forecast bar: mean `pred_<f>` and quantiles `pred_<f>_q<NN>`
+    of each feature over the sample paths `(W, S, P, 6)`, plus `actual_<f>` when the actual candles `(W, P, 6)`
+    are known."""
+    mean = paths.mean(axis=1)  # (W, P, 6)
+    quant = np.quantile(paths, TABLE_QUANTILES, axis=1)  # (Q, W, P, 6)
+    parts = []
+    for i, (name, ts) in enumerate(zip(names, stamps)):
+        part = pd.DataFrame({"window": i, "series": name, "timestamps": ts})
+        for j, f in enumerate(FEATURE_COLS):
+            part[f"pred_{f}"] = mean[i, :, j]
+            for k, q in enumerate(TABLE_QUANTILES):
+                part[f"pred_{f}_q{round(q * 100):02d}"] = quant[k, i, :, j]
+            if actual is not None:
+                part[f"actual_{f}"] = actual[i, :, j]
+        parts.append(part)
+    return pd.concat(parts, ignore_index=True)
+
+
+def _write_csv(frame: pd.DataFrame, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    frame.to_csv(tmp, index=False)
+    tmp.replace(path)
+
+
+def format_report(metrics: dict) -> str:
+    """One short table: each forecaster's headline scores, then the paired differences with their CIs."""
+    s = metrics["finetuned"]["setup"]
+    lines = [f"held-out forecast: {s['windows']} windows (every non-overlapping test window) x {s['horizon']} "
+             f"candles, {s['series']} series, {s['samples']} samples; close, returns vs the last context close",
+             f"{'':15}{'MAE':>9}{'MASE':>7}{'CRPS':>9}{'WQL':>7}{'cov50':>7}{'cov80':>7}{'dir':>7}"]
+    num = lambda v, fmt: format(v, fmt) if v is not None else "-".rjust(int(fmt.split(".")[0]))
+    rows = [("finetuned", metrics["finetuned"]["model"])]
+    if metrics.get("zero_shot"):
+        rows.append(("zero-shot", metrics["zero_shot"]["model"]))
+    rows.append(("persistence", metrics["finetuned"]["persistence"]))
+    if "seasonal_naive" in metrics["finetuned"]:
+        rows.append((f"seasonal({s['season']})", metrics["finetuned"]["seasonal_naive"]))
+    for label, block in rows:
+        o = block["overall"]
+        lines.append(f"{label:15}{num(o['mae'], '9.5f')}{num(o.get('mase'), '7.3f')}{num(o['crps'], '9.5f')}"
+                     f"{num(o['wql'], '7.3f')}{num(o.get('coverage_50'), '7.2f')}{num(o.get('coverage_80'), '7.2f')}"
+                     f"{num(o.get('direction_accuracy'), '7.3f')}")
+    d = metrics["finetuned"]["direction"]
+    lines.append(f"dir = sign of the {d['horizon']}-bar move; coin 0.500, majority class {d['majority_class']:.3f}")
+    ci = lambda c: f"{c['estimate']:+.5f} [{c['low']:+.5f}, {c['high']:+.5f}]"
+    boot = metrics["finetuned"].get("bootstrap")
+    if boot:
+        lines.append(f"CRPS finetuned - persistence: {ci(boot['crps_minus_persistence'])} (95% CI)")
+    diff = metrics.get("finetuned_vs_zero_shot")
+    if diff and diff.get("bootstrap"):
+        lines.append(f"CRPS finetuned - zero-shot:   {ci(diff['bootstrap']['crps'])} (95% CI; < 0 = finetuning "
+                     f"helped; finetuned better on {diff['windows_finetuned_better_crps']:.0%} of windows)")
+    return "\n".join(lines)
+
+
+def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, windows: HeldOutWindows,
+                      zero_shot: KronosPredictor | None = None, season: int | None = None) -> tuple[dict, np.ndarray]:
+    """Sample, score and compare; returns (metrics dict for metrics.json, finetuned paths (W, S, P, 6)).
+    `season`: of the seasonal-naive baseline (None = none)."""
+    f = cfg.forecast
+    x_stamps, y_stamps = windows.stamps()
+    sample = lambda p: sample_paths(p, windows.context, x_stamps, y_stamps, cfg.data.predict, f, f.batch_size)
+    settings = ScoreSettings(season=season, n_boot=f.bootstrap_samples, block=f.bootstrap_block,
+                             seed=f.seed)
+    close = lambda paths: (paths[..., CLOSE], windows.actual[..., CLOSE], windows.context[:, -1, CLOSE],
+                           windows.context[..., CLOSE], np.asarray(windows.names))
+    paths = sample(finetuned)  # (W, S, P, 6)
+    metrics = {"windows": len(windows), "horizon": cfg.data.predict, "series": sorted(set(windows.names)),
+               "window_stride": f.window_stride or cfg.data.predict, "finetuned": score_forecasts(*close(paths),
+                                                                                                  settings=settings),
+               "zero_shot": None, "finetuned_vs_zero_shot": None,
+               "candle_violations": candle_violations(*(paths[..., FEATURE_COLS.index(c)] for c in
+                                                        ("open", "high", "low", "close", "volume")))}
+    if zero_shot is not None:
+        zs_paths = sample(zero_shot)
+        metrics["zero_shot"] = score_forecasts(*close(zs_paths), settings=settings)
+        metrics["finetuned_vs_zero_shot"] = paired_difference(paths, zs_paths, windows, settings)
+    return metrics, paths
+
+
+def _panels(names: list[str], past_ts, past_close, future_ts, paths, actual=None, max_panels: int = 4) -> list[Panel]:
+    """One panel per series (its first window), at most `max_panels`."""
+    firsts = [names.index(n) for n in dict.fromkeys(names)][:max_panels]
+    return [Panel(f"{names[i]}: close from {future_ts[i][0]} to {future_ts[i][-1]}", past_ts[i], past_close[i],
+                  future_ts[i], paths[i, :, :, CLOSE], None if actual is None else actual[i, :, CLOSE])
+            for i in firsts]
+
+
+def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> dict:
+    """Score every held-out test window (and the zero-shot model); write metrics.json, forecast.csv and the plot."""
+    if cfg.data.test_ratio <= 0:
+        raise ValueError("data.test_ratio is 0: there is no held-out test split to forecast; set it > 0 "
+                         "(and retrain, since the ratios move the split boundaries)")
+    finetuned = finetuned_predictor(cfg)
     series = load_series(cfg.data)
     windows = held_out_windows(split_series(series, cfg.data)["test"], cfg.data.lookback, cfg.data.predict,
-                               cfg.forecast.max_windows)
-    tokenizer = KronosTokenizer.from_pretrained(predictor_tokenizer_source(cfg))
-    model = Kronos.from_pretrained(predictor_dir)
-    # max_context = lookback + predict: the window never slides, so the predictor sees sequences as long as the
-    # training windows it was finetuned on (positions it has learned), context included.
-    predictor = KronosPredictor(model, tokenizer, device="cuda:0" if torch.cuda.is_available() else "cpu",
-                                max_context=cfg.data.lookback + cfg.data.predict, clip=cfg.data.clip, use_cache=True)
-    forecast = forecast_windows(predictor, windows, cfg)
-    metrics = score(forecast, windows)
+                               cfg.forecast.window_stride, cfg.forecast.max_windows)
+    metrics, paths = evaluate_held_out(cfg, finetuned, windows, zero_shot_predictor(cfg),
+                                       _season(cfg, series[0].timestamps))
 
     out_dir = Path(out_dir) if out_dir is not None else cfg.base_dir / "forecast"
     out_dir.mkdir(parents=True, exist_ok=True)
-    forecast_table(windows, forecast).to_csv(out_dir / "forecast.csv", index=False)
-    plot_forecasts(windows, forecast, out_dir / "forecast_vs_actual.png")
+    _write_csv(forecast_table(windows.names, windows.y_timestamps, paths, windows.actual), out_dir / "forecast.csv")
+    tail = min(cfg.data.lookback, 3 * cfg.data.predict)
+    plot_panels(_panels(windows.names, [ts[-tail:] for ts in windows.x_timestamps],
+                        windows.context[:, -tail:, CLOSE], windows.y_timestamps, paths, windows.actual),
+                out_dir / "forecast_vs_actual.png")
     write_json_atomic(metrics, out_dir / "metrics.json")
     return metrics
 
 
+def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> pd.DataFrame:
+    """Forecast the `data.predict` candles after each series' last row; write forecast.csv and forecast.png."""
+    finetuned = finetuned_predictor(cfg)
+    series = load_series(cfg.data)
+    lookback, predict = cfg.data.lookback, cfg.data.predict
+    short = [s.name for s in series if len(s.values) < lookback]
+    if short:
+        raise ValueError(f"series shorter than data.lookback={lookback} rows cannot be forecast: {short}; lower "
+                         "data.lookback or remove them")
+    trading_dates = read_calendar(cfg.forecast.calendar) if cfg.forecast.calendar else None
+    names = [s.name for s in series]
+    past_ts = [s.timestamps[-lookback:] for s in series]
+    future_ts = [future_timestamps(s.timestamps, predict, trading_dates, s.name) for s in series]
+    context = np.stack([s.values[-lookback:] for s in series]).astype(np.float64)  # (N, L, 6)
+    as_stamps = lambda stamps: np.stack([calc_time_stamps(ts).to_numpy(np.int64) for ts in stamps])
+    paths = sample_paths(finetuned, context, as_stamps(past_ts), as_stamps(future_ts), predict, cfg.forecast,
+                         cfg.forecast.batch_size)  # (N, S, P, 6)
+    table = forecast_table(names, future_ts, paths).drop(columns="window")
+    out_dir = Path(out_dir) if out_dir is not None else cfg.base_dir / "future"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_csv(table, out_dir / "forecast.csv")
+    tail = min(lookback, 3 * predict)
+    plot_panels(_panels(names, [ts[-tail:] for ts in past_ts], context[:, -tail:, CLOSE], future_ts, paths),
+                out_dir / "forecast.png")
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = add_config_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser.add_argument("--future", action="store_true",
+                        help="forecast the data.predict candles after each series' last row instead of scoring")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     cfg = csv_config.load(args.config, args.set)
+    if args.future:
+        table = run_future(cfg)
+        print(f"future forecast: {table['series'].nunique()} series x {cfg.data.predict} candles, from "
+              f"{table['timestamps'].min()} to {table['timestamps'].max()}")
+        print(f"written: {cfg.base_dir / 'future'}/{{forecast.csv, forecast.png}}")
+        return 0
     metrics = run_forecast(cfg)
     print(format_report(metrics))
     print(f"written: {cfg.base_dir / 'forecast'}/{{metrics.json, forecast.csv, forecast_vs_actual.png}}")
@@ -233,8 +282,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     from finetune.cli import run_script  # clean errors, exit codes, --debug, --help-config, --print-config
 
     sys.exit(run_script("forecast", main))

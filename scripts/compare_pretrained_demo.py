@@ -7,7 +7,7 @@ Writes the demo market (scripts/make_synthetic_data.py's data: 4 series x 3000 f
 with the same (pretrained, frozen) tokenizer, so their losses are on the same tokens and compare directly:
 
   (a) zero-shot:   the pretrained predictor as it is;
-  (b) finetuned:   finetune_csv/train_sequential.py with --config (default configs/csv_demo_finetune.yaml);
+  (b) finetuned:   finetune_csv/train_sequential.py with --config (default configs/csv_demo.yaml);
   (c) scratch:     the same run and budget (epochs, batch), predictor started from random weights of the same shape,
                    at --scratch-lr (default 2e-3: the from-scratch demo's rate).
 
@@ -46,7 +46,7 @@ N_BOOT = 2000
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", default=str(REPO / "checkpoints" / "demo-pretrained"))
-    p.add_argument("--config", default=str(REPO / "configs" / "csv_demo_finetune.yaml"))
+    p.add_argument("--config", default=str(REPO / "configs" / "csv_demo.yaml"))
     p.add_argument("--work", default=str(REPO / "outputs" / "demo_compare"))
     p.add_argument("--scratch-lr", type=float, default=2e-3)
     p.add_argument("--set", action="append", default=[], help="extra config override for both training runs")

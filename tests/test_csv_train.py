@@ -127,7 +127,8 @@ def test_forecast_scores_the_held_out_split_and_writes_its_files(trained):
     config, base = trained
     metrics = run_forecast(load(config))
     assert metrics["windows"] == 4 and metrics["horizon"] == 4  # 2 series x forecast.max_windows=2
-    assert 0.0 <= metrics["direction_accuracy"] <= 1.0 and metrics["close_mae"] >= 0.0
+    model = metrics["finetuned"]["model"]["overall"]
+    assert 0.0 <= model["direction_accuracy"] <= 1.0 and model["mae"] >= 0.0
     assert files_under(base / "forecast") == {"metrics.json", "forecast.csv", "forecast_vs_actual.png"}
     table = pd.read_csv(base / "forecast" / "forecast.csv")
     assert len(table) == 4 * 4 and {"pred_close", "actual_close", "series"} <= set(table.columns)

@@ -230,17 +230,17 @@ def test_pip_install_into_a_fresh_venv_gives_kronos_and_the_csv_pipeline(tmp_pat
     gen = ("from finetune.synthetic import generate_ohlcv, write_csv_folder; "
            "write_csv_folder(generate_ohlcv(2, 700, freq='5min', start='2024-01-02', seed=0), 'candles')")
     assert _run([str(py), "-c", gen], work, env).returncode == 0
-    cfg = yaml.safe_load((ROOT / "configs/csv_demo.yaml").read_text())
+    cfg = yaml.safe_load((ROOT / "configs/csv_scratch_tiny.yaml").read_text())
     cfg["data"].update(path="candles", lookback=32, predict=8, stride=8)
     cfg["training"].update(epochs=1, batch_size=16)
     cfg["tokenizer_training"]["epochs"] = cfg["predictor_training"]["epochs"] = 1
-    cfg["forecast"]["max_windows"] = 1
+    cfg["forecast"].update(max_windows=1, sample_count=2)
     (work / "tiny.yaml").write_text(yaml.safe_dump(cfg))
     res = _run(["kronos", "finetune", "--config", "tiny.yaml"], work, env)
     assert res.returncode == 0, res.stderr[-4000:]
     for stage in ("tokenizer", "basemodel"):
-        assert (work / "outputs/csv_demo" / stage / "best_model/model.safetensors").is_file()
+        assert (work / "outputs/csv_scratch_tiny" / stage / "best_model/model.safetensors").is_file()
     res = _run(["kronos", "forecast", "--config", "tiny.yaml"], work, env)
     assert res.returncode == 0, res.stderr[-4000:]
-    assert (work / "outputs/csv_demo/forecast").is_dir()
-    assert os.listdir(work / "outputs/csv_demo/forecast")
+    assert (work / "outputs/csv_scratch_tiny/forecast").is_dir()
+    assert os.listdir(work / "outputs/csv_scratch_tiny/forecast")

@@ -62,7 +62,7 @@ def test_pair_loads_and_token_sizes_match(pair):
 
 
 def test_the_finetune_config_starts_from_this_checkpoint():
-    cfg = load(REPO / "configs" / "csv_demo_finetune.yaml")
+    cfg = load(REPO / "configs" / "csv_demo.yaml")
     assert (REPO / cfg.model.pretrained_tokenizer).resolve() == (CKPT / "tokenizer").resolve()
     assert (REPO / cfg.model.pretrained_predictor).resolve() == (CKPT / "predictor").resolve()
 

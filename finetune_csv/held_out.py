@@ -1,0 +1,124 @@
+"""Held-out windows of the CSV pipeline and their sampled forecasts, as arrays end to end.
+
+A window is `lookback` context candles followed by `predict` candles to forecast, cut from one segment of one series
+(finetune_csv.data.Segment: the test or validation split plus the `lookback` rows before it, so every forecast row
+belongs to the split). `held_out_windows` takes EVERY window `stride` rows apart (stride = predict: the horizons tile
+the split without overlap); `sample_paths` draws `sample_count` sample paths per window with
+KronosPredictor.generate and scales them back to prices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+
+from finetune_csv.data import Segment, window_starts
+from model import KronosPredictor
+from model.features import FEATURE_COLS, calc_time_stamps, normalize
+
+CLOSE = FEATURE_COLS.index("close")
+
+
+@dataclass
+class HeldOutWindows:
+    """N windows: context candles and the candles that really followed."""
+
+    names: list[str]
+    """(N,) series of each window; the windows of one series are contiguous and in time order."""
+    context: np.ndarray
+    """(N, lookback, 6) float64 context candles (columns FEATURE_COLS)."""
+    x_timestamps: list[pd.DatetimeIndex]
+    """N context time indexes (lookback each)."""
+    y_timestamps: list[pd.DatetimeIndex]
+    """N forecast time indexes (predict each)."""
+    actual: np.ndarray
+    """(N, predict, 6) float64 the candles that really followed."""
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def stamps(self) -> tuple[np.ndarray, np.ndarray]:
+        """Calendar stamps of the contexts (N, lookback, 5) and of the forecast bars (N, predict, 5), int64."""
+        as_array = lambda ts: calc_time_stamps(ts).to_numpy(np.int64)  # (T, 5)
+        return (np.stack([as_array(ts) for ts in self.x_timestamps]),
+                np.stack([as_array(ts) for ts in self.y_timestamps]))
+
+    def subset(self, idx: np.ndarray) -> HeldOutWindows:
+        """The windows at positions `idx` (in that order)."""
+        idx = np.asarray(idx, dtype=np.int64)
+        return HeldOutWindows([self.names[i] for i in idx], self.context[idx], [self.x_timestamps[i] for i in idx],
+                              [self.y_timestamps[i] for i in idx], self.actual[idx])
+
+
+def spread_evenly(n_available: int, n_wanted: int) -> np.ndarray:
+    """Indices of min(n_wanted, n_available) items spread evenly over range(n_available), first and last included."""
+    if n_available < 1:
+        return np.zeros(0, dtype=np.int64)
+    k = min(n_wanted, n_available)
+    return np.unique(np.round(np.linspace(0, n_available - 1, k)).astype(np.int64))
+
+
+def held_out_windows(segments: list[Segment], lookback: int, predict: int, stride: int | None = None,
+                     max_windows: int | None = None) -> HeldOutWindows:
+    """Every window of each segment, starts `stride` rows apart (None = predict: non-overlapping horizons).
+
+    Parameters
+    ----------
+    segments : test (or validation) segments, one per series; lookback, predict : window shape in rows;
+    stride : rows between window starts; max_windows : optional cap per series (evenly spread, ends included).
+
+    Returns
+    -------
+    HeldOutWindows with context (N, lookback, 6) and actual (N, predict, 6).
+    """
+    stride = predict if stride is None else stride
+    names, context, x_ts, y_ts, actual = [], [], [], [], []
+    for seg in segments:
+        starts = window_starts(seg, lookback + predict, stride=stride)
+        if max_windows is not None:
+            starts = starts[spread_evenly(len(starts), max_windows)]
+        values, stamps = seg.values, seg.timestamps
+        for s in starts:
+            names.append(seg.series.name)
+            context.append(values[s: s + lookback])
+            actual.append(values[s + lookback: s + lookback + predict])
+            x_ts.append(stamps[s: s + lookback])
+            y_ts.append(stamps[s + lookback: s + lookback + predict])
+    n_features = len(FEATURE_COLS)
+    return HeldOutWindows(names, np.asarray(context, dtype=np.float64).reshape(-1, lookback, n_features), x_ts, y_ts,
+                          np.asarray(actual, dtype=np.float64).reshape(-1, predict, n_features))
+
+
+def sample_paths(predictor: KronosPredictor, context: np.ndarray, x_stamps: np.ndarray, y_stamps: np.ndarray,
+                 predict: int, sampling, batch: int = 32) -> np.ndarray:
+    """Sampled future candles of every window, in price units.
+
+    Each context is normalised on its own (float32, row-major, as KronosPredictor.predict_batch does) and each
+    sample path is scaled back with its window's mean / std, so the mean over samples equals predict_batch's
+    forecast. `torch.manual_seed(sampling.seed)` is set once before the first batch.
+
+    Parameters
+    ----------
+    predictor : the model pair; context : (N, L, 6) candles; x_stamps : (N, L, 5); y_stamps : (N, P, 5);
+    predict : P; sampling : object with temperature, top_k, top_p, sample_count, seed; batch : windows per call.
+
+    Returns
+    -------
+    (N, S, P, 6) float64 sample paths.
+    """
+    torch.manual_seed(sampling.seed)
+    out = []
+    for lo in range(0, len(context), batch):
+        part = slice(lo, lo + batch)
+        # Row-major (T, 6) float32 like KronosPredictor._prepare: numpy's sum order (so the last float32 bit of the
+        # mean / std) depends on the memory layout, and this keeps the forecasts identical to predict_batch's.
+        stats = [normalize(x, predictor.clip, axis=0) for x in np.asarray(context[part], dtype=np.float32)]
+        xn = np.stack([s[0] for s in stats])  # (B, L, 6)
+        paths = predictor.generate(xn, x_stamps[part], y_stamps[part], predict, T=sampling.temperature,
+                                   top_k=sampling.top_k, top_p=sampling.top_p,
+                                   sample_count=sampling.sample_count)  # (B, S, P, 6) normalised
+        out.extend(paths[b] * (std + 1e-5) + mean for b, (_, mean, std) in enumerate(stats))
+    return np.stack(out).astype(np.float64) if out else np.zeros((0, sampling.sample_count, predict, 6))

@@ -1,0 +1,76 @@
+"""The CRPS validation metric for checkpoint selection (finetune_csv.val_metric), on tiny untrained models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from finetune.evaluation.forecast_scores import ScoreSettings, score_forecasts
+from finetune_csv.config import CsvFinetuneConfig
+from finetune_csv.data import Segment, Series
+from finetune_csv.held_out import CLOSE, held_out_windows, sample_paths
+from finetune_csv.val_metric import make_crps_val_metric
+from model import KronosPredictor
+from tests.model_factory import tiny_models, tiny_predictor
+
+
+def make_windows(n: int = 160, lookback: int = 16, predict: int = 4):
+    rng = np.random.default_rng(0)
+    close = 50 * np.exp(np.cumsum(rng.normal(0, 0.01, n)))
+    values = np.column_stack([close, close * 1.01, close * 0.99, close, rng.uniform(1, 2, n) * 1e3,
+                              rng.uniform(1, 2, n) * 5e4])  # (n, 6)
+    ts = pd.date_range("2024-01-02 09:30", periods=n, freq="5min")
+    seg = Segment(Series(name="s.csv", source=None, timestamps=ts, values=values), start=0, first_target=lookback,
+                  stop=n)
+    return held_out_windows([seg], lookback, predict)
+
+
+def make_cfg() -> CsvFinetuneConfig:
+    cfg = CsvFinetuneConfig()
+    cfg.data.lookback, cfg.data.predict = 16, 4
+    cfg.forecast.sample_count, cfg.forecast.seed = 6, 5
+    return cfg
+
+
+def test_the_score_is_the_mean_crps_of_the_subsample_and_is_deterministic():
+    tok, pred = tiny_models(seed=0)
+    cfg, windows = make_cfg(), make_windows()
+    metric = make_crps_val_metric(cfg, windows, tok, max_windows=10)
+    torch.manual_seed(123)
+    expected_rng = torch.rand(3)
+    torch.manual_seed(123)
+    first = metric(pred, "predictor")
+    assert torch.equal(torch.rand(3), expected_rng)  # the training RNG is left where it was
+    assert metric(pred, "predictor") == first  # same weights, same score
+    assert first["windows"] == 10 and first["samples"] == 6 and first["score"] == first["crps"] > 0
+
+    # The same number from the held-out scorer on the same 10 windows (spread evenly, ends included).
+    sub = windows.subset(np.unique(np.round(np.linspace(0, len(windows) - 1, 10)).astype(int)))
+    kp = KronosPredictor(pred, tok, device="cpu", max_context=20, clip=cfg.data.clip)
+    x_st, y_st = sub.stamps()
+    paths = sample_paths(kp, sub.context, x_st, y_st, 4, cfg.forecast)
+    ref = score_forecasts(paths[..., CLOSE], sub.actual[..., CLOSE], sub.context[:, -1, CLOSE],
+                          settings=ScoreSettings(n_boot=0))
+    assert first["crps"] == pytest.approx(ref["model"]["overall"]["crps"], rel=1e-12)
+    assert first["mae"] == pytest.approx(ref["model"]["overall"]["mae"], rel=1e-12)
+
+
+def test_other_weights_get_another_score_and_the_training_mode_is_restored():
+    tok, pred = tiny_models(seed=0)
+    metric = make_crps_val_metric(make_cfg(), make_windows(), tok, max_windows=8)
+    other = tiny_predictor(seed=9)
+    other.train()
+    assert metric(other, "predictor")["score"] != metric(pred, "predictor")["score"]
+    assert other.training
+
+
+def test_the_tokenizer_stage_has_no_forecast_metric_and_an_empty_split_is_an_error():
+    tok, pred = tiny_models(seed=0)
+    from types import SimpleNamespace
+
+    metric = make_crps_val_metric(make_cfg(), make_windows(), tok)
+    assert metric(tok, SimpleNamespace(name="tokenizer")) is None
+    with pytest.raises(ValueError, match="select_by: loss"):
+        make_crps_val_metric(make_cfg(), make_windows().subset(np.zeros(0, dtype=int)), tok)
