@@ -56,7 +56,8 @@ class FinetuneResult:
     predictor_dir: Path | None
     """best_model/ of the finetuned predictor (None when the predictor stage did not run)."""
     metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Per trained stage: best_val_loss, best_epoch (0-based), epochs (run), steps, history (one dict per epoch)."""
+    """Per trained stage: best_val_loss, best_epoch (0 = the starting model, trained epochs count from 1), epochs
+    (trained), steps, history (one dict per epoch, epoch 0 included)."""
     skipped: dict[str, str] = field(default_factory=dict)
     """Stages that did not train, and why."""
     data: dict[str, Any] = field(default_factory=dict)
@@ -159,7 +160,7 @@ def _write_frames(data: pd.DataFrame | Mapping[str, pd.DataFrame], cfg: CsvFinet
 def _result(cfg: CsvFinetuneConfig, results: list, plan: dict[str, str | None], data_info: dict) -> FinetuneResult:
     from finetune_csv.model_dirs import best_dir
 
-    metrics = {r.stage: {"best_val_loss": r.best_val_loss, "best_epoch": r.best_epoch, "epochs": len(r.history),
+    metrics = {r.stage: {"best_val_loss": r.best_val_loss, "best_epoch": r.best_epoch, "epochs": sum(1 for h in r.history if h["epoch"] > 0),
                          "steps": r.global_step, "history": r.history} for r in results}
     tok = best_dir(cfg.tokenizer_dir)
     pred = best_dir(cfg.predictor_dir)

@@ -48,7 +48,7 @@ def test_finetune_a_dataframe_returns_model_folders_and_metrics(tmp_path):
     assert set(result.metrics) == {"tokenizer", "predictor"} and result.skipped == {}
     for stage, folder in (("tokenizer", "tokenizer"), ("predictor", "basemodel")):
         m = result.metrics[stage]
-        assert m["epochs"] == 2 and np.isfinite(m["best_val_loss"]) and m["best_epoch"] in (0, 1)
+        assert m["epochs"] == 2 and np.isfinite(m["best_val_loss"]) and m["best_epoch"] in (0, 1, 2)
         logged = [json.loads(line) for line in (tmp_path / "run" / folder / "metrics.jsonl").read_text().splitlines()]
         assert min(r["val_loss"] for r in logged if "val_loss" in r) == pytest.approx(m["best_val_loss"])
     # the models load; the data went through the store with its checks (DatetimeIndex -> timestamps)

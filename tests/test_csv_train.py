@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -99,7 +100,13 @@ def trained(tmp_path_factory):
 
 def test_single_process_run_writes_exactly_the_expected_files(trained):
     _, base = trained
-    assert files_under(base) == EXPECTED_FILES
+    files = files_under(base)
+    # Rotating checkpoints: step-<8 digits>.pt files, the newest hard-linked as last.pt.
+    steps = {f for f in files if re.fullmatch(r"(tokenizer|basemodel)/checkpoints/step-\d{8}\.pt", f)}
+    assert files - steps == EXPECTED_FILES
+    for stage in ("tokenizer", "basemodel"):
+        newest = max(f for f in steps if f.startswith(stage))
+        assert (base / newest).stat().st_ino == (base / stage / "checkpoints" / "last.pt").stat().st_ino
 
 
 def test_run_info_records_config_data_and_splits(trained):
