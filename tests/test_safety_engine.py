@@ -91,7 +91,7 @@ def test_sigterm_saves_and_stops_and_the_rerun_resumes_to_the_same_weights(tmp_p
         train_tokenizer(tok, Poisoned(train_set, 3, "sigterm"), val_set, CFG, tmp_path, CPU, data_info=DATA)
     assert stopped.value.exit_code == STOPPED_EXIT_CODE == 75
     assert str(stopped.value) == (f"stopped on SIGTERM at step 3; saved {tmp_path / 'checkpoints/last.pt'}; run "
-                                  "again with training.resume=auto to continue")
+                                  "the same command again to resume from there")
     assert load_checkpoint(tmp_path / "checkpoints/last.pt")["loop"]["global_step"] == 3
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
     assert stage_status(tmp_path) == "unfinished"

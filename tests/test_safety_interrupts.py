@@ -68,8 +68,8 @@ def test_signal_finishes_the_current_step_saves_and_exits_with_one_line(tmp_path
     name = signal.Signals(sig).name
     assert len(lines) == 2 and "Traceback" not in err, err
     assert lines[0].startswith(f"received {name}: finishing the current step")
-    assert lines[1] == f"stopped on {name} at step 1; saved {tmp_path / 'saved.txt'}; run again with " \
-                       "training.resume=auto to continue"
+    assert lines[1] == f"stopped on {name} at step 1; saved {tmp_path / 'saved.txt'}; run the same " \
+                       "command again to resume from there"
 
 
 def test_second_sigint_exits_immediately_with_one_line(tmp_path):
@@ -123,7 +123,7 @@ def test_handlers_are_restored_and_flag_is_per_context():
 
 def test_training_stopped_message_without_checkpoint():
     e = TrainingStopped("SIGTERM")
-    assert str(e) == "stopped on SIGTERM; run again with training.resume=auto to continue" and e.exit_code == 75
+    assert str(e) == "stopped on SIGTERM; run the same command again to resume from there" and e.exit_code == 75
 
 
 AGREE = textwrap.dedent("""

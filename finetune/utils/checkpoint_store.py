@@ -45,6 +45,8 @@ import torch
 
 from finetune.utils.guard import assert_finite_state_dict
 
+from .errors import DataError, UserError
+
 __all__ = [
     "LAST_NAME",
     "CheckpointError",
@@ -70,11 +72,11 @@ _OVERHEAD = 64 * 1024  # zip headers + pickled structure beyond the raw tensor b
 _log = logging.getLogger(__name__)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(DataError):
     """No checkpoint in a folder could be loaded; the message lists each file and why."""
 
 
-class CheckpointWriteError(OSError):
+class CheckpointWriteError(UserError, OSError):
     """A checkpoint could not be written for lack of space (or a file-size limit); names file, free and needed."""
 
     def __str__(self) -> str:  # the message alone, without OSError's "[Errno 28] ...: 'path'" decoration

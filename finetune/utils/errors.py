@@ -19,7 +19,8 @@ Exit codes (`EXIT_*` below):
     4    path or Hub: a file or folder does not exist, or a Hugging Face Hub lookup failed
     5    refused: the run would overwrite or lose earlier work (FileExistsError, a refused resume)
     6    missing optional dependency: e.g. the Qlib pipeline without pyqlib (`pip install 'kronos-finetune[qlib]'`)
-    130  interrupted (Ctrl-C)
+    75   stopped on request (SIGTERM / first Ctrl-C): the step was saved; the same command resumes
+    130  interrupted (a second Ctrl-C)
 
 How a user error is told from a bug, in this order:
 1. `KeyboardInterrupt` -> 130.
@@ -57,6 +58,7 @@ __all__ = [
     "EXIT_PATH",
     "EXIT_REFUSED",
     "EXIT_MISSING_EXTRA",
+    "EXIT_STOPPED",
     "EXIT_INTERRUPTED",
     "OPTIONAL_MODULES",
     "UserError",
@@ -76,6 +78,7 @@ EXIT_DATA = 3
 EXIT_PATH = 4
 EXIT_REFUSED = 5
 EXIT_MISSING_EXTRA = 6
+EXIT_STOPPED = 75  # EX_TEMPFAIL: a scheduler may requeue the job
 EXIT_INTERRUPTED = 130
 
 # Top-level module -> the extra of this package that installs it.
@@ -216,6 +219,8 @@ def format_error(exc: BaseException, code: int) -> str:
     """The message printed for a user error: `error: <first line>` then any further lines of the message."""
     if isinstance(exc, KeyboardInterrupt):
         return "error: interrupted (Ctrl-C); checkpoints/last.pt holds the last completed epoch or save step"
+    if code == EXIT_STOPPED:  # a graceful stop is not an error: one line, the step saved and how to go on
+        return str(exc)
     if isinstance(exc, ModuleNotFoundError) and not isinstance(exc, MissingExtraError) and code == EXIT_MISSING_EXTRA:
         return "error: " + str(MissingExtraError.for_module(exc.name or "?"))
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror and not isinstance(exc, UserError):

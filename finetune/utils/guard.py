@@ -26,6 +26,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .errors import DataError
+
 __all__ = [
     "DivergenceError",
     "NonFiniteGuard",
@@ -45,7 +47,7 @@ GRAD_EXPLOSION = 10.0
 """The gradient norm counts as exploding when its last value is this many times the window's median."""
 
 
-class DivergenceError(ValueError):
+class DivergenceError(DataError):
     """Training produced a non-finite loss or gradient; the message names the most likely cause and the fix."""
 
     def __init__(self, message: str, step: int | None = None, cause: str | None = None):

@@ -9,8 +9,8 @@ The rule:
 - A second signal while the first is being handled exits immediately via `os._exit(128 + signum)` (130 for
   Ctrl-C) after one line: no traceback, no save. Except: a repeated SIGTERM, or any second signal within
   `FORWARD_GRACE_S` of the first, is the same request delivered twice - torchrun's agent forwards the SIGTERM/SIGINT
-  it got to workers that already got it from the terminal or the scheduler (which escalates with SIGKILL anyway). Temporary files such a hard exit leaves are removed the next time
-  the folder is opened (`checkpoint_store.remove_orphans`); the run lock is released by the kernel.
+  it got to workers that already got it from the terminal or the scheduler (which escalates with SIGKILL anyway).
+  Temporary files such a hard exit leaves are removed the next time the folder is opened (`checkpoint_store.remove_orphans`); the run lock is released by the kernel.
 - Leaving the `GracefulStop` context restores the previous handlers, so the rest of the program (and tests) keep
   the usual Ctrl-C behaviour.
 
@@ -41,6 +41,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
+from .errors import EXIT_STOPPED, UserError
 
 __all__ = [
     "FORWARD_GRACE_S",
@@ -56,13 +57,13 @@ FORWARD_GRACE_S = 0.3
 """A second signal this soon after the first counts as the same request forwarded by a launcher, not a user's
 second Ctrl-C."""
 
-STOPPED_EXIT_CODE = 75
+STOPPED_EXIT_CODE = EXIT_STOPPED
 """Exit status of a run that stopped on a signal after saving (EX_TEMPFAIL: resume it later)."""
 
 _ACTIVE: list[GracefulStop] = []  # innermost last; stop_requested() asks the innermost
 
 
-class TrainingStopped(Exception):
+class TrainingStopped(UserError):
     """Raised by the loop after it saved on a stop request; the entry point prints `str(e)` and exits with
     `exit_code`."""
 
@@ -74,7 +75,7 @@ class TrainingStopped(Exception):
         self.step = step
         at = f" at step {step}" if step is not None else ""
         saved = f"; saved {self.checkpoint}" if self.checkpoint is not None else ""
-        super().__init__(f"stopped on {signal_name}{at}{saved}; run again with training.resume=auto to continue")
+        super().__init__(f"stopped on {signal_name}{at}{saved}; run the same command again to resume from there")
 
 
 def _write_line(text: str) -> None:
@@ -119,7 +120,7 @@ class GracefulStop:
         _write_line(f"received {name} again: quitting now without saving")
         os._exit(128 + signum)
 
-    def __enter__(self) -> "GracefulStop":
+    def __enter__(self) -> GracefulStop:
         if not self.enabled or threading.current_thread() is not threading.main_thread():
             return self  # signal.signal only works in the main thread; nothing to install elsewhere
         for sig in self.signals:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from .errors import RefusedError
 
 try:  # POSIX only; Windows falls back to exclusive create + pid check
     import fcntl
@@ -70,7 +71,7 @@ class LockHolder:
         return f"{text}: {self.argv}" if self.argv else text
 
 
-class RunLockedError(ValueError):
+class RunLockedError(RefusedError, ValueError):
     """Another live run holds the output folder's lock (a user mistake: two runs into one folder)."""
 
     def __init__(self, folder: Path, holder: LockHolder, key: str):
@@ -134,7 +135,7 @@ class RunLock:
         """True between a successful `acquire()` and `release()`."""
         return self._mode is not None
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         """Take the lock or raise `RunLockedError` at once (never waits). Returns self."""
         if not self.enabled or self.held:
             return self
@@ -225,7 +226,7 @@ class RunLock:
             except OSError:
                 pass
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

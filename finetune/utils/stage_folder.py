@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .checkpoint_store import LAST_NAME, list_checkpoints
+from .errors import RefusedError
 
 __all__ = ["RUN_OUTPUTS", "RunPlan", "StageFolderError", "stage_status", "plan_run", "remove_outputs",
            "data_fingerprint", "weights_fingerprint", "describe_changes"]
@@ -38,7 +39,7 @@ RUN_OUTPUTS = ("checkpoints", "best_model", "metrics.jsonl", "loss_curve.png", "
 Status = Literal["empty", "unfinished", "finished"]
 
 
-class StageFolderError(ValueError):
+class StageFolderError(RefusedError, ValueError):
     """The stage folder's content and training.resume / training.overwrite disagree (a user decision is needed)."""
 
 
