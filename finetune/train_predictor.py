@@ -2,69 +2,39 @@
 
     torchrun --standalone --nproc_per_node=N finetune/train_predictor.py --config configs/qlib_csi300.yaml
     DIST_BACKEND=gloo torchrun --standalone --nproc_per_node=2 finetune/train_predictor.py \
-        --config configs/qlib_demo.yaml
+        --config configs/qlib_demo.yaml [--resume | --overwrite] [--set training.select_by=ic ...]
 
 The tokenizer comes from paths.finetuned_tokenizer_path and stays frozen. Writes paths.predictor_dir: best_model/
-(the finetuned predictor plus tokenizer_config.json), checkpoints/last.pt, metrics.jsonl, loss_curve.png,
-run_info.json.
+(the finetuned predictor plus tokenizer_config.json), checkpoints/, metrics.jsonl, train.log, loss_curve.png,
+run_info.json. `training.select_by: ic` keeps the epoch with the best validation RankIC instead of the lowest loss.
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
-
-from finetune.config import QlibConfig, check_model_folder, cli_parser, load
-from finetune.dataset import build_train_val_datasets, check_processed
+from finetune.config import QlibConfig
+from finetune.qlib_stage import StageSpec, run_stage
 from finetune.utils.checkpoint import load_pretrained
-from finetune.utils.config_utils import config_to_dict
-from finetune.utils.distributed import distributed_context, require_torchrun
 from finetune.utils.factory import build_predictor
-from finetune.utils.logging_setup import setup_logging
-from finetune.utils.seeding import seeded_init
-from finetune.utils.training_utils import train_predictor
 from model import KronosTokenizer
 
-log = logging.getLogger(__name__)
-SCRIPT = "finetune/train_predictor.py"
+TOKENIZER_KEY = "paths.finetuned_tokenizer_path"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = cli_parser(__doc__)
-    return parser.parse_args(argv)
+def build(cfg: QlibConfig) -> dict:
+    """The frozen finetuned tokenizer, and the predictor to finetune (model.pretrained_predictor, or fresh from
+    model.predictor_arch with the tokenizer's sub-token sizes)."""
+    tokenizer = load_pretrained(KronosTokenizer, cfg.paths.finetuned_tokenizer_path, TOKENIZER_KEY)
+    predictor = build_predictor(cfg.model.pretrained_predictor, cfg.model.predictor_arch, tokenizer, "model",
+                                tokenizer_key=TOKENIZER_KEY)
+    return {"tokenizer": tokenizer, "predictor": predictor}
 
 
-def check_inputs(cfg: QlibConfig) -> None:
-    """Every settings and input-file problem of this stage, raised as one ConfigError before anything starts."""
-    problems = cfg.problems()
-    check_processed(cfg, ("train", "val"), problems)
-    check_model_folder(cfg.paths.finetuned_tokenizer_path, "paths.finetuned_tokenizer_path", problems, hub_ok=False)
-    check_model_folder(cfg.model.pretrained_predictor, "model.pretrained_predictor", problems, hub_ok=True)
-    problems.raise_if_any()
+SPEC = StageSpec("predictor", "finetune/train_predictor.py",
+                 ((TOKENIZER_KEY, False), ("model.pretrained_predictor", True)), build)
 
 
 def main(argv: list[str] | None = None) -> None:
-    setup_logging()  # rank 0 reports; the other ranks only warn (torchrun sets RANK before the process starts)
-    args = parse_args(argv)
-    require_torchrun(SCRIPT, f"--config {args.config}")
-    cfg = load(args.config, args.set)
-    check_inputs(cfg)
-    training = cfg.stage_training("predictor")
-
-    with distributed_context(training.dist_timeout_s) as dist:
-        train_set, val_set, data_info = build_train_val_datasets(cfg)
-        tokenizer_key = "paths.finetuned_tokenizer_path"
-        tokenizer = load_pretrained(KronosTokenizer, cfg.paths.finetuned_tokenizer_path, tokenizer_key)
-        with seeded_init(training.seed):  # a from-scratch predictor starts from the same weights on every run
-            predictor = build_predictor(cfg.model.pretrained_predictor, cfg.model.predictor_arch, tokenizer, "model",
-                                        tokenizer_key=tokenizer_key)
-        result = train_predictor(
-            predictor, tokenizer, train_set, val_set, training, cfg.paths.predictor_dir, dist,
-            run_config=config_to_dict(cfg), data_info=data_info,
-        )
-        if dist.is_main:
-            log.info(f"[predictor] best val loss {result.best_val_loss:.4f} (epoch {result.best_epoch}); "
-                  f"finetuned predictor: {result.best_model_dir}")
+    run_stage(SPEC, argv, __doc__)
 
 
 if __name__ == "__main__":

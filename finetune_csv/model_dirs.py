@@ -20,12 +20,19 @@ def best_dir(stage_dir: Path) -> Path:
 def predictor_tokenizer_source(cfg: CsvFinetuneConfig) -> str:
     """The tokenizer the predictor is trained with (and forecasts with): the finetuned one once it exists.
 
-    Falls back to `model.pretrained_tokenizer` when the tokenizer stage has not produced a model (for instance
-    with --skip-tokenizer); a from-scratch tokenizer that was never trained is an error, not a silent random one.
+    Falls back to `model.pretrained_tokenizer` when the tokenizer stage never ran (for instance with
+    --skip-tokenizer); an interrupted tokenizer stage and a from-scratch tokenizer that was never trained are errors,
+    not a silent half-trained or random one.
     """
+    from finetune.utils.training_utils import stage_status
+
     finetuned = best_dir(cfg.tokenizer_dir)
-    if (finetuned / "config.json").is_file():
+    status = stage_status(cfg.tokenizer_dir)
+    if status == "finished":
         return str(finetuned)
+    if status == "unfinished":  # never train or forecast on a half-trained tokenizer (issue 8, observation 6)
+        raise ValueError(f"the tokenizer stage in {cfg.tokenizer_dir} is unfinished: run it to the end first (drop "
+                         "--skip-tokenizer; it resumes where it stopped) or use another paths.base_dir")
     if cfg.model.pretrained_tokenizer is not None:
         return cfg.model.pretrained_tokenizer
     raise ValueError(f"no trained tokenizer in {finetuned} and model.pretrained_tokenizer is null: train the "

@@ -24,12 +24,13 @@ from finetune.utils.config_utils import add_config_args, config_to_dict
 from finetune.utils.data_store import list_sources
 from finetune.utils.distributed import DistInfo, barrier, distributed_context
 from finetune.utils.factory import build_predictor, build_tokenizer
+from finetune.utils.logging_setup import setup_logging
 from finetune.utils.seeding import seeded_init
-from finetune.utils.training_utils import TrainResult, train_predictor, train_tokenizer
+from finetune.utils.training_utils import TrainResult, stage_status, train_predictor, train_tokenizer
 from finetune_csv import config as csv_config
 from finetune_csv.config import CsvFinetuneConfig
 from finetune_csv.dataset import build_dataset
-from finetune_csv.model_dirs import best_dir, predictor_tokenizer_source
+from finetune_csv.model_dirs import predictor_tokenizer_source
 from finetune_csv.prepared import data_summary_from_store, prepare_data
 from model import KronosTokenizer
 
@@ -44,16 +45,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-basemodel", "--skip-predictor", dest="skip_predictor", action="store_true",
                         help="do not train the predictor (basemodel)")
     parser.add_argument("--skip-existing", action="store_true",
-                        help="skip a stage whose best_model/ already exists")
+                        help="skip a stage that FINISHED before (an interrupted stage is resumed, not skipped; "
+                             "finished stages are also skipped by default, unless --overwrite)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue each stage from its checkpoints/last.pt (training.resume=auto, the default; "
-                             "the flag overrides a config that sets never)")
+                        help="insist on resuming: each unfinished stage continues from its newest checkpoint, and "
+                             "it is an error if there is none (training.resume=required; the default 'auto' "
+                             "resumes when it can and starts fresh otherwise)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="retrain a stage that already holds a run, replacing its outputs (training.overwrite; "
+                             "the run says what it replaces)")
     return parser.parse_args(argv)
 
 
 def load_settings(args: argparse.Namespace) -> CsvFinetuneConfig:
-    """YAML + --set overrides (+ --resume), validated: one ValueError lists every problem."""
-    overrides = list(args.set) + (["training.resume=auto"] if args.resume else [])
+    """YAML + --set overrides (+ --resume / --overwrite), validated: one ValueError lists every problem."""
+    overrides = (list(args.set) + (["training.resume=required"] if args.resume else [])
+                 + (["training.overwrite=true"] if args.overwrite else []))
     return csv_config.load(args.config, overrides)
 
 
@@ -67,8 +74,8 @@ def plan_stages(cfg: CsvFinetuneConfig, skip_tokenizer: bool, skip_predictor: bo
             plan[stage] = f"--skip-{'tokenizer' if stage == 'tokenizer' else 'basemodel'}"
         elif cfg.stage_training(stage).epochs == 0:
             plan[stage] = f"{stage}_training.epochs is 0"
-        elif skip_existing and (best_dir(folder) / "config.json").is_file():
-            plan[stage] = f"--skip-existing and {best_dir(folder)} exists"
+        elif skip_existing and stage_status(folder) == "finished":
+            plan[stage] = f"--skip-existing and {folder} holds a finished run"
         else:
             plan[stage] = None
     return plan
@@ -76,7 +83,7 @@ def plan_stages(cfg: CsvFinetuneConfig, skip_tokenizer: bool, skip_predictor: bo
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    setup_logging()  # rank 0 reports; under torchrun the other ranks only warn
     cfg = load_settings(args)
     run_finetune(cfg, skip_tokenizer=args.skip_tokenizer, skip_predictor=args.skip_predictor,
                  skip_existing=args.skip_existing)

@@ -6,6 +6,7 @@ import pytest
 
 from finetune import qlib_test, train_predictor, train_tokenizer
 from finetune.config import QlibConfig, check_model_folder, load
+from finetune.qlib_stage import check_inputs
 from finetune.utils.config_utils import ConfigError, Problems, load_config
 
 
@@ -96,13 +97,13 @@ def demo(tmp_path, *extra):
 
 def test_tokenizer_stage_names_missing_splits_and_model(tmp_path):
     with pytest.raises(ConfigError) as err:
-        train_tokenizer.check_inputs(demo(tmp_path, f"model.pretrained_tokenizer={tmp_path / 'no_tok'}"))
+        check_inputs(train_tokenizer.SPEC, demo(tmp_path, f"model.pretrained_tokenizer={tmp_path / 'no_tok'}"))
     assert keys_of(err.value) == ["data.dataset_path", "model.pretrained_tokenizer"]
 
 
 def test_predictor_stage_needs_the_finetuned_tokenizer(tmp_path):
     with pytest.raises(ConfigError) as err:
-        train_predictor.check_inputs(demo(tmp_path))
+        check_inputs(train_predictor.SPEC, demo(tmp_path))
     assert keys_of(err.value) == ["data.dataset_path", "paths.finetuned_tokenizer_path"]
 
 
@@ -119,7 +120,7 @@ def test_trainers_started_with_plain_python_show_the_torchrun_command(module, mo
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(RuntimeError) as err:
         module.main(["--config", "configs/qlib_demo.yaml"])
-    assert f"torchrun --standalone --nproc_per_node=1 {module.SCRIPT} --config configs/qlib_demo.yaml" in str(err.value)
+    assert f"torchrun --standalone --nproc_per_node=1 {module.SPEC.script} --config configs/qlib_demo.yaml" in str(err.value)
 
 
 def test_a_training_override_that_a_stage_section_shadows_is_warned_about(caplog):
