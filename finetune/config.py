@@ -230,6 +230,9 @@ class QlibConfig:
         _check_data(self.data, p)
         self.model.check(p, "model")
         validate_training_config(self.training, p, "training")
+        p.check(self.training.select_by in ("loss", "ic"), "training.select_by",
+                f"must be 'loss' (validation token loss) or 'ic' (RankIC of validation forecasts), "
+                f"got {self.training.select_by!r}")
         for stage in ("tokenizer", "predictor"):
             validate_stage(getattr(self, f"{stage}_training"), f"{stage}_training", p)
         _check_forecast(self.forecast, p)

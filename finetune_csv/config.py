@@ -250,6 +250,9 @@ def _check_data(d: DataConfig, p: Problems) -> None:
 
 def _check_training(cfg: CsvFinetuneConfig, p: Problems) -> None:
     validate_training_config(cfg.training, p, prefix="training")
+    p.check(cfg.training.select_by in ("loss", "crps"), "training.select_by",
+            f"must be 'loss' (validation token loss) or 'crps' (forecast CRPS on validation windows), "
+            f"got {cfg.training.select_by!r}")
     for key in ("tokenizer_training", "predictor_training"):
         validate_stage(getattr(cfg, key), key, p, min_epochs=0)  # epochs 0 = skip the stage
 
