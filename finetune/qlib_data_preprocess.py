@@ -58,9 +58,9 @@ from finetune.qlib_io import (
     read_calendar,
     universe_spans,
 )
-from finetune.utils.checkpoint import write_json_atomic
 from finetune.utils.config_utils import ConfigError, Problems
 from finetune.utils.panel import SeriesPanel
+from model.fileio import write_json
 
 log = logging.getLogger("finetune.qlib")
 
@@ -200,7 +200,7 @@ def write_splits(folder: str | Path, splits: dict[str, SeriesPanel], manifest: d
     try:
         for name, split in splits.items():
             save_split(split_path(tmp, name), split)
-        write_json_atomic(manifest, tmp / MANIFEST_NAME)
+        write_json(tmp / MANIFEST_NAME, manifest)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / MANIFEST_NAME).unlink(missing_ok=True)  # an interrupted move must not leave an old manifest
         for name in splits:

@@ -32,7 +32,6 @@ from finetune.evaluation.bootstrap import bootstrap_ci
 from finetune.evaluation.forecast_baselines import infer_season
 from finetune.evaluation.forecast_scores import ScoreSettings, score_forecasts
 from finetune.evaluation.scoring_rules import crps_ensemble
-from finetune.utils.checkpoint import write_json_atomic
 from finetune.utils.config_utils import add_config_args
 from finetune_csv import config as csv_config
 from finetune_csv.config import CsvFinetuneConfig
@@ -44,6 +43,7 @@ from finetune_csv.held_out import CLOSE, HeldOutWindows, held_out_windows, sampl
 from finetune_csv.model_dirs import best_dir, predictor_tokenizer_source
 from model import Kronos, KronosPredictor, KronosTokenizer
 from model.features import FEATURE_COLS, calc_time_stamps
+from model.fileio import write_json
 
 log = logging.getLogger("finetune_csv.forecast")
 TABLE_QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)  # quantile columns of forecast.csv (the plot's bands + median)
@@ -231,7 +231,7 @@ def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> dict:
     plot_panels(_panels(windows.names, [ts[-tail:] for ts in windows.x_timestamps],
                         windows.context[:, -tail:, CLOSE], windows.y_timestamps, paths, windows.actual),
                 out_dir / "forecast_vs_actual.png")
-    write_json_atomic(metrics, out_dir / "metrics.json")
+    write_json(out_dir / "metrics.json", metrics)
     return metrics
 
 

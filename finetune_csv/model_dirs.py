@@ -26,13 +26,14 @@ def predictor_tokenizer_source(cfg: CsvFinetuneConfig) -> str:
     """
     from finetune.utils.training_utils import stage_status
 
-    finetuned = best_dir(cfg.tokenizer_dir)
-    status = stage_status(cfg.tokenizer_dir)
-    if status == "finished":
-        return str(finetuned)
-    if status == "unfinished":  # never train or forecast on a half-trained tokenizer (issue 8, observation 6)
-        raise ValueError(f"the tokenizer stage in {cfg.tokenizer_dir} is unfinished: run it to the end first (drop "
+    folder, finetuned = Path(cfg.tokenizer_dir), best_dir(cfg.tokenizer_dir)
+    interrupted = stage_status(folder) == "unfinished" and any(
+        (folder / name).exists() for name in ("checkpoints", "run_info.json", "metrics.jsonl"))
+    if interrupted:  # never train or forecast on a half-trained tokenizer (issue 8, observation 6)
+        raise ValueError(f"the tokenizer stage in {folder} is unfinished: run it to the end first (drop "
                          "--skip-tokenizer; it resumes where it stopped) or use another paths.base_dir")
+    if (finetuned / "config.json").is_file():  # a finished stage's model, or one placed there by hand
+        return str(finetuned)
     if cfg.model.pretrained_tokenizer is not None:
         return cfg.model.pretrained_tokenizer
     raise ValueError(f"no trained tokenizer in {finetuned} and model.pretrained_tokenizer is null: train the "

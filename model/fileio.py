@@ -7,6 +7,7 @@ written so far.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import errno
 import json
 import math
@@ -126,7 +127,7 @@ def atomic_dir(target: str | os.PathLike, *, overwrite: bool = True) -> Iterator
 def strict_json(value: Any) -> Any:
     """Copy of `value` that `json.dumps(..., allow_nan=False)` accepts (JSON has no NaN / Infinity, and many readers
     reject the tokens Python would write): NaN / inf -> None, numpy / torch scalars and arrays -> Python numbers and
-    lists, tuples -> lists, dict keys -> str; recursively."""
+    lists, tuples -> lists, dict keys -> str, paths -> str, dates/times -> ISO text; recursively."""
     if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
         return value
     if isinstance(value, float):
@@ -137,10 +138,17 @@ def strict_json(value: Any) -> Any:
         return [strict_json(v) for v in value]
     if hasattr(value, "tolist") and hasattr(value, "ndim"):  # numpy / torch scalar or array
         return strict_json(value.tolist())
-    return value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (datetime.date, datetime.time)):  # also datetime and pandas.Timestamp
+        return value.isoformat()
+    return value  # anything else must be JSON already: json.dumps names what is not
 
 
 def write_json(path: str | os.PathLike, data: Any) -> Path:
-    """Write `data` as strict JSON (NaN/inf -> null, indent 2, trailing newline), atomically. Returns the path."""
+    """Write `data` as strict JSON (NaN/inf -> null, indent 2, trailing newline), atomically, creating the folder.
+    Returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(strict_json(data), indent=2, allow_nan=False) + "\n"
     return atomic_write(path, lambda p: Path(p).write_text(text, encoding="utf-8"))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from finetune.utils.checkpoint import find_resume_checkpoint, rng_state, set_rng_state
+from finetune.utils.checkpoint import rng_state, set_rng_state
 from finetune.utils.distributed import (
     distributed_context,
     launched_by_torchrun,
@@ -123,11 +123,15 @@ def test_seed_plus_rank_and_rng_state_round_trip():
 
 
 def test_resume_setting(tmp_path):
-    assert find_resume_checkpoint("auto", tmp_path) is None
-    assert find_resume_checkpoint("never", tmp_path) is None
+    from finetune.utils.stage_folder import StageFolderError, plan_run
+
+    assert plan_run(tmp_path, "auto", False, "tokenizer").action == "fresh"
+    assert plan_run(tmp_path, "never", False, "tokenizer").action == "fresh"
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "last.pt").write_bytes(b"x")
-    assert find_resume_checkpoint("auto", tmp_path) == tmp_path / "checkpoints" / "last.pt"
-    assert find_resume_checkpoint(str(tmp_path), tmp_path / "other") == tmp_path / "checkpoints" / "last.pt"
-    with pytest.raises(FileNotFoundError, match="training.resume"):
-        find_resume_checkpoint(str(tmp_path / "missing.pt"), tmp_path)
+    assert plan_run(tmp_path, "auto", False, "tokenizer").action == "resume"
+    # a run folder given as training.resume resumes its newest checkpoint (into a new, empty folder)
+    other = plan_run(tmp_path / "other", str(tmp_path), False, "tokenizer")
+    assert (other.action, other.checkpoint) == ("resume", str(tmp_path / "checkpoints" / "last.pt"))
+    with pytest.raises(StageFolderError, match="training.resume"):
+        plan_run(tmp_path / "other", str(tmp_path / "missing.pt"), False, "tokenizer")

@@ -36,7 +36,6 @@ import pickle
 import re
 import secrets
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from typing import Any
 import torch
 
 from finetune.utils.guard import assert_finite_state_dict
+from model.fileio import atomic_write
 
 from .errors import DataError, UserError
 
@@ -178,28 +178,22 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _tmp_name(folder: Path, name: str) -> Path:
     return folder / f".{name}.{secrets.token_hex(4)}.tmp"
 
 
+def _save_to(state: Any, tmp: str) -> None:
+    # Through an open file object: torch then reports a failed write (EFBIG, ENOSPC) with the OSError attached.
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+
+
 def _write_file(state: Any, path: Path, needed: int) -> None:
-    """torch.save to a temporary file beside `path`, fsync, rename into place; nothing left behind on failure."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """torch.save through the project's one atomic writer (temporary file, fsync, rename; nothing left behind on
+    failure); a full disk becomes CheckpointWriteError with the bytes this checkpoint needs."""
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes owner-only files; give the permissions open() would
-        os.replace(tmp, path)
+        atomic_write(path, lambda tmp: _save_to(state, tmp))
     except BaseException as e:
-        Path(tmp).unlink(missing_ok=True)
         if _is_space_error(e):
             raise _space_error(path, needed, e) from e
         raise

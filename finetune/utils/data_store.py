@@ -46,6 +46,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from model.fileio import write_json
+
 from .candle_checks import (
     FLOAT32_MAX,
     CandleDataError,
@@ -56,7 +58,6 @@ from .candle_checks import (
     infer_frequency,
     timezone_problem,
 )
-from .checkpoint import write_json_atomic
 from .config_utils import Problems
 from .panel import SeriesPanel
 from .provenance import sha256_file
@@ -245,7 +246,7 @@ def prepare_store(sources: str | Path | Sequence[str | Path], out_dir: str | Pat
         manifest.update(format=FORMAT, format_version=FORMAT_VERSION, settings=settings.as_dict(),
                         sources=fingerprints, prepare_seconds=round(time.perf_counter() - t0, 3),
                         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-        write_json_atomic(manifest, tmp / MANIFEST)
+        write_json(tmp / MANIFEST, manifest)
         _move_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -478,7 +479,7 @@ def ensure_store(sources: str | Path | Sequence[str | Path], store_dir: str | Pa
         ok, reason, refreshed = check_store(store_dir, files, settings)
         if ok:
             if refreshed is not None:
-                write_json_atomic(refreshed, store_dir / MANIFEST)
+                write_json(store_dir / MANIFEST, refreshed)
             log.info("data store %s: reusing it (%s)", store_dir, reason)
             info = StoreInfo(store_dir, refreshed or read_manifest(store_dir), reused=True, reason=reason)
         else:

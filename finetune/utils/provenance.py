@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import write_json_atomic
+from model.fileio import write_json
 
 __all__ = ["library_versions", "git_commit", "file_fingerprint", "sha256_file", "build_run_info", "write_run_info"]
 
@@ -98,4 +98,4 @@ def write_run_info(
     folder: str | Path, config: Any, data: dict[str, Any] | None = None, extra: dict[str, Any] | None = None
 ) -> Path:
     """Write `<folder>/run_info.json` atomically (rank 0 only: the caller guards it) and return its path."""
-    return write_json_atomic(build_run_info(config, data, extra), Path(folder) / "run_info.json")
+    return write_json(Path(folder) / "run_info.json", build_run_info(config, data, extra))
