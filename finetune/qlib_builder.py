@@ -30,17 +30,16 @@ The folder is assembled in a temporary sibling and renamed into place, so a fail
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+from model.fileio import atomic_dir, write_json
 
 REQUIRED_COLUMNS = ("timestamps", "open", "high", "low", "close", "volume", "amount")
 PRICE_COLUMNS = ("open", "high", "low", "close")
@@ -363,19 +362,7 @@ def build_qlib_provider(frames: dict[str, pd.DataFrame], out_dir: str | os.PathL
             "point_in_time_membership": members is not None, "symbols": len(universe_symbols),
             "suspended_days": {s: n for s, n in sorted(suspended.items()) if n}}
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.building-"))
-    try:
+    with atomic_dir(out) as staging:  # a reader sees the old store or the complete new one, never half of one
         _write_provider(staging, tables, universe, universe_symbols, members)
-        (staging / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
-        if out.exists():
-            trash = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
-            os.replace(out, trash / "old")
-            os.replace(staging, out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        write_json(staging / "build_info.json", info)
     return out

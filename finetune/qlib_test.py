@@ -19,7 +19,6 @@ ic_decay.csv, ic_decay.png, backtest_daily.csv, cumulative_return.png.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -56,7 +55,7 @@ from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.config_utils import config_to_dict
 from finetune.utils.panel import SeriesPanel
 from model import Kronos, KronosTokenizer
-from model.fileio import strict_json
+from model.fileio import write_json
 
 log = logging.getLogger("finetune.qlib")
 
@@ -89,7 +88,7 @@ def write_results(folder: str | Path, files: dict[str, Any]) -> Path:
             if isinstance(content, pd.DataFrame):
                 content.to_csv(target, index=content.index.name is not None)
             elif isinstance(content, dict):
-                target.write_text(json.dumps(strict_json(content), indent=2, allow_nan=False, default=str) + "\n")
+                write_json(target, content)
             else:
                 content(target)
         folder.mkdir(parents=True, exist_ok=True)

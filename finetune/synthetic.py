@@ -15,12 +15,13 @@ Everything is vectorised over series; the only Python loop is the GARCH variance
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+from model.fileio import atomic_write
 
 COLUMNS = ["timestamps", "open", "high", "low", "close", "volume", "amount"]
 SESSIONS = (("09:30", "11:30"), ("13:00", "15:00"))  # (start, end) of each trading session, end exclusive
@@ -180,14 +181,8 @@ def write_csv_folder(frames: dict[str, pd.DataFrame], out_dir: str | os.PathLike
         stamps = pd.to_datetime(df["timestamps"])
         fmt = "%Y-%m-%d" if _is_daily(stamps) else "%Y-%m-%d %H:%M:%S"
         path = out / f"{symbol}.csv"
-        fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{symbol}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", newline="") as fh:
-                df.assign(timestamps=stamps)[COLUMNS].to_csv(fh, index=False, date_format=fmt)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        frame = df.assign(timestamps=stamps)[COLUMNS]
+        atomic_write(path, lambda tmp, frame=frame, fmt=fmt: frame.to_csv(tmp, index=False, date_format=fmt))
         paths.append(path)
     return paths
 
