@@ -30,6 +30,7 @@ from finetune.utils.training_utils import (
     train_tokenizer,
 )
 from finetune.utils.window_dataset import SeriesArrays, WindowDataset
+
 try:  # imported by the tests as tests.engine_dist_worker, or run as a script (tests/ is then on sys.path)
     from tests import model_factory
 except ImportError:

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from finetune import cli
-from finetune.config import QlibConfig, load as load_qlib_config
+from finetune.config import QlibConfig
+from finetune.config import load as load_qlib_config
 from finetune.utils.config_help import (
     KeyDoc,
     SectionDoc,

@@ -216,7 +216,8 @@ def config_kind(kind: str) -> tuple[type, Callable[[str | None, Sequence[str]], 
 
         return csv_config.CsvFinetuneConfig, load_csv_config, None
     if kind == "qlib":
-        from finetune.config import QlibConfig, load as load_qlib_config
+        from finetune.config import QlibConfig
+        from finetune.config import load as load_qlib_config
 
         return QlibConfig, load_qlib_config, "configs/qlib_csi300.yaml"
     raise ValueError(f"unknown settings kind {kind!r} (expected 'csv' or 'qlib')")

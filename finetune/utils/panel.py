@@ -50,7 +50,7 @@ class SeriesPanel:
 
     @classmethod
     def from_series(cls, features: Sequence[np.ndarray], stamps: Sequence[np.ndarray], names: Sequence[str],
-                    datetimes: Sequence[np.ndarray] | None = None) -> "SeriesPanel":
+                    datetimes: Sequence[np.ndarray] | None = None) -> SeriesPanel:
         """Concatenate per-series arrays (features (N_s, F) time-major, stamps (N_s, 5)) into one panel (one copy)."""
         if not len(features):
             raise ValueError("a panel needs at least one series")

@@ -149,7 +149,7 @@ class WindowDataset(Dataset):
 
     @classmethod
     def from_series(cls, series: Sequence[SeriesArrays | tuple[np.ndarray, np.ndarray]], lookback: int,
-                    predict: int, *, stride: int = 1, clip: float = 5.0) -> "WindowDataset":
+                    predict: int, *, stride: int = 1, clip: float = 5.0) -> WindowDataset:
         """Convenience constructor from per-series arrays (features (N_s, F), stamps (N_s, 5)); copies them once."""
         return cls(panel_from_series(series), lookback, predict, stride=stride, clip=clip)
 
