@@ -95,8 +95,11 @@ def run_stage(spec: StageSpec, argv: list[str] | None = None, doc: str = "") -> 
                 from finetune.qlib_forecast import make_ic_val_metric
 
                 val_metric = make_ic_val_metric(cfg, val_set.panel, models["tokenizer"])
+            # What forecasting needs beside the weights: the training window, the tokenizer and the clip.
+            forecast_info = {"max_context": cfg.data.lookback + cfg.data.predict,
+                             "tokenizer": cfg.paths.finetuned_tokenizer_path, "clip": cfg.data.clip}
             result = train_predictor(models["predictor"], models["tokenizer"], train_set, val_set, training, out_dir,
-                                     dist, val_metric=val_metric, **common)
+                                     dist, val_metric=val_metric, forecast_info=forecast_info, **common)
         if dist.is_main:
             log.info("[%s] best val loss %.4f (epoch %s); model: %s", spec.stage, result.best_val_loss,
                      result.best_epoch, result.best_model_dir)

@@ -35,6 +35,14 @@ def write_predictor_info(folder: str | os.PathLike, *, max_context: int, tokeniz
     -------
     The written file's path.
     """
+    return write_json(Path(folder) / PREDICTOR_INFO_NAME,
+                      predictor_info(folder, max_context=max_context, tokenizer=tokenizer, clip=clip))
+
+
+def predictor_info(folder: str | os.PathLike, *, max_context: int, tokenizer: str | os.PathLike | None = None,
+                   clip: float | None = None) -> dict[str, Any]:
+    """The content of `kronos_predictor.json` for a predictor that will live in `folder` (arguments as in
+    `write_predictor_info`); a tokenizer folder is made relative to `folder`."""
     if not isinstance(max_context, int) or isinstance(max_context, bool) or max_context < 1:
         raise ValueError(f"max_context must be an integer >= 1, got {max_context!r}")
     folder = Path(folder)
@@ -49,7 +57,7 @@ def write_predictor_info(folder: str | os.PathLike, *, max_context: int, tokeniz
         info["tokenizer"] = str(tokenizer)
     if clip is not None:
         info["clip"] = float(clip)
-    return write_json(folder / PREDICTOR_INFO_NAME, info)
+    return info
 
 
 def read_predictor_info(folder: Path) -> dict[str, Any]:

@@ -102,6 +102,10 @@ def test_qlib_chain_end_to_end(tmp_path):
     assert run_info["world_size"] == 2  # both ranks trained
     assert run_info["data"]["splits"]["train"]["instruments"] == N_STOCKS
     assert run_info["config"]["data"]["lookback"] == 20
+    # best_model/ is a whole forecaster: KronosPredictor.from_pretrained finds the tokenizer and the window in it
+    from model import KronosPredictor
+    forecaster = KronosPredictor.from_pretrained(pred_dir / "best_model", device="cpu")
+    assert forecaster.max_context == run_info["config"]["data"]["lookback"] + run_info["config"]["data"]["predict"]
 
     proc = run(["finetune/qlib_test.py", "--config", str(config), "--device", "cpu"])
     out = tmp_path / "backtest"

@@ -9,10 +9,13 @@ reported beside the loss, and how the best model is saved. The trainer is writte
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from model.predictor_files import PREDICTOR_INFO_NAME, TOKENIZER_CONFIG_NAME, predictor_info
 
 from .checkpoint import save_pretrained_atomic
 from .stage_folder import weights_fingerprint
@@ -126,10 +129,12 @@ class PredictorStage(Stage):
     default_clip = PREDICTOR_CLIP
     part_names = ("s1_loss", "s2_loss")
 
-    def __init__(self, predictor: nn.Module, tokenizer: nn.Module, teacher_forcing: bool):
+    def __init__(self, predictor: nn.Module, tokenizer: nn.Module, teacher_forcing: bool,
+                 forecast_info: dict[str, Any] | None = None):
         self.model = predictor
         self.tokenizer = tokenizer
         self.teacher_forcing = teacher_forcing
+        self.forecast_info = forecast_info  # max_context / tokenizer / clip for KronosPredictor.from_pretrained
 
     def loss(self, wrapped, x, stamp, training):
         # Validation is always teacher-forced and causal: the s2 head at position t must not see later positions.
@@ -145,7 +150,9 @@ class PredictorStage(Stage):
 
     def save_best(self, folder):
         # The tokenizer's config travels with the predictor so the pair cannot drift apart.
-        extra = {"tokenizer_config.json": dict(getattr(self.tokenizer, "config", {}) or {})}
+        extra = {TOKENIZER_CONFIG_NAME: dict(getattr(self.tokenizer, "config", {}) or {})}
+        if self.forecast_info is not None:  # so that KronosPredictor.from_pretrained(best_model/) needs nothing else
+            extra[PREDICTOR_INFO_NAME] = predictor_info(folder, **self.forecast_info)
         save_pretrained_atomic(self.model, folder, extra_json=extra)
 
     def frozen_fingerprint(self):

@@ -149,12 +149,15 @@ def train_predictor(
     data_info: dict[str, Any] | None = None,
     val_metric: ValMetric | None = None,
     data_extremes: str | None = None,
+    forecast_info: dict[str, Any] | None = None,
 ) -> TrainResult:
     """Finetune the Kronos predictor on tokens of the frozen `tokenizer`; the best epoch is saved with
     save_pretrained plus the tokenizer's config (tokenizer_config.json). Arguments as in `train_tokenizer`;
-    clip_grad_norm defaults to 3.0; `cfg.teacher_forcing` picks the s2 conditioning used in training."""
+    clip_grad_norm defaults to 3.0; `cfg.teacher_forcing` picks the s2 conditioning used in training.
+    `forecast_info` ({"max_context", "tokenizer", "clip"}, see model.predictor_files) is written beside the best
+    model as kronos_predictor.json, so `KronosPredictor.from_pretrained(best_model/)` loads the whole forecaster."""
     tokenizer.to(dist.device).eval().requires_grad_(False)
-    stage = PredictorStage(predictor, tokenizer, cfg.teacher_forcing)
+    stage = PredictorStage(predictor, tokenizer, cfg.teacher_forcing, forecast_info)
     return Trainer(stage, train_set, val_set, cfg, Path(output_dir), dist, run_config, data_info,
                    val_metric=val_metric, data_extremes=data_extremes).fit()
 
