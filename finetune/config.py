@@ -309,7 +309,10 @@ def _check_data(d: DataConfig, p: Problems) -> None:
     if begin is not None and end is not None and begin > end:
         p.add("data.dataset_end_time", f"{d.dataset_end_time} is before dataset_begin_time {d.dataset_begin_time}")
         begin = end = None
-    ranges = {name: parse_range(getattr(d, name), f"data.{name}", p) for name in ("train_time_range", "val_time_range", "test_time_range")}
+    ranges = {
+        name: parse_range(getattr(d, name), f"data.{name}", p)
+        for name in ("train_time_range", "val_time_range", "test_time_range")
+    }
     for name, r in ranges.items():
         if r is None or begin is None or end is None:
             continue
@@ -347,7 +350,8 @@ def _check_backtest(cfg: QlibConfig, p: Problems) -> None:
     p.check(
         bool(cfg.benchmark),
         "backtest.benchmark",
-        f"no default benchmark for universe {cfg.data.instrument!r} (known: {DEFAULT_BENCHMARKS}); set it, e.g. SH000300",
+        f"no default benchmark for universe {cfg.data.instrument!r} (known: {DEFAULT_BENCHMARKS}); "
+        "set it, e.g. SH000300",
     )
     unknown = [s for s in b.signals if s not in SIGNALS]
     p.check(not unknown, "backtest.signals", f"unknown {unknown}; choose among {list(SIGNALS)}")
@@ -379,7 +383,9 @@ def check_model_folder(path: str | None, key: str, problems: Problems, *, hub_ok
         return
     local = Path(os.path.expanduser(path))
     if local.is_dir():
-        problems.check((local / "config.json").is_file(), key, f"{local} has no config.json; expected a save_pretrained folder")
+        problems.check(
+            (local / "config.json").is_file(), key, f"{local} has no config.json; expected a save_pretrained folder"
+        )
         return
     looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not local.exists()
     if hub_ok and looks_like_hub_id:

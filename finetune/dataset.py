@@ -87,13 +87,17 @@ def load_split(path: str | Path) -> SeriesPanel:
     """Open a split written by `save_split` as a SeriesPanel of read-only memory maps (no copy)."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"{path} not found: run `python finetune/qlib_data_preprocess.py --config ...` first (data.dataset_path)")
+        raise FileNotFoundError(
+            f"{path} not found: run `python finetune/qlib_data_preprocess.py --config ...` first (data.dataset_path)"
+        )
     try:
         panel = open_store(path)
     except (StoreError, OSError, KeyError) as e:
         raise ValueError(f"{path}: not a readable split ({e}); rerun the preprocessing") from None
     if panel.n_features != len(FEATURE_COLS):
-        raise ValueError(f"{path}: features must be ({len(FEATURE_COLS)}, N), got {panel.features.shape}; rerun the preprocessing")
+        raise ValueError(
+            f"{path}: features must be ({len(FEATURE_COLS)}, N), got {panel.features.shape}; rerun the preprocessing"
+        )
     return panel
 
 
@@ -137,12 +141,16 @@ def check_processed(cfg: QlibConfig, splits: tuple[str, ...], problems: Problems
         problems.add("data.dataset_path", f"{folder / MANIFEST_NAME} is unreadable ({e}); {fix}")
         return
     if manifest.get("format") != FORMAT:
-        problems.add("data.dataset_path", f"{folder} holds splits of format {manifest.get('format')!r}, not {FORMAT!r}; {fix}")
+        problems.add(
+            "data.dataset_path", f"{folder} holds splits of format {manifest.get('format')!r}, not {FORMAT!r}; {fix}"
+        )
         return
     made_with = manifest.get("settings", {})
     for key, now in manifest_settings(cfg).items():
         if key in made_with and made_with[key] != now:
-            problems.add(f"data.{key}", f"is {now!r} but the splits in {folder} were made with {made_with[key]!r}; {fix}")
+            problems.add(
+                f"data.{key}", f"is {now!r} but the splits in {folder} were made with {made_with[key]!r}; {fix}"
+            )
 
 
 def build_window_dataset(split: SeriesPanel, cfg: QlibConfig, name: str) -> WindowDataset:
@@ -153,7 +161,9 @@ def build_window_dataset(split: SeriesPanel, cfg: QlibConfig, name: str) -> Wind
     """
     d = cfg.data
     if split.n_series == 0:
-        raise ValueError(f"data.{name}_time_range: the {name} split holds no instrument; widen the range and preprocess again")
+        raise ValueError(
+            f"data.{name}_time_range: the {name} split holds no instrument; widen the range and preprocess again"
+        )
     try:
         ds = WindowDataset(split, d.lookback, d.predict, clip=d.clip)
     except ValueError as e:

@@ -89,7 +89,9 @@ def split_rules(cfg: QlibConfig, calendar: pd.DatetimeIndex | None = None) -> li
     on the last trading day before test_time_range (else on its first day)."""
     d = cfg.data
     window = d.lookback + d.predict
-    (tr0, tr1), (va0, va1), (te0, te1) = (range_bounds(r) for r in (d.train_time_range, d.val_time_range, d.test_time_range))
+    (tr0, tr1), (va0, va1), (te0, te1) = (
+        range_bounds(r) for r in (d.train_time_range, d.val_time_range, d.test_time_range)
+    )
     if calendar is not None:
         te0 = first_signal_day(calendar, te0)
     return [
@@ -113,7 +115,9 @@ def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1) - 1))
 
 
-def cut_split(panel: SeriesPanel, rule: SplitRule, member: np.ndarray | None = None) -> tuple[SeriesPanel, dict[str, int]]:
+def cut_split(
+    panel: SeriesPanel, rule: SplitRule, member: np.ndarray | None = None
+) -> tuple[SeriesPanel, dict[str, int]]:
     """The pieces of `panel` that `rule` selects; returns (split, dropped: name -> usable bars of dropped pieces).
 
     Target bars: inside [rule.start, rule.end] and, with `member` ((N,) bool), members of the universe. Each run of
@@ -237,12 +241,16 @@ def preprocess(cfg: QlibConfig) -> dict[str, Any]:
     start, end = load_range(calendar, d.dataset_begin_time, d.dataset_end_time, d.lookback, d.predict)
     spans = universe_spans(cfg, start, end)
     if not spans:
-        raise ConfigError([f"data.instrument: universe {d.instrument!r} has no member between {start.date()} and {end.date()}"])
+        raise ConfigError(
+            [f"data.instrument: universe {d.instrument!r} has no member between {start.date()} and {end.date()}"]
+        )
     log.info("loading the full history of %d instrument(s) of %s from %s (%s .. %s, %s bars)", len(spans),
              d.instrument, d.qlib_data_path, start.date(), end.date(), d.freq)
     frame = load_frame(cfg, start, end, instruments=list(spans))
     if frame.empty:
-        raise ConfigError([f"data.instrument: universe {d.instrument!r} has no data between {start.date()} and {end.date()}"])
+        raise ConfigError(
+            [f"data.instrument: universe {d.instrument!r} has no data between {start.date()} and {end.date()}"]
+        )
 
     # Fewer bars than one test context cannot serve any split (training windows need lookback + predict).
     panel, frame_report = frame_to_panel(frame, d.amount_source, min_bars=d.lookback, calendar=calendar,

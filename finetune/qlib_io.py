@@ -59,7 +59,10 @@ def check_qlib_folder(cfg: QlibConfig, problems: Problems, need_benchmark: bool 
     d = cfg.data
     root = Path(os.path.expanduser(d.qlib_data_path))
     if not root.is_dir():
-        problems.add("data.qlib_data_path", f"{root} is not a folder; point it at a Qlib provider folder (with calendars/, instruments/, features/)")
+        problems.add(
+            "data.qlib_data_path",
+            f"{root} is not a folder; point it at a Qlib provider folder (with calendars/, instruments/, features/)",
+        )
         return
     calendar = root / "calendars" / f"{d.freq}.txt"
     if not calendar.is_file():
@@ -71,12 +74,17 @@ def check_qlib_folder(cfg: QlibConfig, problems: Problems, need_benchmark: bool 
     universe = root / "instruments" / f"{d.instrument}.txt"
     if not universe.is_file():
         known = sorted(p.stem for p in (root / "instruments").glob("*.txt"))
-        problems.add("data.instrument", f"unknown universe {d.instrument!r}: {universe} not found (available: {known or 'none'})")
+        problems.add(
+            "data.instrument", f"unknown universe {d.instrument!r}: {universe} not found (available: {known or 'none'})"
+        )
     bench = cfg.benchmark
     if need_benchmark and bench:
         bench_close = root / "features" / bench.lower() / f"close.{d.freq}.bin"
         if not bench_close.is_file():
-            problems.add("backtest.benchmark", f"{bench!r} is not in the data ({bench_close} not found); pick an instrument under {root / 'features'}")
+            problems.add(
+                "backtest.benchmark",
+                f"{bench!r} is not in the data ({bench_close} not found); pick an instrument under {root / 'features'}",
+            )
 
 
 def check_ranges_in_calendar(cfg: QlibConfig, calendar: pd.DatetimeIndex, problems: Problems) -> None:
@@ -89,7 +97,8 @@ def check_ranges_in_calendar(cfg: QlibConfig, calendar: pd.DatetimeIndex, proble
         days = int(((calendar >= r[0]) & (calendar <= r[1])).sum())
         problems.check(
             days > 0, f"data.{name}",
-            f"{[str(x.date()) for x in r]} holds no trading day of the Qlib calendar ({first}..{last}); move it inside the data",
+            f"{[str(x.date()) for x in r]} holds no trading day of the Qlib calendar ({first}..{last}); "
+            "move it inside the data",
         )
 
 
@@ -97,7 +106,9 @@ def check_ranges_in_calendar(cfg: QlibConfig, calendar: pd.DatetimeIndex, proble
 # pure conversions (unit-tested without Qlib)
 
 
-def load_range(calendar: pd.DatetimeIndex, begin: str, end: str, lookback: int, predict: int) -> tuple[pd.Timestamp, pd.Timestamp]:
+def load_range(
+    calendar: pd.DatetimeIndex, begin: str, end: str, lookback: int, predict: int
+) -> tuple[pd.Timestamp, pd.Timestamp]:
     """Dates to load: `lookback` trading days before `begin` to `predict` trading days after `end`, clamped to the
     calendar (the margins give the first windows their context and the last forecasts their realised returns)."""
     start_i = int(calendar.searchsorted(pd.Timestamp(begin), side="left"))
@@ -207,7 +218,9 @@ def frame_to_panel(frame: pd.DataFrame, amount_source: str, min_bars: int, calen
     for n, k in zip(names[~keep], lengths[~keep]):
         report.short[str(n)] = report.short.get(str(n), 0) + int(k)
     if not keep.all():
-        rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in np.flatnonzero(keep)] or [np.zeros(0, np.int64)])
+        rows = np.concatenate(
+            [np.arange(offsets[i], offsets[i + 1]) for i in np.flatnonzero(keep)] or [np.zeros(0, np.int64)]
+        )
         inst, when, features = inst[rows], when[rows], features[rows]
         offsets = np.r_[0, np.cumsum(lengths[keep])].astype(np.int64)
         names = names[keep]
@@ -228,7 +241,8 @@ def init_qlib(cfg: QlibConfig) -> None:
 
     # No expression / dataset cache: nothing is written outside the provider folder, and no stale cache can answer.
     qlib.init(provider_uri=os.path.expanduser(cfg.data.qlib_data_path), region=cfg.data.region, expression_cache=None,
-              dataset_cache=None, logging_level=logging.WARNING, **({"kernels": 1} if os.cpu_count() and os.cpu_count() <= 2 else {}))
+              dataset_cache=None, logging_level=logging.WARNING,
+              **({"kernels": 1} if os.cpu_count() and os.cpu_count() <= 2 else {}))
 
 
 def read_calendar(cfg: QlibConfig) -> pd.DatetimeIndex:
@@ -238,7 +252,9 @@ def read_calendar(cfg: QlibConfig) -> pd.DatetimeIndex:
     return pd.DatetimeIndex(D.calendar(freq=cfg.data.freq)).as_unit("ns")
 
 
-def universe_spans(cfg: QlibConfig, start: pd.Timestamp, end: pd.Timestamp) -> dict[str, list[tuple[pd.Timestamp, pd.Timestamp]]]:
+def universe_spans(
+    cfg: QlibConfig, start: pd.Timestamp, end: pd.Timestamp
+) -> dict[str, list[tuple[pd.Timestamp, pd.Timestamp]]]:
     """Membership spells of every instrument of the universe that is a member at some time in [start, end]:
     {code: [(first day, last day), ...]} (Qlib's instruments/<universe>.txt, clipped to the range)."""
     from qlib.data import D
@@ -248,7 +264,9 @@ def universe_spans(cfg: QlibConfig, start: pd.Timestamp, end: pd.Timestamp) -> d
     return {str(k): [(pd.Timestamp(a), pd.Timestamp(b)) for a, b in v] for k, v in sorted(spans.items())}
 
 
-def load_frame(cfg: QlibConfig, start: pd.Timestamp, end: pd.Timestamp, instruments: list[str] | None = None) -> pd.DataFrame:
+def load_frame(
+    cfg: QlibConfig, start: pd.Timestamp, end: pd.Timestamp, instruments: list[str] | None = None
+) -> pd.DataFrame:
     """One D.features call: index (instrument, datetime), columns QLIB_FIELDS.
 
     `instruments` (a list of codes) are loaded WITHOUT the universe's membership mask, i.e. their whole history in

@@ -20,13 +20,17 @@ from finetune.evaluation.signal_analysis import analyse_signal, ic_decay
 __all__ = ["backtest_period", "plot_cumulative", "risk", "run_backtest", "score_signal", "seed_spread", "summary_table"]
 
 
-def backtest_period(calendar: pd.DatetimeIndex, start: pd.Timestamp, end: pd.Timestamp) -> tuple[pd.Timestamp, pd.Timestamp]:
+def backtest_period(
+    calendar: pd.DatetimeIndex, start: pd.Timestamp, end: pd.Timestamp
+) -> tuple[pd.Timestamp, pd.Timestamp]:
     """Trading days [first >= start, last <= end], and before the calendar's last day: Qlib's backtest needs
     the day after its last step (IndexError otherwise)."""
     days = calendar[(calendar >= start) & (calendar <= end)]
     days = days[days < calendar[-1]]
     if len(days) < 2:
-        raise ValueError(f"data.test_time_range: fewer than 2 trading days to backtest between {start.date()} and {end.date()}")
+        raise ValueError(
+            f"data.test_time_range: fewer than 2 trading days to backtest between {start.date()} and {end.date()}"
+        )
     return days[0], days[-1]
 
 

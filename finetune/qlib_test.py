@@ -139,7 +139,8 @@ def evaluate(cfg: QlibConfig, forecasters: dict[str, Forecaster], split: SeriesP
     frames = {}
     for name, forecaster in forecasters.items():
         log.info("forecasting the test split (%s): %d series", name, split.n_series)
-        frames[name] = forecast_signals(cfg, split, calendar_ns, forecaster, first_day).set_index(["datetime", "instrument"])
+        forecast = forecast_signals(cfg, split, calendar_ns, forecaster, first_day)
+        frames[name] = forecast.set_index(["datetime", "instrument"])
     index = next(iter(frames.values())).index  # member stocks x forecast days (the same for every forecaster)
     instruments = sorted(set(index.get_level_values("instrument")))
     labels = forward_labels(instruments, first_day, end, deal_price=b.deal_price, horizons=d.predict, freq=d.freq)
@@ -191,7 +192,9 @@ def evaluate(cfg: QlibConfig, forecasters: dict[str, Forecaster], split: SeriesP
         "summary.csv": table.rename_axis("signal"),
         "signals.csv": signals_table,
         "ic_decay.csv": decay_table.reset_index(),
-        "ic_decay.png": lambda p: plot_ic_decay({n: t for n, t in decay.items() if "@seed" not in n or "@seed0" in n}, p),
+        "ic_decay.png": lambda p: plot_ic_decay(
+            {n: t for n, t in decay.items() if "@seed" not in n or "@seed0" in n}, p
+        ),
         "backtest_daily.csv": merged,
         "cumulative_return.png": lambda p: plot_cumulative(daily, cfg.benchmark, p),
     }

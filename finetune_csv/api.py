@@ -160,8 +160,11 @@ def _write_frames(data: pd.DataFrame | Mapping[str, pd.DataFrame], cfg: CsvFinet
 def _result(cfg: CsvFinetuneConfig, results: list, plan: dict[str, str | None], data_info: dict) -> FinetuneResult:
     from finetune_csv.model_dirs import best_dir
 
-    metrics = {r.stage: {"best_val_loss": r.best_val_loss, "best_epoch": r.best_epoch, "epochs": sum(1 for h in r.history if h["epoch"] > 0),
-                         "steps": r.global_step, "history": r.history} for r in results}
+    metrics = {
+        r.stage: {"best_val_loss": r.best_val_loss, "best_epoch": r.best_epoch,
+                  "epochs": sum(1 for h in r.history if h["epoch"] > 0), "steps": r.global_step, "history": r.history}
+        for r in results
+    }
     tok = best_dir(cfg.tokenizer_dir)
     pred = best_dir(cfg.predictor_dir)
     return FinetuneResult(output_dir=cfg.base_dir, tokenizer_dir=tok if (tok / "config.json").is_file() else None,

@@ -82,7 +82,8 @@ class KVCache:
         self.max_len = max_len
 
     def update(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, H, L_new, Dh) at positions start.. and return all filled keys/values (B, H, start+L_new, Dh)."""
+        """Write k, v (B, H, L_new, Dh) at positions start.. and return all filled keys/values
+        (B, H, start+L_new, Dh)."""
         end = start + k.shape[-2]
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: {end} positions > max_len {self.max_len}")
@@ -180,7 +181,8 @@ class MultiHeadCrossAttentionWithRoPE(_Attention):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_padding_mask: torch.Tensor | None = None, causal: bool | None = None) -> torch.Tensor:
         """query (B, Lq, d), key/value (B, Lk, d) -> (B, Lq, d)."""
-        q, k, v = self.split_heads(self.q_proj(query)), self.split_heads(self.k_proj(key)), self.split_heads(self.v_proj(value))
+        q = self.split_heads(self.q_proj(query))
+        k, v = self.split_heads(self.k_proj(key)), self.split_heads(self.v_proj(value))
         q, k = self.rotary(q, k)
         is_causal = self.training if causal is None else causal
         lq, lk = q.shape[-2], k.shape[-2]

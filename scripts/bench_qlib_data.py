@@ -31,7 +31,8 @@ def stacked_frame(symbols: int, days: int, seed: int = 0) -> pd.DataFrame:
     rng = np.random.default_rng(seed)
     dates = pd.bdate_range("2011-01-03", periods=days)
     close = 10 * np.exp(np.cumsum(rng.normal(0, 0.02, (symbols, days)), axis=1)).ravel()
-    index = pd.MultiIndex.from_product([[f"SH{600000 + i}" for i in range(symbols)], dates], names=["instrument", "datetime"])
+    codes = [f"SH{600000 + i}" for i in range(symbols)]
+    index = pd.MultiIndex.from_product([codes, dates], names=["instrument", "datetime"])
     return pd.DataFrame({"$open": close * 1.001, "$high": close * 1.01, "$low": close * 0.99, "$close": close,
                          "$volume": rng.uniform(1e5, 1e6, len(close)), "$vwap": close}, index=index)
 

@@ -43,8 +43,10 @@ def store(tmp_path_factory):
     calendar = pd.bdate_range(START, END)
     panels = {}
     for field in ("close", "open"):
-        panel = pd.DataFrame({s: df.set_index(pd.to_datetime(df["timestamps"]))[field].where(df["volume"].to_numpy() > 0)
-                              for s, df in frames.items()}).reindex(calendar)
+        panel = pd.DataFrame({
+            s: df.set_index(pd.to_datetime(df["timestamps"]))[field].where(df["volume"].to_numpy() > 0)
+            for s, df in frames.items()
+        }).reindex(calendar)
         panels[field] = panel
     return panels, out
 
@@ -107,7 +109,8 @@ def test_perfect_foresight_scores_ic_one_and_the_best_long_short(on_store):
     labels = forward_labels("mkt", "2023-02-01", "2023-04-28", horizons=2)
     perfect = labels["label_1"].dropna()
     res = analyse_signal(perfect, labels, quantile=0.2, n_groups=5)
-    assert res["label_1"]["ic"]["mean"] == pytest.approx(1.0) and res["label_1"]["rank_ic"]["mean"] == pytest.approx(1.0)
+    assert res["label_1"]["ic"]["mean"] == pytest.approx(1.0)
+    assert res["label_1"]["rank_ic"]["mean"] == pytest.approx(1.0)
     assert 0 < res["label_2"]["ic"]["mean"] < 1  # a 1-day perfect score knows only part of the 2-day move
     # Long-short = (mean of the top n labels - mean of the bottom n) / 2 each day, n = int(0.2 * stocks that day):
     # the most any score can earn.

@@ -120,7 +120,8 @@ def test_trainers_started_with_plain_python_show_the_torchrun_command(module, mo
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(RuntimeError) as err:
         module.main(["--config", "configs/qlib_demo.yaml"])
-    assert f"torchrun --standalone --nproc_per_node=1 {module.SPEC.script} --config configs/qlib_demo.yaml" in str(err.value)
+    expected = f"torchrun --standalone --nproc_per_node=1 {module.SPEC.script} --config configs/qlib_demo.yaml"
+    assert expected in str(err.value)
 
 
 def test_a_training_override_that_a_stage_section_shadows_is_warned_about(caplog):

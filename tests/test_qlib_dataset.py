@@ -38,7 +38,7 @@ def tiny_split(lengths=(12, 4, 9), seed=0) -> SeriesPanel:
 
 def cfg_for(tmp_path, *extra):
     return load(None, [f"data.lookback={LOOKBACK}", f"data.predict={PREDICT}",
-                                   f"data.dataset_path={tmp_path / 'processed'}", f"data.qlib_data_path={tmp_path}", *extra])
+                       f"data.dataset_path={tmp_path / 'processed'}", f"data.qlib_data_path={tmp_path}", *extra])
 
 
 def test_windows_stay_inside_one_instrument_and_short_ones_are_reported(tmp_path, caplog):

@@ -180,7 +180,8 @@ def test_report_perfect_foresight_first_day_and_strict_json(tmp_path, data):
     assert report["signals"]["last@seed0"]["horizon"] == 3
     out = write_results(tmp_path / "out", {"report.json": report, **files})
     json.loads((out / "report.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-strict {c}"))
-    assert {"summary.csv", "ic_decay.png", "cumulative_return.png", "backtest_daily.csv"} <= {p.name for p in out.iterdir()}
+    written = {p.name for p in out.iterdir()}
+    assert {"summary.csv", "ic_decay.png", "cumulative_return.png", "backtest_daily.csv"} <= written
 
     # perfect foresight of the deal-price label: IC = 1 and the best long-short of all signals
     first = qf_first(cfg)

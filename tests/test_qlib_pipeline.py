@@ -34,9 +34,10 @@ def tiny_config(tmp_path: Path) -> Path:
         },
         "model": {
             "pretrained_tokenizer": None, "pretrained_predictor": None,
-            "tokenizer_arch": {"d_in": 6, "d_model": 16, "n_heads": 2, "ff_dim": 32, "n_enc_layers": 2, "n_dec_layers": 2,
-                               "ffn_dropout_p": 0.0, "attn_dropout_p": 0.0, "resid_dropout_p": 0.0, "s1_bits": 4,
-                               "s2_bits": 4, "beta": 0.05, "gamma0": 1.0, "gamma": 1.1, "zeta": 0.05, "group_size": 4},
+            "tokenizer_arch": {"d_in": 6, "d_model": 16, "n_heads": 2, "ff_dim": 32, "n_enc_layers": 2,
+                               "n_dec_layers": 2, "ffn_dropout_p": 0.0, "attn_dropout_p": 0.0, "resid_dropout_p": 0.0,
+                               "s1_bits": 4, "s2_bits": 4, "beta": 0.05, "gamma0": 1.0, "gamma": 1.1, "zeta": 0.05,
+                               "group_size": 4},
             "predictor_arch": {"n_layers": 1, "d_model": 16, "n_heads": 2, "ff_dim": 32, "ffn_dropout_p": 0.0,
                                "attn_dropout_p": 0.0, "resid_dropout_p": 0.0, "token_dropout_p": 0.0, "learn_te": True},
         },

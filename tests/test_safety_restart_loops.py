@@ -73,7 +73,9 @@ def newest_step(out: Path) -> int:
     return found[0][0] if found else 0
 
 
-def interrupt_loop(out: Path, nproc: int, sig: int, times: int, rng: random.Random) -> list[subprocess.CompletedProcess]:
+def interrupt_loop(
+    out: Path, nproc: int, sig: int, times: int, rng: random.Random
+) -> list[subprocess.CompletedProcess]:
     """Start the run, wait until it saved a new checkpoint, wait a random moment (0-2 steps), send `sig` to the
     whole process group; `times` times. Then run it to the end. Returns the interrupted runs' results."""
     interrupted = []

@@ -240,7 +240,8 @@ def format_summary(scores: dict) -> str:
             o = scores[name]["overall"]
             label = f"seasonal({s['season']})" if name == "seasonal_naive" else name
             lines.append(f"{label:16}{num(o['mae'], '9.5f')}{num(o.get('mase'), '8.3f')}{num(o['crps'], '9.5f')}"
-                         f"{num(o['wql'], '7.3f')}{num(o.get('coverage_50'), '7.2f')}{num(o.get('coverage_80'), '7.2f')}")
+                         f"{num(o['wql'], '7.3f')}{num(o.get('coverage_50'), '7.2f')}"
+                         f"{num(o.get('coverage_80'), '7.2f')}")
     boot = scores.get("bootstrap")
     if boot:
         ci = boot["crps_minus_persistence"]

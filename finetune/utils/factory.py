@@ -31,7 +31,8 @@ class ModelConfig:
     """Starting points of the two models (`model:` in YAML, the same in both pipelines)."""
 
     pretrained_tokenizer: str | None = "NeoQuasar/Kronos-Tokenizer-base"
-    """Tokenizer to finetune: a save_pretrained folder or a Hugging Face Hub id; null = from scratch (tokenizer_arch)."""
+    """Tokenizer to finetune: a save_pretrained folder or a Hugging Face Hub id; null = from scratch
+    (tokenizer_arch)."""
     pretrained_predictor: str | None = "NeoQuasar/Kronos-small"
     """Predictor to finetune: a save_pretrained folder or a Hub id; null = from scratch (predictor_arch)."""
     tokenizer_arch: KronosTokenizerConfig = field(default_factory=KronosTokenizerConfig)

@@ -10,7 +10,8 @@ The rule:
   Ctrl-C) after one line: no traceback, no save. Except: a repeated SIGTERM, or any second signal within
   `FORWARD_GRACE_S` of the first, is the same request delivered twice - torchrun's agent forwards the SIGTERM/SIGINT
   it got to workers that already got it from the terminal or the scheduler (which escalates with SIGKILL anyway).
-  Temporary files such a hard exit leaves are removed the next time the folder is opened (`checkpoint_store.remove_orphans`); the run lock is released by the kernel.
+  Temporary files such a hard exit leaves are removed the next time the folder is opened
+  (`checkpoint_store.remove_orphans`); the run lock is released by the kernel.
 - Leaving the `GracefulStop` context restores the previous handlers, so the rest of the program (and tests) keep
   the usual Ctrl-C behaviour.
 

@@ -230,7 +230,7 @@ def plot_loss_curves(records: Iterable[dict[str, Any]], png_path: str | Path, ti
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        warnings.warn("matplotlib is not installed; no loss_curve.png written")
+        warnings.warn("matplotlib is not installed; no loss_curve.png written", stacklevel=2)
         return None
     fig = loss_curve_figure(records, title=title, best_epoch=best_epoch)
     png_path = Path(png_path)

@@ -79,7 +79,8 @@ class ParsedBlock:
     """Consecutive rows of one file, parsed."""
 
     lines: np.ndarray
-    """(n,) int64 where each row is in the file as a user finds it (CSV: line number, header = 1; Parquet: row, 1-based)."""
+    """(n,) int64 where each row is in the file as a user finds it (CSV: line number, header = 1;
+    Parquet: row, 1-based)."""
     timestamps: np.ndarray
     """(n,) int64 naive wall-clock nanoseconds since 1970-01-01."""
     values: np.ndarray
@@ -428,7 +429,9 @@ class SourceReader:
 
 
 _ISSUE_TEXT = {
-    "not_number": "{file}: column '{column}' (data.columns.{field}) has {n} non-numeric value(s) at {where}: {examples}",
+    "not_number": (
+        "{file}: column '{column}' (data.columns.{field}) has {n} non-numeric value(s) at {where}: {examples}"
+    ),
     "inf": "{file}: column '{column}' (data.columns.{field}) has {n} infinite value(s) at {where}",
     "numeric_type": "{file}: column '{column}' (data.columns.{field}) holds {examples}, not numbers",
     "ts_bad": "{file}: column '{column}' (data.columns.timestamps) has {n} unparseable timestamp(s) at {where}, e.g. "

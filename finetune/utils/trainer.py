@@ -134,7 +134,8 @@ def evaluate(stage: Stage, wrapped: nn.Module, dataset: Dataset, sampler: EpochS
                                       num_workers=cfg.num_workers, pin_memory=dist.device.type == "cuda"))
     sums = LossSums(stage.part_names, dist.device)
     for x, stamp in loader:
-        x, stamp = x.to(dist.device, non_blocking=True), stamp.to(dist.device, non_blocking=True)  # (B, T, F), (B, T, 5)
+        # x (B, T, F), stamp (B, T, 5)
+        x, stamp = x.to(dist.device, non_blocking=True), stamp.to(dist.device, non_blocking=True)
         with autocast(cfg, dist.device):
             loss, parts = stage.loss(wrapped, x, stamp, training=False)
         sums.add(loss, parts, x.shape[0])
@@ -208,7 +209,7 @@ class Trainer:
             div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor, cycle_momentum=False,
         )
         if cfg.amp == "bf16" and self.device.type != "cuda":
-            warnings.warn("training.amp=bf16 needs CUDA; training in float32 on CPU")
+            warnings.warn("training.amp=bf16 needs CUDA; training in float32 on CPU", stacklevel=2)
 
         # Run safety: one run per folder (rank 0 holds the lock), signals -> graceful stop, non-finite guard.
         self.lock = RunLock(self.out, enabled=dist.is_main, key="the stage's output folder (output_dir)",

@@ -1,10 +1,10 @@
 """The one sliding-window dataset both pipelines train on, and the epoch-aware distributed sampler that feeds it.
 
 `WindowDataset` reads a `SeriesPanel` (finetune/utils/panel.py: features float32 (F, N) feature-major, stamps int64
-(N, 5), series offsets) without copying it, and maps a sample index to (series, start) with a cumulative count and `np.searchsorted`; a window never crosses
-two series. An item is `(x, x_stamp)`: `x` float32 (lookback + predict, F) normalised with the mean and population
-std of its LOOKBACK rows only, `(x - mean) / (std + 1e-5)` clipped to [-clip, clip] (the future part must not leak
-into the statistics), and `x_stamp` int64 (lookback + predict, 5).
+(N, 5), series offsets) without copying it, and maps a sample index to (series, start) with a cumulative count and
+`np.searchsorted`; a window never crosses two series. An item is `(x, x_stamp)`: `x` float32 (lookback + predict, F)
+normalised with the mean and population std of its LOOKBACK rows only, `(x - mean) / (std + 1e-5)` clipped to
+[-clip, clip] (the future part must not leak into the statistics), and `x_stamp` int64 (lookback + predict, 5).
 
 `__getitem__` has no randomness: which windows are used, in which order, is decided by `EpochSampler`, a pure
 function of (seed, epoch, rank), so a resumed run can skip exactly the batches already done.
@@ -25,8 +25,8 @@ from .epoch_order import BLOCK_SIZE, EXACT_LIMIT, EpochOrder
 from .panel import N_STAMP_COLUMNS, SeriesPanel
 
 __all__ = [
-    "SeriesArrays", "WindowDataset", "panel_from_series", "EpochSampler", "make_loader", "seed_worker", "epoch_generator",
-    "batches_per_epoch",
+    "SeriesArrays", "WindowDataset", "panel_from_series", "EpochSampler", "make_loader", "seed_worker",
+    "epoch_generator", "batches_per_epoch",
 ]
 
 _ITER_CHUNK = 1 << 16  # window indices turned into Python ints at a time by EpochSampler.__iter__
@@ -212,10 +212,11 @@ class EpochSampler(Sampler[int]):
     """Which windows this rank reads in an epoch: a pure function of (seed, epoch, rank), so runs are reproducible.
 
     Per epoch: (a) all windows are permuted with a generator seeded by (seed, epoch) (or kept in order when
-    `shuffle=False`; above `exact_limit` windows, 16.8M, by the blocked streaming order of epoch_order.py); (b) when `max_samples` is set and smaller than the dataset, the first `max_samples` of that
-    permutation are used: a fresh seeded subset every epoch (Qlib's n_train_iter / n_val_iter); (c) the chosen
-    windows are dealt round-robin to the ranks (`chosen[rank::world_size]`), so every chosen window is read exactly
-    once across ranks (and across DataLoader workers, which split this rank's batches).
+    `shuffle=False`; above `exact_limit` windows, 16.8M, by the blocked streaming order of epoch_order.py);
+    (b) when `max_samples` is set and smaller than the dataset, the first `max_samples` of that permutation are used:
+    a fresh seeded subset every epoch (Qlib's n_train_iter / n_val_iter); (c) the chosen windows are dealt
+    round-robin to the ranks (`chosen[rank::world_size]`), so every chosen window is read exactly once across ranks
+    (and across DataLoader workers, which split this rank's batches).
 
     Remainder policy: with `drop_remainder=True` (training) the last `len(chosen) % world_size` windows of the
     epoch's order are dropped so that every rank does the same number of steps (DDP requires it; a different
