@@ -58,7 +58,7 @@ forecast: {{max_windows: 2}}
 """
 
 STAGE_FILES = {"best_model/config.json", "best_model/model.safetensors", "best_model/run_info.json",
-               "checkpoints/last.pt", "metrics.jsonl", "loss_curve.png", "run_info.json"}
+               "checkpoints/last.pt", "metrics.jsonl", "loss_curve.png", "run_info.json", "train.log"}
 EXPECTED_FILES = ({f"tokenizer/{f}" for f in STAGE_FILES} | {f"basemodel/{f}" for f in STAGE_FILES}
                   | {"basemodel/best_model/tokenizer_config.json"}
                   | {f"data_store/{f}" for f in ("features_t.npy", "stamps.npy", "datetimes.npy", "offsets.npy",

@@ -49,7 +49,7 @@ def test_tokenizer_run_writes_the_expected_files_and_resume_of_a_finished_run_is
     assert files_under(tmp_path) == {
         "best_model/config.json", "best_model/model.safetensors", "best_model/run_info.json",
         "checkpoints/last.pt", "checkpoints/step-00000002.pt", "checkpoints/step-00000004.pt", "metrics.jsonl",
-        "loss_curve.png", "run_info.json",
+        "loss_curve.png", "run_info.json", "train.log",
     }  # the two newest step checkpoints (training.keep_checkpoints=2); last.pt is the newest's hard link
     assert os.path.samefile(tmp_path / "checkpoints/last.pt", tmp_path / "checkpoints/step-00000004.pt")
     # 8 windows / batch 4 = 2 steps per epoch; history: epoch 0 (the starting model), 1, 2

@@ -51,8 +51,9 @@ from .distributed import DistInfo, all_gather_object, barrier, no_sync, wrap_mod
 from .faults import maybe_die_after_step
 from .guard import NonFiniteGuard, assert_finite_state_dict
 from .interrupts import GracefulStop, TrainingStopped, ignore_interrupts_in_worker
+from .logging_setup import stage_log
 from .loss_sums import LossSums
-from .metrics import MetricsLogger, plot_loss_curves, read_metrics
+from .metrics import MetricsLogger, loss_plot_title, plot_loss_curves, read_metrics
 from .provenance import write_run_info
 from .resume import check_data, load_for_resume, on_main, restore_optimizer, rng_fork
 from .run_lock import RunLock
@@ -249,15 +250,20 @@ class Trainer:
                 self.take_folder()
                 if self.plan.action == "skip":
                     return self.read_finished()
-                self.resume()
-                self.open_outputs()
-                if self.resume_path is None:
-                    self.validate_start()
-                while not self.state.finished:
-                    self.train_epoch()
-                    self.end_epoch()
-                self.logger.close()
-                return self.finish()
+                # Everything this run logs (rank 0) also goes to <stage>/train.log, appended across resumes.
+                with stage_log(self.out / "train.log", rank=self.dist.rank, stage=self.stage.name,
+                               resumed_from=self.plan.checkpoint or self.plan.checkpoint_dir):
+                    self.resume()
+                    self.open_outputs()
+                    if self.resume_path is None:
+                        self.validate_start()
+                    while not self.state.finished:
+                        self.train_epoch()
+                        self.end_epoch()
+                    return self.finish()  # closes the trackers after handing them the final files
+            except BaseException:
+                self.logger.close(failed=True)  # an MLflow run is marked FAILED, metrics.jsonl is flushed
+                raise
             finally:
                 self.logger.close()
                 self.lock.release()
@@ -324,7 +330,8 @@ class Trainer:
         """metrics.jsonl and run_info.json (rank 0 only)."""
         cfg = self.cfg
         self.logger = MetricsLogger(
-            self.out, enabled=self.dist.is_main, tensorboard=cfg.tensorboard, comet=cfg.comet,
+            self.out, enabled=self.dist.is_main, tensorboard=cfg.tensorboard, mlflow=cfg.mlflow,
+            mlflow_tracking_uri=cfg.mlflow_tracking_uri, mlflow_experiment=cfg.mlflow_experiment, comet=cfg.comet,
             comet_project=cfg.comet_project, run_name=f"{self.out.name}-{self.stage.name}",
             resume_step=self.state.global_step if self.resume_path is not None else None,
         )
@@ -554,8 +561,10 @@ class Trainer:
         state = self.state
         plot_path = self.out / "loss_curve.png"
         if self.dist.is_main:
-            title = f"{self.stage.name} finetuning"
-            if plot_loss_curves(read_metrics(self.logger.path), plot_path, title=title) is None:
+            source = (self.run_config.get("model") or {}).get(f"pretrained_{self.stage.name}")
+            title = loss_plot_title(self.stage.name, source)  # "finetuned from X" or "trained from scratch"
+            if plot_loss_curves(read_metrics(self.logger.path), plot_path, title=title,
+                                best_epoch=self.state.best_epoch) is None:
                 plot_path = None
             result = {"best_val_loss": state.best_val_loss, "best_epoch": state.best_epoch,
                       "best_score": state.best_score, "global_step": state.global_step,
@@ -563,6 +572,8 @@ class Trainer:
             write_run_info(self.out, self.run_config, self.data_info, {**self.run_extra, "result": result})
             if state.best_epoch == 0 and state.global_step > 0:
                 log.info("[%s] no epoch beat the starting model; best_model/ is the starting model", self.stage.name)
+            self.logger.log_artifacts(*(p for p in (plot_path, self.out / "run_info.json") if p is not None))
+        self.logger.close()
         barrier()
         return self.result(plot_path if plot_path is not None and plot_path.exists() else None)
 

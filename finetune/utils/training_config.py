@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .config_utils import Problems, config_to_dict
+from .trackers import tracker_problems
 
 __all__ = ["TrainingConfig", "validate_training_config", "RESUME_KEYS", "CHANGEABLE_KEYS", "check_resume_compatible",
            "plain"]
@@ -81,7 +82,13 @@ class TrainingConfig:
     progress_bar: bool = True
     """Show a tqdm progress bar (rank 0 only)."""
     tensorboard: bool = False
-    """Also log to TensorBoard under <output_dir>/tensorboard (if tensorboard is installed)."""
+    """Also log to TensorBoard under <output_dir>/tensorboard (needs `pip install 'kronos-finetune[tensorboard]'`)."""
+    mlflow: bool = False
+    """Also log to MLflow: config as params, metrics per step, loss_curve.png and run_info.json (needs mlflow)."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking URI; null = an offline store sqlite:///<output_dir>/mlruns/mlflow.db in the stage folder."""
+    mlflow_experiment: str = "kronos-finetune"
+    """MLflow experiment name (created if missing)."""
     comet: bool = False
     """Also log to Comet (if comet_ml is installed and configured)."""
     comet_project: str = "kronos-finetune"
@@ -128,6 +135,10 @@ def validate_training_config(cfg: TrainingConfig, problems: Problems, prefix: st
     problems.check(isinstance(cfg.select_by, str) and cfg.select_by.strip() != "", k("select_by"),
                    f"must be 'loss' or a metric name, got {cfg.select_by!r}")
     problems.check(cfg.dist_timeout_s > 0, k("dist_timeout_s"), f"must be > 0, got {cfg.dist_timeout_s}")
+    for key, message in tracker_problems(tensorboard=cfg.tensorboard, mlflow=cfg.mlflow, comet=cfg.comet,
+                                         prefix=prefix):
+        problems.add(key, message)
+
 
 
 def check_resume_compatible(saved: dict, cfg: TrainingConfig, world_size: int, stage: str,
