@@ -4,7 +4,9 @@
 parse, the candle checks of finetune/utils/candle_checks.py, a manifest with the files' sha256), the other ranks
 wait at a barrier, every rank opens it memory-mapped; the splits are index ranges on that panel (`split_panel`, no
 copies) that the shared WindowDataset reads (finetune_csv/dataset.py). `data_summary_from_store` reads the
-manifest. The rules are those of finetune_csv/data.py (the pandas reference; the tests compare both bit for bit).
+manifest. This is the one production path to the data: training, the held-out evaluation (finetune_csv/forecast.py),
+the validation CRPS (finetune_csv/val_metric.py) and the future forecast all read it; the tests compare it with an
+independent pandas reference (tests/csv_reference.py) bit for bit.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ class PreparedData:
     """train / val (/ test when data.test_ratio > 0): per-series column ranges of `panel`."""
 
 
-def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None) -> PreparedData:
+def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None, *,
+                 with_splits: bool = True) -> PreparedData:
     """Prepare (rank 0) or reuse the data store at `store_dir`, open it memory-mapped and cut the splits.
 
     Parameters
@@ -45,6 +48,8 @@ def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None
     store_dir: the store folder (`data.store_dir`, default `<paths.base_dir>/data_store`).
     dist: a DistInfo-like object (`is_main`); None = one process.
     barrier: called by every process once the main one has prepared the store (None = no waiting).
+    with_splits: cut (and check the length of) the train / val / test splits; False = the whole series only
+        (the future forecast, which needs `lookback` rows per series, not a usable split), `splits` is then {}.
 
     Returns PreparedData. Raises ValueError (StoreError / ConfigError) naming file, column, line and setting; a
     failed preparation leaves no store and no folder it created.
@@ -67,6 +72,8 @@ def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None
         undo()
         raise
     panel = info.open()
+    if not with_splits:
+        return PreparedData(info, panel, {})
     lengths = panel.lengths()
     too_short = [i for i, n in enumerate(lengths) if not split_is_usable(int(n), cfg)]
     if too_short:
