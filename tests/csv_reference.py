@@ -372,3 +372,54 @@ def data_summary(series: list[Series], splits: dict[str, list[Segment]], cfg: Da
         "splits": per_split,
     }
 
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Windows cut from the reference segments (what the store's datasets and held-out windows are compared with)
+
+
+def reference_dataset(segments: list[Segment], cfg: DataConfig):
+    """The shared WindowDataset over in-memory copies of `segments` (float32 features, calc_time_stamps stamps)."""
+    from finetune.utils.window_dataset import SeriesArrays, WindowDataset
+    from model.features import calc_time_stamps
+
+    arrays = [SeriesArrays(features=s.values.astype(np.float32),
+                           stamps=calc_time_stamps(s.timestamps).to_numpy(dtype=np.int64), name=s.series.name)
+              for s in segments]
+    return WindowDataset(arrays, cfg.lookback, cfg.predict, stride=cfg.stride, clip=cfg.clip)
+
+
+def reference_held_out_windows(segments: list[Segment], lookback: int, predict: int, stride: int | None = None,
+                               max_windows: int | None = None) -> dict:
+    """Every window `stride` rows apart (None = predict) of each segment, optionally capped per series (evenly
+    spread, ends included): {"names", "context" (N, L, 6), "actual" (N, P, 6), "x_ts", "y_ts"}, float64."""
+    stride = predict if stride is None else stride
+    out = {"names": [], "context": [], "actual": [], "x_ts": [], "y_ts": []}
+    for seg in segments:
+        starts = window_starts(seg, lookback + predict, stride)
+        if max_windows is not None and len(starts):
+            k = min(max_windows, len(starts))
+            starts = starts[np.unique(np.round(np.linspace(0, len(starts) - 1, k)).astype(np.int64))]
+        for s in starts:
+            out["names"].append(seg.series.name)
+            out["context"].append(seg.values[s: s + lookback])
+            out["actual"].append(seg.values[s + lookback: s + lookback + predict])
+            out["x_ts"].append(seg.timestamps[s: s + lookback])
+            out["y_ts"].append(seg.timestamps[s + lookback: s + lookback + predict])
+    out["context"] = np.asarray(out["context"], dtype=np.float64).reshape(-1, lookback, 6)
+    out["actual"] = np.asarray(out["actual"], dtype=np.float64).reshape(-1, predict, 6)
+    return out
+
+
+def one_series_split(values: np.ndarray, timestamps: pd.DatetimeIndex, start: int, first_target: int, stop: int,
+                     name: str = "s.csv"):
+    """A one-series in-memory panel (values (n, 6), bar times (n,)) and its split [start, stop) as `PanelSegments`."""
+    from finetune.utils.panel import SeriesPanel
+    from finetune.utils.panel_split import PanelSegments
+    from model.features import calc_time_stamps
+
+    ts = pd.DatetimeIndex(timestamps)
+    panel = SeriesPanel.from_series([values], [calc_time_stamps(ts).to_numpy(np.int64)], [name],
+                                    [ts.as_unit("ns").asi8])
+    as_arr = lambda v: np.array([v], dtype=np.int64)
+    return PanelSegments(panel, as_arr(start), as_arr(first_target), as_arr(stop))
