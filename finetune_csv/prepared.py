@@ -95,7 +95,8 @@ def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None
 
 def data_summary_from_store(data: PreparedData, cfg: DataConfig) -> dict:
     """What run_info.json records about the data, from the store's manifest: files with sha256, series, and rows,
-    windows and date ranges per split (same keys as `data_summary`), plus the store folder."""
+    windows and date ranges per split (same keys as the pandas reference's `data_summary`), plus the store folder.
+    The same data gives the same summary whether the store was prepared or reused (a resume compares them)."""
     manifest = data.store.manifest
     window = cfg.lookback + cfg.predict
     when = data.panel.datetimes
@@ -115,5 +116,7 @@ def data_summary_from_store(data: PreparedData, cfg: DataConfig) -> dict:
         "series": [{"name": s["name"], "rows": s["rows"], "start": s["start"], "end": s["end"]}
                    for s in manifest["series"]],
         "splits": per_split,
-        "store": {"path": str(data.store.path), "reused": data.store.reused, "reason": data.store.reason},
+        # Only what identifies the data: whether this run prepared or reused the store is no property of the data,
+        # and recording it would make a resumed run's data fingerprint differ (finetune/utils/resume.py).
+        "store": {"path": str(data.store.path)},
     }

@@ -121,7 +121,7 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
         train_set, val_set = build_dataset(data.splits["train"], cfg.data), build_dataset(data.splits["val"], cfg.data)
         data_info = data_summary_from_store(data, cfg.data)
         if dist.is_main:
-            log.info("%s", describe(cfg, data_info, plan, dist))
+            log.info("%s", describe(cfg, data_info, plan, dist, data))
         if plan["tokenizer"] is None:
             # The tokenizer has no forecast to score: it is always selected by its validation loss.
             tok_training = dataclasses.replace(cfg.stage_training("tokenizer"), select_by="loss")
@@ -151,15 +151,15 @@ def crps_val_metric(cfg: CsvFinetuneConfig, select_by: str, data: PreparedData, 
     return make_crps_val_metric(cfg, val_windows, tokenizer)
 
 
-def describe(cfg: CsvFinetuneConfig, data_info: dict, plan: dict[str, str | None], dist: DistInfo) -> str:
-    """The run at a glance: data, splits, stages, processes."""
+def describe(cfg: CsvFinetuneConfig, data_info: dict, plan: dict[str, str | None], dist: DistInfo,
+             data: PreparedData | None = None) -> str:
+    """The run at a glance: data (and whether its store was prepared or reused), splits, stages, processes."""
     splits = data_info["splits"]
-    store = data_info.get("store", {})
     lines = [f"{len(data_info['series'])} series from {len(data_info['files'])} file(s) under {cfg.data.path}; "
              f"windows of {cfg.data.lookback} + {cfg.data.predict} candles, stride {cfg.data.stride}"]
-    if store:
-        lines.append(f"  data store {store['path']} ({'reused: ' if store['reused'] else 'prepared: '}"
-                     f"{store['reason']})")
+    if data is not None:
+        lines.append(f"  data store {data.store.path} ({'reused: ' if data.store.reused else 'prepared: '}"
+                     f"{data.store.reason})")
     for name, s in splits.items():
         lines.append(f"  {name:<5} {s['rows']:>9,} rows {s['windows']:>9,} windows  {s['start']} .. {s['end']}")
     for stage in STAGES:

@@ -216,12 +216,16 @@ def test_resume_continues_after_a_crash(tmp_path):
     first = run(args, env=crash)
     assert first.returncode == 17, first.stderr[-2000:]
     stage = tmp_path / "out" / "tiny" / "tokenizer"
-    assert (stage / "checkpoints" / "last.pt").is_file() and not (stage / "best_model").exists()
+    assert (stage / "checkpoints" / "last.pt").is_file()
+    # best_model/ holds the starting model (epoch 0 is validated first); the stage is unfinished, not done
+    assert json.loads((stage / "best_model" / "run_info.json").read_text())["epoch"] == 0
+    assert train_sequential.stage_status(stage) == "unfinished"
 
     second = run(args + ["--resume"])
     assert second.returncode == 0, second.stderr[-2000:]
     info = json.loads((stage / "run_info.json").read_text())
-    assert info["resumed_from"] == str(stage / "checkpoints" / "last.pt")
+    # the newest periodic checkpoint: step 2 (saved every 2 steps; the crash came after step 3)
+    assert info["resumed_from"] == str(stage / "checkpoints" / "step-00000002.pt")
     steps = [r["step"] for r in map(json.loads, (stage / "metrics.jsonl").read_text().splitlines())
              if r["kind"] == "train"]
     assert steps == sorted(set(steps)) and steps[0] == 2  # step 2 kept from the first run, nothing logged twice
