@@ -160,7 +160,8 @@ def _load_file(file: Path, cfg: DataConfig) -> tuple[list[Series], bool]:
         symbols = raw[cfg.symbol_column].str.strip()
         if (symbols == "").any():
             rows = _csv_rows(symbols.index[symbols == ""])
-            raise _DataProblems([f"{file}: column '{cfg.symbol_column}' (data.symbol_column) is empty at line(s) {rows}"])
+            raise _DataProblems([f"{file}: column '{cfg.symbol_column}' (data.symbol_column) is empty at line(s) "
+                                 f"{rows}"])
         groups = [(f"{file.name}[{sym}]", part) for sym, part in frame.groupby(symbols, sort=True)]
 
     out = []
