@@ -35,12 +35,12 @@ from finetune.evaluation.scoring_rules import crps_ensemble
 from finetune.utils.config_utils import add_config_args
 from finetune_csv import config as csv_config
 from finetune_csv.config import CsvFinetuneConfig
-from finetune_csv.data import load_series, split_series
 from finetune_csv.forecast_metrics import candle_violations
 from finetune_csv.forecast_plot import Panel, plot_panels
 from finetune_csv.future_calendar import future_timestamps, read_calendar
 from finetune_csv.held_out import CLOSE, HeldOutWindows, held_out_windows, sample_paths
 from finetune_csv.model_dirs import best_dir, predictor_tokenizer_source
+from finetune_csv.prepared import prepare_data
 from model import Kronos, KronosPredictor, KronosTokenizer
 from model.features import FEATURE_COLS, calc_time_stamps
 from model.fileio import write_json
@@ -218,11 +218,12 @@ def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> dict:
         raise ValueError("data.test_ratio is 0: there is no held-out test split to forecast; set it > 0 "
                          "(and retrain, since the ratios move the split boundaries)")
     finetuned = finetuned_predictor(cfg)
-    series = load_series(cfg.data)
-    windows = held_out_windows(split_series(series, cfg.data)["test"], cfg.data.lookback, cfg.data.predict,
+    data = prepare_data(cfg.data, cfg.store_dir)  # the store training made (re-prepared if the files changed)
+    windows = held_out_windows(data.splits["test"], cfg.data.lookback, cfg.data.predict,
                                cfg.forecast.window_stride, cfg.forecast.max_windows)
+    first_series = pd.DatetimeIndex(np.asarray(data.panel.datetimes[data.panel.rows(0)]).astype("datetime64[ns]"))
     metrics, paths = evaluate_held_out(cfg, finetuned, windows, zero_shot_predictor(cfg),
-                                       _season(cfg, series[0].timestamps))
+                                       _season(cfg, first_series))
 
     out_dir = Path(out_dir) if out_dir is not None else cfg.base_dir / "forecast"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -238,17 +239,21 @@ def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> dict:
 def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> pd.DataFrame:
     """Forecast the `data.predict` candles after each series' last row; write forecast.csv and forecast.png."""
     finetuned = finetuned_predictor(cfg)
-    series = load_series(cfg.data)
+    panel = prepare_data(cfg.data, cfg.store_dir, with_splits=False).panel  # whole series, no split needed
     lookback, predict = cfg.data.lookback, cfg.data.predict
-    short = [s.name for s in series if len(s.values) < lookback]
+    lengths = panel.lengths()
+    short = [name for name, n in zip(panel.names, lengths.tolist()) if n < lookback]
     if short:
         raise ValueError(f"series shorter than data.lookback={lookback} rows cannot be forecast: {short}; lower "
                          "data.lookback or remove them")
     trading_dates = read_calendar(cfg.forecast.calendar) if cfg.forecast.calendar else None
-    names = [s.name for s in series]
-    past_ts = [s.timestamps[-lookback:] for s in series]
-    future_ts = [future_timestamps(s.timestamps, predict, trading_dates, s.name) for s in series]
-    context = np.stack([s.values[-lookback:] for s in series]).astype(np.float64)  # (N, L, 6)
+    names = list(panel.names)
+    ends = np.asarray(panel.offsets[1:], dtype=np.int64)  # (S,) one past each series' last column
+    cols = ends[:, None] - lookback + np.arange(lookback, dtype=np.int64)  # (S, L) the last lookback columns
+    when = lambda s: pd.DatetimeIndex(np.asarray(panel.datetimes[panel.rows(s)]).astype("datetime64[ns]"))
+    past_ts = [when(s)[-lookback:] for s in range(len(names))]
+    future_ts = [future_timestamps(when(s), predict, trading_dates, name) for s, name in enumerate(names)]
+    context = np.moveaxis(np.asarray(panel.features[:, cols], dtype=np.float64), 0, -1)  # (S, L, 6)
     as_stamps = lambda stamps: np.stack([calc_time_stamps(ts).to_numpy(np.int64) for ts in stamps])
     paths = sample_paths(finetuned, context, as_stamps(past_ts), as_stamps(future_ts), predict, cfg.forecast,
                          cfg.forecast.batch_size)  # (N, S, P, 6)

@@ -1,8 +1,9 @@
 """Held-out windows of the CSV pipeline and their sampled forecasts, as arrays end to end.
 
-A window is `lookback` context candles followed by `predict` candles to forecast, cut from one segment of one series
-(finetune_csv.data.Segment: the test or validation split plus the `lookback` rows before it, so every forecast row
-belongs to the split). `held_out_windows` takes EVERY window `stride` rows apart (stride = predict: the horizons tile
+A window is `lookback` context candles followed by `predict` candles to forecast, cut from one series' range of a split
+of the prepared store (finetune/utils/panel_split.py `PanelSegments`: the test or validation split plus the
+`lookback` rows before it, so every forecast row belongs to the split; the same store and splits training reads).
+`held_out_windows` takes EVERY window `stride` rows apart (stride = predict: the horizons tile
 the split without overlap); `sample_paths` draws `sample_count` sample paths per window with
 KronosPredictor.generate and scales them back to prices.
 """
@@ -15,7 +16,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from finetune_csv.data import Segment, window_starts
+from finetune.utils.panel_split import PanelSegments
 from model import KronosPredictor
 from model.features import FEATURE_COLS, calc_time_stamps, normalize
 
@@ -61,35 +62,41 @@ def spread_evenly(n_available: int, n_wanted: int) -> np.ndarray:
     return np.unique(np.round(np.linspace(0, n_available - 1, k)).astype(np.int64))
 
 
-def held_out_windows(segments: list[Segment], lookback: int, predict: int, stride: int | None = None,
+def held_out_windows(segments: PanelSegments, lookback: int, predict: int, stride: int | None = None,
                      max_windows: int | None = None) -> HeldOutWindows:
-    """Every window of each segment, starts `stride` rows apart (None = predict: non-overlapping horizons).
+    """Every window of each series' range of a split, starts `stride` rows apart (None = predict: non-overlapping).
 
     Parameters
     ----------
-    segments : test (or validation) segments, one per series; lookback, predict : window shape in rows;
-    stride : rows between window starts; max_windows : optional cap per series (evenly spread, ends included).
+    segments : a split of the prepared store (`prepare_data(...).splits["test"]` or `["val"]`); its panel must
+        carry `datetimes` (the store's always do). Nothing but the windows' columns is read from the memory map.
+    lookback, predict : window shape in rows; stride : rows between window starts;
+    max_windows : optional cap per series (evenly spread, first and last included).
 
     Returns
     -------
-    HeldOutWindows with context (N, lookback, 6) and actual (N, predict, 6).
+    HeldOutWindows, series in panel order and windows in time order: context (N, lookback, 6) and actual
+    (N, predict, 6) float64 (the store's float32 values, widened), timestamps from `panel.datetimes`.
     """
+    panel = segments.panel
+    if panel.datetimes is None:
+        raise ValueError("held-out windows need the bar times: this panel has no datetimes")
     stride = predict if stride is None else stride
-    names, context, x_ts, y_ts, actual = [], [], [], [], []
-    for seg in segments:
-        starts = window_starts(seg, lookback + predict, stride=stride)
+    window = lookback + predict
+    names, columns = [], []
+    for s, (lo, hi) in enumerate(zip(segments.start.tolist(), segments.stop.tolist())):
+        starts = np.arange(0, hi - lo - window + 1, stride, dtype=np.int64)
         if max_windows is not None:
             starts = starts[spread_evenly(len(starts), max_windows)]
-        values, stamps = seg.values, seg.timestamps
-        for s in starts:
-            names.append(seg.series.name)
-            context.append(values[s: s + lookback])
-            actual.append(values[s + lookback: s + lookback + predict])
-            x_ts.append(stamps[s: s + lookback])
-            y_ts.append(stamps[s + lookback: s + lookback + predict])
-    n_features = len(FEATURE_COLS)
-    return HeldOutWindows(names, np.asarray(context, dtype=np.float64).reshape(-1, lookback, n_features), x_ts, y_ts,
-                          np.asarray(actual, dtype=np.float64).reshape(-1, predict, n_features))
+        names += [panel.names[s]] * len(starts)
+        columns.append(lo + starts)
+    first = np.concatenate(columns) if columns else np.zeros(0, dtype=np.int64)  # (N,) window start columns
+    cols = first[:, None] + np.arange(window, dtype=np.int64)  # (N, W) panel columns of each window
+    values = np.moveaxis(np.asarray(panel.features[:, cols], dtype=np.float64), 0, -1)  # (N, W, 6)
+    when = np.asarray(panel.datetimes)[cols]  # (N, W) int64 ns, naive wall-clock time
+    as_index = lambda ns: pd.DatetimeIndex(ns.astype("datetime64[ns]"))
+    return HeldOutWindows(names, values[:, :lookback].copy(), [as_index(w[:lookback]) for w in when],
+                          [as_index(w[lookback:]) for w in when], values[:, lookback:].copy())
 
 
 def sample_paths(predictor: KronosPredictor, context: np.ndarray, x_stamps: np.ndarray, y_stamps: np.ndarray,

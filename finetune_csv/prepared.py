@@ -4,7 +4,9 @@
 parse, the candle checks of finetune/utils/candle_checks.py, a manifest with the files' sha256), the other ranks
 wait at a barrier, every rank opens it memory-mapped; the splits are index ranges on that panel (`split_panel`, no
 copies) that the shared WindowDataset reads (finetune_csv/dataset.py). `data_summary_from_store` reads the
-manifest. The rules are those of finetune_csv/data.py (the pandas reference; the tests compare both bit for bit).
+manifest. This is the one production path to the data: training, the held-out evaluation (finetune_csv/forecast.py),
+the validation CRPS (finetune_csv/val_metric.py) and the future forecast all read it; the tests compare it with an
+independent pandas reference (tests/csv_reference.py) bit for bit.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ class PreparedData:
     """train / val (/ test when data.test_ratio > 0): per-series column ranges of `panel`."""
 
 
-def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None) -> PreparedData:
+def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None, *,
+                 with_splits: bool = True) -> PreparedData:
     """Prepare (rank 0) or reuse the data store at `store_dir`, open it memory-mapped and cut the splits.
 
     Parameters
@@ -45,6 +48,8 @@ def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None
     store_dir: the store folder (`data.store_dir`, default `<paths.base_dir>/data_store`).
     dist: a DistInfo-like object (`is_main`); None = one process.
     barrier: called by every process once the main one has prepared the store (None = no waiting).
+    with_splits: cut (and check the length of) the train / val / test splits; False = the whole series only
+        (the future forecast, which needs `lookback` rows per series, not a usable split), `splits` is then {}.
 
     Returns PreparedData. Raises ValueError (StoreError / ConfigError) naming file, column, line and setting; a
     failed preparation leaves no store and no folder it created.
@@ -67,6 +72,8 @@ def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None
         undo()
         raise
     panel = info.open()
+    if not with_splits:
+        return PreparedData(info, panel, {})
     lengths = panel.lengths()
     too_short = [i for i, n in enumerate(lengths) if not split_is_usable(int(n), cfg)]
     if too_short:
@@ -88,7 +95,8 @@ def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None
 
 def data_summary_from_store(data: PreparedData, cfg: DataConfig) -> dict:
     """What run_info.json records about the data, from the store's manifest: files with sha256, series, and rows,
-    windows and date ranges per split (same keys as `data_summary`), plus the store folder."""
+    windows and date ranges per split (same keys as the pandas reference's `data_summary`), plus the store folder.
+    The same data gives the same summary whether the store was prepared or reused (a resume compares them)."""
     manifest = data.store.manifest
     window = cfg.lookback + cfg.predict
     when = data.panel.datetimes
@@ -108,5 +116,7 @@ def data_summary_from_store(data: PreparedData, cfg: DataConfig) -> dict:
         "series": [{"name": s["name"], "rows": s["rows"], "start": s["start"], "end": s["end"]}
                    for s in manifest["series"]],
         "splits": per_split,
-        "store": {"path": str(data.store.path), "reused": data.store.reused, "reason": data.store.reason},
+        # Only what identifies the data: whether this run prepared or reused the store is no property of the data,
+        # and recording it would make a resumed run's data fingerprint differ (finetune/utils/resume.py).
+        "store": {"path": str(data.store.path)},
     }

@@ -17,6 +17,7 @@ loss_curve.png and run_info.json (see finetune/utils/training_utils.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 
@@ -30,8 +31,10 @@ from finetune.utils.training_utils import TrainResult, stage_status, train_predi
 from finetune_csv import config as csv_config
 from finetune_csv.config import CsvFinetuneConfig
 from finetune_csv.dataset import build_dataset
+from finetune_csv.held_out import held_out_windows
 from finetune_csv.model_dirs import predictor_tokenizer_source
-from finetune_csv.prepared import data_summary_from_store, prepare_data
+from finetune_csv.prepared import PreparedData, data_summary_from_store, prepare_data
+from finetune_csv.val_metric import make_crps_val_metric
 from model import KronosTokenizer
 
 log = logging.getLogger("finetune_csv")
@@ -118,31 +121,45 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
         train_set, val_set = build_dataset(data.splits["train"], cfg.data), build_dataset(data.splits["val"], cfg.data)
         data_info = data_summary_from_store(data, cfg.data)
         if dist.is_main:
-            log.info("%s", describe(cfg, data_info, plan, dist))
+            log.info("%s", describe(cfg, data_info, plan, dist, data))
         if plan["tokenizer"] is None:
-            results.append(train_tokenizer(tokenizer, train_set, val_set, cfg.stage_training("tokenizer"),
+            # The tokenizer has no forecast to score: it is always selected by its validation loss.
+            tok_training = dataclasses.replace(cfg.stage_training("tokenizer"), select_by="loss")
+            results.append(train_tokenizer(tokenizer, train_set, val_set, tok_training,
                                            cfg.tokenizer_dir, dist, run_config=run_config, data_info=data_info))
         if plan["predictor"] is None:
             # The best tokenizer epoch on disk (not the last one in memory): what the predictor will forecast with.
             tokenizer = KronosTokenizer.from_pretrained(predictor_tokenizer_source(cfg))
             with seeded_init(cfg.training.seed):
                 predictor = build_predictor(m.pretrained_predictor, m.predictor_arch, tokenizer, "model")
-            results.append(train_predictor(predictor, tokenizer, train_set, val_set, cfg.stage_training("predictor"),
-                                           cfg.predictor_dir, dist, run_config=run_config, data_info=data_info))
+            pred_training = cfg.stage_training("predictor")
+            results.append(train_predictor(predictor, tokenizer, train_set, val_set, pred_training,
+                                           cfg.predictor_dir, dist, run_config=run_config, data_info=data_info,
+                                           val_metric=crps_val_metric(cfg, pred_training.select_by, data,
+                                                                      tokenizer)))
         if dist.is_main:
             log.info("%s", summarize(results, plan))
     return results, plan, data_info
 
 
-def describe(cfg: CsvFinetuneConfig, data_info: dict, plan: dict[str, str | None], dist: DistInfo) -> str:
-    """The run at a glance: data, splits, stages, processes."""
+def crps_val_metric(cfg: CsvFinetuneConfig, select_by: str, data: PreparedData, tokenizer: KronosTokenizer):
+    """The validation-CRPS metric of the predictor stage when `select_by` is 'crps' (None for 'loss'): sampled
+    forecasts of validation windows cut from the same prepared store and split the trainer validates on."""
+    if select_by != "crps":
+        return None
+    val_windows = held_out_windows(data.splits["val"], cfg.data.lookback, cfg.data.predict)  # non-overlapping
+    return make_crps_val_metric(cfg, val_windows, tokenizer)
+
+
+def describe(cfg: CsvFinetuneConfig, data_info: dict, plan: dict[str, str | None], dist: DistInfo,
+             data: PreparedData | None = None) -> str:
+    """The run at a glance: data (and whether its store was prepared or reused), splits, stages, processes."""
     splits = data_info["splits"]
-    store = data_info.get("store", {})
     lines = [f"{len(data_info['series'])} series from {len(data_info['files'])} file(s) under {cfg.data.path}; "
              f"windows of {cfg.data.lookback} + {cfg.data.predict} candles, stride {cfg.data.stride}"]
-    if store:
-        lines.append(f"  data store {store['path']} ({'reused: ' if store['reused'] else 'prepared: '}"
-                     f"{store['reason']})")
+    if data is not None:
+        lines.append(f"  data store {data.store.path} ({'reused: ' if data.store.reused else 'prepared: '}"
+                     f"{data.store.reason})")
     for name, s in splits.items():
         lines.append(f"  {name:<5} {s['rows']:>9,} rows {s['windows']:>9,} windows  {s['start']} .. {s['end']}")
     for stage in STAGES:

@@ -29,7 +29,8 @@ def make_crps_val_metric(cfg, val_windows: HeldOutWindows, tokenizer: KronosToke
     Parameters
     ----------
     cfg : CsvFinetuneConfig (data.lookback / predict / clip and the forecast: sampling keys are used).
-    val_windows : the validation windows, e.g. `held_out_windows(split_series(...)["val"], lookback, predict)`.
+    val_windows : the validation windows, e.g. `held_out_windows(prepare_data(...).splits["val"], lookback, predict)`
+        (what finetune_csv/train_sequential.py passes with training.select_by: crps).
     tokenizer : the tokenizer the predictor is trained with (frozen while the predictor trains).
     max_windows : size of the fixed subsample (evenly spread, first and last window included).
 

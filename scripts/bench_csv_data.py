@@ -3,13 +3,15 @@
     python scripts/bench_csv_data.py [--series 8 --bars 20000 --lookback 512 --predict 48 --batch 32]
 
 1. Samples/s through a DataLoader (num_workers=0, batch `--batch`, shuffled) of
-   a. the CSV pipeline's dataset (finetune_csv.dataset.build_dataset -> finetune.utils WindowDataset: one
-      vectorised gather and normalisation per batch), and
+   a. the CSV pipeline's data path: the prepared, memory-mapped store (finetune_csv.prepared.prepare_data) and
+      its train split's dataset (finetune_csv.dataset.build_dataset -> finetune.utils WindowDataset: one vectorised
+      gather and normalisation per batch from the memory map), and
    b. a baseline written the way per-sample pipelines usually are (the original Kronos CSV dataset among them):
       `df.iloc[start:start + window]` per sample on a pandas DataFrame per series, then numpy normalisation.
 2. Share of train-step wall time spent waiting for the next batch, for a small predictor on this CPU/GPU
    (tokenizer encode + predictor forward/backward + AdamW step per batch).
-Synthetic data (finetune.synthetic) is written to a temporary folder and loaded through finetune_csv.data.
+Synthetic data (finetune.synthetic) is written to a temporary folder and prepared into a store there (the time to
+parse, check and write it is reported); the baseline's DataFrames hold the same train rows, copied from the store.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ from torch.utils.data import DataLoader, Dataset
 from finetune.synthetic import generate_ohlcv, write_csv_folder
 from finetune.utils.window_dataset import EpochSampler, make_loader
 from finetune_csv.config import DataConfig
-from finetune_csv.data import load_series, split_series
 from finetune_csv.dataset import build_dataset
+from finetune_csv.prepared import prepare_data
 from model import Kronos, KronosTokenizer
-from model.features import FEATURE_COLS, TIME_COLS, calc_time_stamps
+from model.features import FEATURE_COLS, TIME_COLS
 
 
 class PandasIlocWindows(Dataset):
@@ -104,25 +106,29 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
     with tempfile.TemporaryDirectory() as tmp:
-        write_csv_folder(generate_ohlcv(args.series, args.bars, freq="5min", seed=0), Path(tmp))
-        cfg = DataConfig(path=tmp, lookback=args.lookback, predict=args.predict, train_ratio=0.9, val_ratio=0.1,
-                         test_ratio=0.0)
+        write_csv_folder(generate_ohlcv(args.series, args.bars, freq="5min", seed=0), Path(tmp) / "csv")
+        cfg = DataConfig(path=str(Path(tmp) / "csv"), lookback=args.lookback, predict=args.predict, train_ratio=0.9,
+                         val_ratio=0.1, test_ratio=0.0)
         t0 = time.perf_counter()
-        series = load_series(cfg)
-        segments = split_series(series, cfg)["train"]
+        data = prepare_data(cfg, Path(tmp) / "store")
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        ours = build_dataset(segments, cfg)
+        train = data.splits["train"]
+        ours = build_dataset(train, cfg)
         build_s = time.perf_counter() - t0
 
-    frames = []
-    for seg in segments:
-        f = pd.DataFrame(seg.values, columns=list(FEATURE_COLS))
-        f[TIME_COLS] = calc_time_stamps(seg.timestamps).to_numpy()
-        frames.append(f)
-    baseline = PandasIlocWindows(frames, args.lookback, args.predict, cfg.clip)
-    assert len(baseline) == len(ours), (len(baseline), len(ours))
+        frames = []
+        for lo, hi in zip(train.start.tolist(), train.stop.tolist()):
+            f = pd.DataFrame(np.asarray(data.panel.features[:, lo:hi]).T, columns=list(FEATURE_COLS))  # (n, 6)
+            f[TIME_COLS] = np.asarray(data.panel.stamps[lo:hi])
+            frames.append(f)
+        baseline = PandasIlocWindows(frames, args.lookback, args.predict, cfg.clip)
+        assert len(baseline) == len(ours), (len(baseline), len(ours))
+        run_loaders(args, ours, baseline, load_s, build_s)
 
+
+def run_loaders(args, ours, baseline, load_s: float, build_s: float) -> None:
+    """Time both loaders and the data-wait share of a train step; print the table (the store is still mapped)."""
     sampler = EpochSampler(len(ours), shuffle=True, seed=0)
     ours_loader = make_loader(ours, sampler, args.batch, epoch=0, seed=0)
     base_loader = DataLoader(baseline, batch_size=args.batch, shuffle=True, generator=torch.Generator().manual_seed(0))
@@ -136,12 +142,13 @@ def main() -> None:
         args.steps, device)
 
     print(f"data: {args.series} series x {args.bars} bars (5min), {len(ours)} training windows of "
-          f"{args.lookback}+{args.predict}; load+check CSVs {load_s:.2f} s, build dataset {build_s:.2f} s")
+          f"{args.lookback}+{args.predict}; prepare the store (parse+check CSVs) {load_s:.2f} s, "
+          f"split + dataset {build_s:.2f} s")
     print(f"device for the train step: {device}, torch threads {torch.get_num_threads()}, batch {args.batch}")
     print(f"{'loader':<34}{'samples/s':>12}{'speed-up':>10}{'data wait':>12}{'step ms':>10}")
     print(f"{'pandas .iloc per sample (baseline)':<34}{base_sps:>12,.0f}{1.0:>9.1f}x{100 * base_wait:>11.1f}%"
           f"{1000 * base_step:>10.1f}")
-    print(f"{'CSV dataset (vectorised batches)':<34}{ours_sps:>12,.0f}{ours_sps / base_sps:>9.1f}x"
+    print(f"{'store + WindowDataset (batches)':<34}{ours_sps:>12,.0f}{ours_sps / base_sps:>9.1f}x"
           f"{100 * ours_wait:>11.1f}%{1000 * ours_step:>10.1f}")
 
 

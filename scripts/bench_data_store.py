@@ -13,8 +13,8 @@ first run (rank 0 prepares) and a re-run (the store is reused), plus preparation
    what each rank costs beyond the shared page cache) and RssFile (pages of mapped files: the page cache shared
    by all ranks). The epoch order is the sampler's: above 16.8M windows the blocked streaming order
    (finetune/utils/epoch_order.py), so "sampler ready" is immediate.
-3. Preparation throughput on `--baseline-rows` rows written as CSV: finetune_csv.data.load_series (pandas, the
-   current path) against prepare_store on the same CSV files and on the same rows as Parquet; each run in a fresh
+3. Preparation throughput on `--baseline-rows` rows written as CSV: tests/csv_reference.py load_series (pandas, the
+   in-memory reference) against prepare_store on the same CSV files and on the same rows as Parquet; each run in a fresh
    process, with its peak RSS.
 """
 
@@ -177,7 +177,7 @@ def measure_prepare(kind: str, path: str, out: str) -> None:
 
     from finetune.utils.data_store import prepare_store
     from finetune_csv.config import DataConfig
-    from finetune_csv.data import load_series
+    from tests.csv_reference import load_series  # the in-memory pandas loader (a reference, not production)
 
     t0 = time.perf_counter()  # imports are not timed
     if kind == "pandas":

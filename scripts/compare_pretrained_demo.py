@@ -34,8 +34,8 @@ from finetune.utils.training_utils import TrainingConfig, evaluate_predictor
 from finetune.utils.window_dataset import WindowDataset
 from finetune_csv import train_sequential
 from finetune_csv.config import load
-from finetune_csv.data import load_series, split_series
 from finetune_csv.dataset import build_dataset
+from finetune_csv.prepared import prepare_data
 from model import Kronos, KronosTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                           *[f"model.predictor_arch.{k}={v}" for k, v in arch.items()]]),
     }
     cfg = runs["finetuned"]["config"]
-    test_set = build_dataset(split_series(load_series(cfg.data), cfg.data)["test"], cfg.data)
+    test_set = build_dataset(prepare_data(cfg.data, cfg.store_dir).splits["test"], cfg.data)  # the run's store
     series_of, _ = test_set.locate(np.arange(len(test_set)))
     tokenizer = KronosTokenizer.from_pretrained(tok_src)
     models = {"zero_shot": pre_pred, "finetuned": Kronos.from_pretrained(runs["finetuned"]["predictor_dir"]),

@@ -1,4 +1,5 @@
-"""The Python API `finetune_csv.finetune`: DataFrames or paths in, the CLI's checks and engine, paths and metrics out."""
+"""The Python API `finetune_csv.finetune`: DataFrames or paths in, the CLI's checks and engine, paths and metrics
+out."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""CSV loading, cleaning policies, error messages and the time split of finetune_csv.data / finetune_csv.dataset."""
+"""CSV loading rules (on the pandas reference, tests/csv_reference.py), the split rules (finetune_csv.data), and the
+prepared store (finetune_csv.prepared) compared with the reference bit for bit."""
 
 from __future__ import annotations
 
@@ -10,17 +11,10 @@ import pandas as pd
 import pytest
 
 from finetune_csv.config import ColumnsConfig, DataConfig
-from finetune_csv.data import (
-    data_summary,
-    load_series,
-    min_rows_needed,
-    split_bounds,
-    split_is_usable,
-    split_series,
-    window_starts,
-)
+from finetune_csv.data import min_rows_needed, split_bounds, split_is_usable
 from finetune_csv.dataset import build_dataset
 from finetune_csv.prepared import data_summary_from_store, prepare_data
+from tests.csv_reference import data_summary, load_series, reference_dataset, split_series, window_starts
 
 
 def candles(n: int, start: str = "2024-01-02 09:30", seed: int = 0, **extra) -> pd.DataFrame:
@@ -266,7 +260,7 @@ def test_windows_never_cross_series_and_use_lookback_statistics(tmp_path):
     cfg = data_cfg(tmp_path, stride=2)
     series = load_series(cfg)
     splits = split_series(series, cfg)
-    ds = build_dataset(splits["train"], cfg)
+    ds = reference_dataset(splits["train"], cfg)
     train_rows = split_bounds(50, cfg.train_ratio, cfg.val_ratio)[0]
     per_series = len(range(0, train_rows - 12 + 1, 2))
     assert len(ds) == 2 * per_series
@@ -306,7 +300,7 @@ def test_prepared_windows_equal_the_reference_windows_and_are_mapped(tmp_path):
     data = prepare(cfg, tmp_path)
     ref = split_series(load_series(cfg), cfg)
     for name in ("train", "val", "test"):
-        ours, theirs = build_dataset(data.splits[name], cfg), build_dataset(ref[name], cfg)
+        ours, theirs = build_dataset(data.splits[name], cfg), reference_dataset(ref[name], cfg)
         assert isinstance(ours.features_t, np.memmap) and len(ours) == len(theirs)
         idx = np.arange(len(ours))
         x, st = ours.get_batch(idx)
@@ -315,9 +309,10 @@ def test_prepared_windows_equal_the_reference_windows_and_are_mapped(tmp_path):
     summary, ref_summary = data_summary_from_store(data, cfg), data_summary(load_series(cfg), ref, cfg)
     assert summary["splits"] == ref_summary["splits"] and summary["series"] == ref_summary["series"]
     assert [f["sha256"] for f in summary["files"]] == [f["sha256"] for f in ref_summary["files"]]
-    assert not summary["store"]["reused"]
+    assert not data.store.reused
     again = prepare(cfg, tmp_path)
-    assert again.store.reused and data_summary_from_store(again, cfg)["store"]["reused"]
+    # A reused store describes the same data the same way (a resume compares these summaries' fingerprints).
+    assert again.store.reused and data_summary_from_store(again, cfg) == summary
 
 
 def test_dst_offsets_keep_the_exchange_wall_clock_and_data_timezone_converts(tmp_path):
@@ -402,7 +397,7 @@ def test_parquet_folder_is_read_through_the_store(tmp_path):
     ref = split_series(load_series(data_cfg(tmp_path)), data_cfg(tmp_path))
     assert data.panel.names == ["s0.parquet", "s1.parquet"]
     x, _ = build_dataset(data.splits["train"], data_cfg(folder)).get_batch([0, 5])
-    assert np.array_equal(x.numpy(), build_dataset(ref["train"], data_cfg(tmp_path)).get_batch([0, 5])[0].numpy())
+    assert np.array_equal(x.numpy(), reference_dataset(ref["train"], data_cfg(tmp_path)).get_batch([0, 5])[0].numpy())
 
 
 def test_bad_timezone_and_frequency_settings_name_their_keys():

@@ -27,19 +27,20 @@ forecast: {{sample_count: 8, bootstrap_samples: 50, seed: 1{extra}}}
 
 
 def make_run(root: Path, n_bars=(300, 251), zero_shot: str | None = "same", extra: str = "") -> Path:
-    """Two series of different lengths, a tiny tokenizer + predictor saved as the run's best models; the config."""
+    """Two series of different lengths, a tiny predictor saved as the run's best model, the tiny tokenizer as the
+    starting tokenizer (the run never trained one: a bare tokenizer best_model/ would be an unfinished stage)."""
     frames = generate_ohlcv(n_series=2, n_bars=max(n_bars), freq="5min", seed=3)
     frames = {k: f.iloc[:n] for (k, f), n in zip(frames.items(), n_bars)}
     write_csv_folder(frames, root / "data")
     tok, pred = tiny_models(seed=0)
-    tok.save_pretrained(root / "out/ev/tokenizer/best_model")
+    tok.save_pretrained(root / "start/tokenizer")
     pred.save_pretrained(root / "out/ev/basemodel/best_model")
-    start_tok, start_pred = "null", "null"
+    start_tok, start_pred = root / "start/tokenizer", "null"
     if zero_shot == "same":  # a different starting predictor (other seed) with the same tokenizer
         tiny_predictor(seed=7).save_pretrained(root / "start/predictor")
-        start_tok, start_pred = root / "out/ev/tokenizer/best_model", root / "start/predictor"
+        start_pred = root / "start/predictor"
     elif zero_shot is not None:
-        start_tok, start_pred = root / "out/ev/tokenizer/best_model", zero_shot
+        start_pred = zero_shot
     config = root / "ev.yaml"
     config.write_text(YAML.format(data=root / "data", out=root, tok=start_tok, pred=start_pred, extra=extra))
     return config

@@ -9,10 +9,10 @@ import torch
 
 from finetune.evaluation.forecast_scores import ScoreSettings, score_forecasts
 from finetune_csv.config import CsvFinetuneConfig
-from finetune_csv.data import Segment, Series
 from finetune_csv.held_out import CLOSE, held_out_windows, sample_paths
 from finetune_csv.val_metric import make_crps_val_metric
 from model import KronosPredictor
+from tests.csv_reference import one_series_split
 from tests.model_factory import tiny_models, tiny_predictor
 
 
@@ -22,9 +22,7 @@ def make_windows(n: int = 160, lookback: int = 16, predict: int = 4):
     values = np.column_stack([close, close * 1.01, close * 0.99, close, rng.uniform(1, 2, n) * 1e3,
                               rng.uniform(1, 2, n) * 5e4])  # (n, 6)
     ts = pd.date_range("2024-01-02 09:30", periods=n, freq="5min")
-    seg = Segment(Series(name="s.csv", source=None, timestamps=ts, values=values), start=0, first_target=lookback,
-                  stop=n)
-    return held_out_windows([seg], lookback, predict)
+    return held_out_windows(one_series_split(values, ts, start=0, first_target=lookback, stop=n), lookback, predict)
 
 
 def make_cfg() -> CsvFinetuneConfig:

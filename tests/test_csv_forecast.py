@@ -6,9 +6,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from finetune_csv.data import Segment, Series
 from finetune_csv.forecast_metrics import candle_violations
 from finetune_csv.held_out import held_out_windows, sample_paths, spread_evenly
+from tests.csv_reference import one_series_split
 
 
 def test_candle_violations_counts_each_rule_and_any():
@@ -31,16 +31,15 @@ def test_spread_evenly_includes_both_ends():
     assert spread_evenly(0, 3).tolist() == []
 
 
-def make_segment(n: int = 60, first_target: int = 30) -> Segment:
-    values = np.arange(n * 6, dtype=np.float64).reshape(n, 6)  # row r holds 6r .. 6r+5
+def make_segment(n: int = 60, first_target: int = 30):
+    values = np.arange(n * 6, dtype=np.float64).reshape(n, 6)  # row r holds 6r .. 6r+5 (exact in float32)
     ts = pd.date_range("2024-01-02 09:30", periods=n, freq="5min")
-    series = Series(name="s.csv", source=None, timestamps=ts, values=values)
-    return Segment(series, start=first_target - 8, first_target=first_target, stop=n)
+    return one_series_split(values, ts, start=first_target - 8, first_target=first_target, stop=n)
 
 
 def test_held_out_windows_do_not_overlap_and_follow_their_context():
     seg = make_segment()
-    w = held_out_windows([seg], lookback=8, predict=4, stride=None)
+    w = held_out_windows(seg, lookback=8, predict=4, stride=None)
     assert len(w.names) == 30 // 4  # 30 test rows -> 7 non-overlapping horizons of 4
     first_rows = [int(a[0, 0]) // 6 for a in w.actual]
     assert first_rows == list(range(30, 58, 4))
@@ -50,7 +49,7 @@ def test_held_out_windows_do_not_overlap_and_follow_their_context():
 
 
 def test_held_out_windows_can_be_capped_per_series():
-    w = held_out_windows([make_segment()], lookback=8, predict=4, max_windows=2)
+    w = held_out_windows(make_segment(), lookback=8, predict=4, max_windows=2)
     assert [int(a[0, 0]) // 6 for a in w.actual] == [30, 54]
 
 
@@ -67,8 +66,8 @@ def test_the_sample_mean_equals_predict_batch_on_dataframes():
     rng = np.random.default_rng(0)
     values = 100 + np.abs(rng.normal(0, 1, (80, 6))).cumsum(axis=0)
     ts = pd.date_range("2024-01-02 09:30", periods=80, freq="5min")
-    seg = Segment(Series(name="s.csv", source=None, timestamps=ts, values=values), start=40, first_target=48, stop=80)
-    w = held_out_windows([seg], lookback=8, predict=4, max_windows=5)
+    seg = one_series_split(values, ts, start=40, first_target=48, stop=80)
+    w = held_out_windows(seg, lookback=8, predict=4, max_windows=5)
     kp = KronosPredictor(pred, tok, device="cpu", max_context=12, clip=5)
     f = SimpleNamespace(seed=3, temperature=1.0, top_k=0, top_p=0.9, sample_count=2)
     x_stamps, y_stamps = w.stamps()
@@ -84,3 +83,26 @@ def test_the_sample_mean_equals_predict_batch_on_dataframes():
         expected += [df[FEATURE_COLS].to_numpy(np.float64) for df in out]
     # predict_batch averages the paths before scaling them back; the same numbers up to float32 rounding.
     np.testing.assert_allclose(got, np.stack(expected), rtol=1e-5)
+
+
+@pytest.mark.parametrize("split, stride, cap", [("test", None, None), ("val", 3, None), ("test", 2, 3)])
+def test_windows_from_the_store_equal_the_pandas_reference_windows(tmp_path, split, stride, cap):
+    from finetune.synthetic import generate_ohlcv, write_csv_folder
+    from finetune_csv.config import DataConfig
+    from finetune_csv.prepared import prepare_data
+    from tests.csv_reference import load_series, reference_held_out_windows, split_series
+
+    frames = generate_ohlcv(n_series=3, n_bars=200, freq="5min", seed=4)
+    frames = {k: f.iloc[:n] for (k, f), n in zip(frames.items(), (200, 163, 181))}  # unequal lengths
+    write_csv_folder(frames, tmp_path / "data")
+    cfg = DataConfig(path=str(tmp_path / "data"), lookback=12, predict=5, train_ratio=0.6, val_ratio=0.2,
+                     test_ratio=0.2)
+    ours = held_out_windows(prepare_data(cfg, tmp_path / "store").splits[split], 12, 5, stride, cap)
+    ref = reference_held_out_windows(split_series(load_series(cfg), cfg)[split], 12, 5, stride, cap)
+    assert len(ours) == len(ref["names"]) > 3 and ours.names == ref["names"]  # same windows, same order
+    # The store holds float32 (what training reads): the same numbers as the reference rounded to float32.
+    f32 = lambda a: a.astype(np.float32).astype(np.float64)
+    assert ours.context.dtype == np.float64 and np.array_equal(ours.context, f32(ref["context"]))
+    assert np.array_equal(ours.actual, f32(ref["actual"]))
+    assert all(a.equals(b) for a, b in zip(ours.x_timestamps, ref["x_ts"]))
+    assert all(a.equals(b) for a, b in zip(ours.y_timestamps, ref["y_ts"]))

@@ -77,6 +77,11 @@ def files_under(folder: Path) -> set[str]:
     return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
 
 
+def without_step_files(files: set[str]) -> set[str]:
+    """The files minus the rotating checkpoints (step-<8 digits>.pt; the newest is also last.pt)."""
+    return {f for f in files if not re.fullmatch(r"(tokenizer|basemodel)/checkpoints/step-\d{8}\.pt", f)}
+
+
 def env_one_thread() -> dict:
     # Tiny models: one intra-op thread per process keeps two processes from fighting over the cores.
     return {**os.environ, "OMP_NUM_THREADS": "1", "DIST_BACKEND": "gloo", "PYTHONUNBUFFERED": "1"}
@@ -216,12 +221,16 @@ def test_resume_continues_after_a_crash(tmp_path):
     first = run(args, env=crash)
     assert first.returncode == 17, first.stderr[-2000:]
     stage = tmp_path / "out" / "tiny" / "tokenizer"
-    assert (stage / "checkpoints" / "last.pt").is_file() and not (stage / "best_model").exists()
+    assert (stage / "checkpoints" / "last.pt").is_file()
+    # best_model/ holds the starting model (epoch 0 is validated first); the stage is unfinished, not done
+    assert json.loads((stage / "best_model" / "run_info.json").read_text())["epoch"] == 0
+    assert train_sequential.stage_status(stage) == "unfinished"
 
     second = run(args + ["--resume"])
     assert second.returncode == 0, second.stderr[-2000:]
     info = json.loads((stage / "run_info.json").read_text())
-    assert info["resumed_from"] == str(stage / "checkpoints" / "last.pt")
+    # the newest periodic checkpoint: step 2 (saved every 2 steps; the crash came after step 3)
+    assert info["resumed_from"] == str(stage / "checkpoints" / "step-00000002.pt")
     steps = [r["step"] for r in map(json.loads, (stage / "metrics.jsonl").read_text().splitlines())
              if r["kind"] == "train"]
     assert steps == sorted(set(steps)) and steps[0] == 2  # step 2 kept from the first run, nothing logged twice
@@ -236,7 +245,7 @@ def test_torchrun_two_processes(tmp_path):
     result = run(cmd)
     assert result.returncode == 0, result.stderr[-3000:]
     base = tmp_path / "out" / "tiny"
-    assert files_under(base) == EXPECTED_FILES
+    assert without_step_files(files_under(base)) == EXPECTED_FILES
     assert json.loads((base / "basemodel" / "run_info.json").read_text())["world_size"] == 2
 
 
@@ -264,3 +273,38 @@ def test_two_node_launch_on_one_machine(tmp_path):
     stage = tmp_path / "out" / "tiny" / "tokenizer"
     assert json.loads((stage / "run_info.json").read_text())["world_size"] == 2
     assert (stage / "best_model" / "model.safetensors").is_file()
+
+
+def test_select_by_crps_keeps_the_epoch_with_the_lowest_validation_crps(tmp_path):
+    """training.select_by: crps - every validation (epoch 0 = the starting model) records metric_crps, and
+    best_model/ holds the epoch with the lowest CRPS (the first one on a tie), not the lowest loss."""
+    from tests.model_factory import tiny_models
+
+    config = make_run(tmp_path, n_bars=200)
+    tok, pred = tiny_models(seed=0)
+    tok.save_pretrained(tmp_path / "start/tokenizer")
+    pred.save_pretrained(tmp_path / "start/predictor")
+    overrides = [f"model.pretrained_tokenizer={tmp_path / 'start/tokenizer'}",
+                 f"model.pretrained_predictor={tmp_path / 'start/predictor'}", "tokenizer_training.epochs=0",
+                 "training.select_by=crps", "predictor_training.epochs=3", "predictor_training.lr=0.02",
+                 "forecast.sample_count=3"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results, plan, _ = train_sequential.run_finetune(load(config, overrides))
+    finally:
+        torch.set_num_threads(threads)
+    assert plan["tokenizer"] is not None and [r.stage for r in results] == ["predictor"]
+    out = tmp_path / "out" / "tiny" / "basemodel"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    vals = [r for r in records if r.get("kind") == "val"]
+    assert [r["epoch"] for r in vals] == [0, 1, 2, 3]
+    crps = [r["metric_crps"] for r in vals]
+    assert all(c > 0 for c in crps) and all(r["score"] == r["metric_crps"] for r in vals)
+    assert len(set(crps)) > 1  # the epochs really differ, so the choice below is a real one
+    best = min(range(len(crps)), key=lambda i: crps[i])
+    losses = [r["val_loss"] for r in vals]
+    assert best != losses.index(min(losses))  # here the loss would have kept another epoch: CRPS really decided
+    info = json.loads((out / "best_model" / "run_info.json").read_text())
+    assert info["epoch"] == best == results[0].best_epoch and info["select_by"] == "crps"
+    assert [h["metric_crps"] for h in results[0].history] == crps

@@ -27,8 +27,8 @@ from finetune.utils.series_cleaning import wallclock_stamps
 from finetune.utils.store_writer import npy_header
 from finetune.utils.window_dataset import SeriesArrays, WindowDataset
 from finetune_csv.config import ColumnsConfig, DataConfig
-from finetune_csv.data import load_series, split_series
 from model.features import calc_time_stamps
+from tests.csv_reference import load_series, split_series
 
 
 def candles(n: int, start: str = "2024-01-02 09:30", seed: int = 0, **extra) -> pd.DataFrame:
