@@ -11,6 +11,7 @@ summary line - is here, so the two stages cannot drift apart. The trainers requi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,6 +81,8 @@ def run_stage(spec: StageSpec, argv: list[str] | None = None, doc: str = "") -> 
     cfg = load(args.config, overrides)
     check_inputs(spec, cfg)
     training = cfg.stage_training(spec.stage)
+    if spec.stage == "tokenizer":  # the tokenizer has no forecast to score: it is always selected by its loss
+        training = dataclasses.replace(training, select_by="loss")
     out_dir = cfg.paths.tokenizer_dir if spec.stage == "tokenizer" else cfg.paths.predictor_dir
 
     with distributed_context(training.dist_timeout_s) as dist:

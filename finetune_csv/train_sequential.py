@@ -133,10 +133,14 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
             with seeded_init(cfg.training.seed):
                 predictor = build_predictor(m.pretrained_predictor, m.predictor_arch, tokenizer, "model")
             pred_training = cfg.stage_training("predictor")
+            # What forecasting needs beside the weights (kronos_predictor.json): the window, tokenizer and clip.
+            forecast_info = {"max_context": cfg.data.lookback + cfg.data.predict,
+                             "tokenizer": predictor_tokenizer_source(cfg), "clip": cfg.data.clip}
             results.append(train_predictor(predictor, tokenizer, train_set, val_set, pred_training,
                                            cfg.predictor_dir, dist, run_config=run_config, data_info=data_info,
                                            val_metric=crps_val_metric(cfg, pred_training.select_by, data,
-                                                                      tokenizer)))
+                                                                      tokenizer),
+                                           forecast_info=forecast_info))
         if dist.is_main:
             log.info("%s", summarize(results, plan))
     return results, plan, data_info

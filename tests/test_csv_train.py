@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+import yaml
 
 from finetune.synthetic import generate_ohlcv, write_csv_folder
 from finetune_csv import train_sequential
@@ -60,7 +61,7 @@ forecast: {{max_windows: 2}}
 STAGE_FILES = {"best_model/config.json", "best_model/model.safetensors", "best_model/run_info.json",
                "checkpoints/last.pt", "metrics.jsonl", "loss_curve.png", "run_info.json", "train.log"}
 EXPECTED_FILES = ({f"tokenizer/{f}" for f in STAGE_FILES} | {f"basemodel/{f}" for f in STAGE_FILES}
-                  | {"basemodel/best_model/tokenizer_config.json"}
+                  | {"basemodel/best_model/tokenizer_config.json", "basemodel/best_model/kronos_predictor.json"}
                   | {f"data_store/{f}" for f in ("features_t.npy", "stamps.npy", "datetimes.npy", "offsets.npy",
                                                  "names.json", "manifest.json")})
 
@@ -308,3 +309,15 @@ def test_select_by_crps_keeps_the_epoch_with_the_lowest_validation_crps(tmp_path
     info = json.loads((out / "best_model" / "run_info.json").read_text())
     assert info["epoch"] == best == results[0].best_epoch and info["select_by"] == "crps"
     assert [h["metric_crps"] for h in results[0].history] == crps
+
+
+def test_best_predictor_folder_loads_as_a_whole_forecaster(trained):
+    """kronos_predictor.json beside the weights: the finetuned tokenizer and the training window come with it."""
+    from model import KronosPredictor
+
+    config, base = trained
+    info = json.loads((base / "basemodel/best_model/kronos_predictor.json").read_text())
+    assert info["tokenizer"] == "../../tokenizer/best_model"  # relative: the run folder can be moved as a whole
+    forecaster = KronosPredictor.from_pretrained(base / "basemodel/best_model", device="cpu")
+    cfg = yaml.safe_load(config.read_text())
+    assert forecaster.max_context == cfg["data"]["lookback"] + cfg["data"]["predict"] == info["max_context"]
