@@ -108,14 +108,17 @@ def score_signal(cfg, pred: pd.Series, labels: pd.DataFrame, horizon: int, start
 
 
 def summary_table(results: dict[str, dict]) -> pd.DataFrame:
-    """signal x {h, IC, RankIC, ICIR, excess ann. (with cost), max drawdown}; mean over seeds where a signal has
-    several (its spread goes to report.json)."""
+    """signal x {h, days, IC, t(IC) (Newey-West, lag h-1: overlapping h-day labels), RankIC, ICIR, excess ann.
+    (with cost), information ratio of the excess, max drawdown}; one row per signal and seed (the spread over seeds
+    goes to report.json)."""
     rows = {}
     for name, r in results.items():
         bt = r.get("backtest", {}).get("excess_return_with_cost", {})
-        rows[name] = {"h": r["horizon"], "IC": r["headline"]["IC"], "RankIC": r["headline"]["RankIC"],
-                      "ICIR": r["headline"]["ICIR"], "excess_ann": bt.get("annualized_return", math.nan),
-                      "max_dd": bt.get("max_drawdown", math.nan)}
+        head = r["headline"]
+        rows[name] = {"h": r["horizon"], "days": head.get("days", math.nan), "IC": head["IC"],
+                      "t_IC": head.get("IC_t_nw", math.nan), "RankIC": head["RankIC"], "ICIR": head["ICIR"],
+                      "excess_ann": bt.get("annualized_return", math.nan),
+                      "IR": bt.get("information_ratio", math.nan), "max_dd": bt.get("max_drawdown", math.nan)}
     return pd.DataFrame.from_dict(rows, orient="index")
 
 

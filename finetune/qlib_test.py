@@ -232,9 +232,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = write_results(cfg.paths.backtest_result_path, {"report.json": report, **files})
 
     table = pd.DataFrame(report["summary"]).T
+    table[["h", "days"]] = table[["h", "days"]].astype(int)
     print(f"\n--- signals {report['forecast_days'][0]}..{report['forecast_days'][1]}, backtest "
           f"{report['backtest_period'][0]}..{report['backtest_period'][1]} vs {cfg.benchmark} "
-          f"(IC at the horizon h each signal forecasts; excess_ann / max_dd with cost) ---")
+          f"(IC at the horizon h each signal forecasts, t_IC Newey-West; excess_ann, IR, max_dd with cost) ---")
     print(table.to_string(float_format=lambda v: f"{v:.4f}"))
     for s, sp in report["seed_spread"].items():
         print(f"{s}: over {sp['seeds']} seeds IC {sp['IC']['mean']:.4f} +- {sp['IC']['std']:.4f}, excess_ann "

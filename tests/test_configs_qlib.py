@@ -39,7 +39,8 @@ def test_csi300_config_keeps_the_original_settings():
     assert cfg.model.pretrained_tokenizer == "NeoQuasar/Kronos-Tokenizer-base"
 
 
-def test_demo_config_trains_from_scratch_offline():
+def test_demo_config_starts_from_the_local_pretrained_pair_offline():
     cfg = load(str(CONFIGS[0].parent / "qlib_demo.yaml"))
-    assert cfg.model.pretrained_tokenizer is None and cfg.model.pretrained_predictor is None
-    assert cfg.model.tokenizer_arch.d_model <= 64 and cfg.model.predictor_arch.d_model <= 64
+    for path in (cfg.model.pretrained_tokenizer, cfg.model.pretrained_predictor):
+        assert (CONFIGS[0].parent.parent / path / "config.json").is_file()  # local: nothing is downloaded
+    assert cfg.forecast.seed_list() == [0, 1, 2]
