@@ -67,7 +67,7 @@ def test_shipped_original_config_loads_with_the_same_meaning(caplog):
         cfg = load_csv_config(ORIGINAL, ["training.seed=9"])
     assert isinstance(cfg, CsvFinetuneConfig)
     d, t = cfg.data, cfg.training
-    assert (d.path, d.lookback, d.predict, d.clip) == ("data/generated/csv_demo_5min/SYN000.csv", 256, 32, 5.0)
+    assert (d.path, d.lookback, d.predict, d.clip) == ("data/generated/csv_demo_5min/SH600000.csv", 256, 32, 5.0)
     assert (d.train_ratio, d.val_ratio, d.test_ratio) == (0.8, 0.15, 0.05)
     assert (cfg.tokenizer_training.epochs, cfg.predictor_training.epochs) == (10, 5)
     assert (cfg.tokenizer_training.lr, cfg.predictor_training.lr) == (1e-4, 2e-5)

@@ -22,6 +22,8 @@ except ModuleNotFoundError:  # Python 3.10
 packaging_req = pytest.importorskip("packaging.requirements")
 from packaging.utils import canonicalize_name  # noqa: E402
 
+from tests.readme_blocks import readme_block, shell_commands
+
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PROJECT = PYPROJECT["project"]
@@ -217,6 +219,10 @@ def test_pip_install_into_a_fresh_venv_gives_kronos_and_the_csv_pipeline(tmp_pat
 
     res = _run(["kronos", "--help"], work, env)
     assert res.returncode == 0 and "qlib-train-tokenizer" in res.stdout, res.stderr
+    for command in shell_commands(readme_block("install")):  # the README's install section, as written
+        if command[0] == "kronos":
+            res = _run(command, work, env)
+            assert res.returncode == 0 and res.stdout.strip(), (command, res.stderr[-2000:])
 
     res = _run(["kronos", "qlib-preprocess", "--config", str(ROOT / "configs/qlib_demo.yaml")], work, env)
     assert res.returncode == 6, res.stderr
