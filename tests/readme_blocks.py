@@ -1,4 +1,5 @@
-"""The README's marked blocks: a fenced block right after `<!-- readme-test: NAME -->` is run by the tests as written."""
+"""The README's marked blocks: the fenced block right after `<!-- readme-test: NAME -->` is run by the tests as
+written."""
 
 from __future__ import annotations
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.readme_blocks import readme_block, shell_commands
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -21,8 +23,6 @@ except ModuleNotFoundError:  # Python 3.10
 
 packaging_req = pytest.importorskip("packaging.requirements")
 from packaging.utils import canonicalize_name  # noqa: E402
-
-from tests.readme_blocks import readme_block, shell_commands
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
