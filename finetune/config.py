@@ -91,7 +91,7 @@ class DataConfig:
     """Predictor context length (512 for Kronos-small/base); lookback + predict must fit in it."""
     amount_source: Literal["ohlc_mean", "vwap"] = "ohlc_mean"
     """amount = $volume * mean(open, high, low, close) (the original's choice, and what the forecaster assumes
-    when a series has no amount) or $volume * $vwap. The features are model.features.FEATURE_COLS."""
+    when a series has no amount) or $volume * $vwap. The features are model.features.FEATURES."""
     clip: float = 5.0
     """Normalised values are clipped to [-clip, clip]."""
     max_gap_days: int = 5

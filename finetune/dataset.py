@@ -33,7 +33,7 @@ from finetune.utils.data_store import FORMAT_VERSION as STORE_FORMAT_VERSION
 from finetune.utils.data_store import StoreError, open_store
 from finetune.utils.panel import SeriesPanel
 from finetune.utils.window_dataset import WindowDataset
-from model.features import FEATURE_COLS
+from model.features import FEATURES
 
 __all__ = [
     "FORMAT",
@@ -78,7 +78,7 @@ def save_split(path: str | Path, split: SeriesPanel) -> Path:
     names = [str(n) for n in split.names]
     (path / "names.json").write_text(json.dumps(names), encoding="utf-8")
     manifest = {"format": STORE_FORMAT, "format_version": STORE_FORMAT_VERSION, "n_rows": split.n_rows,
-                "n_series": split.n_series, "features": list(FEATURE_COLS), "source": "qlib_data_preprocess.py"}
+                "n_series": split.n_series, "features": list(FEATURES), "source": "qlib_data_preprocess.py"}
     (path / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
     return path
 
@@ -94,9 +94,9 @@ def load_split(path: str | Path) -> SeriesPanel:
         panel = open_store(path)
     except (StoreError, OSError, KeyError) as e:
         raise ValueError(f"{path}: not a readable split ({e}); rerun the preprocessing") from None
-    if panel.n_features != len(FEATURE_COLS):
+    if panel.n_features != len(FEATURES):
         raise ValueError(
-            f"{path}: features must be ({len(FEATURE_COLS)}, N), got {panel.features.shape}; rerun the preprocessing"
+            f"{path}: features must be ({len(FEATURES)}, N), got {panel.features.shape}; rerun the preprocessing"
         )
     return panel
 
@@ -121,7 +121,7 @@ def manifest_settings(cfg: QlibConfig) -> dict[str, Any]:
         "val_time_range": list(d.val_time_range),
         "test_time_range": list(d.test_time_range),
         "max_gap_days": d.max_gap_days,
-        "features": list(FEATURE_COLS),
+        "features": list(FEATURES),
     }
 
 

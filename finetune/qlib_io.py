@@ -2,7 +2,7 @@
 Qlib's stacked frame into a `SeriesPanel` (the engine's data form). Used by both Qlib entry points
 (qlib_data_preprocess.py and qlib_test.py); Qlib itself is imported only inside the functions that need it.
 
-Qlib's fields map to the model's features (model.features.FEATURE_COLS) as
+Qlib's fields map to the model's features (model.features.FEATURES) as
     open, high, low, close = $open, $high, $low, $close
     volume                 = $volume
     amount                 = volume * mean(open, high, low, close)   (data.amount_source: ohlc_mean, the original's)
@@ -22,7 +22,7 @@ import pandas as pd
 from finetune.config import QlibConfig, parse_range
 from finetune.utils.config_utils import Problems
 from finetune.utils.panel import N_STAMP_COLUMNS, SeriesPanel
-from model.features import FEATURE_COLS, calc_time_stamps
+from model.features import FEATURES, calc_time_stamps
 
 __all__ = [
     "CLOSE",
@@ -46,7 +46,7 @@ __all__ = [
 
 # Qlib expressions read for open, high, low, close, volume (+ $vwap when data.amount_source is vwap).
 QLIB_FIELDS = ["$open", "$high", "$low", "$close", "$volume", "$vwap"]
-CLOSE = FEATURE_COLS.index("close")  # row of close in a panel's features (F, N)
+CLOSE = FEATURES.index("close")  # row of close in a panel's features (F, N)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -192,7 +192,7 @@ def frame_to_panel(frame: pd.DataFrame, amount_source: str, min_bars: int, calen
         amount = volume * frame["$vwap"].to_numpy(np.float64)
     else:  # the original's amount (and what the forecaster assumes when a series has no amount)
         amount = volume * (o + h + l + c) / 4.0
-    features = np.stack([o, h, l, c, volume, amount], axis=1)  # (N, 6) float64 in FEATURE_COLS order until checked
+    features = np.stack([o, h, l, c, volume, amount], axis=1)  # (N, 6) float64 in FEATURES order until checked
     ok = np.isfinite(features).all(axis=1)
     report = FrameReport()
     if not ok.all():

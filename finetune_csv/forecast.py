@@ -42,7 +42,7 @@ from finetune_csv.held_out import CLOSE, HeldOutWindows, held_out_windows, sampl
 from finetune_csv.model_dirs import best_dir, predictor_tokenizer_source
 from finetune_csv.prepared import prepare_data
 from model import Kronos, KronosPredictor, KronosTokenizer
-from model.features import FEATURE_COLS, calc_time_stamps
+from model.features import FEATURES, calc_time_stamps
 from model.fileio import write_json
 
 log = logging.getLogger("finetune_csv.forecast")
@@ -132,7 +132,7 @@ def forecast_table(names: list[str], stamps: list[pd.DatetimeIndex], paths: np.n
     parts = []
     for i, (name, ts) in enumerate(zip(names, stamps)):
         part = pd.DataFrame({"window": i, "series": name, "timestamps": ts})
-        for j, f in enumerate(FEATURE_COLS):
+        for j, f in enumerate(FEATURES):
             part[f"pred_{f}"] = mean[i, :, j]
             for k, q in enumerate(TABLE_QUANTILES):
                 part[f"pred_{f}_q{round(q * 100):02d}"] = quant[k, i, :, j]
@@ -195,7 +195,7 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
                "window_stride": f.window_stride or cfg.data.predict, "finetuned": score_forecasts(*close(paths),
                                                                                                   settings=settings),
                "zero_shot": None, "finetuned_vs_zero_shot": None,
-               "candle_violations": candle_violations(*(paths[..., FEATURE_COLS.index(c)] for c in
+               "candle_violations": candle_violations(*(paths[..., FEATURES.index(c)] for c in
                                                         ("open", "high", "low", "close", "volume")))}
     if zero_shot is not None:
         zs_paths = sample(zero_shot)

@@ -18,9 +18,9 @@ import torch
 
 from finetune.utils.panel_split import PanelSegments
 from model import KronosPredictor
-from model.features import FEATURE_COLS, calc_time_stamps, normalize
+from model.features import FEATURES, calc_time_stamps, normalize
 
-CLOSE = FEATURE_COLS.index("close")
+CLOSE = FEATURES.index("close")
 
 
 @dataclass
@@ -30,7 +30,7 @@ class HeldOutWindows:
     names: list[str]
     """(N,) series of each window; the windows of one series are contiguous and in time order."""
     context: np.ndarray
-    """(N, lookback, 6) float64 context candles (columns FEATURE_COLS)."""
+    """(N, lookback, 6) float64 context candles (columns FEATURES)."""
     x_timestamps: list[pd.DatetimeIndex]
     """N context time indexes (lookback each)."""
     y_timestamps: list[pd.DatetimeIndex]

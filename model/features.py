@@ -15,11 +15,6 @@ TIME_FEATURES: tuple[str, ...] = ("minute", "hour", "weekday", "day", "month")
 CLOSE: int = FEATURES.index("close")
 STD_EPS = 1e-5  # added to the std before dividing (a constant series normalises to 0, not NaN)
 
-# Old names, kept importable until every caller uses the tuples above.
-PRICE_COLS = list(PRICE_FEATURES)
-FEATURE_COLS = list(FEATURES)
-TIME_COLS = list(TIME_FEATURES)
-
 
 def normalize(x: np.ndarray, clip: float, *, axis: int = 0,
               stats_len: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

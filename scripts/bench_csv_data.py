@@ -32,7 +32,7 @@ from finetune_csv.config import DataConfig
 from finetune_csv.dataset import build_dataset
 from finetune_csv.prepared import prepare_data
 from model import Kronos, KronosTokenizer
-from model.features import FEATURE_COLS, TIME_COLS
+from model.features import FEATURES, TIME_FEATURES
 
 
 class PandasIlocWindows(Dataset):
@@ -49,8 +49,8 @@ class PandasIlocWindows(Dataset):
     def __getitem__(self, idx: int):
         series, start = self.index[idx]
         window = self.frames[series].iloc[start: start + self.window]
-        x = window[list(FEATURE_COLS)].to_numpy(dtype=np.float32)
-        stamp = window[TIME_COLS].to_numpy(dtype=np.int64)
+        x = window[list(FEATURES)].to_numpy(dtype=np.float32)
+        stamp = window[list(TIME_FEATURES)].to_numpy(dtype=np.int64)
         mean, std = x[: self.lookback].mean(0), x[: self.lookback].std(0)
         x = np.clip((x - mean) / (std + 1e-5), -self.clip, self.clip)
         return torch.from_numpy(x), torch.from_numpy(stamp)
@@ -119,8 +119,8 @@ def main() -> None:
 
         frames = []
         for lo, hi in zip(train.start.tolist(), train.stop.tolist()):
-            f = pd.DataFrame(np.asarray(data.panel.features[:, lo:hi]).T, columns=list(FEATURE_COLS))  # (n, 6)
-            f[TIME_COLS] = np.asarray(data.panel.stamps[lo:hi])
+            f = pd.DataFrame(np.asarray(data.panel.features[:, lo:hi]).T, columns=list(FEATURES))  # (n, 6)
+            f[list(TIME_FEATURES)] = np.asarray(data.panel.stamps[lo:hi])
             frames.append(f)
         baseline = PandasIlocWindows(frames, args.lookback, args.predict, cfg.clip)
         assert len(baseline) == len(ours), (len(baseline), len(ours))

@@ -36,10 +36,9 @@ from finetune.utils.training_utils import (
 )
 from finetune.utils.window_dataset import SeriesArrays, WindowDataset
 from model import Kronos, KronosTokenizer
-from model.features import calc_time_stamps
+from model.features import FEATURES, calc_time_stamps
 
 REPO = Path(__file__).resolve().parents[1]
-FEATURES = ["open", "high", "low", "close", "volume", "amount"]
 # The demo's shapes (configs/csv_demo.yaml), so that the demo can start from this checkpoint unchanged.
 TOKENIZER_ARCH = {"d_in": 6, "d_model": 32, "n_heads": 2, "ff_dim": 64, "n_enc_layers": 2, "n_dec_layers": 2,
                   "ffn_dropout_p": 0.0, "attn_dropout_p": 0.0, "resid_dropout_p": 0.0, "s1_bits": 6, "s2_bits": 6,
@@ -75,7 +74,7 @@ def mix_datasets(n_series: int, n_bars: int, seed: int, stride: int) -> tuple[Wi
     cut = round(n_bars * (1.0 - VAL_SHARE))
     train, val = [], []
     for s in mix:
-        feats = s.frame[FEATURES].to_numpy(dtype=np.float32)  # (n_bars, 6)
+        feats = s.frame[list(FEATURES)].to_numpy(dtype=np.float32)  # (n_bars, 6)
         stamps = calc_time_stamps(s.frame["timestamps"]).to_numpy(dtype=np.int64)  # (n_bars, 5)
         train.append(SeriesArrays(feats[:cut], stamps[:cut], s.name))
         val.append(SeriesArrays(feats[cut - LOOKBACK:], stamps[cut - LOOKBACK:], s.name))

@@ -28,7 +28,7 @@ from finetune.utils.config_utils import Problems
 from finetune.utils.provenance import file_fingerprint
 from finetune_csv.config import DataConfig
 from finetune_csv.data import min_rows_needed, split_bounds, split_is_usable, split_row_counts
-from model.features import FEATURE_COLS
+from model.features import FEATURES
 
 log = logging.getLogger(__name__)
 
@@ -141,11 +141,11 @@ def _load_file(file: Path, cfg: DataConfig) -> tuple[list[Series], bool]:
     problems: list[str] = []
     frame["timestamps"] = _parse_timestamps(raw[columns["timestamps"]], cfg, file, problems)
     aware = has_utc_offset(raw[columns["timestamps"]])
-    for field in FEATURE_COLS:
+    for field in FEATURES:
         if columns.get(field) is not None:
             frame[field] = _parse_numbers(raw[columns[field]], field, columns[field], file, problems)
     if not problems:
-        present = [f for f in FEATURE_COLS if columns.get(f) is not None]
+        present = [f for f in FEATURES if columns.get(f) is not None]
         try:
             check_float32_range(frame[present].to_numpy(dtype=np.float64), [columns[f] for f in present], str(file),
                                 first_row=2)
@@ -264,10 +264,10 @@ def _clean_series(name: str, file: Path, frame: pd.DataFrame, columns: dict, cfg
                              f"{_csv_rows(ts.index[ts == first])}; remove the duplicates (or set data.symbol_column "
                              "if the file holds several series)"])
 
-    present = [f for f in FEATURE_COLS if columns.get(f) is not None]
+    present = [f for f in FEATURES if columns.get(f) is not None]
     frame = _apply_nan_policy(frame, present, columns, cfg.nan_policy, where)
-    values = np.zeros((len(frame), len(FEATURE_COLS)), dtype=np.float64)  # (T, 6)
-    for i, f in enumerate(FEATURE_COLS):
+    values = np.zeros((len(frame), len(FEATURES)), dtype=np.float64)  # (T, 6)
+    for i, f in enumerate(FEATURES):
         if f in present:
             values[:, i] = frame[f].to_numpy()
     if columns.get("amount") is None and columns.get("volume") is not None:

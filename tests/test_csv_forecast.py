@@ -59,7 +59,7 @@ def test_the_sample_mean_equals_predict_batch_on_dataframes():
     import torch
 
     from model import KronosPredictor
-    from model.features import FEATURE_COLS
+    from model.features import FEATURES
     from tests.model_factory import tiny_models
 
     tok, pred = tiny_models(seed=2)
@@ -75,12 +75,12 @@ def test_the_sample_mean_equals_predict_batch_on_dataframes():
     assert paths.shape == (len(w), 2, 4, 6) and paths.dtype == np.float64
     got = paths.mean(axis=1)
     torch.manual_seed(3)
-    frames = [pd.DataFrame(c, columns=FEATURE_COLS) for c in w.context]
+    frames = [pd.DataFrame(c, columns=FEATURES) for c in w.context]
     expected = []
     for i in range(0, len(frames), 3):
         out = kp.predict_batch(frames[i:i + 3], w.x_timestamps[i:i + 3], w.y_timestamps[i:i + 3], 4, T=1.0,
                                top_k=0, top_p=0.9, sample_count=2, verbose=False)
-        expected += [df[FEATURE_COLS].to_numpy(np.float64) for df in out]
+        expected += [df[list(FEATURES)].to_numpy(np.float64) for df in out]
     # predict_batch averages the paths before scaling them back; the same numbers up to float32 rounding.
     np.testing.assert_allclose(got, np.stack(expected), rtol=1e-5)
 

@@ -22,8 +22,7 @@ def test_contract_names():
     assert TIME_FEATURES == ("minute", "hour", "weekday", "day", "month")
     assert CLOSE == 3
     # old names stay importable for the pipelines until they switch
-    assert features.FEATURE_COLS == list(FEATURES) and features.TIME_COLS == list(TIME_FEATURES)
-    assert features.PRICE_COLS == list(PRICE_FEATURES)
+    assert not hasattr(features, "FEATURE_COLS")  # one name for the candle's columns: FEATURES
 
 
 def test_normalize_is_bit_identical_to_window_dataset_get_batch():

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 from model import Kronos, KronosTokenizer
 from model.config import KronosConfig, KronosTokenizerConfig
-from model.features import FEATURE_COLS
+from model.features import FEATURES
 
 from .checkpoint import check_token_sizes, load_pretrained
 from .config_utils import Problems
@@ -50,8 +50,8 @@ class ModelConfig:
         if self.pretrained_tokenizer is None:
             for key, message in tok.problems(f"{prefix}.tokenizer_arch"):
                 problems.add(key, message)
-            problems.check(tok.d_in == len(FEATURE_COLS), f"{prefix}.tokenizer_arch.d_in",
-                           f"must be {len(FEATURE_COLS)} (the features {FEATURE_COLS}), got {tok.d_in}")
+            problems.check(tok.d_in == len(FEATURES), f"{prefix}.tokenizer_arch.d_in",
+                           f"must be {len(FEATURES)} (the features {FEATURES}), got {tok.d_in}")
         if self.pretrained_predictor is None:
             for key, message in pred.problems(f"{prefix}.predictor_arch"):
                 problems.add(key, message)

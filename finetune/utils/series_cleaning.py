@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from model.features import fill_amount
+
 from .streaming_reader import FEATURES, SourceProblems
 
 __all__ = ["clean_series", "wallclock_stamps"]
@@ -80,7 +82,7 @@ def clean_series(ts: np.ndarray, values: np.ndarray, lines: np.ndarray, present:
     if present[4] and not present[5]:
         values = np.array(values, dtype=np.float64, copy=True)
         # The forecaster derives a missing amount the same way, so training and inference see the same features.
-        values[:, 5] = values[:, 4] * values[:, :4].mean(axis=1)
+        values[:, 5] = fill_amount(*(values[:, i] for i in (4, 0, 1, 2, 3)))  # volume, open, high, low, close
     return ts, values, notes
 
 

@@ -39,6 +39,8 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
+from model.features import FEATURES
+
 from .candle_checks import (
     _OFFSET_RE,
     CandleDataError,
@@ -58,7 +60,6 @@ __all__ = [
     "SourceReader",
 ]
 
-FEATURES = ("open", "high", "low", "close", "volume", "amount")
 MISSING_SPELLINGS = ("", "nan", "NaN", "NA", "N/A", "null", "None")
 CSV_SUFFIXES = (".csv",)
 PARQUET_SUFFIXES = (".parquet", ".pq")
