@@ -152,3 +152,15 @@ def write_json(path: str | os.PathLike, data: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(strict_json(data), indent=2, allow_nan=False) + "\n"
     return atomic_write(path, lambda p: Path(p).write_text(text, encoding="utf-8"))
+
+
+def read_json_object(path: str | os.PathLike, what: str = "a JSON object") -> dict[str, Any]:
+    """The JSON object in `path`; a ValueError naming the file when it is not valid JSON or not an object."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold {what}, got {type(data).__name__}")
+    return data

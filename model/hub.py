@@ -8,7 +8,6 @@ through huggingface_hub's `snapshot_download` (cache, revision, token, offline m
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import re
 import tempfile
@@ -19,10 +18,7 @@ from typing import Any, TypeVar
 import torch
 from safetensors.torch import load_file, save_file
 
-from .fileio import (  # atomic_write: also importable from here (old path)
-    atomic_write,
-    write_json,
-)
+from .fileio import atomic_write, read_json_object, write_json
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -103,12 +99,7 @@ def read_config(model_dir: Path, cls: type) -> dict[str, Any]:
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} not found: a {cls.__name__} folder needs {CONFIG_NAME} (the "
                                 f"constructor arguments) and {WEIGHTS_NAME}")
-    try:
-        config = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{cfg_path} is not valid JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{cfg_path} must hold a JSON object of constructor arguments, got {type(config).__name__}")
+    config = read_json_object(cfg_path, "a JSON object of constructor arguments")
     names, required = constructor_args(cls)
     missing = [k for k in required if k not in config]
     if missing:

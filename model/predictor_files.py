@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .fileio import write_json
+from .fileio import read_json_object, write_json
 
 PREDICTOR_INFO_NAME = "kronos_predictor.json"
 TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
@@ -65,12 +65,7 @@ def read_predictor_info(folder: Path) -> dict[str, Any]:
     path = folder / PREDICTOR_INFO_NAME
     if not path.is_file():
         return {}
-    try:
-        info = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(info, dict):
-        raise ValueError(f"{path} must hold a JSON object")
+    info = read_json_object(path)
     mc = info.get("max_context")
     if mc is not None and (not isinstance(mc, int) or isinstance(mc, bool) or not 1 <= mc <= 1_000_000):
         raise ValueError(f"{path}: max_context must be an integer in [1, 1000000], got {mc!r}")

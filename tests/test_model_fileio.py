@@ -84,8 +84,3 @@ def test_write_json_is_strict(tmp_path):
     with pytest.raises(TypeError):
         write_json(tmp_path / "bad.json", {"x": object()})
     assert not (tmp_path / "bad.json").exists()
-
-
-def test_hub_keeps_the_old_import_path():
-    from model import fileio, hub
-    assert hub.atomic_write is fileio.atomic_write
