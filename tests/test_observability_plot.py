@@ -74,3 +74,17 @@ def test_no_records_still_gives_a_labelled_empty_figure(tmp_path):
     assert len(fig.axes) == 2 and _best_artist(fig.axes[0]) == []
     assert "no finite losses logged" in [t.get_text() for t in fig.axes[0].texts]
     assert plot_loss_curves([], tmp_path / "loss_curve.png").exists()
+
+
+def test_a_selection_metric_is_drawn_per_epoch_on_its_own_axis():
+    records = [
+        {"kind": "val", "step": 0, "epoch": 0, "val_loss": 2.0, "metric_crps": 0.05},
+        {"kind": "train", "step": 1, "loss": 1.9, "lr": 1e-3},
+        {"kind": "val", "step": 1, "epoch": 1, "val_loss": 1.8, "metric_crps": 0.04},
+        {"kind": "train", "step": 2, "loss": 1.7, "lr": 1e-4},
+        {"kind": "val", "step": 2, "epoch": 2, "val_loss": 1.7, "metric_crps": 0.06},
+    ]
+    fig = loss_curve_figure(records, best_epoch=1)  # chosen by the metric, not the lowest loss (epoch 2)
+    lines = [line for a in fig.axes for line in a.get_lines() if line.get_gid() == "metric_crps"]
+    assert len(lines) == 1 and list(lines[0].get_ydata()) == [0.05, 0.04, 0.06]
+    assert "crps" in fig.axes[-1].get_ylabel() or any("crps" in a.get_ylabel() for a in fig.axes)

@@ -202,11 +202,24 @@ def loss_curve_figure(records: Iterable[dict[str, Any]], title: str = "", best_e
         ax.plot([best["step"]], [best["val_loss"]], linestyle="none", marker="*", markersize=16, color="C3",
                 zorder=5, gid="best_epoch", label=f"best: epoch {best.get('epoch')} (val {best['val_loss']:.4g})")
         ax_lr.axvline(best["step"], color="C3", linestyle=":", linewidth=1)
+    # A checkpoint-selection metric (training.select_by: crps / ic -> "metric_<name>" in the val records) on its own
+    # axis: the curve the best epoch was chosen by.
+    metric_keys = sorted({k for r in records if r.get("kind") == "val" for k in r if k.startswith("metric_")})
+    handles = []
+    if metric_keys:
+        ax_metric = ax.twinx()
+        for i, key in enumerate(metric_keys):
+            points = [(r["step"], r[key]) for r in records if r.get("kind") == "val" and _finite(r.get(key))]
+            if points:
+                handles += ax_metric.plot(*zip(*points), "s--", color=f"C{4 + i}", linewidth=1.2, gid=key,
+                                          label=f"validation {key.removeprefix('metric_')} (per epoch)")
+        ax_metric.set_ylabel(", ".join(k.removeprefix("metric_") for k in metric_keys))
     ax.set_ylabel("loss")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     if train or val:
-        ax.legend(loc="upper right")
+        lines, labels = ax.get_legend_handles_labels()
+        ax.legend(lines + handles, labels + [h.get_label() for h in handles], loc="upper right")
     else:
         ax.text(0.5, 0.5, "no finite losses logged", ha="center", va="center", transform=ax.transAxes)
 
