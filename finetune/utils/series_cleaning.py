@@ -1,4 +1,4 @@
-"""Cleaning rules for one parsed series (the CSV pipeline's, finetune_csv/data.py) and wall-clock time stamps.
+"""Cleaning rules for one parsed series (the CSV pipeline's) and wall-clock time stamps.
 
 Rules, in this order: unsorted timestamps are sorted (stable) with a warning; duplicate timestamps are an error;
 missing values follow the NaN policy (error names column and rows; ffill carries the last value forward, a missing
