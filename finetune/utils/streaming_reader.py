@@ -5,8 +5,8 @@
         block.timestamps, block.values, block.lines, block.symbols
     reader.problems                           # every bad cell found, one message per (column, kind)
 
-The cell rules are those of the CSV pipeline (tests/csv_reference.py holds an independent pandas version), so a store prepared from a file holds exactly
-what that pipeline would load: cells are stripped; '', nan, NaN, NA, N/A, null and None are missing values (the
+The cell rules are the CSV pipeline's (tests/csv_reference.py holds an independent pandas version), so a store
+prepared from a file holds exactly what that pipeline would load: cells are stripped; '', nan, NaN, NA, N/A, null and None are missing values (the
 NaN policy handles them later); any other non-number is an error naming the file, the column, the line and the
 setting; infinite values and values beyond float32's range are errors. Timestamps become naive wall-clock
 nanoseconds by the rule of finetune/utils/candle_checks.py (the one implementation both data paths use): a stamp
