@@ -17,9 +17,10 @@ On disk (`store_dir/`), all plain uncompressed .npy (memory-mappable) plus two J
 Inputs are streamed (Arrow's CSV reader in blocks, Parquet `iter_batches`), so files larger than memory can be
 prepared; what must fit in memory is one series at a time (about 64 bytes a row) and one block. The cleaning rules
 (series_cleaning.py; tests/csv_reference.py is an independent pandas version the tests compare with): unsorted
-timestamps are sorted with a warning, duplicate timestamps are an error, NaN follow `nan_policy` (error / ffill / drop), a missing amount is volume * mean(OHLC), a missing
-volume makes volume and amount 0. The store is built in a temporary folder and renamed into place, so a failed or
-interrupted preparation never leaves a half-written store; any problem raises one `StoreError` listing all of them.
+timestamps are sorted with a warning, duplicate timestamps are an error, NaN follow `nan_policy` (error / ffill /
+drop), a missing amount is volume * mean(OHLC), a missing volume makes volume and amount 0. The store is built in a
+temporary folder and renamed into place, so a failed or interrupted preparation never leaves a half-written store;
+any problem raises one `StoreError` listing all of them.
 
 Reuse: a store is reused when its format version, settings and input files match. A file whose size and mtime are
 unchanged is taken as unchanged; a file whose mtime changed (touched, copied) is hashed and compared with the
