@@ -1,5 +1,7 @@
-"""Shared fixtures: tiny Kronos models (one implementation: tests/model_factory.py)."""
+"""Shared fixtures: tiny Kronos models (one implementation: tests/model_factory.py), logging isolation."""
 from __future__ import annotations
+
+import logging
 
 import pytest
 
@@ -28,3 +30,17 @@ def make_tiny_tokenizer():
 def make_tiny_predictor():
     """`model_factory.tiny_predictor(seed=1, dropout=None, **overrides)` (training mode)."""
     return model_factory.tiny_predictor
+
+
+@pytest.fixture
+def restore_root_logger():
+    """Undo what a test did to the root logger (handlers it added, its level, warnings capture)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in list(root.handlers):
+        if h not in handlers:
+            root.removeHandler(h)
+            h.close()
+    root.setLevel(level)
+    logging.captureWarnings(False)

@@ -424,3 +424,17 @@ def one_series_split(values: np.ndarray, timestamps: pd.DatetimeIndex, start: in
                                     [ts.as_unit("ns").asi8])
     as_arr = lambda v: np.array([v], dtype=np.int64)
     return PanelSegments(panel, as_arr(start), as_arr(first_target), as_arr(stop))
+
+
+def candles(n: int, start: str = "2024-01-02 09:30", seed: int = 0, **extra) -> pd.DataFrame:
+    """n 5-minute candles of a random walk (test data); `extra` adds columns."""
+    rng = np.random.default_rng(seed)
+    close = 100 + np.cumsum(rng.normal(0, 0.5, n))
+    frame = pd.DataFrame({
+        "timestamps": pd.date_range(start, periods=n, freq="5min"),
+        "open": close + rng.normal(0, 0.1, n), "high": close + 1.0, "low": close - 1.0, "close": close,
+        "volume": rng.uniform(100, 200, n), "amount": rng.uniform(1e4, 2e4, n),
+    })
+    for k, v in extra.items():
+        frame[k] = v
+    return frame

@@ -14,20 +14,7 @@ from finetune_csv.config import ColumnsConfig, DataConfig
 from finetune_csv.data import min_rows_needed, split_bounds, split_is_usable
 from finetune_csv.dataset import build_dataset
 from finetune_csv.prepared import data_summary_from_store, prepare_data
-from tests.csv_reference import data_summary, load_series, reference_dataset, split_series, window_starts
-
-
-def candles(n: int, start: str = "2024-01-02 09:30", seed: int = 0, **extra) -> pd.DataFrame:
-    rng = np.random.default_rng(seed)
-    close = 100 + np.cumsum(rng.normal(0, 0.5, n))
-    frame = pd.DataFrame({
-        "timestamps": pd.date_range(start, periods=n, freq="5min"),
-        "open": close + rng.normal(0, 0.1, n), "high": close + 1.0, "low": close - 1.0, "close": close,
-        "volume": rng.uniform(100, 200, n), "amount": rng.uniform(1e4, 2e4, n),
-    })
-    for k, v in extra.items():
-        frame[k] = v
-    return frame
+from tests.csv_reference import candles, data_summary, load_series, reference_dataset, split_series, window_starts
 
 
 def data_cfg(path, **kw) -> DataConfig:

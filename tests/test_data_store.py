@@ -28,20 +28,7 @@ from finetune.utils.store_writer import npy_header
 from finetune.utils.window_dataset import SeriesArrays, WindowDataset
 from finetune_csv.config import ColumnsConfig, DataConfig
 from model.features import calc_time_stamps
-from tests.csv_reference import load_series, split_series
-
-
-def candles(n: int, start: str = "2024-01-02 09:30", seed: int = 0, **extra) -> pd.DataFrame:
-    rng = np.random.default_rng(seed)
-    close = 100 + np.cumsum(rng.normal(0, 0.5, n))
-    frame = pd.DataFrame({
-        "timestamps": pd.date_range(start, periods=n, freq="5min"),
-        "open": close + rng.normal(0, 0.1, n), "high": close + 1.0, "low": close - 1.0, "close": close,
-        "volume": rng.uniform(100, 200, n), "amount": rng.uniform(1e4, 2e4, n),
-    })
-    for k, v in extra.items():
-        frame[k] = v
-    return frame
+from tests.csv_reference import candles, load_series, split_series
 
 
 def reference_panel(cfg: DataConfig) -> SeriesPanel:

@@ -105,17 +105,6 @@ def _env() -> dict:
     return {k: v for k, v in os.environ.items() if not k.startswith("KRONOS_FAULT")}
 
 
-@pytest.fixture
-def restore_root_logger():
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    for h in list(root.handlers):
-        if h not in handlers:
-            root.removeHandler(h)
-            h.close()
-    root.setLevel(level)
-    logging.captureWarnings(False)
 
 
 def test_logging_other_ranks_only_warn_and_only_rank_zero_writes_the_file(tmp_path, capsys, restore_root_logger):

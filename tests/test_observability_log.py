@@ -17,17 +17,6 @@ from finetune.utils.logging_setup import (
 log = logging.getLogger("finetune.utils.trainer")
 
 
-@pytest.fixture
-def restore_root_logger():
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    for h in list(root.handlers):
-        if h not in handlers:
-            root.removeHandler(h)
-            h.close()
-    root.setLevel(level)
-    logging.captureWarnings(False)
 
 
 def _lines(path):
