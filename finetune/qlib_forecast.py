@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 
 from finetune.qlib_io import CLOSE, stamps_from_ns, time_major
-from finetune.utils.panel import SeriesPanel
+from finetune.utils.data.panel import SeriesPanel
 from model.features import denormalize, normalize
 
 log = logging.getLogger("finetune.qlib")

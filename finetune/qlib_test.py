@@ -53,7 +53,7 @@ from finetune.qlib_report import (
 )
 from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.config_utils import config_to_dict
-from finetune.utils.panel import SeriesPanel
+from finetune.utils.data.panel import SeriesPanel
 from model import Kronos, KronosTokenizer
 from model.fileio import write_json
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from finetune.utils.candle_checks import frequency_problem, timezone_problem
 from finetune.utils.config_utils import Problems, load_config
+from finetune.utils.data.candle_checks import frequency_problem, timezone_problem
 from finetune.utils.factory import ModelConfig
 from finetune.utils.forecast_config import SamplingConfig
 from finetune.utils.stage_config import (

@@ -1,16 +1,15 @@
 """The CSV pipeline's time-split rules: how many rows each split of a series gets and whether it is long enough.
 
-The data itself has one production path: the prepared, memory-mapped store (finetune_csv/prepared.py
-`prepare_data`: streaming parse, every candle check - column mapping, NaN policy, time zones, frequency, float32 range
-- in finetune/utils/data_store.py and finetune/utils/streaming_reader.py). Training, the held-out evaluation, the
-validation CRPS and the future forecast all read it. The split boundaries are `split_bounds`
-(finetune/utils/panel_split.py); the checks below use the same rounding. The in-memory pandas loader the store was
-checked against lives in the tests (tests/csv_reference.py), as an independent reference only.
-"""
+The data itself has one production path: the prepared, memory-mapped store (finetune_csv/prepared.py `prepare_data`:
+streaming parse, every candle check - column mapping, NaN policy, time zones, frequency, float32 range - in
+finetune/utils/data/data_store.py and finetune/utils/data/streaming_reader.py). Training, the held-out evaluation,
+the validation CRPS and the future forecast all read it. The split boundaries are `split_bounds`
+(finetune/utils/data/panel_split.py); the checks below use the same rounding. The in-memory pandas loader the store
+was checked against lives in the tests (tests/csv_reference.py), as an independent reference only. """
 
 from __future__ import annotations
 
-from finetune.utils.panel_split import split_bounds
+from finetune.utils.data.panel_split import split_bounds
 from finetune_csv.config import DataConfig
 
 __all__ = ["split_bounds", "split_row_counts", "split_is_usable", "min_rows_needed"]

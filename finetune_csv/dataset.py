@@ -1,4 +1,5 @@
-"""Thin adapter: a split of the prepared store -> the shared sliding-window dataset (finetune.utils.window_dataset).
+"""Thin adapter: a split of the prepared store -> the shared sliding-window dataset
+(finetune.utils.data.window_dataset).
 
 Training reads a split of the memory-mapped store (`PanelSegments`, finetune_csv.prepared.prepare_data): the shared
 `WindowDataset` on the mapped panel inside the split's column ranges, nothing copied.
@@ -6,8 +7,8 @@ Training reads a split of the memory-mapped store (`PanelSegments`, finetune_csv
 
 from __future__ import annotations
 
-from finetune.utils.panel_split import PanelSegments
-from finetune.utils.window_dataset import WindowDataset
+from finetune.utils.data.panel_split import PanelSegments
+from finetune.utils.data.window_dataset import WindowDataset
 from finetune_csv.config import DataConfig
 
 

@@ -1,7 +1,7 @@
 """Held-out windows of the CSV pipeline and their sampled forecasts, as arrays end to end.
 
 A window is `lookback` context candles followed by `predict` candles to forecast, cut from one series' range of a split
-of the prepared store (finetune/utils/panel_split.py `PanelSegments`: the test or validation split plus the
+of the prepared store (finetune/utils/data/panel_split.py `PanelSegments`: the test or validation split plus the
 `lookback` rows before it, so every forecast row belongs to the split; the same store and splits training reads).
 `held_out_windows` takes EVERY window `stride` rows apart (stride = predict: the horizons tile
 the split without overlap); `sample_paths` draws `sample_count` sample paths per window with
@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from finetune.utils.panel_split import PanelSegments
+from finetune.utils.data.panel_split import PanelSegments
 from model import KronosPredictor
 from model.features import FEATURES, calc_time_stamps, normalize
 

@@ -1,7 +1,7 @@
 """The CSV pipeline's training data: the prepared, memory-mapped store, its time splits and its run_info summary.
 
-`prepare_data`: rank 0 prepares (or reuses) the data store (finetune/utils/data_store.py: streaming CSV/Parquet
-parse, the candle checks of finetune/utils/candle_checks.py, a manifest with the files' sha256), the other ranks
+`prepare_data`: rank 0 prepares (or reuses) the data store (finetune/utils/data/data_store.py: streaming CSV/Parquet
+parse, the candle checks of finetune/utils/data/candle_checks.py, a manifest with the files' sha256), the other ranks
 wait at a barrier, every rank opens it memory-mapped; the splits are index ranges on that panel (`split_panel`, no
 copies) that the shared WindowDataset reads (finetune_csv/dataset.py). `data_summary_from_store` reads the
 manifest. This is the one production path to the data: training, the held-out evaluation (finetune_csv/forecast.py),
@@ -19,9 +19,9 @@ import numpy as np
 import pandas as pd
 
 from finetune.utils.config_utils import Problems
-from finetune.utils.data_store import StoreInfo, StoreSettings, ensure_store
-from finetune.utils.panel import SeriesPanel
-from finetune.utils.panel_split import PanelSegments, split_panel
+from finetune.utils.data.data_store import StoreInfo, StoreSettings, ensure_store
+from finetune.utils.data.panel import SeriesPanel
+from finetune.utils.data.panel_split import PanelSegments, split_panel
 from finetune_csv.config import DataConfig
 from finetune_csv.data import min_rows_needed, split_is_usable, split_row_counts
 
@@ -117,6 +117,6 @@ def data_summary_from_store(data: PreparedData, cfg: DataConfig) -> dict:
                    for s in manifest["series"]],
         "splits": per_split,
         # Only what identifies the data: whether this run prepared or reused the store is no property of the data,
-        # and recording it would make a resumed run's data fingerprint differ (finetune/utils/resume.py).
+        # and recording it would make a resumed run's data fingerprint differ (finetune/utils/safety/resume.py).
         "store": {"path": str(data.store.path)},
     }

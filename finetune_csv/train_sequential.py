@@ -22,7 +22,7 @@ import logging
 import sys
 
 from finetune.utils.config_utils import add_config_args, config_to_dict
-from finetune.utils.data_store import list_sources
+from finetune.utils.data.data_store import list_sources
 from finetune.utils.distributed import DistInfo, barrier, distributed_context
 from finetune.utils.factory import build_predictor, build_tokenizer
 from finetune.utils.logging_setup import setup_logging

@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from finetune.synthetic import generate_ohlcv, write_csv_folder
-from finetune.utils.window_dataset import EpochSampler, make_loader
+from finetune.utils.data.window_dataset import EpochSampler, make_loader
 from finetune_csv.config import DataConfig
 from finetune_csv.dataset import build_dataset
 from finetune_csv.prepared import prepare_data

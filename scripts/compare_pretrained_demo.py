@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from finetune.synthetic import generate_ohlcv, write_csv_folder
+from finetune.utils.data.window_dataset import WindowDataset
 from finetune.utils.distributed import DistInfo
 from finetune.utils.training_utils import TrainingConfig, evaluate_predictor
-from finetune.utils.window_dataset import WindowDataset
 from finetune_csv import train_sequential
 from finetune_csv.config import load
 from finetune_csv.dataset import build_dataset

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from finetune.utils.candle_checks import (
+from finetune.utils.config_utils import Problems
+from finetune.utils.data.candle_checks import (
     CandleDataError,
     check_float32_range,
     check_frequencies,
@@ -24,7 +25,6 @@ from finetune.utils.candle_checks import (
     infer_frequency,
     parse_timestamps,
 )
-from finetune.utils.config_utils import Problems
 from finetune.utils.provenance import file_fingerprint
 from finetune_csv.config import DataConfig
 from finetune_csv.data import min_rows_needed, split_bounds, split_is_usable, split_row_counts
@@ -381,7 +381,7 @@ def data_summary(series: list[Series], splits: dict[str, list[Segment]], cfg: Da
 
 def reference_dataset(segments: list[Segment], cfg: DataConfig):
     """The shared WindowDataset over in-memory copies of `segments` (float32 features, calc_time_stamps stamps)."""
-    from finetune.utils.window_dataset import SeriesArrays, WindowDataset
+    from finetune.utils.data.window_dataset import SeriesArrays, WindowDataset
     from model.features import calc_time_stamps
 
     arrays = [SeriesArrays(features=s.values.astype(np.float32),
@@ -415,8 +415,8 @@ def reference_held_out_windows(segments: list[Segment], lookback: int, predict: 
 def one_series_split(values: np.ndarray, timestamps: pd.DatetimeIndex, start: int, first_target: int, stop: int,
                      name: str = "s.csv"):
     """A one-series in-memory panel (values (n, 6), bar times (n,)) and its split [start, stop) as `PanelSegments`."""
-    from finetune.utils.panel import SeriesPanel
-    from finetune.utils.panel_split import PanelSegments
+    from finetune.utils.data.panel import SeriesPanel
+    from finetune.utils.data.panel_split import PanelSegments
     from model.features import calc_time_stamps
 
     ts = pd.DatetimeIndex(timestamps)

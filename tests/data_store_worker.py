@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from finetune.utils.data_store import StoreSettings, ensure_store
+from finetune.utils.data.data_store import StoreSettings, ensure_store
+from finetune.utils.data.panel_split import split_panel
+from finetune.utils.data.window_dataset import EpochSampler
 from finetune.utils.distributed import barrier, distributed_context
-from finetune.utils.panel_split import split_panel
-from finetune.utils.window_dataset import EpochSampler
 
 LOOKBACK, PREDICT = 8, 4
 

@@ -22,14 +22,14 @@ import numpy as np
 import torch
 
 from finetune.utils.config_utils import load_config
+from finetune.utils.data.window_dataset import SeriesArrays, WindowDataset
 from finetune.utils.distributed import distributed_context, seed_everything
-from finetune.utils.interrupts import TrainingStopped
+from finetune.utils.safety.interrupts import TrainingStopped
 from finetune.utils.training_utils import (
     TrainingConfig,
     train_predictor,
     train_tokenizer,
 )
-from finetune.utils.window_dataset import SeriesArrays, WindowDataset
 
 try:  # imported by the tests as tests.engine_dist_worker, or run as a script (tests/ is then on sys.path)
     from tests import model_factory

@@ -123,7 +123,7 @@ def test_seed_plus_rank_and_rng_state_round_trip():
 
 
 def test_resume_setting(tmp_path):
-    from finetune.utils.stage_folder import StageFolderError, plan_run
+    from finetune.utils.safety.stage_folder import StageFolderError, plan_run
 
     assert plan_run(tmp_path, "auto", False, "tokenizer").action == "fresh"
     assert plan_run(tmp_path, "never", False, "tokenizer").action == "fresh"

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from finetune.utils.distributed import DistInfo
-from finetune.utils.faults import FAULT_ENV, maybe_die_after_step
 from finetune.utils.logging_setup import setup_logging
 from finetune.utils.loss_sums import LossSums
+from finetune.utils.safety.faults import FAULT_ENV, maybe_die_after_step
 from finetune.utils.seeding import seed_everything, seeded_init
 from finetune.utils.stages import PredictorStage, TokenizerStage
 from finetune.utils.trainer import Trainer
@@ -91,7 +91,7 @@ def test_fault_hook_exits_only_at_its_step_and_rank(monkeypatch):
     monkeypatch.setenv("KRONOS_FAULT_RANK", "1")
     maybe_die_after_step(2, 1)  # another step
     maybe_die_after_step(3, 0)  # another rank
-    code = ("from finetune.utils.faults import maybe_die_after_step as die\n"
+    code = ("from finetune.utils.safety.faults import maybe_die_after_step as die\n"
             "die(2, 1); die(3, 1); print('survived')")
     env = {FAULT_ENV: "3", "KRONOS_FAULT_RANK": "1", "KRONOS_FAULT_EXIT_CODE": "5"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,

@@ -8,7 +8,7 @@ import pytest
 from finetune import qlib_forecast as qt
 from finetune import qlib_io as qio
 from finetune import qlib_report as qr
-from finetune.utils.panel import SeriesPanel
+from finetune.utils.data.panel import SeriesPanel
 
 LOOKBACK = 4
 

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from finetune.utils.candle_checks import (
+from finetune.utils.data.candle_checks import (
     CandleDataError,
     Float32RangeError,
     FrequencyError,

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.utils import checkpoint_store as store
-from finetune.utils.checkpoint_store import (
+from finetune.utils.safety import checkpoint_store as store
+from finetune.utils.safety.checkpoint_store import (
     LAST_NAME,
     CheckpointError,
     CheckpointWriteError,
@@ -25,7 +25,7 @@ from finetune.utils.checkpoint_store import (
     remove_orphans,
     save,
 )
-from finetune.utils.guard import NonFiniteWeightsError
+from finetune.utils.safety.guard import NonFiniteWeightsError
 
 
 def state(step: int) -> dict:

@@ -14,16 +14,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from finetune.utils import checkpoint_store
 from finetune.utils.checkpoint import load_checkpoint
-from finetune.utils.checkpoint_store import CheckpointWriteError
 from finetune.utils.config_utils import ConfigError
 from finetune.utils.distributed import DistInfo
-from finetune.utils.guard import DivergenceError
-from finetune.utils.interrupts import STOPPED_EXIT_CODE, TrainingStopped
-from finetune.utils.resume import restore_optimizer
-from finetune.utils.run_lock import RunLock, RunLockedError
-from finetune.utils.stage_folder import StageFolderError, stage_status
+from finetune.utils.safety import checkpoint_store
+from finetune.utils.safety.checkpoint_store import CheckpointWriteError
+from finetune.utils.safety.guard import DivergenceError
+from finetune.utils.safety.interrupts import STOPPED_EXIT_CODE, TrainingStopped
+from finetune.utils.safety.resume import restore_optimizer
+from finetune.utils.safety.run_lock import RunLock, RunLockedError
+from finetune.utils.safety.stage_folder import StageFolderError, stage_status
 from finetune.utils.stages import TokenizerStage
 from finetune.utils.trainer import Trainer
 from finetune.utils.training_utils import (
@@ -345,8 +345,8 @@ class HandlerProbe:
 
 
 def test_loader_workers_ignore_sigint_and_keep_their_seeding():
+    from finetune.utils.data.window_dataset import EpochSampler, make_loader
     from finetune.utils.trainer import quiet_loader
-    from finetune.utils.window_dataset import EpochSampler, make_loader
 
     loader = quiet_loader(make_loader(HandlerProbe(), EpochSampler(4, shuffle=False, seed=0), 2, epoch=0, seed=0,
                                       num_workers=1))

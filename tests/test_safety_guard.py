@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.utils.guard import (
+from finetune.utils.safety.guard import (
     DivergenceError,
     NonFiniteGuard,
     NonFiniteWeightsError,
@@ -126,7 +126,7 @@ def test_assert_finite_state_dict_names_the_first_bad_tensor():
 
 CHECK = textwrap.dedent("""
     import sys, torch, torch.distributed as tdist
-    from finetune.utils.guard import NonFiniteGuard, DivergenceError
+    from finetune.utils.safety.guard import NonFiniteGuard, DivergenceError
     rank = int(sys.argv[2])
     tdist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=rank, world_size=2)
     guard = NonFiniteGuard(amp=False)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .window_dataset import batches_per_epoch
+from .data.window_dataset import batches_per_epoch
 
 __all__ = [
     "EarlyStopping",

@@ -18,7 +18,7 @@ from torch import nn
 from model.predictor_files import PREDICTOR_INFO_NAME, TOKENIZER_CONFIG_NAME, predictor_info
 
 from .checkpoint import save_pretrained_atomic
-from .stage_folder import weights_fingerprint
+from .safety.stage_folder import weights_fingerprint
 
 __all__ = ["TOKENIZER_CLIP", "PREDICTOR_CLIP", "tokenizer_loss", "predictor_loss", "Stage", "TokenizerStage",
            "PredictorStage"]

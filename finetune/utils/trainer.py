@@ -39,7 +39,6 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from . import checkpoint_store
 from .checkpoint import (
     CHECKPOINT_FORMAT,
     last_checkpoint_path,
@@ -47,17 +46,20 @@ from .checkpoint import (
     set_rng_state,
 )
 from .config_utils import Problems, config_to_dict
+from .data.window_dataset import EpochSampler, make_loader, seed_worker
 from .distributed import DistInfo, all_gather_object, barrier, no_sync, wrap_model
-from .faults import maybe_die_after_step
-from .guard import NonFiniteGuard, assert_finite_state_dict
-from .interrupts import GracefulStop, TrainingStopped, ignore_interrupts_in_worker
 from .logging_setup import stage_log
 from .loss_sums import LossSums
 from .metrics import MetricsLogger, loss_plot_title, plot_loss_curves, read_metrics
 from .provenance import write_run_info
-from .resume import check_data, load_for_resume, on_main, restore_optimizer, rng_fork
-from .run_lock import RunLock
 from .run_state import LoopState, TrainResult
+from .safety import checkpoint_store
+from .safety.faults import maybe_die_after_step
+from .safety.guard import NonFiniteGuard, assert_finite_state_dict
+from .safety.interrupts import GracefulStop, TrainingStopped, ignore_interrupts_in_worker
+from .safety.resume import check_data, load_for_resume, on_main, restore_optimizer, rng_fork
+from .safety.run_lock import RunLock
+from .safety.stage_folder import RunPlan, data_fingerprint, plan_run, remove_outputs
 from .schedule import (
     micro_batch_sizes,
     optimizer_steps_per_epoch,
@@ -67,7 +69,6 @@ from .schedule import (
     update_early_stopping,
 )
 from .seeding import seed_everything
-from .stage_folder import RunPlan, data_fingerprint, plan_run, remove_outputs
 from .stages import Stage
 from .training_config import (
     TrainingConfig,
@@ -75,7 +76,6 @@ from .training_config import (
     plain,
     validate_training_config,
 )
-from .window_dataset import EpochSampler, make_loader, seed_worker
 
 __all__ = ["Trainer", "evaluate", "train_sampler", "val_sampler", "autocast", "ValMetric"]
 

@@ -59,8 +59,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .distributed import DistInfo
-from .faults import FAULT_ENV
 from .run_state import TrainResult
+from .safety.faults import FAULT_ENV
+from .safety.stage_folder import stage_status
 from .schedule import (
     EarlyStopping,
     micro_batch_sizes,
@@ -69,7 +70,6 @@ from .schedule import (
     should_save_checkpoint,
     update_early_stopping,
 )
-from .stage_folder import stage_status
 from .stages import (
     PREDICTOR_CLIP,
     TOKENIZER_CLIP,

@@ -1,6 +1,6 @@
 """The one sliding-window dataset both pipelines train on, and the epoch-aware distributed sampler that feeds it.
 
-`WindowDataset` reads a `SeriesPanel` (finetune/utils/panel.py: features float32 (F, N) feature-major, stamps int64
+`WindowDataset` reads a `SeriesPanel` (finetune/utils/data/panel.py: features float32 (F, N) feature-major, stamps int64
 (N, 5), series offsets) without copying it, and maps a sample index to (series, start) with a cumulative count and
 `np.searchsorted`; a window never crosses two series. An item is `(x, x_stamp)`: `x` float32 (lookback + predict, F)
 normalised with the mean and population std of its LOOKBACK rows only, `(x - mean) / (std + 1e-5)` clipped to
@@ -84,7 +84,7 @@ class WindowDataset(Dataset):
         stride: distance between consecutive window starts (1 = every row).
         clip: normalised values are clipped to [-clip, clip].
         ranges: optional (start, stop), int64 (S,) each: series s reads only panel columns [start[s], stop[s])
-            (a time split of a shared panel as index ranges, e.g. finetune/utils/panel_split.py; ranges may
+            (a time split of a shared panel as index ranges, e.g. finetune/utils/data/panel_split.py; ranges may
             overlap, as a val split's context overlaps train). None = every series whole.
     Series shorter than a window give no windows; they are listed in `short_series` (name, rows) so the pipeline
     can report them. A dataset with no window at all raises ValueError.
@@ -263,7 +263,7 @@ class EpochSampler(Sampler[int]):
         self.skip = int(skip)
 
     def order(self, epoch: int | None = None) -> EpochOrder:
-        """The epoch's order (finetune/utils/epoch_order.py: today's exact permutation up to `exact_limit`
+        """The epoch's order (finetune/utils/data/epoch_order.py: today's exact permutation up to `exact_limit`
         windows, a blocked streaming order above)."""
         return EpochOrder(self.num_samples, self.seed, self.epoch if epoch is None else epoch, shuffle=self.shuffle,
                           max_samples=self.max_samples, world_size=self.world_size,

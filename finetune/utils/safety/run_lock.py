@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from .errors import RefusedError
+from ..errors import RefusedError
 
 try:  # POSIX only; Windows falls back to exclusive create + pid check
     import fcntl

@@ -42,7 +42,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-from .errors import EXIT_STOPPED, UserError
+from ..errors import EXIT_STOPPED, UserError
 
 __all__ = [
     "FORWARD_GRACE_S",

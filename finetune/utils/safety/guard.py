@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .errors import DataError
+from ..errors import DataError
 
 __all__ = [
     "DivergenceError",

@@ -59,9 +59,9 @@ from .candle_checks import (
     infer_frequency,
     timezone_problem,
 )
-from .config_utils import Problems
+from ..config_utils import Problems
 from .panel import SeriesPanel
-from .provenance import sha256_file
+from ..provenance import sha256_file
 from .series_cleaning import clean_series, wallclock_stamps
 from .store_writer import FeatureMajorWriter, GrowingNpy
 from .streaming_reader import (

@@ -42,10 +42,10 @@ from typing import Any
 
 import torch
 
-from finetune.utils.guard import assert_finite_state_dict
+from finetune.utils.safety.guard import assert_finite_state_dict
 from model.fileio import atomic_write
 
-from .errors import DataError, UserError
+from ..errors import DataError, UserError
 
 __all__ = [
     "LAST_NAME",

@@ -19,10 +19,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from .checkpoint import CHECKPOINT_FORMAT, load_checkpoint, rng_state, set_rng_state
+from ..checkpoint import CHECKPOINT_FORMAT, load_checkpoint, rng_state, set_rng_state
+from ..config_utils import ConfigError
+from ..distributed import DistInfo, all_gather_object
 from .checkpoint_store import load_latest
-from .config_utils import ConfigError
-from .distributed import DistInfo, all_gather_object
 from .stage_folder import RunPlan, StageFolderError, data_fingerprint, describe_changes
 
 __all__ = ["on_main", "load_for_resume", "check_data", "restore_optimizer", "rng_fork", "validate_format"]

@@ -9,7 +9,7 @@ The cell rules are the CSV pipeline's (tests/csv_reference.py holds an independe
 prepared from a file holds exactly what that pipeline would load: cells are stripped; '', nan, NaN, NA, N/A, null
 and None are missing values (the NaN policy handles them later); any other non-number is an error naming the file,
 the column, the line and the setting; infinite values and values beyond float32's range are errors. Timestamps
-become naive wall-clock nanoseconds by the rule of finetune/utils/candle_checks.py (the one implementation both data
+become naive wall-clock nanoseconds by the rule of finetune/utils/data/candle_checks.py (the one implementation both data
 paths use): a stamp with a UTC offset keeps the wall-clock time it states, or is converted to `timezone`
 (data.timezone) when set; a file mixing stamps with and without offsets is an error. An unnamed first column (what
 `DataFrame.to_csv` writes for the index) whose first value parses as a date is taken as the timestamps when the

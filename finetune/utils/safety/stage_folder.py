@@ -27,8 +27,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from ..errors import RefusedError
 from .checkpoint_store import LAST_NAME, list_checkpoints
-from .errors import RefusedError
 
 __all__ = ["RUN_OUTPUTS", "RunPlan", "StageFolderError", "stage_status", "plan_run", "remove_outputs",
            "data_fingerprint", "weights_fingerprint", "describe_changes"]
