@@ -115,18 +115,18 @@ def plan_run(folder: str | Path, resume: str, overwrite: bool, stage: str) -> Ru
         if status != "empty":
             raise StageFolderError(
                 f"training.resume=never but {folder} already holds a{'' if status == 'unfinished' else ' finished'} "
-                f"{stage} run ({', '.join(present)}); set training.overwrite=true to replace it, "
+                f"{stage} run ({', '.join(present)}); set training.overwrite=true (--overwrite) to replace it, "
                 "training.resume=auto to continue it, or use another output folder")
         return RunPlan("fresh")
     if mode in ("auto", "required"):
         if status == "finished":
             return RunPlan("skip", checkpoint_dir=str(folder / "checkpoints"),
                            message=f"[{stage}] {folder} already holds a finished run; skipping it "
-                                   "(set training.overwrite=true to train it again)")
+                                   "(--overwrite or training.overwrite=true trains it again)")
         if _has_checkpoint(folder):
             return RunPlan("resume", checkpoint_dir=str(folder / "checkpoints"),
                            message=f"[{stage}] {folder} holds an unfinished run: resuming it "
-                                   "(training.overwrite=true starts over instead)")
+                                   "(--overwrite starts over instead)")
         if mode == "required":
             raise StageFolderError(f"training.resume=required but {folder} holds no checkpoint to resume; "
                                    "set training.resume=auto to start a new run")
@@ -143,8 +143,8 @@ def plan_run(folder: str | Path, resume: str, overwrite: bool, stage: str) -> Ru
                                "(use 'auto', 'never', 'required' or a checkpoint file / run folder)")
     if status != "empty" and path.parent.resolve() != (folder / "checkpoints").resolve():
         raise StageFolderError(f"training.resume={key} resumes another run, but {folder} already holds a {status} "
-                               f"run ({', '.join(present)}); set training.overwrite=true to replace it, or use "
-                               "another output folder")
+                               f"run ({', '.join(present)}); set training.overwrite=true (--overwrite) to replace "
+                               "it, or use another output folder")
     return RunPlan("resume", checkpoint=str(path), message=f"[{stage}] resuming from {path}")
 
 
