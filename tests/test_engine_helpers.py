@@ -133,5 +133,5 @@ def test_engine_progress_lines_go_through_logging(tmp_path, caplog):
     messages = [r.getMessage() for r in caplog.records if r.name == "finetune.utils.trainer"]
     assert any(m.startswith("[tokenizer] epoch 1/1  train ") for m in messages)
     assert any(m.startswith("[tokenizer] starting model  val ") for m in messages)
-    assert any(m.endswith("already holds a finished run; skipping it (set training.overwrite=true to train it "
-                          "again)") for m in messages)
+    assert any(m.endswith("already holds a finished run; skipping it (--overwrite or training.overwrite=true "
+                          "trains it again)") for m in messages)
