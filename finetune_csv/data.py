@@ -9,6 +9,7 @@ was checked against lives in the tests (tests/csv_reference.py), as an independe
 
 from __future__ import annotations
 
+from finetune.utils.config_utils import Problems
 from finetune.utils.data.panel_split import split_bounds
 from finetune_csv.config import DataConfig
 
@@ -34,3 +35,16 @@ def min_rows_needed(cfg: DataConfig) -> int:
     while not split_is_usable(n, cfg):
         n += 1
     return n
+
+
+def too_short_problems(rows: list[tuple[str, int]], cfg: DataConfig) -> Problems:
+    """One Problems entry per (series name, row count) too short for a window in every split; empty when none is."""
+    problems = Problems(
+        f"Series too short for one window per split: each needs at least {min_rows_needed(cfg)} rows with "
+        f"data.lookback={cfg.lookback}, data.predict={cfg.predict} and ratios {cfg.train_ratio}/{cfg.val_ratio}/"
+        f"{cfg.test_ratio} (train needs lookback + predict rows, val and test need predict rows); "
+        "lower data.lookback / data.predict, change the ratios, or remove these series")
+    for name, n in rows:
+        if not split_is_usable(n, cfg):
+            problems.add(name, f"{n} rows {split_row_counts(n, cfg)}")
+    return problems

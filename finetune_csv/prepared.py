@@ -18,12 +18,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from finetune.utils.config_utils import Problems
 from finetune.utils.data.data_store import StoreInfo, StoreSettings, ensure_store
 from finetune.utils.data.panel import SeriesPanel
 from finetune.utils.data.panel_split import PanelSegments, split_panel
 from finetune_csv.config import DataConfig
-from finetune_csv.data import min_rows_needed, split_is_usable, split_row_counts
+from finetune_csv.data import too_short_problems
 
 
 @dataclass(frozen=True)
@@ -74,18 +73,8 @@ def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None
     panel = info.open()
     if not with_splits:
         return PreparedData(info, panel, {})
-    lengths = panel.lengths()
-    too_short = [i for i, n in enumerate(lengths) if not split_is_usable(int(n), cfg)]
-    if too_short:
-        need = min_rows_needed(cfg)
-        problems = Problems(
-            f"Series too short for one window per split: each needs at least {need} rows with data.lookback="
-            f"{cfg.lookback}, data.predict={cfg.predict} and ratios {cfg.train_ratio}/{cfg.val_ratio}/"
-            f"{cfg.test_ratio} (train needs lookback + predict rows, val and test need predict rows); "
-            "lower data.lookback / data.predict, change the ratios, or remove these series")
-        for i in too_short:
-            n = int(lengths[i])
-            problems.add(panel.names[i], f"{n} rows {split_row_counts(n, cfg)}")
+    problems = too_short_problems([(name, int(n)) for name, n in zip(panel.names, panel.lengths())], cfg)
+    if problems:
         del panel
         undo()
         problems.raise_if_any()

@@ -27,7 +27,7 @@ from finetune.utils.data.candle_checks import (
 )
 from finetune.utils.provenance import file_fingerprint
 from finetune_csv.config import DataConfig
-from finetune_csv.data import min_rows_needed, split_bounds, split_is_usable, split_row_counts
+from finetune_csv.data import split_bounds, too_short_problems
 from model.features import FEATURES
 
 log = logging.getLogger(__name__)
@@ -319,17 +319,7 @@ def split_series(series: list[Series], cfg: DataConfig) -> dict[str, list[Segmen
     A val/test segment starts `lookback` rows before its split so that its first window predicts the split's
     first row; windows of a segment never reach into another series.
     """
-    too_short = [s for s in series if not split_is_usable(len(s.values), cfg)]
-    if too_short:
-        need = min_rows_needed(cfg)
-        problems = Problems(
-            f"Series too short for one window per split: each needs at least {need} rows with data.lookback="
-            f"{cfg.lookback}, data.predict={cfg.predict} and ratios {cfg.train_ratio}/{cfg.val_ratio}/"
-            f"{cfg.test_ratio} (train needs lookback + predict rows, val and test need predict rows); "
-            "lower data.lookback / data.predict, change the ratios, or remove these series")
-        for s in too_short:
-            problems.add(s.name, f"{len(s.values)} rows {split_row_counts(len(s.values), cfg)}")
-        problems.raise_if_any()
+    too_short_problems([(s.name, len(s.values)) for s in series], cfg).raise_if_any()
     out: dict[str, list[Segment]] = {name: [] for name in SPLITS}
     for s in series:
         n = len(s.values)
