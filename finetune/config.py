@@ -27,16 +27,19 @@ from typing import Any, Literal
 
 import pandas as pd
 
-from finetune.utils.config_utils import Problems, add_config_args, load_config
-from finetune.utils.factory import ModelConfig
-from finetune.utils.forecast_config import SamplingConfig
-from finetune.utils.stage_config import (
+from finetune.utils.config_utils import (
+    ModelConfig,
+    Problems,
+    SamplingConfig,
     StageConfig,
+    TrainingConfig,
+    add_config_args,
     apply_stage,
+    load_config,
     validate_stage,
+    validate_training_config,
     warn_shadowed_overrides,
 )
-from finetune.utils.training_utils import TrainingConfig, validate_training_config
 
 __all__ = [
     "DEFAULT_BENCHMARKS",

@@ -1,7 +1,7 @@
 """The preprocessed Qlib splits on disk, and the training datasets built from them.
 
 `qlib_data_preprocess.py` writes, in `data.dataset_path`, one prepared data store per split (the layout of
-finetune/utils/data/data_store.py, so every rank memory-maps it with `open_store` and shares one page-cache copy):
+finetune_csv/data.py, so every rank memory-maps it with `open_store` and shares one page-cache copy):
 
     train/, val/, test/          each: features_t.npy float32 (6, N) feature-major open, high, low, close, volume,
                                  amount; stamps.npy int64 (N, 5); datetimes.npy int64 (N,) ns; offsets.npy int64
@@ -28,11 +28,11 @@ import numpy as np
 from finetune.config import QlibConfig
 from finetune.qlib_io import date_range
 from finetune.utils.config_utils import Problems
-from finetune.utils.data.data_store import FORMAT as STORE_FORMAT
-from finetune.utils.data.data_store import FORMAT_VERSION as STORE_FORMAT_VERSION
-from finetune.utils.data.data_store import StoreError, open_store
-from finetune.utils.data.panel import SeriesPanel
-from finetune.utils.data.window_dataset import WindowDataset
+from finetune.utils.store import SeriesPanel
+from finetune.utils.windows import WindowDataset
+from finetune_csv.data import FORMAT as STORE_FORMAT
+from finetune_csv.data import FORMAT_VERSION as STORE_FORMAT_VERSION
+from finetune_csv.data import StoreError, open_store
 from model.features import FEATURES
 
 __all__ = [
@@ -65,7 +65,7 @@ def split_path(dataset_path: str | Path, split: str) -> Path:
 
 
 def save_split(path: str | Path, split: SeriesPanel) -> Path:
-    """Write one split (a panel with datetimes) as a prepared data store folder (finetune/utils/data/data_store.py
+    """Write one split (a panel with datetimes) as a prepared data store folder (finetune_csv/data.py
     layout, readable by `open_store`). `path` must not exist yet (the caller writes into a fresh folder)."""
     path = Path(path)
     if split.datetimes is None:

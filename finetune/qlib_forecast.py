@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 
 from finetune.qlib_io import CLOSE, stamps_from_ns, time_major
-from finetune.utils.data.panel import SeriesPanel
+from finetune.utils.store import SeriesPanel
 from model.features import denormalize, normalize
 
 log = logging.getLogger("finetune.qlib")
@@ -150,7 +150,7 @@ def panel_labels(split: SeriesPanel, ends: np.ndarray, calendar_ns: np.ndarray, 
                  price_row: int = CLOSE) -> np.ndarray:
     """Trade labels price(t+1+h) / price(t+1) - 1 from the panel itself, on the market calendar: NaN unless the
     bars t+1 and t+1+h of t's series are the calendar's next and (1+h)-th next days (no reach over a missing day).
-    (W,) float64. The same label as finetune/evaluation/qlib_labels.py, without a Qlib provider."""
+    (W,) float64. The same label as finetune/evaluation/signals.py, without a Qlib provider."""
     offsets = np.asarray(split.offsets)
     when = np.asarray(split.datetimes)
     cal = np.asarray(calendar_ns, dtype=np.int64)
@@ -186,7 +186,7 @@ def make_ic_val_metric(cfg, val_panel: SeriesPanel, tokenizer, *, max_days: int 
     metric(model, stage) -> {"score": float, "rank_ic": float, "ic": float, "days": int}.
     """
     from finetune.dataset import read_manifest
-    from finetune.evaluation.signal_analysis import analyse_signal
+    from finetune.evaluation.signals import analyse_signal
 
     d, f = cfg.data, cfg.forecast
     if calendar_ns is None:

@@ -21,7 +21,7 @@ import pandas as pd
 
 from finetune.config import QlibConfig, parse_range
 from finetune.utils.config_utils import Problems
-from finetune.utils.data.panel import N_STAMP_COLUMNS, SeriesPanel
+from finetune.utils.store import N_STAMP_COLUMNS, SeriesPanel
 from model.features import FEATURES, calc_time_stamps
 
 __all__ = [

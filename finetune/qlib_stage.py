@@ -20,9 +20,8 @@ from typing import Any, Literal
 from finetune.config import QlibConfig, check_model_folder, cli_parser, load
 from finetune.dataset import build_train_val_datasets, check_processed
 from finetune.utils.config_utils import config_to_dict
-from finetune.utils.distributed import distributed_context, require_torchrun
-from finetune.utils.logging_setup import setup_logging
-from finetune.utils.seeding import seeded_init
+from finetune.utils.distributed import distributed_context, require_torchrun, seeded_init
+from finetune.utils.errors import setup_logging
 from finetune.utils.training_utils import train_predictor, train_tokenizer
 
 log = logging.getLogger(__name__)

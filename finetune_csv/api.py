@@ -32,8 +32,8 @@ from typing import Any
 
 import pandas as pd
 
+import finetune_csv.config as csv_config
 from finetune.utils.config_utils import ConfigError
-from finetune_csv import config as csv_config
 from finetune_csv.config import CsvFinetuneConfig
 from finetune_csv.train_sequential import run_finetune
 
@@ -158,7 +158,7 @@ def _write_frames(data: pd.DataFrame | Mapping[str, pd.DataFrame], cfg: CsvFinet
 
 
 def _result(cfg: CsvFinetuneConfig, results: list, plan: dict[str, str | None], data_info: dict) -> FinetuneResult:
-    from finetune_csv.model_dirs import best_dir
+    from finetune_csv.config import best_dir
 
     metrics = {
         r.stage: {"best_val_loss": r.best_val_loss, "best_epoch": r.best_epoch,

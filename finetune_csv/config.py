@@ -5,26 +5,43 @@ A YAML file in configs/ fills `CsvFinetuneConfig`; `--set training.epochs=3`-sty
 the YAML key to change, before any data is read or any folder is created. Keys shared with the Qlib pipeline
 (model:, data.lookback / predict / clip, training:, the stage sections, the sampling keys of forecast:) have the
 same names and defaults there (finetune/utils/factory.py, forecast_config.py, stage_config.py).
+
+Also here:
+- Where the CSV pipeline's stages keep their models, and which tokenizer the predictor stage reads.
+- Run a YAML file written for the ORIGINAL Kronos `finetune_csv` (shiyu-coder/Kronos) with this pipeline.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import json
+import logging
 import math
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from finetune.utils.config_utils import Problems, load_config
-from finetune.utils.data.candle_checks import frequency_problem, timezone_problem
-from finetune.utils.factory import ModelConfig
-from finetune.utils.forecast_config import SamplingConfig
-from finetune.utils.stage_config import (
+import pandas as pd
+import yaml
+
+from finetune.utils.config_utils import (
+    ConfigError,
+    ModelConfig,
+    Problems,
+    SamplingConfig,
     StageConfig,
+    TrainingConfig,
     apply_stage,
+    load_config,
+    parse_overrides,
     validate_stage,
+    validate_training_config,
     warn_shadowed_overrides,
 )
-from finetune.utils.training_utils import TrainingConfig, validate_training_config
 
 NAN_POLICIES = ("error", "ffill", "drop")
 
@@ -275,3 +292,458 @@ def _check_forecast(f: ForecastConfig, p: Problems) -> None:
     p.check(f.batch_size >= 1, "forecast.batch_size", f"must be >= 1 (got {f.batch_size})")
     p.check(f.calendar is None or Path(f.calendar).is_file(), "forecast.calendar",
             f"'{f.calendar}' is not a file: give a CSV whose first column lists the trading dates, or null")
+
+
+BEST_DIR = "best_model"  # the training engine's published-format folder inside each stage's output folder
+
+
+def best_dir(stage_dir: Path) -> Path:
+    """Where a stage's best model (published format) lives."""
+    return Path(stage_dir) / BEST_DIR
+
+
+def predictor_tokenizer_source(cfg: CsvFinetuneConfig) -> str:
+    """The tokenizer the predictor is trained with (and forecasts with): the finetuned one once it exists.
+
+    Falls back to `model.pretrained_tokenizer` when the tokenizer stage never ran (for instance with
+    --skip-tokenizer); an interrupted tokenizer stage and a from-scratch tokenizer that was never trained are errors,
+    not a silent half-trained or random one.
+    """
+    from finetune.utils.safety import stage_status
+
+    folder, finetuned = Path(cfg.tokenizer_dir), best_dir(cfg.tokenizer_dir)
+    interrupted = stage_status(folder) == "unfinished" and any(
+        (folder / name).exists() for name in ("checkpoints", "run_info.json", "metrics.jsonl"))
+    if interrupted:  # never train or forecast on a half-trained tokenizer (issue 8, observation 6)
+        raise ValueError(f"the tokenizer stage in {folder} is unfinished: run it to the end first (drop "
+                         "--skip-tokenizer; it resumes where it stopped) or use another paths.base_dir")
+    if (finetuned / "config.json").is_file():  # a finished stage's model, or one placed there by hand
+        return str(finetuned)
+    if cfg.model.pretrained_tokenizer is not None:
+        return cfg.model.pretrained_tokenizer
+    raise ValueError(f"no trained tokenizer in {finetuned} and model.pretrained_tokenizer is null: train the "
+                     "tokenizer first (drop --skip-tokenizer) or set model.pretrained_tokenizer")
+
+
+log = logging.getLogger("finetune_csv.config")
+
+# Top-level sections only the original has / only ours has.
+ORIGINAL_ONLY_SECTIONS = ("model_paths", "experiment", "device", "distributed")
+NEW_ONLY_SECTIONS = ("model", "paths", "tokenizer_training", "predictor_training", "forecast")
+
+Outcome = list[tuple[str, Any]]  # (new dotted key, value) pairs to set
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one original key carries over."""
+
+    new: str | None
+    """This project's dotted key that receives the value; None = not carried over (see `same_as_ours` / note)."""
+    note: str = ""
+    """Shown in the log line: why the key is not needed, or how to get its effect here."""
+    convert: Callable[[Any, Mapping[str, Any]], Outcome] | None = None
+    """(value, whole original config) -> [(new key, new value), ...] for keys that do not map one to one."""
+    same_as_ours: Callable[[Any], bool] | None = None
+    """For keys with no counterpart: True when the value asks for what this pipeline does anyway (dropped
+    quietly); any other value is reported as unsupported. None with `new` None: always dropped with the note."""
+
+
+def _get(raw: Mapping[str, Any], dotted: str, default: Any = None) -> Any:
+    node: Any = raw
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def _betas(value: Any, raw: Mapping[str, Any]) -> Outcome:
+    # The original has two scalars; ours is one [beta1, beta2] list (original defaults 0.9 / 0.95).
+    return [("training.betas", [_get(raw, "training.adam_beta1", 0.9), _get(raw, "training.adam_beta2", 0.95)])]
+
+
+def _base_path(value: Any, raw: Mapping[str, Any]) -> Outcome:
+    if _get(raw, "model_paths.base_save_path"):  # an explicit base_save_path wins in the original too
+        return []
+    return [("paths.base_dir", f"{str(value).rstrip('/')}/{{exp_name}}")]
+
+
+def _base_save_path(value: Any, raw: Mapping[str, Any]) -> Outcome:
+    return [("paths.base_dir", value)] if value else []  # empty = derived from base_path/exp_name (as here)
+
+
+def _stage_switch(stage: str) -> Callable[[Any, Mapping[str, Any]], Outcome]:
+    def convert(value: Any, raw: Mapping[str, Any]) -> Outcome:
+        return [] if value else [(f"{stage}_training.epochs", 0)]  # 0 epochs = the stage is skipped
+
+    return convert
+
+
+def _from_scratch(kind: str) -> Callable[[Any, Mapping[str, Any]], Outcome]:
+    """experiment.pre_trained[_<kind>]: false = a randomly initialised model with the pretrained one's architecture.
+
+    `kind` 'tokenizer' / 'predictor' handles `pre_trained_<kind>`; 'both' handles the shared `pre_trained`, which
+    the original lets `pre_trained_<kind>` override.
+    """
+
+    def one(which: str, value: Any, raw: Mapping[str, Any]) -> Outcome:
+        if value is not False:
+            return []
+        source = _get(raw, f"model_paths.pretrained_{which}")
+        cfg_file = Path(str(source)).expanduser() / "config.json" if source else None
+        if cfg_file is None or not cfg_file.is_file():
+            raise _Unsupported(f"the original copies the {which} architecture from {source}/config.json, which is "
+                               f"not a local file here; set model.pretrained_{which}: null and model.{which}_arch")
+        from model.config import KronosConfig, KronosTokenizerConfig
+
+        arch_fields = (KronosTokenizerConfig if which == "tokenizer" else KronosConfig).__dataclass_fields__
+        arch = json.loads(cfg_file.read_text(encoding="utf-8"))
+        return [(f"model.pretrained_{which}", None)] + [
+            (f"model.{which}_arch.{k}", v) for k, v in arch.items() if k in arch_fields]
+
+    def convert(value: Any, raw: Mapping[str, Any]) -> Outcome:
+        if kind != "both":
+            return one(kind, value, raw)
+        return [pair for which in ("tokenizer", "predictor")
+                if _get(raw, f"experiment.pre_trained_{which}") is None
+                for pair in one(which, value, raw)]
+
+    return convert
+
+
+def _finetuned_tokenizer(value: Any, raw: Mapping[str, Any]) -> Outcome:
+    if not value:
+        return []
+    exp = _get(raw, "model_paths.exp_name", "")
+    base = _get(raw, "model_paths.base_save_path") or f"{str(_get(raw, 'model_paths.base_path', '')).rstrip('/')}/{exp}"
+    expected = f"{str(base).replace('{exp_name}', str(exp)).rstrip('/')}/tokenizer/best_model"
+    if os.path.normpath(str(value).replace("{exp_name}", str(exp))) == os.path.normpath(expected):
+        return []
+    raise _Unsupported("the predictor stage always uses <paths.base_dir>/tokenizer/best_model once the tokenizer "
+                       "stage has written it (else model.pretrained_tokenizer); point model.pretrained_tokenizer "
+                       "at this folder and pass --skip-tokenizer to train on another tokenizer")
+
+
+class _Unsupported(Exception):
+    """Raised by a converter: the value cannot be honoured (message says what to do instead)."""
+
+
+# Original key -> how it carries over. Keys are dotted paths in the original YAML.
+RULES: dict[str, Rule] = {
+    # data
+    "data.data_path": Rule("data.path"),
+    "data.lookback_window": Rule("data.lookback"),
+    "data.predict_window": Rule("data.predict"),
+    "data.max_context": Rule(None, "the forecast's context is data.lookback + data.predict; training needs no limit"),
+    "data.clip": Rule("data.clip"),
+    "data.train_ratio": Rule("data.train_ratio"),
+    "data.val_ratio": Rule("data.val_ratio"),
+    "data.test_ratio": Rule("data.test_ratio"),
+    # training
+    "training.epochs": Rule("training.epochs", "both stages, unless tokenizer_epochs / basemodel_epochs is given"),
+    "training.tokenizer_epochs": Rule("tokenizer_training.epochs"),
+    "training.basemodel_epochs": Rule("predictor_training.epochs"),
+    "training.batch_size": Rule("training.batch_size"),
+    "training.log_interval": Rule("training.log_every_steps", "counted in optimizer steps here"),
+    "training.num_workers": Rule("training.num_workers"),
+    "training.seed": Rule("training.seed"),
+    "training.tokenizer_learning_rate": Rule("tokenizer_training.lr"),
+    "training.predictor_learning_rate": Rule("predictor_training.lr"),
+    "training.adam_beta1": Rule("training.betas", convert=_betas),
+    "training.adam_beta2": Rule("training.betas", convert=_betas),
+    "training.adam_weight_decay": Rule("training.weight_decay"),
+    "training.accumulation_steps": Rule("training.accumulation_steps"),
+    # model_paths
+    "model_paths.pretrained_tokenizer": Rule("model.pretrained_tokenizer"),
+    "model_paths.pretrained_predictor": Rule("model.pretrained_predictor"),
+    "model_paths.exp_name": Rule("paths.exp_name"),
+    "model_paths.base_path": Rule("paths.base_dir", "as <base_path>/{exp_name}", convert=_base_path),
+    "model_paths.base_save_path": Rule("paths.base_dir", convert=_base_save_path),
+    "model_paths.finetuned_tokenizer": Rule(None, "derived: <paths.base_dir>/tokenizer/best_model",
+                                            convert=_finetuned_tokenizer),
+    "model_paths.tokenizer_save_name": Rule(None, "the stage folders are fixed: tokenizer/ and basemodel/",
+                                            same_as_ours=lambda v: v == "tokenizer"),
+    "model_paths.basemodel_save_name": Rule(None, "the stage folders are fixed: tokenizer/ and basemodel/",
+                                            same_as_ours=lambda v: v == "basemodel"),
+    # experiment
+    "experiment.name": Rule(None, "informational (paths.exp_name names the run)"),
+    "experiment.description": Rule(None, "informational"),
+    "experiment.use_comet": Rule("training.comet"),
+    "experiment.train_tokenizer": Rule("tokenizer_training.epochs", "false = 0 epochs (stage skipped)",
+                                       convert=_stage_switch("tokenizer")),
+    "experiment.train_basemodel": Rule("predictor_training.epochs", "false = 0 epochs (stage skipped)",
+                                       convert=_stage_switch("predictor")),
+    "experiment.skip_existing": Rule(None, "pass --skip-existing on the command line",
+                                     same_as_ours=lambda v: v is False),
+    "experiment.pre_trained": Rule("model.pretrained_*", "false = from scratch", convert=_from_scratch("both")),
+    "experiment.pre_trained_tokenizer": Rule("model.pretrained_tokenizer", "false = from scratch (tokenizer_arch)",
+                                             convert=_from_scratch("tokenizer")),
+    "experiment.pre_trained_predictor": Rule("model.pretrained_predictor", "false = from scratch (predictor_arch)",
+                                             convert=_from_scratch("predictor")),
+    # device / distributed: chosen by the launch here, not by the YAML
+    "device.use_cuda": Rule(None, "CUDA is used when available; CUDA_VISIBLE_DEVICES= forces the CPU",
+                            same_as_ours=lambda v: v is True),
+    "device.device_id": Rule(None, "choose the GPU with CUDA_VISIBLE_DEVICES=<id>",
+                             same_as_ours=lambda v: v in (0, None)),
+    "distributed.use_ddp": Rule(None, "DDP runs when the command is launched by torchrun"),
+    "distributed.backend": Rule(None, "set DIST_BACKEND=<backend> in the environment (default nccl on GPUs)",
+                                same_as_ours=lambda v: str(v).lower() == "nccl"),
+}
+
+# The original's defaults where they differ from this pipeline's, applied when an original file leaves them out.
+ORIGINAL_DEFAULTS: dict[str, Any] = {
+    "training.batch_size": 160,
+}
+
+
+@dataclass
+class Translation:
+    """The result of `translate`: nested settings in this project's format and what happened to each key."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    """Nested mapping of this project's keys (what a YAML file in configs/ would hold)."""
+    lines: list[str] = field(default_factory=list)
+    """One line per original key: `old -> new = value`, or why it is not needed."""
+    unsupported: list[str] = field(default_factory=list)
+    """One line per original key whose value cannot be honoured, with what to do instead."""
+
+
+def is_original_config(raw: Any) -> bool:
+    """True for a mapping with the original's top-level sections (model_paths / experiment / device / distributed,
+    or original-only keys under data / training) and none of this project's own sections."""
+    if not isinstance(raw, Mapping) or any(s in raw for s in NEW_ONLY_SECTIONS):
+        return False
+    if any(s in raw for s in ORIGINAL_ONLY_SECTIONS):
+        return True
+    return any(key in RULES and RULES[key].new != key for key in _leaves(raw))
+
+
+def _leaves(raw: Mapping[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for k, v in raw.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        out.extend(_leaves(v, key) if isinstance(v, Mapping) else [key])
+    return out
+
+
+def _set(values: dict[str, Any], dotted: str, value: Any) -> None:
+    node = values
+    *parents, last = dotted.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = value
+
+
+def translate(raw: Mapping[str, Any]) -> Translation:
+    """Map an original-format config (already read from YAML) to this project's keys; pure (logs nothing)."""
+    out = Translation()
+    order = [k for k in RULES if _get(raw, k, _MISSING) is not _MISSING]
+    unknown = [k for k in _leaves(raw) if k not in RULES]
+    for key in order:
+        rule, value = RULES[key], _get(raw, key)
+        shown = json.dumps(value) if isinstance(value, (str, bool)) or value is None else value
+        try:
+            if rule.convert is not None:
+                pairs = rule.convert(value, raw)
+            elif rule.new is not None:
+                pairs = [(rule.new, value)]
+            elif rule.same_as_ours is not None and not rule.same_as_ours(value):
+                raise _Unsupported(rule.note)
+            else:
+                out.lines.append(f"{key} = {shown}: not needed; {rule.note}")
+                continue
+        except _Unsupported as why:
+            out.unsupported.append(f"{key} = {shown}: not supported; {why}")
+            continue
+        for new_key, new_value in pairs:
+            _set(out.values, new_key, new_value)
+        if pairs:
+            targets = ", ".join(f"{k} = {json.dumps(v) if isinstance(v, (str, bool)) or v is None else v}"
+                                for k, v in pairs)
+            out.lines.append(f"{key} -> {targets}" + (f"  ({rule.note})" if rule.note else ""))
+        else:
+            out.lines.append(f"{key} = {shown}: not needed" + (f"; {rule.note}" if rule.note else ""))
+    for key, value in ORIGINAL_DEFAULTS.items():
+        old = next((k for k, r in RULES.items() if r.new == key), key)
+        if _get(raw, old, _MISSING) is _MISSING:
+            _set(out.values, key, value)
+            out.lines.append(f"{old} (absent) -> {key} = {value}  (the original's default)")
+    for key in unknown:
+        out.unsupported.append(f"{key}: not a key of the original Kronos finetune_csv config; ignored")
+    return out
+
+
+def _split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(overrides of original keys, overrides of this project's keys)."""
+    old, new = [], []
+    for item in overrides or ():
+        key = item.partition("=")[0].strip()
+        (old if key in RULES and RULES[key].new != key else new).append(item)
+    return old, new
+
+
+def load_csv_config(config_path: str | Path | None, overrides: Sequence[str] = (),
+                    load_fn: Callable[[str | Path | None, Sequence[str]], Any] | None = None) -> Any:
+    """`finetune_csv.config.load`, also accepting a YAML file in the original Kronos finetune_csv format.
+
+    Parameters
+    ----------
+    config_path: YAML file (this project's format or the original's); None = defaults.
+    overrides: `--set` items; original keys are applied before the translation, this project's after it.
+    load_fn: the loader of this project's format (default `finetune_csv.config.load`).
+
+    Returns
+    -------
+    The validated `CsvFinetuneConfig`. Raises ConfigError (naming keys) as `load_fn` does; a file that mixes
+    original keys into this project's format is rejected with the new name of each.
+    """
+    if load_fn is None:
+        from finetune_csv.config import load as load_fn
+    with _translated_file(config_path, overrides) as (path, rest, original):
+        try:
+            return load_fn(path, rest)
+        except ConfigError as err:
+            if not original:
+                raise
+            raise ConfigError(err.problems, f"Invalid configuration from {config_path} (original Kronos format, "
+                                            "problems named with this project's keys)") from None
+
+
+@contextlib.contextmanager
+def translated_argv(argv: Sequence[str]) -> Iterator[list[str]]:
+    """`argv` with an original-format `--config FILE` replaced by a translated copy (which exists inside the block).
+
+    For entry points whose loader does not call `load_csv_config` (the two CSV scripts and `kronos finetune` /
+    `kronos forecast` use this): the translation and its log lines happen here, and `--set` items with original
+    keys are folded into the translated file. Any other argv is yielded unchanged.
+    """
+    argv = list(argv)
+    path, sets = _config_and_sets(argv)
+    with _translated_file(path, sets) as (new_path, rest, original):
+        if not original:
+            yield argv
+            return
+        old = [s for s in sets if s not in rest]
+        out: list[str] = []
+        skip = False
+        for i, arg in enumerate(argv):
+            if skip:
+                skip = False
+                continue
+            if arg == "--config":
+                out += ["--config", str(new_path)]
+                skip = True
+            elif arg.startswith("--config="):
+                out.append(f"--config={new_path}")
+            elif arg == "--set" and i + 1 < len(argv) and argv[i + 1] in old:
+                skip = True
+            elif arg.startswith("--set=") and arg.partition("=")[2] in old:
+                continue
+            else:
+                out.append(arg)
+        yield out
+
+
+def _config_and_sets(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    path, sets = None, []
+    for i, arg in enumerate(argv):
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if arg == "--config" and nxt is not None:
+            path = nxt
+        elif arg.startswith("--config="):
+            path = arg.partition("=")[2]
+        elif arg == "--set" and nxt is not None:
+            sets.append(nxt)
+        elif arg.startswith("--set="):
+            sets.append(arg.partition("=")[2])
+    return path, sets
+
+
+@contextlib.contextmanager
+def _translated_file(config_path: str | Path | None,
+                     overrides: Sequence[str]) -> Iterator[tuple[str | Path | None, list[str], bool]]:
+    """Yields (path to load, overrides still to apply, was it an original-format file)."""
+    raw = _read_yaml(config_path)
+    old_overrides, new_overrides = _split_overrides(overrides)
+    if raw is None or not is_original_config(raw):
+        if raw is not None or old_overrides:
+            keys = (_leaves(raw) if raw is not None else []) + [o.partition("=")[0].strip() for o in old_overrides]
+            mixed = [f"{k}: a key of the original Kronos format; here it is "
+                     f"{RULES[k].new or 'not needed (' + RULES[k].note + ')'}"
+                     for k in keys if k in RULES and RULES[k].new != k]
+            if mixed:
+                raise ConfigError(mixed, f"Invalid configuration from {config_path} (original Kronos keys mixed "
+                                         "into this project's format)")
+        yield config_path, list(overrides), False
+        return
+    raw = copy.deepcopy(dict(raw))
+    for key, value in parse_overrides(old_overrides):
+        _set(raw, key, value)
+    result = translate(raw)
+    if os.environ.get("RANK", "0") == "0":  # every rank translates; one reports
+        log.warning("%s is in the original Kronos finetune_csv format; its keys map to this project's as follows:",
+                    config_path)
+        for line in result.lines:
+            log.warning("  %s", line)
+        for line in result.unsupported:
+            log.warning("  %s", line)
+    with tempfile.TemporaryDirectory(prefix="kronos_config_") as tmp:
+        translated = Path(tmp) / f"{Path(str(config_path)).stem}.translated.yaml"
+        translated.write_text(yaml.safe_dump(result.values, sort_keys=False), encoding="utf-8")
+        yield translated, new_overrides, True
+
+
+def _read_yaml(path: str | Path | None) -> Mapping[str, Any] | None:
+    """The mapping in a YAML file, or None when there is none to read (the normal loader then reports why)."""
+    if path is None or not Path(path).is_file():
+        return None
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (yaml.YAMLError, OSError, UnicodeDecodeError):
+        return None
+    return raw if isinstance(raw, Mapping) else None
+
+
+def _parse_expected(expected: str | pd.Timedelta) -> pd.Timedelta:
+    if isinstance(expected, pd.Timedelta):
+        return expected
+    try:
+        td = pd.Timedelta(str(expected).strip())
+    except ValueError as e:
+        raise FrequencyError(f"data.frequency: cannot read '{expected}' as a bar length; use e.g. 5min, 1h, "
+                             "1D") from e
+    if td <= pd.Timedelta(0):
+        raise FrequencyError(f"data.frequency: must be a positive bar length, got '{expected}'")
+    return td
+
+
+def timezone_problem(name: str | None) -> str | None:
+    """Why `data.timezone` is unusable (None when it is unset or a known IANA zone)."""
+    if name is None:
+        return None
+    try:
+        pd.Timestamp(0, tz="UTC").tz_convert(name)
+    except Exception as e:  # pytz/zoneinfo raise different types for an unknown zone
+        return f"unknown time zone '{name}' ({type(e).__name__}); use an IANA name such as 'America/New_York'"
+    return None
+
+
+def frequency_problem(value: str | None) -> str | None:
+    """Why `data.frequency` is unusable (None when it is unset or a positive bar length such as '5min')."""
+    if value is None:
+        return None
+    try:
+        _parse_expected(value)
+    except FrequencyError as e:
+        return str(e).removeprefix("data.frequency: ")
+    return None
+
+
+class CandleDataError(ValueError):
+    """A problem in the candle data itself; the message names the file, line and what to change."""
+
+
+class FrequencyError(CandleDataError):
+    """A file whose bar length differs from `data.frequency` (or that has too few stamps to tell)."""

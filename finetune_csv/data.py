@@ -1,19 +1,1303 @@
-"""The CSV pipeline's time-split rules: how many rows each split of a series gets and whether it is long enough.
+"""Checks on raw candle files before they become a `SeriesPanel`: timestamps, time zones, bar frequency, float32 range.
 
-The data itself has one production path: the prepared, memory-mapped store (finetune_csv/prepared.py `prepare_data`:
-streaming parse, every candle check - column mapping, NaN policy, time zones, frequency, float32 range - in
-finetune/utils/data/data_store.py and finetune/utils/data/streaming_reader.py). Training, the held-out evaluation,
-the validation CRPS and the future forecast all read it. The split boundaries are `split_bounds`
-(finetune/utils/data/panel_split.py); the checks below use the same rounding. The in-memory pandas loader the store
-was checked against lives in the tests (tests/csv_reference.py), as an independent reference only. """
+Pure functions on pandas/numpy values, used by the CSV loader and the data store; each error is a `CandleDataError`
+(a ValueError) naming the file, the line and the setting (or the data) to change.
+
+The timestamp rule: the model's time features (minute, hour, weekday, day, month) describe the exchange's LOCAL
+wall-clock time, the time a trader sees on the exchange's clock.
+- Stamps that carry a UTC offset (`2024-03-08 09:30:00-05:00`, `...Z`) are converted to `data.timezone` when it is
+  set (an IANA name such as "America/New_York"), so a DST change inside one file (-05:00 then -04:00) still gives
+  09:30 every morning. Without `data.timezone` each value keeps the wall-clock time it states: it is parsed in its
+  own offset and the offset is then dropped (pandas refuses mixed offsets otherwise, or shifts everything to UTC).
+- Stamps without an offset are taken as the local wall-clock time already (also when `data.timezone` is set).
+- Within one file all stamps carry an offset or none does; across files the same (`check_tz_consistency`), since a
+  naive and an offset-carrying file cannot be placed on one clock.
+- Converting to a zone with DST repeats one wall-clock hour per year (the autumn change); exchanges are closed then.
+
+The frequency rule: a file's bar length is the median spacing of its sorted stamps (`infer_frequency`), which
+ignores overnight, weekend and holiday gaps. Files of different bar lengths in one data set are warned about;
+when `data.frequency` is set, a file of another length is an error.
+
+The range rule: the model computes in float32, so a value beyond float32's finite range (|x| > 3.4028235e38, e.g.
+1e39, or inf) would become inf after loading; it is an error naming file, column and line.
+
+Also here:
+- Cleaning rules for one parsed series (the CSV pipeline's) and wall-clock time stamps.
+- Split one file with a symbol column into its series without holding the file in memory.
+- Read one CSV or Parquet file of candles in blocks, parsed and checked cell by cell, never holding the whole file.
+- Prepared data store: parse and check the candle files once, memory-map the result on every rank.
+- The CSV pipeline's time-split rules: how many rows each split of a series gets and whether it is long enough.
+- The CSV pipeline's training data: the prepared, memory-mapped store, its time splits and its run_info summary.
+- Thin adapter: a split of the prepared store -> the shared sliding-window dataset
+"""
 
 from __future__ import annotations
 
-from finetune.utils.config_utils import Problems
-from finetune.utils.data.panel_split import split_bounds
-from finetune_csv.config import DataConfig
+import csv
+import difflib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+import warnings
+import warnings as warnings_module
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-__all__ = ["split_bounds", "split_row_counts", "split_is_usable", "min_rows_needed"]
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
+
+from finetune.utils.config_utils import Problems
+from finetune.utils.metrics import sha256_file
+from finetune.utils.store import FeatureMajorWriter, GrowingNpy, SeriesPanel
+from finetune.utils.windows import PanelSegments, WindowDataset, split_bounds, split_panel
+from finetune_csv.config import (
+    CandleDataError,
+    DataConfig,
+    FrequencyError,
+    _parse_expected,
+    frequency_problem,
+    timezone_problem,
+)
+from model.features import FEATURES, fill_amount
+from model.fileio import write_json
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # 3.4028235e+38
+# A UTC offset (or Z) right after a clock time: "09:30-05:00", "09:30:00.5+0530", "09:30Z". The clock time must
+# precede it so a plain date's "-02" (2024-01-02) is not read as an offset.
+_OFFSET_RE = r"\d{1,2}:\d{2}(?::\d{2}(?:\.\d+)?)?\s*(?P<off>Z|UTC|[+-]\d{2}(?::?\d{2})?)$"
+_SHOW = 5  # how many lines / files an error lists
+
+
+
+
+class TimestampError(CandleDataError):
+    """A timestamp that cannot be read, or a file mixing stamps with and without a UTC offset."""
+
+
+class TimezoneMixError(CandleDataError):
+    """Files with UTC offsets and files without them in one data set."""
+
+
+
+
+class Float32RangeError(CandleDataError):
+    """A value outside float32's finite range."""
+
+
+class MixedFrequencyWarning(UserWarning):
+    """Files of different bar lengths in one data set while `data.frequency` is not set."""
+
+
+def _lines(positions: Sequence[int], first_row: int) -> str:
+    shown = ", ".join(str(first_row + int(p)) for p in positions[:_SHOW])
+    return shown + (f" (+{len(positions) - _SHOW} more)" if len(positions) > _SHOW else "")
+
+
+def _offset_text(values: pd.Series) -> pd.Series:
+    """The UTC-offset suffix of each string (NaN where there is none)."""
+    return values.str.extract(_OFFSET_RE, expand=True)["off"]
+
+
+def has_utc_offset(values: Any) -> bool:
+    """True when the timestamps carry a UTC offset (tz-aware datetimes, or strings ending in +hh:mm / Z)."""
+    s = pd.Series(values)
+    if isinstance(s.dtype, pd.DatetimeTZDtype):
+        return True
+    if pd.api.types.is_datetime64_dtype(s.dtype) or len(s) == 0:
+        return False
+    return bool(_offset_text(s.astype("string").str.strip()).notna().any())
+
+
+def _offsets_as_timedelta(off: pd.Series) -> pd.Series:
+    """'+05:30' / '-0400' / '+03' / 'Z' -> Timedelta per row."""
+    norm = off.str.replace(":", "", regex=False).replace({"Z": "+0000", "UTC": "+0000"})
+    sign = norm.str[0].map({"+": 1, "-": -1}).astype("int64")
+    hours = norm.str[1:3].astype("int64")
+    minutes = norm.str[3:5].replace("", "0").fillna("0").astype("int64")
+    return pd.to_timedelta(sign * (hours * 60 + minutes), unit="min")
+
+
+def parse_timestamps(values: Any, *, source: str, fmt: str | None = None, timezone: str | None = None,
+                     first_row: int = 1) -> pd.DatetimeIndex:
+    """Read one file's timestamps as naive local wall-clock times (the rule in the module docstring).
+
+    Parameters
+    ----------
+    values: (N,) strings, datetimes (naive or tz-aware) or a pandas Series/Index of them.
+    source: the file (or series) name, for messages.
+    fmt: a strftime format (`data.timestamp_format`); None lets pandas infer it.
+    timezone: the exchange's IANA zone (`data.timezone`); offset-carrying stamps are converted to it.
+    first_row: the file line of values[0] (2 for a CSV with a header line), for messages.
+
+    Returns
+    -------
+    (N,) naive `DatetimeIndex`, unit ns, in the input order.
+    """
+    s = pd.Series(values).reset_index(drop=True)
+    if isinstance(s.dtype, pd.DatetimeTZDtype) or pd.api.types.is_datetime64_dtype(s.dtype):
+        parsed = s
+    else:
+        text = s.astype("string").str.strip()
+        missing = np.flatnonzero((text.isna() | (text == "")).to_numpy())
+        if len(missing):
+            raise TimestampError(f"{source}: empty timestamp at line(s) {_lines(missing, first_row)}; every candle "
+                                 "needs a time (fix the file)")
+        off = _offset_text(text)
+        aware = off.notna().to_numpy()
+        if aware.any() and not aware.all():
+            with_, without = np.flatnonzero(aware), np.flatnonzero(~aware)
+            raise TimestampError(
+                f"{source}: some timestamps carry a UTC offset (line(s) {_lines(with_, first_row)}, e.g. "
+                f"'{text[with_[0]]}') and some do not (line(s) {_lines(without, first_row)}, e.g. "
+                f"'{text[without[0]]}'); write all of them with an offset or none")
+        parsed = pd.to_datetime(text, format=fmt, errors="coerce", utc=bool(aware.any()))
+        bad = np.flatnonzero(parsed.isna().to_numpy())
+        if len(bad):
+            how = f"format '{fmt}'" if fmt else "an inferred format"
+            raise TimestampError(
+                f"{source}: cannot read timestamp(s) at line(s) {_lines(bad, first_row)}, e.g. '{text[bad[0]]}' "
+                f"(with {how}); set data.timestamp_format to the strftime format of the file, "
+                "e.g. '%Y-%m-%d %H:%M:%S%z'")
+        if aware.any() and timezone is None:
+            # UTC instant + the offset each value stated = the wall-clock time it stated.
+            parsed = parsed.dt.tz_localize(None) + _offsets_as_timedelta(off).to_numpy()
+    if isinstance(parsed.dtype, pd.DatetimeTZDtype):
+        if timezone is not None:
+            try:
+                parsed = parsed.dt.tz_convert(timezone)
+            except Exception as e:  # pytz/zoneinfo raise different types for an unknown zone
+                raise TimestampError(f"data.timezone: unknown time zone '{timezone}' ({e}); use an IANA name such "
+                                     "as 'America/New_York' or 'Asia/Shanghai'") from e
+        parsed = parsed.dt.tz_localize(None)
+    return pd.DatetimeIndex(parsed).as_unit("ns")
+
+
+def check_tz_consistency(aware: Mapping[str, bool]) -> None:
+    """Raise `TimezoneMixError` when some files carry UTC offsets and others do not.
+
+    Parameters
+    ----------
+    aware: {file name: whether its stamps carry an offset} (see `has_utc_offset`).
+    """
+    with_ = [f for f, a in aware.items() if a]
+    without = [f for f, a in aware.items() if not a]
+    if with_ and without:
+        def show(files: list[str]) -> str:
+            return ", ".join(files[:_SHOW]) + (f" (+{len(files) - _SHOW} more)" if len(files) > _SHOW else "")
+
+        raise TimezoneMixError(
+            f"data: {len(with_)} file(s) have timestamps with a UTC offset ({show(with_)}) and {len(without)} "
+            f"without ({show(without)}); they cannot be put on one clock. Write all files with offsets (and set "
+            "data.timezone to the exchange's zone) or all in the exchange's local time without offsets")
+
+
+def infer_frequency(index: Any, *, source: str = "data") -> pd.Timedelta:
+    """The bar length of one file: the median spacing of its sorted, distinct stamps (robust to session gaps).
+
+    Parameters
+    ----------
+    index: (N,) timestamps (DatetimeIndex, Series or array of datetime64).
+    source: the file name, for the error.
+
+    Returns
+    -------
+    The median positive spacing as a `pd.Timedelta`. Raises `FrequencyError` with fewer than two distinct stamps.
+    """
+    stamps = np.unique(pd.DatetimeIndex(index).as_unit("ns").asi8)  # sorted, distinct, int64 ns
+    if len(stamps) < 2:
+        raise FrequencyError(f"{source}: needs at least two distinct timestamps to tell the bar length, has "
+                             f"{len(stamps)}; add data or set data.frequency")
+    return pd.Timedelta(int(np.median(np.diff(stamps))), unit="ns")
+
+
+def format_frequency(td: pd.Timedelta) -> str:
+    """A bar length as people write it: '5min', '1h', '1 day', '30s'."""
+    td = pd.Timedelta(td)
+    day, hour, minute, second = (pd.Timedelta(1, u) for u in ("D", "h", "min", "s"))
+    if td % day == pd.Timedelta(0) and td >= day:
+        n = td // day
+        return f"{n} day" + ("s" if n != 1 else "")
+    for unit, name in ((hour, "h"), (minute, "min"), (second, "s")):
+        if td % unit == pd.Timedelta(0) and td >= unit:
+            return f"{td // unit}{name}"
+    return str(td)
+
+
+
+
+def check_frequencies(freqs: Mapping[str, pd.Timedelta], expected: str | pd.Timedelta | None = None
+                      ) -> pd.Timedelta | None:
+    """Compare the files' bar lengths: a warning naming the odd files, an error when `data.frequency` is set.
+
+    Parameters
+    ----------
+    freqs: {file name: its `infer_frequency`}.
+    expected: `data.frequency` ("5min", "1h", "1D" or a Timedelta), or None.
+
+    Returns
+    -------
+    The data set's bar length: `expected`, else the most common one (None for no files).
+    Warns `MixedFrequencyWarning` (expected None) or raises `FrequencyError` (expected set) for odd files.
+    """
+    if expected is not None:
+        want = _parse_expected(expected)
+        odd = {f: td for f, td in freqs.items() if pd.Timedelta(td) != want}
+        if odd:
+            listed = ", ".join(f"{f} ({format_frequency(td)})" for f, td in list(odd.items())[:_SHOW])
+            more = f" (+{len(odd) - _SHOW} more)" if len(odd) > _SHOW else ""
+            raise FrequencyError(
+                f"data.frequency is {format_frequency(want)} but {len(odd)} file(s) have another bar length: "
+                f"{listed}{more}; remove or resample them, or change data.frequency")
+        return want
+    if not freqs:
+        return None
+    counts = Counter(pd.Timedelta(td) for td in freqs.values())
+    common = max(counts, key=lambda td: (counts[td], -td.value))  # most files; ties: the shorter bar
+    if len(counts) > 1:
+        groups = []
+        for td in sorted(counts, key=lambda t: t.value):
+            if td == common:
+                continue
+            files = [f for f, t in freqs.items() if pd.Timedelta(t) == td]
+            groups.append(f"{format_frequency(td)}: " + ", ".join(files[:_SHOW])
+                          + (f" (+{len(files) - _SHOW} more)" if len(files) > _SHOW else ""))
+        warnings.warn(
+            f"data: files of different bar lengths are mixed; most are {format_frequency(common)} "
+            f"({counts[common]} file(s)), the others: {'; '.join(groups)}. Set data.frequency to make this an "
+            "error, or remove/resample the odd files", MixedFrequencyWarning, stacklevel=2)
+    return common
+
+
+def check_float32_range(array: Any, columns: Sequence[str], source: str, first_row: int = 1) -> None:
+    """Raise `Float32RangeError` at the first value (row-major) with |x| > float32's max (inf included; NaN not).
+
+    Parameters
+    ----------
+    array: (N, C) numbers (or (N,) for one column), any numeric dtype.
+    columns: the C column names.
+    source: the file name.
+    first_row: the file line of row 0 (2 for a CSV with a header line).
+    """
+    a = np.asarray(array)
+    if a.ndim == 1:
+        a = a.reshape(-1, 1)  # (N, 1)
+    if a.dtype.kind in "iub" or a.size == 0:
+        return  # integers up to int64/uint64 are far below 3.4e38
+    a = a.astype(np.float64, copy=False)
+    with np.errstate(invalid="ignore"):
+        bad = np.abs(a) > FLOAT32_MAX  # (N, C) bool; NaN compares False
+    if not bad.any():
+        return
+    row = int(np.argmax(bad.any(axis=1)))
+    col = int(np.argmax(bad[row]))
+    total = int(bad.sum())
+    more = f" ({total} such values in this file)" if total > 1 else ""
+    name = columns[col] if col < len(columns) else f"#{col}"
+    raise Float32RangeError(
+        f"{source} line {first_row + row}, column '{name}': value {a[row, col]:.6g} is outside float32's finite "
+        f"range (+-{FLOAT32_MAX:.7g}){more}; the model computes in float32, so correct or remove it in the file "
+        "(or rescale that column)")
+
+
+
+
+
+
+_NS_PER_DAY = 86_400_000_000_000
+_NS_PER_MINUTE = 60_000_000_000
+_MAX_LISTED = 5
+
+
+def _listed(lines: np.ndarray) -> str:
+    shown = ", ".join(str(int(v)) for v in lines[:_MAX_LISTED])
+    return shown + (f" (+{len(lines) - _MAX_LISTED} more)" if len(lines) > _MAX_LISTED else "")
+
+
+def clean_series(ts: np.ndarray, values: np.ndarray, lines: np.ndarray, present: tuple[bool, ...], nan_policy: str,
+                 where: str, unit: str = "line(s)") -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Apply the cleaning rules to one series.
+
+    Parameters
+    ----------
+    ts: (n,) int64 wall-clock ns, in file order.
+    values: (n, 6) float64 open..amount, NaN = missing; absent columns are 0.
+    lines: (n,) int64 where each row is in its file (for messages).
+    present: per feature, whether the file has the column.
+    nan_policy: error | ffill | drop.
+    where: the file (and series) for messages.
+
+    Returns
+    -------
+    (ts (m,), values (m, 6) float64, warnings); raises SourceProblems on duplicates or refused missing values.
+    """
+    notes: list[str] = []
+    if len(ts) > 1 and (np.diff(ts) < 0).any():
+        notes.append(f"{where}: timestamps are not sorted; sorting them (rows keep their values)")
+        perm = np.argsort(ts, kind="stable")
+        ts, values, lines = ts[perm], values[perm], lines[perm]
+    same = np.flatnonzero(np.diff(ts) == 0)
+    if same.size:
+        first = ts[same[0]]
+        raise SourceProblems([(f"{where}: {same.size} duplicate timestamp(s), first {pd.Timestamp(first)} at {unit} "
+                               f"{_listed(lines[ts == first])}; remove the duplicates (or set data.symbol_column "
+                               "if the file holds several series)")])
+    cols = [i for i, p in enumerate(present) if p]
+    nan = np.isnan(values[:, cols])  # (n, n_present)
+    if nan.any():
+        if nan_policy == "error":
+            details = [f"column {FEATURES[c]} at {unit} {_listed(lines[nan[:, j]])}"
+                       for j, c in enumerate(cols) if nan[:, j].any()]
+            raise SourceProblems([f"{where}: missing values in " + "; ".join(details) +
+                                  " (data.nan_policy: error; set it to ffill or drop to repair them)"])
+        if nan_policy == "ffill":
+            if nan[0].any():
+                which = ", ".join(FEATURES[c] for j, c in enumerate(cols) if nan[0, j])
+                raise SourceProblems([(f"{where}: missing value(s) in the first row ({which}) cannot be "
+                                       "forward-filled (data.nan_policy: ffill); fix or drop that row")])
+            notes.append(f"{where}: forward-filling {int(nan.sum())} missing value(s) (data.nan_policy: ffill)")
+            values = values.copy()
+            idx = np.arange(len(ts))
+            for j, c in enumerate(cols):
+                if nan[:, j].any():
+                    last = np.maximum.accumulate(np.where(nan[:, j], 0, idx))  # last valid row at or before each
+                    values[:, c] = values[last, c]
+        else:
+            rows = nan.any(axis=1)
+            notes.append(f"{where}: dropping {int(rows.sum())} row(s) with missing values (data.nan_policy: drop)")
+            ts, values = ts[~rows], values[~rows]
+    if present[4] and not present[5]:
+        values = np.array(values, dtype=np.float64, copy=True)
+        # The forecaster derives a missing amount the same way, so training and inference see the same features.
+        values[:, 5] = fill_amount(*(values[:, i] for i in (4, 0, 1, 2, 3)))  # volume, open, high, low, close
+    return ts, values, notes
+
+
+def wallclock_stamps(ts: np.ndarray) -> np.ndarray:
+    """Calendar stamps of naive wall-clock ns times: int64 (n, 5) minute, hour, weekday (Monday=0), day, month
+    (equal to model.features.calc_time_stamps of the same times)."""
+    ts = np.asarray(ts, dtype=np.int64)
+    days = ts // _NS_PER_DAY  # floor: times before 1970 count back correctly
+    minute_of_day = (ts - days * _NS_PER_DAY) // _NS_PER_MINUTE
+    d = days.astype("datetime64[D]")
+    month_start = d.astype("datetime64[M]")
+    out = np.empty((len(ts), 5), dtype=np.int64)
+    out[:, 0] = minute_of_day % 60
+    out[:, 1] = minute_of_day // 60
+    out[:, 2] = (days + 3) % 7  # 1970-01-01 was a Thursday
+    out[:, 3] = (d - month_start).astype(np.int64) + 1
+    out[:, 4] = month_start.astype(np.int64) % 12 + 1
+    return out
+
+
+def grouped_series(reader: SourceReader, scratch: Path, block_rows: int) -> Iterator[tuple]:
+    """Yield (name, timestamps (n,) int64, values (n, 6) float64, lines (n,) int64) per symbol of one file, sorted
+    by symbol name (the CSV pipeline's order), rows of a symbol in file order. Scratch files go to `scratch` and
+    are removed at the end."""
+    spill = {k: scratch / f".spill.{k}" for k in ("ts", "values", "lines", "codes")}
+    counts = np.zeros(0, dtype=np.int64)
+    try:
+        with open(spill["ts"], "wb") as f_ts, open(spill["values"], "wb") as f_v, \
+                open(spill["lines"], "wb") as f_l, open(spill["codes"], "wb") as f_c:
+            for b in reader.blocks():
+                b.timestamps.tofile(f_ts)
+                b.values.tofile(f_v)
+                b.lines.tofile(f_l)
+                b.symbols.tofile(f_c)
+                counts = np.pad(counts, (0, len(reader.symbols) - len(counts)))
+                counts += np.bincount(b.symbols, minlength=len(reader.symbols))
+        if reader.problems:
+            raise SourceProblems(reader.problems)
+        n = int(counts.sum())
+        order = sorted(range(len(reader.symbols)), key=lambda c: reader.symbols[c])  # by symbol name
+        start = np.zeros(len(counts), dtype=np.int64)
+        start[order] = np.concatenate([[0], np.cumsum(counts[order])[:-1]])
+        src = {"ts": np.memmap(spill["ts"], np.int64, "r", shape=(n,)),
+               "values": np.memmap(spill["values"], np.float64, "r", shape=(n, len(FEATURES))),
+               "lines": np.memmap(spill["lines"], np.int64, "r", shape=(n,))}
+        codes = np.memmap(spill["codes"], np.int32, "r", shape=(n,))
+        dst = {k: np.memmap(scratch / f".grouped.{k}", a.dtype, "w+", shape=a.shape) for k, a in src.items()}
+        cursor = start.copy()
+        for a in range(0, n, block_rows):
+            c = np.asarray(codes[a : a + block_rows])
+            perm = np.argsort(c, kind="stable")
+            sc = c[perm]
+            rank = np.arange(len(sc)) - np.searchsorted(sc, sc, side="left")  # position within its symbol
+            where = cursor[sc] + rank
+            for k in src:
+                dst[k][where] = np.asarray(src[k][a : a + block_rows])[perm]
+            cursor += np.bincount(c, minlength=len(cursor))
+        del src, codes
+        for c in order:
+            rows = slice(int(start[c]), int(start[c] + counts[c]))
+            yield (f"{reader.path.name}[{reader.symbols[c]}]", np.array(dst["ts"][rows]),
+                   np.array(dst["values"][rows]), np.array(dst["lines"][rows]))
+        del dst
+    finally:
+        for p in list(spill.values()) + [scratch / f".grouped.{k}" for k in ("ts", "values", "lines")]:
+            p.unlink(missing_ok=True)
+
+
+log = logging.getLogger(__name__)
+
+
+MISSING_SPELLINGS = ("", "nan", "NaN", "NA", "N/A", "null", "None")
+CSV_SUFFIXES = (".csv",)
+PARQUET_SUFFIXES = (".parquet", ".pq")
+_MAX_LISTED = 5  # rows quoted per problem
+_MISSING = pa.array(MISSING_SPELLINGS, pa.string())
+
+
+class SourceProblems(ValueError):
+    """Problems of one input file (each message names file, column, row and the setting to change)."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+@dataclass
+class ParsedBlock:
+    """Consecutive rows of one file, parsed."""
+
+    lines: np.ndarray
+    """(n,) int64 where each row is in the file as a user finds it (CSV: line number, header = 1;
+    Parquet: row, 1-based)."""
+    timestamps: np.ndarray
+    """(n,) int64 naive wall-clock nanoseconds since 1970-01-01."""
+    values: np.ndarray
+    """(n, 6) float64 open..amount; NaN = missing cell; a column the file does not have is 0."""
+    symbols: np.ndarray | None
+    """(n,) int32 index into `SourceReader.symbols`, or None without a symbol column."""
+
+
+@dataclass
+class _Issue:
+    count: int = 0
+    rows: list[int] = field(default_factory=list)
+    examples: list[str] = field(default_factory=list)
+
+    def add(self, rows: np.ndarray, examples: list[str] | None = None) -> None:
+        self.count += len(rows)
+        room = _MAX_LISTED - len(self.rows)
+        if room > 0:
+            self.rows.extend(int(r) for r in rows[:room])
+        if examples and len(self.examples) < 3:
+            self.examples.extend(examples[: 3 - len(self.examples)])
+
+    def where(self) -> str:
+        more = self.count - len(self.rows)
+        return ", ".join(map(str, self.rows)) + (f" (+{more} more)" if more > 0 else "")
+
+
+class SourceReader:
+    """One input file: the column mapping resolved against its header, then its rows in parsed blocks.
+
+    Args:
+        path: a .csv or .parquet/.pq file.
+        columns: our field name (timestamps, open, ..., amount) -> the file's column name (None = absent).
+        symbol_column: column whose values split the file into series, or None.
+        timestamp_format: strftime format of text timestamps, or None to infer.
+        block_rows: rows per block (memory per block is about 100 bytes a row).
+    Raises SourceProblems when the file cannot be read or a mapped column is missing.
+    """
+
+    def __init__(self, path: str | Path, columns: Mapping[str, str | None], symbol_column: str | None = None,
+                 timestamp_format: str | None = None, block_rows: int = 1 << 20, timezone: str | None = None):
+        self.path = Path(path)
+        self.symbol_column = symbol_column
+        self.timestamp_format = timestamp_format
+        self.timezone = timezone
+        self.tz_aware: bool | None = None
+        """Whether this file's stamps carry a UTC offset (known after the first block)."""
+        self._messages: list[str] = []  # whole-message problems (candle checks), beside the per-cell issues
+        self.block_rows = int(block_rows)
+        self.is_parquet = self.path.suffix.lower() in PARQUET_SUFFIXES
+        self.unit = "row(s)" if self.is_parquet else "line(s)"
+        self.symbols: list[str] = []
+        self._symbol_codes: dict[str, int] = {}
+        self._issues: dict[tuple[str, str], _Issue] = {}
+        self._guessed_format: str | None = None
+        self.n_rows = 0
+        header = self._parquet_header() if self.is_parquet else self._csv_header()
+        self._unnamed_hint: str | None = None
+        columns = self._adopt_unnamed_index(header, dict(columns))
+        try:
+            self.columns = _resolve_columns(header, columns, symbol_column, self.path)
+        except SourceProblems as e:
+            if self._unnamed_hint is not None:  # e.g. a to_csv index of numbers: say what the unnamed column is
+                e.problems[:] = [p + (f"; the first column has no header (read as '{self._unnamed_hint}'): if it "
+                                      f"holds the timestamps set data.columns.timestamps: '{self._unnamed_hint}', "
+                                      "else give it a name in the file"
+                                      if "(data.columns.timestamps) not found" in p else "") for p in e.problems]
+            raise
+
+    # ------------------------------------------------------------------------------------------------------------
+    @property
+    def present(self) -> tuple[bool, ...]:
+        """Per feature: whether the file has that column."""
+        return tuple(self.columns.get(f) is not None for f in FEATURES)
+
+    @property
+    def problems(self) -> list[str]:
+        """Every problem found so far, one message per (column, kind)."""
+        out = []
+        for (kind, column), issue in self._issues.items():
+            out.append(_ISSUE_TEXT[kind].format(file=self.path, column=column, field=self._field_of(column),
+                                                n=issue.count, where=f"{self.unit} {issue.where()}",
+                                                examples=", ".join(issue.examples), fmt=self._fmt_text(),
+                                                symbol=self.symbol_column))
+        return out + self._messages
+
+    def blocks(self) -> Iterator[ParsedBlock]:
+        """Parsed blocks in file order; cells with problems are recorded in `problems` (their values are NaN/0)."""
+        batches = self._parquet_batches() if self.is_parquet else self._csv_batches()
+        first = 2 if not self.is_parquet else 1  # line/row number of the first data row
+        for batch in batches:
+            n = batch.num_rows
+            if n == 0:
+                continue
+            lines = np.arange(first + self.n_rows, first + self.n_rows + n, dtype=np.int64)
+            self.n_rows += n
+            yield self._parse(batch, lines)
+        if self.n_rows == 0:
+            raise SourceProblems([f"{self.path}: the file has a header but no rows"])
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _adopt_unnamed_index(self, header: list[str], columns: dict[str, str | None]) -> dict[str, str | None]:
+        """Take an unnamed first column (DataFrame.to_csv's index: 'Unnamed: 0'; Parquet: '__index_level_0__') as
+        the timestamps when the configured timestamps column is missing and its first value reads as a date."""
+        wanted = columns.get("timestamps", "timestamps")
+        if wanted in header or not header or header[0] not in ("Unnamed: 0", "__index_level_0__"):
+            return columns
+        first = self._first_value(header[0])
+        try:
+            ok = first is not None and not pd.isna(pd.to_datetime(first, format=self.timestamp_format))
+        except (ValueError, TypeError, OverflowError):
+            ok = False
+        if ok:
+            log.info("%s: no '%s' column; taking the unnamed first column (e.g. %r) as the timestamps "
+                     "(set data.columns.timestamps to name another column)", self.path.name, wanted, first)
+            return {**columns, "timestamps": header[0]}
+        self._unnamed_hint = header[0]
+        return columns
+
+    def _first_value(self, column: str):
+        if self.is_parquet:
+            for batch in self._pq.iter_batches(batch_size=1, columns=[column]):
+                return batch.column(0)[0].as_py() if batch.num_rows else None
+            return None
+        with open(self.path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.reader(f, skipinitialspace=True)
+            next(reader, None)
+            row = next(reader, None)
+        return row[0].strip() if row else None
+
+    def _csv_header(self) -> list[str]:
+        try:
+            with open(self.path, newline="", encoding="utf-8-sig") as f:
+                row = next(csv.reader(f, skipinitialspace=True), None)
+        except UnicodeDecodeError as e:
+            raise SourceProblems([f"{self.path}: not a readable CSV ({e})"]) from None
+        if not row:
+            raise SourceProblems([f"{self.path}: the file is empty"])
+        row = [c if c != "" else f"Unnamed: {i}" for i, c in enumerate(row)]  # pandas' names for empty cells
+        self._header = row
+        return row
+
+    def _csv_batches(self) -> Iterator[pa.RecordBatch]:
+        wanted = [c for c in self.columns.values() if c is not None]
+        if self.symbol_column is not None:
+            wanted.append(self.symbol_column)
+        wanted = list(dict.fromkeys(wanted))
+        # Column names come from our header read (leading spaces stripped, as pandas' skipinitialspace does).
+        names = _unique(self._header)
+        opts = pa_csv.ReadOptions(column_names=names, skip_rows=1, block_size=max(1 << 16, self.block_rows * 64))
+        conv = pa_csv.ConvertOptions(include_columns=wanted, column_types={c: pa.string() for c in wanted},
+                                     strings_can_be_null=False, quoted_strings_can_be_null=False)
+        try:
+            reader = pa_csv.open_csv(self.path, read_options=opts, convert_options=conv)
+            for batch in reader:
+                yield from _rebatch(batch, self.block_rows)
+        except pa.ArrowInvalid as e:
+            raise SourceProblems([f"{self.path}: not a readable CSV ({e})"]) from None
+
+    def _parquet_header(self) -> list[str]:
+        try:
+            self._pq = pq.ParquetFile(self.path)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise SourceProblems([f"{self.path}: not a readable Parquet file ({e})"]) from None
+        return list(self._pq.schema_arrow.names)
+
+    def _parquet_batches(self) -> Iterator[pa.RecordBatch]:
+        wanted = list(dict.fromkeys([c for c in self.columns.values() if c is not None]
+                                    + ([self.symbol_column] if self.symbol_column else [])))
+        try:
+            yield from self._pq.iter_batches(batch_size=self.block_rows, columns=wanted)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise SourceProblems([f"{self.path}: not a readable Parquet file ({e})"]) from None
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _parse(self, batch: pa.RecordBatch, lines: np.ndarray) -> ParsedBlock:
+        n = batch.num_rows
+        ts = self._parse_timestamps(batch.column(self.columns["timestamps"]), lines)
+        values = np.zeros((n, len(FEATURES)), dtype=np.float64)  # (n, 6)
+        for i, f in enumerate(FEATURES):
+            col = self.columns.get(f)
+            if col is not None:
+                values[:, i] = self._parse_numbers(batch.column(col), col, lines)
+        if not any(m.startswith((f"{self.path} line", f"{self.path} row")) for m in self._messages):
+            try:  # the first out-of-range value of the file is reported (one message per file)
+                check_float32_range(values, [self.columns.get(f) or f for f in FEATURES], str(self.path),
+                                    first_row=int(lines[0]))
+            except CandleDataError as e:
+                self._messages.append(str(e) if not self.is_parquet else str(e).replace(" line ", " row ", 1))
+        symbols = None if self.symbol_column is None else self._parse_symbols(batch.column(self.symbol_column), lines)
+        return ParsedBlock(lines=lines, timestamps=ts, values=values, symbols=symbols)
+
+    def _issue(self, kind: str, column: str, rows: np.ndarray, examples: list[str] | None = None) -> None:
+        self._issues.setdefault((kind, column), _Issue()).add(rows, examples)
+
+    def _parse_numbers(self, col: pa.Array, name: str, lines: np.ndarray) -> np.ndarray:
+        """(n,) float64 with NaN for missing cells."""
+        t = col.type
+        if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t):
+            out = pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)  # nulls -> NaN (missing)
+        elif pa.types.is_string(t) or pa.types.is_large_string(t):
+            out = self._numbers_from_text(col, name, lines)
+        else:
+            self._issue("numeric_type", name, lines[:1], [str(t)])
+            return np.full(len(col), np.nan)
+        inf = np.isinf(out)
+        if inf.any():
+            self._issue("inf", name, lines[inf])
+        return out
+
+    def _numbers_from_text(self, col: pa.Array, name: str, lines: np.ndarray) -> np.ndarray:
+        text = pc.utf8_trim_whitespace(col)
+        missing = pc.is_in(text, value_set=_MISSING).to_numpy(zero_copy_only=False)
+        try:
+            out = pc.cast(pc.if_else(pa.array(missing), pa.scalar(None, pa.string()), text),
+                          pa.float64()).to_numpy(zero_copy_only=False)
+            if not (np.isnan(out) & ~missing).any():  # e.g. 'NAN': pandas reads NaN, the CSV rules call it bad
+                return out
+        except pa.ArrowInvalid:
+            pass
+        # Slow path, the CSV pipeline's own routine: exact semantics and the rows to report.
+        s = pd.Series(text.to_numpy(zero_copy_only=False), dtype=object)
+        values = pd.to_numeric(s.where(~missing), errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
+        bad = np.isnan(values) & ~missing
+        if bad.any():
+            self._issue("not_number", name, lines[bad], [repr(v) for v in s[bad].head(3)])
+        return values
+
+    def _parse_timestamps(self, col: pa.Array, lines: np.ndarray) -> np.ndarray:
+        """(n,) int64 naive wall-clock ns; unparseable cells are recorded and set to 0."""
+        name = self.columns["timestamps"]
+        t = col.type
+        try:
+            if pa.types.is_timestamp(t):
+                self._note_aware(t.tz is not None, lines)
+                if t.tz is not None:
+                    if self.timezone is not None:
+                        col = col.cast(pa.timestamp(t.unit, tz=self.timezone))  # same instants, the exchange's zone
+                    col = pc.local_timestamp(col)  # wall-clock time in the column's zone
+                return self._ns(pc.cast(col, pa.timestamp("ns")), lines, name)
+            if pa.types.is_date(t):
+                self._note_aware(False, lines)
+                return self._ns(pc.cast(pc.cast(col, pa.timestamp("s")), pa.timestamp("ns")), lines, name)
+        except pa.ArrowInvalid:
+            self._issue("ts_range", name, lines[:1])
+            return np.zeros(len(col), dtype=np.int64)
+        if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
+            self._issue("ts_type", name, lines[:1], [str(t)])
+            return np.zeros(len(col), dtype=np.int64)
+        text = pc.utf8_trim_whitespace(col)
+        if self.timestamp_format is None:
+            try:
+                ns = self._ns(pc.cast(text, pa.timestamp("ns")), lines, name)  # ISO 8601, naive
+                self._note_aware(False, lines)
+                return ns
+            except pa.ArrowInvalid:
+                pass
+        aware = pc.any(pc.match_substring_regex(text, _OFFSET_RE)).as_py() or False
+        if aware or self.tz_aware:
+            return self._timestamps_with_offsets(text.to_numpy(zero_copy_only=False), lines)
+        self._note_aware(False, lines)
+        return self._timestamps_pandas(text.to_numpy(zero_copy_only=False), lines, name)
+
+    def _note_aware(self, aware: bool, lines: np.ndarray) -> None:
+        """Record whether the stamps carry an offset; a file switching between blocks is a problem."""
+        if self.tz_aware is None:
+            self.tz_aware = aware
+        elif self.tz_aware != aware and not any("carry a UTC offset" in m for m in self._messages):
+            self._messages.append(
+                f"{self.path}: some timestamps carry a UTC offset and some do not (the change is near {self.unit} "
+                f"{int(lines[0])}); write all of them with an offset or none")
+
+    def _timestamps_with_offsets(self, text: np.ndarray, lines: np.ndarray) -> np.ndarray:
+        """Offset-carrying text stamps -> naive wall-clock ns (candle_checks.parse_timestamps: DST changes, zone)."""
+        fmt = self.timestamp_format
+        if fmt is None and len(text):
+            if self._guessed_format is None:
+                self._guessed_format = pd.tseries.api.guess_datetime_format(str(text[0])) or ""
+            fmt = self._guessed_format or None
+        try:
+            idx = parse_timestamps(text, source=str(self.path), fmt=fmt, timezone=self.timezone,
+                                   first_row=int(lines[0]))
+        except CandleDataError as e:
+            if str(e) not in self._messages:
+                self._messages.append(str(e))
+            return np.zeros(len(text), dtype=np.int64)
+        self._note_aware(True, lines)
+        return idx.asi8.copy()
+
+    def _ns(self, arr: pa.Array, lines: np.ndarray, name: str) -> np.ndarray:
+        ns = arr.cast(pa.int64()).to_numpy(zero_copy_only=False) if arr.null_count == 0 else None
+        if ns is None:
+            bad = arr.is_null().to_numpy(zero_copy_only=False)
+            self._issue("ts_bad", name, lines[bad], ["<empty>"])
+            ns = pc.fill_null(arr.cast(pa.int64()), 0).to_numpy()
+        return ns
+
+    def _timestamps_pandas(self, text: np.ndarray, lines: np.ndarray, name: str) -> np.ndarray:
+        fmt = self.timestamp_format
+        if fmt is None:
+            # pandas infers a format from the first value of the file (as the CSV pipeline's one call does).
+            if self._guessed_format is None and len(text):
+                self._guessed_format = pd.tseries.api.guess_datetime_format(str(text[0])) or ""
+            fmt = self._guessed_format or None
+        s = pd.Series(text, dtype=object)
+        try:
+            ts = pd.to_datetime(s, format=fmt, errors="coerce")
+        except (ValueError, TypeError) as e:  # e.g. mixed time zones
+            self._issue("ts_mixed", name, lines[:1], [str(e)[:120]])
+            return np.zeros(len(text), dtype=np.int64)
+        if getattr(ts.dt, "tz", None) is not None:
+            ts = ts.dt.tz_localize(None)  # wall-clock time where the bar happened
+        bad = ts.isna().to_numpy()
+        if bad.any():
+            self._issue("ts_bad", name, lines[bad], [repr(v) for v in s[bad].head(3)])
+        try:
+            ns = ts.to_numpy(dtype="datetime64[ns]")
+        except (ValueError, OverflowError):
+            self._issue("ts_range", name, lines[:1])
+            return np.zeros(len(text), dtype=np.int64)
+        out = ns.view(np.int64).copy()
+        out[bad] = 0
+        return out
+
+    def _parse_symbols(self, col: pa.Array, lines: np.ndarray) -> np.ndarray:
+        text = pc.utf8_trim_whitespace(pc.cast(col, pa.string()))
+        text = pc.fill_null(text, "")
+        enc = pc.dictionary_encode(text)
+        local = [str(v) for v in enc.dictionary.to_pylist()]
+        if "" in local:
+            empty = (enc.indices.to_numpy(zero_copy_only=False) == local.index(""))
+            self._issue("symbol_empty", self.symbol_column, lines[empty])
+        # Codes are global to the file (first appearance order); `symbols[code]` is the name.
+        table = np.array([self._symbol_codes.setdefault(s, len(self._symbol_codes)) for s in local], dtype=np.int32)
+        self.symbols = list(self._symbol_codes)
+        return table[enc.indices.to_numpy(zero_copy_only=False)]
+
+    def _field_of(self, column: str) -> str:
+        for f, c in self.columns.items():
+            if c == column:
+                return f
+        return "symbol_column"
+
+    def _fmt_text(self) -> str:
+        return f"'{self.timestamp_format}'" if self.timestamp_format else "inferred"
+
+
+_ISSUE_TEXT = {
+    "not_number": (
+        "{file}: column '{column}' (data.columns.{field}) has {n} non-numeric value(s) at {where}: {examples}"
+    ),
+    "inf": "{file}: column '{column}' (data.columns.{field}) has {n} infinite value(s) at {where}",
+    "numeric_type": "{file}: column '{column}' (data.columns.{field}) holds {examples}, not numbers",
+    "ts_bad": "{file}: column '{column}' (data.columns.timestamps) has {n} unparseable timestamp(s) at {where}, e.g. "
+              "{examples} (format {fmt}; set data.timestamp_format)",
+    "ts_type": "{file}: column '{column}' (data.columns.timestamps) holds {examples}, not timestamps or text; "
+               "store the column as timestamps or strings",
+    "ts_range": "{file}: column '{column}' (data.columns.timestamps) has times outside 1677-2262, which nanosecond "
+                "timestamps cannot hold (first block at {where})",
+    "ts_mixed": "{file}: column '{column}' (data.columns.timestamps) cannot be parsed as one series of times near "
+                "{where} ({examples}); use one time zone and format (data.timestamp_format)",
+    "symbol_empty": "{file}: column '{symbol}' (data.symbol_column) is empty at {where}",
+}
+
+
+def _unique(names: list[str]) -> list[str]:
+    """Header names made unique the way pandas does ('a', 'a.1', ...), so a mapping means the same column."""
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        if n in seen:
+            seen[n] += 1
+            out.append(f"{n}.{seen[n]}")
+        else:
+            seen[n] = 0
+            out.append(n)
+    return out
+
+
+def _rebatch(batch: pa.RecordBatch, rows: int) -> Iterator[pa.RecordBatch]:
+    for start in range(0, batch.num_rows, rows):
+        yield batch.slice(start, rows)
+
+
+def _resolve_columns(header: list[str], wanted: dict[str, str | None], symbol_column: str | None,
+                     file: Path) -> dict[str, str | None]:
+    """Our field -> the file's column (the CSV pipeline's rules): a missing required column is an error with a
+    suggestion; a missing volume/amount is absent unless the header has a close match (a misspelling must not
+    silently turn real volumes into zeros)."""
+    header = _unique(header)
+    columns: dict[str, str | None] = {}
+    problems = []
+    for fld in ("timestamps",) + FEATURES:
+        name = wanted.get(fld, fld)
+        if name is None or name in header:
+            columns[fld] = name
+            continue
+        close = difflib.get_close_matches(name, header, n=1, cutoff=0.6)
+        close += [h for h in header if h.lower() == name.lower() and h not in close]
+        hint = f"; did you mean '{close[0]}'? (set data.columns.{fld}: {close[0]})" if close else ""
+        if fld in ("volume", "amount") and not close:
+            columns[fld] = None
+            log.info("%s: no '%s' column (data.columns.%s); it will be derived", file.name, name, fld)
+            continue
+        optional = f", or data.columns.{fld}: null if the data has none" if fld in ("volume", "amount") else ""
+        problems.append(f"{file}: column '{name}' (data.columns.{fld}) not found{hint}{optional}; "
+                        f"the header is {header}")
+    if symbol_column is not None and symbol_column not in header:
+        close = difflib.get_close_matches(symbol_column, header, n=1, cutoff=0.6)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        problems.append(f"{file}: symbol column '{symbol_column}' (data.symbol_column) not found{hint}")
+    if problems:
+        raise SourceProblems(problems)
+    if columns["volume"] is None and columns["amount"] is not None:
+        raise SourceProblems([(f"{file}: has an amount column but no volume column; set data.columns.amount: "
+                               "null or map data.columns.volume")])
+    return columns
+
+
+log = logging.getLogger(__name__)
+
+
+FORMAT = "kronos-series-store"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+NAN_POLICIES = ("error", "ffill", "drop")
+_MAX_PROBLEMS_SHOWN = 50
+
+
+class StoreError(ValueError):
+    """The store cannot be prepared or opened; the message names the file, column, row or setting to change."""
+
+
+def _default_columns() -> dict[str, str | None]:
+    return {f: f for f in ("timestamps",) + FEATURES}
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """How input files become series; every field is part of the store's identity (a change re-prepares)."""
+
+    columns: Mapping[str, str | None] = field(default_factory=_default_columns)
+    """Our field (timestamps, open, high, low, close, volume, amount) -> the file's column name (None = absent)."""
+    symbol_column: str | None = None
+    """Column whose values split a file into several series; None = one series per file."""
+    timestamp_format: str | None = None
+    """strftime format of text timestamps; None = ISO 8601 or inferred from the first value."""
+    nan_policy: str = "error"
+    """Missing prices/volumes: error | ffill | drop (see finetune_csv.config.DataConfig)."""
+    timezone: str | None = None
+    """IANA zone that offset-carrying stamps are converted to (data.timezone); None = keep their stated clock."""
+    frequency: str | None = None
+    """Expected bar length (data.frequency, e.g. '5min'); None = infer per file and warn about odd files."""
+
+    @classmethod
+    def from_data_config(cls, data: Any) -> StoreSettings:
+        """From a CSV pipeline `DataConfig`-like object (columns, symbol_column, timestamp_format, nan_policy)."""
+        cols = data.columns if isinstance(data.columns, Mapping) else vars(data.columns)
+        return cls(columns=dict(cols), symbol_column=data.symbol_column, timestamp_format=data.timestamp_format,
+                   nan_policy=data.nan_policy, timezone=getattr(data, "timezone", None),
+                   frequency=getattr(data, "frequency", None))
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able form recorded in (and compared with) the manifest."""
+        columns = _default_columns()
+        columns.update(self.columns)
+        return {"columns": columns, "symbol_column": self.symbol_column,
+                "timestamp_format": self.timestamp_format, "nan_policy": self.nan_policy,
+                "timezone": self.timezone, "frequency": self.frequency}
+
+    def validate(self) -> None:
+        """Raise ConfigError (a ValueError) listing every bad setting."""
+        p = Problems("Invalid data store settings")
+        known = ("timestamps",) + FEATURES
+        for key, value in self.columns.items():
+            p.check(key in known, f"data.columns.{key}", f"unknown field; the fields are {list(known)}")
+            if key in known[:5]:
+                p.check(isinstance(value, str) and value != "", f"data.columns.{key}", "must name a column")
+        p.check(self.nan_policy in NAN_POLICIES, "data.nan_policy",
+                f"must be one of {list(NAN_POLICIES)}, got {self.nan_policy!r}")
+        for key, problem in (("data.timezone", timezone_problem(self.timezone)),
+                             ("data.frequency", frequency_problem(self.frequency))):
+            p.check(problem is None, key, problem or "")
+        p.raise_if_any()
+
+
+@dataclass(frozen=True)
+class StoreInfo:
+    """A prepared store on disk and how this call got it."""
+
+    path: Path
+    """The store folder."""
+    manifest: dict
+    """Its manifest.json."""
+    reused: bool
+    """True when an existing store matched (no parsing was done)."""
+    reason: str
+    """Why it was reused or (re-)prepared, for the log."""
+
+    def open(self) -> SeriesPanel:
+        """The store as a SeriesPanel of read-only memory maps."""
+        return open_store(self.path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Inputs
+
+
+def list_sources(sources: str | Path | Sequence[str | Path]) -> list[Path]:
+    """Input files: a .csv/.parquet file, a folder (its .csv/.parquet/.pq files, sorted by name), or a list of them."""
+    if isinstance(sources, (str, Path)):
+        sources = [sources]
+    suffixes = CSV_SUFFIXES + PARQUET_SUFFIXES
+    out: list[Path] = []
+    for src in sources:
+        p = Path(src)
+        if p.is_file():
+            if p.suffix.lower() not in suffixes:
+                raise StoreError(f"data.path: {p} is not a .csv or .parquet file")
+            out.append(p)
+        elif p.is_dir():
+            files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in suffixes)
+            others = sorted(f.name for f in p.iterdir() if f.is_file() and f.suffix.lower() not in suffixes
+                            and not f.name.startswith("."))
+            if others:
+                log.info("ignoring %d file(s) in %s that are not .csv/.parquet: %s", len(others), p,
+                         ", ".join(others[:5]) + (" ..." if len(others) > 5 else ""))
+            if not files:
+                raise StoreError(f"data.path: the folder {p} holds no .csv or .parquet file")
+            out.extend(files)
+        else:
+            raise StoreError(f"data.path: {p} does not exist (give a file or a folder of CSV/Parquet files)")
+    names = [f.name for f in out]
+    if len(set(names)) != len(names):
+        raise StoreError(f"data.path: two input files share a name (series are named by file): {sorted(names)}")
+    return out
+
+
+def source_fingerprint(path: str | Path, with_hash: bool = True) -> dict[str, Any]:
+    """{"path", "bytes", "mtime_ns", "sha256"} of one input file (sha256 None when `with_hash` is False)."""
+    p = Path(path)
+    st = p.stat()
+    return {"path": str(p.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "sha256": sha256_file(p) if with_hash else None}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Preparing
+
+
+def prepare_store(sources: str | Path | Sequence[str | Path], out_dir: str | Path,
+                  settings: StoreSettings | None = None, *, block_rows: int = 1 << 20) -> StoreInfo:
+    """Parse, check and clean every input file into a store at `out_dir` (replacing an older store there).
+
+    Parameters
+    ----------
+    sources: file(s) or folder(s), see `list_sources`.
+    out_dir: the store folder; an existing folder that is not a store (and not empty) is refused.
+    settings: column mapping and cleaning policies.
+    block_rows: rows parsed at a time (memory per block is about 100 bytes a row).
+
+    Returns
+    -------
+    StoreInfo of the new store. Raises StoreError (one message listing every problem) or ConfigError.
+    """
+    settings = settings or StoreSettings()
+    settings.validate()
+    files = list_sources(sources)
+    out_dir = Path(out_dir)
+    _refuse_foreign_folder(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    t0 = time.perf_counter()
+    try:
+        fingerprints = [source_fingerprint(f) for f in files]  # before reading: a later edit is then noticed
+        manifest = _build(files, tmp, settings, block_rows)
+        manifest.update(format=FORMAT, format_version=FORMAT_VERSION, settings=settings.as_dict(),
+                        sources=fingerprints, prepare_seconds=round(time.perf_counter() - t0, 3),
+                        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        write_json(tmp / MANIFEST, manifest)
+        _move_into_place(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return StoreInfo(out_dir, manifest, reused=False, reason="prepared")
+
+
+def _build(files: list[Path], tmp: Path, settings: StoreSettings, block_rows: int) -> dict:
+    """Write the arrays into `tmp`; return the manifest's data part."""
+    features = FeatureMajorWriter(tmp / "features_t.npy", len(FEATURES))
+    stamps = GrowingNpy(tmp / "stamps.npy", np.int64, (5,))
+    datetimes = GrowingNpy(tmp / "datetimes.npy", np.int64)
+    problems: list[str] = []
+    warnings: list[str] = []
+    series: list[dict] = []
+    aware: dict[str, bool] = {}  # file name -> stamps carry a UTC offset
+    freqs: dict[str, pd.Timedelta] = {}  # series name -> inferred bar length
+    try:
+        for file in files:
+            try:
+                reader = SourceReader(file, settings.as_dict()["columns"], settings.symbol_column,
+                                      settings.timestamp_format, block_rows, timezone=settings.timezone)
+                for name, ts, values, lines in _file_series(reader, tmp, block_rows):
+                    where = str(file) if name == file.name else f"{file} (series {name})"
+                    try:
+                        ts, values, notes = clean_series(ts, values, lines, reader.present, settings.nan_policy,
+                                                         where, reader.unit)
+                    except SourceProblems as e:
+                        problems.extend(e.problems)
+                        continue
+                    for note in notes:
+                        log.warning(note)
+                    warnings.extend(notes)
+                    if reader.tz_aware is not None:
+                        aware[file.name] = reader.tz_aware
+                    if len(ts) >= 2:
+                        freqs[name] = infer_frequency(ts.view("datetime64[ns]"), source=where)
+                    if (np.abs(values) > FLOAT32_MAX).any():  # a derived amount (volume * price) can overflow
+                        problems.append(f"{where}: the derived amount (volume * mean price) exceeds float32's range "
+                                        "(+-3.4e38); rescale the volume or price columns, or give an amount column")
+                    if problems:
+                        continue  # keep checking the rest, write nothing more
+                    features.append(values)
+                    stamps.append(wallclock_stamps(ts))
+                    datetimes.append(ts)
+                    series.append({"name": name, "source": str(file), "rows": len(ts),
+                                   "start": str(pd.Timestamp(ts[0])) if len(ts) else None,
+                                   "end": str(pd.Timestamp(ts[-1])) if len(ts) else None})
+            except SourceProblems as e:
+                problems.extend(e.problems)
+        problems.extend(_cross_file_checks(aware, freqs, settings, warnings))
+        if problems:
+            shown = problems[:_MAX_PROBLEMS_SHOWN]
+            more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+            raise StoreError(f"the input data has problems ({len(problems)}):\n"
+                             + "\n".join(f"  - {p}" for p in shown) + more)
+        if features.rows == 0:
+            raise StoreError("no rows left after cleaning (data.nan_policy: drop removed every row)")
+        features.finish()
+        stamps.finish()
+        datetimes.finish()
+    finally:
+        features.close()
+        stamps.close()
+        datetimes.close()
+    rows = np.array([s["rows"] for s in series], dtype=np.int64)
+    np.save(tmp / "offsets.npy", np.concatenate([[0], np.cumsum(rows)]).astype(np.int64))
+    (tmp / "names.json").write_text(json.dumps([s["name"] for s in series]), encoding="utf-8")
+    return {"n_rows": int(rows.sum()), "n_series": len(series), "features": list(FEATURES), "series": series,
+            "warnings": warnings}
+
+
+def _cross_file_checks(aware: dict[str, bool], freqs: dict[str, pd.Timedelta], settings: StoreSettings,
+                       warnings_out: list[str]) -> list[str]:
+    """Checks across files (candle_checks): tz-aware and naive files mixed (error); bar lengths that differ
+    (warning naming them, error when data.frequency is set). Returns the problems; appends warnings."""
+    problems = []
+    try:
+        check_tz_consistency(aware)
+    except CandleDataError as e:
+        problems.append(str(e))
+    with warnings_module.catch_warnings(record=True) as caught:
+        warnings_module.simplefilter("always", MixedFrequencyWarning)
+        try:
+            check_frequencies(freqs, settings.frequency)
+        except CandleDataError as e:
+            problems.append(str(e))
+    for w in caught:
+        if issubclass(w.category, MixedFrequencyWarning):
+            log.warning("%s", w.message)
+            warnings_out.append(str(w.message))
+    return problems
+
+
+def _file_series(reader: SourceReader, scratch: Path, block_rows: int):
+    """Yield (name, timestamps (n,), values (n, 6), lines (n,)) per series of one file, in the CSV pipeline's
+    order (one series per file, or one per symbol sorted by name)."""
+    if reader.symbol_column is None:
+        parts = list(reader.blocks())
+        if reader.problems:
+            raise SourceProblems(reader.problems)
+        yield (reader.path.name, np.concatenate([b.timestamps for b in parts]),
+               np.concatenate([b.values for b in parts]), np.concatenate([b.lines for b in parts]))
+        return
+    yield from grouped_series(reader, scratch, block_rows)
+
+
+def _refuse_foreign_folder(out_dir: Path) -> None:
+    if out_dir.exists() and not (out_dir / MANIFEST).exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise StoreError(f"{out_dir} exists and is not a prepared data store; it is left untouched. Choose another "
+                         "store folder (data.store_dir) or remove it")
+
+
+def _move_into_place(tmp: Path, out_dir: Path) -> None:
+    """Rename the finished store into place; an older store is renamed away first and then deleted (processes
+    that still map its files keep reading them: unlinked files live until unmapped)."""
+    _refuse_foreign_folder(out_dir)
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out_dir)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Opening and reuse
+
+
+def read_manifest(store_dir: str | Path) -> dict:
+    """The store's manifest; StoreError when there is none or it is of another format version."""
+    path = Path(store_dir) / MANIFEST
+    if not path.is_file():
+        raise StoreError(f"{store_dir} is not a prepared data store (no {MANIFEST}); prepare it first")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise StoreError(f"{path} cannot be read ({e}); delete the store folder to prepare it again") from None
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise StoreError(f"{store_dir} holds store format {manifest.get('format_version')!r}, this code reads "
+                         f"{FORMAT_VERSION}; delete it to prepare it again")
+    return manifest
+
+
+def open_store(store_dir: str | Path) -> SeriesPanel:
+    """The store as a SeriesPanel whose features/stamps/datetimes are read-only `np.memmap`s (no copy: every
+    process on a machine shares the page cache's one copy)."""
+    store_dir = Path(store_dir)
+    manifest = read_manifest(store_dir)
+    n, s, f = manifest["n_rows"], manifest["n_series"], len(manifest["features"])
+    features = np.load(store_dir / "features_t.npy", mmap_mode="r")
+    stamps = np.load(store_dir / "stamps.npy", mmap_mode="r")
+    datetimes = np.load(store_dir / "datetimes.npy", mmap_mode="r")
+    offsets = np.load(store_dir / "offsets.npy")
+    names = json.loads((store_dir / "names.json").read_text(encoding="utf-8"))
+    if features.shape != (f, n) or offsets.shape != (s + 1,) or len(names) != s:
+        raise StoreError(f"{store_dir}: arrays do not match the manifest (features {features.shape}, "
+                         f"{len(names)} names); delete the folder to prepare it again")
+    return SeriesPanel(features, stamps, offsets, names, datetimes)
+
+
+def check_store(store_dir: str | Path, files: Sequence[Path], settings: StoreSettings,
+                hash_touched: bool = True) -> tuple[bool, str, dict | None]:
+    """Whether the store at `store_dir` was prepared from `files` with `settings`.
+
+    Returns (reusable, reason, refreshed manifest or None). A file with unchanged size and mtime counts as
+    unchanged; with `hash_touched` a changed mtime is resolved by comparing sha256 (the refreshed manifest then
+    records the new mtimes), without it a changed mtime makes the store stale.
+    """
+    try:
+        manifest = read_manifest(store_dir)
+    except StoreError as e:
+        return False, str(e), None
+    old, new = manifest["settings"], settings.as_dict()
+    for key in new:
+        if old.get(key) != new[key]:
+            return False, f"setting data.{key} changed from {old.get(key)!r} to {new[key]!r}", None
+    recorded = {s["path"]: s for s in manifest["sources"]}
+    current = [str(Path(f).resolve()) for f in files]
+    added, removed = sorted(set(current) - set(recorded)), sorted(set(recorded) - set(current))
+    if added or removed:
+        return False, f"input files changed (added {added}, removed {removed})", None
+    touched = 0
+    for path in current:
+        was, st = recorded[path], os.stat(path)
+        if st.st_size != was["bytes"]:
+            return False, f"{path} changed ({was['bytes']} -> {st.st_size} bytes)", None
+        if st.st_mtime_ns != was["mtime_ns"]:
+            if not hash_touched:
+                return False, f"{path} was modified after the store was prepared", None
+            if sha256_file(path) != was["sha256"]:
+                return False, f"{path} changed (its content differs from when the store was prepared)", None
+            was["mtime_ns"] = st.st_mtime_ns
+            touched += 1
+    reason = "inputs and settings unchanged" + (f" ({touched} file(s) touched, content identical)" if touched else "")
+    return True, reason, (manifest if touched else None)
+
+
+def ensure_store(sources: str | Path | Sequence[str | Path], store_dir: str | Path,
+                 settings: StoreSettings | None = None, *, dist: Any = None,
+                 barrier: Callable[[], None] | None = None, block_rows: int = 1 << 20) -> StoreInfo:
+    """Reuse the store at `store_dir` if it matches the inputs and settings, else (re-)prepare it; log why.
+
+    With several processes: only the process whose `dist.is_main` is true checks and prepares; every process
+    then calls `barrier()` (so the others wait for the store) and opens it. A process that is not main verifies
+    cheaply (settings, file sizes and mtimes) that the store on disk is the one for its inputs, so a failure on
+    the main rank becomes a clear error there instead of training on a stale store. For a store on node-local
+    disk pass an object whose `is_main` is `local_rank == 0`.
+
+    Returns StoreInfo (`.open()` gives the SeriesPanel). Raises StoreError / ConfigError on bad data or settings.
+    """
+    settings = settings or StoreSettings()
+    is_main = True if dist is None else bool(dist.is_main)
+    wait = barrier or (lambda: None)
+    store_dir = Path(store_dir)
+    if not is_main:
+        wait()
+        files = list_sources(sources)
+        ok, reason, _ = check_store(store_dir, files, settings, hash_touched=False)
+        if not ok:
+            raise StoreError(f"the main process did not leave a matching data store in {store_dir} ({reason}); "
+                             "see its error")
+        return StoreInfo(store_dir, read_manifest(store_dir), reused=True, reason="prepared by the main process")
+    error: Exception | None = None
+    info: StoreInfo | None = None
+    try:
+        settings.validate()
+        files = list_sources(sources)
+        ok, reason, refreshed = check_store(store_dir, files, settings)
+        if ok:
+            if refreshed is not None:
+                write_json(store_dir / MANIFEST, refreshed)
+            log.info("data store %s: reusing it (%s)", store_dir, reason)
+            info = StoreInfo(store_dir, refreshed or read_manifest(store_dir), reused=True, reason=reason)
+        else:
+            log.warning("data store %s: preparing it (%s)", store_dir, reason)
+            prepared = prepare_store(files, store_dir, settings, block_rows=block_rows)
+            info = StoreInfo(store_dir, prepared.manifest, reused=False, reason=reason)
+    except Exception as e:  # noqa: BLE001  (re-raised after the barrier: the other ranks must not wait forever)
+        error = e
+    wait()
+    if error is not None:
+        raise error
+    return info
 
 
 def split_row_counts(n_rows: int, cfg: DataConfig) -> dict[str, int]:
@@ -48,3 +1332,98 @@ def too_short_problems(rows: list[tuple[str, int]], cfg: DataConfig) -> Problems
         if not split_is_usable(n, cfg):
             problems.add(name, f"{n} rows {split_row_counts(n, cfg)}")
     return problems
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """The data of a run: the store on disk, its memory-mapped panel and the time splits as index ranges."""
+
+    store: StoreInfo
+    """The store folder, its manifest and whether it was reused (and why)."""
+    panel: SeriesPanel
+    """All series, features float32 (6, N) and stamps int64 (N, 5) as read-only np.memmap (shared page cache)."""
+    splits: dict[str, PanelSegments]
+    """train / val (/ test when data.test_ratio > 0): per-series column ranges of `panel`."""
+
+
+def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None, *,
+                 with_splits: bool = True) -> PreparedData:
+    """Prepare (rank 0) or reuse the data store at `store_dir`, open it memory-mapped and cut the splits.
+
+    Parameters
+    ----------
+    cfg: the `data:` section.
+    store_dir: the store folder (`data.store_dir`, default `<paths.base_dir>/data_store`).
+    dist: a DistInfo-like object (`is_main`); None = one process.
+    barrier: called by every process once the main one has prepared the store (None = no waiting).
+    with_splits: cut (and check the length of) the train / val / test splits; False = the whole series only
+        (the future forecast, which needs `lookback` rows per series, not a usable split), `splits` is then {}.
+
+    Returns PreparedData. Raises ValueError (StoreError / ConfigError) naming file, column, line and setting; a
+    failed preparation leaves no store and no folder it created.
+    """
+    store_dir = Path(store_dir)
+    is_main = dist is None or dist.is_main
+    created = [p for p in [store_dir, *store_dir.parents] if not p.exists()]
+
+    def undo() -> None:
+        """Remove what this call created (a fresh store, then the folders it made), so a failed run leaves nothing."""
+        if is_main and created:
+            shutil.rmtree(store_dir, ignore_errors=True)
+            for p in created[1:]:  # innermost first; only folders this call made and that are empty now
+                if p.is_dir() and not any(p.iterdir()):
+                    p.rmdir()
+
+    try:
+        info = ensure_store(cfg.path, store_dir, StoreSettings.from_data_config(cfg), dist=dist, barrier=barrier)
+    except Exception:
+        undo()
+        raise
+    panel = info.open()
+    if not with_splits:
+        return PreparedData(info, panel, {})
+    problems = too_short_problems([(name, int(n)) for name, n in zip(panel.names, panel.lengths())], cfg)
+    if problems:
+        del panel
+        undo()
+        problems.raise_if_any()
+    splits = split_panel(panel, cfg.train_ratio, cfg.val_ratio, cfg.test_ratio, cfg.lookback, cfg.predict)
+    return PreparedData(info, panel, splits)
+
+
+def data_summary_from_store(data: PreparedData, cfg: DataConfig) -> dict:
+    """What run_info.json records about the data, from the store's manifest: files with sha256, series, and rows,
+    windows and date ranges per split (same keys as the pandas reference's `data_summary`), plus the store folder.
+    The same data gives the same summary whether the store was prepared or reused (a resume compares them)."""
+    manifest = data.store.manifest
+    window = cfg.lookback + cfg.predict
+    when = data.panel.datetimes
+    per_split = {}
+    for name, seg in data.splits.items():
+        n = seg.stop - seg.start
+        windows = np.where(n >= window, (n - window) // cfg.stride + 1, 0)
+        per_split[name] = {
+            "rows": int((seg.stop - seg.first_target).sum()),
+            "context_rows": int((seg.first_target - seg.start).sum()),
+            "windows": int(windows.sum()),
+            "start": str(pd.Timestamp(int(np.min(when[seg.first_target])))),
+            "end": str(pd.Timestamp(int(np.max(when[seg.stop - 1])))),
+        }
+    return {
+        "files": [{"path": f["path"], "bytes": f["bytes"], "sha256": f["sha256"]} for f in manifest["sources"]],
+        "series": [{"name": s["name"], "rows": s["rows"], "start": s["start"], "end": s["end"]}
+                   for s in manifest["series"]],
+        "splits": per_split,
+        # Only what identifies the data: whether this run prepared or reused the store is no property of the data,
+        # and recording it would make a resumed run's data fingerprint differ (finetune/utils/training_utils.py).
+        "store": {"path": str(data.store.path)},
+    }
+
+
+def build_dataset(segments: PanelSegments, cfg: DataConfig) -> WindowDataset:
+    """All windows of `lookback + predict` rows, `stride` apart, inside each series' range (never across series).
+
+    Val/test ranges start `lookback` rows before their split (see `split_panel`), so every window of a split predicts
+    rows of its own split. Normalisation uses each window's lookback rows only.
+    """
+    return segments.dataset(cfg.lookback, cfg.predict, stride=cfg.stride, clip=cfg.clip)

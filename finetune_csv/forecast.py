@@ -1,20 +1,11 @@
-"""Forecast with the finetuned models: score every held-out test window, or forecast past the end of the data.
+"""Consistency of generated candles (reported in metrics.json); the forecast scores live in finetune.evaluation.
 
-    python finetune_csv/forecast.py --config configs/csv_demo.yaml             # held-out evaluation
-    python finetune_csv/forecast.py --config configs/csv_demo.yaml --future    # the next data.predict candles
-
-Held-out evaluation: every window of each series' test split (data.test_ratio > 0), starts `forecast.window_stride`
-rows apart (default data.predict: the horizons tile the split without overlap), each with `data.lookback` candles of
-context (which may reach into the validation rows, as in training) and `forecast.sample_count` sampled paths
-(KronosPredictor.generate). The close is scored in return space by finetune.evaluation.forecast_scores (MAE, MASE,
-CRPS, pinball / WQL, 50% / 80% coverage, direction of the cumulative move, bootstrap intervals, per-series table,
-persistence and seasonal-naive baselines). When model.pretrained_predictor is set and loadable, the same windows are
-forecast with it (zero-shot) and the paired difference finetuned - zero-shot is reported with a bootstrap interval.
-Written to `<base_dir>/forecast/`: metrics.json (strict JSON), forecast.csv, forecast_vs_actual.png.
-
---future: the `data.predict` candles after each series' last row (timestamps from the series' own bar times and
-trading days, or `forecast.calendar`), written to `<base_dir>/future/`: forecast.csv (long format, one row per
-series and timestamp: mean and quantiles of each feature) and forecast.png (quantile bands, real dates).
+Also here:
+- Timestamps of the bars after the end of a series, for `forecast.py --future`.
+- PNG plots of CSV forecasts: close of the context tail, the median forecast and its 10-90 / 25-75 quantile bands.
+- Held-out windows of the CSV pipeline and their sampled forecasts, as arrays end to end.
+- A forecast metric on the validation split for checkpoint selection (`training.select_by: crps`).
+- Forecast with the finetuned models: score every held-out test window, or forecast past the end of the data.
 """
 
 from __future__ import annotations
@@ -22,28 +13,350 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
+from torch import nn
 
-from finetune.evaluation.bootstrap import bootstrap_ci
-from finetune.evaluation.forecast_baselines import infer_season
-from finetune.evaluation.forecast_scores import ScoreSettings, score_forecasts
-from finetune.evaluation.scoring_rules import crps_ensemble
+import finetune_csv.config as csv_config
+from finetune.evaluation.forecast_scores import (
+    ScoreSettings,
+    bootstrap_ci,
+    crps_ensemble,
+    infer_season,
+    score_forecasts,
+)
 from finetune.utils.config_utils import add_config_args
-from finetune_csv import config as csv_config
-from finetune_csv.config import CsvFinetuneConfig
-from finetune_csv.forecast_metrics import candle_violations
-from finetune_csv.forecast_plot import Panel, plot_panels
-from finetune_csv.future_calendar import future_timestamps, read_calendar
-from finetune_csv.held_out import CLOSE, HeldOutWindows, held_out_windows, sample_paths
-from finetune_csv.model_dirs import best_dir, predictor_tokenizer_source
-from finetune_csv.prepared import prepare_data
+from finetune.utils.windows import PanelSegments
+from finetune_csv.config import CsvFinetuneConfig, best_dir, predictor_tokenizer_source
+from finetune_csv.data import prepare_data
 from model import Kronos, KronosPredictor, KronosTokenizer
-from model.features import FEATURES, calc_time_stamps
+from model.features import FEATURES, calc_time_stamps, normalize
 from model.fileio import write_json
+
+
+def candle_violations(open_: np.ndarray, high: np.ndarray, low: np.ndarray, close: np.ndarray,
+                      volume: np.ndarray) -> dict[str, float]:
+    """Share of generated candles breaking each consistency rule, and breaking any of them.
+
+    Rules: high >= max(open, close); low <= min(open, close); volume >= 0. The tokenizer decodes each feature
+    independently, so nothing forces a generated candle to respect them; this measures how often it does not.
+    """
+    o, h, l, c, v = (np.asarray(a, dtype=np.float64).ravel() for a in (open_, high, low, close, volume))
+    if not (len(o) == len(h) == len(l) == len(c) == len(v)) or len(o) == 0:
+        raise ValueError("candle_violations needs equally long, non-empty open/high/low/close/volume")
+    bad_high = h < np.maximum(o, c)
+    bad_low = l > np.minimum(o, c)
+    bad_volume = v < 0
+    return {
+        "high_below_body": float(bad_high.mean()),
+        "low_above_body": float(bad_low.mean()),
+        "negative_volume": float(bad_volume.mean()),
+        "any": float((bad_high | bad_low | bad_volume).mean()),
+    }
+
+
+RECENT_DAYS = 20  # trading days of history that define the session's bar times
+DAY = pd.Timedelta(days=1)
+
+
+def read_calendar(path: str | Path) -> pd.DatetimeIndex:
+    """Trading dates (normalised, sorted, unique) from the first column of a CSV file (`forecast.calendar`)."""
+    frame = pd.read_csv(path)
+    try:
+        dates = pd.DatetimeIndex(pd.to_datetime(frame.iloc[:, 0])).normalize()
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"forecast.calendar: the first column of {path} must hold dates ({exc})") from None
+    if len(dates) == 0:
+        raise ValueError(f"forecast.calendar: {path} lists no dates")
+    return dates.unique().sort_values()
+
+
+def _trading_days(history: pd.DatetimeIndex, after: pd.Timestamp, calendar: pd.DatetimeIndex | None, n_days: int,
+                  name: str) -> list[pd.Timestamp]:
+    """The first `n_days` trading dates >= the date of `after` (midnight timestamps)."""
+    start = after.normalize()
+    if calendar is not None:
+        days = calendar[calendar >= start][:n_days]
+        if len(days) < n_days:
+            raise ValueError(f"series {name!r}: forecast.calendar has {len(days)} trading dates from {start.date()} "
+                             f"on, {n_days} needed; extend the calendar file")
+        return list(days)
+    weekdays = set(history.day_of_week)
+    days, day = [], start
+    while len(days) < n_days:
+        if day.weekday() in weekdays:
+            days.append(day)
+        day += DAY
+    return days
+
+
+def future_timestamps(history: pd.DatetimeIndex, n: int, calendar: pd.DatetimeIndex | None = None,
+                      name: str = "series") -> pd.DatetimeIndex:
+    """The `n` bar timestamps after the last one of `history` (ascending, unique).
+
+    Parameters
+    ----------
+    history : (T,) bar times of one series, T >= 2; n : bars wanted; calendar : trading dates (None = the weekdays
+    of the history); name : the series, named in errors.
+
+    Returns
+    -------
+    (n,) DatetimeIndex, every entry after history[-1].
+    """
+    history = pd.DatetimeIndex(history)
+    if len(history) < 2:
+        raise ValueError(f"series {name!r} has {len(history)} rows: too few to tell its bar spacing")
+    last = history[-1]
+    step = pd.Series(history[-500:]).diff().dropna().median()
+    if step > DAY:  # weekly / monthly bars: repeat the spacing
+        return pd.DatetimeIndex([last + step * k for k in range(1, n + 1)])
+    if step == DAY or step > pd.Timedelta(hours=12):  # daily bars, at the history's time of day
+        days = _trading_days(history, last + DAY, calendar, n, name)
+        return pd.DatetimeIndex([d + (last - last.normalize()) for d in days])
+    recent_days = history.normalize().unique()[-RECENT_DAYS:]
+    recent = history[history.normalize() >= recent_days[0]]
+    counts = pd.Series(recent - recent.normalize()).value_counts()
+    times = np.sort(counts[counts >= len(recent_days) / 2].index.to_numpy())  # session bar times of day
+    out: list[pd.Timestamp] = []
+    n_days = -(-n // len(times)) + 1  # the last day may be partly over
+    for day in _trading_days(history, last, calendar, n_days, name):
+        out.extend(t for t in (day + pd.Timedelta(x) for x in times) if t > last)
+    return pd.DatetimeIndex(out[:n])
+
+
+BANDS = ((0.10, 0.90, 0.18), (0.25, 0.75, 0.35))  # (low quantile, high quantile, fill alpha)
+
+
+@dataclass
+class Panel:
+    """What one plot panel shows."""
+
+    title: str
+    """Panel title."""
+    past_ts: pd.DatetimeIndex
+    """(T,) timestamps of the context tail."""
+    past_close: np.ndarray
+    """(T,) close of the context tail."""
+    future_ts: pd.DatetimeIndex
+    """(P,) timestamps of the forecast bars."""
+    paths_close: np.ndarray
+    """(S, P) sampled close paths."""
+    actual_close: np.ndarray | None = None
+    """(P,) realised close (held-out windows), None for a forecast of the future."""
+
+
+def _tick_labels(stamps: pd.DatetimeIndex, n_ticks: int = 6) -> tuple[np.ndarray, list[str]]:
+    """Up to `n_ticks` evenly spread positions and their date labels (with the time for intraday bars)."""
+    pos = np.unique(np.linspace(0, len(stamps) - 1, min(n_ticks, len(stamps))).round().astype(int))
+    intraday = len(stamps) > 1 and (np.diff(stamps.asi8).min() < 86_400 * 10**9)
+    fmt = "%m-%d %H:%M" if intraday else "%Y-%m-%d"
+    return pos, [stamps[i].strftime(fmt) for i in pos]
+
+
+def plot_panels(panels: list[Panel], png: Path) -> Path:
+    """Draw one panel per entry into `png` (written whole: matplotlib saves to a temporary name first)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.8 * len(panels)), dpi=100, squeeze=False)
+    for ax, p in zip(axes[:, 0], panels):
+        n_past, horizon = len(p.past_close), p.paths_close.shape[1]
+        x_past, x_future = np.arange(n_past), np.arange(n_past - 1, n_past + horizon)  # future starts at last close
+        last = p.past_close[-1]
+        ax.plot(x_past, p.past_close, color="0.4", label="context")
+        for lo, hi, alpha in BANDS:
+            q = np.quantile(p.paths_close, [lo, hi], axis=0)  # (2, P)
+            ax.fill_between(x_future, np.r_[last, q[0]], np.r_[last, q[1]], color="tab:orange", alpha=alpha,
+                            linewidth=0, label=f"{lo:.0%}-{hi:.0%} of samples")
+        ax.plot(x_future, np.r_[last, np.median(p.paths_close, axis=0)], color="tab:orange", label="median forecast")
+        if p.actual_close is not None:
+            ax.plot(x_future, np.r_[last, p.actual_close], color="tab:blue", label="actual")
+        ax.axvline(n_past - 0.5, color="0.7", linestyle="--", linewidth=0.8)
+        pos, labels = _tick_labels(p.past_ts.append(p.future_ts))
+        ax.set_xticks(pos, labels, fontsize=7)
+        ax.set_title(p.title, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    png = Path(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    tmp = png.with_name(png.stem + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(png)
+    return png
+
+
+CLOSE = FEATURES.index("close")
+
+
+@dataclass
+class HeldOutWindows:
+    """N windows: context candles and the candles that really followed."""
+
+    names: list[str]
+    """(N,) series of each window; the windows of one series are contiguous and in time order."""
+    context: np.ndarray
+    """(N, lookback, 6) float64 context candles (columns FEATURES)."""
+    x_timestamps: list[pd.DatetimeIndex]
+    """N context time indexes (lookback each)."""
+    y_timestamps: list[pd.DatetimeIndex]
+    """N forecast time indexes (predict each)."""
+    actual: np.ndarray
+    """(N, predict, 6) float64 the candles that really followed."""
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def stamps(self) -> tuple[np.ndarray, np.ndarray]:
+        """Calendar stamps of the contexts (N, lookback, 5) and of the forecast bars (N, predict, 5), int64."""
+        as_array = lambda ts: calc_time_stamps(ts).to_numpy(np.int64)  # (T, 5)
+        return (np.stack([as_array(ts) for ts in self.x_timestamps]),
+                np.stack([as_array(ts) for ts in self.y_timestamps]))
+
+    def subset(self, idx: np.ndarray) -> HeldOutWindows:
+        """The windows at positions `idx` (in that order)."""
+        idx = np.asarray(idx, dtype=np.int64)
+        return HeldOutWindows([self.names[i] for i in idx], self.context[idx], [self.x_timestamps[i] for i in idx],
+                              [self.y_timestamps[i] for i in idx], self.actual[idx])
+
+
+def spread_evenly(n_available: int, n_wanted: int) -> np.ndarray:
+    """Indices of min(n_wanted, n_available) items spread evenly over range(n_available), first and last included."""
+    if n_available < 1:
+        return np.zeros(0, dtype=np.int64)
+    k = min(n_wanted, n_available)
+    return np.unique(np.round(np.linspace(0, n_available - 1, k)).astype(np.int64))
+
+
+def held_out_windows(segments: PanelSegments, lookback: int, predict: int, stride: int | None = None,
+                     max_windows: int | None = None) -> HeldOutWindows:
+    """Every window of each series' range of a split, starts `stride` rows apart (None = predict: non-overlapping).
+
+    Parameters
+    ----------
+    segments : a split of the prepared store (`prepare_data(...).splits["test"]` or `["val"]`); its panel must
+        carry `datetimes` (the store's always do). Nothing but the windows' columns is read from the memory map.
+    lookback, predict : window shape in rows; stride : rows between window starts;
+    max_windows : optional cap per series (evenly spread, first and last included).
+
+    Returns
+    -------
+    HeldOutWindows, series in panel order and windows in time order: context (N, lookback, 6) and actual
+    (N, predict, 6) float64 (the store's float32 values, widened), timestamps from `panel.datetimes`.
+    """
+    panel = segments.panel
+    if panel.datetimes is None:
+        raise ValueError("held-out windows need the bar times: this panel has no datetimes")
+    stride = predict if stride is None else stride
+    window = lookback + predict
+    names, columns = [], []
+    for s, (lo, hi) in enumerate(zip(segments.start.tolist(), segments.stop.tolist())):
+        starts = np.arange(0, hi - lo - window + 1, stride, dtype=np.int64)
+        if max_windows is not None:
+            starts = starts[spread_evenly(len(starts), max_windows)]
+        names += [panel.names[s]] * len(starts)
+        columns.append(lo + starts)
+    first = np.concatenate(columns) if columns else np.zeros(0, dtype=np.int64)  # (N,) window start columns
+    cols = first[:, None] + np.arange(window, dtype=np.int64)  # (N, W) panel columns of each window
+    values = np.moveaxis(np.asarray(panel.features[:, cols], dtype=np.float64), 0, -1)  # (N, W, 6)
+    when = np.asarray(panel.datetimes)[cols]  # (N, W) int64 ns, naive wall-clock time
+    as_index = lambda ns: pd.DatetimeIndex(ns.astype("datetime64[ns]"))
+    return HeldOutWindows(names, values[:, :lookback].copy(), [as_index(w[:lookback]) for w in when],
+                          [as_index(w[lookback:]) for w in when], values[:, lookback:].copy())
+
+
+def sample_paths(predictor: KronosPredictor, context: np.ndarray, x_stamps: np.ndarray, y_stamps: np.ndarray,
+                 predict: int, sampling, batch: int = 32) -> np.ndarray:
+    """Sampled future candles of every window, in price units.
+
+    Each context is normalised on its own (float32, row-major, as KronosPredictor.predict_batch does) and each
+    sample path is scaled back with its window's mean / std, so the mean over samples equals predict_batch's
+    forecast. `torch.manual_seed(sampling.seed)` is set once before the first batch.
+
+    Parameters
+    ----------
+    predictor : the model pair; context : (N, L, 6) candles; x_stamps : (N, L, 5); y_stamps : (N, P, 5);
+    predict : P; sampling : object with temperature, top_k, top_p, sample_count, seed; batch : windows per call.
+
+    Returns
+    -------
+    (N, S, P, 6) float64 sample paths.
+    """
+    torch.manual_seed(sampling.seed)
+    out = []
+    for lo in range(0, len(context), batch):
+        part = slice(lo, lo + batch)
+        # Row-major (T, 6) float32 like KronosPredictor._prepare: numpy's sum order (so the last float32 bit of the
+        # mean / std) depends on the memory layout, and this keeps the forecasts identical to predict_batch's.
+        stats = [normalize(x, predictor.clip, axis=0) for x in np.asarray(context[part], dtype=np.float32)]
+        xn = np.stack([s[0] for s in stats])  # (B, L, 6)
+        paths = predictor.generate(xn, x_stamps[part], y_stamps[part], predict, T=sampling.temperature,
+                                   top_k=sampling.top_k, top_p=sampling.top_p,
+                                   sample_count=sampling.sample_count)  # (B, S, P, 6) normalised
+        out.extend(paths[b] * (std + 1e-5) + mean for b, (_, mean, std) in enumerate(stats))
+    return np.stack(out).astype(np.float64) if out else np.zeros((0, sampling.sample_count, predict, 6))
+
+
+DEFAULT_MAX_WINDOWS = 64  # windows scored per validation pass: enough to rank epochs, cheap next to an epoch
+
+
+def make_crps_val_metric(cfg, val_windows: HeldOutWindows, tokenizer: KronosTokenizer,
+                         max_windows: int = DEFAULT_MAX_WINDOWS) -> Callable[[nn.Module, object], dict | None]:
+    """Build `metric(model, stage) -> {"score": mean CRPS, ...}` over a fixed subsample of validation windows.
+
+    Parameters
+    ----------
+    cfg : CsvFinetuneConfig (data.lookback / predict / clip and the forecast: sampling keys are used).
+    val_windows : the validation windows, e.g. `held_out_windows(prepare_data(...).splits["val"], lookback, predict)`
+        (what finetune_csv/train_sequential.py passes with training.select_by: crps).
+    tokenizer : the tokenizer the predictor is trained with (frozen while the predictor trains).
+    max_windows : size of the fixed subsample (evenly spread, first and last window included).
+
+    Returns
+    -------
+    A callable. For the predictor stage it returns {"score": mean CRPS of the close in returns from the last context
+    close (lower is better), "crps", "mae": MAE of the sample median, "windows", "samples"}; for the tokenizer stage
+    (no forecast to score) None.
+    """
+    if len(val_windows) == 0:
+        raise ValueError("the validation split has no window to score: lower data.lookback / data.predict or raise "
+                         "data.val_ratio, or select checkpoints by loss (training.select_by: loss)")
+    windows = val_windows.subset(spread_evenly(len(val_windows), max_windows))
+    x_stamps, y_stamps = windows.stamps()  # (W, L, 5), (W, P, 5)
+    last = windows.context[:, -1, CLOSE]  # (W,)
+    obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, P)
+    f = cfg.forecast
+
+    def metric(model: nn.Module, stage) -> dict | None:
+        if getattr(stage, "name", stage) != "predictor":
+            return None
+        module = getattr(model, "module", model)  # DDP-wrapped or not
+        device = next(module.parameters()).device
+        was_training = module.training
+        predictor = KronosPredictor(module, tokenizer, device=str(device),
+                                    max_context=cfg.data.lookback + cfg.data.predict, clip=cfg.data.clip)
+        devices = [device] if device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, cfg.data.predict, f,
+                                     f.batch_size)  # (W, S, P, 6), seeded with forecast.seed inside
+        finally:
+            module.train(was_training)
+        ens = np.moveaxis(paths[..., CLOSE] / last[:, None, None] - 1.0, 1, -1)  # (W, P, S)
+        crps = float(crps_ensemble(obs, ens).mean())
+        mae = float(np.abs(np.median(ens, axis=-1) - obs).mean())
+        return {"score": crps, "crps": crps, "mae": mae, "windows": len(windows), "samples": int(ens.shape[-1])}
+
+    return metric
+
 
 log = logging.getLogger("finetune_csv.forecast")
 TABLE_QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)  # quantile columns of forecast.csv (the plot's bands + median)

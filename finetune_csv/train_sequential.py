@@ -21,20 +21,16 @@ import dataclasses
 import logging
 import sys
 
+import finetune_csv.config as csv_config
 from finetune.utils.config_utils import add_config_args, config_to_dict
-from finetune.utils.data.data_store import list_sources
-from finetune.utils.distributed import DistInfo, barrier, distributed_context
+from finetune.utils.distributed import DistInfo, barrier, distributed_context, seeded_init
+from finetune.utils.errors import setup_logging
 from finetune.utils.factory import build_predictor, build_tokenizer
-from finetune.utils.logging_setup import setup_logging
-from finetune.utils.seeding import seeded_init
-from finetune.utils.training_utils import TrainResult, stage_status, train_predictor, train_tokenizer
-from finetune_csv import config as csv_config
-from finetune_csv.config import CsvFinetuneConfig
-from finetune_csv.dataset import build_dataset
-from finetune_csv.held_out import held_out_windows
-from finetune_csv.model_dirs import predictor_tokenizer_source
-from finetune_csv.prepared import PreparedData, data_summary_from_store, prepare_data
-from finetune_csv.val_metric import make_crps_val_metric
+from finetune.utils.safety import stage_status
+from finetune.utils.training_utils import TrainResult, train_predictor, train_tokenizer
+from finetune_csv.config import CsvFinetuneConfig, predictor_tokenizer_source
+from finetune_csv.data import PreparedData, build_dataset, data_summary_from_store, list_sources, prepare_data
+from finetune_csv.forecast import held_out_windows, make_crps_val_metric
 from model import KronosTokenizer
 
 log = logging.getLogger("finetune_csv")

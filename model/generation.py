@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .kronos import Kronos
+from model.kronos import Kronos
 
 
 def sample_from_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = 0,

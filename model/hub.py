@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import torch
 from safetensors.torch import load_file, save_file
 
-from .fileio import atomic_write, read_json_object, write_json
+from model.fileio import atomic_write, read_json_object, write_json
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

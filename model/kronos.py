@@ -9,10 +9,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import KronosConfig
-from .embeddings import HierarchicalEmbedding, TemporalEmbedding
-from .hub import PretrainedMixin
-from .layers import KVCache, MultiHeadCrossAttentionWithRoPE, RMSNorm, TransformerBlock
+from model.config import KronosConfig
+from model.hub import PretrainedMixin
+from model.layers import (
+    HierarchicalEmbedding,
+    KVCache,
+    MultiHeadCrossAttentionWithRoPE,
+    RMSNorm,
+    TemporalEmbedding,
+    TransformerBlock,
+)
 
 DEP_LAYER_HEADS = 4  # the published dependency layer has 4 heads whatever n_heads is
 

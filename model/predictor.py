@@ -1,23 +1,33 @@
-"""KronosPredictor: DataFrame in, forecast DataFrame out (the interface existing Kronos user code calls).
+"""What `KronosPredictor.from_pretrained` reads beside a predictor: `kronos_predictor.json`.
 
-`predict` / `predict_batch` take wide frames (one series each), `predict_df` a long frame of many series
-(model/long_format.py); `from_pretrained` loads tokenizer + predictor + window from a folder or Hub id.
+A finetuned predictor folder (the engine's `best_model/`) holds config.json + model.safetensors (published format),
+`tokenizer_config.json` (the tokenizer it was trained with, config only) and, when the run wrote it,
+`kronos_predictor.json`: {"max_context": int, "tokenizer": folder or Hub id, "clip": float}. A relative
+"tokenizer" path is resolved against the predictor folder, so the run folder can be moved as a whole.
+
+Also here:
+- KronosPredictor: DataFrame in, forecast DataFrame out (the interface existing Kronos user code calls).
+- Long-format forecasting (in the style of Chronos' `predict_df`): one frame with many series, one row per candle.
 """
+
 from __future__ import annotations
 
+import json
 import os
+import warnings
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 import pandas as pd
 import torch
 
-from .features import (
+from model.features import (
     FEATURES,
+    PRICE_FEATURES,
     calc_time_stamps,
     candle_matrix,
     check_increasing,
@@ -25,18 +35,93 @@ from .features import (
     normalize,
     to_datetime_index,
 )
-from .generation import generate_tokens
-from .hub import resolve_model_dir
-from .kronos import Kronos
-from .predictor_files import (
-    DEFAULT_MAX_CONTEXT,
-    PREDICTOR_INFO_NAME,
-    TOKENIZER_CONFIG_NAME,
-    read_predictor_info,
-    read_tokenizer_config,
-    tokenizer_source,
-)
-from .tokenizer import KronosTokenizer
+from model.fileio import read_json_object, write_json
+from model.generation import generate_tokens
+from model.hub import resolve_model_dir
+from model.kronos import Kronos
+from model.tokenizer import KronosTokenizer
+
+PREDICTOR_INFO_NAME = "kronos_predictor.json"
+TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
+DEFAULT_MAX_CONTEXT = 512  # the window of the published Kronos-small / Kronos-base
+
+
+def write_predictor_info(folder: str | os.PathLike, *, max_context: int, tokenizer: str | os.PathLike | None = None,
+                         clip: float | None = None) -> Path:
+    """Write `kronos_predictor.json` into a predictor folder (atomically).
+
+    Parameters
+    ----------
+    folder: the predictor folder (e.g. a stage's best_model/).
+    max_context: the predictor window used in training (lookback + predict) - what forecasting should use.
+    tokenizer: the tokenizer the predictor was trained with (folder or Hub id). A folder is stored relative to
+        `folder` when it lies under the same parent tree, so moving the run keeps it valid.
+    clip: the normalisation clip used in training.
+
+    Returns
+    -------
+    The written file's path.
+    """
+    return write_json(Path(folder) / PREDICTOR_INFO_NAME,
+                      predictor_info(folder, max_context=max_context, tokenizer=tokenizer, clip=clip))
+
+
+def predictor_info(folder: str | os.PathLike, *, max_context: int, tokenizer: str | os.PathLike | None = None,
+                   clip: float | None = None) -> dict[str, Any]:
+    """The content of `kronos_predictor.json` for a predictor that will live in `folder` (arguments as in
+    `write_predictor_info`); a tokenizer folder is made relative to `folder`."""
+    if not isinstance(max_context, int) or isinstance(max_context, bool) or max_context < 1:
+        raise ValueError(f"max_context must be an integer >= 1, got {max_context!r}")
+    folder = Path(folder)
+    info: dict[str, Any] = {"max_context": max_context}
+    if tokenizer is not None:
+        tok = Path(tokenizer)
+        if tok.exists():
+            try:
+                tokenizer = os.path.relpath(tok.resolve(), folder.resolve())
+            except ValueError:  # another drive (Windows): keep it absolute
+                tokenizer = str(tok.resolve())
+        info["tokenizer"] = str(tokenizer)
+    if clip is not None:
+        info["clip"] = float(clip)
+    return info
+
+
+def read_predictor_info(folder: Path) -> dict[str, Any]:
+    """`kronos_predictor.json` checked ({} when absent): max_context int >= 1, tokenizer str, clip > 0."""
+    path = folder / PREDICTOR_INFO_NAME
+    if not path.is_file():
+        return {}
+    info = read_json_object(path)
+    mc = info.get("max_context")
+    if mc is not None and (not isinstance(mc, int) or isinstance(mc, bool) or not 1 <= mc <= 1_000_000):
+        raise ValueError(f"{path}: max_context must be an integer in [1, 1000000], got {mc!r}")
+    if "tokenizer" in info and not isinstance(info["tokenizer"], str):
+        raise ValueError(f"{path}: tokenizer must be a folder path or Hub id (a string), got {info['tokenizer']!r}")
+    clip = info.get("clip")
+    if clip is not None and (not isinstance(clip, (int, float)) or isinstance(clip, bool) or not clip > 0):
+        raise ValueError(f"{path}: clip must be a number > 0, got {clip!r}")
+    return info
+
+
+def tokenizer_source(folder: Path, info: dict[str, Any]) -> str | None:
+    """The tokenizer recorded in `info` as a loadable source (relative folders resolved against `folder`)."""
+    tok = info.get("tokenizer")
+    if tok is None:
+        return None
+    candidate = folder / tok
+    return str(candidate) if candidate.is_dir() else tok
+
+
+def read_tokenizer_config(folder: Path) -> dict[str, Any] | None:
+    """The predictor folder's `tokenizer_config.json` (the tokenizer it was trained with), or None."""
+    path = folder / TOKENIZER_CONFIG_NAME
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
 
 
 @dataclass
@@ -215,8 +300,8 @@ class KronosPredictor:
                    timestamp_column: str = "timestamps", freq: str | None = None, quantiles: Sequence[float] = (),
                    T: float = 1.0, top_k: int | None = 0, top_p: float | None = 0.9, sample_count: int = 1,
                    verbose: bool = False) -> pd.DataFrame:
-        """Forecast every series of a long frame (see `model.long_format.predict_df`, which documents it)."""
-        from .long_format import predict_df
+        """Forecast every series of a long frame (see `model.predictor.predict_df`, which documents it)."""
+        from model.predictor import predict_df
         return predict_df(self, df, prediction_length=prediction_length, id_column=id_column,
                           timestamp_column=timestamp_column, freq=freq, quantiles=quantiles, T=T, top_k=top_k,
                           top_p=top_p, sample_count=sample_count, verbose=verbose)
@@ -284,3 +369,84 @@ class KronosPredictor:
         for q in quantiles or []:
             if not isinstance(q, (int, float)) or not 0.0 <= q <= 1.0:
                 raise ValueError(f"quantiles must lie in [0, 1], got {q!r}")
+
+
+if TYPE_CHECKING:
+    from model.predictor import KronosPredictor
+
+
+def future_timestamps(timestamps: pd.DatetimeIndex, prediction_length: int, freq: str | None,
+                      series: object) -> pd.DatetimeIndex:
+    """The `prediction_length` timestamps after `timestamps`, at `freq` or the series' inferred frequency."""
+    if freq is None:
+        if len(timestamps) < 3:
+            raise ValueError(f"series {series!r} has {len(timestamps)} rows: too few to infer its frequency; pass "
+                             "freq= (e.g. freq='5min')")
+        with warnings.catch_warnings():  # pandas 3 warns that infer_freq will return an offset; both work below
+            warnings.simplefilter("ignore")
+            freq = pd.infer_freq(timestamps)
+        if freq is None:
+            raise ValueError(f"series {series!r}: cannot infer a regular frequency from its timestamps (gaps such as "
+                             "market closes?); pass freq= (e.g. freq='5min' or freq='B')")
+    try:
+        offset = pd.tseries.frequencies.to_offset(freq)
+    except ValueError:
+        raise ValueError(f"freq {freq!r} is not a pandas frequency string (e.g. '5min', 'h', 'D', 'B')") from None
+    return pd.date_range(timestamps[-1] + offset, periods=prediction_length, freq=offset)
+
+
+def predict_df(predictor: KronosPredictor, df: pd.DataFrame, *, prediction_length: int, id_column: str = "id",
+               timestamp_column: str = "timestamps", freq: str | None = None, quantiles: Sequence[float] = (),
+               T: float = 1.0, top_k: int | None = 0, top_p: float | None = 0.9, sample_count: int = 1,
+               verbose: bool = False) -> pd.DataFrame:
+    """Forecast every series of a long frame.
+
+    Parameters
+    ----------
+    predictor: the KronosPredictor.
+    df: long frame, one row per candle: `id_column`, `timestamp_column` (datetimes), open/high/low/close
+        (+ volume/amount). Rows are sorted by timestamp within each series; series may differ in length.
+    prediction_length: steps to forecast per series.
+    freq: pandas frequency of the forecast timestamps; None = infer each series' own (`pd.infer_freq`).
+    quantiles: quantile levels in [0, 1] to add as `{feature}_{q}` columns (from `sample_count` paths).
+    T, top_k, top_p, sample_count, verbose: as in `KronosPredictor.predict`.
+
+    Returns
+    -------
+    DataFrame with prediction_length rows per series (series in order of first appearance): id_column,
+    timestamp_column, FEATURES (mean forecast), then the quantile columns.
+    """
+    if not isinstance(df, pd.DataFrame):
+        raise ValueError(f"df must be a pandas DataFrame, got {type(df).__name__}")
+    missing = [c for c in (id_column, timestamp_column, *PRICE_FEATURES) if c not in df.columns]
+    if missing:
+        raise ValueError(f"df is missing columns {missing} (id_column={id_column!r}, "
+                         f"timestamp_column={timestamp_column!r}, prices {list(PRICE_FEATURES)})")
+    if len(df) == 0:
+        raise ValueError("df is empty: no series to forecast")
+    if df[id_column].isna().any():
+        raise ValueError(f"column {id_column!r} has missing ids; every row must belong to a series")
+    quantiles = list(quantiles)
+    ids, frames, x_ts, y_ts = [], [], [], []
+    for sid, part in df.groupby(id_column, sort=False):
+        part = part.sort_values(timestamp_column, kind="stable")
+        ts = part[timestamp_column]
+        if not pd.api.types.is_datetime64_any_dtype(ts):
+            raise ValueError(f"column {timestamp_column!r} must hold datetimes (dtype {ts.dtype}); convert it with "
+                             "pd.to_datetime first")
+        index = pd.DatetimeIndex(ts)
+        ids.append(sid)
+        frames.append(part[[c for c in FEATURES if c in part.columns]].reset_index(drop=True))
+        x_ts.append(index)
+        y_ts.append(future_timestamps(index, prediction_length, freq, sid))
+    results = predictor.predict_batch(frames, x_ts, y_ts, prediction_length, T, top_k, top_p, sample_count, verbose,
+                                      False, quantiles or None)
+    out = []
+    for sid, y, res in zip(ids, y_ts, results):
+        mean = res.mean if quantiles else res
+        part = pd.DataFrame({id_column: [sid] * prediction_length, timestamp_column: y})
+        part[list(FEATURES)] = mean.to_numpy()
+        for q in quantiles:
+            part[[f"{f}_{q}" for f in FEATURES]] = res.quantiles[q].to_numpy()
+        out.append(part)
+    return pd.concat(out, ignore_index=True)

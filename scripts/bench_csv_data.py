@@ -3,8 +3,8 @@
     python scripts/bench_csv_data.py [--series 8 --bars 20000 --lookback 512 --predict 48 --batch 32]
 
 1. Samples/s through a DataLoader (num_workers=0, batch `--batch`, shuffled) of
-   a. the CSV pipeline's data path: the prepared, memory-mapped store (finetune_csv.prepared.prepare_data) and
-      its train split's dataset (finetune_csv.dataset.build_dataset -> finetune.utils WindowDataset: one vectorised
+   a. the CSV pipeline's data path: the prepared, memory-mapped store (finetune_csv.data.prepare_data) and
+      its train split's dataset (finetune_csv.data.build_dataset -> finetune.utils WindowDataset: one vectorised
       gather and normalisation per batch from the memory map), and
    b. a baseline written the way per-sample pipelines usually are (the original Kronos CSV dataset among them):
       `df.iloc[start:start + window]` per sample on a pandas DataFrame per series, then numpy normalisation.
@@ -27,10 +27,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from finetune.synthetic import generate_ohlcv, write_csv_folder
-from finetune.utils.data.window_dataset import EpochSampler, make_loader
+from finetune.utils.windows import EpochSampler, make_loader
 from finetune_csv.config import DataConfig
-from finetune_csv.dataset import build_dataset
-from finetune_csv.prepared import prepare_data
+from finetune_csv.data import build_dataset, prepare_data
 from model import Kronos, KronosTokenizer
 from model.features import FEATURES, TIME_FEATURES
 

@@ -12,7 +12,7 @@ first run (rank 0 prepares) and a re-run (the store is reused), plus preparation
    ready, first step done; and peak memory sampled every 20 ms from /proc/self/status: RssAnon (private memory:
    what each rank costs beyond the shared page cache) and RssFile (pages of mapped files: the page cache shared
    by all ranks). The epoch order is the sampler's: above 16.8M windows the blocked streaming order
-   (finetune/utils/data/epoch_order.py), so "sampler ready" is immediate.
+   (finetune/utils/windows.py), so "sampler ready" is immediate.
 3. Preparation throughput on `--baseline-rows` rows written as CSV: tests/csv_reference.py load_series (pandas, the
    in-memory reference) against prepare_store on the same CSV files and on the same rows as Parquet; each run in a fresh
    process, with its peak RSS.
@@ -114,10 +114,9 @@ def worker(data: str, store: str, lookback: int, predict: int, batch: int) -> No
     mem = PeakMemory()
     import torch
 
-    from finetune.utils.data.data_store import ensure_store
-    from finetune.utils.data.panel_split import split_panel
-    from finetune.utils.data.window_dataset import EpochSampler
     from finetune.utils.distributed import barrier, distributed_context
+    from finetune.utils.windows import EpochSampler, split_panel
+    from finetune_csv.data import ensure_store
     from model import KronosTokenizer
 
     torch.set_num_threads(1)
@@ -175,8 +174,8 @@ def run_torchrun(script: Path, args: argparse.Namespace, data: Path, store: Path
 def measure_prepare(kind: str, path: str, out: str) -> None:
     import resource
 
-    from finetune.utils.data.data_store import prepare_store
     from finetune_csv.config import DataConfig
+    from finetune_csv.data import prepare_store
     from tests.csv_reference import load_series  # the in-memory pandas loader (a reference, not production)
 
     t0 = time.perf_counter()  # imports are not timed

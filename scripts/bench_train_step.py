@@ -35,18 +35,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from finetune.utils.data.window_dataset import SeriesArrays, WindowDataset
+from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import DistInfo
 from finetune.utils.metrics import read_metrics
 from finetune.utils.training_utils import (
     PREDICTOR_CLIP,
     TOKENIZER_CLIP,
-    TrainingConfig,
     predictor_loss,
     tokenizer_loss,
     train_predictor,
     train_tokenizer,
 )
+from finetune.utils.windows import SeriesArrays, WindowDataset
 from model import Kronos, KronosTokenizer
 
 TOKENIZER_BASE = dict(d_in=6, d_model=256, n_heads=4, ff_dim=512, n_enc_layers=4, n_dec_layers=4, ffn_dropout_p=0.0,
@@ -170,8 +170,8 @@ SAFETY_SCALES = {  # name: (tokenizer args, predictor args, batch, seq)
 
 def safety_overhead(scale: str, steps: int, warmup: int) -> dict[str, float]:
     """ms of a predictor step, of the guard check and of one checkpoint save, measured in one process."""
-    from finetune.utils.safety import checkpoint_store
-    from finetune.utils.safety.guard import NonFiniteGuard
+    import finetune.utils.checkpoint as checkpoint_store
+    from finetune.utils.safety import NonFiniteGuard
 
     tok_args, pred_args, batch, seq = SAFETY_SCALES[scale]
     torch.manual_seed(0)

@@ -29,13 +29,13 @@ import torch
 import torch.nn.functional as F
 
 from finetune.synthetic import generate_ohlcv, write_csv_folder
-from finetune.utils.data.window_dataset import WindowDataset
+from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import DistInfo
-from finetune.utils.training_utils import TrainingConfig, evaluate_predictor
+from finetune.utils.training_utils import evaluate_predictor
+from finetune.utils.windows import WindowDataset
 from finetune_csv import train_sequential
 from finetune_csv.config import load
-from finetune_csv.dataset import build_dataset
-from finetune_csv.prepared import prepare_data
+from finetune_csv.data import build_dataset, prepare_data
 from model import Kronos, KronosTokenizer
 
 REPO = Path(__file__).resolve().parents[1]

@@ -28,13 +28,10 @@ import numpy as np
 import torch
 
 from finetune.synthetic import generate_mix
-from finetune.utils.data.window_dataset import SeriesArrays, WindowDataset
+from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import distributed_context, seed_everything
-from finetune.utils.training_utils import (
-    TrainingConfig,
-    train_predictor,
-    train_tokenizer,
-)
+from finetune.utils.training_utils import train_predictor, train_tokenizer
+from finetune.utils.windows import SeriesArrays, WindowDataset
 from model import Kronos, KronosTokenizer
 from model.features import FEATURES, calc_time_stamps
 

@@ -1,6 +1,6 @@
 """The in-memory pandas loader of CSV candles: an INDEPENDENT REFERENCE for the tests, not production code.
 
-Production reads the prepared store (finetune_csv/prepared.py `prepare_data`); the tests compare the store, its
+Production reads the prepared store (finetune_csv/data.py `prepare_data`); the tests compare the store, its
 splits and the held-out windows cut from it with this loader bit for bit (float64 here, float32 in the store). It
 implements the same rules in pandas: sorting, duplicates, NaN policy, column mapping, time zones, float32 range.
 """
@@ -16,18 +16,18 @@ import numpy as np
 import pandas as pd
 
 from finetune.utils.config_utils import Problems
-from finetune.utils.data.candle_checks import (
-    CandleDataError,
+from finetune.utils.metrics import file_fingerprint
+from finetune.utils.windows import split_bounds
+from finetune_csv.config import CandleDataError, DataConfig
+from finetune_csv.data import (
     check_float32_range,
     check_frequencies,
     check_tz_consistency,
     has_utc_offset,
     infer_frequency,
     parse_timestamps,
+    too_short_problems,
 )
-from finetune.utils.provenance import file_fingerprint
-from finetune_csv.config import DataConfig
-from finetune_csv.data import split_bounds, too_short_problems
 from model.features import FEATURES
 
 log = logging.getLogger(__name__)
@@ -371,7 +371,7 @@ def data_summary(series: list[Series], splits: dict[str, list[Segment]], cfg: Da
 
 def reference_dataset(segments: list[Segment], cfg: DataConfig):
     """The shared WindowDataset over in-memory copies of `segments` (float32 features, calc_time_stamps stamps)."""
-    from finetune.utils.data.window_dataset import SeriesArrays, WindowDataset
+    from finetune.utils.windows import SeriesArrays, WindowDataset
     from model.features import calc_time_stamps
 
     arrays = [SeriesArrays(features=s.values.astype(np.float32),
@@ -405,8 +405,8 @@ def reference_held_out_windows(segments: list[Segment], lookback: int, predict: 
 def one_series_split(values: np.ndarray, timestamps: pd.DatetimeIndex, start: int, first_target: int, stop: int,
                      name: str = "s.csv"):
     """A one-series in-memory panel (values (n, 6), bar times (n,)) and its split [start, stop) as `PanelSegments`."""
-    from finetune.utils.data.panel import SeriesPanel
-    from finetune.utils.data.panel_split import PanelSegments
+    from finetune.utils.store import SeriesPanel
+    from finetune.utils.windows import PanelSegments
     from model.features import calc_time_stamps
 
     ts = pd.DatetimeIndex(timestamps)

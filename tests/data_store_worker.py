@@ -14,10 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from finetune.utils.data.data_store import StoreSettings, ensure_store
-from finetune.utils.data.panel_split import split_panel
-from finetune.utils.data.window_dataset import EpochSampler
 from finetune.utils.distributed import barrier, distributed_context
+from finetune.utils.windows import EpochSampler, split_panel
+from finetune_csv.data import StoreSettings, ensure_store
 
 LOOKBACK, PREDICT = 8, 4
 

@@ -21,15 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from finetune.utils.config_utils import load_config
-from finetune.utils.data.window_dataset import SeriesArrays, WindowDataset
+from finetune.utils.config_utils import TrainingConfig, load_config
 from finetune.utils.distributed import distributed_context, seed_everything
-from finetune.utils.safety.interrupts import TrainingStopped
-from finetune.utils.training_utils import (
-    TrainingConfig,
-    train_predictor,
-    train_tokenizer,
-)
+from finetune.utils.safety import TrainingStopped
+from finetune.utils.training_utils import train_predictor, train_tokenizer
+from finetune.utils.windows import SeriesArrays, WindowDataset
 
 try:  # imported by the tests as tests.engine_dist_worker, or run as a script (tests/ is then on sys.path)
     from tests import model_factory

@@ -1,4 +1,4 @@
-"""finetune/utils/config_help.py: the key listing is generated from the config dataclasses (types, defaults,
+"""finetune/cli.py: the key listing is generated from the config dataclasses (types, defaults,
 docstrings) and every listed key is real; --help-config / --print-config on a parser and through `kronos`."""
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+import finetune_csv.config as csv_config
 from finetune import cli
-from finetune.config import QlibConfig
-from finetune.config import load as load_qlib_config
-from finetune.utils.config_help import (
+from finetune.cli import (
     KeyDoc,
     SectionDoc,
     _show_default,
@@ -22,8 +21,9 @@ from finetune.utils.config_help import (
     field_docs,
     format_config_help,
 )
+from finetune.config import QlibConfig
+from finetune.config import load as load_qlib_config
 from finetune.utils.config_utils import add_config_args, config_to_dict, load_config
-from finetune_csv import config as csv_config
 from finetune_csv.config import CsvFinetuneConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 import torch
 
-from finetune_csv import FinetuneResult, finetune, train_sequential
+from finetune_csv import train_sequential
+from finetune_csv.api import FinetuneResult, finetune
 from model import Kronos, KronosTokenizer
 
 TINY = {

@@ -1,11 +1,11 @@
-"""Future bar timestamps (finetune_csv.future_calendar): daily, intraday sessions with a lunch break, a calendar."""
+"""Future bar timestamps (finetune_csv.forecast): daily, intraday sessions with a lunch break, a calendar."""
 
 from __future__ import annotations
 
 import pandas as pd
 import pytest
 
-from finetune_csv.future_calendar import future_timestamps, read_calendar
+from finetune_csv.forecast import future_timestamps, read_calendar
 
 
 def session_bars(days: pd.DatetimeIndex) -> pd.DatetimeIndex:

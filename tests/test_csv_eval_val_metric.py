@@ -1,4 +1,4 @@
-"""The CRPS validation metric for checkpoint selection (finetune_csv.val_metric), on tiny untrained models."""
+"""The CRPS validation metric for checkpoint selection (finetune_csv.forecast), on tiny untrained models."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import torch
 
 from finetune.evaluation.forecast_scores import ScoreSettings, score_forecasts
 from finetune_csv.config import CsvFinetuneConfig
-from finetune_csv.held_out import CLOSE, held_out_windows, sample_paths
-from finetune_csv.val_metric import make_crps_val_metric
+from finetune_csv.forecast import CLOSE, held_out_windows, make_crps_val_metric, sample_paths
 from model import KronosPredictor
 from tests.csv_reference import one_series_split
 from tests.model_factory import tiny_models, tiny_predictor

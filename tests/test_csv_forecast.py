@@ -1,4 +1,4 @@
-"""Held-out windows and their sampled forecasts (finetune_csv.held_out), candle consistency (forecast_metrics)."""
+"""Held-out windows and their sampled forecasts (finetune_csv.forecast), candle consistency (forecast_metrics)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from finetune_csv.forecast_metrics import candle_violations
-from finetune_csv.held_out import held_out_windows, sample_paths, spread_evenly
+from finetune_csv.forecast import candle_violations, held_out_windows, sample_paths, spread_evenly
 from tests.csv_reference import one_series_split
 
 
@@ -89,7 +88,7 @@ def test_the_sample_mean_equals_predict_batch_on_dataframes():
 def test_windows_from_the_store_equal_the_pandas_reference_windows(tmp_path, split, stride, cap):
     from finetune.synthetic import generate_ohlcv, write_csv_folder
     from finetune_csv.config import DataConfig
-    from finetune_csv.prepared import prepare_data
+    from finetune_csv.data import prepare_data
     from tests.csv_reference import load_series, reference_held_out_windows, split_series
 
     frames = generate_ohlcv(n_series=3, n_bars=200, freq="5min", seed=4)

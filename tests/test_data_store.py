@@ -14,19 +14,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from finetune.utils.data.data_store import (
+from finetune.utils.store import SeriesPanel, npy_header
+from finetune.utils.windows import SeriesArrays, WindowDataset, split_panel
+from finetune_csv.config import ColumnsConfig, DataConfig
+from finetune_csv.data import (
     StoreError,
     StoreSettings,
     ensure_store,
     open_store,
     prepare_store,
+    wallclock_stamps,
 )
-from finetune.utils.data.panel import SeriesPanel
-from finetune.utils.data.panel_split import split_panel
-from finetune.utils.data.series_cleaning import wallclock_stamps
-from finetune.utils.data.store_writer import npy_header
-from finetune.utils.data.window_dataset import SeriesArrays, WindowDataset
-from finetune_csv.config import ColumnsConfig, DataConfig
 from model.features import calc_time_stamps
 from tests.csv_reference import candles, load_series, split_series
 

@@ -13,13 +13,14 @@ import yaml
 from finetune.utils.config_utils import (
     ConfigError,
     Problems,
+    TrainingConfig,
     add_config_args,
     config_from_args,
     config_to_dict,
     dump_config,
     load_config,
+    validate_training_config,
 )
-from finetune.utils.training_utils import TrainingConfig, validate_training_config
 
 
 @dataclass

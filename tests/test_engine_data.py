@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from finetune.utils.data.panel import SeriesPanel
-from finetune.utils.data.window_dataset import (
+from finetune.utils.store import SeriesPanel
+from finetune.utils.windows import (
     EpochSampler,
     SeriesArrays,
     WindowDataset,

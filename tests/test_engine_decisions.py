@@ -17,12 +17,12 @@ from finetune.utils.distributed import (
     resolve_backend,
     seed_everything,
 )
-from finetune.utils.schedule import step_batch_sizes
 from finetune.utils.training_utils import (
     micro_batch_sizes,
     optimizer_steps_per_epoch,
     should_log,
     should_save_checkpoint,
+    step_batch_sizes,
     update_early_stopping,
 )
 
@@ -123,7 +123,7 @@ def test_seed_plus_rank_and_rng_state_round_trip():
 
 
 def test_resume_setting(tmp_path):
-    from finetune.utils.safety.stage_folder import StageFolderError, plan_run
+    from finetune.utils.safety import StageFolderError, plan_run
 
     assert plan_run(tmp_path, "auto", False, "tokenizer").action == "fresh"
     assert plan_run(tmp_path, "never", False, "tokenizer").action == "fresh"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from finetune.utils.metrics import read_metrics
-from finetune.utils.training_utils import FAULT_ENV
+from finetune.utils.safety import FAULT_ENV
 from tests.engine_dist_worker import tiny_predictor, tiny_tokenizer
 
 pytestmark = pytest.mark.slow

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from finetune.utils.config_utils import Problems
-from finetune.utils.factory import ModelConfig, build_predictor, build_tokenizer
+from finetune.utils.config_utils import ModelConfig, Problems
+from finetune.utils.factory import build_predictor, build_tokenizer
 from model import Kronos, KronosTokenizer
 from model.config import KronosConfig, KronosTokenizerConfig
 from tests.model_factory import TINY_PREDICTOR, TINY_TOKENIZER

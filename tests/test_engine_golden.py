@@ -14,13 +14,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import DistInfo
 from finetune.utils.metrics import read_metrics
-from finetune.utils.training_utils import (
-    TrainingConfig,
-    train_predictor,
-    train_tokenizer,
-)
+from finetune.utils.training_utils import train_predictor, train_tokenizer
 from tests.engine_dist_worker import tiny_datasets, tiny_predictor, tiny_tokenizer
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))

@@ -13,14 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from finetune.utils.distributed import DistInfo
-from finetune.utils.logging_setup import setup_logging
-from finetune.utils.loss_sums import LossSums
-from finetune.utils.safety.faults import FAULT_ENV, maybe_die_after_step
-from finetune.utils.seeding import seed_everything, seeded_init
-from finetune.utils.stages import PredictorStage, TokenizerStage
-from finetune.utils.trainer import Trainer
-from finetune.utils.training_utils import TrainingConfig
+from finetune.utils.config_utils import TrainingConfig
+from finetune.utils.distributed import DistInfo, seed_everything, seeded_init
+from finetune.utils.errors import setup_logging
+from finetune.utils.safety import FAULT_ENV, maybe_die_after_step
+from finetune.utils.training_utils import LossSums, PredictorStage, TokenizerStage, Trainer
 from tests.engine_dist_worker import tiny_datasets, tiny_predictor, tiny_tokenizer
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -91,7 +88,7 @@ def test_fault_hook_exits_only_at_its_step_and_rank(monkeypatch):
     monkeypatch.setenv("KRONOS_FAULT_RANK", "1")
     maybe_die_after_step(2, 1)  # another step
     maybe_die_after_step(3, 0)  # another rank
-    code = ("from finetune.utils.safety.faults import maybe_die_after_step as die\n"
+    code = ("from finetune.utils.safety import maybe_die_after_step as die\n"
             "die(2, 1); die(3, 1); print('survived')")
     env = {FAULT_ENV: "3", "KRONOS_FAULT_RANK": "1", "KRONOS_FAULT_EXIT_CODE": "5"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
@@ -126,11 +123,11 @@ def test_logging_other_ranks_only_warn_and_only_rank_zero_writes_the_file(tmp_pa
 def test_engine_progress_lines_go_through_logging(tmp_path, caplog):
     train_set, val_set = tiny_datasets()
     cfg = TrainingConfig(epochs=1, batch_size=4, max_train_samples=8, num_workers=0, progress_bar=False)
-    with caplog.at_level(logging.INFO, logger="finetune.utils.trainer"):
+    with caplog.at_level(logging.INFO, logger="finetune.utils.training_utils"):
         Trainer(TokenizerStage(tiny_tokenizer()), train_set, val_set, cfg, tmp_path, CPU).fit()
         Trainer(TokenizerStage(tiny_tokenizer()), train_set, val_set, replace(cfg, resume="auto"), tmp_path,
                 CPU).fit()
-    messages = [r.getMessage() for r in caplog.records if r.name == "finetune.utils.trainer"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "finetune.utils.training_utils"]
     assert any(m.startswith("[tokenizer] epoch 1/1  train ") for m in messages)
     assert any(m.startswith("[tokenizer] starting model  val ") for m in messages)
     assert any(m.endswith("already holds a finished run; skipping it (--overwrite or training.overwrite=true "

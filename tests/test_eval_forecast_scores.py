@@ -6,22 +6,19 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from finetune.evaluation.bootstrap import bootstrap_ci, resample_indices
-from finetune.evaluation.forecast_baselines import (
-    infer_season,
-    persistence_samples,
-    seasonal_naive_samples,
-)
 from finetune.evaluation.forecast_scores import (
     ScoreSettings,
-    format_summary,
-    score_forecasts,
-)
-from finetune.evaluation.scoring_rules import (
+    bootstrap_ci,
     crps_ensemble,
+    format_summary,
+    infer_season,
     interval_coverage,
+    persistence_samples,
     pinball_loss,
+    resample_indices,
     sample_quantiles,
+    score_forecasts,
+    seasonal_naive_samples,
     weighted_quantile_loss,
 )
 from model.fileio import strict_json

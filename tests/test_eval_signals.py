@@ -9,16 +9,15 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from finetune.evaluation.baselines import (
+from finetune.evaluation.signals import (
     BaselineSettings,
-    baseline_expressions,
-    baseline_signals,
-)
-from finetune.evaluation.qlib_labels import forward_labels, label_expression
-from finetune.evaluation.signal_analysis import (
     aggregate_seeds,
     analyse_signal,
+    baseline_expressions,
+    baseline_signals,
+    forward_labels,
     ic_decay,
+    label_expression,
     newey_west_tstat,
     plot_ic_decay,
     quantile_group_returns,

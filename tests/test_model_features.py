@@ -26,7 +26,7 @@ def test_contract_names():
 
 
 def test_normalize_is_bit_identical_to_window_dataset_get_batch():
-    from finetune.utils.data.window_dataset import SeriesArrays, WindowDataset
+    from finetune.utils.windows import SeriesArrays, WindowDataset
     rng = np.random.default_rng(0)
     n, lookback, predict = 60, 12, 4
     feats = (100 * np.exp(np.cumsum(rng.normal(0, 0.02, (n, 6)), axis=0))).astype(np.float32)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model import Forecast, KronosPredictor
-from model.predictor_files import PREDICTOR_INFO_NAME, write_predictor_info
+from model.predictor import PREDICTOR_INFO_NAME, write_predictor_info
 from tests.model_factory import tiny_models
 from tests.test_model_predictor import candles
 

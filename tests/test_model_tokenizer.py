@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from model import KronosTokenizer
-from model.bsq import BinarySphericalQuantizer, bits_to_ids, ids_to_bits
+from model.tokenizer import BinarySphericalQuantizer, bits_to_ids, ids_to_bits
 from tests.model_factory import TINY_TOKENIZER
 
 

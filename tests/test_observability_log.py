@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from finetune.utils.logging_setup import (
+from finetune.utils.errors import (
     close_stage_log,
     open_stage_log,
     setup_logging,
     stage_log,
 )
 
-log = logging.getLogger("finetune.utils.trainer")
+log = logging.getLogger("finetune.utils.training_utils")
 
 
 

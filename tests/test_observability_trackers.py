@@ -7,15 +7,9 @@ import json
 
 import pytest
 
-from finetune.utils import trackers
-from finetune.utils.config_utils import ConfigError
-from finetune.utils.metrics import MetricsLogger, read_metrics
-from finetune.utils.trackers import (
-    TrackerUnavailable,
-    default_mlflow_uri,
-    flatten_params,
-    tracker_problems,
-)
+from finetune.utils import metrics as trackers
+from finetune.utils.config_utils import ConfigError, tracker_problems
+from finetune.utils.metrics import MetricsLogger, TrackerUnavailable, default_mlflow_uri, flatten_params, read_metrics
 
 CONFIG = {"training": {"lr": 2e-4, "epochs": 3, "betas": [0.9, 0.95]}, "model": {"pretrained": "NeoQuasar/x"}}
 
@@ -75,7 +69,7 @@ def test_mlflow_run_holds_params_metrics_and_artifacts_and_resume_continues_it(t
 
 def test_missing_tracker_package_is_a_config_error_naming_the_setting(tmp_path, monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(trackers.importlib.util, "find_spec",
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name in ("mlflow", "comet_ml") else real(name, *a))
     assert tracker_problems(mlflow=True, comet=True, tensorboard=False) == [
         ("training.mlflow", "is true but mlflow is not installed: `pip install mlflow` or set it to false"),

@@ -33,8 +33,7 @@ OPTIONAL_IMPORTS = {"comet_ml"}
 # Imported lazily where used, with an error naming the extra to install when missing.
 LAZY_EXTRAS = {"mlflow": "mlflow"}
 # Modules only the Qlib pipeline imports (besides finetune/qlib_*.py).
-QLIB_ONLY = {"finetune/evaluation/qlib_labels.py", "finetune/evaluation/signal_analysis.py",
-             "finetune/evaluation/baselines.py"}
+QLIB_ONLY = {"finetune/evaluation/signals.py"}
 
 
 def _req_set(lines: list[str]) -> set[str]:

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from finetune.synthetic import generate_ohlcv
 from finetune.utils.checkpoint import check_token_sizes
-from finetune.utils.data.window_dataset import SeriesArrays, WindowDataset
 from finetune.utils.training_utils import predictor_loss
+from finetune.utils.windows import SeriesArrays, WindowDataset
 from finetune_csv.config import load
 from model import Kronos, KronosTokenizer
 from model.features import calc_time_stamps

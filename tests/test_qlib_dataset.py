@@ -15,8 +15,8 @@ from finetune.dataset import (
     manifest_settings,
 )
 from finetune.utils.config_utils import Problems
-from finetune.utils.data.panel import SeriesPanel
-from finetune.utils.data.window_dataset import EpochSampler
+from finetune.utils.store import SeriesPanel
+from finetune.utils.windows import EpochSampler
 
 LOOKBACK, PREDICT = 5, 3
 

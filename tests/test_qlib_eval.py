@@ -153,7 +153,7 @@ def test_a_long_suspension_cuts_the_series_and_is_nan_in_the_store(tmp_path, dat
     assert resume == pd.bdate_range("2022-04-25", periods=LOOKBACK)[-1]
     assert read_manifest(cfg.data.dataset_path)["gap_cuts"] == {name: 1}
     # untraded: a score that ranks it first from the day before the stretch never buys it while suspended
-    from finetune.qlib_report import run_backtest
+    from finetune.qlib_test import run_backtest
 
     days = pd.DatetimeIndex(D.calendar(start_time="2022-04-07", end_time="2022-04-29"))
     idx = pd.MultiIndex.from_product([days, sorted(sus)], names=["datetime", "instrument"])
@@ -167,7 +167,7 @@ def test_report_perfect_foresight_first_day_and_strict_json(tmp_path, data):
     init_qlib(cfg)
     from qlib.data import D
 
-    from finetune.evaluation.qlib_labels import forward_labels
+    from finetune.evaluation.signals import forward_labels
 
     calendar = pd.DatetimeIndex(D.calendar(freq="day"))
     split = load_split(split_path(cfg.data.dataset_path, "test"))
@@ -187,7 +187,7 @@ def test_report_perfect_foresight_first_day_and_strict_json(tmp_path, data):
     first = qf_first(cfg)
     names = sorted(set(split.names))
     lab = forward_labels(names, first, TEST[1], deal_price="close", horizons=1)
-    from finetune.qlib_report import score_signal
+    from finetune.qlib_test import score_signal
 
     bt0, bt1 = pd.Timestamp(report["backtest_period"][0]), pd.Timestamp(report["backtest_period"][1])
     perfect, _ = score_signal(cfg, lab["label_1"].dropna(), lab, 1, bt0, bt1)

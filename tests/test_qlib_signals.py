@@ -7,8 +7,8 @@ import pytest
 
 from finetune import qlib_forecast as qt
 from finetune import qlib_io as qio
-from finetune import qlib_report as qr
-from finetune.utils.data.panel import SeriesPanel
+from finetune import qlib_test as qr
+from finetune.utils.store import SeriesPanel
 
 LOOKBACK = 4
 

@@ -6,10 +6,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from finetune.utils.data.candle_checks import (
-    CandleDataError,
+from finetune_csv.config import CandleDataError, FrequencyError
+from finetune_csv.data import (
     Float32RangeError,
-    FrequencyError,
     MixedFrequencyWarning,
     TimestampError,
     TimezoneMixError,

@@ -14,18 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.utils.safety import checkpoint_store as store
-from finetune.utils.safety.checkpoint_store import (
+from finetune.utils import checkpoint as store
+from finetune.utils.checkpoint import (
     LAST_NAME,
     CheckpointError,
     CheckpointWriteError,
+    NonFiniteWeightsError,
     list_checkpoints,
     load_latest,
     prepare_folder,
     remove_orphans,
     save,
 )
-from finetune.utils.safety.guard import NonFiniteWeightsError
 
 
 def state(step: int) -> dict:

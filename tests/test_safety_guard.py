@@ -12,15 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.utils.safety.guard import (
-    DivergenceError,
-    NonFiniteGuard,
-    NonFiniteWeightsError,
-    StepStats,
-    assert_finite_state_dict,
-    check_finite,
-    diagnose,
-)
+from finetune.utils.checkpoint import DivergenceError, NonFiniteWeightsError, assert_finite_state_dict
+from finetune.utils.safety import NonFiniteGuard, StepStats, check_finite, diagnose
 
 ROOT = Path(__file__).resolve().parents[1]
 NAN, INF = float("nan"), float("inf")
@@ -126,7 +119,7 @@ def test_assert_finite_state_dict_names_the_first_bad_tensor():
 
 CHECK = textwrap.dedent("""
     import sys, torch, torch.distributed as tdist
-    from finetune.utils.safety.guard import NonFiniteGuard, DivergenceError
+    from finetune.utils.safety import NonFiniteGuard, DivergenceError
     rank = int(sys.argv[2])
     tdist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=rank, world_size=2)
     guard = NonFiniteGuard(amp=False)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.utils.safety.interrupts import (
+from finetune.utils.safety import (
     STOPPED_EXIT_CODE,
     GracefulStop,
     TrainingStopped,
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LOOP = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from finetune.utils.safety.interrupts import GracefulStop, TrainingStopped, agree_to_stop, stop_requested
+    from finetune.utils.safety import GracefulStop, TrainingStopped, agree_to_stop, stop_requested
     out, save_seconds = Path(sys.argv[1]), float(sys.argv[2])
     log = open(out / "steps.log", "w", buffering=1)
     try:
@@ -128,7 +128,7 @@ def test_training_stopped_message_without_checkpoint():
 
 AGREE = textwrap.dedent("""
     import sys, torch.distributed as tdist
-    from finetune.utils.safety.interrupts import agree_to_stop
+    from finetune.utils.safety import agree_to_stop
     rank = int(sys.argv[2])
     tdist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=rank, world_size=2)
     print(agree_to_stop(rank == 1), agree_to_stop(False))

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from finetune_csv import config as csv_config
-from finetune_csv.model_dirs import predictor_tokenizer_source
+import finetune_csv.config as csv_config
+from finetune_csv.config import predictor_tokenizer_source
 from finetune_csv.train_sequential import plan_stages
 from tests.model_factory import tiny_tokenizer
 

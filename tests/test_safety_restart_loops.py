@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from finetune.utils.checkpoint import list_checkpoints
 from finetune.utils.metrics import read_metrics
-from finetune.utils.safety.checkpoint_store import list_checkpoints
-from finetune.utils.safety.run_lock import RunLock
+from finetune.utils.safety import RunLock
 
 pytestmark = pytest.mark.slow
 

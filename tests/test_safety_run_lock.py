@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from finetune.utils.safety import run_lock
-from finetune.utils.safety.run_lock import LOCK_NAME, RunLock, RunLockedError
+import finetune.utils.safety as run_lock
+from finetune.utils.safety import LOCK_NAME, RunLock, RunLockedError
 
 ROOT = Path(__file__).resolve().parents[1]
 HOLDER = """
 import sys
-from finetune.utils.safety.run_lock import RunLock
+from finetune.utils.safety import RunLock
 lock = RunLock(sys.argv[1]).acquire()
 print("locked", flush=True)
 sys.stdin.read()          # hold until the parent closes stdin (or kills us)

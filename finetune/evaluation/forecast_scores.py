@@ -1,43 +1,248 @@
-"""Score a probabilistic forecast run (CSV pipeline): one nested, strict-JSON dict for metrics.json + a short summary.
+"""Proper scoring rules for sample ensembles (pure numpy).
 
-Inputs, for W forecast windows, S samples and H horizons:
-    samples    (W, S, H)  sampled future values of the target (e.g. close)
-    realised   (W, H)     the values that came
-    last_close (W,)       the last observed value of each window
-    context    (W, L)     optional lookback values (MASE scale, seasonal-naive baseline)
-    series     (W,)       optional series name of each window (per-series table; MASE scale per series)
+Shapes: an ensemble is `samples (..., S)` with S samples on the LAST axis and `obs (...)` the realised values; every
+function returns one score per observation, `(...)`, so callers average over windows / horizons as they need.
 
-Everything is scored in RETURN space relative to the last observed close, r = value / last_close - 1, so a
-high-priced series does not dominate the pooled error. The point forecast is the sample median (optimal for MAE).
-MASE divides each series' MAE by that series' in-sample one-step naive error, mean |c_t / c_{t-1} - 1| over the
-contexts of its windows, and averages series with equal weight. Direction is the sign of the last-horizon return
-(up = > 0) of the median forecast, against a coin (0.5) and the majority class of the scored windows (in hindsight,
-so an upper bound for a constant guess). Persistence and seasonal-naive baselines are scored by the same functions;
-bootstrap intervals resample windows (blocks of `block` consecutive windows) with one seed, the model-minus-
-persistence differences on the same resamples (paired).
+CRPS of an ensemble, with X, X' independent draws from the S samples (Gneiting & Raftery 2007):
+    CRPS = E|X - y| - 1/2 E|X - X'|
+The plain ("nrg") estimator averages |X_i - X_j| over all S^2 pairs (i = j included), as
+`properscoring.crps_ensemble` does; the fair estimator averages over the S (S - 1) pairs with i != j, which is
+unbiased for the CRPS of the distribution the samples come from and matters for small ensembles
+(`scoringrules.crps_ensemble(..., estimator="fair")`). The pair sum uses the sorted-sample identity
+sum_{i,j} |x_i - x_j| = 2 sum_i (2 i - S - 1) x_(i) (i = 1..S), O(S log S) instead of O(S^2).
+
+Also here:
+- Seeded bootstrap confidence intervals over forecast windows (iid or moving-block).
+- Naive forecasts in the model's sample layout, so the same scoring functions rate them.
+- Score a probabilistic forecast run (CSV pipeline): one nested, strict-JSON dict for metrics.json + a short summary.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 
-from finetune.evaluation.bootstrap import bootstrap_ci
-from finetune.evaluation.forecast_baselines import (
-    persistence_samples,
-    seasonal_naive_samples,
-)
-from finetune.evaluation.scoring_rules import (
-    DEFAULT_QUANTILES,
-    crps_ensemble,
-    interval_coverage,
-    pinball_loss,
-    sample_quantiles,
-    weighted_quantile_loss,
-)
 from model.fileio import strict_json
+
+DEFAULT_QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def _check(obs: np.ndarray, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    obs = np.asarray(obs, dtype=np.float64)
+    samples = np.asarray(samples, dtype=np.float64)
+    if samples.ndim < 1 or samples.shape[:-1] != obs.shape:
+        raise ValueError(f"samples shape {samples.shape} must be obs shape {obs.shape} + (S,)")
+    if samples.shape[-1] < 1:
+        raise ValueError("an ensemble needs at least one sample")
+    return obs, samples
+
+
+def crps_ensemble(obs: np.ndarray, samples: np.ndarray, fair: bool = False) -> np.ndarray:
+    """CRPS of each ensemble against its observation.
+
+    Parameters
+    ----------
+    obs : (...) realised values.
+    samples : (..., S) ensemble members.
+    fair : use the unbiased estimator (pairs i != j); needs S >= 2.
+
+    Returns
+    -------
+    (...) CRPS, in the units of `obs`; lower is better, 0 for a perfect point mass.
+    """
+    obs, samples = _check(obs, samples)
+    n = samples.shape[-1]
+    if fair and n < 2:
+        raise ValueError("the fair CRPS needs at least 2 samples per ensemble")
+    spread_to_obs = np.abs(samples - obs[..., None]).mean(axis=-1)  # E|X - y|, (...)
+    ranked = np.sort(samples, axis=-1)
+    weights = 2.0 * np.arange(1, n + 1) - n - 1  # (S,)
+    pair_sum = 2.0 * (ranked * weights).sum(axis=-1)  # sum over all ordered pairs of |x_i - x_j|, (...)
+    pairs = n * (n - 1) if fair else n * n
+    return spread_to_obs - 0.5 * pair_sum / pairs
+
+
+def sample_quantiles(samples: np.ndarray, quantiles=DEFAULT_QUANTILES) -> np.ndarray:
+    """Empirical quantiles of each ensemble (linear interpolation, numpy's default).
+
+    Parameters
+    ----------
+    samples : (..., S); quantiles : (Q,) levels in (0, 1).
+
+    Returns
+    -------
+    (..., Q) quantile forecasts.
+    """
+    q = np.asarray(quantiles, dtype=np.float64)
+    if q.ndim != 1 or not np.all((q > 0) & (q < 1)):
+        raise ValueError(f"quantile levels must lie strictly between 0 and 1, got {list(q)}")
+    return np.moveaxis(np.quantile(np.asarray(samples, dtype=np.float64), q, axis=-1), 0, -1)
+
+
+def pinball_loss(obs: np.ndarray, quantile_forecasts: np.ndarray, quantiles=DEFAULT_QUANTILES) -> np.ndarray:
+    """Pinball (quantile) loss of each quantile forecast: max(q (y - f), (q - 1) (y - f)).
+
+    Parameters
+    ----------
+    obs : (...); quantile_forecasts : (..., Q); quantiles : (Q,) the levels of the last axis.
+
+    Returns
+    -------
+    (..., Q) losses; `sklearn.metrics.mean_pinball_loss` is their mean over observations.
+    """
+    q = np.asarray(quantiles, dtype=np.float64)
+    diff = np.asarray(obs, dtype=np.float64)[..., None] - np.asarray(quantile_forecasts, dtype=np.float64)
+    return np.maximum(q * diff, (q - 1.0) * diff)
+
+
+def weighted_quantile_loss(obs: np.ndarray, quantile_forecasts: np.ndarray, quantiles=DEFAULT_QUANTILES) -> float:
+    """Weighted quantile loss as Chronos reports it: mean over levels of 2 sum(pinball) / sum |y|.
+
+    Parameters
+    ----------
+    obs : (N...) all observations pooled; quantile_forecasts : (N..., Q).
+
+    Returns
+    -------
+    The WQL (a ratio, unit-free); NaN when every observation is 0.
+    """
+    loss = pinball_loss(obs, quantile_forecasts, quantiles)  # (..., Q)
+    scale = np.abs(np.asarray(obs, dtype=np.float64)).sum()
+    if not scale > 0:
+        return float("nan")
+    per_level = 2.0 * loss.reshape(-1, loss.shape[-1]).sum(axis=0) / scale  # (Q,)
+    return float(per_level.mean())
+
+
+def interval_coverage(obs: np.ndarray, samples: np.ndarray, level: float) -> np.ndarray:
+    """Whether each observation lies in the central `level` interval of its ensemble (bounds included).
+
+    Parameters
+    ----------
+    obs : (...); samples : (..., S); level : e.g. 0.5 -> the [0.25, 0.75] sample-quantile interval.
+
+    Returns
+    -------
+    (...) float 1.0 inside / 0.0 outside; its mean is the coverage (a calibrated forecast covers `level`).
+    """
+    if not 0 < level < 1:
+        raise ValueError(f"interval level must be in (0, 1), got {level}")
+    obs, samples = _check(obs, samples)
+    lo, hi = np.quantile(samples, [(1 - level) / 2, (1 + level) / 2], axis=-1)  # (2, ...) -> two (...) arrays
+    return ((obs >= lo) & (obs <= hi)).astype(np.float64)
+
+
+def resample_indices(n: int, n_boot: int, block: int = 1, seed: int = 0) -> np.ndarray:
+    """Bootstrap index sets over `n` windows.
+
+    Parameters
+    ----------
+    n : number of windows; n_boot : number of resamples; block : block length (1 = iid bootstrap);
+    seed : the same seed gives the same resamples.
+
+    Returns
+    -------
+    (n_boot, n) int64 indices; each row concatenates ceil(n / block) blocks of consecutive windows starting at
+    uniformly drawn positions in [0, n - block], cut to n.
+    """
+    if n < 1:
+        raise ValueError("bootstrap needs at least one window")
+    if n_boot < 1:
+        raise ValueError(f"n_boot={n_boot} must be >= 1")
+    block = int(min(max(block, 1), n))
+    rng = np.random.default_rng(seed)
+    n_blocks = -(-n // block)
+    starts = rng.integers(0, n - block + 1, size=(n_boot, n_blocks))  # (n_boot, n_blocks)
+    idx = (starts[:, :, None] + np.arange(block)).reshape(n_boot, -1)  # (n_boot, n_blocks * block)
+    return idx[:, :n]
+
+
+def bootstrap_ci(statistic: Callable[[np.ndarray], float], n: int, n_boot: int = 1000, block: int = 1,
+                 seed: int = 0, level: float = 0.95) -> dict[str, float]:
+    """Percentile confidence interval of `statistic` over resampled windows.
+
+    Parameters
+    ----------
+    statistic : maps an index array (n,) of windows to one number, e.g. `lambda i: crps[i].mean()`; ratios of sums
+        (WQL) and paired differences (model - baseline) are computed inside it on the same indices.
+    n : number of windows; n_boot, block, seed : see `resample_indices`; level : coverage of the interval.
+
+    Returns
+    -------
+    {"estimate": statistic on all windows, "low", "high": percentile bounds, "level", "n_boot", "block"}.
+    """
+    idx = resample_indices(n, n_boot, block, seed)
+    draws = np.array([statistic(row) for row in idx], dtype=np.float64)
+    draws = draws[np.isfinite(draws)]
+    alpha = (1.0 - level) / 2.0
+    low, high = (np.quantile(draws, [alpha, 1.0 - alpha]) if len(draws) else (np.nan, np.nan))
+    return {"estimate": float(statistic(np.arange(n))), "low": float(low), "high": float(high),
+            "level": level, "n_boot": int(n_boot), "block": int(min(max(block, 1), n))}
+
+
+DAYS_PER_WEEK = 5  # trading days: the season of daily bars
+
+
+def persistence_samples(last_close: np.ndarray, horizon: int) -> np.ndarray:
+    """Random-walk forecast: every future value equals the last observed one.
+
+    Parameters
+    ----------
+    last_close : (W,); horizon : H.
+
+    Returns
+    -------
+    (W, 1, H) float64.
+    """
+    last = np.asarray(last_close, dtype=np.float64)
+    return np.repeat(last[:, None, None], horizon, axis=2)
+
+
+def seasonal_naive_samples(context: np.ndarray, horizon: int, season: int) -> np.ndarray:
+    """Seasonal-naive forecast: horizon h (1-based) repeats the value one season earlier, context[L - m + (h-1) % m].
+
+    Parameters
+    ----------
+    context : (W, L) observed values with L >= season; horizon : H; season : m bars (e.g. bars per day).
+
+    Returns
+    -------
+    (W, 1, H) float64.
+    """
+    context = np.asarray(context, dtype=np.float64)
+    if season < 1:
+        raise ValueError(f"season={season} must be >= 1")
+    if context.ndim != 2 or context.shape[1] < season:
+        raise ValueError(f"context of shape {context.shape} is shorter than one season ({season} bars); "
+                         "lengthen the lookback or set the season explicitly")
+    cols = context.shape[1] - season + (np.arange(horizon) % season)  # (H,)
+    return context[:, None, cols]
+
+
+def infer_season(timestamps) -> int:
+    """Bars per trading day for intraday data, else 5 (a trading week of daily bars).
+
+    Parameters
+    ----------
+    timestamps : (N,) datetimes of one series, ascending.
+
+    Returns
+    -------
+    The season m in bars. Raises ValueError for spacings of more than a day (give the season explicitly).
+    """
+    stamps = pd.DatetimeIndex(pd.to_datetime(np.asarray(timestamps)))
+    if len(stamps) < 2:
+        raise ValueError("need at least two timestamps to infer the season; set it explicitly")
+    step = pd.Series(stamps).diff().dropna().median()
+    if step < pd.Timedelta(days=1):
+        return int(pd.Series(stamps.normalize()).value_counts().median())
+    if step <= pd.Timedelta(days=1):
+        return DAYS_PER_WEEK
+    raise ValueError(f"bars are {step} apart; the season cannot be inferred, set it explicitly")
 
 
 @dataclass

@@ -1,12 +1,18 @@
-"""One code path for a single process and for `torchrun` (N processes).
+"""Seeding, in one place: the engine seeds each training run; model building gets a private, seeded stream.
 
-    with distributed_context(timeout_s=1800) as dist:     # reads RANK / WORLD_SIZE / LOCAL_RANK set by torchrun
-        ...                                                # train; side effects only `if dist.is_main`
+    with seeded_init(cfg.training.seed):                 # entry point: a from-scratch model's initial weights
+        tokenizer = build_tokenizer(cfg.model)
+    result = train_tokenizer(tokenizer, ...)             # the engine calls seed_everything(seed, rank) first
 
-Without torchrun there is no process group (a world of 1) and the collective helpers below are no-ops, so the
-training loop never branches on "distributed or not". With torchrun the group is created with a timeout and
-destroyed in exactly one place, the `finally` of `distributed_context`, on success and on failure.
-The backend comes from the environment variable DIST_BACKEND (default: nccl with CUDA, else gloo).
+Why the engine and not the entry point: a stage's random stream (dropout, sampled s1 tokens) must depend on
+(seed, rank) only, not on what the process did before the stage started - e.g. whether the tokenizer stage ran
+before the predictor stage or was skipped because it had already finished. So the trainer seeds python, numpy and
+torch with `seed + rank` as the first thing of every run, and nothing else sets the global streams.
+Model initialisation happens earlier, in the entry point; `seeded_init` gives it the same weights on every run
+without touching the global streams (under DDP, rank 0's weights are broadcast, so one seed for all ranks is right).
+
+Also here:
+- One code path for a single process and for `torchrun` (N processes).
 """
 
 from __future__ import annotations
@@ -15,32 +21,38 @@ import contextlib
 import datetime
 import inspect
 import os
+import random
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as tdist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-# Re-exported for the entry points that import it from here (new code: finetune.utils.seeding).
-from .seeding import seed_everything
 
-__all__ = [
-    "DistInfo",
-    "distributed_context",
-    "launched_by_torchrun",
-    "require_torchrun",
-    "resolve_backend",
-    "barrier",
-    "all_reduce_sum",
-    "all_gather_object",
-    "wrap_model",
-    "no_sync",
-    "seed_everything",
-]
+def seed_everything(seed: int, rank: int = 0) -> int:
+    """Seed python, numpy and torch (all devices) with `seed + rank`; returns the seed used."""
+    s = int(seed) + int(rank)
+    random.seed(s)
+    np.random.seed(s % 2**32)
+    torch.manual_seed(s)
+    return s
+
+
+@contextlib.contextmanager
+def seeded_init(seed: int) -> Iterator[None]:
+    """Run the body (building models) on torch's CPU generator seeded with `seed`; restore the generator after."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(int(seed))  # CPU only: models are built on the CPU
+        yield
+
+
+# Re-exported for the entry points that import it from here (new code: finetune.utils.distributed).
+
 
 
 @dataclass(frozen=True)

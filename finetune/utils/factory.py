@@ -14,53 +14,16 @@ is a ValueError naming the YAML keys to change.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
+from finetune.utils.checkpoint import check_token_sizes, load_pretrained
+from finetune.utils.config_utils import Problems
 from model import Kronos, KronosTokenizer
 from model.config import KronosConfig, KronosTokenizerConfig
-from model.features import FEATURES
 
-from .checkpoint import check_token_sizes, load_pretrained
-from .config_utils import Problems
-
-__all__ = ["ModelConfig", "build_tokenizer", "build_predictor"]
+__all__ = ["build_tokenizer", "build_predictor"]
 
 
-@dataclass
-class ModelConfig:
-    """Starting points of the two models (`model:` in YAML, the same in both pipelines)."""
-
-    pretrained_tokenizer: str | None = "NeoQuasar/Kronos-Tokenizer-base"
-    """Tokenizer to finetune: a save_pretrained folder or a Hugging Face Hub id; null = from scratch
-    (tokenizer_arch)."""
-    pretrained_predictor: str | None = "NeoQuasar/Kronos-small"
-    """Predictor to finetune: a save_pretrained folder or a Hub id; null = from scratch (predictor_arch)."""
-    tokenizer_arch: KronosTokenizerConfig = field(default_factory=KronosTokenizerConfig)
-    """KronosTokenizer constructor arguments when pretrained_tokenizer is null (ignored otherwise)."""
-    predictor_arch: KronosConfig = field(default_factory=KronosConfig)
-    """Kronos constructor arguments when pretrained_predictor is null (s1/s2 bits null = the tokenizer's)."""
-
-    def check(self, problems: Problems, prefix: str = "model") -> None:
-        """Add every problem of these settings to `problems`, named `prefix.key` (no file or Hub access)."""
-        for name in ("pretrained_tokenizer", "pretrained_predictor"):
-            value = getattr(self, name)
-            problems.check(value is None or bool(str(value).strip()), f"{prefix}.{name}",
-                           "is empty; give a folder or hub id, or null to train from scratch")
-        tok, pred = self.tokenizer_arch, self.predictor_arch
-        if self.pretrained_tokenizer is None:
-            for key, message in tok.problems(f"{prefix}.tokenizer_arch"):
-                problems.add(key, message)
-            problems.check(tok.d_in == len(FEATURES), f"{prefix}.tokenizer_arch.d_in",
-                           f"must be {len(FEATURES)} (the features {FEATURES}), got {tok.d_in}")
-        if self.pretrained_predictor is None:
-            for key, message in pred.problems(f"{prefix}.predictor_arch"):
-                problems.add(key, message)
-            if self.pretrained_tokenizer is None:  # both from scratch: the bits can be compared now
-                for bits in ("s1_bits", "s2_bits"):
-                    want, got = getattr(tok, bits), getattr(pred, bits)
-                    problems.check(got is None or got == want, f"{prefix}.predictor_arch.{bits}",
-                                   f"is {got} but {prefix}.tokenizer_arch.{bits} is {want}; set it to null "
-                                   "(= the tokenizer's) or to the same value")
 
 
 def build_tokenizer(pretrained: str | None, arch: KronosTokenizerConfig, key: str = "model") -> KronosTokenizer:

@@ -1,33 +1,334 @@
-"""Training metrics: a JSON-lines log (always), experiment trackers (opt-in, trackers.py), and the loss plot.
+"""Experiment trackers the metrics log mirrors to: TensorBoard, MLflow, Comet (each optional, each opt-in).
 
-Only rank 0 creates a `MetricsLogger(enabled=True)`; on other ranks `enabled=False` makes every call a no-op, so
-the loop does not branch. Each record is one JSON object per line in `metrics.jsonl`. Epochs are numbered the same
-everywhere: epoch 0 is the validation of the starting model before the first optimizer step (step 0); trained
-epochs are 1, 2, ... e.g.
-    {"kind": "val", "step": 0, "epoch": 0, "val_loss": 0.52, "best_val_loss": 0.52, ...}
-    {"kind": "train", "step": 20, "epoch": 1, "lr": 1.9e-4, "loss": 0.41, "samples_per_s": 812.0, ...}
-    {"kind": "val", "step": 40, "epoch": 1, "val_loss": 0.38, "best_val_loss": 0.38, ...}
+`MetricsLogger` (metrics.py) always writes metrics.jsonl; with `training.tensorboard`, `training.mlflow` or
+`training.comet` set it also hands every record to one `Tracker` per backend built by `open_trackers`. Only rank 0
+builds trackers (the logger is disabled elsewhere), so a torchrun job makes one run per stage, not one per process.
+
+Each backend's package is imported only when it is enabled. A backend that is enabled but not installed is a
+configuration mistake: `tracker_problems` names it (for the up-front config check) and `open_trackers` raises
+`TrackerUnavailable` (a `ConfigError`) with the setting to change and the `pip install` line.
+
+MLflow works offline by default: the tracking store is `<stage folder>/mlruns/mlflow.db` (SQLite; MLflow 3 refuses
+plain-file stores) and artefacts go to `<stage folder>/mlruns/artifacts`; view them with
+    mlflow ui --backend-store-uri sqlite:///<stage folder>/mlruns/mlflow.db
+A resumed stage continues the MLflow run it started (its id is kept in `<stage folder>/mlruns/run_id`).
+
+Also here:
+- run_info.json: what a model was trained with and on, written into every output folder.
+- Training metrics: a JSON-lines log (always), experiment trackers (opt-in, trackers.py), and the loss plot.
 """
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import json
 import math
+import platform
+import subprocess
+import sys
+import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .trackers import Tracker, open_trackers
+from finetune.utils.config_utils import ConfigError, tracker_problems
+from model.fileio import write_json
 
-__all__ = [
-    "MetricsLogger",
-    "best_val_record",
-    "loss_curve_figure",
-    "loss_plot_title",
-    "plot_loss_curves",
-    "read_metrics",
-]
+_MLFLOW_PARAM_CHARS = 6000  # MLflow rejects longer parameter values
+_MLFLOW_BATCH = 100  # params per log_batch call (MLflow's limit; metrics allow 1000)
+
+
+class TrackerUnavailable(ConfigError):
+    """A tracker is enabled in the config but its package is not installed."""
+
+
+
+
+def flatten_params(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested config dict -> {"training.lr": 2e-4, ...} (lists and other leaves kept as they are)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, Mapping):
+            out.update(flatten_params(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def default_mlflow_uri(folder: str | Path) -> str:
+    """The offline tracking store of a stage: `sqlite:///<folder>/mlruns/mlflow.db` (absolute path)."""
+    return "sqlite:///" + str((Path(folder) / "mlruns" / "mlflow.db").resolve())
+
+
+class Tracker:
+    """One experiment-tracking backend; the base class ignores everything (so subclasses override what they use)."""
+
+    def log_metrics(self, prefix: str, numbers: Mapping[str, float], step: int) -> None:
+        """Record the finite `numbers` of one metrics.jsonl record under `prefix/` at optimizer step `step`."""
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Record the resolved config (nested dict)."""
+
+    def log_artifacts(self, paths: Iterable[Path]) -> None:
+        """Attach finished files (loss_curve.png, run_info.json) to the run."""
+
+    def close(self, failed: bool = False) -> None:
+        """End the run (`failed` marks it so where the backend knows run states)."""
+
+
+class TensorBoardTracker(Tracker):
+    """Event files under `<folder>/tensorboard` (view: `tensorboard --logdir <folder>/tensorboard`)."""
+
+    def __init__(self, folder: Path):
+        # needs the tensorboard package
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(folder / "tensorboard"))
+
+    def log_metrics(self, prefix: str, numbers: Mapping[str, float], step: int) -> None:
+        for k, v in numbers.items():
+            self.writer.add_scalar(f"{prefix}/{k}", v, step)
+        self.writer.flush()  # a crashed run still shows its curve up to here
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        self.writer.add_text("config", "```\n" + json.dumps(params, indent=2, default=str) + "\n```", 0)
+
+    def close(self, failed: bool = False) -> None:
+        self.writer.close()
+
+
+class MLflowTracker(Tracker):
+    """One MLflow run per stage: flattened config as params, every record's numbers as metrics, final artefacts.
+
+    Uses `MlflowClient` with an explicit run id rather than MLflow's process-global active run, so the two stages
+    of one process (and tests) never log into each other's run.
+    """
+
+    def __init__(self, folder: Path, tracking_uri: str | None, experiment: str, run_name: str | None,
+                 resume: bool):
+        from mlflow.entities import RunStatus
+        from mlflow.tracking import MlflowClient
+
+        self._status = RunStatus
+        store = folder / "mlruns"
+        if tracking_uri is None:
+            store.mkdir(parents=True, exist_ok=True)
+        self.client = MlflowClient(tracking_uri=tracking_uri or default_mlflow_uri(folder))
+        found = self.client.get_experiment_by_name(experiment)
+        if found is not None:
+            experiment_id = found.experiment_id
+        else:
+            # Offline default: artefacts beside the store; a user's server decides its own artefact location.
+            location = (store / "artifacts").resolve().as_uri() if tracking_uri is None else None
+            experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+        self._id_file = store / "run_id"
+        self.run_id = self._previous_run() if resume else None
+        if self.run_id is not None:
+            self.client.update_run(self.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+        else:
+            self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+            store.mkdir(parents=True, exist_ok=True)
+            self._id_file.write_text(self.run_id + "\n", encoding="utf-8")
+
+    def _previous_run(self) -> str | None:
+        """The run id an interrupted run of this stage left, if that run still exists in the store."""
+        if not self._id_file.exists():
+            return None
+        run_id = self._id_file.read_text(encoding="utf-8").strip()
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_run(run_id)
+        except MlflowException:  # deleted or from another store: start a new run instead of failing the resume
+            return None
+        return run_id
+
+    def log_metrics(self, prefix: str, numbers: Mapping[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(f"{prefix}/{k}", float(v), now, step) for k, v in numbers.items()]
+        if metrics:
+            self.client.log_batch(self.run_id, metrics=metrics)
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, _param_value(v)) for k, v in flatten_params(params).items()]
+        for i in range(0, len(items), _MLFLOW_BATCH):
+            self.client.log_batch(self.run_id, params=items[i:i + _MLFLOW_BATCH])
+
+    def log_artifacts(self, paths: Iterable[Path]) -> None:
+        for p in paths:
+            if p is not None and Path(p).exists():
+                self.client.log_artifact(self.run_id, str(p))
+
+    def close(self, failed: bool = False) -> None:
+        status = self._status.FAILED if failed else self._status.FINISHED
+        self.client.set_terminated(self.run_id, status=self._status.to_string(status))
+
+
+class CometTracker(Tracker):
+    """A Comet experiment (needs comet_ml and its API key in the environment)."""
+
+    def __init__(self, project: str | None, run_name: str | None):
+        import comet_ml
+
+        self.experiment = comet_ml.Experiment(project_name=project or None)
+        if run_name:
+            self.experiment.set_name(run_name)
+
+    def log_metrics(self, prefix: str, numbers: Mapping[str, float], step: int) -> None:
+        self.experiment.log_metrics(dict(numbers), prefix=prefix, step=step)
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        self.experiment.log_parameters(flatten_params(params))
+
+    def log_artifacts(self, paths: Iterable[Path]) -> None:
+        for p in paths:
+            if p is not None and Path(p).exists():
+                self.experiment.log_asset(str(p))
+
+    def close(self, failed: bool = False) -> None:
+        self.experiment.end()
+
+
+def open_trackers(
+    folder: str | Path,
+    *,
+    tensorboard: bool = False,
+    mlflow: bool = False,
+    mlflow_tracking_uri: str | None = None,
+    mlflow_experiment: str = "kronos-finetune",
+    comet: bool = False,
+    comet_project: str | None = None,
+    run_name: str | None = None,
+    resume: bool = False,
+) -> list[Tracker]:
+    """The enabled trackers of a stage (rank 0 only: the caller guards it).
+
+    Parameters
+    ----------
+    folder: the stage's output folder (TensorBoard events and the default MLflow store go under it).
+    tensorboard, mlflow, comet: which backends to open.
+    mlflow_tracking_uri: None = the offline store `default_mlflow_uri(folder)`; else any MLflow tracking URI.
+    mlflow_experiment: MLflow experiment name (created if missing).
+    comet_project: Comet project name.
+    run_name: the run's name in MLflow / Comet.
+    resume: continue this stage's earlier MLflow run instead of starting a new one.
+
+    Returns
+    -------
+    One `Tracker` per enabled backend. Raises `TrackerUnavailable` naming every enabled backend not installed.
+    """
+    missing = tracker_problems(tensorboard=tensorboard, mlflow=mlflow, comet=comet)
+    if missing:
+        raise TrackerUnavailable([f"{k}: {m}" for k, m in missing], "Experiment tracker not installed")
+    folder = Path(folder)
+    trackers: list[Tracker] = []
+    try:
+        if tensorboard:
+            trackers.append(TensorBoardTracker(folder))
+        if mlflow:
+            trackers.append(MLflowTracker(folder, mlflow_tracking_uri, mlflow_experiment, run_name, resume))
+        if comet:
+            trackers.append(CometTracker(comet_project, run_name))
+    except BaseException:
+        for t in trackers:  # no half-open runs left behind when a later backend fails to start
+            t.close(failed=True)
+        raise
+    return trackers
+
+
+def _param_value(v: Any) -> str:
+    """A parameter as MLflow stores it: a string of at most 6000 characters."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    text = v if isinstance(v, str) else json.dumps(v, default=str)
+    return text if len(text) <= _MLFLOW_PARAM_CHARS else text[: _MLFLOW_PARAM_CHARS - 3] + "..."
+
+
+_LIBRARIES = ("torch", "numpy", "pandas", "pyqlib", "safetensors", "pyyaml", "huggingface_hub", "matplotlib",
+              "tensorboard", "mlflow")  # the last three: plot and trackers, so a run says which it used
+
+
+def library_versions() -> dict[str, str | None]:
+    """Python and library versions (None for a library that is not installed), plus CUDA when present."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in _LIBRARIES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    try:
+        import torch
+
+        out["torch"] = torch.__version__
+        out["cuda"] = torch.version.cuda if torch.cuda.is_available() else None
+    except ImportError:
+        pass
+    return out
+
+
+def git_commit(path: str | Path | None = None) -> dict[str, Any] | None:
+    """{"commit": sha, "dirty": bool} of the git checkout holding `path` (this package by default), else None."""
+    where = Path(path) if path is not None else Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=where, capture_output=True, text=True, timeout=10, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": sha, "dirty": bool(status.strip())} if sha else None
+
+
+def sha256_file(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in chunks (large data files never sit in memory whole)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_fingerprint(path: str | Path, with_hash: bool = True) -> dict[str, Any]:
+    """{"path", "bytes", "sha256"} of one input file (sha256 None when `with_hash` is False)."""
+    p = Path(path)
+    return {
+        "path": str(p.resolve()),
+        "bytes": p.stat().st_size,
+        "sha256": sha256_file(p) if with_hash else None,
+    }
+
+
+def build_run_info(config: Any, data: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> dict:
+    """The run_info dict: time, command line, config, library versions, git commit, data, and `extra`."""
+    info = {
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": sys.argv,
+        "config": config,
+        "versions": library_versions(),
+        "git": git_commit(),
+        "data": data,
+    }
+    if extra:
+        info.update(extra)
+    return info
+
+
+def write_run_info(
+    folder: str | Path, config: Any, data: dict[str, Any] | None = None, extra: dict[str, Any] | None = None
+) -> Path:
+    """Write `<folder>/run_info.json` atomically (rank 0 only: the caller guards it) and return its path."""
+    return write_json(Path(folder) / "run_info.json", build_run_info(config, data, extra))
 
 
 class MetricsLogger:

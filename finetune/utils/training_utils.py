@@ -1,107 +1,1018 @@
-"""The training entry points both pipelines call: `train_tokenizer`, `train_predictor` and their validation losses.
+"""What a training run remembers (`LoopState`, saved in last.pt as "loop") and what it returns (`TrainResult`).
 
-    with distributed_context(cfg.training.dist_timeout_s) as dist:
-        with seeded_init(cfg.training.seed):                             # from-scratch weights, reproducibly
-            tokenizer = build_tokenizer(...)
-        result = train_tokenizer(tokenizer, train_set, val_set, cfg.training, out_dir, dist,
-                                 run_config=config_to_dict(cfg), data_info=data_info)
-        result = train_predictor(predictor, tokenizer, train_set, val_set, cfg.training, out_dir, dist, ...)
-
-`train_set` / `val_set` are datasets of `(x, x_stamp)` items (normally `WindowDataset`): x float32 (T, F),
-x_stamp int64 (T, 5). Everything the loop writes goes into `output_dir`, from rank 0 only:
-
-    best_model/           save_pretrained folder of the best epoch (config.json + model.safetensors; the
-                          predictor's also holds tokenizer_config.json); loads with from_pretrained. Epoch 0 =
-                          the starting model, validated before the first step, kept unless an epoch beats it
-    checkpoints/step-XXXXXXXX.pt  the newest `training.keep_checkpoints` resumable states (model, optimizer,
-                          schedule, step, RNG states, config, data fingerprint), written atomically
-    checkpoints/last.pt   hard link to the newest step file
-    metrics.jsonl         one JSON object per logged step and per validation (epoch 0 first)
-    loss_curve.png        train and validation loss against the optimizer step
-    run_info.json         resolved config, library versions, git commit, training data (also in best_model/);
-                          "result": {"finished": true, ...} once the run is complete
-    run.lock              present while a run holds the folder (rank 0; released at the end)
-
-Run safety (issue 8), all in the engine: a folder holding an unfinished run is resumed (training.resume=auto), a
-finished one is skipped (`TrainResult.skipped`; `stage_status(folder)` says which without training) unless
-training.overwrite=true; SIGTERM/SIGINT finish the step, save and raise `TrainingStopped` (exit code 75); a
-non-finite loss/gradient raises `DivergenceError` before the update; a second run into a locked folder raises
-`RunLockedError`; a full disk raises `CheckpointWriteError` (OSError). The entry points turn these into one line.
-
-What `data_info` must hold (it is fingerprinted into every checkpoint, and a resume on different data is refused
-unless training.accept_changed_data=true): everything that decides which windows the run trains on, as JSON-able
-values - the input files with their sha256 (provenance.file_fingerprint), each split's row count and first/last
-timestamp (or row range), lookback, predict, stride, clip, feature columns and any sampling caps. Nothing that
-varies between identical runs (absolute temp paths, times).
-
-One optimizer step = `accumulation_steps` micro-batches of `batch_size` windows on each of `world_size` ranks.
-The learning rate follows OneCycleLR, stepped once per optimizer step.
-
-This module is the public face of the engine; the pieces live beside it, one concept per file:
-    training_config.py  TrainingConfig, validate_training_config, resume compatibility
-    stages.py           tokenizer_loss, predictor_loss, the two Stages (loss, clip, loss parts, best-model saving)
-    schedule.py         pure decisions: early stopping, when to log / checkpoint, micro-batch sizes
-    loss_sums.py        the one loss accumulator (log window, epoch loss, validation)
-    trainer.py          Trainer: the loop;  run_state.py: LoopState (last.pt "loop") and TrainResult
-    stage_folder.py     stage_status, the resume / skip / overwrite / refuse decision, data & weight fingerprints
-    resume.py           rank-0 decisions broadcast, checkpoint choice, what a resume may change
-    run_lock.py, interrupts.py, guard.py, checkpoint_store.py: the run-safety pieces the trainer wires in
-    seeding.py, faults.py, logging_setup.py: process-wide helpers
+Also here:
+- `LossSums`: the one accumulator of the loop, for the train log window, the epoch's training loss and validation.
+- The loop's small pure decisions: early stopping, when to log and checkpoint, how an epoch splits into steps.
+- What differs between tokenizer and predictor training: the loss, the default gradient clip, the loss parts
+- The trainer's run-safety steps before training: lock, folder decision, checkpoint choice, what a resume may change.
+- The training loop behind both stages: `Trainer(stage, train_set, val_set, cfg, out, dist, ...).fit()`.
+- The training entry points both pipelines call: `train_tokenizer`, `train_predictor` and their validation losses.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
-from .distributed import DistInfo
-from .run_state import TrainResult
-from .safety.faults import FAULT_ENV
-from .safety.stage_folder import stage_status
-from .schedule import (
-    EarlyStopping,
-    micro_batch_sizes,
-    optimizer_steps_per_epoch,
-    should_log,
-    should_save_checkpoint,
-    update_early_stopping,
+import finetune.utils.checkpoint as checkpoint_store
+from finetune.utils.checkpoint import (
+    CHECKPOINT_FORMAT,
+    assert_finite_state_dict,
+    last_checkpoint_path,
+    load_checkpoint,
+    load_latest,
+    rng_state,
+    save_pretrained_atomic,
+    set_rng_state,
 )
-from .stages import (
-    PREDICTOR_CLIP,
-    TOKENIZER_CLIP,
-    PredictorStage,
-    TokenizerStage,
-    predictor_loss,
-    tokenizer_loss,
+from finetune.utils.config_utils import (
+    ConfigError,
+    Problems,
+    TrainingConfig,
+    check_resume_compatible,
+    config_to_dict,
+    plain,
+    validate_training_config,
 )
-from .trainer import Trainer, ValMetric, evaluate, val_sampler
-from .training_config import TrainingConfig, validate_training_config
+from finetune.utils.distributed import (
+    DistInfo,
+    all_gather_object,
+    all_reduce_sum,
+    barrier,
+    no_sync,
+    seed_everything,
+    wrap_model,
+)
+from finetune.utils.errors import stage_log
+from finetune.utils.metrics import MetricsLogger, loss_plot_title, plot_loss_curves, read_metrics, write_run_info
+from finetune.utils.safety import (
+    GracefulStop,
+    NonFiniteGuard,
+    RunLock,
+    RunPlan,
+    StageFolderError,
+    TrainingStopped,
+    data_fingerprint,
+    describe_changes,
+    ignore_interrupts_in_worker,
+    maybe_die_after_step,
+    plan_run,
+    remove_outputs,
+    weights_fingerprint,
+)
+from finetune.utils.windows import EpochSampler, batches_per_epoch, make_loader, seed_worker
+from model.predictor import PREDICTOR_INFO_NAME, TOKENIZER_CONFIG_NAME, predictor_info
 
-__all__ = [
-    "TrainingConfig",
-    "TrainResult",
-    "stage_status",
-    "EarlyStopping",
-    "train_tokenizer",
-    "train_predictor",
-    "evaluate_tokenizer",
-    "evaluate_predictor",
-    "tokenizer_loss",
-    "predictor_loss",
-    "validate_training_config",
-    "update_early_stopping",
-    "should_save_checkpoint",
-    "should_log",
-    "optimizer_steps_per_epoch",
-    "micro_batch_sizes",
-    "FAULT_ENV",
-    "TOKENIZER_CLIP",
-    "PREDICTOR_CLIP",
-]
+
+@dataclass
+class TrainResult:
+    """What a training loop returns."""
+
+    stage: str
+    """'tokenizer' or 'predictor'."""
+    best_val_loss: float
+    """Validation loss (sample-weighted over all validation windows) of the best epoch; inf if none was finite."""
+    best_epoch: int | None
+    """Epoch of best_model/: 0 = the starting model (validated before the first step), 1.. = trained epochs."""
+    output_dir: Path
+    """The run's output folder."""
+    best_model_dir: Path
+    """save_pretrained folder of the best model (exists once one validation improved)."""
+    last_checkpoint: Path
+    """Resumable checkpoint."""
+    metrics_path: Path
+    """metrics.jsonl."""
+    plot_path: Path | None
+    """loss_curve.png (None without matplotlib)."""
+    run_info_path: Path
+    """run_info.json."""
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """One dict per validation: epoch (0 = the starting model, train_loss None), step, train_loss, val_loss,
+    val_<part>, metric_<name> (with a val_metric), score, lr, seconds."""
+    global_step: int = 0
+    """Optimizer steps done."""
+    stopped_early: bool = False
+    """True when patience ran out before the last epoch."""
+    resumed_from: Path | None = None
+    """Checkpoint this run continued from (or read back, when skipped), if any."""
+    best_score: float = math.inf
+    """The best value of what training.select_by chose (val_loss, or the forecast metric's score)."""
+    skipped: bool = False
+    """The folder held a finished run: nothing was trained, the result was read from its final checkpoint."""
+
+
+@dataclass
+class LoopState:
+    """Everything besides tensors that a resumed run needs to continue exactly (last.pt's "loop" entry)."""
+
+    epoch: int = 0
+    """Current epoch (0-based); equals the epoch count once the run is finished."""
+    step_in_epoch: int = 0
+    """Optimizer steps done in the current epoch."""
+    epoch_loss_sum: float = 0.0
+    """All ranks' sum of per-window training losses so far in this epoch (as of the last mid-epoch checkpoint)."""
+    epoch_windows: int = 0
+    """... and the number of windows in that sum."""
+    global_step: int = 0
+    """Optimizer steps done in the run."""
+    best_val_loss: float = math.inf
+    """Validation loss of the best epoch so far."""
+    best_epoch: int | None = None
+    """Best epoch so far (0 = the starting model)."""
+    best_score: float = math.inf
+    """Best value of the selection score (val_loss or the forecast metric's score) so far."""
+    bad_epochs: int = 0
+    """Validations in a row without improvement (early stopping)."""
+    stopped_early: bool = False
+    """Patience ran out before the last epoch."""
+    finished: bool = False
+    """No epoch left to train."""
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """One entry per validation, epoch 0 (the starting model) first (train and validation loss, lr, seconds)."""
+
+
+@dataclass(frozen=True)
+class ReducedSums:
+    """All ranks' totals of a `LossSums`, on the host."""
+
+    sums: dict[str, float]
+    """"loss" and each part name -> sum over windows of value * windows in its batch."""
+    windows: int
+    """Windows added on all ranks."""
+    extra: tuple[float, ...] = ()
+    """The `extra` numbers passed to `reduce`, summed over ranks."""
+
+    def mean(self, name: str) -> float:
+        """Window-weighted mean of `name` ("loss" or a part); NaN when no window was added."""
+        return self.sums[name] / self.windows if self.windows > 0 else math.nan
+
+    def means(self, prefix: str = "") -> dict[str, float]:
+        """{prefix + name: mean} for "loss" and every part."""
+        return {f"{prefix}{name}": self.mean(name) for name in self.sums}
+
+
+class LossSums:
+    """Per-rank running sums of loss * n, part * n and n.
+
+    Parameters
+    ----------
+    part_names: names of the loss parts, in the order `add` reads them from its `parts` dict.
+    device: where the sums live (the training device: no host sync per batch).
+    loss_sum, windows: starting values (a resumed epoch carries what it had summed before the interruption; give
+        them on one rank only, since `reduce` sums over ranks).
+    """
+
+    def __init__(self, part_names: Sequence[str], device: torch.device, loss_sum: float = 0.0, windows: int = 0):
+        self.names = ("loss", *part_names)
+        # (1 + n_parts + 1,) float64: loss, parts..., windows
+        self.totals = torch.zeros(len(self.names) + 1, dtype=torch.float64, device=device)
+        self.totals[0] = loss_sum
+        self.totals[-1] = windows
+
+    def add(self, loss: torch.Tensor, parts: dict[str, torch.Tensor], n: int) -> None:
+        """Add a batch of `n` windows whose mean loss is `loss` (scalar) and mean parts `parts` (scalars)."""
+        values = torch.stack([loss.detach().double(), *[parts[k].detach().double() for k in self.names[1:]]])
+        self.totals[:-1] += values * n
+        self.totals[-1] += n
+
+    def reduce(self, extra: Sequence[float] = ()) -> ReducedSums:
+        """Sum over all ranks (one all-reduce, `extra` host numbers included); the running sums are unchanged."""
+        extra_t = torch.tensor(list(extra), dtype=torch.float64, device=self.totals.device)
+        totals = all_reduce_sum(torch.cat([self.totals, extra_t])).tolist()
+        k = len(self.names)
+        return ReducedSums(sums=dict(zip(self.names, totals[:k])), windows=int(totals[k]),
+                           extra=tuple(totals[k + 1:]))
+
+
+@dataclass(frozen=True)
+class EarlyStopping:
+    """Early-stopping state after one validation."""
+
+    best: float
+    """Best validation loss so far."""
+    bad_epochs: int
+    """Validations in a row without improvement."""
+    improved: bool
+    """This validation beat the best (save the model)."""
+    stop: bool
+    """Patience is used up: stop training."""
+
+
+def update_early_stopping(
+    best: float, bad_epochs: int, val_loss: float, patience: int, min_delta: float = 0.0
+) -> EarlyStopping:
+    """Fold one validation loss into the early-stopping state; `patience=0` never stops. NaN never improves."""
+    improved = math.isfinite(val_loss) and val_loss < best - min_delta
+    if improved:
+        best, bad_epochs = val_loss, 0
+    else:
+        bad_epochs += 1
+    stop = patience > 0 and bad_epochs >= patience
+    return EarlyStopping(best=best, bad_epochs=bad_epochs, improved=improved, stop=stop)
+
+
+def should_save_checkpoint(step: int, every: int) -> bool:
+    """Write last.pt after optimizer step `step` (mid-epoch)? Every `every` steps; 0 disables."""
+    return every > 0 and step > 0 and step % every == 0
+
+
+def should_log(step: int, every: int, last_step_of_epoch: bool) -> bool:
+    """Write a training record after optimizer step `step`? Every `every` steps and at the end of an epoch."""
+    return last_step_of_epoch or (every > 0 and step % every == 0)
+
+
+def micro_batch_sizes(samples: int, batch_size: int) -> list[int]:
+    """Sizes of the epoch's micro-batches on one rank: full batches, then a possibly smaller last one."""
+    full, rest = divmod(samples, batch_size)
+    return [batch_size] * full + ([rest] if rest else [])
+
+
+def optimizer_steps_per_epoch(samples_per_rank: int, batch_size: int, accumulation_steps: int) -> int:
+    """Optimizer steps in one epoch (the last step may accumulate fewer micro-batches)."""
+    return math.ceil(batches_per_epoch(samples_per_rank, batch_size) / accumulation_steps)
+
+
+def step_batch_sizes(batch_sizes: list[int], step_in_epoch: int, accumulation_steps: int) -> list[int]:
+    """Sizes of the micro-batches that make up optimizer step `step_in_epoch` (0-based) of an epoch on one rank.
+
+    Parameters
+    ----------
+    batch_sizes: the epoch's micro-batch sizes on this rank (`micro_batch_sizes`).
+    step_in_epoch: 0-based optimizer step within the epoch.
+    accumulation_steps: micro-batches per optimizer step; the epoch's last step may get fewer.
+    Returns the sizes, e.g. [4, 4] or, at the end of an epoch, [4, 2] or [2]; empty past the epoch's end.
+    """
+    return batch_sizes[step_in_epoch * accumulation_steps : (step_in_epoch + 1) * accumulation_steps]
+
+
+TOKENIZER_CLIP = 2.0  # reference finetuning's gradient-norm clip for the tokenizer
+PREDICTOR_CLIP = 3.0  # ... and for the predictor
+
+
+def tokenizer_loss(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Tokenizer objective on x (B, T, F): ((mse(z_pre, x) + mse(z, x)) + bsq_loss) / 2.
+
+    `model` is the tokenizer or its DDP wrapper (the forward must go through the wrapper for gradient sync).
+    Returns (loss, parts) with parts {"recon_pre", "recon", "bsq"} (detached scalars).
+    """
+    (z_pre, z), bsq_loss, _, _ = model(x)  # z_pre, z (B, T, F): decodes of the s1 bits and of the full code
+    recon_pre = F.mse_loss(z_pre.float(), x)
+    recon = F.mse_loss(z.float(), x)
+    loss = (recon_pre + recon + bsq_loss.float()) / 2
+    return loss, {"recon_pre": recon_pre.detach(), "recon": recon.detach(), "bsq": bsq_loss.detach().float()}
+
+
+def predictor_loss(
+    model: nn.Module,
+    tokenizer: nn.Module,
+    x: torch.Tensor,
+    x_stamp: torch.Tensor,
+    *,
+    teacher_forcing: bool = True,
+    causal_dep: bool | None = None,
+    head: nn.Module | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Next-token objective of the predictor: mean of the s1 and s2 cross-entropies over all positions.
+
+    x (B, T, F) is encoded by the frozen `tokenizer` (no grad, float32 even under autocast, so the tokens are the
+    ones inference would produce); the predictor reads tokens[:, :-1] with stamps[:, :-1] and is scored on
+    tokens[:, 1:]. `model` is Kronos or its DDP wrapper; `head` defaults to the unwrapped model's head.
+    `causal_dep=True` keeps the dependency layer causal in eval mode (needed for an honest validation loss).
+    Returns (loss, {"s1_loss", "s2_loss"}).
+    """
+    with torch.no_grad(), torch.autocast(device_type=x.device.type, enabled=False):
+        s1, s2 = tokenizer.encode(x, half=True)  # (B, T) int64 each
+    s1_in, s2_in, stamp_in = s1[:, :-1], s2[:, :-1], x_stamp[:, :-1]  # (B, T-1)
+    s1_target, s2_target = s1[:, 1:], s2[:, 1:]  # (B, T-1)
+    kwargs = {"use_teacher_forcing": teacher_forcing, "s1_targets": s1_target}
+    if causal_dep is not None:
+        kwargs["causal_dep"] = causal_dep
+    s1_logits, s2_logits = model(s1_in, s2_in, stamp_in, **kwargs)  # (B, T-1, 2^s1_bits), (B, T-1, 2^s2_bits)
+    if head is None:
+        head = getattr(model, "module", model).head
+    loss, s1_loss, s2_loss = head.compute_loss(s1_logits.float(), s2_logits.float(), s1_target, s2_target)
+    return loss, {"s1_loss": s1_loss.detach(), "s2_loss": s2_loss.detach()}
+
+
+class Stage:
+    """One training stage: the model it trains and what is specific to it."""
+
+    name: str
+    """'tokenizer' or 'predictor' (messages, checkpoint's "stage" key)."""
+    default_clip: float
+    """Gradient-norm clip used when training.clip_grad_norm is null."""
+    part_names: tuple[str, ...]
+    """Names of the detached loss parts `loss()` returns beside the loss, in this order (logged as-is, and as
+    val_<name> after validation)."""
+    model: nn.Module
+    """The module whose parameters are trained (unwrapped)."""
+
+    def loss(
+        self, wrapped: nn.Module, x: torch.Tensor, stamp: torch.Tensor, training: bool
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss on one batch: x (B, T, F) float32, stamp (B, T, 5) int64 -> (scalar loss, {part: scalar}).
+
+        `wrapped` is `model` or its DDP wrapper (the forward must go through the wrapper for gradient sync);
+        `training=False` gives the validation loss.
+        """
+        raise NotImplementedError
+
+    def save_best(self, folder: Path) -> None:
+        """Write the model in the published format (save_pretrained) to `folder`, atomically."""
+        raise NotImplementedError
+
+    def frozen_fingerprint(self) -> str | None:
+        """sha256 of the frozen model this stage's loss depends on (stored in checkpoints; a resume with other
+        frozen weights is refused); None when there is none."""
+        return None
+
+
+class TokenizerStage(Stage):
+    """The BSQ tokenizer trained on reconstruction + BSQ loss."""
+
+    name = "tokenizer"
+    default_clip = TOKENIZER_CLIP
+    part_names = ("recon_pre", "recon", "bsq")
+
+    def __init__(self, tokenizer: nn.Module):
+        self.model = tokenizer
+
+    def loss(self, wrapped, x, stamp, training):
+        return tokenizer_loss(wrapped, x)
+
+    def save_best(self, folder):
+        save_pretrained_atomic(self.model, folder)
+
+
+class PredictorStage(Stage):
+    """The Kronos predictor trained on the next tokens of a frozen tokenizer."""
+
+    name = "predictor"
+    default_clip = PREDICTOR_CLIP
+    part_names = ("s1_loss", "s2_loss")
+
+    def __init__(self, predictor: nn.Module, tokenizer: nn.Module, teacher_forcing: bool,
+                 forecast_info: dict[str, Any] | None = None):
+        self.model = predictor
+        self.tokenizer = tokenizer
+        self.teacher_forcing = teacher_forcing
+        self.forecast_info = forecast_info  # max_context / tokenizer / clip for KronosPredictor.from_pretrained
+
+    def loss(self, wrapped, x, stamp, training):
+        # Validation is always teacher-forced and causal: the s2 head at position t must not see later positions.
+        return predictor_loss(
+            wrapped,
+            self.tokenizer,
+            x,
+            stamp,
+            teacher_forcing=self.teacher_forcing if training else True,
+            causal_dep=None if training else True,
+            head=self.model.head,
+        )
+
+    def save_best(self, folder):
+        # The tokenizer's config travels with the predictor so the pair cannot drift apart.
+        extra = {TOKENIZER_CONFIG_NAME: dict(getattr(self.tokenizer, "config", {}) or {})}
+        if self.forecast_info is not None:  # so that KronosPredictor.from_pretrained(best_model/) needs nothing else
+            extra[PREDICTOR_INFO_NAME] = predictor_info(folder, **self.forecast_info)
+        save_pretrained_atomic(self.model, folder, extra_json=extra)
+
+    def frozen_fingerprint(self):
+        return weights_fingerprint(self.tokenizer)
+
+
+T = TypeVar("T")
+
+
+def on_main(fn: Callable[[], T], dist: DistInfo) -> T:
+    """Run `fn` on rank 0 and hand its value to every rank; a ValueError/OSError it raises is raised on every rank
+    (the original on rank 0, a `StageFolderError` with the same message elsewhere), so all ranks exit cleanly."""
+    value, error = None, None
+    if dist.is_main:
+        try:
+            value = fn()
+        except (ValueError, OSError) as e:
+            error = e
+    shared = all_gather_object((value, None if error is None else str(error)))[0]
+    if error is not None:
+        raise error
+    if shared[1] is not None:
+        raise StageFolderError(shared[1])
+    return shared[0]
+
+
+def validate_format(state: dict) -> None:
+    """A checkpoint_store `validate` hook: the dict must be a training checkpoint of this project."""
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"not a training checkpoint of this project (format {state.get('format')!r})")
+
+
+def load_for_resume(plan: RunPlan, dist: DistInfo, log: Callable[[str], None]) -> tuple[Path, dict] | None:
+    """The checkpoint `plan` resumes (or reads back, when skipping): an explicit file, else the newest usable one
+    in `plan.checkpoint_dir` (a corrupt newest is reported by path and the previous one used). None: nothing."""
+
+    def pick() -> str | None:
+        if plan.checkpoint is not None:
+            load_checkpoint(plan.checkpoint)  # an unusable explicit file is an error, not a silent fresh start
+            return plan.checkpoint
+        found = load_latest(plan.checkpoint_dir, validate=validate_format, log=log)
+        return None if found is None else str(found[0])
+
+    path = on_main(pick, dist)
+    if path is None:
+        return None
+    return Path(path), load_checkpoint(path, map_location=dist.device)
+
+
+def check_data(saved: dict, data_info: dict[str, Any] | None, frozen_fp: str | None, accept: bool,
+               path: Path) -> list[str]:
+    """Compare the checkpoint's data fingerprint and frozen-model hash with this run's.
+
+    Returns the changes found (empty when none, or when the checkpoint predates fingerprints); raises a
+    ConfigError naming them unless `accept` (training.accept_changed_data).
+    """
+    changes = []
+    old_fp = saved.get("data_fingerprint")
+    if old_fp is not None and old_fp != data_fingerprint(data_info):
+        diff = describe_changes(saved.get("data_info"), data_info) or ["(the data description differs)"]
+        changes.append("the training data changed: " + "; ".join(diff))
+    old_frozen = saved.get("frozen_fingerprint")
+    if old_frozen is not None and old_frozen != frozen_fp:
+        changes.append(f"the frozen tokenizer's weights changed (sha256 {old_frozen[:12]} -> {str(frozen_fp)[:12]})")
+    if changes and not accept:
+        raise ConfigError([f"training.accept_changed_data: {c}; set it to true to resume anyway (recorded in "
+                           "run_info.json), or training.overwrite=true to start over" for c in changes],
+                          title=f"Cannot resume from {path}")
+    return changes
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, scheduler: Any, saved: dict) -> None:
+    """Load the checkpoint's optimizer moments and step count, keeping THIS run's optimisation settings.
+
+    `optimizer.load_state_dict` would bring back the old lr/betas/weight_decay and OneCycle bounds; instead the
+    freshly built groups' settings are kept and the freshly built schedule (this run's lr, pct_start, div factors)
+    is moved to the checkpoint's step. With unchanged settings this gives the exact same lr as loading the
+    scheduler's state (the same closed-form OneCycle formula at the same step).
+    """
+    keep = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    optimizer.load_state_dict(saved["optimizer"])
+    for group, settings in zip(optimizer.param_groups, keep):
+        group.update(settings)
+    step = int(saved["scheduler"]["last_epoch"])
+    scheduler.last_epoch = step
+    scheduler._step_count = int(saved["scheduler"].get("_step_count", step + 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # get_lr outside step() warns; it is the closed form here
+        lrs = scheduler.get_lr() if step > 0 else [g["initial_lr"] for g in optimizer.param_groups]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
+@contextlib.contextmanager
+def rng_fork() -> Iterator[None]:
+    """Run a block without moving this process's random streams (python, numpy, torch): epoch-0 validation and
+    forecast metrics must not change the training's dropout / sampling."""
+    saved = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(saved)
+
+
+log = logging.getLogger(__name__)
+
+ValMetric = Callable[[nn.Module, Stage], dict[str, float]]
+"""(model, stage) -> {"score": lower is better, other named values...}; called on every rank after validation."""
+
+
+def _worker_init(worker_id: int) -> None:
+    """DataLoader workers: reproducible seeds, and Ctrl-C left to the training process (graceful stop)."""
+    seed_worker(worker_id)
+    ignore_interrupts_in_worker(worker_id)
+
+
+def quiet_loader(loader):
+    """The loader with workers that ignore SIGINT (make_loader's seeding kept)."""
+    if loader.num_workers > 0:
+        loader.worker_init_fn = _worker_init
+    return loader
+
+
+def train_sampler(dataset: Dataset, cfg: TrainingConfig, dist: DistInfo) -> EpochSampler:
+    """Shuffled per (seed, epoch), capped at max_train_samples, equal share per rank (the remainder dropped)."""
+    return EpochSampler(
+        len(dataset), shuffle=True, seed=cfg.seed, max_samples=cfg.max_train_samples,
+        rank=dist.rank, world_size=dist.world_size, drop_remainder=True,
+    )
+
+
+def val_sampler(dataset: Dataset, cfg: TrainingConfig, dist: DistInfo) -> EpochSampler:
+    """Ordered, nothing dropped or duplicated (an exact loss); a capped run draws a seeded subset per epoch."""
+    return EpochSampler(
+        len(dataset), shuffle=False, seed=cfg.seed + 1, max_samples=cfg.max_val_samples,
+        rank=dist.rank, world_size=dist.world_size, drop_remainder=False,
+    )
+
+
+def autocast(cfg: TrainingConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA when training.amp=bf16; nothing otherwise."""
+    if cfg.amp == "bf16" and device.type == "cuda":
+        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def evaluate(stage: Stage, wrapped: nn.Module, dataset: Dataset, sampler: EpochSampler, cfg: TrainingConfig,
+             dist: DistInfo, epoch: int) -> dict[str, float]:
+    """Validation loss of `stage` over every window `sampler` deals (all ranks), in eval mode.
+
+    Returns {"val_loss", "val_<part>" for each of stage.part_names, "val_windows"}: window-weighted means over all
+    ranks (sums and counts all-reduced, not batch means). A rank with no window still joins the all-reduce.
+    """
+    was_training = stage.model.training
+    stage.model.eval()
+    loader = quiet_loader(make_loader(dataset, sampler, cfg.batch_size, epoch=epoch, seed=cfg.seed + 1,
+                                      num_workers=cfg.num_workers, pin_memory=dist.device.type == "cuda"))
+    sums = LossSums(stage.part_names, dist.device)
+    for x, stamp in loader:
+        # x (B, T, F), stamp (B, T, 5)
+        x, stamp = x.to(dist.device, non_blocking=True), stamp.to(dist.device, non_blocking=True)
+        with autocast(cfg, dist.device):
+            loss, parts = stage.loss(wrapped, x, stamp, training=False)
+        sums.add(loss, parts, x.shape[0])
+    totals = sums.reduce()
+    stage.model.train(was_training)
+    return {**totals.means(prefix="val_"), "val_windows": totals.windows}
+
+
+class Trainer:
+    """One training run of one stage. Build it, call `fit()` once.
+
+    Parameters
+    ----------
+    stage: what is trained and how its loss is computed (`TokenizerStage` / `PredictorStage`).
+    train_set, val_set: datasets of (x (T, F) float32, x_stamp (T, 5) int64) items.
+    cfg: loop settings (validated here: a ConfigError lists every problem).
+    out: the stage's output folder (written by rank 0 only).
+    dist: from `distributed_context()`.
+    run_config, data_info: stored in run_info.json and the checkpoint; data_info's fingerprint guards a resume
+        (what it must hold: training_utils.py).
+    val_metric: optional forecast metric (model, stage) -> {"score", ...}, run after each validation; with
+        training.select_by = its name, its "score" (lower is better) picks best_model/ instead of val_loss.
+    data_extremes: what the data check flagged (for the divergence diagnosis), or None.
+    """
+
+    def __init__(self, stage: Stage, train_set: Dataset, val_set: Dataset, cfg: TrainingConfig, out: Path,
+                 dist: DistInfo, run_config: dict[str, Any] | None = None, data_info: dict[str, Any] | None = None,
+                 val_metric: ValMetric | None = None, data_extremes: str | None = None):
+        problems = Problems()
+        validate_training_config(cfg, problems)
+        problems.check(cfg.select_by == "loss" or val_metric is not None, "training.select_by",
+                       f"{cfg.select_by!r} needs a forecast metric this pipeline does not provide; use 'loss'")
+        problems.raise_if_any()
+        # The one place the global random streams are set (see seeding.py): dropout and sampled tokens of this run
+        # depend on (seed, rank) only.
+        seed_everything(cfg.seed, dist.rank)
+
+        self.stage, self.cfg, self.out, self.dist = stage, cfg, Path(out), dist
+        self.model, self.device = stage.model, dist.device
+        self.train_set, self.val_set = train_set, val_set
+        self.run_config = run_config if run_config is not None else {"training": config_to_dict(cfg)}
+        self.data_info = data_info
+        self.val_metric = val_metric
+        self.frozen_fp = stage.frozen_fingerprint()  # the predictor's tokenizer weights (None for the tokenizer)
+        self.best_dir, self.ckpt_path = self.out / "best_model", last_checkpoint_path(self.out)
+
+        # Data: the samplers fix the order from (seed, epoch); the loaders are rebuilt every epoch.
+        self.train_sampler = train_sampler(train_set, cfg, dist)
+        self.val_sampler = val_sampler(val_set, cfg, dist)
+        samples_per_rank = self.train_sampler.samples_per_rank()
+        if samples_per_rank < 1:
+            raise ValueError(
+                f"{stage.name}: {len(train_set)} training windows cannot be split over {dist.world_size} "
+                "processes; add data or use fewer processes"
+            )
+        self.batch_sizes = micro_batch_sizes(samples_per_rank, cfg.batch_size)  # this rank's micro-batches per epoch
+        self.steps_per_epoch = optimizer_steps_per_epoch(samples_per_rank, cfg.batch_size, cfg.accumulation_steps)
+
+        # Model, optimizer, schedule (OneCycle over every optimizer step of every epoch).
+        self.model.to(self.device)
+        self.clip = stage.default_clip if cfg.clip_grad_norm is None else cfg.clip_grad_norm
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+            fused=self.device.type == "cuda",
+        )
+        self.optimizer.zero_grad(set_to_none=True)  # a model reused after a failed run may hold (NaN) gradients
+        # cycle_momentum=False: OneCycleLR would otherwise overwrite AdamW's beta1 (0.85..0.95), ignoring cfg.betas.
+        self.scheduler = torch.optim.lr_scheduler.OneCycleLR(
+            self.optimizer, max_lr=cfg.lr, total_steps=self.steps_per_epoch * cfg.epochs, pct_start=cfg.pct_start,
+            div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor, cycle_momentum=False,
+        )
+        if cfg.amp == "bf16" and self.device.type != "cuda":
+            warnings.warn("training.amp=bf16 needs CUDA; training in float32 on CPU", stacklevel=2)
+
+        # Run safety: one run per folder (rank 0 holds the lock), signals -> graceful stop, non-finite guard.
+        self.lock = RunLock(self.out, enabled=dist.is_main, key="the stage's output folder (output_dir)",
+                            log=log.warning)
+        self.stopper = GracefulStop(enabled=False)  # the real one is entered in fit()
+        self.guard = NonFiniteGuard(amp=cfg.amp == "bf16" and self.device.type == "cuda", dist=dist,
+                                    data_extremes=data_extremes)
+        self.stop_agreed = False  # some rank received SIGTERM/SIGINT: stop after this step
+        self.step_loss = torch.zeros((), device=self.device)  # the current optimizer step's loss (weighted mean)
+        self.plan = RunPlan("fresh")
+
+        # Run state: replaced by the checkpoint's in resume(); updated by the steps.
+        self.state = LoopState()
+        self.resume_path: Path | None = None
+        self.wrapped: nn.Module = self.model  # the DDP wrapper once resume() ran (the model itself in one process)
+        self.logger = MetricsLogger(self.out, enabled=False)  # the real one is opened in open_outputs()
+        self.run_extra: dict[str, Any] = {}  # stage, world size, resumed_from: added to every run_info.json
+        self.bar = tqdm(disable=True)  # this epoch's progress bar (rank 0 with training.progress_bar)
+        self.epoch_start = time.perf_counter()
+        self.epoch_sums = LossSums(stage.part_names, self.device)  # the epoch's training loss so far
+        self.window = LossSums(stage.part_names, self.device)  # training loss since the last log record
+        self.window_start = time.perf_counter()
+        self.window_data_wait = 0.0  # seconds this rank waited for the loader in the window
+        self.window_len = 0  # T of the last batch: tokens/s = windows/s * T
+        self.grad_norm: torch.Tensor | None = None  # of the last optimizer step (None without clipping)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def fit(self) -> TrainResult:
+        """Take the folder, decide (resume / skip / overwrite), train the remaining epochs, write the final outputs.
+
+        Raises TrainingStopped after saving on SIGTERM/SIGINT, DivergenceError on a non-finite step (nothing of it
+        applied, the last checkpoint kept), RunLockedError / StageFolderError / ConfigError on every rank when the
+        folder or settings refuse the run.
+        """
+        with GracefulStop() as self.stopper:
+            try:
+                self.take_folder()
+                if self.plan.action == "skip":
+                    return self.read_finished()
+                # Everything this run logs (rank 0) also goes to <stage>/train.log, appended across resumes.
+                with stage_log(self.out / "train.log", rank=self.dist.rank, stage=self.stage.name,
+                               resumed_from=self.plan.checkpoint or self.plan.checkpoint_dir):
+                    self.resume()
+                    self.open_outputs()
+                    if self.resume_path is None:
+                        self.validate_start()
+                    while not self.state.finished:
+                        self.train_epoch()
+                        self.end_epoch()
+                    return self.finish()  # closes the trackers after handing them the final files
+            except BaseException:
+                self.logger.close(failed=True)  # an MLflow run is marked FAILED, metrics.jsonl is flushed
+                raise
+            finally:
+                self.logger.close()
+                self.lock.release()
+
+    def take_folder(self) -> None:
+        """Rank 0 locks the stage folder, decides what to do with what it holds, deletes replaced outputs and
+        leftovers of killed writes (under the lock); every rank gets the decision or the same error."""
+
+        def decide() -> RunPlan:
+            self.lock.acquire()
+            plan = plan_run(self.out, self.cfg.resume, self.cfg.overwrite, self.stage.name)
+            if plan.message:
+                log.info("%s", plan.message)
+            remove_outputs(self.out, plan.remove)
+            checkpoint_store.prepare_folder(self.out, log=log.warning)
+            checkpoint_store.prepare_folder(self.ckpt_path.parent, log=log.warning)
+            return plan
+
+        self.plan = on_main(decide, self.dist)
+
+    def read_finished(self) -> TrainResult:
+        """A finished run is not retrained: its final checkpoint's weights go into the model, its result is returned."""
+        found = load_for_resume(self.plan, self.dist, log.warning)
+        if found is None:
+            raise ValueError(f"{self.out}: run_info.json says finished but no checkpoint is left")
+        self.resume_path, saved = found
+        # A finished run made with other epochs / batch / model settings is not "this" run: say so, not skip.
+        check_resume_compatible(saved, self.cfg, self.dist.world_size, self.stage.name, self.model_args(),
+                                self.resume_path)
+        self.model.load_state_dict(saved["model"])
+        loop = dict(saved["loop"])
+        loop.setdefault("best_score", loop.get("best_val_loss", math.inf))
+        self.state = LoopState(**loop)
+        plot = self.out / "loss_curve.png"
+        return self.result(plot if plot.exists() else None, skipped=True)
+
+    def resume(self) -> None:
+        """Load the newest usable checkpoint when the plan says resume, then wrap the model for DDP (broadcasts rank
+        0's weights). A resume may change optimisation settings (each named in one line) but not the data order,
+        shapes, data or frozen tokenizer (unless training.accept_changed_data)."""
+        found = load_for_resume(self.plan, self.dist, log.warning) if self.plan.action == "resume" else None
+        if found is not None:
+            self.resume_path, saved = found
+            changed = check_resume_compatible(saved, self.cfg, self.dist.world_size, self.stage.name,
+                                              self.model_args(), self.resume_path)
+            accepted = check_data(saved, self.data_info, self.frozen_fp, self.cfg.accept_changed_data,
+                                  self.resume_path)
+            self.model.load_state_dict(saved["model"])
+            restore_optimizer(self.optimizer, self.scheduler, saved)
+            loop = dict(saved["loop"])
+            loop.setdefault("best_score", loop.get("best_val_loss", math.inf))
+            self.state = LoopState(**loop)
+            set_rng_state(saved["rng"][self.dist.rank])  # this rank's own python/numpy/torch streams
+            self.run_extra = {"changed_on_resume": changed, "accepted_changed_data": accepted}
+            if self.dist.is_main:
+                log.info("[%s] resuming from %s at step %d", self.stage.name, self.resume_path, self.state.global_step)
+                if changed:
+                    log.info("[%s] settings changed since the checkpoint: %s", self.stage.name, "; ".join(changed))
+                for text in accepted:
+                    log.warning("[%s] training.accept_changed_data=true: %s", self.stage.name, text)
+        self.wrapped = wrap_model(self.model, self.dist)
+
+    def open_outputs(self) -> None:
+        """metrics.jsonl and run_info.json (rank 0 only)."""
+        cfg = self.cfg
+        self.logger = MetricsLogger(
+            self.out, enabled=self.dist.is_main, tensorboard=cfg.tensorboard, mlflow=cfg.mlflow,
+            mlflow_tracking_uri=cfg.mlflow_tracking_uri, mlflow_experiment=cfg.mlflow_experiment, comet=cfg.comet,
+            comet_project=cfg.comet_project, run_name=f"{self.out.name}-{self.stage.name}",
+            resume_step=self.state.global_step if self.resume_path is not None else None,
+        )
+        self.run_extra = {"stage": self.stage.name, "world_size": self.dist.world_size, "select_by": cfg.select_by,
+                          "resumed_from": str(self.resume_path) if self.resume_path else None,
+                          **{k: v for k, v in self.run_extra.items() if v}}
+        if self.dist.is_main:
+            write_run_info(self.out, self.run_config, self.data_info, self.run_extra)
+            self.logger.log_params(self.run_config)
+
+    def validate_start(self) -> None:
+        """Epoch 0: validate the starting model before the first step; it is best_model/ until an epoch beats it.
+        The random streams are restored afterwards, so training is the same as without this validation."""
+        self.epoch_start = time.perf_counter()
+        with rng_fork():
+            self.validate_and_select(epoch=0, train_loss=None)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def train_epoch(self) -> None:
+        """The epoch's optimizer steps (or the rest of them, after a mid-epoch resume)."""
+        cfg, state = self.cfg, self.state
+        self.epoch_start = time.perf_counter()
+        self.model.train()
+        loader = quiet_loader(make_loader(
+            self.train_set, self.train_sampler, cfg.batch_size, epoch=state.epoch, seed=cfg.seed,
+            skip_batches=state.step_in_epoch * cfg.accumulation_steps, num_workers=cfg.num_workers,
+            pin_memory=self.device.type == "cuda",
+        ))
+        # After a resume rank 0 carries the (all ranks') sum of the part of the epoch done before the interruption.
+        carried = (state.epoch_loss_sum, state.epoch_windows) if self.dist.is_main else (0.0, 0)
+        self.epoch_sums = LossSums(self.stage.part_names, self.device, *carried)
+        self.reset_window()
+        show_bar = self.dist.is_main and cfg.progress_bar
+        self.bar = tqdm(total=self.steps_per_epoch, initial=state.step_in_epoch, disable=not show_bar,
+                        desc=f"{self.stage.name} epoch {state.epoch + 1}/{cfg.epochs}", dynamic_ncols=True,
+                        leave=False)
+        with logging_redirect_tqdm() if show_bar else contextlib.nullcontext():  # log lines above the bar
+            batches = iter(loader)
+            while state.step_in_epoch < self.steps_per_epoch:
+                self.train_step(batches)
+                self.after_step()
+            del batches  # shuts the loader's workers down
+        self.bar.close()
+
+    def train_step(self, batches) -> None:
+        """One optimizer step: its micro-batches from `batches` (forward + backward each), then the update."""
+        sizes = step_batch_sizes(self.batch_sizes, self.state.step_in_epoch, self.cfg.accumulation_steps)
+        self.step_loss = torch.zeros((), device=self.device)
+        for i in range(len(sizes)):
+            t_wait = time.perf_counter()
+            x, stamp = next(batches)
+            self.window_data_wait += time.perf_counter() - t_wait
+            x = x.to(self.device, non_blocking=True)  # (B, T, F)
+            stamp = stamp.to(self.device, non_blocking=True)  # (B, T, 5)
+            # Weight each micro-batch by its share of the step's windows, so the step's gradient is the mean over
+            # all its windows also when the epoch's last micro-batch is smaller.
+            self.forward_backward_step(x, stamp, weight=x.shape[0] / sum(sizes), sync=i == len(sizes) - 1)
+        self.optimizer_step()
+
+    def forward_backward_step(self, x: torch.Tensor, stamp: torch.Tensor, weight: float, sync: bool) -> None:
+        """Loss of one micro-batch x (B, T, F), stamp (B, T, 5); backward of loss * weight; DDP all-reduces the
+        gradients only when `sync` (the step's last micro-batch). The loss goes into the window and epoch sums."""
+        with contextlib.nullcontext() if sync else no_sync(self.wrapped):
+            with autocast(self.cfg, self.device):
+                loss, parts = self.stage.loss(self.wrapped, x, stamp, training=True)
+            (loss * weight).backward()
+        self.step_loss = self.step_loss + loss.detach().float() * weight  # the step's window-weighted mean loss
+        self.window.add(loss, parts, x.shape[0])
+        self.epoch_sums.add(loss, parts, x.shape[0])
+        self.window_len = x.shape[1]
+
+    def optimizer_step(self) -> None:
+        """Clip, check (all ranks agree: a non-finite loss/gradient raises DivergenceError before any weight moves;
+        a stop request is agreed in the same all-reduce), update, advance the schedule and the step counters."""
+        if self.clip > 0:
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        else:  # no clipping, but the guard still needs the norm
+            self.grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        self.stop_agreed = self.guard.check(self.state.global_step + 1, self.step_loss, self.grad_norm,
+                                            stop=self.stopper.requested)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.global_step += 1
+        self.state.step_in_epoch += 1
+        self.bar.update(1)
+
+    def after_step(self) -> None:
+        """Log the window, write a mid-epoch checkpoint when due, then the test fault hook."""
+        state, cfg = self.state, self.cfg
+        end_of_epoch = state.step_in_epoch == self.steps_per_epoch
+        if should_log(state.global_step, cfg.log_every_steps, end_of_epoch):
+            self.log_window()
+        if self.stop_agreed:
+            self.save_last(mid_epoch=True)
+            raise TrainingStopped(self.stopper.signal_name or "a signal to another process", self.ckpt_path,
+                                  state.global_step)
+        if not end_of_epoch and should_save_checkpoint(state.global_step, cfg.save_every_steps):
+            self.save_last(mid_epoch=True)
+        maybe_die_after_step(state.global_step, self.dist.rank)
+
+    def reset_window(self) -> None:
+        """Start a new log window (sums, clock, loader wait)."""
+        self.window = LossSums(self.stage.part_names, self.device)
+        self.window_start = time.perf_counter()
+        self.window_data_wait = 0.0
+
+    def log_window(self) -> None:
+        """One metrics.jsonl "train" record: the window's mean losses over all ranks, throughput, loader wait."""
+        seconds = max(time.perf_counter() - self.window_start, 1e-9)
+        totals = self.window.reduce(extra=[self.window_data_wait])
+        record = totals.means()
+        record["samples_per_s"] = totals.windows / seconds
+        record["tokens_per_s"] = totals.windows * self.window_len / seconds  # candles (= token pairs) per second
+        record["data_wait_s"] = totals.extra[0] / self.dist.world_size  # mean over ranks
+        record["seconds"] = seconds
+        record.update(step=self.state.global_step, epoch=self.state.epoch + 1, lr=self.scheduler.get_last_lr()[0])
+        if self.grad_norm is not None:
+            record["grad_norm"] = float(self.grad_norm)
+        if not math.isfinite(record["loss"]):
+            raise FloatingPointError(
+                f"{self.stage.name}: training loss is {record['loss']} at step {self.state.global_step}; "
+                "lower training.lr or set training.amp=none"
+            )
+        self.logger.log({"kind": "train", **record})
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
+        self.reset_window()
+
+    # ------------------------------------------------------------------------------------------------------------
+    def end_epoch(self) -> None:
+        """Validate, keep the best model, update early stopping, write the checkpoint."""
+        state, cfg = self.state, self.cfg
+        train_loss = self.epoch_sums.reduce().mean("loss")
+        stop = self.validate_and_select(epoch=state.epoch + 1, train_loss=train_loss)
+        state.epoch, state.step_in_epoch = state.epoch + 1, 0
+        state.epoch_loss_sum, state.epoch_windows = 0.0, 0
+        state.stopped_early = stop and state.epoch < cfg.epochs
+        state.finished = stop or state.epoch >= cfg.epochs
+        self.save_last()
+
+    def validate_and_select(self, epoch: int, train_loss: float | None) -> bool:
+        """Validate after `epoch` (0 = the starting model), save best_model/ when the score improved, log the
+        record; returns the early-stopping decision."""
+        state, cfg, stage, dist = self.state, self.cfg, self.stage, self.dist
+        # The sampler's epoch (a fresh subset per epoch under max_val_samples): epoch 0 shares epoch 1's.
+        val = evaluate(stage, self.wrapped, self.val_set, self.val_sampler, cfg, dist, max(epoch - 1, 0))
+        score = val["val_loss"]
+        if self.val_metric is not None:
+            with rng_fork():  # a sampled forecast metric must not move the training's random streams
+                metric = self.val_metric(self.model, stage)
+            val.update({f"metric_{k}": float(v) for k, v in metric.items()})
+            if cfg.select_by != "loss":
+                score = float(metric["score"])
+        decision = update_early_stopping(state.best_score, state.bad_epochs, score, cfg.patience, cfg.min_delta)
+        if decision.improved:
+            state.best_epoch, state.best_val_loss = epoch, val["val_loss"]
+            if dist.is_main:
+                self.save_best(epoch, val["val_loss"])
+            barrier()
+        state.best_score, state.bad_epochs = decision.best, (0 if epoch == 0 else decision.bad_epochs)
+        entry = {"epoch": epoch, "step": state.global_step, "train_loss": train_loss, **val, "score": score,
+                 "lr": self.scheduler.get_last_lr()[0], "seconds": time.perf_counter() - self.epoch_start}
+        state.history.append(entry)
+        self.logger.log({"kind": "val", **entry, "best_val_loss": state.best_val_loss, "best_score": state.best_score,
+                         "improved": decision.improved})
+        if dist.is_main:
+            what = "starting model" if epoch == 0 else f"epoch {epoch}/{cfg.epochs}  train {train_loss:.4f}"
+            log.info("[%s] %s  val %.4f%s  best %.4f%s", stage.name, what, val["val_loss"],
+                     f"  {cfg.select_by} {score:.4f}" if cfg.select_by != "loss" else "", state.best_score,
+                     "  (saved)" if decision.improved else "")
+        return decision.stop and epoch > 0
+
+    def save_best(self, epoch: int, val_loss: float) -> None:
+        """best_model/ in the published format plus its run_info.json (rank 0); never non-finite weights, and a
+        full disk is reported with the folder, free space and bytes needed."""
+        assert_finite_state_dict(self.model.state_dict(), str(self.best_dir))
+        try:
+            self.stage.save_best(self.best_dir)
+            write_run_info(self.best_dir, self.run_config, self.data_info,
+                           {**self.run_extra, "epoch": epoch, "val_loss": val_loss})
+        except OSError as e:
+            if checkpoint_store.is_space_error(e):
+                needed = checkpoint_store.estimate_bytes(self.model.state_dict())
+                raise checkpoint_store.space_error(self.best_dir / "model.safetensors", needed, e) from e
+            raise
+
+    def save_last(self, mid_epoch: bool = False) -> None:
+        """Write checkpoints/last.pt (rank 0; every rank's RNG state included), then wait for all ranks.
+
+        `mid_epoch`: also store the epoch's running training loss (all ranks' sums) so a resumed epoch reports the
+        same mean as an uninterrupted one.
+        """
+        rngs = all_gather_object(rng_state())  # every rank resumes its own random stream
+        if mid_epoch:
+            totals = self.epoch_sums.reduce()
+            self.state.epoch_loss_sum, self.state.epoch_windows = totals.sums["loss"], totals.windows
+        if self.dist.is_main:
+            checkpoint_store.save(
+                {
+                    "format": CHECKPOINT_FORMAT,
+                    "stage": self.stage.name,
+                    "model": self.model.state_dict(),
+                    "model_args": self.model_args(),
+                    "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "grad_scaler": None,  # bf16 autocast needs no loss scaling
+                    "loop": dataclasses.asdict(self.state),
+                    "rng": rngs,
+                    "world_size": self.dist.world_size,
+                    "training_config": config_to_dict(self.cfg),
+                    "run_config": plain(self.run_config),
+                    "data_info": plain(self.data_info),
+                    "data_fingerprint": data_fingerprint(plain(self.data_info)),
+                    "frozen_fingerprint": self.frozen_fp,
+                },
+                self.ckpt_path.parent, self.state.global_step, keep=self.cfg.keep_checkpoints, log=log.warning,
+            )
+        barrier()
+
+    def model_args(self) -> dict[str, Any]:
+        """The model's constructor arguments as plain data (checkpoint's "model_args")."""
+        return plain(dict(getattr(self.model, "config", {}) or {}))
+
+    # ------------------------------------------------------------------------------------------------------------
+    def finish(self) -> TrainResult:
+        """Loss plot and final run_info.json with "finished": true (rank 0), then the result."""
+        state = self.state
+        plot_path = self.out / "loss_curve.png"
+        if self.dist.is_main:
+            source = (self.run_config.get("model") or {}).get(f"pretrained_{self.stage.name}")
+            title = loss_plot_title(self.stage.name, source)  # "finetuned from X" or "trained from scratch"
+            if plot_loss_curves(read_metrics(self.logger.path), plot_path, title=title,
+                                best_epoch=self.state.best_epoch) is None:
+                plot_path = None
+            result = {"best_val_loss": state.best_val_loss, "best_epoch": state.best_epoch,
+                      "best_score": state.best_score, "global_step": state.global_step,
+                      "stopped_early": state.stopped_early, "finished": state.finished}
+            write_run_info(self.out, self.run_config, self.data_info, {**self.run_extra, "result": result})
+            if state.best_epoch == 0 and state.global_step > 0:
+                log.info("[%s] no epoch beat the starting model; best_model/ is the starting model", self.stage.name)
+            self.logger.log_artifacts(*(p for p in (plot_path, self.out / "run_info.json") if p is not None))
+        self.logger.close()
+        barrier()
+        return self.result(plot_path if plot_path is not None and plot_path.exists() else None)
+
+    def result(self, plot_path: Path | None, skipped: bool = False) -> TrainResult:
+        """The TrainResult of the loop state."""
+        state = self.state
+        return TrainResult(
+            stage=self.stage.name,
+            best_val_loss=state.best_val_loss,
+            best_epoch=state.best_epoch,
+            output_dir=self.out,
+            best_model_dir=self.best_dir,
+            last_checkpoint=self.ckpt_path,
+            metrics_path=self.out / "metrics.jsonl",
+            plot_path=plot_path,
+            run_info_path=self.out / "run_info.json",
+            history=list(state.history),
+            global_step=state.global_step,
+            stopped_early=state.stopped_early,
+            resumed_from=self.resume_path,
+            best_score=state.best_score,
+            skipped=skipped,
+        )
 
 
 def train_tokenizer(
@@ -154,7 +1065,7 @@ def train_predictor(
     """Finetune the Kronos predictor on tokens of the frozen `tokenizer`; the best epoch is saved with
     save_pretrained plus the tokenizer's config (tokenizer_config.json). Arguments as in `train_tokenizer`;
     clip_grad_norm defaults to 3.0; `cfg.teacher_forcing` picks the s2 conditioning used in training.
-    `forecast_info` ({"max_context", "tokenizer", "clip"}, see model.predictor_files) is written beside the best
+    `forecast_info` ({"max_context", "tokenizer", "clip"}, see model.predictor) is written beside the best
     model as kronos_predictor.json, so `KronosPredictor.from_pretrained(best_model/)` loads the whole forecaster."""
     tokenizer.to(dist.device).eval().requires_grad_(False)
     stage = PredictorStage(predictor, tokenizer, cfg.teacher_forcing, forecast_info)

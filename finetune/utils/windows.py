@@ -1,13 +1,17 @@
-"""The one sliding-window dataset both pipelines train on, and the epoch-aware distributed sampler that feeds it.
+"""Per-series time splits of a `SeriesPanel` as index ranges (no copies), read by the shared `WindowDataset`.
 
-`WindowDataset` reads a `SeriesPanel` (finetune/utils/data/panel.py: features float32 (F, N) feature-major, stamps int64
-(N, 5), series offsets) without copying it, and maps a sample index to (series, start) with a cumulative count and
-`np.searchsorted`; a window never crosses two series. An item is `(x, x_stamp)`: `x` float32 (lookback + predict, F)
-normalised with the mean and population std of its LOOKBACK rows only, `(x - mean) / (std + 1e-5)` clipped to
-[-clip, clip] (the future part must not leak into the statistics), and `x_stamp` int64 (lookback + predict, 5).
+    splits = split_panel(panel, train_ratio=0.9, val_ratio=0.1, test_ratio=0.0, lookback=512, predict=48)
+    train = splits["train"].dataset(lookback=512, predict=48, stride=1, clip=5.0)   # a WindowDataset
+    x, x_stamp = train.get_batch(indices)    # (B, W, F) float32 normalised, (B, W, 5) int64
 
-`__getitem__` has no randomness: which windows are used, in which order, is decided by `EpochSampler`, a pure
-function of (seed, epoch, rank), so a resumed run can skip exactly the batches already done.
+A split of series s is the column range [start, stop) of the panel; for val/test `start` lies `lookback` rows
+before the split's first own row (`first_target`), so the split's first window predicts its first row, and no
+window crosses into another series. With a memory-mapped panel nothing is copied until a batch is gathered: a
+batch reads B windows from the map (`WindowDataset(panel, ranges=(start, stop))`).
+
+Also here:
+- The order in which an epoch reads its windows, produced chunk by chunk: a pure function of (seed, epoch).
+- The one sliding-window dataset both pipelines train on, and the epoch-aware distributed sampler that feeds it.
 """
 
 from __future__ import annotations
@@ -21,13 +25,159 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
-from .epoch_order import BLOCK_SIZE, EXACT_LIMIT, EpochOrder
-from .panel import N_STAMP_COLUMNS, SeriesPanel
+from finetune.utils.store import N_STAMP_COLUMNS, SeriesPanel
 
-__all__ = [
-    "SeriesArrays", "WindowDataset", "panel_from_series", "EpochSampler", "make_loader", "seed_worker",
-    "epoch_generator", "batches_per_epoch",
-]
+SPLITS = ("train", "val", "test")
+
+
+@dataclass(frozen=True)
+class PanelSegments:
+    """The rows of each series one split may read, as panel column ranges (arrays of shape (S,), int64)."""
+
+    panel: SeriesPanel
+    """The whole panel (possibly memory-mapped); never copied."""
+    start: np.ndarray
+    """First column a window of this split may read, per series."""
+    first_target: np.ndarray
+    """First column that belongs to the split itself (columns before it are context), per series."""
+    stop: np.ndarray
+    """One past the split's last column, per series."""
+
+    def lengths(self) -> np.ndarray:
+        """Readable rows per series (context included), int64 (S,)."""
+        return self.stop - self.start
+
+    def dataset(self, lookback: int, predict: int, *, stride: int = 1, clip: float = 5.0) -> WindowDataset:
+        """The split's windows: the shared WindowDataset reading the panel (memory map) inside these ranges."""
+        return WindowDataset(self.panel, lookback, predict, stride=stride, clip=clip,
+                             ranges=(self.start, self.stop))
+
+
+def split_bounds(n_rows: int, train_ratio: float, val_ratio: float) -> tuple[int, int]:
+    """Row indices (train_end, val_end) of a series of n_rows (the CSV pipeline's rounding)."""
+    train_end = int(n_rows * train_ratio)
+    val_end = int(round(n_rows * (train_ratio + val_ratio), 9))  # round(): 0.7 + 0.2 must not lose a row
+    return train_end, val_end
+
+
+def split_panel(panel: SeriesPanel, train_ratio: float, val_ratio: float, test_ratio: float, lookback: int,
+                predict: int) -> dict[str, PanelSegments]:
+    """Cut every series by time into train / val / (test when test_ratio > 0) index ranges.
+
+    Raises ValueError naming each series too short to give one window per split (train needs lookback + predict
+    rows, val and test need predict rows of their own).
+    """
+    lengths = panel.lengths()
+    offsets = np.asarray(panel.offsets, dtype=np.int64)
+    bounds = np.array([split_bounds(int(n), train_ratio, val_ratio) for n in lengths], dtype=np.int64).reshape(-1, 2)
+    train_end, val_end = bounds[:, 0], bounds[:, 1]
+    short = (train_end < lookback + predict) | (val_end - train_end < predict)
+    if test_ratio > 0:
+        short |= lengths - val_end < predict
+    if short.any():
+        listed = [f"{panel.names[i]}: {int(lengths[i])} rows" for i in np.flatnonzero(short)[:10]]
+        more = f" (+{int(short.sum()) - 10} more)" if short.sum() > 10 else ""
+        raise ValueError(f"{int(short.sum())} series too short for one window per split with data.lookback="
+                         f"{lookback}, data.predict={predict} and ratios {train_ratio}/{val_ratio}/{test_ratio}: "
+                         f"{', '.join(listed)}{more}; lower data.lookback / data.predict, change the ratios, or "
+                         "remove these series")
+    first = offsets[:-1]
+    out = {"train": PanelSegments(panel, first, first, first + train_end),
+           "val": PanelSegments(panel, first + train_end - lookback, first + train_end, first + val_end)}
+    if test_ratio > 0:
+        out["test"] = PanelSegments(panel, first + val_end - lookback, first + val_end, first + lengths)
+    return out
+
+
+EXACT_LIMIT = 1 << 24  # windows up to which the original full permutation is used
+BLOCK_SIZE = 1 << 16  # windows per block of the blocked order (one block is shuffled at a time)
+_SALT = 0x4B524F4E  # separates the in-block seeds from the block-order seed
+
+
+class EpochOrder:
+    """The windows chosen for one epoch, all ranks, as consecutive chunks (int32/int64 arrays).
+
+    Args:
+        n: windows in the data set.
+        seed, epoch: the order is a pure function of these (and of n and the options below).
+        shuffle: False = ascending order (a capped subset is drawn at random, then sorted).
+        max_samples: use only the first m = min(max_samples, n) windows of the order (None = all).
+        world_size, drop_remainder: the total is m - m % world_size when drop_remainder.
+        exact_limit, block_size: the regime switch and the block size (see the module docstring).
+    """
+
+    def __init__(self, n: int, seed: int, epoch: int, *, shuffle: bool = True, max_samples: int | None = None,
+                 world_size: int = 1, drop_remainder: bool = True, exact_limit: int = EXACT_LIMIT,
+                 block_size: int = BLOCK_SIZE):
+        self.n, self.seed, self.epoch = int(n), int(seed), int(epoch)
+        self.shuffle = shuffle
+        self.m = self.n if max_samples is None else min(int(max_samples), self.n)
+        self.world_size = int(world_size)
+        self.total = self.m - self.m % self.world_size if drop_remainder else self.m
+        self.dtype = np.int32 if self.n < 2**31 else np.int64
+        self.blocked = self.n > exact_limit and (shuffle or self.m < self.n)
+        self.n_blocks = -(-self.n // int(block_size))
+
+    # ------------------------------------------------------------------------------------------------------------
+    def chunks(self) -> Iterator[np.ndarray]:
+        """The epoch's order in consecutive pieces; their concatenation has `total` entries."""
+        if not self.blocked:
+            yield self._exact()[: self.total]
+            return
+        if not self.shuffle:  # a capped, sorted subset: materialise the m chosen windows (m is the cap)
+            chosen = np.concatenate(list(self._blocked(self.m)))
+            yield np.sort(chosen)[: self.total]
+            return
+        yield from self._blocked(self.total)
+
+    def rank_chunks(self, rank: int, skip: int = 0) -> Iterator[np.ndarray]:
+        """Rank `rank`'s windows (positions rank, rank + W, ... of the order), after skipping its first `skip`."""
+        w = self.world_size
+        if not self.blocked:
+            yield self._exact()[: self.total][rank::w][skip:]
+            return
+        pos = 0  # global position of the current chunk's first entry
+        for length, make in self._blocked_lazy(self.total):
+            first = (rank - pos) % w
+            mine = len(range(first, length, w))
+            pos += length
+            if skip >= mine:  # skipped whole: no need to shuffle this block
+                skip -= mine
+                continue
+            yield make()[first::w][skip:]
+            skip = 0
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _exact(self) -> np.ndarray:
+        if self.shuffle or self.m < self.n:
+            chosen = np.arange(self.n, dtype=self.dtype)
+            np.random.default_rng([self.seed, self.epoch]).shuffle(chosen)  # == permutation(n): same draws
+            chosen = chosen[: self.m]
+            return chosen if self.shuffle else np.sort(chosen)
+        return np.arange(self.n, dtype=self.dtype)
+
+    def _blocked_lazy(self, limit: int):
+        """(length, make) per block in visiting order, truncated to `limit` windows; make() builds the block."""
+        nb = self.n_blocks
+        left = limit
+        for b in np.random.default_rng([self.seed, self.epoch]).permutation(nb).tolist():
+            if left <= 0:
+                return
+            size = len(range(b, self.n, nb))
+            take = min(size, left)
+            left -= take
+
+            def make(b: int = b, take: int = take) -> np.ndarray:
+                members = np.arange(b, self.n, nb, dtype=self.dtype)  # (size,) strided over the whole data set
+                np.random.default_rng([self.seed, self.epoch, _SALT, b]).shuffle(members)
+                return members[:take]
+
+            yield take, make
+
+    def _blocked(self, limit: int) -> Iterator[np.ndarray]:
+        for _, make in self._blocked_lazy(limit):
+            yield make()
+
 
 _ITER_CHUNK = 1 << 16  # window indices turned into Python ints at a time by EpochSampler.__iter__
 
@@ -84,7 +234,7 @@ class WindowDataset(Dataset):
         stride: distance between consecutive window starts (1 = every row).
         clip: normalised values are clipped to [-clip, clip].
         ranges: optional (start, stop), int64 (S,) each: series s reads only panel columns [start[s], stop[s])
-            (a time split of a shared panel as index ranges, e.g. finetune/utils/data/panel_split.py; ranges may
+            (a time split of a shared panel as index ranges, e.g. finetune/utils/windows.py; ranges may
             overlap, as a val split's context overlaps train). None = every series whole.
     Series shorter than a window give no windows; they are listed in `short_series` (name, rows) so the pipeline
     can report them. A dataset with no window at all raises ValueError.
@@ -263,7 +413,7 @@ class EpochSampler(Sampler[int]):
         self.skip = int(skip)
 
     def order(self, epoch: int | None = None) -> EpochOrder:
-        """The epoch's order (finetune/utils/data/epoch_order.py: today's exact permutation up to `exact_limit`
+        """The epoch's order (finetune/utils/windows.py: today's exact permutation up to `exact_limit`
         windows, a blocked streaming order above)."""
         return EpochOrder(self.num_samples, self.seed, self.epoch if epoch is None else epoch, shuffle=self.shuffle,
                           max_samples=self.max_samples, world_size=self.world_size,

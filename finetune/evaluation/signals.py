@@ -1,22 +1,98 @@
-"""Cross-sectional signal analysis: IC / RankIC with Newey-West t-statistics, long-short and quantile-group returns,
-an IC decay table over horizons and its plot, and aggregation over inference seeds.
+"""Forward-return labels that follow the trade, computed by Qlib on the market calendar.
 
-Inputs are pandas objects indexed by (datetime, instrument): `pred` one score per stock and day (higher = expected
-to do better), `labels` the columns label_1..label_P from `qlib_labels.forward_labels`. Per-day statistics come from
-`qlib.contrib.eva.alpha` (`calc_ic`, `calc_long_short_return`), so the numbers match Qlib's own `SigAnaRecord`.
+Qlib's `TopkDropoutStrategy` trades a score dated t on day t+1 at the deal price, so the return the position earns
+over h days is price(t+1+h) / price(t+1) - 1 (h = 1: Qlib's Alpha158 label `Ref($close, -2)/Ref($close, -1) - 1`).
+A label on close(t+1) / close(t) would mix in the overnight move that no order placed on the score can capture.
 
-For h > 1 consecutive labels overlap by h - 1 days, so daily ICs (and long-short returns) are autocorrelated and the
-plain t-statistic overstates significance; the t-statistics here use Newey-West standard errors with lag h - 1
-(Bartlett weights), see `newey_west_tstat`.
+The expressions run through `D.features`, so `Ref` moves along the market calendar as stored: a day missing from the
+store or suspended there (NaN $close) makes the label NaN rather than reaching over the gap.
+
+    labels = forward_labels("csi300", "2024-01-01", "2024-06-30", deal_price="close", horizons=5)
+    # DataFrame, index (datetime, instrument), columns label_1..label_5
+
+Also here:
+- Cross-sectional signal analysis: IC / RankIC with Newey-West t-statistics, long-short and quantile-group returns,
+- Baseline cross-sectional signals from the same Qlib store as the model's scores.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+DEAL_PRICES = ("close", "open", "vwap")
+
+
+def _price_field(deal_price: str) -> str:
+    name = deal_price.lstrip("$").lower()
+    if name not in DEAL_PRICES:
+        raise ValueError(f"deal_price={deal_price!r} is not supported; choose one of {list(DEAL_PRICES)} "
+                         "(backtest.deal_price)")
+    return f"${name}"
+
+
+def label_expression(deal_price: str = "close", horizon: int = 1) -> str:
+    """Qlib expression of the `horizon`-day return of a position entered at t+1 at `deal_price`.
+
+    Parameters
+    ----------
+    deal_price : "close", "open" or "vwap" (a leading "$" is accepted).
+    horizon : h >= 1 trading days held.
+
+    Returns
+    -------
+    e.g. "Ref($close, -2) / Ref($close, -1) - 1" for close, h = 1.
+    """
+    if not isinstance(horizon, int) or horizon < 1:
+        raise ValueError(f"horizon={horizon!r} must be an integer >= 1")
+    field = _price_field(deal_price)
+    return f"Ref({field}, -{horizon + 1}) / Ref({field}, -1) - 1"
+
+
+def label_columns(horizons: int | Sequence[int]) -> list[str]:
+    """Column names label_<h> for horizons 1..P (an int P) or the given list."""
+    return [f"label_{h}" for h in _horizons(horizons)]
+
+
+def _horizons(horizons: int | Sequence[int]) -> list[int]:
+    hs = list(range(1, horizons + 1)) if isinstance(horizons, int) else [int(h) for h in horizons]
+    if not hs or min(hs) < 1:
+        raise ValueError(f"horizons={horizons!r}: need at least one horizon, each >= 1")
+    return hs
+
+
+def forward_labels(instruments, start_time, end_time, deal_price: str = "close",
+                   horizons: int | Sequence[int] = 1, freq: str = "day") -> pd.DataFrame:
+    """Trade-consistent forward returns for every instrument and day, from the initialised Qlib provider.
+
+    Parameters
+    ----------
+    instruments : a market name ("csi300"), a Qlib instruments config (`D.instruments(...)`) or a list of symbols.
+    start_time, end_time : label dates (the dates of the scores they are compared with); Qlib reads the days after
+        `end_time` the expressions need by itself.
+    deal_price : the backtest's deal price; horizons : P (-> 1..P) or a list of h.
+
+    Returns
+    -------
+    DataFrame, index (datetime, instrument), columns label_<h>, float; NaN where a needed day is missing or
+    suspended, or lies beyond the store's last day.
+    """
+    from qlib.data import (
+        D,  # Qlib only where labels are computed; the package itself does not need it
+    )
+
+    hs = _horizons(horizons)
+    if isinstance(instruments, str):
+        instruments = D.instruments(instruments)
+    exprs = [label_expression(deal_price, h) for h in hs]
+    frame = D.features(instruments, exprs, start_time=start_time, end_time=end_time, freq=freq)
+    frame.columns = label_columns(hs)
+    return frame.swaplevel().sort_index() if frame.index.names[0] == "instrument" else frame.sort_index()
 
 
 def newey_west_tstat(x, lag: int) -> dict[str, float]:
@@ -186,3 +262,47 @@ def aggregate_seeds(analyses: list[dict]) -> dict:
             block[key] = {"mean": float(vals.mean()), "std": float(vals.std(ddof=1)) if len(vals) > 1 else math.nan}
         out[col] = block
     return out
+
+
+@dataclass
+class BaselineSettings:
+    """Look-back windows of the baseline signals, in trading days."""
+
+    momentum_window: int = 20
+    """Momentum: return over this many days."""
+    reversal_window: int = 5
+    """Short-term reversal: minus the return over this many days."""
+
+
+def baseline_expressions(settings: BaselineSettings | None = None) -> dict[str, str]:
+    """{signal name: Qlib expression}; the expressions step along the stored calendar (NaN across a suspension)."""
+    s = settings or BaselineSettings()
+    for key in ("momentum_window", "reversal_window"):
+        value = getattr(s, key)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key}={value!r} must be an integer >= 1")
+    return {"momentum": f"$close / Ref($close, {s.momentum_window}) - 1",
+            "reversal": f"Ref($close, {s.reversal_window}) / $close - 1"}
+
+
+def baseline_signals(instruments, start_time, end_time, settings: BaselineSettings | None = None,
+                     freq: str = "day") -> pd.DataFrame:
+    """Baseline scores for every instrument and day from the initialised Qlib provider.
+
+    Parameters
+    ----------
+    instruments : market name, Qlib instruments config or list of symbols; start_time, end_time : score dates
+        (Qlib reads the look-back days before `start_time` by itself).
+
+    Returns
+    -------
+    DataFrame, index (datetime, instrument), columns momentum, reversal.
+    """
+    from qlib.data import D
+
+    exprs = baseline_expressions(settings)
+    if isinstance(instruments, str):
+        instruments = D.instruments(instruments)
+    frame = D.features(instruments, list(exprs.values()), start_time=start_time, end_time=end_time, freq=freq)
+    frame.columns = list(exprs)
+    return frame.swaplevel().sort_index()

@@ -1,0 +1,711 @@
+"""Fault injection for tests: make a training process die after a chosen optimizer step, like a killed job.
+
+    KRONOS_FAULT_EXIT_AFTER_STEP=N   after optimizer step N (and its checkpoint, if one is due) the process exits
+    KRONOS_FAULT_RANK=r              only rank r dies (default: every rank)
+    KRONOS_FAULT_EXIT_CODE=c         exit code (default 17)
+
+The exit is `os._exit`: no `finally`, no atexit, no flushing, as when the process is killed. Unset, it costs two
+environment lookups per optimizer step.
+
+Also here:
+- One run per output folder: an OS-level lock that rank 0 holds for the whole run.
+- What a stage folder holds and what a new run does with it: resume, skip, overwrite or refuse.
+- Graceful stop on SIGTERM / SIGINT (Ctrl-C): finish the current step, save, exit with one line.
+- The non-finite guard: stop at the first step whose loss or gradient is NaN/inf, say why, never write bad weights.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any, Literal, NamedTuple
+
+import torch
+from torch import nn
+
+from finetune.utils.checkpoint import LAST_NAME, DivergenceError, list_checkpoints
+from finetune.utils.errors import EXIT_STOPPED, RefusedError, UserError
+
+FAULT_ENV = "KRONOS_FAULT_EXIT_AFTER_STEP"
+FAULT_RANK_ENV = "KRONOS_FAULT_RANK"
+FAULT_EXIT_CODE_ENV = "KRONOS_FAULT_EXIT_CODE"
+
+
+def maybe_die_after_step(step: int, rank: int) -> None:
+    """Exit the process now if the fault variables ask for it after optimizer step `step` on this `rank`."""
+    target = int(os.environ.get(FAULT_ENV, "0") or 0)
+    if target <= 0 or step != target:
+        return
+    only_rank = os.environ.get(FAULT_RANK_ENV)
+    if only_rank is None or int(only_rank) == rank:
+        os._exit(int(os.environ.get(FAULT_EXIT_CODE_ENV, "17")))
+
+
+try:  # POSIX only; Windows falls back to exclusive create + pid check
+    import fcntl
+except ImportError:  # pragma: no cover - not on Linux/macOS
+    fcntl = None  # type: ignore[assignment]
+
+
+LOCK_NAME = "run.lock"
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    """Who holds (or last held) a run lock, as written into the lock file."""
+
+    pid: int | None
+    """Process id of the holder (None when the file could not be read)."""
+    host: str
+    """Host name the holder runs on."""
+    started: str
+    """ISO-8601 local time the holder took the lock."""
+    argv: str = ""
+    """The holder's command line, for the user to recognise it."""
+
+    def describe(self) -> str:
+        """One human-readable phrase, e.g. `pid 123 on host gpu1 (started 2025-01-02T03:04:05+01:00)`."""
+        who = f"pid {self.pid}" if self.pid is not None else "an unknown process"
+        text = f"{who} on host {self.host or '?'} (started {self.started or '?'})"
+        return f"{text}: {self.argv}" if self.argv else text
+
+
+class RunLockedError(RefusedError, ValueError):
+    """Another live run holds the output folder's lock (a user mistake: two runs into one folder)."""
+
+    def __init__(self, folder: Path, holder: LockHolder, key: str):
+        self.folder = folder
+        self.holder = holder
+        super().__init__(
+            f"{key}: another run is already writing into {folder}: {holder.describe()}.\n"
+            f"  Wait for it to finish, stop it, or set {key} to a different folder."
+        )
+
+
+def read_holder(path: str | Path) -> LockHolder:
+    """Parse a lock file's JSON; an empty/garbled file gives a holder with pid None (still a valid description)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8") or "{}")
+    except (OSError, ValueError):
+        data = {}
+    if not isinstance(data, dict):
+        data = {}
+    pid = data.get("pid")
+    return LockHolder(pid=pid if isinstance(pid, int) else None, host=str(data.get("host", "")),
+                      started=str(data.get("started", "")), argv=str(data.get("argv", "")))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+class RunLock:
+    """Exclusive lock on an output folder, held from `acquire()` (or `with`) until `release()`.
+
+    Parameters
+    ----------
+    folder: the run's output folder; created if missing (and removed again on release if the run left it empty).
+    enabled: False makes every method a no-op, so all ranks can run the same code (`enabled=dist.is_main`).
+    key: the setting naming the folder, quoted in the error so the user knows what to change.
+    log: where the stale-lock takeover line goes (default: this module's logger at WARNING).
+    """
+
+    def __init__(self, folder: str | Path, *, enabled: bool = True, key: str = "training.output_dir",
+                 log: Callable[[str], None] | None = None):
+        self.folder = Path(folder)
+        self.path = self.folder / LOCK_NAME
+        self.enabled = enabled
+        self.key = key
+        self._log = log or _log.warning
+        self._fd: int | None = None
+        self._mode: str | None = None  # "flock" or "exclusive"
+        self._created_folder = False
+        self.took_over: LockHolder | None = None
+        """The previous holder when a stale lock was taken over, else None."""
+
+    @property
+    def held(self) -> bool:
+        """True between a successful `acquire()` and `release()`."""
+        return self._mode is not None
+
+    def acquire(self) -> RunLock:
+        """Take the lock or raise `RunLockedError` at once (never waits). Returns self."""
+        if not self.enabled or self.held:
+            return self
+        if not self.folder.exists():
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._created_folder = True
+        if fcntl is not None:
+            try:
+                self._acquire_flock()
+                return self
+            except OSError as e:
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    raise
+                self._log(f"{self.path}: the filesystem does not support flock ({e.strerror}); "
+                          "using an exclusive lock file with a pid check instead")
+        self._acquire_exclusive()
+        return self
+
+    def _acquire_flock(self) -> None:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise RunLockedError(self.folder, read_holder(self.path), self.key) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the previous holder removed the file between our open and our lock: lock the new one
+        previous = read_holder(self.path)
+        if previous.pid is not None:
+            # The kernel released the old holder's lock, so it is no longer running (or closed the file).
+            self.took_over = previous
+            self._log(f"{self.path}: taking over the stale lock of {previous.describe()} (no longer running)")
+        self._write_holder(fd)
+        self._fd, self._mode = fd, "flock"
+
+    def _acquire_exclusive(self) -> None:
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            except FileExistsError:
+                holder = read_holder(self.path)
+                stale = holder.host == socket.gethostname() and holder.pid is not None and not _pid_alive(holder.pid)
+                if not stale:
+                    raise RunLockedError(self.folder, holder, self.key) from None
+                self.took_over = holder
+                self._log(f"{self.path}: taking over the stale lock of {holder.describe()} (no longer running)")
+                self.path.unlink(missing_ok=True)
+                continue
+            self._write_holder(fd)
+            self._fd, self._mode = fd, "exclusive"
+            return
+        raise RunLockedError(self.folder, read_holder(self.path), self.key)
+
+    def _write_holder(self, fd: int) -> None:
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "argv": " ".join(sys.argv),
+        }
+        data = (json.dumps(info) + "\n").encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
+        os.fsync(fd)
+
+    def release(self) -> None:
+        """Remove the lock file and drop the lock (idempotent; safe to call when never acquired)."""
+        if not self.held:
+            return
+        fd, self._fd, self._mode = self._fd, None, None
+        try:
+            # Unlink while still locked, so a waiter that opened the old file re-checks the inode and retries.
+            self.path.unlink(missing_ok=True)
+        finally:
+            os.close(fd)  # closing the last descriptor drops the flock
+        if self._created_folder:
+            try:
+                self.folder.rmdir()  # only succeeds if the run wrote nothing: leave no empty folder behind
+            except OSError:
+                pass
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.release()
+
+
+RUN_OUTPUTS = ("checkpoints", "best_model", "metrics.jsonl", "loss_curve.png", "run_info.json", "tensorboard")
+"""What a run writes into its stage folder (what training.overwrite deletes); nothing else is touched."""
+
+Status = Literal["empty", "unfinished", "finished"]
+
+
+class StageFolderError(RefusedError, ValueError):
+    """The stage folder's content and training.resume / training.overwrite disagree (a user decision is needed)."""
+
+
+def _read_run_info(folder: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((folder / "run_info.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _has_checkpoint(folder: Path) -> bool:
+    ckpt = folder / "checkpoints"
+    return bool(list_checkpoints(ckpt)) or (ckpt / LAST_NAME).is_file()
+
+
+def stage_status(folder: str | Path) -> Status:
+    """"finished" when run_info.json records a finished run, "unfinished" when the folder holds any run output
+    (a checkpoint, best_model/, metrics.jsonl, run_info.json), else "empty" (also for a missing folder)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return "empty"
+    info = _read_run_info(folder)
+    if (info.get("result") or {}).get("finished") is True and _has_checkpoint(folder):
+        return "finished"
+    if _has_checkpoint(folder) or any((folder / name).exists() for name in RUN_OUTPUTS):
+        return "unfinished"
+    return "empty"
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What rank 0 decided to do with the stage folder (broadcast to every rank)."""
+
+    action: Literal["fresh", "resume", "skip"]
+    """fresh = train from the start; resume = continue from `checkpoint_dir`/`checkpoint`; skip = finished."""
+    checkpoint: str | None = None
+    """An explicit checkpoint file to resume from (training.resume=<path>), else None (use the newest)."""
+    checkpoint_dir: str | None = None
+    """The folder whose newest usable checkpoint is resumed (or read back when skipping)."""
+    message: str = ""
+    """The one line to log about the decision ('' = nothing to say)."""
+    remove: tuple[str, ...] = ()
+    """Old outputs to delete before training (training.overwrite)."""
+
+
+def plan_run(folder: str | Path, resume: str, overwrite: bool, stage: str) -> RunPlan:
+    """Decide what a run does with `folder` given training.resume and training.overwrite (pure, reads only).
+
+    Parameters
+    ----------
+    folder: the stage's output folder.
+    resume: training.resume: 'auto', 'never', 'required' or a path to a checkpoint file / run folder.
+    overwrite: training.overwrite.
+    stage: the stage name, for the messages.
+
+    Returns
+    -------
+    The `RunPlan`; raises `StageFolderError` when the settings contradict the folder's content.
+    """
+    folder = Path(folder)
+    status = stage_status(folder)
+    key = (resume or "never").strip()
+    mode = key.lower()
+    present = [name for name in RUN_OUTPUTS if (folder / name).exists()]
+    if overwrite:
+        if status == "empty":
+            return RunPlan("fresh")
+        return RunPlan("fresh", remove=tuple(present),
+                       message=f"[{stage}] training.overwrite=true: replacing the {status} run in {folder} "
+                               f"(deleting {', '.join(present)})")
+    if mode in ("never", "no", "false", "none", ""):
+        if status != "empty":
+            raise StageFolderError(
+                f"training.resume=never but {folder} already holds a{'' if status == 'unfinished' else ' finished'} "
+                f"{stage} run ({', '.join(present)}); set training.overwrite=true (--overwrite) to replace it, "
+                "training.resume=auto to continue it, or use another output folder")
+        return RunPlan("fresh")
+    if mode in ("auto", "required"):
+        if status == "finished":
+            return RunPlan("skip", checkpoint_dir=str(folder / "checkpoints"),
+                           message=f"[{stage}] {folder} already holds a finished run; skipping it "
+                                   "(--overwrite or training.overwrite=true trains it again)")
+        if _has_checkpoint(folder):
+            return RunPlan("resume", checkpoint_dir=str(folder / "checkpoints"),
+                           message=f"[{stage}] {folder} holds an unfinished run: resuming it "
+                                   "(--overwrite starts over instead)")
+        if mode == "required":
+            raise StageFolderError(f"training.resume=required but {folder} holds no checkpoint to resume; "
+                                   "set training.resume=auto to start a new run")
+        if status == "unfinished":
+            return RunPlan("fresh", remove=tuple(present),
+                           message=f"[{stage}] {folder} holds outputs of a run killed before its first checkpoint "
+                                   f"({', '.join(present)}); starting over")
+        return RunPlan("fresh")
+    path = Path(key)
+    if path.is_dir():
+        path = path / "checkpoints" / LAST_NAME if (path / "checkpoints").is_dir() else path / LAST_NAME
+    if not path.is_file():
+        raise StageFolderError(f"training.resume: checkpoint {key} not found "
+                               "(use 'auto', 'never', 'required' or a checkpoint file / run folder)")
+    if status != "empty" and path.parent.resolve() != (folder / "checkpoints").resolve():
+        raise StageFolderError(f"training.resume={key} resumes another run, but {folder} already holds a {status} "
+                               f"run ({', '.join(present)}); set training.overwrite=true (--overwrite) to replace "
+                               "it, or use another output folder")
+    return RunPlan("resume", checkpoint=str(path), message=f"[{stage}] resuming from {path}")
+
+
+def remove_outputs(folder: str | Path, names: tuple[str, ...]) -> None:
+    """Delete the run outputs `names` (from RUN_OUTPUTS) in `folder`; call it only while holding the run lock."""
+    folder = Path(folder)
+    for name in names:
+        if name not in RUN_OUTPUTS:
+            raise ValueError(f"{name} is not a run output")
+        p = folder / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, default=str, separators=(",", ":"))
+
+
+def data_fingerprint(data_info: dict[str, Any] | None) -> str | None:
+    """sha256 of `data_info` as canonical JSON (None without data_info)."""
+    return None if data_info is None else hashlib.sha256(_canonical(data_info).encode()).hexdigest()
+
+
+def weights_fingerprint(module: nn.Module) -> str:
+    """sha256 over a module's state dict (names, dtypes, shapes and bytes, in name order)."""
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(obj, list):
+        out = {}
+        for i, v in enumerate(obj):
+            out.update(_flatten(v, f"{prefix}[{i}]"))
+        return out or {prefix: []}
+    return {prefix: obj}
+
+
+def describe_changes(old: dict[str, Any] | None, new: dict[str, Any] | None, limit: int = 8) -> list[str]:
+    """'key: old -> new' for each differing leaf of two nested dicts (data_info), at most `limit` plus a count."""
+    a, b = _flatten(old or {}), _flatten(new or {})
+    diffs = [f"{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}" for k in sorted(set(a) | set(b))
+             if a.get(k, "(absent)") != b.get(k, "(absent)")]
+    return diffs[:limit] + ([f"... and {len(diffs) - limit} more"] if len(diffs) > limit else [])
+
+
+FORWARD_GRACE_S = 0.3
+"""A second signal this soon after the first counts as the same request forwarded by a launcher, not a user's
+second Ctrl-C."""
+
+STOPPED_EXIT_CODE = EXIT_STOPPED
+"""Exit status of a run that stopped on a signal after saving (EX_TEMPFAIL: resume it later)."""
+
+_ACTIVE: list[GracefulStop] = []  # innermost last; stop_requested() asks the innermost
+
+
+class TrainingStopped(UserError):
+    """Raised by the loop after it saved on a stop request; the entry point prints `str(e)` and exits with
+    `exit_code`."""
+
+    exit_code = STOPPED_EXIT_CODE
+
+    def __init__(self, signal_name: str, checkpoint: str | Path | None = None, step: int | None = None):
+        self.signal_name = signal_name
+        self.checkpoint = Path(checkpoint) if checkpoint is not None else None
+        self.step = step
+        at = f" at step {step}" if step is not None else ""
+        saved = f"; saved {self.checkpoint}" if self.checkpoint is not None else ""
+        super().__init__(f"stopped on {signal_name}{at}{saved}; run the same command again to resume from there")
+
+
+def _write_line(text: str) -> None:
+    try:
+        os.write(2, (text.rstrip("\n") + "\n").encode())
+    except OSError:  # stderr closed: nothing useful to do in a signal handler
+        pass
+
+
+class GracefulStop:
+    """Context manager installing the two-stage SIGTERM/SIGINT handlers (main thread only).
+
+    Parameters
+    ----------
+    signals: which signals request a stop (default SIGTERM and SIGINT).
+    enabled: False makes it a no-op (e.g. for library use inside another program's loop).
+    """
+
+    def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT), *, enabled: bool = True):
+        self.signals = tuple(signals)
+        self.enabled = enabled
+        self.signal_name: str | None = None
+        """Name of the first signal received ('SIGTERM' / 'SIGINT'), None while none arrived."""
+        self._previous: dict[int, Any] = {}
+        self._first_at = 0.0  # time.monotonic() of the first signal
+
+    @property
+    def requested(self) -> bool:
+        """True once a stop signal arrived (this process only; use `agree_to_stop` across ranks)."""
+        return self.signal_name is not None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.signal_name is None:
+            self.signal_name = name
+            self._first_at = time.monotonic()
+            _write_line(f"received {name}: finishing the current step, saving a checkpoint and stopping "
+                        "(send it again to quit at once without saving)")
+            return
+        if signum == signal.SIGTERM or time.monotonic() - self._first_at < FORWARD_GRACE_S:
+            return  # the same stop request again (a launcher forwarding it): keep stopping gracefully
+        _write_line(f"received {name} again: quitting now without saving")
+        os._exit(128 + signum)
+
+    def __enter__(self) -> GracefulStop:
+        if not self.enabled or threading.current_thread() is not threading.main_thread():
+            return self  # signal.signal only works in the main thread; nothing to install elsewhere
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+
+
+def stop_requested() -> bool:
+    """True when the innermost active `GracefulStop` received a stop signal (False when none is active)."""
+    return bool(_ACTIVE) and _ACTIVE[-1].requested
+
+
+def agree_to_stop(flag: bool, dist: Any = None) -> bool:
+    """Whether ANY rank asked to stop (all-reduce MAX of a 0/1 tensor); `flag` itself without a process group.
+
+    Every rank must call it at the same point (after each optimizer step), so all stop at the same step.
+
+    Parameters
+    ----------
+    flag: this rank's `stop_requested()`.
+    dist: the run's `DistInfo` (its `device` holds the tensor: nccl needs it on the GPU) or None.
+
+    Returns
+    -------
+    True on every rank if at least one rank's flag was True.
+    """
+    import torch  # imported here so a process that never trains (and the tests' subprocesses) skip its import
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
+        return bool(flag)
+    device = getattr(dist, "device", None) or torch.device("cpu")
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)  # (1,)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def ignore_interrupts_in_worker(worker_id: int) -> None:
+    """DataLoader `worker_init_fn`: workers ignore SIGINT so a Ctrl-C stops the run gracefully, not the loader."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+EARLY_STEPS = 3
+"""A non-finite loss within this many finite steps of the start points at the data, not the optimisation."""
+LOSS_GROWTH = 2.0
+"""The loss counts as having grown when its last value is this many times the window's early median."""
+GRAD_EXPLOSION = 10.0
+"""The gradient norm counts as exploding when its last value is this many times the window's median."""
+
+
+
+
+
+
+class StepStats(NamedTuple):
+    """One finite optimizer step remembered for the diagnosis."""
+
+    step: int
+    loss: float
+    grad_norm: float | None
+
+
+def _all_finite_flag(values: Sequence[torch.Tensor | float | None]) -> torch.Tensor:
+    """0-d int32 tensor: 1 when some value is non-finite, else 0 (stays on the values' device: no sync here)."""
+    device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    bad = torch.zeros((), dtype=torch.int32, device=device)
+    for v in values:
+        if v is None:
+            continue
+        if isinstance(v, torch.Tensor):
+            bad = bad | (~torch.isfinite(v.detach())).any().to(device=device, dtype=torch.int32)
+        elif not math.isfinite(float(v)):
+            bad = bad | 1
+    return bad
+
+
+def check_finite(loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None, dist: Any = None) -> bool:
+    """True when `loss` and `grad_norm` are finite on EVERY rank (one all-reduce MAX of one int; no-op alone).
+
+    Parameters
+    ----------
+    loss: this step's loss, a 0-d tensor (any device) or a float.
+    grad_norm: the total gradient norm `clip_grad_norm_` returned, or None when it was not computed.
+    dist: the run's `DistInfo` (its `device` holds the reduced tensor; nccl needs the GPU) or None.
+
+    Returns
+    -------
+    False on all ranks as soon as one rank saw NaN/inf.
+    """
+    return check_step(loss, grad_norm, dist)[0]
+
+
+def check_step(loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None, dist: Any = None,
+               stop: bool = False) -> tuple[bool, bool]:
+    """`check_finite` plus a stop request agreed in the same all-reduce: (all finite, any rank asked to stop).
+
+    One collective per optimizer step carries both flags, so the stop check of `interrupts` costs nothing extra.
+    """
+    import torch.distributed as tdist
+
+    bad = _all_finite_flag([loss, grad_norm])
+    flags = torch.stack([bad, torch.tensor(1 if stop else 0, dtype=torch.int32, device=bad.device)])  # (2,)
+    if tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
+        device = getattr(dist, "device", None) or bad.device
+        flags = flags.to(device)
+        tdist.all_reduce(flags, op=tdist.ReduceOp.MAX)
+    bad_any, stop_any = flags.tolist()
+    return not bad_any, bool(stop_any)
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4g}"
+
+
+def diagnose(history: Sequence[StepStats], amp: bool, step: int, loss: float, grad_norm: float | None = None, *,
+             data_extremes: str | None = None, lr_key: str = "training.lr", amp_key: str = "training.amp",
+             clip_key: str = "training.clip_grad_norm") -> str:
+    """The most likely reason a step went non-finite, as one sentence that names the setting to change.
+
+    Parameters
+    ----------
+    history: the recent FINITE steps, oldest first (the guard keeps the last 50).
+    amp: whether bf16 mixed precision is on.
+    step: the failing optimizer step (1-based).
+    loss / grad_norm: the failing step's values (NaN/inf allowed; grad_norm None when not computed).
+    data_extremes: what the data check flagged (e.g. "volume up to 3.1e+38 in a.csv"), or None.
+    lr_key / amp_key / clip_key: the settings to name (the stage's own keys where it overrides them).
+
+    Returns
+    -------
+    A string starting "most likely a data value", "most likely the learning rate" or "most likely bf16".
+    """
+    if data_extremes:
+        return (f"most likely a data value: the data check reported extreme values ({data_extremes}); "
+                "correct or remove them in the data")
+    loss_bad = not math.isfinite(loss)
+    if loss_bad and len(history) < EARLY_STEPS:
+        return (f"most likely a data value: the loss was non-finite in the forward pass at step {step}, before "
+                f"{EARLY_STEPS} finite steps (the weights are still the pretrained ones), so an input window holds "
+                "a NaN/inf or extreme value; check the data" + (f" (or turn off bf16 with {amp_key}=none)" if amp
+                                                                 else ""))
+    recent = list(history)[-20:]
+    losses = [h.loss for h in recent]
+    early = statistics.median(losses[: max(1, len(losses) // 2)]) if losses else 0.0
+    last = losses[-1] if losses else 0.0
+    if not losses:
+        grew = False
+    elif early > 0:
+        grew = last >= LOSS_GROWTH * early
+    else:  # a loss that can be negative (the tokenizer's BSQ terms): an absolute rise of at least |early|
+        grew = last - early > max(abs(early), 1e-3)
+    norms = [h.grad_norm for h in recent if h.grad_norm is not None and math.isfinite(h.grad_norm)]
+    now_norm = grad_norm if grad_norm is not None and math.isfinite(grad_norm) else (norms[-1] if norms else None)
+    exploding = len(norms) >= 2 and now_norm is not None and now_norm > GRAD_EXPLOSION * statistics.median(norms)
+    grad_only = not loss_bad and grad_norm is not None and not math.isfinite(grad_norm)
+    if grew or exploding or (grad_only and not amp):
+        evidence = []
+        if grew:
+            evidence.append(f"the loss grew from {_fmt(early)} to {_fmt(last)}")
+        if exploding:
+            evidence.append(f"the gradient norm rose to {_fmt(now_norm)} (median {_fmt(statistics.median(norms))})")
+        if grad_only:
+            evidence.append("the loss was finite but the gradient overflowed")
+        return (f"most likely the learning rate: {' and '.join(evidence)} before step {step}; lower {lr_key} "
+                f"(or set {clip_key})")
+    if amp:
+        return (f"most likely bf16: the loss was stable (about {_fmt(last)}) and turned non-finite at step {step} "
+                f"with mixed precision on; set {amp_key}=none")
+    return (f"most likely a data value: the loss was stable (about {_fmt(last)}) and turned non-finite at once at "
+            f"step {step}, which points at one bad batch (a NaN/inf or extreme candle); check the data")
+
+
+class NonFiniteGuard:
+    """Per-run state of the guard: remembers recent finite steps and raises `DivergenceError` on a bad one.
+
+    Parameters
+    ----------
+    amp: whether bf16 mixed precision is on (for the diagnosis).
+    dist: the run's `DistInfo` or None.
+    data_extremes: what the data check flagged, or None.
+    window: how many recent steps to remember.
+    keys: overrides of the setting names quoted (`lr_key`, `amp_key`, `clip_key`), e.g. the stage's lr key.
+    """
+
+    def __init__(self, *, amp: bool, dist: Any = None, data_extremes: str | None = None, window: int = 50,
+                 **keys: str):
+        self.amp, self.dist, self.data_extremes = amp, dist, data_extremes
+        self.history: deque[StepStats] = deque(maxlen=window)
+        self.keys = keys
+
+    def check(self, step: int, loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None,
+              stop: bool = False) -> bool:
+        """Call once per optimizer step before `optimizer.step()`; raises `DivergenceError` on every rank if any
+        rank's loss or gradient norm is non-finite. `stop`: this rank's stop request (interrupts.stop_requested());
+        returns whether any rank asked to stop (agreed in the same all-reduce)."""
+        finite, stop_any = check_step(loss, grad_norm, self.dist, stop)
+        loss_f = float(loss)
+        norm_f = None if grad_norm is None else float(grad_norm)
+        if finite:
+            self.history.append(StepStats(step, loss_f, norm_f))
+            return stop_any
+        text = diagnose(self.history, self.amp, step, loss_f, norm_f, data_extremes=self.data_extremes, **self.keys)
+        here_finite = math.isfinite(loss_f) and (norm_f is None or math.isfinite(norm_f))
+        local = " on another rank" if here_finite else ""
+        cause = text.split(":", 1)[0].removeprefix("most likely ")
+        cause = {"a data value": "data", "the learning rate": "lr", "bf16": "bf16"}.get(cause)
+        raise DivergenceError(f"training diverged at step {step}{local} (loss {_fmt(loss_f)}, gradient norm "
+                              f"{_fmt(norm_f)}); nothing of this step was applied: {text}", step=step, cause=cause)
+
+
+
+

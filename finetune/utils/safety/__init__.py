@@ -1,1 +1,0 @@
-"""Run safety: stage-folder decisions, resume, the run lock, graceful stop, the non-finite guard, checkpoints."""
