@@ -318,7 +318,7 @@ def _series_mean(values: np.ndarray, codes: np.ndarray, n_series: int, idx: np.n
     return float((sums[present] / counts[present]).mean()) if present.any() else math.nan
 
 
-def _window_scores(pred_ret: np.ndarray, obs_ret: np.ndarray, settings: ScoreSettings) -> dict[str, np.ndarray]:
+def window_scores(pred_ret: np.ndarray, obs_ret: np.ndarray, settings: ScoreSettings) -> dict[str, np.ndarray]:
     """Per-window, per-horizon scores of one ensemble `pred_ret (W, S, H)` against `obs_ret (W, H)`."""
     ens = np.moveaxis(pred_ret, 1, -1)  # (W, H, S): samples last, as the scoring rules take them
     quant = sample_quantiles(ens, settings.quantiles)  # (W, H, Q)
@@ -381,7 +381,7 @@ def score_forecasts(samples, realised, last_close, context=None, series=None,
                         "point_forecast": "sample median", "quantiles": list(settings.quantiles)}}
     window_scores = {}
     for name, ens in forecasters.items():
-        sc = _window_scores(ens / last_close[:, None, None] - 1.0, obs_ret, settings)
+        sc = window_scores(ens / last_close[:, None, None] - 1.0, obs_ret, settings)
         scaled = sc["abs_err"] / scale[:, None] if scale is not None else None
         sc["scaled"] = scaled
         window_scores[name] = sc
