@@ -202,6 +202,32 @@ def persistence_samples(last_close: np.ndarray, horizon: int) -> np.ndarray:
     return np.repeat(last[:, None, None], horizon, axis=2)
 
 
+def empirical_samples(history: np.ndarray, horizon: int, window: int = 250) -> np.ndarray:
+    """Probabilistic naive forecast: the market's own recent H-bar paths, rescaled to the last close.
+
+    Path k is the realised path that started at the k-th bar t_k of the trailing `window` bars:
+    sample[k, h] = last * close[t_k + h] / close[t_k] for h = 1..H. It has the spread of recent returns and no
+    view on their direction, so a model must beat it to claim its bands carry information.
+
+    Parameters
+    ----------
+    history : (W, T) closes ending at the last context bar (NaN-free); horizon : H; window : trailing bars used.
+
+    Returns
+    -------
+    (W, S, H) float64 with S = min(window, T - 1) - H + 1 paths (at least 1; needs T >= H + 1).
+    """
+    history = np.asarray(history, dtype=np.float64)
+    if history.ndim != 2 or history.shape[1] < horizon + 1:
+        raise ValueError(f"history of shape {history.shape} is shorter than horizon + 1 = {horizon + 1} bars")
+    tail = history[:, -min(window, history.shape[1] - 1) - 1:]  # (W, n+1): n returns' worth of bars
+    n_paths = tail.shape[1] - horizon  # start bars t_k with t_k + H inside the tail
+    starts = np.arange(n_paths)  # (S,)
+    steps = np.arange(1, horizon + 1)  # (H,)
+    rel = tail[:, starts[:, None] + steps[None, :]] / tail[:, starts, None]  # (W, S, H)
+    return history[:, -1, None, None] * rel
+
+
 def seasonal_naive_samples(context: np.ndarray, horizon: int, season: int) -> np.ndarray:
     """Seasonal-naive forecast: horizon h (1-based) repeats the value one season earlier, context[L - m + (h-1) % m].
 
