@@ -405,12 +405,12 @@ def score_forecasts(samples, realised, last_close, context=None, series=None,
     result = {"setup": {"windows": n_windows, "samples": n_samples, "horizon": horizon, "series": n_series,
                         "season": settings.season, "space": "return relative to the last observed close",
                         "point_forecast": "sample median", "quantiles": list(settings.quantiles)}}
-    window_scores = {}
+    by_forecaster = {}
     for name, ens in forecasters.items():
         sc = window_scores(ens / last_close[:, None, None] - 1.0, obs_ret, settings)
         scaled = sc["abs_err"] / scale[:, None] if scale is not None else None
         sc["scaled"] = scaled
-        window_scores[name] = sc
+        by_forecaster[name] = sc
         result[name] = _summarise(sc, obs_ret, scaled, codes, n_series, settings, direction=name != "persistence")
 
     share_up = float((obs_ret[:, -1] > 0).mean())
@@ -419,14 +419,14 @@ def score_forecasts(samples, realised, last_close, context=None, series=None,
     base = result["persistence"]["overall"]
     result["skill"] = {f"{k}_vs_persistence": 1.0 - result["model"]["overall"][k] / base[k]
                        if base.get(k) else None for k in ("mae", "crps", "mase") if k in base}
-    result["bootstrap"] = _bootstrap(window_scores, codes, n_series, settings) if settings.n_boot > 0 else None
-    result["per_series"] = _per_series(window_scores["model"], names, codes)
+    result["bootstrap"] = _bootstrap(by_forecaster, codes, n_series, settings) if settings.n_boot > 0 else None
+    result["per_series"] = _per_series(by_forecaster["model"], names, codes)
     return strict_json(result)
 
 
-def _bootstrap(window_scores: dict, codes: np.ndarray, n_series: int, settings: ScoreSettings) -> dict:
+def _bootstrap(by_forecaster: dict, codes: np.ndarray, n_series: int, settings: ScoreSettings) -> dict:
     """CIs over windows of the model's headline numbers and paired differences to persistence."""
-    model, naive = window_scores["model"], window_scores["persistence"]
+    model, naive = by_forecaster["model"], by_forecaster["persistence"]
     n = len(codes)
     stats = {"mae": lambda i: model["abs_err"][i].mean(), "crps": lambda i: model["crps"][i].mean(),
              "direction_accuracy": lambda i: model["direction_hit"][i].mean(),
