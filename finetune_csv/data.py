@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import csv
 import difflib
+import hashlib
 import json
 import logging
 import os
@@ -57,8 +58,16 @@ import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
 from finetune.utils.config_utils import Problems
-from finetune.utils.metrics import sha256_file
-from finetune.utils.store import FeatureMajorWriter, GrowingNpy, SeriesPanel
+from finetune.utils.store import (
+    MANIFEST,
+    SeriesPanel,
+    StoreError,
+    StoreWriter,
+    file_fingerprint,
+    open_store,
+    read_manifest,
+    verify_store,
+)
 from finetune.utils.windows import PanelSegments, WindowDataset, split_bounds, split_panel
 from finetune_csv.config import (
     CandleDataError,
@@ -439,7 +448,7 @@ def grouped_series(reader: SourceReader, scratch: Path, block_rows: int) -> Iter
         del src, codes
         for c in order:
             rows = slice(int(start[c]), int(start[c] + counts[c]))
-            yield (f"{reader.path.name}[{reader.symbols[c]}]", np.array(dst["ts"][rows]),
+            yield (f"{reader.name}[{reader.symbols[c]}]", np.array(dst["ts"][rows]),
                    np.array(dst["values"][rows]), np.array(dst["lines"][rows]))
         del dst
     finally:
@@ -511,9 +520,14 @@ class SourceReader:
     Raises SourceProblems when the file cannot be read or a mapped column is missing.
     """
 
-    def __init__(self, path: str | Path, columns: Mapping[str, str | None], symbol_column: str | None = None,
+    def __init__(self, path: str | Path | Frame, columns: Mapping[str, str | None], symbol_column: str | None = None,
                  timestamp_format: str | None = None, block_rows: int = 1 << 20, timezone: str | None = None):
-        self.path = Path(path)
+        self._table = path.table() if isinstance(path, Frame) else None  # a DataFrame from Python, as Arrow
+        self.path = None if isinstance(path, Frame) else Path(path)
+        self.name = path.name if isinstance(path, Frame) else self.path.name
+        """The series name (the file name, or the frame's key) that symbols are appended to."""
+        self.label = f"frame '{path.name}'" if isinstance(path, Frame) else str(self.path)
+        """How messages name this source: the file path, or `frame 'AAPL'`."""
         self.symbol_column = symbol_column
         self.timestamp_format = timestamp_format
         self.timezone = timezone
@@ -521,7 +535,7 @@ class SourceReader:
         """Whether this file's stamps carry a UTC offset (known after the first block)."""
         self._messages: list[str] = []  # whole-message problems (candle checks), beside the per-cell issues
         self.block_rows = int(block_rows)
-        self.is_parquet = self.path.suffix.lower() in PARQUET_SUFFIXES
+        self.is_parquet = self._table is not None or self.path.suffix.lower() in PARQUET_SUFFIXES
         self.unit = "row(s)" if self.is_parquet else "line(s)"
         self.symbols: list[str] = []
         self._symbol_codes: dict[str, int] = {}
@@ -532,7 +546,7 @@ class SourceReader:
         self._unnamed_hint: str | None = None
         columns = self._adopt_unnamed_index(header, dict(columns))
         try:
-            self.columns = _resolve_columns(header, columns, symbol_column, self.path)
+            self.columns = _resolve_columns(header, columns, symbol_column, self.label)
         except SourceProblems as e:
             if self._unnamed_hint is not None:  # e.g. a to_csv index of numbers: say what the unnamed column is
                 e.problems[:] = [p + (f"; the first column has no header (read as '{self._unnamed_hint}'): if it "
@@ -552,7 +566,7 @@ class SourceReader:
         """Every problem found so far, one message per (column, kind)."""
         out = []
         for (kind, column), issue in self._issues.items():
-            out.append(_ISSUE_TEXT[kind].format(file=self.path, column=column, field=self._field_of(column),
+            out.append(_ISSUE_TEXT[kind].format(file=self.label, column=column, field=self._field_of(column),
                                                 n=issue.count, where=f"{self.unit} {issue.where()}",
                                                 examples=", ".join(issue.examples), fmt=self._fmt_text(),
                                                 symbol=self.symbol_column))
@@ -570,7 +584,7 @@ class SourceReader:
             self.n_rows += n
             yield self._parse(batch, lines)
         if self.n_rows == 0:
-            raise SourceProblems([f"{self.path}: the file has a header but no rows"])
+            raise SourceProblems([f"{self.label}: the file has a header but no rows"])
 
     # ------------------------------------------------------------------------------------------------------------
     def _adopt_unnamed_index(self, header: list[str], columns: dict[str, str | None]) -> dict[str, str | None]:
@@ -586,12 +600,15 @@ class SourceReader:
             ok = False
         if ok:
             log.info("%s: no '%s' column; taking the unnamed first column (e.g. %r) as the timestamps "
-                     "(set data.columns.timestamps to name another column)", self.path.name, wanted, first)
+                     "(set data.columns.timestamps to name another column)", self.name, wanted, first)
             return {**columns, "timestamps": header[0]}
         self._unnamed_hint = header[0]
         return columns
 
     def _first_value(self, column: str):
+        if self._table is not None:
+            col = self._table.column(column)
+            return col[0].as_py() if len(col) else None
         if self.is_parquet:
             for batch in self._pq.iter_batches(batch_size=1, columns=[column]):
                 return batch.column(0)[0].as_py() if batch.num_rows else None
@@ -632,6 +649,8 @@ class SourceReader:
             raise SourceProblems([f"{self.path}: not a readable CSV ({e})"]) from None
 
     def _parquet_header(self) -> list[str]:
+        if self._table is not None:
+            return list(self._table.schema.names)
         try:
             self._pq = pq.ParquetFile(self.path)
         except (pa.ArrowInvalid, OSError) as e:
@@ -641,6 +660,9 @@ class SourceReader:
     def _parquet_batches(self) -> Iterator[pa.RecordBatch]:
         wanted = list(dict.fromkeys([c for c in self.columns.values() if c is not None]
                                     + ([self.symbol_column] if self.symbol_column else [])))
+        if self._table is not None:
+            yield from self._table.select(wanted).to_batches(max_chunksize=self.block_rows)
+            return
         try:
             yield from self._pq.iter_batches(batch_size=self.block_rows, columns=wanted)
         except (pa.ArrowInvalid, OSError) as e:
@@ -655,9 +677,9 @@ class SourceReader:
             col = self.columns.get(f)
             if col is not None:
                 values[:, i] = self._parse_numbers(batch.column(col), col, lines)
-        if not any(m.startswith((f"{self.path} line", f"{self.path} row")) for m in self._messages):
+        if not any(m.startswith((f"{self.label} line", f"{self.label} row")) for m in self._messages):
             try:  # the first out-of-range value of the file is reported (one message per file)
-                check_float32_range(values, [self.columns.get(f) or f for f in FEATURES], str(self.path),
+                check_float32_range(values, [self.columns.get(f) or f for f in FEATURES], self.label,
                                     first_row=int(lines[0]))
             except CandleDataError as e:
                 self._messages.append(str(e) if not self.is_parquet else str(e).replace(" line ", " row ", 1))
@@ -741,7 +763,7 @@ class SourceReader:
             self.tz_aware = aware
         elif self.tz_aware != aware and not any("carry a UTC offset" in m for m in self._messages):
             self._messages.append(
-                f"{self.path}: some timestamps carry a UTC offset and some do not (the change is near {self.unit} "
+                f"{self.label}: some timestamps carry a UTC offset and some do not (the change is near {self.unit} "
                 f"{int(lines[0])}); write all of them with an offset or none")
 
     def _timestamps_with_offsets(self, text: np.ndarray, lines: np.ndarray) -> np.ndarray:
@@ -752,7 +774,7 @@ class SourceReader:
                 self._guessed_format = pd.tseries.api.guess_datetime_format(str(text[0])) or ""
             fmt = self._guessed_format or None
         try:
-            idx = parse_timestamps(text, source=str(self.path), fmt=fmt, timezone=self.timezone,
+            idx = parse_timestamps(text, source=self.label, fmt=fmt, timezone=self.timezone,
                                    first_row=int(lines[0]))
         except CandleDataError as e:
             if str(e) not in self._messages:
@@ -856,11 +878,19 @@ def _rebatch(batch: pa.RecordBatch, rows: int) -> Iterator[pa.RecordBatch]:
         yield batch.slice(start, rows)
 
 
+def _shown_header(header: list[str], limit: int = 20) -> str:
+    """The header for a message, at most `limit` names (a file of 10^6 columns must not print megabytes)."""
+    more = f" ... (+{len(header) - limit} more columns)" if len(header) > limit else ""
+    return repr(header[:limit])[:-1] + more + "]" if len(header) > limit else repr(header)
+
+
 def _resolve_columns(header: list[str], wanted: dict[str, str | None], symbol_column: str | None,
-                     file: Path) -> dict[str, str | None]:
-    """Our field -> the file's column (the CSV pipeline's rules): a missing required column is an error with a
+                     source: str) -> dict[str, str | None]:
+    """Our field -> the source's column (the CSV pipeline's rules): a missing required column is an error with a
     suggestion; a missing volume/amount is absent unless the header has a close match (a misspelling must not
-    silently turn real volumes into zeros)."""
+    silently turn real volumes into zeros); a mapped column whose name appears twice in the header is an error
+    (which of the two holds the prices cannot be guessed)."""
+    raw = list(header)
     header = _unique(header)
     columns: dict[str, str | None] = {}
     problems = []
@@ -868,25 +898,29 @@ def _resolve_columns(header: list[str], wanted: dict[str, str | None], symbol_co
         name = wanted.get(fld, fld)
         if name is None or name in header:
             columns[fld] = name
+            if name is not None and raw.count(name) > 1:
+                where = ", ".join(str(i + 1) for i, c in enumerate(raw) if c == name)
+                problems.append(f"{source}: column name '{name}' (data.columns.{fld}) appears {raw.count(name)} "
+                                f"times in the header (columns {where}); rename or remove the duplicates")
             continue
         close = difflib.get_close_matches(name, header, n=1, cutoff=0.6)
         close += [h for h in header if h.lower() == name.lower() and h not in close]
         hint = f"; did you mean '{close[0]}'? (set data.columns.{fld}: {close[0]})" if close else ""
         if fld in ("volume", "amount") and not close:
             columns[fld] = None
-            log.info("%s: no '%s' column (data.columns.%s); it will be derived", file.name, name, fld)
+            log.info("%s: no '%s' column (data.columns.%s); it will be derived", source, name, fld)
             continue
         optional = f", or data.columns.{fld}: null if the data has none" if fld in ("volume", "amount") else ""
-        problems.append(f"{file}: column '{name}' (data.columns.{fld}) not found{hint}{optional}; "
-                        f"the header is {header}")
+        problems.append(f"{source}: column '{name}' (data.columns.{fld}) not found{hint}{optional}; "
+                        f"the header is {_shown_header(header)}")
     if symbol_column is not None and symbol_column not in header:
         close = difflib.get_close_matches(symbol_column, header, n=1, cutoff=0.6)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        problems.append(f"{file}: symbol column '{symbol_column}' (data.symbol_column) not found{hint}")
+        problems.append(f"{source}: symbol column '{symbol_column}' (data.symbol_column) not found{hint}")
     if problems:
         raise SourceProblems(problems)
     if columns["volume"] is None and columns["amount"] is not None:
-        raise SourceProblems([(f"{file}: has an amount column but no volume column; set data.columns.amount: "
+        raise SourceProblems([(f"{source}: has an amount column but no volume column; set data.columns.amount: "
                                "null or map data.columns.volume")])
     return columns
 
@@ -894,15 +928,35 @@ def _resolve_columns(header: list[str], wanted: dict[str, str | None], symbol_co
 log = logging.getLogger(__name__)
 
 
-FORMAT = "kronos-series-store"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 NAN_POLICIES = ("error", "ffill", "drop")
+BAD_CANDLE_POLICIES = ("error", "warn")
 _MAX_PROBLEMS_SHOWN = 50
 
 
-class StoreError(ValueError):
-    """The store cannot be prepared or opened; the message names the file, column, row or setting to change."""
+@dataclass(frozen=True)
+class Frame:
+    """A DataFrame handed over from Python (`finetune(data=...)`): one source like one file, named by its key."""
+
+    name: str
+    frame: pd.DataFrame
+
+    def table(self) -> pa.Table:
+        """The frame as Arrow (a DatetimeIndex becomes a column named after the index, else 'timestamps')."""
+        frame = self.frame
+        if isinstance(frame.index, pd.DatetimeIndex):
+            name = frame.index.name or "timestamps"
+            frame = frame.rename_axis(name).reset_index() if name not in frame.columns else frame
+        try:
+            return pa.Table.from_pandas(frame, preserve_index=False)
+        except (pa.ArrowException, TypeError, ValueError) as e:
+            raise SourceProblems([f"frame '{self.name}': cannot be read as columns of numbers and times ({e})"]) \
+                from None
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Like `file_fingerprint`: a content hash of values, index and column names (no mtime)."""
+        h = pd.util.hash_pandas_object(self.frame, index=True).to_numpy()
+        digest = hashlib.sha256(json.dumps([str(c) for c in self.frame.columns]).encode() + h.tobytes()).hexdigest()
+        return {"path": f"frame '{self.name}'", "bytes": int(h.nbytes), "mtime_ns": None, "sha256": digest}
 
 
 def _default_columns() -> dict[str, str | None]:
@@ -925,6 +979,10 @@ class StoreSettings:
     """IANA zone that offset-carrying stamps are converted to (data.timezone); None = keep their stated clock."""
     frequency: str | None = None
     """Expected bar length (data.frequency, e.g. '5min'); None = infer per file and warn about odd files."""
+    bad_candles: str = "error"
+    """A high below max(open, close) or a low above min(open, close): error | warn (data.bad_candles)."""
+    allow_zero_volume: bool = False
+    """A series whose volume column is zero throughout is an error unless True (data.allow_zero_volume)."""
 
     @classmethod
     def from_data_config(cls, data: Any) -> StoreSettings:
@@ -932,7 +990,8 @@ class StoreSettings:
         cols = data.columns if isinstance(data.columns, Mapping) else vars(data.columns)
         return cls(columns=dict(cols), symbol_column=data.symbol_column, timestamp_format=data.timestamp_format,
                    nan_policy=data.nan_policy, timezone=getattr(data, "timezone", None),
-                   frequency=getattr(data, "frequency", None))
+                   frequency=getattr(data, "frequency", None), bad_candles=getattr(data, "bad_candles", "error"),
+                   allow_zero_volume=bool(getattr(data, "allow_zero_volume", False)))
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able form recorded in (and compared with) the manifest."""
@@ -940,7 +999,8 @@ class StoreSettings:
         columns.update(self.columns)
         return {"columns": columns, "symbol_column": self.symbol_column,
                 "timestamp_format": self.timestamp_format, "nan_policy": self.nan_policy,
-                "timezone": self.timezone, "frequency": self.frequency}
+                "timezone": self.timezone, "frequency": self.frequency, "bad_candles": self.bad_candles,
+                "allow_zero_volume": self.allow_zero_volume}
 
     def validate(self) -> None:
         """Raise ConfigError (a ValueError) listing every bad setting."""
@@ -952,6 +1012,8 @@ class StoreSettings:
                 p.check(isinstance(value, str) and value != "", f"data.columns.{key}", "must name a column")
         p.check(self.nan_policy in NAN_POLICIES, "data.nan_policy",
                 f"must be one of {list(NAN_POLICIES)}, got {self.nan_policy!r}")
+        p.check(self.bad_candles in BAD_CANDLE_POLICIES, "data.bad_candles",
+                f"must be one of {list(BAD_CANDLE_POLICIES)}, got {self.bad_candles!r}")
         for key, problem in (("data.timezone", timezone_problem(self.timezone)),
                              ("data.frequency", frequency_problem(self.frequency))):
             p.check(problem is None, key, problem or "")
@@ -980,8 +1042,17 @@ class StoreInfo:
 # Inputs
 
 
-def list_sources(sources: str | Path | Sequence[str | Path]) -> list[Path]:
-    """Input files: a .csv/.parquet file, a folder (its .csv/.parquet/.pq files, sorted by name), or a list of them."""
+Sources = str | Path | Sequence[str | Path] | Mapping[str, pd.DataFrame]
+
+
+def list_sources(sources: Sources) -> list[Path | Frame]:
+    """Input files: a .csv/.parquet file, a folder (its .csv/.parquet/.pq files, sorted by name), or a list of them;
+    or {name: DataFrame} from Python (one Frame each, in the mapping's order)."""
+    if isinstance(sources, Mapping):
+        bad = [str(k) for k, v in sources.items() if not isinstance(v, pd.DataFrame)]
+        if not sources or bad:
+            raise StoreError(f"data: give a DataFrame, a dict {{name: DataFrame}} or a path (not a DataFrame: {bad})")
+        return [Frame(str(k), v) for k, v in sources.items()]
     if isinstance(sources, (str, Path)):
         sources = [sources]
     suffixes = CSV_SUFFIXES + PARQUET_SUFFIXES
@@ -1010,19 +1081,15 @@ def list_sources(sources: str | Path | Sequence[str | Path]) -> list[Path]:
     return out
 
 
-def source_fingerprint(path: str | Path, with_hash: bool = True) -> dict[str, Any]:
-    """{"path", "bytes", "mtime_ns", "sha256"} of one input file (sha256 None when `with_hash` is False)."""
-    p = Path(path)
-    st = p.stat()
-    return {"path": str(p.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "sha256": sha256_file(p) if with_hash else None}
+def _fingerprint(source: Path | Frame, with_hash: bool = True) -> dict[str, Any]:
+    return source.fingerprint() if isinstance(source, Frame) else file_fingerprint(source, with_hash)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Preparing
 
 
-def prepare_store(sources: str | Path | Sequence[str | Path], out_dir: str | Path,
+def prepare_store(sources: Sources, out_dir: str | Path,
                   settings: StoreSettings | None = None, *, block_rows: int = 1 << 20) -> StoreInfo:
     """Parse, check and clean every input file into a store at `out_dir` (replacing an older store there).
 
@@ -1044,15 +1111,14 @@ def prepare_store(sources: str | Path | Sequence[str | Path], out_dir: str | Pat
     _refuse_foreign_folder(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
     t0 = time.perf_counter()
     try:
-        fingerprints = [source_fingerprint(f) for f in files]  # before reading: a later edit is then noticed
-        manifest = _build(files, tmp, settings, block_rows)
-        manifest.update(format=FORMAT, format_version=FORMAT_VERSION, settings=settings.as_dict(),
-                        sources=fingerprints, prepare_seconds=round(time.perf_counter() - t0, 3),
-                        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-        write_json(tmp / MANIFEST, manifest)
+        fingerprints = [_fingerprint(f) for f in files]  # before reading: a later edit is then noticed
+        manifest = _build(files, StoreWriter(tmp, len(FEATURES)), settings, block_rows,
+                          {"settings": settings.as_dict(), "sources": fingerprints,
+                           "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        log.info("data store %s: %d series, %d rows prepared in %.1f s", out_dir, manifest["n_series"],
+                 manifest["n_rows"], time.perf_counter() - t0)
         _move_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -1060,34 +1126,68 @@ def prepare_store(sources: str | Path | Sequence[str | Path], out_dir: str | Pat
     return StoreInfo(out_dir, manifest, reused=False, reason="prepared")
 
 
-def _build(files: list[Path], tmp: Path, settings: StoreSettings, block_rows: int) -> dict:
-    """Write the arrays into `tmp`; return the manifest's data part."""
-    features = FeatureMajorWriter(tmp / "features_t.npy", len(FEATURES))
-    stamps = GrowingNpy(tmp / "stamps.npy", np.int64, (5,))
-    datetimes = GrowingNpy(tmp / "datetimes.npy", np.int64)
+def candle_problems(values: np.ndarray, lines: np.ndarray, columns: Mapping[str, str | None], where: str,
+                    unit: str, settings: StoreSettings) -> tuple[list[str], list[str]]:
+    """The candle rules of one series (NaN cells are left to data.nan_policy): (problems, warnings).
+
+    values: (n, 6) float64 open..amount as parsed; lines: (n,) where each row is in its source; columns: our
+    field -> the source's column name (None = absent). Rules: a price <= 0 is an error; a high below
+    max(open, close) or a low above min(open, close) is an error or, with data.bad_candles: warn, a warning; a
+    volume column that is zero throughout is an error unless data.allow_zero_volume.
+    """
+    problems, notes = [], []
+    for i, f in enumerate(FEATURES[:4]):
+        bad = values[:, i] <= 0  # NaN compares False
+        if bad.any():
+            problems.append(f"{where}: column '{columns[f]}' (data.columns.{f}) has {int(bad.sum())} price(s) <= 0 "
+                            f"at {unit} {_listed(lines[bad])}; prices must be positive (fix or remove these rows)")
+    o, h, lo, c = (values[:, i] for i in range(4))
+    for f, bad, rule in (("high", h < np.maximum(o, c), "below max(open, close)"),
+                         ("low", lo > np.minimum(o, c), "above min(open, close)")):
+        if bad.any():
+            text = (f"{where}: column '{columns[f]}' (data.columns.{f}) is {rule} in {int(bad.sum())} candle(s) at "
+                    f"{unit} {_listed(lines[bad])}")
+            if settings.bad_candles == "error":
+                problems.append(text + "; fix the file, or set data.bad_candles: warn to train on them")
+            else:
+                notes.append(text + " (data.bad_candles: warn)")
+    if columns.get("volume") is not None and len(values) and not np.nan_to_num(values[:, 4]).any() \
+            and not settings.allow_zero_volume:
+        problems.append(f"{where}: column '{columns['volume']}' (data.columns.volume) is zero in every row; set "
+                        "data.allow_zero_volume: true if the data has no volume (e.g. an index), or "
+                        "data.columns.volume: null")
+    return problems, notes
+
+
+def _build(sources: list[Path | Frame], writer: StoreWriter, settings: StoreSettings, block_rows: int,
+           extra: dict[str, Any]) -> dict:
+    """Read, check and clean every source into `writer` (one series at a time); the manifest it writes.
+    Every problem of every source is collected first; then one StoreError lists them and nothing is kept."""
     problems: list[str] = []
     warnings: list[str] = []
     series: list[dict] = []
-    aware: dict[str, bool] = {}  # file name -> stamps carry a UTC offset
+    aware: dict[str, bool] = {}  # source name -> stamps carry a UTC offset
     freqs: dict[str, pd.Timedelta] = {}  # series name -> inferred bar length
     try:
-        for file in files:
+        for source in sources:
             try:
-                reader = SourceReader(file, settings.as_dict()["columns"], settings.symbol_column,
+                reader = SourceReader(source, settings.as_dict()["columns"], settings.symbol_column,
                                       settings.timestamp_format, block_rows, timezone=settings.timezone)
-                for name, ts, values, lines in _file_series(reader, tmp, block_rows):
-                    where = str(file) if name == file.name else f"{file} (series {name})"
+                for name, ts, values, lines in _file_series(reader, writer.path, block_rows):
+                    where = reader.label if name == reader.name else f"{reader.label} (series {name})"
+                    bad, notes = candle_problems(values, lines, reader.columns, where, reader.unit, settings)
+                    problems.extend(bad)
                     try:
-                        ts, values, notes = clean_series(ts, values, lines, reader.present, settings.nan_policy,
-                                                         where, reader.unit)
+                        ts, values, cleaning = clean_series(ts, values, lines, reader.present, settings.nan_policy,
+                                                            where, reader.unit)
                     except SourceProblems as e:
                         problems.extend(e.problems)
                         continue
-                    for note in notes:
+                    for note in notes + cleaning:
                         log.warning(note)
-                    warnings.extend(notes)
+                    warnings.extend(notes + cleaning)
                     if reader.tz_aware is not None:
-                        aware[file.name] = reader.tz_aware
+                        aware[reader.name] = reader.tz_aware
                     if len(ts) >= 2:
                         freqs[name] = infer_frequency(ts.view("datetime64[ns]"), source=where)
                     if (np.abs(values) > FLOAT32_MAX).any():  # a derived amount (volume * price) can overflow
@@ -1095,10 +1195,8 @@ def _build(files: list[Path], tmp: Path, settings: StoreSettings, block_rows: in
                                         "(+-3.4e38); rescale the volume or price columns, or give an amount column")
                     if problems:
                         continue  # keep checking the rest, write nothing more
-                    features.append(values)
-                    stamps.append(wallclock_stamps(ts))
-                    datetimes.append(ts)
-                    series.append({"name": name, "source": str(file), "rows": len(ts),
+                    writer.append(name, values, wallclock_stamps(ts), ts)
+                    series.append({"name": name, "source": reader.label, "rows": len(ts),
                                    "start": str(pd.Timestamp(ts[0])) if len(ts) else None,
                                    "end": str(pd.Timestamp(ts[-1])) if len(ts) else None})
             except SourceProblems as e:
@@ -1109,20 +1207,11 @@ def _build(files: list[Path], tmp: Path, settings: StoreSettings, block_rows: in
             more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
             raise StoreError(f"the input data has problems ({len(problems)}):\n"
                              + "\n".join(f"  - {p}" for p in shown) + more)
-        if features.rows == 0:
+        if not sum(s["rows"] for s in series):
             raise StoreError("no rows left after cleaning (data.nan_policy: drop removed every row)")
-        features.finish()
-        stamps.finish()
-        datetimes.finish()
+        return writer.finish(list(FEATURES), series=series, warnings=warnings, **extra)
     finally:
-        features.close()
-        stamps.close()
-        datetimes.close()
-    rows = np.array([s["rows"] for s in series], dtype=np.int64)
-    np.save(tmp / "offsets.npy", np.concatenate([[0], np.cumsum(rows)]).astype(np.int64))
-    (tmp / "names.json").write_text(json.dumps([s["name"] for s in series]), encoding="utf-8")
-    return {"n_rows": int(rows.sum()), "n_series": len(series), "features": list(FEATURES), "series": series,
-            "warnings": warnings}
+        writer.close()
 
 
 def _cross_file_checks(aware: dict[str, bool], freqs: dict[str, pd.Timedelta], settings: StoreSettings,
@@ -1154,7 +1243,7 @@ def _file_series(reader: SourceReader, scratch: Path, block_rows: int):
         parts = list(reader.blocks())
         if reader.problems:
             raise SourceProblems(reader.problems)
-        yield (reader.path.name, np.concatenate([b.timestamps for b in parts]),
+        yield (reader.name, np.concatenate([b.timestamps for b in parts]),
                np.concatenate([b.values for b in parts]), np.concatenate([b.lines for b in parts]))
         return
     yield from grouped_series(reader, scratch, block_rows)
@@ -1183,45 +1272,15 @@ def _move_into_place(tmp: Path, out_dir: Path) -> None:
 # Opening and reuse
 
 
-def read_manifest(store_dir: str | Path) -> dict:
-    """The store's manifest; StoreError when there is none or it is of another format version."""
-    path = Path(store_dir) / MANIFEST
-    if not path.is_file():
-        raise StoreError(f"{store_dir} is not a prepared data store (no {MANIFEST}); prepare it first")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise StoreError(f"{path} cannot be read ({e}); delete the store folder to prepare it again") from None
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        raise StoreError(f"{store_dir} holds store format {manifest.get('format_version')!r}, this code reads "
-                         f"{FORMAT_VERSION}; delete it to prepare it again")
-    return manifest
+def check_store(store_dir: str | Path, sources: Sequence[Path | Frame], settings: StoreSettings,
+                verify: bool = True) -> tuple[bool, str, dict | None]:
+    """Whether the store at `store_dir` was prepared from `sources` with `settings`, and is intact.
 
-
-def open_store(store_dir: str | Path) -> SeriesPanel:
-    """The store as a SeriesPanel whose features/stamps/datetimes are read-only `np.memmap`s (no copy: every
-    process on a machine shares the page cache's one copy)."""
-    store_dir = Path(store_dir)
-    manifest = read_manifest(store_dir)
-    n, s, f = manifest["n_rows"], manifest["n_series"], len(manifest["features"])
-    features = np.load(store_dir / "features_t.npy", mmap_mode="r")
-    stamps = np.load(store_dir / "stamps.npy", mmap_mode="r")
-    datetimes = np.load(store_dir / "datetimes.npy", mmap_mode="r")
-    offsets = np.load(store_dir / "offsets.npy")
-    names = json.loads((store_dir / "names.json").read_text(encoding="utf-8"))
-    if features.shape != (f, n) or offsets.shape != (s + 1,) or len(names) != s:
-        raise StoreError(f"{store_dir}: arrays do not match the manifest (features {features.shape}, "
-                         f"{len(names)} names); delete the folder to prepare it again")
-    return SeriesPanel(features, stamps, offsets, names, datetimes)
-
-
-def check_store(store_dir: str | Path, files: Sequence[Path], settings: StoreSettings,
-                hash_touched: bool = True) -> tuple[bool, str, dict | None]:
-    """Whether the store at `store_dir` was prepared from `files` with `settings`.
-
-    Returns (reusable, reason, refreshed manifest or None). A file with unchanged size and mtime counts as
-    unchanged; with `hash_touched` a changed mtime is resolved by comparing sha256 (the refreshed manifest then
-    records the new mtimes), without it a changed mtime makes the store stale.
+    Returns (reusable, reason, refreshed manifest or None). With `verify` (the main process) every source's
+    content is hashed (a CSV edited in place keeping its size and mtime is found) and every array file's sha256 is
+    checked (a damaged or truncated array makes the store stale: the reason names the file); a source whose mtime
+    alone changed counts as unchanged and the refreshed manifest records its new mtime. Without `verify` (the other
+    processes, after the main one) only sizes and mtimes are compared.
     """
     try:
         manifest = read_manifest(store_dir)
@@ -1232,27 +1291,33 @@ def check_store(store_dir: str | Path, files: Sequence[Path], settings: StoreSet
         if old.get(key) != new[key]:
             return False, f"setting data.{key} changed from {old.get(key)!r} to {new[key]!r}", None
     recorded = {s["path"]: s for s in manifest["sources"]}
-    current = [str(Path(f).resolve()) for f in files]
+    current = {_fingerprint(f, with_hash=False)["path"]: f for f in sources}
     added, removed = sorted(set(current) - set(recorded)), sorted(set(recorded) - set(current))
     if added or removed:
         return False, f"input files changed (added {added}, removed {removed})", None
     touched = 0
-    for path in current:
-        was, st = recorded[path], os.stat(path)
-        if st.st_size != was["bytes"]:
-            return False, f"{path} changed ({was['bytes']} -> {st.st_size} bytes)", None
-        if st.st_mtime_ns != was["mtime_ns"]:
-            if not hash_touched:
+    for path, source in current.items():
+        was, now = recorded[path], _fingerprint(source, with_hash=verify)
+        if now["bytes"] != was["bytes"]:
+            return False, f"{path} changed ({was['bytes']} -> {now['bytes']} bytes)", None
+        if verify and now["sha256"] != was["sha256"]:
+            return False, f"{path} changed (its content differs from when the store was prepared)", None
+        if now["mtime_ns"] != was["mtime_ns"]:
+            if not verify:
                 return False, f"{path} was modified after the store was prepared", None
-            if sha256_file(path) != was["sha256"]:
-                return False, f"{path} changed (its content differs from when the store was prepared)", None
-            was["mtime_ns"] = st.st_mtime_ns
+            was["mtime_ns"] = now["mtime_ns"]
             touched += 1
+    if verify:
+        try:
+            verify_store(store_dir, manifest)
+            open_store(store_dir)  # shapes and offsets agree with the manifest
+        except StoreError as e:
+            return False, str(e), None
     reason = "inputs and settings unchanged" + (f" ({touched} file(s) touched, content identical)" if touched else "")
     return True, reason, (manifest if touched else None)
 
 
-def ensure_store(sources: str | Path | Sequence[str | Path], store_dir: str | Path,
+def ensure_store(sources: Sources, store_dir: str | Path,
                  settings: StoreSettings | None = None, *, dist: Any = None,
                  barrier: Callable[[], None] | None = None, block_rows: int = 1 << 20) -> StoreInfo:
     """Reuse the store at `store_dir` if it matches the inputs and settings, else (re-)prepare it; log why.
@@ -1272,7 +1337,7 @@ def ensure_store(sources: str | Path | Sequence[str | Path], store_dir: str | Pa
     if not is_main:
         wait()
         files = list_sources(sources)
-        ok, reason, _ = check_store(store_dir, files, settings, hash_touched=False)
+        ok, reason, _ = check_store(store_dir, files, settings, verify=False)
         if not ok:
             raise StoreError(f"the main process did not leave a matching data store in {store_dir} ({reason}); "
                              "see its error")
@@ -1289,7 +1354,9 @@ def ensure_store(sources: str | Path | Sequence[str | Path], store_dir: str | Pa
             log.info("data store %s: reusing it (%s)", store_dir, reason)
             info = StoreInfo(store_dir, refreshed or read_manifest(store_dir), reused=True, reason=reason)
         else:
-            log.warning("data store %s: preparing it (%s)", store_dir, reason)
+            # A first run is no news (info); a store that exists but cannot be reused is (warning, with why).
+            log.log(logging.WARNING if store_dir.exists() else logging.INFO, "data store %s: preparing it (%s)",
+                    store_dir, reason)
             prepared = prepare_store(files, store_dir, settings, block_rows=block_rows)
             info = StoreInfo(store_dir, prepared.manifest, reused=False, reason=reason)
     except Exception as e:  # noqa: BLE001  (re-raised after the barrier: the other ranks must not wait forever)
