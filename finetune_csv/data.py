@@ -68,7 +68,14 @@ from finetune.utils.store import (
     read_manifest,
     verify_store,
 )
-from finetune.utils.windows import PanelSegments, WindowDataset, split_bounds, split_panel
+from finetune.utils.windows import (
+    PanelSegments,
+    WindowDataset,
+    date_bounds,
+    split_bounds,
+    split_panel,
+    split_panel_by_date,
+)
 from finetune_csv.config import (
     CandleDataError,
     DataConfig,
@@ -1410,12 +1417,15 @@ class PreparedData:
     panel: SeriesPanel
     """All series, features float32 (6, N) and stamps int64 (N, 5) as read-only np.memmap (shared page cache)."""
     splits: dict[str, PanelSegments]
-    """train / val (/ test when data.test_ratio > 0): per-series column ranges of `panel`."""
+    """train / val (/ test): per-series column ranges of `panel`."""
+    split: dict[str, Any] = field(default_factory=dict)
+    """How the splits were cut: {"mode": by_date | per_series, "train_end", "val_end" (by_date)}."""
 
 
-def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None, *,
-                 with_splits: bool = True) -> PreparedData:
-    """Prepare (rank 0) or reuse the data store at `store_dir`, open it memory-mapped and cut the splits.
+def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None, *, with_splits: bool = True,
+                 frames: Mapping[str, pd.DataFrame] | None = None) -> PreparedData:
+    """The CSV pipeline's data path, top to bottom: sources -> the prepared store (rank 0 prepares or reuses it) ->
+    the memory-mapped panel -> train / val (/ test) index ranges, cut by date or per series (`split_data`).
 
     Parameters
     ----------
@@ -1423,11 +1433,12 @@ def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None
     store_dir: the store folder (`data.store_dir`, default `<paths.base_dir>/data_store`).
     dist: a DistInfo-like object (`is_main`); None = one process.
     barrier: called by every process once the main one has prepared the store (None = no waiting).
-    with_splits: cut (and check the length of) the train / val / test splits; False = the whole series only
-        (the future forecast, which needs `lookback` rows per series, not a usable split), `splits` is then {}.
+    with_splits: cut (and check the length of) the splits; False = the whole series only (the future forecast,
+        which needs `lookback` rows per series, not a usable split), `splits` is then {}.
+    frames: {name: DataFrame} from Python, read instead of `cfg.path` (finetune_csv/api.py).
 
-    Returns PreparedData. Raises ValueError (StoreError / ConfigError) naming file, column, line and setting; a
-    failed preparation leaves no store and no folder it created.
+    Returns PreparedData. Raises StoreError / ConfigError naming source, column, line and setting; a failed
+    preparation leaves no store and no folder it created.
     """
     store_dir = Path(store_dir)
     is_main = dist is None or dist.is_main
@@ -1442,20 +1453,81 @@ def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None
                     p.rmdir()
 
     try:
-        info = ensure_store(cfg.path, store_dir, StoreSettings.from_data_config(cfg), dist=dist, barrier=barrier)
+        info = ensure_store(cfg.path if frames is None else frames, store_dir, StoreSettings.from_data_config(cfg),
+                            dist=dist, barrier=barrier)
+        panel = info.open()
+        if not with_splits:
+            return PreparedData(info, panel, {})
+        splits, how = split_data(panel, cfg)
     except Exception:
         undo()
         raise
-    panel = info.open()
-    if not with_splits:
-        return PreparedData(info, panel, {})
-    problems = too_short_problems([(name, int(n)) for name, n in zip(panel.names, panel.lengths())], cfg)
-    if problems:
-        del panel
-        undo()
-        problems.raise_if_any()
-    splits = split_panel(panel, cfg.train_ratio, cfg.val_ratio, cfg.test_ratio, cfg.lookback, cfg.predict)
-    return PreparedData(info, panel, splits)
+    return PreparedData(info, panel, splits, how)
+
+
+def series_overlap(panel: SeriesPanel) -> bool:
+    """Whether any two series share a stretch of time (their first..last bar intervals intersect)."""
+    when, offsets = np.asarray(panel.datetimes), np.asarray(panel.offsets)
+    nonempty = np.flatnonzero(np.diff(offsets) > 0)
+    first, last = when[offsets[nonempty]], when[offsets[nonempty + 1] - 1]
+    order = np.argsort(first, kind="stable")
+    return bool((first[order][1:] <= np.maximum.accumulate(last[order])[:-1]).any())
+
+
+def split_data(panel: SeriesPanel, cfg: DataConfig) -> tuple[dict[str, PanelSegments], dict[str, Any]]:
+    """Cut the panel into train / val (/ test) by `data.split`; (splits, how they were cut). Raises DataError when a
+    split gets no window (or, per_series, naming each series too short)."""
+    mode = cfg.split or ("by_date" if cfg.train_end or series_overlap(panel) else "per_series")
+    if mode == "per_series":
+        too_short_problems([(name, int(n)) for name, n in zip(panel.names, panel.lengths())], cfg).raise_if_any()
+        splits = split_panel(panel, cfg.train_ratio, cfg.val_ratio, cfg.test_ratio, cfg.lookback, cfg.predict)
+        _warn_overlapping_periods(splits)
+        return splits, {"mode": mode}
+    if cfg.train_end is not None:
+        train_end = pd.Timestamp(cfg.train_end).value
+        val_end = None if cfg.val_end is None else pd.Timestamp(cfg.val_end).value
+        source = "data.train_end / data.val_end"
+    else:
+        train_end, val_end = date_bounds(panel, cfg.train_ratio, cfg.val_ratio, cfg.test_ratio > 0)
+        source = f"ratios {cfg.train_ratio}/{cfg.val_ratio}/{cfg.test_ratio} of all timestamps"
+    splits = split_panel_by_date(panel, train_end, val_end, cfg.lookback, cfg.predict)
+    how = {"mode": mode, "train_end": str(pd.Timestamp(train_end)),
+           "val_end": None if val_end is None else str(pd.Timestamp(val_end))}
+    window = cfg.lookback + cfg.predict
+    empty = [name for name, seg in splits.items()
+             if not (seg.stop - seg.start >= window).any() or not (seg.stop > seg.first_target).any()]
+    if empty:
+        raise StoreError(
+            f"data.split: by_date: the {', '.join(empty)} split(s) hold no window of data.lookback + data.predict = "
+            f"{window} bars with boundaries {how['train_end']} / {how['val_end']} (from {source}); move the "
+            "boundaries (data.train_end, data.val_end or the ratios), lower data.lookback / data.predict, or set "
+            "data.split: per_series")
+    return splits, how
+
+
+def _warn_overlapping_periods(splits: dict[str, PanelSegments]) -> None:
+    """per_series: warn when a series' validation or test period begins before another series' training (or, for
+    test, validation) period ends: correlated series then leak the future into training and model selection."""
+    panel = splits["train"].panel
+    if panel.n_series < 2:
+        return
+    when = np.asarray(panel.datetimes)
+    ends = {k: when[np.maximum(seg.stop - 1, seg.start)] for k, seg in splits.items()}  # (S,) last bar per split
+    for held, earlier in (("val", ("train",)), ("test", ("train", "val"))):
+        if held not in splits:
+            continue
+        begins = when[np.minimum(splits[held].first_target, len(when) - 1)]
+        for other in earlier:
+            i = int(np.argmin(begins))
+            later = np.flatnonzero(ends[other] > begins[i])
+            later = later[later != i]
+            if len(later):
+                j = int(later[np.argmax(ends[other][later])])
+                log.warning("data.split: per_series: the %s period of %s begins %s, inside the %s period of %s "
+                            "(to %s); related series then leak the future into training. Set data.split: by_date "
+                            "to cut every series at the same dates", held, panel.names[i], pd.Timestamp(begins[i]),
+                            other, panel.names[j], pd.Timestamp(ends[other][j]))
+                return
 
 
 def data_summary_from_store(data: PreparedData, cfg: DataConfig) -> dict:
@@ -1469,18 +1541,20 @@ def data_summary_from_store(data: PreparedData, cfg: DataConfig) -> dict:
     for name, seg in data.splits.items():
         n = seg.stop - seg.start
         windows = np.where(n >= window, (n - window) // cfg.stride + 1, 0)
+        own = seg.stop > seg.first_target  # (S,) series with rows of their own in this split (by_date: not all)
         per_split[name] = {
             "rows": int((seg.stop - seg.first_target).sum()),
             "context_rows": int((seg.first_target - seg.start).sum()),
             "windows": int(windows.sum()),
-            "start": str(pd.Timestamp(int(np.min(when[seg.first_target])))),
-            "end": str(pd.Timestamp(int(np.max(when[seg.stop - 1])))),
+            "start": str(pd.Timestamp(int(np.min(when[seg.first_target[own]])))),
+            "end": str(pd.Timestamp(int(np.max(when[seg.stop[own] - 1])))),
         }
     return {
         "files": [{"path": f["path"], "bytes": f["bytes"], "sha256": f["sha256"]} for f in manifest["sources"]],
         "series": [{"name": s["name"], "rows": s["rows"], "start": s["start"], "end": s["end"]}
                    for s in manifest["series"]],
         "splits": per_split,
+        "split": data.split,
         # Only what identifies the data: whether this run prepared or reused the store is no property of the data,
         # and recording it would make a resumed run's data fingerprint differ (finetune/utils/training_utils.py).
         "store": {"path": str(data.store.path)},
