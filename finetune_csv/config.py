@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
 import json
 import logging
 import math
@@ -134,9 +135,9 @@ class DataConfig:
     split: str | None = None
     """by_date (every series cut at the same dates) | per_series (each by its own rows); null = by_date when the
     series overlap in time, else per_series."""
-    train_end: str | None = None
+    train_end: str | datetime.date | None = None
     """by_date: first date of the validation period (e.g. 2015-01-01); null = from the ratios."""
-    val_end: str | None = None
+    val_end: str | datetime.date | None = None
     """by_date with train_end: first date of the test period; null = no test split (validation runs to the end)."""
     bad_candles: str = "error"
     """A high below max(open, close) or a low above min(open, close): error | warn (train on them, warned)."""
@@ -233,12 +234,14 @@ class CsvFinetuneConfig:
         return self.base_dir / "basemodel"
 
 
-def load(config_path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> CsvFinetuneConfig:
-    """Read the YAML file, apply `--set key=value` overrides and validate; one ValueError lists every problem.
-    Warns about `--set training.X` overrides that a stage section shadows."""
-    cfg = load_config(CsvFinetuneConfig, config_path, overrides)
+def load(config_path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
+         values: Mapping[str, Any] | None = None) -> CsvFinetuneConfig:
+    """Read the YAML file, apply `--set key=value` overrides, then typed `values` {dotted key: value} (from
+    Python), and validate; one ValueError lists every problem. Warns about `training.X` overrides that a stage
+    section shadows."""
+    cfg = load_config(CsvFinetuneConfig, config_path, overrides, values)
     validate(cfg)  # errors first: a warning printed before them would push the useful line down
-    warn_shadowed_overrides(cfg, overrides)
+    warn_shadowed_overrides(cfg, [*overrides, *(f"{k}=" for k in values or {})])
     return cfg
 
 
@@ -284,6 +287,8 @@ def _check_data(d: DataConfig, p: Problems) -> None:
     p.check(d.bad_candles in ("error", "warn"), "data.bad_candles", f"must be error or warn, got {d.bad_candles!r}")
     dates = {}
     for key in ("train_end", "val_end"):
+        if isinstance(getattr(d, key), datetime.date):  # YAML reads 2015-01-01 as a date: keep it as text
+            setattr(d, key, getattr(d, key).isoformat())
         try:
             dates[key] = None if getattr(d, key) is None else pd.Timestamp(getattr(d, key))
         except (ValueError, TypeError):

@@ -84,7 +84,7 @@ from finetune_csv.config import (
     frequency_problem,
     timezone_problem,
 )
-from model.features import FEATURES, fill_amount
+from model.features import COLUMN_ALIASES, FEATURES, ColumnError, fill_amount, resolve_columns
 from model.fileio import write_json
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # 3.4028235e+38
@@ -559,7 +559,7 @@ class SourceReader:
                 e.problems[:] = [p + (f"; the first column has no header (read as '{self._unnamed_hint}'): if it "
                                       f"holds the timestamps set data.columns.timestamps: '{self._unnamed_hint}', "
                                       "else give it a name in the file"
-                                      if "(data.columns.timestamps) not found" in p else "") for p in e.problems]
+                                      if "timestamps" in p else "") for p in e.problems]
             raise
 
     # ------------------------------------------------------------------------------------------------------------
@@ -598,7 +598,9 @@ class SourceReader:
         """Take an unnamed first column (DataFrame.to_csv's index: 'Unnamed: 0'; Parquet: '__index_level_0__') as
         the timestamps when the configured timestamps column is missing and its first value reads as a date."""
         wanted = columns.get("timestamps", "timestamps")
-        if wanted in header or not header or header[0] not in ("Unnamed: 0", "__index_level_0__"):
+        like = {wanted.lower()} | ({"timestamps", *COLUMN_ALIASES["timestamps"]} if wanted == "timestamps" else set())
+        if any(h.strip().lower() in like for h in header) or not header \
+                or header[0] not in ("Unnamed: 0", "__index_level_0__"):
             return columns
         first = self._first_value(header[0])
         try:
@@ -885,41 +887,30 @@ def _rebatch(batch: pa.RecordBatch, rows: int) -> Iterator[pa.RecordBatch]:
         yield batch.slice(start, rows)
 
 
-def _shown_header(header: list[str], limit: int = 20) -> str:
-    """The header for a message, at most `limit` names (a file of 10^6 columns must not print megabytes)."""
-    more = f" ... (+{len(header) - limit} more columns)" if len(header) > limit else ""
-    return repr(header[:limit])[:-1] + more + "]" if len(header) > limit else repr(header)
-
-
-def _resolve_columns(header: list[str], wanted: dict[str, str | None], symbol_column: str | None,
+def _resolve_columns(header: list[str], wanted: Mapping[str, str | None], symbol_column: str | None,
                      source: str) -> dict[str, str | None]:
-    """Our field -> the source's column (the CSV pipeline's rules): a missing required column is an error with a
-    suggestion; a missing volume/amount is absent unless the header has a close match (a misspelling must not
-    silently turn real volumes into zeros); a mapped column whose name appears twice in the header is an error
-    (which of the two holds the prices cannot be guessed)."""
-    raw = list(header)
-    header = _unique(header)
-    columns: dict[str, str | None] = {}
+    """Our field -> the source's column, by the one column resolver (model.features.resolve_columns: any case,
+    aliases such as Date / Datetime / vol / turnover, a close-match hint, duplicates refused). `wanted` is
+    data.columns: a field mapped to its own name is matched, one mapped elsewhere (or to null) is explicit.
+    A missing volume/amount whose name has a close match is an error (a misspelling must not silently turn real
+    volumes into zeros), else it is derived."""
+    explicit = {f: c for f, c in wanted.items() if c != f}
+    try:
+        columns = resolve_columns(header, explicit, where=source)
+    except ColumnError as e:
+        raise SourceProblems([f"{e}; map the columns with data.columns.<field> (e.g. data.columns.close: Close)"]) \
+            from None
     problems = []
-    for fld in ("timestamps",) + FEATURES:
-        name = wanted.get(fld, fld)
-        if name is None or name in header:
-            columns[fld] = name
-            if name is not None and raw.count(name) > 1:
-                where = ", ".join(str(i + 1) for i, c in enumerate(raw) if c == name)
-                problems.append(f"{source}: column name '{name}' (data.columns.{fld}) appears {raw.count(name)} "
-                                f"times in the header (columns {where}); rename or remove the duplicates")
-            continue
-        close = difflib.get_close_matches(name, header, n=1, cutoff=0.6)
-        close += [h for h in header if h.lower() == name.lower() and h not in close]
-        hint = f"; did you mean '{close[0]}'? (set data.columns.{fld}: {close[0]})" if close else ""
-        if fld in ("volume", "amount") and not close:
-            columns[fld] = None
-            log.info("%s: no '%s' column (data.columns.%s); it will be derived", source, name, fld)
-            continue
-        optional = f", or data.columns.{fld}: null if the data has none" if fld in ("volume", "amount") else ""
-        problems.append(f"{source}: column '{name}' (data.columns.{fld}) not found{hint}{optional}; "
-                        f"the header is {_shown_header(header)}")
+    unused = [h for h in header if h not in set(columns.values())]
+    for fld in ("volume", "amount"):
+        if columns[fld] is None and fld not in explicit:
+            close = difflib.get_close_matches(fld, [h.strip().lower() for h in unused], n=1, cutoff=0.6)
+            if close:
+                name = next(h for h in unused if h.strip().lower() == close[0])
+                problems.append(f"{source}: no '{fld}' column, but '{name}' looks like one; set data.columns.{fld}: "
+                                f"{name}, or data.columns.{fld}: null if the data has none")
+            else:
+                log.info("%s: no '%s' column (data.columns.%s); it will be derived", source, fld, fld)
     if symbol_column is not None and symbol_column not in header:
         close = difflib.get_close_matches(symbol_column, header, n=1, cutoff=0.6)
         hint = f"; did you mean '{close[0]}'?" if close else ""

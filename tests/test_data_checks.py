@@ -126,8 +126,7 @@ def test_a_duplicated_column_name_is_an_error_not_the_first_one_taken(tmp_path):
     frame = candles(30)
     text = frame.assign(close2=frame["close"] * 2).to_csv(index=False).replace("close2", "close")
     (tmp_path / "a.csv").write_text(text)
-    with pytest.raises(StoreError, match=r"column name 'close' \(data.columns.close\) appears 2 times in the header "
-                                         r"\(columns 5, 8\)"):
+    with pytest.raises(StoreError, match=r"a.csv: columns \['close', 'close'\] all match 'close'"):
         prepare_store(tmp_path / "a.csv", tmp_path / "store")
 
 
@@ -136,7 +135,7 @@ def test_a_missing_column_in_a_very_wide_file_gives_a_short_message(tmp_path):
     (tmp_path / "w.csv").write_text(",".join(header) + "\n" + ",".join(["2024-01-01"] + ["1"] * 20003) + "\n")
     with pytest.raises(StoreError) as err:
         prepare_store(tmp_path / "w.csv", tmp_path / "store")
-    assert "column 'close' (data.columns.close) not found" in str(err.value) and "(+19984 more columns)" in str(err.value)
+    assert "no 'close' column" in str(err.value) and "19992 more" in str(err.value)
     assert len(str(err.value)) < 1000
 
 
@@ -157,8 +156,8 @@ def uneven_overlapping(folder):
 def periods(data):
     """{split: [(first own date, last date) or None per series]}."""
     when = np.asarray(data.panel.datetimes)
-    return {name: [(pd.Timestamp(when[a]), pd.Timestamp(when[b - 1])) if b > a else None for a, b in zip(seg.first_target, seg.stop)]
-            for name, seg in data.splits.items()}
+    return {name: [(pd.Timestamp(when[a]), pd.Timestamp(when[b - 1])) if b > a else None
+                   for a, b in zip(seg.first_target, seg.stop)] for name, seg in data.splits.items()}
 
 
 def test_by_date_is_the_default_for_overlapping_series_and_no_test_date_lies_in_another_train_or_val(tmp_path):
