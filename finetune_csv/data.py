@@ -944,6 +944,9 @@ class Frame:
         if isinstance(frame.index, pd.DatetimeIndex):
             name = frame.index.name or "timestamps"
             frame = frame.rename_axis(name).reset_index() if name not in frame.columns else frame
+        mixed = [c for c in frame.columns if frame[c].dtype == object]  # e.g. numbers and text: read cell by cell
+        if mixed:
+            frame = frame.astype({c: "string" for c in mixed})
         try:
             return pa.Table.from_pandas(frame, preserve_index=False)
         except (pa.ArrowException, TypeError, ValueError) as e:
@@ -1056,6 +1059,9 @@ def list_sources(sources: Sources) -> list[Path | Frame]:
     suffixes = CSV_SUFFIXES + PARQUET_SUFFIXES
     out: list[Path] = []
     for src in sources:
+        if isinstance(src, Frame):  # already listed (prepare_store called by ensure_store)
+            out.append(src)
+            continue
         p = Path(src)
         if p.is_file():
             if p.suffix.lower() not in suffixes:
