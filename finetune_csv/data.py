@@ -1,34 +1,28 @@
-"""Checks on raw candle files before they become a `SeriesPanel`: timestamps, time zones, bar frequency, float32 range.
+"""The CSV pipeline's data path, one straight line, read top-down in this module:
 
-Pure functions on pandas/numpy values, used by the CSV loader and the data store; each error is a `CandleDataError`
-(a ValueError) naming the file, the line and the setting (or the data) to change.
+    sources (CSV/Parquet files of data.path, or {name: DataFrame} from finetune())
+      -> SourceReader: columns resolved (model.features.resolve_columns), cells parsed in blocks, checked
+      -> one series at a time: grouped by data.symbol_column, candle checks, cleaning (data.nan_policy)
+      -> StoreWriter (finetune/utils/store.py, the one store format, also the Qlib splits'): .npy + manifest
+      -> ensure_store: rank 0 reuses the store only if settings, sources' content and arrays' sha256 all match
+      -> open_store: a read-only memory-mapped SeriesPanel on every rank
+      -> split_data: train / val (/ test) index ranges, by date (shared boundaries) or per series
+      -> PanelSegments.dataset: the shared WindowDataset (finetune/utils/windows.py)
+
+Every error is a StoreError / CandleDataError (DataError) naming the source (file, or `frame 'AAPL'`), column,
+line and the setting to change; all problems of all sources are collected into one message; a failed preparation
+leaves nothing behind.
 
 The timestamp rule: the model's time features (minute, hour, weekday, day, month) describe the exchange's LOCAL
-wall-clock time, the time a trader sees on the exchange's clock.
-- Stamps that carry a UTC offset (`2024-03-08 09:30:00-05:00`, `...Z`) are converted to `data.timezone` when it is
-  set (an IANA name such as "America/New_York"), so a DST change inside one file (-05:00 then -04:00) still gives
-  09:30 every morning. Without `data.timezone` each value keeps the wall-clock time it states: it is parsed in its
-  own offset and the offset is then dropped (pandas refuses mixed offsets otherwise, or shifts everything to UTC).
-- Stamps without an offset are taken as the local wall-clock time already (also when `data.timezone` is set).
-- Within one file all stamps carry an offset or none does; across files the same (`check_tz_consistency`), since a
-  naive and an offset-carrying file cannot be placed on one clock.
-- Converting to a zone with DST repeats one wall-clock hour per year (the autumn change); exchanges are closed then.
-
-The frequency rule: a file's bar length is the median spacing of its sorted stamps (`infer_frequency`), which
-ignores overnight, weekend and holiday gaps. Files of different bar lengths in one data set are warned about;
-when `data.frequency` is set, a file of another length is an error.
-
-The range rule: the model computes in float32, so a value beyond float32's finite range (|x| > 3.4028235e38, e.g.
-1e39, or inf) would become inf after loading; it is an error naming file, column and line.
-
-Also here:
-- Cleaning rules for one parsed series (the CSV pipeline's) and wall-clock time stamps.
-- Split one file with a symbol column into its series without holding the file in memory.
-- Read one CSV or Parquet file of candles in blocks, parsed and checked cell by cell, never holding the whole file.
-- Prepared data store: parse and check the candle files once, memory-map the result on every rank.
-- The CSV pipeline's time-split rules: how many rows each split of a series gets and whether it is long enough.
-- The CSV pipeline's training data: the prepared, memory-mapped store, its time splits and its run_info summary.
-- Thin adapter: a split of the prepared store -> the shared sliding-window dataset
+wall-clock time. Stamps that carry a UTC offset are converted to `data.timezone` when it is set (so a DST change
+still gives 09:30 every morning); without it each value keeps the wall-clock time it states. Stamps without an
+offset are local time already. Within a file and across files all stamps carry an offset or none does.
+The frequency rule: a file's bar length is the median spacing of its sorted stamps; files of other lengths are
+warned about, or an error when `data.frequency` is set.
+The range rule: a value beyond float32's finite range (|x| > 3.4028235e38) is an error naming file, column, line.
+The candle rules: a price <= 0 is an error; a high below max(open, close) or a low above min(open, close) is an
+error (or a warning with data.bad_candles: warn); a volume column zero throughout is an error unless
+data.allow_zero_volume; a column name twice in a header is an error.
 """
 
 from __future__ import annotations
@@ -93,383 +87,657 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)  # 3.4028235e+38
 _OFFSET_RE = r"\d{1,2}:\d{2}(?::\d{2}(?:\.\d+)?)?\s*(?P<off>Z|UTC|[+-]\d{2}(?::?\d{2})?)$"
 _SHOW = 5  # how many lines / files an error lists
 
+log = logging.getLogger(__name__)
 
 
-
-class TimestampError(CandleDataError):
-    """A timestamp that cannot be read, or a file mixing stamps with and without a UTC offset."""
-
-
-class TimezoneMixError(CandleDataError):
-    """Files with UTC offsets and files without them in one data set."""
+# ----------------------------------------------------------------------------------------------------------------
+# Settings and sources
 
 
+NAN_POLICIES = ("error", "ffill", "drop")
+BAD_CANDLE_POLICIES = ("error", "warn")
+_MAX_PROBLEMS_SHOWN = 50
 
 
-class Float32RangeError(CandleDataError):
-    """A value outside float32's finite range."""
+@dataclass(frozen=True)
+class Frame:
+    """A DataFrame handed over from Python (`finetune(data=...)`): one source like one file, named by its key."""
+
+    name: str
+    frame: pd.DataFrame
+
+    def table(self) -> pa.Table:
+        """The frame as Arrow (a DatetimeIndex becomes a column named after the index, else 'timestamps')."""
+        frame = self.frame
+        if isinstance(frame.index, pd.DatetimeIndex):
+            name = frame.index.name or "timestamps"
+            frame = frame.rename_axis(name).reset_index() if name not in frame.columns else frame
+        mixed = [c for c in frame.columns if frame[c].dtype == object]  # e.g. numbers and text: read cell by cell
+        if mixed:
+            frame = frame.astype({c: "string" for c in mixed})
+        try:
+            return pa.Table.from_pandas(frame, preserve_index=False)
+        except (pa.ArrowException, TypeError, ValueError) as e:
+            raise SourceProblems([f"frame '{self.name}': cannot be read as columns of numbers and times ({e})"]) \
+                from None
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Like `file_fingerprint`: a content hash of values, index and column names (no mtime)."""
+        h = pd.util.hash_pandas_object(self.frame, index=True).to_numpy()
+        digest = hashlib.sha256(json.dumps([str(c) for c in self.frame.columns]).encode() + h.tobytes()).hexdigest()
+        return {"path": f"frame '{self.name}'", "bytes": int(h.nbytes), "mtime_ns": None, "sha256": digest}
 
 
-class MixedFrequencyWarning(UserWarning):
-    """Files of different bar lengths in one data set while `data.frequency` is not set."""
+def _default_columns() -> dict[str, str | None]:
+    return {f: f for f in ("timestamps",) + FEATURES}
 
 
-def _lines(positions: Sequence[int], first_row: int) -> str:
-    shown = ", ".join(str(first_row + int(p)) for p in positions[:_SHOW])
-    return shown + (f" (+{len(positions) - _SHOW} more)" if len(positions) > _SHOW else "")
+@dataclass(frozen=True)
+class StoreSettings:
+    """How input files become series; every field is part of the store's identity (a change re-prepares)."""
+
+    columns: Mapping[str, str | None] = field(default_factory=_default_columns)
+    """Our field (timestamps, open, high, low, close, volume, amount) -> the file's column name (None = absent)."""
+    symbol_column: str | None = None
+    """Column whose values split a file into several series; None = one series per file."""
+    timestamp_format: str | None = None
+    """strftime format of text timestamps; None = ISO 8601 or inferred from the first value."""
+    nan_policy: str = "error"
+    """Missing prices/volumes: error | ffill | drop (see finetune_csv.config.DataConfig)."""
+    timezone: str | None = None
+    """IANA zone that offset-carrying stamps are converted to (data.timezone); None = keep their stated clock."""
+    frequency: str | None = None
+    """Expected bar length (data.frequency, e.g. '5min'); None = infer per file and warn about odd files."""
+    bad_candles: str = "error"
+    """A high below max(open, close) or a low above min(open, close): error | warn (data.bad_candles)."""
+    allow_zero_volume: bool = False
+    """A series whose volume column is zero throughout is an error unless True (data.allow_zero_volume)."""
+
+    @classmethod
+    def from_data_config(cls, data: Any) -> StoreSettings:
+        """From a CSV pipeline `DataConfig`-like object (columns, symbol_column, timestamp_format, nan_policy)."""
+        cols = data.columns if isinstance(data.columns, Mapping) else vars(data.columns)
+        return cls(columns=dict(cols), symbol_column=data.symbol_column, timestamp_format=data.timestamp_format,
+                   nan_policy=data.nan_policy, timezone=getattr(data, "timezone", None),
+                   frequency=getattr(data, "frequency", None), bad_candles=getattr(data, "bad_candles", "error"),
+                   allow_zero_volume=bool(getattr(data, "allow_zero_volume", False)))
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able form recorded in (and compared with) the manifest."""
+        columns = _default_columns()
+        columns.update(self.columns)
+        return {"columns": columns, "symbol_column": self.symbol_column,
+                "timestamp_format": self.timestamp_format, "nan_policy": self.nan_policy,
+                "timezone": self.timezone, "frequency": self.frequency, "bad_candles": self.bad_candles,
+                "allow_zero_volume": self.allow_zero_volume}
+
+    def validate(self) -> None:
+        """Raise ConfigError (a ValueError) listing every bad setting."""
+        p = Problems("Invalid data store settings")
+        known = ("timestamps",) + FEATURES
+        for key, value in self.columns.items():
+            p.check(key in known, f"data.columns.{key}", f"unknown field; the fields are {list(known)}")
+            if key in known[:5]:
+                p.check(isinstance(value, str) and value != "", f"data.columns.{key}", "must name a column")
+        p.check(self.nan_policy in NAN_POLICIES, "data.nan_policy",
+                f"must be one of {list(NAN_POLICIES)}, got {self.nan_policy!r}")
+        p.check(self.bad_candles in BAD_CANDLE_POLICIES, "data.bad_candles",
+                f"must be one of {list(BAD_CANDLE_POLICIES)}, got {self.bad_candles!r}")
+        for key, problem in (("data.timezone", timezone_problem(self.timezone)),
+                             ("data.frequency", frequency_problem(self.frequency))):
+            p.check(problem is None, key, problem or "")
+        p.raise_if_any()
 
 
-def _offset_text(values: pd.Series) -> pd.Series:
-    """The UTC-offset suffix of each string (NaN where there is none)."""
-    return values.str.extract(_OFFSET_RE, expand=True)["off"]
+@dataclass(frozen=True)
+class StoreInfo:
+    """A prepared store on disk and how this call got it."""
+
+    path: Path
+    """The store folder."""
+    manifest: dict
+    """Its manifest.json."""
+    reused: bool
+    """True when an existing store matched (no parsing was done)."""
+    reason: str
+    """Why it was reused or (re-)prepared, for the log."""
+
+    def open(self) -> SeriesPanel:
+        """The store as a SeriesPanel of read-only memory maps."""
+        return open_store(self.path)
 
 
-def has_utc_offset(values: Any) -> bool:
-    """True when the timestamps carry a UTC offset (tz-aware datetimes, or strings ending in +hh:mm / Z)."""
-    s = pd.Series(values)
-    if isinstance(s.dtype, pd.DatetimeTZDtype):
-        return True
-    if pd.api.types.is_datetime64_dtype(s.dtype) or len(s) == 0:
-        return False
-    return bool(_offset_text(s.astype("string").str.strip()).notna().any())
+Sources = str | Path | Sequence[str | Path] | Mapping[str, pd.DataFrame]
 
 
-def _offsets_as_timedelta(off: pd.Series) -> pd.Series:
-    """'+05:30' / '-0400' / '+03' / 'Z' -> Timedelta per row."""
-    norm = off.str.replace(":", "", regex=False).replace({"Z": "+0000", "UTC": "+0000"})
-    sign = norm.str[0].map({"+": 1, "-": -1}).astype("int64")
-    hours = norm.str[1:3].astype("int64")
-    minutes = norm.str[3:5].replace("", "0").fillna("0").astype("int64")
-    return pd.to_timedelta(sign * (hours * 60 + minutes), unit="min")
-
-
-def parse_timestamps(values: Any, *, source: str, fmt: str | None = None, timezone: str | None = None,
-                     first_row: int = 1) -> pd.DatetimeIndex:
-    """Read one file's timestamps as naive local wall-clock times (the rule in the module docstring).
-
-    Parameters
-    ----------
-    values: (N,) strings, datetimes (naive or tz-aware) or a pandas Series/Index of them.
-    source: the file (or series) name, for messages.
-    fmt: a strftime format (`data.timestamp_format`); None lets pandas infer it.
-    timezone: the exchange's IANA zone (`data.timezone`); offset-carrying stamps are converted to it.
-    first_row: the file line of values[0] (2 for a CSV with a header line), for messages.
-
-    Returns
-    -------
-    (N,) naive `DatetimeIndex`, unit ns, in the input order.
-    """
-    s = pd.Series(values).reset_index(drop=True)
-    if isinstance(s.dtype, pd.DatetimeTZDtype) or pd.api.types.is_datetime64_dtype(s.dtype):
-        parsed = s
-    else:
-        text = s.astype("string").str.strip()
-        missing = np.flatnonzero((text.isna() | (text == "")).to_numpy())
-        if len(missing):
-            raise TimestampError(f"{source}: empty timestamp at line(s) {_lines(missing, first_row)}; every candle "
-                                 "needs a time (fix the file)")
-        off = _offset_text(text)
-        aware = off.notna().to_numpy()
-        if aware.any() and not aware.all():
-            with_, without = np.flatnonzero(aware), np.flatnonzero(~aware)
-            raise TimestampError(
-                f"{source}: some timestamps carry a UTC offset (line(s) {_lines(with_, first_row)}, e.g. "
-                f"'{text[with_[0]]}') and some do not (line(s) {_lines(without, first_row)}, e.g. "
-                f"'{text[without[0]]}'); write all of them with an offset or none")
-        parsed = pd.to_datetime(text, format=fmt, errors="coerce", utc=bool(aware.any()))
-        bad = np.flatnonzero(parsed.isna().to_numpy())
-        if len(bad):
-            how = f"format '{fmt}'" if fmt else "an inferred format"
-            raise TimestampError(
-                f"{source}: cannot read timestamp(s) at line(s) {_lines(bad, first_row)}, e.g. '{text[bad[0]]}' "
-                f"(with {how}); set data.timestamp_format to the strftime format of the file, "
-                "e.g. '%Y-%m-%d %H:%M:%S%z'")
-        if aware.any() and timezone is None:
-            # UTC instant + the offset each value stated = the wall-clock time it stated.
-            parsed = parsed.dt.tz_localize(None) + _offsets_as_timedelta(off).to_numpy()
-    if isinstance(parsed.dtype, pd.DatetimeTZDtype):
-        if timezone is not None:
-            try:
-                parsed = parsed.dt.tz_convert(timezone)
-            except Exception as e:  # pytz/zoneinfo raise different types for an unknown zone
-                raise TimestampError(f"data.timezone: unknown time zone '{timezone}' ({e}); use an IANA name such "
-                                     "as 'America/New_York' or 'Asia/Shanghai'") from e
-        parsed = parsed.dt.tz_localize(None)
-    return pd.DatetimeIndex(parsed).as_unit("ns")
-
-
-def check_tz_consistency(aware: Mapping[str, bool]) -> None:
-    """Raise `TimezoneMixError` when some files carry UTC offsets and others do not.
-
-    Parameters
-    ----------
-    aware: {file name: whether its stamps carry an offset} (see `has_utc_offset`).
-    """
-    with_ = [f for f, a in aware.items() if a]
-    without = [f for f, a in aware.items() if not a]
-    if with_ and without:
-        def show(files: list[str]) -> str:
-            return ", ".join(files[:_SHOW]) + (f" (+{len(files) - _SHOW} more)" if len(files) > _SHOW else "")
-
-        raise TimezoneMixError(
-            f"data: {len(with_)} file(s) have timestamps with a UTC offset ({show(with_)}) and {len(without)} "
-            f"without ({show(without)}); they cannot be put on one clock. Write all files with offsets (and set "
-            "data.timezone to the exchange's zone) or all in the exchange's local time without offsets")
-
-
-def infer_frequency(index: Any, *, source: str = "data") -> pd.Timedelta:
-    """The bar length of one file: the median spacing of its sorted, distinct stamps (robust to session gaps).
-
-    Parameters
-    ----------
-    index: (N,) timestamps (DatetimeIndex, Series or array of datetime64).
-    source: the file name, for the error.
-
-    Returns
-    -------
-    The median positive spacing as a `pd.Timedelta`. Raises `FrequencyError` with fewer than two distinct stamps.
-    """
-    stamps = np.unique(pd.DatetimeIndex(index).as_unit("ns").asi8)  # sorted, distinct, int64 ns
-    if len(stamps) < 2:
-        raise FrequencyError(f"{source}: needs at least two distinct timestamps to tell the bar length, has "
-                             f"{len(stamps)}; add data or set data.frequency")
-    return pd.Timedelta(int(np.median(np.diff(stamps))), unit="ns")
-
-
-def format_frequency(td: pd.Timedelta) -> str:
-    """A bar length as people write it: '5min', '1h', '1 day', '30s'."""
-    td = pd.Timedelta(td)
-    day, hour, minute, second = (pd.Timedelta(1, u) for u in ("D", "h", "min", "s"))
-    if td % day == pd.Timedelta(0) and td >= day:
-        n = td // day
-        return f"{n} day" + ("s" if n != 1 else "")
-    for unit, name in ((hour, "h"), (minute, "min"), (second, "s")):
-        if td % unit == pd.Timedelta(0) and td >= unit:
-            return f"{td // unit}{name}"
-    return str(td)
-
-
-
-
-def check_frequencies(freqs: Mapping[str, pd.Timedelta], expected: str | pd.Timedelta | None = None
-                      ) -> pd.Timedelta | None:
-    """Compare the files' bar lengths: a warning naming the odd files, an error when `data.frequency` is set.
-
-    Parameters
-    ----------
-    freqs: {file name: its `infer_frequency`}.
-    expected: `data.frequency` ("5min", "1h", "1D" or a Timedelta), or None.
-
-    Returns
-    -------
-    The data set's bar length: `expected`, else the most common one (None for no files).
-    Warns `MixedFrequencyWarning` (expected None) or raises `FrequencyError` (expected set) for odd files.
-    """
-    if expected is not None:
-        want = _parse_expected(expected)
-        odd = {f: td for f, td in freqs.items() if pd.Timedelta(td) != want}
-        if odd:
-            listed = ", ".join(f"{f} ({format_frequency(td)})" for f, td in list(odd.items())[:_SHOW])
-            more = f" (+{len(odd) - _SHOW} more)" if len(odd) > _SHOW else ""
-            raise FrequencyError(
-                f"data.frequency is {format_frequency(want)} but {len(odd)} file(s) have another bar length: "
-                f"{listed}{more}; remove or resample them, or change data.frequency")
-        return want
-    if not freqs:
-        return None
-    counts = Counter(pd.Timedelta(td) for td in freqs.values())
-    common = max(counts, key=lambda td: (counts[td], -td.value))  # most files; ties: the shorter bar
-    if len(counts) > 1:
-        groups = []
-        for td in sorted(counts, key=lambda t: t.value):
-            if td == common:
-                continue
-            files = [f for f, t in freqs.items() if pd.Timedelta(t) == td]
-            groups.append(f"{format_frequency(td)}: " + ", ".join(files[:_SHOW])
-                          + (f" (+{len(files) - _SHOW} more)" if len(files) > _SHOW else ""))
-        warnings.warn(
-            f"data: files of different bar lengths are mixed; most are {format_frequency(common)} "
-            f"({counts[common]} file(s)), the others: {'; '.join(groups)}. Set data.frequency to make this an "
-            "error, or remove/resample the odd files", MixedFrequencyWarning, stacklevel=2)
-    return common
-
-
-def check_float32_range(array: Any, columns: Sequence[str], source: str, first_row: int = 1) -> None:
-    """Raise `Float32RangeError` at the first value (row-major) with |x| > float32's max (inf included; NaN not).
-
-    Parameters
-    ----------
-    array: (N, C) numbers (or (N,) for one column), any numeric dtype.
-    columns: the C column names.
-    source: the file name.
-    first_row: the file line of row 0 (2 for a CSV with a header line).
-    """
-    a = np.asarray(array)
-    if a.ndim == 1:
-        a = a.reshape(-1, 1)  # (N, 1)
-    if a.dtype.kind in "iub" or a.size == 0:
-        return  # integers up to int64/uint64 are far below 3.4e38
-    a = a.astype(np.float64, copy=False)
-    with np.errstate(invalid="ignore"):
-        bad = np.abs(a) > FLOAT32_MAX  # (N, C) bool; NaN compares False
-    if not bad.any():
-        return
-    row = int(np.argmax(bad.any(axis=1)))
-    col = int(np.argmax(bad[row]))
-    total = int(bad.sum())
-    more = f" ({total} such values in this file)" if total > 1 else ""
-    name = columns[col] if col < len(columns) else f"#{col}"
-    raise Float32RangeError(
-        f"{source} line {first_row + row}, column '{name}': value {a[row, col]:.6g} is outside float32's finite "
-        f"range (+-{FLOAT32_MAX:.7g}){more}; the model computes in float32, so correct or remove it in the file "
-        "(or rescale that column)")
-
-
-
-
-
-
-_NS_PER_DAY = 86_400_000_000_000
-_NS_PER_MINUTE = 60_000_000_000
-_MAX_LISTED = 5
-
-
-def _listed(lines: np.ndarray) -> str:
-    shown = ", ".join(str(int(v)) for v in lines[:_MAX_LISTED])
-    return shown + (f" (+{len(lines) - _MAX_LISTED} more)" if len(lines) > _MAX_LISTED else "")
-
-
-def clean_series(ts: np.ndarray, values: np.ndarray, lines: np.ndarray, present: tuple[bool, ...], nan_policy: str,
-                 where: str, unit: str = "line(s)") -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """Apply the cleaning rules to one series.
-
-    Parameters
-    ----------
-    ts: (n,) int64 wall-clock ns, in file order.
-    values: (n, 6) float64 open..amount, NaN = missing; absent columns are 0.
-    lines: (n,) int64 where each row is in its file (for messages).
-    present: per feature, whether the file has the column.
-    nan_policy: error | ffill | drop.
-    where: the file (and series) for messages.
-
-    Returns
-    -------
-    (ts (m,), values (m, 6) float64, warnings); raises SourceProblems on duplicates or refused missing values.
-    """
-    notes: list[str] = []
-    if len(ts) > 1 and (np.diff(ts) < 0).any():
-        notes.append(f"{where}: timestamps are not sorted; sorting them (rows keep their values)")
-        perm = np.argsort(ts, kind="stable")
-        ts, values, lines = ts[perm], values[perm], lines[perm]
-    same = np.flatnonzero(np.diff(ts) == 0)
-    if same.size:
-        first = ts[same[0]]
-        raise SourceProblems([(f"{where}: {same.size} duplicate timestamp(s), first {pd.Timestamp(first)} at {unit} "
-                               f"{_listed(lines[ts == first])}; remove the duplicates (or set data.symbol_column "
-                               "if the file holds several series)")])
-    cols = [i for i, p in enumerate(present) if p]
-    nan = np.isnan(values[:, cols])  # (n, n_present)
-    if nan.any():
-        if nan_policy == "error":
-            details = [f"column {FEATURES[c]} at {unit} {_listed(lines[nan[:, j]])}"
-                       for j, c in enumerate(cols) if nan[:, j].any()]
-            raise SourceProblems([f"{where}: missing values in " + "; ".join(details) +
-                                  " (data.nan_policy: error; set it to ffill or drop to repair them)"])
-        if nan_policy == "ffill":
-            if nan[0].any():
-                which = ", ".join(FEATURES[c] for j, c in enumerate(cols) if nan[0, j])
-                raise SourceProblems([(f"{where}: missing value(s) in the first row ({which}) cannot be "
-                                       "forward-filled (data.nan_policy: ffill); fix or drop that row")])
-            notes.append(f"{where}: forward-filling {int(nan.sum())} missing value(s) (data.nan_policy: ffill)")
-            values = values.copy()
-            idx = np.arange(len(ts))
-            for j, c in enumerate(cols):
-                if nan[:, j].any():
-                    last = np.maximum.accumulate(np.where(nan[:, j], 0, idx))  # last valid row at or before each
-                    values[:, c] = values[last, c]
+def list_sources(sources: Sources) -> list[Path | Frame]:
+    """Input files: a .csv/.parquet file, a folder (its .csv/.parquet/.pq files, sorted by name), or a list of them;
+    or {name: DataFrame} from Python (one Frame each, in the mapping's order)."""
+    if isinstance(sources, Mapping):
+        bad = [str(k) for k, v in sources.items() if not isinstance(v, pd.DataFrame)]
+        if not sources or bad:
+            raise StoreError(f"data: give a DataFrame, a dict {{name: DataFrame}} or a path (not a DataFrame: {bad})")
+        return [Frame(str(k), v) for k, v in sources.items()]
+    if isinstance(sources, (str, Path)):
+        sources = [sources]
+    suffixes = CSV_SUFFIXES + PARQUET_SUFFIXES
+    out: list[Path] = []
+    for src in sources:
+        if isinstance(src, Frame):  # already listed (prepare_store called by ensure_store)
+            out.append(src)
+            continue
+        p = Path(src)
+        if p.is_file():
+            if p.suffix.lower() not in suffixes:
+                raise StoreError(f"data.path: {p} is not a .csv or .parquet file")
+            out.append(p)
+        elif p.is_dir():
+            files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in suffixes)
+            others = sorted(f.name for f in p.iterdir() if f.is_file() and f.suffix.lower() not in suffixes
+                            and not f.name.startswith("."))
+            if others:
+                log.info("ignoring %d file(s) in %s that are not .csv/.parquet: %s", len(others), p,
+                         ", ".join(others[:5]) + (" ..." if len(others) > 5 else ""))
+            if not files:
+                raise StoreError(f"data.path: the folder {p} holds no .csv or .parquet file")
+            out.extend(files)
         else:
-            rows = nan.any(axis=1)
-            notes.append(f"{where}: dropping {int(rows.sum())} row(s) with missing values (data.nan_policy: drop)")
-            ts, values = ts[~rows], values[~rows]
-    if present[4] and not present[5]:
-        values = np.array(values, dtype=np.float64, copy=True)
-        # The forecaster derives a missing amount the same way, so training and inference see the same features.
-        values[:, 5] = fill_amount(*(values[:, i] for i in (4, 0, 1, 2, 3)))  # volume, open, high, low, close
-    return ts, values, notes
-
-
-def wallclock_stamps(ts: np.ndarray) -> np.ndarray:
-    """Calendar stamps of naive wall-clock ns times: int64 (n, 5) minute, hour, weekday (Monday=0), day, month
-    (equal to model.features.calc_time_stamps of the same times)."""
-    ts = np.asarray(ts, dtype=np.int64)
-    days = ts // _NS_PER_DAY  # floor: times before 1970 count back correctly
-    minute_of_day = (ts - days * _NS_PER_DAY) // _NS_PER_MINUTE
-    d = days.astype("datetime64[D]")
-    month_start = d.astype("datetime64[M]")
-    out = np.empty((len(ts), 5), dtype=np.int64)
-    out[:, 0] = minute_of_day % 60
-    out[:, 1] = minute_of_day // 60
-    out[:, 2] = (days + 3) % 7  # 1970-01-01 was a Thursday
-    out[:, 3] = (d - month_start).astype(np.int64) + 1
-    out[:, 4] = month_start.astype(np.int64) % 12 + 1
+            raise StoreError(f"data.path: {p} does not exist (give a file or a folder of CSV/Parquet files)")
+    names = [f.name for f in out]
+    if len(set(names)) != len(names):
+        raise StoreError(f"data.path: two input files share a name (series are named by file): {sorted(names)}")
     return out
 
 
-def grouped_series(reader: SourceReader, scratch: Path, block_rows: int) -> Iterator[tuple]:
-    """Yield (name, timestamps (n,) int64, values (n, 6) float64, lines (n,) int64) per symbol of one file, sorted
-    by symbol name (the CSV pipeline's order), rows of a symbol in file order. Scratch files go to `scratch` and
-    are removed at the end."""
-    spill = {k: scratch / f".spill.{k}" for k in ("ts", "values", "lines", "codes")}
-    counts = np.zeros(0, dtype=np.int64)
+def _fingerprint(source: Path | Frame, with_hash: bool = True) -> dict[str, Any]:
+    return source.fingerprint() if isinstance(source, Frame) else file_fingerprint(source, with_hash)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 1. The run's data: store -> panel -> splits (prepare_data, split_data, data_summary_from_store)
+
+
+def split_row_counts(n_rows: int, cfg: DataConfig) -> dict[str, int]:
+    """Rows of each split of a series of `n_rows` (context excluded): {"train", "val", "test"}."""
+    train_end, val_end = split_bounds(n_rows, cfg.train_ratio, cfg.val_ratio)
+    return {"train": train_end, "val": val_end - train_end, "test": n_rows - val_end}
+
+
+def split_is_usable(n_rows: int, cfg: DataConfig) -> bool:
+    """Whether a series of n_rows gives at least one window in train, in val, and in test when test_ratio > 0."""
+    counts = split_row_counts(n_rows, cfg)
+    test_ok = cfg.test_ratio == 0 or counts["test"] >= cfg.predict
+    return counts["train"] >= cfg.lookback + cfg.predict and counts["val"] >= cfg.predict and test_ok
+
+
+def min_rows_needed(cfg: DataConfig) -> int:
+    """Smallest series length that gives every split at least one window (see `split_is_usable`)."""
+    n = cfg.lookback + cfg.predict
+    while not split_is_usable(n, cfg):
+        n += 1
+    return n
+
+
+def too_short_problems(rows: list[tuple[str, int]], cfg: DataConfig) -> Problems:
+    """One Problems entry per (series name, row count) too short for a window in every split; empty when none is."""
+    problems = Problems(
+        f"Series too short for one window per split: each needs at least {min_rows_needed(cfg)} rows with "
+        f"data.lookback={cfg.lookback}, data.predict={cfg.predict} and ratios {cfg.train_ratio}/{cfg.val_ratio}/"
+        f"{cfg.test_ratio} (train needs lookback + predict rows, val and test need predict rows); "
+        "lower data.lookback / data.predict, change the ratios, or remove these series")
+    for name, n in rows:
+        if not split_is_usable(n, cfg):
+            problems.add(name, f"{n} rows {split_row_counts(n, cfg)}")
+    return problems
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """The data of a run: the store on disk, its memory-mapped panel and the time splits as index ranges."""
+
+    store: StoreInfo
+    """The store folder, its manifest and whether it was reused (and why)."""
+    panel: SeriesPanel
+    """All series, features float32 (6, N) and stamps int64 (N, 5) as read-only np.memmap (shared page cache)."""
+    splits: dict[str, PanelSegments]
+    """train / val (/ test): per-series column ranges of `panel`."""
+    split: dict[str, Any] = field(default_factory=dict)
+    """How the splits were cut: {"mode": by_date | per_series, "train_end", "val_end" (by_date)}."""
+
+
+def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None, *, with_splits: bool = True,
+                 frames: Mapping[str, pd.DataFrame] | None = None) -> PreparedData:
+    """The CSV pipeline's data path, top to bottom: sources -> the prepared store (rank 0 prepares or reuses it) ->
+    the memory-mapped panel -> train / val (/ test) index ranges, cut by date or per series (`split_data`).
+
+    Parameters
+    ----------
+    cfg: the `data:` section.
+    store_dir: the store folder (`data.store_dir`, default `<paths.base_dir>/data_store`).
+    dist: a DistInfo-like object (`is_main`); None = one process.
+    barrier: called by every process once the main one has prepared the store (None = no waiting).
+    with_splits: cut (and check the length of) the splits; False = the whole series only (the future forecast,
+        which needs `lookback` rows per series, not a usable split), `splits` is then {}.
+    frames: {name: DataFrame} from Python, read instead of `cfg.path` (finetune_csv/api.py).
+
+    Returns PreparedData. Raises StoreError / ConfigError naming source, column, line and setting; a failed
+    preparation leaves no store and no folder it created.
+    """
+    store_dir = Path(store_dir)
+    is_main = dist is None or dist.is_main
+    created = [p for p in [store_dir, *store_dir.parents] if not p.exists()]
+
+    def undo() -> None:
+        """Remove what this call created (a fresh store, then the folders it made), so a failed run leaves nothing."""
+        if is_main and created:
+            shutil.rmtree(store_dir, ignore_errors=True)
+            for p in created[1:]:  # innermost first; only folders this call made and that are empty now
+                if p.is_dir() and not any(p.iterdir()):
+                    p.rmdir()
+
     try:
-        with open(spill["ts"], "wb") as f_ts, open(spill["values"], "wb") as f_v, \
-                open(spill["lines"], "wb") as f_l, open(spill["codes"], "wb") as f_c:
-            for b in reader.blocks():
-                b.timestamps.tofile(f_ts)
-                b.values.tofile(f_v)
-                b.lines.tofile(f_l)
-                b.symbols.tofile(f_c)
-                counts = np.pad(counts, (0, len(reader.symbols) - len(counts)))
-                counts += np.bincount(b.symbols, minlength=len(reader.symbols))
+        info = ensure_store(cfg.path if frames is None else frames, store_dir, StoreSettings.from_data_config(cfg),
+                            dist=dist, barrier=barrier)
+        panel = info.open()
+        if not with_splits:
+            return PreparedData(info, panel, {})
+        splits, how = split_data(panel, cfg)
+    except Exception:
+        undo()
+        raise
+    return PreparedData(info, panel, splits, how)
+
+
+def series_overlap(panel: SeriesPanel) -> bool:
+    """Whether any two series share a stretch of time (their first..last bar intervals intersect)."""
+    when, offsets = np.asarray(panel.datetimes), np.asarray(panel.offsets)
+    nonempty = np.flatnonzero(np.diff(offsets) > 0)
+    first, last = when[offsets[nonempty]], when[offsets[nonempty + 1] - 1]
+    order = np.argsort(first, kind="stable")
+    return bool((first[order][1:] <= np.maximum.accumulate(last[order])[:-1]).any())
+
+
+def split_data(panel: SeriesPanel, cfg: DataConfig) -> tuple[dict[str, PanelSegments], dict[str, Any]]:
+    """Cut the panel into train / val (/ test) by `data.split`; (splits, how they were cut). Raises DataError when a
+    split gets no window (or, per_series, naming each series too short)."""
+    mode = cfg.split or ("by_date" if cfg.train_end or series_overlap(panel) else "per_series")
+    if mode == "per_series":
+        too_short_problems([(name, int(n)) for name, n in zip(panel.names, panel.lengths())], cfg).raise_if_any()
+        splits = split_panel(panel, cfg.train_ratio, cfg.val_ratio, cfg.test_ratio, cfg.lookback, cfg.predict)
+        _warn_overlapping_periods(splits)
+        return splits, {"mode": mode}
+    if cfg.train_end is not None:
+        train_end = pd.Timestamp(cfg.train_end).value
+        val_end = None if cfg.val_end is None else pd.Timestamp(cfg.val_end).value
+        source = "data.train_end / data.val_end"
+    else:
+        train_end, val_end = date_bounds(panel, cfg.train_ratio, cfg.val_ratio, cfg.test_ratio > 0)
+        source = f"ratios {cfg.train_ratio}/{cfg.val_ratio}/{cfg.test_ratio} of all timestamps"
+    splits = split_panel_by_date(panel, train_end, val_end, cfg.lookback, cfg.predict)
+    how = {"mode": mode, "train_end": str(pd.Timestamp(train_end)),
+           "val_end": None if val_end is None else str(pd.Timestamp(val_end))}
+    window = cfg.lookback + cfg.predict
+    empty = [name for name, seg in splits.items()
+             if not (seg.stop - seg.start >= window).any() or not (seg.stop > seg.first_target).any()]
+    if empty:
+        raise StoreError(
+            f"data.split: by_date: the {', '.join(empty)} split(s) hold no window of data.lookback + data.predict = "
+            f"{window} bars with boundaries {how['train_end']} / {how['val_end']} (from {source}); move the "
+            "boundaries (data.train_end, data.val_end or the ratios), lower data.lookback / data.predict, or set "
+            "data.split: per_series")
+    return splits, how
+
+
+def _warn_overlapping_periods(splits: dict[str, PanelSegments]) -> None:
+    """per_series: warn when a series' validation or test period begins before another series' training (or, for
+    test, validation) period ends: correlated series then leak the future into training and model selection."""
+    panel = splits["train"].panel
+    if panel.n_series < 2:
+        return
+    when = np.asarray(panel.datetimes)
+    ends = {k: when[np.maximum(seg.stop - 1, seg.start)] for k, seg in splits.items()}  # (S,) last bar per split
+    for held, earlier in (("val", ("train",)), ("test", ("train", "val"))):
+        if held not in splits:
+            continue
+        begins = when[np.minimum(splits[held].first_target, len(when) - 1)]
+        for other in earlier:
+            i = int(np.argmin(begins))
+            later = np.flatnonzero(ends[other] > begins[i])
+            later = later[later != i]
+            if len(later):
+                j = int(later[np.argmax(ends[other][later])])
+                log.warning("data.split: per_series: the %s period of %s begins %s, inside the %s period of %s "
+                            "(to %s); related series then leak the future into training. Set data.split: by_date "
+                            "to cut every series at the same dates", held, panel.names[i], pd.Timestamp(begins[i]),
+                            other, panel.names[j], pd.Timestamp(ends[other][j]))
+                return
+
+
+def data_summary_from_store(data: PreparedData, cfg: DataConfig) -> dict:
+    """What run_info.json records about the data, from the store's manifest: files with sha256, series, and rows,
+    windows and date ranges per split (same keys as the pandas reference's `data_summary`), plus the store folder.
+    The same data gives the same summary whether the store was prepared or reused (a resume compares them)."""
+    manifest = data.store.manifest
+    window = cfg.lookback + cfg.predict
+    when = data.panel.datetimes
+    per_split = {}
+    for name, seg in data.splits.items():
+        n = seg.stop - seg.start
+        windows = np.where(n >= window, (n - window) // cfg.stride + 1, 0)
+        own = seg.stop > seg.first_target  # (S,) series with rows of their own in this split (by_date: not all)
+        per_split[name] = {
+            "rows": int((seg.stop - seg.first_target).sum()),
+            "context_rows": int((seg.first_target - seg.start).sum()),
+            "windows": int(windows.sum()),
+            "start": str(pd.Timestamp(int(np.min(when[seg.first_target[own]])))),
+            "end": str(pd.Timestamp(int(np.max(when[seg.stop[own] - 1])))),
+        }
+    return {
+        "files": [{"path": f["path"], "bytes": f["bytes"], "sha256": f["sha256"]} for f in manifest["sources"]],
+        "series": [{"name": s["name"], "rows": s["rows"], "start": s["start"], "end": s["end"]}
+                   for s in manifest["series"]],
+        "splits": per_split,
+        "split": data.split,
+        # Only what identifies the data: whether this run prepared or reused the store is no property of the data,
+        # and recording it would make a resumed run's data fingerprint differ (finetune/utils/training_utils.py).
+        "store": {"path": str(data.store.path)},
+    }
+
+
+def build_dataset(segments: PanelSegments, cfg: DataConfig) -> WindowDataset:
+    """All windows of `lookback + predict` rows, `stride` apart, inside each series' range (never across series).
+
+    Val/test ranges start `lookback` rows before their split (see `split_panel`), so every window of a split predicts
+    rows of its own split. Normalisation uses each window's lookback rows only.
+    """
+    return segments.dataset(cfg.lookback, cfg.predict, stride=cfg.stride, clip=cfg.clip)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2. Reuse or prepare the store (ensure_store, check_store, prepare_store)
+
+
+def check_store(store_dir: str | Path, sources: Sequence[Path | Frame], settings: StoreSettings,
+                verify: bool = True) -> tuple[bool, str, dict | None]:
+    """Whether the store at `store_dir` was prepared from `sources` with `settings`, and is intact.
+
+    Returns (reusable, reason, refreshed manifest or None). With `verify` (the main process) every source's
+    content is hashed (a CSV edited in place keeping its size and mtime is found) and every array file's sha256 is
+    checked (a damaged or truncated array makes the store stale: the reason names the file); a source whose mtime
+    alone changed counts as unchanged and the refreshed manifest records its new mtime. Without `verify` (the other
+    processes, after the main one) only sizes and mtimes are compared.
+    """
+    try:
+        manifest = read_manifest(store_dir)
+    except StoreError as e:
+        return False, str(e), None
+    old, new = manifest["settings"], settings.as_dict()
+    for key in new:
+        if old.get(key) != new[key]:
+            return False, f"setting data.{key} changed from {old.get(key)!r} to {new[key]!r}", None
+    recorded = {s["path"]: s for s in manifest["sources"]}
+    current = {_fingerprint(f, with_hash=False)["path"]: f for f in sources}
+    added, removed = sorted(set(current) - set(recorded)), sorted(set(recorded) - set(current))
+    if added or removed:
+        return False, f"input files changed (added {added}, removed {removed})", None
+    touched = 0
+    for path, source in current.items():
+        was, now = recorded[path], _fingerprint(source, with_hash=verify)
+        if now["bytes"] != was["bytes"]:
+            return False, f"{path} changed ({was['bytes']} -> {now['bytes']} bytes)", None
+        if verify and now["sha256"] != was["sha256"]:
+            return False, f"{path} changed (its content differs from when the store was prepared)", None
+        if now["mtime_ns"] != was["mtime_ns"]:
+            if not verify:
+                return False, f"{path} was modified after the store was prepared", None
+            was["mtime_ns"] = now["mtime_ns"]
+            touched += 1
+    if verify:
+        try:
+            verify_store(store_dir, manifest)
+            open_store(store_dir)  # shapes and offsets agree with the manifest
+        except StoreError as e:
+            return False, str(e), None
+    reason = "inputs and settings unchanged" + (f" ({touched} file(s) touched, content identical)" if touched else "")
+    return True, reason, (manifest if touched else None)
+
+
+def ensure_store(sources: Sources, store_dir: str | Path,
+                 settings: StoreSettings | None = None, *, dist: Any = None,
+                 barrier: Callable[[], None] | None = None, block_rows: int = 1 << 20) -> StoreInfo:
+    """Reuse the store at `store_dir` if it matches the inputs and settings, else (re-)prepare it; log why.
+
+    With several processes: only the process whose `dist.is_main` is true checks and prepares; every process
+    then calls `barrier()` (so the others wait for the store) and opens it. A process that is not main verifies
+    cheaply (settings, file sizes and mtimes) that the store on disk is the one for its inputs, so a failure on
+    the main rank becomes a clear error there instead of training on a stale store. For a store on node-local
+    disk pass an object whose `is_main` is `local_rank == 0`.
+
+    Returns StoreInfo (`.open()` gives the SeriesPanel). Raises StoreError / ConfigError on bad data or settings.
+    """
+    settings = settings or StoreSettings()
+    is_main = True if dist is None else bool(dist.is_main)
+    wait = barrier or (lambda: None)
+    store_dir = Path(store_dir)
+    if not is_main:
+        wait()
+        files = list_sources(sources)
+        ok, reason, _ = check_store(store_dir, files, settings, verify=False)
+        if not ok:
+            raise StoreError(f"the main process did not leave a matching data store in {store_dir} ({reason}); "
+                             "see its error")
+        return StoreInfo(store_dir, read_manifest(store_dir), reused=True, reason="prepared by the main process")
+    error: Exception | None = None
+    info: StoreInfo | None = None
+    try:
+        settings.validate()
+        files = list_sources(sources)
+        ok, reason, refreshed = check_store(store_dir, files, settings)
+        if ok:
+            if refreshed is not None:
+                write_json(store_dir / MANIFEST, refreshed)
+            log.info("data store %s: reusing it (%s)", store_dir, reason)
+            info = StoreInfo(store_dir, refreshed or read_manifest(store_dir), reused=True, reason=reason)
+        else:
+            # A first run is no news (info); a store that exists but cannot be reused is (warning, with why).
+            log.log(logging.WARNING if store_dir.exists() else logging.INFO, "data store %s: preparing it (%s)",
+                    store_dir, reason)
+            prepared = prepare_store(files, store_dir, settings, block_rows=block_rows)
+            info = StoreInfo(store_dir, prepared.manifest, reused=False, reason=reason)
+    except Exception as e:  # noqa: BLE001  (re-raised after the barrier: the other ranks must not wait forever)
+        error = e
+    wait()
+    if error is not None:
+        raise error
+    return info
+
+
+def prepare_store(sources: Sources, out_dir: str | Path,
+                  settings: StoreSettings | None = None, *, block_rows: int = 1 << 20) -> StoreInfo:
+    """Parse, check and clean every input file into a store at `out_dir` (replacing an older store there).
+
+    Parameters
+    ----------
+    sources: file(s) or folder(s), see `list_sources`.
+    out_dir: the store folder; an existing folder that is not a store (and not empty) is refused.
+    settings: column mapping and cleaning policies.
+    block_rows: rows parsed at a time (memory per block is about 100 bytes a row).
+
+    Returns
+    -------
+    StoreInfo of the new store. Raises StoreError (one message listing every problem) or ConfigError.
+    """
+    settings = settings or StoreSettings()
+    settings.validate()
+    files = list_sources(sources)
+    out_dir = Path(out_dir)
+    _refuse_foreign_folder(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    t0 = time.perf_counter()
+    try:
+        fingerprints = [_fingerprint(f) for f in files]  # before reading: a later edit is then noticed
+        manifest = _build(files, StoreWriter(tmp, len(FEATURES)), settings, block_rows,
+                          {"settings": settings.as_dict(), "sources": fingerprints,
+                           "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        log.info("data store %s: %d series, %d rows prepared in %.1f s", out_dir, manifest["n_series"],
+                 manifest["n_rows"], time.perf_counter() - t0)
+        _move_into_place(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return StoreInfo(out_dir, manifest, reused=False, reason="prepared")
+
+
+def candle_problems(values: np.ndarray, lines: np.ndarray, columns: Mapping[str, str | None], where: str,
+                    unit: str, settings: StoreSettings) -> tuple[list[str], list[str]]:
+    """The candle rules of one series (NaN cells are left to data.nan_policy): (problems, warnings).
+
+    values: (n, 6) float64 open..amount as parsed; lines: (n,) where each row is in its source; columns: our
+    field -> the source's column name (None = absent). Rules: a price <= 0 is an error; a high below
+    max(open, close) or a low above min(open, close) is an error or, with data.bad_candles: warn, a warning; a
+    volume column that is zero throughout is an error unless data.allow_zero_volume.
+    """
+    problems, notes = [], []
+    for i, f in enumerate(FEATURES[:4]):
+        bad = values[:, i] <= 0  # NaN compares False
+        if bad.any():
+            problems.append(f"{where}: column '{columns[f]}' (data.columns.{f}) has {int(bad.sum())} price(s) <= 0 "
+                            f"at {unit} {_listed(lines[bad])}; prices must be positive (fix or remove these rows)")
+    o, h, lo, c = (values[:, i] for i in range(4))
+    for f, bad, rule in (("high", h < np.maximum(o, c), "below max(open, close)"),
+                         ("low", lo > np.minimum(o, c), "above min(open, close)")):
+        if bad.any():
+            text = (f"{where}: column '{columns[f]}' (data.columns.{f}) is {rule} in {int(bad.sum())} candle(s) at "
+                    f"{unit} {_listed(lines[bad])}")
+            if settings.bad_candles == "error":
+                problems.append(text + "; fix the file, or set data.bad_candles: warn to train on them")
+            else:
+                notes.append(text + " (data.bad_candles: warn)")
+    if columns.get("volume") is not None and len(values) and not np.nan_to_num(values[:, 4]).any() \
+            and not settings.allow_zero_volume:
+        problems.append(f"{where}: column '{columns['volume']}' (data.columns.volume) is zero in every row; set "
+                        "data.allow_zero_volume: true if the data has no volume (e.g. an index), or "
+                        "data.columns.volume: null")
+    return problems, notes
+
+
+def _build(sources: list[Path | Frame], writer: StoreWriter, settings: StoreSettings, block_rows: int,
+           extra: dict[str, Any]) -> dict:
+    """Read, check and clean every source into `writer` (one series at a time); the manifest it writes.
+    Every problem of every source is collected first; then one StoreError lists them and nothing is kept."""
+    problems: list[str] = []
+    warnings: list[str] = []
+    series: list[dict] = []
+    aware: dict[str, bool] = {}  # source name -> stamps carry a UTC offset
+    freqs: dict[str, pd.Timedelta] = {}  # series name -> inferred bar length
+    try:
+        for source in sources:
+            try:
+                reader = SourceReader(source, settings.as_dict()["columns"], settings.symbol_column,
+                                      settings.timestamp_format, block_rows, timezone=settings.timezone)
+                for name, ts, values, lines in _file_series(reader, writer.path, block_rows):
+                    where = reader.label if name == reader.name else f"{reader.label} (series {name})"
+                    bad, notes = candle_problems(values, lines, reader.columns, where, reader.unit, settings)
+                    problems.extend(bad)
+                    try:
+                        ts, values, cleaning = clean_series(ts, values, lines, reader.present, settings.nan_policy,
+                                                            where, reader.unit)
+                    except SourceProblems as e:
+                        problems.extend(e.problems)
+                        continue
+                    for note in notes + cleaning:
+                        log.warning(note)
+                    warnings.extend(notes + cleaning)
+                    if reader.tz_aware is not None:
+                        aware[reader.name] = reader.tz_aware
+                    if len(ts) >= 2:
+                        freqs[name] = infer_frequency(ts.view("datetime64[ns]"), source=where)
+                    if (np.abs(values) > FLOAT32_MAX).any():  # a derived amount (volume * price) can overflow
+                        problems.append(f"{where}: the derived amount (volume * mean price) exceeds float32's range "
+                                        "(+-3.4e38); rescale the volume or price columns, or give an amount column")
+                    if problems:
+                        continue  # keep checking the rest, write nothing more
+                    writer.append(name, values, wallclock_stamps(ts), ts)
+                    series.append({"name": name, "source": reader.label, "rows": len(ts),
+                                   "start": str(pd.Timestamp(ts[0])) if len(ts) else None,
+                                   "end": str(pd.Timestamp(ts[-1])) if len(ts) else None})
+            except SourceProblems as e:
+                problems.extend(e.problems)
+        problems.extend(_cross_file_checks(aware, freqs, settings, warnings))
+        if problems:
+            shown = problems[:_MAX_PROBLEMS_SHOWN]
+            more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+            raise StoreError(f"the input data has problems ({len(problems)}):\n"
+                             + "\n".join(f"  - {p}" for p in shown) + more)
+        if not sum(s["rows"] for s in series):
+            raise StoreError("no rows left after cleaning (data.nan_policy: drop removed every row)")
+        return writer.finish(list(FEATURES), series=series, warnings=warnings, **extra)
+    finally:
+        writer.close()
+
+
+def _cross_file_checks(aware: dict[str, bool], freqs: dict[str, pd.Timedelta], settings: StoreSettings,
+                       warnings_out: list[str]) -> list[str]:
+    """Checks across files (candle_checks): tz-aware and naive files mixed (error); bar lengths that differ
+    (warning naming them, error when data.frequency is set). Returns the problems; appends warnings."""
+    problems = []
+    try:
+        check_tz_consistency(aware)
+    except CandleDataError as e:
+        problems.append(str(e))
+    with warnings_module.catch_warnings(record=True) as caught:
+        warnings_module.simplefilter("always", MixedFrequencyWarning)
+        try:
+            check_frequencies(freqs, settings.frequency)
+        except CandleDataError as e:
+            problems.append(str(e))
+    for w in caught:
+        if issubclass(w.category, MixedFrequencyWarning):
+            log.warning("%s", w.message)
+            warnings_out.append(str(w.message))
+    return problems
+
+
+def _file_series(reader: SourceReader, scratch: Path, block_rows: int):
+    """Yield (name, timestamps (n,), values (n, 6), lines (n,)) per series of one file, in the CSV pipeline's
+    order (one series per file, or one per symbol sorted by name)."""
+    if reader.symbol_column is None:
+        parts = list(reader.blocks())
         if reader.problems:
             raise SourceProblems(reader.problems)
-        n = int(counts.sum())
-        order = sorted(range(len(reader.symbols)), key=lambda c: reader.symbols[c])  # by symbol name
-        start = np.zeros(len(counts), dtype=np.int64)
-        start[order] = np.concatenate([[0], np.cumsum(counts[order])[:-1]])
-        src = {"ts": np.memmap(spill["ts"], np.int64, "r", shape=(n,)),
-               "values": np.memmap(spill["values"], np.float64, "r", shape=(n, len(FEATURES))),
-               "lines": np.memmap(spill["lines"], np.int64, "r", shape=(n,))}
-        codes = np.memmap(spill["codes"], np.int32, "r", shape=(n,))
-        dst = {k: np.memmap(scratch / f".grouped.{k}", a.dtype, "w+", shape=a.shape) for k, a in src.items()}
-        cursor = start.copy()
-        for a in range(0, n, block_rows):
-            c = np.asarray(codes[a : a + block_rows])
-            perm = np.argsort(c, kind="stable")
-            sc = c[perm]
-            rank = np.arange(len(sc)) - np.searchsorted(sc, sc, side="left")  # position within its symbol
-            where = cursor[sc] + rank
-            for k in src:
-                dst[k][where] = np.asarray(src[k][a : a + block_rows])[perm]
-            cursor += np.bincount(c, minlength=len(cursor))
-        del src, codes
-        for c in order:
-            rows = slice(int(start[c]), int(start[c] + counts[c]))
-            yield (f"{reader.name}[{reader.symbols[c]}]", np.array(dst["ts"][rows]),
-                   np.array(dst["values"][rows]), np.array(dst["lines"][rows]))
-        del dst
-    finally:
-        for p in list(spill.values()) + [scratch / f".grouped.{k}" for k in ("ts", "values", "lines")]:
-            p.unlink(missing_ok=True)
+        yield (reader.name, np.concatenate([b.timestamps for b in parts]),
+               np.concatenate([b.values for b in parts]), np.concatenate([b.lines for b in parts]))
+        return
+    yield from grouped_series(reader, scratch, block_rows)
 
 
-log = logging.getLogger(__name__)
+def _refuse_foreign_folder(out_dir: Path) -> None:
+    if out_dir.exists() and not (out_dir / MANIFEST).exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise StoreError(f"{out_dir} exists and is not a prepared data store; it is left untouched. Choose another "
+                         "store folder (data.store_dir) or remove it")
+
+
+def _move_into_place(tmp: Path, out_dir: Path) -> None:
+    """Rename the finished store into place; an older store is renamed away first and then deleted (processes
+    that still map its files keep reading them: unlinked files live until unmapped)."""
+    _refuse_foreign_folder(out_dir)
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out_dir)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 3. Reading one source (SourceReader) and its columns
 
 
 MISSING_SPELLINGS = ("", "nan", "NaN", "NA", "N/A", "null", "None")
 CSV_SUFFIXES = (".csv",)
 PARQUET_SUFFIXES = (".parquet", ".pq")
-_MAX_LISTED = 5  # rows quoted per problem
 _MISSING = pa.array(MISSING_SPELLINGS, pa.string())
 
 
@@ -923,645 +1191,368 @@ def _resolve_columns(header: list[str], wanted: Mapping[str, str | None], symbol
     return columns
 
 
-log = logging.getLogger(__name__)
-
-
-NAN_POLICIES = ("error", "ffill", "drop")
-BAD_CANDLE_POLICIES = ("error", "warn")
-_MAX_PROBLEMS_SHOWN = 50
-
-
-@dataclass(frozen=True)
-class Frame:
-    """A DataFrame handed over from Python (`finetune(data=...)`): one source like one file, named by its key."""
-
-    name: str
-    frame: pd.DataFrame
-
-    def table(self) -> pa.Table:
-        """The frame as Arrow (a DatetimeIndex becomes a column named after the index, else 'timestamps')."""
-        frame = self.frame
-        if isinstance(frame.index, pd.DatetimeIndex):
-            name = frame.index.name or "timestamps"
-            frame = frame.rename_axis(name).reset_index() if name not in frame.columns else frame
-        mixed = [c for c in frame.columns if frame[c].dtype == object]  # e.g. numbers and text: read cell by cell
-        if mixed:
-            frame = frame.astype({c: "string" for c in mixed})
-        try:
-            return pa.Table.from_pandas(frame, preserve_index=False)
-        except (pa.ArrowException, TypeError, ValueError) as e:
-            raise SourceProblems([f"frame '{self.name}': cannot be read as columns of numbers and times ({e})"]) \
-                from None
-
-    def fingerprint(self) -> dict[str, Any]:
-        """Like `file_fingerprint`: a content hash of values, index and column names (no mtime)."""
-        h = pd.util.hash_pandas_object(self.frame, index=True).to_numpy()
-        digest = hashlib.sha256(json.dumps([str(c) for c in self.frame.columns]).encode() + h.tobytes()).hexdigest()
-        return {"path": f"frame '{self.name}'", "bytes": int(h.nbytes), "mtime_ns": None, "sha256": digest}
-
-
-def _default_columns() -> dict[str, str | None]:
-    return {f: f for f in ("timestamps",) + FEATURES}
-
-
-@dataclass(frozen=True)
-class StoreSettings:
-    """How input files become series; every field is part of the store's identity (a change re-prepares)."""
-
-    columns: Mapping[str, str | None] = field(default_factory=_default_columns)
-    """Our field (timestamps, open, high, low, close, volume, amount) -> the file's column name (None = absent)."""
-    symbol_column: str | None = None
-    """Column whose values split a file into several series; None = one series per file."""
-    timestamp_format: str | None = None
-    """strftime format of text timestamps; None = ISO 8601 or inferred from the first value."""
-    nan_policy: str = "error"
-    """Missing prices/volumes: error | ffill | drop (see finetune_csv.config.DataConfig)."""
-    timezone: str | None = None
-    """IANA zone that offset-carrying stamps are converted to (data.timezone); None = keep their stated clock."""
-    frequency: str | None = None
-    """Expected bar length (data.frequency, e.g. '5min'); None = infer per file and warn about odd files."""
-    bad_candles: str = "error"
-    """A high below max(open, close) or a low above min(open, close): error | warn (data.bad_candles)."""
-    allow_zero_volume: bool = False
-    """A series whose volume column is zero throughout is an error unless True (data.allow_zero_volume)."""
-
-    @classmethod
-    def from_data_config(cls, data: Any) -> StoreSettings:
-        """From a CSV pipeline `DataConfig`-like object (columns, symbol_column, timestamp_format, nan_policy)."""
-        cols = data.columns if isinstance(data.columns, Mapping) else vars(data.columns)
-        return cls(columns=dict(cols), symbol_column=data.symbol_column, timestamp_format=data.timestamp_format,
-                   nan_policy=data.nan_policy, timezone=getattr(data, "timezone", None),
-                   frequency=getattr(data, "frequency", None), bad_candles=getattr(data, "bad_candles", "error"),
-                   allow_zero_volume=bool(getattr(data, "allow_zero_volume", False)))
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-able form recorded in (and compared with) the manifest."""
-        columns = _default_columns()
-        columns.update(self.columns)
-        return {"columns": columns, "symbol_column": self.symbol_column,
-                "timestamp_format": self.timestamp_format, "nan_policy": self.nan_policy,
-                "timezone": self.timezone, "frequency": self.frequency, "bad_candles": self.bad_candles,
-                "allow_zero_volume": self.allow_zero_volume}
-
-    def validate(self) -> None:
-        """Raise ConfigError (a ValueError) listing every bad setting."""
-        p = Problems("Invalid data store settings")
-        known = ("timestamps",) + FEATURES
-        for key, value in self.columns.items():
-            p.check(key in known, f"data.columns.{key}", f"unknown field; the fields are {list(known)}")
-            if key in known[:5]:
-                p.check(isinstance(value, str) and value != "", f"data.columns.{key}", "must name a column")
-        p.check(self.nan_policy in NAN_POLICIES, "data.nan_policy",
-                f"must be one of {list(NAN_POLICIES)}, got {self.nan_policy!r}")
-        p.check(self.bad_candles in BAD_CANDLE_POLICIES, "data.bad_candles",
-                f"must be one of {list(BAD_CANDLE_POLICIES)}, got {self.bad_candles!r}")
-        for key, problem in (("data.timezone", timezone_problem(self.timezone)),
-                             ("data.frequency", frequency_problem(self.frequency))):
-            p.check(problem is None, key, problem or "")
-        p.raise_if_any()
-
-
-@dataclass(frozen=True)
-class StoreInfo:
-    """A prepared store on disk and how this call got it."""
-
-    path: Path
-    """The store folder."""
-    manifest: dict
-    """Its manifest.json."""
-    reused: bool
-    """True when an existing store matched (no parsing was done)."""
-    reason: str
-    """Why it was reused or (re-)prepared, for the log."""
-
-    def open(self) -> SeriesPanel:
-        """The store as a SeriesPanel of read-only memory maps."""
-        return open_store(self.path)
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# Inputs
+# 4. One series: grouping by symbol, cleaning, calendar stamps
 
 
-Sources = str | Path | Sequence[str | Path] | Mapping[str, pd.DataFrame]
+_NS_PER_DAY = 86_400_000_000_000
+_NS_PER_MINUTE = 60_000_000_000
+_MAX_LISTED = 5  # rows quoted per problem
 
 
-def list_sources(sources: Sources) -> list[Path | Frame]:
-    """Input files: a .csv/.parquet file, a folder (its .csv/.parquet/.pq files, sorted by name), or a list of them;
-    or {name: DataFrame} from Python (one Frame each, in the mapping's order)."""
-    if isinstance(sources, Mapping):
-        bad = [str(k) for k, v in sources.items() if not isinstance(v, pd.DataFrame)]
-        if not sources or bad:
-            raise StoreError(f"data: give a DataFrame, a dict {{name: DataFrame}} or a path (not a DataFrame: {bad})")
-        return [Frame(str(k), v) for k, v in sources.items()]
-    if isinstance(sources, (str, Path)):
-        sources = [sources]
-    suffixes = CSV_SUFFIXES + PARQUET_SUFFIXES
-    out: list[Path] = []
-    for src in sources:
-        if isinstance(src, Frame):  # already listed (prepare_store called by ensure_store)
-            out.append(src)
-            continue
-        p = Path(src)
-        if p.is_file():
-            if p.suffix.lower() not in suffixes:
-                raise StoreError(f"data.path: {p} is not a .csv or .parquet file")
-            out.append(p)
-        elif p.is_dir():
-            files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in suffixes)
-            others = sorted(f.name for f in p.iterdir() if f.is_file() and f.suffix.lower() not in suffixes
-                            and not f.name.startswith("."))
-            if others:
-                log.info("ignoring %d file(s) in %s that are not .csv/.parquet: %s", len(others), p,
-                         ", ".join(others[:5]) + (" ..." if len(others) > 5 else ""))
-            if not files:
-                raise StoreError(f"data.path: the folder {p} holds no .csv or .parquet file")
-            out.extend(files)
-        else:
-            raise StoreError(f"data.path: {p} does not exist (give a file or a folder of CSV/Parquet files)")
-    names = [f.name for f in out]
-    if len(set(names)) != len(names):
-        raise StoreError(f"data.path: two input files share a name (series are named by file): {sorted(names)}")
-    return out
+def _listed(lines: np.ndarray) -> str:
+    shown = ", ".join(str(int(v)) for v in lines[:_MAX_LISTED])
+    return shown + (f" (+{len(lines) - _MAX_LISTED} more)" if len(lines) > _MAX_LISTED else "")
 
 
-def _fingerprint(source: Path | Frame, with_hash: bool = True) -> dict[str, Any]:
-    return source.fingerprint() if isinstance(source, Frame) else file_fingerprint(source, with_hash)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Preparing
-
-
-def prepare_store(sources: Sources, out_dir: str | Path,
-                  settings: StoreSettings | None = None, *, block_rows: int = 1 << 20) -> StoreInfo:
-    """Parse, check and clean every input file into a store at `out_dir` (replacing an older store there).
+def clean_series(ts: np.ndarray, values: np.ndarray, lines: np.ndarray, present: tuple[bool, ...], nan_policy: str,
+                 where: str, unit: str = "line(s)") -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Apply the cleaning rules to one series.
 
     Parameters
     ----------
-    sources: file(s) or folder(s), see `list_sources`.
-    out_dir: the store folder; an existing folder that is not a store (and not empty) is refused.
-    settings: column mapping and cleaning policies.
-    block_rows: rows parsed at a time (memory per block is about 100 bytes a row).
+    ts: (n,) int64 wall-clock ns, in file order.
+    values: (n, 6) float64 open..amount, NaN = missing; absent columns are 0.
+    lines: (n,) int64 where each row is in its file (for messages).
+    present: per feature, whether the file has the column.
+    nan_policy: error | ffill | drop.
+    where: the file (and series) for messages.
 
     Returns
     -------
-    StoreInfo of the new store. Raises StoreError (one message listing every problem) or ConfigError.
+    (ts (m,), values (m, 6) float64, warnings); raises SourceProblems on duplicates or refused missing values.
     """
-    settings = settings or StoreSettings()
-    settings.validate()
-    files = list_sources(sources)
-    out_dir = Path(out_dir)
-    _refuse_foreign_folder(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    t0 = time.perf_counter()
+    notes: list[str] = []
+    if len(ts) > 1 and (np.diff(ts) < 0).any():
+        notes.append(f"{where}: timestamps are not sorted; sorting them (rows keep their values)")
+        perm = np.argsort(ts, kind="stable")
+        ts, values, lines = ts[perm], values[perm], lines[perm]
+    same = np.flatnonzero(np.diff(ts) == 0)
+    if same.size:
+        first = ts[same[0]]
+        raise SourceProblems([(f"{where}: {same.size} duplicate timestamp(s), first {pd.Timestamp(first)} at {unit} "
+                               f"{_listed(lines[ts == first])}; remove the duplicates (or set data.symbol_column "
+                               "if the file holds several series)")])
+    cols = [i for i, p in enumerate(present) if p]
+    nan = np.isnan(values[:, cols])  # (n, n_present)
+    if nan.any():
+        if nan_policy == "error":
+            details = [f"column {FEATURES[c]} at {unit} {_listed(lines[nan[:, j]])}"
+                       for j, c in enumerate(cols) if nan[:, j].any()]
+            raise SourceProblems([f"{where}: missing values in " + "; ".join(details) +
+                                  " (data.nan_policy: error; set it to ffill or drop to repair them)"])
+        if nan_policy == "ffill":
+            if nan[0].any():
+                which = ", ".join(FEATURES[c] for j, c in enumerate(cols) if nan[0, j])
+                raise SourceProblems([(f"{where}: missing value(s) in the first row ({which}) cannot be "
+                                       "forward-filled (data.nan_policy: ffill); fix or drop that row")])
+            notes.append(f"{where}: forward-filling {int(nan.sum())} missing value(s) (data.nan_policy: ffill)")
+            values = values.copy()
+            idx = np.arange(len(ts))
+            for j, c in enumerate(cols):
+                if nan[:, j].any():
+                    last = np.maximum.accumulate(np.where(nan[:, j], 0, idx))  # last valid row at or before each
+                    values[:, c] = values[last, c]
+        else:
+            rows = nan.any(axis=1)
+            notes.append(f"{where}: dropping {int(rows.sum())} row(s) with missing values (data.nan_policy: drop)")
+            ts, values = ts[~rows], values[~rows]
+    if present[4] and not present[5]:
+        values = np.array(values, dtype=np.float64, copy=True)
+        # The forecaster derives a missing amount the same way, so training and inference see the same features.
+        values[:, 5] = fill_amount(*(values[:, i] for i in (4, 0, 1, 2, 3)))  # volume, open, high, low, close
+    return ts, values, notes
+
+
+def wallclock_stamps(ts: np.ndarray) -> np.ndarray:
+    """Calendar stamps of naive wall-clock ns times: int64 (n, 5) minute, hour, weekday (Monday=0), day, month
+    (equal to model.features.calc_time_stamps of the same times)."""
+    ts = np.asarray(ts, dtype=np.int64)
+    days = ts // _NS_PER_DAY  # floor: times before 1970 count back correctly
+    minute_of_day = (ts - days * _NS_PER_DAY) // _NS_PER_MINUTE
+    d = days.astype("datetime64[D]")
+    month_start = d.astype("datetime64[M]")
+    out = np.empty((len(ts), 5), dtype=np.int64)
+    out[:, 0] = minute_of_day % 60
+    out[:, 1] = minute_of_day // 60
+    out[:, 2] = (days + 3) % 7  # 1970-01-01 was a Thursday
+    out[:, 3] = (d - month_start).astype(np.int64) + 1
+    out[:, 4] = month_start.astype(np.int64) % 12 + 1
+    return out
+
+
+def grouped_series(reader: SourceReader, scratch: Path, block_rows: int) -> Iterator[tuple]:
+    """Yield (name, timestamps (n,) int64, values (n, 6) float64, lines (n,) int64) per symbol of one file, sorted
+    by symbol name (the CSV pipeline's order), rows of a symbol in file order. Scratch files go to `scratch` and
+    are removed at the end."""
+    spill = {k: scratch / f".spill.{k}" for k in ("ts", "values", "lines", "codes")}
+    counts = np.zeros(0, dtype=np.int64)
     try:
-        fingerprints = [_fingerprint(f) for f in files]  # before reading: a later edit is then noticed
-        manifest = _build(files, StoreWriter(tmp, len(FEATURES)), settings, block_rows,
-                          {"settings": settings.as_dict(), "sources": fingerprints,
-                           "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-        log.info("data store %s: %d series, %d rows prepared in %.1f s", out_dir, manifest["n_series"],
-                 manifest["n_rows"], time.perf_counter() - t0)
-        _move_into_place(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return StoreInfo(out_dir, manifest, reused=False, reason="prepared")
-
-
-def candle_problems(values: np.ndarray, lines: np.ndarray, columns: Mapping[str, str | None], where: str,
-                    unit: str, settings: StoreSettings) -> tuple[list[str], list[str]]:
-    """The candle rules of one series (NaN cells are left to data.nan_policy): (problems, warnings).
-
-    values: (n, 6) float64 open..amount as parsed; lines: (n,) where each row is in its source; columns: our
-    field -> the source's column name (None = absent). Rules: a price <= 0 is an error; a high below
-    max(open, close) or a low above min(open, close) is an error or, with data.bad_candles: warn, a warning; a
-    volume column that is zero throughout is an error unless data.allow_zero_volume.
-    """
-    problems, notes = [], []
-    for i, f in enumerate(FEATURES[:4]):
-        bad = values[:, i] <= 0  # NaN compares False
-        if bad.any():
-            problems.append(f"{where}: column '{columns[f]}' (data.columns.{f}) has {int(bad.sum())} price(s) <= 0 "
-                            f"at {unit} {_listed(lines[bad])}; prices must be positive (fix or remove these rows)")
-    o, h, lo, c = (values[:, i] for i in range(4))
-    for f, bad, rule in (("high", h < np.maximum(o, c), "below max(open, close)"),
-                         ("low", lo > np.minimum(o, c), "above min(open, close)")):
-        if bad.any():
-            text = (f"{where}: column '{columns[f]}' (data.columns.{f}) is {rule} in {int(bad.sum())} candle(s) at "
-                    f"{unit} {_listed(lines[bad])}")
-            if settings.bad_candles == "error":
-                problems.append(text + "; fix the file, or set data.bad_candles: warn to train on them")
-            else:
-                notes.append(text + " (data.bad_candles: warn)")
-    if columns.get("volume") is not None and len(values) and not np.nan_to_num(values[:, 4]).any() \
-            and not settings.allow_zero_volume:
-        problems.append(f"{where}: column '{columns['volume']}' (data.columns.volume) is zero in every row; set "
-                        "data.allow_zero_volume: true if the data has no volume (e.g. an index), or "
-                        "data.columns.volume: null")
-    return problems, notes
-
-
-def _build(sources: list[Path | Frame], writer: StoreWriter, settings: StoreSettings, block_rows: int,
-           extra: dict[str, Any]) -> dict:
-    """Read, check and clean every source into `writer` (one series at a time); the manifest it writes.
-    Every problem of every source is collected first; then one StoreError lists them and nothing is kept."""
-    problems: list[str] = []
-    warnings: list[str] = []
-    series: list[dict] = []
-    aware: dict[str, bool] = {}  # source name -> stamps carry a UTC offset
-    freqs: dict[str, pd.Timedelta] = {}  # series name -> inferred bar length
-    try:
-        for source in sources:
-            try:
-                reader = SourceReader(source, settings.as_dict()["columns"], settings.symbol_column,
-                                      settings.timestamp_format, block_rows, timezone=settings.timezone)
-                for name, ts, values, lines in _file_series(reader, writer.path, block_rows):
-                    where = reader.label if name == reader.name else f"{reader.label} (series {name})"
-                    bad, notes = candle_problems(values, lines, reader.columns, where, reader.unit, settings)
-                    problems.extend(bad)
-                    try:
-                        ts, values, cleaning = clean_series(ts, values, lines, reader.present, settings.nan_policy,
-                                                            where, reader.unit)
-                    except SourceProblems as e:
-                        problems.extend(e.problems)
-                        continue
-                    for note in notes + cleaning:
-                        log.warning(note)
-                    warnings.extend(notes + cleaning)
-                    if reader.tz_aware is not None:
-                        aware[reader.name] = reader.tz_aware
-                    if len(ts) >= 2:
-                        freqs[name] = infer_frequency(ts.view("datetime64[ns]"), source=where)
-                    if (np.abs(values) > FLOAT32_MAX).any():  # a derived amount (volume * price) can overflow
-                        problems.append(f"{where}: the derived amount (volume * mean price) exceeds float32's range "
-                                        "(+-3.4e38); rescale the volume or price columns, or give an amount column")
-                    if problems:
-                        continue  # keep checking the rest, write nothing more
-                    writer.append(name, values, wallclock_stamps(ts), ts)
-                    series.append({"name": name, "source": reader.label, "rows": len(ts),
-                                   "start": str(pd.Timestamp(ts[0])) if len(ts) else None,
-                                   "end": str(pd.Timestamp(ts[-1])) if len(ts) else None})
-            except SourceProblems as e:
-                problems.extend(e.problems)
-        problems.extend(_cross_file_checks(aware, freqs, settings, warnings))
-        if problems:
-            shown = problems[:_MAX_PROBLEMS_SHOWN]
-            more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
-            raise StoreError(f"the input data has problems ({len(problems)}):\n"
-                             + "\n".join(f"  - {p}" for p in shown) + more)
-        if not sum(s["rows"] for s in series):
-            raise StoreError("no rows left after cleaning (data.nan_policy: drop removed every row)")
-        return writer.finish(list(FEATURES), series=series, warnings=warnings, **extra)
-    finally:
-        writer.close()
-
-
-def _cross_file_checks(aware: dict[str, bool], freqs: dict[str, pd.Timedelta], settings: StoreSettings,
-                       warnings_out: list[str]) -> list[str]:
-    """Checks across files (candle_checks): tz-aware and naive files mixed (error); bar lengths that differ
-    (warning naming them, error when data.frequency is set). Returns the problems; appends warnings."""
-    problems = []
-    try:
-        check_tz_consistency(aware)
-    except CandleDataError as e:
-        problems.append(str(e))
-    with warnings_module.catch_warnings(record=True) as caught:
-        warnings_module.simplefilter("always", MixedFrequencyWarning)
-        try:
-            check_frequencies(freqs, settings.frequency)
-        except CandleDataError as e:
-            problems.append(str(e))
-    for w in caught:
-        if issubclass(w.category, MixedFrequencyWarning):
-            log.warning("%s", w.message)
-            warnings_out.append(str(w.message))
-    return problems
-
-
-def _file_series(reader: SourceReader, scratch: Path, block_rows: int):
-    """Yield (name, timestamps (n,), values (n, 6), lines (n,)) per series of one file, in the CSV pipeline's
-    order (one series per file, or one per symbol sorted by name)."""
-    if reader.symbol_column is None:
-        parts = list(reader.blocks())
+        with open(spill["ts"], "wb") as f_ts, open(spill["values"], "wb") as f_v, \
+                open(spill["lines"], "wb") as f_l, open(spill["codes"], "wb") as f_c:
+            for b in reader.blocks():
+                b.timestamps.tofile(f_ts)
+                b.values.tofile(f_v)
+                b.lines.tofile(f_l)
+                b.symbols.tofile(f_c)
+                counts = np.pad(counts, (0, len(reader.symbols) - len(counts)))
+                counts += np.bincount(b.symbols, minlength=len(reader.symbols))
         if reader.problems:
             raise SourceProblems(reader.problems)
-        yield (reader.name, np.concatenate([b.timestamps for b in parts]),
-               np.concatenate([b.values for b in parts]), np.concatenate([b.lines for b in parts]))
-        return
-    yield from grouped_series(reader, scratch, block_rows)
-
-
-def _refuse_foreign_folder(out_dir: Path) -> None:
-    if out_dir.exists() and not (out_dir / MANIFEST).exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise StoreError(f"{out_dir} exists and is not a prepared data store; it is left untouched. Choose another "
-                         "store folder (data.store_dir) or remove it")
-
-
-def _move_into_place(tmp: Path, out_dir: Path) -> None:
-    """Rename the finished store into place; an older store is renamed away first and then deleted (processes
-    that still map its files keep reading them: unlinked files live until unmapped)."""
-    _refuse_foreign_folder(out_dir)
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out_dir)
+        n = int(counts.sum())
+        order = sorted(range(len(reader.symbols)), key=lambda c: reader.symbols[c])  # by symbol name
+        start = np.zeros(len(counts), dtype=np.int64)
+        start[order] = np.concatenate([[0], np.cumsum(counts[order])[:-1]])
+        src = {"ts": np.memmap(spill["ts"], np.int64, "r", shape=(n,)),
+               "values": np.memmap(spill["values"], np.float64, "r", shape=(n, len(FEATURES))),
+               "lines": np.memmap(spill["lines"], np.int64, "r", shape=(n,))}
+        codes = np.memmap(spill["codes"], np.int32, "r", shape=(n,))
+        dst = {k: np.memmap(scratch / f".grouped.{k}", a.dtype, "w+", shape=a.shape) for k, a in src.items()}
+        cursor = start.copy()
+        for a in range(0, n, block_rows):
+            c = np.asarray(codes[a : a + block_rows])
+            perm = np.argsort(c, kind="stable")
+            sc = c[perm]
+            rank = np.arange(len(sc)) - np.searchsorted(sc, sc, side="left")  # position within its symbol
+            where = cursor[sc] + rank
+            for k in src:
+                dst[k][where] = np.asarray(src[k][a : a + block_rows])[perm]
+            cursor += np.bincount(c, minlength=len(cursor))
+        del src, codes
+        for c in order:
+            rows = slice(int(start[c]), int(start[c] + counts[c]))
+            yield (f"{reader.name}[{reader.symbols[c]}]", np.array(dst["ts"][rows]),
+                   np.array(dst["values"][rows]), np.array(dst["lines"][rows]))
+        del dst
+    finally:
+        for p in list(spill.values()) + [scratch / f".grouped.{k}" for k in ("ts", "values", "lines")]:
+            p.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Opening and reuse
+# 5. Checks on timestamps, zones, bar lengths and float32 range
 
 
-def check_store(store_dir: str | Path, sources: Sequence[Path | Frame], settings: StoreSettings,
-                verify: bool = True) -> tuple[bool, str, dict | None]:
-    """Whether the store at `store_dir` was prepared from `sources` with `settings`, and is intact.
-
-    Returns (reusable, reason, refreshed manifest or None). With `verify` (the main process) every source's
-    content is hashed (a CSV edited in place keeping its size and mtime is found) and every array file's sha256 is
-    checked (a damaged or truncated array makes the store stale: the reason names the file); a source whose mtime
-    alone changed counts as unchanged and the refreshed manifest records its new mtime. Without `verify` (the other
-    processes, after the main one) only sizes and mtimes are compared.
-    """
-    try:
-        manifest = read_manifest(store_dir)
-    except StoreError as e:
-        return False, str(e), None
-    old, new = manifest["settings"], settings.as_dict()
-    for key in new:
-        if old.get(key) != new[key]:
-            return False, f"setting data.{key} changed from {old.get(key)!r} to {new[key]!r}", None
-    recorded = {s["path"]: s for s in manifest["sources"]}
-    current = {_fingerprint(f, with_hash=False)["path"]: f for f in sources}
-    added, removed = sorted(set(current) - set(recorded)), sorted(set(recorded) - set(current))
-    if added or removed:
-        return False, f"input files changed (added {added}, removed {removed})", None
-    touched = 0
-    for path, source in current.items():
-        was, now = recorded[path], _fingerprint(source, with_hash=verify)
-        if now["bytes"] != was["bytes"]:
-            return False, f"{path} changed ({was['bytes']} -> {now['bytes']} bytes)", None
-        if verify and now["sha256"] != was["sha256"]:
-            return False, f"{path} changed (its content differs from when the store was prepared)", None
-        if now["mtime_ns"] != was["mtime_ns"]:
-            if not verify:
-                return False, f"{path} was modified after the store was prepared", None
-            was["mtime_ns"] = now["mtime_ns"]
-            touched += 1
-    if verify:
-        try:
-            verify_store(store_dir, manifest)
-            open_store(store_dir)  # shapes and offsets agree with the manifest
-        except StoreError as e:
-            return False, str(e), None
-    reason = "inputs and settings unchanged" + (f" ({touched} file(s) touched, content identical)" if touched else "")
-    return True, reason, (manifest if touched else None)
+class TimestampError(CandleDataError):
+    """A timestamp that cannot be read, or a file mixing stamps with and without a UTC offset."""
 
 
-def ensure_store(sources: Sources, store_dir: str | Path,
-                 settings: StoreSettings | None = None, *, dist: Any = None,
-                 barrier: Callable[[], None] | None = None, block_rows: int = 1 << 20) -> StoreInfo:
-    """Reuse the store at `store_dir` if it matches the inputs and settings, else (re-)prepare it; log why.
-
-    With several processes: only the process whose `dist.is_main` is true checks and prepares; every process
-    then calls `barrier()` (so the others wait for the store) and opens it. A process that is not main verifies
-    cheaply (settings, file sizes and mtimes) that the store on disk is the one for its inputs, so a failure on
-    the main rank becomes a clear error there instead of training on a stale store. For a store on node-local
-    disk pass an object whose `is_main` is `local_rank == 0`.
-
-    Returns StoreInfo (`.open()` gives the SeriesPanel). Raises StoreError / ConfigError on bad data or settings.
-    """
-    settings = settings or StoreSettings()
-    is_main = True if dist is None else bool(dist.is_main)
-    wait = barrier or (lambda: None)
-    store_dir = Path(store_dir)
-    if not is_main:
-        wait()
-        files = list_sources(sources)
-        ok, reason, _ = check_store(store_dir, files, settings, verify=False)
-        if not ok:
-            raise StoreError(f"the main process did not leave a matching data store in {store_dir} ({reason}); "
-                             "see its error")
-        return StoreInfo(store_dir, read_manifest(store_dir), reused=True, reason="prepared by the main process")
-    error: Exception | None = None
-    info: StoreInfo | None = None
-    try:
-        settings.validate()
-        files = list_sources(sources)
-        ok, reason, refreshed = check_store(store_dir, files, settings)
-        if ok:
-            if refreshed is not None:
-                write_json(store_dir / MANIFEST, refreshed)
-            log.info("data store %s: reusing it (%s)", store_dir, reason)
-            info = StoreInfo(store_dir, refreshed or read_manifest(store_dir), reused=True, reason=reason)
-        else:
-            # A first run is no news (info); a store that exists but cannot be reused is (warning, with why).
-            log.log(logging.WARNING if store_dir.exists() else logging.INFO, "data store %s: preparing it (%s)",
-                    store_dir, reason)
-            prepared = prepare_store(files, store_dir, settings, block_rows=block_rows)
-            info = StoreInfo(store_dir, prepared.manifest, reused=False, reason=reason)
-    except Exception as e:  # noqa: BLE001  (re-raised after the barrier: the other ranks must not wait forever)
-        error = e
-    wait()
-    if error is not None:
-        raise error
-    return info
+class TimezoneMixError(CandleDataError):
+    """Files with UTC offsets and files without them in one data set."""
 
 
-def split_row_counts(n_rows: int, cfg: DataConfig) -> dict[str, int]:
-    """Rows of each split of a series of `n_rows` (context excluded): {"train", "val", "test"}."""
-    train_end, val_end = split_bounds(n_rows, cfg.train_ratio, cfg.val_ratio)
-    return {"train": train_end, "val": val_end - train_end, "test": n_rows - val_end}
+class Float32RangeError(CandleDataError):
+    """A value outside float32's finite range."""
 
 
-def split_is_usable(n_rows: int, cfg: DataConfig) -> bool:
-    """Whether a series of n_rows gives at least one window in train, in val, and in test when test_ratio > 0."""
-    counts = split_row_counts(n_rows, cfg)
-    test_ok = cfg.test_ratio == 0 or counts["test"] >= cfg.predict
-    return counts["train"] >= cfg.lookback + cfg.predict and counts["val"] >= cfg.predict and test_ok
+class MixedFrequencyWarning(UserWarning):
+    """Files of different bar lengths in one data set while `data.frequency` is not set."""
 
 
-def min_rows_needed(cfg: DataConfig) -> int:
-    """Smallest series length that gives every split at least one window (see `split_is_usable`)."""
-    n = cfg.lookback + cfg.predict
-    while not split_is_usable(n, cfg):
-        n += 1
-    return n
+def _lines(positions: Sequence[int], first_row: int) -> str:
+    shown = ", ".join(str(first_row + int(p)) for p in positions[:_SHOW])
+    return shown + (f" (+{len(positions) - _SHOW} more)" if len(positions) > _SHOW else "")
 
 
-def too_short_problems(rows: list[tuple[str, int]], cfg: DataConfig) -> Problems:
-    """One Problems entry per (series name, row count) too short for a window in every split; empty when none is."""
-    problems = Problems(
-        f"Series too short for one window per split: each needs at least {min_rows_needed(cfg)} rows with "
-        f"data.lookback={cfg.lookback}, data.predict={cfg.predict} and ratios {cfg.train_ratio}/{cfg.val_ratio}/"
-        f"{cfg.test_ratio} (train needs lookback + predict rows, val and test need predict rows); "
-        "lower data.lookback / data.predict, change the ratios, or remove these series")
-    for name, n in rows:
-        if not split_is_usable(n, cfg):
-            problems.add(name, f"{n} rows {split_row_counts(n, cfg)}")
-    return problems
+def _offset_text(values: pd.Series) -> pd.Series:
+    """The UTC-offset suffix of each string (NaN where there is none)."""
+    return values.str.extract(_OFFSET_RE, expand=True)["off"]
 
 
-@dataclass(frozen=True)
-class PreparedData:
-    """The data of a run: the store on disk, its memory-mapped panel and the time splits as index ranges."""
-
-    store: StoreInfo
-    """The store folder, its manifest and whether it was reused (and why)."""
-    panel: SeriesPanel
-    """All series, features float32 (6, N) and stamps int64 (N, 5) as read-only np.memmap (shared page cache)."""
-    splits: dict[str, PanelSegments]
-    """train / val (/ test): per-series column ranges of `panel`."""
-    split: dict[str, Any] = field(default_factory=dict)
-    """How the splits were cut: {"mode": by_date | per_series, "train_end", "val_end" (by_date)}."""
+def has_utc_offset(values: Any) -> bool:
+    """True when the timestamps carry a UTC offset (tz-aware datetimes, or strings ending in +hh:mm / Z)."""
+    s = pd.Series(values)
+    if isinstance(s.dtype, pd.DatetimeTZDtype):
+        return True
+    if pd.api.types.is_datetime64_dtype(s.dtype) or len(s) == 0:
+        return False
+    return bool(_offset_text(s.astype("string").str.strip()).notna().any())
 
 
-def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None, *, with_splits: bool = True,
-                 frames: Mapping[str, pd.DataFrame] | None = None) -> PreparedData:
-    """The CSV pipeline's data path, top to bottom: sources -> the prepared store (rank 0 prepares or reuses it) ->
-    the memory-mapped panel -> train / val (/ test) index ranges, cut by date or per series (`split_data`).
+def _offsets_as_timedelta(off: pd.Series) -> pd.Series:
+    """'+05:30' / '-0400' / '+03' / 'Z' -> Timedelta per row."""
+    norm = off.str.replace(":", "", regex=False).replace({"Z": "+0000", "UTC": "+0000"})
+    sign = norm.str[0].map({"+": 1, "-": -1}).astype("int64")
+    hours = norm.str[1:3].astype("int64")
+    minutes = norm.str[3:5].replace("", "0").fillna("0").astype("int64")
+    return pd.to_timedelta(sign * (hours * 60 + minutes), unit="min")
+
+
+def parse_timestamps(values: Any, *, source: str, fmt: str | None = None, timezone: str | None = None,
+                     first_row: int = 1) -> pd.DatetimeIndex:
+    """Read one file's timestamps as naive local wall-clock times (the rule in the module docstring).
 
     Parameters
     ----------
-    cfg: the `data:` section.
-    store_dir: the store folder (`data.store_dir`, default `<paths.base_dir>/data_store`).
-    dist: a DistInfo-like object (`is_main`); None = one process.
-    barrier: called by every process once the main one has prepared the store (None = no waiting).
-    with_splits: cut (and check the length of) the splits; False = the whole series only (the future forecast,
-        which needs `lookback` rows per series, not a usable split), `splits` is then {}.
-    frames: {name: DataFrame} from Python, read instead of `cfg.path` (finetune_csv/api.py).
+    values: (N,) strings, datetimes (naive or tz-aware) or a pandas Series/Index of them.
+    source: the file (or series) name, for messages.
+    fmt: a strftime format (`data.timestamp_format`); None lets pandas infer it.
+    timezone: the exchange's IANA zone (`data.timezone`); offset-carrying stamps are converted to it.
+    first_row: the file line of values[0] (2 for a CSV with a header line), for messages.
 
-    Returns PreparedData. Raises StoreError / ConfigError naming source, column, line and setting; a failed
-    preparation leaves no store and no folder it created.
+    Returns
+    -------
+    (N,) naive `DatetimeIndex`, unit ns, in the input order.
     """
-    store_dir = Path(store_dir)
-    is_main = dist is None or dist.is_main
-    created = [p for p in [store_dir, *store_dir.parents] if not p.exists()]
-
-    def undo() -> None:
-        """Remove what this call created (a fresh store, then the folders it made), so a failed run leaves nothing."""
-        if is_main and created:
-            shutil.rmtree(store_dir, ignore_errors=True)
-            for p in created[1:]:  # innermost first; only folders this call made and that are empty now
-                if p.is_dir() and not any(p.iterdir()):
-                    p.rmdir()
-
-    try:
-        info = ensure_store(cfg.path if frames is None else frames, store_dir, StoreSettings.from_data_config(cfg),
-                            dist=dist, barrier=barrier)
-        panel = info.open()
-        if not with_splits:
-            return PreparedData(info, panel, {})
-        splits, how = split_data(panel, cfg)
-    except Exception:
-        undo()
-        raise
-    return PreparedData(info, panel, splits, how)
-
-
-def series_overlap(panel: SeriesPanel) -> bool:
-    """Whether any two series share a stretch of time (their first..last bar intervals intersect)."""
-    when, offsets = np.asarray(panel.datetimes), np.asarray(panel.offsets)
-    nonempty = np.flatnonzero(np.diff(offsets) > 0)
-    first, last = when[offsets[nonempty]], when[offsets[nonempty + 1] - 1]
-    order = np.argsort(first, kind="stable")
-    return bool((first[order][1:] <= np.maximum.accumulate(last[order])[:-1]).any())
-
-
-def split_data(panel: SeriesPanel, cfg: DataConfig) -> tuple[dict[str, PanelSegments], dict[str, Any]]:
-    """Cut the panel into train / val (/ test) by `data.split`; (splits, how they were cut). Raises DataError when a
-    split gets no window (or, per_series, naming each series too short)."""
-    mode = cfg.split or ("by_date" if cfg.train_end or series_overlap(panel) else "per_series")
-    if mode == "per_series":
-        too_short_problems([(name, int(n)) for name, n in zip(panel.names, panel.lengths())], cfg).raise_if_any()
-        splits = split_panel(panel, cfg.train_ratio, cfg.val_ratio, cfg.test_ratio, cfg.lookback, cfg.predict)
-        _warn_overlapping_periods(splits)
-        return splits, {"mode": mode}
-    if cfg.train_end is not None:
-        train_end = pd.Timestamp(cfg.train_end).value
-        val_end = None if cfg.val_end is None else pd.Timestamp(cfg.val_end).value
-        source = "data.train_end / data.val_end"
+    s = pd.Series(values).reset_index(drop=True)
+    if isinstance(s.dtype, pd.DatetimeTZDtype) or pd.api.types.is_datetime64_dtype(s.dtype):
+        parsed = s
     else:
-        train_end, val_end = date_bounds(panel, cfg.train_ratio, cfg.val_ratio, cfg.test_ratio > 0)
-        source = f"ratios {cfg.train_ratio}/{cfg.val_ratio}/{cfg.test_ratio} of all timestamps"
-    splits = split_panel_by_date(panel, train_end, val_end, cfg.lookback, cfg.predict)
-    how = {"mode": mode, "train_end": str(pd.Timestamp(train_end)),
-           "val_end": None if val_end is None else str(pd.Timestamp(val_end))}
-    window = cfg.lookback + cfg.predict
-    empty = [name for name, seg in splits.items()
-             if not (seg.stop - seg.start >= window).any() or not (seg.stop > seg.first_target).any()]
-    if empty:
-        raise StoreError(
-            f"data.split: by_date: the {', '.join(empty)} split(s) hold no window of data.lookback + data.predict = "
-            f"{window} bars with boundaries {how['train_end']} / {how['val_end']} (from {source}); move the "
-            "boundaries (data.train_end, data.val_end or the ratios), lower data.lookback / data.predict, or set "
-            "data.split: per_series")
-    return splits, how
+        text = s.astype("string").str.strip()
+        missing = np.flatnonzero((text.isna() | (text == "")).to_numpy())
+        if len(missing):
+            raise TimestampError(f"{source}: empty timestamp at line(s) {_lines(missing, first_row)}; every candle "
+                                 "needs a time (fix the file)")
+        off = _offset_text(text)
+        aware = off.notna().to_numpy()
+        if aware.any() and not aware.all():
+            with_, without = np.flatnonzero(aware), np.flatnonzero(~aware)
+            raise TimestampError(
+                f"{source}: some timestamps carry a UTC offset (line(s) {_lines(with_, first_row)}, e.g. "
+                f"'{text[with_[0]]}') and some do not (line(s) {_lines(without, first_row)}, e.g. "
+                f"'{text[without[0]]}'); write all of them with an offset or none")
+        parsed = pd.to_datetime(text, format=fmt, errors="coerce", utc=bool(aware.any()))
+        bad = np.flatnonzero(parsed.isna().to_numpy())
+        if len(bad):
+            how = f"format '{fmt}'" if fmt else "an inferred format"
+            raise TimestampError(
+                f"{source}: cannot read timestamp(s) at line(s) {_lines(bad, first_row)}, e.g. '{text[bad[0]]}' "
+                f"(with {how}); set data.timestamp_format to the strftime format of the file, "
+                "e.g. '%Y-%m-%d %H:%M:%S%z'")
+        if aware.any() and timezone is None:
+            # UTC instant + the offset each value stated = the wall-clock time it stated.
+            parsed = parsed.dt.tz_localize(None) + _offsets_as_timedelta(off).to_numpy()
+    if isinstance(parsed.dtype, pd.DatetimeTZDtype):
+        if timezone is not None:
+            try:
+                parsed = parsed.dt.tz_convert(timezone)
+            except Exception as e:  # pytz/zoneinfo raise different types for an unknown zone
+                raise TimestampError(f"data.timezone: unknown time zone '{timezone}' ({e}); use an IANA name such "
+                                     "as 'America/New_York' or 'Asia/Shanghai'") from e
+        parsed = parsed.dt.tz_localize(None)
+    return pd.DatetimeIndex(parsed).as_unit("ns")
 
 
-def _warn_overlapping_periods(splits: dict[str, PanelSegments]) -> None:
-    """per_series: warn when a series' validation or test period begins before another series' training (or, for
-    test, validation) period ends: correlated series then leak the future into training and model selection."""
-    panel = splits["train"].panel
-    if panel.n_series < 2:
-        return
-    when = np.asarray(panel.datetimes)
-    ends = {k: when[np.maximum(seg.stop - 1, seg.start)] for k, seg in splits.items()}  # (S,) last bar per split
-    for held, earlier in (("val", ("train",)), ("test", ("train", "val"))):
-        if held not in splits:
-            continue
-        begins = when[np.minimum(splits[held].first_target, len(when) - 1)]
-        for other in earlier:
-            i = int(np.argmin(begins))
-            later = np.flatnonzero(ends[other] > begins[i])
-            later = later[later != i]
-            if len(later):
-                j = int(later[np.argmax(ends[other][later])])
-                log.warning("data.split: per_series: the %s period of %s begins %s, inside the %s period of %s "
-                            "(to %s); related series then leak the future into training. Set data.split: by_date "
-                            "to cut every series at the same dates", held, panel.names[i], pd.Timestamp(begins[i]),
-                            other, panel.names[j], pd.Timestamp(ends[other][j]))
-                return
+def check_tz_consistency(aware: Mapping[str, bool]) -> None:
+    """Raise `TimezoneMixError` when some files carry UTC offsets and others do not.
 
-
-def data_summary_from_store(data: PreparedData, cfg: DataConfig) -> dict:
-    """What run_info.json records about the data, from the store's manifest: files with sha256, series, and rows,
-    windows and date ranges per split (same keys as the pandas reference's `data_summary`), plus the store folder.
-    The same data gives the same summary whether the store was prepared or reused (a resume compares them)."""
-    manifest = data.store.manifest
-    window = cfg.lookback + cfg.predict
-    when = data.panel.datetimes
-    per_split = {}
-    for name, seg in data.splits.items():
-        n = seg.stop - seg.start
-        windows = np.where(n >= window, (n - window) // cfg.stride + 1, 0)
-        own = seg.stop > seg.first_target  # (S,) series with rows of their own in this split (by_date: not all)
-        per_split[name] = {
-            "rows": int((seg.stop - seg.first_target).sum()),
-            "context_rows": int((seg.first_target - seg.start).sum()),
-            "windows": int(windows.sum()),
-            "start": str(pd.Timestamp(int(np.min(when[seg.first_target[own]])))),
-            "end": str(pd.Timestamp(int(np.max(when[seg.stop[own] - 1])))),
-        }
-    return {
-        "files": [{"path": f["path"], "bytes": f["bytes"], "sha256": f["sha256"]} for f in manifest["sources"]],
-        "series": [{"name": s["name"], "rows": s["rows"], "start": s["start"], "end": s["end"]}
-                   for s in manifest["series"]],
-        "splits": per_split,
-        "split": data.split,
-        # Only what identifies the data: whether this run prepared or reused the store is no property of the data,
-        # and recording it would make a resumed run's data fingerprint differ (finetune/utils/training_utils.py).
-        "store": {"path": str(data.store.path)},
-    }
-
-
-def build_dataset(segments: PanelSegments, cfg: DataConfig) -> WindowDataset:
-    """All windows of `lookback + predict` rows, `stride` apart, inside each series' range (never across series).
-
-    Val/test ranges start `lookback` rows before their split (see `split_panel`), so every window of a split predicts
-    rows of its own split. Normalisation uses each window's lookback rows only.
+    Parameters
+    ----------
+    aware: {file name: whether its stamps carry an offset} (see `has_utc_offset`).
     """
-    return segments.dataset(cfg.lookback, cfg.predict, stride=cfg.stride, clip=cfg.clip)
+    with_ = [f for f, a in aware.items() if a]
+    without = [f for f, a in aware.items() if not a]
+    if with_ and without:
+        def show(files: list[str]) -> str:
+            return ", ".join(files[:_SHOW]) + (f" (+{len(files) - _SHOW} more)" if len(files) > _SHOW else "")
+
+        raise TimezoneMixError(
+            f"data: {len(with_)} file(s) have timestamps with a UTC offset ({show(with_)}) and {len(without)} "
+            f"without ({show(without)}); they cannot be put on one clock. Write all files with offsets (and set "
+            "data.timezone to the exchange's zone) or all in the exchange's local time without offsets")
+
+
+def infer_frequency(index: Any, *, source: str = "data") -> pd.Timedelta:
+    """The bar length of one file: the median spacing of its sorted, distinct stamps (robust to session gaps).
+
+    Parameters
+    ----------
+    index: (N,) timestamps (DatetimeIndex, Series or array of datetime64).
+    source: the file name, for the error.
+
+    Returns
+    -------
+    The median positive spacing as a `pd.Timedelta`. Raises `FrequencyError` with fewer than two distinct stamps.
+    """
+    stamps = np.unique(pd.DatetimeIndex(index).as_unit("ns").asi8)  # sorted, distinct, int64 ns
+    if len(stamps) < 2:
+        raise FrequencyError(f"{source}: needs at least two distinct timestamps to tell the bar length, has "
+                             f"{len(stamps)}; add data or set data.frequency")
+    return pd.Timedelta(int(np.median(np.diff(stamps))), unit="ns")
+
+
+def format_frequency(td: pd.Timedelta) -> str:
+    """A bar length as people write it: '5min', '1h', '1 day', '30s'."""
+    td = pd.Timedelta(td)
+    day, hour, minute, second = (pd.Timedelta(1, u) for u in ("D", "h", "min", "s"))
+    if td % day == pd.Timedelta(0) and td >= day:
+        n = td // day
+        return f"{n} day" + ("s" if n != 1 else "")
+    for unit, name in ((hour, "h"), (minute, "min"), (second, "s")):
+        if td % unit == pd.Timedelta(0) and td >= unit:
+            return f"{td // unit}{name}"
+    return str(td)
+
+
+def check_frequencies(freqs: Mapping[str, pd.Timedelta], expected: str | pd.Timedelta | None = None
+                      ) -> pd.Timedelta | None:
+    """Compare the files' bar lengths: a warning naming the odd files, an error when `data.frequency` is set.
+
+    Parameters
+    ----------
+    freqs: {file name: its `infer_frequency`}.
+    expected: `data.frequency` ("5min", "1h", "1D" or a Timedelta), or None.
+
+    Returns
+    -------
+    The data set's bar length: `expected`, else the most common one (None for no files).
+    Warns `MixedFrequencyWarning` (expected None) or raises `FrequencyError` (expected set) for odd files.
+    """
+    if expected is not None:
+        want = _parse_expected(expected)
+        odd = {f: td for f, td in freqs.items() if pd.Timedelta(td) != want}
+        if odd:
+            listed = ", ".join(f"{f} ({format_frequency(td)})" for f, td in list(odd.items())[:_SHOW])
+            more = f" (+{len(odd) - _SHOW} more)" if len(odd) > _SHOW else ""
+            raise FrequencyError(
+                f"data.frequency is {format_frequency(want)} but {len(odd)} file(s) have another bar length: "
+                f"{listed}{more}; remove or resample them, or change data.frequency")
+        return want
+    if not freqs:
+        return None
+    counts = Counter(pd.Timedelta(td) for td in freqs.values())
+    common = max(counts, key=lambda td: (counts[td], -td.value))  # most files; ties: the shorter bar
+    if len(counts) > 1:
+        groups = []
+        for td in sorted(counts, key=lambda t: t.value):
+            if td == common:
+                continue
+            files = [f for f, t in freqs.items() if pd.Timedelta(t) == td]
+            groups.append(f"{format_frequency(td)}: " + ", ".join(files[:_SHOW])
+                          + (f" (+{len(files) - _SHOW} more)" if len(files) > _SHOW else ""))
+        warnings.warn(
+            f"data: files of different bar lengths are mixed; most are {format_frequency(common)} "
+            f"({counts[common]} file(s)), the others: {'; '.join(groups)}. Set data.frequency to make this an "
+            "error, or remove/resample the odd files", MixedFrequencyWarning, stacklevel=2)
+    return common
+
+
+def check_float32_range(array: Any, columns: Sequence[str], source: str, first_row: int = 1) -> None:
+    """Raise `Float32RangeError` at the first value (row-major) with |x| > float32's max (inf included; NaN not).
+
+    Parameters
+    ----------
+    array: (N, C) numbers (or (N,) for one column), any numeric dtype.
+    columns: the C column names.
+    source: the file name.
+    first_row: the file line of row 0 (2 for a CSV with a header line).
+    """
+    a = np.asarray(array)
+    if a.ndim == 1:
+        a = a.reshape(-1, 1)  # (N, 1)
+    if a.dtype.kind in "iub" or a.size == 0:
+        return  # integers up to int64/uint64 are far below 3.4e38
+    a = a.astype(np.float64, copy=False)
+    with np.errstate(invalid="ignore"):
+        bad = np.abs(a) > FLOAT32_MAX  # (N, C) bool; NaN compares False
+    if not bad.any():
+        return
+    row = int(np.argmax(bad.any(axis=1)))
+    col = int(np.argmax(bad[row]))
+    total = int(bad.sum())
+    more = f" ({total} such values in this file)" if total > 1 else ""
+    name = columns[col] if col < len(columns) else f"#{col}"
+    raise Float32RangeError(
+        f"{source} line {first_row + row}, column '{name}': value {a[row, col]:.6g} is outside float32's finite "
+        f"range (+-{FLOAT32_MAX:.7g}){more}; the model computes in float32, so correct or remove it in the file "
+        "(or rescale that column)")

@@ -46,7 +46,6 @@ MANIFEST = "manifest.json"
 ARRAY_FILES = ("features_t.npy", "stamps.npy", "datetimes.npy", "offsets.npy", "names.json")
 
 
-
 @dataclass(frozen=True)
 class SeriesPanel:
     """All series of one split as contiguous arrays (shapes in the module docstring); validated on construction."""
