@@ -201,3 +201,19 @@ def test_per_series_stays_available_and_warns_when_periods_overlap(tmp_path, cap
     assert data.split == {"mode": "per_series"}
     assert (data.splits["train"].stop - data.splits["train"].first_target).tolist() == [240, 150, 360, 72]
     assert "data.split: per_series: the val period of s2.csv begins" in caplog.text and "split: by_date" in caplog.text
+
+
+def test_a_bad_pretrained_predictor_is_named_before_the_store_is_built(tmp_path):
+    from finetune_csv import config as csv_config
+    from finetune_csv.train_sequential import run_finetune
+    from tests.model_factory import tiny_tokenizer
+
+    tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    two_files(tmp_path / "csv")
+    cfg = csv_config.load(None, values={"data.path": str(tmp_path / "csv"), "paths.base_dir": str(tmp_path / "run"),
+                                       "model.pretrained_tokenizer": str(tmp_path / "tok"),
+                                       "model.pretrained_predictor": str(tmp_path / "no-such-predictor"),
+                                       "data.lookback": 8, "data.predict": 2})
+    with pytest.raises((ValueError, OSError), match="no-such-predictor"):
+        run_finetune(cfg, skip_tokenizer=True)
+    assert not (tmp_path / "run" / "data_store").exists()
