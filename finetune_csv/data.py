@@ -382,8 +382,9 @@ def split_data(panel: SeriesPanel, cfg: DataConfig) -> tuple[dict[str, PanelSegm
     if empty:
         raise StoreError(
             f"data.split: by_date: the {', '.join(empty)} split(s) hold no window of data.lookback + data.predict = "
-            f"{window} bars with boundaries {how['train_end']} / {how['val_end']} (from {source}); move the "
-            "boundaries (data.train_end, data.val_end or the ratios), lower data.lookback / data.predict, or set "
+            f"{window} bars with boundaries {how['train_end']} / {how['val_end']} (from {source}; with these ratios "
+            f"a series needs at least {min_rows_needed(cfg) + cfg.predict} rows); move the boundaries "
+            "(data.train_end, data.val_end or the ratios), add data, lower data.lookback / data.predict, or set "
             "data.split: per_series")
     return splits, how
 
