@@ -1,7 +1,7 @@
 """The preprocessed Qlib splits on disk, and the training datasets built from them.
 
 `qlib_data_preprocess.py` writes, in `data.dataset_path`, one prepared data store per split (the layout of
-finetune_csv/data.py, so every rank memory-maps it with `open_store` and shares one page-cache copy):
+finetune/utils/store.py, so every rank memory-maps it with `open_store` and shares one page-cache copy):
 
     train/, val/, test/          each: features_t.npy float32 (6, N) feature-major open, high, low, close, volume,
                                  amount; stamps.npy int64 (N, 5); datetimes.npy int64 (N,) ns; offsets.npy int64
@@ -23,16 +23,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from finetune.config import QlibConfig
 from finetune.qlib_io import date_range
 from finetune.utils.config_utils import Problems
-from finetune.utils.store import SeriesPanel
+from finetune.utils.store import SeriesPanel, StoreError, open_store, write_panel
 from finetune.utils.windows import WindowDataset
-from finetune_csv.data import FORMAT as STORE_FORMAT
-from finetune_csv.data import FORMAT_VERSION as STORE_FORMAT_VERSION
-from finetune_csv.data import StoreError, open_store
 from model.features import FEATURES
 
 __all__ = [
@@ -65,22 +60,10 @@ def split_path(dataset_path: str | Path, split: str) -> Path:
 
 
 def save_split(path: str | Path, split: SeriesPanel) -> Path:
-    """Write one split (a panel with datetimes) as a prepared data store folder (finetune_csv/data.py
-    layout, readable by `open_store`). `path` must not exist yet (the caller writes into a fresh folder)."""
-    path = Path(path)
-    if split.datetimes is None:
-        raise ValueError("a Qlib split needs the bar datetimes (SeriesPanel.datetimes)")
-    path.mkdir(parents=True, exist_ok=False)
-    np.save(path / "features_t.npy", np.ascontiguousarray(split.features, dtype=np.float32))  # (6, N)
-    np.save(path / "stamps.npy", np.ascontiguousarray(split.stamps, dtype=np.int64))  # (N, 5)
-    np.save(path / "datetimes.npy", np.ascontiguousarray(split.datetimes, dtype=np.int64))  # (N,)
-    np.save(path / "offsets.npy", np.ascontiguousarray(split.offsets, dtype=np.int64))  # (S + 1,)
-    names = [str(n) for n in split.names]
-    (path / "names.json").write_text(json.dumps(names), encoding="utf-8")
-    manifest = {"format": STORE_FORMAT, "format_version": STORE_FORMAT_VERSION, "n_rows": split.n_rows,
-                "n_series": split.n_series, "features": list(FEATURES), "source": "qlib_data_preprocess.py"}
-    (path / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
-    return path
+    """Write one split (a panel with datetimes) as a prepared data store (finetune/utils/store.py, the writer the
+    CSV pipeline uses too). `path` must not exist yet (the caller writes into a fresh folder)."""
+    write_panel(path, split, list(FEATURES), source="qlib_data_preprocess.py")
+    return Path(path)
 
 
 def load_split(path: str | Path) -> SeriesPanel:
@@ -91,7 +74,7 @@ def load_split(path: str | Path) -> SeriesPanel:
             f"{path} not found: run `python finetune/qlib_data_preprocess.py --config ...` first (data.dataset_path)"
         )
     try:
-        panel = open_store(path)
+        panel = open_store(path, verify=True)  # a damaged split is named, never trained on
     except (StoreError, OSError, KeyError) as e:
         raise ValueError(f"{path}: not a readable split ({e}); rerun the preprocessing") from None
     if panel.n_features != len(FEATURES):

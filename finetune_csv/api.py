@@ -6,11 +6,13 @@
     result.metrics["predictor"]   # {"best_val_loss": ..., "best_epoch": ..., "epochs": ..., "steps": ...}
 
 `data` is a DataFrame (one series), a dict {name: DataFrame} (one series each), or a path (a CSV/Parquet file or
-a folder, as `data.path`). DataFrames are written as Parquet files into `<output_dir>/input/` (a DatetimeIndex
-becomes the timestamps column) and then go through exactly what `finetune_csv/train_sequential.py` does:
-`run_finetune` (the data store with every check, the tokenizer stage, the predictor stage). Nothing here calls
-`sys.exit` or parses a command line; a user mistake raises a ValueError (ConfigError / StoreError / data error)
-whose message names the setting to change.
+a folder, as `data.path`). A frame is what `predict_df` accepts: columns in any case with the common aliases
+(Date, Datetime, vol, ...; model.features.resolve_columns) or a DatetimeIndex. The frames go, as they are, through
+exactly what `finetune_csv/train_sequential.py` does: `run_finetune` (the data store with every check, the tokenizer
+stage, the predictor stage); a data error names the frame and column (`frame 'AAPL': column 'close' ...`). Nothing
+here calls `sys.exit` or parses a command line; a user mistake raises a UserError / ValueError whose message
+names the setting to change. Progress is logged like the CLI's (the same logging is set up when the caller has
+none).
 
 Settings: `config` is a YAML file (or None for the defaults), `overrides` a dict of dotted keys
 ({"training.epochs": 2, "data.timezone": "America/New_York"}), and `**settings` short names of any single field
@@ -21,10 +23,7 @@ Settings: `config` is a YAML file (or None for the defaults), `overrides` a dict
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import re
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ import pandas as pd
 
 import finetune_csv.config as csv_config
 from finetune.utils.config_utils import ConfigError
+from finetune.utils.errors import setup_logging
 from finetune_csv.config import CsvFinetuneConfig
 from finetune_csv.train_sequential import run_finetune
 
@@ -42,7 +42,6 @@ log = logging.getLogger("finetune_csv")
 __all__ = ["FinetuneResult", "finetune"]
 
 _SECTIONS = ("data", "model", "training", "tokenizer_training", "predictor_training", "paths")
-_INPUT_DIR = "input"  # where DataFrames are written inside the output folder
 
 
 @dataclass(frozen=True)
@@ -85,35 +84,33 @@ def finetune(data: pd.DataFrame | Mapping[str, pd.DataFrame] | str | Path, *, co
     -------
     FinetuneResult with the best_model folders and the stages' metrics.
     """
-    dotted = dict(overrides or {})
+    if not logging.getLogger().handlers:  # a notebook or script without logging: show progress like the CLI
+        setup_logging()
+    values = {k.replace("__", "."): v for k, v in (overrides or {}).items()}
     for name, value in settings.items():
-        dotted[_resolve_short_name(name)] = value
+        values[_resolve_short_name(name)] = value
     if output_dir is not None:
-        dotted["paths.base_dir"] = str(output_dir)
-    from_path = isinstance(data, (str, Path))
-    # DataFrames: a placeholder path passes validation; the real folder is written once the settings are valid.
-    dotted["data.path"] = str(data) if from_path else "<DataFrames>"
-    cfg = csv_config.load(config, [_override_text(k, v) for k, v in dotted.items()])
-    created = [] if from_path else [p for p in [cfg.base_dir / _INPUT_DIR, cfg.base_dir, *cfg.base_dir.parents]
-                                    if not p.exists()]
-    if not from_path:
-        cfg.data.path = str(_write_frames(data, cfg))
+        values["paths.base_dir"] = str(output_dir)
+    frames = None if isinstance(data, (str, Path)) else _frames(data)
+    values["data.path"] = str(data) if frames is None else "frames: " + ", ".join(frames)
+    cfg = csv_config.load(config, values=values)
+    created = [p for p in [cfg.base_dir, *cfg.base_dir.parents] if not p.exists()]
     try:
-        results, plan, data_info = run_finetune(cfg)
+        results, plan, data_info = run_finetune(cfg, frames=frames)
     except BaseException:
-        _remove_if_ours(created)
+        for p in created:  # a failed first run leaves no folder behind (the store already removed itself)
+            if p.is_dir() and not any(p.iterdir()):
+                p.rmdir()
         raise
     return _result(cfg, results, plan, data_info)
 
 
-def _remove_if_ours(created: list[Path]) -> None:
-    """After a failed run: remove the input folder this call wrote and the (then empty) folders it created."""
-    if not created:
-        return
-    shutil.rmtree(created[0], ignore_errors=True)
-    for p in [created[0].parent, *created[0].parent.parents]:
-        if p in created and p.is_dir() and not any(p.iterdir()):
-            p.rmdir()
+def _frames(data: pd.DataFrame | Mapping[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+    """{series name: frame}; one DataFrame is the series 'series'."""
+    frames = {"series": data} if isinstance(data, pd.DataFrame) else dict(data) if isinstance(data, Mapping) else {}
+    if not frames or not all(isinstance(f, pd.DataFrame) for f in frames.values()):
+        raise ConfigError(["finetune(data=...): give a DataFrame, a dict {name: DataFrame} or a path"])
+    return {str(k): v for k, v in frames.items()}
 
 
 def _resolve_short_name(name: str) -> str:
@@ -128,33 +125,6 @@ def _resolve_short_name(name: str) -> str:
         return f"{owners[0]}.{name}"
     where = f"it is a field of {', '.join(owners)}" if owners else "no config section has it"
     raise ConfigError([f"finetune(..., {name}=...): {where}; pass overrides={{'<section>.{name}': ...}}"])
-
-
-def _override_text(key: str, value: Any) -> str:
-    """A `--set` string for `key`: text as it is (str fields take the raw text), anything else as JSON (= YAML)."""
-    if isinstance(value, str):
-        return f"{key}={value}"
-    if isinstance(value, Path):
-        return f"{key}={value}"
-    return f"{key}={json.dumps(value)}"
-
-
-def _write_frames(data: pd.DataFrame | Mapping[str, pd.DataFrame], cfg: CsvFinetuneConfig) -> Path:
-    """DataFrames -> one Parquet file per series in <output_dir>/input/ (replacing that folder's Parquet files)."""
-    frames = {"series": data} if isinstance(data, pd.DataFrame) else dict(data)
-    if not frames or not all(isinstance(f, pd.DataFrame) for f in frames.values()):
-        raise ConfigError(["finetune(data=...): give a DataFrame, a dict {name: DataFrame} or a path"])
-    folder = cfg.base_dir / _INPUT_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    for old in folder.glob("*.parquet"):
-        old.unlink()
-    ts_col = cfg.data.columns.timestamps
-    for name, frame in frames.items():
-        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(name)) or "series"
-        if ts_col not in frame.columns and isinstance(frame.index, pd.DatetimeIndex):
-            frame = frame.rename_axis(ts_col).reset_index()
-        frame.to_parquet(folder / f"{safe}.parquet", index=False)
-    return folder
 
 
 def _result(cfg: CsvFinetuneConfig, results: list, plan: dict[str, str | None], data_info: dict) -> FinetuneResult:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
 import json
 import logging
 import math
@@ -76,9 +77,14 @@ class DataConfig:
     - NaN in a price/volume column follows `nan_policy`: `error` (default) names file, column and row;
       `ffill` carries the last value forward (a NaN in the first row stays an error); `drop` removes the rows
       and warns how many. Nothing is skipped silently.
-    - each series is split by time: the first `train_ratio` of its rows train, the next `val_ratio` validate,
-      the rest test. A validation/test window may read the `lookback` rows before its split as context, so every
-      row it predicts belongs to that split and no predicted row is shared between splits.
+    - splits (`split`): `by_date` cuts every series at the same dates (`train_end` / `val_end`, or the ratios
+      applied to the union of all timestamps), with a gap of `predict` bars before each boundary (no training
+      target reaches into validation); `per_series` gives each series the first `train_ratio` of its own rows,
+      then `val_ratio`, then the rest (and warns when one series' held-out period lies inside another's
+      training period). Default: by_date when the series overlap in time, else per_series. A validation/test
+      window may read the `lookback` rows before its split as context; every row it predicts is its split's.
+    - candle checks: a price <= 0, a high below max(open, close) or a low above min(open, close) (`bad_candles`),
+      or a volume column that is zero throughout (`allow_zero_volume`) is an error naming file, column and line.
     - time: the model's time features (minute, hour, weekday, day, month) are the exchange's LOCAL wall-clock
       time. Timestamps without a UTC offset are taken as that time. Timestamps with an offset
       (`2024-03-08 09:30:00-05:00`, `...Z`, a tz-aware Parquet column) are converted to `timezone` when it is set
@@ -126,6 +132,17 @@ class DataConfig:
     """Expected bar length, e.g. 5min, 1h, 1D: a file of another length is an error (null = infer, warn if mixed)."""
     store_dir: str | None = None
     """Folder of the prepared, memory-mapped data store (null = <paths.base_dir>/data_store; may be shared)."""
+    split: str | None = None
+    """by_date (every series cut at the same dates) | per_series (each by its own rows); null = by_date when the
+    series overlap in time, else per_series."""
+    train_end: str | datetime.date | None = None
+    """by_date: first date of the validation period (e.g. 2015-01-01); null = from the ratios."""
+    val_end: str | datetime.date | None = None
+    """by_date with train_end: first date of the test period; null = no test split (validation runs to the end)."""
+    bad_candles: str = "error"
+    """A high below max(open, close) or a low above min(open, close): error | warn (train on them, warned)."""
+    allow_zero_volume: bool = False
+    """Allow a volume column that is zero in every row of a series (e.g. an index); false = an error."""
 
 
 @dataclass
@@ -217,12 +234,14 @@ class CsvFinetuneConfig:
         return self.base_dir / "basemodel"
 
 
-def load(config_path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> CsvFinetuneConfig:
-    """Read the YAML file, apply `--set key=value` overrides and validate; one ValueError lists every problem.
-    Warns about `--set training.X` overrides that a stage section shadows."""
-    cfg = load_config(CsvFinetuneConfig, config_path, overrides)
+def load(config_path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
+         values: Mapping[str, Any] | None = None) -> CsvFinetuneConfig:
+    """Read the YAML file, apply `--set key=value` overrides, then typed `values` {dotted key: value} (from
+    Python), and validate; one ValueError lists every problem. Warns about `training.X` overrides that a stage
+    section shadows."""
+    cfg = load_config(CsvFinetuneConfig, config_path, overrides, values)
     validate(cfg)  # errors first: a warning printed before them would push the useful line down
-    warn_shadowed_overrides(cfg, overrides)
+    warn_shadowed_overrides(cfg, [*overrides, *(f"{k}=" for k in values or {})])
     return cfg
 
 
@@ -263,6 +282,24 @@ def _check_data(d: DataConfig, p: Problems) -> None:
             f"data.train_ratio + data.val_ratio + data.test_ratio must be 1 (got {total:g})")
     p.check(d.nan_policy in NAN_POLICIES, "data.nan_policy",
             f"must be one of {', '.join(NAN_POLICIES)} (got '{d.nan_policy}')")
+    p.check(d.split in (None, "by_date", "per_series"), "data.split",
+            f"must be by_date, per_series or null (= by_date when the series overlap in time), got {d.split!r}")
+    p.check(d.bad_candles in ("error", "warn"), "data.bad_candles", f"must be error or warn, got {d.bad_candles!r}")
+    dates = {}
+    for key in ("train_end", "val_end"):
+        if isinstance(getattr(d, key), datetime.date):  # YAML reads 2015-01-01 as a date: keep it as text
+            setattr(d, key, getattr(d, key).isoformat())
+        try:
+            dates[key] = None if getattr(d, key) is None else pd.Timestamp(getattr(d, key))
+        except (ValueError, TypeError):
+            p.add(f"data.{key}", f"cannot read {getattr(d, key)!r} as a date, e.g. 2015-01-01")
+    if d.train_end is not None or d.val_end is not None:
+        p.check(d.split != "per_series", "data.split", "per_series cuts by ratios: unset data.train_end / "
+                "data.val_end, or set data.split: by_date")
+        p.check(d.train_end is not None, "data.train_end", "is needed when data.val_end is set")
+        if dates.get("train_end") is not None and dates.get("val_end") is not None:
+            p.check(dates["train_end"] < dates["val_end"], "data.val_end",
+                    f"must be after data.train_end ({d.train_end}), got {d.val_end}")
 
 
 def _check_training(cfg: CsvFinetuneConfig, p: Problems) -> None:

@@ -20,6 +20,9 @@ import argparse
 import dataclasses
 import logging
 import sys
+from collections.abc import Mapping
+
+import pandas as pd
 
 import finetune_csv.config as csv_config
 from finetune.utils.config_utils import add_config_args, config_to_dict
@@ -90,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_predictor: bool = False,
-                 skip_existing: bool = False) -> tuple[list[TrainResult], dict[str, str | None], dict]:
-    """The CSV finetuning run for a validated config: data store, tokenizer stage, predictor stage.
+                 skip_existing: bool = False, frames: Mapping[str, pd.DataFrame] | None = None
+                 ) -> tuple[list[TrainResult], dict[str, str | None], dict]:
+    """The CSV finetuning run for a validated config: data store, tokenizer stage, predictor stage. `frames`
+    ({name: DataFrame}, from finetune_csv/api.py) are read instead of the files of data.path.
 
     Returns (results of the stages that trained, the stage plan {stage: None | why skipped}, the data summary
     recorded in run_info.json). Raises ValueError subclasses for user mistakes (data, settings, models).
@@ -100,7 +105,7 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
     run_config = config_to_dict(cfg)
     results: list[TrainResult] = []
     with distributed_context(cfg.training.dist_timeout_s) as dist:
-        list_sources(cfg.data.path)  # a missing or wrong data path is named before any model is loaded
+        list_sources(cfg.data.path if frames is None else frames)  # a wrong data path, before any model loads
         # Models next (cheap to check, and a mistake then leaves no data store behind). A from-scratch model starts
         # from the same weights on every run (seeded_init); the engine seeds the training streams itself.
         m = cfg.model
@@ -109,11 +114,12 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
                 tokenizer = build_tokenizer(m.pretrained_tokenizer, m.tokenizer_arch, "model")
             if plan["predictor"] is None:  # check the pair up front, not after an hour of tokenizer training
                 build_predictor(m.pretrained_predictor, m.predictor_arch, tokenizer, "model")
-        elif plan["predictor"] is None:
-            predictor_tokenizer_source(cfg)  # raises now if there is no tokenizer to train the predictor with
+        elif plan["predictor"] is None:  # the tokenizer it will use, and a bad pretrained_predictor, before the store
+            tokenizer = KronosTokenizer.from_pretrained(predictor_tokenizer_source(cfg))
+            build_predictor(m.pretrained_predictor, m.predictor_arch, tokenizer, "model")
         # Data: rank 0 parses and checks every file into the store (or reuses it), the others wait; every rank
         # maps it read-only (one page-cache copy per machine); the splits are index ranges, nothing is copied.
-        data = prepare_data(cfg.data, cfg.store_dir, dist=dist, barrier=barrier)
+        data = prepare_data(cfg.data, cfg.store_dir, dist=dist, barrier=barrier, frames=frames)
         train_set, val_set = build_dataset(data.splits["train"], cfg.data), build_dataset(data.splits["val"], cfg.data)
         data_info = data_summary_from_store(data, cfg.data)
         if dist.is_main:
@@ -157,6 +163,13 @@ def describe(cfg: CsvFinetuneConfig, data_info: dict, plan: dict[str, str | None
     splits = data_info["splits"]
     lines = [f"{len(data_info['series'])} series from {len(data_info['files'])} file(s) under {cfg.data.path}; "
              f"windows of {cfg.data.lookback} + {cfg.data.predict} candles, stride {cfg.data.stride}"]
+    how = data_info.get("split") or {}
+    if how.get("mode") == "by_date":
+        lines.append(f"  split by date (data.split: by_date): validation from {how['train_end']}"
+                     + (f", test from {how['val_end']}" if how.get("val_end") else "")
+                     + f"; training targets end data.predict = {cfg.data.predict} bars before each boundary")
+    elif how:
+        lines.append("  split per series (data.split: per_series): each series by its own row ratios")
     if data is not None:
         lines.append(f"  data store {data.store.path} ({'reused: ' if data.store.reused else 'prepared: '}"
                      f"{data.store.reason})")

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from finetune.utils.config_utils import Problems
-from finetune.utils.metrics import file_fingerprint
+from finetune.utils.store import file_fingerprint
 from finetune.utils.windows import split_bounds
 from finetune_csv.config import CandleDataError, DataConfig
 from finetune_csv.data import (
@@ -357,7 +357,7 @@ def data_summary(series: list[Series], splits: dict[str, list[Segment]], cfg: Da
             "end": str(max(b for _, b in own)),
         }
     return {
-        "files": [file_fingerprint(f) for f in files],
+        "files": [{k: file_fingerprint(f)[k] for k in ("path", "bytes", "sha256")} for f in files],
         "series": [{"name": s.name, "rows": len(s.values), "start": str(s.timestamps[0]),
                     "end": str(s.timestamps[-1])} for s in series],
         "splits": per_split,

@@ -4,6 +4,7 @@ out."""
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pandas as pd
@@ -40,9 +41,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_finetune_a_dataframe_returns_model_folders_and_metrics(tmp_path):
-    result = finetune({"AAA": frame(seed=0), "BBB": frame(seed=1)}, overrides=TINY, output_dir=tmp_path / "run",
-                      lookback=16, predict=4, stride=8, epochs=2, batch_size=16, train_ratio=0.8, val_ratio=0.2)
+def test_finetune_a_dataframe_returns_model_folders_and_metrics(tmp_path, caplog):
+    capitalised = frame(seed=1).rename(columns=str.capitalize).rename_axis("Date")  # as predict_df accepts it
+    with caplog.at_level(logging.INFO):
+        result = finetune({"AAA": frame(seed=0), "BBB": capitalised}, overrides=TINY, output_dir=tmp_path / "run",
+                          lookback=16, predict=4, stride=8, epochs=2, batch_size=16, train_ratio=0.8, val_ratio=0.2)
     assert isinstance(result, FinetuneResult)
     assert result.output_dir == tmp_path / "run"
     assert result.predictor_dir == tmp_path / "run" / "basemodel" / "best_model"
@@ -56,14 +59,16 @@ def test_finetune_a_dataframe_returns_model_folders_and_metrics(tmp_path):
     # the models load; the data went through the store with its checks (DatetimeIndex -> timestamps)
     KronosTokenizer.from_pretrained(result.tokenizer_dir)
     Kronos.from_pretrained(result.predictor_dir)
-    assert [s["name"] for s in result.data["series"]] == ["AAA.parquet", "BBB.parquet"]
+    assert [s["name"] for s in result.data["series"]] == ["AAA", "BBB"]
     assert result.data["series"][0]["start"] == "2024-01-02 09:30:00"
+    assert not (tmp_path / "run" / "input").exists()  # the frames went to the store as they are, no Parquet copies
+    assert "2 series from 2 file(s)" in caplog.text and "split by date" in caplog.text  # progress, like the CLI
     assert result.config.training.epochs == 2 and result.config.data.lookback == 16
 
 
 def test_finetune_runs_the_same_function_as_the_cli(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr("finetune_csv.api.run_finetune", lambda cfg: calls.append(cfg) or ([], {}, {}))
+    monkeypatch.setattr("finetune_csv.api.run_finetune", lambda cfg, **kw: calls.append(cfg) or ([], {}, {}))
     csv = tmp_path / "a.csv"
     frame().rename_axis("timestamps").reset_index().to_csv(csv, index=False)
     finetune(csv, overrides=TINY, output_dir=tmp_path / "out", lookback=16)
@@ -78,6 +83,13 @@ def test_user_mistakes_raise_value_errors_and_leave_nothing(tmp_path):
         finetune(frame(), overrides=TINY, output_dir=tmp_path / "b", epoch=1)
     bad = frame()
     bad.iloc[5, 3] = np.nan
-    with pytest.raises(ValueError, match=r"missing values in column close at row\(s\) 6"):
+    with pytest.raises(ValueError, match=r"frame 'series': missing values in column close at row\(s\) 6"):
         finetune(bad, overrides=TINY, output_dir=tmp_path / "c", lookback=16, predict=4)
-    assert not any((tmp_path / d).exists() for d in ("a", "b", "c"))
+    text = frame().rename(columns=str.capitalize).astype({"Close": object})
+    text.iloc[7, 3] = "n/a?"
+    with pytest.raises(ValueError, match=r"frame 'AAPL': column 'Close' \(data.columns.close\) has 1 non-numeric "
+                                         r"value\(s\) at row\(s\) 8"):
+        finetune({"AAPL": text}, overrides=TINY, output_dir=tmp_path / "d", lookback=16, predict=4)
+    with pytest.raises(ValueError, match=r"frame 'AAPL': no 'close' column, in any case \(did you mean 'Clsoe'\?\)"):
+        finetune({"AAPL": frame().rename(columns={"close": "Clsoe"})}, overrides=TINY, output_dir=tmp_path / "e")
+    assert not any((tmp_path / d).exists() for d in ("a", "b", "c", "d", "e"))

@@ -17,7 +17,8 @@ from tests.csv_reference import candles, data_summary, load_series, reference_da
 
 
 def data_cfg(path, **kw) -> DataConfig:
-    base = dict(path=str(path), lookback=8, predict=4, train_ratio=0.6, val_ratio=0.2, test_ratio=0.2)
+    base = dict(path=str(path), lookback=8, predict=4, train_ratio=0.6, val_ratio=0.2, test_ratio=0.2,
+                split="per_series")  # the reference cuts each series by its own rows
     base.update(kw)
     return DataConfig(**base)
 

@@ -19,7 +19,8 @@ from finetune_csv.config import load
 from tests.model_factory import tiny_models, tiny_predictor
 
 YAML = """
-data: {{path: {data}, lookback: 24, predict: 6, train_ratio: 0.6, val_ratio: 0.2, test_ratio: 0.2, stride: 3}}
+data: {{path: {data}, lookback: 24, predict: 6, train_ratio: 0.6, val_ratio: 0.2, test_ratio: 0.2, stride: 3,
+       split: per_series}}
 model: {{pretrained_tokenizer: {tok}, pretrained_predictor: {pred}}}
 paths: {{exp_name: ev, base_dir: "{out}/out/{{exp_name}}"}}
 forecast: {{sample_count: 8, bootstrap_samples: 50, seed: 1{extra}}}

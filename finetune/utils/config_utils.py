@@ -103,7 +103,8 @@ class Problems:
 # loading
 
 
-def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: Iterable[str] = ()) -> T:
+def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: Iterable[str] = (),
+                values: Mapping[str, Any] | None = None) -> T:
     """Build the dataclass `cls` from a YAML file (optional) and `a.b=value` overrides (applied after the file).
 
     Fields missing from the YAML keep their defaults. Override values are parsed as YAML scalars
@@ -133,6 +134,8 @@ def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: It
 
     problems = Problems(f"Invalid configuration from {source}")
     for key, value in _parse_overrides(overrides, problems):
+        _set_dotted(raw, key, value, problems)
+    for key, value in (values or {}).items():  # typed values from Python (the CSV API): no text round trip
         _set_dotted(raw, key, value, problems)
     cfg = _build(cls, raw, "", problems)
     if not problems:

@@ -21,7 +21,6 @@ Also here:
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import math
 import platform
@@ -288,25 +287,6 @@ def git_commit(path: str | Path | None = None) -> dict[str, Any] | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return {"commit": sha, "dirty": bool(status.strip())} if sha else None
-
-
-def sha256_file(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
-    """Hex sha256 of a file, read in chunks (large data files never sit in memory whole)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def file_fingerprint(path: str | Path, with_hash: bool = True) -> dict[str, Any]:
-    """{"path", "bytes", "sha256"} of one input file (sha256 None when `with_hash` is False)."""
-    p = Path(path)
-    return {
-        "path": str(p.resolve()),
-        "bytes": p.stat().st_size,
-        "sha256": sha256_file(p) if with_hash else None,
-    }
 
 
 def build_run_info(config: Any, data: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> dict:

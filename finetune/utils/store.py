@@ -11,12 +11,23 @@
 Feature-major storage makes a window's statistics reductions over a contiguous time axis; the arrays may be
 `np.memmap`s (a prepared data store opened read-only on every rank), and nothing here copies them.
 
-Also here:
-- Append-only writers for the prepared store's .npy files, whose final length is known only at the end.
+Also here: the prepared store, the one on-disk form of a panel that both pipelines write (`StoreWriter`) and
+memory-map (`open_store`); a folder of
+
+    features_t.npy  stamps.npy  datetimes.npy  offsets.npy   the arrays above (.npy, datetimes required)
+    names.json                                                 the S series names
+    manifest.json   {"format", "format_version", "n_rows", "n_series", "features", "checksums": {file: sha256},
+                     ...what the writer adds (its sources, settings)}
+
+The sha256 of every array file is recorded when it is written, so damage after the fact (a flipped byte, a
+truncated or swapped file) is found by `verify_store` instead of training on it silently. The one file
+fingerprint of the project (`file_fingerprint`, sources and arrays alike) lives here too.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import struct
@@ -26,8 +37,13 @@ from pathlib import Path
 
 import numpy as np
 
-N_STAMP_COLUMNS = 5  # minute, hour, weekday, day of month, month
+from finetune.utils.errors import DataError
 
+N_STAMP_COLUMNS = 5  # minute, hour, weekday, day of month, month
+FORMAT = "kronos-series-store"
+FORMAT_VERSION = 2  # 2: sha256 of every array file in the manifest (1 had none: re-prepared when met)
+MANIFEST = "manifest.json"
+ARRAY_FILES = ("features_t.npy", "stamps.npy", "datetimes.npy", "offsets.npy", "names.json")
 
 
 @dataclass(frozen=True)
@@ -167,3 +183,137 @@ class FeatureMajorWriter:
         for f in self._files:
             if not f.closed:
                 f.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The prepared store: one writer, one reader
+
+
+class StoreError(DataError):
+    """A store that cannot be written, opened or trusted; the message names the file and what to do."""
+
+
+def sha256_file(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in chunks (about 1.2 GB/s: a large file never sits in memory whole)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_fingerprint(path: str | Path, with_hash: bool = True) -> dict:
+    """{"path" (resolved), "bytes", "mtime_ns", "sha256" (None without `with_hash`)} of one file."""
+    p = Path(path)
+    st = p.stat()
+    return {"path": str(p.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "sha256": sha256_file(p) if with_hash else None}
+
+
+class StoreWriter:
+    """Write a store into the new folder `path`: `append` series in order, then `finish` (offsets, names, checksums,
+    manifest). The arrays grow on disk (a block at a time), so a data set larger than memory can be written."""
+
+    def __init__(self, path: str | Path, n_features: int):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=False)
+        self.features = FeatureMajorWriter(self.path / "features_t.npy", n_features)
+        self.stamps = GrowingNpy(self.path / "stamps.npy", np.int64, (N_STAMP_COLUMNS,))
+        self.datetimes = GrowingNpy(self.path / "datetimes.npy", np.int64)
+        self.names: list[str] = []
+        self.lengths: list[int] = []
+
+    def append(self, name: str, features: np.ndarray, stamps: np.ndarray, datetimes: np.ndarray) -> None:
+        """One series: features (n, F) time-major, stamps (n, 5), datetimes (n,) int64 ns."""
+        self.features.append(features)
+        self.stamps.append(stamps)
+        self.datetimes.append(datetimes)
+        self.names.append(str(name))
+        self.lengths.append(len(datetimes))
+
+    def finish(self, features: list[str], **extra) -> dict:
+        """Close the arrays and write offsets.npy, names.json and manifest.json (with `extra` keys); the manifest."""
+        for w in (self.features, self.stamps, self.datetimes):
+            w.finish()
+        np.save(self.path / "offsets.npy", np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)]))
+        (self.path / "names.json").write_text(json.dumps(self.names), encoding="utf-8")
+        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "n_rows": int(sum(self.lengths)),
+                    "n_series": len(self.names), "features": list(features),
+                    "checksums": {f: sha256_file(self.path / f) for f in ARRAY_FILES}, **extra}
+        tmp = self.path / f".{MANIFEST}.tmp"
+        tmp.write_text(json.dumps(manifest, indent=2, allow_nan=False), encoding="utf-8")
+        os.replace(tmp, self.path / MANIFEST)
+        return manifest
+
+    def close(self) -> None:
+        for w in (self.features, self.stamps, self.datetimes):
+            w.close()
+
+
+def write_panel(path: str | Path, panel: SeriesPanel, features: list[str], **extra) -> dict:
+    """Write a whole in-memory panel (with datetimes) as a store in the new folder `path`; its manifest."""
+    if panel.datetimes is None:
+        raise ValueError("a store needs the bar datetimes (SeriesPanel.datetimes)")
+    writer = StoreWriter(path, panel.n_features)
+    try:
+        for s in range(panel.n_series):
+            rows = panel.rows(s)
+            writer.append(panel.names[s], np.asarray(panel.features[:, rows]).T, panel.stamps[rows],
+                          panel.datetimes[rows])
+        return writer.finish(features, **extra)
+    finally:
+        writer.close()
+
+
+def read_manifest(store_dir: str | Path) -> dict:
+    """The store's manifest; StoreError when there is none, it is unreadable or of another format version."""
+    path = Path(store_dir) / MANIFEST
+    if not path.is_file():
+        raise StoreError(f"{store_dir} is not a prepared data store (no {MANIFEST}); prepare it first")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise StoreError(f"{path} cannot be read ({e}); delete the store folder to prepare it again") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
+            or manifest.get("format_version") != FORMAT_VERSION:
+        version = manifest.get("format_version") if isinstance(manifest, dict) else None
+        raise StoreError(f"{store_dir} holds store format {version!r}, this code reads {FORMAT_VERSION}; delete it "
+                         "to prepare it again")
+    return manifest
+
+
+def verify_store(store_dir: str | Path, manifest: dict) -> None:
+    """Raise StoreError naming the first array file whose sha256 differs from the manifest's (or that is missing)."""
+    store_dir = Path(store_dir)
+    for name, digest in manifest["checksums"].items():
+        path = store_dir / name
+        if not path.is_file() or sha256_file(path) != digest:
+            raise StoreError(f"{path} is damaged (its sha256 differs from the one recorded in {MANIFEST} when the "
+                             "store was written); delete the store folder to prepare it again")
+
+
+def open_store(store_dir: str | Path, verify: bool = False) -> SeriesPanel:
+    """The store as a SeriesPanel whose features/stamps/datetimes are read-only `np.memmap`s (no copy: every
+    process on a machine shares the page cache's one copy). `verify` first checks every array's sha256 (about
+    1 s per GB). A missing, truncated or inconsistent file is a StoreError naming it, never a numpy traceback."""
+    store_dir = Path(store_dir)
+    manifest = read_manifest(store_dir)
+    if verify:
+        verify_store(store_dir, manifest)
+    n, s, f = manifest["n_rows"], manifest["n_series"], len(manifest["features"])
+    arrays = {}
+    for name in ARRAY_FILES[:4]:
+        try:
+            arrays[name] = np.load(store_dir / name, mmap_mode=None if name == "offsets.npy" else "r")
+        except (OSError, ValueError, EOFError) as e:
+            raise StoreError(f"{store_dir / name} cannot be read ({e}); delete the store folder to prepare it "
+                             "again") from None
+    try:
+        names = json.loads((store_dir / "names.json").read_text(encoding="utf-8"))
+        if arrays["features_t.npy"].shape != (f, n) or len(names) != s:
+            raise ValueError(f"features {arrays['features_t.npy'].shape}, {len(names)} names for {s} series")
+        return SeriesPanel(arrays["features_t.npy"], arrays["stamps.npy"], arrays["offsets.npy"], names,
+                           arrays["datetimes.npy"])
+    except (OSError, ValueError) as e:
+        raise StoreError(f"{store_dir}: the arrays do not match the manifest ({e}); delete the folder to prepare it "
+                         "again") from None

@@ -9,6 +9,9 @@ before the split's first own row (`first_target`), so the split's first window p
 window crosses into another series. With a memory-mapped panel nothing is copied until a batch is gathered: a
 batch reads B windows from the map (`WindowDataset(panel, ranges=(start, stop))`).
 
+`split_panel_by_date` cuts every series at the same dates instead (from `date_bounds`: ratios over the union of
+the timestamps), so no series' test period lies inside another's training or validation period.
+
 Also here:
 - The order in which an epoch reads its windows, produced chunk by chunk: a pure function of (seed, epoch).
 - The one sliding-window dataset both pipelines train on, and the epoch-aware distributed sampler that feeds it.
@@ -86,6 +89,48 @@ def split_panel(panel: SeriesPanel, train_ratio: float, val_ratio: float, test_r
            "val": PanelSegments(panel, first + train_end - lookback, first + train_end, first + val_end)}
     if test_ratio > 0:
         out["test"] = PanelSegments(panel, first + val_end - lookback, first + val_end, first + lengths)
+    return out
+
+
+def date_bounds(panel: SeriesPanel, train_ratio: float, val_ratio: float, test: bool) -> tuple[int, int | None]:
+    """(train_end, val_end or None) in ns: the ratios applied to the union of all series' timestamps (sorted,
+    distinct), so every series is cut at the same dates. val_end is None without a test split."""
+    union = np.unique(np.asarray(panel.datetimes))  # (T,) int64 ns
+    train_end, val_end = split_bounds(len(union), train_ratio, val_ratio)
+    last = len(union) - 1
+    return int(union[min(train_end, last)]), (int(union[min(val_end, last)]) if test else None)
+
+
+def split_panel_by_date(panel: SeriesPanel, train_end: int, val_end: int | None, lookback: int,
+                        predict: int) -> dict[str, PanelSegments]:
+    """Cut every series at the same dates (ns): train = bars before `train_end`, val = bars from `train_end` (to
+    `val_end`), test = bars from `val_end` (only when `val_end` is given).
+
+    Purge: a split's own rows stop `predict` bars before the next split begins, so the last training window's
+    targets end `predict` bars before the first validation target (the same between val and test). Val/test ranges
+    start up to `lookback` bars before their first own row (context), never before the series' first bar. A series
+    without bars in a split gets an empty range there (no window); the caller checks that each split has windows.
+    """
+    if panel.datetimes is None:
+        raise ValueError("a date split needs the bar datetimes (SeriesPanel.datetimes)")
+    when = np.asarray(panel.datetimes)
+    offsets = np.asarray(panel.offsets, dtype=np.int64)
+    first, last = offsets[:-1], offsets[1:]
+
+    def cut(t: int) -> np.ndarray:  # (S,) first column of each series at or after t (bars are sorted in time)
+        return np.array([o + np.searchsorted(when[o:e], t) for o, e in zip(first.tolist(), last.tolist())],
+                        dtype=np.int64).reshape(-1)
+
+    b1 = cut(train_end)
+    b2 = last if val_end is None else cut(val_end)
+
+    def held_out(begin: np.ndarray, end: np.ndarray) -> PanelSegments:
+        return PanelSegments(panel, np.maximum(first, begin - lookback), begin, np.maximum(begin, end))
+
+    out = {"train": PanelSegments(panel, first, first, np.maximum(first, b1 - predict)),
+           "val": held_out(b1, b2 - predict if val_end is not None else b2)}
+    if val_end is not None:
+        out["test"] = held_out(b2, last)
     return out
 
 
