@@ -3,17 +3,103 @@
 A candle has FEATURES = open, high, low, close, volume, amount (in that order); its calendar stamp has
 TIME_FEATURES = minute, hour, weekday (Monday=0), day of month, month. Normalisation is a per-feature z-score with
 the population std, `(x - mean) / (std + 1e-5)`, clipped to [-clip, clip]; `denormalize` undoes it.
+
+Also here, for every door that reads a user's frame: `resolve_columns` (which column is which candle field) and
+`quantile_column` (the one naming of quantile columns, `close_q10`). Torch-free: config readers import this module.
 """
 from __future__ import annotations
 
+import difflib
+from collections.abc import Mapping, Sequence
+
 import numpy as np
 import pandas as pd
+
+from finetune.utils.errors import DataError
 
 FEATURES: tuple[str, ...] = ("open", "high", "low", "close", "volume", "amount")
 PRICE_FEATURES: tuple[str, ...] = FEATURES[:4]
 TIME_FEATURES: tuple[str, ...] = ("minute", "hour", "weekday", "day", "month")
 CLOSE: int = FEATURES.index("close")
 STD_EPS = 1e-5  # added to the std before dividing (a constant series normalises to 0, not NaN)
+CANDLE_COLUMNS: tuple[str, ...] = ("timestamps", *FEATURES)
+REQUIRED_COLUMNS: tuple[str, ...] = ("timestamps", *PRICE_FEATURES)
+COLUMN_ALIASES: dict[str, tuple[str, ...]] = {"timestamps": ("timestamp", "date", "datetime", "time", "dt",
+                                                             "trade_date"),
+                                              "volume": ("vol",), "amount": ("amt", "turnover")}
+
+
+class ColumnError(DataError):
+    """A candle column is missing, ambiguous or mis-mapped in a user's frame or file."""
+
+
+def resolve_columns(names: Sequence[str], explicit: Mapping[str, str | None] | None = None, *,
+                    where: str) -> dict[str, str | None]:
+    """Which of the user's columns `names` holds each candle field of CANDLE_COLUMNS.
+
+    Parameters
+    ----------
+    names: the column names of the frame or file.
+    explicit: canonical name -> the user's column (wins over matching), or None = "not a column" (volume/amount
+        absent; timestamps None = the caller takes them from a DatetimeIndex).
+    where: what is being read, for messages (e.g. "predict_df's df", a file path).
+
+    Returns
+    -------
+    {canonical: column name or None} for every CANDLE_COLUMNS entry. A field that is not mapped explicitly matches
+    its own name in any case first, else one of COLUMN_ALIASES (Date, Datetime, time, vol, turnover, ...).
+
+    Raises
+    ------
+    ColumnError naming `where` (with a close match from difflib) for a missing required column; for two columns
+    matching one field (`close` and `Close`, a duplicated header); for an explicit name that is not a column.
+    """
+    names = [str(n) for n in names]
+    explicit = dict(explicit or {})
+    shown = names[:12] + ([f"... {len(names) - 12} more"] if len(names) > 12 else [])  # bounded message length
+    unknown = sorted(set(explicit) - set(CANDLE_COLUMNS))
+    if unknown:
+        raise ColumnError(f"{where}: {unknown} are not candle fields; map only {list(CANDLE_COLUMNS)}")
+    out: dict[str, str | None] = {}
+    for field, name in explicit.items():
+        if name is not None and names.count(str(name)) != 1:
+            problem = "is not a column" if str(name) not in names else "names more than one column"
+            raise ColumnError(f"{where}: {name!r} (mapped to {field}) {problem}{_did_you_mean(str(name), names)}; "
+                              f"columns: {shown}")
+        out[field] = None if name is None else str(name)
+    taken = {n for n in out.values() if n is not None}
+    for field in CANDLE_COLUMNS:
+        if field in out:
+            continue
+        free = [n for n in names if n not in taken]
+        matches = [n for n in free if n.strip().lower() == field]
+        matches = matches or [n for n in free if n.strip().lower() in COLUMN_ALIASES.get(field, ())]
+        if len(matches) > 1:
+            raise ColumnError(f"{where}: columns {matches} all match {field!r}; keep one, or map {field} to one of "
+                              "them explicitly")
+        out[field] = matches[0] if matches else None
+    missing = [f for f in REQUIRED_COLUMNS if out[f] is None and f not in explicit]
+    if missing:
+        f = missing[0]
+        also = f" (or one of {list(COLUMN_ALIASES[f])})" if f in COLUMN_ALIASES else ""
+        unused = [n for n in names if n not in set(out.values())]
+        raise ColumnError(f"{where}: no {f!r} column{also}, in any case{_did_you_mean(f, unused)}; columns: {shown}")
+    bad = [f for f in PRICE_FEATURES if out[f] is None]
+    if bad:
+        raise ColumnError(f"{where}: the price columns {bad} cannot be mapped to None: they are required")
+    return out
+
+
+def _did_you_mean(name: str, names: Sequence[str]) -> str:
+    lowered = {n.strip().lower(): n for n in names}
+    close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.6)
+    return f" (did you mean {lowered[close[0]]!r}?)" if close else ""
+
+
+def quantile_column(feature: str, q: float) -> str:
+    """The column of quantile `q` of `feature`: `close_q10`, `close_q2.5` (percent, an integer when whole)."""
+    pct = round(float(q) * 100, 6)
+    return f"{feature}_q{int(pct) if pct.is_integer() else pct}"
 
 
 def normalize(x: np.ndarray, clip: float, *, axis: int = 0,
