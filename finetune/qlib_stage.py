@@ -98,7 +98,7 @@ def run_stage(spec: StageSpec, argv: list[str] | None = None, doc: str = "") -> 
 
                 val_metric = make_ic_val_metric(cfg, val_set.panel, models["tokenizer"])
             # What forecasting needs beside the weights: the training window, the tokenizer and the clip.
-            forecast_info = {"max_context": cfg.data.lookback + cfg.data.predict,
+            forecast_info = {"max_context": cfg.data.lookback + cfg.data.predict, "lookback": cfg.data.lookback,
                              "tokenizer": cfg.paths.finetuned_tokenizer_path, "clip": cfg.data.clip}
             result = train_predictor(models["predictor"], models["tokenizer"], train_set, val_set, training, out_dir,
                                      dist, val_metric=val_metric, forecast_info=forecast_info, **common)

@@ -136,7 +136,7 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
                 predictor = build_predictor(m.pretrained_predictor, m.predictor_arch, tokenizer, "model")
             pred_training = cfg.stage_training("predictor")
             # What forecasting needs beside the weights (kronos_predictor.json): the window, tokenizer and clip.
-            forecast_info = {"max_context": cfg.data.lookback + cfg.data.predict,
+            forecast_info = {"max_context": cfg.data.lookback + cfg.data.predict, "lookback": cfg.data.lookback,
                              "tokenizer": predictor_tokenizer_source(cfg), "clip": cfg.data.clip}
             results.append(train_predictor(predictor, tokenizer, train_set, val_set, pred_training,
                                            cfg.predictor_dir, dist, run_config=run_config, data_info=data_info,

@@ -21,6 +21,14 @@ from typing import Any
 MAX_WIDTH = 16_384
 MAX_LAYERS = 256
 MAX_BITS = 20  # vocabulary 2^20 ~ 1M tokens per sub-token
+# Each field can be within bounds and the model still need terabytes (d_model 16384 x 256 layers): the total
+# parameter count is bounded too, before anything is allocated. Kronos-base has ~100M; 2e9 leaves room.
+DEFAULT_MAX_PARAMETERS = 2_000_000_000
+
+
+def block_parameters(d_model: int, ff_dim: int) -> int:
+    """Parameters of one `layers.TransformerBlock`: two RMSNorms, q/k/v/out projections with bias, SwiGLU."""
+    return 2 * d_model + 4 * (d_model * d_model + d_model) + 3 * d_model * ff_dim
 
 
 @dataclass
@@ -59,6 +67,14 @@ class KronosTokenizerConfig:
     """Weight of the entropy terms."""
     group_size: int = 4
     """Quantizer group size for the codebook entropy (must divide s1_bits + s2_bits)."""
+
+    def parameter_count(self) -> int:
+        """The tokenizer's number of parameters, from the arithmetic of its layers (nothing is allocated)."""
+        d, code = self.d_model, self.s1_bits + self.s2_bits
+        blocks = (self.n_enc_layers - 1 + self.n_dec_layers - 1) * block_parameters(d, self.ff_dim)
+        # embed, quant_embed, post_quant_embed_pre, post_quant_embed, head (Linear layers with bias)
+        return (blocks + (self.d_in + 1) * d + (d + 1) * code + (self.s1_bits + 1) * d + (code + 1) * d
+                + (d + 1) * self.d_in)
 
     def problems(self, prefix: str = "") -> list[tuple[str, str]]:
         """Every invalid value as (key, message); empty when the tokenizer can be built."""
@@ -119,6 +135,16 @@ class KronosConfig:
     """Dropout on the input embeddings."""
     learn_te: bool = True
     """Learned time embeddings (true, as published) or fixed sinusoidal ones."""
+
+    def parameter_count(self) -> int:
+        """The predictor's number of parameters, from the arithmetic of its layers (nothing is allocated); the
+        bits must be set."""
+        d, v1, v2 = self.d_model, 2 ** self.s1_bits, 2 ** self.s2_bits
+        embedding = (v1 + v2) * d + (2 * d + 1) * d  # emb_s1, emb_s2, fusion_proj
+        time = (60 + 24 + 7 + 32 + 13) * d           # minute, hour, weekday, day, month tables
+        dep = 4 * (d * d + d) + d                    # cross-attention projections + norm
+        head = (d + 1) * (v1 + v2)
+        return embedding + time + self.n_layers * block_parameters(d, self.ff_dim) + d + dep + head
 
     def problems(self, prefix: str = "") -> list[tuple[str, str]]:
         """Every invalid value as (key, message); empty when the predictor can be built (bits may be null)."""

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 from safetensors.torch import load_file, save_file
 
+from model.config import DEFAULT_MAX_PARAMETERS
 from model.fileio import atomic_write, read_json_object, write_json
 
 CONFIG_NAME = "config.json"
@@ -88,12 +89,12 @@ def _config_class(cls: type) -> type | None:
     return getattr(cls, "config_class", None)
 
 
-def read_config(model_dir: Path, cls: type) -> dict[str, Any]:
+def read_config(model_dir: Path, cls: type, max_parameters: float = DEFAULT_MAX_PARAMETERS) -> dict[str, Any]:
     """config.json as checked constructor kwargs.
 
     Names every missing argument; drops unknown keys; checks types and bounds with `cls.config_class` (the
-    `model.config` dataclass) so a huge or mistyped value is a ValueError naming the file and key, not an
-    allocation of terabytes.
+    `model.config` dataclass), then the total parameter count against `max_parameters`, so a huge or mistyped value
+    is a ValueError naming the file and key (or the count), not an allocation of terabytes.
     """
     cfg_path = model_dir / CONFIG_NAME
     if not cfg_path.is_file():
@@ -109,10 +110,15 @@ def read_config(model_dir: Path, cls: type) -> dict[str, Any]:
     if config_class is not None:
         known = {f.name for f in fields(config_class)}
         problems = [(k, "must not be null") for k, v in kwargs.items() if v is None]
-        problems += config_class(**{k: v for k, v in kwargs.items() if k in known and v is not None}).problems()
+        checked = config_class(**{k: v for k, v in kwargs.items() if k in known and v is not None})
+        problems += checked.problems()
         if problems:
             lines = "\n".join(f"  {key}: {msg}" for key, msg in problems)
             raise ValueError(f"{cfg_path} has invalid {cls.__name__} settings:\n{lines}")
+        count = checked.parameter_count()
+        if count > max_parameters:
+            raise ValueError(f"{cfg_path} describes a {cls.__name__} of {count:,} parameters, above the limit of "
+                             f"{int(max_parameters):,} (max_parameters= of from_pretrained); refusing to allocate it")
     return kwargs
 
 
@@ -130,7 +136,8 @@ class PretrainedMixin:
     @classmethod
     def from_pretrained(cls: type[M], path_or_id: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None,
                         revision: str | None = None, token: str | bool | None = None, local_files_only: bool = False,
-                        force_download: bool = False, map_location: str | torch.device = "cpu") -> M:
+                        force_download: bool = False, map_location: str | torch.device = "cpu",
+                        max_parameters: float = DEFAULT_MAX_PARAMETERS) -> M:
         """Build from `config.json` (checked first) and load `model.safetensors` strictly (published keys/shapes).
 
         Parameters
@@ -138,6 +145,7 @@ class PretrainedMixin:
         path_or_id: a local folder or a Hugging Face Hub id (`owner/name`).
         cache_dir, revision, token, local_files_only, force_download: Hub download options (huggingface_hub's).
         map_location: device the weights are loaded onto.
+        max_parameters: a config.json describing more parameters is refused before anything is allocated.
 
         Returns
         -------
@@ -145,7 +153,7 @@ class PretrainedMixin:
         """
         model_dir = resolve_model_dir(path_or_id, cache_dir=cache_dir, revision=revision, token=token,
                                       local_files_only=local_files_only, force_download=force_download)
-        kwargs = read_config(model_dir, cls)
+        kwargs = read_config(model_dir, cls, max_parameters)
         weights = model_dir / WEIGHTS_NAME
         if not weights.is_file():
             raise FileNotFoundError(f"{weights} not found")

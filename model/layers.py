@@ -1,10 +1,8 @@
-"""Transformer building blocks shared by the Kronos tokenizer and predictor.
+"""The layers both Kronos models are built from: RMSNorm, SwiGLU feed-forward, rotary attention (self and the
+predictor's cross-attention) with an optional key/value cache, the pre-norm transformer block, and the predictor's
+input embeddings (hierarchical token embedding, calendar embedding).
 
 Module and parameter names are the published checkpoints' state-dict keys; do not rename them.
-Attention modules optionally take a `KVCache` layer slot so the forecaster can generate one token at a time.
-
-Also here:
-- Input embeddings of the Kronos predictor: hierarchical token embedding and calendar (time) embedding.
 """
 
 from __future__ import annotations

@@ -1,79 +1,78 @@
-"""What `KronosPredictor.from_pretrained` reads beside a predictor: `kronos_predictor.json`.
+"""Forecasting with a Kronos pair: `KronosPredictor`, the file that travels with a finetuned predictor, and
+calibrated sample paths.
 
-A finetuned predictor folder (the engine's `best_model/`) holds config.json + model.safetensors (published format),
-`tokenizer_config.json` (the tokenizer it was trained with, config only) and, when the run wrote it,
-`kronos_predictor.json`: {"max_context": int, "tokenizer": folder or Hub id, "clip": float}. A relative
-"tokenizer" path is resolved against the predictor folder, so the run folder can be moved as a whole.
-
-Also here:
-- KronosPredictor: DataFrame in, forecast DataFrame out (the interface existing Kronos user code calls).
-- Long-format forecasting (in the style of Chronos' `predict_df`): one frame with many series, one row per candle.
+- `KronosPredictor`: DataFrames in, forecasts out (`predict`, `predict_batch`, the long-format `predict_df`). Every
+  door cuts the history to the context the model was trained for (`lookback`) and normalises over exactly those rows.
+- `kronos_predictor.json`, beside config.json + model.safetensors in a finetuned predictor folder (the engine's
+  `best_model/`): {"max_context", "lookback", "tokenizer", "clip", "calibration"}, every key optional. A relative
+  "tokenizer" path is resolved against the predictor folder ("tokenizer" = a copy inside it: the folder is
+  self-contained); `tokenizer_config.json` is the config of the tokenizer the predictor was trained with.
+- Calibration (`fit_calibration`, `apply_calibration`, `write_calibration`): split-conformal margins per horizon in
+  log-return space, applied to the sample paths so that the mean, quantiles and CRPS all use the same draws.
 """
 
 from __future__ import annotations
 
-import json
+import logging
+import math
 import os
 import warnings
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import Any, Literal, overload
 
 import numpy as np
 import pandas as pd
 import torch
 
+from finetune.utils.errors import PathError
 from model.features import (
+    CLOSE,
     FEATURES,
     PRICE_FEATURES,
+    ColumnError,
     calc_time_stamps,
     candle_matrix,
     check_increasing,
     denormalize,
     normalize,
+    quantile_column,
+    resolve_columns,
     to_datetime_index,
 )
 from model.fileio import read_json_object, write_json
 from model.generation import generate_tokens
-from model.hub import resolve_model_dir
+from model.hub import is_hub_id, resolve_model_dir
 from model.kronos import Kronos
 from model.tokenizer import KronosTokenizer
 
+log = logging.getLogger(__name__)
+
 PREDICTOR_INFO_NAME = "kronos_predictor.json"
 TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
+TOKENIZER_SUBDIR = "tokenizer"  # a self-contained best_model/ carries its tokenizer here
 DEFAULT_MAX_CONTEXT = 512  # the window of the published Kronos-small / Kronos-base
+MIN_QUANTILE_SAMPLES = 20  # fewer paths give quantiles that are noise (one path: every quantile is that path)
+CALIBRATION_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)  # central band levels with a margin
 
 
-def write_predictor_info(folder: str | os.PathLike, *, max_context: int, tokenizer: str | os.PathLike | None = None,
-                         clip: float | None = None) -> Path:
-    """Write `kronos_predictor.json` into a predictor folder (atomically).
+# ------------------------------------------------------------------------------------- kronos_predictor.json
+def predictor_info(folder: str | os.PathLike, *, max_context: int, lookback: int | None = None,
+                   tokenizer: str | os.PathLike | None = None, clip: float | None = None) -> dict[str, Any]:
+    """The content of `kronos_predictor.json` for a predictor that will live in `folder`.
 
-    Parameters
-    ----------
-    folder: the predictor folder (e.g. a stage's best_model/).
-    max_context: the predictor window used in training (lookback + predict) - what forecasting should use.
-    tokenizer: the tokenizer the predictor was trained with (folder or Hub id). A folder is stored relative to
-        `folder` when it lies under the same parent tree, so moving the run keeps it valid.
-    clip: the normalisation clip used in training.
-
-    Returns
-    -------
-    The written file's path.
+    max_context: the predictor window used in training (lookback + predict); lookback: the context rows each
+    training window was normalised over (what forecasts cut the history to); tokenizer: the tokenizer it was trained
+    with (folder or Hub id; an existing folder is stored relative to `folder`, so a copy inside it reads
+    "tokenizer" and moving the run keeps the path valid); clip: the normalisation clip used in training.
     """
-    return write_json(Path(folder) / PREDICTOR_INFO_NAME,
-                      predictor_info(folder, max_context=max_context, tokenizer=tokenizer, clip=clip))
-
-
-def predictor_info(folder: str | os.PathLike, *, max_context: int, tokenizer: str | os.PathLike | None = None,
-                   clip: float | None = None) -> dict[str, Any]:
-    """The content of `kronos_predictor.json` for a predictor that will live in `folder` (arguments as in
-    `write_predictor_info`); a tokenizer folder is made relative to `folder`."""
     if not isinstance(max_context, int) or isinstance(max_context, bool) or max_context < 1:
         raise ValueError(f"max_context must be an integer >= 1, got {max_context!r}")
     folder = Path(folder)
     info: dict[str, Any] = {"max_context": max_context}
+    if lookback is not None:
+        info["lookback"] = int(lookback)
     if tokenizer is not None:
         tok = Path(tokenizer)
         if tok.exists():
@@ -88,42 +87,159 @@ def predictor_info(folder: str | os.PathLike, *, max_context: int, tokenizer: st
 
 
 def read_predictor_info(folder: Path) -> dict[str, Any]:
-    """`kronos_predictor.json` checked ({} when absent): max_context int >= 1, tokenizer str, clip > 0."""
+    """`kronos_predictor.json` checked ({} when absent): max_context and lookback integers in [1, 1e6], tokenizer
+    a string, clip > 0, calibration as `fit_calibration` writes it."""
     path = folder / PREDICTOR_INFO_NAME
     if not path.is_file():
         return {}
     info = read_json_object(path)
-    mc = info.get("max_context")
-    if mc is not None and (not isinstance(mc, int) or isinstance(mc, bool) or not 1 <= mc <= 1_000_000):
-        raise ValueError(f"{path}: max_context must be an integer in [1, 1000000], got {mc!r}")
+    for key in ("max_context", "lookback"):
+        v = info.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 1_000_000):
+            raise ValueError(f"{path}: {key} must be an integer in [1, 1000000], got {v!r}")
     if "tokenizer" in info and not isinstance(info["tokenizer"], str):
         raise ValueError(f"{path}: tokenizer must be a folder path or Hub id (a string), got {info['tokenizer']!r}")
     clip = info.get("clip")
     if clip is not None and (not isinstance(clip, (int, float)) or isinstance(clip, bool) or not clip > 0):
         raise ValueError(f"{path}: clip must be a number > 0, got {clip!r}")
+    if info.get("calibration") is not None:
+        calibration_margins(info["calibration"], str(path))
     return info
 
 
 def tokenizer_source(folder: Path, info: dict[str, Any]) -> str | None:
-    """The tokenizer recorded in `info` as a loadable source (relative folders resolved against `folder`)."""
+    """The tokenizer to load for the predictor in `folder`: kronos_predictor.json's "tokenizer" (a folder relative
+    to `folder`, an absolute folder or a Hub id), else a `tokenizer/` copy inside `folder`, else None.
+
+    A recorded path that does not exist is a PathError naming the file, the path and what it is relative to."""
     tok = info.get("tokenizer")
     if tok is None:
-        return None
-    candidate = folder / tok
-    return str(candidate) if candidate.is_dir() else tok
+        inside = folder / TOKENIZER_SUBDIR
+        return str(inside) if inside.is_dir() else None
+    candidate = folder / Path(tok).expanduser()  # an absolute path stays itself
+    if candidate.is_dir():
+        return str(candidate)
+    if is_hub_id(tok) and not Path(tok).is_absolute():
+        return tok
+    relative = "" if Path(tok).is_absolute() else f", relative to the predictor folder {folder} -> {candidate}"
+    raise PathError(f"{folder / PREDICTOR_INFO_NAME} names the tokenizer {tok!r}{relative}, which does not exist "
+                    f"(was the run moved without it?); copy the tokenizer folder to {folder / TOKENIZER_SUBDIR} and "
+                    f"set \"tokenizer\": \"{TOKENIZER_SUBDIR}\" there, or pass tokenizer= to from_pretrained")
 
 
 def read_tokenizer_config(folder: Path) -> dict[str, Any] | None:
     """The predictor folder's `tokenizer_config.json` (the tokenizer it was trained with), or None."""
     path = folder / TOKENIZER_CONFIG_NAME
-    if not path.is_file():
-        return None
+    return read_json_object(path) if path.is_file() else None
+
+
+def write_calibration(best_model_dir: str | os.PathLike, calibration: dict[str, Any]) -> Path:
+    """Add (or replace) "calibration" in `best_model_dir`'s kronos_predictor.json, atomically; returns its path."""
+    calibration_margins(calibration, "calibration")
+    folder = Path(best_model_dir)
+    info = read_predictor_info(folder)
+    info["calibration"] = calibration
+    return write_json(folder / PREDICTOR_INFO_NAME, info)
+
+
+# ------------------------------------------------------------------------------------------------- calibration
+def fit_calibration(samples: np.ndarray, outcomes: np.ndarray, last: np.ndarray) -> dict[str, Any]:
+    """Split-conformal margins of the sampled bands, per horizon, in log-return space.
+
+    Parameters
+    ----------
+    samples: (W, S, H) sampled close paths of W validation windows (S paths, H horizons), positive prices.
+    outcomes: (W, H) the realised closes; last: (W,) each window's last context close.
+
+    Returns
+    -------
+    {"method": "conformal", "space": "log_return", "levels": CALIBRATION_LEVELS, "margins": [[H floats] per level],
+    "windows": W} (strict JSON).
+
+    Construction (conformalised quantile bands): with r = log(path / last) and y = log(outcome / last), the raw
+    central band of level c at horizon h is [lo, hi] = the (1-c)/2 and (1+c)/2 quantiles of r over the S paths. Its
+    score in a window is max(lo - y, y - hi) (> 0 when y falls outside), and the margin M_c,h is the
+    ceil((W + 1) c)-th smallest score over the W windows (the largest when that rank exceeds W, which weakens the
+    guarantee at high levels with few windows). [lo - M, hi + M] then covers a new outcome with probability >= c
+    provided the new window is exchangeable with the validation windows; serial dependence between windows (they
+    overlap in time, series move together) weakens this to an approximate guarantee. A negative margin narrows a
+    band that was too wide.
+    """
+    samples, outcomes, last = (np.asarray(a, dtype=np.float64) for a in (samples, outcomes, last))
+    if samples.ndim != 3 or outcomes.shape != (samples.shape[0], samples.shape[2]) or last.shape != samples.shape[:1]:
+        raise ValueError(f"fit_calibration needs samples (W, S, H), outcomes (W, H), last (W,); got "
+                         f"{samples.shape}, {outcomes.shape}, {last.shape}")
+    for name, a in (("samples", samples), ("outcomes", outcomes), ("last", last)):
+        if not (np.isfinite(a).all() and (a > 0).all()):
+            raise ValueError(f"fit_calibration: {name} must be finite positive prices (log returns)")
+    if samples.shape[0] < 1:
+        raise ValueError("fit_calibration needs at least one window")
+    r = np.log(samples / last[:, None, None])  # (W, S, H)
+    y = np.log(outcomes / last[:, None])       # (W, H)
+    w = len(y)
+    margins = []
+    for c in CALIBRATION_LEVELS:
+        lo, hi = np.quantile(r, [(1 - c) / 2, (1 + c) / 2], axis=1)  # (W, H) each
+        scores = np.sort(np.maximum(lo - y, y - hi), axis=0)          # (W, H)
+        margins.append(scores[min(w, math.ceil((w + 1) * c)) - 1].tolist())
+    return {"method": "conformal", "space": "log_return", "levels": list(CALIBRATION_LEVELS), "margins": margins,
+            "windows": w}
+
+
+def apply_calibration(calibration: dict[str, Any], samples: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """Calibrated close paths: samples (..., S, H) with last (...) the last context close -> same shape.
+
+    Each path's log return is moved away from (margin > 0) or toward (margin < 0) the per-horizon median of the S
+    paths by the margin of its own central level: a path of rank k has quantile level p = (k + 0.5) / S and central
+    level c = |2p - 1|; its margin is interpolated between the stored levels (from 0 at c = 0, the last level's
+    beyond it). The quantile q of the result therefore approximates the calibrated band edge of level |2q - 1|. A
+    path never crosses the median; a horizon where a price is not positive is left as it is.
+    """
+    samples = np.asarray(samples)
+    return samples * np.exp(calibration_shift(calibration, samples, last))
+
+
+def calibration_shift(calibration: dict[str, Any], close: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """The log-return change `apply_calibration` makes: close (..., S, H), last (...) -> (..., S, H) (multiply
+    any price of the path by its exp)."""
+    levels, margins = calibration_margins(calibration, "calibration")  # (L,), (L, H_cal)
+    close = np.asarray(close, dtype=np.float64)
+    s, h = close.shape[-2:]
+    if h > margins.shape[1]:
+        raise ValueError(f"the calibration covers {margins.shape[1]} horizons but {h} are forecast; forecast at most "
+                         f"{margins.shape[1]} steps or pass calibrated=False")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.log(close / np.asarray(last, dtype=np.float64)[..., None, None])  # (..., S, H)
+    med = np.median(r, axis=-2, keepdims=True)
+    rank = np.argsort(np.argsort(r, axis=-2, kind="stable"), axis=-2, kind="stable")
+    central = np.abs(2 * (rank + 0.5) / s - 1)  # (..., S, H)
+    margin = np.stack([np.interp(central[..., j], np.r_[0.0, levels], np.r_[0.0, margins[:, j]])
+                       for j in range(h)], axis=-1)
+    side = np.sign(r - med)
+    moved = r + side * margin
+    moved = np.where(side > 0, np.maximum(moved, med), np.minimum(moved, med))  # a path never crosses the median
+    shift = np.where(side == 0, 0.0, moved - r)
+    return np.where(np.isfinite(shift), shift, 0.0)
+
+
+def calibration_margins(calibration: Any, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """A calibration dict checked -> (levels (L,), margins (L, H)); ValueError naming `where` otherwise."""
+    ok = (isinstance(calibration, dict) and calibration.get("method") == "conformal"
+          and calibration.get("space") == "log_return")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+        levels = np.asarray(calibration["levels"], dtype=np.float64)
+        margins = np.asarray(calibration["margins"], dtype=np.float64)
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    ok = ok and levels.ndim == 1 and margins.ndim == 2 and len(margins) == len(levels) > 0 and margins.shape[1] > 0
+    if not (ok and np.isfinite(margins).all() and (np.diff(levels) > 0).all() and 0 < levels[0]
+            and levels[-1] < 1):
+        raise ValueError(f"{where}: not a calibration as fit_calibration writes it ({{'method': 'conformal', 'space': "
+                         "'log_return', 'levels': increasing in (0, 1), 'margins': [[finite per horizon] per level]}})")
+    return levels, margins
 
 
+# --------------------------------------------------------------------------------------------- the predictor
 @dataclass
 class Forecast:
     """A forecast with its sample paths, all in the input's units and indexed by the forecast timestamps."""
@@ -131,9 +247,15 @@ class Forecast:
     mean: pd.DataFrame
     """(pred_len, 6) mean over the sample paths, columns FEATURES."""
     samples: np.ndarray
-    """(S, pred_len, 6) the sample paths."""
+    """(S, pred_len, 6) the sample paths (calibrated when the predictor applied a calibration)."""
     quantiles: dict[float, pd.DataFrame] = field(default_factory=dict)
     """{q: (pred_len, 6) DataFrame} per requested quantile."""
+
+    def table(self) -> pd.DataFrame:
+        """(pred_len, 6 * (1 + Q)): the mean (FEATURES columns), then each quantile as `<feature>_q<percent>`
+        columns (close_q10, close_q2.5)."""
+        return pd.concat([self.mean, *(frame.set_axis([quantile_column(f, q) for f in FEATURES], axis=1)
+                                       for q, frame in self.quantiles.items())], axis=1)
 
 
 def default_device() -> str:
@@ -155,58 +277,76 @@ class KronosPredictor:
     max_context: the predictor's window (512 for Kronos-small/base; lookback + predict for a finetuned one).
     clip: normalised values are clipped to [-clip, clip].
     use_cache: True = key/value-cached generation; False = the plain full-recompute generator (same tokens, slower).
+    lookback: the context rows a forecast uses: a longer history is cut to its last `lookback` rows (said once per
+        predictor), and those rows alone give the normalisation statistics, as in training. None = max_context.
+        A lookback above max_context normalises over more rows than the window sees (the original Kronos code
+        normalised over the whole history passed: lookback >= len(df) reproduces it).
+    calibration: a `fit_calibration` result, applied to the sample paths unless a call passes calibrated=False.
     """
 
     def __init__(self, model: Kronos, tokenizer: KronosTokenizer, device: str | None = None,
-                 max_context: int = DEFAULT_MAX_CONTEXT, clip: float = 5, use_cache: bool = True):
+                 max_context: int = DEFAULT_MAX_CONTEXT, clip: float = 5, use_cache: bool = True,
+                 lookback: int | None = None, calibration: dict[str, Any] | None = None):
         if (tokenizer.s1_bits, tokenizer.s2_bits) != (model.s1_bits, model.s2_bits):
             raise ValueError(f"the tokenizer has s1/s2 bits {tokenizer.s1_bits}/{tokenizer.s2_bits} but the "
                              f"predictor expects {model.s1_bits}/{model.s2_bits}; use a matching pair")
-        if not isinstance(max_context, (int, np.integer)) or max_context < 1:
-            raise ValueError(f"max_context must be an integer >= 1, got {max_context!r}")
+        for name, value in (("max_context", max_context), ("lookback", lookback)):
+            if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if calibration is not None:
+            calibration_margins(calibration, "calibration")
         self.device = torch.device(device or default_device())
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer.to(self.device).eval()
         self.max_context = int(max_context)
+        self.lookback = int(lookback or max_context)
         self.clip = clip
         self.use_cache = use_cache
+        self.calibration = calibration
+        self._cut_said = False  # the history cut is logged once per predictor
 
     # ----------------------------------------------------------- loading
     @classmethod
     def from_pretrained(cls, folder_or_id: str | os.PathLike, *, tokenizer: str | os.PathLike | KronosTokenizer |
                         None = None, device: str | None = None, max_context: int | None = None,
-                        clip: float | None = None, use_cache: bool = True, **hub_kwargs: Any) -> KronosPredictor:
-        """Load a predictor, its tokenizer and its window.
+                        lookback: int | None = None, clip: float | None = None, use_cache: bool = True,
+                        **hub_kwargs: Any) -> KronosPredictor:
+        """Load a predictor, its tokenizer, its window and its calibration.
 
         Parameters
         ----------
         folder_or_id: a predictor folder (e.g. a finetuned run's predictor best_model/) or Hub id.
         tokenizer: folder, Hub id or a loaded KronosTokenizer. None = the "tokenizer" recorded in the folder's
-            kronos_predictor.json (written by the engine); without one this is an error (for the published pair
-            pass e.g. tokenizer="NeoQuasar/Kronos-Tokenizer-base").
+            kronos_predictor.json (a path relative to the folder; "tokenizer" = the copy inside it), else a
+            `tokenizer/` folder inside it; without either this is an error (for the published pair pass e.g.
+            tokenizer="NeoQuasar/Kronos-Tokenizer-base").
         device: as in the constructor.
         max_context: None = kronos_predictor.json's max_context, else 512 (the published Kronos-small/base window).
+        lookback: None = kronos_predictor.json's lookback, else max_context.
         clip: None = kronos_predictor.json's clip, else 5.
         hub_kwargs: cache_dir, revision, token, local_files_only, force_download (for both downloads).
 
         Returns
         -------
-        A KronosPredictor. When the folder holds tokenizer_config.json, the tokenizer's config must equal it
-        (ValueError otherwise: the pair would not match what the predictor was trained with).
+        A KronosPredictor, with kronos_predictor.json's calibration when it holds one. When the folder holds
+        tokenizer_config.json, the tokenizer's config must equal it (ValueError otherwise: the pair would not match
+        what the predictor was trained with).
         """
         allowed = {"cache_dir", "revision", "token", "local_files_only", "force_download"}
         unknown = sorted(set(hub_kwargs) - allowed)
         if unknown:
             raise TypeError(f"unexpected arguments {unknown}; Hub options are {sorted(allowed)}")
-        folder = resolve_model_dir(folder_or_id, allow_patterns=["*.json", "model.safetensors"], **hub_kwargs)
+        folder = resolve_model_dir(folder_or_id, allow_patterns=["*.json", "model.safetensors",
+                                                                 f"{TOKENIZER_SUBDIR}/model.safetensors"],
+                                   **hub_kwargs)
         info = read_predictor_info(folder)
         model = Kronos.from_pretrained(folder)
         if tokenizer is None:
             tokenizer = tokenizer_source(folder, info)
             if tokenizer is None:
-                raise ValueError(f"{folder} records no tokenizer ({PREDICTOR_INFO_NAME} with a 'tokenizer' entry); "
-                                 "pass tokenizer= a tokenizer folder or Hub id, e.g. the tokenizer stage's "
-                                 "best_model/ or 'NeoQuasar/Kronos-Tokenizer-base'")
+                raise ValueError(f"{folder} records no tokenizer ({PREDICTOR_INFO_NAME} with a 'tokenizer' entry, "
+                                 f"or a {TOKENIZER_SUBDIR}/ folder inside it); pass tokenizer= a tokenizer folder or "
+                                 "Hub id, e.g. the tokenizer stage's best_model/ or 'NeoQuasar/Kronos-Tokenizer-base'")
         if not isinstance(tokenizer, KronosTokenizer):
             tokenizer = KronosTokenizer.from_pretrained(tokenizer, **hub_kwargs)
         expected = read_tokenizer_config(folder)
@@ -218,64 +358,76 @@ class KronosPredictor:
         return cls(model, tokenizer, device=device,
                    max_context=max_context if max_context is not None else info.get("max_context",
                                                                                     DEFAULT_MAX_CONTEXT),
-                   clip=clip if clip is not None else info.get("clip", 5), use_cache=use_cache)
+                   clip=clip if clip is not None else info.get("clip", 5), use_cache=use_cache,
+                   lookback=lookback if lookback is not None else info.get("lookback"),
+                   calibration=info.get("calibration"))
 
     # ------------------------------------------------------------ public
     @overload
     def predict(self, df: pd.DataFrame, x_timestamp: Any, y_timestamp: Any, pred_len: int, T: float = ...,
                 top_k: int | None = ..., top_p: float | None = ..., sample_count: int = ..., verbose: bool = ...,
-                return_samples: Literal[False] = ..., quantiles: None = ...) -> pd.DataFrame: ...
+                return_samples: Literal[False] = ..., quantiles: None = ...,
+                calibrated: bool = ...) -> pd.DataFrame: ...
 
     @overload
     def predict(self, df: pd.DataFrame, x_timestamp: Any, y_timestamp: Any, pred_len: int, T: float = ...,
                 top_k: int | None = ..., top_p: float | None = ..., sample_count: int = ..., verbose: bool = ...,
-                return_samples: bool = ..., quantiles: Sequence[float] | None = ...) -> Forecast: ...
+                return_samples: bool = ..., quantiles: Sequence[float] | None = ...,
+                calibrated: bool = ...) -> Forecast: ...
 
     def predict(self, df, x_timestamp, y_timestamp, pred_len, T=1.0, top_k=0, top_p=0.9, sample_count=1,
-                verbose=True, return_samples=False, quantiles=None):
+                verbose=True, return_samples=False, quantiles=None, calibrated=True):
         """Forecast `pred_len` candles after `df`.
 
         Parameters
         ----------
         df: context candles, N rows; open/high/low/close required, volume/amount optional (filled, see
-            `features.candle_matrix`).
+            `features.candle_matrix`). Only the last `self.lookback` rows are used (and normalised over): the
+            context the model was trained for; a longer history is cut, which is logged once per predictor.
         x_timestamp: N datetimes of the context; y_timestamp: pred_len datetimes of the forecast.
         pred_len: steps to forecast.
         T, top_k, top_p: sampling temperature and filters (top_k=1 is greedy; None disables a filter).
-        sample_count: sample paths averaged into the mean.
+        sample_count: sample paths averaged into the mean; at least 20 (MIN_QUANTILE_SAMPLES) when quantiles are
+            asked (ValueError otherwise: quantiles of a few paths are noise).
         verbose: progress bar.
         return_samples, quantiles: ask for a `Forecast` (paths and/or quantile frames) instead of a DataFrame.
+        calibrated: apply the predictor's calibration (when it has one) to the paths, hence to the mean and the
+            quantiles; False = the raw model draws.
 
         Returns
         -------
         DataFrame (pred_len, 6), columns FEATURES, indexed by y_timestamp, the mean over the paths - when
-        return_samples is False and quantiles is None; otherwise a `Forecast`.
+        return_samples is False and quantiles is None; otherwise a `Forecast` (`Forecast.table()`: one frame with
+        `close_q10`-style quantile columns).
         """
         out = self.predict_batch([df], [x_timestamp], [y_timestamp], pred_len, T, top_k, top_p, sample_count,
-                                 verbose, return_samples, quantiles)
+                                 verbose, return_samples, quantiles, calibrated)
         return out[0]
 
     @overload
     def predict_batch(self, df_list: Sequence[pd.DataFrame], x_timestamp_list: Sequence[Any],
                       y_timestamp_list: Sequence[Any], pred_len: int, T: float = ..., top_k: int | None = ...,
                       top_p: float | None = ..., sample_count: int = ..., verbose: bool = ...,
-                      return_samples: Literal[False] = ..., quantiles: None = ...) -> list[pd.DataFrame]: ...
+                      return_samples: Literal[False] = ..., quantiles: None = ...,
+                      calibrated: bool = ...) -> list[pd.DataFrame]: ...
 
     @overload
     def predict_batch(self, df_list: Sequence[pd.DataFrame], x_timestamp_list: Sequence[Any],
                       y_timestamp_list: Sequence[Any], pred_len: int, T: float = ..., top_k: int | None = ...,
                       top_p: float | None = ..., sample_count: int = ..., verbose: bool = ...,
-                      return_samples: bool = ..., quantiles: Sequence[float] | None = ...) -> list[Forecast]: ...
+                      return_samples: bool = ..., quantiles: Sequence[float] | None = ...,
+                      calibrated: bool = ...) -> list[Forecast]: ...
 
     def predict_batch(self, df_list, x_timestamp_list, y_timestamp_list, pred_len, T=1.0, top_k=0, top_p=0.9,
-                      sample_count=1, verbose=True, return_samples=False, quantiles=None):
+                      sample_count=1, verbose=True, return_samples=False, quantiles=None, calibrated=True):
         """Forecast several series; arguments as `predict`, one entry per series in each list.
 
         Series may have different context lengths: they are batched in groups of equal length (in greedy mode the
         results equal calling `predict` one by one). Returns a list in the input order, of DataFrames or of
         `Forecast`s as `predict` does.
         """
-        self._check_options(pred_len, sample_count, quantiles)
+        calibration = self.calibration if calibrated else None
+        self._check_options(pred_len, sample_count, quantiles, calibration)
         if not isinstance(df_list, (list, tuple)) or not df_list:
             raise ValueError("df_list must be a non-empty list of DataFrames")
         if not (len(df_list) == len(x_timestamp_list) == len(y_timestamp_list)):
@@ -283,9 +435,9 @@ class KronosPredictor:
                              f"{len(df_list)}, {len(x_timestamp_list)}, {len(y_timestamp_list)}")
         prepared = [self._prepare(df, x_ts, y_ts, pred_len, "df" if len(df_list) == 1 else f"df_list[{i}]")
                     for i, (df, x_ts, y_ts) in enumerate(zip(df_list, x_timestamp_list, y_timestamp_list))]
-        groups: dict[int, list[int]] = defaultdict(list)
+        groups: dict[int, list[int]] = {}
         for i, p in enumerate(prepared):
-            groups[len(p["x"])].append(i)
+            groups.setdefault(len(p["x"]), []).append(i)
         paths: list[np.ndarray | None] = [None] * len(prepared)
         for members in groups.values():
             out = self.generate(np.stack([prepared[i]["x"] for i in members]),
@@ -294,17 +446,87 @@ class KronosPredictor:
                                 sample_count, verbose)  # (G, S, pred_len, 6), normalised
             for j, i in enumerate(members):
                 paths[i] = out[j]
-        return [self._result(p, path, return_samples, quantiles) for p, path in zip(prepared, paths)]
+        return [self._result(p, path, return_samples, quantiles, calibration) for p, path in zip(prepared, paths)]
 
-    def predict_df(self, df: pd.DataFrame, *, prediction_length: int, id_column: str = "id",
-                   timestamp_column: str = "timestamps", freq: str | None = None, quantiles: Sequence[float] = (),
-                   T: float = 1.0, top_k: int | None = 0, top_p: float | None = 0.9, sample_count: int = 1,
-                   verbose: bool = False) -> pd.DataFrame:
-        """Forecast every series of a long frame (see `model.predictor.predict_df`, which documents it)."""
-        from model.predictor import predict_df
-        return predict_df(self, df, prediction_length=prediction_length, id_column=id_column,
-                          timestamp_column=timestamp_column, freq=freq, quantiles=quantiles, T=T, top_k=top_k,
-                          top_p=top_p, sample_count=sample_count, verbose=verbose)
+    def predict_df(self, df: pd.DataFrame, *, prediction_length: int, id_column: str | None = None,
+                   timestamp_column: str | None = None, columns: dict[str, str | None] | None = None,
+                   freq: str | None = None, quantiles: Sequence[float] = (), T: float = 1.0, top_k: int | None = 0,
+                   top_p: float | None = 0.9, sample_count: int | None = None, verbose: bool = False,
+                   calibrated: bool = True) -> pd.DataFrame:
+        """Forecast every series of a long frame (one row per candle), in the style of Chronos' `predict_df`.
+
+        Parameters
+        ----------
+        df: the candles. Columns are found by `model.features.resolve_columns`: any case, common aliases (Date,
+            Datetime, time, vol, turnover, ...), amount derived when missing; the timestamps may be a DatetimeIndex
+            instead of a column. Rows are sorted by timestamp within each series; series may differ in length.
+        prediction_length: steps to forecast per series.
+        id_column: the series id column; None = a column named "id" (any case) when there is one, else the whole
+            frame is one series.
+        timestamp_column, columns: explicit names ({"close": "Adj Close", ...}: canonical -> yours); they win.
+        freq: pandas frequency of the forecast timestamps; None = infer each series' own (`pd.infer_freq`).
+        quantiles: levels in [0, 1] added as `<feature>_q<percent>` columns (close_q10, close_q90).
+        sample_count: sample paths; None = 1, or 20 (MIN_QUANTILE_SAMPLES) when quantiles are asked.
+        T, top_k, top_p, verbose, calibrated: as in `predict` (each series is cut to the predictor's lookback).
+
+        Returns
+        -------
+        DataFrame with prediction_length rows per series (series in order of first appearance): the id column (when
+        there is one), the timestamps (your column's name, "timestamps" from an index), FEATURES (the mean
+        forecast), then the quantile columns.
+        """
+        where = "predict_df's df"
+        if not isinstance(df, pd.DataFrame):
+            raise ValueError(f"df must be a pandas DataFrame, got {type(df).__name__}")
+        if len(df) == 0:
+            raise ValueError("df is empty: no series to forecast")
+        names = [str(c) for c in df.columns]
+        if id_column is None:
+            id_column = next((c for c in names if c.lower() == "id"), None)
+        elif str(id_column) not in names:
+            raise ColumnError(f"{where} has no id column {id_column!r}; pass id_column= one of {names[:12]}, or None "
+                              "for a frame of one series")
+        explicit = dict(columns or {})
+        if timestamp_column is not None:
+            explicit["timestamps"] = timestamp_column
+        rest = [c for c in names if c != id_column]
+        try:
+            mapping = resolve_columns(rest, explicit, where=where)
+        except ColumnError:
+            if "timestamps" in explicit or not isinstance(df.index, pd.DatetimeIndex):
+                raise
+            mapping = resolve_columns(rest, {**explicit, "timestamps": None}, where=where)
+        flat = df.set_axis(names, axis=1)
+        stamps = df.index if mapping["timestamps"] is None else flat[mapping["timestamps"]]
+        if not pd.api.types.is_datetime64_any_dtype(stamps):
+            raise ColumnError(f"{where}: column {mapping['timestamps']!r} must hold datetimes (dtype {stamps.dtype}); "
+                              "convert it with pd.to_datetime first")
+        stamps = pd.DatetimeIndex(stamps)
+        candles = pd.DataFrame({c: flat[n].to_numpy() for c, n in mapping.items() if n and c != "timestamps"})
+        keys = flat[id_column].to_numpy() if id_column else np.zeros(len(df), dtype=np.int64)
+        if pd.isna(keys).any():
+            raise ValueError(f"column {id_column!r} has missing ids; every row must belong to a series")
+        ids, frames, x_ts, y_ts = [], [], [], []
+        for sid, rows in pd.Series(np.arange(len(df))).groupby(keys, sort=False):
+            rows = rows.to_numpy()[np.argsort(stamps[rows.to_numpy()].asi8, kind="stable")]
+            label = f"series {sid!r}" if id_column else "the series (no id column)"
+            check_increasing(stamps[rows], f"the timestamps of {label}")  # duplicates: e.g. two series, no id
+            ids.append(sid)
+            frames.append(candles.iloc[rows].reset_index(drop=True))
+            x_ts.append(stamps[rows])
+            y_ts.append(future_timestamps(stamps[rows], prediction_length, freq, label))
+        quantiles = list(quantiles)
+        if sample_count is None:
+            sample_count = MIN_QUANTILE_SAMPLES if quantiles else 1
+        results = self.predict_batch(frames, x_ts, y_ts, prediction_length, T, top_k, top_p, sample_count, verbose,
+                                     False, quantiles or None, calibrated)
+        ts_name = mapping["timestamps"] or "timestamps"
+        out = []
+        for sid, y, res in zip(ids, y_ts, results):
+            table = res.table() if quantiles else res
+            head = pd.DataFrame({**({id_column: [sid] * prediction_length} if id_column else {}), ts_name: y})
+            out.append(pd.concat([head, table.reset_index(drop=True)], axis=1))
+        return pd.concat(out, ignore_index=True)
 
     @torch.inference_mode()
     def generate(self, x: np.ndarray, x_stamp: np.ndarray, y_stamp: np.ndarray, pred_len: int, T: float = 1.0,
@@ -313,7 +535,8 @@ class KronosPredictor:
         """Normalised context x (B, N, 6) + stamps (B, N, 5), (B, pred_len, 5) -> sample paths (B, S, pred_len, 6).
 
         Each series is repeated `sample_count` times, its context encoded in full, `pred_len` token pairs sampled
-        with a predictor window of `max_context`, and the last `max_context` tokens decoded.
+        with a predictor window of `max_context`, and the last `max_context` tokens decoded. No cut, no
+        calibration: the callers that normalise their own windows (the CLI evaluation) use this.
         """
         dev = self.device
         b, n, d = x.shape
@@ -330,7 +553,8 @@ class KronosPredictor:
 
     # ----------------------------------------------------------- helpers
     def _prepare(self, df: pd.DataFrame, x_ts: Any, y_ts: Any, pred_len: int, name: str) -> dict[str, Any]:
-        """Check one series and normalise it: x (N, 6), mean/std (1, 6), x_stamp (N, 5), y_stamp (pred_len, 5)."""
+        """Check one series (all rows given), cut it to the last `lookback` rows and normalise those: x (N, 6),
+        mean/std (1, 6), last_close, x_stamp (N, 5), y_stamp (pred_len, 5)."""
         x = candle_matrix(df, name)
         x_idx, y_idx = to_datetime_index(x_ts, "x_timestamp"), to_datetime_index(y_ts, "y_timestamp")
         if len(x_idx) != len(x):
@@ -342,26 +566,41 @@ class KronosPredictor:
         if x_idx[-1] >= y_idx[0]:
             raise ValueError(f"y_timestamp must start after the context: first forecast time {y_idx[0]} is not "
                              f"after the last context time {x_idx[-1]}")
+        if len(x) > self.lookback:
+            if not self._cut_said:
+                log.warning("%s has %d rows of history; the forecast uses (and normalises over) the last %d, the "
+                            "context the model was trained for (lookback; said once per predictor)", name, len(x),
+                            self.lookback)
+                self._cut_said = True
+            x, x_idx = np.ascontiguousarray(x[-self.lookback:]), x_idx[-self.lookback:]
         xn, mean, std = normalize(x, self.clip, axis=0)
-        return {"x": xn, "mean": mean, "std": std, "y_index": y_idx,
+        return {"x": xn, "mean": mean, "std": std, "y_index": y_idx, "last_close": float(x[-1, CLOSE]),
                 "x_stamp": calc_time_stamps(x_idx).to_numpy(np.float32),
                 "y_stamp": calc_time_stamps(y_idx).to_numpy(np.float32)}
 
     @staticmethod
-    def _result(p: dict[str, Any], paths: np.ndarray, return_samples: bool,
-                quantiles: Sequence[float] | None) -> pd.DataFrame | Forecast:
+    def _result(p: dict[str, Any], paths: np.ndarray, return_samples: bool, quantiles: Sequence[float] | None,
+                calibration: dict[str, Any] | None) -> pd.DataFrame | Forecast:
         """Normalised paths (S, pred_len, 6) -> the mean DataFrame, or a Forecast, in input units."""
         cols, y_idx = list(FEATURES), p["y_index"]
-        # Average in normalised space, then undo the normalisation (the published order: same float32 bits).
-        mean_df = pd.DataFrame(denormalize(paths.mean(axis=0), p["mean"], p["std"]), columns=cols, index=y_idx)
+        if calibration is None:
+            # Average in normalised space, then undo the normalisation (the published order: same float32 bits).
+            mean = denormalize(paths.mean(axis=0), p["mean"], p["std"])
+            samples = denormalize(paths, p["mean"], p["std"]) if (return_samples or quantiles) else None
+        else:
+            samples = denormalize(paths, p["mean"], p["std"])  # (S, pred_len, 6)
+            shift = calibration_shift(calibration, samples[..., CLOSE], np.float64(p["last_close"]))  # (S, pred_len)
+            samples[..., :len(PRICE_FEATURES)] *= np.exp(shift)[..., None]  # volume and amount stay as drawn
+            mean = samples.mean(axis=0)
+        mean_df = pd.DataFrame(mean, columns=cols, index=y_idx)
         if not (return_samples or quantiles):
             return mean_df
-        samples = denormalize(paths, p["mean"], p["std"])  # (S, pred_len, 6)
         qs = {q: pd.DataFrame(np.quantile(samples, q, axis=0), columns=cols, index=y_idx) for q in (quantiles or [])}
         return Forecast(mean_df, samples, qs)
 
     @staticmethod
-    def _check_options(pred_len: int, sample_count: int, quantiles: Sequence[float] | None) -> None:
+    def _check_options(pred_len: int, sample_count: int, quantiles: Sequence[float] | None,
+                       calibration: dict[str, Any] | None) -> None:
         if not isinstance(pred_len, (int, np.integer)) or isinstance(pred_len, bool) or pred_len < 1:
             raise ValueError(f"pred_len must be an integer >= 1, got {pred_len!r}")
         if not isinstance(sample_count, (int, np.integer)) or isinstance(sample_count, bool) or sample_count < 1:
@@ -369,84 +608,29 @@ class KronosPredictor:
         for q in quantiles or []:
             if not isinstance(q, (int, float)) or not 0.0 <= q <= 1.0:
                 raise ValueError(f"quantiles must lie in [0, 1], got {q!r}")
-
-
-if TYPE_CHECKING:
-    from model.predictor import KronosPredictor
+        if quantiles and sample_count < MIN_QUANTILE_SAMPLES:
+            raise ValueError(f"quantiles from {sample_count} sample path(s) are noise (with one, every quantile is "
+                             f"that path); pass sample_count >= {MIN_QUANTILE_SAMPLES}")
+        if calibration is not None and pred_len > len(calibration["margins"][0]):
+            raise ValueError(f"the predictor's calibration covers {len(calibration['margins'][0])} horizons but "
+                             f"pred_len is {pred_len}; forecast fewer steps or pass calibrated=False")
 
 
 def future_timestamps(timestamps: pd.DatetimeIndex, prediction_length: int, freq: str | None,
-                      series: object) -> pd.DatetimeIndex:
+                      series: str) -> pd.DatetimeIndex:
     """The `prediction_length` timestamps after `timestamps`, at `freq` or the series' inferred frequency."""
     if freq is None:
         if len(timestamps) < 3:
-            raise ValueError(f"series {series!r} has {len(timestamps)} rows: too few to infer its frequency; pass "
+            raise ValueError(f"{series} has {len(timestamps)} rows: too few to infer its frequency; pass "
                              "freq= (e.g. freq='5min')")
         with warnings.catch_warnings():  # pandas 3 warns that infer_freq will return an offset; both work below
             warnings.simplefilter("ignore")
             freq = pd.infer_freq(timestamps)
         if freq is None:
-            raise ValueError(f"series {series!r}: cannot infer a regular frequency from its timestamps (gaps such as "
+            raise ValueError(f"{series}: cannot infer a regular frequency from its timestamps (gaps such as "
                              "market closes?); pass freq= (e.g. freq='5min' or freq='B')")
     try:
         offset = pd.tseries.frequencies.to_offset(freq)
     except ValueError:
         raise ValueError(f"freq {freq!r} is not a pandas frequency string (e.g. '5min', 'h', 'D', 'B')") from None
     return pd.date_range(timestamps[-1] + offset, periods=prediction_length, freq=offset)
-
-
-def predict_df(predictor: KronosPredictor, df: pd.DataFrame, *, prediction_length: int, id_column: str = "id",
-               timestamp_column: str = "timestamps", freq: str | None = None, quantiles: Sequence[float] = (),
-               T: float = 1.0, top_k: int | None = 0, top_p: float | None = 0.9, sample_count: int = 1,
-               verbose: bool = False) -> pd.DataFrame:
-    """Forecast every series of a long frame.
-
-    Parameters
-    ----------
-    predictor: the KronosPredictor.
-    df: long frame, one row per candle: `id_column`, `timestamp_column` (datetimes), open/high/low/close
-        (+ volume/amount). Rows are sorted by timestamp within each series; series may differ in length.
-    prediction_length: steps to forecast per series.
-    freq: pandas frequency of the forecast timestamps; None = infer each series' own (`pd.infer_freq`).
-    quantiles: quantile levels in [0, 1] to add as `{feature}_{q}` columns (from `sample_count` paths).
-    T, top_k, top_p, sample_count, verbose: as in `KronosPredictor.predict`.
-
-    Returns
-    -------
-    DataFrame with prediction_length rows per series (series in order of first appearance): id_column,
-    timestamp_column, FEATURES (mean forecast), then the quantile columns.
-    """
-    if not isinstance(df, pd.DataFrame):
-        raise ValueError(f"df must be a pandas DataFrame, got {type(df).__name__}")
-    missing = [c for c in (id_column, timestamp_column, *PRICE_FEATURES) if c not in df.columns]
-    if missing:
-        raise ValueError(f"df is missing columns {missing} (id_column={id_column!r}, "
-                         f"timestamp_column={timestamp_column!r}, prices {list(PRICE_FEATURES)})")
-    if len(df) == 0:
-        raise ValueError("df is empty: no series to forecast")
-    if df[id_column].isna().any():
-        raise ValueError(f"column {id_column!r} has missing ids; every row must belong to a series")
-    quantiles = list(quantiles)
-    ids, frames, x_ts, y_ts = [], [], [], []
-    for sid, part in df.groupby(id_column, sort=False):
-        part = part.sort_values(timestamp_column, kind="stable")
-        ts = part[timestamp_column]
-        if not pd.api.types.is_datetime64_any_dtype(ts):
-            raise ValueError(f"column {timestamp_column!r} must hold datetimes (dtype {ts.dtype}); convert it with "
-                             "pd.to_datetime first")
-        index = pd.DatetimeIndex(ts)
-        ids.append(sid)
-        frames.append(part[[c for c in FEATURES if c in part.columns]].reset_index(drop=True))
-        x_ts.append(index)
-        y_ts.append(future_timestamps(index, prediction_length, freq, sid))
-    results = predictor.predict_batch(frames, x_ts, y_ts, prediction_length, T, top_k, top_p, sample_count, verbose,
-                                      False, quantiles or None)
-    out = []
-    for sid, y, res in zip(ids, y_ts, results):
-        mean = res.mean if quantiles else res
-        part = pd.DataFrame({id_column: [sid] * prediction_length, timestamp_column: y})
-        part[list(FEATURES)] = mean.to_numpy()
-        for q in quantiles:
-            part[[f"{f}_{q}" for f in FEATURES]] = res.quantiles[q].to_numpy()
-        out.append(part)
-    return pd.concat(out, ignore_index=True)

@@ -1,10 +1,9 @@
-"""Binary spherical quantisation (BSQ) as used by the Kronos tokenizer.
+"""The Kronos tokenizer: candles (B, T, 6) <-> pairs of token ids, through a binary spherical quantiser (BSQ).
 
-A D-dimensional vector (D = s1_bits + s2_bits) is L2-normalised and every coordinate is snapped to +-1/sqrt(D).
-The first s1_bits coordinates form the coarse token, the last s2_bits the fine token.
-
-Also here:
-- KronosTokenizer: a causal transformer autoencoder with a BSQ bottleneck (one candle -> coarse + fine token).
+A causal transformer encoder maps each normalised candle to a D-dimensional latent (D = s1_bits + s2_bits); BSQ
+L2-normalises it and snaps every coordinate to +-1/sqrt(D); the first s1_bits coordinates are the coarse token, the
+last s2_bits the fine token; a decoder reconstructs the candle from the code (from the coarse bits alone too, the
+second training target). Read top-down: id <-> bits helpers, the quantiser and its loss, `KronosTokenizer`.
 """
 
 from __future__ import annotations

@@ -45,7 +45,8 @@ def test_tokens_reconstruction_and_logits_match_the_original(case):
 def test_greedy_forecast_matches_the_original(case, ctx, pred_len, use_cache):
     df, golden, tok, pred = case
     ts = pd.Series(pd.date_range(df.timestamps.iloc[0], periods=len(df) + 40, freq="5min"))
-    p = KronosPredictor(pred, tok, device="cpu", max_context=48, clip=5, use_cache=use_cache)
+    # lookback=ctx: the original normalised over the whole history passed (the default cuts it to max_context).
+    p = KronosPredictor(pred, tok, device="cpu", max_context=48, clip=5, use_cache=use_cache, lookback=ctx)
     y = p.predict(df[COLS].iloc[:ctx], ts.iloc[:ctx], ts.iloc[ctx:ctx + pred_len], pred_len, T=1.0, top_k=1,
                   verbose=False)
     np.testing.assert_allclose(y.to_numpy(), golden[f"forecast_{ctx}_{pred_len}"], rtol=1e-6, atol=1e-6)

@@ -103,10 +103,10 @@ def test_samples_and_quantiles():
     cached, _ = predictors(64)
     df, x_ts, y_ts = candles(30)
     torch.manual_seed(0)
-    fc = cached.predict(df, x_ts, y_ts[:5], 5, T=1.5, top_p=1.0, sample_count=8, verbose=False,
+    fc = cached.predict(df, x_ts, y_ts[:5], 5, T=1.5, top_p=1.0, sample_count=20, verbose=False,
                         return_samples=True, quantiles=[0.1, 0.5, 0.9])
     assert isinstance(fc, Forecast)
-    assert fc.samples.shape == (8, 5, 6)
+    assert fc.samples.shape == (20, 5, 6)
     np.testing.assert_allclose(fc.mean.to_numpy(), fc.samples.mean(axis=0), rtol=1e-6)
     lo, mid, hi = (fc.quantiles[q].to_numpy() for q in (0.1, 0.5, 0.9))
     assert (lo <= mid + 1e-9).all() and (mid <= hi + 1e-9).all()

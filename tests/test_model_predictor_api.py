@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from model import Forecast, KronosPredictor
-from model.predictor import PREDICTOR_INFO_NAME, write_predictor_info
+from model.fileio import write_json
+from model.predictor import PREDICTOR_INFO_NAME, predictor_info
 from tests.model_factory import tiny_models
 from tests.test_model_predictor import candles
 
@@ -65,16 +66,15 @@ def test_predict_df_long_format_equals_predict_per_series():
 def test_predict_df_quantile_columns_and_freq():
     p = _predictor()
     torch.manual_seed(0)
-    out = p.predict_df(_long_frame(), prediction_length=2, quantiles=[0.1, 0.9], sample_count=6, top_p=1.0,
-                       freq="D")
-    assert [c for c in out.columns if c.startswith("close")] == ["close", "close_0.1", "close_0.9"]
-    assert (out["close_0.1"] <= out["close_0.9"]).all()
+    out = p.predict_df(_long_frame(), prediction_length=2, quantiles=[0.1, 0.9], top_p=1.0, freq="D")
+    assert [c for c in out.columns if c.startswith("close")] == ["close", "close_q10", "close_q90"]
+    assert (out["close_q10"] < out["close_q90"]).all()  # 20 paths by default when quantiles are asked
     b = out[out.id == "B"].timestamps
     assert (b.diff().dropna() == pd.Timedelta("1D")).all()
 
 
 @pytest.mark.parametrize("case, message", [
-    ("no id", "missing columns \\['id'\\]"),
+    ("no id", "strictly increasing"),  # without an id column the frame is one series: A and B interleave
     ("string timestamps", "must hold datetimes"),
     ("irregular", "cannot infer a regular frequency"),
     ("bad freq", "not a pandas frequency"),
@@ -104,7 +104,8 @@ def _run_folder(tmp_path, max_context=40):
     folder = tmp_path / "predictor" / "best_model"
     pred.save_pretrained(folder)
     (folder / "tokenizer_config.json").write_text(json.dumps(tok.config))
-    write_predictor_info(folder, max_context=max_context, tokenizer=tmp_path / "tokenizer" / "best_model", clip=4)
+    write_json(folder / PREDICTOR_INFO_NAME, predictor_info(folder, max_context=max_context,
+                                                            tokenizer=tmp_path / "tokenizer" / "best_model", clip=4))
     return tok, pred, folder
 
 
@@ -143,7 +144,7 @@ def test_from_pretrained_errors(tmp_path):
     with pytest.raises(TypeError, match="unexpected arguments \\['revison'\\]"):
         KronosPredictor.from_pretrained(folder, tokenizer=tok, revison="x")
     with pytest.raises(ValueError, match="max_context must be an integer >= 1"):
-        write_predictor_info(folder, max_context=0)
+        predictor_info(folder, max_context=0)
 
 
 def test_from_pretrained_published_pair_via_hub_ids(tmp_path, monkeypatch):

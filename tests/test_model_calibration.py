@@ -1,0 +1,115 @@
+"""Issue 18: split-conformal calibration of the sampled bands (fit on validation windows, applied to new paths),
+stored in kronos_predictor.json and applied by KronosPredictor unless calibrated=False."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from model import KronosPredictor
+from model.fileio import write_json
+from model.predictor import (
+    PREDICTOR_INFO_NAME,
+    apply_calibration,
+    fit_calibration,
+    predictor_info,
+    write_calibration,
+)
+from tests.model_factory import tiny_models
+from tests.test_model_predictor import candles
+
+
+def _draws(rng, windows, samples=200, horizons=3, model_sd=0.01, true_sd=0.02):
+    """A 'model' whose log returns are N(0, model_sd^2 h) while outcomes are N(0, true_sd^2 h): bands too narrow."""
+    scale = np.sqrt(np.arange(1, horizons + 1))
+    last = rng.uniform(50, 150, windows)
+    paths = last[:, None, None] * np.exp(rng.normal(0, model_sd, (windows, samples, horizons)) * scale)
+    outcomes = last[:, None] * np.exp(rng.normal(0, true_sd, (windows, horizons)) * scale)
+    return paths, outcomes, last
+
+
+def _coverage(paths, outcomes, level):
+    lo, hi = np.quantile(paths, [(1 - level) / 2, (1 + level) / 2], axis=1)  # (W, H)
+    return float(((outcomes >= lo) & (outcomes <= hi)).mean())
+
+
+def test_calibration_reaches_nominal_coverage_on_fresh_draws():
+    rng = np.random.default_rng(0)
+    calibration = fit_calibration(*_draws(rng, 2000))
+    assert json.loads(json.dumps(calibration, allow_nan=False)) == calibration  # strict JSON
+    assert calibration["levels"][-1] == 0.95 and len(calibration["margins"]) == 10 and calibration["windows"] == 2000
+    paths, outcomes, last = _draws(rng, 4000)  # held out: never seen by the fit
+    calibrated = apply_calibration(calibration, paths, last)
+    assert calibrated.shape == paths.shape
+    for level in (0.5, 0.8):
+        raw, cal = _coverage(paths, outcomes, level), _coverage(calibrated, outcomes, level)
+        assert raw < level - 0.2  # the model's bands are far too narrow
+        assert abs(cal - level) < 0.03, (level, raw, cal)
+    # Per-path medians stay (a path never crosses the median), so the point forecast keeps its centre.
+    np.testing.assert_allclose(np.median(calibrated, axis=1), np.median(paths, axis=1), rtol=1e-5)
+
+
+def test_too_wide_bands_are_narrowed():
+    rng = np.random.default_rng(1)
+    calibration = fit_calibration(*_draws(rng, 1500, model_sd=0.03, true_sd=0.01))
+    assert (np.asarray(calibration["margins"]) < 0).all()
+    paths, outcomes, last = _draws(rng, 3000, model_sd=0.03, true_sd=0.01)
+    assert _coverage(paths, outcomes, 0.8) > 0.95
+    assert abs(_coverage(apply_calibration(calibration, paths, last), outcomes, 0.8) - 0.8) < 0.04
+
+
+def test_fit_calibration_rejects_bad_input():
+    rng = np.random.default_rng(2)
+    paths, outcomes, last = _draws(rng, 10)
+    with pytest.raises(ValueError, match="samples \\(W, S, H\\)"):
+        fit_calibration(paths[0], outcomes, last)
+    paths[0, 0, 0] = -1.0
+    with pytest.raises(ValueError, match="finite positive prices"):
+        fit_calibration(paths, outcomes, last)
+
+
+def _folder(tmp_path, calibration):
+    tok, pred = tiny_models(seed=3)
+    folder = tmp_path / "best_model"
+    pred.save_pretrained(folder)
+    tok.save_pretrained(folder / "tokenizer")
+    write_json(folder / PREDICTOR_INFO_NAME, predictor_info(folder, max_context=40, tokenizer=folder / "tokenizer"))
+    write_calibration(folder, calibration)
+    return folder
+
+
+def test_the_predictor_applies_a_stored_calibration_to_prices_not_volume(tmp_path):
+    margins = [[0.02 * (i + 1)] * 4 for i in range(10)]  # widen every band: 2% .. 20% in log return
+    calibration = {"method": "conformal", "space": "log_return", "levels": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8,
+                                                                             0.9, 0.95], "margins": margins,
+                   "windows": 100}
+    folder = _folder(tmp_path, calibration)
+    info = json.loads((folder / PREDICTOR_INFO_NAME).read_text())
+    assert info["calibration"] == calibration and info["max_context"] == 40 and info["tokenizer"] == "tokenizer"
+    p = KronosPredictor.from_pretrained(folder, device="cpu")
+    df, x_ts, y_ts = candles(30)
+    runs = {}
+    for calibrated in (True, False):
+        torch.manual_seed(0)
+        runs[calibrated] = p.predict(df, x_ts, y_ts[:4], 4, T=1.5, top_p=1.0, sample_count=20, verbose=False,
+                                     quantiles=[0.1, 0.9], calibrated=calibrated)
+    cal, raw = runs[True], runs[False]
+    ratio = cal.samples[..., :4] / raw.samples[..., :4]  # (S, H, 4): one factor per path and horizon
+    np.testing.assert_allclose(ratio, ratio[..., :1].repeat(4, axis=-1), rtol=1e-5)
+    assert (np.abs(np.log(ratio)) > 0.01).mean() > 0.5  # most paths moved
+    np.testing.assert_array_equal(cal.samples[..., 4:], raw.samples[..., 4:])  # volume, amount as drawn
+    width = lambda fc: (fc.quantiles[0.9]["close"] - fc.quantiles[0.1]["close"]).to_numpy()
+    assert (width(cal) > width(raw)).all()
+    np.testing.assert_allclose(cal.mean.to_numpy(), cal.samples.mean(axis=0), rtol=1e-6)
+    with pytest.raises(ValueError, match="covers 4 horizons but pred_len is 5.*calibrated=False"):
+        p.predict(df, x_ts, y_ts[:5], 5, verbose=False)
+    assert p.predict(df, x_ts, y_ts[:5], 5, verbose=False, calibrated=False).shape == (5, 6)
+
+
+def test_a_malformed_stored_calibration_is_named(tmp_path):
+    folder = _folder(tmp_path, fit_calibration(*_draws(np.random.default_rng(3), 30)))
+    info = json.loads((folder / PREDICTOR_INFO_NAME).read_text())
+    info["calibration"]["margins"] = [[1.0]]
+    (folder / PREDICTOR_INFO_NAME).write_text(json.dumps(info))
+    with pytest.raises(ValueError, match="kronos_predictor.json: not a calibration as fit_calibration writes it"):
+        KronosPredictor.from_pretrained(folder, device="cpu")
