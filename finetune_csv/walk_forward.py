@@ -293,7 +293,7 @@ def run_walk_forward(cfg: CsvFinetuneConfig, overwrite: bool = False) -> dict:
                 info = _run_fold(cfg, fold, folder, fp)
                 trained += 1
                 left = (time.monotonic() - started) / trained * (len(folds) - 1 - fold.index)
-                log.info("fold %d/%d: trained %s; scored %d test windows x %d candidates, CRPS finetuned %.5f vs "
+                log.info("fold %d/%d: %s; scored %d test windows x %d candidates, CRPS finetuned %.5f vs "
                          "zero_shot %.5f; %.0f s so far, about %.0f s left", fold.index + 1, len(folds),
                          info["trained"], info["windows"]["test"], len(info["scores"]),
                          info["scores"]["finetuned"]["crps"], info["scores"]["zero_shot"]["crps"],
@@ -316,7 +316,7 @@ def _run_fold(cfg: CsvFinetuneConfig, fold: Fold, folder: Path, fp: str) -> dict
         "fold": fold.index, **dates, "fingerprint": fp,
         "windows": {"train": info["splits"]["train"]["windows"], "val": info["splits"]["val"]["windows"],
                     "test": int((frame.candidate == "finetuned").sum())},
-        "trained": ", ".join(f"{s} ({why or 'trained'})" for s, why in plan.items()),
+        "trained": ", ".join(f"{s} {'trained' if why is None else f'skipped ({why})'}" for s, why in plan.items()),
         "scores": {c: {s: float(g[s].mean()) for s in SCORES} for c, g in frame.groupby("candidate", sort=False)},
         "seconds": {"train": round(t1 - t0, 1), "score": round(time.monotonic() - t1, 1)}}
     write_json(folder / "fold.json", record)
