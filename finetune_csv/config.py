@@ -190,6 +190,28 @@ class ForecastConfig(SamplingConfig):
     batch_size: int = 32
     """Windows per generation call (x sample_count sequences in memory at once)."""
 
+
+WALK_FORWARD_CANDIDATES = ("zero_shot", "finetuned", "persistence", "empirical", "ensemble")
+
+
+@dataclass
+class WalkForwardConfig:
+    """`kronos walk-forward` (finetune_csv/walk_forward.py): does finetuning pay over several out-of-sample periods?"""
+
+    folds: int = 4
+    """Number of consecutive test blocks at the end of every series; fold k finetunes on what precedes block k."""
+    test_bars: int | None = None
+    """Rows of each fold's test block, per series; null = 10% of the shortest series, in whole data.predict windows."""
+    purge: int | None = None
+    """Rows left out between the last training (and validation) target and the next block; null = data.predict
+    (also the minimum: a target window of predict rows must end before the block starts)."""
+    embargo: int = 0
+    """Rows left out after each fold's test block before the next fold's test block (decorrelates the blocks)."""
+    candidates: list[str] = field(default_factory=lambda: list(WALK_FORWARD_CANDIDATES))
+    """Forecasters scored on every test window: zero_shot, finetuned, persistence, empirical, ensemble (the
+    ensemble only where finetune_csv.forecast.ensemble_paths exists). zero_shot and finetuned are required."""
+
+
 @dataclass
 class CsvFinetuneConfig:
     """Everything the CSV pipeline needs; one YAML file fills it."""
@@ -208,6 +230,8 @@ class CsvFinetuneConfig:
     """Output locations."""
     forecast: ForecastConfig = field(default_factory=ForecastConfig)
     """Held-out forecast settings."""
+    walk_forward: WalkForwardConfig = field(default_factory=WalkForwardConfig)
+    """Walk-forward evaluation (kronos walk-forward)."""
 
     @property
     def base_dir(self) -> Path:
@@ -253,6 +277,7 @@ def validate(cfg: CsvFinetuneConfig) -> None:
     _check_training(cfg, problems)
     _check_paths(cfg.paths, problems)
     _check_forecast(cfg.forecast, problems)
+    _check_walk_forward(cfg.walk_forward, cfg.data.predict, problems)
     problems.raise_if_any()
 
 
@@ -329,6 +354,21 @@ def _check_forecast(f: ForecastConfig, p: Problems) -> None:
     p.check(f.batch_size >= 1, "forecast.batch_size", f"must be >= 1 (got {f.batch_size})")
     p.check(f.calendar is None or Path(f.calendar).is_file(), "forecast.calendar",
             f"'{f.calendar}' is not a file: give a CSV whose first column lists the trading dates, or null")
+
+
+def _check_walk_forward(w: WalkForwardConfig, predict: int, p: Problems) -> None:
+    p.check(w.folds >= 1, "walk_forward.folds", f"must be >= 1 (got {w.folds})")
+    p.check(w.test_bars is None or w.test_bars >= predict, "walk_forward.test_bars",
+            f"must be >= data.predict ({predict}) or null (got {w.test_bars})")
+    p.check(w.purge is None or w.purge >= predict, "walk_forward.purge",
+            f"must be >= data.predict ({predict}) or null (= data.predict): a shorter purge lets a training target "
+            f"reach into the test block (got {w.purge})")
+    p.check(w.embargo >= 0, "walk_forward.embargo", f"must be >= 0 (got {w.embargo})")
+    unknown = [c for c in w.candidates if c not in WALK_FORWARD_CANDIDATES]
+    p.check(not unknown, "walk_forward.candidates",
+            f"unknown {unknown}; choose from {', '.join(WALK_FORWARD_CANDIDATES)}")
+    p.check({"zero_shot", "finetuned"} <= set(w.candidates), "walk_forward.candidates",
+            "must include zero_shot and finetuned (the paired comparison that decides)")
 
 
 BEST_DIR = "best_model"  # the training engine's published-format folder inside each stage's output folder

@@ -31,6 +31,7 @@ from finetune.utils.errors import setup_logging
 from finetune.utils.factory import build_predictor, build_tokenizer
 from finetune.utils.safety import stage_status
 from finetune.utils.training_utils import TrainResult, train_predictor, train_tokenizer
+from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, predictor_tokenizer_source
 from finetune_csv.data import PreparedData, build_dataset, data_summary_from_store, list_sources, prepare_data
 from finetune_csv.forecast import held_out_windows, make_crps_val_metric
@@ -93,10 +94,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_predictor: bool = False,
-                 skip_existing: bool = False, frames: Mapping[str, pd.DataFrame] | None = None
-                 ) -> tuple[list[TrainResult], dict[str, str | None], dict]:
+                 skip_existing: bool = False, frames: Mapping[str, pd.DataFrame] | None = None,
+                 splits: dict[str, PanelSegments] | None = None) -> tuple[list[TrainResult], dict[str, str | None], dict]:
     """The CSV finetuning run for a validated config: data store, tokenizer stage, predictor stage. `frames`
     ({name: DataFrame}, from finetune_csv/api.py) are read instead of the files of data.path.
+
+    `splits`: explicit {"train", "val"} index ranges of the prepared store's panel (a walk-forward fold,
+    finetune_csv/walk_forward.py) instead of the data.*_ratio split.
 
     Returns (results of the stages that trained, the stage plan {stage: None | why skipped}, the data summary
     recorded in run_info.json). Raises ValueError subclasses for user mistakes (data, settings, models).
@@ -119,7 +123,11 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
             build_predictor(m.pretrained_predictor, m.predictor_arch, tokenizer, "model")
         # Data: rank 0 parses and checks every file into the store (or reuses it), the others wait; every rank
         # maps it read-only (one page-cache copy per machine); the splits are index ranges, nothing is copied.
-        data = prepare_data(cfg.data, cfg.store_dir, dist=dist, barrier=barrier, frames=frames)
+        data = prepare_data(cfg.data, cfg.store_dir, dist=dist, barrier=barrier, frames=frames,
+                            with_splits=splits is None)
+        if splits is not None:
+            data = dataclasses.replace(data, splits={k: dataclasses.replace(v, panel=data.panel)
+                                                     for k, v in splits.items()})
         train_set, val_set = build_dataset(data.splits["train"], cfg.data), build_dataset(data.splits["val"], cfg.data)
         data_info = data_summary_from_store(data, cfg.data)
         if dist.is_main:

@@ -20,6 +20,7 @@ ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": os.environ.get("
 SCRIPT_OF = {  # the file each subcommand stands for (README commands)
     "finetune": "finetune_csv/train_sequential.py",
     "forecast": "finetune_csv/forecast.py",
+    "walk-forward": "finetune_csv/walk_forward.py",
     "qlib-preprocess": "finetune/qlib_data_preprocess.py",
     "qlib-train-tokenizer": "finetune/train_tokenizer.py",
     "qlib-train-predictor": "finetune/train_predictor.py",

@@ -766,9 +766,20 @@ class ModelConfig:
     """KronosTokenizer constructor arguments when pretrained_tokenizer is null (ignored otherwise)."""
     predictor_arch: KronosConfig = field(default_factory=KronosConfig)
     """Kronos constructor arguments when pretrained_predictor is null (s1/s2 bits null = the tokenizer's)."""
+    pretraining_cutoff: Any = None
+    """Last date the published weights were trained on (a date, e.g. 2024-06-30); walk-forward test blocks that start
+    before it are flagged and left out of the verdict. null = unknown (nothing is excluded)."""
 
     def check(self, problems: Problems, prefix: str = "model") -> None:
         """Add every problem of these settings to `problems`, named `prefix.key` (no file or Hub access)."""
+        if self.pretraining_cutoff is not None:
+            try:
+                import pandas as pd
+
+                pd.Timestamp(str(self.pretraining_cutoff))
+            except ValueError:
+                problems.add(f"{prefix}.pretraining_cutoff", f"{self.pretraining_cutoff!r} is not a date; use "
+                                                             "e.g. 2024-06-30 or null")
         for name in ("pretrained_tokenizer", "pretrained_predictor"):
             value = getattr(self, name)
             problems.check(value is None or bool(str(value).strip()), f"{prefix}.{name}",

@@ -1,0 +1,439 @@
+"""Does finetuning pay on your market? A purged, expanding-window walk-forward with a three-word verdict.
+
+    kronos walk-forward --config configs/csv_demo_walk_forward.yaml [--set walk_forward.folds=3] [--overwrite]
+    python finetune_csv/walk_forward.py --config ...                 # the same main(argv)
+
+Folds (settings in `walk_forward:`, finetune_csv/config.py WalkForwardConfig). Per series, counted from its end, K
+test blocks of `test_bars` rows, `embargo` rows apart; fold 0 is the oldest. Fold k finetunes the configured
+starting models (the CSV pipeline's run_finetune, the engine's train_tokenizer / train_predictor) on what precedes
+its block: the last `data.val_ratio` of it validates (picks the checkpoint as the engine does), and `purge` rows
+(>= data.predict) separate the last training target from the validation block and the last validation target from
+the test block. Training also stops `purge` rows before the EARLIEST test start date of the fold over all series,
+so a series that runs longer cannot leak later dates. Then every non-overlapping test window of every series is
+scored (finetune.evaluation.forecast_scores.window_scores, the same as `kronos forecast`; returns relative to the
+last context close, normalisation from the lookback only) with each candidate: zero_shot (the starting model),
+finetuned, persistence, empirical and, where it exists, the zero-shot + finetuned ensemble.
+
+The decision: finetuned minus zero_shot CRPS (and MAE) per window, over every fold not before
+`model.pretraining_cutoff`: mean, a bootstrap interval over (fold, series) blocks (windows of one series in one
+period are dependent, blocks are not resampled apart), a Diebold-Mariano test with Newey-West variance on the
+date-ordered differences (averaged over series per date), the share of folds finetuning won and the per-fold means.
+Verdict: `helps` (interval below 0), `hurts` (above 0), `no_evidence` (contains 0), plus how many windows a test
+at 80% power (5% two-sided) would need for the observed difference.
+
+Outputs under <paths.base_dir>/walk_forward/: fold_<k>/ (the fold's tokenizer/ and basemodel/ stage folders, its
+windows.csv and fold.json, written last and atomically: a re-run skips finished folds with the same settings and
+data), report.json, windows.csv (every fold, series, window and candidate) and walk_forward.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+import finetune_csv.config as csv_config
+from finetune.evaluation.forecast_scores import ScoreSettings, empirical_samples, persistence_samples, window_scores
+from finetune.utils.config_utils import ConfigError, add_config_args, config_to_dict
+from finetune.utils.errors import DataError, RefusedError, setup_logging
+from finetune.utils.safety import RunLock
+from finetune.utils.windows import PanelSegments
+from finetune_csv.config import CsvFinetuneConfig, best_dir, predictor_tokenizer_source
+from finetune_csv.data import prepare_data
+from finetune_csv.forecast import CLOSE, held_out_windows, make_predictor, sample_paths
+from finetune_csv.train_sequential import run_finetune
+from model.fileio import atomic_write, read_json_object, write_json
+
+log = logging.getLogger("finetune_csv.walk_forward")
+SCORES = ("crps", "mae", "cov50", "cov80", "direction")  # windows.csv score columns (returns vs the last close)
+Z_95, Z_80 = 1.959963984540054, 0.8416212335729143  # two-sided 5% test, 80% power
+
+
+@dataclass(frozen=True)
+class Fold:
+    """One fold as panel index ranges (arrays (S,) per series, see finetune.utils.windows.PanelSegments)."""
+
+    index: int
+    train: PanelSegments
+    val: PanelSegments
+    test: PanelSegments
+
+
+def fold_sizes(cfg: CsvFinetuneConfig, lengths: np.ndarray) -> tuple[int, int]:
+    """(test_bars, purge): the settings, or their defaults (10% of the shortest series in whole windows; predict)."""
+    w, predict = cfg.walk_forward, cfg.data.predict
+    test_bars = w.test_bars or max(predict, int(0.1 * int(lengths.min())) // predict * predict)
+    return test_bars, (w.purge if w.purge is not None else predict)
+
+
+def make_folds(panel, lookback: int, predict: int, folds: int, test_bars: int, purge: int, embargo: int,
+               val_ratio: float) -> list[Fold]:
+    """The K folds of `panel` (a SeriesPanel with datetimes), oldest first; DataError naming series too short."""
+    offsets = np.asarray(panel.offsets, dtype=np.int64)
+    first, lengths = offsets[:-1], np.diff(offsets)
+    when = np.asarray(panel.datetimes)  # (N,) int64 ns
+    out, short = [], set()
+    for k in range(folds):
+        t1 = lengths - (folds - 1 - k) * (test_bars + embargo)  # (S,) local rows: test block [t0, t1)
+        t0 = t1 - test_bars
+        # Training ends `purge` rows before this series' block AND before the fold's earliest test date anywhere.
+        earliest = when[first + np.clip(t0, 0, lengths - 1)].min()
+        before = np.array([np.searchsorted(when[o:o + n], earliest) for o, n in zip(first, lengths)])
+        end = np.minimum(t0, before) - purge  # (S,) one past the last validation target
+        v0 = end - np.maximum(predict, np.round(end * val_ratio).astype(np.int64))  # first validation target
+        stop = v0 - purge  # one past the last training target
+        short.update(np.flatnonzero((stop < lookback + predict) | (t0 < lookback)).tolist())
+        out.append(Fold(k, PanelSegments(panel, first, first, first + stop),
+                        PanelSegments(panel, first + v0 - lookback, first + v0, first + end),
+                        PanelSegments(panel, first + t0 - lookback, first + t0, first + t1)))
+    if short:
+        listed = ", ".join(f"{panel.names[s]} ({int(lengths[s])} rows)" for s in sorted(short)[:10])
+        raise DataError(f"series too short for walk_forward.folds={folds} blocks of walk_forward.test_bars="
+                        f"{test_bars} (+ embargo {embargo}, purge {purge}) after a training window of data.lookback"
+                        f" + data.predict = {lookback + predict} rows and a validation block: {listed}; lower "
+                        "walk_forward.folds / test_bars / data.lookback or remove these series")
+    return out
+
+
+def _date(panel, col: np.ndarray, how) -> str:
+    return str(pd.Timestamp(int(how(np.asarray(panel.datetimes)[col]))))
+
+
+def fold_dates(fold: Fold) -> dict:
+    """The fold's span over all series: last training target, validation and test blocks (first / last row)."""
+    p = fold.train.panel
+    return {"train_end": _date(p, fold.train.stop - 1, np.max), "val_start": _date(p, fold.val.first_target, np.min),
+            "val_end": _date(p, fold.val.stop - 1, np.max), "test_start": _date(p, fold.test.first_target, np.min),
+            "test_end": _date(p, fold.test.stop - 1, np.max)}
+
+
+def _window_columns(seg: PanelSegments, lookback: int, predict: int) -> tuple[np.ndarray, np.ndarray]:
+    """(last context column, first column of its series) of every non-overlapping window, as held_out_windows."""
+    last, series_first = [], []
+    offsets = np.asarray(seg.panel.offsets, dtype=np.int64)
+    for s, (lo, hi) in enumerate(zip(seg.start.tolist(), seg.stop.tolist())):
+        starts = lo + np.arange(0, hi - lo - lookback - predict + 1, predict, dtype=np.int64)
+        last.append(starts + lookback - 1)
+        series_first.append(np.full(len(starts), offsets[s]))
+    return np.concatenate(last), np.concatenate(series_first)
+
+
+def _ensemble_paths():
+    """finetune_csv.forecast.ensemble_paths where it exists (another issue adds it), else None."""
+    import finetune_csv.forecast as forecast
+
+    return getattr(forecast, "ensemble_paths", None)
+
+
+def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) -> pd.DataFrame:
+    """Every non-overlapping test window of the fold scored with each candidate: one row per (window, candidate)."""
+    d, f, m = cfg.data, cfg.forecast, cfg.model
+    windows = held_out_windows(fold.test, d.lookback, d.predict)
+    x_stamps, y_stamps = windows.stamps()
+    last = windows.context[:, -1, CLOSE]  # (W,)
+    obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, H)
+    sample = lambda src, tok, c: sample_paths(make_predictor(src, tok, c), windows.context, x_stamps, y_stamps,
+                                              d.predict, f, f.batch_size)[..., CLOSE]  # (W, S, H) closes
+    paths = {"zero_shot": sample(m.pretrained_predictor, m.pretrained_tokenizer, cfg),
+             "finetuned": sample(best_dir(fold_cfg.predictor_dir), predictor_tokenizer_source(fold_cfg), fold_cfg),
+             "persistence": persistence_samples(last, d.predict)}
+    if "empirical" in cfg.walk_forward.candidates:
+        last_col, series_first = _window_columns(fold.test, d.lookback, d.predict)
+        n = min(getattr(f, "empirical_window", 250) + 1, int((last_col - series_first).min()) + 1)
+        cols = last_col[:, None] - n + 1 + np.arange(n)  # (W, n) trailing closes, the last context bar included
+        paths["empirical"] = empirical_samples(np.asarray(fold.test.panel.features[CLOSE, cols], np.float64),
+                                               d.predict, n)
+    ensemble = _ensemble_paths() if "ensemble" in cfg.walk_forward.candidates else None
+    if ensemble is not None:
+        paths["ensemble"] = ensemble(paths["finetuned"], paths["zero_shot"], getattr(f, "ensemble_weight", 0.5))
+    rows = []
+    for name in [c for c in cfg.walk_forward.candidates if c in paths]:
+        sc = window_scores(paths[name] / last[:, None, None] - 1.0, obs, ScoreSettings())
+        rows.append(pd.DataFrame({
+            "fold": fold.index, "series": windows.names, "window_start": [ts[0] for ts in windows.y_timestamps],
+            "candidate": name, "crps": sc["crps"].mean(axis=1), "mae": sc["abs_err"].mean(axis=1),
+            "cov50": sc["coverage_50"].mean(axis=1), "cov80": sc["coverage_80"].mean(axis=1),
+            "direction": sc["direction_hit"]}))
+    return pd.concat(rows, ignore_index=True)
+
+
+def newey_west(x: np.ndarray, lags: int | None = None) -> float:
+    """Long-run variance of the series x (T,) with Bartlett weights; lags None = floor(4 (T/100)^(2/9))."""
+    x = np.asarray(x, dtype=np.float64) - np.mean(x)
+    n = len(x)
+    lags = int(4 * (n / 100) ** (2 / 9)) if lags is None else lags
+    lrv = float(x @ x) / n
+    for j in range(1, min(lags, n - 1) + 1):
+        lrv += 2 * (1 - j / (lags + 1)) * float(x[j:] @ x[:-j]) / n
+    return max(lrv, 0.0)
+
+
+def paired_stats(diff: np.ndarray, fold: np.ndarray, series: np.ndarray, when: np.ndarray, *, n_boot: int = 2000,
+                 seed: int = 0, level: float = 0.95) -> dict:
+    """Paired differences (W,) of two forecasters (< 0 = the first is better) over windows of (fold, series) at
+    `when` (W,): mean, block-bootstrap interval, Diebold-Mariano statistic and p value (HAC variance of the
+    per-date mean difference), windows needed for 80% power, share of folds won, per-fold means with HAC intervals."""
+    diff = np.asarray(diff, dtype=np.float64)
+    frame = pd.DataFrame({"d": diff, "fold": fold, "series": series, "when": pd.to_datetime(when)})
+    n = len(frame)
+    # Bootstrap over (fold, series) blocks: draw G blocks with replacement, the statistic is the pooled window mean.
+    groups = frame.groupby(["fold", "series"])["d"].agg(["sum", "count"]).to_numpy()  # (G, 2)
+    pick = np.random.default_rng(seed).integers(0, len(groups), size=(n_boot, len(groups)))
+    draws = groups[pick, 0].sum(axis=1) / groups[pick, 1].sum(axis=1)
+    alpha = (1 - level) / 2
+    lo, hi = np.quantile(draws, [alpha, 1 - alpha]) if len(groups) > 1 else (np.nan, np.nan)
+    # Diebold-Mariano on the date-ordered mean difference (series at one date averaged: their errors co-move).
+    by_date = frame.groupby("when")["d"].mean().sort_index().to_numpy()  # (T,)
+    lrv = newey_west(by_date)
+    se = math.sqrt(lrv / len(by_date)) if len(by_date) > 1 else math.nan
+    dm = float(by_date.mean() / se) if se and se > 0 else math.nan
+    p = math.erfc(abs(dm) / math.sqrt(2)) if math.isfinite(dm) else math.nan
+    mean = float(diff.mean())
+    needed = (Z_95 + Z_80) ** 2 * lrv / mean**2 * n / len(by_date) if mean and lrv > 0 else None
+    per_fold = []
+    for k, part in frame.groupby("fold"):
+        series_k = part.groupby("when")["d"].mean().sort_index().to_numpy()
+        half = Z_95 * math.sqrt(newey_west(series_k) / len(series_k)) if len(series_k) > 1 else math.nan
+        per_fold.append({"fold": int(k), "mean": float(part["d"].mean()), "ci_low": float(part["d"].mean() - half),
+                         "ci_high": float(part["d"].mean() + half), "windows": len(part)})
+    return {"mean": mean, "ci_low": float(lo), "ci_high": float(hi), "level": level, "dm_stat": dm, "p_value": p,
+            "windows": n, "dates": len(by_date), "blocks": len(groups),
+            "windows_needed": None if needed is None else int(math.ceil(needed)),
+            "share_folds_won": float(np.mean([r["mean"] < 0 for r in per_fold])), "per_fold": per_fold}
+
+
+def verdict(stats: dict) -> tuple[str, str]:
+    """(`helps` | `hurts` | `no_evidence`, why) from the CRPS paired statistics of `paired_stats`."""
+    lo, hi, mean = stats["ci_low"], stats["ci_high"], stats["mean"]
+    span = f"finetuned - zero_shot CRPS {mean:+.3g}, {stats['level']:.0%} interval [{lo:+.3g}, {hi:+.3g}] over " \
+           f"{stats['windows']} windows in {stats['blocks']} (fold, series) blocks"
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "no_evidence", f"{span}: too few blocks for an interval"
+    if hi < 0:
+        return "helps", f"{span}: entirely below 0"
+    if lo > 0:
+        return "hurts", f"{span}: entirely above 0"
+    need = stats["windows_needed"]
+    more = f"; about {need} windows would detect a difference this size (80% power)" if need else ""
+    return "no_evidence", f"{span}: contains 0{more}"
+
+
+def paired_from_windows(frame: pd.DataFrame, n_boot: int, seed: int) -> dict:
+    """paired.finetuned_vs_zero_shot from windows.csv rows (the verdict's windows): {"crps": ..., "mae": ...}."""
+    keys = ["fold", "series", "window_start"]
+    wide = frame[frame.candidate == "finetuned"].merge(frame[frame.candidate == "zero_shot"], on=keys,
+                                                       suffixes=("_f", "_z"))
+    return {s: paired_stats(wide[f"{s}_f"] - wide[f"{s}_z"], wide["fold"], wide["series"], wide["window_start"],
+                            n_boot=n_boot, seed=seed) for s in ("crps", "mae")}
+
+
+def _fingerprint(cfg: CsvFinetuneConfig, fold: Fold, manifest: dict) -> str:
+    """What a fold's results depend on: settings (not paths / run flags), its index ranges and the data files."""
+    settings = config_to_dict(cfg)
+    settings.pop("paths")
+    settings["training"].pop("overwrite")
+    settings["training"].pop("resume")
+    settings["model"].pop("pretraining_cutoff")  # decides which folds the verdict reads, not a fold's scores
+    for key in ("bootstrap_samples", "bootstrap_block"):
+        settings["forecast"].pop(key)
+    ranges = [getattr(getattr(fold, s), a).tolist() for s in ("train", "val", "test")
+              for a in ("start", "first_target", "stop")]
+    files = [f.get("sha256") for f in manifest.get("sources", [])]
+    text = json.dumps([settings, ranges, files], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _fold_config(cfg: CsvFinetuneConfig, folder: Path, overwrite: bool) -> CsvFinetuneConfig:
+    """The fold's run: its own stage folders under `folder`, the run's data store, training.overwrite as asked."""
+    return dataclasses.replace(cfg, paths=dataclasses.replace(cfg.paths, base_dir=str(folder)),
+                               data=dataclasses.replace(cfg.data, store_dir=str(cfg.store_dir)),
+                               training=dataclasses.replace(cfg.training, overwrite=overwrite))
+
+
+def run_walk_forward(cfg: CsvFinetuneConfig, overwrite: bool = False) -> dict:
+    """Train and score every fold (skipping finished ones), then write report.json, windows.csv and the plot."""
+    m, w, d = cfg.model, cfg.walk_forward, cfg.data
+    if m.pretrained_predictor is None or m.pretrained_tokenizer is None:
+        raise ConfigError(["model.pretrained_predictor / model.pretrained_tokenizer: walk-forward compares the "
+                           "finetuned model with its starting model; set both (a folder or Hub id)"],
+                          "Invalid walk-forward configuration")
+    if cfg.predictor_training.epochs == 0 or (cfg.predictor_training.epochs is None and cfg.training.epochs == 0):
+        raise ConfigError(["predictor_training.epochs: is 0, so no fold would finetune the predictor; set it >= 1"],
+                          "Invalid walk-forward configuration")
+    out = cfg.base_dir / "walk_forward"
+    with RunLock(out, key="paths.base_dir"):
+        data = prepare_data(d, cfg.store_dir, with_splits=False)
+        test_bars, purge = fold_sizes(cfg, data.panel.lengths())
+        folds = make_folds(data.panel, d.lookback, d.predict, w.folds, test_bars, purge, w.embargo, d.val_ratio)
+        started, trained, rows, meta = time.monotonic(), 0, [], []
+        for fold in folds:
+            folder = out / f"fold_{fold.index}"
+            fp, done = _fingerprint(cfg, fold, data.store.manifest), folder / "fold.json"
+            info = read_json_object(done) if done.is_file() else None
+            if info is not None and info["fingerprint"] != fp and not overwrite:
+                raise RefusedError(f"{folder} holds a finished fold made with other settings or data; pass "
+                                   "--overwrite to redo every fold, or choose another paths.base_dir")
+            if info is not None and info["fingerprint"] == fp and not overwrite:
+                log.info("fold %d/%d: finished before (%s), skipped", fold.index + 1, len(folds), done)
+            else:
+                if overwrite and folder.exists():
+                    log.warning("--overwrite: replacing %s", folder)
+                    shutil.rmtree(folder)
+                info = _run_fold(cfg, fold, folder, fp)
+                trained += 1
+                left = (time.monotonic() - started) / trained * (len(folds) - 1 - fold.index)
+                log.info("fold %d/%d: %s; scored %d test windows x %d candidates, CRPS finetuned %.5f vs "
+                         "zero_shot %.5f; %.0f s so far, about %.0f s left", fold.index + 1, len(folds),
+                         info["trained"], info["windows"]["test"], len(info["scores"]),
+                         info["scores"]["finetuned"]["crps"], info["scores"]["zero_shot"]["crps"],
+                         time.monotonic() - started, left)
+            rows.append(pd.read_csv(folder / "windows.csv", parse_dates=["window_start"]))
+            meta.append(info)
+        return _report(cfg, out, pd.concat(rows, ignore_index=True), meta, test_bars, purge)
+
+
+def _run_fold(cfg: CsvFinetuneConfig, fold: Fold, folder: Path, fp: str) -> dict:
+    """Finetune (resuming an interrupted stage) and score one fold; write its windows.csv, then fold.json."""
+    t0 = time.monotonic()
+    fold_cfg = _fold_config(cfg, folder, overwrite=False)
+    _, plan, info = run_finetune(fold_cfg, skip_existing=True, splits={"train": fold.train, "val": fold.val})
+    t1 = time.monotonic()
+    frame = score_fold(cfg, fold_cfg, fold)
+    atomic_write(folder / "windows.csv", lambda p: frame.to_csv(p, index=False))
+    dates = fold_dates(fold)
+    record = {
+        "fold": fold.index, **dates, "fingerprint": fp,
+        "windows": {"train": info["splits"]["train"]["windows"], "val": info["splits"]["val"]["windows"],
+                    "test": int((frame.candidate == "finetuned").sum())},
+        "trained": ", ".join(f"{s} {'trained' if why is None else f'skipped ({why})'}" for s, why in plan.items()),
+        "scores": {c: {s: float(g[s].mean()) for s in SCORES} for c, g in frame.groupby("candidate", sort=False)},
+        "seconds": {"train": round(t1 - t0, 1), "score": round(time.monotonic() - t1, 1)}}
+    write_json(folder / "fold.json", record)
+    return record
+
+
+def _report(cfg: CsvFinetuneConfig, out: Path, frame: pd.DataFrame, meta: list[dict], test_bars: int,
+            purge: int) -> dict:
+    w, f = cfg.walk_forward, cfg.forecast
+    cutoff = pd.Timestamp(str(cfg.model.pretraining_cutoff)) if cfg.model.pretraining_cutoff else None
+    excluded = {r["fold"] for r in meta if cutoff is not None and pd.Timestamp(r["test_start"]) < cutoff}
+    frame["in_verdict"] = ~frame["fold"].isin(excluded)
+    used = frame[frame.in_verdict]
+    n_boot = max(f.bootstrap_samples, 200)
+    folds = [{**{k: v for k, v in r.items() if k != "fingerprint"}, "purge": purge, "embargo": w.embargo,
+              "before_pretraining_cutoff": r["fold"] in excluded} for r in meta]
+    report = {"settings": {"folds": w.folds, "test_bars": test_bars, "purge": purge, "embargo": w.embargo,
+                           "candidates": list(w.candidates), "lookback": cfg.data.lookback,
+                           "predict": cfg.data.predict, "samples": f.sample_count, "bootstrap_samples": n_boot,
+                           "pretraining_cutoff": cfg.model.pretraining_cutoff},
+              "folds": folds, "excluded_folds": sorted(excluded),
+              "scores": {c: {s: float(g[s].mean()) for s in SCORES}
+                         for c, g in used.groupby("candidate", sort=False)}}
+    if used.empty:
+        report.update(paired=None, verdict="no_evidence",
+                      verdict_reason="every test block starts before model.pretraining_cutoff")
+    else:
+        paired = paired_from_windows(used, n_boot, f.seed)
+        report["paired"] = {"finetuned_vs_zero_shot": paired}
+        report["verdict"], report["verdict_reason"] = verdict(paired["crps"])
+    report["seconds"] = {k: round(sum(r["seconds"][k] for r in meta), 1) for k in ("train", "score")}
+    out_frame = frame.assign(window_start=frame["window_start"].astype(str))
+    atomic_write(out / "windows.csv", lambda p: out_frame.to_csv(p, index=False))
+    plot_walk_forward(report, used, out / "walk_forward.png")
+    write_json(out / "report.json", report)
+    return report
+
+
+def plot_walk_forward(report: dict, frame: pd.DataFrame, png: Path) -> Path:
+    """Top: finetuned - zero_shot CRPS per fold with its interval; bottom: cumulative CRPS by candidate over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), dpi=100)
+    paired = (report.get("paired") or {}).get("finetuned_vs_zero_shot")
+    if paired:
+        per = paired["crps"]["per_fold"]
+        x = np.arange(len(per))
+        mean = np.array([r["mean"] for r in per])
+        top.errorbar(x, mean, yerr=[mean - [r["ci_low"] for r in per], [r["ci_high"] for r in per] - mean],
+                     fmt="o", capsize=4, label="fold mean, 95% HAC interval")
+        c = paired["crps"]
+        top.axhspan(c["ci_low"], c["ci_high"], color="tab:orange", alpha=0.2, label="all folds, block bootstrap")
+        top.set_xticks(x, [f"fold {r['fold']}" for r in per])
+        top.set_title(f"finetuned - zero_shot CRPS per window (< 0 = finetuning helped): {report['verdict']}",
+                      fontsize=9)
+        top.legend(fontsize=7)
+    top.axhline(0, color="0.5", linewidth=0.8)
+    for name, g in frame.groupby("candidate", sort=False):
+        series = g.groupby("window_start")["crps"].mean().sort_index().cumsum()
+        bottom.plot(series.index, series.to_numpy(), label=name)
+    bottom.set_title("cumulative CRPS (mean over series per date) by candidate", fontsize=9)
+    bottom.legend(fontsize=7)
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    tmp = png.with_name(png.stem + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(png)
+    return png
+
+
+def format_table(report: dict) -> str:
+    """The console summary: scores by candidate, per-fold paired differences, the paired test and the verdict."""
+    s = report["settings"]
+    n = report["paired"]["finetuned_vs_zero_shot"]["crps"]["windows"] if report.get("paired") else 0
+    lines = [f"walk-forward: {s['folds']} folds, test blocks of {s['test_bars']} bars per series (purge {s['purge']},"
+             f" embargo {s['embargo']}), {n} paired test windows of {s['predict']} bars; returns vs the last close",
+             f"{'':13}{'CRPS':>9}{'MAE':>9}{'cov50':>7}{'cov80':>7}{'dir':>7}"]
+    for name, sc in report["scores"].items():
+        lines.append(f"{name:13}{sc['crps']:9.5f}{sc['mae']:9.5f}{sc['cov50']:7.2f}{sc['cov80']:7.2f}"
+                     f"{sc['direction']:7.3f}")
+    if report.get("paired"):
+        p = report["paired"]["finetuned_vs_zero_shot"]
+        for r in p["crps"]["per_fold"]:
+            meta = report["folds"][r["fold"]]
+            lines.append(f"fold {r['fold']} {meta['test_start']} .. {meta['test_end']}: CRPS diff {r['mean']:+.5f} "
+                         f"[{r['ci_low']:+.5f}, {r['ci_high']:+.5f}] ({r['windows']} windows)")
+        for key in ("crps", "mae"):
+            c = p[key]
+            lines.append(f"{key.upper():4} finetuned - zero_shot {c['mean']:+.5f} [{c['ci_low']:+.5f}, "
+                         f"{c['ci_high']:+.5f}] (95%, blocks of fold x series); DM {c['dm_stat']:+.2f}, p "
+                         f"{c['p_value']:.3g}; finetuning won {c['share_folds_won']:.0%} of folds")
+    if report["excluded_folds"]:
+        lines.append(f"folds {report['excluded_folds']} start before model.pretraining_cutoff: not in the verdict")
+    lines.append(f"verdict: {report['verdict']} ({report['verdict_reason']})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_config_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser.add_argument("--overwrite", action="store_true",
+                        help="redo every fold, replacing walk_forward/ (default: finished folds are kept and skipped)")
+    args = parser.parse_args(argv)
+    setup_logging()
+    cfg = csv_config.load(args.config, args.set)
+    report = run_walk_forward(cfg, overwrite=args.overwrite)
+    print(format_table(report))
+    print(f"written: {cfg.base_dir / 'walk_forward'}/{{report.json, windows.csv, walk_forward.png, fold_*/}}")
+    return 0
+
+
+if __name__ == "__main__":
+    from finetune.cli import run_script  # clean errors, exit codes, --debug, --help-config, --print-config
+
+    sys.exit(run_script("walk-forward", main))
