@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_predictor: bool = False,
                  skip_existing: bool = False, frames: Mapping[str, pd.DataFrame] | None = None,
-                 splits: dict[str, PanelSegments] | None = None) -> tuple[list[TrainResult], dict[str, str | None], dict]:
+                 splits: dict[str, PanelSegments] | None = None
+                 ) -> tuple[list[TrainResult], dict[str, str | None], dict]:
     """The CSV finetuning run for a validated config: data store, tokenizer stage, predictor stage. `frames`
     ({name: DataFrame}, from finetune_csv/api.py) are read instead of the files of data.path.
 
