@@ -78,7 +78,7 @@ class DataConfig:
       `ffill` carries the last value forward (a NaN in the first row stays an error); `drop` removes the rows
       and warns how many. Nothing is skipped silently.
     - splits (`split`): `by_date` cuts every series at the same dates (`train_end` / `val_end`, or the ratios
-      applied to the union of all timestamps), with a gap of `predict` bars before each boundary (no training
+      applied to all candles pooled), with a gap of `predict` bars before each boundary (no training
       target reaches into validation); `per_series` gives each series the first `train_ratio` of its own rows,
       then `val_ratio`, then the rest (and warns when one series' held-out period lies inside another's
       training period). Default: by_date when the series overlap in time, else per_series. A validation/test

@@ -357,6 +357,12 @@ def series_overlap(panel: SeriesPanel) -> bool:
     return bool((first[order][1:] <= np.maximum.accumulate(last[order])[:-1]).any())
 
 
+def stamp_text(ns: int) -> str:
+    """A bar time for people: `2017-04-28` for a daily bar (midnight), `2017-04-28 09:35:00` otherwise."""
+    ts = pd.Timestamp(ns)
+    return f"{ts:%Y-%m-%d}" if ts == ts.normalize() else str(ts)
+
+
 def split_data(panel: SeriesPanel, cfg: DataConfig) -> tuple[dict[str, PanelSegments], dict[str, Any]]:
     """Cut the panel into train / val (/ test) by `data.split`; (splits, how they were cut). Raises DataError when a
     split gets no window (or, per_series, naming each series too short)."""
@@ -372,10 +378,10 @@ def split_data(panel: SeriesPanel, cfg: DataConfig) -> tuple[dict[str, PanelSegm
         source = "data.train_end / data.val_end"
     else:
         train_end, val_end = date_bounds(panel, cfg.train_ratio, cfg.val_ratio, cfg.test_ratio > 0)
-        source = f"ratios {cfg.train_ratio}/{cfg.val_ratio}/{cfg.test_ratio} of all timestamps"
+        source = f"ratios {cfg.train_ratio}/{cfg.val_ratio}/{cfg.test_ratio} of all candles"
     splits = split_panel_by_date(panel, train_end, val_end, cfg.lookback, cfg.predict)
-    how = {"mode": mode, "train_end": str(pd.Timestamp(train_end)),
-           "val_end": None if val_end is None else str(pd.Timestamp(val_end))}
+    how = {"mode": mode, "train_end": stamp_text(train_end),
+           "val_end": None if val_end is None else stamp_text(val_end)}
     window = cfg.lookback + cfg.predict
     empty = [name for name, seg in splits.items()
              if not (seg.stop - seg.start >= window).any() or not (seg.stop > seg.first_target).any()]
@@ -430,8 +436,8 @@ def data_summary_from_store(data: PreparedData, cfg: DataConfig) -> dict:
             "rows": int((seg.stop - seg.first_target).sum()),
             "context_rows": int((seg.first_target - seg.start).sum()),
             "windows": int(windows.sum()),
-            "start": str(pd.Timestamp(int(np.min(when[seg.first_target[own]])))),
-            "end": str(pd.Timestamp(int(np.max(when[seg.stop[own] - 1])))),
+            "start": stamp_text(int(np.min(when[seg.first_target[own]]))),
+            "end": stamp_text(int(np.max(when[seg.stop[own] - 1]))),
         }
     return {
         "files": [{"path": f["path"], "bytes": f["bytes"], "sha256": f["sha256"]} for f in manifest["sources"]],
@@ -468,6 +474,8 @@ def check_store(store_dir: str | Path, sources: Sequence[Path | Frame], settings
     alone changed counts as unchanged and the refreshed manifest records its new mtime. Without `verify` (the other
     processes, after the main one) only sizes and mtimes are compared.
     """
+    if not Path(store_dir).exists():
+        return False, "first run: no store yet", None
     try:
         manifest = read_manifest(store_dir)
     except StoreError as e:

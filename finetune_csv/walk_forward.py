@@ -50,7 +50,7 @@ from finetune.utils.errors import DataError, RefusedError, setup_logging
 from finetune.utils.safety import RunLock
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir, predictor_tokenizer_source
-from finetune_csv.data import prepare_data
+from finetune_csv.data import prepare_data, stamp_text
 from finetune_csv.forecast import CLOSE, held_out_windows, make_predictor, sample_paths
 from finetune_csv.train_sequential import run_finetune
 from model.fileio import atomic_write, read_json_object, write_json
@@ -107,7 +107,7 @@ def make_folds(panel, lookback: int, predict: int, folds: int, test_bars: int, p
 
 
 def _date(panel, col: np.ndarray, how) -> str:
-    return str(pd.Timestamp(int(how(np.asarray(panel.datetimes)[col]))))
+    return stamp_text(int(how(np.asarray(panel.datetimes)[col])))
 
 
 def fold_dates(fold: Fold) -> dict:

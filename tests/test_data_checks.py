@@ -175,7 +175,7 @@ def test_by_date_is_the_default_for_overlapping_series_and_no_test_date_lies_in_
     when, seg, val = np.asarray(data.panel.datetimes), data.splits["train"], data.splits["val"]
     full = (seg.stop > seg.first_target) & (val.stop > val.first_target)
     assert ((val.first_target - seg.stop)[full] == 5).all()
-    assert str(pd.Timestamp(when[val.first_target[full]].min())) == data.split["train_end"]
+    assert pd.Timestamp(when[val.first_target[full]].min()) == pd.Timestamp(data.split["train_end"])
     # windows stay inside their series: a val range starts at or after the series' first bar
     assert (val.start >= np.asarray(data.panel.offsets[:-1])).all()
 
