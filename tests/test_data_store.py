@@ -120,7 +120,7 @@ def test_store_is_reused_and_invalidated_with_a_reason(tmp_path, caplog):
     candles(90, seed=2).to_csv(data / "b.csv", index=False)
     store = tmp_path / "store"
     first = ensure_store(data, store)
-    assert not first.reused and "no manifest" in first.reason
+    assert not first.reused and "first run" in first.reason
     again = ensure_store(data, store)
     assert again.reused and again.reason == "inputs and settings unchanged"
 
