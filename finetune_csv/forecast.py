@@ -187,7 +187,7 @@ def _tick_labels(stamps: pd.DatetimeIndex, n_ticks: int = 6) -> tuple[np.ndarray
 
 def stamp_text(stamp: pd.Timestamp, stamps: pd.DatetimeIndex, intraday_fmt: str = "%Y-%m-%d %H:%M") -> str:
     """`stamp` as text: the date alone unless `stamps` (its series' bars) are less than a day apart."""
-    intraday = len(stamps) > 1 and (np.diff(stamps.asi8).min() < 86_400 * 10**9)
+    intraday = len(stamps) > 1 and np.diff(stamps.values).min() < np.timedelta64(1, "D")  # any time unit
     return stamp.strftime(intraday_fmt if intraday else "%Y-%m-%d")
 
 
