@@ -180,8 +180,19 @@ class ForecastConfig(SamplingConfig):
     """Season of the seasonal-naive baseline in bars; null = inferred (bars per day intraday, 5 for daily bars)."""
     bootstrap_samples: int = 1000
     """Bootstrap resamples of the confidence intervals (0 = no intervals)."""
-    bootstrap_block: int = 1
-    """Bootstrap block length in consecutive windows (1 = windows resampled independently)."""
+    bootstrap_block: int | None = None
+    """Dates per block of the bootstrap (windows of every series on one date move together); null = the larger of
+    ceil(data.predict / window stride) (windows sharing realised bars stay together) and round(dates ** (1/3))."""
+    empirical_window: int = 250
+    """Trailing bars whose realised data.predict-bar paths, rescaled to the last close, form the `empirical`
+    baseline (taken from the whole series, beyond the lookback)."""
+    repair_candles: bool = False
+    """Repair sampled candles to valid ones (high = max(open, high, close), low = min(open, low, close))."""
+    calibrate: bool = True
+    """Fit a conformal calibration of the bands on the validation windows after training (stored in
+    best_model/kronos_predictor.json) and apply it in forecasts."""
+    ensemble_weight: float = 0.5
+    """Share of the `ensemble` candidate's sample paths drawn from the finetuned model (the rest: zero-shot)."""
     compare_pretrained: bool = True
     """Also forecast the same windows with model.pretrained_predictor (zero-shot) and report the paired difference."""
     calendar: str | None = None
@@ -350,7 +361,10 @@ def _check_forecast(f: ForecastConfig, p: Problems) -> None:
             f"must be >= 1 or null (= every window) (got {f.max_windows})")
     p.check(f.season is None or f.season >= 1, "forecast.season", f"must be >= 1 or null (got {f.season})")
     p.check(f.bootstrap_samples >= 0, "forecast.bootstrap_samples", f"must be >= 0 (got {f.bootstrap_samples})")
-    p.check(f.bootstrap_block >= 1, "forecast.bootstrap_block", f"must be >= 1 (got {f.bootstrap_block})")
+    p.check(f.bootstrap_block is None or f.bootstrap_block >= 1, "forecast.bootstrap_block",
+            f"must be >= 1 or null (got {f.bootstrap_block})")
+    p.check(f.empirical_window >= 2, "forecast.empirical_window", f"must be >= 2 (got {f.empirical_window})")
+    p.check(0 <= f.ensemble_weight <= 1, "forecast.ensemble_weight", f"must be in [0, 1] (got {f.ensemble_weight})")
     p.check(f.batch_size >= 1, "forecast.batch_size", f"must be >= 1 (got {f.batch_size})")
     p.check(f.calendar is None or Path(f.calendar).is_file(), "forecast.calendar",
             f"'{f.calendar}' is not a file: give a CSV whose first column lists the trading dates, or null")

@@ -11,7 +11,10 @@ Also here:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import os
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,15 +31,20 @@ from finetune.evaluation.forecast_scores import (
     bootstrap_ci,
     crps_ensemble,
     infer_season,
+    interval_coverage,
     score_forecasts,
 )
+from finetune.utils.checkpoint import list_checkpoints
 from finetune.utils.config_utils import add_config_args
+from finetune.utils.errors import RefusedError
+from finetune.utils.safety import LOCK_NAME, read_holder, stage_status, weights_fingerprint
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir, predictor_tokenizer_source
-from finetune_csv.data import prepare_data
+from finetune_csv.data import PreparedData, prepare_data
 from model import Kronos, KronosPredictor, KronosTokenizer
-from model.features import FEATURES, calc_time_stamps, normalize
+from model.features import FEATURES, PRICE_FEATURES, calc_time_stamps, normalize
 from model.fileio import write_json
+from model.predictor import PREDICTOR_INFO_NAME, read_predictor_info, tokenizer_source
 
 
 def candle_violations(open_: np.ndarray, high: np.ndarray, low: np.ndarray, close: np.ndarray,
@@ -58,6 +66,27 @@ def candle_violations(open_: np.ndarray, high: np.ndarray, low: np.ndarray, clos
         "negative_volume": float(bad_volume.mean()),
         "any": float((bad_high | bad_low | bad_volume).mean()),
     }
+
+
+def repair_candles(paths: np.ndarray) -> np.ndarray:
+    """Valid candles from sampled ones (..., 6): high = max(open, high, close), low = min(open, low, close)."""
+    o, h, l, c = (paths[..., FEATURES.index(k)] for k in ("open", "high", "low", "close"))
+    out = paths.copy()
+    out[..., FEATURES.index("high")] = np.maximum(np.maximum(o, h), c)
+    out[..., FEATURES.index("low")] = np.minimum(np.minimum(o, l), c)
+    return out
+
+
+def ensemble_paths(finetuned: np.ndarray, zero_shot: np.ndarray, weight: float) -> np.ndarray:
+    """The `ensemble` candidate: round(weight * S) sample paths of the finetuned model, the rest zero-shot.
+
+    finetuned, zero_shot : (W, S, H) (or (W, S, H, F)) sample paths of the same windows; the paths of one model are
+    exchangeable draws, so the first ones are as good as any. Returns the same shape.
+    """
+    if finetuned.shape != zero_shot.shape:
+        raise ValueError(f"ensemble needs equally shaped paths, got {finetuned.shape} and {zero_shot.shape}")
+    k = round(weight * finetuned.shape[1])
+    return np.concatenate([finetuned[:, :k], zero_shot[:, k:]], axis=1)
 
 
 RECENT_DAYS = 20  # trading days of history that define the session's bar times
@@ -153,9 +182,13 @@ class Panel:
 def _tick_labels(stamps: pd.DatetimeIndex, n_ticks: int = 6) -> tuple[np.ndarray, list[str]]:
     """Up to `n_ticks` evenly spread positions and their date labels (with the time for intraday bars)."""
     pos = np.unique(np.linspace(0, len(stamps) - 1, min(n_ticks, len(stamps))).round().astype(int))
-    intraday = len(stamps) > 1 and (np.diff(stamps.asi8).min() < 86_400 * 10**9)
-    fmt = "%m-%d %H:%M" if intraday else "%Y-%m-%d"
-    return pos, [stamps[i].strftime(fmt) for i in pos]
+    return pos, [stamp_text(stamps[i], stamps, "%m-%d %H:%M") for i in pos]
+
+
+def stamp_text(stamp: pd.Timestamp, stamps: pd.DatetimeIndex, intraday_fmt: str = "%Y-%m-%d %H:%M") -> str:
+    """`stamp` as text: the date alone unless `stamps` (its series' bars) are less than a day apart."""
+    intraday = len(stamps) > 1 and np.diff(stamps.values).min() < np.timedelta64(1, "D")  # any time unit
+    return stamp.strftime(intraday_fmt if intraday else "%Y-%m-%d")
 
 
 def plot_panels(panels: list[Panel], png: Path) -> Path:
@@ -165,7 +198,7 @@ def plot_panels(panels: list[Panel], png: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.8 * len(panels)), dpi=100, squeeze=False)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10.5, 2.8 * len(panels)), dpi=100, squeeze=False)
     for ax, p in zip(axes[:, 0], panels):
         n_past, horizon = len(p.past_close), p.paths_close.shape[1]
         x_past, x_future = np.arange(n_past), np.arange(n_past - 1, n_past + horizon)  # future starts at last close
@@ -183,7 +216,7 @@ def plot_panels(panels: list[Panel], png: Path) -> Path:
         ax.set_xticks(pos, labels, fontsize=7)
         ax.set_title(p.title, fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # outside the data
     fig.tight_layout()
     png = Path(png)
     png.parent.mkdir(parents=True, exist_ok=True)
@@ -211,6 +244,9 @@ class HeldOutWindows:
     """N forecast time indexes (predict each)."""
     actual: np.ndarray
     """(N, predict, 6) float64 the candles that really followed."""
+    history: np.ndarray | None = None
+    """(N, T) float64 closes ending at each window's last context bar, T <= `held_out_windows(history=)`: the series'
+    own earlier bars, beyond the lookback (the `empirical` baseline's paths); None when not asked for."""
 
     def __len__(self) -> int:
         return len(self.names)
@@ -225,7 +261,12 @@ class HeldOutWindows:
         """The windows at positions `idx` (in that order)."""
         idx = np.asarray(idx, dtype=np.int64)
         return HeldOutWindows([self.names[i] for i in idx], self.context[idx], [self.x_timestamps[i] for i in idx],
-                              [self.y_timestamps[i] for i in idx], self.actual[idx])
+                              [self.y_timestamps[i] for i in idx], self.actual[idx],
+                              None if self.history is None else self.history[idx])
+
+    def dates(self) -> np.ndarray:
+        """(N,) int64 ns time of each window's last context bar: windows of different series on one date match."""
+        return np.array([ts[-1].value for ts in self.x_timestamps], dtype=np.int64)
 
 
 def spread_evenly(n_available: int, n_wanted: int) -> np.ndarray:
@@ -237,7 +278,7 @@ def spread_evenly(n_available: int, n_wanted: int) -> np.ndarray:
 
 
 def held_out_windows(segments: PanelSegments, lookback: int, predict: int, stride: int | None = None,
-                     max_windows: int | None = None) -> HeldOutWindows:
+                     max_windows: int | None = None, history: int = 0) -> HeldOutWindows:
     """Every window of each series' range of a split, starts `stride` rows apart (None = predict: non-overlapping).
 
     Parameters
@@ -246,6 +287,8 @@ def held_out_windows(segments: PanelSegments, lookback: int, predict: int, strid
         carry `datetimes` (the store's always do). Nothing but the windows' columns is read from the memory map.
     lookback, predict : window shape in rows; stride : rows between window starts;
     max_windows : optional cap per series (evenly spread, first and last included).
+    history : also cut the closes of the `history` bars ending at each window's last context bar, from the whole
+        series (earlier splits included); fewer (the same for all windows) when a series starts later.
 
     Returns
     -------
@@ -257,20 +300,26 @@ def held_out_windows(segments: PanelSegments, lookback: int, predict: int, strid
         raise ValueError("held-out windows need the bar times: this panel has no datetimes")
     stride = predict if stride is None else stride
     window = lookback + predict
-    names, columns = [], []
+    names, columns, series_first = [], [], []
     for s, (lo, hi) in enumerate(zip(segments.start.tolist(), segments.stop.tolist())):
         starts = np.arange(0, hi - lo - window + 1, stride, dtype=np.int64)
         if max_windows is not None:
             starts = starts[spread_evenly(len(starts), max_windows)]
         names += [panel.names[s]] * len(starts)
         columns.append(lo + starts)
+        series_first.append(np.full(len(starts), int(panel.offsets[s]), dtype=np.int64))
     first = np.concatenate(columns) if columns else np.zeros(0, dtype=np.int64)  # (N,) window start columns
+    past = None
+    if history > 0:
+        ends = first + lookback  # (N,) one past each window's last context column
+        n_bars = int(min(history, (ends - np.concatenate(series_first)).min(initial=history)))
+        past = np.asarray(panel.features[CLOSE][ends[:, None] - n_bars + np.arange(n_bars)], dtype=np.float64)
     cols = first[:, None] + np.arange(window, dtype=np.int64)  # (N, W) panel columns of each window
     values = np.moveaxis(np.asarray(panel.features[:, cols], dtype=np.float64), 0, -1)  # (N, W, 6)
     when = np.asarray(panel.datetimes)[cols]  # (N, W) int64 ns, naive wall-clock time
     as_index = lambda ns: pd.DatetimeIndex(ns.astype("datetime64[ns]"))
     return HeldOutWindows(names, values[:, :lookback].copy(), [as_index(w[:lookback]) for w in when],
-                          [as_index(w[lookback:]) for w in when], values[:, lookback:].copy())
+                          [as_index(w[lookback:]) for w in when], values[:, lookback:].copy(), past)
 
 
 def sample_paths(predictor: KronosPredictor, context: np.ndarray, x_stamps: np.ndarray, y_stamps: np.ndarray,
@@ -371,12 +420,129 @@ def make_predictor(predictor_src, tokenizer_src, cfg: CsvFinetuneConfig) -> Kron
                            max_context=cfg.data.lookback + cfg.data.predict, clip=cfg.data.clip, use_cache=True)
 
 
-def finetuned_predictor(cfg: CsvFinetuneConfig) -> KronosPredictor:
-    """The run's best predictor with the tokenizer it was trained with; a clear error when there is none."""
+class TokenizerMismatchError(RefusedError, ValueError):
+    """The predictor would be paired with another tokenizer than the one it was trained with."""
+
+
+def warn_if_unfinished(stage_dir: Path) -> None:
+    """One warning when the predictor stage is running (its run.lock is held) or did not finish: its best model so
+    far is what gets forecast, and may change."""
+    lock = Path(stage_dir) / LOCK_NAME
+    if lock.is_file():
+        holder = read_holder(lock)
+        alive = True  # another host's, or an unreadable, holder: assume it runs
+        if holder.pid is not None and holder.host == socket.gethostname():
+            try:
+                os.kill(holder.pid, 0)
+            except ProcessLookupError:
+                alive = False  # a killed run's leftover lock
+            except PermissionError:
+                pass
+        if alive:
+            log.warning("the predictor stage in %s is still running (%s): forecasting its best model so far, which "
+                        "may still change", stage_dir, holder.describe())
+            return
+    trained = any((Path(stage_dir) / name).exists() for name in ("checkpoints", "run_info.json", "metrics.jsonl"))
+    if trained and stage_status(stage_dir) != "finished":  # not a best_model/ placed there by hand
+        log.warning("the predictor stage in %s did not finish: forecasting its best model so far (resume the "
+                    "training to finish it)", stage_dir)
+
+
+def recorded_tokenizer(cfg: CsvFinetuneConfig, predictor_dir: Path) -> KronosTokenizer:
+    """The tokenizer the predictor in `predictor_dir` was trained with, or a refusal naming both tokenizers.
+
+    The pair is taken from `kronos_predictor.json` (else the run's tokenizer); when the stage's checkpoint recorded
+    the frozen tokenizer's weights (sha256), the loaded tokenizer must match them: a tokenizer retrained in the same
+    folder after the predictor finished would otherwise pair silently.
+    """
+    current = predictor_tokenizer_source(cfg)
+    source = tokenizer_source(predictor_dir, read_predictor_info(predictor_dir)) or current
+    try:
+        tokenizer = KronosTokenizer.from_pretrained(source)
+    except Exception as exc:  # noqa: BLE001 - missing folder, Hub id without network, broken files
+        raise TokenizerMismatchError(f"{predictor_dir / PREDICTOR_INFO_NAME} pairs the predictor with tokenizer "
+                                     f"{source}, which cannot be loaded ({str(exc).splitlines()[0]}); this run's "
+                                     f"tokenizer is {current}: retrain the predictor (--overwrite)") from None
+    saved = _trained_tokenizer_fingerprint(cfg.predictor_dir)
+    if saved is not None and saved != weights_fingerprint(tokenizer):
+        raise TokenizerMismatchError(
+            f"the predictor in {predictor_dir} was trained with other tokenizer weights (sha256 {saved[:12]}) than "
+            f"those now in {source} (sha256 {weights_fingerprint(tokenizer)[:12]}): the tokenizer changed after the "
+            "predictor finished; retrain the predictor (train_sequential.py --skip-tokenizer --overwrite)")
+    if Path(source).resolve() != Path(current).resolve() and Path(current).is_dir() and \
+            weights_fingerprint(KronosTokenizer.from_pretrained(current)) != weights_fingerprint(tokenizer):
+        log.warning("the predictor in %s was trained with tokenizer %s, not with this run's %s: forecasting with the "
+                    "former (retrain the predictor to use the latter)", predictor_dir, source, current)
+    return tokenizer
+
+
+def _trained_tokenizer_fingerprint(stage_dir: Path) -> str | None:
+    """The frozen tokenizer's sha256 stored in the predictor stage's newest checkpoint (None when there is none)."""
+    for _, path in list_checkpoints(Path(stage_dir) / "checkpoints")[:1]:
+        try:  # memory-mapped: only the small entries are read
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("frozen_fingerprint")
+        except Exception:  # noqa: BLE001 - an unreadable checkpoint leaves only the path check
+            return None
+    return None
+
+
+def finetuned_predictor(cfg: CsvFinetuneConfig) -> tuple[KronosPredictor, dict | None]:
+    """The run's best predictor with the tokenizer it was trained with, and its stored calibration (None when
+    there is none or forecast.calibrate is false); a clear error when there is no predictor."""
     predictor_dir = best_dir(cfg.predictor_dir)
     if not (predictor_dir / "config.json").is_file():
         raise ValueError(f"no trained predictor in {predictor_dir}; run finetune_csv/train_sequential.py first")
-    return make_predictor(predictor_dir, predictor_tokenizer_source(cfg), cfg)
+    warn_if_unfinished(cfg.predictor_dir)
+    calibration = read_predictor_info(predictor_dir).get("calibration") if cfg.forecast.calibrate else None
+    if cfg.forecast.calibrate and calibration is None:
+        log.info("no calibration stored in %s: the bands are the raw samples' (train with forecast.calibrate: true "
+                 "to fit one)", predictor_dir / PREDICTOR_INFO_NAME)
+    return make_predictor(predictor_dir, recorded_tokenizer(cfg, predictor_dir), cfg), calibration
+
+
+def calibrate_best_model(cfg: CsvFinetuneConfig, data: PreparedData) -> dict | None:
+    """After the predictor stage: fit the conformal calibration of the bands on the VALIDATION split's held-out
+    windows with the finetuned best model and store it in best_model/kronos_predictor.json (PLAN interface 4).
+
+    The test windows stay untouched, so the coverage `kronos forecast` reports after calibration is out of sample.
+    Returns the calibration (None when forecast.calibrate is false or the validation split has no window)."""
+    if not cfg.forecast.calibrate:
+        return None
+    from model.predictor import fit_calibration, write_calibration
+
+    windows = held_out_windows(data.splits["val"], cfg.data.lookback, cfg.data.predict, cfg.forecast.window_stride)
+    if len(windows) == 0:
+        log.warning("no calibration: the validation split has no %d-bar window (raise data.val_ratio)",
+                    cfg.data.lookback + cfg.data.predict)
+        return None
+    predictor, _ = finetuned_predictor(dataclasses.replace(cfg, forecast=dataclasses.replace(cfg.forecast,
+                                                                                             calibrate=False)))
+    x_stamps, y_stamps = windows.stamps()
+    paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, cfg.data.predict, cfg.forecast,
+                         cfg.forecast.batch_size)  # (W, S, P, 6) raw samples
+    try:
+        calibration = fit_calibration(paths[..., CLOSE], windows.actual[..., CLOSE], windows.context[:, -1, CLOSE])
+    except ValueError as exc:  # e.g. a price <= 0: no log returns to calibrate in
+        log.warning("no calibration of the bands: %s", exc)
+        return None
+    write_calibration(best_dir(cfg.predictor_dir), calibration)
+    log.info("calibration of the bands fitted on %d validation windows -> %s", len(windows),
+             best_dir(cfg.predictor_dir) / PREDICTOR_INFO_NAME)
+    return calibration
+
+
+def finish_paths(paths: np.ndarray, calibration: dict | None, last: np.ndarray, repair: bool) -> np.ndarray:
+    """Sampled paths (W, S, P, 6) as the forecast reports them: calibrated (the prices of each candle scaled by
+    its calibrated / raw close, so candles keep their shape) and, with `repair`, made valid candles."""
+    if calibration is not None:
+        from model.predictor import apply_calibration
+
+        close = paths[..., CLOSE]  # (W, S, P)
+        ratio = apply_calibration(calibration, close, last) / close
+        paths = paths.copy()
+        for f in PRICE_FEATURES:
+            paths[..., FEATURES.index(f)] *= ratio
+    return repair_candles(paths) if repair else paths
 
 
 def zero_shot_predictor(cfg: CsvFinetuneConfig) -> KronosPredictor | None:
@@ -419,27 +585,28 @@ def _window_crps(paths: np.ndarray, windows: HeldOutWindows) -> tuple[np.ndarray
     return crps_ensemble(obs, ens).mean(axis=1), np.abs(np.median(ens, axis=-1) - obs).mean(axis=1)
 
 
-def paired_difference(finetuned: np.ndarray, zero_shot: np.ndarray, windows: HeldOutWindows,
+def paired_difference(candidate: np.ndarray, zero_shot: np.ndarray, windows: HeldOutWindows,
                       settings: ScoreSettings) -> dict:
-    """Finetuned - zero-shot CRPS and MAE per window (same windows), each with a bootstrap CI; < 0 = finetuned
-    better. `finetuned`, `zero_shot`: sample paths (W, S, P, 6)."""
-    crps_f, mae_f = _window_crps(finetuned, windows)
+    """Candidate (finetuned, ensemble) - zero-shot CRPS and MAE per window (same windows), each with a bootstrap CI
+    over blocks of window dates (windows of all series on one date move together); < 0 = candidate better.
+    `candidate`, `zero_shot`: sample paths (W, S, P, 6)."""
+    crps_f, mae_f = _window_crps(candidate, windows)
     crps_z, mae_z = _window_crps(zero_shot, windows)
     out = {"crps": crps_f.mean() - crps_z.mean(), "mae": mae_f.mean() - mae_z.mean(),
            "windows_finetuned_better_crps": float((crps_f < crps_z).mean())}
     if settings.n_boot > 0:
-        n = len(windows)
+        n, dates = len(windows), windows.dates()
         boot = lambda d: bootstrap_ci(lambda i: d[i].mean(), n, settings.n_boot, settings.block, settings.seed,
-                                      settings.level)
+                                      settings.level, dates, settings.min_block)
         out["bootstrap"] = {"crps": boot(crps_f - crps_z), "mae": boot(mae_f - mae_z)}
     return out
 
 
 def forecast_table(names: list[str], stamps: list[pd.DatetimeIndex], paths: np.ndarray,
                    actual: np.ndarray | None = None) -> pd.DataFrame:
-    """Long table, one row per series (window) and forecast bar: mean `pred_<f>` and quantiles `pred_<f>_q<NN>`
-    of each feature over the sample paths `(W, S, P, 6)`, plus `actual_<f>` when the actual candles `(W, P, 6)`
-    are known."""
+    """Long table, one row per series (window) and forecast bar: mean `pred_<f>` and quantiles `<f>_q<percent>`
+    (PLAN interface 3, e.g. `close_q10`) of each feature over the sample paths `(W, S, P, 6)`, plus `actual_<f>`
+    when the actual candles `(W, P, 6)` are known."""
     mean = paths.mean(axis=1)  # (W, P, 6)
     quant = np.quantile(paths, TABLE_QUANTILES, axis=1)  # (Q, W, P, 6)
     parts = []
@@ -448,7 +615,7 @@ def forecast_table(names: list[str], stamps: list[pd.DatetimeIndex], paths: np.n
         for j, f in enumerate(FEATURES):
             part[f"pred_{f}"] = mean[i, :, j]
             for k, q in enumerate(TABLE_QUANTILES):
-                part[f"pred_{f}_q{round(q * 100):02d}"] = quant[k, i, :, j]
+                part[f"{f}_q{q * 100:g}"] = quant[k, i, :, j]
             if actual is not None:
                 part[f"actual_{f}"] = actual[i, :, j]
         parts.append(part)
@@ -462,16 +629,17 @@ def _write_csv(frame: pd.DataFrame, path: Path) -> None:
 
 
 def format_report(metrics: dict) -> str:
-    """One short table: each forecaster's headline scores, then the paired differences with their CIs."""
+    """One short table: each candidate's and baseline's headline scores, then the paired differences with their CIs,
+    the calibration's coverage and the share of invalid sampled candles."""
     s = metrics["finetuned"]["setup"]
     lines = [f"held-out forecast: {s['windows']} windows (every non-overlapping test window) x {s['horizon']} "
              f"candles, {s['series']} series, {s['samples']} samples; close, returns vs the last context close",
              f"{'':15}{'MAE':>9}{'MASE':>7}{'CRPS':>9}{'WQL':>7}{'cov50':>7}{'cov80':>7}{'dir':>7}"]
     num = lambda v, fmt: format(v, fmt) if v is not None else "-".rjust(int(fmt.split(".")[0]))
-    rows = [("finetuned", metrics["finetuned"]["model"])]
-    if metrics.get("zero_shot"):
-        rows.append(("zero-shot", metrics["zero_shot"]["model"]))
-    rows.append(("persistence", metrics["finetuned"]["persistence"]))
+    rows = [(name.replace("_", "-"), metrics[name]["model"]) for name in ("finetuned", "zero_shot", "ensemble")
+            if metrics.get(name)]
+    rows += [(name, metrics["finetuned"][name]) for name in ("persistence", "empirical")
+             if name in metrics["finetuned"]]
     if "seasonal_naive" in metrics["finetuned"]:
         rows.append((f"seasonal({s['season']})", metrics["finetuned"]["seasonal_naive"]))
     for label, block in rows:
@@ -482,45 +650,79 @@ def format_report(metrics: dict) -> str:
     d = metrics["finetuned"]["direction"]
     lines.append(f"dir = sign of the {d['horizon']}-bar move; coin 0.500, majority class {d['majority_class']:.3f}")
     ci = lambda c: f"{c['estimate']:+.5f} [{c['low']:+.5f}, {c['high']:+.5f}]"
-    boot = metrics["finetuned"].get("bootstrap")
-    if boot:
-        lines.append(f"CRPS finetuned - persistence: {ci(boot['crps_minus_persistence'])} (95% CI)")
-    diff = metrics.get("finetuned_vs_zero_shot")
-    if diff and diff.get("bootstrap"):
-        lines.append(f"CRPS finetuned - zero-shot:   {ci(diff['bootstrap']['crps'])} (95% CI; < 0 = finetuning "
-                     f"helped; finetuned better on {diff['windows_finetuned_better_crps']:.0%} of windows)")
+    boot = metrics["finetuned"].get("bootstrap") or {}
+    for name in ("persistence", "empirical"):
+        if f"crps_minus_{name}" in boot:
+            c = boot[f"crps_minus_{name}"]
+            lines.append(f"CRPS finetuned - {name + ':':13}{ci(c)} (95% CI, blocks of {c['block']} {c['unit']})")
+    for name in ("finetuned", "ensemble"):
+        diff = metrics.get(f"{name}_vs_zero_shot")
+        if diff and diff.get("bootstrap"):
+            lines.append(f"CRPS {name} - zero-shot: {ci(diff['bootstrap']['crps'])} (95% CI; < 0 = better than "
+                         f"zero-shot on average; better on {diff['windows_finetuned_better_crps']:.0%} of windows)")
+    cal = metrics.get("calibration")
+    if cal:
+        lines.append(f"calibrated bands (fitted on validation windows): coverage 50% {cal['cov50_raw']:.2f} -> "
+                     f"{cal['cov50_calibrated']:.2f}, 80% {cal['cov80_raw']:.2f} -> {cal['cov80_calibrated']:.2f}")
+    v = metrics["candle_violations"]
+    lines.append(f"invalid sampled candles: {v['any']:.1%} (high below the body {v['high_below_body']:.1%}, low above "
+                 f"it {v['low_above_body']:.1%}); " + ("repaired (forecast.repair_candles: true)"
+                                                       if metrics["candles_repaired"] else
+                                                       "kept as sampled (forecast.repair_candles: true repairs them)"))
     return "\n".join(lines)
 
 
 def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, windows: HeldOutWindows,
-                      zero_shot: KronosPredictor | None = None, season: int | None = None) -> tuple[dict, np.ndarray]:
-    """Sample, score and compare; returns (metrics dict for metrics.json, finetuned paths (W, S, P, 6)).
-    `season`: of the seasonal-naive baseline (None = none)."""
-    f = cfg.forecast
+                      zero_shot: KronosPredictor | None = None, season: int | None = None,
+                      calibration: dict | None = None) -> tuple[dict, np.ndarray]:
+    """Sample, score and compare; returns (metrics dict for metrics.json, finetuned paths (W, S, P, 6) as reported:
+    calibrated and, with forecast.repair_candles, repaired). `season`: of the seasonal-naive baseline (None = none);
+    `calibration`: the predictor's stored calibration (None = raw samples); `windows.history`: closes before each
+    window for the `empirical` baseline (None or too short for one horizon: no empirical baseline, logged)."""
+    f, horizon = cfg.forecast, cfg.data.predict
     x_stamps, y_stamps = windows.stamps()
-    sample = lambda p: sample_paths(p, windows.context, x_stamps, y_stamps, cfg.data.predict, f, f.batch_size)
-    settings = ScoreSettings(season=season, n_boot=f.bootstrap_samples, block=f.bootstrap_block,
-                             seed=f.seed)
-    close = lambda paths: (paths[..., CLOSE], windows.actual[..., CLOSE], windows.context[:, -1, CLOSE],
-                           windows.context[..., CLOSE], np.asarray(windows.names))
-    paths = sample(finetuned)  # (W, S, P, 6)
-    metrics = {"windows": len(windows), "horizon": cfg.data.predict, "series": sorted(set(windows.names)),
-               "window_stride": f.window_stride or cfg.data.predict, "finetuned": score_forecasts(*close(paths),
-                                                                                                  settings=settings),
-               "zero_shot": None, "finetuned_vs_zero_shot": None,
-               "candle_violations": candle_violations(*(paths[..., FEATURES.index(c)] for c in
+    sample = lambda p: sample_paths(p, windows.context, x_stamps, y_stamps, horizon, f, f.batch_size)
+    settings = ScoreSettings(season=season, n_boot=f.bootstrap_samples, block=f.bootstrap_block, seed=f.seed,
+                             min_block=-(-horizon // (f.window_stride or horizon)),
+                             empirical_window=f.empirical_window)
+    history = windows.history
+    if history is None or history.shape[1] < horizon + 2:
+        log.info("no empirical baseline: fewer than %d bars of history before some test window", horizon + 2)
+        history = None
+    last = windows.context[:, -1, CLOSE]  # (W,)
+    score = lambda paths: score_forecasts(paths[..., CLOSE], windows.actual[..., CLOSE], last,
+                                          windows.context[..., CLOSE], np.asarray(windows.names), settings,
+                                          history, windows.dates())
+    raw = sample(finetuned)  # (W, S, P, 6)
+    paths = finish_paths(raw, calibration, last, f.repair_candles)
+    metrics = {"windows": len(windows), "horizon": horizon, "series": sorted(set(windows.names)),
+               "window_stride": f.window_stride or horizon, "finetuned": score(paths),
+               "zero_shot": None, "finetuned_vs_zero_shot": None, "ensemble": None, "ensemble_vs_zero_shot": None,
+               "calibration": None, "candles_repaired": f.repair_candles,
+               "candle_violations": candle_violations(*(raw[..., FEATURES.index(c)] for c in
                                                         ("open", "high", "low", "close", "volume")))}
+    if calibration is not None:  # coverage of the close before / after, on the test windows (out of sample)
+        obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, P)
+        cover = lambda p, level: float(interval_coverage(obs, np.moveaxis(p[..., CLOSE] / last[:, None, None] - 1,
+                                                                          1, -1), level).mean())
+        metrics["calibration"] = {"cov50_raw": cover(raw, 0.5), "cov80_raw": cover(raw, 0.8),
+                                  "cov50_calibrated": cover(paths, 0.5), "cov80_calibrated": cover(paths, 0.8),
+                                  "method": calibration.get("method"), "fitted_on_windows": calibration.get("windows")}
     if zero_shot is not None:
-        zs_paths = sample(zero_shot)
-        metrics["zero_shot"] = score_forecasts(*close(zs_paths), settings=settings)
+        zs_paths = finish_paths(sample(zero_shot), None, last, f.repair_candles)
+        ens_paths = ensemble_paths(paths, zs_paths, f.ensemble_weight)
+        metrics["zero_shot"], metrics["ensemble"] = score(zs_paths), score(ens_paths)
         metrics["finetuned_vs_zero_shot"] = paired_difference(paths, zs_paths, windows, settings)
+        metrics["ensemble_vs_zero_shot"] = paired_difference(ens_paths, zs_paths, windows, settings)
+        metrics["ensemble"]["weight"] = f.ensemble_weight
     return metrics, paths
 
 
 def _panels(names: list[str], past_ts, past_close, future_ts, paths, actual=None, max_panels: int = 4) -> list[Panel]:
     """One panel per series (its first window), at most `max_panels`."""
     firsts = [names.index(n) for n in dict.fromkeys(names)][:max_panels]
-    return [Panel(f"{names[i]}: close from {future_ts[i][0]} to {future_ts[i][-1]}", past_ts[i], past_close[i],
+    text = lambda i, k: stamp_text(future_ts[i][k], past_ts[i].append(future_ts[i]))
+    return [Panel(f"{names[i]}: close from {text(i, 0)} to {text(i, -1)}", past_ts[i], past_close[i],
                   future_ts[i], paths[i, :, :, CLOSE], None if actual is None else actual[i, :, CLOSE])
             for i in firsts]
 
@@ -530,13 +732,14 @@ def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> dict:
     if cfg.data.test_ratio <= 0:
         raise ValueError("data.test_ratio is 0: there is no held-out test split to forecast; set it > 0 "
                          "(and retrain, since the ratios move the split boundaries)")
-    finetuned = finetuned_predictor(cfg)
+    finetuned, calibration = finetuned_predictor(cfg)
     data = prepare_data(cfg.data, cfg.store_dir)  # the store training made (re-prepared if the files changed)
     windows = held_out_windows(data.splits["test"], cfg.data.lookback, cfg.data.predict,
-                               cfg.forecast.window_stride, cfg.forecast.max_windows)
+                               cfg.forecast.window_stride, cfg.forecast.max_windows,
+                               history=cfg.forecast.empirical_window + 1)  # + 1: n returns need n + 1 closes
     first_series = pd.DatetimeIndex(np.asarray(data.panel.datetimes[data.panel.rows(0)]).astype("datetime64[ns]"))
     metrics, paths = evaluate_held_out(cfg, finetuned, windows, zero_shot_predictor(cfg),
-                                       _season(cfg, first_series))
+                                       _season(cfg, first_series), calibration)
 
     out_dir = Path(out_dir) if out_dir is not None else cfg.base_dir / "forecast"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -551,7 +754,7 @@ def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> dict:
 
 def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> pd.DataFrame:
     """Forecast the `data.predict` candles after each series' last row; write forecast.csv and forecast.png."""
-    finetuned = finetuned_predictor(cfg)
+    finetuned, calibration = finetuned_predictor(cfg)
     panel = prepare_data(cfg.data, cfg.store_dir, with_splits=False).panel  # whole series, no split needed
     lookback, predict = cfg.data.lookback, cfg.data.predict
     lengths = panel.lengths()
@@ -570,6 +773,11 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> pd.DataFr
     as_stamps = lambda stamps: np.stack([calc_time_stamps(ts).to_numpy(np.int64) for ts in stamps])
     paths = sample_paths(finetuned, context, as_stamps(past_ts), as_stamps(future_ts), predict, cfg.forecast,
                          cfg.forecast.batch_size)  # (N, S, P, 6)
+    violations = candle_violations(*(paths[..., FEATURES.index(c)] for c in ("open", "high", "low", "close", "volume")))
+    log.info("invalid sampled candles: %.1f%%%s", 100 * violations["any"],
+             " (repaired: forecast.repair_candles)" if cfg.forecast.repair_candles else
+             " (kept; forecast.repair_candles: true repairs them)")
+    paths = finish_paths(paths, calibration, context[:, -1, CLOSE], cfg.forecast.repair_candles)
     table = forecast_table(names, future_ts, paths).drop(columns="window")
     out_dir = Path(out_dir) if out_dir is not None else cfg.base_dir / "future"
     out_dir.mkdir(parents=True, exist_ok=True)

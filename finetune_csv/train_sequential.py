@@ -34,7 +34,7 @@ from finetune.utils.training_utils import TrainResult, train_predictor, train_to
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, predictor_tokenizer_source
 from finetune_csv.data import PreparedData, build_dataset, data_summary_from_store, list_sources, prepare_data
-from finetune_csv.forecast import held_out_windows, make_crps_val_metric
+from finetune_csv.forecast import calibrate_best_model, held_out_windows, make_crps_val_metric
 from model import KronosTokenizer
 
 log = logging.getLogger("finetune_csv")
@@ -152,6 +152,8 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
                                            val_metric=crps_val_metric(cfg, pred_training.select_by, data,
                                                                       tokenizer),
                                            forecast_info=forecast_info))
+            if dist.is_main:  # conformal bands fitted on the validation windows (forecast.calibrate)
+                calibrate_best_model(cfg, data)
         if dist.is_main:
             log.info("%s", summarize(results, plan))
     return results, plan, data_info

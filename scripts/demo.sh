@@ -9,7 +9,8 @@
 #    pretrained tokenizer is kept; nothing is downloaded),
 # 4. forecasts EVERY non-overlapping held-out test window with the finetuned model and with the model it started
 #    from (zero-shot), 32 sample paths each, and prints one table: MAE / MASE / CRPS / WQL / 50% and 80% coverage /
-#    direction, persistence and seasonal-naive baselines, and finetuned - zero-shot with a 95% bootstrap interval,
+#    direction, the ensemble of both, persistence / empirical / seasonal-naive baselines, paired differences with
+#    95% date-block bootstrap intervals, the calibrated bands' coverage and the share of invalid sampled candles,
 # 5. forecasts the 16 candles after the end of the data (--future).
 # Outputs: outputs/csv_demo/basemodel/ (best_model/, loss_curve.png, metrics.jsonl, run_info.json),
 # outputs/csv_demo/forecast/ (metrics.json, forecast.csv, forecast_vs_actual.png) and outputs/csv_demo/future/.

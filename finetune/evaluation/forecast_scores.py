@@ -12,7 +12,8 @@ unbiased for the CRPS of the distribution the samples come from and matters for 
 sum_{i,j} |x_i - x_j| = 2 sum_i (2 i - S - 1) x_(i) (i = 1..S), O(S log S) instead of O(S^2).
 
 Also here:
-- Seeded bootstrap confidence intervals over forecast windows (iid or moving-block).
+- Seeded bootstrap confidence intervals over forecast windows (iid or moving-block, or moving blocks of DATES:
+  the windows of every series that share a date move together).
 - Naive forecasts in the model's sample layout, so the same scoring functions rate them.
 - Score a probabilistic forecast run (CSV pipeline): one nested, strict-JSON dict for metrics.json + a short summary.
 """
@@ -161,27 +162,78 @@ def resample_indices(n: int, n_boot: int, block: int = 1, seed: int = 0) -> np.n
     return idx[:, :n]
 
 
-def bootstrap_ci(statistic: Callable[[np.ndarray], float], n: int, n_boot: int = 1000, block: int = 1,
-                 seed: int = 0, level: float = 0.95) -> dict[str, float]:
+def date_block_indices(dates: np.ndarray, n_boot: int, block: int | None = None, seed: int = 0,
+                       min_block: int = 1) -> list[np.ndarray]:
+    """Moving-block bootstrap over the sorted unique window dates; every window on a drawn date comes along.
+
+    Windows of correlated series on one date are one observation, not several: resampling them independently
+    would shrink the interval by up to sqrt(series). Neighbouring dates are dependent too (volatility clusters,
+    and windows closer than the horizon share realised bars), hence blocks of consecutive dates.
+
+    Parameters
+    ----------
+    dates : (n,) the date (any sortable key) of each window, e.g. its last context bar.
+    n_boot, seed : as in `resample_indices`.
+    block : dates per block; None = `default_block(D, min_block)` for D unique dates.
+
+    Returns
+    -------
+    n_boot index arrays into the n windows (their lengths vary with the windows per date).
+    """
+    unique, inverse = np.unique(np.asarray(dates), return_inverse=True)
+    order = np.argsort(inverse, kind="stable")  # windows grouped by date
+    counts = np.bincount(inverse, minlength=len(unique))  # (D,)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])  # (D,) position of each date's group in `order`
+    block = default_block(len(unique), min_block) if block is None else block
+    out = []
+    for row in resample_indices(len(unique), n_boot, block, seed):  # (D,) drawn date positions
+        size = counts[row]
+        pos = np.repeat(first[row] - np.cumsum(size) + size, size) + np.arange(size.sum())
+        out.append(order[pos])
+    return out
+
+
+def default_block(n_dates: int, min_block: int = 1) -> int:
+    """Dates per bootstrap block: max(min_block, round(n_dates ** (1/3))).
+
+    n^(1/3) is the rate of the optimal block length for the mean of a weakly dependent series (Hall, Horowitz &
+    Jing 1995); `min_block` (the forecast uses ceil(horizon / window stride)) keeps windows that share realised
+    bars inside one block.
+    """
+    return max(int(min_block), round(max(n_dates, 1) ** (1 / 3)))
+
+
+def bootstrap_ci(statistic: Callable[[np.ndarray], float], n: int, n_boot: int = 1000, block: int | None = 1,
+                 seed: int = 0, level: float = 0.95, dates: np.ndarray | None = None,
+                 min_block: int = 1) -> dict[str, float]:
     """Percentile confidence interval of `statistic` over resampled windows.
 
     Parameters
     ----------
-    statistic : maps an index array (n,) of windows to one number, e.g. `lambda i: crps[i].mean()`; ratios of sums
+    statistic : maps an index array of windows to one number, e.g. `lambda i: crps[i].mean()`; ratios of sums
         (WQL) and paired differences (model - baseline) are computed inside it on the same indices.
     n : number of windows; n_boot, block, seed : see `resample_indices`; level : coverage of the interval.
+    dates : (n,) window dates: resample blocks of `block` dates (`date_block_indices`; block None = its default)
+        instead of blocks of consecutive windows.
 
     Returns
     -------
-    {"estimate": statistic on all windows, "low", "high": percentile bounds, "level", "n_boot", "block"}.
+    {"estimate": statistic on all windows, "low", "high": percentile bounds, "level", "n_boot", "block", "unit"}.
     """
-    idx = resample_indices(n, n_boot, block, seed)
+    if dates is not None:
+        n_dates = len(np.unique(np.asarray(dates)))
+        block = min(default_block(n_dates, min_block) if block is None else block, n_dates)
+        idx = date_block_indices(dates, n_boot, block, seed)
+    else:
+        block = 1 if block is None else block
+        idx = resample_indices(n, n_boot, block, seed)
     draws = np.array([statistic(row) for row in idx], dtype=np.float64)
     draws = draws[np.isfinite(draws)]
     alpha = (1.0 - level) / 2.0
     low, high = (np.quantile(draws, [alpha, 1.0 - alpha]) if len(draws) else (np.nan, np.nan))
     return {"estimate": float(statistic(np.arange(n))), "low": float(low), "high": float(high),
-            "level": level, "n_boot": int(n_boot), "block": int(min(max(block, 1), n))}
+            "level": level, "n_boot": int(n_boot), "block": int(min(max(block, 1), n)),
+            "unit": "dates" if dates is not None else "windows"}
 
 
 DAYS_PER_WEEK = 5  # trading days: the season of daily bars
@@ -283,8 +335,12 @@ class ScoreSettings:
     """Season of the seasonal-naive baseline in bars (bars per day / week); None = no seasonal-naive baseline."""
     n_boot: int = 1000
     """Bootstrap resamples for confidence intervals (0 = none)."""
-    block: int = 1
-    """Bootstrap block length in consecutive windows (1 = iid)."""
+    block: int | None = 1
+    """Bootstrap block length: consecutive windows (1 = iid), or with window dates, dates (None = `default_block`)."""
+    min_block: int = 1
+    """Least dates per block when `block` is None (windows closer than the horizon share realised bars)."""
+    empirical_window: int = 250
+    """Trailing bars whose H-bar paths form the `empirical` baseline (needs the history, see `score_forecasts`)."""
     level: float = 0.95
     """Confidence level of the bootstrap intervals."""
     seed: int = 0
@@ -381,13 +437,18 @@ def _summarise(scores: dict, obs_ret: np.ndarray, scaled: np.ndarray | None, cod
 
 
 def score_forecasts(samples, realised, last_close, context=None, series=None,
-                    settings: ScoreSettings | None = None) -> dict:
-    """Score a forecast run and its persistence / seasonal-naive baselines (shapes: see the module docstring).
+                    settings: ScoreSettings | None = None, history=None, dates=None) -> dict:
+    """Score a forecast run and its naive baselines (shapes: see the module docstring).
+
+    samples (W, S, H), realised (W, H), last_close (W,), context (W, L) closes, series (W,) names;
+    history (W, T) closes ending at the last context bar, T > H (longer than the context: the `empirical` baseline
+    uses its trailing `settings.empirical_window` bars); dates (W,) window dates: the intervals then resample
+    blocks of dates across series (`date_block_indices`).
 
     Returns
     -------
-    Nested dict, strict JSON (NaN -> None): "setup", "model", "persistence", ["seasonal_naive"], "direction",
-    "skill" (1 - model / persistence for MAE, CRPS, MASE), "bootstrap" (CIs), "per_series" (list of rows).
+    Nested dict, strict JSON (NaN -> None): "setup", "model", "persistence", ["empirical"], ["seasonal_naive"],
+    "direction", "skill" (1 - model / baseline for MAE, CRPS, MASE), "bootstrap" (CIs), "per_series" (list of rows).
     """
     settings = settings or ScoreSettings()
     samples, realised, last_close, context, series = _check_inputs(samples, realised, last_close, context, series)
@@ -398,47 +459,56 @@ def score_forecasts(samples, realised, last_close, context=None, series=None,
     scale = _in_sample_scale(context, codes, n_series) if context is not None else None  # (W,)
 
     forecasters = {"model": samples, "persistence": persistence_samples(last_close, horizon)}
+    if history is not None:
+        forecasters["empirical"] = empirical_samples(history, horizon, settings.empirical_window)
     if settings.season is not None:
         if context is None:
             raise ValueError("a seasonal-naive baseline (season) needs the context values")
         forecasters["seasonal_naive"] = seasonal_naive_samples(context, horizon, settings.season)
     result = {"setup": {"windows": n_windows, "samples": n_samples, "horizon": horizon, "series": n_series,
                         "season": settings.season, "space": "return relative to the last observed close",
+                        "empirical_paths": forecasters["empirical"].shape[1] if history is not None else None,
                         "point_forecast": "sample median", "quantiles": list(settings.quantiles)}}
-    by_forecaster = {}
+    by_name = {}  # forecaster -> its per-window scores
     for name, ens in forecasters.items():
         sc = window_scores(ens / last_close[:, None, None] - 1.0, obs_ret, settings)
         scaled = sc["abs_err"] / scale[:, None] if scale is not None else None
         sc["scaled"] = scaled
-        by_forecaster[name] = sc
+        by_name[name] = sc
         result[name] = _summarise(sc, obs_ret, scaled, codes, n_series, settings, direction=name != "persistence")
 
     share_up = float((obs_ret[:, -1] > 0).mean())
     result["direction"] = {"horizon": horizon, "accuracy": result["model"]["overall"]["direction_accuracy"],
                            "share_up": share_up, "coin": 0.5, "majority_class": max(share_up, 1.0 - share_up)}
-    base = result["persistence"]["overall"]
-    result["skill"] = {f"{k}_vs_persistence": 1.0 - result["model"]["overall"][k] / base[k]
-                       if base.get(k) else None for k in ("mae", "crps", "mase") if k in base}
-    result["bootstrap"] = _bootstrap(by_forecaster, codes, n_series, settings) if settings.n_boot > 0 else None
-    result["per_series"] = _per_series(by_forecaster["model"], names, codes)
+    result["skill"] = {}
+    for baseline in [b for b in ("persistence", "empirical") if b in result]:
+        base = result[baseline]["overall"]
+        result["skill"].update({f"{k}_vs_{baseline}": 1.0 - result["model"]["overall"][k] / base[k]
+                                if base.get(k) else None for k in ("mae", "crps", "mase") if k in base})
+    result["bootstrap"] = (_bootstrap(by_name, codes, n_series, settings, dates) if settings.n_boot > 0
+                           else None)
+    result["per_series"] = _per_series(by_name["model"], names, codes)
     return strict_json(result)
 
 
-def _bootstrap(by_forecaster: dict, codes: np.ndarray, n_series: int, settings: ScoreSettings) -> dict:
-    """CIs over windows of the model's headline numbers and paired differences to persistence."""
-    model, naive = by_forecaster["model"], by_forecaster["persistence"]
+def _bootstrap(by_name: dict, codes: np.ndarray, n_series: int, settings: ScoreSettings,
+               dates: np.ndarray | None = None) -> dict:
+    """CIs over windows (or date blocks) of the model's headline numbers and paired differences to each baseline."""
+    model = by_name["model"]
     n = len(codes)
     stats = {"mae": lambda i: model["abs_err"][i].mean(), "crps": lambda i: model["crps"][i].mean(),
-             "direction_accuracy": lambda i: model["direction_hit"][i].mean(),
-             "crps_minus_persistence": lambda i: (model["crps"][i] - naive["crps"][i]).mean(),
-             "mae_minus_persistence": lambda i: (model["abs_err"][i] - naive["abs_err"][i]).mean()}
-    if model["scaled"] is not None:
-        scaled_m, scaled_p = model["scaled"].mean(axis=1), naive["scaled"].mean(axis=1)  # (W,)
-        stats["mase"] = lambda i: _series_mean(scaled_m, codes, n_series, i)
-        stats["mase_minus_persistence"] = lambda i: (_series_mean(scaled_m, codes, n_series, i)
-                                                     - _series_mean(scaled_p, codes, n_series, i))
-    return {k: bootstrap_ci(f, n, settings.n_boot, settings.block, settings.seed, settings.level)
-            for k, f in stats.items()}
+             "direction_accuracy": lambda i: model["direction_hit"][i].mean()}
+    for name in [b for b in ("persistence", "empirical") if b in by_name]:
+        naive = by_name[name]
+        stats[f"crps_minus_{name}"] = lambda i, b=naive: (model["crps"][i] - b["crps"][i]).mean()
+        stats[f"mae_minus_{name}"] = lambda i, b=naive: (model["abs_err"][i] - b["abs_err"][i]).mean()
+        if model["scaled"] is not None:
+            scaled_m, scaled_b = model["scaled"].mean(axis=1), naive["scaled"].mean(axis=1)  # (W,)
+            stats["mase"] = lambda i, m=scaled_m: _series_mean(m, codes, n_series, i)
+            stats[f"mase_minus_{name}"] = lambda i, m=scaled_m, b=scaled_b: (_series_mean(m, codes, n_series, i)
+                                                                              - _series_mean(b, codes, n_series, i))
+    return {k: bootstrap_ci(f, n, settings.n_boot, settings.block, settings.seed, settings.level, dates,
+                            settings.min_block) for k, f in stats.items()}
 
 
 def _per_series(scores: dict, names: np.ndarray, codes: np.ndarray) -> list[dict]:
@@ -466,7 +536,7 @@ def format_summary(scores: dict) -> str:
     def num(v, fmt):
         return format(v, fmt) if v is not None else "-"
 
-    for name in ("model", "persistence", "seasonal_naive"):
+    for name in ("model", "persistence", "empirical", "seasonal_naive"):
         if name in scores:
             o = scores[name]["overall"]
             label = f"seasonal({s['season']})" if name == "seasonal_naive" else name
@@ -474,10 +544,10 @@ def format_summary(scores: dict) -> str:
                          f"{num(o['wql'], '7.3f')}{num(o.get('coverage_50'), '7.2f')}"
                          f"{num(o.get('coverage_80'), '7.2f')}")
     boot = scores.get("bootstrap")
-    if boot:
-        ci = boot["crps_minus_persistence"]
-        lines.append(f"CRPS - persistence: {ci['estimate']:+.5f} [{ci['low']:+.5f}, {ci['high']:+.5f}] "
-                     f"({ci['level']:.0%} CI, block {ci['block']})")
+    for name in [b for b in ("persistence", "empirical") if boot and f"crps_minus_{b}" in boot]:
+        ci = boot[f"crps_minus_{name}"]
+        lines.append(f"CRPS - {name}: {ci['estimate']:+.5f} [{ci['low']:+.5f}, {ci['high']:+.5f}] "
+                     f"({ci['level']:.0%} CI, block {ci['block']} {ci['unit']})")
     d = scores["direction"]
     lines.append(f"direction at h={d['horizon']}: {num(d['accuracy'], '.3f')} vs coin 0.500, "
                  f"majority class {d['majority_class']:.3f}")
