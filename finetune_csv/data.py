@@ -57,6 +57,7 @@ import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
 from finetune.utils.config_utils import Problems
+from finetune.utils.errors import DataError
 from finetune.utils.metrics import sha256_file
 from finetune.utils.store import FeatureMajorWriter, GrowingNpy, SeriesPanel
 from finetune.utils.windows import PanelSegments, WindowDataset, split_bounds, split_panel
@@ -457,7 +458,7 @@ _MAX_LISTED = 5  # rows quoted per problem
 _MISSING = pa.array(MISSING_SPELLINGS, pa.string())
 
 
-class SourceProblems(ValueError):
+class SourceProblems(DataError):
     """Problems of one input file (each message names file, column, row and the setting to change)."""
 
     def __init__(self, problems: list[str]):
@@ -901,7 +902,7 @@ NAN_POLICIES = ("error", "ffill", "drop")
 _MAX_PROBLEMS_SHOWN = 50
 
 
-class StoreError(ValueError):
+class StoreError(DataError):
     """The store cannot be prepared or opened; the message names the file, column, row or setting to change."""
 
 
