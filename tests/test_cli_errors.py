@@ -12,7 +12,6 @@ import pytest
 
 from finetune.utils import errors
 from finetune.utils.config_utils import load_config
-from finetune.utils.errors import ConfigError
 from finetune.utils.errors import (
     EXIT_BUG,
     EXIT_CONFIG,
@@ -21,6 +20,7 @@ from finetune.utils.errors import (
     EXIT_MISSING_EXTRA,
     EXIT_PATH,
     EXIT_REFUSED,
+    ConfigError,
     DataError,
     MissingExtraError,
     PathError,

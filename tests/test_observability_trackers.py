@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from finetune.utils import metrics as trackers
 from finetune.utils.config_utils import tracker_problems
 from finetune.utils.errors import ConfigError
 from finetune.utils.metrics import MetricsLogger, TrackerUnavailable, default_mlflow_uri, flatten_params, read_metrics

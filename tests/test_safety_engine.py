@@ -17,8 +17,8 @@ import torch
 import finetune.utils.checkpoint as checkpoint_store
 from finetune.utils.checkpoint import CheckpointWriteError, DivergenceError, load_checkpoint
 from finetune.utils.config_utils import TrainingConfig
-from finetune.utils.errors import ConfigError
 from finetune.utils.distributed import DistInfo
+from finetune.utils.errors import ConfigError
 from finetune.utils.safety import (
     STOPPED_EXIT_CODE,
     RunLock,
