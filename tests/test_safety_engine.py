@@ -329,6 +329,20 @@ def test_finished_run_with_other_schedule_settings_is_not_skipped_silently(tmp_p
     assert "training.overwrite: set it to true" in str(err.value)
 
 
+def test_rerun_with_more_stage_epochs_names_the_stage_key_and_does_not_say_skipping(tmp_path, caplog):
+    train_set, val_set = tiny_datasets()
+    train_tokenizer(tiny_tokenizer(), train_set, val_set, replace(CFG, epochs=1), tmp_path, CPU,
+                    run_config={"tokenizer_training": {"epochs": 1}})
+    with caplog.at_level(logging.INFO), pytest.raises(ConfigError) as err:
+        train_tokenizer(tiny_tokenizer(), train_set, val_set, CFG, tmp_path, CPU,
+                        run_config={"tokenizer_training": {"epochs": 2}})
+    text = str(err.value)
+    assert text.startswith(f"{tmp_path} holds a finished tokenizer run made with other settings; nothing was trained")
+    assert "tokenizer_training.epochs: the checkpoint was made with 1, the config now says 2" in text
+    assert "  - training.epochs" not in text
+    assert not any("skipping it" in r.getMessage() for r in caplog.records)
+
+
 class HandlerProbe:
     """A batch dataset that reports, from inside the loader worker, what SIGINT does there."""
 

@@ -718,13 +718,6 @@ class TrainingConfig:
 
 
 
-# Settings a checkpoint cannot be resumed with if changed: they fix the data order, the step count or shapes.
-RESUME_KEYS = ("epochs", "batch_size", "accumulation_steps", "seed", "max_train_samples")
-# Optimisation settings a resume may change (e.g. a lower lr after a divergence); each change is reported.
-CHANGEABLE_KEYS = ("lr", "pct_start", "div_factor", "final_div_factor", "betas", "weight_decay", "clip_grad_norm",
-                   "amp", "patience", "min_delta", "teacher_forcing", "max_val_samples", "select_by")
-
-
 def validate_training_config(cfg: TrainingConfig, problems: Problems, prefix: str = "training") -> None:
     """Add every problem of `cfg` to `problems`, each named by its YAML key (`prefix.field`)."""
     k = (lambda name: f"{prefix}.{name}" if prefix else name)
@@ -763,44 +756,6 @@ def validate_training_config(cfg: TrainingConfig, problems: Problems, prefix: st
 
 
 
-def check_resume_compatible(saved: dict, cfg: TrainingConfig, world_size: int, stage: str,
-                            model_args: dict[str, Any], path: Path) -> list[str]:
-    """Raise one ConfigError listing every setting that cannot differ from the checkpoint `saved` (loaded from
-    `path`); return 'training.key: old -> new' for each changeable optimisation setting that did change.
-
-    Parameters
-    ----------
-    saved: the checkpoint dict (keys "stage", "model_args", "training_config", "world_size").
-    cfg, world_size, stage: this run's loop settings, process count and stage name.
-    model_args: this run's model constructor arguments, already `plain()`.
-    """
-    problems = Problems(f"Cannot resume from {path}")
-    if saved.get("stage") != stage:
-        problems.add("training.resume", f"the checkpoint is from the {saved.get('stage')} stage, not {stage}")
-    for key in sorted(set(model_args) | set(saved.get("model_args", {}))):
-        if saved.get("model_args", {}).get(key) != model_args.get(key):
-            problems.add(f"model.{key}", f"the checkpoint's model has {saved['model_args'].get(key)!r}, "
-                                         f"this one {model_args.get(key)!r}")
-    old = saved.get("training_config", {})
-    for key in RESUME_KEYS:
-        new_value = config_to_dict(getattr(cfg, key))
-        if key in old and old[key] != new_value:
-            problems.add(f"training.{key}",
-                         f"the checkpoint was made with {old[key]!r}, the config now says {new_value!r}")
-    if saved.get("world_size") != world_size:
-        problems.add("(torchrun --nproc_per_node)",
-                     f"the checkpoint was made with {saved.get('world_size')} processes, now {world_size}")
-    if problems:
-        problems.add("training.overwrite", "set it to true (or use a new output folder) to start over")
-    problems.raise_if_any()
-    changed = []
-    for key in CHANGEABLE_KEYS:
-        new_value = plain(getattr(cfg, key))
-        if key in old and plain(old[key]) != new_value:
-            changed.append(f"training.{key}: {old[key]!r} -> {new_value!r}")
-    return changed
-
-
 def plain(obj: Any) -> Any:
     """Config data reduced to str/int/float/bool/None/list/dict (so the checkpoint loads with weights_only=True)."""
     obj = config_to_dict(obj)
@@ -836,6 +791,13 @@ def apply_stage(training: TrainingConfig, stage: StageConfig) -> TrainingConfig:
     """`training` with the stage's non-null overrides applied: what the engine runs that stage with."""
     changed = {f.name: getattr(stage, f.name) for f in dataclasses.fields(stage) if getattr(stage, f.name) is not None}
     return dataclasses.replace(training, **changed)
+
+
+def stage_key(run_config: Mapping[str, Any] | None, stage: str, name: str) -> str:
+    """The YAML key that sets loop setting `name` for `stage` in the pipeline's resolved config `run_config`:
+    `<stage>_training.<name>` when that section sets it (it shadows `training:`), else `training.<name>`."""
+    section = (run_config or {}).get(f"{stage}_training") or {}
+    return f"{stage}_training.{name}" if section.get(name) is not None else f"training.{name}"
 
 
 def validate_stage(stage: StageConfig, prefix: str, problems: Problems, min_epochs: int = 1) -> None:
