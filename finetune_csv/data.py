@@ -58,7 +58,7 @@ import pyarrow.parquet as pq
 
 from finetune.utils.config_utils import Problems
 from finetune.utils.errors import DataError
-from finetune.utils.metrics import sha256_file
+from finetune.utils.metrics import file_fingerprint, sha256_file
 from finetune.utils.store import FeatureMajorWriter, GrowingNpy, SeriesPanel
 from finetune.utils.windows import PanelSegments, WindowDataset, split_bounds, split_panel
 from finetune_csv.config import (
@@ -1011,14 +1011,6 @@ def list_sources(sources: str | Path | Sequence[str | Path]) -> list[Path]:
     return out
 
 
-def source_fingerprint(path: str | Path, with_hash: bool = True) -> dict[str, Any]:
-    """{"path", "bytes", "mtime_ns", "sha256"} of one input file (sha256 None when `with_hash` is False)."""
-    p = Path(path)
-    st = p.stat()
-    return {"path": str(p.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "sha256": sha256_file(p) if with_hash else None}
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Preparing
 
@@ -1048,7 +1040,7 @@ def prepare_store(sources: str | Path | Sequence[str | Path], out_dir: str | Pat
     tmp.mkdir()
     t0 = time.perf_counter()
     try:
-        fingerprints = [source_fingerprint(f) for f in files]  # before reading: a later edit is then noticed
+        fingerprints = [file_fingerprint(f) for f in files]  # before reading: a later edit is then noticed
         manifest = _build(files, tmp, settings, block_rows)
         manifest.update(format=FORMAT, format_version=FORMAT_VERSION, settings=settings.as_dict(),
                         sources=fingerprints, prepare_seconds=round(time.perf_counter() - t0, 3),

@@ -357,7 +357,7 @@ def data_summary(series: list[Series], splits: dict[str, list[Segment]], cfg: Da
             "end": str(max(b for _, b in own)),
         }
     return {
-        "files": [file_fingerprint(f) for f in files],
+        "files": [{k: v for k, v in file_fingerprint(f).items() if k != "mtime_ns"} for f in files],
         "series": [{"name": s.name, "rows": len(s.values), "start": str(s.timestamps[0]),
                     "end": str(s.timestamps[-1])} for s in series],
         "splits": per_split,

@@ -363,3 +363,18 @@ def test_loader_workers_ignore_sigint_and_keep_their_seeding():
                                       num_workers=1))
     assert [int(b) for b in loader] == [1, 1]  # Ctrl-C reaches the training process only (graceful stop)
     assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # the main process is untouched
+
+
+def test_rank0_deserialises_a_resumed_checkpoint_once(tmp_path, monkeypatch):
+    train_set, val_set = tiny_datasets()
+    cfg = replace(CFG, epochs=1)
+    train_tokenizer(tiny_tokenizer(), train_set, val_set, cfg, tmp_path / "a", CPU)
+    calls = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(a[0]) or real_load(*a, **k))
+    train_tokenizer(tiny_tokenizer(), train_set, val_set, cfg, tmp_path / "a", CPU)  # finished: read back
+    assert len(calls) == 1
+    calls.clear()
+    explicit = replace(cfg, epochs=1, resume=str(tmp_path / "a" / "checkpoints" / "last.pt"))
+    train_tokenizer(tiny_tokenizer(), train_set, val_set, explicit, tmp_path / "b", CPU)  # an explicit file
+    assert len(calls) == 1

@@ -454,31 +454,3 @@ def _per_series(scores: dict, names: np.ndarray, codes: np.ndarray) -> list[dict
             row[key] = scores[key][w].mean()
         rows.append(row)
     return rows
-
-
-def format_summary(scores: dict) -> str:
-    """A few lines for the console from a `score_forecasts` result."""
-    s = scores["setup"]
-    lines = [(f"forecast scores: {s['windows']} windows x {s['horizon']} horizons, {s['samples']} samples, "
-              f"{s['series']} series (returns vs last close)"),
-             f"{'':16}{'MAE':>9}{'MASE':>8}{'CRPS':>9}{'WQL':>7}{'cov50':>7}{'cov80':>7}"]
-
-    def num(v, fmt):
-        return format(v, fmt) if v is not None else "-"
-
-    for name in ("model", "persistence", "seasonal_naive"):
-        if name in scores:
-            o = scores[name]["overall"]
-            label = f"seasonal({s['season']})" if name == "seasonal_naive" else name
-            lines.append(f"{label:16}{num(o['mae'], '9.5f')}{num(o.get('mase'), '8.3f')}{num(o['crps'], '9.5f')}"
-                         f"{num(o['wql'], '7.3f')}{num(o.get('coverage_50'), '7.2f')}"
-                         f"{num(o.get('coverage_80'), '7.2f')}")
-    boot = scores.get("bootstrap")
-    if boot:
-        ci = boot["crps_minus_persistence"]
-        lines.append(f"CRPS - persistence: {ci['estimate']:+.5f} [{ci['low']:+.5f}, {ci['high']:+.5f}] "
-                     f"({ci['level']:.0%} CI, block {ci['block']})")
-    d = scores["direction"]
-    lines.append(f"direction at h={d['horizon']}: {num(d['accuracy'], '.3f')} vs coin 0.500, "
-                 f"majority class {d['majority_class']:.3f}")
-    return "\n".join(lines)

@@ -301,13 +301,11 @@ def sha256_file(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
 
 
 def file_fingerprint(path: str | Path, with_hash: bool = True) -> dict[str, Any]:
-    """{"path", "bytes", "sha256"} of one input file (sha256 None when `with_hash` is False)."""
+    """{"path", "bytes", "mtime_ns", "sha256"} of one input file (sha256 None when `with_hash` is False)."""
     p = Path(path)
-    return {
-        "path": str(p.resolve()),
-        "bytes": p.stat().st_size,
-        "sha256": sha256_file(p) if with_hash else None,
-    }
+    st = p.stat()
+    return {"path": str(p.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "sha256": sha256_file(p) if with_hash else None}
 
 
 def build_run_info(config: Any, data: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> dict:

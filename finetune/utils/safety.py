@@ -1,17 +1,15 @@
-"""Fault injection for tests: make a training process die after a chosen optimizer step, like a killed job.
+"""Run safety, in one place; each decision is a small function of its inputs.
 
-    KRONOS_FAULT_EXIT_AFTER_STEP=N   after optimizer step N (and its checkpoint, if one is due) the process exits
-    KRONOS_FAULT_RANK=r              only rank r dies (default: every rank)
-    KRONOS_FAULT_EXIT_CODE=c         exit code (default 17)
-
-The exit is `os._exit`: no `finally`, no atexit, no flushing, as when the process is killed. Unset, it costs two
-environment lookups per optimizer step.
-
-Also here:
-- One run per output folder: an OS-level lock that rank 0 holds for the whole run.
-- What a stage folder holds and what a new run does with it: resume, skip, overwrite or refuse.
-- Graceful stop on SIGTERM / SIGINT (Ctrl-C): finish the current step, save, exit with one line.
-- The non-finite guard: stop at the first step whose loss or gradient is NaN/inf, say why, never write bad weights.
+- `RunLock`: one run per output folder (an OS-level lock rank 0 holds for the whole run; stale locks taken over).
+- Stage folder rules: `stage_status` (empty / unfinished / finished) and `plan_run` (fresh, resume, skip,
+  overwrite or refuse, from training.resume / training.overwrite); `remove_outputs` under the lock.
+- Interrupts: `GracefulStop` (SIGTERM / first Ctrl-C: finish the step, save, `TrainingStopped`, exit 75; a second
+  Ctrl-C quits at once); workers ignore SIGINT.
+- The non-finite guard: `check_step` (finite on every rank + stop agreed, one all-reduce), `diagnose` (most
+  likely cause, naming the setting), `NonFiniteGuard` (raises `DivergenceError` before the update).
+- Fault injection for the kill-loop tests (`maybe_die_after_step`):
+  KRONOS_FAULT_EXIT_AFTER_STEP=N (exit after optimizer step N and its checkpoint), KRONOS_FAULT_RANK=r (only rank r),
+  KRONOS_FAULT_EXIT_CODE=c (default 17). The exit is `os._exit`, as when the process is killed.
 """
 
 from __future__ import annotations

@@ -1,12 +1,25 @@
-"""What a training run remembers (`LoopState`, saved in last.pt as "loop") and what it returns (`TrainResult`).
+"""The training engine both pipelines call: one module, read top to bottom.
 
-Also here:
-- `LossSums`: the one accumulator of the loop, for the train log window, the epoch's training loss and validation.
-- The loop's small pure decisions: early stopping, when to log and checkpoint, how an epoch splits into steps.
-- What differs between tokenizer and predictor training: the loss, the default gradient clip, the loss parts
-- The trainer's run-safety steps before training: lock, folder decision, checkpoint choice, what a resume may change.
-- The training loop behind both stages: `Trainer(stage, train_set, val_set, cfg, out, dist, ...).fit()`.
-- The training entry points both pipelines call: `train_tokenizer`, `train_predictor` and their validation losses.
+    train_tokenizer(tokenizer, train_set, val_set, cfg, out_dir, dist, run_config=..., data_info=...)
+    train_predictor(predictor, tokenizer, train_set, val_set, cfg, out_dir, dist, ..., forecast_info=...)
+
+Contents, in order:
+- `TrainResult` (what a run returns) and `LoopState` (what it remembers; last.pt's "loop" entry).
+- `LossSums`: the one accumulator (log window, epoch training loss, validation), all-reduced once per record.
+- Pure decisions: early stopping, when to log / checkpoint, how an epoch splits into optimizer steps.
+- The two stages: `tokenizer_loss` / `predictor_loss`, `TokenizerStage` / `PredictorStage` (loss, default clip,
+  loss parts, how the best model is saved, the frozen weights' fingerprint).
+- Resume steps: `on_main` (rank 0 decides, every rank gets the answer or the error), `load_for_resume` (rank 0
+  deserialises once), `restore_optimizer` (moments kept, this run's lr schedule), `rng_fork`.
+- Data loading (`train_sampler`, `val_sampler`, workers that ignore Ctrl-C), `autocast`, `evaluate` (validation).
+- `Trainer`: all state declared in `__init__`; `fit()` = take the folder (lock, plan), resume or validate the
+  starting model (epoch 0), `train_epoch` -> `train_step` -> `forward_backward_step` / `optimizer_step`,
+  `end_epoch` (validate, keep the best model, early stopping, checkpoint), `finish` (plot, run_info.json).
+- Entry points `train_tokenizer`, `train_predictor`, `evaluate_predictor`.
+
+Checkpoints are finetune/utils/checkpoint.py's, run safety finetune/utils/safety.py's. `data_info` goes into
+run_info.json and its fingerprint into every checkpoint: a resume with other data is refused unless
+training.accept_changed_data, so pipelines put in it what defines their data (file sha256s, splits, window).
 """
 
 from __future__ import annotations
@@ -564,7 +577,7 @@ class Trainer:
         problems.check(cfg.select_by == "loss" or val_metric is not None, "training.select_by",
                        f"{cfg.select_by!r} needs a forecast metric this pipeline does not provide; use 'loss'")
         problems.raise_if_any()
-        # The one place the global random streams are set (see seeding.py): dropout and sampled tokens of this run
+        # The one place the global random streams are set (see distributed.py): dropout and sampled tokens of this run
         # depend on (seed, rank) only.
         seed_everything(cfg.seed, dist.rank)
 
@@ -1012,7 +1025,7 @@ def train_tokenizer(
         output_dir: this stage's output folder (see module docstring).
         dist: from `distributed_context()`.
         run_config: the pipeline's resolved config (stored in run_info.json and the checkpoint).
-        data_info: description of the training data (see "What data_info must hold" above).
+        data_info: description of the training data (see the module docstring).
         val_metric: optional forecast metric (model, stage) -> {"score": lower is better, ...} run after every
             validation on every rank; picks best_model/ when training.select_by names it.
         data_extremes: what the pipeline's data check flagged (quoted when training diverges), or None.
