@@ -398,7 +398,8 @@ def check_model_folder(path: str | None, key: str, problems: Problems, *, hub_ok
 
 
 def cli_parser(doc: str) -> argparse.ArgumentParser:
-    """What every Qlib entry point takes: --config (default configs/qlib_csi300.yaml) and repeatable --set."""
+    """What every Qlib entry point takes: --config (default configs/qlib_csi300.yaml), repeatable --set,
+    --help-config and --print-config (parse it with `config_utils.parse_config_args`)."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
-    add_config_args(parser, default_config="configs/qlib_csi300.yaml")
+    add_config_args(parser, QlibConfig, load, default_config="configs/qlib_csi300.yaml")
     return parser

@@ -58,7 +58,8 @@ from finetune.qlib_io import (
     read_calendar,
     universe_spans,
 )
-from finetune.utils.config_utils import ConfigError, Problems
+from finetune.utils.config_utils import Problems, parse_config_args
+from finetune.utils.errors import ConfigError, require_extra, setup_logging
 from finetune.utils.store import SeriesPanel
 from model.fileio import write_json
 
@@ -223,7 +224,7 @@ def write_splits(folder: str | Path, splits: dict[str, SeriesPanel], manifest: d
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = cli_parser(__doc__)
-    return parser.parse_args(argv)
+    return parse_config_args(parser, argv)
 
 
 def preprocess(cfg: QlibConfig) -> dict[str, Any]:
@@ -289,8 +290,9 @@ def preprocess(cfg: QlibConfig) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    setup_logging()
     args = parse_args(argv)
+    require_extra("qlib")  # named before any work (the qlib imports below are lazy)
     cfg = load(args.config, args.set)
     preprocess(cfg)
 
@@ -298,6 +300,6 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     import sys
 
-    from finetune.cli import run_script  # clean errors, exit codes, --debug, --help-config, --print-config
+    from finetune.utils.errors import run_main  # one error line and an exit code (finetune/utils/errors.py)
 
-    sys.exit(run_script("qlib-preprocess", main))
+    sys.exit(run_main(main))

@@ -10,7 +10,6 @@ summary line - is here, so the two stages cannot drift apart. The trainers requi
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -19,14 +18,14 @@ from typing import Any, Literal
 
 from finetune.config import QlibConfig, check_model_folder, cli_parser, load
 from finetune.dataset import build_train_val_datasets, check_processed
-from finetune.utils.config_utils import config_to_dict
+from finetune.utils.config_utils import add_run_flags, config_to_dict, get_dotted, parse_config_args, run_overrides
 from finetune.utils.distributed import distributed_context, require_torchrun, seeded_init
 from finetune.utils.errors import setup_logging
 from finetune.utils.training_utils import train_predictor, train_tokenizer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StageSpec", "add_run_flags", "check_inputs", "run_stage"]
+__all__ = ["StageSpec", "check_inputs", "run_stage"]
 
 
 @dataclass(frozen=True)
@@ -43,41 +42,21 @@ class StageSpec:
     """cfg -> keyword arguments of the engine call: the models (tokenizer=..., predictor=...)."""
 
 
-def add_run_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """--resume and --overwrite, as in the CSV pipeline (each sets one `training.` key)."""
-    parser.add_argument("--resume", action="store_true",
-                        help="insist on resuming the unfinished run in the stage folder; an error if there is no "
-                             "checkpoint (training.resume=required; the default 'auto' resumes when it can)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="retrain a stage folder that already holds a run, replacing its outputs "
-                             "(training.overwrite=true; a finished stage is otherwise skipped)")
-    return parser
-
-
-def _lookup(cfg: QlibConfig, dotted: str) -> Any:
-    value: Any = cfg
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return value
-
-
 def check_inputs(spec: StageSpec, cfg: QlibConfig) -> None:
     """Every settings and input-file problem of the stage, raised as one ConfigError before anything starts."""
     problems = cfg.problems()
     check_processed(cfg, ("train", "val"), problems)
     for key, hub_ok in spec.model_folders:
-        check_model_folder(_lookup(cfg, key), key, problems, hub_ok=hub_ok)
+        check_model_folder(get_dotted(cfg, key), key, problems, hub_ok=hub_ok)
     problems.raise_if_any()
 
 
 def run_stage(spec: StageSpec, argv: list[str] | None = None, doc: str = "") -> None:
     """Parse, check every input before the process group starts, then train `spec.stage` under torchrun."""
     setup_logging()  # rank 0 reports; the other ranks only warn (torchrun sets RANK before the process starts)
-    args = add_run_flags(cli_parser(doc or spec.script)).parse_args(argv)
-    require_torchrun(spec.script, f"--config {args.config}")
-    overrides = (list(args.set) + (["training.resume=required"] if args.resume else [])
-                 + (["training.overwrite=true"] if args.overwrite else []))
-    cfg = load(args.config, overrides)
+    args = parse_config_args(add_run_flags(cli_parser(doc or spec.script)), argv)
+    require_torchrun(spec.script, args=f"--config {args.config}")
+    cfg = load(args.config, list(args.set) + run_overrides(args))
     check_inputs(spec, cfg)
     training = cfg.stage_training(spec.stage)
     if spec.stage == "tokenizer":  # the tokenizer has no forecast to score: it is always selected by its loss

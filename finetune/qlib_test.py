@@ -45,7 +45,8 @@ from finetune.qlib_forecast import (
 )
 from finetune.qlib_io import check_qlib_folder, init_qlib, range_bounds
 from finetune.utils.checkpoint import load_pretrained
-from finetune.utils.config_utils import config_to_dict
+from finetune.utils.config_utils import config_to_dict, parse_config_args
+from finetune.utils.errors import require_extra, setup_logging
 from finetune.utils.store import SeriesPanel
 from model import Kronos, KronosTokenizer
 from model.fileio import write_json
@@ -200,7 +201,7 @@ log = logging.getLogger("finetune.qlib")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = cli_parser(__doc__)
     parser.add_argument("--device", default=None, help="cuda, cuda:1, cpu, ... (default: cuda if available, else cpu)")
-    return parser.parse_args(argv)
+    return parse_config_args(parser, argv)
 
 
 def check_inputs(cfg: QlibConfig) -> None:
@@ -339,8 +340,9 @@ def evaluate(cfg: QlibConfig, forecasters: dict[str, Forecaster], split: SeriesP
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    setup_logging()
     args = parse_args(argv)
+    require_extra("qlib")  # named before any work (the qlib imports below are lazy)
     cfg = load(args.config, args.set)
     check_inputs(cfg)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -384,6 +386,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 if __name__ == "__main__":
     import sys
 
-    from finetune.cli import run_script  # clean errors, exit codes, --debug, --help-config, --print-config
+    from finetune.utils.errors import run_main  # one error line and an exit code (finetune/utils/errors.py)
 
-    sys.exit(run_script("qlib-backtest", main))
+    sys.exit(run_main(main))

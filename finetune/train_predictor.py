@@ -40,6 +40,6 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     import sys
 
-    from finetune.cli import run_script  # clean errors, exit codes, --debug, --help-config, --print-config
+    from finetune.utils.errors import run_main  # one error line and an exit code (finetune/utils/errors.py)
 
-    sys.exit(run_script("qlib-train-predictor", main))
+    sys.exit(run_main(main))

@@ -32,8 +32,7 @@ from typing import Any
 import pandas as pd
 
 import finetune_csv.config as csv_config
-from finetune.utils.config_utils import ConfigError
-from finetune.utils.errors import setup_logging
+from finetune.utils.errors import ConfigError, setup_logging
 from finetune_csv.config import CsvFinetuneConfig
 from finetune_csv.train_sequential import run_finetune
 

@@ -8,41 +8,41 @@ same names and defaults there (finetune/utils/factory.py, forecast_config.py, st
 
 Also here:
 - Where the CSV pipeline's stages keep their models, and which tokenizer the predictor stage reads.
-- Run a YAML file written for the ORIGINAL Kronos `finetune_csv` (shiyu-coder/Kronos) with this pipeline.
+- A YAML file written for the ORIGINAL Kronos `finetune_csv` (shiyu-coder/Kronos) is translated by `load`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import datetime
 import json
 import logging
 import math
 import os
-import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import pandas as pd
-import yaml
 
 from finetune.utils.config_utils import (
-    ConfigError,
     ModelConfig,
     Problems,
     SamplingConfig,
     StageConfig,
     TrainingConfig,
     apply_stage,
-    load_config,
+    build_config,
+    get_dotted,
     parse_overrides,
+    read_yaml,
+    set_dotted,
     validate_stage,
     validate_training_config,
     warn_shadowed_overrides,
 )
+from finetune.utils.errors import ConfigError, DataError
 
 NAN_POLICIES = ("error", "ffill", "drop")
 
@@ -269,13 +269,25 @@ class CsvFinetuneConfig:
         return self.base_dir / "basemodel"
 
 
-def load(config_path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
+def load(config_path: str | Path | None, overrides: Sequence[str] = (),
          values: Mapping[str, Any] | None = None) -> CsvFinetuneConfig:
     """Read the YAML file, apply `--set key=value` overrides, then typed `values` {dotted key: value} (from
-    Python), and validate; one ValueError lists every problem. Warns about `training.X` overrides that a stage
-    section shadows."""
-    cfg = load_config(CsvFinetuneConfig, config_path, overrides, values)
-    validate(cfg)  # errors first: a warning printed before them would push the useful line down
+    Python), and validate; one ConfigError lists every problem.
+
+    A file in the original Kronos finetune_csv format is translated here (each mapped key logged once, see
+    `translate`); `--set` items with original keys are applied before the translation, this project's after it.
+    Warns about `--set training.X` overrides that a stage section shadows.
+    """
+    raw, overrides, original = _translate_original(read_yaml(config_path), list(overrides or ()), config_path)
+    source = None if config_path is None else str(config_path)
+    try:
+        cfg = build_config(CsvFinetuneConfig, raw, overrides, source, values)
+        validate(cfg)  # errors first: a warning printed before them would push the useful line down
+    except ConfigError as err:
+        if not original:
+            raise
+        raise ConfigError(err.problems, f"Invalid configuration from {config_path} (original Kronos format, "
+                                        "problems named with this project's keys)") from None
     warn_shadowed_overrides(cfg, [*overrides, *(f"{k}=" for k in values or {})])
     return cfg
 
@@ -441,22 +453,14 @@ class Rule:
     quietly); any other value is reported as unsupported. None with `new` None: always dropped with the note."""
 
 
-def _get(raw: Mapping[str, Any], dotted: str, default: Any = None) -> Any:
-    node: Any = raw
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return default
-        node = node[part]
-    return node
-
-
 def _betas(value: Any, raw: Mapping[str, Any]) -> Outcome:
     # The original has two scalars; ours is one [beta1, beta2] list (original defaults 0.9 / 0.95).
-    return [("training.betas", [_get(raw, "training.adam_beta1", 0.9), _get(raw, "training.adam_beta2", 0.95)])]
+    return [("training.betas", [get_dotted(raw, "training.adam_beta1", 0.9),
+                                get_dotted(raw, "training.adam_beta2", 0.95)])]
 
 
 def _base_path(value: Any, raw: Mapping[str, Any]) -> Outcome:
-    if _get(raw, "model_paths.base_save_path"):  # an explicit base_save_path wins in the original too
+    if get_dotted(raw, "model_paths.base_save_path"):  # an explicit base_save_path wins in the original too
         return []
     return [("paths.base_dir", f"{str(value).rstrip('/')}/{{exp_name}}")]
 
@@ -482,7 +486,7 @@ def _from_scratch(kind: str) -> Callable[[Any, Mapping[str, Any]], Outcome]:
     def one(which: str, value: Any, raw: Mapping[str, Any]) -> Outcome:
         if value is not False:
             return []
-        source = _get(raw, f"model_paths.pretrained_{which}")
+        source = get_dotted(raw, f"model_paths.pretrained_{which}")
         cfg_file = Path(str(source)).expanduser() / "config.json" if source else None
         if cfg_file is None or not cfg_file.is_file():
             raise _Unsupported(f"the original copies the {which} architecture from {source}/config.json, which is "
@@ -498,7 +502,7 @@ def _from_scratch(kind: str) -> Callable[[Any, Mapping[str, Any]], Outcome]:
         if kind != "both":
             return one(kind, value, raw)
         return [pair for which in ("tokenizer", "predictor")
-                if _get(raw, f"experiment.pre_trained_{which}") is None
+                if get_dotted(raw, f"experiment.pre_trained_{which}") is None
                 for pair in one(which, value, raw)]
 
     return convert
@@ -507,8 +511,9 @@ def _from_scratch(kind: str) -> Callable[[Any, Mapping[str, Any]], Outcome]:
 def _finetuned_tokenizer(value: Any, raw: Mapping[str, Any]) -> Outcome:
     if not value:
         return []
-    exp = _get(raw, "model_paths.exp_name", "")
-    base = _get(raw, "model_paths.base_save_path") or f"{str(_get(raw, 'model_paths.base_path', '')).rstrip('/')}/{exp}"
+    exp = get_dotted(raw, "model_paths.exp_name", "")
+    base = (get_dotted(raw, "model_paths.base_save_path")
+            or f"{str(get_dotted(raw, 'model_paths.base_path', '')).rstrip('/')}/{exp}")
     expected = f"{str(base).replace('{exp_name}', str(exp)).rstrip('/')}/tokenizer/best_model"
     if os.path.normpath(str(value).replace("{exp_name}", str(exp))) == os.path.normpath(expected):
         return []
@@ -619,21 +624,13 @@ def _leaves(raw: Mapping[str, Any], prefix: str = "") -> list[str]:
     return out
 
 
-def _set(values: dict[str, Any], dotted: str, value: Any) -> None:
-    node = values
-    *parents, last = dotted.split(".")
-    for part in parents:
-        node = node.setdefault(part, {})
-    node[last] = value
-
-
 def translate(raw: Mapping[str, Any]) -> Translation:
     """Map an original-format config (already read from YAML) to this project's keys; pure (logs nothing)."""
     out = Translation()
-    order = [k for k in RULES if _get(raw, k, _MISSING) is not _MISSING]
+    order = [k for k in RULES if get_dotted(raw, k, _MISSING) is not _MISSING]
     unknown = [k for k in _leaves(raw) if k not in RULES]
     for key in order:
-        rule, value = RULES[key], _get(raw, key)
+        rule, value = RULES[key], get_dotted(raw, key)
         shown = json.dumps(value) if isinstance(value, (str, bool)) or value is None else value
         try:
             if rule.convert is not None:
@@ -649,7 +646,7 @@ def translate(raw: Mapping[str, Any]) -> Translation:
             out.unsupported.append(f"{key} = {shown}: not supported; {why}")
             continue
         for new_key, new_value in pairs:
-            _set(out.values, new_key, new_value)
+            set_dotted(out.values, new_key, new_value)
         if pairs:
             targets = ", ".join(f"{k} = {json.dumps(v) if isinstance(v, (str, bool)) or v is None else v}"
                                 for k, v in pairs)
@@ -658,8 +655,8 @@ def translate(raw: Mapping[str, Any]) -> Translation:
             out.lines.append(f"{key} = {shown}: not needed" + (f"; {rule.note}" if rule.note else ""))
     for key, value in ORIGINAL_DEFAULTS.items():
         old = next((k for k, r in RULES.items() if r.new == key), key)
-        if _get(raw, old, _MISSING) is _MISSING:
-            _set(out.values, key, value)
+        if get_dotted(raw, old, _MISSING) is _MISSING:
+            set_dotted(out.values, key, value)
             out.lines.append(f"{old} (absent) -> {key} = {value}  (the original's default)")
     for key in unknown:
         out.unsupported.append(f"{key}: not a key of the original Kronos finetune_csv config; ignored")
@@ -675,126 +672,33 @@ def _split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
     return old, new
 
 
-def load_csv_config(config_path: str | Path | None, overrides: Sequence[str] = (),
-                    load_fn: Callable[[str | Path | None, Sequence[str]], Any] | None = None) -> Any:
-    """`finetune_csv.config.load`, also accepting a YAML file in the original Kronos finetune_csv format.
+def _translate_original(raw: dict[str, Any], overrides: list[str], config_path: str | Path | None
+                        ) -> tuple[dict[str, Any], list[str], bool]:
+    """(settings in this project's format, overrides still to apply, was it an original-format file).
 
-    Parameters
-    ----------
-    config_path: YAML file (this project's format or the original's); None = defaults.
-    overrides: `--set` items; original keys are applied before the translation, this project's after it.
-    load_fn: the loader of this project's format (default `finetune_csv.config.load`).
-
-    Returns
-    -------
-    The validated `CsvFinetuneConfig`. Raises ConfigError (naming keys) as `load_fn` does; a file that mixes
-    original keys into this project's format is rejected with the new name of each.
+    An original-format mapping is translated (rank 0 logs each mapped key); original keys mixed into this
+    project's format (in the file or in `--set`) are a ConfigError naming each key's new name.
     """
-    if load_fn is None:
-        from finetune_csv.config import load as load_fn
-    with _translated_file(config_path, overrides) as (path, rest, original):
-        try:
-            return load_fn(path, rest)
-        except ConfigError as err:
-            if not original:
-                raise
-            raise ConfigError(err.problems, f"Invalid configuration from {config_path} (original Kronos format, "
-                                            "problems named with this project's keys)") from None
-
-
-@contextlib.contextmanager
-def translated_argv(argv: Sequence[str]) -> Iterator[list[str]]:
-    """`argv` with an original-format `--config FILE` replaced by a translated copy (which exists inside the block).
-
-    For entry points whose loader does not call `load_csv_config` (the two CSV scripts and `kronos finetune` /
-    `kronos forecast` use this): the translation and its log lines happen here, and `--set` items with original
-    keys are folded into the translated file. Any other argv is yielded unchanged.
-    """
-    argv = list(argv)
-    path, sets = _config_and_sets(argv)
-    with _translated_file(path, sets) as (new_path, rest, original):
-        if not original:
-            yield argv
-            return
-        old = [s for s in sets if s not in rest]
-        out: list[str] = []
-        skip = False
-        for i, arg in enumerate(argv):
-            if skip:
-                skip = False
-                continue
-            if arg == "--config":
-                out += ["--config", str(new_path)]
-                skip = True
-            elif arg.startswith("--config="):
-                out.append(f"--config={new_path}")
-            elif arg == "--set" and i + 1 < len(argv) and argv[i + 1] in old:
-                skip = True
-            elif arg.startswith("--set=") and arg.partition("=")[2] in old:
-                continue
-            else:
-                out.append(arg)
-        yield out
-
-
-def _config_and_sets(argv: Sequence[str]) -> tuple[str | None, list[str]]:
-    path, sets = None, []
-    for i, arg in enumerate(argv):
-        nxt = argv[i + 1] if i + 1 < len(argv) else None
-        if arg == "--config" and nxt is not None:
-            path = nxt
-        elif arg.startswith("--config="):
-            path = arg.partition("=")[2]
-        elif arg == "--set" and nxt is not None:
-            sets.append(nxt)
-        elif arg.startswith("--set="):
-            sets.append(arg.partition("=")[2])
-    return path, sets
-
-
-@contextlib.contextmanager
-def _translated_file(config_path: str | Path | None,
-                     overrides: Sequence[str]) -> Iterator[tuple[str | Path | None, list[str], bool]]:
-    """Yields (path to load, overrides still to apply, was it an original-format file)."""
-    raw = _read_yaml(config_path)
     old_overrides, new_overrides = _split_overrides(overrides)
-    if raw is None or not is_original_config(raw):
-        if raw is not None or old_overrides:
-            keys = (_leaves(raw) if raw is not None else []) + [o.partition("=")[0].strip() for o in old_overrides]
-            mixed = [f"{k}: a key of the original Kronos format; here it is "
-                     f"{RULES[k].new or 'not needed (' + RULES[k].note + ')'}"
-                     for k in keys if k in RULES and RULES[k].new != k]
-            if mixed:
-                raise ConfigError(mixed, f"Invalid configuration from {config_path} (original Kronos keys mixed "
-                                         "into this project's format)")
-        yield config_path, list(overrides), False
-        return
-    raw = copy.deepcopy(dict(raw))
+    if not is_original_config(raw):
+        keys = _leaves(raw) + [o.partition("=")[0].strip() for o in old_overrides]
+        mixed = [f"{k}: a key of the original Kronos format; here it is "
+                 f"{RULES[k].new or 'not needed (' + RULES[k].note + ')'}"
+                 for k in keys if k in RULES and RULES[k].new != k]
+        if mixed:
+            raise ConfigError(mixed, f"Invalid configuration from {config_path} (original Kronos keys mixed "
+                                     "into this project's format)")
+        return raw, overrides, False
+    raw = copy.deepcopy(raw)
     for key, value in parse_overrides(old_overrides):
-        _set(raw, key, value)
+        set_dotted(raw, key, value)
     result = translate(raw)
     if os.environ.get("RANK", "0") == "0":  # every rank translates; one reports
         log.warning("%s is in the original Kronos finetune_csv format; its keys map to this project's as follows:",
                     config_path)
-        for line in result.lines:
+        for line in result.lines + result.unsupported:
             log.warning("  %s", line)
-        for line in result.unsupported:
-            log.warning("  %s", line)
-    with tempfile.TemporaryDirectory(prefix="kronos_config_") as tmp:
-        translated = Path(tmp) / f"{Path(str(config_path)).stem}.translated.yaml"
-        translated.write_text(yaml.safe_dump(result.values, sort_keys=False), encoding="utf-8")
-        yield translated, new_overrides, True
-
-
-def _read_yaml(path: str | Path | None) -> Mapping[str, Any] | None:
-    """The mapping in a YAML file, or None when there is none to read (the normal loader then reports why)."""
-    if path is None or not Path(path).is_file():
-        return None
-    try:
-        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (yaml.YAMLError, OSError, UnicodeDecodeError):
-        return None
-    return raw if isinstance(raw, Mapping) else None
+    return result.values, new_overrides, True
 
 
 def _parse_expected(expected: str | pd.Timedelta) -> pd.Timedelta:
@@ -832,7 +736,7 @@ def frequency_problem(value: str | None) -> str | None:
     return None
 
 
-class CandleDataError(ValueError):
+class CandleDataError(DataError):
     """A problem in the candle data itself; the message names the file, line and what to change."""
 
 

@@ -34,10 +34,10 @@ from finetune.evaluation.forecast_scores import (
     interval_coverage,
     score_forecasts,
 )
-from finetune.utils.checkpoint import list_checkpoints
-from finetune.utils.config_utils import add_config_args
-from finetune.utils.errors import RefusedError
-from finetune.utils.safety import LOCK_NAME, read_holder, stage_status, weights_fingerprint
+from finetune.utils.checkpoint import list_checkpoints, weights_fingerprint
+from finetune.utils.config_utils import add_config_args, parse_config_args
+from finetune.utils.errors import RefusedError, setup_logging
+from finetune.utils.safety import LOCK_NAME, read_holder, stage_status
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir, predictor_tokenizer_source
 from finetune_csv.data import PreparedData, prepare_data
@@ -789,11 +789,12 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> pd.DataFr
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = add_config_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser = add_config_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]), csv_config.CsvFinetuneConfig,
+                             csv_config.load)
     parser.add_argument("--future", action="store_true",
                         help="forecast the data.predict candles after each series' last row instead of scoring")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    args = parse_config_args(parser, argv)
+    setup_logging()
     cfg = csv_config.load(args.config, args.set)
     if args.future:
         table = run_future(cfg)
@@ -808,6 +809,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from finetune.cli import run_script  # clean errors, exit codes, --debug, --help-config, --print-config
+    from finetune.utils.errors import run_main  # one error line and an exit code (finetune/utils/errors.py)
 
-    sys.exit(run_script("forecast", main))
+    sys.exit(run_main(main))

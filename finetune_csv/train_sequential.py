@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import pandas as pd
 
 import finetune_csv.config as csv_config
-from finetune.utils.config_utils import add_config_args, config_to_dict
+from finetune.utils.config_utils import add_config_args, add_run_flags, config_to_dict, parse_config_args, run_overrides
 from finetune.utils.distributed import DistInfo, barrier, distributed_context, seeded_init
 from finetune.utils.errors import setup_logging
 from finetune.utils.factory import build_predictor, build_tokenizer
@@ -42,7 +42,8 @@ STAGES = ("tokenizer", "predictor")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = add_config_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_run_flags(add_config_args(parser, CsvFinetuneConfig, csv_config.load))
     parser.add_argument("--skip-tokenizer", action="store_true",
                         help="do not train the tokenizer (the predictor uses the finetuned or pretrained one)")
     parser.add_argument("--skip-basemodel", "--skip-predictor", dest="skip_predictor", action="store_true",
@@ -50,21 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-existing", action="store_true",
                         help="skip a stage that FINISHED before (an interrupted stage is resumed, not skipped; "
                              "finished stages are also skipped by default, unless --overwrite)")
-    parser.add_argument("--resume", action="store_true",
-                        help="insist on resuming: each unfinished stage continues from its newest checkpoint, and "
-                             "it is an error if there is none (training.resume=required; the default 'auto' "
-                             "resumes when it can and starts fresh otherwise)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="retrain a stage that already holds a run, replacing its outputs (training.overwrite; "
-                             "the run says what it replaces)")
-    return parser.parse_args(argv)
-
-
-def load_settings(args: argparse.Namespace) -> CsvFinetuneConfig:
-    """YAML + --set overrides (+ --resume / --overwrite), validated: one ValueError lists every problem."""
-    overrides = (list(args.set) + (["training.resume=required"] if args.resume else [])
-                 + (["training.overwrite=true"] if args.overwrite else []))
-    return csv_config.load(args.config, overrides)
+    return parse_config_args(parser, argv)
 
 
 def plan_stages(cfg: CsvFinetuneConfig, skip_tokenizer: bool, skip_predictor: bool,
@@ -87,7 +74,7 @@ def plan_stages(cfg: CsvFinetuneConfig, skip_tokenizer: bool, skip_predictor: bo
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()  # rank 0 reports; under torchrun the other ranks only warn
-    cfg = load_settings(args)
+    cfg = csv_config.load(args.config, list(args.set) + run_overrides(args))
     run_finetune(cfg, skip_tokenizer=args.skip_tokenizer, skip_predictor=args.skip_predictor,
                  skip_existing=args.skip_existing)
     return 0
@@ -204,6 +191,6 @@ def summarize(results: list[TrainResult], plan: dict[str, str | None]) -> str:
 if __name__ == "__main__":
     import sys
 
-    from finetune.cli import run_script  # clean errors, exit codes, --debug, --help-config, --print-config
+    from finetune.utils.errors import run_main  # one error line and an exit code (finetune/utils/errors.py)
 
-    sys.exit(run_script("finetune", main))
+    sys.exit(run_main(main))

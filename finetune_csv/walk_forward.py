@@ -45,8 +45,8 @@ import pandas as pd
 
 import finetune_csv.config as csv_config
 from finetune.evaluation.forecast_scores import ScoreSettings, empirical_samples, persistence_samples, window_scores
-from finetune.utils.config_utils import ConfigError, add_config_args, config_to_dict
-from finetune.utils.errors import DataError, RefusedError, setup_logging
+from finetune.utils.config_utils import add_config_args, config_to_dict, parse_config_args
+from finetune.utils.errors import ConfigError, DataError, RefusedError, setup_logging
 from finetune.utils.safety import RunLock
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir, predictor_tokenizer_source
@@ -421,10 +421,11 @@ def format_table(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = add_config_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser = add_config_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]), csv_config.CsvFinetuneConfig,
+                             csv_config.load)
     parser.add_argument("--overwrite", action="store_true",
                         help="redo every fold, replacing walk_forward/ (default: finished folds are kept and skipped)")
-    args = parser.parse_args(argv)
+    args = parse_config_args(parser, argv)
     setup_logging()
     cfg = csv_config.load(args.config, args.set)
     report = run_walk_forward(cfg, overwrite=args.overwrite)
@@ -434,6 +435,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from finetune.cli import run_script  # clean errors, exit codes, --debug, --help-config, --print-config
+    from finetune.utils.errors import run_main  # one error line and an exit code (finetune/utils/errors.py)
 
-    sys.exit(run_script("walk-forward", main))
+    sys.exit(run_main(main))

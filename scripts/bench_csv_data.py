@@ -92,7 +92,7 @@ def data_wait_share(loader, steps: int, device: torch.device) -> tuple[float, fl
     return waited / total, total / steps
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--series", type=int, default=8)
     p.add_argument("--bars", type=int, default=20_000)
@@ -101,7 +101,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--batches", type=int, default=60, help="batches timed per loader")
     p.add_argument("--steps", type=int, default=20, help="train steps timed for the data-wait share")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -51,7 +51,7 @@ def time_predict(predictor, args, inputs, repeats: int) -> tuple[float, pd.DataF
     return best, out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--context", type=int, nargs="+", default=[400, 392])
     p.add_argument("--steps", type=int, default=120)
@@ -59,7 +59,7 @@ def main() -> None:
     p.add_argument("--max-context", type=int, default=512)
     p.add_argument("--repeats", type=int, default=1, help="best of N timings per path")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     torch.manual_seed(0)
     tok, model = KronosTokenizer(**TOKENIZER_BASE), Kronos(**KRONOS_SMALL)

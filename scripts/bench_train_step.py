@@ -71,7 +71,7 @@ class Row:
     engine_median_ms: float
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cuda = torch.cuda.is_available()
     p.add_argument("--models", nargs="+", default=["tokenizer-base", "kronos-small"],
@@ -82,7 +82,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5 if cuda else 3, help="untimed steps first")
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
     p.add_argument("--safety", action="store_true", help="time the run-safety overheads instead (see above)")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def sync(device: torch.device) -> None:
@@ -228,8 +228,8 @@ def safety_main(args: argparse.Namespace) -> None:
         args.json.write_text(json.dumps(rows, indent=2))
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.safety:
         safety_main(args)
         return

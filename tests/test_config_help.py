@@ -1,4 +1,4 @@
-"""finetune/cli.py: the key listing is generated from the config dataclasses (types, defaults,
+"""finetune/utils/config_utils.py: the key listing is generated from the config dataclasses (types, defaults,
 docstrings) and every listed key is real; --help-config / --print-config on a parser and through `kronos`."""
 
 from __future__ import annotations
@@ -12,18 +12,20 @@ import yaml
 
 import finetune_csv.config as csv_config
 from finetune import cli
-from finetune.cli import (
+from finetune.config import QlibConfig
+from finetune.config import load as load_qlib_config
+from finetune.utils.config_utils import (
     KeyDoc,
     SectionDoc,
     _show_default,
-    add_help_config_args,
+    add_config_args,
+    config_to_dict,
     describe_config,
     field_docs,
     format_config_help,
+    load_config,
+    parse_config_args,
 )
-from finetune.config import QlibConfig
-from finetune.config import load as load_qlib_config
-from finetune.utils.config_utils import add_config_args, config_to_dict, load_config
 from finetune_csv.config import CsvFinetuneConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,14 +106,14 @@ def test_listing_groups_keys_under_their_section():
 
 
 def _parser():
-    parser = add_config_args(argparse.ArgumentParser(prog="train"))  # --config is required here
-    parser.add_argument("--resume", action="store_true")
-    return add_help_config_args(parser, CsvFinetuneConfig, csv_config.load)
+    parser = add_config_args(argparse.ArgumentParser(prog="train"), CsvFinetuneConfig, csv_config.load)
+    parser.add_argument("--resume", action="store_true")  # --config is required here
+    return parser
 
 
 def test_help_config_flag_prints_and_exits_without_config(capsys):
     with pytest.raises(SystemExit) as exit_:
-        _parser().parse_args(["--help-config"])
+        parse_config_args(_parser(), ["--help-config"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("Settings of CsvFinetuneConfig") and "  predictor_training.lr: float | null = null" in out
@@ -120,7 +122,7 @@ def test_help_config_flag_prints_and_exits_without_config(capsys):
 def test_print_config_flag_prints_resolved_yaml(capsys, tmp_path):
     cfg_path = ROOT / "configs/csv_demo.yaml"
     with pytest.raises(SystemExit) as exit_:
-        _parser().parse_args(["--config", str(cfg_path), "--set", "training.epochs=7", "--print-config"])
+        parse_config_args(_parser(), ["--config", str(cfg_path), "--set", "training.epochs=7", "--print-config"])
     assert exit_.value.code == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     expected = config_to_dict(csv_config.load(cfg_path, ["training.epochs=7"]))
@@ -130,7 +132,7 @@ def test_print_config_flag_prints_resolved_yaml(capsys, tmp_path):
 
 
 def test_parser_without_the_flags_is_unchanged():
-    args = _parser().parse_args(["--config", "x.yaml", "--resume"])
+    args = parse_config_args(_parser(), ["--config", "x.yaml", "--resume"])
     assert args.config == "x.yaml" and args.resume and args.print_config is False
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import model.predictor as predictor_module
+from finetune.utils.checkpoint import weights_fingerprint
 from finetune.utils.errors import UserError
-from finetune.utils.safety import weights_fingerprint
 from finetune_csv import forecast
 from finetune_csv.config import load
 from finetune_csv.data import prepare_data

@@ -11,16 +11,16 @@ import pytest
 import yaml
 
 from finetune.utils.config_utils import (
-    ConfigError,
     Problems,
     TrainingConfig,
     add_config_args,
-    config_from_args,
     config_to_dict,
     dump_config,
     load_config,
+    parse_config_args,
     validate_training_config,
 )
+from finetune.utils.errors import ConfigError
 
 
 @dataclass
@@ -101,11 +101,13 @@ def test_every_problem_is_reported_once_with_its_yaml_key(tmp_path):
     assert isinstance(err.value, ValueError)
     assert "training.epochs: expected int, got 'ten'" in message
     assert "training.amp: expected one of 'none' | 'bf16', got 'fp8'" in message
-    assert "training.epocs: unknown key" in message
+    assert "training.epocs: unknown key (did you mean 'training.epochs'?" in message
     assert "data.lookback: expected int, got 1.5" in message
-    assert "data.nope: unknown key" in message
+    assert "data.nope: unknown key (known keys here:" in message  # nothing close: no guess
     assert "training.shuffle: expected bool" in message
     assert len(err.value.problems) == 6
+    with pytest.raises(ConfigError, match=r"training\.epoch: unknown key \(did you mean 'training\.epochs'\?"):
+        load_config(Root, None, ["training.epoch=4"])  # a --set key gets the same hint
 
 
 def test_section_given_a_scalar_and_bad_override_syntax_are_errors(tmp_path):
@@ -135,9 +137,9 @@ def test_missing_file_names_the_path(tmp_path):
 
 def test_argparse_round_trip_and_dict_export(tmp_path):
     path = write_yaml(tmp_path, {"training": {"epochs": 2}})
-    parser = add_config_args(argparse.ArgumentParser())
-    args = parser.parse_args(["--config", str(path), "--set", "training.epochs=4", "--set", "data.lookback=8"])
-    cfg = config_from_args(Root, args)
+    parser = add_config_args(argparse.ArgumentParser(), Root, lambda path, sets: load_config(Root, path, sets))
+    args = parse_config_args(parser, ["--config", str(path), "--set", "training.epochs=4", "--set", "data.lookback=8"])
+    cfg = args.load_config_fn(args.config, args.set)
     assert (cfg.training.epochs, cfg.data.lookback) == (4, 8)
     exported = config_to_dict(cfg)
     assert exported["training"]["betas"] == [0.9, 0.95]

@@ -17,6 +17,7 @@ from finetune.utils.distributed import (
     resolve_backend,
     seed_everything,
 )
+from finetune.utils.errors import UserError
 from finetune.utils.training_utils import (
     micro_batch_sizes,
     optimizer_steps_per_epoch,
@@ -105,7 +106,7 @@ def test_single_process_without_torchrun_is_a_world_of_one(monkeypatch):
     with distributed_context() as dist:
         assert (dist.rank, dist.world_size, dist.is_main, dist.distributed) == (0, 1, True, False)
         assert dist.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
-    with pytest.raises(RuntimeError, match=r"torchrun --standalone --nproc_per_node=1 finetune/train_x.py"):
+    with pytest.raises(UserError, match=r"torchrun --standalone --nproc_per_node=1 finetune/train_x.py"):
         require_torchrun("finetune/train_x.py")
     assert launched_by_torchrun({"RANK": "1", "WORLD_SIZE": "2"})
 

@@ -11,7 +11,6 @@ import pytest
 
 from finetune.evaluation.signals import (
     BaselineSettings,
-    aggregate_seeds,
     analyse_signal,
     baseline_expressions,
     baseline_signals,
@@ -138,7 +137,7 @@ def test_quantile_groups_by_hand():
     np.testing.assert_allclose(table.iloc[0].to_numpy(), [0.15, 0.35, 0.55])
 
 
-def test_ic_decay_plot_and_seed_aggregation(on_store, tmp_path):
+def test_ic_decay_plot(on_store, tmp_path):
     labels = forward_labels("mkt", "2023-03-01", "2023-03-31", horizons=3)
     base = baseline_signals("mkt", "2023-03-01", "2023-03-31")
     runs = [analyse_signal(base["momentum"].dropna(), labels), analyse_signal(base["reversal"].dropna(), labels)]
@@ -146,14 +145,7 @@ def test_ic_decay_plot_and_seed_aggregation(on_store, tmp_path):
     assert list(table.index) == [1, 2, 3] and list(table.columns) == ["ic", "rank_ic", "ic_t_nw", "long_short"]
     png = plot_ic_decay({"momentum": table, "reversal": ic_decay(runs[1])}, tmp_path / "ic_decay.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
-    agg = aggregate_seeds(runs)
-    json.dumps(strict_json({"runs": runs, "seeds": agg}), allow_nan=False)  # metrics.json-ready
-    ics = [r["label_2"]["ic"]["mean"] for r in runs]
-    assert agg["seeds"] == 2 and agg["label_2"]["ic"]["mean"] == pytest.approx(np.mean(ics))
-    assert agg["label_2"]["ic"]["std"] == pytest.approx(np.std(ics, ddof=1))
-    assert set(agg["label_3"]) == {"ic", "rank_ic", "long_short", "excess_return"}
-    with pytest.raises(ValueError, match="no seed results"):
-        aggregate_seeds([])
+    json.dumps(strict_json({"runs": runs}), allow_nan=False)  # metrics.json-ready
 
 
 def test_baselines_from_the_same_data(on_store):

@@ -7,7 +7,8 @@ import pytest
 from finetune import qlib_test, train_predictor, train_tokenizer
 from finetune.config import QlibConfig, check_model_folder, load
 from finetune.qlib_stage import check_inputs
-from finetune.utils.config_utils import ConfigError, Problems, load_config
+from finetune.utils.config_utils import Problems, load_config
+from finetune.utils.errors import ConfigError, UserError
 
 
 def keys_of(err: ConfigError) -> list[str]:
@@ -118,7 +119,7 @@ def test_backtest_names_every_missing_input(tmp_path):
 def test_trainers_started_with_plain_python_show_the_torchrun_command(module, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(UserError) as err:
         module.main(["--config", "configs/qlib_demo.yaml"])
     expected = f"torchrun --standalone --nproc_per_node=1 {module.SPEC.script} --config configs/qlib_demo.yaml"
     assert expected in str(err.value)

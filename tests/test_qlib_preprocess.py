@@ -10,7 +10,8 @@ from finetune import qlib_data_preprocess as pre
 from finetune import qlib_io as qio
 from finetune.config import QlibConfig
 from finetune.dataset import MANIFEST_NAME, load_split, split_path
-from finetune.utils.config_utils import ConfigError, load_config
+from finetune.utils.config_utils import load_config
+from finetune.utils.errors import ConfigError
 
 LOOKBACK, PREDICT = 6, 2
 

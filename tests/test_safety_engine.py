@@ -16,8 +16,9 @@ import torch
 
 import finetune.utils.checkpoint as checkpoint_store
 from finetune.utils.checkpoint import CheckpointWriteError, DivergenceError, load_checkpoint
-from finetune.utils.config_utils import ConfigError, TrainingConfig
+from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import DistInfo
+from finetune.utils.errors import ConfigError
 from finetune.utils.safety import (
     STOPPED_EXIT_CODE,
     RunLock,
@@ -328,6 +329,20 @@ def test_finished_run_with_other_schedule_settings_is_not_skipped_silently(tmp_p
     assert "training.overwrite: set it to true" in str(err.value)
 
 
+def test_rerun_with_more_stage_epochs_names_the_stage_key_and_does_not_say_skipping(tmp_path, caplog):
+    train_set, val_set = tiny_datasets()
+    train_tokenizer(tiny_tokenizer(), train_set, val_set, replace(CFG, epochs=1), tmp_path, CPU,
+                    run_config={"tokenizer_training": {"epochs": 1}})
+    with caplog.at_level(logging.INFO), pytest.raises(ConfigError) as err:
+        train_tokenizer(tiny_tokenizer(), train_set, val_set, CFG, tmp_path, CPU,
+                        run_config={"tokenizer_training": {"epochs": 2}})
+    text = str(err.value)
+    assert text.startswith(f"{tmp_path} holds a finished tokenizer run made with other settings; nothing was trained")
+    assert "tokenizer_training.epochs: the checkpoint was made with 1, the config now says 2" in text
+    assert "  - training.epochs" not in text
+    assert not any("skipping it" in r.getMessage() for r in caplog.records)
+
+
 class HandlerProbe:
     """A batch dataset that reports, from inside the loader worker, what SIGINT does there."""
 
@@ -348,3 +363,18 @@ def test_loader_workers_ignore_sigint_and_keep_their_seeding():
                                       num_workers=1))
     assert [int(b) for b in loader] == [1, 1]  # Ctrl-C reaches the training process only (graceful stop)
     assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # the main process is untouched
+
+
+def test_rank0_deserialises_a_resumed_checkpoint_once(tmp_path, monkeypatch):
+    train_set, val_set = tiny_datasets()
+    cfg = replace(CFG, epochs=1)
+    train_tokenizer(tiny_tokenizer(), train_set, val_set, cfg, tmp_path / "a", CPU)
+    calls = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(a[0]) or real_load(*a, **k))
+    train_tokenizer(tiny_tokenizer(), train_set, val_set, cfg, tmp_path / "a", CPU)  # finished: read back
+    assert len(calls) == 1
+    calls.clear()
+    explicit = replace(cfg, epochs=1, resume=str(tmp_path / "a" / "checkpoints" / "last.pt"))
+    train_tokenizer(tiny_tokenizer(), train_set, val_set, explicit, tmp_path / "b", CPU)  # an explicit file
+    assert len(calls) == 1

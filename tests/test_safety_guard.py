@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from finetune.utils.checkpoint import DivergenceError, NonFiniteWeightsError, assert_finite_state_dict
-from finetune.utils.safety import NonFiniteGuard, StepStats, check_finite, diagnose
+from finetune.utils.safety import NonFiniteGuard, StepStats, check_step, diagnose
 
 ROOT = Path(__file__).resolve().parents[1]
 NAN, INF = float("nan"), float("inf")
@@ -23,13 +23,13 @@ def stable(n: int, loss: float = 2.0, norm: float | None = 1.0) -> list[StepStat
     return [StepStats(i + 1, loss + 0.01 * (i % 3), norm) for i in range(n)]
 
 
-def test_check_finite_single_process():
-    assert check_finite(torch.tensor(1.5), torch.tensor(0.3)) is True
-    assert check_finite(1.5) is True
-    assert check_finite(torch.tensor(NAN), torch.tensor(0.3)) is False
-    assert check_finite(torch.tensor(1.0), torch.tensor(INF)) is False
-    assert check_finite(1.0, NAN) is False
-    assert check_finite(torch.tensor(1.0), None) is True
+def test_check_step_single_process():
+    assert check_step(torch.tensor(1.5), torch.tensor(0.3)) == (True, False)
+    assert check_step(1.5) == (True, False)
+    assert check_step(torch.tensor(NAN), torch.tensor(0.3)) == (False, False)
+    assert check_step(torch.tensor(1.0), torch.tensor(INF)) == (False, False)
+    assert check_step(1.0, NAN, stop=True) == (False, True)
+    assert check_step(torch.tensor(1.0), None, stop=True) == (True, True)
 
 
 def test_diagnose_data_value_when_the_data_check_flagged_extremes():

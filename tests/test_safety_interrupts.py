@@ -16,8 +16,7 @@ from finetune.utils.safety import (
     STOPPED_EXIT_CODE,
     GracefulStop,
     TrainingStopped,
-    agree_to_stop,
-    stop_requested,
+    check_step,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LOOP = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from finetune.utils.safety import GracefulStop, TrainingStopped, agree_to_stop, stop_requested
+    from finetune.utils.safety import GracefulStop, TrainingStopped, check_step
     out, save_seconds = Path(sys.argv[1]), float(sys.argv[2])
     log = open(out / "steps.log", "w", buffering=1)
     try:
@@ -38,7 +37,7 @@ LOOP = textwrap.dedent("""
                 log.write(f"start {step}\\n"); print(f"start {step}", flush=True)
                 time.sleep(0.3)                     # the optimizer step
                 log.write(f"end {step}\\n")
-                if agree_to_stop(stop_requested()):
+                if check_step(0.0, stop=stopper.requested)[1]:  # the loop's per-step agreement
                     time.sleep(save_seconds)
                     (out / "saved.txt").write_text(str(step))
                     raise TrainingStopped(stopper.signal_name, out / "saved.txt", step)
@@ -105,20 +104,18 @@ def test_repeated_sigterm_or_a_forwarded_copy_keeps_stopping_gracefully(tmp_path
 
 def test_handlers_are_restored_and_flag_is_per_context():
     before_int, before_term = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    assert not stop_requested()
     with GracefulStop() as stopper:
         assert signal.getsignal(signal.SIGINT) == stopper._handle
         os.kill(os.getpid(), signal.SIGTERM)
         deadline = time.monotonic() + 5
         while not stopper.requested and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert stopper.signal_name == "SIGTERM" and stop_requested()
-        assert agree_to_stop(stop_requested()) is True  # no process group: the flag itself
-    assert not stop_requested()
+        assert stopper.signal_name == "SIGTERM" and stopper.requested
+        assert check_step(0.0, stop=stopper.requested) == (True, True)  # no process group: the flag itself
     assert signal.getsignal(signal.SIGINT) == before_int and signal.getsignal(signal.SIGTERM) == before_term
     with GracefulStop(enabled=False):
         assert signal.getsignal(signal.SIGINT) == before_int
-    assert agree_to_stop(False) is False
+    assert check_step(0.0, stop=False) == (True, False)
 
 
 def test_training_stopped_message_without_checkpoint():
@@ -128,10 +125,10 @@ def test_training_stopped_message_without_checkpoint():
 
 AGREE = textwrap.dedent("""
     import sys, torch.distributed as tdist
-    from finetune.utils.safety import agree_to_stop
+    from finetune.utils.safety import check_step
     rank = int(sys.argv[2])
     tdist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=rank, world_size=2)
-    print(agree_to_stop(rank == 1), agree_to_stop(False))
+    print(check_step(0.0, stop=rank == 1)[1], check_step(0.0, stop=False)[1])
     tdist.destroy_process_group()
 """)
 

@@ -10,8 +10,7 @@ import pandas as pd
 import pytest
 
 from finetune.synthetic import generate_ohlcv, write_csv_folder
-from finetune.utils.config_utils import ConfigError
-from finetune.utils.errors import RefusedError
+from finetune.utils.errors import ConfigError, RefusedError
 from finetune.utils.store import SeriesPanel
 from finetune_csv import walk_forward as wf
 from finetune_csv.config import load

@@ -240,30 +240,6 @@ def plot_ic_decay(tables: dict[str, pd.DataFrame], path: str | Path) -> Path:
     return path
 
 
-def aggregate_seeds(analyses: list[dict]) -> dict:
-    """Mean and std (ddof=1; NaN for one seed) over inference seeds of IC, RankIC, long-short and excess return.
-
-    Parameters
-    ----------
-    analyses : one `analyse_signal` result per seed, same label columns.
-
-    Returns
-    -------
-    {"seeds": n, "label_<h>": {"ic": {"mean", "std"}, "rank_ic": {...}, "long_short": {...},
-    "excess_return": {...}}}.
-    """
-    if not analyses:
-        raise ValueError("no seed results to aggregate")
-    out: dict = {"seeds": len(analyses)}
-    for col in analyses[0]:
-        block = {}
-        for key in ("ic", "rank_ic", "long_short", "excess_return"):
-            vals = np.array([a[col][key]["mean"] for a in analyses], dtype=np.float64)
-            block[key] = {"mean": float(vals.mean()), "std": float(vals.std(ddof=1)) if len(vals) > 1 else math.nan}
-        out[col] = block
-    return out
-
-
 @dataclass
 class BaselineSettings:
     """Look-back windows of the baseline signals, in trading days."""

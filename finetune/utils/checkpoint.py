@@ -1,16 +1,19 @@
-"""Checkpoint files: the resumable `last.pt` (one dict, written atomically) and the published-format best model.
+"""Checkpoints, in one place: what a resumable checkpoint holds (`Checkpoint`, format `CHECKPOINT_FORMAT`), writing
+it (atomic step files with rotation, `last.pt` = the newest, never non-finite weights, a full disk named with the
+bytes needed), reading it back (`load_latest` falls back to the previous file when the newest is broken), whether
+a run may resume from it (`check_resume_compatible`, `check_data` with the data and frozen-weights fingerprints),
+and the published-format best model (`save_pretrained_atomic`, `load_pretrained`).
 
-Only rank 0 calls the writers here; the training loop puts a `barrier()` after them before any rank reads.
-Writes go to a temporary name in the same folder and are moved into place with `os.replace`, so a process killed
-mid-write leaves the previous checkpoint intact, never half a file.
-
-Also here:
-- Rotating resumable checkpoints: atomic step files, `last.pt` as the newest, a broken file falls back to the previous.
+Only rank 0 calls the writers; the training loop puts a `barrier()` after them before any rank reads. Writes go to
+a temporary name in the same folder and are moved into place with `os.replace`, so a process killed mid-write
+leaves the previous checkpoint intact, never half a file.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import logging
 import os
 import pickle
@@ -20,27 +23,58 @@ import secrets
 import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
+from torch import nn
 
-from finetune.utils.errors import DataError, UserError
+from finetune.utils.config_utils import Problems, TrainingConfig, config_to_dict, plain, stage_key
+from finetune.utils.errors import ConfigError, DataError, UserError
 from model.fileio import atomic_dir, atomic_write, write_json
 
 CHECKPOINT_FORMAT = "kronos-finetune/last-v1"
+LAST_NAME = "last.pt"
+
+
+class Checkpoint(TypedDict):
+    """What a resumable checkpoint (`checkpoints/step-XXXXXXXX.pt`, `last.pt`) holds: tensors, numbers, strings,
+    lists and dicts only, so it loads with `torch.load(weights_only=True)`. Written by `Trainer.save_last`."""
+
+    format: str  # CHECKPOINT_FORMAT
+    stage: str  # "tokenizer" | "predictor"
+    model: dict[str, torch.Tensor]  # the unwrapped model's state_dict
+    model_args: dict[str, Any]  # its constructor arguments (a resume with other shapes is refused)
+    optimizer: dict[str, Any]  # AdamW state_dict (moments, step counts)
+    scheduler: dict[str, Any]  # OneCycleLR state_dict (last_epoch = optimizer steps done)
+    grad_scaler: None  # bf16 autocast needs no loss scaling
+    loop: dict[str, Any]  # dataclasses.asdict(training_utils.LoopState)
+    rng: list[dict[str, Any]]  # `rng_state()` of every rank, by rank
+    world_size: int
+    training_config: dict[str, Any]  # the stage's TrainingConfig (RESUME_KEYS may not change on resume)
+    run_config: dict[str, Any]  # the pipeline's whole resolved config
+    data_info: dict[str, Any] | None  # what defines the data, and its `data_fingerprint`
+    data_fingerprint: str | None
+    frozen_fingerprint: str | None  # `weights_fingerprint` of the frozen tokenizer (predictor stage)
 
 
 def last_checkpoint_path(output_dir: str | Path) -> Path:
     """Where the loop keeps its resumable checkpoint: `<output_dir>/checkpoints/last.pt`."""
-    return Path(output_dir) / "checkpoints" / "last.pt"
+    return Path(output_dir) / "checkpoints" / LAST_NAME
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
-    """Load a `last.pt` written by the loop (tensors, numbers, strings only: `weights_only=True` is safe)."""
-    state = torch.load(path, map_location=map_location, weights_only=True)
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} is not a training checkpoint of this project (format {CHECKPOINT_FORMAT})")
+def check_format(state: dict) -> None:
+    """A `load_latest` validate hook: the dict must be a training checkpoint of this format (ValueError if not)."""
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"not a training checkpoint of this project (format {state.get('format')!r}, "
+                         f"expected {CHECKPOINT_FORMAT})")
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint:
+    """Load one checkpoint file the user named; an unusable file is a CheckpointError naming it and why."""
+    reason, state = _unreadable_reason(Path(path), map_location, check_format)
+    if reason is not None:
+        raise CheckpointError(f"training.resume: cannot resume from {path}: {reason}")
     return state
 
 
@@ -101,7 +135,6 @@ def check_token_sizes(tokenizer: Any, predictor: Any, keys: str) -> None:
             f"expects {predictor.s1_bits}/{predictor.s2_bits}; use a matching pair")
 
 
-LAST_NAME = "last.pt"
 _STEP_RE = re.compile(r"^step-(\d{8,})\.pt$")
 # save_pretrained_atomic's temporary folders: tempfile.mkdtemp(prefix=".<name>.") adds 8 chars; ".<name>.old".
 _MODEL_TMP_RE = re.compile(r"^\.(?P<name>.+)\.(old|[a-z0-9_]{8})$")
@@ -475,3 +508,122 @@ def assert_finite_state_dict(state_dict: Any, what: str) -> None:
         raise NonFiniteWeightsError(
             f"refusing to write {what}: tensor '{name}' holds {n_nan + n_inf} non-finite value(s) ({kinds}) of "
             f"{t.numel()} ({n_bad_tensors} tensor(s) affected); nothing was written, the previous checkpoint is kept")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# resume compatibility and fingerprints
+
+
+# Settings a checkpoint cannot be resumed with if changed: they fix the data order, the step count or shapes.
+RESUME_KEYS = ("epochs", "batch_size", "accumulation_steps", "seed", "max_train_samples")
+# Optimisation settings a resume may change (e.g. a lower lr after a divergence); each change is reported.
+CHANGEABLE_KEYS = ("lr", "pct_start", "div_factor", "final_div_factor", "betas", "weight_decay", "clip_grad_norm",
+                   "amp", "patience", "min_delta", "teacher_forcing", "max_val_samples", "select_by")
+
+
+def check_resume_compatible(saved: Checkpoint, cfg: TrainingConfig, world_size: int, stage: str,
+                            model_args: dict[str, Any], path: Path, *, run_config: dict[str, Any] | None = None,
+                            finished: bool = False) -> list[str]:
+    """Raise one ConfigError listing every setting that cannot differ from the checkpoint `saved` (loaded from
+    `path`); return 'key: old -> new' for each changeable optimisation setting that did change.
+
+    Parameters
+    ----------
+    saved: the checkpoint (its "stage", "model_args", "training_config", "world_size").
+    cfg, world_size, stage: this run's loop settings, process count and stage name.
+    model_args: this run's model constructor arguments, already `plain()`.
+    run_config: the pipeline's resolved config; a setting its `<stage>_training:` section sets is named by that
+        key (`predictor_training.epochs`), else by `training.<name>` (`config_utils.stage_key`).
+    finished: `saved` is the final checkpoint of a finished run that a re-run would otherwise skip.
+    """
+    title = (f"{path.parent.parent} holds a finished {stage} run made with other settings; nothing was trained"
+             if finished else f"Cannot resume from {path}")
+    problems = Problems(title)
+    if saved.get("stage") != stage:
+        problems.add("training.resume", f"the checkpoint is from the {saved.get('stage')} stage, not {stage}")
+    for key in sorted(set(model_args) | set(saved.get("model_args", {}))):
+        if saved.get("model_args", {}).get(key) != model_args.get(key):
+            problems.add(f"model.{key}", f"the checkpoint's model has {saved['model_args'].get(key)!r}, "
+                                         f"this one {model_args.get(key)!r}")
+    old = saved.get("training_config", {})
+    for key in RESUME_KEYS:
+        new_value = config_to_dict(getattr(cfg, key))
+        if key in old and old[key] != new_value:
+            problems.add(stage_key(run_config, stage, key),
+                         f"the checkpoint was made with {old[key]!r}, the config now says {new_value!r}")
+    if saved.get("world_size") != world_size:
+        problems.add("(torchrun --nproc_per_node)",
+                     f"the checkpoint was made with {saved.get('world_size')} processes, now {world_size}")
+    if problems:
+        problems.add("training.overwrite", "set it to true (--overwrite) to train this stage again from the start "
+                                           "with the new settings, or use a new output folder")
+    problems.raise_if_any()
+    changed = []
+    for key in CHANGEABLE_KEYS:
+        new_value = plain(getattr(cfg, key))
+        if key in old and plain(old[key]) != new_value:
+            changed.append(f"{stage_key(run_config, stage, key)}: {old[key]!r} -> {new_value!r}")
+    return changed
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, default=str, separators=(",", ":"))
+
+
+def data_fingerprint(data_info: dict[str, Any] | None) -> str | None:
+    """sha256 of `data_info` as canonical JSON (None without data_info)."""
+    return None if data_info is None else hashlib.sha256(_canonical(data_info).encode()).hexdigest()
+
+
+def weights_fingerprint(module: nn.Module) -> str:
+    """sha256 over a module's state dict (names, dtypes, shapes and bytes, in name order)."""
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(obj, list):
+        out = {}
+        for i, v in enumerate(obj):
+            out.update(_flatten(v, f"{prefix}[{i}]"))
+        return out or {prefix: []}
+    return {prefix: obj}
+
+
+def describe_changes(old: dict[str, Any] | None, new: dict[str, Any] | None, limit: int = 8) -> list[str]:
+    """'key: old -> new' for each differing leaf of two nested dicts (data_info), at most `limit` plus a count."""
+    a, b = _flatten(old or {}), _flatten(new or {})
+    diffs = [f"{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}" for k in sorted(set(a) | set(b))
+             if a.get(k, "(absent)") != b.get(k, "(absent)")]
+    return diffs[:limit] + ([f"... and {len(diffs) - limit} more"] if len(diffs) > limit else [])
+
+
+def check_data(saved: dict, data_info: dict[str, Any] | None, frozen_fp: str | None, accept: bool,
+               path: Path) -> list[str]:
+    """Compare the checkpoint's data fingerprint and frozen-model hash with this run's.
+
+    Returns the changes found (empty when none, or when the checkpoint predates fingerprints); raises a
+    ConfigError naming them unless `accept` (training.accept_changed_data).
+    """
+    changes = []
+    old_fp = saved.get("data_fingerprint")
+    if old_fp is not None and old_fp != data_fingerprint(data_info):
+        diff = describe_changes(saved.get("data_info"), data_info) or ["(the data description differs)"]
+        changes.append("the training data changed: " + "; ".join(diff))
+    old_frozen = saved.get("frozen_fingerprint")
+    if old_frozen is not None and old_frozen != frozen_fp:
+        changes.append(f"the frozen tokenizer's weights changed (sha256 {old_frozen[:12]} -> {str(frozen_fp)[:12]})")
+    if changes and not accept:
+        raise ConfigError([f"training.accept_changed_data: {c}; set it to true to resume anyway (recorded in "
+                           "run_info.json), or training.overwrite=true to start over" for c in changes],
+                          title=f"Cannot resume from {path}")
+    return changes

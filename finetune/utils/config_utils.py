@@ -1,64 +1,48 @@
-"""Typed configuration: nested dataclasses filled from YAML, `--set a.b=value` overrides, one error for all problems.
+"""Settings: typed dataclasses filled from YAML and `--set a.b=value`, one ConfigError for all problems.
 
-Each pipeline declares its settings as nested dataclasses (a one-line docstring per field) and loads them with
-`load_config(cls, yaml_path, overrides)`. The YAML file holds one mapping per nested dataclass:
-
-    training:
-      epochs: 10
-      lr: 4.0e-5
-
-Every problem found while loading (unknown keys, wrong types, missing required values, bad templates) is collected
-and raised once as a `ConfigError` (a `ValueError`) that names each YAML key, e.g.
-`training.epochs: expected int, got 'ten'`. Pipelines validate their own semantic rules with `Problems`, which
-raises the same error type.
-
-`--set` values are read as YAML scalars (`3` -> int, `null` -> None), except for a field typed `str`, which takes
-the raw text: `--set "data.columns.timestamps=Unnamed: 0"` is the column name `Unnamed: 0`, not a YAML mapping.
-
-String fields may refer to other fields with `{name}` templates, e.g. `output_dir: outputs/{exp_name}` or
-`save_dir: {training.output_dir}/tokenizer`; a bare name is looked up in the same section first, then at the top.
-
-(Over 400 lines on purpose: YAML reading, --set parsing, type conversion and templates are one loading pipeline
-whose steps share private helpers; splitting them would only spread one concept over several files.)
-
-Also here:
-- Settings of the shared training loop (`TrainingConfig`), their validation, and the resume compatibility check.
-- Per-stage overrides of the shared `training:` settings (`tokenizer_training:` / `predictor_training:` in YAML).
-- How forecasts are sampled (`forecast:` in YAML): the keys and defaults both pipelines share.
+What this module owns:
+- Loading (`load_config` = `read_yaml` + `build_config`): unknown keys (with a "did you mean"), wrong types and
+  missing values are collected and raised once as a `ConfigError` naming each YAML key, e.g.
+  `training.epochs: expected int, got 'ten'`. Pipelines add their own rules with `Problems`.
+  `--set` values are YAML scalars (`3` -> int, `null` -> None), except for a `str` field, which takes the raw text
+  (`--set "data.columns.timestamps=Unnamed: 0"`). String fields may use `{name}` / `{a.b}` templates
+  (`base_dir: outputs/{exp_name}`): a bare name is looked up in the same section first, then at the top.
+- The command line of every entry point with settings: `add_config_args` (--config, --set, --help-config,
+  --print-config), `parse_config_args`, `add_run_flags` / `run_overrides` (--resume, --overwrite).
+- Self-documenting settings: `describe_config` / `format_config_help` read the docstring under each field.
+- The shared sections: `TrainingConfig` (the loop's settings) and its validation, `StageConfig`
+  (`tokenizer_training:` / `predictor_training:`), `SamplingConfig` (`forecast:` sampling), `ModelConfig`.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import difflib
+import functools
 import importlib.util
+import inspect
+import json
 import logging
 import re
+import textwrap
 import types
 import typing
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
+from finetune.utils.errors import ConfigError, PathError
 from model.config import KronosConfig, KronosTokenizerConfig
 from model.features import FEATURES
 
 T = TypeVar("T")
 
 _TEMPLATE = re.compile(r"\{([A-Za-z_][A-Za-z0-9_.]*)\}")
-
-
-class ConfigError(ValueError):
-    """Invalid settings; `.problems` lists one `"yaml.key: what is wrong"` line per problem."""
-
-    def __init__(self, problems: Sequence[str], title: str = "Invalid configuration"):
-        self.problems = list(problems)
-        n = len(self.problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{title} ({n} problem{'s' if n != 1 else ''}):\n{lines}")
 
 
 class Problems:
@@ -103,6 +87,25 @@ class Problems:
 # loading
 
 
+def read_yaml(yaml_path: str | Path | None) -> dict[str, Any]:
+    """The mapping in a YAML settings file ({} for None or an empty file); PathError / ConfigError otherwise."""
+    if yaml_path is None:
+        return {}
+    path = Path(yaml_path)
+    if not path.is_file():
+        raise PathError(f"config file not found: {path} (check --config)")
+    with open(path, encoding="utf-8") as f:
+        try:
+            loaded = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ConfigError([f"{path}: not valid YAML ({e})"]) from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError([f"{path}: the top level must be a mapping of settings, got {type(loaded).__name__}"])
+    return loaded
+
+
 def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: Iterable[str] = (),
                 values: Mapping[str, Any] | None = None) -> T:
     """Build the dataclass `cls` from a YAML file (optional) and `a.b=value` overrides (applied after the file).
@@ -110,38 +113,59 @@ def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: It
     Fields missing from the YAML keep their defaults. Override values are parsed as YAML scalars
     (`3` -> int, `1e-4` -> float, `true` -> bool, `null` -> None, `[0.9, 0.95]` -> list), except that a `str`
     field takes the override's raw text (a `str | None` field: `null` is None, anything else the raw text).
-    Raises `ConfigError` (a ValueError) naming every bad key; `FileNotFoundError` if `yaml_path` does not exist.
+    Raises `ConfigError` naming every bad key; `PathError` if `yaml_path` does not exist.
     """
-    if not dataclasses.is_dataclass(cls):
-        raise TypeError(f"load_config expects a dataclass type, got {cls!r}")
-    raw: dict[str, Any] = {}
-    source = "<defaults>"
-    if yaml_path is not None:
-        path = Path(yaml_path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file not found: {path} (check --config)")
-        source = str(path)
-        with open(path, encoding="utf-8") as f:
-            try:
-                loaded = yaml.safe_load(f)
-            except yaml.YAMLError as e:
-                raise ConfigError([f"{path}: not valid YAML ({e})"]) from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError([f"{path}: the top level must be a mapping of settings, got {type(loaded).__name__}"])
-        raw = loaded
+    return build_config(cls, read_yaml(yaml_path), overrides, str(yaml_path) if yaml_path is not None else None,
+                        values)
 
-    problems = Problems(f"Invalid configuration from {source}")
+
+def build_config(cls: type[T], raw: Mapping[str, Any], overrides: Iterable[str] = (), source: str | None = None,
+                 values: Mapping[str, Any] | None = None) -> T:
+    """`load_config` on a mapping already read (`source` names it in the error title); `values` {dotted key:
+    value} are applied after the overrides, typed as they are."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"build_config expects a dataclass type, got {cls!r}")
+    raw = dict(raw)
+    problems = Problems(f"Invalid configuration from {source or '<defaults>'}")
     for key, value in _parse_overrides(overrides, problems):
-        _set_dotted(raw, key, value, problems)
+        set_dotted(raw, key, value, problems)
     for key, value in (values or {}).items():  # typed values from Python (the CSV API): no text round trip
-        _set_dotted(raw, key, value, problems)
+        set_dotted(raw, key, value, problems)
     cfg = _build(cls, raw, "", problems)
     if not problems:
         _resolve_templates(cfg, problems)
     problems.raise_if_any()
     return cfg
+
+
+def get_dotted(node: Any, key: str, default: Any = None) -> Any:
+    """The value at dotted `key` ("a.b.c") in nested mappings and/or dataclasses; `default` when absent."""
+    for part in key.split("."):
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif dataclasses.is_dataclass(node) and not isinstance(node, Mapping) and hasattr(node, part):
+            node = getattr(node, part)
+        else:
+            return default
+    return node
+
+
+def set_dotted(raw: dict, key: str, value: Any, problems: Problems | None = None) -> None:
+    """Set dotted `key` in the nested mapping `raw`, creating sections; a value in the way is a problem."""
+    node = raw
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            message = f"is a value, not a section (while applying --set {key}=...)"
+            if problems is None:
+                raise ConfigError([f"{'.'.join(parts[: i + 1])}: {message}"])
+            problems.add(".".join(parts[: i + 1]), message)
+            return
+        node = child
+    node[parts[-1]] = value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,20 +232,6 @@ def parse_overrides(overrides: Iterable[str], problems: Problems | None = None) 
     return parsed
 
 
-def _set_dotted(raw: dict, key: str, value: Any, problems: Problems) -> None:
-    node = raw
-    parts = key.split(".")
-    for i, part in enumerate(parts[:-1]):
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            problems.add(".".join(parts[: i + 1]), f"is a value, not a section (while applying --set {key}=...)")
-            return
-        node = child
-    node[parts[-1]] = value
-
-
 def _build(cls: type, raw: Any, prefix: str, problems: Problems) -> Any:
     """Instantiate dataclass `cls` from the mapping `raw`; problems are recorded with dotted keys."""
     where = prefix or "<top level>"
@@ -235,8 +245,9 @@ def _build(cls: type, raw: Any, prefix: str, problems: Problems) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in raw:
         if key not in fields:
-            known = ", ".join(sorted(fields))
-            problems.add(_join(prefix, str(key)), f"unknown key (known keys here: {known})")
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"did you mean '{_join(prefix, close[0])}'? " if close else ""
+            problems.add(_join(prefix, str(key)), f"unknown key ({hint}known keys here: {', '.join(sorted(fields))})")
     kwargs = {}
     for name, f in fields.items():
         key = _join(prefix, name)
@@ -276,7 +287,7 @@ def _convert(value: Any, tp: Any, key: str, problems: Problems) -> Any:
             out = _convert(value, a, key, trial)
             if not trial:
                 return out
-        problems.add(key, f"expected {_type_name(tp)}, got {_show(value)}")
+        problems.add(key, f"expected {type_name(tp)}, got {_show(value)}")
         return value
     if origin is Literal:
         if value not in args:
@@ -285,11 +296,11 @@ def _convert(value: Any, tp: Any, key: str, problems: Problems) -> Any:
         return value
     if origin in (list, tuple, Sequence) or tp in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            problems.add(key, f"expected {_type_name(tp)}, got {_show(value)}")
+            problems.add(key, f"expected {type_name(tp)}, got {_show(value)}")
             return value
         if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
             if len(value) != len(args):
-                problems.add(key, f"expected {len(args)} values ({_type_name(tp)}), got {len(value)}")
+                problems.add(key, f"expected {len(args)} values ({type_name(tp)}), got {len(value)}")
                 return tuple(value)
             return tuple(_convert(v, a, f"{key}[{i}]", problems) for i, (v, a) in enumerate(zip(value, args)))
         item_tp = args[0] if args else Any
@@ -332,18 +343,6 @@ def _convert(value: Any, tp: Any, key: str, problems: Problems) -> Any:
             return value
         return Path(value)
     return value  # an annotation we do not check (e.g. a custom class): trust the pipeline's validate()
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is not None:
-        args = ", ".join(_type_name(a) for a in typing.get_args(tp) if a is not Ellipsis)
-        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
-    if tp is type(None):
-        return "null"
-    return getattr(tp, "__name__", str(tp))
 
 
 def _show(value: Any) -> str:
@@ -431,28 +430,202 @@ def _strings(node: Any, prefix: str) -> Iterable[tuple[str, str]]:
 # command line and export
 
 
-def add_config_args(parser: argparse.ArgumentParser, default_config: str | None = None) -> argparse.ArgumentParser:
-    """Add `--config PATH` and repeatable `--set KEY=VALUE` to `parser`; returns the parser."""
+def add_config_args(parser: argparse.ArgumentParser, config_cls: type,
+                    load_fn: Callable[[str | None, Sequence[str]], Any],
+                    default_config: str | None = None) -> argparse.ArgumentParser:
+    """Add `--config`, repeatable `--set KEY=VALUE`, `--help-config` and `--print-config` to `parser`.
+
+    `config_cls` is the settings dataclass (`--help-config` lists its keys and exits, like --help); `load_fn(path,
+    overrides)` is the pipeline's loader, which `--print-config` calls (so it prints exactly what a run would use,
+    and fails the same way). Parse with `parse_config_args`.
+    """
     parser.add_argument(
-        "--config",
-        default=default_config,
-        required=default_config is None,
+        "--config", default=default_config, required=default_config is None,
         help="YAML file with the settings" + (f" (default: {default_config})" if default_config else ""),
     )
     parser.add_argument(
-        "--set",
-        dest="set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
+        "--set", dest="set", action="append", default=[], metavar="KEY=VALUE",
         help="override one setting, e.g. --set training.epochs=3 (repeatable; values are YAML scalars)",
     )
+    parser.add_argument("--help-config", action=_HelpConfigAction, config_cls=config_cls,
+                        help="list every settings key with its type, default and meaning, then exit")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved settings (YAML file + --set overrides) as YAML, then exit")
+    parser.set_defaults(load_config_fn=load_fn)
     return parser
 
 
-def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
-    """`load_config(cls, args.config, args.set)` for a parser prepared with `add_config_args`."""
-    return load_config(cls, getattr(args, "config", None), getattr(args, "set", None) or ())
+def parse_config_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """`parser.parse_args(argv)` of a parser prepared by `add_config_args`; `--print-config` prints and exits."""
+    args = parser.parse_args(argv)
+    if args.print_config:
+        print(dump_config(args.load_config_fn(args.config, list(args.set) + run_overrides(args))), end="")
+        parser.exit(0)
+    return args
+
+
+def add_run_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`--resume` and `--overwrite` of the training commands (each sets one `training.` key, see `run_overrides`)."""
+    parser.add_argument("--resume", action="store_true",
+                        help="insist on resuming: an unfinished stage continues from its newest checkpoint, and it "
+                             "is an error if there is none (training.resume=required; the default 'auto' resumes "
+                             "when it can and starts fresh otherwise)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="retrain a stage folder that already holds a run, replacing its outputs "
+                             "(training.overwrite=true; a finished stage is otherwise skipped)")
+    return parser
+
+
+def run_overrides(args: argparse.Namespace) -> list[str]:
+    """The `--set` items that `--resume` / `--overwrite` stand for (none when the parser has no such flags)."""
+    return ((["training.resume=required"] if getattr(args, "resume", False) else [])
+            + (["training.overwrite=true"] if getattr(args, "overwrite", False) else []))
+
+
+class _HelpConfigAction(argparse.Action):
+    """`--help-config`: print every key and exit (like --help, before required arguments are checked)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, config_cls: type, **kwargs: Any):
+        self.config_cls = config_cls
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(format_config_help(self.config_cls))
+        parser.exit(0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# self-documenting settings: every key's type, default and docstring (the string literal under each field)
+
+
+@dataclass(frozen=True)
+class KeyDoc:
+    """One leaf setting."""
+
+    key: str
+    """Dotted YAML key, e.g. `training.epochs`."""
+    type: str
+    """Readable type, e.g. `int`, `float | null`, `'error' | 'ffill' | 'drop'`."""
+    default: Any
+    """Default value (what a YAML file that leaves the key out gets)."""
+    doc: str
+    """The field's docstring (empty when it has none)."""
+
+
+@dataclass(frozen=True)
+class SectionDoc:
+    """A nested dataclass: one YAML mapping."""
+
+    key: str
+    """Dotted key of the section ('' for the top level)."""
+    doc: str
+    """The section's docstring (its field docstring, else the class docstring's first line)."""
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """{field name: docstring} of dataclass `cls`, including inherited fields (a subclass's docstring wins)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(_own_field_docs(klass))
+    return docs
+
+
+@functools.cache
+def _own_field_docs(cls: type) -> dict[str, str]:
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    tree = ast.parse(source)
+    klass = next((n for n in tree.body if isinstance(n, ast.ClassDef)), None)
+    if klass is None:
+        return {}
+    docs: dict[str, str] = {}
+    body = klass.body
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(inspect.cleandoc(nxt.value.value).split())
+    return docs
+
+
+def describe_config(cls: type, prefix: str = "") -> list[KeyDoc | SectionDoc]:
+    """Every section and leaf key of dataclass `cls`: a section's own keys, then its subsections (depth first)."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"describe_config expects a dataclass type, got {cls!r}")
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    leaves: list[KeyDoc | SectionDoc] = []
+    sections: list[KeyDoc | SectionDoc] = []  # after the leaves, so that every key sits under its own header
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            class_doc = (inspect.getdoc(tp) or "").split("\n")[0]
+            sections.append(SectionDoc(key, docs.get(f.name) or class_doc))
+            sections.extend(describe_config(tp, key))
+        else:
+            leaves.append(KeyDoc(key, type_name(tp), _default(f), docs.get(f.name, "")))
+    return leaves + sections
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def type_name(tp: Any) -> str:
+    """Readable name of a type annotation (`None` shown as YAML's `null`)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        return " | ".join(type_name(a) for a in args)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin is not None:
+        inner = ", ".join(type_name(a) for a in args if a is not Ellipsis)
+        name = getattr(origin, "__name__", str(origin))
+        return f"{name}[{inner}]" if inner else name
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _show_default(value: Any) -> str:
+    """A default as it would be written in YAML (null, true, "text", [a, b])."""
+    if value is dataclasses.MISSING:
+        return "(required)"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_show_default(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_show_default(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
+def format_config_help(cls: type, title: str | None = None, width: int = 118) -> str:
+    """The listing `--help-config` prints: sections as headers, then `key: type = default` and its docstring."""
+    lines = [title or f"Settings of {cls.__name__} (YAML keys; override any with --set KEY=VALUE):"]
+    for item in describe_config(cls):
+        if isinstance(item, SectionDoc):
+            lines += ["", f"{item.key}:" + (f"  # {item.doc}" if item.doc else "")]
+            continue
+        lines.append(f"  {item.key}: {item.type} = {_show_default(item.default)}")
+        if item.doc:
+            lines += textwrap.wrap(item.doc, width=width, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join(lines)
 
 
 def config_to_dict(cfg: Any) -> Any:
@@ -551,13 +724,6 @@ class TrainingConfig:
 
 
 
-# Settings a checkpoint cannot be resumed with if changed: they fix the data order, the step count or shapes.
-RESUME_KEYS = ("epochs", "batch_size", "accumulation_steps", "seed", "max_train_samples")
-# Optimisation settings a resume may change (e.g. a lower lr after a divergence); each change is reported.
-CHANGEABLE_KEYS = ("lr", "pct_start", "div_factor", "final_div_factor", "betas", "weight_decay", "clip_grad_norm",
-                   "amp", "patience", "min_delta", "teacher_forcing", "max_val_samples", "select_by")
-
-
 def validate_training_config(cfg: TrainingConfig, problems: Problems, prefix: str = "training") -> None:
     """Add every problem of `cfg` to `problems`, each named by its YAML key (`prefix.field`)."""
     k = (lambda name: f"{prefix}.{name}" if prefix else name)
@@ -596,44 +762,6 @@ def validate_training_config(cfg: TrainingConfig, problems: Problems, prefix: st
 
 
 
-def check_resume_compatible(saved: dict, cfg: TrainingConfig, world_size: int, stage: str,
-                            model_args: dict[str, Any], path: Path) -> list[str]:
-    """Raise one ConfigError listing every setting that cannot differ from the checkpoint `saved` (loaded from
-    `path`); return 'training.key: old -> new' for each changeable optimisation setting that did change.
-
-    Parameters
-    ----------
-    saved: the checkpoint dict (keys "stage", "model_args", "training_config", "world_size").
-    cfg, world_size, stage: this run's loop settings, process count and stage name.
-    model_args: this run's model constructor arguments, already `plain()`.
-    """
-    problems = Problems(f"Cannot resume from {path}")
-    if saved.get("stage") != stage:
-        problems.add("training.resume", f"the checkpoint is from the {saved.get('stage')} stage, not {stage}")
-    for key in sorted(set(model_args) | set(saved.get("model_args", {}))):
-        if saved.get("model_args", {}).get(key) != model_args.get(key):
-            problems.add(f"model.{key}", f"the checkpoint's model has {saved['model_args'].get(key)!r}, "
-                                         f"this one {model_args.get(key)!r}")
-    old = saved.get("training_config", {})
-    for key in RESUME_KEYS:
-        new_value = config_to_dict(getattr(cfg, key))
-        if key in old and old[key] != new_value:
-            problems.add(f"training.{key}",
-                         f"the checkpoint was made with {old[key]!r}, the config now says {new_value!r}")
-    if saved.get("world_size") != world_size:
-        problems.add("(torchrun --nproc_per_node)",
-                     f"the checkpoint was made with {saved.get('world_size')} processes, now {world_size}")
-    if problems:
-        problems.add("training.overwrite", "set it to true (or use a new output folder) to start over")
-    problems.raise_if_any()
-    changed = []
-    for key in CHANGEABLE_KEYS:
-        new_value = plain(getattr(cfg, key))
-        if key in old and plain(old[key]) != new_value:
-            changed.append(f"training.{key}: {old[key]!r} -> {new_value!r}")
-    return changed
-
-
 def plain(obj: Any) -> Any:
     """Config data reduced to str/int/float/bool/None/list/dict (so the checkpoint loads with weights_only=True)."""
     obj = config_to_dict(obj)
@@ -669,6 +797,13 @@ def apply_stage(training: TrainingConfig, stage: StageConfig) -> TrainingConfig:
     """`training` with the stage's non-null overrides applied: what the engine runs that stage with."""
     changed = {f.name: getattr(stage, f.name) for f in dataclasses.fields(stage) if getattr(stage, f.name) is not None}
     return dataclasses.replace(training, **changed)
+
+
+def stage_key(run_config: Mapping[str, Any] | None, stage: str, name: str) -> str:
+    """The YAML key that sets loop setting `name` for `stage` in the pipeline's resolved config `run_config`:
+    `<stage>_training.<name>` when that section sets it (it shadows `training:`), else `training.<name>`."""
+    section = (run_config or {}).get(f"{stage}_training") or {}
+    return f"{stage}_training.{name}" if section.get(name) is not None else f"training.{name}"
 
 
 def validate_stage(stage: StageConfig, prefix: str, problems: Problems, min_epochs: int = 1) -> None:

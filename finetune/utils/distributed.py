@@ -33,6 +33,8 @@ import torch.distributed as tdist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from finetune.utils.errors import DataError, UserError
+
 
 def seed_everything(seed: int, rank: int = 0) -> int:
     """Seed python, numpy and torch (all devices) with `seed + rank`; returns the seed used."""
@@ -87,31 +89,32 @@ def launched_by_torchrun(env: Mapping[str, str] | None = None) -> bool:
     return "RANK" in env and "WORLD_SIZE" in env
 
 
-def require_torchrun(script: str | None = None, extra_args: str = "--config <your.yaml>") -> None:
-    """Raise a RuntimeError showing the torchrun command unless this process was started by torchrun."""
+def require_torchrun(*launches: str, args: str = "--config <your.yaml>") -> None:
+    """Raise a UserError showing the torchrun command(s) unless this process was started by torchrun.
+
+    `launches`: what follows torchrun's options, e.g. `finetune/train_tokenizer.py` or `--no-python kronos
+    qlib-train-tokenizer` (default: this script); `args`: the command's arguments shown after it.
+    """
     if launched_by_torchrun():
         return
-    script = script or (sys.argv[0] if sys.argv and sys.argv[0] else "<script.py>")
-    raise RuntimeError(
-        "this trainer must be launched with torchrun (it trains with DistributedDataParallel), e.g.\n"
-        f"  torchrun --standalone --nproc_per_node=1 {script} {extra_args}\n"
-        "Use --nproc_per_node=<number of GPUs>; on a machine without GPUs add DIST_BACKEND=gloo in front."
-    )
+    launches = launches or (sys.argv[0] if sys.argv and sys.argv[0] else "<script.py>",)
+    shown = "".join(f"  torchrun --standalone --nproc_per_node=1 {launch} {args}\n" for launch in launches)
+    raise UserError(f"this trainer trains with DistributedDataParallel and must be launched by torchrun, e.g.\n"
+                    f"{shown}Use --nproc_per_node=<number of GPUs>; on a machine without GPUs put DIST_BACKEND=gloo "
+                    "in front.")
 
 
 def resolve_backend(requested: str | None, cuda_available: bool) -> str:
     """The process-group backend: `requested` (from DIST_BACKEND) or nccl with CUDA / gloo without.
 
-    Raises ValueError when nccl is asked for on a machine without CUDA (nccl only runs on GPUs).
+    Raises DataError when nccl is asked for on a machine without CUDA (nccl only runs on GPUs).
     """
     backend = (requested or "").strip().lower() or ("nccl" if cuda_available else "gloo")
     if backend not in ("nccl", "gloo", "mpi", "ucc"):
-        raise ValueError(f"DIST_BACKEND={requested!r} is not a torch.distributed backend; use nccl or gloo")
+        raise DataError(f"DIST_BACKEND={requested!r} is not a torch.distributed backend; use nccl or gloo")
     if backend == "nccl" and not cuda_available:
-        raise ValueError(
-            "DIST_BACKEND=nccl needs CUDA GPUs, but torch.cuda.is_available() is False on this machine; "
-            "set DIST_BACKEND=gloo to train on CPU"
-        )
+        raise DataError("DIST_BACKEND=nccl needs CUDA GPUs, but torch.cuda.is_available() is False on this machine; "
+                        "set DIST_BACKEND=gloo to train on CPU")
     return backend
 
 
@@ -136,7 +139,7 @@ def distributed_context(timeout_s: float = 1800.0, backend: str | None = None) -
     chosen = resolve_backend(backend if backend is not None else os.environ.get("DIST_BACKEND"), cuda)
     if cuda:
         if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(
+            raise DataError(
                 f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible; "
                 "lower torchrun's --nproc_per_node"
             )

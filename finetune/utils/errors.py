@@ -1,51 +1,33 @@
-"""User errors versus bugs: how every entry point reports a failure and which exit code it returns.
+"""User errors versus bugs: the error classes, how every entry point reports a failure, and the one logging setup.
 
-Every entry point ends with
+Every entry point ends with `sys.exit(run_main(main))`; `kronos <command>` (finetune/cli.py) runs the same `main`.
+`run_main` prints a user error as ONE line on stderr, `error: ...`, without a traceback; a bug keeps its traceback.
+`--debug` on the command line or `KRONOS_DEBUG=1` adds the traceback to user errors too.
 
-    if __name__ == "__main__":
-        sys.exit(run_main(main))
-
-and the `kronos` command runs each subcommand the same way. `run_main` prints a user error as ONE message on
-stderr, starting with `error: `, without a traceback; a bug (anything else) keeps its traceback. `--debug` on the
-command line or `KRONOS_DEBUG=1` in the environment adds the traceback to user errors too.
-
-Exit codes (`EXIT_*` below):
+An exception's class says what it is: every user-facing error subclasses `UserError` and carries its exit code.
 
     0    success
-    1    a bug: an unexpected exception (traceback printed; please report it)
-    2    configuration: a setting is wrong (ConfigError, a ValueError raised by a config module, a bad command line)
-    3    data or run: an input or run check failed (a ValueError / RuntimeError / FloatingPointError raised by this
-         project's own code, e.g. a bad CSV, too few windows, a non-finite loss, a trainer started without torchrun)
-    4    path or Hub: a file or folder does not exist, or a Hugging Face Hub lookup failed
-    5    refused: the run would overwrite or lose earlier work (FileExistsError, a refused resume)
-    6    missing optional dependency: e.g. the Qlib pipeline without pyqlib (`pip install 'kronos-finetune[qlib]'`)
-    75   stopped on request (SIGTERM / first Ctrl-C): the step was saved; the same command resumes
-    130  interrupted (a second Ctrl-C)
+    1    a bug: any other exception (traceback printed; please report it)
+    2    ConfigError: a setting is wrong (also a bad command line, from argparse)
+    3    DataError: an input or run check failed (bad CSV, too few windows, non-finite loss, ...)
+    4    PathError: a file, folder or Hub id does not exist (also FileNotFoundError & co, Hub lookup errors)
+    5    RefusedError: the run would overwrite or lose earlier work (also FileExistsError)
+    6    MissingExtraError: an optional dependency is missing (also ModuleNotFoundError of `OPTIONAL_MODULES`)
+    75   TrainingStopped: stopped on SIGTERM / first Ctrl-C after saving; the same command resumes
+    130  KeyboardInterrupt (a second Ctrl-C)
 
-How a user error is told from a bug, in this order:
-1. `KeyboardInterrupt` -> 130.
-2. An instance of `UserError` (the base below, or one of its subclasses, which also derive from the matching
-   built-in type) -> its `exit_code`. New checks should raise these.
-3. `finetune.utils.config_utils.ConfigError` -> 2.
-4. `ModuleNotFoundError` for a module of an optional extra (`OPTIONAL_MODULES`) -> 6, naming the extra.
-5. `FileExistsError` -> 5; `FileNotFoundError`, `NotADirectoryError`, `IsADirectoryError`, `PermissionError` -> 4;
-   a `huggingface_hub` lookup error -> 4.
-6. A `ValueError`, `RuntimeError` or `ArithmeticError` whose innermost frame is a `raise` statement in this
-   project's code (model/, finetune/, finetune_csv/, scripts/) -> 2 if that file is a config module
-   (config*.py, legacy_config.py), else 3. The same types raised inside numpy/torch/pandas, or by an expression in
-   our code (e.g. `int("x")`), are treated as bugs: the check that should have caught them is missing.
-   Such a message raised `from` a path or Hub error (rule 5) keeps that error's code 4.
-7. Anything else is a bug -> 1, with the traceback.
+A plain ValueError / RuntimeError / ArithmeticError whose innermost frame is in this project's packages (not
+in numpy/torch/pandas) is still reported as a data error (3): a check written before the classes existed.
+New checks raise a `UserError` subclass.
 
-Also here:
-- One logging setup for every entry point and the engine: rank 0 speaks, the other ranks only warn.
+Also here: one logging setup for every entry point and the engine (rank 0 speaks, the other ranks only warn) and
+the per-stage train.log.
 """
 
 from __future__ import annotations
 
-import ast
 import datetime
-import functools
+import importlib.util
 import logging
 import os
 import shlex
@@ -54,7 +36,6 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 EXIT_OK = 0
@@ -71,8 +52,7 @@ EXIT_INTERRUPTED = 130
 OPTIONAL_MODULES = {"qlib": "qlib", "tensorboard": "tensorboard"}
 PACKAGE_NAME = "kronos-finetune"
 
-# Folders (relative to the repository / site-packages root) whose `raise` statements are deliberate messages.
-_PROJECT_DIRS = ("model", "finetune", "finetune_csv", "scripts")
+_PROJECT_DIRS = ("model", "finetune", "finetune_csv", "scripts")  # a plain ValueError raised here is a user error
 _ROOT = Path(__file__).resolve().parents[2]
 _DEBUG_FLAG = "--debug"
 _DEBUG_HINT = f"(add {_DEBUG_FLAG} or set KRONOS_DEBUG=1 to see the traceback)"
@@ -82,6 +62,18 @@ class UserError(Exception):
     """A mistake the user can fix; shown as one `error: ...` message without a traceback. Base of the others."""
 
     exit_code: int = EXIT_DATA
+
+
+class ConfigError(UserError, ValueError):
+    """Invalid settings; `.problems` lists one `"yaml.key: what is wrong"` line per problem."""
+
+    exit_code = EXIT_CONFIG
+
+    def __init__(self, problems: Sequence[str], title: str = "Invalid configuration"):
+        self.problems = list(problems)
+        n = len(self.problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{title} ({n} problem{'s' if n != 1 else ''}):\n{lines}")
 
 
 class DataError(UserError, ValueError):
@@ -115,18 +107,22 @@ class MissingExtraError(UserError, ImportError):
                    f"pip install '{PACKAGE_NAME}[{extra}]'  (from a checkout: pip install '.[{extra}]')")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# classification
+def require_extra(module: str) -> None:
+    """Raise `MissingExtraError` naming this command and the extra that installs `module` unless it is importable."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package is missing, or the module is hidden (sys.modules[m] = None)
+        found = False
+    if not found or sys.modules.get(module, "") is None:
+        raise MissingExtraError.for_module(module, os.path.basename(sys.argv[0]) or "this command")
 
 
 def classify(exc: BaseException) -> tuple[int, bool]:
-    """(exit code, is a user error) of an exception escaping `main`; see the module docstring for the rules."""
+    """(exit code, is a user error) of an exception escaping `main`; see the module docstring."""
     if isinstance(exc, KeyboardInterrupt):
         return EXIT_INTERRUPTED, True
     if isinstance(exc, UserError):
         return exc.exit_code, True
-    if _is_config_error(exc):
-        return EXIT_CONFIG, True
     if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] in OPTIONAL_MODULES:
         return EXIT_MISSING_EXTRA, True
     if isinstance(exc, FileExistsError):
@@ -135,19 +131,11 @@ def classify(exc: BaseException) -> tuple[int, bool]:
         return EXIT_PATH, True
     if _is_hub_error(exc):
         return EXIT_PATH, True
-    if isinstance(exc, (ValueError, RuntimeError, ArithmeticError)):
-        origin = _raised_by_project(exc.__traceback__)
-        if origin is not None:
-            if isinstance(exc.__cause__, BaseException) and classify(exc.__cause__) == (EXIT_PATH, True):
-                return EXIT_PATH, True  # e.g. load_pretrained's ValueError naming the key, from a failed Hub lookup
-            return (EXIT_CONFIG if _is_config_module(origin) else EXIT_DATA), True
+    if isinstance(exc, (ValueError, RuntimeError, ArithmeticError)) and _raised_by_project(exc):
+        if isinstance(exc.__cause__, BaseException) and classify(exc.__cause__) == (EXIT_PATH, True):
+            return EXIT_PATH, True  # e.g. load_pretrained's message naming the key, from a failed Hub lookup
+        return EXIT_DATA, True
     return EXIT_BUG, False
-
-
-def _is_config_error(exc: BaseException) -> bool:
-    # Imported lazily: config_utils needs yaml, which an error path should not depend on.
-    mod = sys.modules.get("finetune.utils.config_utils")
-    return mod is not None and isinstance(exc, mod.ConfigError)
 
 
 def _is_hub_error(exc: BaseException) -> bool:
@@ -159,46 +147,18 @@ def _is_hub_error(exc: BaseException) -> bool:
     return bool(kinds) and isinstance(exc, kinds)
 
 
-def _is_config_module(path: Path) -> bool:
-    return path.name.startswith("config") or path.name == "legacy_config.py"
-
-
-def _raised_by_project(tb: TracebackType | None) -> Path | None:
-    """The project file whose `raise` statement raised the exception (innermost frame), else None."""
+def _raised_by_project(exc: BaseException) -> bool:
+    """True when the innermost frame of `exc`'s traceback is a file of this project's packages."""
+    tb = exc.__traceback__
     if tb is None:
-        return None
+        return False
     while tb.tb_next is not None:
         tb = tb.tb_next
-    path = Path(tb.tb_frame.f_code.co_filename)
     try:
-        rel = path.resolve().relative_to(_ROOT)
+        rel = Path(tb.tb_frame.f_code.co_filename).resolve().relative_to(_ROOT)
     except (ValueError, OSError):
-        return None
-    if not rel.parts or rel.parts[0] not in _PROJECT_DIRS:
-        return None
-    return path if _is_raise_line(str(path), tb.tb_lineno) else None
-
-
-@functools.lru_cache(maxsize=64)
-def _raise_lines(filename: str) -> frozenset[int]:
-    """Every line number covered by a `raise` statement in `filename` (empty when it cannot be parsed)."""
-    try:
-        tree = ast.parse(Path(filename).read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, ValueError):
-        return frozenset()
-    lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Raise):
-            lines.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
-    return frozenset(lines)
-
-
-def _is_raise_line(filename: str, lineno: int) -> bool:
-    return lineno in _raise_lines(filename)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# reporting
+        return False
+    return bool(rel.parts) and rel.parts[0] in _PROJECT_DIRS
 
 
 def format_error(exc: BaseException, code: int) -> str:
@@ -237,23 +197,12 @@ def debug_enabled() -> bool:
     return os.environ.get("KRONOS_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
 
 
-def _takes_no_arguments(fn: Callable[..., Any]) -> bool:
-    import inspect
-
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return not any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params)
-
-
 def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> int:
     """Run `main(argv)` and turn its outcome into an exit code, reporting failures as described above.
 
     Parameters
     ----------
-    main: an entry point's `main(argv)` (or `main()`, which then reads `sys.argv`); its return value is the exit
-        code when it is an int, else 0.
+    main: an entry point's `main(argv)`; its return value is the exit code when it is an int, else 0.
     argv: command-line arguments without the program name (default `sys.argv[1:]`); `--debug` is removed from
         them (and turns tracebacks on) before `main` sees them.
 
@@ -264,11 +213,7 @@ def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None
     args, debug_flag = _split_debug(sys.argv[1:] if argv is None else argv)
     debug = debug_flag or debug_enabled()
     try:
-        if _takes_no_arguments(main):  # a script whose main() reads sys.argv itself
-            sys.argv[1:] = args
-            result = main()
-        else:
-            result = main(args)
+        result = main(args)
     except SystemExit as exc:  # argparse (--help, usage errors) and scripts' own `SystemExit("...")`
         if exc.code is None or isinstance(exc.code, int):
             return int(exc.code or 0)

@@ -33,7 +33,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from finetune.utils.config_utils import ConfigError, tracker_problems
+from finetune.utils.config_utils import tracker_problems
+from finetune.utils.errors import ConfigError
 from model.fileio import write_json
 
 _MLFLOW_PARAM_CHARS = 6000  # MLflow rejects longer parameter values

@@ -1,24 +1,21 @@
-"""Fault injection for tests: make a training process die after a chosen optimizer step, like a killed job.
+"""Run safety, in one place; each decision is a small function of its inputs.
 
-    KRONOS_FAULT_EXIT_AFTER_STEP=N   after optimizer step N (and its checkpoint, if one is due) the process exits
-    KRONOS_FAULT_RANK=r              only rank r dies (default: every rank)
-    KRONOS_FAULT_EXIT_CODE=c         exit code (default 17)
-
-The exit is `os._exit`: no `finally`, no atexit, no flushing, as when the process is killed. Unset, it costs two
-environment lookups per optimizer step.
-
-Also here:
-- One run per output folder: an OS-level lock that rank 0 holds for the whole run.
-- What a stage folder holds and what a new run does with it: resume, skip, overwrite or refuse.
-- Graceful stop on SIGTERM / SIGINT (Ctrl-C): finish the current step, save, exit with one line.
-- The non-finite guard: stop at the first step whose loss or gradient is NaN/inf, say why, never write bad weights.
+- `RunLock`: one run per output folder (an OS-level lock rank 0 holds for the whole run; stale locks taken over).
+- Stage folder rules: `stage_status` (empty / unfinished / finished) and `plan_run` (fresh, resume, skip,
+  overwrite or refuse, from training.resume / training.overwrite); `remove_outputs` under the lock.
+- Interrupts: `GracefulStop` (SIGTERM / first Ctrl-C: finish the step, save, `TrainingStopped`, exit 75; a second
+  Ctrl-C quits at once); workers ignore SIGINT.
+- The non-finite guard: `check_step` (finite on every rank + stop agreed, one all-reduce), `diagnose` (most
+  likely cause, naming the setting), `NonFiniteGuard` (raises `DivergenceError` before the update).
+- Fault injection for the kill-loop tests (`maybe_die_after_step`):
+  KRONOS_FAULT_EXIT_AFTER_STEP=N (exit after optimizer step N and its checkpoint), KRONOS_FAULT_RANK=r (only rank r),
+  KRONOS_FAULT_EXIT_CODE=c (default 17). The exit is `os._exit`, as when the process is killed.
 """
 
 from __future__ import annotations
 
 import datetime
 import errno
-import hashlib
 import json
 import logging
 import math
@@ -38,7 +35,6 @@ from types import FrameType, TracebackType
 from typing import Any, Literal, NamedTuple
 
 import torch
-from torch import nn
 
 from finetune.utils.checkpoint import LAST_NAME, DivergenceError, list_checkpoints
 from finetune.utils.errors import EXIT_STOPPED, RefusedError, UserError
@@ -379,55 +375,12 @@ def remove_outputs(folder: str | Path, names: tuple[str, ...]) -> None:
             p.unlink(missing_ok=True)
 
 
-def _canonical(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, default=str, separators=(",", ":"))
-
-
-def data_fingerprint(data_info: dict[str, Any] | None) -> str | None:
-    """sha256 of `data_info` as canonical JSON (None without data_info)."""
-    return None if data_info is None else hashlib.sha256(_canonical(data_info).encode()).hexdigest()
-
-
-def weights_fingerprint(module: nn.Module) -> str:
-    """sha256 over a module's state dict (names, dtypes, shapes and bytes, in name order)."""
-    h = hashlib.sha256()
-    for name, t in sorted(module.state_dict().items()):
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
-def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(obj, dict):
-        out: dict[str, Any] = {}
-        for k, v in obj.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    if isinstance(obj, list):
-        out = {}
-        for i, v in enumerate(obj):
-            out.update(_flatten(v, f"{prefix}[{i}]"))
-        return out or {prefix: []}
-    return {prefix: obj}
-
-
-def describe_changes(old: dict[str, Any] | None, new: dict[str, Any] | None, limit: int = 8) -> list[str]:
-    """'key: old -> new' for each differing leaf of two nested dicts (data_info), at most `limit` plus a count."""
-    a, b = _flatten(old or {}), _flatten(new or {})
-    diffs = [f"{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}" for k in sorted(set(a) | set(b))
-             if a.get(k, "(absent)") != b.get(k, "(absent)")]
-    return diffs[:limit] + ([f"... and {len(diffs) - limit} more"] if len(diffs) > limit else [])
-
-
 FORWARD_GRACE_S = 0.3
 """A second signal this soon after the first counts as the same request forwarded by a launcher, not a user's
 second Ctrl-C."""
 
 STOPPED_EXIT_CODE = EXIT_STOPPED
 """Exit status of a run that stopped on a signal after saving (EX_TEMPFAIL: resume it later)."""
-
-_ACTIVE: list[GracefulStop] = []  # innermost last; stop_requested() asks the innermost
 
 
 class TrainingStopped(UserError):
@@ -471,7 +424,7 @@ class GracefulStop:
 
     @property
     def requested(self) -> bool:
-        """True once a stop signal arrived (this process only; use `agree_to_stop` across ranks)."""
+        """True once a stop signal arrived (this process only; the ranks agree in `check_step`)."""
         return self.signal_name is not None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -492,7 +445,6 @@ class GracefulStop:
             return self  # signal.signal only works in the main thread; nothing to install elsewhere
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
-        _ACTIVE.append(self)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -500,38 +452,6 @@ class GracefulStop:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
-        if self in _ACTIVE:
-            _ACTIVE.remove(self)
-
-
-def stop_requested() -> bool:
-    """True when the innermost active `GracefulStop` received a stop signal (False when none is active)."""
-    return bool(_ACTIVE) and _ACTIVE[-1].requested
-
-
-def agree_to_stop(flag: bool, dist: Any = None) -> bool:
-    """Whether ANY rank asked to stop (all-reduce MAX of a 0/1 tensor); `flag` itself without a process group.
-
-    Every rank must call it at the same point (after each optimizer step), so all stop at the same step.
-
-    Parameters
-    ----------
-    flag: this rank's `stop_requested()`.
-    dist: the run's `DistInfo` (its `device` holds the tensor: nccl needs it on the GPU) or None.
-
-    Returns
-    -------
-    True on every rank if at least one rank's flag was True.
-    """
-    import torch  # imported here so a process that never trains (and the tests' subprocesses) skip its import
-    import torch.distributed as tdist
-
-    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
-        return bool(flag)
-    device = getattr(dist, "device", None) or torch.device("cpu")
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)  # (1,)
-    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 def ignore_interrupts_in_worker(worker_id: int) -> None:
@@ -573,27 +493,13 @@ def _all_finite_flag(values: Sequence[torch.Tensor | float | None]) -> torch.Ten
     return bad
 
 
-def check_finite(loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None, dist: Any = None) -> bool:
-    """True when `loss` and `grad_norm` are finite on EVERY rank (one all-reduce MAX of one int; no-op alone).
-
-    Parameters
-    ----------
-    loss: this step's loss, a 0-d tensor (any device) or a float.
-    grad_norm: the total gradient norm `clip_grad_norm_` returned, or None when it was not computed.
-    dist: the run's `DistInfo` (its `device` holds the reduced tensor; nccl needs the GPU) or None.
-
-    Returns
-    -------
-    False on all ranks as soon as one rank saw NaN/inf.
-    """
-    return check_step(loss, grad_norm, dist)[0]
-
-
 def check_step(loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None, dist: Any = None,
                stop: bool = False) -> tuple[bool, bool]:
-    """`check_finite` plus a stop request agreed in the same all-reduce: (all finite, any rank asked to stop).
+    """(loss and grad_norm finite on EVERY rank, any rank asked to stop): one all-reduce MAX of two ints per
+    optimizer step carries both flags (no collective in a single process).
 
-    One collective per optimizer step carries both flags, so the stop check of `interrupts` costs nothing extra.
+    `loss`: a 0-d tensor or float; `grad_norm`: what `clip_grad_norm_` returned, or None; `stop`: this rank's
+    `GracefulStop.requested`; `dist`: the run's `DistInfo` (its device holds the flags; nccl needs the GPU).
     """
     import torch.distributed as tdist
 
@@ -690,7 +596,7 @@ class NonFiniteGuard:
     def check(self, step: int, loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None,
               stop: bool = False) -> bool:
         """Call once per optimizer step before `optimizer.step()`; raises `DivergenceError` on every rank if any
-        rank's loss or gradient norm is non-finite. `stop`: this rank's stop request (interrupts.stop_requested());
+        rank's loss or gradient norm is non-finite. `stop`: this rank's stop request (`GracefulStop.requested`);
         returns whether any rank asked to stop (agreed in the same all-reduce)."""
         finite, stop_any = check_step(loss, grad_norm, self.dist, stop)
         loss_f = float(loss)

@@ -1,12 +1,25 @@
-"""What a training run remembers (`LoopState`, saved in last.pt as "loop") and what it returns (`TrainResult`).
+"""The training engine both pipelines call: one module, read top to bottom.
 
-Also here:
-- `LossSums`: the one accumulator of the loop, for the train log window, the epoch's training loss and validation.
-- The loop's small pure decisions: early stopping, when to log and checkpoint, how an epoch splits into steps.
-- What differs between tokenizer and predictor training: the loss, the default gradient clip, the loss parts
-- The trainer's run-safety steps before training: lock, folder decision, checkpoint choice, what a resume may change.
-- The training loop behind both stages: `Trainer(stage, train_set, val_set, cfg, out, dist, ...).fit()`.
-- The training entry points both pipelines call: `train_tokenizer`, `train_predictor` and their validation losses.
+    train_tokenizer(tokenizer, train_set, val_set, cfg, out_dir, dist, run_config=..., data_info=...)
+    train_predictor(predictor, tokenizer, train_set, val_set, cfg, out_dir, dist, ..., forecast_info=...)
+
+Contents, in order:
+- `TrainResult` (what a run returns) and `LoopState` (what it remembers; last.pt's "loop" entry).
+- `LossSums`: the one accumulator (log window, epoch training loss, validation), all-reduced once per record.
+- Pure decisions: early stopping, when to log / checkpoint, how an epoch splits into optimizer steps.
+- The two stages: `tokenizer_loss` / `predictor_loss`, `TokenizerStage` / `PredictorStage` (loss, default clip,
+  loss parts, how the best model is saved, the frozen weights' fingerprint).
+- Resume steps: `on_main` (rank 0 decides, every rank gets the answer or the error), `load_for_resume` (rank 0
+  deserialises once), `restore_optimizer` (moments kept, this run's lr schedule), `rng_fork`.
+- Data loading (`train_sampler`, `val_sampler`, workers that ignore Ctrl-C), `autocast`, `evaluate` (validation).
+- `Trainer`: all state declared in `__init__`; `fit()` = take the folder (lock, plan), resume or validate the
+  starting model (epoch 0), `train_epoch` -> `train_step` -> `forward_backward_step` / `optimizer_step`,
+  `end_epoch` (validate, keep the best model, early stopping, checkpoint), `finish` (plot, run_info.json).
+- Entry points `train_tokenizer`, `train_predictor`, `evaluate_predictor`.
+
+Checkpoints are finetune/utils/checkpoint.py's, run safety finetune/utils/safety.py's. `data_info` goes into
+run_info.json and its fingerprint into every checkpoint: a resume with other data is refused unless
+training.accept_changed_data, so pipelines put in it what defines their data (file sha256s, splits, window).
 """
 
 from __future__ import annotations
@@ -32,19 +45,23 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 import finetune.utils.checkpoint as checkpoint_store
 from finetune.utils.checkpoint import (
     CHECKPOINT_FORMAT,
+    Checkpoint,
     assert_finite_state_dict,
+    check_data,
+    check_format,
+    check_resume_compatible,
+    data_fingerprint,
     last_checkpoint_path,
     load_checkpoint,
     load_latest,
     rng_state,
     save_pretrained_atomic,
     set_rng_state,
+    weights_fingerprint,
 )
 from finetune.utils.config_utils import (
-    ConfigError,
     Problems,
     TrainingConfig,
-    check_resume_compatible,
     config_to_dict,
     plain,
     validate_training_config,
@@ -67,13 +84,10 @@ from finetune.utils.safety import (
     RunPlan,
     StageFolderError,
     TrainingStopped,
-    data_fingerprint,
-    describe_changes,
     ignore_interrupts_in_worker,
     maybe_die_after_step,
     plan_run,
     remove_outputs,
-    weights_fingerprint,
 )
 from finetune.utils.windows import EpochSampler, batches_per_epoch, make_loader, seed_worker
 from model.predictor import PREDICTOR_INFO_NAME, TOKENIZER_CONFIG_NAME, predictor_info
@@ -416,49 +430,26 @@ def on_main(fn: Callable[[], T], dist: DistInfo) -> T:
     return shared[0]
 
 
-def validate_format(state: dict) -> None:
-    """A checkpoint_store `validate` hook: the dict must be a training checkpoint of this project."""
-    if state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"not a training checkpoint of this project (format {state.get('format')!r})")
-
-
-def load_for_resume(plan: RunPlan, dist: DistInfo, log: Callable[[str], None]) -> tuple[Path, dict] | None:
+def load_for_resume(plan: RunPlan, dist: DistInfo, log: Callable[[str], None]) -> tuple[Path, Checkpoint] | None:
     """The checkpoint `plan` resumes (or reads back, when skipping): an explicit file, else the newest usable one
-    in `plan.checkpoint_dir` (a corrupt newest is reported by path and the previous one used). None: nothing."""
+    in `plan.checkpoint_dir` (a corrupt newest is reported by path and the previous one used). None: nothing.
+
+    Rank 0 deserialises the file once while choosing it and keeps that copy; the other ranks load the chosen path.
+    """
+    found: tuple[Path, Checkpoint] | None = None
 
     def pick() -> str | None:
-        if plan.checkpoint is not None:
-            load_checkpoint(plan.checkpoint)  # an unusable explicit file is an error, not a silent fresh start
-            return plan.checkpoint
-        found = load_latest(plan.checkpoint_dir, validate=validate_format, log=log)
+        nonlocal found
+        if plan.checkpoint is not None:  # an unusable explicit file is an error, not a silent fresh start
+            found = Path(plan.checkpoint), load_checkpoint(plan.checkpoint, map_location=dist.device)
+        else:
+            found = load_latest(plan.checkpoint_dir, map_location=dist.device, validate=check_format, log=log)
         return None if found is None else str(found[0])
 
     path = on_main(pick, dist)
     if path is None:
         return None
-    return Path(path), load_checkpoint(path, map_location=dist.device)
-
-
-def check_data(saved: dict, data_info: dict[str, Any] | None, frozen_fp: str | None, accept: bool,
-               path: Path) -> list[str]:
-    """Compare the checkpoint's data fingerprint and frozen-model hash with this run's.
-
-    Returns the changes found (empty when none, or when the checkpoint predates fingerprints); raises a
-    ConfigError naming them unless `accept` (training.accept_changed_data).
-    """
-    changes = []
-    old_fp = saved.get("data_fingerprint")
-    if old_fp is not None and old_fp != data_fingerprint(data_info):
-        diff = describe_changes(saved.get("data_info"), data_info) or ["(the data description differs)"]
-        changes.append("the training data changed: " + "; ".join(diff))
-    old_frozen = saved.get("frozen_fingerprint")
-    if old_frozen is not None and old_frozen != frozen_fp:
-        changes.append(f"the frozen tokenizer's weights changed (sha256 {old_frozen[:12]} -> {str(frozen_fp)[:12]})")
-    if changes and not accept:
-        raise ConfigError([f"training.accept_changed_data: {c}; set it to true to resume anyway (recorded in "
-                           "run_info.json), or training.overwrite=true to start over" for c in changes],
-                          title=f"Cannot resume from {path}")
-    return changes
+    return found if dist.is_main else (Path(path), load_checkpoint(path, map_location=dist.device))
 
 
 def restore_optimizer(optimizer: torch.optim.Optimizer, scheduler: Any, saved: dict) -> None:
@@ -586,7 +577,7 @@ class Trainer:
         problems.check(cfg.select_by == "loss" or val_metric is not None, "training.select_by",
                        f"{cfg.select_by!r} needs a forecast metric this pipeline does not provide; use 'loss'")
         problems.raise_if_any()
-        # The one place the global random streams are set (see seeding.py): dropout and sampled tokens of this run
+        # The one place the global random streams are set (see distributed.py): dropout and sampled tokens of this run
         # depend on (seed, rank) only.
         seed_everything(cfg.seed, dist.rank)
 
@@ -691,7 +682,7 @@ class Trainer:
         def decide() -> RunPlan:
             self.lock.acquire()
             plan = plan_run(self.out, self.cfg.resume, self.cfg.overwrite, self.stage.name)
-            if plan.message:
+            if plan.message and plan.action != "skip":  # a skip is announced once its settings are checked
                 log.info("%s", plan.message)
             remove_outputs(self.out, plan.remove)
             checkpoint_store.prepare_folder(self.out, log=log.warning)
@@ -708,11 +699,11 @@ class Trainer:
         self.resume_path, saved = found
         # A finished run made with other epochs / batch / model settings is not "this" run: say so, not skip.
         check_resume_compatible(saved, self.cfg, self.dist.world_size, self.stage.name, self.model_args(),
-                                self.resume_path)
+                                self.resume_path, run_config=self.run_config, finished=True)
+        if self.dist.is_main:
+            log.info("%s", self.plan.message)
         self.model.load_state_dict(saved["model"])
-        loop = dict(saved["loop"])
-        loop.setdefault("best_score", loop.get("best_val_loss", math.inf))
-        self.state = LoopState(**loop)
+        self.state = LoopState(**saved["loop"])
         plot = self.out / "loss_curve.png"
         return self.result(plot if plot.exists() else None, skipped=True)
 
@@ -724,14 +715,12 @@ class Trainer:
         if found is not None:
             self.resume_path, saved = found
             changed = check_resume_compatible(saved, self.cfg, self.dist.world_size, self.stage.name,
-                                              self.model_args(), self.resume_path)
+                                              self.model_args(), self.resume_path, run_config=self.run_config)
             accepted = check_data(saved, self.data_info, self.frozen_fp, self.cfg.accept_changed_data,
                                   self.resume_path)
             self.model.load_state_dict(saved["model"])
             restore_optimizer(self.optimizer, self.scheduler, saved)
-            loop = dict(saved["loop"])
-            loop.setdefault("best_score", loop.get("best_val_loss", math.inf))
-            self.state = LoopState(**loop)
+            self.state = LoopState(**saved["loop"])
             set_rng_state(saved["rng"][self.dist.rank])  # this rank's own python/numpy/torch streams
             self.run_extra = {"changed_on_resume": changed, "accepted_changed_data": accepted}
             if self.dist.is_main:
@@ -945,26 +934,25 @@ class Trainer:
             totals = self.epoch_sums.reduce()
             self.state.epoch_loss_sum, self.state.epoch_windows = totals.sums["loss"], totals.windows
         if self.dist.is_main:
-            checkpoint_store.save(
-                {
-                    "format": CHECKPOINT_FORMAT,
-                    "stage": self.stage.name,
-                    "model": self.model.state_dict(),
-                    "model_args": self.model_args(),
-                    "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(),
-                    "grad_scaler": None,  # bf16 autocast needs no loss scaling
-                    "loop": dataclasses.asdict(self.state),
-                    "rng": rngs,
-                    "world_size": self.dist.world_size,
-                    "training_config": config_to_dict(self.cfg),
-                    "run_config": plain(self.run_config),
-                    "data_info": plain(self.data_info),
-                    "data_fingerprint": data_fingerprint(plain(self.data_info)),
-                    "frozen_fingerprint": self.frozen_fp,
-                },
-                self.ckpt_path.parent, self.state.global_step, keep=self.cfg.keep_checkpoints, log=log.warning,
-            )
+            state: Checkpoint = {
+                "format": CHECKPOINT_FORMAT,
+                "stage": self.stage.name,
+                "model": self.model.state_dict(),
+                "model_args": self.model_args(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "grad_scaler": None,
+                "loop": dataclasses.asdict(self.state),
+                "rng": rngs,
+                "world_size": self.dist.world_size,
+                "training_config": config_to_dict(self.cfg),
+                "run_config": plain(self.run_config),
+                "data_info": plain(self.data_info),
+                "data_fingerprint": data_fingerprint(plain(self.data_info)),
+                "frozen_fingerprint": self.frozen_fp,
+            }
+            checkpoint_store.save(state, self.ckpt_path.parent, self.state.global_step,
+                                  keep=self.cfg.keep_checkpoints, log=log.warning)
         barrier()
 
     def model_args(self) -> dict[str, Any]:
@@ -1037,7 +1025,7 @@ def train_tokenizer(
         output_dir: this stage's output folder (see module docstring).
         dist: from `distributed_context()`.
         run_config: the pipeline's resolved config (stored in run_info.json and the checkpoint).
-        data_info: description of the training data (see "What data_info must hold" above).
+        data_info: description of the training data (see the module docstring).
         val_metric: optional forecast metric (model, stage) -> {"score": lower is better, ...} run after every
             validation on every rank; picks best_model/ when training.select_by names it.
         data_extremes: what the pipeline's data check flagged (quoted when training diverges), or None.
@@ -1071,15 +1059,6 @@ def train_predictor(
     stage = PredictorStage(predictor, tokenizer, cfg.teacher_forcing, forecast_info)
     return Trainer(stage, train_set, val_set, cfg, Path(output_dir), dist, run_config, data_info,
                    val_metric=val_metric, data_extremes=data_extremes).fit()
-
-
-@torch.no_grad()
-def evaluate_tokenizer(
-    tokenizer: nn.Module, dataset: Dataset, cfg: TrainingConfig, dist: DistInfo, epoch: int = 0
-) -> dict[str, float]:
-    """Tokenizer loss averaged over validation windows (all ranks), e.g. {"val_loss": .., "val_recon": ..}."""
-    stage = TokenizerStage(tokenizer.to(dist.device))
-    return evaluate(stage, tokenizer, dataset, val_sampler(dataset, cfg, dist), cfg, dist, epoch)
 
 
 @torch.no_grad()
