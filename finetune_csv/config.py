@@ -38,6 +38,7 @@ from finetune.utils.config_utils import (
     apply_stage,
     load_config,
     parse_overrides,
+    read_yaml,
     validate_stage,
     validate_training_config,
     warn_shadowed_overrides,
@@ -700,8 +701,12 @@ def _read_yaml(path: str | Path | None) -> Mapping[str, Any] | None:
     if path is None or not Path(path).is_file():
         return None
     try:
-        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (yaml.YAMLError, OSError, UnicodeDecodeError):
+        raw = read_yaml(path)  # bounded: a billion-laughs file is refused here, before anything expands it
+    except ConfigError as e:
+        if "not valid YAML" in str(e):
+            return None  # the normal loader reports it
+        raise
+    except (OSError, UnicodeDecodeError):
         return None
     return raw if isinstance(raw, Mapping) else None
 

@@ -122,7 +122,8 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
             # The tokenizer has no forecast to score: it is always selected by its validation loss.
             tok_training = dataclasses.replace(cfg.stage_training("tokenizer"), select_by="loss")
             results.append(train_tokenizer(tokenizer, train_set, val_set, tok_training,
-                                           cfg.tokenizer_dir, dist, run_config=run_config, data_info=data_info))
+                                           cfg.tokenizer_dir, dist, run_config=run_config, data_info=data_info,
+                                           output_key="paths.base_dir"))
         if plan["predictor"] is None:
             # The best tokenizer epoch on disk (not the last one in memory): what the predictor will forecast with.
             tokenizer = KronosTokenizer.from_pretrained(predictor_tokenizer_source(cfg))
@@ -136,7 +137,7 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
                                            cfg.predictor_dir, dist, run_config=run_config, data_info=data_info,
                                            val_metric=crps_val_metric(cfg, pred_training.select_by, data,
                                                                       tokenizer),
-                                           forecast_info=forecast_info))
+                                           forecast_info=forecast_info, output_key="paths.base_dir"))
         if dist.is_main:
             log.info("%s", summarize(results, plan))
     return results, plan, data_info

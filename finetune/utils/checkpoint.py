@@ -107,6 +107,8 @@ _STEP_RE = re.compile(r"^step-(\d{8,})\.pt$")
 _MODEL_TMP_RE = re.compile(r"^\.(?P<name>.+)\.(old|[a-z0-9_]{8})$")
 _MODEL_FILES = {"config.json", "model.safetensors", "tokenizer_config.json"}
 _SPACE_ERRNOS = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
+# Rust's io::Error as SafetensorError prints it: `IoError(Os { code: 28, kind: StorageFull, ... })`.
+_RUST_SPACE_RE = re.compile(r"StorageFull|FileTooLarge|QuotaExceeded|(os error|code:) (28|27|122)\b")
 _OVERHEAD = 64 * 1024  # zip headers + pickled structure beyond the raw tensor bytes
 _log = logging.getLogger(__name__)
 
@@ -120,6 +122,10 @@ class CheckpointWriteError(UserError, OSError):
 
     def __str__(self) -> str:  # the message alone, without OSError's "[Errno 28] ...: 'path'" decoration
         return str(self.strerror)
+
+    def with_key(self, key: str) -> CheckpointWriteError:
+        """The same error naming `key` (the pipeline's output-folder setting) as the setting to change."""
+        return _space_error(Path(self.filename), getattr(self, "needed", 0), self.__cause__, key)
 
 
 def step_path(folder: str | Path, step: int) -> Path:
@@ -181,12 +187,15 @@ def _is_space_error(e: BaseException) -> bool:
     code = _errno_in_chain(e)
     if code is not None:
         return code in _SPACE_ERRNOS
+    if _RUST_SPACE_RE.search(str(e)):  # safetensors' SafetensorError wraps Rust's io::Error as text only
+        return True
     # torch's C++ zip writer reports a failed write as RuntimeError("[enforce fail at inline_container.cc...] ...
     # file write failed" / "unexpected pos ..."), sometimes without the OSError behind it.
     return isinstance(e, RuntimeError) and ("inline_container" in str(e) or "PytorchStreamWriter" in str(e))
 
 
-def _space_error(path: Path, needed: int, cause: BaseException | None) -> CheckpointWriteError:
+def _space_error(path: Path, needed: int, cause: BaseException | None,
+                 key: str = "training.output_dir") -> CheckpointWriteError:
     free = _free_bytes(path.parent)
     free_text = _human(free) if free is not None else "unknown"
     code = _errno_in_chain(cause) if cause is not None else None
@@ -196,12 +205,14 @@ def _space_error(path: Path, needed: int, cause: BaseException | None) -> Checkp
         reason = "the write failed (disk full, file too large or a disk error)"
     else:
         reason = "not enough free space"
-    return CheckpointWriteError(
+    error = CheckpointWriteError(
         errno.ENOSPC,
         f"cannot write checkpoint {path}: {reason}; {free_text} free on that disk, about {_human(needed)} needed. "
-        "Free some space or set training.output_dir to a folder on a larger disk",
+        f"Free some space or set {key} to a folder on a larger disk",
         str(path),
     )
+    error.needed = needed  # so a caller that knows the pipeline's settings key can say it (with_key)
+    return error
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -409,9 +420,11 @@ def is_space_error(e: BaseException) -> bool:
     return _is_space_error(e)
 
 
-def space_error(path: str | Path, needed: int, cause: BaseException | None = None) -> CheckpointWriteError:
-    """The `CheckpointWriteError` for a failed write of about `needed` bytes to `path` (names free space)."""
-    return _space_error(Path(path), needed, cause)
+def space_error(path: str | Path, needed: int, cause: BaseException | None = None,
+                key: str = "training.output_dir") -> CheckpointWriteError:
+    """The `CheckpointWriteError` for a failed write of about `needed` bytes to `path` (names free space and the
+    setting `key` that moves the output)."""
+    return _space_error(Path(path), needed, cause, key)
 
 
 def prepare_folder(folder: str | Path, log: Callable[[str], None] | None = None) -> list[Path]:

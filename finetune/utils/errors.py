@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import ast
 import datetime
+import errno
 import functools
 import logging
 import os
@@ -66,6 +67,8 @@ EXIT_REFUSED = 5
 EXIT_MISSING_EXTRA = 6
 EXIT_STOPPED = 75  # EX_TEMPFAIL: a scheduler may requeue the job
 EXIT_INTERRUPTED = 130
+
+_FULL_DISK = (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 # Top-level module -> the extra of this package that installs it.
 OPTIONAL_MODULES = {"qlib": "qlib", "tensorboard": "tensorboard"}
@@ -135,6 +138,8 @@ def classify(exc: BaseException) -> tuple[int, bool]:
         return EXIT_PATH, True
     if _is_hub_error(exc):
         return EXIT_PATH, True
+    if isinstance(exc, OSError) and exc.errno in _FULL_DISK:  # the machine's state, not a bug: no traceback
+        return EXIT_DATA, True
     if isinstance(exc, (ValueError, RuntimeError, ArithmeticError)):
         origin = _raised_by_project(exc.__traceback__)
         if origin is not None:
