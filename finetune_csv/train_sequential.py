@@ -47,9 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="skip a stage that FINISHED before (an interrupted stage is resumed, not skipped; "
                              "finished stages are also skipped by default, unless --overwrite)")
     parser.add_argument("--resume", action="store_true",
-                        help="insist on resuming: each unfinished stage continues from its newest checkpoint, and "
-                             "it is an error if there is none (training.resume=required; the default 'auto' "
-                             "resumes when it can and starts fresh otherwise)")
+                        help="insist on resuming: each unfinished stage continues from its newest checkpoint, a "
+                             "stage not started yet starts, and it is an error if no stage has anything to resume "
+                             "(training.resume=required; the default 'auto' resumes when it can, else starts)")
     parser.add_argument("--overwrite", action="store_true",
                         help="retrain a stage that already holds a run, replacing its outputs (training.overwrite; "
                              "the run says what it replaces)")
@@ -80,6 +80,20 @@ def plan_stages(cfg: CsvFinetuneConfig, skip_tokenizer: bool, skip_predictor: bo
     return plan
 
 
+def stage_resume(cfg: CsvFinetuneConfig, plan: dict[str, str | None]) -> dict[str, str]:
+    """Each stage's training.resume. --resume (required) insists on resuming the RUN: when some stage that trains
+    has a run in its folder, a stage with an empty folder starts fresh (e.g. the predictor after a kill in the
+    tokenizer stage) instead of failing; with nothing anywhere to resume, it stays an error."""
+    folders = {"tokenizer": cfg.tokenizer_dir, "predictor": cfg.predictor_dir}
+    status = {stage: stage_status(folders[stage]) for stage in STAGES if plan[stage] is None}
+    resume = {stage: cfg.stage_training(stage).resume for stage in STAGES}
+    if any(s != "empty" for s in status.values()):
+        for stage, s in status.items():
+            if s == "empty" and resume[stage].strip().lower() == "required":
+                resume[stage] = "auto"
+    return resume
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()  # rank 0 reports; under torchrun the other ranks only warn
@@ -97,6 +111,7 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
     recorded in run_info.json). Raises ValueError subclasses for user mistakes (data, settings, models).
     """
     plan = plan_stages(cfg, skip_tokenizer, skip_predictor, skip_existing)
+    resume = stage_resume(cfg, plan)
     run_config = config_to_dict(cfg)
     results: list[TrainResult] = []
     with distributed_context(cfg.training.dist_timeout_s) as dist:
@@ -120,7 +135,8 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
             log.info("%s", describe(cfg, data_info, plan, dist, data))
         if plan["tokenizer"] is None:
             # The tokenizer has no forecast to score: it is always selected by its validation loss.
-            tok_training = dataclasses.replace(cfg.stage_training("tokenizer"), select_by="loss")
+            tok_training = dataclasses.replace(cfg.stage_training("tokenizer"), select_by="loss",
+                                               resume=resume["tokenizer"])
             results.append(train_tokenizer(tokenizer, train_set, val_set, tok_training,
                                            cfg.tokenizer_dir, dist, run_config=run_config, data_info=data_info,
                                            output_key="paths.base_dir"))
@@ -129,7 +145,7 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
             tokenizer = KronosTokenizer.from_pretrained(predictor_tokenizer_source(cfg))
             with seeded_init(cfg.training.seed):
                 predictor = build_predictor(m.pretrained_predictor, m.predictor_arch, tokenizer, "model")
-            pred_training = cfg.stage_training("predictor")
+            pred_training = dataclasses.replace(cfg.stage_training("predictor"), resume=resume["predictor"])
             # What forecasting needs beside the weights (kronos_predictor.json): the window, tokenizer and clip.
             forecast_info = {"max_context": cfg.data.lookback + cfg.data.predict,
                              "tokenizer": predictor_tokenizer_source(cfg), "clip": cfg.data.clip}

@@ -714,12 +714,30 @@ class Trainer:
         # A finished run made with other epochs / batch / model settings is not "this" run: say so, not skip.
         check_resume_compatible(saved, self.cfg, self.dist.world_size, self.stage.name, self.model_args(),
                                 self.resume_path)
+        self.check_still_holds(saved)
         self.model.load_state_dict(saved["model"])
         loop = dict(saved["loop"])
         loop.setdefault("best_score", loop.get("best_val_loss", math.inf))
         self.state = LoopState(**loop)
         plot = self.out / "loss_curve.png"
         return self.result(plot if plot.exists() else None, skipped=True)
+
+    def check_still_holds(self, saved: dict) -> None:
+        """A finished run is reused only if what it was trained on still holds: the same data and, for the
+        predictor, the same frozen tokenizer (its weights' sha256). Otherwise refuse (StageFolderError, exit 5)
+        naming what changed: retraining would replace a finished model, which only --overwrite may do."""
+        changes = check_data(saved, self.data_info, self.frozen_fp, True, self.resume_path)
+        if not changes:
+            return
+        if self.cfg.accept_changed_data:
+            for text in changes:
+                log.warning("[%s] training.accept_changed_data=true: keeping the finished run although %s",
+                            self.stage.name, text)
+            return
+        raise StageFolderError(
+            f"[{self.stage.name}] {self.out} holds a finished run, but {'; '.join(changes)}; set "
+            "training.overwrite=true (--overwrite) to retrain it on what the run now uses, or "
+            "training.accept_changed_data=true to keep it as it is")
 
     def resume(self) -> None:
         """Load the newest usable checkpoint when the plan says resume, then wrap the model for DDP (broadcasts rank
@@ -757,6 +775,7 @@ class Trainer:
             resume_step=self.state.global_step if self.resume_path is not None else None,
         )
         self.run_extra = {"stage": self.stage.name, "world_size": self.dist.world_size, "select_by": cfg.select_by,
+                          "frozen_fingerprint": self.frozen_fp,  # the predictor's tokenizer (sha256 of weights)
                           "resumed_from": str(self.resume_path) if self.resume_path else None,
                           **{k: v for k, v in self.run_extra.items() if v}}
         if self.dist.is_main:
