@@ -105,7 +105,9 @@ LAST_NAME = "last.pt"
 _STEP_RE = re.compile(r"^step-(\d{8,})\.pt$")
 # save_pretrained_atomic's temporary folders: tempfile.mkdtemp(prefix=".<name>.") adds 8 chars; ".<name>.old".
 _MODEL_TMP_RE = re.compile(r"^\.(?P<name>.+)\.(old|[a-z0-9_]{8})$")
-_MODEL_FILES = {"config.json", "model.safetensors", "tokenizer_config.json"}
+_MODEL_FILES = {"config.json", "model.safetensors", "tokenizer_config.json", "kronos_predictor.json",
+                "run_info.json"}
+_OLD_MODEL_RE = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}\.old$")  # model.fileio.atomic_dir's old folder
 _SPACE_ERRNOS = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
 # Rust's io::Error as SafetensorError prints it: `IoError(Os { code: 28, kind: StorageFull, ... })`.
 _RUST_SPACE_RE = re.compile(r"StorageFull|FileTooLarge|QuotaExceeded|(os error|code:) (28|27|122)\b")
@@ -381,6 +383,10 @@ def load_latest(folder: str | Path, *, map_location: Any = "cpu", validate: Call
                           + "\n  Remove these files, or set training.overwrite=true to start over")
 
 
+def _only_model_files(p: Path) -> bool:
+    return p.is_dir() and all(c.name in _MODEL_FILES for c in p.iterdir())
+
+
 def _is_model_tmp_dir(p: Path) -> bool:
     m = _MODEL_TMP_RE.match(p.name)
     if not m or not p.is_dir():
@@ -394,6 +400,8 @@ def remove_orphans(folder: str | Path, log: Callable[[str], None] | None = None)
 
     Removed: hidden `.*.tmp` files and folders, and `.<name>.<8 chars>` / `.<name>.old` folders that hold only
     published-model files (config.json, model.safetensors, tokenizer_config.json). Nothing else is touched.
+    A `.<name>.<8 chars>.old/x` model folder of a swap killed half-way is moved back to `<name>` when that is
+    missing (model.fileio.atomic_dir without renameat2), else removed.
     Only call it while holding the folder's run lock.
     """
     folder = Path(folder)
@@ -401,6 +409,13 @@ def remove_orphans(folder: str | Path, log: Callable[[str], None] | None = None)
         return []
     removed = []
     for p in sorted(folder.iterdir()):
+        if (m := _OLD_MODEL_RE.match(p.name)) and _only_model_files(p / "x"):
+            if not (folder / m.group("name")).exists():  # killed mid-swap: the old model is the only one left
+                os.replace(p / "x", folder / m.group("name"))
+                (log or _log.warning)(f"{folder / m.group('name')}: restored from an interrupted swap")
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+            continue
         orphan_tmp = p.name.startswith(".") and p.name.endswith(".tmp") and len(p.name) > len(".tmp") + 1
         if not (orphan_tmp or _is_model_tmp_dir(p)):
             continue

@@ -50,7 +50,9 @@ import functools
 import logging
 import os
 import shlex
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -252,6 +254,18 @@ def _takes_no_arguments(fn: Callable[..., Any]) -> bool:
     return not any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params)
 
 
+def _quit_on_next_interrupt() -> None:
+    """The process is on its way out after a Ctrl-C or a graceful stop: one more Ctrl-C ends it at once with one
+    line, not with a KeyboardInterrupt traceback from wherever the exit happens to be (cleanup, atexit, threads)."""
+
+    def quit_now(signum: int, frame: Any) -> None:
+        os.write(2, b"error: interrupted again; quitting now\n")
+        os._exit(EXIT_INTERRUPTED)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, quit_now)
+
+
 def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> int:
     """Run `main(argv)` and turn its outcome into an exit code, reporting failures as described above.
 
@@ -282,6 +296,8 @@ def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None
         return EXIT_DATA
     except BaseException as exc:  # noqa: BLE001 - this IS the top-level handler
         code, is_user = classify(exc)
+        if code in (EXIT_INTERRUPTED, EXIT_STOPPED):
+            _quit_on_next_interrupt()
         sys.stderr.flush()
         if is_user:
             print(format_error(exc, code), file=sys.stderr)
