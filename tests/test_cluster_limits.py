@@ -114,3 +114,20 @@ def test_space_error_names_the_key_it_is_given(tmp_path):
 def test_safetensors_disk_full_text_counts_as_a_space_error():
     assert checkpoint_store.is_space_error(SafetensorError(RUST_ENOSPC))
     assert not checkpoint_store.is_space_error(SafetensorError("Error while serializing: bad dtype"))
+
+
+# ------------------------------------------------------------------------------------------ line numbers
+def test_error_line_numbers_count_the_blank_lines_the_reader_skips(tmp_path):
+    from finetune_csv.config import DataConfig
+    from finetune_csv.data import blank_lines, prepare_data
+    from tests.csv_reference import candles
+
+    text = candles(30).to_csv(index=False).splitlines()
+    text[5] = text[5].replace(text[5].split(",")[1], "abc", 1)  # file line 6: a non-number in 'open'
+    text = text[:3] + ["", "\r"] + text[3:]  # two empty lines before it: now it is line 8
+    path = tmp_path / "a.csv"
+    path.write_text("\n".join(text) + "\n")
+    assert blank_lines(path).tolist() == [4, 5] and blank_lines(path, chunk=7).tolist() == [4, 5]
+    with pytest.raises(ValueError) as e:
+        prepare_data(DataConfig(path=str(path), lookback=4, predict=2), tmp_path / "store")
+    assert "at line(s) 8" in str(e.value), str(e.value)
