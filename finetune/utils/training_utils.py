@@ -726,6 +726,8 @@ class Trainer:
         """A finished run is reused only if what it was trained on still holds: the same data and, for the
         predictor, the same frozen tokenizer (its weights' sha256). Otherwise refuse (StageFolderError, exit 5)
         naming what changed: retraining would replace a finished model, which only --overwrite may do."""
+        if self.data_info is None:  # the caller describes no data this time: only the frozen model is compared
+            saved = {**saved, "data_fingerprint": None}
         changes = check_data(saved, self.data_info, self.frozen_fp, True, self.resume_path)
         if not changes:
             return
