@@ -67,7 +67,7 @@ def run_stage(spec: StageSpec, argv: list[str] | None = None, doc: str = "") -> 
         train_set, val_set, data_info = build_train_val_datasets(cfg)
         with seeded_init(training.seed):  # a from-scratch model starts from the same weights on every run
             models = spec.build(cfg)
-        common = dict(run_config=config_to_dict(cfg), data_info=data_info)
+        common = dict(run_config=config_to_dict(cfg), data_info=data_info, output_key=f"paths.{spec.stage}_dir")
         if spec.stage == "tokenizer":
             result = train_tokenizer(models["tokenizer"], train_set, val_set, training, out_dir, dist, **common)
         else:

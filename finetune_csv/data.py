@@ -1358,6 +1358,23 @@ class MixedFrequencyWarning(UserWarning):
     """Files of different bar lengths in one data set while `data.frequency` is not set."""
 
 
+def blank_lines(path: str | Path, chunk: int = 1 << 26) -> np.ndarray:
+    """1-based numbers of the empty lines ('' or a lone '\\r') of a text file, ascending: the CSV reader skips them,
+    so the n-th non-empty line is line n + (blank lines before it). Read in chunks of `chunk` bytes, memory-mapped."""
+    size = Path(path).stat().st_size
+    data = np.memmap(path, np.uint8, "r") if size else np.zeros(0, np.uint8)
+    found, line, last_nl = [], 1, -1  # line: number of the line the next newline ends
+    for start in range(0, size, chunk):
+        nl = np.flatnonzero(data[start:start + chunk] == 10) + start  # newline offsets
+        if not len(nl):
+            continue
+        length = nl - np.concatenate([[last_nl], nl[:-1]]) - 1  # bytes of each line before its newline
+        blank = (length == 0) | ((length == 1) & (data[nl - 1] == 13))
+        found.append(line + np.flatnonzero(blank))
+        line, last_nl = line + len(nl), int(nl[-1])
+    return np.concatenate(found).astype(np.int64) if found else np.zeros(0, np.int64)
+
+
 def _lines(positions: Sequence[int], first_row: int) -> str:
     shown = ", ".join(str(first_row + int(p)) for p in positions[:_SHOW])
     return shown + (f" (+{len(positions) - _SHOW} more)" if len(positions) > _SHOW else "")

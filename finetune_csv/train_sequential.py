@@ -71,6 +71,20 @@ def plan_stages(cfg: CsvFinetuneConfig, skip_tokenizer: bool, skip_predictor: bo
     return plan
 
 
+def stage_resume(cfg: CsvFinetuneConfig, plan: dict[str, str | None]) -> dict[str, str]:
+    """Each stage's training.resume. --resume (required) insists on resuming the RUN: when some stage that trains
+    has a run in its folder, a stage with an empty folder starts fresh (e.g. the predictor after a kill in the
+    tokenizer stage) instead of failing; with nothing anywhere to resume, it stays an error."""
+    folders = {"tokenizer": cfg.tokenizer_dir, "predictor": cfg.predictor_dir}
+    status = {stage: stage_status(folders[stage]) for stage in STAGES if plan[stage] is None}
+    resume = {stage: cfg.stage_training(stage).resume for stage in STAGES}
+    if any(s != "empty" for s in status.values()):
+        for stage, s in status.items():
+            if s == "empty" and resume[stage].strip().lower() == "required":
+                resume[stage] = "auto"
+    return resume
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()  # rank 0 reports; under torchrun the other ranks only warn
@@ -94,6 +108,7 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
     recorded in run_info.json). Raises ValueError subclasses for user mistakes (data, settings, models).
     """
     plan = plan_stages(cfg, skip_tokenizer, skip_predictor, skip_existing)
+    resume = stage_resume(cfg, plan)
     run_config = config_to_dict(cfg)
     results: list[TrainResult] = []
     with distributed_context(cfg.training.dist_timeout_s) as dist:
@@ -122,15 +137,17 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
             log.info("%s", describe(cfg, data_info, plan, dist, data))
         if plan["tokenizer"] is None:
             # The tokenizer has no forecast to score: it is always selected by its validation loss.
-            tok_training = dataclasses.replace(cfg.stage_training("tokenizer"), select_by="loss")
+            tok_training = dataclasses.replace(cfg.stage_training("tokenizer"), select_by="loss",
+                                               resume=resume["tokenizer"])
             results.append(train_tokenizer(tokenizer, train_set, val_set, tok_training,
-                                           cfg.tokenizer_dir, dist, run_config=run_config, data_info=data_info))
+                                           cfg.tokenizer_dir, dist, run_config=run_config, data_info=data_info,
+                                           output_key="paths.base_dir"))
         if plan["predictor"] is None:
             # The best tokenizer epoch on disk (not the last one in memory): what the predictor will forecast with.
             tokenizer = KronosTokenizer.from_pretrained(predictor_tokenizer_source(cfg))
             with seeded_init(cfg.training.seed):
                 predictor = build_predictor(m.pretrained_predictor, m.predictor_arch, tokenizer, "model")
-            pred_training = cfg.stage_training("predictor")
+            pred_training = dataclasses.replace(cfg.stage_training("predictor"), resume=resume["predictor"])
             # What forecasting needs beside the weights (kronos_predictor.json): the window, tokenizer and clip.
             forecast_info = {"max_context": cfg.data.lookback + cfg.data.predict, "lookback": cfg.data.lookback,
                              "tokenizer": predictor_tokenizer_source(cfg), "clip": cfg.data.clip}
@@ -138,7 +155,7 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
                                            cfg.predictor_dir, dist, run_config=run_config, data_info=data_info,
                                            val_metric=crps_val_metric(cfg, pred_training.select_by, data,
                                                                       tokenizer),
-                                           forecast_info=forecast_info))
+                                           forecast_info=forecast_info, output_key="paths.base_dir"))
             if dist.is_main:  # conformal bands fitted on the validation windows (forecast.calibrate)
                 calibrate_best_model(cfg, data)
         if dist.is_main:

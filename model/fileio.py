@@ -112,7 +112,9 @@ def atomic_dir(target: str | os.PathLike, *, overwrite: bool = True) -> Iterator
     try:
         yield tmp
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes owner-only folders
-        if target.exists():
+        if target.exists() and _exchange(tmp, target):
+            shutil.rmtree(tmp, ignore_errors=True)  # now the old folder; a kill here leaves a `.tmp` (removable)
+        elif target.exists():
             old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".old"))
             os.replace(target, old / "x")  # move the old folder aside, then the new one in, then drop the old
             os.replace(tmp, target)
@@ -122,6 +124,19 @@ def atomic_dir(target: str | os.PathLike, *, overwrite: bool = True) -> Iterator
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two folders in one step (Linux renameat2 RENAME_EXCHANGE), so `b` is never absent; False where the
+    system or filesystem cannot (the caller then moves the old folder aside first)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        at_fdcwd, rename_exchange = -100, 2
+        return libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+    except (OSError, AttributeError):  # no libc symbol (macOS, old glibc)
+        return False
 
 
 def strict_json(value: Any) -> Any:

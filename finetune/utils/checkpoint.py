@@ -138,8 +138,12 @@ def check_token_sizes(tokenizer: Any, predictor: Any, keys: str) -> None:
 _STEP_RE = re.compile(r"^step-(\d{8,})\.pt$")
 # save_pretrained_atomic's temporary folders: tempfile.mkdtemp(prefix=".<name>.") adds 8 chars; ".<name>.old".
 _MODEL_TMP_RE = re.compile(r"^\.(?P<name>.+)\.(old|[a-z0-9_]{8})$")
-_MODEL_FILES = {"config.json", "model.safetensors", "tokenizer_config.json"}
+_MODEL_FILES = {"config.json", "model.safetensors", "tokenizer_config.json", "kronos_predictor.json",
+                "run_info.json"}
+_OLD_MODEL_RE = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}\.old$")  # model.fileio.atomic_dir's old folder
 _SPACE_ERRNOS = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
+# Rust's io::Error as SafetensorError prints it: `IoError(Os { code: 28, kind: StorageFull, ... })`.
+_RUST_SPACE_RE = re.compile(r"StorageFull|FileTooLarge|QuotaExceeded|(os error|code:) (28|27|122)\b")
 _OVERHEAD = 64 * 1024  # zip headers + pickled structure beyond the raw tensor bytes
 _log = logging.getLogger(__name__)
 
@@ -153,6 +157,10 @@ class CheckpointWriteError(UserError, OSError):
 
     def __str__(self) -> str:  # the message alone, without OSError's "[Errno 28] ...: 'path'" decoration
         return str(self.strerror)
+
+    def with_key(self, key: str) -> CheckpointWriteError:
+        """The same error naming `key` (the pipeline's output-folder setting) as the setting to change."""
+        return _space_error(Path(self.filename), getattr(self, "needed", 0), self.__cause__, key)
 
 
 def step_path(folder: str | Path, step: int) -> Path:
@@ -214,12 +222,15 @@ def _is_space_error(e: BaseException) -> bool:
     code = _errno_in_chain(e)
     if code is not None:
         return code in _SPACE_ERRNOS
+    if _RUST_SPACE_RE.search(str(e)):  # safetensors' SafetensorError wraps Rust's io::Error as text only
+        return True
     # torch's C++ zip writer reports a failed write as RuntimeError("[enforce fail at inline_container.cc...] ...
     # file write failed" / "unexpected pos ..."), sometimes without the OSError behind it.
     return isinstance(e, RuntimeError) and ("inline_container" in str(e) or "PytorchStreamWriter" in str(e))
 
 
-def _space_error(path: Path, needed: int, cause: BaseException | None) -> CheckpointWriteError:
+def _space_error(path: Path, needed: int, cause: BaseException | None,
+                 key: str = "training.output_dir") -> CheckpointWriteError:
     free = _free_bytes(path.parent)
     free_text = _human(free) if free is not None else "unknown"
     code = _errno_in_chain(cause) if cause is not None else None
@@ -229,12 +240,14 @@ def _space_error(path: Path, needed: int, cause: BaseException | None) -> Checkp
         reason = "the write failed (disk full, file too large or a disk error)"
     else:
         reason = "not enough free space"
-    return CheckpointWriteError(
+    error = CheckpointWriteError(
         errno.ENOSPC,
         f"cannot write checkpoint {path}: {reason}; {free_text} free on that disk, about {_human(needed)} needed. "
-        "Free some space or set training.output_dir to a folder on a larger disk",
+        f"Free some space or set {key} to a folder on a larger disk",
         str(path),
     )
+    error.needed = needed  # so a caller that knows the pipeline's settings key can say it (with_key)
+    return error
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -403,6 +416,10 @@ def load_latest(folder: str | Path, *, map_location: Any = "cpu", validate: Call
                           + "\n  Remove these files, or set training.overwrite=true to start over")
 
 
+def _only_model_files(p: Path) -> bool:
+    return p.is_dir() and all(c.name in _MODEL_FILES for c in p.iterdir())
+
+
 def _is_model_tmp_dir(p: Path) -> bool:
     m = _MODEL_TMP_RE.match(p.name)
     if not m or not p.is_dir():
@@ -416,6 +433,8 @@ def remove_orphans(folder: str | Path, log: Callable[[str], None] | None = None)
 
     Removed: hidden `.*.tmp` files and folders, and `.<name>.<8 chars>` / `.<name>.old` folders that hold only
     published-model files (config.json, model.safetensors, tokenizer_config.json). Nothing else is touched.
+    A `.<name>.<8 chars>.old/x` model folder of a swap killed half-way is moved back to `<name>` when that is
+    missing (model.fileio.atomic_dir without renameat2), else removed.
     Only call it while holding the folder's run lock.
     """
     folder = Path(folder)
@@ -423,6 +442,13 @@ def remove_orphans(folder: str | Path, log: Callable[[str], None] | None = None)
         return []
     removed = []
     for p in sorted(folder.iterdir()):
+        if (m := _OLD_MODEL_RE.match(p.name)) and _only_model_files(p / "x"):
+            if not (folder / m.group("name")).exists():  # killed mid-swap: the old model is the only one left
+                os.replace(p / "x", folder / m.group("name"))
+                (log or _log.warning)(f"{folder / m.group('name')}: restored from an interrupted swap")
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+            continue
         orphan_tmp = p.name.startswith(".") and p.name.endswith(".tmp") and len(p.name) > len(".tmp") + 1
         if not (orphan_tmp or _is_model_tmp_dir(p)):
             continue
@@ -442,9 +468,11 @@ def is_space_error(e: BaseException) -> bool:
     return _is_space_error(e)
 
 
-def space_error(path: str | Path, needed: int, cause: BaseException | None = None) -> CheckpointWriteError:
-    """The `CheckpointWriteError` for a failed write of about `needed` bytes to `path` (names free space)."""
-    return _space_error(Path(path), needed, cause)
+def space_error(path: str | Path, needed: int, cause: BaseException | None = None,
+                key: str = "training.output_dir") -> CheckpointWriteError:
+    """The `CheckpointWriteError` for a failed write of about `needed` bytes to `path` (names free space and the
+    setting `key` that moves the output)."""
+    return _space_error(Path(path), needed, cause, key)
 
 
 def prepare_folder(folder: str | Path, log: Callable[[str], None] | None = None) -> list[Path]:

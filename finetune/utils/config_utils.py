@@ -26,6 +26,7 @@ import inspect
 import json
 import logging
 import re
+import reprlib
 import textwrap
 import types
 import typing
@@ -94,11 +95,7 @@ def read_yaml(yaml_path: str | Path | None) -> dict[str, Any]:
     path = Path(yaml_path)
     if not path.is_file():
         raise PathError(f"config file not found: {path} (check --config)")
-    with open(path, encoding="utf-8") as f:
-        try:
-            loaded = yaml.safe_load(f)
-        except yaml.YAMLError as e:
-            raise ConfigError([f"{path}: not valid YAML ({e})"]) from None
+    loaded = _load_bounded(path)
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
@@ -345,14 +342,57 @@ def _convert(value: Any, tp: Any, key: str, problems: Problems) -> Any:
     return value  # an annotation we do not check (e.g. a custom class): trust the pipeline's validate()
 
 
+_SHORT = reprlib.Repr()
+# At most ~5 items per level and 3 levels: the text stays short (and cheap) even for a value built from thousands
+# of YAML aliases, which a full repr would expand to gigabytes before it could be cut.
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxdict = 3, 5, 5, 5
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 60, 60, 40
+
+
 def _show(value: Any) -> str:
     if isinstance(value, str):
-        return repr(value)
+        return _SHORT.repr(value)
     if value is None:
         return "null"
     if isinstance(value, (Mapping, list, tuple)):
-        return f"{type(value).__name__} {value!r}"[:80]
-    return f"{value!r} ({type(value).__name__})"
+        return f"{type(value).__name__} {_SHORT.repr(value)}"[:80]
+    return f"{_SHORT.repr(value)} ({type(value).__name__})"
+
+
+MAX_CONFIG_BYTES = 1 << 20
+"""A settings file larger than this (1 MiB) is refused before parsing: configs are a few KiB."""
+MAX_YAML_ALIASES = 100
+"""YAML aliases (`*name`) allowed in one file; a "billion laughs" file nests thousands to exhaust memory."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """The pure-Python safe loader (the C one composes in C), counting aliases; stops past MAX_YAML_ALIASES."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            self._aliases = getattr(self, "_aliases", 0) + 1
+            if self._aliases > MAX_YAML_ALIASES:
+                mark = self.peek_event().start_mark
+                raise ConfigError([f"{self.name}: more than {MAX_YAML_ALIASES} YAML aliases (*name), the last at "
+                                   f"line {mark.line + 1}; a settings file needs few; write the values out"])
+        return super().compose_node(parent, index)
+
+
+def _load_bounded(path: Path) -> Any:
+    """The YAML document in `path`, safely: size and aliases bounded before anything is built (ConfigError)."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError([f"{path}: {size} bytes is too large for a settings file (at most {MAX_CONFIG_BYTES})"])
+    with open(path, encoding="utf-8") as f:
+        loader = _BoundedLoader(f)
+        loader.name = str(path)
+        try:
+            return loader.get_single_data()
+        except yaml.YAMLError as e:
+            raise ConfigError([f"{path}: not valid YAML ({e})"]) from None
+        finally:
+            loader.dispose()
 
 
 def _join(prefix: str, name: str) -> str:

@@ -23,6 +23,7 @@ import inspect
 import os
 import random
 import sys
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -147,17 +148,59 @@ def distributed_context(timeout_s: float = 1800.0, backend: str | None = None) -
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    tdist.init_process_group(
-        backend=chosen,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    with setup_deadline(min(timeout_s, INIT_TIMEOUT_S), rank, world_size):
+        tdist.init_process_group(
+            backend=chosen,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            store=attempt_store(rank, world_size, timeout_s),
+        )
+        barrier()  # every rank is here at once: connects nccl too, so the deadline covers the whole setup
     try:
         yield DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=chosen)
     finally:
         if tdist.is_initialized():
             tdist.destroy_process_group()
+
+
+INIT_TIMEOUT_S = 300.0
+"""Process-group setup (connect + first barrier) taking longer than this (or training.dist_timeout_s if lower)
+ends the process with one line instead of hanging: under torchrun --max-restarts the agent then starts again."""
+
+
+def attempt_store(rank: int, world_size: int, timeout_s: float) -> tdist.Store | None:
+    """The process group's key-value store under torchrun's shared agent store, with a prefix per restart.
+
+    torchrun's workers use the agent's rendezvous TCP store, which outlives a restart and still holds the previous
+    attempt's keys (e.g. gloo's peer addresses): a restarted rank read the dead rank's old port (Connection refused)
+    or hung. `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` in torchrun's environment avoids it; this prefix does it for a
+    plain `torchrun --max-restarts=N`. None (torch's default env:// store) when not under an elastic agent store.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store, _, _ = next(tdist.rendezvous("env://", rank, world_size, timeout=datetime.timedelta(seconds=timeout_s)))
+    return tdist.PrefixStore(f"kronos/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+@contextlib.contextmanager
+def setup_deadline(seconds: float, rank: int, world_size: int) -> Iterator[None]:
+    """Exit the process (status 1, one line) if the body has not finished within `seconds`."""
+    def give_up() -> None:
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        os.write(2, (f"error (rank {rank}): process-group setup with {world_size} processes did not finish within "
+                     f"{seconds:.0f} s (torchrun restart {restart}; MASTER_ADDR={os.environ.get('MASTER_ADDR')}, "
+                     f"MASTER_PORT={os.environ.get('MASTER_PORT')}): another rank did not join; giving up so the "
+                     "launcher can restart the job\n").encode())
+        os._exit(1)
+
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def _active() -> bool:

@@ -27,11 +27,14 @@ the per-stage train.log.
 from __future__ import annotations
 
 import datetime
+import errno
 import importlib.util
 import logging
 import os
 import shlex
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -47,6 +50,8 @@ EXIT_REFUSED = 5
 EXIT_MISSING_EXTRA = 6
 EXIT_STOPPED = 75  # EX_TEMPFAIL: a scheduler may requeue the job
 EXIT_INTERRUPTED = 130
+
+_FULL_DISK = (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 # Top-level module -> the extra of this package that installs it.
 OPTIONAL_MODULES = {"qlib": "qlib", "tensorboard": "tensorboard"}
@@ -131,6 +136,8 @@ def classify(exc: BaseException) -> tuple[int, bool]:
         return EXIT_PATH, True
     if _is_hub_error(exc):
         return EXIT_PATH, True
+    if isinstance(exc, OSError) and exc.errno in _FULL_DISK:  # the machine's state, not a bug: no traceback
+        return EXIT_DATA, True
     if isinstance(exc, (ValueError, RuntimeError, ArithmeticError)) and _raised_by_project(exc):
         if isinstance(exc.__cause__, BaseException) and classify(exc.__cause__) == (EXIT_PATH, True):
             return EXIT_PATH, True  # e.g. load_pretrained's message naming the key, from a failed Hub lookup
@@ -197,6 +204,18 @@ def debug_enabled() -> bool:
     return os.environ.get("KRONOS_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
 
 
+def _quit_on_next_interrupt() -> None:
+    """The process is on its way out after a Ctrl-C or a graceful stop: one more Ctrl-C ends it at once with one
+    line, not with a KeyboardInterrupt traceback from wherever the exit happens to be (cleanup, atexit, threads)."""
+
+    def quit_now(signum: int, frame: Any) -> None:
+        os.write(2, b"error: interrupted again; quitting now\n")
+        os._exit(EXIT_INTERRUPTED)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, quit_now)
+
+
 def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> int:
     """Run `main(argv)` and turn its outcome into an exit code, reporting failures as described above.
 
@@ -222,6 +241,8 @@ def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None
         return EXIT_DATA
     except BaseException as exc:  # noqa: BLE001 - this IS the top-level handler
         code, is_user = classify(exc)
+        if code in (EXIT_INTERRUPTED, EXIT_STOPPED):
+            _quit_on_next_interrupt()
         sys.stderr.flush()
         if is_user:
             print(format_error(exc, code), file=sys.stderr)

@@ -455,8 +455,11 @@ class GracefulStop:
 
 
 def ignore_interrupts_in_worker(worker_id: int) -> None:
-    """DataLoader `worker_init_fn`: workers ignore SIGINT so a Ctrl-C stops the run gracefully, not the loader."""
+    """DataLoader `worker_init_fn`: workers ignore SIGINT and SIGTERM, so a Ctrl-C or a scheduler's group SIGTERM
+    (Slurm, torchrun's agent) stops the run gracefully instead of killing the loader under the save. A worker still
+    ends with its training process (the loader shuts it down; torch's watchdog ends it if the parent dies)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 EARLY_STEPS = 3

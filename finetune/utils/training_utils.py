@@ -567,11 +567,13 @@ class Trainer:
     val_metric: optional forecast metric (model, stage) -> {"score", ...}, run after each validation; with
         training.select_by = its name, its "score" (lower is better) picks best_model/ instead of val_loss.
     data_extremes: what the data check flagged (for the divergence diagnosis), or None.
+    output_key: the pipeline's setting that names `out` (e.g. `paths.base_dir`), quoted when the disk is full.
     """
 
     def __init__(self, stage: Stage, train_set: Dataset, val_set: Dataset, cfg: TrainingConfig, out: Path,
                  dist: DistInfo, run_config: dict[str, Any] | None = None, data_info: dict[str, Any] | None = None,
-                 val_metric: ValMetric | None = None, data_extremes: str | None = None):
+                 val_metric: ValMetric | None = None, data_extremes: str | None = None,
+                 output_key: str = "training.output_dir"):
         problems = Problems()
         validate_training_config(cfg, problems)
         problems.check(cfg.select_by == "loss" or val_metric is not None, "training.select_by",
@@ -589,6 +591,7 @@ class Trainer:
         self.val_metric = val_metric
         self.frozen_fp = stage.frozen_fingerprint()  # the predictor's tokenizer weights (None for the tokenizer)
         self.best_dir, self.ckpt_path = self.out / "best_model", last_checkpoint_path(self.out)
+        self.output_key = output_key  # the pipeline's setting naming `out`, quoted when the disk is full
 
         # Data: the samplers fix the order from (seed, epoch); the loaders are rebuilt every epoch.
         self.train_sampler = train_sampler(train_set, cfg, dist)
@@ -668,8 +671,10 @@ class Trainer:
                         self.train_epoch()
                         self.end_epoch()
                     return self.finish()  # closes the trackers after handing them the final files
-            except BaseException:
+            except BaseException as e:
                 self.logger.close(failed=True)  # an MLflow run is marked FAILED, metrics.jsonl is flushed
+                if isinstance(e, checkpoint_store.CheckpointWriteError):  # name the pipeline's output setting
+                    raise e.with_key(self.output_key) from None
                 raise
             finally:
                 self.logger.close()
@@ -700,12 +705,32 @@ class Trainer:
         # A finished run made with other epochs / batch / model settings is not "this" run: say so, not skip.
         check_resume_compatible(saved, self.cfg, self.dist.world_size, self.stage.name, self.model_args(),
                                 self.resume_path, run_config=self.run_config, finished=True)
+        self.check_still_holds(saved)
         if self.dist.is_main:
             log.info("%s", self.plan.message)
         self.model.load_state_dict(saved["model"])
         self.state = LoopState(**saved["loop"])
         plot = self.out / "loss_curve.png"
         return self.result(plot if plot.exists() else None, skipped=True)
+
+    def check_still_holds(self, saved: dict) -> None:
+        """A finished run is reused only if what it was trained on still holds: the same data and, for the
+        predictor, the same frozen tokenizer (its weights' sha256). Otherwise refuse (StageFolderError, exit 5)
+        naming what changed: retraining would replace a finished model, which only --overwrite may do."""
+        if self.data_info is None:  # the caller describes no data this time: only the frozen model is compared
+            saved = {**saved, "data_fingerprint": None}
+        changes = check_data(saved, self.data_info, self.frozen_fp, True, self.resume_path)
+        if not changes:
+            return
+        if self.cfg.accept_changed_data:
+            for text in changes:
+                log.warning("[%s] training.accept_changed_data=true: keeping the finished run although %s",
+                            self.stage.name, text)
+            return
+        raise StageFolderError(
+            f"[{self.stage.name}] {self.out} holds a finished run, but {'; '.join(changes)}; set "
+            "training.overwrite=true (--overwrite) to retrain it on what the run now uses, or "
+            "training.accept_changed_data=true to keep it as it is")
 
     def resume(self) -> None:
         """Load the newest usable checkpoint when the plan says resume, then wrap the model for DDP (broadcasts rank
@@ -741,6 +766,7 @@ class Trainer:
             resume_step=self.state.global_step if self.resume_path is not None else None,
         )
         self.run_extra = {"stage": self.stage.name, "world_size": self.dist.world_size, "select_by": cfg.select_by,
+                          "frozen_fingerprint": self.frozen_fp,  # the predictor's tokenizer (sha256 of weights)
                           "resumed_from": str(self.resume_path) if self.resume_path else None,
                           **{k: v for k, v in self.run_extra.items() if v}}
         if self.dist.is_main:
@@ -917,7 +943,7 @@ class Trainer:
             self.stage.save_best(self.best_dir)
             write_run_info(self.best_dir, self.run_config, self.data_info,
                            {**self.run_extra, "epoch": epoch, "val_loss": val_loss})
-        except OSError as e:
+        except Exception as e:  # OSError, or safetensors' SafetensorError (not an OSError) on a full disk
             if checkpoint_store.is_space_error(e):
                 needed = checkpoint_store.estimate_bytes(self.model.state_dict())
                 raise checkpoint_store.space_error(self.best_dir / "model.safetensors", needed, e) from e
@@ -1015,6 +1041,7 @@ def train_tokenizer(
     data_info: dict[str, Any] | None = None,
     val_metric: ValMetric | None = None,
     data_extremes: str | None = None,
+    output_key: str = "training.output_dir",
 ) -> TrainResult:
     """Finetune the BSQ tokenizer on x (B, T, F) windows; the best epoch is saved with save_pretrained.
 
@@ -1029,9 +1056,10 @@ def train_tokenizer(
         val_metric: optional forecast metric (model, stage) -> {"score": lower is better, ...} run after every
             validation on every rank; picks best_model/ when training.select_by names it.
         data_extremes: what the pipeline's data check flagged (quoted when training diverges), or None.
+        output_key: the pipeline's setting naming `output_dir` (a full disk names it as the one to change).
     """
     trainer = Trainer(TokenizerStage(tokenizer), train_set, val_set, cfg, Path(output_dir), dist, run_config, data_info,
-                      val_metric=val_metric, data_extremes=data_extremes)
+                      val_metric=val_metric, data_extremes=data_extremes, output_key=output_key)
     return trainer.fit()
 
 
@@ -1049,6 +1077,7 @@ def train_predictor(
     val_metric: ValMetric | None = None,
     data_extremes: str | None = None,
     forecast_info: dict[str, Any] | None = None,
+    output_key: str = "training.output_dir",
 ) -> TrainResult:
     """Finetune the Kronos predictor on tokens of the frozen `tokenizer`; the best epoch is saved with
     save_pretrained plus the tokenizer's config (tokenizer_config.json). Arguments as in `train_tokenizer`;
@@ -1058,7 +1087,7 @@ def train_predictor(
     tokenizer.to(dist.device).eval().requires_grad_(False)
     stage = PredictorStage(predictor, tokenizer, cfg.teacher_forcing, forecast_info)
     return Trainer(stage, train_set, val_set, cfg, Path(output_dir), dist, run_config, data_info,
-                   val_metric=val_metric, data_extremes=data_extremes).fit()
+                   val_metric=val_metric, data_extremes=data_extremes, output_key=output_key).fit()
 
 
 @torch.no_grad()
