@@ -860,11 +860,13 @@ class SourceReader:
         """Parsed blocks in file order; cells with problems are recorded in `problems` (their values are NaN/0)."""
         batches = self._parquet_batches() if self.is_parquet else self._csv_batches()
         first = 2 if not self.is_parquet else 1  # line/row number of the first data row
+        blank = np.zeros(0, np.int64) if self.is_parquet else blank_lines(self.path)  # the reader skips these
         for batch in batches:
             n = batch.num_rows
             if n == 0:
                 continue
             lines = np.arange(first + self.n_rows, first + self.n_rows + n, dtype=np.int64)
+            lines += np.searchsorted(blank - np.arange(len(blank)), lines, side="right")  # -> the file's lines
             self.n_rows += n
             yield self._parse(batch, lines)
         if self.n_rows == 0:

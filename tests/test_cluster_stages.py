@@ -12,10 +12,9 @@ import sys
 import pytest
 import torch
 
-from finetune.utils.checkpoint import load_latest
+from finetune.utils.checkpoint import load_latest, weights_fingerprint
 from finetune.utils.errors import run_main
 from finetune.utils.safety import stage_status
-from finetune.utils.checkpoint import weights_fingerprint
 from finetune_csv import train_sequential
 from finetune_csv.config import load
 from model import KronosTokenizer
