@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import finetune.utils.checkpoint as checkpoint_store
+from finetune.utils import adapters
 from finetune.utils.checkpoint import (
     CHECKPOINT_FORMAT,
     assert_finite_state_dict,
@@ -37,7 +38,6 @@ from finetune.utils.checkpoint import (
     load_checkpoint,
     load_latest,
     rng_state,
-    save_pretrained_atomic,
     set_rng_state,
 )
 from finetune.utils.config_utils import (
@@ -321,6 +321,8 @@ class Stage:
     val_<name> after validation)."""
     model: nn.Module
     """The module whose parameters are trained (unwrapped)."""
+    adapter: adapters.Adapter
+    """What trains of `model` (training.finetune_mode): the checkpoint's model state, best_model/, counts."""
 
     def loss(
         self, wrapped: nn.Module, x: torch.Tensor, stamp: torch.Tensor, training: bool
@@ -349,14 +351,15 @@ class TokenizerStage(Stage):
     default_clip = TOKENIZER_CLIP
     part_names = ("recon_pre", "recon", "bsq")
 
-    def __init__(self, tokenizer: nn.Module):
+    def __init__(self, tokenizer: nn.Module, adapter: adapters.Adapter | None = None):
         self.model = tokenizer
+        self.adapter = adapter or adapters.Adapter(tokenizer)
 
     def loss(self, wrapped, x, stamp, training):
         return tokenizer_loss(wrapped, x)
 
     def save_best(self, folder):
-        save_pretrained_atomic(self.model, folder)
+        self.adapter.save_best(folder, {})
 
 
 class PredictorStage(Stage):
@@ -367,8 +370,9 @@ class PredictorStage(Stage):
     part_names = ("s1_loss", "s2_loss")
 
     def __init__(self, predictor: nn.Module, tokenizer: nn.Module, teacher_forcing: bool,
-                 forecast_info: dict[str, Any] | None = None):
+                 forecast_info: dict[str, Any] | None = None, adapter: adapters.Adapter | None = None):
         self.model = predictor
+        self.adapter = adapter or adapters.Adapter(predictor)
         self.tokenizer = tokenizer
         self.teacher_forcing = teacher_forcing
         self.forecast_info = forecast_info  # max_context / tokenizer / clip for KronosPredictor.from_pretrained
@@ -390,10 +394,11 @@ class PredictorStage(Stage):
         extra = {TOKENIZER_CONFIG_NAME: dict(getattr(self.tokenizer, "config", {}) or {})}
         if self.forecast_info is not None:  # so that KronosPredictor.from_pretrained(best_model/) needs nothing else
             extra[PREDICTOR_INFO_NAME] = predictor_info(folder, **self.forecast_info)
-        save_pretrained_atomic(self.model, folder, extra_json=extra)
+        self.adapter.save_best(folder, extra)  # lora: merged, plus the adapter alone under adapter/
 
     def frozen_fingerprint(self):
-        return weights_fingerprint(self.tokenizer)
+        base = self.adapter.base_fingerprint  # lora / freeze: the predictor's frozen weights count too
+        return weights_fingerprint(self.tokenizer) + (f"+{base}" if base else "")
 
 
 T = TypeVar("T")
@@ -453,7 +458,8 @@ def check_data(saved: dict, data_info: dict[str, Any] | None, frozen_fp: str | N
         changes.append("the training data changed: " + "; ".join(diff))
     old_frozen = saved.get("frozen_fingerprint")
     if old_frozen is not None and old_frozen != frozen_fp:
-        changes.append(f"the frozen tokenizer's weights changed (sha256 {old_frozen[:12]} -> {str(frozen_fp)[:12]})")
+        changes.append(f"the frozen tokenizer's weights changed (or, in lora / freeze, the base predictor's; sha256 "
+                       f"{old_frozen[:12]} -> {str(frozen_fp)[:12]})")
     if changes and not accept:
         raise ConfigError([f"training.accept_changed_data: {c}; set it to true to resume anyway (recorded in "
                            "run_info.json), or training.overwrite=true to start over" for c in changes],
@@ -709,7 +715,7 @@ class Trainer:
         # A finished run made with other epochs / batch / model settings is not "this" run: say so, not skip.
         check_resume_compatible(saved, self.cfg, self.dist.world_size, self.stage.name, self.model_args(),
                                 self.resume_path)
-        self.model.load_state_dict(saved["model"])
+        self.stage.adapter.load_checkpoint_state(saved["model"], self.resume_path)
         loop = dict(saved["loop"])
         loop.setdefault("best_score", loop.get("best_val_loss", math.inf))
         self.state = LoopState(**loop)
@@ -727,7 +733,7 @@ class Trainer:
                                               self.model_args(), self.resume_path)
             accepted = check_data(saved, self.data_info, self.frozen_fp, self.cfg.accept_changed_data,
                                   self.resume_path)
-            self.model.load_state_dict(saved["model"])
+            self.stage.adapter.load_checkpoint_state(saved["model"], self.resume_path)
             restore_optimizer(self.optimizer, self.scheduler, saved)
             loop = dict(saved["loop"])
             loop.setdefault("best_score", loop.get("best_val_loss", math.inf))
@@ -752,11 +758,15 @@ class Trainer:
             resume_step=self.state.global_step if self.resume_path is not None else None,
         )
         self.run_extra = {"stage": self.stage.name, "world_size": self.dist.world_size, "select_by": cfg.select_by,
+                          **self.stage.adapter.counts(),
                           "resumed_from": str(self.resume_path) if self.resume_path else None,
                           **{k: v for k, v in self.run_extra.items() if v}}
         if self.dist.is_main:
             write_run_info(self.out, self.run_config, self.data_info, self.run_extra)
             self.logger.log_params(self.run_config)
+            n, total = self.run_extra["trainable_parameters"], self.run_extra["total_parameters"]
+            log.info("[%s] finetune_mode=%s: %d of %d parameters train (%.2f%%)", self.stage.name,
+                     cfg.finetune_mode, n, total, 100 * n / max(total, 1))
 
     def validate_start(self) -> None:
         """Epoch 0: validate the starting model before the first step; it is best_model/ until an epoch beats it.
@@ -949,7 +959,7 @@ class Trainer:
                 {
                     "format": CHECKPOINT_FORMAT,
                     "stage": self.stage.name,
-                    "model": self.model.state_dict(),
+                    "model": self.stage.adapter.checkpoint_state(),  # lora / freeze: what trains only
                     "model_args": self.model_args(),
                     "optimizer": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(),
@@ -1042,7 +1052,8 @@ def train_tokenizer(
             validation on every rank; picks best_model/ when training.select_by names it.
         data_extremes: what the pipeline's data check flagged (quoted when training diverges), or None.
     """
-    trainer = Trainer(TokenizerStage(tokenizer), train_set, val_set, cfg, Path(output_dir), dist, run_config, data_info,
+    stage = TokenizerStage(tokenizer, adapters.prepare(tokenizer, cfg, "tokenizer"))  # lora / freeze: refused
+    trainer = Trainer(stage, train_set, val_set, cfg, Path(output_dir), dist, run_config, data_info,
                       val_metric=val_metric, data_extremes=data_extremes)
     return trainer.fit()
 
@@ -1068,9 +1079,13 @@ def train_predictor(
     `forecast_info` ({"max_context", "tokenizer", "clip"}, see model.predictor) is written beside the best
     model as kronos_predictor.json, so `KronosPredictor.from_pretrained(best_model/)` loads the whole forecaster."""
     tokenizer.to(dist.device).eval().requires_grad_(False)
-    stage = PredictorStage(predictor, tokenizer, cfg.teacher_forcing, forecast_info)
-    return Trainer(stage, train_set, val_set, cfg, Path(output_dir), dist, run_config, data_info,
-                   val_metric=val_metric, data_extremes=data_extremes).fit()
+    adapter = adapters.prepare(predictor, cfg, "predictor")  # training.finetune_mode: what trains
+    stage = PredictorStage(predictor, tokenizer, cfg.teacher_forcing, forecast_info, adapter)
+    try:
+        return Trainer(stage, train_set, val_set, cfg, Path(output_dir), dist, run_config, data_info,
+                       val_metric=val_metric, data_extremes=data_extremes).fit()
+    finally:
+        adapter.unload()  # the caller's predictor is a plain Kronos again (lora merged in place)
 
 
 @torch.no_grad()
