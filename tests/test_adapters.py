@@ -42,14 +42,16 @@ def train(tmp_path: Path, cfg: TrainingConfig, pred: Kronos | None = None):
     return pred, start, result
 
 
-def forecast(predictor: Kronos) -> np.ndarray:
-    """Greedy (top_k=1) forecast of 3 bars of a fixed frame (prices, (3, 6))."""
+def forecast(predictor: Kronos | KronosPredictor) -> np.ndarray:
+    """Greedy (top_k=1) forecast of 3 bars of a fixed frame (prices, (3, 6)); a bare Kronos forecasts with the
+    tiny tokenizer."""
     ts = pd.date_range("2024-01-01", periods=12, freq="1h")
     df = pd.DataFrame(np.random.default_rng(0).uniform(10, 11, (12, 6)),
                       columns=["open", "high", "low", "close", "volume", "amount"])
     future = pd.Series(pd.date_range(ts[-1] + pd.Timedelta("1h"), periods=3, freq="1h"))
-    out = KronosPredictor(predictor.eval(), tiny_tokenizer().eval(), device="cpu").predict(
-        df, pd.Series(ts), future, pred_len=3, top_k=1, verbose=False)
+    if isinstance(predictor, Kronos):
+        predictor = KronosPredictor(predictor.eval(), tiny_tokenizer().eval(), device="cpu")
+    out = predictor.predict(df, pd.Series(ts), future, pred_len=3, top_k=1, verbose=False)
     return out.to_numpy()
 
 
@@ -150,3 +152,26 @@ def test_resume_refuses_another_base_model_or_mode(tmp_path):
     with pytest.raises(ConfigError, match="training.finetune_mode: the checkpoint was made with 'lora'"):
         train(tmp_path, replace(FAST, finetune_mode="full"))
     train(tmp_path, FAST)  # the same base model resumes (and finds nothing left to train)
+
+
+def test_csv_pipeline_in_lora_mode_keeps_the_tokenizer_selects_by_crps_and_forecasts(tmp_path):
+    from finetune_csv import train_sequential
+    from finetune_csv.config import load
+    from tests.model_factory import tiny_models
+    from tests.test_csv_train import make_run
+
+    config = make_run(tmp_path, n_bars=200)
+    tok, pred = tiny_models(seed=0)
+    tok.save_pretrained(tmp_path / "start/tokenizer")
+    pred.save_pretrained(tmp_path / "start/predictor")
+    overrides = [f"model.pretrained_tokenizer={tmp_path / 'start/tokenizer'}",
+                 f"model.pretrained_predictor={tmp_path / 'start/predictor'}", "training.finetune_mode=lora",
+                 "training.select_by=crps", "predictor_training.epochs=2", "predictor_training.lr=0.02",
+                 "forecast.sample_count=2"]
+    cfg = load(config, overrides)
+    results, plan, _ = train_sequential.run_finetune(cfg)
+    assert "finetune_mode is lora" in plan["tokenizer"] and [r.stage for r in results] == ["predictor"]
+    assert all("metric_crps" in h for h in results[0].history)
+    best = results[0].best_model_dir
+    assert (best / "adapter" / "adapter_config.json").is_file()
+    assert np.isfinite(forecast(KronosPredictor.from_pretrained(best))).all()  # a whole forecaster, as any
