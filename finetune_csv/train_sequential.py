@@ -64,6 +64,8 @@ def plan_stages(cfg: CsvFinetuneConfig, skip_tokenizer: bool, skip_predictor: bo
             plan[stage] = f"--skip-{'tokenizer' if stage == 'tokenizer' else 'basemodel'}"
         elif cfg.stage_training(stage).epochs == 0:
             plan[stage] = f"{stage}_training.epochs is 0"
+        elif stage == "tokenizer" and cfg.training.finetune_mode != "full":  # lora / freeze: predictor only
+            plan[stage] = f"training.finetune_mode is {cfg.training.finetune_mode} (the tokenizer stays frozen)"
         elif skip_existing and stage_status(folder) == "finished":
             plan[stage] = f"--skip-existing and {folder} holds a finished run"
         else:

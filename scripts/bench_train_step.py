@@ -20,6 +20,13 @@ engine adds: the per-step non-finite guard (`NonFiniteGuard.check`: loss + grad-
 check of every tensor, torch.save + fsync of model + AdamW state, hard-linking last.pt, deleting the oldest). Both
 are reported as a share of the step time (same-run ratio); the save also as the share at `save_every_steps`
 intervals, since it is paid once per save, not per step.
+
+    python scripts/bench_train_step.py --modes full lora freeze        # finetune modes, Kronos-small predictor
+
+`--modes` runs the engine's predictor step once per `training.finetune_mode` (lora: rank 8 on the attention
+projections; freeze: `trainable: [head, transformer.7]`), each in a fresh process, and reports the step time, the
+process's peak memory (CPU: peak RSS; CUDA: peak allocated), the trainable parameters and the size of a step
+checkpoint, with each mode's ratio to `full` from the same run.
 """
 
 from __future__ import annotations
@@ -82,6 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5 if cuda else 3, help="untimed steps first")
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
     p.add_argument("--safety", action="store_true", help="time the run-safety overheads instead (see above)")
+    p.add_argument("--modes", nargs="+", choices=["full", "lora", "freeze"], help="compare finetune modes (see above)")
     return p.parse_args(argv)
 
 
@@ -136,14 +144,17 @@ def plain_step_ms(name: str, args: argparse.Namespace, device: torch.device) -> 
     return 1000 * min(times), 1000 * statistics.median(times)
 
 
-def engine_step_ms(name: str, args: argparse.Namespace, device: torch.device, amp: str) -> tuple[float, float]:
-    """(min, median) ms per optimizer step of the real loop (one epoch of warmup + steps batches; metrics.jsonl)."""
+def engine_step_ms(name: str, args: argparse.Namespace, device: torch.device, amp: str, mode: str = "full",
+                   extra: dict | None = None) -> tuple[float, float]:
+    """(min, median) ms per optimizer step of the real loop (one epoch of warmup + steps batches; metrics.jsonl).
+    `extra` (a dict) receives the run's parameter counts and its checkpoint's size."""
     torch.manual_seed(0)
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
     train_set = make_dataset(args.batch * (args.warmup + args.steps), args.seq)
     val_set = make_dataset(1, args.seq, seed=1)
     cfg = TrainingConfig(epochs=1, batch_size=args.batch, lr=1e-5, num_workers=0, log_every_steps=1, amp=amp,
-                         progress_bar=False, resume="never", seed=0)
+                         progress_bar=False, resume="never", seed=0, finetune_mode=mode,
+                         trainable=["head", "transformer.7"])
     tok = KronosTokenizer(**TOKENIZER_BASE)
     with tempfile.TemporaryDirectory() as out:
         if name == "tokenizer-base":
@@ -151,6 +162,10 @@ def engine_step_ms(name: str, args: argparse.Namespace, device: torch.device, am
         else:
             train_predictor(Kronos(**PREDICTORS[name]), tok, train_set, val_set, cfg, out, dist)
         records = [r for r in read_metrics(Path(out) / "metrics.jsonl") if r["kind"] == "train"]
+        if extra is not None:
+            info = json.loads((Path(out) / "run_info.json").read_text())
+            extra.update(trainable=info["trainable_parameters"], total=info["total_parameters"],
+                         ckpt_mb=(Path(out) / "checkpoints" / "last.pt").stat().st_size / 2**20)
     # Each record covers one step (log_every_steps=1), measured on the host; the logging all-reduce/.item()
     # synchronises CUDA, so the time is the step's real cost.
     times = [r["seconds"] for r in records[args.warmup :]]
@@ -228,10 +243,50 @@ def safety_main(args: argparse.Namespace) -> None:
         args.json.write_text(json.dumps(rows, indent=2))
 
 
+def _mode_child(mode: str, args: argparse.Namespace, queue) -> None:
+    """One finetune mode in a fresh process (its peak memory is its own)."""
+    import resource
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    extra: dict = {}
+    best, median = engine_step_ms("kronos-small", args, device, "none", mode=mode, extra=extra)
+    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
+    queue.put({"mode": mode, "step_ms": best, "median_ms": median, "peak_mb": peak / 2**20, **extra})
+
+
+def modes_main(args: argparse.Namespace) -> None:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    rows = []
+    for mode in args.modes:
+        queue = ctx.Queue()
+        child = ctx.Process(target=_mode_child, args=(mode, args, queue))
+        child.start()
+        rows.append(queue.get())
+        child.join()
+    base = next((r for r in rows if r["mode"] == "full"), rows[0])
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({torch.get_num_threads()} threads)"
+    print(f"finetune modes, Kronos-small predictor, {args.batch} x {args.seq}, {device}, torch {torch.__version__}, "
+          f"fastest of {args.steps} steps after {args.warmup} warmup; ratios to '{base['mode']}'")
+    print(f"{'mode':<8}{'trainable':>12}{'share':>8}{'step ms':>10}{'ratio':>7}{'peak MiB':>10}{'ratio':>7}"
+          f"{'ckpt MiB':>10}{'ratio':>7}")
+    for r in rows:
+        print(f"{r['mode']:<8}{r['trainable']:>12,}{100 * r['trainable'] / r['total']:7.2f}%{r['step_ms']:10.1f}"
+              f"{r['step_ms'] / base['step_ms']:7.2f}{r['peak_mb']:10.0f}{r['peak_mb'] / base['peak_mb']:7.2f}"
+              f"{r['ckpt_mb']:10.1f}{r['ckpt_mb'] / base['ckpt_mb']:7.3f}   (median {r['median_ms']:.1f} ms)")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.safety:
         safety_main(args)
+        return
+    if args.modes:
+        modes_main(args)
         return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_float32_matmul_precision("high")

@@ -139,7 +139,7 @@ _STEP_RE = re.compile(r"^step-(\d{8,})\.pt$")
 # save_pretrained_atomic's temporary folders: tempfile.mkdtemp(prefix=".<name>.") adds 8 chars; ".<name>.old".
 _MODEL_TMP_RE = re.compile(r"^\.(?P<name>.+)\.(old|[a-z0-9_]{8})$")
 _MODEL_FILES = {"config.json", "model.safetensors", "tokenizer_config.json", "kronos_predictor.json",
-                "run_info.json"}
+                "run_info.json", "adapter"}  # adapter/: lora
 _OLD_MODEL_RE = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}\.old$")  # model.fileio.atomic_dir's old folder
 _SPACE_ERRNOS = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
 # Rust's io::Error as SafetensorError prints it: `IoError(Os { code: 28, kind: StorageFull, ... })`.
@@ -543,10 +543,12 @@ def assert_finite_state_dict(state_dict: Any, what: str) -> None:
 
 
 # Settings a checkpoint cannot be resumed with if changed: they fix the data order, the step count or shapes.
-RESUME_KEYS = ("epochs", "batch_size", "accumulation_steps", "seed", "max_train_samples")
+RESUME_KEYS = ("epochs", "batch_size", "accumulation_steps", "seed", "max_train_samples", "finetune_mode",
+               "lora_rank", "lora_alpha", "lora_targets", "trainable")
 # Optimisation settings a resume may change (e.g. a lower lr after a divergence); each change is reported.
 CHANGEABLE_KEYS = ("lr", "pct_start", "div_factor", "final_div_factor", "betas", "weight_decay", "clip_grad_norm",
-                   "amp", "patience", "min_delta", "teacher_forcing", "max_val_samples", "select_by")
+                   "amp", "patience", "min_delta", "teacher_forcing", "max_val_samples", "select_by",
+                   "lora_dropout")
 
 
 def check_resume_compatible(saved: Checkpoint, cfg: TrainingConfig, world_size: int, stage: str,
@@ -649,7 +651,8 @@ def check_data(saved: dict, data_info: dict[str, Any] | None, frozen_fp: str | N
         changes.append("the training data changed: " + "; ".join(diff))
     old_frozen = saved.get("frozen_fingerprint")
     if old_frozen is not None and old_frozen != frozen_fp:
-        changes.append(f"the frozen tokenizer's weights changed (sha256 {old_frozen[:12]} -> {str(frozen_fp)[:12]})")
+        changes.append(f"the frozen tokenizer's weights changed (or, in lora / freeze, the base predictor's; sha256 "
+                       f"{old_frozen[:12]} -> {str(frozen_fp)[:12]})")
     if changes and not accept:
         raise ConfigError([f"training.accept_changed_data: {c}; set it to true to resume anyway (recorded in "
                            "run_info.json), or training.overwrite=true to start over" for c in changes],

@@ -761,6 +761,18 @@ class TrainingConfig:
     """Also log to Comet (if comet_ml is installed and configured)."""
     comet_project: str = "kronos-finetune"
     """Comet project name."""
+    finetune_mode: str = "full"
+    """Predictor stage: 'full' trains every weight, 'lora' low-rank adapters (peft), 'freeze' only `trainable`."""
+    lora_rank: int = 8
+    """lora: rank r of each adapter (B (out, r) @ A (r, in))."""
+    lora_alpha: float = 16.0
+    """lora: the adapter's output is scaled by lora_alpha / lora_rank."""
+    lora_dropout: float = 0.0
+    """lora: dropout on the adapter's input while training."""
+    lora_targets: list[str] = field(default_factory=lambda: ["attention"])
+    """lora: layers that get adapters: groups attention, feed_forward, heads, or module names (e.g. q_proj, w1)."""
+    trainable: list[str] = field(default_factory=list)
+    """freeze: parameter-name prefixes that train, e.g. [head, transformer.7, embedding]; the rest is frozen."""
 
 
 
@@ -796,6 +808,15 @@ def validate_training_config(cfg: TrainingConfig, problems: Problems, prefix: st
     problems.check(isinstance(cfg.select_by, str) and cfg.select_by.strip() != "", k("select_by"),
                    f"must be 'loss' or a metric name, got {cfg.select_by!r}")
     problems.check(cfg.dist_timeout_s > 0, k("dist_timeout_s"), f"must be > 0, got {cfg.dist_timeout_s}")
+    problems.check(cfg.finetune_mode in ("full", "lora", "freeze"), k("finetune_mode"),
+                   f"must be 'full', 'lora' or 'freeze', got {cfg.finetune_mode!r}")
+    problems.check(cfg.lora_rank >= 1, k("lora_rank"), f"must be >= 1, got {cfg.lora_rank}")
+    problems.check(cfg.lora_alpha > 0, k("lora_alpha"), f"must be > 0, got {cfg.lora_alpha}")
+    problems.check(0 <= cfg.lora_dropout < 1, k("lora_dropout"), f"must be in [0, 1), got {cfg.lora_dropout}")
+    problems.check(cfg.finetune_mode != "lora" or len(cfg.lora_targets) > 0, k("lora_targets"),
+                   "must name at least one layer group or module, e.g. [attention]")
+    problems.check(cfg.finetune_mode != "freeze" or len(cfg.trainable) > 0, k("trainable"),
+                   "must name at least one parameter-name prefix when finetune_mode is 'freeze', e.g. [head]")
     for key, message in tracker_problems(tensorboard=cfg.tensorboard, mlflow=cfg.mlflow, comet=cfg.comet,
                                          prefix=prefix):
         problems.add(key, message)

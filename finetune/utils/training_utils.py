@@ -43,6 +43,7 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import finetune.utils.checkpoint as checkpoint_store
+from finetune.utils import adapters
 from finetune.utils.checkpoint import (
     CHECKPOINT_FORMAT,
     Checkpoint,
@@ -55,7 +56,6 @@ from finetune.utils.checkpoint import (
     load_checkpoint,
     load_latest,
     rng_state,
-    save_pretrained_atomic,
     set_rng_state,
     weights_fingerprint,
 )
@@ -335,6 +335,8 @@ class Stage:
     val_<name> after validation)."""
     model: nn.Module
     """The module whose parameters are trained (unwrapped)."""
+    adapter: adapters.Adapter
+    """What trains of `model` (training.finetune_mode): the checkpoint's model state, best_model/, counts."""
 
     def loss(
         self, wrapped: nn.Module, x: torch.Tensor, stamp: torch.Tensor, training: bool
@@ -363,14 +365,15 @@ class TokenizerStage(Stage):
     default_clip = TOKENIZER_CLIP
     part_names = ("recon_pre", "recon", "bsq")
 
-    def __init__(self, tokenizer: nn.Module):
+    def __init__(self, tokenizer: nn.Module, adapter: adapters.Adapter | None = None):
         self.model = tokenizer
+        self.adapter = adapter or adapters.Adapter(tokenizer)
 
     def loss(self, wrapped, x, stamp, training):
         return tokenizer_loss(wrapped, x)
 
     def save_best(self, folder):
-        save_pretrained_atomic(self.model, folder)
+        self.adapter.save_best(folder, {})
 
 
 class PredictorStage(Stage):
@@ -381,8 +384,9 @@ class PredictorStage(Stage):
     part_names = ("s1_loss", "s2_loss")
 
     def __init__(self, predictor: nn.Module, tokenizer: nn.Module, teacher_forcing: bool,
-                 forecast_info: dict[str, Any] | None = None):
+                 forecast_info: dict[str, Any] | None = None, adapter: adapters.Adapter | None = None):
         self.model = predictor
+        self.adapter = adapter or adapters.Adapter(predictor)
         self.tokenizer = tokenizer
         self.teacher_forcing = teacher_forcing
         self.forecast_info = forecast_info  # max_context / tokenizer / clip for KronosPredictor.from_pretrained
@@ -404,10 +408,11 @@ class PredictorStage(Stage):
         extra = {TOKENIZER_CONFIG_NAME: dict(getattr(self.tokenizer, "config", {}) or {})}
         if self.forecast_info is not None:  # so that KronosPredictor.from_pretrained(best_model/) needs nothing else
             extra[PREDICTOR_INFO_NAME] = predictor_info(folder, **self.forecast_info)
-        save_pretrained_atomic(self.model, folder, extra_json=extra)
+        self.adapter.save_best(folder, extra)  # lora: merged, plus the adapter alone under adapter/
 
     def frozen_fingerprint(self):
-        return weights_fingerprint(self.tokenizer)
+        base = self.adapter.base_fingerprint  # lora / freeze: the predictor's frozen weights count too
+        return weights_fingerprint(self.tokenizer) + (f"+{base}" if base else "")
 
 
 T = TypeVar("T")
@@ -708,7 +713,7 @@ class Trainer:
         self.check_still_holds(saved)
         if self.dist.is_main:
             log.info("%s", self.plan.message)
-        self.model.load_state_dict(saved["model"])
+        self.stage.adapter.load_checkpoint_state(saved["model"], self.resume_path)
         self.state = LoopState(**saved["loop"])
         plot = self.out / "loss_curve.png"
         return self.result(plot if plot.exists() else None, skipped=True)
@@ -743,7 +748,7 @@ class Trainer:
                                               self.model_args(), self.resume_path, run_config=self.run_config)
             accepted = check_data(saved, self.data_info, self.frozen_fp, self.cfg.accept_changed_data,
                                   self.resume_path)
-            self.model.load_state_dict(saved["model"])
+            self.stage.adapter.load_checkpoint_state(saved["model"], self.resume_path)
             restore_optimizer(self.optimizer, self.scheduler, saved)
             self.state = LoopState(**saved["loop"])
             set_rng_state(saved["rng"][self.dist.rank])  # this rank's own python/numpy/torch streams
@@ -767,11 +772,15 @@ class Trainer:
         )
         self.run_extra = {"stage": self.stage.name, "world_size": self.dist.world_size, "select_by": cfg.select_by,
                           "frozen_fingerprint": self.frozen_fp,  # the predictor's tokenizer (sha256 of weights)
+                          **self.stage.adapter.counts(),
                           "resumed_from": str(self.resume_path) if self.resume_path else None,
                           **{k: v for k, v in self.run_extra.items() if v}}
         if self.dist.is_main:
             write_run_info(self.out, self.run_config, self.data_info, self.run_extra)
             self.logger.log_params(self.run_config)
+            n, total = self.run_extra["trainable_parameters"], self.run_extra["total_parameters"]
+            log.info("[%s] finetune_mode=%s: %d of %d parameters train (%.2f%%)", self.stage.name,
+                     cfg.finetune_mode, n, total, 100 * n / max(total, 1))
 
     def validate_start(self) -> None:
         """Epoch 0: validate the starting model before the first step; it is best_model/ until an epoch beats it.
@@ -963,7 +972,7 @@ class Trainer:
             state: Checkpoint = {
                 "format": CHECKPOINT_FORMAT,
                 "stage": self.stage.name,
-                "model": self.model.state_dict(),
+                "model": self.stage.adapter.checkpoint_state(),  # lora / freeze: what trains only
                 "model_args": self.model_args(),
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
@@ -1058,7 +1067,8 @@ def train_tokenizer(
         data_extremes: what the pipeline's data check flagged (quoted when training diverges), or None.
         output_key: the pipeline's setting naming `output_dir` (a full disk names it as the one to change).
     """
-    trainer = Trainer(TokenizerStage(tokenizer), train_set, val_set, cfg, Path(output_dir), dist, run_config, data_info,
+    stage = TokenizerStage(tokenizer, adapters.prepare(tokenizer, cfg, "tokenizer"))  # lora / freeze: refused
+    trainer = Trainer(stage, train_set, val_set, cfg, Path(output_dir), dist, run_config, data_info,
                       val_metric=val_metric, data_extremes=data_extremes, output_key=output_key)
     return trainer.fit()
 
@@ -1085,9 +1095,22 @@ def train_predictor(
     `forecast_info` ({"max_context", "tokenizer", "clip"}, see model.predictor) is written beside the best
     model as kronos_predictor.json, so `KronosPredictor.from_pretrained(best_model/)` loads the whole forecaster."""
     tokenizer.to(dist.device).eval().requires_grad_(False)
-    stage = PredictorStage(predictor, tokenizer, cfg.teacher_forcing, forecast_info)
-    return Trainer(stage, train_set, val_set, cfg, Path(output_dir), dist, run_config, data_info,
-                   val_metric=val_metric, data_extremes=data_extremes, output_key=output_key).fit()
+    adapter = adapters.prepare(predictor, cfg, "predictor")  # training.finetune_mode: what trains
+    stage = PredictorStage(predictor, tokenizer, cfg.teacher_forcing, forecast_info, adapter)
+    try:
+        return Trainer(stage, train_set, val_set, cfg, Path(output_dir), dist, run_config, data_info,
+                       val_metric=val_metric, data_extremes=data_extremes, output_key=output_key).fit()
+    finally:
+        adapter.unload()  # the caller's predictor is a plain Kronos again (lora merged in place)
+
+
+@torch.no_grad()
+def evaluate_tokenizer(
+    tokenizer: nn.Module, dataset: Dataset, cfg: TrainingConfig, dist: DistInfo, epoch: int = 0
+) -> dict[str, float]:
+    """Tokenizer loss averaged over validation windows (all ranks), e.g. {"val_loss": .., "val_recon": ..}."""
+    stage = TokenizerStage(tokenizer.to(dist.device))
+    return evaluate(stage, tokenizer, dataset, val_sampler(dataset, cfg, dist), cfg, dist, epoch)
 
 
 @torch.no_grad()
