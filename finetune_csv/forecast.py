@@ -463,11 +463,11 @@ def recorded_tokenizer(cfg: CsvFinetuneConfig, predictor_dir: Path) -> KronosTok
         raise TokenizerMismatchError(f"{predictor_dir / PREDICTOR_INFO_NAME} pairs the predictor with tokenizer "
                                      f"{source}, which cannot be loaded ({str(exc).splitlines()[0]}); this run's "
                                      f"tokenizer is {current}: retrain the predictor (--overwrite)") from None
-    saved = _trained_tokenizer_fingerprint(cfg.predictor_dir)
-    if saved is not None and saved != weights_fingerprint(tokenizer):
+    saved, now = _trained_tokenizer_fingerprint(cfg.predictor_dir), weights_fingerprint(tokenizer)
+    if saved is not None and saved != now:
         raise TokenizerMismatchError(
             f"the predictor in {predictor_dir} was trained with other tokenizer weights (sha256 {saved[:12]}) than "
-            f"those now in {source} (sha256 {weights_fingerprint(tokenizer)[:12]}): the tokenizer changed after the "
+            f"those now in {source} (sha256 {now[:12]}): the tokenizer changed after the "
             "predictor finished; retrain the predictor (train_sequential.py --skip-tokenizer --overwrite)")
     if Path(source).resolve() != Path(current).resolve() and Path(current).is_dir() and \
             weights_fingerprint(KronosTokenizer.from_pretrained(current)) != weights_fingerprint(tokenizer):
@@ -480,7 +480,8 @@ def _trained_tokenizer_fingerprint(stage_dir: Path) -> str | None:
     """The frozen tokenizer's sha256 stored in the predictor stage's newest checkpoint (None when there is none)."""
     for _, path in list_checkpoints(Path(stage_dir) / "checkpoints")[:1]:
         try:  # memory-mapped: only the small entries are read
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("frozen_fingerprint")
+            frozen = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("frozen_fingerprint")
+            return None if frozen is None else frozen.split("+")[0]  # lora / freeze append the base's: "tok+base"
         except Exception:  # noqa: BLE001 - an unreadable checkpoint leaves only the path check
             return None
     return None
