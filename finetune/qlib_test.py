@@ -220,29 +220,42 @@ def summary_table(results: dict[str, dict], t_ok: bool = True) -> pd.DataFrame:
 
 
 def plot_cumulative(daily: dict[str, pd.DataFrame], benchmark: str, path: Path) -> None:
-    """Cumulative return with cost per signal vs the benchmark, and cumulative excess return with cost."""
+    """Cumulative return with cost per signal vs the benchmark, and cumulative excess return with cost. One colour
+    per signal kind (last, mean, ..., momentum); the finetuned seeds are thin lines of that colour, zero-shot is
+    dashed, baselines dotted; the legend sits outside the axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    kinds = list(dict.fromkeys(name.split("@")[0] for name in daily))
+    colour = {k: plt.get_cmap("tab10")(i % 10) for i, k in enumerate(kinds)}
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
-    bench = None
+    labelled, bench = set(), None
     for name, frame in daily.items():
+        kind, _, who = name.partition("@")
+        group = ("zero-shot" if who == "zeroshot" else "baseline" if kind in ("momentum", "reversal")
+                 else "finetuned" + (" (one line per seed)" if who.startswith("seed") else ""))
+        style = {"zero-shot": "--", "baseline": ":"}.get(group, "-")
+        label = f"{kind} {group}" if (kind, group) not in labelled else None
+        labelled.add((kind, group))
+        width = 0.9 if who.startswith("seed") else 1.6
         net = frame["return"] - frame["cost"]
-        style = "--" if name in ("momentum", "reversal") or name.startswith("zeroshot") else "-"
-        top.plot(frame.index, net.cumsum(), style, label=name)
-        bottom.plot(frame.index, (net - frame["bench"]).cumsum(), style, label=name)
+        top.plot(frame.index, net.cumsum(), style, color=colour[kind], lw=width, label=label)
+        bottom.plot(frame.index, (net - frame["bench"]).cumsum(), style, color=colour[kind], lw=width)
         bench = frame["bench"]
     if bench is not None:
-        top.plot(bench.index, bench.cumsum(), "k:", label=benchmark)
-    top.set(title="Cumulative return with cost", ylabel="cumulative return")
-    bottom.set(title="Cumulative excess return with cost", ylabel="cumulative excess return", xlabel="date")
+        top.plot(bench.index, bench.cumsum(), "k-", lw=2.2, alpha=0.6, label=f"benchmark {benchmark}")
+        period = f"{bench.index[0]:%Y-%m-%d}..{bench.index[-1]:%Y-%m-%d}"
+        top.set_title(f"Cumulative return with cost, {period}")
+    top.set(ylabel="cumulative return")
+    bottom.set(title="Cumulative excess return over the benchmark, with cost", ylabel="cumulative excess return")
     for ax in (top, bottom):
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+    fig.autofmt_xdate()
+    fig.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
