@@ -60,8 +60,9 @@ __all__ = [
 # Signals from a forecast of `predict` closes: predicted return of the last / mean / max / min close
 # relative to the last observed close.
 SIGNALS = ("last", "mean", "max", "min")
-# Benchmark index of each Qlib CN universe (as in the original config).
-DEFAULT_BENCHMARKS = {"csi300": "SH000300", "csi500": "SH000905", "csi800": "SH000906", "csi1000": "SH000852"}
+# Benchmark index of each Qlib universe (CN as in the original config; US as in Qlib's us_data).
+DEFAULT_BENCHMARKS = {"csi300": "SH000300", "csi500": "SH000905", "csi800": "SH000906", "csi1000": "SH000852",
+                      "sp500": "^gspc", "nasdaq100": "^ndx"}
 
 
 @dataclass
