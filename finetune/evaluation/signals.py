@@ -134,6 +134,15 @@ def _aligned(pred: pd.Series, label: pd.Series) -> tuple[pd.Series, pd.Series]:
     return frame["pred"], frame["label"]
 
 
+def daily_ic(pred: pd.Series, label: pd.Series) -> tuple[pd.Series, pd.Series]:
+    """Daily IC and RankIC (Qlib's `calc_ic`) of `pred` against one label column, on the rows where both are
+    finite; two Series indexed by day, in time order, days without a defined correlation dropped."""
+    from qlib.contrib.eva.alpha import calc_ic
+
+    ic, ric = calc_ic(*_aligned(pred, label))
+    return ic.dropna().sort_index(), ric.dropna().sort_index()
+
+
 def quantile_group_returns(pred: pd.Series, label: pd.Series, n_groups: int = 5) -> pd.DataFrame:
     """Mean label per day of each score group (group 1 = lowest scores, `n_groups` = highest).
 
