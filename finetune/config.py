@@ -52,6 +52,7 @@ __all__ = [
     "QlibConfig",
     "QlibTrainingConfig",
     "StageConfig",
+    "WalkForwardConfig",
     "check_model_folder",
     "cli_parser",
     "load",
@@ -60,8 +61,9 @@ __all__ = [
 # Signals from a forecast of `predict` closes: predicted return of the last / mean / max / min close
 # relative to the last observed close.
 SIGNALS = ("last", "mean", "max", "min")
-# Benchmark index of each Qlib CN universe (as in the original config).
-DEFAULT_BENCHMARKS = {"csi300": "SH000300", "csi500": "SH000905", "csi800": "SH000906", "csi1000": "SH000852"}
+# Benchmark index of each Qlib universe (CN as in the original config; US as in Qlib's us_data).
+DEFAULT_BENCHMARKS = {"csi300": "SH000300", "csi500": "SH000905", "csi800": "SH000906", "csi1000": "SH000852",
+                      "sp500": "^gspc", "nasdaq100": "^ndx"}
 
 
 @dataclass
@@ -202,6 +204,36 @@ class BacktestConfig:
 
 
 @dataclass
+class WalkForwardConfig:
+    """Rolling retrains over consecutive out-of-sample periods (`walk_forward:`, run by `kronos qlib-walk-forward`):
+    each period is trained only on data before it, and its finetuned and zero-shot signals are scored out of
+    sample."""
+
+    test_range: list[str | datetime.date] | None = None
+    """[start, end] of the out-of-sample span, cut into consecutive periods; null = data.test_time_range."""
+    period_months: int = 6
+    """Length of each test period in calendar months (6 = half-years; the last one may be shorter)."""
+    val_months: int = 6
+    """Validation block before each test period (picks the checkpoint); training takes everything before it."""
+    purge: int | None = None
+    """Trading days left out between the last training target and the validation block, and between the last
+    validation target and the period's first signal; null = data.predict (also the minimum)."""
+    signal: Literal["last", "mean", "max", "min"] = "last"
+    """Signal of the verdict: its daily IC at its own horizon, finetuned minus zero-shot."""
+    block_days: int = 10
+    """Block length (trading days) of the moving-block bootstrap of the mean daily IC difference: daily ICs of
+    overlapping labels are correlated, so days are resampled in blocks."""
+    n_boot: int = 2000
+    """Bootstrap resamples of the verdict's interval (95%)."""
+    nproc_per_node: int = 1
+    """Training processes per stage (torchrun --nproc_per_node; e.g. the number of GPUs)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.test_range, (list, tuple)):
+            self.test_range = [v.isoformat() if isinstance(v, datetime.date) else v for v in self.test_range]
+
+
+@dataclass
 class QlibConfig:
     """Every setting of the Qlib pipeline."""
 
@@ -221,6 +253,8 @@ class QlibConfig:
     """Sampling of the test forecasts."""
     backtest: BacktestConfig = field(default_factory=BacktestConfig)
     """Signals, IC and backtest."""
+    walk_forward: WalkForwardConfig = field(default_factory=WalkForwardConfig)
+    """Rolling retrains and the out-of-sample verdict (kronos qlib-walk-forward)."""
 
     @property
     def benchmark(self) -> str:
@@ -240,6 +274,7 @@ class QlibConfig:
             validate_stage(getattr(self, f"{stage}_training"), f"{stage}_training", p)
         _check_forecast(self.forecast, p)
         _check_backtest(self, p)
+        _check_walk_forward(self, p)
         return p
 
     def stage_training(self, stage: Literal["tokenizer", "predictor"]) -> TrainingConfig:
@@ -346,6 +381,20 @@ def _check_forecast(f: ForecastConfig, p: Problems) -> None:
         "forecast.batch_size",
         f"must be >= forecast.sample_count ({f.sample_count}): one window's samples share a batch, got {f.batch_size}",
     )
+
+
+def _check_walk_forward(cfg: QlibConfig, p: Problems) -> None:
+    w = cfg.walk_forward
+    if w.test_range is not None:
+        r = parse_range(w.test_range, "walk_forward.test_range", p)
+        end = parse_date(cfg.data.dataset_end_time, "data.dataset_end_time", Problems())
+        if r is not None and end is not None:
+            p.check(r[1] <= end, "walk_forward.test_range",
+                    f"ends after data.dataset_end_time ({cfg.data.dataset_end_time}); widen the dataset range")
+    for name in ("period_months", "val_months", "block_days", "n_boot", "nproc_per_node"):
+        p.check(getattr(w, name) >= 1, f"walk_forward.{name}", f"must be >= 1, got {getattr(w, name)}")
+    p.check(w.purge is None or w.purge >= cfg.data.predict, "walk_forward.purge",
+            f"must be >= data.predict ({cfg.data.predict}) so no training target reaches the next block, got {w.purge}")
 
 
 def _check_backtest(cfg: QlibConfig, p: Problems) -> None:

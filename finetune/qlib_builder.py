@@ -39,9 +39,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from model.features import ColumnError, fill_amount, resolve_columns
 from model.fileio import atomic_dir, write_json
 
-REQUIRED_COLUMNS = ("timestamps", "open", "high", "low", "close", "volume", "amount")
+REQUIRED_COLUMNS = ("timestamps", "open", "high", "low", "close", "volume", "amount")  # amount derived if absent
 PRICE_COLUMNS = ("open", "high", "low", "close")
 FIELDS = ("open", "high", "low", "close", "volume", "amount", "vwap", "factor", "change")
 INDEX_BASE = 1000.0
@@ -115,14 +116,27 @@ def _parse_dates(raw: pd.Series) -> pd.Series:
     return stamps
 
 
-def _clean_daily_table(df: pd.DataFrame) -> tuple[pd.DataFrame | None, list[str]]:
-    """One symbol's table -> (clean copy or None, problems found): see `validate_daily_frames`."""
-    missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
-    if missing:
-        return None, [f"missing columns {missing} (need {list(REQUIRED_COLUMNS)})"]
+def _clean_daily_table(df: pd.DataFrame, symbol: str,
+                       columns: dict[str, str | None] | None = None) -> tuple[pd.DataFrame | None, list[str]]:
+    """One symbol's table -> (clean copy or None, problems found): see `validate_daily_frames`. Columns are found
+    by model.features.resolve_columns (any case, aliases such as Date / vol, `columns` mapping first); a missing
+    amount is derived from volume (model.features.fill_amount); a DatetimeIndex serves as the timestamps."""
+    try:
+        found = resolve_columns(list(df.columns), columns, where=symbol)
+    except ColumnError as err:
+        return None, [str(err).removeprefix(f"{symbol}: ")]
+    if found["volume"] is None:
+        return None, ["no 'volume' column (or 'vol'), which tells suspended days; map it with --columns volume=NAME"]
     if len(df) == 0:
         return None, ["has no rows"]
+    if found["timestamps"] is None:
+        df = df.rename_axis("timestamps").reset_index()
+        found["timestamps"] = "timestamps"
+    df = df.rename(columns={v: k for k, v in found.items() if v is not None})[[k for k, v in found.items() if v]]
     df = df.reset_index(drop=True)
+    if found["amount"] is None:
+        prices = [pd.to_numeric(df[c], errors="coerce").to_numpy(np.float64) for c in ("open", "high", "low", "close")]
+        df["amount"] = fill_amount(pd.to_numeric(df["volume"], errors="coerce").to_numpy(np.float64), *prices)
     errs = []
     stamps = _parse_dates(df["timestamps"])
     if stamps.isna().any():
@@ -155,7 +169,8 @@ def _clean_daily_table(df: pd.DataFrame) -> tuple[pd.DataFrame | None, list[str]
     return out.sort_values("timestamps", kind="stable").reset_index(drop=True), []
 
 
-def validate_daily_frames(frames: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+def validate_daily_frames(frames: dict[str, pd.DataFrame],
+                          columns: dict[str, str | None] | None = None) -> dict[str, pd.DataFrame]:
     """Check every table and return clean copies: `timestamps` daily datetime64, numeric columns float64, sorted.
 
     Raises one ValueError listing every problem (missing columns, unparseable or intraday or duplicate timestamps,
@@ -169,7 +184,7 @@ def validate_daily_frames(frames: dict[str, pd.DataFrame]) -> dict[str, pd.DataF
     for symbol, df in frames.items():
         if not _SYMBOL_RE.match(symbol):
             problems.append(f"{symbol}: symbol may only use letters, digits, '_', '.', '-' (rename the file)")
-        table, errs = _clean_daily_table(df)
+        table, errs = _clean_daily_table(df, symbol, columns)
         problems += [f"{symbol}: {e}" for e in errs]
         if table is not None:
             clean[symbol] = table
@@ -320,7 +335,8 @@ def _write_provider(root: Path, tables: dict[str, pd.DataFrame], universe: str, 
 
 def build_qlib_provider(frames: dict[str, pd.DataFrame], out_dir: str | os.PathLike, universe: str = "csi300",
                         benchmark: str = "SH000300", overwrite: bool = False,
-                        membership: str | os.PathLike | pd.DataFrame | None = None) -> Path:
+                        membership: str | os.PathLike | pd.DataFrame | None = None,
+                        columns: dict[str, str | None] | None = None) -> Path:
     """Write a Qlib 'day' provider folder for `frames` ({symbol: OHLCV(A) DataFrame}); returns its path.
 
     Every symbol goes into instruments/<universe>.txt except `benchmark` (or, with `membership`, the spells of that
@@ -336,7 +352,12 @@ def build_qlib_provider(frames: dict[str, pd.DataFrame], out_dir: str | os.PathL
     upper = {s.upper(): s for s in frames}
     if len(upper) != len(frames):
         raise ValueError("symbols differ only by case: " + ", ".join(sorted(frames)))
-    clean = validate_daily_frames({s.upper(): df for s, df in frames.items()})
+    clean = validate_daily_frames({s.upper(): df for s, df in frames.items()}, columns)
+    derived = sorted(s.upper() for s, df in frames.items()
+                     if resolve_columns(list(df.columns), columns, where=s)["amount"] is None)
+    if derived:
+        log.info("amount derived as volume * mean(open, high, low, close) for %d symbol(s) without one: %s",
+                 len(derived), ", ".join(derived[:10]) + (" ..." if len(derived) > 10 else ""))
 
     benchmark = benchmark.upper()
     members = load_membership(membership, set(clean), benchmark) if membership is not None else None
@@ -360,6 +381,7 @@ def build_qlib_provider(frames: dict[str, pd.DataFrame], out_dir: str | os.PathL
                       SubstituteBenchmarkWarning, stacklevel=2)
     info = {"universe": universe.lower(), "benchmark": benchmark, "benchmark_source": bench_source,
             "point_in_time_membership": members is not None, "symbols": len(universe_symbols),
+            "amount_derived": derived,
             "suspended_days": {s: n for s, n in sorted(suspended.items()) if n}}
 
     with atomic_dir(out) as staging:  # a reader sees the old store or the complete new one, never half of one

@@ -101,14 +101,13 @@ def signals_from_closes(pred_close: np.ndarray, last_close: np.ndarray) -> dict[
 
 
 def kronos_forecaster(tokenizer, predictor, *, device: str, max_context: int, clip: float, predict: int,
-                      temperature: float, top_k: int, top_p: float, sample_count: int, seed: int) -> Forecaster:
+                      temperature: float, top_k: int, top_p: float, sample_count: int) -> Forecaster:
     """A Forecaster running KronosPredictor.generate: contexts normalised with their own statistics, `sample_count`
-    paths averaged, close de-normalised. The torch generator is seeded once here (forecasts are then reproducible
-    for the same batches)."""
+    paths averaged, close de-normalised. It draws from torch's global generator: `forecast_frame(seed=...)` seeds
+    it right before the first batch, so each forecaster's draws depend on its own seed only."""
     from model import KronosPredictor
 
     kp = KronosPredictor(predictor, tokenizer, device=device, max_context=max_context, clip=clip)
-    torch.manual_seed(seed)
 
     def forecast(x: np.ndarray, x_stamp: np.ndarray, y_stamp: np.ndarray) -> np.ndarray:
         # Each context normalised with its own statistics, as in training: (B, L, 6), mean/std (B, 1, 6).
@@ -122,14 +121,18 @@ def kronos_forecaster(tokenizer, predictor, *, device: str, max_context: int, cl
 
 
 def forecast_frame(split: SeriesPanel, ends: np.ndarray, calendar_ns: np.ndarray, forecaster: Forecaster, *,
-                   lookback: int, predict: int, freq: str, batch: int) -> pd.DataFrame:
+                   lookback: int, predict: int, freq: str, batch: int, seed: int | None = None) -> pd.DataFrame:
     """One row per forecast bar: datetime, instrument and the four signals (see the module docstring).
 
     Parameters
     ----------
     split : the panel; ends : (W,) rows forecast (`forecast_window_ends`); calendar_ns : market calendar (ns) that
-    gives the forecast dates; batch : windows per forecaster call.
+    gives the forecast dates; batch : windows per forecaster call; seed : torch / numpy are seeded with it right
+    before the first batch (a sampling forecaster's draws then do not depend on what ran before it).
     """
+    if seed is not None:
+        torch.manual_seed(seed)
+        np.random.seed(seed % 2**32)
     closes = np.empty((len(ends), predict), dtype=np.float64)
     future = forecast_dates(calendar_ns, np.asarray(split.datetimes)[ends], predict, freq)  # (W, P) ns
     for lo in range(0, len(ends), max(1, batch)):
@@ -209,10 +212,10 @@ def make_ic_val_metric(cfg, val_panel: SeriesPanel, tokenizer, *, max_days: int 
         forecaster = kronos_forecaster(tokenizer, model, device=device or str(next(model.parameters()).device),
                                        max_context=d.max_context, clip=d.clip, predict=d.predict,
                                        temperature=f.temperature, top_k=f.top_k, top_p=f.top_p,
-                                       sample_count=f.sample_count, seed=f.seed)
+                                       sample_count=f.sample_count)
         try:
             frame = forecast_frame(val_panel, ends, calendar_ns, forecaster, lookback=d.lookback, predict=d.predict,
-                                   freq=d.freq, batch=max(1, f.batch_size // f.sample_count))
+                                   freq=d.freq, batch=max(1, f.batch_size // f.sample_count), seed=f.seed)
         finally:
             model.train(was_training)
         frame = frame.set_index(["datetime", "instrument"])

@@ -11,6 +11,7 @@ Qlib's fields map to the model's features (model.features.FEATURES) as
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ __all__ = [
     "CLOSE",
     "QLIB_FIELDS",
     "FrameReport",
+    "benchmark_label",
     "check_qlib_folder",
     "check_ranges_in_calendar",
     "date_range",
@@ -85,6 +87,19 @@ def check_qlib_folder(cfg: QlibConfig, problems: Problems, need_benchmark: bool 
                 "backtest.benchmark",
                 f"{bench!r} is not in the data ({bench_close} not found); pick an instrument under {root / 'features'}",
             )
+
+
+def benchmark_label(cfg: QlibConfig) -> str:
+    """The benchmark's name, plus what it really is when the store builder wrote a substitute for it (an
+    equal-weighted index of the universe; build_info.json in the provider folder says so)."""
+    info = Path(os.path.expanduser(cfg.data.qlib_data_path)) / "build_info.json"
+    try:
+        built = json.loads(info.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return cfg.benchmark
+    source = str(built.get("benchmark_source", ""))
+    same = str(built.get("benchmark", "")).upper() == cfg.benchmark.upper()
+    return f"{cfg.benchmark} ({source})" if same and source.startswith("substitute") else cfg.benchmark
 
 
 def check_ranges_in_calendar(cfg: QlibConfig, calendar: pd.DatetimeIndex, problems: Problems) -> None:

@@ -12,12 +12,16 @@ Also here:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import io
 import logging
 import math
 import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +47,7 @@ from finetune.qlib_forecast import (
     kronos_forecaster,
     signal_horizon,
 )
-from finetune.qlib_io import check_qlib_folder, init_qlib, range_bounds
+from finetune.qlib_io import benchmark_label, check_qlib_folder, init_qlib, range_bounds
 from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.config_utils import config_to_dict, parse_config_args
 from finetune.utils.errors import require_extra, setup_logging
@@ -66,28 +70,88 @@ def backtest_period(
     return days[0], days[-1]
 
 
+def data_ends(instruments, end: pd.Timestamp) -> dict[str, pd.Timestamp]:
+    """{code: last day of its data} for each of `instruments` whose data (instruments/all.txt) ends before `end`."""
+    from qlib.data import D
+
+    spans = D.list_instruments(D.instruments("all"), as_list=False)
+    last = {str(c): max(pd.Timestamp(b) for _, b in v) for c, v in spans.items() if v}
+    return {c: last[c] for c in sorted(map(str, instruments)) if c in last and last[c] < pd.Timestamp(end)}
+
+
 def run_backtest(cfg, signal: pd.Series, start: pd.Timestamp, end: pd.Timestamp) -> tuple[pd.DataFrame, dict]:
     """Qlib TopkDropoutStrategy on `signal` (index datetime, instrument; the score of day t trades on t+1).
+
+    An instrument whose data ends before `end` is sold on its last bar and never bought on or after it: Qlib's
+    exchange treats every later day as suspended, so the position would otherwise stay held, frozen, to the end.
 
     Returns
     -------
     (daily report with columns return, cost, bench, turnover, account; {day: sorted stocks held at its close}).
     """
-    from qlib.backtest import backtest, executor
-    from qlib.contrib.strategy import TopkDropoutStrategy
+    with quiet_qlib():
+        from qlib.backtest import backtest, executor
+        from qlib.backtest.decision import Order, OrderDir, TradeDecisionWO
+        from qlib.contrib.strategy import TopkDropoutStrategy
+
+    ends = data_ends(signal.index.get_level_values("instrument").unique(), end)
+
+    class ClosingTopkDropout(TopkDropoutStrategy):
+        def generate_trade_decision(self, execute_result=None):
+            decision = super().generate_trade_decision(execute_result)
+            t0, t1 = self.trade_calendar.get_step_time(self.trade_calendar.get_trade_step())
+            gone = {c for c, last in ends.items() if last <= pd.Timestamp(t0).normalize()}
+            if not gone:
+                return decision
+            orders = [o for o in decision.get_decision() if not (o.stock_id in gone and o.direction == Order.BUY)]
+            selling = {o.stock_id for o in orders if o.direction == Order.SELL}
+            closing = [Order(stock_id=c, amount=self.trade_position.get_stock_amount(c), start_time=t0, end_time=t1,
+                             direction=Order.SELL)
+                       for c in self.trade_position.get_stock_list() if c in gone and c not in selling
+                       and self.trade_exchange.is_stock_tradable(c, t0, t1, direction=OrderDir.SELL)]
+            return TradeDecisionWO(closing + orders, self)
 
     b = cfg.backtest
-    strategy = TopkDropoutStrategy(topk=b.topk, n_drop=b.n_drop, hold_thresh=b.hold_thresh, signal=signal)
-    ex = executor.SimulatorExecutor(time_per_step=cfg.data.freq, generate_portfolio_metrics=True, verbose=False)
+    strategy = ClosingTopkDropout(topk=b.topk, n_drop=b.n_drop, hold_thresh=b.hold_thresh, signal=signal)
     exchange = {"freq": cfg.data.freq, "limit_threshold": b.limit_threshold, "deal_price": b.deal_price,
                 "open_cost": b.open_cost, "close_cost": b.close_cost, "min_cost": b.min_cost}
-    with warnings.catch_warnings():
-        # Qlib averages an empty order list on days the strategy only holds ("Mean of empty slice"): harmless.
-        warnings.simplefilter("ignore", RuntimeWarning)
+    with quiet_qlib():
+        ex = executor.SimulatorExecutor(time_per_step=cfg.data.freq, generate_portfolio_metrics=True, verbose=False)
         metrics, _ = backtest(start_time=start, end_time=end, strategy=strategy, executor=ex, account=b.account,
                               benchmark=cfg.benchmark, exchange_kwargs=exchange)
     report, positions = next(iter(metrics.values()))
     return report, {pd.Timestamp(day): sorted(pos.get_stock_list()) for day, pos in positions.items()}
+
+
+@contextlib.contextmanager
+def quiet_qlib() -> Iterator[None]:
+    """Qlib's backtest without its noise: no progress bar, no Gym notice at import, none of the warnings it raises
+    on every run (numpy's "Mean of empty slice" on days the strategy only holds, deprecation notices, its calendar
+    and executor set-up warnings); Qlib's errors still show."""
+    import importlib
+
+    with contextlib.redirect_stderr(io.StringIO()):  # gym (imported by qlib.rl) prints a notice on import
+        qlib_backtest = importlib.import_module("qlib.backtest.backtest")
+        importlib.import_module("qlib.contrib.strategy")
+    from tqdm.auto import tqdm
+
+    def errors_only(record: logging.LogRecord) -> bool:
+        return not record.name.startswith("qlib") or record.levelno >= logging.ERROR
+
+    handlers = logging.getLogger("qlib").handlers + logging.getLogger().handlers
+    bar = qlib_backtest.tqdm
+    qlib_backtest.tqdm = functools.partial(tqdm, disable=True)
+    for h in handlers:
+        h.addFilter(errors_only)
+    try:
+        with warnings.catch_warnings():
+            for category in (RuntimeWarning, DeprecationWarning, FutureWarning, PendingDeprecationWarning):
+                warnings.simplefilter("ignore", category)
+            yield
+    finally:
+        qlib_backtest.tqdm = bar
+        for h in handlers:
+            h.removeFilter(errors_only)
 
 
 def risk(returns: pd.Series, freq: str) -> dict[str, float]:
@@ -131,6 +195,7 @@ def score_signal(cfg, pred: pd.Series, labels: pd.DataFrame, horizon: int, start
         "excess_return_without_cost": risk(excess, freq),
         "excess_return_with_cost": risk(excess - report["cost"], freq),
         "turnover_mean": float(report["turnover"].mean()),
+        "cost_ann": risk(report["cost"], freq)["annualized_return"],
         "holdings_mean": float(held.mean()),
         "first_day_turnover": float(report["turnover"].iloc[0]),
     }
@@ -139,45 +204,59 @@ def score_signal(cfg, pred: pd.Series, labels: pd.DataFrame, horizon: int, start
     return out, daily
 
 
-def summary_table(results: dict[str, dict]) -> pd.DataFrame:
-    """signal x {h, days, IC, t(IC) (Newey-West, lag h-1: overlapping h-day labels), RankIC, ICIR, excess ann.
-    (with cost), information ratio of the excess, max drawdown}; one row per signal and seed (the spread over seeds
-    goes to report.json)."""
+def summary_table(results: dict[str, dict], t_ok: bool = True) -> pd.DataFrame:
+    """signal x {h, days, IC, t(IC) (Newey-West, lag h-1: overlapping h-day labels; NaN unless `t_ok`), RankIC,
+    ICIR, excess ann. (with cost), information ratio of the excess, max drawdown, mean daily turnover, annualised
+    cost}; one row per signal and seed (the spread over seeds goes to report.json)."""
     rows = {}
     for name, r in results.items():
-        bt = r.get("backtest", {}).get("excess_return_with_cost", {})
-        head = r["headline"]
+        bt = r.get("backtest", {})
+        ex, head = bt.get("excess_return_with_cost", {}), r["headline"]
         rows[name] = {"h": r["horizon"], "days": head.get("days", math.nan), "IC": head["IC"],
-                      "t_IC": head.get("IC_t_nw", math.nan), "RankIC": head["RankIC"], "ICIR": head["ICIR"],
-                      "excess_ann": bt.get("annualized_return", math.nan),
-                      "IR": bt.get("information_ratio", math.nan), "max_dd": bt.get("max_drawdown", math.nan)}
+                      "t_IC": head.get("IC_t_nw", math.nan) if t_ok else math.nan, "RankIC": head["RankIC"],
+                      "ICIR": head["ICIR"], "excess_ann": ex.get("annualized_return", math.nan),
+                      "IR": ex.get("information_ratio", math.nan), "max_dd": ex.get("max_drawdown", math.nan),
+                      "turnover": bt.get("turnover_mean", math.nan), "cost_ann": bt.get("cost_ann", math.nan)}
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
 def plot_cumulative(daily: dict[str, pd.DataFrame], benchmark: str, path: Path) -> None:
-    """Cumulative return with cost per signal vs the benchmark, and cumulative excess return with cost."""
+    """Cumulative return with cost per signal vs the benchmark, and cumulative excess return with cost. One colour
+    per signal kind (last, mean, ..., momentum); the finetuned seeds are thin lines of that colour, zero-shot is
+    dashed, baselines dotted; the legend sits outside the axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    kinds = list(dict.fromkeys(name.split("@")[0] for name in daily))
+    colour = {k: plt.get_cmap("tab10")(i % 10) for i, k in enumerate(kinds)}
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
-    bench = None
+    labelled, bench = set(), None
     for name, frame in daily.items():
+        kind, _, who = name.partition("@")
+        group = ("zero-shot" if who == "zeroshot" else "baseline" if kind in ("momentum", "reversal")
+                 else "finetuned" + (" (one line per seed)" if who.startswith("seed") else ""))
+        style = {"zero-shot": "--", "baseline": ":"}.get(group, "-")
+        label = f"{kind} {group}" if (kind, group) not in labelled else None
+        labelled.add((kind, group))
+        width = 0.9 if who.startswith("seed") else 1.6
         net = frame["return"] - frame["cost"]
-        style = "--" if name in ("momentum", "reversal") or name.startswith("zeroshot") else "-"
-        top.plot(frame.index, net.cumsum(), style, label=name)
-        bottom.plot(frame.index, (net - frame["bench"]).cumsum(), style, label=name)
+        top.plot(frame.index, net.cumsum(), style, color=colour[kind], lw=width, label=label)
+        bottom.plot(frame.index, (net - frame["bench"]).cumsum(), style, color=colour[kind], lw=width)
         bench = frame["bench"]
     if bench is not None:
-        top.plot(bench.index, bench.cumsum(), "k:", label=benchmark)
-    top.set(title="Cumulative return with cost", ylabel="cumulative return")
-    bottom.set(title="Cumulative excess return with cost", ylabel="cumulative excess return", xlabel="date")
+        top.plot(bench.index, bench.cumsum(), "k-", lw=2.2, alpha=0.6, label=f"benchmark {benchmark}")
+        period = f"{bench.index[0]:%Y-%m-%d}..{bench.index[-1]:%Y-%m-%d}"
+        top.set_title(f"Cumulative return with cost, {period}")
+    top.set(ylabel="cumulative return")
+    bottom.set(title="Cumulative excess return over the benchmark, with cost", ylabel="cumulative excess return")
     for ax in (top, bottom):
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+    fig.autofmt_xdate()
+    fig.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -253,41 +332,74 @@ def zero_shot_models(cfg: QlibConfig) -> tuple[Any, Any] | None:
 
 
 def forecast_signals(cfg: QlibConfig, split: SeriesPanel, calendar_ns: np.ndarray, forecaster: Forecaster,
-                     first_day: pd.Timestamp) -> pd.DataFrame:
+                     first_day: pd.Timestamp, seed: int) -> pd.DataFrame:
     """Signals of every forecast day from `first_day` to the end of the test range: columns datetime, instrument,
-    last, mean, max, min."""
+    last, mean, max, min. The random streams are seeded with `seed` right before the forecaster runs."""
     d, f = cfg.data, cfg.forecast
     _, end = range_bounds(d.test_time_range)
     ends = forecast_window_ends(split, pd.Timestamp(first_day).value, end.value, d.lookback)
     if len(ends) == 0:
         raise ValueError(f"data.test_time_range: no instrument has {d.lookback} bars before a day of the test range")
     return forecast_frame(split, ends, calendar_ns, forecaster, lookback=d.lookback, predict=d.predict, freq=d.freq,
-                          batch=max(1, f.batch_size // f.sample_count))
+                          batch=max(1, f.batch_size // f.sample_count), seed=seed)
+
+
+def forecast_all(cfg: QlibConfig, forecasters: dict[str, Forecaster], seeds: dict[str, int] | None,
+                 split: SeriesPanel, calendar_ns: np.ndarray, first_day: pd.Timestamp) -> dict[str, pd.DataFrame]:
+    """{name: signals indexed by (datetime, instrument)} of every forecaster, each seeded right before it runs with
+    `seeds[name]` (default forecast.seed): its draws are the same whichever forecasters run before it."""
+    frames = {}
+    for name, forecaster in forecasters.items():
+        seed = (seeds or {}).get(name, cfg.forecast.seed)
+        log.info("forecasting the test split (%s, seed %d): %d series", name, seed, split.n_series)
+        frames[name] = forecast_signals(cfg, split, calendar_ns, forecaster, first_day, seed).set_index(
+            ["datetime", "instrument"])
+    return frames
+
+
+def universe_warnings(index: pd.MultiIndex, ends: dict[str, pd.Timestamp]) -> list[str]:
+    """Log and return what makes the report less than it seems: too few stocks per day for a cross-sectional IC,
+    and instruments whose data ends inside the test range (their positions are closed on the last bar)."""
+    out = []
+    per_day = float(index.get_level_values("datetime").value_counts().median())
+    if per_day < MIN_CROSS_SECTION:
+        out.append(f"only {per_day:g} instruments per forecast day (median): a daily cross-sectional IC over so few is "
+                   f"mostly noise" + (" and no t-statistic is reported" if per_day < MIN_T_CROSS_SECTION else "")
+                   + f"; use a universe of {MIN_CROSS_SECTION}+ stocks (data.instrument)")
+    if ends:
+        shown = ", ".join(f"{c} ({t.date()})" for c, t in list(ends.items())[:10])
+        out.append(f"{len(ends)} instrument(s) have no data after a day inside the backtest; positions in them are "
+                   f"sold on their last bar: {shown}{' ...' if len(ends) > 10 else ''}")
+    for w in out:
+        log.warning("warning: %s", w)
+    return out
+
+
+MIN_CROSS_SECTION = 10  # stocks per day below which a daily cross-sectional IC is mostly noise
+MIN_T_CROSS_SECTION = 5  # below this, no t-statistic of the IC is reported at all
 
 
 def evaluate(cfg: QlibConfig, forecasters: dict[str, Forecaster], split: SeriesPanel, calendar_ns: np.ndarray,
-             calendar: pd.DatetimeIndex) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Forecast with every named forecaster ("seed0", "seed1", ..., "zeroshot"), add the baselines, score and
-    backtest everything over the same days. Qlib must be initialised. Returns (report dict, files to write)."""
+             calendar: pd.DatetimeIndex, seeds: dict[str, int] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Forecast with every named forecaster ("seed0", "seed1", ..., "zeroshot"; each seeded with `seeds[name]`,
+    default forecast.seed), add the baselines, score and backtest everything over the same days. Qlib must be
+    initialised. Returns (report dict, files to write)."""
     d, b = cfg.data, cfg.backtest
     start, end = range_bounds(d.test_time_range)
     first_day = first_signal_day(calendar, start)
     bt_start, bt_end = backtest_period(calendar, start, end)
 
-    frames = {}
-    for name, forecaster in forecasters.items():
-        log.info("forecasting the test split (%s): %d series", name, split.n_series)
-        forecast = forecast_signals(cfg, split, calendar_ns, forecaster, first_day)
-        frames[name] = forecast.set_index(["datetime", "instrument"])
+    frames = forecast_all(cfg, forecasters, seeds, split, calendar_ns, first_day)
     index = next(iter(frames.values())).index  # member stocks x forecast days (the same for every forecaster)
     instruments = sorted(set(index.get_level_values("instrument")))
+    warnings_ = universe_warnings(index, data_ends(instruments, bt_end))
     labels = forward_labels(instruments, first_day, end, deal_price=b.deal_price, horizons=d.predict, freq=d.freq)
     labels = labels.reindex(index)
 
     signals: dict[str, pd.Series] = {}
     for name, frame in frames.items():
         for s in b.signals:
-            signals[f"{s}" if name == "seed0" and len(frames) == 1 else f"{s}@{name}"] = frame[s]
+            signals[s if len(frames) == 1 else f"{s}@{name}"] = frame[s]
     if b.baselines:
         base = baseline_signals(instruments, first_day, end, BaselineSettings(b.momentum_window, b.reversal_window),
                                 freq=d.freq).reindex(index)  # only member stock-days, as the model's
@@ -301,12 +413,13 @@ def evaluate(cfg: QlibConfig, forecasters: dict[str, Forecaster], split: SeriesP
         log.info("scoring and backtesting %s (label horizon %d)", name, horizon)
         results[name], daily[name] = score_signal(cfg, pred, labels, horizon, bt_start, bt_end)
 
-    seeds = [n for n in frames if n.startswith("seed")]
+    seeds_ = [n for n in frames if n.startswith("seed")] or [""]
     spread = {}
-    if len(seeds) > 1:
+    if len(seeds_) > 1:
         for s in b.signals:
-            spread[s] = seed_spread([results[f"{s}@{n}"] for n in seeds])
-    table = summary_table(results)
+            spread[s] = seed_spread([results[f"{s}@{n}"] for n in seeds_])
+    per_day = index.get_level_values("datetime").value_counts()
+    table = summary_table(results, t_ok=float(per_day.median()) >= MIN_T_CROSS_SECTION)
     merged = pd.concat({n: f.drop(columns=["bench"]) for n, f in daily.items()}, axis=1)
     merged.columns = [f"{n}_{c}" for n, c in merged.columns]
     merged = merged.assign(bench=next(iter(daily.values()))["bench"])
@@ -321,7 +434,8 @@ def evaluate(cfg: QlibConfig, forecasters: dict[str, Forecaster], split: SeriesP
         "seed_spread": spread,
         "forecast_days": [str(first_day.date()), str(pd.Timestamp(index.get_level_values(0).max()).date())],
         "backtest_period": [str(bt_start.date()), str(bt_end.date())],
-        "benchmark": cfg.benchmark,
+        "benchmark": benchmark_label(cfg),
+        "warnings": warnings_,
         "label": f"{b.deal_price}(t+1+h) / {b.deal_price}(t+1) - 1, h = 1..{d.predict}",
         "forecasts": len(index),
         "instruments": len(instruments),
@@ -331,10 +445,10 @@ def evaluate(cfg: QlibConfig, forecasters: dict[str, Forecaster], split: SeriesP
         "signals.csv": signals_table,
         "ic_decay.csv": decay_table.reset_index(),
         "ic_decay.png": lambda p: plot_ic_decay(
-            {n: t for n, t in decay.items() if "@seed" not in n or "@seed0" in n}, p
+            {n: t for n, t in decay.items() if "@seed" not in n or n.endswith(f"@{seeds_[0]}")}, p
         ),
         "backtest_daily.csv": merged,
-        "cumulative_return.png": lambda p: plot_cumulative(daily, cfg.benchmark, p),
+        "cumulative_return.png": lambda p: plot_cumulative(daily, report["benchmark"], p),
     }
     return report, files
 
@@ -357,28 +471,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer = load_pretrained(KronosTokenizer, cfg.paths.finetuned_tokenizer_path, "paths.finetuned_tokenizer_path")
     predictor = load_pretrained(Kronos, cfg.paths.finetuned_predictor_path, "paths.finetuned_predictor_path")
 
-    def make(tok, pred, seed):
+    def make(tok, pred):
         return kronos_forecaster(tok, pred, device=device, max_context=d.max_context, clip=d.clip, predict=d.predict,
-                                 temperature=f.temperature, top_k=f.top_k, top_p=f.top_p,
-                                 sample_count=f.sample_count, seed=seed)
+                                 temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, sample_count=f.sample_count)
 
-    forecasters = {f"seed{i}": make(tokenizer, predictor, seed) for i, seed in enumerate(f.seed_list())}
+    # Labels carry the seed value; zero-shot always samples with forecast.seed, whatever forecast.seeds lists.
+    seeds = {f"seed{seed}": seed for seed in f.seed_list()}
+    forecasters = {name: make(tokenizer, predictor) for name in seeds}
     zero = zero_shot_models(cfg)
     if zero is not None:
-        forecasters["zeroshot"] = make(*zero, f.seed_list()[0])
-    report, files = evaluate(cfg, forecasters, split, calendar_ns, calendar)
+        forecasters["zeroshot"], seeds["zeroshot"] = make(*zero), f.seed
+    report, files = evaluate(cfg, forecasters, split, calendar_ns, calendar, seeds)
     report.update(device=device, seeds=f.seed_list(), config=config_to_dict(cfg))
     out = write_results(cfg.paths.backtest_result_path, {"report.json": report, **files})
 
     table = pd.DataFrame(report["summary"]).T
     table[["h", "days"]] = table[["h", "days"]].astype(int)
     print(f"\n--- signals {report['forecast_days'][0]}..{report['forecast_days'][1]}, backtest "
-          f"{report['backtest_period'][0]}..{report['backtest_period'][1]} vs {cfg.benchmark} "
-          f"(IC at the horizon h each signal forecasts, t_IC Newey-West; excess_ann, IR, max_dd with cost) ---")
-    print(table.to_string(float_format=lambda v: f"{v:.4f}"))
+          f"{report['backtest_period'][0]}..{report['backtest_period'][1]} vs {report['benchmark']} ---")
+    print("(IC at the horizon h each signal forecasts, t_IC Newey-West; excess_ann, IR, max_dd with cost; turnover "
+          "mean daily, cost_ann annualised cost)")
+    print(table.to_string(float_format=lambda v: f"{v:.4f}", na_rep="-"))
     for s, sp in report["seed_spread"].items():
         print(f"{s}: over {sp['seeds']} seeds IC {sp['IC']['mean']:.4f} +- {sp['IC']['std']:.4f}, excess_ann "
               f"{sp['excess_return_with_cost_ann']['mean']:.4f} +- {sp['excess_return_with_cost_ann']['std']:.4f}")
+    for w in report["warnings"]:
+        print(f"warning: {w}")
     print(f"\nresults in {out}")
     return report
 

@@ -4,7 +4,9 @@
         --universe csi300 --benchmark SH000300
     python scripts/build_qlib_data.py --synthetic 20 --out data/qlib_demo  # demo store, 2018-01-02..2025-06-30
 
-CSV columns: timestamps, open, high, low, close, volume, amount; the symbol is the file stem, upper-cased.
+CSV columns: timestamps, open, high, low, close, volume and optionally amount (derived as volume * mean(open, high,
+low, close) when absent), matched in any case with the usual aliases (Date, Datetime, vol, turnover, ...);
+--columns timestamps=Trade Date,close=Adj Close maps other names. The symbol is the file stem, upper-cased.
 Days with zero volume or no close are written as suspended (NaN in every field); the count per symbol is printed.
 --membership FILE (CSV symbol,start,end; several rows per symbol allowed) writes the universe point in time, as it
 was on each day, instead of every stock over its whole life (which biases a backtest towards survivors).
@@ -33,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--benchmark", default="SH000300",
                    help="benchmark symbol; a CSV of that name is used as is, else an equal-weighted index is built")
     p.add_argument("--membership", help="CSV symbol,start,end: point-in-time universe membership")
+    p.add_argument("--columns", default="", metavar="FIELD=NAME,...",
+                   help="map candle fields to your column names, e.g. timestamps=Trade Date,volume=Vol")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     synth = p.add_argument_group("synthetic data (with --synthetic)")
     synth.add_argument("--start", default="2018-01-02", help="first day")
@@ -41,6 +45,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.synthetic is not None and args.synthetic < 1:
         p.error("--synthetic N needs N >= 1")
+    pairs = [item.split("=", 1) for item in args.columns.split(",") if item.strip()]
+    if any(len(pair) != 2 for pair in pairs):
+        p.error(f"--columns {args.columns!r}: expected FIELD=NAME pairs separated by commas")
+    args.columns = {k.strip(): v.strip() for k, v in pairs}
     return args
 
 
@@ -63,7 +71,7 @@ def build(args: argparse.Namespace) -> None:
     else:
         frames = generate_ohlcv(args.synthetic, freq="1D", start=args.start, end=args.end, seed=args.seed)
     out = build_qlib_provider(frames, args.out, universe=args.universe, benchmark=args.benchmark,
-                              overwrite=args.overwrite, membership=args.membership)
+                              overwrite=args.overwrite, membership=args.membership, columns=args.columns or None)
     print(f"built Qlib provider {out}: {len(frames)} symbols, universe {args.universe}, benchmark {args.benchmark}")
 
 

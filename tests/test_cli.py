@@ -25,6 +25,7 @@ SCRIPT_OF = {  # the file each subcommand stands for (README commands)
     "qlib-train-tokenizer": "finetune/train_tokenizer.py",
     "qlib-train-predictor": "finetune/train_predictor.py",
     "qlib-backtest": "finetune/qlib_test.py",
+    "qlib-walk-forward": "finetune/qlib_walk_forward.py",
     "build-qlib-store": "scripts/build_qlib_data.py",
     "make-synthetic": "scripts/make_synthetic_data.py",
     "benchmark": "scripts/benchmark.py",

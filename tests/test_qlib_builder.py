@@ -285,7 +285,7 @@ def test_validation_lists_every_problem_and_writes_nothing(tmp_path):
     csv = tmp_path / "csv"
     csv.mkdir()
     good = generate_ohlcv(1, 5, "1D", seed=0)["SH600000"]
-    good.drop(columns=["amount"]).to_csv(csv / "noamount.csv", index=False)
+    good.drop(columns=["volume"]).to_csv(csv / "novolume.csv", index=False)  # amount alone is derived, volume not
     good.assign(timestamps=["2024-01-02", "not a date", "2024-01-04", "2024-01-05", "2024-01-08"]).to_csv(
         csv / "baddate.csv", index=False)
     generate_ohlcv(1, 5, "5min", seed=0)["SH600000"].to_csv(csv / "intraday.csv", index=False)
@@ -294,7 +294,7 @@ def test_validation_lists_every_problem_and_writes_nothing(tmp_path):
     with pytest.raises(ValueError) as err:
         build_qlib_provider(load_csv_folder(csv), tmp_path / "out")
     msg = str(err.value)
-    for expected in ["NOAMOUNT: missing columns ['amount']", "BADDATE: unparseable timestamps at rows 1",
+    for expected in ["NOVOLUME: no 'volume' column", "BADDATE: unparseable timestamps at rows 1",
                      "'not a date'", "INTRADAY: intraday timestamps", "DUPS: duplicate dates at rows 0, 1, 2",
                      "NEGATIVE: column 'close' is <= 0 at rows 1", "--csv-dir"]:
         assert expected in msg
@@ -346,3 +346,26 @@ def test_dates_in_other_formats_and_time_zones_are_read_as_local_days():
     df["timestamps"] = ["2024-01-02", "2024/01/03", "2024-01-04T00:00:00+08:00"]
     clean = validate_daily_frames({"SH600000": df})["SH600000"]
     assert list(clean["timestamps"]) == list(pd.to_datetime(["2024-01-02", "2024-01-03", "2024-01-04"]))
+
+
+def test_columns_in_any_case_with_aliases_a_mapping_and_amount_derived(tmp_path):
+    frames = generate_ohlcv(2, None, "1D", start=START, end="2023-02-28", seed=1)
+    names = {"timestamps": "Date", "open": "Open", "high": "High", "low": "Low", "close": "Close", "volume": "Vol"}
+    capitalised = {s: df.drop(columns="amount").rename(columns=names) for s, df in frames.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SubstituteBenchmarkWarning)
+        out = build_qlib_provider(capitalised, tmp_path / "a", benchmark="SH000300")
+        odd = {s: df.rename(columns={"timestamps": "Trade Day", "close": "Last"}) for s, df in frames.items()}
+        build_qlib_provider(odd, tmp_path / "b", columns={"timestamps": "Trade Day", "close": "Last"})
+    assert json.loads((out / "build_info.json").read_text())["amount_derived"] == sorted(frames)
+    init_qlib(out)
+    from qlib.data import D
+
+    symbol, df = next(iter(frames.items()))
+    got = D.features([symbol], ["$amount"], START, "2023-02-28")["$amount"].to_numpy()
+    want = df["volume"] * df[["open", "high", "low", "close"]].mean(axis=1)
+    np.testing.assert_allclose(got, want.to_numpy(), rtol=1e-5)
+    renamed = {s: df.rename(columns={"close": "Closing"}) for s, df in frames.items()}
+    with pytest.raises(ValueError, match=r"no 'close' column.*did you mean 'Closing'"):
+        build_qlib_provider(renamed, tmp_path / "c")
+    assert not (tmp_path / "c").exists()

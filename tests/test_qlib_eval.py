@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 import yaml
 
 pytest.importorskip("qlib")
@@ -178,6 +179,11 @@ def test_report_perfect_foresight_first_day_and_strict_json(tmp_path, data):
         assert report["signals"][name]["backtest"]["first_day_turnover"] > 0
     assert set(report["seed_spread"]) == {"mean", "last"} and report["seed_spread"]["last"]["IC"]["std"] == 0.0
     assert report["signals"]["last@seed0"]["horizon"] == 3
+    # 6 stocks: warned as too few for a cross-sectional IC (t still shown from 5 up); the substitute index is named
+    assert any("only 6 instruments per forecast day" in w for w in report["warnings"])
+    assert math.isfinite(report["summary"]["last@seed0"]["t_IC"])
+    assert report["benchmark"] == "SH000300 (substitute: equal-weighted index of 6 symbols)"
+    assert report["summary"]["last@seed0"]["turnover"] > 0 and report["summary"]["last@seed0"]["cost_ann"] > 0
     out = write_results(tmp_path / "out", {"report.json": report, **files})
     json.loads((out / "report.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-strict {c}"))
     written = {p.name for p in out.iterdir()}
@@ -211,3 +217,55 @@ def test_ic_val_metric_scores_minus_rank_ic_of_validation_forecasts(tmp_path, da
     assert predictor.training  # the model is handed back in the mode it came in
     assert first["days"] == 4 and math.isfinite(first["rank_ic"]) and first["score"] == pytest.approx(-first["rank_ic"])
     assert metric(predictor, "predictor") == first  # seeded: the same model scores the same
+
+
+def random_forecaster(x, x_stamp, y_stamp):
+    """Draws from torch's global generator, as a sampling model does. (B, P)"""
+    noise = torch.randn(x.shape[0], y_stamp.shape[1], dtype=torch.float64).numpy()
+    return x[:, -1:, 3] * (1.0 + 0.01 * noise)
+
+
+def test_each_forecaster_is_seeded_right_before_it_runs(tmp_path, data):
+    from finetune.qlib_test import forecast_all
+
+    cfg = prepared(tmp_path, "seeds", data)
+    split = load_split(split_path(cfg.data.dataset_path, "test"))
+    cal = np.asarray(read_manifest(cfg.data.dataset_path)["calendar_ns"], dtype=np.int64)
+    first = qf_first(cfg)
+    three = forecast_all(cfg, {"seed0": random_forecaster, "seed1": random_forecaster, "seed7": random_forecaster,
+                               "zeroshot": random_forecaster}, {"seed0": 0, "seed1": 1, "seed7": 7, "zeroshot": 0},
+                         split, cal, first)
+    one = forecast_all(cfg, {"seed7": random_forecaster, "zeroshot": random_forecaster}, {"seed7": 7, "zeroshot": 0},
+                       split, cal, first)
+    pd.testing.assert_frame_equal(three["zeroshot"], one["zeroshot"])  # whatever ran before it
+    pd.testing.assert_frame_equal(three["seed7"], one["seed7"])  # a seed's draws depend on its value only
+    pd.testing.assert_frame_equal(three["seed0"], one["zeroshot"])
+    assert not np.allclose(three["seed0"]["last"], three["seed1"]["last"])
+
+
+def test_no_position_is_held_after_an_instruments_last_bar(tmp_path, data):
+    from finetune.qlib_test import data_ends, run_backtest, summary_table, universe_warnings
+
+    ended = sorted(data)[1]
+    last_day = pd.Timestamp("2022-05-13")
+    cut = {s: (df[pd.to_datetime(df["timestamps"]) <= last_day] if s == ended else df) for s, df in data.items()}
+    qdir = tmp_path / "qlib"
+    build_qlib_provider(cut, qdir, universe="csi300", benchmark="SH000300")
+    cfg = config(tmp_path, qdir)
+    init_qlib(cfg)
+    from qlib.data import D
+
+    days = pd.DatetimeIndex(D.calendar(start_time="2022-04-01", end_time="2022-06-10"))
+    idx = pd.MultiIndex.from_product([days, sorted(cut)], names=["datetime", "instrument"])
+    score = pd.Series([1.0 if i == ended else 0.0 for _, i in idx], index=idx)  # always ranked first
+    assert data_ends(sorted(cut), days[-1]) == {ended: last_day}
+    report, holdings = run_backtest(cfg, score, days[1], days[-2])
+    assert any(ended in held for day, held in holdings.items() if day < last_day)
+    assert not any(ended in held for day, held in holdings.items() if day >= last_day)
+    assert report["turnover"].loc[last_day] > 0  # sold on its last bar, at that day's price
+    # the report's warnings name it; two or three instruments get no t-statistic
+    small = pd.MultiIndex.from_product([days, ["A", "B", "C"]], names=["datetime", "instrument"])
+    warned = universe_warnings(small, {ended: last_day})
+    assert "no t-statistic" in warned[0] and f"{ended} (2022-05-13)" in warned[1]
+    head = {"IC": 0.1, "ICIR": 1.0, "IC_t_nw": 3.0, "RankIC": 0.1, "RankICIR": 1.0, "days": 50}
+    assert math.isnan(summary_table({"last": {"horizon": 1, "headline": head}}, t_ok=False).loc["last", "t_IC"])

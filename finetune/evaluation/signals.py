@@ -134,6 +134,15 @@ def _aligned(pred: pd.Series, label: pd.Series) -> tuple[pd.Series, pd.Series]:
     return frame["pred"], frame["label"]
 
 
+def daily_ic(pred: pd.Series, label: pd.Series) -> tuple[pd.Series, pd.Series]:
+    """Daily IC and RankIC (Qlib's `calc_ic`) of `pred` against one label column, on the rows where both are
+    finite; two Series indexed by day, in time order, days without a defined correlation dropped."""
+    from qlib.contrib.eva.alpha import calc_ic
+
+    ic, ric = calc_ic(*_aligned(pred, label))
+    return ic.dropna().sort_index(), ric.dropna().sort_index()
+
+
 def quantile_group_returns(pred: pd.Series, label: pd.Series, n_groups: int = 5) -> pd.DataFrame:
     """Mean label per day of each score group (group 1 = lowest scores, `n_groups` = highest).
 
@@ -220,22 +229,34 @@ def ic_decay(analysis: dict) -> pd.DataFrame:
 
 
 def plot_ic_decay(tables: dict[str, pd.DataFrame], path: str | Path) -> Path:
-    """PNG of IC and RankIC against horizon, one line pair per signal ({name: `ic_decay` table})."""
+    """PNG of IC (left) and RankIC (right) against the integer horizon, one line per signal ({name: `ic_decay`
+    table}): one colour per signal kind (last, mean, ...), dashed for zero-shot, dotted for the baselines; the legend
+    sits outside the axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    horizons = sorted({int(h) for t in tables.values() for h in t.index})
+    kinds = list(dict.fromkeys(name.split("@")[0] for name in tables))
     for name, table in tables.items():
-        line, = ax.plot(table.index, table["ic"], marker="o", label=f"{name} IC")
-        ax.plot(table.index, table["rank_ic"], marker="x", ls="--", color=line.get_color(), label=f"{name} RankIC")
-    ax.axhline(0.0, color="k", lw=0.8)
-    ax.set(xlabel="horizon (days held from t+1)", ylabel="mean daily IC", title="IC decay")
-    ax.legend(fontsize=8)
+        kind = name.split("@")[0]
+        style = "--" if "zeroshot" in name else ":" if kind in ("momentum", "reversal") else "-"
+        colour = plt.get_cmap("tab10")(kinds.index(kind) % 10)
+        for ax, col in zip(axes, ("ic", "rank_ic")):
+            ax.plot(table.index, table[col], style, marker="o", ms=4, color=colour,
+                    label=name if ax is axes[0] else None)
+    for ax, title in zip(axes, ("IC", "RankIC")):
+        ax.axhline(0.0, color="k", lw=0.8)
+        ax.set_xticks(horizons)
+        ax.grid(True, alpha=0.3)
+        ax.set(xlabel="horizon h (days held from t+1)", title=f"mean daily {title} by horizon")
+    axes[0].set_ylabel("mean daily correlation")
+    fig.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path
 

@@ -35,9 +35,8 @@ import torch
 from torch import nn
 
 from finetune.utils.checkpoint import save_pretrained_atomic
-from finetune.utils.errors import ConfigError
 from finetune.utils.config_utils import Problems, TrainingConfig, validate_training_config
-from finetune.utils.errors import MissingExtraError
+from finetune.utils.errors import ConfigError, MissingExtraError
 from model.fileio import atomic_dir, write_json
 
 # Layer groups of the Kronos predictor (model/layers.py, model/kronos.py): names of nn.Linear modules.

@@ -1,0 +1,325 @@
+"""Walk-forward for the Qlib pipeline: does finetuning pay out of sample, period after period?
+
+    kronos qlib-walk-forward --config configs/qlib_demo.yaml [--device cpu] [--set walk_forward.period_months=3]
+
+walk_forward.test_range (default data.test_time_range) is cut into consecutive test periods of `period_months`.
+Period k, on the trading calendar (s = its first trading day; s-1 its first signal, which trades on s):
+
+    dataset_begin .. train_end | purge | val_start .. val_end | purge | s-1 | s .. e (test period k)
+
+Every training window lies inside the training range (the preprocessing rule), the validation block picks the
+checkpoint, and `purge` (>= data.predict) trading days separate the last training target from the validation block
+and the last validation target from the first signal. Each period is preprocessed, its tokenizer and predictor are
+finetuned from model.pretrained_* by the usual trainers under torchrun (walk_forward.nproc_per_node processes; put
+DIST_BACKEND=gloo in front on a CPU), and its test days are forecast with the finetuned pair and with the pretrained
+pair (zero-shot), each seeded with forecast.seed right before it runs. The periods' signals are concatenated (out of
+sample throughout) and scored against Qlib's trade labels: daily IC / RankIC of walk_forward.signal at its horizon,
+Newey-West t per period and overall, and the TopkDropout backtest over the whole span. The verdict is on the paired
+daily IC difference, finetuned minus zero-shot, on the same days: its mean and 95% moving-block bootstrap interval
+(blocks of walk_forward.block_days days) give `helps` (interval above 0), `hurts` (below 0) or `no_evidence`.
+
+Outputs in <paths.save_path>/walk_forward/: period_<k>/ (config.yaml, data/, finetune_tokenizer/,
+finetune_predictor/, train.log, signals.csv), report.json, periods.csv, signals.csv, walk_forward.png. A re-run
+skips what is finished: preprocessed periods, finished stages (the trainers' rule) and forecasts newer than their
+model.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from finetune.config import QlibConfig, check_model_folder, cli_parser, load
+from finetune.dataset import SPLITS, check_processed, load_split, read_manifest, split_path
+from finetune.evaluation.forecast_scores import bootstrap_ci
+from finetune.evaluation.signals import daily_ic, forward_labels, newey_west_tstat
+from finetune.qlib_data_preprocess import first_signal_day, preprocess
+from finetune.qlib_forecast import kronos_forecaster, signal_horizon
+from finetune.qlib_io import benchmark_label, check_qlib_folder, init_qlib, read_calendar
+from finetune.qlib_test import backtest_period, forecast_all, score_signal, write_results
+from finetune.utils.checkpoint import load_pretrained
+from finetune.utils.errors import ConfigError
+from finetune.utils.config_utils import Problems, config_to_dict, dump_config, parse_config_args
+from finetune.utils.errors import UserError, require_extra, setup_logging
+from model import Kronos, KronosTokenizer
+
+log = logging.getLogger("finetune.qlib")
+CANDIDATES = ("finetuned", "zero_shot")
+
+
+@dataclass(frozen=True)
+class Period:
+    """One walk-forward period: inclusive [start, end] dates of its three blocks."""
+
+    k: int
+    train: tuple[pd.Timestamp, pd.Timestamp]
+    val: tuple[pd.Timestamp, pd.Timestamp]
+    test: tuple[pd.Timestamp, pd.Timestamp]
+
+
+def walk_forward_periods(calendar: pd.DatetimeIndex, begin, test_start, test_end, period_months: int,
+                         val_months: int, purge: int) -> list[Period]:
+    """The periods of the module docstring on `calendar` (trading days); ConfigError naming the setting when the
+    data before a period cannot hold its purges, validation block and some training."""
+    cal, begin, end = pd.DatetimeIndex(calendar), pd.Timestamp(begin), pd.Timestamp(test_end)
+    periods, start = [], pd.Timestamp(test_start)
+    while start <= end:
+        stop = min(start + pd.DateOffset(months=period_months) - pd.Timedelta(days=1), end)
+        first = int(cal.searchsorted(start))  # s: the period's first trading day
+        if first >= len(cal) or cal[first] > stop:
+            raise ConfigError([f"walk_forward.test_range: {start.date()}..{stop.date()} holds no trading day"])
+        val_end = first - 2 - purge  # `purge` days strictly between the last validation target and s-1
+        back = cal[max(val_end, 0)] - pd.DateOffset(months=val_months) + pd.Timedelta(days=1)
+        val_start = int(cal.searchsorted(back))
+        train_end = val_start - 1 - purge
+        if val_end < 0 or train_end < 0 or cal[train_end] <= begin:
+            raise ConfigError([f"walk_forward.test_range: period {len(periods)} ({start.date()}..{stop.date()}) "
+                               f"leaves no training data after data.dataset_begin_time {begin.date()} once "
+                               f"walk_forward.val_months and purge are set aside; start the span later"])
+        periods.append(Period(len(periods), (begin, cal[train_end]), (cal[val_start], cal[val_end]), (start, stop)))
+        start = stop + pd.Timedelta(days=1)
+    return periods
+
+
+def signal_days(calendar: pd.DatetimeIndex, periods: list[Period], k: int) -> tuple[pd.Timestamp, pd.Timestamp]:
+    """[first, last] signal day that belongs to period k: from the day before its first trading day (which trades on
+    it) to the day before the next period's first trading day (that one trades in the next period)."""
+    first = first_signal_day(calendar, periods[k].test[0])
+    if k + 1 == len(periods):
+        return first, periods[k].test[1]
+    return first, calendar[calendar < first_signal_day(calendar, periods[k + 1].test[0])][-1]
+
+
+def ic_verdict(diff: pd.Series, block: int, n_boot: int, seed: int = 0) -> dict[str, Any]:
+    """The three-word verdict on daily IC differences (finetuned - zero-shot, time order): mean, 95% moving-block
+    bootstrap interval over days, Newey-West t (lag block - 1), the verdict and its reason."""
+    d = diff.dropna().to_numpy(dtype=np.float64)
+    if len(d) < 2:
+        raise UserError("walk-forward: fewer than 2 days with both a finetuned and a zero-shot IC; widen "
+                        "walk_forward.test_range")
+    ci = bootstrap_ci(lambda i: float(d[i].mean()), len(d), n_boot=n_boot, block=block, seed=seed)
+    span = f"[{ci['low']:+.4f}, {ci['high']:+.4f}]"
+    if ci["low"] > 0:
+        word, why = "helps", f"the 95% interval {span} of the mean daily IC difference lies above 0"
+    elif ci["high"] < 0:
+        word, why = "hurts", f"the 95% interval {span} of the mean daily IC difference lies below 0"
+    else:
+        word, why = "no_evidence", f"the 95% interval {span} of the mean daily IC difference contains 0"
+    return {"verdict": word, "reason": f"{why} ({len(d)} days, blocks of {ci['block']})", "mean": float(d.mean()),
+            "ci_low": ci["low"], "ci_high": ci["high"], "t_nw": newey_west_tstat(d, max(0, block - 1))["t"],
+            "days": len(d), "block_days": ci["block"], "share_days_better": float((d > 0).mean())}
+
+
+def period_config(cfg: QlibConfig, p: Period, folder: Path) -> QlibConfig:
+    """`cfg` for one period: its three ranges, and every data / model / result path inside `folder`."""
+    c = copy.deepcopy(cfg)
+    iso = lambda r: [str(r[0].date()), str(r[1].date())]  # noqa: E731
+    c.data.train_time_range, c.data.val_time_range, c.data.test_time_range = iso(p.train), iso(p.val), iso(p.test)
+    c.data.dataset_path = str(folder / "data")
+    c.paths.save_path = str(folder)
+    for stage in ("tokenizer", "predictor"):
+        setattr(c.paths, f"{stage}_dir", str(folder / f"finetune_{stage}"))
+        setattr(c.paths, f"finetuned_{stage}_path", str(folder / f"finetune_{stage}" / "best_model"))
+    c.paths.backtest_result_path = str(folder / "backtest")
+    c.forecast.seeds = None
+    return c
+
+
+def train_period(c: QlibConfig, folder: Path, nproc: int) -> None:
+    """Preprocess (unless done with these settings) and run both trainers under torchrun (a finished stage skips)."""
+    problems = Problems()
+    check_processed(c, SPLITS, problems)
+    if problems:
+        preprocess(c)
+    (folder / "config.yaml").write_text(dump_config(c), encoding="utf-8")
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    for module in ("finetune.train_tokenizer", "finetune.train_predictor"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", module, "--config", str(folder / "config.yaml")]
+        with open(folder / "train.log", "a", encoding="utf-8") as out:
+            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+        if rc != 0:
+            raise UserError(f"walk-forward: {module} failed (exit {rc}) for {folder.name}; see {folder / 'train.log'}")
+
+
+def period_signals(c: QlibConfig, folder: Path, zero: tuple, device: str) -> pd.DataFrame:
+    """Signals of the period's test days, columns <signal>/<candidate>; cached in signals.csv while newer than
+    the finetuned predictor."""
+    cache, model_dir = folder / "signals.csv", Path(c.paths.finetuned_predictor_path)
+    if cache.is_file() and cache.stat().st_mtime > model_dir.stat().st_mtime:
+        return pd.read_csv(cache, parse_dates=["datetime"]).set_index(["datetime", "instrument"])
+    d, f = c.data, c.forecast
+    tuned = (load_pretrained(KronosTokenizer, c.paths.finetuned_tokenizer_path, "paths.finetuned_tokenizer_path"),
+             load_pretrained(Kronos, c.paths.finetuned_predictor_path, "paths.finetuned_predictor_path"))
+    make = lambda tok, pred: kronos_forecaster(  # noqa: E731
+        tok, pred, device=device, max_context=d.max_context, clip=d.clip, predict=d.predict,
+        temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, sample_count=f.sample_count)
+    calendar_ns = np.asarray(read_manifest(d.dataset_path)["calendar_ns"], dtype=np.int64)
+    first = first_signal_day(pd.DatetimeIndex(calendar_ns.astype("datetime64[ns]")), pd.Timestamp(d.test_time_range[0]))
+    frames = forecast_all(c, {"finetuned": make(*tuned), "zero_shot": make(*zero)}, None,
+                          load_split(split_path(d.dataset_path, "test")), calendar_ns, first)
+    table = pd.concat(frames, axis=1)
+    table.columns = [f"{s}/{cand}" for cand, s in table.columns]
+    table.reset_index().to_csv(cache, index=False)
+    return table
+
+
+def ic_row(pred: pd.Series, label: pd.Series, horizon: int) -> tuple[dict[str, float], pd.Series]:
+    """{IC, t_IC (Newey-West, lag h - 1), RankIC, t_RankIC, days} and the daily IC series."""
+    ic, ric = daily_ic(pred, label)
+    t = lambda x: newey_west_tstat(x.to_numpy(), horizon - 1)["t"]  # noqa: E731
+    return {"IC": float(ic.mean()), "t_IC": t(ic), "RankIC": float(ric.mean()), "t_RankIC": t(ric),
+            "days": len(ic)}, ic
+
+
+def score(cfg: QlibConfig, periods: list[Period], signals: pd.DataFrame, calendar: pd.DatetimeIndex) -> dict:
+    """Per-period and overall IC of both candidates, the verdict, and the backtest over the whole span."""
+    w, d = cfg.walk_forward, cfg.data
+    h = signal_horizon(w.signal, d.predict)
+    first, last = signals.index.get_level_values("datetime").min(), periods[-1].test[1]
+    instruments = sorted(set(signals.index.get_level_values("instrument")))
+    label = forward_labels(instruments, first, last, cfg.backtest.deal_price, [h], d.freq).reindex(signals.index)
+    rows, daily = [], {}
+    for p in [*periods, None]:
+        when = signals.index.get_level_values("datetime")
+        rows.append({"period": "all" if p is None else p.k, "test_start": str((p.test[0] if p else first).date()),
+                     "test_end": str((p.test[1] if p else last).date()),
+                     "train_end": str(p.train[1].date()) if p else "", "val": f"{p.val[0].date()}..{p.val[1].date()}"
+                     if p else ""})
+        lo, hi = (first, last) if p is None else signal_days(calendar, periods, p.k)
+        keep = (when >= lo) & (when <= hi)
+        for cand in CANDIDATES:
+            stats, ic = ic_row(signals.loc[keep, f"{w.signal}/{cand}"], label.loc[keep, f"label_{h}"], h)
+            rows[-1].update({f"{k}_{cand}": v for k, v in stats.items()})
+            daily[cand] = ic
+    table = pd.DataFrame(rows).set_index("period")
+    table["IC_diff"] = table["IC_finetuned"] - table["IC_zero_shot"]
+    diff = (daily["finetuned"] - daily["zero_shot"]).dropna()
+    verdict = ic_verdict(diff, w.block_days, w.n_boot, cfg.forecast.seed)
+    bt0, bt1 = backtest_period(calendar, periods[0].test[0], last)
+    backtest = {}
+    for cand in CANDIDATES:
+        out, frame = score_signal(cfg, signals[f"{w.signal}/{cand}"].dropna(), label, h, bt0, bt1)
+        backtest[cand] = {**out["backtest"], "daily_net": (frame["return"] - frame["cost"])}
+    return {"table": table, "verdict": verdict, "backtest": backtest, "diff": diff, "horizon": h,
+            "backtest_period": [str(bt0.date()), str(bt1.date())]}
+
+
+def plot(result: dict, periods: list[Period], path: Path) -> None:
+    """Per-period mean daily IC of both candidates (+- 2 Newey-West standard errors) and the cumulative daily IC
+    difference over the span, period boundaries marked; legends outside the axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = result["table"].drop(index="all")
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7))
+    x = np.arange(len(table))
+    for i, (cand, colour) in enumerate(zip(CANDIDATES, ("tab:blue", "tab:gray"))):
+        ic, t = table[f"IC_{cand}"].astype(float), table[f"t_IC_{cand}"].astype(float)
+        top.bar(x + (i - 0.5) * 0.38, ic, 0.38, yerr=2 * (ic / t).abs().fillna(0), color=colour, capsize=3,
+                label=cand.replace("_", "-"))
+    top.axhline(0, color="k", lw=0.8)
+    top.set_xticks(x, [f"{a}..{b}" for a, b in zip(table["test_start"], table["test_end"])], fontsize=8)
+    top.set(ylabel="mean daily IC", title="IC per test period (bars: +-2 Newey-West s.e.)")
+    diff = result["diff"]
+    bottom.plot(diff.index, diff.cumsum(), color="tab:blue", label="finetuned - zero-shot")
+    for p in periods[1:]:
+        bottom.axvline(p.test[0], color="k", ls=":", lw=0.8)
+    v = result["verdict"]
+    bottom.set(ylabel="cumulative daily IC difference",
+               title=f"Verdict: {v['verdict']} (mean {v['mean']:+.4f}, 95% [{v['ci_low']:+.4f}, {v['ci_high']:+.4f}])")
+    for ax in (top, bottom):
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+def check_inputs(cfg: QlibConfig) -> None:
+    problems = cfg.problems()
+    for key in ("pretrained_tokenizer", "pretrained_predictor"):
+        value = getattr(cfg.model, key)
+        problems.check(bool(value), f"model.{key}", "is needed: the walk-forward compares finetuned with zero-shot")
+        check_model_folder(value, f"model.{key}", problems, hub_ok=True)
+    check_qlib_folder(cfg, problems)
+    problems.raise_if_any()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    setup_logging()
+    parser = cli_parser(__doc__)
+    parser.add_argument("--device", default=None, help="forecast on cuda, cpu, ... (default: cuda if available)")
+    args = parse_config_args(parser, argv)
+    require_extra("qlib")  # named before any work (the qlib imports are lazy)
+    cfg = load(args.config, args.set)
+    check_inputs(cfg)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    w, d = cfg.walk_forward, cfg.data
+    init_qlib(cfg)
+    calendar = read_calendar(cfg)
+    span = w.test_range or d.test_time_range
+    periods = walk_forward_periods(calendar, d.dataset_begin_time, span[0], span[1], w.period_months,
+                                   w.val_months, w.purge or d.predict)
+    root = Path(cfg.paths.save_path).expanduser() / "walk_forward"
+    zero = (load_pretrained(KronosTokenizer, cfg.model.pretrained_tokenizer, "model.pretrained_tokenizer"),
+            load_pretrained(Kronos, cfg.model.pretrained_predictor, "model.pretrained_predictor"))
+    frames, started = [], time.monotonic()
+    for p in periods:
+        folder = root / f"period_{p.k}"
+        folder.mkdir(parents=True, exist_ok=True)
+        c = period_config(cfg, p, folder)
+        train_period(c, folder, w.nproc_per_node)
+        init_qlib(cfg)
+        lo, hi = signal_days(calendar, periods, p.k)
+        frame = period_signals(c, folder, zero, device)
+        frames.append(frame[(frame.index.get_level_values("datetime") >= lo)
+                            & (frame.index.get_level_values("datetime") <= hi)])
+        spent = time.monotonic() - started
+        log.info("period %d/%d test %s..%s (train ..%s, val %s..%s): trained and forecast; %.0f s so far, ~%.0f s "
+                 "left", p.k + 1, len(periods), p.test[0].date(), p.test[1].date(), p.train[1].date(),
+                 p.val[0].date(), p.val[1].date(), spent, spent / (p.k + 1) * (len(periods) - p.k - 1))
+    signals = pd.concat(frames).sort_index()
+    result = score(cfg, periods, signals, calendar)
+    table, v = result["table"], result["verdict"]
+    report = {"verdict": v["verdict"], "reason": v["reason"], "paired_daily_ic": v, "signal": w.signal,
+              "horizon": result["horizon"], "periods": table.reset_index().to_dict(orient="records"),
+              "backtest_period": result["backtest_period"], "benchmark": benchmark_label(cfg),
+              "backtest": {c: {k: x for k, x in b.items() if k != "daily_net"} for c, b in result["backtest"].items()},
+              "device": device, "config": config_to_dict(cfg)}
+    write_results(root, {"report.json": report, "periods.csv": table, "signals.csv": signals.reset_index(),
+                         "walk_forward.png": lambda path: plot(result, periods, path)})
+    cols = ["test_start", "test_end", "days_finetuned", "IC_finetuned", "t_IC_finetuned", "IC_zero_shot",
+            "t_IC_zero_shot", "IC_diff"]
+    print(f"\n--- walk-forward: {len(periods)} periods, signal {w.signal} at h={result['horizon']} (daily IC, "
+          f"t Newey-West), backtest {result['backtest_period'][0]}..{result['backtest_period'][1]} vs "
+          f"{report['benchmark']} ---")
+    print(table[cols].rename(columns=lambda s: s.replace("_finetuned", "_ft").replace("_zero_shot", "_zs"))
+          .to_string(float_format=lambda x: f"{x:.4f}"))
+    for cand, b in report["backtest"].items():
+        ex = b["excess_return_with_cost"]
+        print(f"{cand:<10} excess_ann {ex['annualized_return']:+.4f}  IR {ex['information_ratio']:+.3f}  max_dd "
+              f"{ex['max_drawdown']:.4f}  turnover {b['turnover_mean']:.3f}  cost_ann {b['cost_ann']:.4f}")
+    print(f"verdict: {v['verdict']} - {v['reason']}; finetuned better on {v['share_days_better']:.0%} of days")
+    print(f"results in {root}")
+    return report
+
+
+if __name__ == "__main__":
+    from finetune.utils.errors import run_main  # one error line and an exit code (finetune/utils/errors.py)
+
+    sys.exit(run_main(main))
