@@ -49,9 +49,8 @@ from finetune.qlib_forecast import kronos_forecaster, signal_horizon
 from finetune.qlib_io import benchmark_label, check_qlib_folder, init_qlib, read_calendar
 from finetune.qlib_test import backtest_period, forecast_all, score_signal, write_results
 from finetune.utils.checkpoint import load_pretrained
-from finetune.utils.errors import ConfigError
 from finetune.utils.config_utils import Problems, config_to_dict, dump_config, parse_config_args
-from finetune.utils.errors import UserError, require_extra, setup_logging
+from finetune.utils.errors import ConfigError, UserError, require_extra, setup_logging
 from model import Kronos, KronosTokenizer
 
 log = logging.getLogger("finetune.qlib")

@@ -62,6 +62,7 @@ STAGE_FILES = {"best_model/config.json", "best_model/model.safetensors", "best_m
                "checkpoints/last.pt", "metrics.jsonl", "loss_curve.png", "run_info.json", "train.log"}
 EXPECTED_FILES = ({f"tokenizer/{f}" for f in STAGE_FILES} | {f"basemodel/{f}" for f in STAGE_FILES}
                   | {"basemodel/best_model/tokenizer_config.json", "basemodel/best_model/kronos_predictor.json"}
+                  | {f"basemodel/best_model/tokenizer/{f}" for f in ("config.json", "model.safetensors")}
                   | {f"data_store/{f}" for f in ("features_t.npy", "stamps.npy", "datetimes.npy", "offsets.npy",
                                                  "names.json", "manifest.json")})
 
@@ -317,7 +318,27 @@ def test_best_predictor_folder_loads_as_a_whole_forecaster(trained):
 
     config, base = trained
     info = json.loads((base / "basemodel/best_model/kronos_predictor.json").read_text())
-    assert info["tokenizer"] == "../../tokenizer/best_model"  # relative: the run folder can be moved as a whole
+    assert info["tokenizer"] == "tokenizer"  # a copy inside: best_model/ is self-contained
     forecaster = KronosPredictor.from_pretrained(base / "basemodel/best_model", device="cpu")
     cfg = yaml.safe_load(config.read_text())
     assert forecaster.max_context == cfg["data"]["lookback"] + cfg["data"]["predict"] == info["max_context"]
+
+
+def test_a_moved_best_model_forecasts_identically(trained, tmp_path):
+    """Issue 16.7: best_model/ carries its tokenizer; copied elsewhere (the run folder gone) it forecasts the same."""
+    import shutil
+
+    import pandas as pd
+
+    from model import KronosPredictor
+
+    _, base = trained
+    moved = shutil.copytree(base / "basemodel/best_model", tmp_path / "elsewhere" / "my_model")
+    series = pd.read_csv(next((base.parent.parent / "data").glob("*.csv")))
+    frame = series[["open", "high", "low", "close", "volume"]].iloc[:64]
+    stamps = pd.to_datetime(series["timestamps"])
+    future = pd.Series(pd.date_range(stamps.iloc[63], periods=5, freq="5min")[1:])
+    out = [KronosPredictor.from_pretrained(folder, device="cpu").predict(
+        frame, stamps.iloc[:64], future, pred_len=4, top_k=1, sample_count=1, verbose=False)
+        for folder in (base / "basemodel/best_model", moved)]
+    pd.testing.assert_frame_equal(out[0], out[1])

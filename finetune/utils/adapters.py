@@ -34,10 +34,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from finetune.utils.checkpoint import save_pretrained_atomic
+from finetune.utils.checkpoint import save_pretrained_atomic, write_extras
 from finetune.utils.config_utils import Problems, TrainingConfig, validate_training_config
 from finetune.utils.errors import ConfigError, MissingExtraError
-from model.fileio import atomic_dir, write_json
+from model.fileio import atomic_dir
 
 # Layer groups of the Kronos predictor (model/layers.py, model/kronos.py): names of nn.Linear modules.
 LORA_GROUPS = {
@@ -148,11 +148,11 @@ class Adapter:
                     state[weight] = state[weight] + module.get_delta_weight(ADAPTER_NAME).to(state[weight].dtype)
         return state
 
-    def save_best(self, folder: Path, extra_json: dict[str, Any]) -> None:
-        """best_model/ in the published format (lora: merged) plus `extra_json` files, and for lora the adapter
-        alone in peft's format under `adapter/`; swapped in whole (atomic_dir)."""
+    def save_best(self, folder: Path, extra_json: dict[str, Any], extra_models: dict[str, Any] | None = None) -> None:
+        """best_model/ in the published format (lora: merged) plus `extra_json` files and `extra_models` subfolders,
+        and for lora the adapter alone in peft's format under `adapter/`; swapped in whole (atomic_dir)."""
         if self.mode != "lora":
-            save_pretrained_atomic(self.model, folder, extra_json=extra_json)
+            save_pretrained_atomic(self.model, folder, extra_json=extra_json, extra_models=extra_models)
             return
         # A shell of the model on the meta device (no memory, no random draws) takes the merged tensors as they are.
         with torch.device("meta"):
@@ -160,8 +160,7 @@ class Adapter:
         merged.load_state_dict(self.merged_state(), assign=True)
         with atomic_dir(folder) as tmp:
             merged.save_pretrained(str(tmp))
-            for name, data in extra_json.items():
-                write_json(tmp / name, data)
+            write_extras(tmp, extra_json, extra_models)
             self.peft_model.save_pretrained(str(tmp / ADAPTER_DIR))
 
     def unload(self) -> None:

@@ -102,18 +102,28 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
-def save_pretrained_atomic(model: Any, folder: str | Path, extra_json: dict[str, Any] | None = None) -> Path:
-    """`model.save_pretrained(folder)` (config.json + model.safetensors) plus `extra_json` files, swapped in whole.
+def save_pretrained_atomic(model: Any, folder: str | Path, extra_json: dict[str, Any] | None = None,
+                           extra_models: dict[str, Any] | None = None) -> Path:
+    """`model.save_pretrained(folder)` (config.json + model.safetensors) plus `extra_json` files and `extra_models`
+    subfolders, swapped in whole.
 
     The folder is written under a temporary name and renamed into place (model.fileio.atomic_dir), so a reader
     never sees a mix of an old config and new weights. `extra_json` maps file names to JSON-able data, e.g.
-    {"tokenizer_config.json": {...}}.
+    {"tokenizer_config.json": {...}}; `extra_models` maps subfolder names to models saved there, e.g. the
+    predictor's tokenizer under "tokenizer" (a self-contained best_model/).
     """
     with atomic_dir(folder) as tmp:
         model.save_pretrained(str(tmp))
-        for name, data in (extra_json or {}).items():
-            write_json(tmp / name, data)
+        write_extras(tmp, extra_json, extra_models)
     return Path(folder)
+
+
+def write_extras(tmp: Path, extra_json: dict[str, Any] | None, extra_models: dict[str, Any] | None) -> None:
+    """The JSON files and model subfolders that go beside a saved model (inside its temporary folder)."""
+    for name, data in (extra_json or {}).items():
+        write_json(tmp / name, data)
+    for name, extra in (extra_models or {}).items():
+        extra.save_pretrained(str(tmp / name))
 
 
 def load_pretrained(cls: Any, source: str | Path, key: str) -> Any:

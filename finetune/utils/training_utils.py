@@ -90,7 +90,7 @@ from finetune.utils.safety import (
     remove_outputs,
 )
 from finetune.utils.windows import EpochSampler, batches_per_epoch, make_loader, seed_worker
-from model.predictor import PREDICTOR_INFO_NAME, TOKENIZER_CONFIG_NAME, predictor_info
+from model.predictor import PREDICTOR_INFO_NAME, TOKENIZER_CONFIG_NAME, TOKENIZER_SUBDIR, predictor_info
 
 
 @dataclass
@@ -406,9 +406,14 @@ class PredictorStage(Stage):
     def save_best(self, folder):
         # The tokenizer's config travels with the predictor so the pair cannot drift apart.
         extra = {TOKENIZER_CONFIG_NAME: dict(getattr(self.tokenizer, "config", {}) or {})}
+        models = {}
         if self.forecast_info is not None:  # so that KronosPredictor.from_pretrained(best_model/) needs nothing else
-            extra[PREDICTOR_INFO_NAME] = predictor_info(folder, **self.forecast_info)
-        self.adapter.save_best(folder, extra)  # lora: merged, plus the adapter alone under adapter/
+            # Self-contained: the frozen tokenizer is copied inside (tokenizer/), so the folder still loads after a
+            # move, a copy to another machine, or a later change of the tokenizer stage.
+            info = {k: v for k, v in self.forecast_info.items() if k != "tokenizer"}
+            extra[PREDICTOR_INFO_NAME] = {**predictor_info(folder, **info), "tokenizer": TOKENIZER_SUBDIR}
+            models[TOKENIZER_SUBDIR] = self.tokenizer
+        self.adapter.save_best(folder, extra, models)  # lora: merged, plus the adapter alone under adapter/
 
     def frozen_fingerprint(self):
         base = self.adapter.base_fingerprint  # lora / freeze: the predictor's frozen weights count too
