@@ -12,7 +12,9 @@ the test block. Training also stops `purge` rows before the EARLIEST test start 
 so a series that runs longer cannot leak later dates. Then every non-overlapping test window of every series is
 scored (finetune.evaluation.forecast_scores.window_scores, the same as `kronos forecast`; returns relative to the
 last context close, normalisation from the lookback only) with each candidate: zero_shot (the starting model),
-finetuned, persistence, empirical and, where it exists, the zero-shot + finetuned ensemble.
+finetuned, persistence, empirical, the zero-shot + finetuned ensemble and `calibrated` (finetuned with the conformal
+bands fitted on the fold's validation windows, as `kronos forecast` applies them; the verdict compares the raw
+models, so calibration is judged on its own).
 
 The decision: finetuned minus zero_shot CRPS (and MAE) per window, over every fold not before
 `model.pretraining_cutoff`: mean, a bootstrap interval over (fold, series) blocks (windows of one series in one
@@ -54,6 +56,7 @@ from finetune_csv.data import prepare_data, stamp_text
 from finetune_csv.forecast import CLOSE, held_out_windows, make_predictor, sample_paths
 from finetune_csv.train_sequential import run_finetune
 from model.fileio import atomic_write, read_json_object, write_json
+from model.predictor import apply_calibration, read_predictor_info
 
 log = logging.getLogger("finetune_csv.walk_forward")
 SCORES = ("crps", "mae", "cov50", "cov80", "direction")  # windows.csv score columns (returns vs the last close)
@@ -154,11 +157,14 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) 
         cols = last_col[:, None] - n + 1 + np.arange(n)  # (W, n) trailing closes, the last context bar included
         paths["empirical"] = empirical_samples(np.asarray(fold.test.panel.features[CLOSE, cols], np.float64),
                                                d.predict, n)
+    calibration = read_predictor_info(best_dir(fold_cfg.predictor_dir)).get("calibration")
+    if calibration is not None:  # as `kronos forecast` ships it: bands fitted on the fold's validation windows
+        paths["calibrated"] = apply_calibration(calibration, paths["finetuned"], last)
     ensemble = _ensemble_paths() if "ensemble" in cfg.walk_forward.candidates else None
     if ensemble is not None:
         paths["ensemble"] = ensemble(paths["finetuned"], paths["zero_shot"], getattr(f, "ensemble_weight", 0.5))
     rows = []
-    for name in [c for c in cfg.walk_forward.candidates if c in paths]:
+    for name in [c for c in [*cfg.walk_forward.candidates, "calibrated"] if c in paths]:
         sc = window_scores(paths[name] / last[:, None, None] - 1.0, obs, ScoreSettings())
         rows.append(pd.DataFrame({
             "fold": fold.index, "series": windows.names, "window_start": [ts[0] for ts in windows.y_timestamps],
