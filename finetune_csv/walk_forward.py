@@ -51,7 +51,7 @@ from finetune.utils.safety import RunLock
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir, predictor_tokenizer_source
 from finetune_csv.data import prepare_data, stamp_text
-from finetune_csv.forecast import CLOSE, held_out_windows, make_predictor, sample_paths
+from finetune_csv.forecast import CLOSE, ensemble_paths, held_out_windows, make_predictor, sample_paths, save_figure
 from finetune_csv.train_sequential import run_finetune
 from model.fileio import atomic_write, read_json_object, write_json
 
@@ -118,28 +118,12 @@ def fold_dates(fold: Fold) -> dict:
             "test_end": _date(p, fold.test.stop - 1, np.max)}
 
 
-def _window_columns(seg: PanelSegments, lookback: int, predict: int) -> tuple[np.ndarray, np.ndarray]:
-    """(last context column, first column of its series) of every non-overlapping window, as held_out_windows."""
-    last, series_first = [], []
-    offsets = np.asarray(seg.panel.offsets, dtype=np.int64)
-    for s, (lo, hi) in enumerate(zip(seg.start.tolist(), seg.stop.tolist())):
-        starts = lo + np.arange(0, hi - lo - lookback - predict + 1, predict, dtype=np.int64)
-        last.append(starts + lookback - 1)
-        series_first.append(np.full(len(starts), offsets[s]))
-    return np.concatenate(last), np.concatenate(series_first)
-
-
-def _ensemble_paths():
-    """finetune_csv.forecast.ensemble_paths where it exists (another issue adds it), else None."""
-    import finetune_csv.forecast as forecast
-
-    return getattr(forecast, "ensemble_paths", None)
-
-
 def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) -> pd.DataFrame:
     """Every non-overlapping test window of the fold scored with each candidate: one row per (window, candidate)."""
-    d, f, m = cfg.data, cfg.forecast, cfg.model
-    windows = held_out_windows(fold.test, d.lookback, d.predict)
+    d, f, m, candidates = cfg.data, cfg.forecast, cfg.model, cfg.walk_forward.candidates
+    # The empirical baseline's trailing closes (the last context bar included): n returns need n + 1 closes.
+    history = f.empirical_window + 1 if "empirical" in candidates else 0
+    windows = held_out_windows(fold.test, d.lookback, d.predict, history=history)
     x_stamps, y_stamps = windows.stamps()
     last = windows.context[:, -1, CLOSE]  # (W,)
     obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, H)
@@ -148,17 +132,12 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) 
     paths = {"zero_shot": sample(m.pretrained_predictor, m.pretrained_tokenizer, cfg),
              "finetuned": sample(best_dir(fold_cfg.predictor_dir), predictor_tokenizer_source(fold_cfg), fold_cfg),
              "persistence": persistence_samples(last, d.predict)}
-    if "empirical" in cfg.walk_forward.candidates:
-        last_col, series_first = _window_columns(fold.test, d.lookback, d.predict)
-        n = min(getattr(f, "empirical_window", 250) + 1, int((last_col - series_first).min()) + 1)
-        cols = last_col[:, None] - n + 1 + np.arange(n)  # (W, n) trailing closes, the last context bar included
-        paths["empirical"] = empirical_samples(np.asarray(fold.test.panel.features[CLOSE, cols], np.float64),
-                                               d.predict, n)
-    ensemble = _ensemble_paths() if "ensemble" in cfg.walk_forward.candidates else None
-    if ensemble is not None:
-        paths["ensemble"] = ensemble(paths["finetuned"], paths["zero_shot"], getattr(f, "ensemble_weight", 0.5))
+    if "empirical" in candidates:
+        paths["empirical"] = empirical_samples(windows.history, d.predict, windows.history.shape[1])
+    if "ensemble" in candidates:
+        paths["ensemble"] = ensemble_paths(paths["finetuned"], paths["zero_shot"], f.ensemble_weight)
     rows = []
-    for name in [c for c in cfg.walk_forward.candidates if c in paths]:
+    for name in [c for c in candidates if c in paths]:
         sc = window_scores(paths[name] / last[:, None, None] - 1.0, obs, ScoreSettings())
         rows.append(pd.DataFrame({
             "fold": fold.index, "series": windows.names, "window_start": [ts[0] for ts in windows.y_timestamps],
@@ -384,13 +363,7 @@ def plot_walk_forward(report: dict, frame: pd.DataFrame, png: Path) -> Path:
     bottom.legend(fontsize=7)
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    tmp = png.with_name(png.stem + ".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    tmp.replace(png)
-    return png
+    return save_figure(fig, png)
 
 
 def format_table(report: dict) -> str:
