@@ -3,27 +3,13 @@
     kronos walk-forward --config configs/csv_demo_walk_forward.yaml [--set walk_forward.folds=3] [--overwrite]
     python finetune_csv/walk_forward.py --config ...                 # the same main(argv)
 
-Folds (settings in `walk_forward:`, finetune_csv/config.py WalkForwardConfig). Per series, counted from its end, K
-test blocks of `test_bars` rows, `embargo` rows apart; fold 0 is the oldest. Fold k finetunes the configured
-starting models (the CSV pipeline's run_finetune, the engine's train_tokenizer / train_predictor) on what precedes
-its block: the last `data.val_ratio` of it validates (picks the checkpoint as the engine does), and `purge` rows
-(>= data.predict) separate the last training target from the validation block and the last validation target from
-the test block. Training also stops `purge` rows before the EARLIEST test start date of the fold over all series,
-so a series that runs longer cannot leak later dates. Then every non-overlapping test window of every series is
-scored (finetune.evaluation.forecast_scores.window_scores, the same as `kronos forecast`; returns relative to the
-last context close, normalisation from the lookback only) with each candidate: zero_shot (the starting model),
-finetuned, persistence, empirical and, where it exists, the zero-shot + finetuned ensemble.
-
-The decision: finetuned minus zero_shot CRPS (and MAE) per window, over every fold not before
-`model.pretraining_cutoff`: mean, a bootstrap interval over (fold, series) blocks (windows of one series in one
-period are dependent, blocks are not resampled apart), a Diebold-Mariano test with Newey-West variance on the
-date-ordered differences (averaged over series per date), the share of folds finetuning won and the per-fold means.
-Verdict: `helps` (interval below 0), `hurts` (above 0), `no_evidence` (contains 0), plus how many windows a test
-at 80% power (5% two-sided) would need for the observed difference.
-
-Outputs under <paths.base_dir>/walk_forward/: fold_<k>/ (the fold's tokenizer/ and basemodel/ stage folders, its
-windows.csv and fold.json, written last and atomically: a re-run skips finished folds with the same settings and
-data), report.json, windows.csv (every fold, series, window and candidate) and walk_forward.png.
+Per series, counted from its end, K test blocks of `test_bars` rows, `embargo` rows apart (fold 0 is the oldest).
+Fold k finetunes the starting models (`run_finetune`) on what precedes its block, the last `data.val_ratio` of it
+validating; `purge` rows separate training, validation and test targets, and training stops `purge` rows before
+the fold's EARLIEST test date over all series, so a longer series cannot leak later dates. Every non-overlapping
+test window is scored with `window_scores` (as `kronos forecast` does) for each candidate; the verdict reads the
+paired finetuned - zero_shot CRPS per window. The method and the outputs: README "Does finetuning pay?".
+A fold's fold.json is written last and atomically: a re-run skips finished folds with the same settings and data.
 """
 
 from __future__ import annotations
