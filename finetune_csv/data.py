@@ -1015,14 +1015,9 @@ class SourceReader:
                 f"{int(lines[0])}); write all of them with an offset or none")
 
     def _timestamps_with_offsets(self, text: np.ndarray, lines: np.ndarray) -> np.ndarray:
-        """Offset-carrying text stamps -> naive wall-clock ns (candle_checks.parse_timestamps: DST changes, zone)."""
-        fmt = self.timestamp_format
-        if fmt is None and len(text):
-            if self._guessed_format is None:
-                self._guessed_format = pd.tseries.api.guess_datetime_format(str(text[0])) or ""
-            fmt = self._guessed_format or None
+        """Offset-carrying text stamps -> naive wall-clock ns (`parse_timestamps`: DST changes, zone)."""
         try:
-            idx = parse_timestamps(text, source=self.label, fmt=fmt, timezone=self.timezone,
+            idx = parse_timestamps(text, source=self.label, fmt=self._format(text), timezone=self.timezone,
                                    first_row=int(lines[0]))
         except CandleDataError as e:
             if str(e) not in self._messages:
@@ -1039,16 +1034,18 @@ class SourceReader:
             ns = pc.fill_null(arr.cast(pa.int64()), 0).to_numpy()
         return ns
 
+    def _format(self, text: np.ndarray) -> str | None:
+        """data.timestamp_format, else the format pandas infers from the file's first value (kept for the file)."""
+        if self.timestamp_format is not None:
+            return self.timestamp_format
+        if self._guessed_format is None and len(text):
+            self._guessed_format = pd.tseries.api.guess_datetime_format(str(text[0])) or ""
+        return self._guessed_format or None
+
     def _timestamps_pandas(self, text: np.ndarray, lines: np.ndarray, name: str) -> np.ndarray:
-        fmt = self.timestamp_format
-        if fmt is None:
-            # pandas infers a format from the first value of the file (as the CSV pipeline's one call does).
-            if self._guessed_format is None and len(text):
-                self._guessed_format = pd.tseries.api.guess_datetime_format(str(text[0])) or ""
-            fmt = self._guessed_format or None
         s = pd.Series(text, dtype=object)
         try:
-            ts = pd.to_datetime(s, format=fmt, errors="coerce")
+            ts = pd.to_datetime(s, format=self._format(text), errors="coerce")
         except (ValueError, TypeError) as e:  # e.g. mixed time zones
             self._issue("ts_mixed", name, lines[:1], [str(e)[:120]])
             return np.zeros(len(text), dtype=np.int64)
