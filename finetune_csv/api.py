@@ -5,19 +5,10 @@
     result.predictor_dir          # best_model/ folder of the finetuned predictor (KronosPredictor-ready)
     result.metrics["predictor"]   # {"best_val_loss": ..., "best_epoch": ..., "epochs": ..., "steps": ...}
 
-`data` is a DataFrame (one series), a dict {name: DataFrame} (one series each), or a path (a CSV/Parquet file or
-a folder, as `data.path`). A frame is what `predict_df` accepts: columns in any case with the common aliases
-(Date, Datetime, vol, ...; model.features.resolve_columns) or a DatetimeIndex. The frames go, as they are, through
-exactly what `finetune_csv/train_sequential.py` does: `run_finetune` (the data store with every check, the tokenizer
-stage, the predictor stage); a data error names the frame and column (`frame 'AAPL': column 'close' ...`). Nothing
-here calls `sys.exit` or parses a command line; a user mistake raises a UserError / ValueError whose message
-names the setting to change. Progress is logged like the CLI's (the same logging is set up when the caller has
-none).
-
-Settings: `config` is a YAML file (or None for the defaults), `overrides` a dict of dotted keys
-({"training.epochs": 2, "data.timezone": "America/New_York"}), and `**settings` short names of any single field
-(`epochs=2`, `lookback=64`, `batch_size=16`), which must name exactly one field of the config's sections (a
-`training:` field wins over the per-stage sections, which inherit it).
+The frames go, as they are, through exactly what `finetune_csv/train_sequential.py` does (`run_finetune`: the data
+store with every check, the tokenizer stage, the predictor stage); a data error names the frame and column
+(`frame 'AAPL': column 'close' ...`). Nothing here calls `sys.exit` or parses a command line; a user mistake raises
+a UserError / ValueError whose message names the setting to change.
 """
 
 from __future__ import annotations
@@ -33,7 +24,7 @@ import pandas as pd
 
 import finetune_csv.config as csv_config
 from finetune.utils.errors import ConfigError, setup_logging
-from finetune_csv.config import CsvFinetuneConfig
+from finetune_csv.config import CsvFinetuneConfig, best_dir
 from finetune_csv.train_sequential import run_finetune
 
 log = logging.getLogger("finetune_csv")
@@ -69,19 +60,12 @@ def finetune(data: pd.DataFrame | Mapping[str, pd.DataFrame] | str | Path, *, co
              **settings: Any) -> FinetuneResult:
     """Finetune the tokenizer and the predictor on `data`; the same checks and engine as the CLI.
 
-    Parameters
-    ----------
-    data: a DataFrame of one series (columns timestamps, open, high, low, close[, volume, amount] as mapped by
-        data.columns; or a DatetimeIndex), a dict {series name: DataFrame}, or a path for `data.path`.
-    config: YAML file to start from (None = the defaults of CsvFinetuneConfig: the published Kronos-small pair).
-    overrides: {dotted key: value}, applied after the YAML.
-    output_dir: the run's output folder (paths.base_dir); None = the config's.
-    settings: short field names (e.g. epochs=2, lookback=64), each naming exactly one field of data / model /
-        training / tokenizer_training / predictor_training / paths.
-
-    Returns
-    -------
-    FinetuneResult with the best_model folders and the stages' metrics.
+    data: a DataFrame of one series (what `predict_df` accepts: columns in any case with the common aliases, or a
+        DatetimeIndex), a dict {series name: DataFrame}, or a path for `data.path` (a CSV/Parquet file or folder).
+    config: YAML file to start from (None = the defaults: the published Kronos-small pair).
+    overrides: {dotted key: value}, applied after the YAML, e.g. {"data.timezone": "America/New_York"}.
+    settings: short field names (e.g. epochs=2, lookback=64), each naming exactly one field of the config's sections
+        (a `training:` field wins over the per-stage sections, which inherit it).
     """
     if not logging.getLogger().handlers:  # a notebook or script without logging: show progress like the CLI
         setup_logging()
@@ -127,8 +111,6 @@ def _resolve_short_name(name: str) -> str:
 
 
 def _result(cfg: CsvFinetuneConfig, results: list, plan: dict[str, str | None], data_info: dict) -> FinetuneResult:
-    from finetune_csv.config import best_dir
-
     metrics = {
         r.stage: {"best_val_loss": r.best_val_loss, "best_epoch": r.best_epoch,
                   "epochs": sum(1 for h in r.history if h["epoch"] > 0), "steps": r.global_step, "history": r.history}

@@ -13,16 +13,11 @@ Every error is a StoreError / CandleDataError (DataError) naming the source (fil
 line and the setting to change; all problems of all sources are collected into one message; a failed preparation
 leaves nothing behind.
 
-The timestamp rule: the model's time features (minute, hour, weekday, day, month) describe the exchange's LOCAL
-wall-clock time. Stamps that carry a UTC offset are converted to `data.timezone` when it is set (so a DST change
-still gives 09:30 every morning); without it each value keeps the wall-clock time it states. Stamps without an
-offset are local time already. Within a file and across files all stamps carry an offset or none does.
-The frequency rule: a file's bar length is the median spacing of its sorted stamps; files of other lengths are
-warned about, or an error when `data.frequency` is set.
-The range rule: a value beyond float32's finite range (|x| > 3.4028235e38) is an error naming file, column, line.
-The candle rules: a price <= 0 is an error; a high below max(open, close) or a low above min(open, close) is an
-error (or a warning with data.bad_candles: warn); a volume column zero throughout is an error unless
-data.allow_zero_volume; a column name twice in a header is an error.
+Timestamps: the model's time features describe the exchange's LOCAL wall-clock time. Stamps with a UTC offset are
+converted to `data.timezone` when set (so a DST change still gives 09:30 every morning), else keep the wall-clock
+time they state; stamps without one are local already. All stamps of the data carry an offset or none does.
+Bar length: the median spacing of a file's sorted stamps; odd files are a warning (an error with data.frequency).
+Values beyond float32's finite range are an error. Candle rules: see `candle_problems`.
 """
 
 from __future__ import annotations
@@ -85,7 +80,7 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)  # 3.4028235e+38
 # A UTC offset (or Z) right after a clock time: "09:30-05:00", "09:30:00.5+0530", "09:30Z". The clock time must
 # precede it so a plain date's "-02" (2024-01-02) is not read as an offset.
 _OFFSET_RE = r"\d{1,2}:\d{2}(?::\d{2}(?:\.\d+)?)?\s*(?P<off>Z|UTC|[+-]\d{2}(?::?\d{2})?)$"
-_SHOW = 5  # how many lines / files an error lists
+_SHOW = 5  # how many lines / rows / files an error lists
 
 log = logging.getLogger(__name__)
 
@@ -307,28 +302,18 @@ class PreparedData:
 
 def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None, *, with_splits: bool = True,
                  frames: Mapping[str, pd.DataFrame] | None = None) -> PreparedData:
-    """The CSV pipeline's data path, top to bottom: sources -> the prepared store (rank 0 prepares or reuses it) ->
-    the memory-mapped panel -> train / val (/ test) index ranges, cut by date or per series (`split_data`).
+    """The CSV pipeline's data path, top to bottom: sources -> the prepared store (rank 0 prepares or reuses it,
+    `ensure_store`) -> the memory-mapped panel -> train / val (/ test) index ranges (`split_data`).
 
-    Parameters
-    ----------
-    cfg: the `data:` section.
-    store_dir: the store folder (`data.store_dir`, default `<paths.base_dir>/data_store`).
-    dist: a DistInfo-like object (`is_main`); None = one process.
-    barrier: called by every process once the main one has prepared the store (None = no waiting).
-    with_splits: cut (and check the length of) the splits; False = the whole series only (the future forecast,
-        which needs `lookback` rows per series, not a usable split), `splits` is then {}.
-    frames: {name: DataFrame} from Python, read instead of `cfg.path` (finetune_csv/api.py).
-
-    Returns PreparedData. Raises StoreError / ConfigError naming source, column, line and setting; a failed
-    preparation leaves no store and no folder it created.
+    with_splits False: the whole series only, `splits` {} (the future forecast needs `lookback` rows per series,
+    not a usable split). frames: {name: DataFrame} from Python, read instead of `cfg.path`. A failed preparation
+    leaves no store and no folder it created.
     """
     store_dir = Path(store_dir)
     is_main = dist is None or dist.is_main
     created = [p for p in [store_dir, *store_dir.parents] if not p.exists()]
 
     def undo() -> None:
-        """Remove what this call created (a fresh store, then the folders it made), so a failed run leaves nothing."""
         if is_main and created:
             shutil.rmtree(store_dir, ignore_errors=True)
             for p in created[1:]:  # innermost first; only folders this call made and that are empty now
@@ -521,8 +506,6 @@ def ensure_store(sources: Sources, store_dir: str | Path,
     cheaply (settings, file sizes and mtimes) that the store on disk is the one for its inputs, so a failure on
     the main rank becomes a clear error there instead of training on a stale store. For a store on node-local
     disk pass an object whose `is_main` is `local_rank == 0`.
-
-    Returns StoreInfo (`.open()` gives the SeriesPanel). Raises StoreError / ConfigError on bad data or settings.
     """
     settings = settings or StoreSettings()
     is_main = True if dist is None else bool(dist.is_main)
@@ -563,19 +546,8 @@ def ensure_store(sources: Sources, store_dir: str | Path,
 
 def prepare_store(sources: Sources, out_dir: str | Path,
                   settings: StoreSettings | None = None, *, block_rows: int = 1 << 20) -> StoreInfo:
-    """Parse, check and clean every input file into a store at `out_dir` (replacing an older store there).
-
-    Parameters
-    ----------
-    sources: file(s) or folder(s), see `list_sources`.
-    out_dir: the store folder; an existing folder that is not a store (and not empty) is refused.
-    settings: column mapping and cleaning policies.
-    block_rows: rows parsed at a time (memory per block is about 100 bytes a row).
-
-    Returns
-    -------
-    StoreInfo of the new store. Raises StoreError (one message listing every problem) or ConfigError.
-    """
+    """Parse, check and clean every input file into a store at `out_dir`, replacing an older store there (a
+    non-empty folder that is not a store is refused). `block_rows`: rows parsed at a time (~100 bytes a row)."""
     settings = settings or StoreSettings()
     settings.validate()
     files = list_sources(sources)
@@ -600,12 +572,10 @@ def prepare_store(sources: Sources, out_dir: str | Path,
 
 def candle_problems(values: np.ndarray, lines: np.ndarray, columns: Mapping[str, str | None], where: str,
                     unit: str, settings: StoreSettings) -> tuple[list[str], list[str]]:
-    """The candle rules of one series (NaN cells are left to data.nan_policy): (problems, warnings).
-
-    values: (n, 6) float64 open..amount as parsed; lines: (n,) where each row is in its source; columns: our
-    field -> the source's column name (None = absent). Rules: a price <= 0 is an error; a high below
-    max(open, close) or a low above min(open, close) is an error or, with data.bad_candles: warn, a warning; a
-    volume column that is zero throughout is an error unless data.allow_zero_volume.
+    """The candle rules of one series, `values (n, 6)` open..amount, `lines (n,)`: (problems, warnings). A price <= 0
+    is an error; a high below max(open, close) or a low above min(open, close) is an error (a warning with
+    data.bad_candles: warn); a volume column zero throughout is an error unless data.allow_zero_volume. NaN cells
+    are left to data.nan_policy.
     """
     problems, notes = [], []
     for i, f in enumerate(FEATURES[:4]):
@@ -688,8 +658,8 @@ def _build(sources: list[Path | Frame], writer: StoreWriter, settings: StoreSett
 
 def _cross_file_checks(aware: dict[str, bool], freqs: dict[str, pd.Timedelta], settings: StoreSettings,
                        warnings_out: list[str]) -> list[str]:
-    """Checks across files (candle_checks): tz-aware and naive files mixed (error); bar lengths that differ
-    (warning naming them, error when data.frequency is set). Returns the problems; appends warnings."""
+    """Checks across files: offsets on some files only, bar lengths that differ. Returns the problems; appends the
+    warnings to `warnings_out`."""
     problems = []
     try:
         check_tz_consistency(aware)
@@ -781,7 +751,7 @@ class _Issue:
 
     def add(self, rows: np.ndarray, examples: list[str] | None = None) -> None:
         self.count += len(rows)
-        room = _MAX_LISTED - len(self.rows)
+        room = _SHOW - len(self.rows)
         if room > 0:
             self.rows.extend(int(r) for r in rows[:room])
         if examples and len(self.examples) < 3:
@@ -793,16 +763,8 @@ class _Issue:
 
 
 class SourceReader:
-    """One input file: the column mapping resolved against its header, then its rows in parsed blocks.
-
-    Args:
-        path: a .csv or .parquet/.pq file.
-        columns: our field name (timestamps, open, ..., amount) -> the file's column name (None = absent).
-        symbol_column: column whose values split the file into series, or None.
-        timestamp_format: strftime format of text timestamps, or None to infer.
-        block_rows: rows per block (memory per block is about 100 bytes a row).
-    Raises SourceProblems when the file cannot be read or a mapped column is missing.
-    """
+    """One input file (or Frame): the column mapping (see `StoreSettings.columns`) resolved against its header, then
+    its rows in parsed blocks of `block_rows`. SourceProblems when it cannot be read or a column is missing."""
 
     def __init__(self, path: str | Path | Frame, columns: Mapping[str, str | None], symbol_column: str | None = None,
                  timestamp_format: str | None = None, block_rows: int = 1 << 20, timezone: str | None = None):
@@ -1055,14 +1017,9 @@ class SourceReader:
                 f"{int(lines[0])}); write all of them with an offset or none")
 
     def _timestamps_with_offsets(self, text: np.ndarray, lines: np.ndarray) -> np.ndarray:
-        """Offset-carrying text stamps -> naive wall-clock ns (candle_checks.parse_timestamps: DST changes, zone)."""
-        fmt = self.timestamp_format
-        if fmt is None and len(text):
-            if self._guessed_format is None:
-                self._guessed_format = pd.tseries.api.guess_datetime_format(str(text[0])) or ""
-            fmt = self._guessed_format or None
+        """Offset-carrying text stamps -> naive wall-clock ns (`parse_timestamps`: DST changes, zone)."""
         try:
-            idx = parse_timestamps(text, source=self.label, fmt=fmt, timezone=self.timezone,
+            idx = parse_timestamps(text, source=self.label, fmt=self._format(text), timezone=self.timezone,
                                    first_row=int(lines[0]))
         except CandleDataError as e:
             if str(e) not in self._messages:
@@ -1079,16 +1036,18 @@ class SourceReader:
             ns = pc.fill_null(arr.cast(pa.int64()), 0).to_numpy()
         return ns
 
+    def _format(self, text: np.ndarray) -> str | None:
+        """data.timestamp_format, else the format pandas infers from the file's first value (kept for the file)."""
+        if self.timestamp_format is not None:
+            return self.timestamp_format
+        if self._guessed_format is None and len(text):
+            self._guessed_format = pd.tseries.api.guess_datetime_format(str(text[0])) or ""
+        return self._guessed_format or None
+
     def _timestamps_pandas(self, text: np.ndarray, lines: np.ndarray, name: str) -> np.ndarray:
-        fmt = self.timestamp_format
-        if fmt is None:
-            # pandas infers a format from the first value of the file (as the CSV pipeline's one call does).
-            if self._guessed_format is None and len(text):
-                self._guessed_format = pd.tseries.api.guess_datetime_format(str(text[0])) or ""
-            fmt = self._guessed_format or None
         s = pd.Series(text, dtype=object)
         try:
-            ts = pd.to_datetime(s, format=fmt, errors="coerce")
+            ts = pd.to_datetime(s, format=self._format(text), errors="coerce")
         except (ValueError, TypeError) as e:  # e.g. mixed time zones
             self._issue("ts_mixed", name, lines[:1], [str(e)[:120]])
             return np.zeros(len(text), dtype=np.int64)
@@ -1208,31 +1167,19 @@ def _resolve_columns(header: list[str], wanted: Mapping[str, str | None], symbol
 
 _NS_PER_DAY = 86_400_000_000_000
 _NS_PER_MINUTE = 60_000_000_000
-_MAX_LISTED = 5  # rows quoted per problem
 
 
-def _listed(lines: np.ndarray) -> str:
-    shown = ", ".join(str(int(v)) for v in lines[:_MAX_LISTED])
-    return shown + (f" (+{len(lines) - _MAX_LISTED} more)" if len(lines) > _MAX_LISTED else "")
+def _listed(items: Sequence) -> str:
+    """The first `_SHOW` items (lines, rows or files) comma-separated, and how many more there are."""
+    shown = ", ".join(str(v) for v in items[:_SHOW])
+    return shown + (f" (+{len(items) - _SHOW} more)" if len(items) > _SHOW else "")
 
 
 def clean_series(ts: np.ndarray, values: np.ndarray, lines: np.ndarray, present: tuple[bool, ...], nan_policy: str,
                  where: str, unit: str = "line(s)") -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """Apply the cleaning rules to one series.
-
-    Parameters
-    ----------
-    ts: (n,) int64 wall-clock ns, in file order.
-    values: (n, 6) float64 open..amount, NaN = missing; absent columns are 0.
-    lines: (n,) int64 where each row is in its file (for messages).
-    present: per feature, whether the file has the column.
-    nan_policy: error | ffill | drop.
-    where: the file (and series) for messages.
-
-    Returns
-    -------
-    (ts (m,), values (m, 6) float64, warnings); raises SourceProblems on duplicates or refused missing values.
-    """
+    """Sort, refuse duplicate stamps, apply `nan_policy` and derive a missing amount for one series: `ts (n,)` int64
+    wall-clock ns, `values (n, 6)` open..amount (NaN = missing, absent columns 0), `lines (n,)`.
+    Returns (ts (m,), values (m, 6), warnings); SourceProblems on duplicates or refused missing values."""
     notes: list[str] = []
     if len(ts) > 1 and (np.diff(ts) < 0).any():
         notes.append(f"{where}: timestamps are not sorted; sorting them (rows keep their values)")
@@ -1377,11 +1324,6 @@ def blank_lines(path: str | Path, chunk: int = 1 << 26) -> np.ndarray:
     return np.concatenate(found).astype(np.int64) if found else np.zeros(0, np.int64)
 
 
-def _lines(positions: Sequence[int], first_row: int) -> str:
-    shown = ", ".join(str(first_row + int(p)) for p in positions[:_SHOW])
-    return shown + (f" (+{len(positions) - _SHOW} more)" if len(positions) > _SHOW else "")
-
-
 def _offset_text(values: pd.Series) -> pd.Series:
     """The UTC-offset suffix of each string (NaN where there is none)."""
     return values.str.extract(_OFFSET_RE, expand=True)["off"]
@@ -1408,20 +1350,8 @@ def _offsets_as_timedelta(off: pd.Series) -> pd.Series:
 
 def parse_timestamps(values: Any, *, source: str, fmt: str | None = None, timezone: str | None = None,
                      first_row: int = 1) -> pd.DatetimeIndex:
-    """Read one file's timestamps as naive local wall-clock times (the rule in the module docstring).
-
-    Parameters
-    ----------
-    values: (N,) strings, datetimes (naive or tz-aware) or a pandas Series/Index of them.
-    source: the file (or series) name, for messages.
-    fmt: a strftime format (`data.timestamp_format`); None lets pandas infer it.
-    timezone: the exchange's IANA zone (`data.timezone`); offset-carrying stamps are converted to it.
-    first_row: the file line of values[0] (2 for a CSV with a header line), for messages.
-
-    Returns
-    -------
-    (N,) naive `DatetimeIndex`, unit ns, in the input order.
-    """
+    """One file's `values (N,)` (text or datetimes, naive or aware) as an (N,) naive ns DatetimeIndex of local
+    wall-clock times (the rule in the module docstring); `first_row` is the file line of values[0]."""
     s = pd.Series(values).reset_index(drop=True)
     if isinstance(s.dtype, pd.DatetimeTZDtype) or pd.api.types.is_datetime64_dtype(s.dtype):
         parsed = s
@@ -1429,22 +1359,22 @@ def parse_timestamps(values: Any, *, source: str, fmt: str | None = None, timezo
         text = s.astype("string").str.strip()
         missing = np.flatnonzero((text.isna() | (text == "")).to_numpy())
         if len(missing):
-            raise TimestampError(f"{source}: empty timestamp at line(s) {_lines(missing, first_row)}; every candle "
+            raise TimestampError(f"{source}: empty timestamp at line(s) {_listed(first_row + missing)}; every candle "
                                  "needs a time (fix the file)")
         off = _offset_text(text)
         aware = off.notna().to_numpy()
         if aware.any() and not aware.all():
             with_, without = np.flatnonzero(aware), np.flatnonzero(~aware)
             raise TimestampError(
-                f"{source}: some timestamps carry a UTC offset (line(s) {_lines(with_, first_row)}, e.g. "
-                f"'{text[with_[0]]}') and some do not (line(s) {_lines(without, first_row)}, e.g. "
+                f"{source}: some timestamps carry a UTC offset (line(s) {_listed(first_row + with_)}, e.g. "
+                f"'{text[with_[0]]}') and some do not (line(s) {_listed(first_row + without)}, e.g. "
                 f"'{text[without[0]]}'); write all of them with an offset or none")
         parsed = pd.to_datetime(text, format=fmt, errors="coerce", utc=bool(aware.any()))
         bad = np.flatnonzero(parsed.isna().to_numpy())
         if len(bad):
             how = f"format '{fmt}'" if fmt else "an inferred format"
             raise TimestampError(
-                f"{source}: cannot read timestamp(s) at line(s) {_lines(bad, first_row)}, e.g. '{text[bad[0]]}' "
+                f"{source}: cannot read timestamp(s) at line(s) {_listed(first_row + bad)}, e.g. '{text[bad[0]]}' "
                 f"(with {how}); set data.timestamp_format to the strftime format of the file, "
                 "e.g. '%Y-%m-%d %H:%M:%S%z'")
         if aware.any() and timezone is None:
@@ -1462,36 +1392,19 @@ def parse_timestamps(values: Any, *, source: str, fmt: str | None = None, timezo
 
 
 def check_tz_consistency(aware: Mapping[str, bool]) -> None:
-    """Raise `TimezoneMixError` when some files carry UTC offsets and others do not.
-
-    Parameters
-    ----------
-    aware: {file name: whether its stamps carry an offset} (see `has_utc_offset`).
-    """
+    """Raise `TimezoneMixError` when some files carry UTC offsets and others do not (`aware`: file -> bool)."""
     with_ = [f for f, a in aware.items() if a]
     without = [f for f, a in aware.items() if not a]
     if with_ and without:
-        def show(files: list[str]) -> str:
-            return ", ".join(files[:_SHOW]) + (f" (+{len(files) - _SHOW} more)" if len(files) > _SHOW else "")
-
         raise TimezoneMixError(
-            f"data: {len(with_)} file(s) have timestamps with a UTC offset ({show(with_)}) and {len(without)} "
-            f"without ({show(without)}); they cannot be put on one clock. Write all files with offsets (and set "
+            f"data: {len(with_)} file(s) have timestamps with a UTC offset ({_listed(with_)}) and {len(without)} "
+            f"without ({_listed(without)}); they cannot be put on one clock. Write all files with offsets (and set "
             "data.timezone to the exchange's zone) or all in the exchange's local time without offsets")
 
 
 def infer_frequency(index: Any, *, source: str = "data") -> pd.Timedelta:
-    """The bar length of one file: the median spacing of its sorted, distinct stamps (robust to session gaps).
-
-    Parameters
-    ----------
-    index: (N,) timestamps (DatetimeIndex, Series or array of datetime64).
-    source: the file name, for the error.
-
-    Returns
-    -------
-    The median positive spacing as a `pd.Timedelta`. Raises `FrequencyError` with fewer than two distinct stamps.
-    """
+    """The bar length of one file's `index (N,)`: the median spacing of its sorted, distinct stamps (robust to
+    session gaps). FrequencyError with fewer than two distinct stamps."""
     stamps = np.unique(pd.DatetimeIndex(index).as_unit("ns").asi8)  # sorted, distinct, int64 ns
     if len(stamps) < 2:
         raise FrequencyError(f"{source}: needs at least two distinct timestamps to tell the bar length, has "
@@ -1514,27 +1427,16 @@ def format_frequency(td: pd.Timedelta) -> str:
 
 def check_frequencies(freqs: Mapping[str, pd.Timedelta], expected: str | pd.Timedelta | None = None
                       ) -> pd.Timedelta | None:
-    """Compare the files' bar lengths: a warning naming the odd files, an error when `data.frequency` is set.
-
-    Parameters
-    ----------
-    freqs: {file name: its `infer_frequency`}.
-    expected: `data.frequency` ("5min", "1h", "1D" or a Timedelta), or None.
-
-    Returns
-    -------
-    The data set's bar length: `expected`, else the most common one (None for no files).
-    Warns `MixedFrequencyWarning` (expected None) or raises `FrequencyError` (expected set) for odd files.
-    """
+    """The data set's bar length from {file: `infer_frequency`}: `expected` (data.frequency), else the most common
+    one (None for no files). Odd files: FrequencyError when `expected` is set, else a MixedFrequencyWarning."""
     if expected is not None:
         want = _parse_expected(expected)
         odd = {f: td for f, td in freqs.items() if pd.Timedelta(td) != want}
         if odd:
-            listed = ", ".join(f"{f} ({format_frequency(td)})" for f, td in list(odd.items())[:_SHOW])
-            more = f" (+{len(odd) - _SHOW} more)" if len(odd) > _SHOW else ""
+            listed = _listed([f"{f} ({format_frequency(td)})" for f, td in odd.items()])
             raise FrequencyError(
                 f"data.frequency is {format_frequency(want)} but {len(odd)} file(s) have another bar length: "
-                f"{listed}{more}; remove or resample them, or change data.frequency")
+                f"{listed}; remove or resample them, or change data.frequency")
         return want
     if not freqs:
         return None
@@ -1546,8 +1448,7 @@ def check_frequencies(freqs: Mapping[str, pd.Timedelta], expected: str | pd.Time
             if td == common:
                 continue
             files = [f for f, t in freqs.items() if pd.Timedelta(t) == td]
-            groups.append(f"{format_frequency(td)}: " + ", ".join(files[:_SHOW])
-                          + (f" (+{len(files) - _SHOW} more)" if len(files) > _SHOW else ""))
+            groups.append(f"{format_frequency(td)}: {_listed(files)}")
         warnings.warn(
             f"data: files of different bar lengths are mixed; most are {format_frequency(common)} "
             f"({counts[common]} file(s)), the others: {'; '.join(groups)}. Set data.frequency to make this an "
@@ -1556,15 +1457,8 @@ def check_frequencies(freqs: Mapping[str, pd.Timedelta], expected: str | pd.Time
 
 
 def check_float32_range(array: Any, columns: Sequence[str], source: str, first_row: int = 1) -> None:
-    """Raise `Float32RangeError` at the first value (row-major) with |x| > float32's max (inf included; NaN not).
-
-    Parameters
-    ----------
-    array: (N, C) numbers (or (N,) for one column), any numeric dtype.
-    columns: the C column names.
-    source: the file name.
-    first_row: the file line of row 0 (2 for a CSV with a header line).
-    """
+    """Raise `Float32RangeError` at the first value (row-major) of `array (N, C)` or `(N,)` with |x| > float32's max
+    (inf included; NaN not); `first_row` is the file line of row 0."""
     a = np.asarray(array)
     if a.ndim == 1:
         a = a.reshape(-1, 1)  # (N, 1)

@@ -126,17 +126,8 @@ def _trading_days(history: pd.DatetimeIndex, after: pd.Timestamp, calendar: pd.D
 
 def future_timestamps(history: pd.DatetimeIndex, n: int, calendar: pd.DatetimeIndex | None = None,
                       name: str = "series") -> pd.DatetimeIndex:
-    """The `n` bar timestamps after the last one of `history` (ascending, unique).
-
-    Parameters
-    ----------
-    history : (T,) bar times of one series, T >= 2; n : bars wanted; calendar : trading dates (None = the weekdays
-    of the history); name : the series, named in errors.
-
-    Returns
-    -------
-    (n,) DatetimeIndex, every entry after history[-1].
-    """
+    """The `n` bar timestamps (ascending, unique) after the last of one series' `history` (T,), T >= 2, on the
+    trading dates of `calendar` (None = the weekdays of the history)."""
     history = pd.DatetimeIndex(history)
     if len(history) < 2:
         raise ValueError(f"series {name!r} has {len(history)} rows: too few to tell its bar spacing")
@@ -192,7 +183,7 @@ def stamp_text(stamp: pd.Timestamp, stamps: pd.DatetimeIndex, intraday_fmt: str 
 
 
 def plot_panels(panels: list[Panel], png: Path) -> Path:
-    """Draw one panel per entry into `png` (written whole: matplotlib saves to a temporary name first)."""
+    """Draw one panel per entry into `png`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -217,6 +208,13 @@ def plot_panels(panels: list[Panel], png: Path) -> Path:
         ax.set_title(p.title, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # outside the data
+    return save_figure(fig, png)
+
+
+def save_figure(fig, png: str | Path) -> Path:
+    """Lay out, write (whole: to a temporary name first) and close a pyplot figure."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     png = Path(png)
     png.parent.mkdir(parents=True, exist_ok=True)
@@ -279,21 +277,12 @@ def spread_evenly(n_available: int, n_wanted: int) -> np.ndarray:
 
 def held_out_windows(segments: PanelSegments, lookback: int, predict: int, stride: int | None = None,
                      max_windows: int | None = None, history: int = 0) -> HeldOutWindows:
-    """Every window of each series' range of a split, starts `stride` rows apart (None = predict: non-overlapping).
+    """Every window of each series' range of a split (its panel with datetimes), starts `stride` rows apart (None =
+    predict: non-overlapping), series in panel order and windows in time order; only the windows' columns are read.
 
-    Parameters
-    ----------
-    segments : a split of the prepared store (`prepare_data(...).splits["test"]` or `["val"]`); its panel must
-        carry `datetimes` (the store's always do). Nothing but the windows' columns is read from the memory map.
-    lookback, predict : window shape in rows; stride : rows between window starts;
-    max_windows : optional cap per series (evenly spread, first and last included).
-    history : also cut the closes of the `history` bars ending at each window's last context bar, from the whole
+    max_windows: optional cap per series (evenly spread, first and last included).
+    history: also cut the closes of the `history` bars ending at each window's last context bar, from the whole
         series (earlier splits included); fewer (the same for all windows) when a series starts later.
-
-    Returns
-    -------
-    HeldOutWindows, series in panel order and windows in time order: context (N, lookback, 6) and actual
-    (N, predict, 6) float64 (the store's float32 values, widened), timestamps from `panel.datetimes`.
     """
     panel = segments.panel
     if panel.datetimes is None:
@@ -324,20 +313,12 @@ def held_out_windows(segments: PanelSegments, lookback: int, predict: int, strid
 
 def sample_paths(predictor: KronosPredictor, context: np.ndarray, x_stamps: np.ndarray, y_stamps: np.ndarray,
                  predict: int, sampling, batch: int = 32) -> np.ndarray:
-    """Sampled future candles of every window, in price units.
+    """Sampled future candles (N, S, P, 6) float64 of every window, in price units, from context (N, L, 6) and
+    stamps x (N, L, 5), y (N, P, 5); `sampling` has temperature, top_k, top_p, sample_count and seed.
 
     Each context is normalised on its own (float32, row-major, as KronosPredictor.predict_batch does) and each
     sample path is scaled back with its window's mean / std, so the mean over samples equals predict_batch's
     forecast. `torch.manual_seed(sampling.seed)` is set once before the first batch.
-
-    Parameters
-    ----------
-    predictor : the model pair; context : (N, L, 6) candles; x_stamps : (N, L, 5); y_stamps : (N, P, 5);
-    predict : P; sampling : object with temperature, top_k, top_p, sample_count, seed; batch : windows per call.
-
-    Returns
-    -------
-    (N, S, P, 6) float64 sample paths.
     """
     torch.manual_seed(sampling.seed)
     out = []
@@ -359,21 +340,10 @@ DEFAULT_MAX_WINDOWS = 64  # windows scored per validation pass: enough to rank e
 
 def make_crps_val_metric(cfg, val_windows: HeldOutWindows, tokenizer: KronosTokenizer,
                          max_windows: int = DEFAULT_MAX_WINDOWS) -> Callable[[nn.Module, object], dict | None]:
-    """Build `metric(model, stage) -> {"score": mean CRPS, ...}` over a fixed subsample of validation windows.
-
-    Parameters
-    ----------
-    cfg : CsvFinetuneConfig (data.lookback / predict / clip and the forecast: sampling keys are used).
-    val_windows : the validation windows, e.g. `held_out_windows(prepare_data(...).splits["val"], lookback, predict)`
-        (what finetune_csv/train_sequential.py passes with training.select_by: crps).
-    tokenizer : the tokenizer the predictor is trained with (frozen while the predictor trains).
-    max_windows : size of the fixed subsample (evenly spread, first and last window included).
-
-    Returns
-    -------
-    A callable. For the predictor stage it returns {"score": mean CRPS of the close in returns from the last context
-    close (lower is better), "crps", "mae": MAE of the sample median, "windows", "samples"}; for the tokenizer stage
-    (no forecast to score) None.
+    """Build `metric(model, stage)` over a fixed, evenly spread subsample of `max_windows` validation windows, with
+    the (frozen) tokenizer the predictor trains with. For the predictor stage it returns {"score": mean CRPS of the
+    close in returns from the last context close, "crps", "mae" (of the sample median), "windows", "samples"};
+    for the tokenizer stage (no forecast to score) None.
     """
     if len(val_windows) == 0:
         raise ValueError("the validation split has no window to score: lower data.lookback / data.predict or raise "

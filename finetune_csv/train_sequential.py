@@ -100,14 +100,11 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
                  skip_existing: bool = False, frames: Mapping[str, pd.DataFrame] | None = None,
                  splits: dict[str, PanelSegments] | None = None
                  ) -> tuple[list[TrainResult], dict[str, str | None], dict]:
-    """The CSV finetuning run for a validated config: data store, tokenizer stage, predictor stage. `frames`
-    ({name: DataFrame}, from finetune_csv/api.py) are read instead of the files of data.path.
+    """The CSV finetuning run for a validated config: data store, tokenizer stage, predictor stage.
 
-    `splits`: explicit {"train", "val"} index ranges of the prepared store's panel (a walk-forward fold,
-    finetune_csv/walk_forward.py) instead of the data.*_ratio split.
-
-    Returns (results of the stages that trained, the stage plan {stage: None | why skipped}, the data summary
-    recorded in run_info.json). Raises ValueError subclasses for user mistakes (data, settings, models).
+    frames: {name: DataFrame} (finetune_csv/api.py), read instead of the files of data.path.
+    splits: explicit {"train", "val"} index ranges of the store's panel (a walk-forward fold) instead of the ratios.
+    Returns (results of the stages that trained, {stage: None | why skipped}, the data summary of run_info.json).
     """
     plan = plan_stages(cfg, skip_tokenizer, skip_predictor, skip_existing)
     resume = stage_resume(cfg, plan)
@@ -208,8 +205,6 @@ def summarize(results: list[TrainResult], plan: dict[str, str | None]) -> str:
 
 
 if __name__ == "__main__":
-    import sys
-
     from finetune.utils.errors import run_main  # one error line and an exit code (finetune/utils/errors.py)
 
     sys.exit(run_main(main))

@@ -3,29 +3,15 @@
     kronos walk-forward --config configs/csv_demo_walk_forward.yaml [--set walk_forward.folds=3] [--overwrite]
     python finetune_csv/walk_forward.py --config ...                 # the same main(argv)
 
-Folds (settings in `walk_forward:`, finetune_csv/config.py WalkForwardConfig). Per series, counted from its end, K
-test blocks of `test_bars` rows, `embargo` rows apart; fold 0 is the oldest. Fold k finetunes the configured
-starting models (the CSV pipeline's run_finetune, the engine's train_tokenizer / train_predictor) on what precedes
-its block: the last `data.val_ratio` of it validates (picks the checkpoint as the engine does), and `purge` rows
-(>= data.predict) separate the last training target from the validation block and the last validation target from
-the test block. Training also stops `purge` rows before the EARLIEST test start date of the fold over all series,
-so a series that runs longer cannot leak later dates. Then every non-overlapping test window of every series is
-scored (finetune.evaluation.forecast_scores.window_scores, the same as `kronos forecast`; returns relative to the
-last context close, normalisation from the lookback only) with each candidate: zero_shot (the starting model),
-finetuned, persistence, empirical, the zero-shot + finetuned ensemble and `calibrated` (finetuned with the conformal
-bands fitted on the fold's validation windows, as `kronos forecast` applies them; the verdict compares the raw
-models, so calibration is judged on its own).
-
-The decision: finetuned minus zero_shot CRPS (and MAE) per window, over every fold not before
-`model.pretraining_cutoff`: mean, a bootstrap interval over (fold, series) blocks (windows of one series in one
-period are dependent, blocks are not resampled apart), a Diebold-Mariano test with Newey-West variance on the
-date-ordered differences (averaged over series per date), the share of folds finetuning won and the per-fold means.
-Verdict: `helps` (interval below 0), `hurts` (above 0), `no_evidence` (contains 0), plus how many windows a test
-at 80% power (5% two-sided) would need for the observed difference.
-
-Outputs under <paths.base_dir>/walk_forward/: fold_<k>/ (the fold's tokenizer/ and basemodel/ stage folders, its
-windows.csv and fold.json, written last and atomically: a re-run skips finished folds with the same settings and
-data), report.json, windows.csv (every fold, series, window and candidate) and walk_forward.png.
+Per series, counted from its end, K test blocks of `test_bars` rows, `embargo` rows apart (fold 0 is the oldest).
+Fold k finetunes the starting models (`run_finetune`) on what precedes its block, the last `data.val_ratio` of it
+validating; `purge` rows separate training, validation and test targets, and training stops `purge` rows before
+the fold's EARLIEST test date over all series, so a longer series cannot leak later dates. Every non-overlapping
+test window is scored with `window_scores` (as `kronos forecast` does) for each candidate (`calibrated` =
+finetuned with the bands fitted on the fold's validation windows); the verdict reads the paired finetuned -
+zero_shot CRPS per window (raw models: calibration is judged on its own). The method and the outputs: README
+"Does finetuning pay?".
+A fold's fold.json is written last and atomically: a re-run skips finished folds with the same settings and data.
 """
 
 from __future__ import annotations
@@ -53,7 +39,7 @@ from finetune.utils.safety import RunLock
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir, predictor_tokenizer_source
 from finetune_csv.data import prepare_data, stamp_text
-from finetune_csv.forecast import CLOSE, held_out_windows, make_predictor, sample_paths
+from finetune_csv.forecast import CLOSE, ensemble_paths, held_out_windows, make_predictor, sample_paths, save_figure
 from finetune_csv.train_sequential import run_finetune
 from model.fileio import atomic_write, read_json_object, write_json
 from model.predictor import apply_calibration, read_predictor_info
@@ -121,28 +107,12 @@ def fold_dates(fold: Fold) -> dict:
             "test_end": _date(p, fold.test.stop - 1, np.max)}
 
 
-def _window_columns(seg: PanelSegments, lookback: int, predict: int) -> tuple[np.ndarray, np.ndarray]:
-    """(last context column, first column of its series) of every non-overlapping window, as held_out_windows."""
-    last, series_first = [], []
-    offsets = np.asarray(seg.panel.offsets, dtype=np.int64)
-    for s, (lo, hi) in enumerate(zip(seg.start.tolist(), seg.stop.tolist())):
-        starts = lo + np.arange(0, hi - lo - lookback - predict + 1, predict, dtype=np.int64)
-        last.append(starts + lookback - 1)
-        series_first.append(np.full(len(starts), offsets[s]))
-    return np.concatenate(last), np.concatenate(series_first)
-
-
-def _ensemble_paths():
-    """finetune_csv.forecast.ensemble_paths where it exists (another issue adds it), else None."""
-    import finetune_csv.forecast as forecast
-
-    return getattr(forecast, "ensemble_paths", None)
-
-
 def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) -> pd.DataFrame:
     """Every non-overlapping test window of the fold scored with each candidate: one row per (window, candidate)."""
-    d, f, m = cfg.data, cfg.forecast, cfg.model
-    windows = held_out_windows(fold.test, d.lookback, d.predict)
+    d, f, m, candidates = cfg.data, cfg.forecast, cfg.model, cfg.walk_forward.candidates
+    # The empirical baseline's trailing closes (the last context bar included): n returns need n + 1 closes.
+    history = f.empirical_window + 1 if "empirical" in candidates else 0
+    windows = held_out_windows(fold.test, d.lookback, d.predict, history=history)
     x_stamps, y_stamps = windows.stamps()
     last = windows.context[:, -1, CLOSE]  # (W,)
     obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, H)
@@ -151,20 +121,15 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) 
     paths = {"zero_shot": sample(m.pretrained_predictor, m.pretrained_tokenizer, cfg),
              "finetuned": sample(best_dir(fold_cfg.predictor_dir), predictor_tokenizer_source(fold_cfg), fold_cfg),
              "persistence": persistence_samples(last, d.predict)}
-    if "empirical" in cfg.walk_forward.candidates:
-        last_col, series_first = _window_columns(fold.test, d.lookback, d.predict)
-        n = min(getattr(f, "empirical_window", 250) + 1, int((last_col - series_first).min()) + 1)
-        cols = last_col[:, None] - n + 1 + np.arange(n)  # (W, n) trailing closes, the last context bar included
-        paths["empirical"] = empirical_samples(np.asarray(fold.test.panel.features[CLOSE, cols], np.float64),
-                                               d.predict, n)
+    if "empirical" in candidates:
+        paths["empirical"] = empirical_samples(windows.history, d.predict, windows.history.shape[1])
     calibration = read_predictor_info(best_dir(fold_cfg.predictor_dir)).get("calibration")
     if calibration is not None:  # as `kronos forecast` ships it: bands fitted on the fold's validation windows
         paths["calibrated"] = apply_calibration(calibration, paths["finetuned"], last)
-    ensemble = _ensemble_paths() if "ensemble" in cfg.walk_forward.candidates else None
-    if ensemble is not None:
-        paths["ensemble"] = ensemble(paths["finetuned"], paths["zero_shot"], getattr(f, "ensemble_weight", 0.5))
+    if "ensemble" in candidates:
+        paths["ensemble"] = ensemble_paths(paths["finetuned"], paths["zero_shot"], f.ensemble_weight)
     rows = []
-    for name in [c for c in [*cfg.walk_forward.candidates, "calibrated"] if c in paths]:
+    for name in [c for c in [*candidates, "calibrated"] if c in paths]:
         sc = window_scores(paths[name] / last[:, None, None] - 1.0, obs, ScoreSettings())
         rows.append(pd.DataFrame({
             "fold": fold.index, "series": windows.names, "window_start": [ts[0] for ts in windows.y_timestamps],
@@ -390,13 +355,7 @@ def plot_walk_forward(report: dict, frame: pd.DataFrame, png: Path) -> Path:
     bottom.legend(fontsize=7)
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    tmp = png.with_name(png.stem + ".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    tmp.replace(png)
-    return png
+    return save_figure(fig, png)
 
 
 def format_table(report: dict) -> str:

@@ -35,24 +35,11 @@ class ColumnError(DataError):
 
 def resolve_columns(names: Sequence[str], explicit: Mapping[str, str | None] | None = None, *,
                     where: str) -> dict[str, str | None]:
-    """Which of the user's columns `names` holds each candle field of CANDLE_COLUMNS.
+    """{canonical: the user's column or None} for every CANDLE_COLUMNS field, out of the column `names`.
 
-    Parameters
-    ----------
-    names: the column names of the frame or file.
-    explicit: canonical name -> the user's column (wins over matching), or None = "not a column" (volume/amount
-        absent; timestamps None = the caller takes them from a DatetimeIndex).
-    where: what is being read, for messages (e.g. "predict_df's df", a file path).
-
-    Returns
-    -------
-    {canonical: column name or None} for every CANDLE_COLUMNS entry. A field that is not mapped explicitly matches
-    its own name in any case first, else one of COLUMN_ALIASES (Date, Datetime, time, vol, turnover, ...).
-
-    Raises
-    ------
-    ColumnError naming `where` (with a close match from difflib) for a missing required column; for two columns
-    matching one field (`close` and `Close`, a duplicated header); for an explicit name that is not a column.
+    `explicit` mappings win (None = "not a column": volume/amount absent, timestamps from a DatetimeIndex); any
+    other field matches its own name in any case, else one of COLUMN_ALIASES. ColumnError naming `where` (with a
+    close match) for a missing required column, two columns matching one field, or an explicit non-column.
     """
     names = [str(n) for n in names]
     explicit = dict(explicit or {})
@@ -104,20 +91,11 @@ def quantile_column(feature: str, q: float) -> str:
 
 def normalize(x: np.ndarray, clip: float, *, axis: int = 0,
               stats_len: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-feature z-score along `axis`, clipped -> (x_norm, mean, std).
+    """Per-feature z-score along the time `axis` of x, e.g. (T, F) with axis=0 or (B, F, W) with axis=-1, clipped
+    to [-clip, clip] -> (x_norm, mean, std), mean/std with keepdims, std the population std.
 
-    Parameters
-    ----------
-    x: float array, e.g. (T, F) with axis=0 or a batch (B, F, W) with axis=-1.
-    clip: x_norm is clipped to [-clip, clip].
-    axis: the time axis.
-    stats_len: use only the first `stats_len` steps along `axis` for mean/std (the lookback part of a training
-        window: the future must not leak into its own normalisation); None = all steps.
-
-    Returns
-    -------
-    x_norm (same shape and dtype as x), mean and std (x's shape with `axis` of size 1: keepdims), std is the
-    population std (ddof=0). Bit-identical to the engine's `WindowDataset.get_batch` on its (B, F, W) block.
+    stats_len: only the first `stats_len` steps give mean/std (the lookback part of a training window: the future
+    must not leak into its own normalisation). Bit-identical to `WindowDataset.get_batch` on its (B, F, W) block.
     """
     x = np.asarray(x)
     axis = axis % x.ndim
@@ -170,16 +148,7 @@ def check_increasing(timestamps: pd.DatetimeIndex, name: str = "timestamps") -> 
 
 
 def calc_time_stamps(timestamps) -> pd.DataFrame:
-    """Calendar features (T, 5) in TIME_FEATURES order: minute, hour, weekday (Monday=0), day of month, month.
-
-    Parameters
-    ----------
-    timestamps: T datetimes (datetime64 Series / Index or a list of pd.Timestamp).
-
-    Returns
-    -------
-    DataFrame (T, 5) of ints, columns TIME_FEATURES.
-    """
+    """T datetimes -> a (T, 5) DataFrame of ints, columns TIME_FEATURES (weekday: Monday=0)."""
     ts = to_datetime_index(timestamps)
     return pd.DataFrame({"minute": ts.minute, "hour": ts.hour, "weekday": ts.day_of_week, "day": ts.day,
                          "month": ts.month})

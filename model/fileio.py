@@ -47,22 +47,9 @@ def _gib(n: int | None) -> str:
 
 
 def atomic_write(target: str | os.PathLike, write_fn: Callable[[str], Any]) -> Path:
-    """Call `write_fn(tmp_path)` on a temporary file beside `target`, fsync it, then rename it into place.
-
-    Parameters
-    ----------
-    target: the final file path (its folder must exist).
-    write_fn: writes the whole content to the path it is given (e.g. `lambda p: torch.save(obj, p)`).
-
-    Returns
-    -------
-    `target` as a Path. The file gets the permissions `open()` would give (0o666 minus the umask).
-
-    Raises
-    ------
-    OSError naming `target`, the free space on its filesystem and the bytes written so far when the disk is full
-    (ENOSPC / EFBIG / EDQUOT); any other error of `write_fn` unchanged. The temporary file is removed on any failure.
-    """
+    """Call `write_fn(tmp_path)` (e.g. `lambda p: torch.save(obj, p)`) on a temporary file beside `target` (whose
+    folder must exist), fsync it, then rename it into place with the permissions `open()` would give.
+    A full disk is an OSError naming `target`, the free space and the bytes written so far."""
     target = Path(target)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     os.close(fd)
@@ -93,17 +80,8 @@ def _remove(tmp: str) -> None:
 
 @contextlib.contextmanager
 def atomic_dir(target: str | os.PathLike, *, overwrite: bool = True) -> Iterator[Path]:
-    """Build a folder under a temporary name beside `target`; on success swap it into place, on failure remove it.
-
-    Parameters
-    ----------
-    target: the final folder. An existing one is replaced only after the new one is complete (overwrite=True);
-        with overwrite=False an existing target is a FileExistsError before anything is written.
-
-    Yields
-    ------
-    The temporary folder to write into.
-    """
+    """Yield a temporary folder beside `target` to build; on success swap it into place (an existing target is
+    replaced only then; overwrite=False refuses one up front), on failure remove it."""
     target = Path(target)
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target} already exists; choose another folder or remove it")

@@ -67,22 +67,9 @@ class _CachedWindow:
 def generate_tokens(model: Kronos, s1_ctx: torch.Tensor, s2_ctx: torch.Tensor, stamps: torch.Tensor, pred_len: int,
                     max_context: int, temperature: float = 1.0, top_k: int | None = 0, top_p: float | None = 1.0,
                     use_cache: bool = True, verbose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Continue token sequences by `pred_len` steps.
-
-    Parameters
-    ----------
-    model: the predictor (eval mode).
-    s1_ctx, s2_ctx: (B, N) context ids.
-    stamps: (B, N + pred_len, 5) calendar stamps of context and forecast.
-    pred_len: steps to generate; max_context: the predictor window.
-    temperature, top_k, top_p: as in `sample_from_logits`.
-    use_cache: key/value-cached steps (True) or the published full recompute (False); same tokens in greedy mode.
-    verbose: progress bar.
-
-    Returns
-    -------
-    The full sequences (s1, s2), each (B, N + pred_len) int64.
-    """
+    """Continue context ids s1_ctx, s2_ctx (B, N) by `pred_len` steps, with `stamps` (B, N + pred_len, 5) -> the full
+    sequences (s1, s2), each (B, N + pred_len) int64. use_cache False: the published full recompute (same tokens in
+    greedy mode)."""
     batch, n_ctx = s1_ctx.shape
     total = n_ctx + pred_len
     s1 = torch.cat([s1_ctx, s1_ctx.new_zeros(batch, pred_len)], dim=1)

@@ -44,19 +44,8 @@ def is_hub_id(text: str) -> bool:
 def resolve_model_dir(path_or_id: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None,
                       revision: str | None = None, token: str | bool | None = None, local_files_only: bool = False,
                       force_download: bool = False, allow_patterns: list[str] | None = None) -> Path:
-    """A local folder, or the Hub snapshot of a bare `owner/name` id.
-
-    Parameters
-    ----------
-    path_or_id: a local folder, or a Hugging Face Hub model id. A path-like string that does not exist locally is
-        an error, never a Hub lookup.
-    cache_dir, revision, token, local_files_only, force_download: passed to `huggingface_hub.snapshot_download`.
-    allow_patterns: files to fetch (default: config.json + model.safetensors).
-
-    Returns
-    -------
-    The folder. Raises FileNotFoundError with one clear line (no chained traceback) when neither works.
-    """
+    """A local folder, or the Hub snapshot (`huggingface_hub.snapshot_download` of `allow_patterns`, default
+    config.json + model.safetensors) of a bare `owner/name` id; FileNotFoundError in one line when neither works."""
     path = Path(path_or_id).expanduser()
     if path.is_dir():
         return path
@@ -85,10 +74,6 @@ def resolve_model_dir(path_or_id: str | os.PathLike, *, cache_dir: str | os.Path
     return Path(folder)
 
 
-def _config_class(cls: type) -> type | None:
-    return getattr(cls, "config_class", None)
-
-
 def read_config(model_dir: Path, cls: type, max_parameters: float = DEFAULT_MAX_PARAMETERS) -> dict[str, Any]:
     """config.json as checked constructor kwargs.
 
@@ -106,7 +91,7 @@ def read_config(model_dir: Path, cls: type, max_parameters: float = DEFAULT_MAX_
     if missing:
         raise ValueError(f"{cfg_path} lacks constructor arguments of {cls.__name__}: {', '.join(missing)}")
     kwargs = {k: v for k, v in config.items() if k in names}
-    config_class = _config_class(cls)
+    config_class = getattr(cls, "config_class", None)
     if config_class is not None:
         known = {f.name for f in fields(config_class)}
         problems = [(k, "must not be null") for k, v in kwargs.items() if v is None]
@@ -138,19 +123,8 @@ class PretrainedMixin:
                         revision: str | None = None, token: str | bool | None = None, local_files_only: bool = False,
                         force_download: bool = False, map_location: str | torch.device = "cpu",
                         max_parameters: float = DEFAULT_MAX_PARAMETERS) -> M:
-        """Build from `config.json` (checked first) and load `model.safetensors` strictly (published keys/shapes).
-
-        Parameters
-        ----------
-        path_or_id: a local folder or a Hugging Face Hub id (`owner/name`).
-        cache_dir, revision, token, local_files_only, force_download: Hub download options (huggingface_hub's).
-        map_location: device the weights are loaded onto.
-        max_parameters: a config.json describing more parameters is refused before anything is allocated.
-
-        Returns
-        -------
-        The model (in training mode, as a freshly built nn.Module).
-        """
+        """Build from `config.json` (checked first; more than `max_parameters` is refused before anything is
+        allocated) and load `model.safetensors` strictly (published keys/shapes). The model is in training mode."""
         model_dir = resolve_model_dir(path_or_id, cache_dir=cache_dir, revision=revision, token=token,
                                       local_files_only=local_files_only, force_download=force_download)
         kwargs = read_config(model_dir, cls, max_parameters)

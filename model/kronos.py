@@ -141,21 +141,12 @@ class Kronos(nn.Module, PretrainedMixin):
                 padding_mask: torch.Tensor | None = None, use_teacher_forcing: bool = False,
                 s1_targets: torch.Tensor | None = None,
                 causal_dep: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits of the next token pair at every position (training and validation).
+        """Ids (B, T), stamps (B, T, 5), padding_mask (B, T) True = real -> logits of the next token pair at every
+        position: (s1 (B, T, 2^s1_bits), s2 (B, T, 2^s2_bits)).
 
-        Parameters
-        ----------
-        s1_ids, s2_ids: (B, T) int64 token ids.
-        stamp: (B, T, 5) int64 calendar stamps (minute, hour, weekday, day, month), or None.
-        padding_mask: (B, T), True/1 = a real position, or None.
-        use_teacher_forcing: condition s2 on `s1_targets` (B, T) (the true next s1); otherwise on an s1 drawn from
-            the model's own s1 distribution.
-        causal_dep: True keeps the dependency layer causal in eval mode too (needed for an honest validation loss);
-            None follows the published rule (causal only in training mode).
-
-        Returns
-        -------
-        (s1_logits (B, T, 2^s1_bits), s2_logits (B, T, 2^s2_bits)).
+        use_teacher_forcing: condition s2 on `s1_targets` (B, T) (the true next s1), else on an s1 drawn from the
+        model's own s1 distribution. causal_dep: True keeps the dependency layer causal in eval mode too (an honest
+        validation loss); None follows the published rule (causal only in training mode).
         """
         x = self.trunk(s1_ids, s2_ids, stamp, padding_mask)
         s1_logits = self.head(x)
@@ -171,33 +162,15 @@ class Kronos(nn.Module, PretrainedMixin):
 
     def decode_s1(self, s1_ids: torch.Tensor, s2_ids: torch.Tensor, stamp: torch.Tensor | None = None,
                   padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The trunk on a whole window (the full-recompute generator).
-
-        Parameters
-        ----------
-        s1_ids, s2_ids: (B, T) ids; stamp: (B, T, 5) or None; padding_mask: (B, T) or None.
-
-        Returns
-        -------
-        (s1_logits (B, T, 2^s1_bits), context = hidden states (B, T, d_model)).
-        """
+        """The trunk on a whole window (the full-recompute generator): ids (B, T) -> (s1 logits (B, T, 2^s1_bits),
+        context = hidden states (B, T, d_model))."""
         x = self.trunk(s1_ids, s2_ids, stamp, padding_mask)
         return self.head(x), x
 
     def decode_s2(self, context: torch.Tensor, s1_ids: torch.Tensor,
                   padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """s2 logits given the chosen s1.
-
-        Parameters
-        ----------
-        context: (B, T, d_model) hidden states from `decode_s1`.
-        s1_ids: (B, Lq) the chosen coarse ids (Lq = 1 at inference: it broadcasts over T).
-        padding_mask: (B, T) or None.
-
-        Returns
-        -------
-        s2 logits (B, T, 2^s2_bits); position -1 is the next token's.
-        """
+        """s2 logits (B, T, 2^s2_bits) given `context` (B, T, d_model) from `decode_s1` and the chosen s1 ids
+        (B, Lq) (Lq = 1 at inference: it broadcasts over T); position -1 is the next token's."""
         x2 = self.dep_layer(context, self.embedding.emb_s1(s1_ids), padding_mask)
         return self.head.cond_forward(x2)
 

@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -60,13 +60,8 @@ CALIBRATION_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)  # cent
 # ------------------------------------------------------------------------------------- kronos_predictor.json
 def predictor_info(folder: str | os.PathLike, *, max_context: int, lookback: int | None = None,
                    tokenizer: str | os.PathLike | None = None, clip: float | None = None) -> dict[str, Any]:
-    """The content of `kronos_predictor.json` for a predictor that will live in `folder`.
-
-    max_context: the predictor window used in training (lookback + predict); lookback: the context rows each
-    training window was normalised over (what forecasts cut the history to); tokenizer: the tokenizer it was trained
-    with (folder or Hub id; an existing folder is stored relative to `folder`, so a copy inside it reads
-    "tokenizer" and moving the run keeps the path valid); clip: the normalisation clip used in training.
-    """
+    """The content of `kronos_predictor.json` for a predictor that will live in `folder`. An existing tokenizer
+    folder is stored relative to `folder` (a copy inside it reads "tokenizer"), so moving the run keeps it valid."""
     if not isinstance(max_context, int) or isinstance(max_context, bool) or max_context < 1:
         raise ValueError(f"max_context must be an integer >= 1, got {max_context!r}")
     folder = Path(folder)
@@ -109,9 +104,7 @@ def read_predictor_info(folder: Path) -> dict[str, Any]:
 
 def tokenizer_source(folder: Path, info: dict[str, Any]) -> str | None:
     """The tokenizer to load for the predictor in `folder`: kronos_predictor.json's "tokenizer" (a folder relative
-    to `folder`, an absolute folder or a Hub id), else a `tokenizer/` copy inside `folder`, else None.
-
-    A recorded path that does not exist is a PathError naming the file, the path and what it is relative to."""
+    to `folder`, an absolute folder or a Hub id), else a `tokenizer/` copy inside `folder`, else None."""
     tok = info.get("tokenizer")
     if tok is None:
         inside = folder / TOKENIZER_SUBDIR
@@ -144,17 +137,9 @@ def write_calibration(best_model_dir: str | os.PathLike, calibration: dict[str, 
 
 # ------------------------------------------------------------------------------------------------- calibration
 def fit_calibration(samples: np.ndarray, outcomes: np.ndarray, last: np.ndarray) -> dict[str, Any]:
-    """Split-conformal margins of the sampled bands, per horizon, in log-return space.
-
-    Parameters
-    ----------
-    samples: (W, S, H) sampled close paths of W validation windows (S paths, H horizons), positive prices.
-    outcomes: (W, H) the realised closes; last: (W,) each window's last context close.
-
-    Returns
-    -------
-    {"method": "conformal", "space": "log_return", "levels": CALIBRATION_LEVELS, "margins": [[H floats] per level],
-    "windows": W} (strict JSON).
+    """Split-conformal margins of the sampled bands, per horizon, in log-return space: `samples (W, S, H)` close
+    paths of W validation windows, `outcomes (W, H)` realised closes, `last (W,)` last context closes ->
+    {"method": "conformal", "space": "log_return", "levels", "margins": [[H floats] per level], "windows": W}.
 
     Construction (conformalised quantile bands): with r = log(path / last) and y = log(outcome / last), the raw
     central band of level c at horizon h is [lo, hi] = the (1-c)/2 and (1+c)/2 quantiles of r over the S paths. Its
@@ -268,15 +253,10 @@ def default_device() -> str:
 
 
 class KronosPredictor:
-    """Forecast candles with a Kronos predictor and its tokenizer.
+    """Forecast candles with a Kronos predictor and its tokenizer (a matching pair: same s1/s2 bits).
 
-    Parameters
-    ----------
-    model, tokenizer: a matching pair (same s1/s2 bits).
-    device: where to run; None = `default_device()`.
     max_context: the predictor's window (512 for Kronos-small/base; lookback + predict for a finetuned one).
-    clip: normalised values are clipped to [-clip, clip].
-    use_cache: True = key/value-cached generation; False = the plain full-recompute generator (same tokens, slower).
+    use_cache: key/value-cached generation; False = the full-recompute generator (same tokens, slower).
     lookback: the context rows a forecast uses: a longer history is cut to its last `lookback` rows (said once per
         predictor), and those rows alone give the normalisation statistics, as in training. None = max_context.
         A lookback above max_context normalises over more rows than the window sees (the original Kronos code
@@ -311,26 +291,13 @@ class KronosPredictor:
                         None = None, device: str | None = None, max_context: int | None = None,
                         lookback: int | None = None, clip: float | None = None, use_cache: bool = True,
                         **hub_kwargs: Any) -> KronosPredictor:
-        """Load a predictor, its tokenizer, its window and its calibration.
+        """Load a predictor folder (e.g. a finetuned run's best_model/) or Hub id, its tokenizer, window and
+        calibration. max_context, lookback and clip default to kronos_predictor.json's (else 512, max_context, 5).
 
-        Parameters
-        ----------
-        folder_or_id: a predictor folder (e.g. a finetuned run's predictor best_model/) or Hub id.
-        tokenizer: folder, Hub id or a loaded KronosTokenizer. None = the "tokenizer" recorded in the folder's
-            kronos_predictor.json (a path relative to the folder; "tokenizer" = the copy inside it), else a
-            `tokenizer/` folder inside it; without either this is an error (for the published pair pass e.g.
-            tokenizer="NeoQuasar/Kronos-Tokenizer-base").
-        device: as in the constructor.
-        max_context: None = kronos_predictor.json's max_context, else 512 (the published Kronos-small/base window).
-        lookback: None = kronos_predictor.json's lookback, else max_context.
-        clip: None = kronos_predictor.json's clip, else 5.
+        tokenizer: folder, Hub id or a loaded KronosTokenizer; None = `tokenizer_source` (for the published pair
+            pass e.g. tokenizer="NeoQuasar/Kronos-Tokenizer-base"). When the folder holds tokenizer_config.json,
+            the tokenizer's config must equal it (the pair the predictor was trained with).
         hub_kwargs: cache_dir, revision, token, local_files_only, force_download (for both downloads).
-
-        Returns
-        -------
-        A KronosPredictor, with kronos_predictor.json's calibration when it holds one. When the folder holds
-        tokenizer_config.json, the tokenizer's config must equal it (ValueError otherwise: the pair would not match
-        what the predictor was trained with).
         """
         allowed = {"cache_dir", "revision", "token", "local_files_only", "force_download"}
         unknown = sorted(set(hub_kwargs) - allowed)
@@ -363,63 +330,29 @@ class KronosPredictor:
                    calibration=info.get("calibration"))
 
     # ------------------------------------------------------------ public
-    @overload
-    def predict(self, df: pd.DataFrame, x_timestamp: Any, y_timestamp: Any, pred_len: int, T: float = ...,
-                top_k: int | None = ..., top_p: float | None = ..., sample_count: int = ..., verbose: bool = ...,
-                return_samples: Literal[False] = ..., quantiles: None = ...,
-                calibrated: bool = ...) -> pd.DataFrame: ...
+    def predict(self, df: pd.DataFrame, x_timestamp: Any, y_timestamp: Any, pred_len: int, T: float = 1.0,
+                top_k: int | None = 0, top_p: float | None = 0.9, sample_count: int = 1, verbose: bool = True,
+                return_samples: bool = False, quantiles: Sequence[float] | None = None,
+                calibrated: bool = True) -> pd.DataFrame | Forecast:
+        """Forecast `pred_len` candles after `df` (N rows; volume/amount optional, see `features.candle_matrix`),
+        with `x_timestamp` its N datetimes and `y_timestamp` the pred_len datetimes of the forecast.
 
-    @overload
-    def predict(self, df: pd.DataFrame, x_timestamp: Any, y_timestamp: Any, pred_len: int, T: float = ...,
-                top_k: int | None = ..., top_p: float | None = ..., sample_count: int = ..., verbose: bool = ...,
-                return_samples: bool = ..., quantiles: Sequence[float] | None = ...,
-                calibrated: bool = ...) -> Forecast: ...
-
-    def predict(self, df, x_timestamp, y_timestamp, pred_len, T=1.0, top_k=0, top_p=0.9, sample_count=1,
-                verbose=True, return_samples=False, quantiles=None, calibrated=True):
-        """Forecast `pred_len` candles after `df`.
-
-        Parameters
-        ----------
-        df: context candles, N rows; open/high/low/close required, volume/amount optional (filled, see
-            `features.candle_matrix`). Only the last `self.lookback` rows are used (and normalised over): the
-            context the model was trained for; a longer history is cut, which is logged once per predictor.
-        x_timestamp: N datetimes of the context; y_timestamp: pred_len datetimes of the forecast.
-        pred_len: steps to forecast.
+        Only the last `self.lookback` rows are used (and normalised over); a longer history is cut, logged once.
         T, top_k, top_p: sampling temperature and filters (top_k=1 is greedy; None disables a filter).
-        sample_count: sample paths averaged into the mean; at least 20 (MIN_QUANTILE_SAMPLES) when quantiles are
-            asked (ValueError otherwise: quantiles of a few paths are noise).
-        verbose: progress bar.
-        return_samples, quantiles: ask for a `Forecast` (paths and/or quantile frames) instead of a DataFrame.
-        calibrated: apply the predictor's calibration (when it has one) to the paths, hence to the mean and the
-            quantiles; False = the raw model draws.
-
-        Returns
-        -------
-        DataFrame (pred_len, 6), columns FEATURES, indexed by y_timestamp, the mean over the paths - when
-        return_samples is False and quantiles is None; otherwise a `Forecast` (`Forecast.table()`: one frame with
-        `close_q10`-style quantile columns).
+        sample_count: paths averaged into the mean; at least MIN_QUANTILE_SAMPLES when quantiles are asked.
+        calibrated: apply the predictor's calibration (when it has one) to the paths; False = the raw model draws.
+        Returns the mean, a (pred_len, 6) DataFrame of FEATURES indexed by y_timestamp; with return_samples or
+        quantiles a `Forecast` instead.
         """
         out = self.predict_batch([df], [x_timestamp], [y_timestamp], pred_len, T, top_k, top_p, sample_count,
                                  verbose, return_samples, quantiles, calibrated)
         return out[0]
 
-    @overload
     def predict_batch(self, df_list: Sequence[pd.DataFrame], x_timestamp_list: Sequence[Any],
-                      y_timestamp_list: Sequence[Any], pred_len: int, T: float = ..., top_k: int | None = ...,
-                      top_p: float | None = ..., sample_count: int = ..., verbose: bool = ...,
-                      return_samples: Literal[False] = ..., quantiles: None = ...,
-                      calibrated: bool = ...) -> list[pd.DataFrame]: ...
-
-    @overload
-    def predict_batch(self, df_list: Sequence[pd.DataFrame], x_timestamp_list: Sequence[Any],
-                      y_timestamp_list: Sequence[Any], pred_len: int, T: float = ..., top_k: int | None = ...,
-                      top_p: float | None = ..., sample_count: int = ..., verbose: bool = ...,
-                      return_samples: bool = ..., quantiles: Sequence[float] | None = ...,
-                      calibrated: bool = ...) -> list[Forecast]: ...
-
-    def predict_batch(self, df_list, x_timestamp_list, y_timestamp_list, pred_len, T=1.0, top_k=0, top_p=0.9,
-                      sample_count=1, verbose=True, return_samples=False, quantiles=None, calibrated=True):
+                      y_timestamp_list: Sequence[Any], pred_len: int, T: float = 1.0, top_k: int | None = 0,
+                      top_p: float | None = 0.9, sample_count: int = 1, verbose: bool = True,
+                      return_samples: bool = False, quantiles: Sequence[float] | None = None,
+                      calibrated: bool = True) -> list[pd.DataFrame] | list[Forecast]:
         """Forecast several series; arguments as `predict`, one entry per series in each list.
 
         Series may have different context lengths: they are batched in groups of equal length (in greedy mode the
@@ -455,25 +388,15 @@ class KronosPredictor:
                    calibrated: bool = True) -> pd.DataFrame:
         """Forecast every series of a long frame (one row per candle), in the style of Chronos' `predict_df`.
 
-        Parameters
-        ----------
-        df: the candles. Columns are found by `model.features.resolve_columns`: any case, common aliases (Date,
-            Datetime, time, vol, turnover, ...), amount derived when missing; the timestamps may be a DatetimeIndex
-            instead of a column. Rows are sorted by timestamp within each series; series may differ in length.
-        prediction_length: steps to forecast per series.
-        id_column: the series id column; None = a column named "id" (any case) when there is one, else the whole
-            frame is one series.
+        Columns are found by `model.features.resolve_columns` (timestamps may be a DatetimeIndex); rows are sorted
+        by timestamp within each series; series may differ in length.
+        id_column: None = a column named "id" (any case) when there is one, else the frame is one series.
         timestamp_column, columns: explicit names ({"close": "Adj Close", ...}: canonical -> yours); they win.
         freq: pandas frequency of the forecast timestamps; None = infer each series' own (`pd.infer_freq`).
         quantiles: levels in [0, 1] added as `<feature>_q<percent>` columns (close_q10, close_q90).
-        sample_count: sample paths; None = 1, or 20 (MIN_QUANTILE_SAMPLES) when quantiles are asked.
-        T, top_k, top_p, verbose, calibrated: as in `predict` (each series is cut to the predictor's lookback).
-
-        Returns
-        -------
-        DataFrame with prediction_length rows per series (series in order of first appearance): the id column (when
-        there is one), the timestamps (your column's name, "timestamps" from an index), FEATURES (the mean
-        forecast), then the quantile columns.
+        sample_count: None = 1, or MIN_QUANTILE_SAMPLES when quantiles are asked; the rest as in `predict`.
+        Returns prediction_length rows per series (in order of first appearance): the id column (when there is
+        one), the timestamps (your column's name, else "timestamps"), FEATURES (the mean), the quantile columns.
         """
         where = "predict_df's df"
         if not isinstance(df, pd.DataFrame):

@@ -140,17 +140,10 @@ class KronosTokenizer(nn.Module, PretrainedMixin):
 
     def forward(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor,
                                                 torch.Tensor]:
-        """Encode, quantise and reconstruct (training).
+        """Encode, quantise and reconstruct normalised candles x (B, T, d_in) (training).
 
-        Parameters
-        ----------
-        x: (B, T, d_in) normalised candles.
-
-        Returns
-        -------
-        ((z_pre, z), bsq_loss, quantized, ids): z the reconstruction from the full code and z_pre from the coarse
-        (s1) bits alone, both (B, T, d_in); bsq_loss a scalar; quantized (B, T, D) with D = s1_bits + s2_bits;
-        ids (B, T) int64 over all D bits.
+        Returns ((z_pre, z), bsq_loss, quantized, ids): z the reconstruction from the full code and z_pre from the
+        coarse (s1) bits alone, both (B, T, d_in); quantized (B, T, D); ids (B, T) int64 over all D bits.
         """
         bsq_loss, quantized, ids = self.tokenizer(self._encode_latent(x))
         z_pre = self._decode_latent(self.post_quant_embed_pre(quantized[..., : self.s1_bits]))
@@ -158,17 +151,8 @@ class KronosTokenizer(nn.Module, PretrainedMixin):
         return (z_pre, z), bsq_loss, quantized, ids
 
     def encode(self, x: torch.Tensor, half: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Candles to token ids.
-
-        Parameters
-        ----------
-        x: (B, T, d_in) normalised candles.
-        half: split the code into coarse and fine ids.
-
-        Returns
-        -------
-        (s1_ids, s2_ids) each (B, T) int64 if half, else one id (B, T) over all D bits.
-        """
+        """Normalised candles (B, T, d_in) -> (s1_ids, s2_ids) each (B, T) int64 if half, else one id (B, T) over
+        all D bits."""
         _, _, ids = self.tokenizer(self._encode_latent(x), half=half)
         return ids
 
@@ -183,15 +167,6 @@ class KronosTokenizer(nn.Module, PretrainedMixin):
         return bits * self.tokenizer.bsq.q_scale
 
     def decode(self, ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor], half: bool = False) -> torch.Tensor:
-        """Token ids to candles.
-
-        Parameters
-        ----------
-        ids: (s1_ids, s2_ids) each (B, T) if half, else one id tensor (B, T) over all D bits.
-
-        Returns
-        -------
-        Reconstructed normalised candles (B, T, d_in).
-        """
+        """Token ids ((s1_ids, s2_ids) each (B, T) if half, else (B, T)) -> normalised candles (B, T, d_in)."""
         bits = self.indices_to_bits(ids, half).to(self.post_quant_embed.weight.dtype)
         return self._decode_latent(self.post_quant_embed(bits))

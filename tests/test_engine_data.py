@@ -178,13 +178,13 @@ def test_a_memmapped_panel_is_read_in_place_and_gives_the_windows_of_the_array_p
     assert torch.equal(x, x_ref) and torch.equal(stamp, stamp_ref)  # bit-identical windows
 
 
-def test_a_panel_of_another_dtype_is_converted_once_and_from_series_equals_the_list_constructor():
+def test_a_panel_of_another_dtype_is_converted_once_and_the_list_constructor_equals_the_panel_one():
     series = random_walk_series(n_series=2, n_rows=20)
     panel = SeriesPanel.from_series([s.features for s in series], [s.stamps for s in series], ["a", "b"])
     as_f64 = SeriesPanel(panel.features.astype(np.float64), panel.stamps, panel.offsets, panel.names)
     ds = WindowDataset(as_f64, LOOKBACK, PREDICT)
     assert ds.features_t.dtype == np.float32 and ds.features_t.flags.c_contiguous
-    a, b = WindowDataset.from_series(series, LOOKBACK, PREDICT), WindowDataset(panel, LOOKBACK, PREDICT)
+    a, b = WindowDataset(series, LOOKBACK, PREDICT), WindowDataset(panel, LOOKBACK, PREDICT)
     assert torch.equal(a[len(a) - 1][0], b[len(b) - 1][0]) and torch.equal(ds[3][0], b[3][0])
 
 

@@ -15,7 +15,7 @@ Also here:
 - Seeded bootstrap confidence intervals over forecast windows (iid or moving-block, or moving blocks of DATES:
   the windows of every series that share a date move together).
 - Naive forecasts in the model's sample layout, so the same scoring functions rate them.
-- Score a probabilistic forecast run (CSV pipeline): one nested, strict-JSON dict for metrics.json + a short summary.
+- Score a probabilistic forecast run (CSV pipeline): one nested, strict-JSON dict for metrics.json.
 """
 
 from __future__ import annotations
@@ -43,18 +43,8 @@ def _check(obs: np.ndarray, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray
 
 
 def crps_ensemble(obs: np.ndarray, samples: np.ndarray, fair: bool = False) -> np.ndarray:
-    """CRPS of each ensemble against its observation.
-
-    Parameters
-    ----------
-    obs : (...) realised values.
-    samples : (..., S) ensemble members.
-    fair : use the unbiased estimator (pairs i != j); needs S >= 2.
-
-    Returns
-    -------
-    (...) CRPS, in the units of `obs`; lower is better, 0 for a perfect point mass.
-    """
+    """CRPS `(...)` of each ensemble `samples (..., S)` against `obs (...)`, in the units of `obs` (0 for a perfect
+    point mass). `fair`: the unbiased estimator over pairs i != j; needs S >= 2."""
     obs, samples = _check(obs, samples)
     n = samples.shape[-1]
     if fair and n < 2:
@@ -68,16 +58,7 @@ def crps_ensemble(obs: np.ndarray, samples: np.ndarray, fair: bool = False) -> n
 
 
 def sample_quantiles(samples: np.ndarray, quantiles=DEFAULT_QUANTILES) -> np.ndarray:
-    """Empirical quantiles of each ensemble (linear interpolation, numpy's default).
-
-    Parameters
-    ----------
-    samples : (..., S); quantiles : (Q,) levels in (0, 1).
-
-    Returns
-    -------
-    (..., Q) quantile forecasts.
-    """
+    """Empirical quantiles `(..., Q)` of each ensemble `samples (..., S)` (numpy's linear interpolation)."""
     q = np.asarray(quantiles, dtype=np.float64)
     if q.ndim != 1 or not np.all((q > 0) & (q < 1)):
         raise ValueError(f"quantile levels must lie strictly between 0 and 1, got {list(q)}")
@@ -85,32 +66,16 @@ def sample_quantiles(samples: np.ndarray, quantiles=DEFAULT_QUANTILES) -> np.nda
 
 
 def pinball_loss(obs: np.ndarray, quantile_forecasts: np.ndarray, quantiles=DEFAULT_QUANTILES) -> np.ndarray:
-    """Pinball (quantile) loss of each quantile forecast: max(q (y - f), (q - 1) (y - f)).
-
-    Parameters
-    ----------
-    obs : (...); quantile_forecasts : (..., Q); quantiles : (Q,) the levels of the last axis.
-
-    Returns
-    -------
-    (..., Q) losses; `sklearn.metrics.mean_pinball_loss` is their mean over observations.
-    """
+    """Pinball loss `(..., Q)` of `quantile_forecasts (..., Q)` against `obs (...)`: max(q (y - f), (q - 1) (y - f));
+    `sklearn.metrics.mean_pinball_loss` is its mean over observations."""
     q = np.asarray(quantiles, dtype=np.float64)
     diff = np.asarray(obs, dtype=np.float64)[..., None] - np.asarray(quantile_forecasts, dtype=np.float64)
     return np.maximum(q * diff, (q - 1.0) * diff)
 
 
 def weighted_quantile_loss(obs: np.ndarray, quantile_forecasts: np.ndarray, quantiles=DEFAULT_QUANTILES) -> float:
-    """Weighted quantile loss as Chronos reports it: mean over levels of 2 sum(pinball) / sum |y|.
-
-    Parameters
-    ----------
-    obs : (N...) all observations pooled; quantile_forecasts : (N..., Q).
-
-    Returns
-    -------
-    The WQL (a ratio, unit-free); NaN when every observation is 0.
-    """
+    """Weighted quantile loss as Chronos reports it, over all observations pooled: mean over levels of
+    2 sum(pinball) / sum |y| (unit-free; NaN when every observation is 0)."""
     loss = pinball_loss(obs, quantile_forecasts, quantiles)  # (..., Q)
     scale = np.abs(np.asarray(obs, dtype=np.float64)).sum()
     if not scale > 0:
@@ -120,16 +85,8 @@ def weighted_quantile_loss(obs: np.ndarray, quantile_forecasts: np.ndarray, quan
 
 
 def interval_coverage(obs: np.ndarray, samples: np.ndarray, level: float) -> np.ndarray:
-    """Whether each observation lies in the central `level` interval of its ensemble (bounds included).
-
-    Parameters
-    ----------
-    obs : (...); samples : (..., S); level : e.g. 0.5 -> the [0.25, 0.75] sample-quantile interval.
-
-    Returns
-    -------
-    (...) float 1.0 inside / 0.0 outside; its mean is the coverage (a calibrated forecast covers `level`).
-    """
+    """`(...)` 1.0 where `obs` lies in the central `level` interval of its ensemble (bounds included), else 0.0;
+    level 0.5 is the [0.25, 0.75] sample-quantile interval."""
     if not 0 < level < 1:
         raise ValueError(f"interval level must be in (0, 1), got {level}")
     obs, samples = _check(obs, samples)
@@ -138,18 +95,8 @@ def interval_coverage(obs: np.ndarray, samples: np.ndarray, level: float) -> np.
 
 
 def resample_indices(n: int, n_boot: int, block: int = 1, seed: int = 0) -> np.ndarray:
-    """Bootstrap index sets over `n` windows.
-
-    Parameters
-    ----------
-    n : number of windows; n_boot : number of resamples; block : block length (1 = iid bootstrap);
-    seed : the same seed gives the same resamples.
-
-    Returns
-    -------
-    (n_boot, n) int64 indices; each row concatenates ceil(n / block) blocks of consecutive windows starting at
-    uniformly drawn positions in [0, n - block], cut to n.
-    """
+    """`(n_boot, n)` bootstrap indices over `n` windows: each row concatenates ceil(n / block) blocks of consecutive
+    windows starting at uniformly drawn positions in [0, n - block], cut to n (block 1 = iid)."""
     if n < 1:
         raise ValueError("bootstrap needs at least one window")
     if n_boot < 1:
@@ -169,16 +116,8 @@ def date_block_indices(dates: np.ndarray, n_boot: int, block: int | None = None,
     Windows of correlated series on one date are one observation, not several: resampling them independently
     would shrink the interval by up to sqrt(series). Neighbouring dates are dependent too (volatility clusters,
     and windows closer than the horizon share realised bars), hence blocks of consecutive dates.
-
-    Parameters
-    ----------
-    dates : (n,) the date (any sortable key) of each window, e.g. its last context bar.
-    n_boot, seed : as in `resample_indices`.
-    block : dates per block; None = `default_block(D, min_block)` for D unique dates.
-
-    Returns
-    -------
-    n_boot index arrays into the n windows (their lengths vary with the windows per date).
+    `dates (n,)`: any sortable key per window; block None = `default_block(D, min_block)` for D unique dates.
+    Returns n_boot index arrays into the n windows (their lengths vary with the windows per date).
     """
     unique, inverse = np.unique(np.asarray(dates), return_inverse=True)
     order = np.argsort(inverse, kind="stable")  # windows grouped by date
@@ -206,20 +145,10 @@ def default_block(n_dates: int, min_block: int = 1) -> int:
 def bootstrap_ci(statistic: Callable[[np.ndarray], float], n: int, n_boot: int = 1000, block: int | None = 1,
                  seed: int = 0, level: float = 0.95, dates: np.ndarray | None = None,
                  min_block: int = 1) -> dict[str, float]:
-    """Percentile confidence interval of `statistic` over resampled windows.
-
-    Parameters
-    ----------
-    statistic : maps an index array of windows to one number, e.g. `lambda i: crps[i].mean()`; ratios of sums
-        (WQL) and paired differences (model - baseline) are computed inside it on the same indices.
-    n : number of windows; n_boot, block, seed : see `resample_indices`; level : coverage of the interval.
-    dates : (n,) window dates: resample blocks of `block` dates (`date_block_indices`; block None = its default)
-        instead of blocks of consecutive windows.
-
-    Returns
-    -------
-    {"estimate": statistic on all windows, "low", "high": percentile bounds, "level", "n_boot", "block", "unit"}.
-    """
+    """Percentile confidence interval of `statistic` (an index array of windows -> one number, e.g.
+    `lambda i: crps[i].mean()`; ratios and paired differences are computed inside it on the same indices) over
+    resampled windows, or over blocks of `dates (n,)` when given (`date_block_indices`).
+    Returns {"estimate" (on all windows), "low", "high", "level", "n_boot", "block", "unit"}."""
     if dates is not None:
         n_dates = len(np.unique(np.asarray(dates)))
         block = min(default_block(n_dates, min_block) if block is None else block, n_dates)
@@ -240,16 +169,7 @@ DAYS_PER_WEEK = 5  # trading days: the season of daily bars
 
 
 def persistence_samples(last_close: np.ndarray, horizon: int) -> np.ndarray:
-    """Random-walk forecast: every future value equals the last observed one.
-
-    Parameters
-    ----------
-    last_close : (W,); horizon : H.
-
-    Returns
-    -------
-    (W, 1, H) float64.
-    """
+    """Random-walk forecast `(W, 1, H)` from `last_close (W,)`: every future value equals the last observed one."""
     last = np.asarray(last_close, dtype=np.float64)
     return np.repeat(last[:, None, None], horizon, axis=2)
 
@@ -260,14 +180,8 @@ def empirical_samples(history: np.ndarray, horizon: int, window: int = 250) -> n
     Path k is the realised path that started at the k-th bar t_k of the trailing `window` bars:
     sample[k, h] = last * close[t_k + h] / close[t_k] for h = 1..H. It has the spread of recent returns and no
     view on their direction, so a model must beat it to claim its bands carry information.
-
-    Parameters
-    ----------
-    history : (W, T) closes ending at the last context bar (NaN-free); horizon : H; window : trailing bars used.
-
-    Returns
-    -------
-    (W, S, H) float64 with S = min(window, T - 1) - H + 1 paths (at least 1; needs T >= H + 1).
+    `history (W, T)`: NaN-free closes ending at the last context bar, T >= H + 1. Returns `(W, S, H)` with
+    S = min(window, T - 1) - H + 1 paths.
     """
     history = np.asarray(history, dtype=np.float64)
     if history.ndim != 2 or history.shape[1] < horizon + 1:
@@ -281,16 +195,8 @@ def empirical_samples(history: np.ndarray, horizon: int, window: int = 250) -> n
 
 
 def seasonal_naive_samples(context: np.ndarray, horizon: int, season: int) -> np.ndarray:
-    """Seasonal-naive forecast: horizon h (1-based) repeats the value one season earlier, context[L - m + (h-1) % m].
-
-    Parameters
-    ----------
-    context : (W, L) observed values with L >= season; horizon : H; season : m bars (e.g. bars per day).
-
-    Returns
-    -------
-    (W, 1, H) float64.
-    """
+    """Seasonal-naive forecast `(W, 1, H)` from `context (W, L)`, L >= season m: horizon h (1-based) repeats the
+    value one season earlier, context[L - m + (h-1) % m]."""
     context = np.asarray(context, dtype=np.float64)
     if season < 1:
         raise ValueError(f"season={season} must be >= 1")
@@ -302,16 +208,8 @@ def seasonal_naive_samples(context: np.ndarray, horizon: int, season: int) -> np
 
 
 def infer_season(timestamps) -> int:
-    """Bars per trading day for intraday data, else 5 (a trading week of daily bars).
-
-    Parameters
-    ----------
-    timestamps : (N,) datetimes of one series, ascending.
-
-    Returns
-    -------
-    The season m in bars. Raises ValueError for spacings of more than a day (give the season explicitly).
-    """
+    """The season of one series' ascending `timestamps (N,)`: bars per trading day for intraday data, else 5 (a
+    trading week of daily bars); ValueError for spacings of more than a day."""
     stamps = pd.DatetimeIndex(pd.to_datetime(np.asarray(timestamps)))
     if len(stamps) < 2:
         raise ValueError("need at least two timestamps to infer the season; set it explicitly")
@@ -438,17 +336,14 @@ def _summarise(scores: dict, obs_ret: np.ndarray, scaled: np.ndarray | None, cod
 
 def score_forecasts(samples, realised, last_close, context=None, series=None,
                     settings: ScoreSettings | None = None, history=None, dates=None) -> dict:
-    """Score a forecast run and its naive baselines (shapes: see the module docstring).
+    """Score a forecast run and its naive baselines.
 
     samples (W, S, H), realised (W, H), last_close (W,), context (W, L) closes, series (W,) names;
-    history (W, T) closes ending at the last context bar, T > H (longer than the context: the `empirical` baseline
-    uses its trailing `settings.empirical_window` bars); dates (W,) window dates: the intervals then resample
-    blocks of dates across series (`date_block_indices`).
-
-    Returns
-    -------
-    Nested dict, strict JSON (NaN -> None): "setup", "model", "persistence", ["empirical"], ["seasonal_naive"],
-    "direction", "skill" (1 - model / baseline for MAE, CRPS, MASE), "bootstrap" (CIs), "per_series" (list of rows).
+    history (W, T) closes ending at the last context bar, T > H (the `empirical` baseline uses its trailing
+    `settings.empirical_window` bars); dates (W,) window dates: the intervals then resample blocks of dates across
+    series (`date_block_indices`).
+    Returns a strict-JSON dict: "setup", "model", "persistence", ["empirical"], ["seasonal_naive"], "direction",
+    "skill" (1 - model / baseline for MAE, CRPS, MASE), "bootstrap" (CIs), "per_series" (list of rows).
     """
     settings = settings or ScoreSettings()
     samples, realised, last_close, context, series = _check_inputs(samples, realised, last_close, context, series)
@@ -524,31 +419,3 @@ def _per_series(scores: dict, names: np.ndarray, codes: np.ndarray) -> list[dict
             row[key] = scores[key][w].mean()
         rows.append(row)
     return rows
-
-
-def format_summary(scores: dict) -> str:
-    """A few lines for the console from a `score_forecasts` result."""
-    s = scores["setup"]
-    lines = [(f"forecast scores: {s['windows']} windows x {s['horizon']} horizons, {s['samples']} samples, "
-              f"{s['series']} series (returns vs last close)"),
-             f"{'':16}{'MAE':>9}{'MASE':>8}{'CRPS':>9}{'WQL':>7}{'cov50':>7}{'cov80':>7}"]
-
-    def num(v, fmt):
-        return format(v, fmt) if v is not None else "-"
-
-    for name in ("model", "persistence", "empirical", "seasonal_naive"):
-        if name in scores:
-            o = scores[name]["overall"]
-            label = f"seasonal({s['season']})" if name == "seasonal_naive" else name
-            lines.append(f"{label:16}{num(o['mae'], '9.5f')}{num(o.get('mase'), '8.3f')}{num(o['crps'], '9.5f')}"
-                         f"{num(o['wql'], '7.3f')}{num(o.get('coverage_50'), '7.2f')}"
-                         f"{num(o.get('coverage_80'), '7.2f')}")
-    boot = scores.get("bootstrap")
-    for name in [b for b in ("persistence", "empirical") if boot and f"crps_minus_{b}" in boot]:
-        ci = boot[f"crps_minus_{name}"]
-        lines.append(f"CRPS - {name}: {ci['estimate']:+.5f} [{ci['low']:+.5f}, {ci['high']:+.5f}] "
-                     f"({ci['level']:.0%} CI, block {ci['block']} {ci['unit']})")
-    d = scores["direction"]
-    lines.append(f"direction at h={d['horizon']}: {num(d['accuracy'], '.3f')} vs coin 0.500, "
-                 f"majority class {d['majority_class']:.3f}")
-    return "\n".join(lines)

@@ -1,6 +1,6 @@
-"""Experiment trackers the metrics log mirrors to: TensorBoard, MLflow, Comet (each optional, each opt-in).
+"""Training metrics: a JSON-lines log, the experiment trackers it mirrors to, run_info.json and the loss plot.
 
-`MetricsLogger` (metrics.py) always writes metrics.jsonl; with `training.tensorboard`, `training.mlflow` or
+`MetricsLogger` always writes metrics.jsonl; with `training.tensorboard`, `training.mlflow` or
 `training.comet` set it also hands every record to one `Tracker` per backend built by `open_trackers`. Only rank 0
 builds trackers (the logger is disabled elsewhere), so a torchrun job makes one run per stage, not one per process.
 
@@ -12,10 +12,6 @@ MLflow works offline by default: the tracking store is `<stage folder>/mlruns/ml
 plain-file stores) and artefacts go to `<stage folder>/mlruns/artifacts`; view them with
     mlflow ui --backend-store-uri sqlite:///<stage folder>/mlruns/mlflow.db
 A resumed stage continues the MLflow run it started (its id is kept in `<stage folder>/mlruns/run_id`).
-
-Also here:
-- run_info.json: what a model was trained with and on, written into every output folder.
-- Training metrics: a JSON-lines log (always), experiment trackers (opt-in, trackers.py), and the loss plot.
 """
 
 from __future__ import annotations
@@ -43,8 +39,6 @@ _MLFLOW_BATCH = 100  # params per log_batch call (MLflow's limit; metrics allow 
 
 class TrackerUnavailable(ConfigError):
     """A tracker is enabled in the config but its package is not installed."""
-
-
 
 
 def flatten_params(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -197,34 +191,13 @@ class CometTracker(Tracker):
         self.experiment.end()
 
 
-def open_trackers(
-    folder: str | Path,
-    *,
-    tensorboard: bool = False,
-    mlflow: bool = False,
-    mlflow_tracking_uri: str | None = None,
-    mlflow_experiment: str = "kronos-finetune",
-    comet: bool = False,
-    comet_project: str | None = None,
-    run_name: str | None = None,
-    resume: bool = False,
-) -> list[Tracker]:
-    """The enabled trackers of a stage (rank 0 only: the caller guards it).
-
-    Parameters
-    ----------
-    folder: the stage's output folder (TensorBoard events and the default MLflow store go under it).
-    tensorboard, mlflow, comet: which backends to open.
-    mlflow_tracking_uri: None = the offline store `default_mlflow_uri(folder)`; else any MLflow tracking URI.
-    mlflow_experiment: MLflow experiment name (created if missing).
-    comet_project: Comet project name.
-    run_name: the run's name in MLflow / Comet.
-    resume: continue this stage's earlier MLflow run instead of starting a new one.
-
-    Returns
-    -------
-    One `Tracker` per enabled backend. Raises `TrackerUnavailable` naming every enabled backend not installed.
-    """
+def open_trackers(folder: str | Path, *, tensorboard: bool = False, mlflow: bool = False,
+                  mlflow_tracking_uri: str | None = None, mlflow_experiment: str = "kronos-finetune",
+                  comet: bool = False, comet_project: str | None = None, run_name: str | None = None,
+                  resume: bool = False) -> list[Tracker]:
+    """One `Tracker` per enabled backend of a stage (rank 0 only: the caller guards it); `TrackerUnavailable` naming
+    every enabled backend not installed. mlflow_tracking_uri None = the offline `default_mlflow_uri(folder)`;
+    resume continues this stage's earlier MLflow run."""
     missing = tracker_problems(tensorboard=tensorboard, mlflow=mlflow, comet=comet)
     if missing:
         raise TrackerUnavailable([f"{k}: {m}" for k, m in missing], "Experiment tracker not installed")
@@ -278,13 +251,10 @@ def git_commit(path: str | Path | None = None) -> dict[str, Any] | None:
     """{"commit": sha, "dirty": bool} of the git checkout holding `path` (this package by default), else None."""
     where = Path(path) if path is not None else Path(__file__).resolve().parent
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=where, capture_output=True, text=True, timeout=10, check=True,
-        ).stdout
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10,
+                             check=True).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
+                                capture_output=True, text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     return {"commit": sha, "dirty": bool(status.strip())} if sha else None
@@ -305,48 +275,26 @@ def build_run_info(config: Any, data: dict[str, Any] | None = None, extra: dict[
     return info
 
 
-def write_run_info(
-    folder: str | Path, config: Any, data: dict[str, Any] | None = None, extra: dict[str, Any] | None = None
-) -> Path:
+def write_run_info(folder: str | Path, config: Any, data: dict[str, Any] | None = None,
+                   extra: dict[str, Any] | None = None) -> Path:
     """Write `<folder>/run_info.json` atomically (rank 0 only: the caller guards it) and return its path."""
     return write_json(Path(folder) / "run_info.json", build_run_info(config, data, extra))
 
 
 class MetricsLogger:
-    """Append records to `<folder>/metrics.jsonl` and mirror their numbers to the enabled trackers.
+    """Append records to `<folder>/metrics.jsonl` and mirror their numbers to the trackers (see `open_trackers`).
 
-    Args:
-        folder: the stage's output folder (created if needed).
-        enabled: False on non-main ranks: nothing is created or written.
-        tensorboard: also write TensorBoard events under `<folder>/tensorboard` (`training.tensorboard`).
-        mlflow: also log to MLflow (`training.mlflow`).
-        mlflow_tracking_uri: None = offline store under `<folder>/mlruns` (`training.mlflow_tracking_uri`).
-        mlflow_experiment: MLflow experiment name (`training.mlflow_experiment`).
-        comet: also log to Comet (needs comet_ml and its API key in the environment).
-        comet_project: Comet project name.
-        run_name: name of the run in MLflow / Comet.
-        resume_step: when resuming from the checkpoint of this optimizer step, drop records of later steps (they
-            were logged by the interrupted run and are about to be redone) instead of duplicating them; the
-            stage's MLflow run is continued.
-
-    Raises `TrackerUnavailable` (a ConfigError naming the setting) before writing anything when an enabled
-    tracker's package is missing.
+    enabled: False on non-main ranks: nothing is created or written.
+    resume_step: when resuming from the checkpoint of this optimizer step, drop records of later steps (they were
+        logged by the interrupted run and are about to be redone) instead of duplicating them; the stage's MLflow
+        run is continued.
+    A missing tracker package is a `TrackerUnavailable` before anything is written.
     """
 
-    def __init__(
-        self,
-        folder: str | Path,
-        *,
-        enabled: bool = True,
-        tensorboard: bool = False,
-        mlflow: bool = False,
-        mlflow_tracking_uri: str | None = None,
-        mlflow_experiment: str = "kronos-finetune",
-        comet: bool = False,
-        comet_project: str | None = None,
-        run_name: str | None = None,
-        resume_step: int | None = None,
-    ):
+    def __init__(self, folder: str | Path, *, enabled: bool = True, tensorboard: bool = False, mlflow: bool = False,
+                 mlflow_tracking_uri: str | None = None, mlflow_experiment: str = "kronos-finetune",
+                 comet: bool = False, comet_project: str | None = None, run_name: str | None = None,
+                 resume_step: int | None = None):
         self.enabled = enabled
         self.path = Path(folder) / "metrics.jsonl"
         self._file = None
@@ -355,11 +303,10 @@ class MetricsLogger:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Trackers first: a missing package fails here, before the old metrics.jsonl is touched.
-        self.trackers = open_trackers(
-            folder, tensorboard=tensorboard, mlflow=mlflow, mlflow_tracking_uri=mlflow_tracking_uri,
-            mlflow_experiment=mlflow_experiment, comet=comet, comet_project=comet_project, run_name=run_name,
-            resume=resume_step is not None,
-        )
+        self.trackers = open_trackers(folder, tensorboard=tensorboard, mlflow=mlflow,
+                                      mlflow_tracking_uri=mlflow_tracking_uri, mlflow_experiment=mlflow_experiment,
+                                      comet=comet, comet_project=comet_project, run_name=run_name,
+                                      resume=resume_step is not None)
         if resume_step is None:
             self.path.unlink(missing_ok=True)  # a fresh run starts a fresh log
         elif self.path.exists():
@@ -455,13 +402,7 @@ def loss_curve_figure(records: Iterable[dict[str, Any]], title: str = "", best_e
     with weight `smoothing`), validation loss per epoch (epoch 0 = the starting model, at step 0), and the best
     epoch marked with a star (artist gid "best_epoch") labelled with its epoch and loss. Bottom: the learning rate
     of each train record (log scale). Needs matplotlib; returns a `matplotlib.figure.Figure` (not shown anywhere).
-
-    Parameters
-    ----------
-    records: metrics.jsonl records (kind "train" with step/loss/lr, kind "val" with step/epoch/val_loss).
-    title: figure title, e.g. `loss_plot_title(stage, source)`.
-    best_epoch: the epoch to mark (the trainer's, which honours min_delta); None = the lowest validation loss.
-    smoothing: EMA weight in [0, 1); 0 = no smoothing.
+    best_epoch: the trainer's (which honours min_delta); None = the lowest validation loss.
     """
     # no pyplot: no global backend or figure registry involved
     from matplotlib.figure import Figure
@@ -518,10 +459,8 @@ def loss_curve_figure(records: Iterable[dict[str, Any]], title: str = "", best_e
 
 def plot_loss_curves(records: Iterable[dict[str, Any]], png_path: str | Path, title: str = "",
                      best_epoch: int | None = None) -> Path | None:
-    """Write `loss_curve_figure(records, title, best_epoch)` to `png_path` (atomically: no torn PNG on a crash).
-
-    Returns the PNG path, or None when matplotlib is not installed (a warning says so).
-    """
+    """Write `loss_curve_figure(records, title, best_epoch)` to `png_path` (atomically: no torn PNG on a crash);
+    None (and a warning) when matplotlib is not installed."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:

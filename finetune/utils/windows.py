@@ -65,11 +65,8 @@ def split_bounds(n_rows: int, train_ratio: float, val_ratio: float) -> tuple[int
 
 def split_panel(panel: SeriesPanel, train_ratio: float, val_ratio: float, test_ratio: float, lookback: int,
                 predict: int) -> dict[str, PanelSegments]:
-    """Cut every series by time into train / val / (test when test_ratio > 0) index ranges.
-
-    Raises ValueError naming each series too short to give one window per split (train needs lookback + predict
-    rows, val and test need predict rows of their own).
-    """
+    """Cut every series by time into train / val / (test when test_ratio > 0) index ranges; ValueError naming each
+    series too short for one window per split (train needs lookback + predict rows, val and test predict rows)."""
     lengths = panel.lengths()
     offsets = np.asarray(panel.offsets, dtype=np.int64)
     bounds = np.array([split_bounds(int(n), train_ratio, val_ratio) for n in lengths], dtype=np.int64).reshape(-1, 2)
@@ -143,15 +140,10 @@ _SALT = 0x4B524F4E  # separates the in-block seeds from the block-order seed
 
 
 class EpochOrder:
-    """The windows chosen for one epoch, all ranks, as consecutive chunks (int32/int64 arrays).
-
-    Args:
-        n: windows in the data set.
-        seed, epoch: the order is a pure function of these (and of n and the options below).
-        shuffle: False = ascending order (a capped subset is drawn at random, then sorted).
-        max_samples: use only the first m = min(max_samples, n) windows of the order (None = all).
-        world_size, drop_remainder: the total is m - m % world_size when drop_remainder.
-        exact_limit, block_size: the regime switch and the block size (see the module docstring).
+    """The windows chosen for one epoch, all ranks, as consecutive chunks (int32/int64 arrays), a pure function of
+    (n, seed, epoch) and the options: shuffle False = ascending (a capped subset is drawn at random, then sorted);
+    only the first m = min(max_samples, n) windows of the order; m - m % world_size of them when drop_remainder.
+    Up to `exact_limit` windows the order is one full permutation, above it blocks of `block_size` are shuffled.
     """
 
     def __init__(self, n: int, seed: int, epoch: int, *, shuffle: bool = True, max_samples: int | None = None,
@@ -243,11 +235,8 @@ class SeriesArrays:
 
 
 def panel_from_series(series: Sequence[SeriesArrays | tuple[np.ndarray, np.ndarray]]) -> SeriesPanel:
-    """Per-series arrays -> one `SeriesPanel` (one copy), after checking every series' shapes (names in messages).
-
-    Parameters: series: `SeriesArrays` or `(features (N_s, F), stamps (N_s, 5))` pairs.
-    Returns: the panel, features float32 (F, sum N_s) feature-major, stamps int64 (sum N_s, 5).
-    """
+    """`SeriesArrays` or `(features (N_s, F), stamps (N_s, 5))` pairs -> one `SeriesPanel` (one copy), after checking
+    every series' shapes."""
     items = [s if isinstance(s, SeriesArrays) else SeriesArrays(s[0], s[1], f"series {i}")
              for i, s in enumerate(series)]
     if not items:
@@ -273,19 +262,12 @@ def _as_block(array: np.ndarray, dtype: type) -> np.ndarray:
 class WindowDataset(Dataset):
     """All windows of length `lookback + predict` (every `stride` rows) inside each series of a `SeriesPanel`.
 
-    Args:
-        data: a `SeriesPanel` (used as it is: float32 C-contiguous features and int64 stamps are not copied, so an
-            np.memmap panel stays memory-mapped), or a list of `SeriesArrays` / `(features, stamps)` pairs, which
-            are concatenated into a panel once (same as `WindowDataset.from_series`).
-        lookback: rows of context; the normalisation statistics come from these rows only.
-        predict: rows after the context that the window also contains.
-        stride: distance between consecutive window starts (1 = every row).
-        clip: normalised values are clipped to [-clip, clip].
-        ranges: optional (start, stop), int64 (S,) each: series s reads only panel columns [start[s], stop[s])
-            (a time split of a shared panel as index ranges, e.g. finetune/utils/windows.py; ranges may
-            overlap, as a val split's context overlaps train). None = every series whole.
-    Series shorter than a window give no windows; they are listed in `short_series` (name, rows) so the pipeline
-    can report them. A dataset with no window at all raises ValueError.
+    data: a `SeriesPanel` (used as it is: an np.memmap panel stays memory-mapped), or `SeriesArrays` /
+        `(features, stamps)` pairs, concatenated into a panel once. The normalisation uses the lookback rows only.
+    ranges: optional (start, stop), int64 (S,) each: series s reads only panel columns [start[s], stop[s]) (a time
+        split as index ranges; they may overlap, as a val split's context overlaps train).
+    Series shorter than a window give no windows and are listed in `short_series` (name, rows); a dataset with no
+    window at all raises ValueError.
     """
 
     def __init__(
@@ -345,20 +327,10 @@ class WindowDataset(Dataset):
             self.stamps, (n_rows - w + 1, w, N_STAMP_COLUMNS), (self.stamps.strides[0],) + self.stamps.strides,
             writeable=False)
 
-    @classmethod
-    def from_series(cls, series: Sequence[SeriesArrays | tuple[np.ndarray, np.ndarray]], lookback: int,
-                    predict: int, *, stride: int = 1, clip: float = 5.0) -> WindowDataset:
-        """Convenience constructor from per-series arrays (features (N_s, F), stamps (N_s, 5)); copies them once."""
-        return cls(panel_from_series(series), lookback, predict, stride=stride, clip=clip)
-
     @property
     def features(self) -> np.ndarray:
         """All series' features, (sum N, F) (a view of the feature-major block)."""
         return self.features_t.T
-
-    @property
-    def n_features(self) -> int:
-        return int(self.features.shape[1])
 
     def __len__(self) -> int:
         return int(self.cum_windows[-1])
@@ -377,15 +349,13 @@ class WindowDataset(Dataset):
         series, start = self.locate(np.asarray(indices, dtype=np.int64))
         return self.row_offsets[series] + start  # (B,) global first row of each window
 
-    _starts = starts
-
     def get_batch(self, indices: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Windows `indices` as one batch, vectorised: x (B, W, F) float32, x_stamp (B, W, 5) int64.
 
         x is normalised with the mean and population std (ddof=0, as at inference) of its lookback rows only,
         `(x - mean) / (std + 1e-5)`, then clipped to [-clip, clip].
         """
-        starts = self._starts(np.asarray(indices, dtype=np.int64))
+        starts = self.starts(np.asarray(indices, dtype=np.int64))
         x = self._feature_windows[starts]  # (B, F, W) copy
         past = x[:, :, : self.lookback]
         mean = past.mean(axis=2, keepdims=True)  # (B, F, 1)
@@ -410,7 +380,7 @@ class EpochSampler(Sampler[int]):
     """Which windows this rank reads in an epoch: a pure function of (seed, epoch, rank), so runs are reproducible.
 
     Per epoch: (a) all windows are permuted with a generator seeded by (seed, epoch) (or kept in order when
-    `shuffle=False`; above `exact_limit` windows, 16.8M, by the blocked streaming order of epoch_order.py);
+    `shuffle=False`; above `exact_limit` windows, 16.8M, by the blocked streaming order of `EpochOrder`);
     (b) when `max_samples` is set and smaller than the dataset, the first `max_samples` of that permutation are used:
     a fresh seeded subset every epoch (Qlib's n_train_iter / n_val_iter); (c) the chosen windows are dealt
     round-robin to the ranks (`chosen[rank::world_size]`), so every chosen window is read exactly once across ranks
@@ -450,10 +420,8 @@ class EpochSampler(Sampler[int]):
         self.drop_remainder = drop_remainder
         self.epoch = 0
         self.skip = 0
-        self.exact_limit = EXACT_LIMIT
-        """Windows up to which the original full permutation is the order (see epoch_order.py)."""
+        self.exact_limit = EXACT_LIMIT  # see EpochOrder (tests lower both to reach the blocked order)
         self.block_size = BLOCK_SIZE
-        """Windows per block of the blocked order used above `exact_limit`."""
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         """Select the epoch (changes the order/subset) and how many of this rank's windows to skip (resume)."""
@@ -461,8 +429,7 @@ class EpochSampler(Sampler[int]):
         self.skip = int(skip)
 
     def order(self, epoch: int | None = None) -> EpochOrder:
-        """The epoch's order (finetune/utils/windows.py: today's exact permutation up to `exact_limit`
-        windows, a blocked streaming order above)."""
+        """The epoch's order (an `EpochOrder`)."""
         return EpochOrder(self.num_samples, self.seed, self.epoch if epoch is None else epoch, shuffle=self.shuffle,
                           max_samples=self.max_samples, world_size=self.world_size,
                           drop_remainder=self.drop_remainder, exact_limit=self.exact_limit,
@@ -541,15 +508,8 @@ def make_loader(
     if not hasattr(dataset, "get_batch"):  # any other map-style dataset: item fetches + default collation
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                           pin_memory=pin_memory, generator=epoch_generator(seed, epoch, sampler.rank), **kwargs)
-    return DataLoader(
-        dataset,
-        batch_size=None,
-        sampler=batches,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        generator=epoch_generator(seed, epoch, sampler.rank),
-        **kwargs,
-    )
+    return DataLoader(dataset, batch_size=None, sampler=batches, num_workers=num_workers, pin_memory=pin_memory,
+                      generator=epoch_generator(seed, epoch, sampler.rank), **kwargs)
 
 
 def batches_per_epoch(samples: int, batch_size: int) -> int:
