@@ -169,13 +169,20 @@ def test_killed_run_resumed_ends_with_the_same_weights_as_an_uninterrupted_run(t
     args = ["predictor", "--dropout", "0.1", "--set", "teacher_forcing=false", "--set", "max_train_samples=16",
             "--set", "save_every_steps=2", "--set", "num_workers=1"]
 
-    def run(out: Path, **env) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(WORKER), args[0], str(out), *args[1:]], capture_output=True,
-                              text=True, timeout=240, env={**os.environ, **env})
+    def start(out: Path, **env) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(WORKER), args[0], str(out), *args[1:]], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
 
-    whole = run(tmp_path / "whole")
-    assert whole.returncode == 0, whole.stderr
+    def run(out: Path, **env) -> subprocess.CompletedProcess:
+        proc = start(out, **env)
+        stdout, stderr = proc.communicate(timeout=240)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+    started = start(tmp_path / "whole")  # the uninterrupted run, beside the killed one (separate folders)
     killed = run(tmp_path / "resumed", **{FAULT_ENV: "3"})
+    whole = subprocess.CompletedProcess(started.args, 0, *started.communicate(timeout=240))
+    whole.returncode = started.returncode
+    assert whole.returncode == 0, whole.stderr
     assert killed.returncode == 17, killed.stderr  # the fault hook's exit code: it really died mid-run
     assert load_checkpoint(tmp_path / "resumed/checkpoints/last.pt")["loop"]["global_step"] == 2
     resumed = run(tmp_path / "resumed")

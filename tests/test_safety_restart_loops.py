@@ -1,5 +1,6 @@
-"""Kill and stop loops: a run SIGKILLed at random moments (>= 10 times, a checkpoint every step) or stopped with
-SIGTERM, and re-run each time with the same command, ends with weights EQUAL to an uninterrupted run - in one
+"""Kill and stop loops: a run SIGKILLed 5 times (3 under torchrun; a checkpoint every step; kills in both epochs, one
+right after the epoch boundary, each at a random moment within a step) or stopped with SIGTERM (twice; once under
+torchrun), and re-run each time with the same command, ends with weights EQUAL to an uninterrupted run - in one
 process and under torchrun with 2 gloo processes. Also: a locked folder refuses all ranks cleanly."""
 
 from __future__ import annotations
@@ -23,15 +24,16 @@ pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("engine_dist_worker.py")
 ROOT = Path(__file__).resolve().parents[1]
-# Predictor with dropout and sampled s1 (the RNG streams must resume too); 20 windows / batch 2 = 10 steps per epoch,
-# 2 epochs = 20 steps, a checkpoint after every step; each batch fetch takes 50 ms so a kill can land mid-run.
+# Predictor with dropout and sampled s1 (the RNG streams must resume too); 10 windows / batch 2 = 5 steps per epoch,
+# 2 epochs = 10 steps, a checkpoint after every step (the 2 newest kept: every save from step 3 on rotates one out);
+# each batch fetch takes 50 ms so a kill can land mid-step.
 ARGS = ["predictor", "--dropout", "0.1", "--batch-seconds", "0.05", "--set", "teacher_forcing=false",
-        "--set", "max_train_samples=20", "--set", "batch_size=2", "--set", "save_every_steps=1"]
-STEPS = 20
+        "--set", "max_train_samples=10", "--set", "batch_size=2", "--set", "save_every_steps=1"]
+STEPS_PER_EPOCH, STEPS = 5, 10
 
 
 def command(out: Path, nproc: int) -> list[str]:
-    """The run's command; under torchrun each rank takes 1 window per step (the same 20 steps)."""
+    """The run's command; under torchrun each rank takes 1 window per step (the same 10 steps)."""
     launcher = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     per_rank = [] if nproc == 1 else ["--set", "batch_size=1"]
@@ -73,26 +75,34 @@ def newest_step(out: Path) -> int:
     return found[0][0] if found else 0
 
 
+def kill_targets(times: int, rng: random.Random) -> list[int]:
+    """`times` checkpoint steps to interrupt after, increasing: about half in epoch 1, one at the epoch boundary (the
+    last step of epoch 1: validation and best-model writing follow it), the rest in epoch 2 (never the last step)."""
+    first = times // 2
+    return [*sorted(rng.sample(range(1, STEPS_PER_EPOCH), first)), STEPS_PER_EPOCH,
+            *sorted(rng.sample(range(STEPS_PER_EPOCH + 1, STEPS - 1), times - 1 - first))]
+
+
 def interrupt_loop(
     out: Path, nproc: int, sig: int, times: int, rng: random.Random
-) -> list[subprocess.CompletedProcess]:
-    """Start the run, wait until it saved a new checkpoint, wait a random moment (0-2 steps), send `sig` to the
-    whole process group; `times` times. Then run it to the end. Returns the interrupted runs' results."""
+) -> list[tuple[int, subprocess.CompletedProcess]]:
+    """For each of `kill_targets`: start the run, wait until it saved the target step (and at least one new step),
+    wait a random moment (0-1.6 steps), send `sig` to the whole process tree. Then run it to the end. Returns the
+    newest checkpoint step at each interruption, with the interrupted run's result."""
     interrupted = []
-    while len(interrupted) < times:
-        before = newest_step(out)
+    for target in kill_targets(times, rng):
+        target = max(target, newest_step(out) + 1)
         proc = subprocess.Popen(command(out, nproc), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=env(), start_new_session=True)
         deadline = time.monotonic() + 120
-        while newest_step(out) <= before and proc.poll() is None and time.monotonic() < deadline:
+        while newest_step(out) < target and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        if proc.poll() is not None:  # finished before we could interrupt it: nothing left to test
-            assert proc.returncode == 0, proc.stderr.read()[-3000:]
-            break
+        assert proc.poll() is None, f"the run ended before it could be interrupted after step {target}: " + (
+            proc.stderr.read()[-3000:])
         time.sleep(rng.uniform(0.0, 0.08))
         signal_tree(proc.pid, sig)
         stdout, stderr = proc.communicate(timeout=120)
-        interrupted.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+        interrupted.append((newest_step(out), subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)))
     final = subprocess.run(command(out, nproc), capture_output=True, text=True, env=env(), timeout=300)
     assert final.returncode == 0, final.stderr[-3000:]
     return interrupted
@@ -122,17 +132,19 @@ def assert_same_run(out: Path, expected: dict[str, torch.Tensor]) -> None:
 
 def test_sigkill_at_random_moments_then_rerun_gives_the_uninterrupted_weights(tmp_path, reference):
     nproc, expected = reference
-    runs = interrupt_loop(tmp_path, nproc, signal.SIGKILL, times=10, rng=random.Random(nproc))
-    assert len(runs) == 10, "the run finished before it could be killed 10 times"
-    assert all(r.returncode != 0 for r in runs)
+    # 5 kills in one process; 3 under torchrun (before, at and after the epoch boundary: each relaunch is 3 processes)
+    runs = interrupt_loop(tmp_path, nproc, signal.SIGKILL, times=5 if nproc == 1 else 3, rng=random.Random(nproc))
+    assert all(r.returncode != 0 for _, r in runs)
+    saved = [step for step, _ in runs]
+    assert saved == sorted(set(saved)) and saved[0] < STEPS_PER_EPOCH < saved[-1] < STEPS, saved  # both epochs
     assert_same_run(tmp_path, expected)
 
 
 def test_sigterm_stops_save_then_rerun_gives_the_uninterrupted_weights(tmp_path, reference):
     nproc, expected = reference
-    runs = interrupt_loop(tmp_path, nproc, signal.SIGTERM, times=3, rng=random.Random(10 + nproc))
-    assert len(runs) == 3
-    for r in runs:
+    # two stops in one process (a resumed run stopped again); one under torchrun (all ranks agree and save)
+    runs = interrupt_loop(tmp_path, nproc, signal.SIGTERM, times=2 if nproc == 1 else 1, rng=random.Random(10 + nproc))
+    for _, r in runs:
         assert "stopped on SIGTERM at step" in r.stderr, r.stderr[-3000:]
         assert "quitting now without saving" not in r.stderr
         if nproc == 1:
