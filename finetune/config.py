@@ -41,23 +41,6 @@ from finetune.utils.config_utils import (
     warn_shadowed_overrides,
 )
 
-__all__ = [
-    "DEFAULT_BENCHMARKS",
-    "SIGNALS",
-    "BacktestConfig",
-    "DataConfig",
-    "ForecastConfig",
-    "ModelConfig",
-    "PathsConfig",
-    "QlibConfig",
-    "QlibTrainingConfig",
-    "StageConfig",
-    "WalkForwardConfig",
-    "check_model_folder",
-    "cli_parser",
-    "load",
-]
-
 # Signals from a forecast of `predict` closes: predicted return of the last / mean / max / min close
 # relative to the last observed close.
 SIGNALS = ("last", "mean", "max", "min")

@@ -30,19 +30,6 @@ from finetune.utils.store import SeriesPanel, StoreError, open_store, write_pane
 from finetune.utils.windows import WindowDataset
 from model.features import FEATURES
 
-__all__ = [
-    "FORMAT",
-    "MANIFEST_NAME",
-    "SPLITS",
-    "build_train_val_datasets",
-    "build_window_dataset",
-    "check_processed",
-    "load_split",
-    "read_manifest",
-    "save_split",
-    "split_path",
-]
-
 log = logging.getLogger("finetune.qlib")
 
 SPLITS = ("train", "val", "test")

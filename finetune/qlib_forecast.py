@@ -31,21 +31,6 @@ log = logging.getLogger("finetune.qlib")
 # contexts (B, L, F) raw, context stamps (B, L, 5), forecast stamps (B, P, 5) -> predicted closes (B, P)
 Forecaster = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
-__all__ = [
-    "SIGNAL_HORIZON",
-    "Forecaster",
-    "context_rows",
-    "extend_calendar",
-    "forecast_dates",
-    "forecast_frame",
-    "forecast_window_ends",
-    "kronos_forecaster",
-    "make_ic_val_metric",
-    "panel_labels",
-    "signal_horizon",
-    "signals_from_closes",
-]
-
 
 def signal_horizon(signal: str, predict: int) -> int:
     """The label horizon a signal forecasts: P for last / max / min, ceil(P / 2) for mean, 1 for anything else

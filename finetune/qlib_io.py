@@ -25,27 +25,6 @@ from finetune.utils.config_utils import Problems
 from finetune.utils.store import N_STAMP_COLUMNS, SeriesPanel
 from model.features import FEATURES, calc_time_stamps
 
-__all__ = [
-    "CLOSE",
-    "QLIB_FIELDS",
-    "FrameReport",
-    "benchmark_label",
-    "check_qlib_folder",
-    "check_ranges_in_calendar",
-    "date_range",
-    "datetimes_ns",
-    "frame_to_panel",
-    "init_qlib",
-    "load_frame",
-    "load_range",
-    "membership_mask",
-    "range_bounds",
-    "read_calendar",
-    "stamps_from_ns",
-    "time_major",
-    "universe_spans",
-]
-
 # Qlib expressions read for open, high, low, close, volume (+ $vwap when data.amount_source is vwap).
 QLIB_FIELDS = ["$open", "$high", "$low", "$close", "$volume", "$vwap"]
 CLOSE = FEATURES.index("close")  # row of close in a panel's features (F, N)

@@ -25,8 +25,6 @@ from finetune.utils.training_utils import train_predictor, train_tokenizer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StageSpec", "check_inputs", "run_stage"]
-
 
 @dataclass(frozen=True)
 class StageSpec:

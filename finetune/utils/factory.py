@@ -21,10 +21,6 @@ from finetune.utils.config_utils import Problems
 from model import Kronos, KronosTokenizer
 from model.config import KronosConfig, KronosTokenizerConfig
 
-__all__ = ["build_tokenizer", "build_predictor"]
-
-
-
 
 def build_tokenizer(pretrained: str | None, arch: KronosTokenizerConfig, key: str = "model") -> KronosTokenizer:
     """The tokenizer to finetune: `pretrained` loaded (folder or hub id), or a fresh one built from `arch`.

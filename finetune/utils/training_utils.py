@@ -1110,15 +1110,6 @@ def train_predictor(
 
 
 @torch.no_grad()
-def evaluate_tokenizer(
-    tokenizer: nn.Module, dataset: Dataset, cfg: TrainingConfig, dist: DistInfo, epoch: int = 0
-) -> dict[str, float]:
-    """Tokenizer loss averaged over validation windows (all ranks), e.g. {"val_loss": .., "val_recon": ..}."""
-    stage = TokenizerStage(tokenizer.to(dist.device))
-    return evaluate(stage, tokenizer, dataset, val_sampler(dataset, cfg, dist), cfg, dist, epoch)
-
-
-@torch.no_grad()
 def evaluate_predictor(
     predictor: nn.Module, tokenizer: nn.Module, dataset: Dataset, cfg: TrainingConfig, dist: DistInfo, epoch: int = 0
 ) -> dict[str, float]:
