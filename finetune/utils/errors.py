@@ -248,7 +248,7 @@ def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None
             print(format_error(exc, code), file=sys.stderr)
             if debug:
                 traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
-            elif code != EXIT_INTERRUPTED:
+            elif code not in (EXIT_INTERRUPTED, EXIT_STOPPED):  # a stop that saved is no failure to debug
                 print(_DEBUG_HINT, file=sys.stderr)
         else:
             traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
