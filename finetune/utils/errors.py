@@ -16,9 +16,7 @@ An exception's class says what it is: every user-facing error subclasses `UserEr
     75   TrainingStopped: stopped on SIGTERM / first Ctrl-C after saving; the same command resumes
     130  KeyboardInterrupt (a second Ctrl-C)
 
-A plain ValueError / RuntimeError / ArithmeticError whose innermost frame is in this project's packages (not
-in numpy/torch/pandas) is still reported as a data error (3): a check written before the classes existed.
-New checks raise a `UserError` subclass.
+Any other exception is a bug, however it was raised: a check of the user's input raises a `UserError` subclass.
 
 Also here: one logging setup for every entry point and the engine (rank 0 speaks, the other ranks only warn) and
 the per-stage train.log.
@@ -57,8 +55,6 @@ _FULL_DISK = (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC))
 OPTIONAL_MODULES = {"qlib": "qlib", "tensorboard": "tensorboard"}
 PACKAGE_NAME = "kronos-finetune"
 
-_PROJECT_DIRS = ("model", "finetune", "finetune_csv", "scripts")  # a plain ValueError raised here is a user error
-_ROOT = Path(__file__).resolve().parents[2]
 _DEBUG_FLAG = "--debug"
 _DEBUG_HINT = f"(add {_DEBUG_FLAG} or set KRONOS_DEBUG=1 to see the traceback)"
 
@@ -138,10 +134,6 @@ def classify(exc: BaseException) -> tuple[int, bool]:
         return EXIT_PATH, True
     if isinstance(exc, OSError) and exc.errno in _FULL_DISK:  # the machine's state, not a bug: no traceback
         return EXIT_DATA, True
-    if isinstance(exc, (ValueError, RuntimeError, ArithmeticError)) and _raised_by_project(exc):
-        if isinstance(exc.__cause__, BaseException) and classify(exc.__cause__) == (EXIT_PATH, True):
-            return EXIT_PATH, True  # e.g. load_pretrained's message naming the key, from a failed Hub lookup
-        return EXIT_DATA, True
     return EXIT_BUG, False
 
 
@@ -152,20 +144,6 @@ def _is_hub_error(exc: BaseException) -> bool:
     kinds = tuple(getattr(mod, n) for n in ("HfHubHTTPError", "LocalEntryNotFoundError", "OfflineModeIsEnabled",
                                             "RepositoryNotFoundError", "RevisionNotFoundError") if hasattr(mod, n))
     return bool(kinds) and isinstance(exc, kinds)
-
-
-def _raised_by_project(exc: BaseException) -> bool:
-    """True when the innermost frame of `exc`'s traceback is a file of this project's packages."""
-    tb = exc.__traceback__
-    if tb is None:
-        return False
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    try:
-        rel = Path(tb.tb_frame.f_code.co_filename).resolve().relative_to(_ROOT)
-    except (ValueError, OSError):
-        return False
-    return bool(rel.parts) and rel.parts[0] in _PROJECT_DIRS
 
 
 def format_error(exc: BaseException, code: int) -> str:
