@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from finetune.utils.config_utils import Problems, TrainingConfig, config_to_dict, plain, stage_key
-from finetune.utils.errors import ConfigError, DataError, UserError
+from finetune.utils.errors import EXIT_PATH, ConfigError, DataError, PathError, UserError, classify
 from model.fileio import atomic_dir, atomic_write, write_json
 
 CHECKPOINT_FORMAT = "kronos-finetune/last-v1"
@@ -127,12 +127,13 @@ def write_extras(tmp: Path, extra_json: dict[str, Any] | None, extra_models: dic
 
 
 def load_pretrained(cls: Any, source: str | Path, key: str) -> Any:
-    """`cls.from_pretrained(source)` (a published-format folder or Hub id), failing with a ValueError that names
-    the YAML key to change."""
+    """`cls.from_pretrained(source)` (a published-format folder or Hub id), failing with a PathError (nothing found)
+    or DataError (found but unreadable) that names the YAML key to change."""
     try:
         return cls.from_pretrained(source)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
-        raise ValueError(f"{key}: cannot load {cls.__name__} from '{source}': {e}\n  set {key} to a folder with "
+        kind = PathError if classify(e)[0] == EXIT_PATH else DataError  # a Hub lookup error counts as not found
+        raise kind(f"{key}: cannot load {cls.__name__} from '{source}': {e}\n  set {key} to a folder with "
                          "config.json + model.safetensors (or a Hub id)") from e
 
 
