@@ -21,6 +21,7 @@ import torch
 import yaml
 
 from finetune.synthetic import generate_ohlcv, write_csv_folder
+from finetune.utils.errors import PathError
 from finetune_csv import train_sequential
 from finetune_csv.config import load
 from finetune_csv.forecast import run_forecast
@@ -195,7 +196,7 @@ def test_skip_tokenizer_without_any_tokenizer_is_an_error(tmp_path):
 
 def test_missing_pretrained_folder_names_the_setting(tmp_path):
     config = make_run(tmp_path)
-    with pytest.raises(ValueError, match="model.pretrained_tokenizer"):
+    with pytest.raises(PathError, match="model.pretrained_tokenizer"):
         train_sequential.main(["--config", str(config), "--set", f"model.pretrained_tokenizer={tmp_path / 'nope'}"])
     assert not (tmp_path / "out").exists()
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from finetune.utils.config_utils import ModelConfig, Problems
+from finetune.utils.errors import PathError
 from finetune.utils.factory import build_predictor, build_tokenizer
 from model import Kronos, KronosTokenizer
 from model.config import KronosConfig, KronosTokenizerConfig
@@ -46,7 +47,7 @@ def test_bits_that_differ_from_the_tokenizer_name_the_keys(tmp_path):
 
 
 def test_missing_folder_and_bad_arch_are_errors_naming_the_setting(tmp_path):
-    with pytest.raises(ValueError, match="model.pretrained_tokenizer"):
+    with pytest.raises(PathError, match="model.pretrained_tokenizer"):
         build_tokenizer(str(tmp_path / "nope"), TOK_ARCH, "model")
     with pytest.raises(ValueError, match=r"model\.tokenizer_arch\.n_heads"):
         build_tokenizer(None, KronosTokenizerConfig(d_model=30, n_heads=4), "model")
