@@ -1,7 +1,7 @@
 """Settings of the CSV finetuning pipeline: typed dataclasses filled from YAML, validated up front.
 
 A YAML file in configs/ fills `CsvFinetuneConfig`; `--set training.epochs=3`-style overrides are applied on top
-(see `load`). `validate()` checks every setting at once and raises ONE ValueError listing each problem with
+(see `load`). `validate()` checks every setting at once and raises ONE ConfigError listing each problem with
 the YAML key to change, before any data is read or any folder is created. Keys shared with the Qlib pipeline
 (model:, data.lookback / predict / clip, training:, the stage sections, the sampling keys of forecast:) have the
 same names and defaults there (finetune/utils/factory.py, forecast_config.py, stage_config.py).
@@ -14,7 +14,6 @@ Also here:
 from __future__ import annotations
 
 import copy
-import datetime
 import json
 import logging
 import math
@@ -31,15 +30,13 @@ from finetune.utils.config_utils import (
     Problems,
     SamplingConfig,
     StageConfig,
+    StagedConfig,
     TrainingConfig,
-    apply_stage,
     build_config,
     get_dotted,
     parse_overrides,
     read_yaml,
     set_dotted,
-    validate_stage,
-    validate_training_config,
     warn_shadowed_overrides,
 )
 from finetune.utils.errors import ConfigError, DataError
@@ -135,9 +132,9 @@ class DataConfig:
     split: str | None = None
     """by_date (every series cut at the same dates) | per_series (each by its own rows); null = by_date when the
     series overlap in time, else per_series."""
-    train_end: str | datetime.date | None = None
+    train_end: str | None = None
     """by_date: first date of the validation period (e.g. 2015-01-01); null = from the ratios."""
-    val_end: str | datetime.date | None = None
+    val_end: str | None = None
     """by_date with train_end: first date of the test period; null = no test split (validation runs to the end)."""
     bad_candles: str = "error"
     """A high below max(open, close) or a low above min(open, close): error | warn (train on them, warned)."""
@@ -224,7 +221,7 @@ class WalkForwardConfig:
 
 
 @dataclass
-class CsvFinetuneConfig:
+class CsvFinetuneConfig(StagedConfig):
     """Everything the CSV pipeline needs; one YAML file fills it."""
 
     data: DataConfig = field(default_factory=DataConfig)
@@ -248,10 +245,6 @@ class CsvFinetuneConfig:
     def base_dir(self) -> Path:
         """The run's output folder ({exp_name} is filled in when the YAML is loaded)."""
         return Path(self.paths.base_dir)
-
-    def stage_training(self, stage: Literal["tokenizer", "predictor"]) -> TrainingConfig:
-        """The engine's settings for `stage`: `training:` with the stage's non-null overrides applied."""
-        return apply_stage(self.training, getattr(self, f"{stage}_training"))
 
     @property
     def store_dir(self) -> Path:
@@ -293,11 +286,13 @@ def load(config_path: str | Path | None, overrides: Sequence[str] = (),
 
 
 def validate(cfg: CsvFinetuneConfig) -> None:
-    """Check every setting; raise ONE ValueError (ConfigError) listing each problem with the YAML key to change."""
+    """Check every setting; raise ONE ConfigError listing each problem with the YAML key to change."""
     problems = Problems("Invalid CSV finetuning configuration")
     _check_data(cfg.data, problems)
     cfg.model.check(problems, "model")
-    _check_training(cfg, problems)
+    # epochs 0 = skip the stage
+    cfg.check_training(problems, {"loss": "validation token loss", "crps": "forecast CRPS on validation windows"},
+                       min_epochs=0)
     _check_paths(cfg.paths, problems)
     _check_forecast(cfg.forecast, problems)
     _check_walk_forward(cfg.walk_forward, cfg.data.predict, problems)
@@ -335,8 +330,6 @@ def _check_data(d: DataConfig, p: Problems) -> None:
     p.check(d.bad_candles in ("error", "warn"), "data.bad_candles", f"must be error or warn, got {d.bad_candles!r}")
     dates = {}
     for key in ("train_end", "val_end"):
-        if isinstance(getattr(d, key), datetime.date):  # YAML reads 2015-01-01 as a date: keep it as text
-            setattr(d, key, getattr(d, key).isoformat())
         try:
             dates[key] = None if getattr(d, key) is None else pd.Timestamp(getattr(d, key))
         except (ValueError, TypeError):
@@ -348,15 +341,6 @@ def _check_data(d: DataConfig, p: Problems) -> None:
         if dates.get("train_end") is not None and dates.get("val_end") is not None:
             p.check(dates["train_end"] < dates["val_end"], "data.val_end",
                     f"must be after data.train_end ({d.train_end}), got {d.val_end}")
-
-
-def _check_training(cfg: CsvFinetuneConfig, p: Problems) -> None:
-    validate_training_config(cfg.training, p, prefix="training")
-    p.check(cfg.training.select_by in ("loss", "crps"), "training.select_by",
-            f"must be 'loss' (validation token loss) or 'crps' (forecast CRPS on validation windows), "
-            f"got {cfg.training.select_by!r}")
-    for key in ("tokenizer_training", "predictor_training"):
-        validate_stage(getattr(cfg, key), key, p, min_epochs=0)  # epochs 0 = skip the stage
 
 
 def _check_paths(paths: PathsConfig, p: Problems) -> None:
@@ -418,14 +402,14 @@ def predictor_tokenizer_source(cfg: CsvFinetuneConfig) -> str:
     interrupted = stage_status(folder) == "unfinished" and any(
         (folder / name).exists() for name in ("checkpoints", "run_info.json", "metrics.jsonl"))
     if interrupted:  # never train or forecast on a half-trained tokenizer (issue 8, observation 6)
-        raise ValueError(f"the tokenizer stage in {folder} is unfinished: run it to the end first (drop "
-                         "--skip-tokenizer; it resumes where it stopped) or use another paths.base_dir")
+        raise DataError(f"the tokenizer stage in {folder} is unfinished: run it to the end first (drop "
+                        "--skip-tokenizer; it resumes where it stopped) or use another paths.base_dir")
     if (finetuned / "config.json").is_file():  # a finished stage's model, or one placed there by hand
         return str(finetuned)
     if cfg.model.pretrained_tokenizer is not None:
         return cfg.model.pretrained_tokenizer
-    raise ValueError(f"no trained tokenizer in {finetuned} and model.pretrained_tokenizer is null: train the "
-                     "tokenizer first (drop --skip-tokenizer) or set model.pretrained_tokenizer")
+    raise ConfigError([f"model.pretrained_tokenizer: is null and there is no trained tokenizer in {finetuned}: "
+                       "train the tokenizer first (drop --skip-tokenizer) or set model.pretrained_tokenizer"])
 
 
 log = logging.getLogger("finetune_csv.config")
@@ -470,10 +454,7 @@ def _base_save_path(value: Any, raw: Mapping[str, Any]) -> Outcome:
 
 
 def _stage_switch(stage: str) -> Callable[[Any, Mapping[str, Any]], Outcome]:
-    def convert(value: Any, raw: Mapping[str, Any]) -> Outcome:
-        return [] if value else [(f"{stage}_training.epochs", 0)]  # 0 epochs = the stage is skipped
-
-    return convert
+    return lambda value, raw: [] if value else [(f"{stage}_training.epochs", 0)]  # 0 epochs = the stage is skipped
 
 
 def _from_scratch(kind: str) -> Callable[[Any, Mapping[str, Any]], Outcome]:

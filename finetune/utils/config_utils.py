@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import datetime
 import difflib
 import functools
 import importlib.util
@@ -75,9 +76,6 @@ class Problems:
     def __bool__(self) -> bool:
         return bool(self.items)
 
-    def __len__(self) -> int:
-        return len(self.items)
-
     def raise_if_any(self) -> None:
         """Raise one `ConfigError` listing every collected problem (does nothing when there are none)."""
         if self.items:
@@ -120,8 +118,6 @@ def build_config(cls: type[T], raw: Mapping[str, Any], overrides: Iterable[str] 
                  values: Mapping[str, Any] | None = None) -> T:
     """`load_config` on a mapping already read (`source` names it in the error title); `values` {dotted key:
     value} are applied after the overrides, typed as they are."""
-    if not dataclasses.is_dataclass(cls):
-        raise TypeError(f"build_config expects a dataclass type, got {cls!r}")
     raw = dict(raw)
     problems = Problems(f"Invalid configuration from {source or '<defaults>'}")
     for key, value in _parse_overrides(overrides, problems):
@@ -255,7 +251,7 @@ def _build(cls: type, raw: Any, prefix: str, problems: Problems) -> Any:
                 kwargs[name] = _build(hints[name], {}, key, problems)
             else:
                 problems.add(key, "missing required value")
-    if len(problems):
+    if problems:
         # Do not call the constructor with half-converted values; the caller raises anyway.
         try:
             return cls(**kwargs)
@@ -329,6 +325,8 @@ def _convert(value: Any, tp: Any, key: str, problems: Problems) -> Any:
             return value
         return float(value)
     if tp is str:
+        if isinstance(value, datetime.date):  # YAML reads an unquoted 2024-07-01 as a date: keep it as ISO text
+            return value.isoformat()
         if isinstance(value, Mapping) and value and all(v is None for v in value.values()):
             problems.add(key, f"expected str, got {_show(value)}; quote templates in YAML: \"{{{next(iter(value))}}}\"")
         elif not isinstance(value, str):
@@ -541,26 +539,22 @@ class _HelpConfigAction(argparse.Action):
 
 @dataclass(frozen=True)
 class KeyDoc:
-    """One leaf setting."""
+    """One leaf setting: dotted `key` (`training.epochs`), readable `type` (`float | null`), `default` (what a YAML
+    file that leaves the key out gets) and the field's docstring `doc` ('' when it has none)."""
 
     key: str
-    """Dotted YAML key, e.g. `training.epochs`."""
     type: str
-    """Readable type, e.g. `int`, `float | null`, `'error' | 'ffill' | 'drop'`."""
     default: Any
-    """Default value (what a YAML file that leaves the key out gets)."""
     doc: str
-    """The field's docstring (empty when it has none)."""
 
 
 @dataclass(frozen=True)
 class SectionDoc:
-    """A nested dataclass: one YAML mapping."""
+    """A nested dataclass (one YAML mapping): dotted `key` and `doc`, its field docstring, else the class docstring's
+    first line."""
 
     key: str
-    """Dotted key of the section ('' for the top level)."""
     doc: str
-    """The section's docstring (its field docstring, else the class docstring's first line)."""
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -593,8 +587,6 @@ def _own_field_docs(cls: type) -> dict[str, str]:
 
 def describe_config(cls: type, prefix: str = "") -> list[KeyDoc | SectionDoc]:
     """Every section and leaf key of dataclass `cls`: a section's own keys, then its subsections (depth first)."""
-    if not dataclasses.is_dataclass(cls):
-        raise TypeError(f"describe_config expects a dataclass type, got {cls!r}")
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     leaves: list[KeyDoc | SectionDoc] = []
@@ -616,9 +608,7 @@ def describe_config(cls: type, prefix: str = "") -> list[KeyDoc | SectionDoc]:
 def _default(f: dataclasses.Field) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return dataclasses.MISSING
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
 
 
 def type_name(tp: Any) -> str:
@@ -639,20 +629,8 @@ def type_name(tp: Any) -> str:
 
 
 def _show_default(value: Any) -> str:
-    """A default as it would be written in YAML (null, true, "text", [a, b])."""
-    if value is dataclasses.MISSING:
-        return "(required)"
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_show_default(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_show_default(v)}" for k, v in value.items()) + "}"
-    return repr(value)
+    """A default as it would be written in YAML (null, true, "text", [a, b]): JSON is YAML's flow style."""
+    return "(required)" if value is dataclasses.MISSING else json.dumps(value, default=repr)
 
 
 def format_config_help(cls: type, title: str | None = None, width: int = 118) -> str:
@@ -779,39 +757,27 @@ class TrainingConfig:
 def validate_training_config(cfg: TrainingConfig, problems: Problems, prefix: str = "training") -> None:
     """Add every problem of `cfg` to `problems`, each named by its YAML key (`prefix.field`)."""
     k = (lambda name: f"{prefix}.{name}" if prefix else name)
-    problems.check(cfg.epochs >= 1, k("epochs"), f"must be >= 1, got {cfg.epochs}")
-    problems.check(cfg.batch_size >= 1, k("batch_size"), f"must be >= 1, got {cfg.batch_size}")
-    problems.check(cfg.accumulation_steps >= 1, k("accumulation_steps"), f"must be >= 1, got {cfg.accumulation_steps}")
-    problems.check(cfg.lr > 0, k("lr"), f"must be > 0, got {cfg.lr}")
-    problems.check(
-        len(cfg.betas) == 2 and all(0 <= b < 1 for b in cfg.betas), k("betas"),
-        f"need two values in [0, 1), got {cfg.betas}",
-    )
-    problems.check(cfg.weight_decay >= 0, k("weight_decay"), f"must be >= 0, got {cfg.weight_decay}")
+    at_least_one = ("epochs", "batch_size", "accumulation_steps", "log_every_steps", "keep_checkpoints", "lora_rank")
+    positive = ("lr", "div_factor", "final_div_factor", "dist_timeout_s", "lora_alpha")
+    non_negative = ("weight_decay", "num_workers", "save_every_steps", "min_delta")
+    for names, ok, bound in ((at_least_one, lambda v: v >= 1, ">= 1"), (positive, lambda v: v > 0, "> 0"),
+                             (non_negative, lambda v: v >= 0, ">= 0")):
+        for name in names:
+            problems.check(ok(getattr(cfg, name)), k(name), f"must be {bound}, got {getattr(cfg, name)}")
+    problems.check(len(cfg.betas) == 2 and all(0 <= b < 1 for b in cfg.betas), k("betas"),
+                   f"need two values in [0, 1), got {cfg.betas}")
     problems.check(0 < cfg.pct_start < 1, k("pct_start"), f"must be in (0, 1), got {cfg.pct_start}")
-    problems.check(cfg.div_factor > 0, k("div_factor"), f"must be > 0, got {cfg.div_factor}")
-    problems.check(cfg.final_div_factor > 0, k("final_div_factor"), f"must be > 0, got {cfg.final_div_factor}")
-    problems.check(
-        cfg.clip_grad_norm is None or cfg.clip_grad_norm >= 0, k("clip_grad_norm"),
-        f"must be >= 0 or null, got {cfg.clip_grad_norm}",
-    )
+    problems.check(cfg.clip_grad_norm is None or cfg.clip_grad_norm >= 0, k("clip_grad_norm"),
+                   f"must be >= 0 or null, got {cfg.clip_grad_norm}")
     problems.check(cfg.amp in ("none", "bf16"), k("amp"), f"must be 'none' or 'bf16', got {cfg.amp!r}")
-    problems.check(cfg.num_workers >= 0, k("num_workers"), f"must be >= 0, got {cfg.num_workers}")
     for name in ("max_train_samples", "max_val_samples"):
         v = getattr(cfg, name)
         problems.check(v is None or v >= 1, k(name), f"must be >= 1 or null (all windows), got {v}")
-    problems.check(cfg.log_every_steps >= 1, k("log_every_steps"), f"must be >= 1, got {cfg.log_every_steps}")
-    problems.check(cfg.save_every_steps >= 0, k("save_every_steps"), f"must be >= 0, got {cfg.save_every_steps}")
     problems.check(cfg.patience >= 0, k("patience"), f"must be >= 0 (0 = no early stopping), got {cfg.patience}")
-    problems.check(cfg.min_delta >= 0, k("min_delta"), f"must be >= 0, got {cfg.min_delta}")
-    problems.check(cfg.keep_checkpoints >= 1, k("keep_checkpoints"), f"must be >= 1, got {cfg.keep_checkpoints}")
     problems.check(isinstance(cfg.select_by, str) and cfg.select_by.strip() != "", k("select_by"),
                    f"must be 'loss' or a metric name, got {cfg.select_by!r}")
-    problems.check(cfg.dist_timeout_s > 0, k("dist_timeout_s"), f"must be > 0, got {cfg.dist_timeout_s}")
     problems.check(cfg.finetune_mode in ("full", "lora", "freeze"), k("finetune_mode"),
                    f"must be 'full', 'lora' or 'freeze', got {cfg.finetune_mode!r}")
-    problems.check(cfg.lora_rank >= 1, k("lora_rank"), f"must be >= 1, got {cfg.lora_rank}")
-    problems.check(cfg.lora_alpha > 0, k("lora_alpha"), f"must be > 0, got {cfg.lora_alpha}")
     problems.check(0 <= cfg.lora_dropout < 1, k("lora_dropout"), f"must be in [0, 1), got {cfg.lora_dropout}")
     problems.check(cfg.finetune_mode != "lora" or len(cfg.lora_targets) > 0, k("lora_targets"),
                    "must name at least one layer group or module, e.g. [attention]")
@@ -820,7 +786,6 @@ def validate_training_config(cfg: TrainingConfig, problems: Problems, prefix: st
     for key, message in tracker_problems(tensorboard=cfg.tensorboard, mlflow=cfg.mlflow, comet=cfg.comet,
                                          prefix=prefix):
         problems.add(key, message)
-
 
 
 def plain(obj: Any) -> Any:
@@ -854,10 +819,26 @@ class StageConfig:
     """Gradient-norm clip; null = training.clip_grad_norm, whose null means 2.0 (tokenizer) / 3.0 (predictor)."""
 
 
-def apply_stage(training: TrainingConfig, stage: StageConfig) -> TrainingConfig:
-    """`training` with the stage's non-null overrides applied: what the engine runs that stage with."""
-    changed = {f.name: getattr(stage, f.name) for f in dataclasses.fields(stage) if getattr(stage, f.name) is not None}
-    return dataclasses.replace(training, **changed)
+class StagedConfig:
+    """Base of both pipelines' settings, which hold `training:` and the `tokenizer_training:` / `predictor_training:`
+    StageConfig sections."""
+
+    def stage_training(self, stage: Literal["tokenizer", "predictor"]) -> TrainingConfig:
+        """`training` with the stage's non-null overrides applied: what the engine runs that stage with."""
+        section = getattr(self, f"{stage}_training")
+        changed = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
+                   if getattr(section, f.name) is not None}
+        return dataclasses.replace(self.training, **changed)
+
+    def check_training(self, problems: Problems, select_by: Mapping[str, str], min_epochs: int = 1) -> None:
+        """Add the problems of `training:` and both stage sections; `select_by` maps each allowed
+        training.select_by to what it selects by."""
+        validate_training_config(self.training, problems, "training")
+        choices = " or ".join(f"'{name}' ({meaning})" for name, meaning in select_by.items())
+        problems.check(self.training.select_by in select_by, "training.select_by",
+                       f"must be {choices}, got {self.training.select_by!r}")
+        for stage in STAGES:
+            validate_stage(getattr(self, f"{stage}_training"), f"{stage}_training", problems, min_epochs)
 
 
 def stage_key(run_config: Mapping[str, Any] | None, stage: str, name: str) -> str:
