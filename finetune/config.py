@@ -35,6 +35,7 @@ from finetune.utils.config_utils import (
     TrainingConfig,
     add_config_args,
     load_config,
+    parse_date,
     warn_shadowed_overrides,
 )
 
@@ -255,19 +256,6 @@ def load(yaml_path: str | os.PathLike | None = None, overrides: list[str] | tupl
 
 # ----------------------------------------------------------------------------------------------------------------
 # checks (pure: settings only)
-
-
-def parse_date(text: Any, key: str, problems: Problems) -> pd.Timestamp | None:
-    """pd.Timestamp of `text`, or None after recording a problem for `key`."""
-    try:
-        ts = pd.Timestamp(str(text))
-    except (ValueError, TypeError):
-        problems.add(key, f"{text!r} is not a date (use YYYY-MM-DD)")
-        return None
-    if ts is pd.NaT:
-        problems.add(key, f"{text!r} is not a date (use YYYY-MM-DD)")
-        return None
-    return ts
 
 
 def parse_range(value: Any, key: str, problems: Problems) -> tuple[pd.Timestamp, pd.Timestamp] | None:

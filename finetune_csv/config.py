@@ -34,6 +34,7 @@ from finetune.utils.config_utils import (
     TrainingConfig,
     build_config,
     get_dotted,
+    parse_date,
     parse_overrides,
     read_yaml,
     set_dotted,
@@ -66,37 +67,14 @@ class ColumnsConfig:
 
 @dataclass
 class DataConfig:
-    """Where the candles come from and how they are cut into windows.
+    """Where the candles come from and how they are cut into windows (finetune_csv/data.py applies it).
 
-    Policies (also in the README):
-    - unsorted timestamps inside a series are sorted (stable), with a warning naming the file;
-    - duplicate timestamps inside a series are an error (which row is right cannot be guessed);
-    - NaN in a price/volume column follows `nan_policy`: `error` (default) names file, column and row;
-      `ffill` carries the last value forward (a NaN in the first row stays an error); `drop` removes the rows
-      and warns how many. Nothing is skipped silently.
-    - splits (`split`): `by_date` cuts every series at the same dates (`train_end` / `val_end`, or the ratios
-      applied to all candles pooled), with a gap of `predict` bars before each boundary (no training
-      target reaches into validation); `per_series` gives each series the first `train_ratio` of its own rows,
-      then `val_ratio`, then the rest (and warns when one series' held-out period lies inside another's
-      training period). Default: by_date when the series overlap in time, else per_series. A validation/test
-      window may read the `lookback` rows before its split as context; every row it predicts is its split's.
-    - candle checks: a price <= 0, a high below max(open, close) or a low above min(open, close) (`bad_candles`),
-      or a volume column that is zero throughout (`allow_zero_volume`) is an error naming file, column and line.
-    - time: the model's time features (minute, hour, weekday, day, month) are the exchange's LOCAL wall-clock
-      time. Timestamps without a UTC offset are taken as that time. Timestamps with an offset
-      (`2024-03-08 09:30:00-05:00`, `...Z`, a tz-aware Parquet column) are converted to `timezone` when it is set
-      (an IANA name such as America/New_York), otherwise each keeps the clock time it states; so a daylight-saving
-      change inside a file (-05:00, then -04:00) still reads 09:30 every morning. Files with offsets and files
-      without them cannot be mixed (an error names both kinds).
-    - bar length: each file's is the median spacing of its stamps; files that differ from the rest are named in
-      a warning, or are an error when `frequency` is set.
-    - values beyond float32's range (|x| > 3.4e38) are an error naming file, column and line (the model computes
-      in float32).
-    - an unnamed first column (what DataFrame.to_csv writes for the index) is taken as the timestamps when the
-      `columns.timestamps` column is missing and its first value reads as a date (a log line says so).
-    - the files are parsed once into a prepared store (`store_dir`), memory-mapped by every process; a re-run with
-      the same files (size + mtime, else sha256) and the same data settings reuses it, a change re-prepares it and
-      the log says why.
+    Each field's docstring gives its policy; the README's Data / Splits / Checks paragraphs tell the whole story.
+    Nothing is skipped silently: unsorted rows are sorted with a warning; duplicate timestamps, NaN (unless
+    `nan_policy` says otherwise), bad candles and values beyond float32's range are errors naming file, column and
+    line. A validation/test window may read the `lookback` rows before its split as context; every row it predicts
+    is its split's. The time features are the exchange's local wall-clock time. The files are parsed once into the
+    prepared store (`store_dir`), reused while the files and data settings are unchanged.
     """
 
     path: str = ""
@@ -328,12 +306,8 @@ def _check_data(d: DataConfig, p: Problems) -> None:
     p.check(d.split in (None, "by_date", "per_series"), "data.split",
             f"must be by_date, per_series or null (= by_date when the series overlap in time), got {d.split!r}")
     p.check(d.bad_candles in ("error", "warn"), "data.bad_candles", f"must be error or warn, got {d.bad_candles!r}")
-    dates = {}
-    for key in ("train_end", "val_end"):
-        try:
-            dates[key] = None if getattr(d, key) is None else pd.Timestamp(getattr(d, key))
-        except (ValueError, TypeError):
-            p.add(f"data.{key}", f"cannot read {getattr(d, key)!r} as a date, e.g. 2015-01-01")
+    dates = {key: parse_date(getattr(d, key), f"data.{key}", p, "use YYYY-MM-DD, e.g. 2015-01-01")
+             for key in ("train_end", "val_end") if getattr(d, key) is not None}
     if d.train_end is not None or d.val_end is not None:
         p.check(d.split != "per_series", "data.split", "per_series cuts by ratios: unset data.train_end / "
                 "data.val_end, or set data.split: by_date")

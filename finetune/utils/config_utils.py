@@ -69,10 +69,6 @@ class Problems:
             self.add(key, message)
         return bool(ok)
 
-    def extend(self, other: Problems | Iterable[str]) -> None:
-        """Append problems collected elsewhere (another `Problems` or plain `"key: message"` strings)."""
-        self.items.extend(other.items if isinstance(other, Problems) else other)
-
     def __bool__(self) -> bool:
         return bool(self.items)
 
@@ -129,6 +125,20 @@ def build_config(cls: type[T], raw: Mapping[str, Any], overrides: Iterable[str] 
         _resolve_templates(cfg, problems)
     problems.raise_if_any()
     return cfg
+
+
+def parse_date(text: Any, key: str, problems: Problems, advice: str = "use YYYY-MM-DD") -> Any:
+    """pandas.Timestamp of the date setting `text`, or None after recording a problem for `key`."""
+    import pandas as pd  # only when a date is checked: loading settings needs no pandas
+
+    try:
+        ts = pd.Timestamp(str(text))
+    except (ValueError, TypeError):
+        ts = pd.NaT
+    if ts is pd.NaT:
+        problems.add(key, f"{text!r} is not a date ({advice})")
+        return None
+    return ts
 
 
 def get_dotted(node: Any, key: str, default: Any = None) -> Any:
@@ -193,13 +203,8 @@ def _plain(value: Any) -> Any:
 
 def _parse_overrides(overrides: Iterable[str], problems: Problems) -> list[tuple[str, _Override]]:
     """`parse_overrides`, keeping each value's raw text for `str` fields."""
-    out = []
-    for item in overrides or ():
-        key, sep, text = item.partition("=")
-        parsed = parse_overrides([item], problems)
-        if parsed:
-            out.append((parsed[0][0], _Override(text.strip(), parsed[0][1])))
-    return out
+    return [(key, _Override(item.partition("=")[2].strip(), value)) for item in overrides or ()
+            for key, value in parse_overrides([item], problems)]
 
 
 def parse_overrides(overrides: Iterable[str], problems: Problems | None = None) -> list[tuple[str, Any]]:
@@ -477,14 +482,11 @@ def add_config_args(parser: argparse.ArgumentParser, config_cls: type,
     overrides)` is the pipeline's loader, which `--print-config` calls (so it prints exactly what a run would use,
     and fails the same way). Parse with `parse_config_args`.
     """
-    parser.add_argument(
-        "--config", default=default_config, required=default_config is None,
-        help="YAML file with the settings" + (f" (default: {default_config})" if default_config else ""),
-    )
-    parser.add_argument(
-        "--set", dest="set", action="append", default=[], metavar="KEY=VALUE",
-        help="override one setting, e.g. --set training.epochs=3 (repeatable; values are YAML scalars)",
-    )
+    parser.add_argument("--config", default=default_config, required=default_config is None,
+                        help=f"YAML file with the settings (default: {default_config})" if default_config
+                        else "YAML file with the settings")
+    parser.add_argument("--set", dest="set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one setting, e.g. --set training.epochs=3 (repeatable; values are YAML scalars)")
     parser.add_argument("--help-config", action=_HelpConfigAction, config_cls=config_cls,
                         help="list every settings key with its type, default and meaning, then exit")
     parser.add_argument("--print-config", action="store_true",
@@ -860,11 +862,8 @@ def validate_stage(stage: StageConfig, prefix: str, problems: Problems, min_epoc
 
 
 def shadowed_overrides(cfg: Any, overrides: Iterable[str]) -> list[str]:
-    """One message per `--set training.X=...` in `overrides` that a stage section of `cfg` shadows (sets X).
-
-    Parameters: cfg: a pipeline config with `tokenizer_training` / `predictor_training` StageConfig sections;
-    overrides: the raw `KEY=VALUE` strings. Returns: messages naming both keys (empty when nothing is shadowed).
-    """
+    """One message, naming both keys, per `--set training.X=...` in `overrides` (raw `KEY=VALUE` strings) that a
+    stage section of the pipeline config `cfg` shadows (sets X)."""
     stage_fields = {f.name for f in dataclasses.fields(StageConfig)}
     out = []
     for item in overrides or ():
@@ -910,11 +909,6 @@ class SamplingConfig:
         problems.check(self.sample_count >= 1, f"{prefix}.sample_count", f"must be >= 1, got {self.sample_count}")
 
 
-# setting -> (module to import, pip package): what each backend needs installed.
-_NEEDS = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow"),
-          "comet": ("comet_ml", "comet_ml")}
-
-
 def tracker_problems(*, tensorboard: bool = False, mlflow: bool = False, comet: bool = False,
                      prefix: str = "training") -> list[tuple[str, str]]:
     """(yaml key, message) for every enabled tracker whose package is missing; [] when all can be used.
@@ -922,9 +916,9 @@ def tracker_problems(*, tensorboard: bool = False, mlflow: bool = False, comet: 
     Lets config validation report a missing package before any data is loaded or model built.
     """
     out = []
-    for name, enabled in (("tensorboard", tensorboard), ("mlflow", mlflow), ("comet", comet)):
-        module, package = _NEEDS[name]
-        if enabled and importlib.util.find_spec(module) is None:
+    for name, enabled, package in (("tensorboard", tensorboard, "tensorboard"), ("mlflow", mlflow, "mlflow"),
+                                   ("comet", comet, "comet_ml")):  # package = the module to import
+        if enabled and importlib.util.find_spec(package) is None:
             out.append((f"{prefix}.{name}" if prefix else name,
                         f"is true but {package} is not installed: `pip install {package}` or set it to false"))
     return out
@@ -950,13 +944,7 @@ class ModelConfig:
     def check(self, problems: Problems, prefix: str = "model") -> None:
         """Add every problem of these settings to `problems`, named `prefix.key` (no file or Hub access)."""
         if self.pretraining_cutoff is not None:
-            try:
-                import pandas as pd
-
-                pd.Timestamp(str(self.pretraining_cutoff))
-            except ValueError:
-                problems.add(f"{prefix}.pretraining_cutoff", f"{self.pretraining_cutoff!r} is not a date; use "
-                                                             "e.g. 2024-06-30 or null")
+            parse_date(self.pretraining_cutoff, f"{prefix}.pretraining_cutoff", problems, "use e.g. 2024-06-30 or null")
         for name in ("pretrained_tokenizer", "pretrained_predictor"):
             value = getattr(self, name)
             problems.check(value is None or bool(str(value).strip()), f"{prefix}.{name}",
