@@ -27,10 +27,6 @@ from finetune.utils.errors import ConfigError, setup_logging
 from finetune_csv.config import CsvFinetuneConfig, best_dir
 from finetune_csv.train_sequential import run_finetune
 
-log = logging.getLogger("finetune_csv")
-
-__all__ = ["FinetuneResult", "finetune"]
-
 _SECTIONS = ("data", "model", "training", "tokenizer_training", "predictor_training", "paths")
 
 

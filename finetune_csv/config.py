@@ -551,14 +551,13 @@ ORIGINAL_DEFAULTS: dict[str, Any] = {
 
 @dataclass
 class Translation:
-    """The result of `translate`: nested settings in this project's format and what happened to each key."""
+    """The result of `translate`: `values`, the nested settings in this project's format (what a YAML file in
+    configs/ would hold); `lines`, one per original key (`old -> new = value`, or why it is not needed); and
+    `unsupported`, one per original key whose value cannot be honoured, with what to do instead."""
 
     values: dict[str, Any] = field(default_factory=dict)
-    """Nested mapping of this project's keys (what a YAML file in configs/ would hold)."""
     lines: list[str] = field(default_factory=list)
-    """One line per original key: `old -> new = value`, or why it is not needed."""
     unsupported: list[str] = field(default_factory=list)
-    """One line per original key whose value cannot be honoured, with what to do instead."""
 
 
 def is_original_config(raw: Any) -> bool:

@@ -147,28 +147,21 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
             with seeded_init(cfg.training.seed):
                 predictor = build_predictor(m.pretrained_predictor, m.predictor_arch, tokenizer, "model")
             pred_training = dataclasses.replace(cfg.stage_training("predictor"), resume=resume["predictor"])
+            val_metric = None  # select_by crps: sampled forecasts of the validation split's non-overlapping windows
+            if pred_training.select_by == "crps":
+                val_windows = held_out_windows(data.splits["val"], cfg.data.lookback, cfg.data.predict)
+                val_metric = make_crps_val_metric(cfg, val_windows, tokenizer)
             # What forecasting needs beside the weights (kronos_predictor.json): the window, tokenizer and clip.
             forecast_info = {"max_context": cfg.data.lookback + cfg.data.predict, "lookback": cfg.data.lookback,
                              "tokenizer": predictor_tokenizer_source(cfg), "clip": cfg.data.clip}
-            results.append(train_predictor(predictor, tokenizer, train_set, val_set, pred_training,
-                                           cfg.predictor_dir, dist, run_config=run_config, data_info=data_info,
-                                           val_metric=crps_val_metric(cfg, pred_training.select_by, data,
-                                                                      tokenizer),
+            results.append(train_predictor(predictor, tokenizer, train_set, val_set, pred_training, cfg.predictor_dir,
+                                           dist, run_config=run_config, data_info=data_info, val_metric=val_metric,
                                            forecast_info=forecast_info, output_key="paths.base_dir"))
             if dist.is_main:  # conformal bands fitted on the validation windows (forecast.calibrate)
                 calibrate_best_model(cfg, data)
         if dist.is_main:
             log.info("%s", summarize(results, plan))
     return results, plan, data_info
-
-
-def crps_val_metric(cfg: CsvFinetuneConfig, select_by: str, data: PreparedData, tokenizer: KronosTokenizer):
-    """The validation-CRPS metric of the predictor stage when `select_by` is 'crps' (None for 'loss'): sampled
-    forecasts of validation windows cut from the same prepared store and split the trainer validates on."""
-    if select_by != "crps":
-        return None
-    val_windows = held_out_windows(data.splits["val"], cfg.data.lookback, cfg.data.predict)  # non-overlapping
-    return make_crps_val_metric(cfg, val_windows, tokenizer)
 
 
 def describe(cfg: CsvFinetuneConfig, data_info: dict, plan: dict[str, str | None], dist: DistInfo,

@@ -648,15 +648,16 @@ def format_config_help(cls: type, title: str | None = None, width: int = 118) ->
     return "\n".join(lines)
 
 
-def config_to_dict(cfg: Any) -> Any:
-    """Plain nested dict (JSON/YAML-safe: Paths become str, tuples become lists) of a config dataclass."""
+def config_to_dict(cfg: Any, strict: bool = False) -> Any:
+    """Plain nested dict (JSON/YAML-safe: Paths become str, tuples become lists) of a config dataclass; `strict`:
+    every value that is not str/int/float/bool/None becomes its str too."""
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        return {f.name: config_to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+        return {f.name: config_to_dict(getattr(cfg, f.name), strict) for f in dataclasses.fields(cfg)}
     if isinstance(cfg, Mapping):
-        return {str(k): config_to_dict(v) for k, v in cfg.items()}
+        return {str(k): config_to_dict(v, strict) for k, v in cfg.items()}
     if isinstance(cfg, (list, tuple)):
-        return [config_to_dict(v) for v in cfg]
-    if isinstance(cfg, Path):
+        return [config_to_dict(v, strict) for v in cfg]
+    if isinstance(cfg, Path) or (strict and not (cfg is None or isinstance(cfg, (str, int, float, bool)))):
         return str(cfg)
     return cfg
 
@@ -792,14 +793,7 @@ def validate_training_config(cfg: TrainingConfig, problems: Problems, prefix: st
 
 def plain(obj: Any) -> Any:
     """Config data reduced to str/int/float/bool/None/list/dict (so the checkpoint loads with weights_only=True)."""
-    obj = config_to_dict(obj)
-    if isinstance(obj, dict):
-        return {str(k): plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [plain(v) for v in obj]
-    if obj is None or isinstance(obj, (str, int, float, bool)):
-        return obj
-    return str(obj)
+    return config_to_dict(obj, strict=True)
 
 
 log = logging.getLogger("finetune.config")
