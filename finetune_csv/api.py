@@ -112,8 +112,7 @@ def _result(cfg: CsvFinetuneConfig, results: list, plan: dict[str, str | None], 
                   "epochs": sum(1 for h in r.history if h["epoch"] > 0), "steps": r.global_step, "history": r.history}
         for r in results
     }
-    tok = best_dir(cfg.tokenizer_dir)
-    pred = best_dir(cfg.predictor_dir)
+    tok, pred = best_dir(cfg.tokenizer_dir), best_dir(cfg.predictor_dir)
     return FinetuneResult(output_dir=cfg.base_dir, tokenizer_dir=tok if (tok / "config.json").is_file() else None,
                           predictor_dir=pred if (pred / "config.json").is_file() else None, metrics=metrics,
                           skipped={k: v for k, v in plan.items() if v is not None}, data=data_info, config=cfg)

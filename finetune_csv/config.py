@@ -2,13 +2,10 @@
 
 A YAML file in configs/ fills `CsvFinetuneConfig`; `--set training.epochs=3`-style overrides are applied on top
 (see `load`). `validate()` checks every setting at once and raises ONE ConfigError listing each problem with
-the YAML key to change, before any data is read or any folder is created. Keys shared with the Qlib pipeline
-(model:, data.lookback / predict / clip, training:, the stage sections, the sampling keys of forecast:) have the
-same names and defaults there (finetune/utils/factory.py, forecast_config.py, stage_config.py).
-
-Also here:
-- Where the CSV pipeline's stages keep their models, and which tokenizer the predictor stage reads.
-- A YAML file written for the ORIGINAL Kronos `finetune_csv` (shiyu-coder/Kronos) is translated by `load`.
+the YAML key to change, before any data is read or any folder is created. The sections shared with the Qlib
+pipeline (model:, training:, the stage sections, the sampling keys of forecast:) are finetune/utils/config_utils.py's.
+Also here: where the stages keep their models, which tokenizer the predictor stage reads, and the translation of a
+YAML file written for the ORIGINAL Kronos `finetune_csv` (shiyu-coder/Kronos), done by `load`.
 """
 
 from __future__ import annotations
@@ -122,11 +119,8 @@ class DataConfig:
 
 @dataclass
 class CsvTrainingConfig(TrainingConfig):
-    """Loop settings shared by both stages (finetune.utils.training_utils.TrainingConfig documents every field).
-
-    Per-stage values (epochs, lr, batch_size, clip_grad_norm) live in `tokenizer_training` / `predictor_training`
-    and win over these. Only the defaults below differ from the shared engine's.
-    """
+    """Loop settings shared by both stages (`training:`; TrainingConfig documents every field). Only the defaults
+    below differ from the engine's; per-stage values live in `tokenizer_training` / `predictor_training`."""
 
     num_workers: int = 0
     """DataLoader worker processes per rank; 0 loads in the training process (the CSV dataset is fast enough)."""
@@ -268,9 +262,8 @@ def validate(cfg: CsvFinetuneConfig) -> None:
     problems = Problems("Invalid CSV finetuning configuration")
     _check_data(cfg.data, problems)
     cfg.model.check(problems, "model")
-    # epochs 0 = skip the stage
     cfg.check_training(problems, {"loss": "validation token loss", "crps": "forecast CRPS on validation windows"},
-                       min_epochs=0)
+                       min_epochs=0)  # epochs 0 = skip the stage
     _check_paths(cfg.paths, problems)
     _check_forecast(cfg.forecast, problems)
     _check_walk_forward(cfg.walk_forward, cfg.data.predict, problems)
@@ -355,12 +348,9 @@ def _check_walk_forward(w: WalkForwardConfig, predict: int, p: Problems) -> None
             "must include zero_shot and finetuned (the paired comparison that decides)")
 
 
-BEST_DIR = "best_model"  # the training engine's published-format folder inside each stage's output folder
-
-
 def best_dir(stage_dir: Path) -> Path:
-    """Where a stage's best model (published format) lives."""
-    return Path(stage_dir) / BEST_DIR
+    """Where a stage's best model (published format) lives: the training engine writes it to best_model/."""
+    return Path(stage_dir) / "best_model"
 
 
 def predictor_tokenizer_source(cfg: CsvFinetuneConfig) -> str:

@@ -97,17 +97,11 @@ def read_yaml(yaml_path: str | Path | None) -> dict[str, Any]:
     return loaded
 
 
-def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: Iterable[str] = (),
-                values: Mapping[str, Any] | None = None) -> T:
-    """Build the dataclass `cls` from a YAML file (optional) and `a.b=value` overrides (applied after the file).
-
-    Fields missing from the YAML keep their defaults. Override values are parsed as YAML scalars
-    (`3` -> int, `1e-4` -> float, `true` -> bool, `null` -> None, `[0.9, 0.95]` -> list), except that a `str`
-    field takes the override's raw text (a `str | None` field: `null` is None, anything else the raw text).
-    Raises `ConfigError` naming every bad key; `PathError` if `yaml_path` does not exist.
-    """
-    return build_config(cls, read_yaml(yaml_path), overrides, str(yaml_path) if yaml_path is not None else None,
-                        values)
+def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: Iterable[str] = ()) -> T:
+    """Build the dataclass `cls` from a YAML file (optional; missing keys keep their defaults), then `a.b=value`
+    overrides (YAML scalars; a `str` field takes the raw text, see above). Raises `ConfigError` naming every bad
+    key; `PathError` if `yaml_path` does not exist."""
+    return build_config(cls, read_yaml(yaml_path), overrides, str(yaml_path) if yaml_path is not None else None)
 
 
 def build_config(cls: type[T], raw: Mapping[str, Any], overrides: Iterable[str] = (), source: str | None = None,
@@ -383,7 +377,6 @@ class _BoundedLoader(yaml.SafeLoader):
 
 def _load_bounded(path: Path) -> Any:
     """The YAML document in `path`, safely: size and aliases bounded before anything is built (ConfigError)."""
-    path = Path(path)
     size = path.stat().st_size
     if size > MAX_CONFIG_BYTES:
         raise ConfigError([f"{path}: {size} bytes is too large for a settings file (at most {MAX_CONFIG_BYTES})"])
@@ -409,34 +402,34 @@ def _join(prefix: str, name: str) -> str:
 def _resolve_templates(cfg: Any, problems: Problems) -> None:
     """Replace `{name}` / `{a.b}` in string fields by the values of other fields (repeated until stable)."""
     for _ in range(10):  # chains like a -> b -> c resolve in a few passes; more means a cycle
-        changed = _resolve_pass(cfg, cfg, "", problems)
+        left: list[tuple[str, str]] = []  # (key, name) of every template this pass left in place
+        changed = _resolve_pass(cfg, cfg, "", problems, left)
         if problems or not changed:
             break
     else:
         problems.add("<templates>", "templates refer to each other in a cycle")
         return
-    for key, text in _strings(cfg, ""):
-        for name in _TEMPLATE.findall(text):
-            problems.add(key, f"template {{{name}}} could not be resolved (it refers to itself or a cycle)")
+    for key, name in left:
+        problems.add(key, f"template {{{name}}} could not be resolved (it refers to itself or a cycle)")
 
 
-def _resolve_pass(root: Any, node: Any, prefix: str, problems: Problems) -> bool:
+def _resolve_pass(root: Any, node: Any, prefix: str, problems: Problems, left: list[tuple[str, str]]) -> bool:
     changed = False
     for f in dataclasses.fields(node):
         value = getattr(node, f.name)
         key = _join(prefix, f.name)
         if dataclasses.is_dataclass(value):
-            changed |= _resolve_pass(root, value, key, problems)
+            changed |= _resolve_pass(root, value, key, problems, left)
         elif isinstance(value, str) and _TEMPLATE.search(value):
 
             def lookup(m: re.Match, key=key) -> str:
                 found, ref = _lookup(root, node, m.group(1))
                 if not found:
                     problems.add(key, f"template {{{m.group(1)}}} names no setting")
-                    return m.group(0)
-                if isinstance(ref, str) and _TEMPLATE.search(ref):
-                    return m.group(0)  # resolve the referenced field first (next pass)
-                return str(ref)
+                elif not (isinstance(ref, str) and _TEMPLATE.search(ref)):
+                    return str(ref)
+                left.append((key, m.group(1)))  # unknown, or a template itself: resolve that field first (next pass)
+                return m.group(0)
 
             new = _TEMPLATE.sub(lookup, value)
             if new != value:
@@ -457,16 +450,6 @@ def _lookup(root: Any, section: Any, name: str) -> tuple[bool, Any]:
         if ok and not dataclasses.is_dataclass(obj):
             return True, obj
     return False, None
-
-
-def _strings(node: Any, prefix: str) -> Iterable[tuple[str, str]]:
-    for f in dataclasses.fields(node):
-        value = getattr(node, f.name)
-        key = _join(prefix, f.name)
-        if dataclasses.is_dataclass(value):
-            yield from _strings(value, key)
-        elif isinstance(value, str):
-            yield key, value
 
 
 # ----------------------------------------------------------------------------------------------------------------
