@@ -226,12 +226,11 @@ def parse_overrides(overrides: Iterable[str], problems: Problems | None = None) 
 
 def _build(cls: type, raw: Any, prefix: str, problems: Problems) -> Any:
     """Instantiate dataclass `cls` from the mapping `raw`; problems are recorded with dotted keys."""
-    where = prefix or "<top level>"
     raw = _plain(raw) if isinstance(raw, _Override) else raw
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
-        problems.add(where, f"expected a mapping of settings for {cls.__name__}, got {_show(raw)}")
+        problems.add(prefix or "<top level>", f"expected a mapping of settings for {cls.__name__}, got {_show(raw)}")
         return None
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -557,12 +556,8 @@ def _own_field_docs(cls: type) -> dict[str, str]:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
         return {}
-    tree = ast.parse(source)
-    klass = next((n for n in tree.body if isinstance(n, ast.ClassDef)), None)
-    if klass is None:
-        return {}
+    body = ast.parse(source).body[0].body  # the class statement (its decorators belong to it)
     docs: dict[str, str] = {}
-    body = klass.body
     for node, nxt in zip(body, body[1:]):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
                 and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
@@ -810,14 +805,21 @@ class StagedConfig:
         return dataclasses.replace(self.training, **changed)
 
     def check_training(self, problems: Problems, select_by: Mapping[str, str], min_epochs: int = 1) -> None:
-        """Add the problems of `training:` and both stage sections; `select_by` maps each allowed
-        training.select_by to what it selects by."""
+        """Add the problems of `training:` and of both stage sections (each value may be null = inherit); `select_by`
+        maps each allowed training.select_by to what it selects by."""
         validate_training_config(self.training, problems, "training")
         choices = " or ".join(f"'{name}' ({meaning})" for name, meaning in select_by.items())
         problems.check(self.training.select_by in select_by, "training.select_by",
                        f"must be {choices}, got {self.training.select_by!r}")
-        for stage in STAGES:
-            validate_stage(getattr(self, f"{stage}_training"), f"{stage}_training", problems, min_epochs)
+        for k in ("tokenizer_training", "predictor_training"):
+            s = getattr(self, k)
+            problems.check(s.epochs is None or s.epochs >= min_epochs, f"{k}.epochs",
+                           f"must be >= {min_epochs} or null, got {s.epochs}")
+            problems.check(s.lr is None or s.lr > 0, f"{k}.lr", f"must be > 0 or null, got {s.lr}")
+            problems.check(s.batch_size is None or s.batch_size >= 1, f"{k}.batch_size",
+                           f"must be >= 1 or null, got {s.batch_size}")
+            problems.check(s.clip_grad_norm is None or s.clip_grad_norm >= 0, f"{k}.clip_grad_norm",
+                           f"must be >= 0 or null, got {s.clip_grad_norm}")
 
 
 def stage_key(run_config: Mapping[str, Any] | None, stage: str, name: str) -> str:
@@ -825,17 +827,6 @@ def stage_key(run_config: Mapping[str, Any] | None, stage: str, name: str) -> st
     `<stage>_training.<name>` when that section sets it (it shadows `training:`), else `training.<name>`."""
     section = (run_config or {}).get(f"{stage}_training") or {}
     return f"{stage}_training.{name}" if section.get(name) is not None else f"training.{name}"
-
-
-def validate_stage(stage: StageConfig, prefix: str, problems: Problems, min_epochs: int = 1) -> None:
-    """Add the problems of one stage's overrides, named `prefix.field` (e.g. `predictor_training.lr`)."""
-    e = stage.epochs
-    problems.check(e is None or e >= min_epochs, f"{prefix}.epochs", f"must be >= {min_epochs} or null, got {e}")
-    problems.check(stage.lr is None or stage.lr > 0, f"{prefix}.lr", f"must be > 0 or null, got {stage.lr}")
-    problems.check(stage.batch_size is None or stage.batch_size >= 1, f"{prefix}.batch_size",
-                   f"must be >= 1 or null, got {stage.batch_size}")
-    problems.check(stage.clip_grad_norm is None or stage.clip_grad_norm >= 0, f"{prefix}.clip_grad_norm",
-                   f"must be >= 0 or null, got {stage.clip_grad_norm}")
 
 
 def shadowed_overrides(cfg: Any, overrides: Iterable[str]) -> list[str]:
