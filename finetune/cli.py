@@ -103,8 +103,7 @@ def resolve(name: str) -> Callable[..., Any]:
     if module_name not in sys.modules:
         spec = importlib.util.spec_from_file_location(module_name, path)
         assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
+        module = sys.modules[module_name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     return sys.modules[module_name].main
 

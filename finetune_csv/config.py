@@ -38,6 +38,7 @@ from finetune.utils.config_utils import (
     warn_shadowed_overrides,
 )
 from finetune.utils.errors import ConfigError, DataError
+from model.config import KronosConfig, KronosTokenizerConfig
 
 NAN_POLICIES = ("error", "ffill", "drop")
 
@@ -283,10 +284,9 @@ def _check_data(d: DataConfig, p: Problems) -> None:
     p.check(len(set(mapped)) == len(mapped), "data.columns", f"maps one CSV column to several fields: {mapped}")
     p.check(d.symbol_column is None or d.symbol_column not in mapped, "data.symbol_column",
             f"'{d.symbol_column}' is also mapped in data.columns")
-    p.check(d.lookback >= 1, "data.lookback", f"must be >= 1 (got {d.lookback})")
-    p.check(d.predict >= 1, "data.predict", f"must be >= 1 (got {d.predict})")
+    for name in ("lookback", "predict", "stride"):
+        p.check(getattr(d, name) >= 1, f"data.{name}", f"must be >= 1 (got {getattr(d, name)})")
     p.check(d.clip > 0, "data.clip", f"must be > 0 (got {d.clip})")
-    p.check(d.stride >= 1, "data.stride", f"must be >= 1 (got {d.stride})")
     p.check(0 < d.train_ratio < 1, "data.train_ratio", f"must be in (0, 1) (got {d.train_ratio})")
     p.check(0 < d.val_ratio < 1, "data.val_ratio",
             f"must be in (0, 1): the validation split selects the best checkpoint (got {d.val_ratio})")
@@ -436,8 +436,6 @@ def _from_scratch(kind: str) -> Callable[[Any, Mapping[str, Any]], Outcome]:
         if cfg_file is None or not cfg_file.is_file():
             raise _Unsupported(f"the original copies the {which} architecture from {source}/config.json, which is "
                                f"not a local file here; set model.pretrained_{which}: null and model.{which}_arch")
-        from model.config import KronosConfig, KronosTokenizerConfig
-
         arch_fields = (KronosTokenizerConfig if which == "tokenizer" else KronosConfig).__dataclass_fields__
         arch = json.loads(cfg_file.read_text(encoding="utf-8"))
         return [(f"model.pretrained_{which}", None)] + [
@@ -534,9 +532,7 @@ RULES: dict[str, Rule] = {
 }
 
 # The original's defaults where they differ from this pipeline's, applied when an original file leaves them out.
-ORIGINAL_DEFAULTS: dict[str, Any] = {
-    "training.batch_size": 160,
-}
+ORIGINAL_DEFAULTS: dict[str, Any] = {"training.batch_size": 160}
 
 
 @dataclass

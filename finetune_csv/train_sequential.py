@@ -77,8 +77,7 @@ def stage_resume(cfg: CsvFinetuneConfig, plan: dict[str, str | None]) -> dict[st
     """Each stage's training.resume. --resume (required) insists on resuming the RUN: when some stage that trains
     has a run in its folder, a stage with an empty folder starts fresh (e.g. the predictor after a kill in the
     tokenizer stage) instead of failing; with nothing anywhere to resume, it stays an error."""
-    folders = {"tokenizer": cfg.tokenizer_dir, "predictor": cfg.predictor_dir}
-    status = {stage: stage_status(folders[stage]) for stage in STAGES if plan[stage] is None}
+    status = {stage: stage_status(getattr(cfg, f"{stage}_dir")) for stage in STAGES if plan[stage] is None}
     resume = {stage: cfg.stage_training(stage).resume for stage in STAGES}
     if any(s != "empty" for s in status.values()):
         for stage, s in status.items():
@@ -165,7 +164,7 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
 
 
 def describe(cfg: CsvFinetuneConfig, data_info: dict, plan: dict[str, str | None], dist: DistInfo,
-             data: PreparedData | None = None) -> str:
+             data: PreparedData) -> str:
     """The run at a glance: data (and whether its store was prepared or reused), splits, stages, processes."""
     splits = data_info["splits"]
     lines = [f"{len(data_info['series'])} series from {len(data_info['files'])} file(s) under {cfg.data.path}; "
@@ -177,9 +176,8 @@ def describe(cfg: CsvFinetuneConfig, data_info: dict, plan: dict[str, str | None
                      + f"; training targets end data.predict = {cfg.data.predict} bars before each boundary")
     elif how:
         lines.append("  split per series (data.split: per_series): each series by its own row ratios")
-    if data is not None:
-        lines.append(f"  data store {data.store.path} ({'reused: ' if data.store.reused else 'prepared: '}"
-                     f"{data.store.reason})")
+    lines.append(f"  data store {data.store.path} ({'reused: ' if data.store.reused else 'prepared: '}"
+                 f"{data.store.reason})")
     for name, s in splits.items():
         lines.append(f"  {name:<5} {s['rows']:>9,} rows {s['windows']:>9,} windows  {s['start']} .. {s['end']}")
     for stage in STAGES:
