@@ -69,6 +69,10 @@ class Problems:
             self.add(key, message)
         return bool(ok)
 
+    def extend(self, other: Problems | Iterable[str]) -> None:
+        """Append problems collected elsewhere (another `Problems` or plain `"key: message"` strings)."""
+        self.items.extend(other.items if isinstance(other, Problems) else other)
+
     def __bool__(self) -> bool:
         return bool(self.items)
 
