@@ -66,8 +66,7 @@ def finetune(data: pd.DataFrame | Mapping[str, pd.DataFrame] | str | Path, *, co
     if not logging.getLogger().handlers:  # a notebook or script without logging: show progress like the CLI
         setup_logging()
     values = {k.replace("__", "."): v for k, v in (overrides or {}).items()}
-    for name, value in settings.items():
-        values[_resolve_short_name(name)] = value
+    values.update({_resolve_short_name(name): value for name, value in settings.items()})
     if output_dir is not None:
         values["paths.base_dir"] = str(output_dir)
     frames = None if isinstance(data, (str, Path)) else _frames(data)

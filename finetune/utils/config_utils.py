@@ -94,11 +94,9 @@ def read_yaml(yaml_path: str | Path | None) -> dict[str, Any]:
     if not path.is_file():
         raise PathError(f"config file not found: {path} (check --config)")
     loaded = _load_bounded(path)
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, dict):
+    if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError([f"{path}: the top level must be a mapping of settings, got {type(loaded).__name__}"])
-    return loaded
+    return loaded or {}
 
 
 def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: Iterable[str] = ()) -> T:
@@ -253,13 +251,12 @@ def _build(cls: type, raw: Any, prefix: str, problems: Problems) -> Any:
                 kwargs[name] = _build(hints[name], {}, key, problems)
             else:
                 problems.add(key, "missing required value")
-    if problems:
-        # Do not call the constructor with half-converted values; the caller raises anyway.
-        try:
-            return cls(**kwargs)
-        except Exception:
-            return None
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except Exception:
+        if not problems:
+            raise
+        return None  # a missing or half-converted value broke the constructor: the caller raises the problems
 
 
 def _convert(value: Any, tp: Any, key: str, problems: Problems) -> Any:
@@ -443,15 +440,14 @@ def _resolve_pass(root: Any, node: Any, prefix: str, problems: Problems, left: l
 
 def _lookup(root: Any, section: Any, name: str) -> tuple[bool, Any]:
     for start in ((section, root) if "." not in name else (root,)):
-        obj, ok = start, True
+        obj = start
         for part in name.split("."):
-            if dataclasses.is_dataclass(obj) and any(f.name == part for f in dataclasses.fields(obj)):
-                obj = getattr(obj, part)
-            else:
-                ok = False
+            if not (dataclasses.is_dataclass(obj) and any(f.name == part for f in dataclasses.fields(obj))):
                 break
-        if ok and not dataclasses.is_dataclass(obj):
-            return True, obj
+            obj = getattr(obj, part)
+        else:  # every part named a field: a value, not a section
+            if not dataclasses.is_dataclass(obj):
+                return True, obj
     return False, None
 
 
