@@ -10,7 +10,9 @@ errors and exit codes are `errors.run_main`'s.
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import importlib.metadata
 import importlib.util
 import sys
 from collections.abc import Callable, Sequence
@@ -83,10 +85,8 @@ def _usage() -> str:
 
 def _version() -> str:
     try:
-        from importlib.metadata import version
-
-        return version("kronos-finetune")
-    except Exception:  # noqa: BLE001 - not installed (run from a checkout with PYTHONPATH)
+        return importlib.metadata.version("kronos-finetune")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout with PYTHONPATH
         return "unknown (not installed)"
 
 
@@ -103,8 +103,7 @@ def resolve(name: str) -> Callable[..., Any]:
     if module_name not in sys.modules:
         spec = importlib.util.spec_from_file_location(module_name, path)
         assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
+        module = sys.modules[module_name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     return sys.modules[module_name].main
 
@@ -127,8 +126,6 @@ def _dispatch(argv: list[str]) -> int:
         return 0
     name, args = argv[0], argv[1:]
     if name not in COMMANDS:
-        import difflib
-
         close = difflib.get_close_matches(name, COMMANDS, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         print(f"error: unknown command '{name}'{hint}; `kronos --help` lists the commands", file=sys.stderr)

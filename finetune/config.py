@@ -19,7 +19,6 @@ ValueError) listing every problem by its YAML key; the entry points add their fi
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,12 +31,11 @@ from finetune.utils.config_utils import (
     Problems,
     SamplingConfig,
     StageConfig,
+    StagedConfig,
     TrainingConfig,
     add_config_args,
-    apply_stage,
     load_config,
-    validate_stage,
-    validate_training_config,
+    parse_date,
     warn_shadowed_overrides,
 )
 
@@ -61,15 +59,15 @@ class DataConfig:
     """Qlib frequency of the bars: 'day' (calendars/day.txt) or e.g. '1min'."""
     instrument: str = "csi300"
     """Universe: the name of a file instruments/<name>.txt in the provider folder (csi300, csi500, all, ...)."""
-    dataset_begin_time: str | datetime.date = "2011-01-01"
+    dataset_begin_time: str = "2011-01-01"
     """First date loaded; together with dataset_end_time it must contain the three ranges below."""
-    dataset_end_time: str | datetime.date = "2025-06-05"
+    dataset_end_time: str = "2025-06-05"
     """Last date loaded."""
-    train_time_range: list[str | datetime.date] = field(default_factory=lambda: ["2011-01-01", "2022-12-31"])
+    train_time_range: list[str] = field(default_factory=lambda: ["2011-01-01", "2022-12-31"])
     """[start, end] of the training split (inclusive dates); every bar of a training window lies inside it."""
-    val_time_range: list[str | datetime.date] = field(default_factory=lambda: ["2023-01-01", "2024-06-30"])
+    val_time_range: list[str] = field(default_factory=lambda: ["2023-01-01", "2024-06-30"])
     """[start, end] of the validation split; its windows also read the lookback bars before start."""
-    test_time_range: list[str | datetime.date] = field(default_factory=lambda: ["2024-07-01", "2025-06-05"])
+    test_time_range: list[str] = field(default_factory=lambda: ["2024-07-01", "2025-06-05"])
     """[start, end] of the test split: one forecast per instrument and trading day in it (the backtest period)."""
     lookback: int = 90
     """Bars of context per window (the normalisation statistics come from these only)."""
@@ -87,15 +85,6 @@ class DataConfig:
     missing (suspended or absent): no window, context or label ever joins bars across such a gap."""
     dataset_path: str = "./data/processed_datasets"
     """Folder for the preprocessed splits (train/, val/, test/ memory-mappable stores, manifest.json)."""
-
-    def __post_init__(self) -> None:
-        # YAML reads an unquoted 2024-07-01 as a date: keep every date setting as an ISO string.
-        iso = lambda v: v.isoformat() if isinstance(v, datetime.date) else v
-        self.dataset_begin_time, self.dataset_end_time = iso(self.dataset_begin_time), iso(self.dataset_end_time)
-        for name in ("train_time_range", "val_time_range", "test_time_range"):
-            value = getattr(self, name)
-            if isinstance(value, (list, tuple)):
-                setattr(self, name, [iso(v) for v in value])
 
 
 @dataclass
@@ -192,7 +181,7 @@ class WalkForwardConfig:
     each period is trained only on data before it, and its finetuned and zero-shot signals are scored out of
     sample."""
 
-    test_range: list[str | datetime.date] | None = None
+    test_range: list[str] | None = None
     """[start, end] of the out-of-sample span, cut into consecutive periods; null = data.test_time_range."""
     period_months: int = 6
     """Length of each test period in calendar months (6 = half-years; the last one may be shorter)."""
@@ -211,13 +200,9 @@ class WalkForwardConfig:
     nproc_per_node: int = 1
     """Training processes per stage (torchrun --nproc_per_node; e.g. the number of GPUs)."""
 
-    def __post_init__(self) -> None:
-        if isinstance(self.test_range, (list, tuple)):
-            self.test_range = [v.isoformat() if isinstance(v, datetime.date) else v for v in self.test_range]
-
 
 @dataclass
-class QlibConfig:
+class QlibConfig(StagedConfig):
     """Every setting of the Qlib pipeline."""
 
     data: DataConfig = field(default_factory=DataConfig)
@@ -249,20 +234,11 @@ class QlibConfig:
         p = Problems()
         _check_data(self.data, p)
         self.model.check(p, "model")
-        validate_training_config(self.training, p, "training")
-        p.check(self.training.select_by in ("loss", "ic"), "training.select_by",
-                f"must be 'loss' (validation token loss) or 'ic' (RankIC of validation forecasts), "
-                f"got {self.training.select_by!r}")
-        for stage in ("tokenizer", "predictor"):
-            validate_stage(getattr(self, f"{stage}_training"), f"{stage}_training", p)
+        self.check_training(p, {"loss": "validation token loss", "ic": "RankIC of validation forecasts"})
         _check_forecast(self.forecast, p)
         _check_backtest(self, p)
         _check_walk_forward(self, p)
         return p
-
-    def stage_training(self, stage: Literal["tokenizer", "predictor"]) -> TrainingConfig:
-        """`training` with the stage's non-null overrides applied: what the engine runs that stage with."""
-        return apply_stage(self.training, getattr(self, f"{stage}_training"))
 
     def validate(self) -> None:
         """Raise one ConfigError (a ValueError) listing every problem; nothing when the settings are consistent."""
@@ -280,19 +256,6 @@ def load(yaml_path: str | os.PathLike | None = None, overrides: list[str] | tupl
 
 # ----------------------------------------------------------------------------------------------------------------
 # checks (pure: settings only)
-
-
-def parse_date(text: Any, key: str, problems: Problems) -> pd.Timestamp | None:
-    """pd.Timestamp of `text`, or None after recording a problem for `key`."""
-    try:
-        ts = pd.Timestamp(str(text))
-    except (ValueError, TypeError):
-        problems.add(key, f"{text!r} is not a date (use YYYY-MM-DD)")
-        return None
-    if ts is pd.NaT:
-        problems.add(key, f"{text!r} is not a date (use YYYY-MM-DD)")
-        return None
-    return ts
 
 
 def parse_range(value: Any, key: str, problems: Problems) -> tuple[pd.Timestamp, pd.Timestamp] | None:
@@ -315,12 +278,8 @@ def _check_data(d: DataConfig, p: Problems) -> None:
     p.check(bool(d.freq.strip()), "data.freq", "is empty; use 'day' for daily bars")
     p.check(d.lookback >= 2, "data.lookback", f"must be >= 2 (the std needs 2 bars), got {d.lookback}")
     p.check(d.predict >= 1, "data.predict", f"must be >= 1, got {d.predict}")
-    p.check(
-        d.lookback + d.predict <= d.max_context,
-        "data.lookback",
-        f"lookback + predict = {d.lookback + d.predict} does not fit in "
-        f"data.max_context = {d.max_context}; shorten the windows",
-    )
+    p.check(d.lookback + d.predict <= d.max_context, "data.lookback", f"lookback + predict = "
+            f"{d.lookback + d.predict} does not fit in data.max_context = {d.max_context}; shorten the windows")
     p.check(d.clip > 0, "data.clip", f"must be > 0, got {d.clip}")
     p.check(d.max_gap_days >= 0, "data.max_gap_days", f"must be >= 0, got {d.max_gap_days}")
     p.check(bool(str(d.dataset_path).strip()), "data.dataset_path", "is empty; name a folder for the splits")
@@ -330,28 +289,22 @@ def _check_data(d: DataConfig, p: Problems) -> None:
     if begin is not None and end is not None and begin > end:
         p.add("data.dataset_end_time", f"{d.dataset_end_time} is before dataset_begin_time {d.dataset_begin_time}")
         begin = end = None
-    ranges = {
-        name: parse_range(getattr(d, name), f"data.{name}", p)
-        for name in ("train_time_range", "val_time_range", "test_time_range")
-    }
+    ranges = {name: parse_range(getattr(d, name), f"data.{name}", p)
+              for name in ("train_time_range", "val_time_range", "test_time_range")}
     for name, r in ranges.items():
         if r is None or begin is None or end is None:
             continue
         if r[0] < begin or r[1] > end:
-            p.add(
-                f"data.{name}",
-                f"{[str(x.date()) for x in r]} is not inside dataset_begin_time..dataset_end_time "
-                f"({d.dataset_begin_time}..{d.dataset_end_time}); widen the dataset range or move this range",
-            )
+            p.add(f"data.{name}", f"{[str(x.date()) for x in r]} is not inside dataset_begin_time..dataset_end_time "
+                                  f"({d.dataset_begin_time}..{d.dataset_end_time}); widen the dataset range or move "
+                                  "this range")
     order = list(ranges.items())
     for i, (a_name, a) in enumerate(order):
         for b_name, b in order[i + 1 :]:
             if a is not None and b is not None and b[0] <= a[1]:
-                p.add(
-                    f"data.{b_name}",
-                    f"starts on {b[0].date()}, not after {a_name} ends ({a[1].date()}); the ranges must not overlap "
-                    "(the lookback bars before each range are added automatically)",
-                )
+                p.add(f"data.{b_name}", f"starts on {b[0].date()}, not after {a_name} ends ({a[1].date()}); the "
+                                        "ranges must not overlap (the lookback bars before each range are added "
+                                        "automatically)")
 
 
 def _check_forecast(f: ForecastConfig, p: Problems) -> None:
@@ -359,11 +312,8 @@ def _check_forecast(f: ForecastConfig, p: Problems) -> None:
     if f.seeds is not None:
         p.check(len(f.seeds) >= 1 and len(set(f.seeds)) == len(f.seeds), "forecast.seeds",
                 f"must list distinct seeds (or be null), got {f.seeds}")
-    p.check(
-        f.batch_size >= f.sample_count,
-        "forecast.batch_size",
-        f"must be >= forecast.sample_count ({f.sample_count}): one window's samples share a batch, got {f.batch_size}",
-    )
+    p.check(f.batch_size >= f.sample_count, "forecast.batch_size", f"must be >= forecast.sample_count "
+            f"({f.sample_count}): one window's samples share a batch, got {f.batch_size}")
 
 
 def _check_walk_forward(cfg: QlibConfig, p: Problems) -> None:
@@ -382,27 +332,18 @@ def _check_walk_forward(cfg: QlibConfig, p: Problems) -> None:
 
 def _check_backtest(cfg: QlibConfig, p: Problems) -> None:
     b = cfg.backtest
-    p.check(
-        bool(cfg.benchmark),
-        "backtest.benchmark",
-        f"no default benchmark for universe {cfg.data.instrument!r} (known: {DEFAULT_BENCHMARKS}); "
-        "set it, e.g. SH000300",
-    )
+    p.check(bool(cfg.benchmark), "backtest.benchmark", f"no default benchmark for universe "
+            f"{cfg.data.instrument!r} (known: {DEFAULT_BENCHMARKS}); set it, e.g. SH000300")
     unknown = [s for s in b.signals if s not in SIGNALS]
     p.check(not unknown, "backtest.signals", f"unknown {unknown}; choose among {list(SIGNALS)}")
     p.check(bool(b.signals), "backtest.signals", f"is empty; choose among {list(SIGNALS)}")
-    p.check(b.topk >= 1, "backtest.topk", f"must be >= 1, got {b.topk}")
     p.check(0 <= b.n_drop <= b.topk, "backtest.n_drop", f"must be in [0, topk={b.topk}], got {b.n_drop}")
-    p.check(b.hold_thresh >= 1, "backtest.hold_thresh", f"must be >= 1, got {b.hold_thresh}")
     p.check(b.account > 0, "backtest.account", f"must be > 0, got {b.account}")
     for name in ("open_cost", "close_cost", "min_cost"):
         p.check(getattr(b, name) >= 0, f"backtest.{name}", f"must be >= 0, got {getattr(b, name)}")
-    p.check(
-        b.limit_threshold is None or 0 < b.limit_threshold < 1,
-        "backtest.limit_threshold",
-        f"must be in (0, 1) or null, got {b.limit_threshold}",
-    )
-    for name in ("momentum_window", "reversal_window"):
+    p.check(b.limit_threshold is None or 0 < b.limit_threshold < 1, "backtest.limit_threshold",
+            f"must be in (0, 1) or null, got {b.limit_threshold}")
+    for name in ("topk", "hold_thresh", "momentum_window", "reversal_window"):
         p.check(getattr(b, name) >= 1, f"backtest.{name}", f"must be >= 1, got {getattr(b, name)}")
     p.check(0 < b.quantile <= 0.5, "backtest.quantile", f"must be in (0, 0.5], got {b.quantile}")
 
@@ -418,9 +359,8 @@ def check_model_folder(path: str | None, key: str, problems: Problems, *, hub_ok
         return
     local = Path(os.path.expanduser(path))
     if local.is_dir():
-        problems.check(
-            (local / "config.json").is_file(), key, f"{local} has no config.json; expected a save_pretrained folder"
-        )
+        problems.check((local / "config.json").is_file(), key,
+                       f"{local} has no config.json; expected a save_pretrained folder")
         return
     looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not local.exists()
     if hub_ok and looks_like_hub_id:

@@ -27,10 +27,6 @@ from finetune.utils.errors import ConfigError, setup_logging
 from finetune_csv.config import CsvFinetuneConfig, best_dir
 from finetune_csv.train_sequential import run_finetune
 
-log = logging.getLogger("finetune_csv")
-
-__all__ = ["FinetuneResult", "finetune"]
-
 _SECTIONS = ("data", "model", "training", "tokenizer_training", "predictor_training", "paths")
 
 
@@ -70,8 +66,7 @@ def finetune(data: pd.DataFrame | Mapping[str, pd.DataFrame] | str | Path, *, co
     if not logging.getLogger().handlers:  # a notebook or script without logging: show progress like the CLI
         setup_logging()
     values = {k.replace("__", "."): v for k, v in (overrides or {}).items()}
-    for name, value in settings.items():
-        values[_resolve_short_name(name)] = value
+    values.update({_resolve_short_name(name): value for name, value in settings.items()})
     if output_dir is not None:
         values["paths.base_dir"] = str(output_dir)
     frames = None if isinstance(data, (str, Path)) else _frames(data)
@@ -116,8 +111,7 @@ def _result(cfg: CsvFinetuneConfig, results: list, plan: dict[str, str | None], 
                   "epochs": sum(1 for h in r.history if h["epoch"] > 0), "steps": r.global_step, "history": r.history}
         for r in results
     }
-    tok = best_dir(cfg.tokenizer_dir)
-    pred = best_dir(cfg.predictor_dir)
+    tok, pred = best_dir(cfg.tokenizer_dir), best_dir(cfg.predictor_dir)
     return FinetuneResult(output_dir=cfg.base_dir, tokenizer_dir=tok if (tok / "config.json").is_file() else None,
                           predictor_dir=pred if (pred / "config.json").is_file() else None, metrics=metrics,
                           skipped={k: v for k, v in plan.items() if v is not None}, data=data_info, config=cfg)

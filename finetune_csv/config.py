@@ -1,20 +1,16 @@
 """Settings of the CSV finetuning pipeline: typed dataclasses filled from YAML, validated up front.
 
 A YAML file in configs/ fills `CsvFinetuneConfig`; `--set training.epochs=3`-style overrides are applied on top
-(see `load`). `validate()` checks every setting at once and raises ONE ValueError listing each problem with
-the YAML key to change, before any data is read or any folder is created. Keys shared with the Qlib pipeline
-(model:, data.lookback / predict / clip, training:, the stage sections, the sampling keys of forecast:) have the
-same names and defaults there (finetune/utils/factory.py, forecast_config.py, stage_config.py).
-
-Also here:
-- Where the CSV pipeline's stages keep their models, and which tokenizer the predictor stage reads.
-- A YAML file written for the ORIGINAL Kronos `finetune_csv` (shiyu-coder/Kronos) is translated by `load`.
+(see `load`). `validate()` checks every setting at once and raises ONE ConfigError listing each problem with
+the YAML key to change, before any data is read or any folder is created. The sections shared with the Qlib
+pipeline (model:, training:, the stage sections, the sampling keys of forecast:) are finetune/utils/config_utils.py's.
+Also here: where the stages keep their models, which tokenizer the predictor stage reads, and the translation of a
+YAML file written for the ORIGINAL Kronos `finetune_csv` (shiyu-coder/Kronos), done by `load`.
 """
 
 from __future__ import annotations
 
 import copy
-import datetime
 import json
 import logging
 import math
@@ -31,18 +27,18 @@ from finetune.utils.config_utils import (
     Problems,
     SamplingConfig,
     StageConfig,
+    StagedConfig,
     TrainingConfig,
-    apply_stage,
     build_config,
     get_dotted,
+    parse_date,
     parse_overrides,
     read_yaml,
     set_dotted,
-    validate_stage,
-    validate_training_config,
     warn_shadowed_overrides,
 )
 from finetune.utils.errors import ConfigError, DataError
+from model.config import KronosConfig, KronosTokenizerConfig
 
 NAN_POLICIES = ("error", "ffill", "drop")
 
@@ -69,37 +65,14 @@ class ColumnsConfig:
 
 @dataclass
 class DataConfig:
-    """Where the candles come from and how they are cut into windows.
+    """Where the candles come from and how they are cut into windows (finetune_csv/data.py applies it).
 
-    Policies (also in the README):
-    - unsorted timestamps inside a series are sorted (stable), with a warning naming the file;
-    - duplicate timestamps inside a series are an error (which row is right cannot be guessed);
-    - NaN in a price/volume column follows `nan_policy`: `error` (default) names file, column and row;
-      `ffill` carries the last value forward (a NaN in the first row stays an error); `drop` removes the rows
-      and warns how many. Nothing is skipped silently.
-    - splits (`split`): `by_date` cuts every series at the same dates (`train_end` / `val_end`, or the ratios
-      applied to all candles pooled), with a gap of `predict` bars before each boundary (no training
-      target reaches into validation); `per_series` gives each series the first `train_ratio` of its own rows,
-      then `val_ratio`, then the rest (and warns when one series' held-out period lies inside another's
-      training period). Default: by_date when the series overlap in time, else per_series. A validation/test
-      window may read the `lookback` rows before its split as context; every row it predicts is its split's.
-    - candle checks: a price <= 0, a high below max(open, close) or a low above min(open, close) (`bad_candles`),
-      or a volume column that is zero throughout (`allow_zero_volume`) is an error naming file, column and line.
-    - time: the model's time features (minute, hour, weekday, day, month) are the exchange's LOCAL wall-clock
-      time. Timestamps without a UTC offset are taken as that time. Timestamps with an offset
-      (`2024-03-08 09:30:00-05:00`, `...Z`, a tz-aware Parquet column) are converted to `timezone` when it is set
-      (an IANA name such as America/New_York), otherwise each keeps the clock time it states; so a daylight-saving
-      change inside a file (-05:00, then -04:00) still reads 09:30 every morning. Files with offsets and files
-      without them cannot be mixed (an error names both kinds).
-    - bar length: each file's is the median spacing of its stamps; files that differ from the rest are named in
-      a warning, or are an error when `frequency` is set.
-    - values beyond float32's range (|x| > 3.4e38) are an error naming file, column and line (the model computes
-      in float32).
-    - an unnamed first column (what DataFrame.to_csv writes for the index) is taken as the timestamps when the
-      `columns.timestamps` column is missing and its first value reads as a date (a log line says so).
-    - the files are parsed once into a prepared store (`store_dir`), memory-mapped by every process; a re-run with
-      the same files (size + mtime, else sha256) and the same data settings reuses it, a change re-prepares it and
-      the log says why.
+    Each field's docstring gives its policy; the README's Data / Splits / Checks paragraphs tell the whole story.
+    Nothing is skipped silently: unsorted rows are sorted with a warning; duplicate timestamps, NaN (unless
+    `nan_policy` says otherwise), bad candles and values beyond float32's range are errors naming file, column and
+    line. A validation/test window may read the `lookback` rows before its split as context; every row it predicts
+    is its split's. The time features are the exchange's local wall-clock time. The files are parsed once into the
+    prepared store (`store_dir`), reused while the files and data settings are unchanged.
     """
 
     path: str = ""
@@ -135,9 +108,9 @@ class DataConfig:
     split: str | None = None
     """by_date (every series cut at the same dates) | per_series (each by its own rows); null = by_date when the
     series overlap in time, else per_series."""
-    train_end: str | datetime.date | None = None
+    train_end: str | None = None
     """by_date: first date of the validation period (e.g. 2015-01-01); null = from the ratios."""
-    val_end: str | datetime.date | None = None
+    val_end: str | None = None
     """by_date with train_end: first date of the test period; null = no test split (validation runs to the end)."""
     bad_candles: str = "error"
     """A high below max(open, close) or a low above min(open, close): error | warn (train on them, warned)."""
@@ -147,11 +120,8 @@ class DataConfig:
 
 @dataclass
 class CsvTrainingConfig(TrainingConfig):
-    """Loop settings shared by both stages (finetune.utils.training_utils.TrainingConfig documents every field).
-
-    Per-stage values (epochs, lr, batch_size, clip_grad_norm) live in `tokenizer_training` / `predictor_training`
-    and win over these. Only the defaults below differ from the shared engine's.
-    """
+    """Loop settings shared by both stages (`training:`; TrainingConfig documents every field). Only the defaults
+    below differ from the engine's; per-stage values live in `tokenizer_training` / `predictor_training`."""
 
     num_workers: int = 0
     """DataLoader worker processes per rank; 0 loads in the training process (the CSV dataset is fast enough)."""
@@ -224,7 +194,7 @@ class WalkForwardConfig:
 
 
 @dataclass
-class CsvFinetuneConfig:
+class CsvFinetuneConfig(StagedConfig):
     """Everything the CSV pipeline needs; one YAML file fills it."""
 
     data: DataConfig = field(default_factory=DataConfig)
@@ -248,10 +218,6 @@ class CsvFinetuneConfig:
     def base_dir(self) -> Path:
         """The run's output folder ({exp_name} is filled in when the YAML is loaded)."""
         return Path(self.paths.base_dir)
-
-    def stage_training(self, stage: Literal["tokenizer", "predictor"]) -> TrainingConfig:
-        """The engine's settings for `stage`: `training:` with the stage's non-null overrides applied."""
-        return apply_stage(self.training, getattr(self, f"{stage}_training"))
 
     @property
     def store_dir(self) -> Path:
@@ -293,11 +259,12 @@ def load(config_path: str | Path | None, overrides: Sequence[str] = (),
 
 
 def validate(cfg: CsvFinetuneConfig) -> None:
-    """Check every setting; raise ONE ValueError (ConfigError) listing each problem with the YAML key to change."""
+    """Check every setting; raise ONE ConfigError listing each problem with the YAML key to change."""
     problems = Problems("Invalid CSV finetuning configuration")
     _check_data(cfg.data, problems)
     cfg.model.check(problems, "model")
-    _check_training(cfg, problems)
+    cfg.check_training(problems, {"loss": "validation token loss", "crps": "forecast CRPS on validation windows"},
+                       min_epochs=0)  # epochs 0 = skip the stage
     _check_paths(cfg.paths, problems)
     _check_forecast(cfg.forecast, problems)
     _check_walk_forward(cfg.walk_forward, cfg.data.predict, problems)
@@ -317,10 +284,9 @@ def _check_data(d: DataConfig, p: Problems) -> None:
     p.check(len(set(mapped)) == len(mapped), "data.columns", f"maps one CSV column to several fields: {mapped}")
     p.check(d.symbol_column is None or d.symbol_column not in mapped, "data.symbol_column",
             f"'{d.symbol_column}' is also mapped in data.columns")
-    p.check(d.lookback >= 1, "data.lookback", f"must be >= 1 (got {d.lookback})")
-    p.check(d.predict >= 1, "data.predict", f"must be >= 1 (got {d.predict})")
+    for name in ("lookback", "predict", "stride"):
+        p.check(getattr(d, name) >= 1, f"data.{name}", f"must be >= 1 (got {getattr(d, name)})")
     p.check(d.clip > 0, "data.clip", f"must be > 0 (got {d.clip})")
-    p.check(d.stride >= 1, "data.stride", f"must be >= 1 (got {d.stride})")
     p.check(0 < d.train_ratio < 1, "data.train_ratio", f"must be in (0, 1) (got {d.train_ratio})")
     p.check(0 < d.val_ratio < 1, "data.val_ratio",
             f"must be in (0, 1): the validation split selects the best checkpoint (got {d.val_ratio})")
@@ -333,14 +299,8 @@ def _check_data(d: DataConfig, p: Problems) -> None:
     p.check(d.split in (None, "by_date", "per_series"), "data.split",
             f"must be by_date, per_series or null (= by_date when the series overlap in time), got {d.split!r}")
     p.check(d.bad_candles in ("error", "warn"), "data.bad_candles", f"must be error or warn, got {d.bad_candles!r}")
-    dates = {}
-    for key in ("train_end", "val_end"):
-        if isinstance(getattr(d, key), datetime.date):  # YAML reads 2015-01-01 as a date: keep it as text
-            setattr(d, key, getattr(d, key).isoformat())
-        try:
-            dates[key] = None if getattr(d, key) is None else pd.Timestamp(getattr(d, key))
-        except (ValueError, TypeError):
-            p.add(f"data.{key}", f"cannot read {getattr(d, key)!r} as a date, e.g. 2015-01-01")
+    dates = {key: parse_date(getattr(d, key), f"data.{key}", p, "use YYYY-MM-DD, e.g. 2015-01-01")
+             for key in ("train_end", "val_end") if getattr(d, key) is not None}
     if d.train_end is not None or d.val_end is not None:
         p.check(d.split != "per_series", "data.split", "per_series cuts by ratios: unset data.train_end / "
                 "data.val_end, or set data.split: by_date")
@@ -348,15 +308,6 @@ def _check_data(d: DataConfig, p: Problems) -> None:
         if dates.get("train_end") is not None and dates.get("val_end") is not None:
             p.check(dates["train_end"] < dates["val_end"], "data.val_end",
                     f"must be after data.train_end ({d.train_end}), got {d.val_end}")
-
-
-def _check_training(cfg: CsvFinetuneConfig, p: Problems) -> None:
-    validate_training_config(cfg.training, p, prefix="training")
-    p.check(cfg.training.select_by in ("loss", "crps"), "training.select_by",
-            f"must be 'loss' (validation token loss) or 'crps' (forecast CRPS on validation windows), "
-            f"got {cfg.training.select_by!r}")
-    for key in ("tokenizer_training", "predictor_training"):
-        validate_stage(getattr(cfg, key), key, p, min_epochs=0)  # epochs 0 = skip the stage
 
 
 def _check_paths(paths: PathsConfig, p: Problems) -> None:
@@ -397,12 +348,9 @@ def _check_walk_forward(w: WalkForwardConfig, predict: int, p: Problems) -> None
             "must include zero_shot and finetuned (the paired comparison that decides)")
 
 
-BEST_DIR = "best_model"  # the training engine's published-format folder inside each stage's output folder
-
-
 def best_dir(stage_dir: Path) -> Path:
-    """Where a stage's best model (published format) lives."""
-    return Path(stage_dir) / BEST_DIR
+    """Where a stage's best model (published format) lives: the training engine writes it to best_model/."""
+    return Path(stage_dir) / "best_model"
 
 
 def predictor_tokenizer_source(cfg: CsvFinetuneConfig) -> str:
@@ -418,14 +366,14 @@ def predictor_tokenizer_source(cfg: CsvFinetuneConfig) -> str:
     interrupted = stage_status(folder) == "unfinished" and any(
         (folder / name).exists() for name in ("checkpoints", "run_info.json", "metrics.jsonl"))
     if interrupted:  # never train or forecast on a half-trained tokenizer (issue 8, observation 6)
-        raise ValueError(f"the tokenizer stage in {folder} is unfinished: run it to the end first (drop "
-                         "--skip-tokenizer; it resumes where it stopped) or use another paths.base_dir")
+        raise DataError(f"the tokenizer stage in {folder} is unfinished: run it to the end first (drop "
+                        "--skip-tokenizer; it resumes where it stopped) or use another paths.base_dir")
     if (finetuned / "config.json").is_file():  # a finished stage's model, or one placed there by hand
         return str(finetuned)
     if cfg.model.pretrained_tokenizer is not None:
         return cfg.model.pretrained_tokenizer
-    raise ValueError(f"no trained tokenizer in {finetuned} and model.pretrained_tokenizer is null: train the "
-                     "tokenizer first (drop --skip-tokenizer) or set model.pretrained_tokenizer")
+    raise ConfigError([f"model.pretrained_tokenizer: is null and there is no trained tokenizer in {finetuned}: "
+                       "train the tokenizer first (drop --skip-tokenizer) or set model.pretrained_tokenizer"])
 
 
 log = logging.getLogger("finetune_csv.config")
@@ -470,10 +418,7 @@ def _base_save_path(value: Any, raw: Mapping[str, Any]) -> Outcome:
 
 
 def _stage_switch(stage: str) -> Callable[[Any, Mapping[str, Any]], Outcome]:
-    def convert(value: Any, raw: Mapping[str, Any]) -> Outcome:
-        return [] if value else [(f"{stage}_training.epochs", 0)]  # 0 epochs = the stage is skipped
-
-    return convert
+    return lambda value, raw: [] if value else [(f"{stage}_training.epochs", 0)]  # 0 epochs = the stage is skipped
 
 
 def _from_scratch(kind: str) -> Callable[[Any, Mapping[str, Any]], Outcome]:
@@ -491,8 +436,6 @@ def _from_scratch(kind: str) -> Callable[[Any, Mapping[str, Any]], Outcome]:
         if cfg_file is None or not cfg_file.is_file():
             raise _Unsupported(f"the original copies the {which} architecture from {source}/config.json, which is "
                                f"not a local file here; set model.pretrained_{which}: null and model.{which}_arch")
-        from model.config import KronosConfig, KronosTokenizerConfig
-
         arch_fields = (KronosTokenizerConfig if which == "tokenizer" else KronosConfig).__dataclass_fields__
         arch = json.loads(cfg_file.read_text(encoding="utf-8"))
         return [(f"model.pretrained_{which}", None)] + [
@@ -589,21 +532,18 @@ RULES: dict[str, Rule] = {
 }
 
 # The original's defaults where they differ from this pipeline's, applied when an original file leaves them out.
-ORIGINAL_DEFAULTS: dict[str, Any] = {
-    "training.batch_size": 160,
-}
+ORIGINAL_DEFAULTS: dict[str, Any] = {"training.batch_size": 160}
 
 
 @dataclass
 class Translation:
-    """The result of `translate`: nested settings in this project's format and what happened to each key."""
+    """The result of `translate`: `values`, the nested settings in this project's format (what a YAML file in
+    configs/ would hold); `lines`, one per original key (`old -> new = value`, or why it is not needed); and
+    `unsupported`, one per original key whose value cannot be honoured, with what to do instead."""
 
     values: dict[str, Any] = field(default_factory=dict)
-    """Nested mapping of this project's keys (what a YAML file in configs/ would hold)."""
     lines: list[str] = field(default_factory=list)
-    """One line per original key: `old -> new = value`, or why it is not needed."""
     unsupported: list[str] = field(default_factory=list)
-    """One line per original key whose value cannot be honoured, with what to do instead."""
 
 
 def is_original_config(raw: Any) -> bool:

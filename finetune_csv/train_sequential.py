@@ -77,8 +77,7 @@ def stage_resume(cfg: CsvFinetuneConfig, plan: dict[str, str | None]) -> dict[st
     """Each stage's training.resume. --resume (required) insists on resuming the RUN: when some stage that trains
     has a run in its folder, a stage with an empty folder starts fresh (e.g. the predictor after a kill in the
     tokenizer stage) instead of failing; with nothing anywhere to resume, it stays an error."""
-    folders = {"tokenizer": cfg.tokenizer_dir, "predictor": cfg.predictor_dir}
-    status = {stage: stage_status(folders[stage]) for stage in STAGES if plan[stage] is None}
+    status = {stage: stage_status(getattr(cfg, f"{stage}_dir")) for stage in STAGES if plan[stage] is None}
     resume = {stage: cfg.stage_training(stage).resume for stage in STAGES}
     if any(s != "empty" for s in status.values()):
         for stage, s in status.items():
@@ -147,13 +146,15 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
             with seeded_init(cfg.training.seed):
                 predictor = build_predictor(m.pretrained_predictor, m.predictor_arch, tokenizer, "model")
             pred_training = dataclasses.replace(cfg.stage_training("predictor"), resume=resume["predictor"])
+            val_metric = None  # select_by crps: sampled forecasts of the validation split's non-overlapping windows
+            if pred_training.select_by == "crps":
+                val_windows = held_out_windows(data.splits["val"], cfg.data.lookback, cfg.data.predict)
+                val_metric = make_crps_val_metric(cfg, val_windows, tokenizer)
             # What forecasting needs beside the weights (kronos_predictor.json): the window, tokenizer and clip.
             forecast_info = {"max_context": cfg.data.lookback + cfg.data.predict, "lookback": cfg.data.lookback,
                              "tokenizer": predictor_tokenizer_source(cfg), "clip": cfg.data.clip}
-            results.append(train_predictor(predictor, tokenizer, train_set, val_set, pred_training,
-                                           cfg.predictor_dir, dist, run_config=run_config, data_info=data_info,
-                                           val_metric=crps_val_metric(cfg, pred_training.select_by, data,
-                                                                      tokenizer),
+            results.append(train_predictor(predictor, tokenizer, train_set, val_set, pred_training, cfg.predictor_dir,
+                                           dist, run_config=run_config, data_info=data_info, val_metric=val_metric,
                                            forecast_info=forecast_info, output_key="paths.base_dir"))
             if dist.is_main:  # conformal bands fitted on the validation windows (forecast.calibrate)
                 calibrate_best_model(cfg, data)
@@ -162,17 +163,8 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
     return results, plan, data_info
 
 
-def crps_val_metric(cfg: CsvFinetuneConfig, select_by: str, data: PreparedData, tokenizer: KronosTokenizer):
-    """The validation-CRPS metric of the predictor stage when `select_by` is 'crps' (None for 'loss'): sampled
-    forecasts of validation windows cut from the same prepared store and split the trainer validates on."""
-    if select_by != "crps":
-        return None
-    val_windows = held_out_windows(data.splits["val"], cfg.data.lookback, cfg.data.predict)  # non-overlapping
-    return make_crps_val_metric(cfg, val_windows, tokenizer)
-
-
 def describe(cfg: CsvFinetuneConfig, data_info: dict, plan: dict[str, str | None], dist: DistInfo,
-             data: PreparedData | None = None) -> str:
+             data: PreparedData) -> str:
     """The run at a glance: data (and whether its store was prepared or reused), splits, stages, processes."""
     splits = data_info["splits"]
     lines = [f"{len(data_info['series'])} series from {len(data_info['files'])} file(s) under {cfg.data.path}; "
@@ -184,9 +176,8 @@ def describe(cfg: CsvFinetuneConfig, data_info: dict, plan: dict[str, str | None
                      + f"; training targets end data.predict = {cfg.data.predict} bars before each boundary")
     elif how:
         lines.append("  split per series (data.split: per_series): each series by its own row ratios")
-    if data is not None:
-        lines.append(f"  data store {data.store.path} ({'reused: ' if data.store.reused else 'prepared: '}"
-                     f"{data.store.reason})")
+    lines.append(f"  data store {data.store.path} ({'reused: ' if data.store.reused else 'prepared: '}"
+                 f"{data.store.reason})")
     for name, s in splits.items():
         lines.append(f"  {name:<5} {s['rows']:>9,} rows {s['windows']:>9,} windows  {s['start']} .. {s['end']}")
     for stage in STAGES:

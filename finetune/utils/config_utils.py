@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import datetime
 import difflib
 import functools
 import importlib.util
@@ -75,9 +76,6 @@ class Problems:
     def __bool__(self) -> bool:
         return bool(self.items)
 
-    def __len__(self) -> int:
-        return len(self.items)
-
     def raise_if_any(self) -> None:
         """Raise one `ConfigError` listing every collected problem (does nothing when there are none)."""
         if self.items:
@@ -96,32 +94,22 @@ def read_yaml(yaml_path: str | Path | None) -> dict[str, Any]:
     if not path.is_file():
         raise PathError(f"config file not found: {path} (check --config)")
     loaded = _load_bounded(path)
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, dict):
+    if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError([f"{path}: the top level must be a mapping of settings, got {type(loaded).__name__}"])
-    return loaded
+    return loaded or {}
 
 
-def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: Iterable[str] = (),
-                values: Mapping[str, Any] | None = None) -> T:
-    """Build the dataclass `cls` from a YAML file (optional) and `a.b=value` overrides (applied after the file).
-
-    Fields missing from the YAML keep their defaults. Override values are parsed as YAML scalars
-    (`3` -> int, `1e-4` -> float, `true` -> bool, `null` -> None, `[0.9, 0.95]` -> list), except that a `str`
-    field takes the override's raw text (a `str | None` field: `null` is None, anything else the raw text).
-    Raises `ConfigError` naming every bad key; `PathError` if `yaml_path` does not exist.
-    """
-    return build_config(cls, read_yaml(yaml_path), overrides, str(yaml_path) if yaml_path is not None else None,
-                        values)
+def load_config(cls: type[T], yaml_path: str | Path | None = None, overrides: Iterable[str] = ()) -> T:
+    """Build the dataclass `cls` from a YAML file (optional; missing keys keep their defaults), then `a.b=value`
+    overrides (YAML scalars; a `str` field takes the raw text, see above). Raises `ConfigError` naming every bad
+    key; `PathError` if `yaml_path` does not exist."""
+    return build_config(cls, read_yaml(yaml_path), overrides, str(yaml_path) if yaml_path is not None else None)
 
 
 def build_config(cls: type[T], raw: Mapping[str, Any], overrides: Iterable[str] = (), source: str | None = None,
                  values: Mapping[str, Any] | None = None) -> T:
     """`load_config` on a mapping already read (`source` names it in the error title); `values` {dotted key:
     value} are applied after the overrides, typed as they are."""
-    if not dataclasses.is_dataclass(cls):
-        raise TypeError(f"build_config expects a dataclass type, got {cls!r}")
     raw = dict(raw)
     problems = Problems(f"Invalid configuration from {source or '<defaults>'}")
     for key, value in _parse_overrides(overrides, problems):
@@ -133,6 +121,20 @@ def build_config(cls: type[T], raw: Mapping[str, Any], overrides: Iterable[str] 
         _resolve_templates(cfg, problems)
     problems.raise_if_any()
     return cfg
+
+
+def parse_date(text: Any, key: str, problems: Problems, advice: str = "use YYYY-MM-DD") -> Any:
+    """pandas.Timestamp of the date setting `text`, or None after recording a problem for `key`."""
+    import pandas as pd  # only when a date is checked: loading settings needs no pandas
+
+    try:
+        ts = pd.Timestamp(str(text))
+    except (ValueError, TypeError):
+        ts = pd.NaT
+    if ts is pd.NaT:
+        problems.add(key, f"{text!r} is not a date ({advice})")
+        return None
+    return ts
 
 
 def get_dotted(node: Any, key: str, default: Any = None) -> Any:
@@ -197,13 +199,8 @@ def _plain(value: Any) -> Any:
 
 def _parse_overrides(overrides: Iterable[str], problems: Problems) -> list[tuple[str, _Override]]:
     """`parse_overrides`, keeping each value's raw text for `str` fields."""
-    out = []
-    for item in overrides or ():
-        key, sep, text = item.partition("=")
-        parsed = parse_overrides([item], problems)
-        if parsed:
-            out.append((parsed[0][0], _Override(text.strip(), parsed[0][1])))
-    return out
+    return [(key, _Override(item.partition("=")[2].strip(), value)) for item in overrides or ()
+            for key, value in parse_overrides([item], problems)]
 
 
 def parse_overrides(overrides: Iterable[str], problems: Problems | None = None) -> list[tuple[str, Any]]:
@@ -231,12 +228,11 @@ def parse_overrides(overrides: Iterable[str], problems: Problems | None = None) 
 
 def _build(cls: type, raw: Any, prefix: str, problems: Problems) -> Any:
     """Instantiate dataclass `cls` from the mapping `raw`; problems are recorded with dotted keys."""
-    where = prefix or "<top level>"
     raw = _plain(raw) if isinstance(raw, _Override) else raw
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
-        problems.add(where, f"expected a mapping of settings for {cls.__name__}, got {_show(raw)}")
+        problems.add(prefix or "<top level>", f"expected a mapping of settings for {cls.__name__}, got {_show(raw)}")
         return None
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -255,13 +251,12 @@ def _build(cls: type, raw: Any, prefix: str, problems: Problems) -> Any:
                 kwargs[name] = _build(hints[name], {}, key, problems)
             else:
                 problems.add(key, "missing required value")
-    if len(problems):
-        # Do not call the constructor with half-converted values; the caller raises anyway.
-        try:
-            return cls(**kwargs)
-        except Exception:
-            return None
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except Exception:
+        if not problems:
+            raise
+        return None  # a missing or half-converted value broke the constructor: the caller raises the problems
 
 
 def _convert(value: Any, tp: Any, key: str, problems: Problems) -> Any:
@@ -329,6 +324,8 @@ def _convert(value: Any, tp: Any, key: str, problems: Problems) -> Any:
             return value
         return float(value)
     if tp is str:
+        if isinstance(value, datetime.date):  # YAML reads an unquoted 2024-07-01 as a date: keep it as ISO text
+            return value.isoformat()
         if isinstance(value, Mapping) and value and all(v is None for v in value.values()):
             problems.add(key, f"expected str, got {_show(value)}; quote templates in YAML: \"{{{next(iter(value))}}}\"")
         elif not isinstance(value, str):
@@ -380,7 +377,6 @@ class _BoundedLoader(yaml.SafeLoader):
 
 def _load_bounded(path: Path) -> Any:
     """The YAML document in `path`, safely: size and aliases bounded before anything is built (ConfigError)."""
-    path = Path(path)
     size = path.stat().st_size
     if size > MAX_CONFIG_BYTES:
         raise ConfigError([f"{path}: {size} bytes is too large for a settings file (at most {MAX_CONFIG_BYTES})"])
@@ -406,34 +402,34 @@ def _join(prefix: str, name: str) -> str:
 def _resolve_templates(cfg: Any, problems: Problems) -> None:
     """Replace `{name}` / `{a.b}` in string fields by the values of other fields (repeated until stable)."""
     for _ in range(10):  # chains like a -> b -> c resolve in a few passes; more means a cycle
-        changed = _resolve_pass(cfg, cfg, "", problems)
+        left: list[tuple[str, str]] = []  # (key, name) of every template this pass left in place
+        changed = _resolve_pass(cfg, cfg, "", problems, left)
         if problems or not changed:
             break
     else:
         problems.add("<templates>", "templates refer to each other in a cycle")
         return
-    for key, text in _strings(cfg, ""):
-        for name in _TEMPLATE.findall(text):
-            problems.add(key, f"template {{{name}}} could not be resolved (it refers to itself or a cycle)")
+    for key, name in left:
+        problems.add(key, f"template {{{name}}} could not be resolved (it refers to itself or a cycle)")
 
 
-def _resolve_pass(root: Any, node: Any, prefix: str, problems: Problems) -> bool:
+def _resolve_pass(root: Any, node: Any, prefix: str, problems: Problems, left: list[tuple[str, str]]) -> bool:
     changed = False
     for f in dataclasses.fields(node):
         value = getattr(node, f.name)
         key = _join(prefix, f.name)
         if dataclasses.is_dataclass(value):
-            changed |= _resolve_pass(root, value, key, problems)
+            changed |= _resolve_pass(root, value, key, problems, left)
         elif isinstance(value, str) and _TEMPLATE.search(value):
 
             def lookup(m: re.Match, key=key) -> str:
                 found, ref = _lookup(root, node, m.group(1))
                 if not found:
                     problems.add(key, f"template {{{m.group(1)}}} names no setting")
-                    return m.group(0)
-                if isinstance(ref, str) and _TEMPLATE.search(ref):
-                    return m.group(0)  # resolve the referenced field first (next pass)
-                return str(ref)
+                elif not (isinstance(ref, str) and _TEMPLATE.search(ref)):
+                    return str(ref)
+                left.append((key, m.group(1)))  # unknown, or a template itself: resolve that field first (next pass)
+                return m.group(0)
 
             new = _TEMPLATE.sub(lookup, value)
             if new != value:
@@ -444,26 +440,15 @@ def _resolve_pass(root: Any, node: Any, prefix: str, problems: Problems) -> bool
 
 def _lookup(root: Any, section: Any, name: str) -> tuple[bool, Any]:
     for start in ((section, root) if "." not in name else (root,)):
-        obj, ok = start, True
+        obj = start
         for part in name.split("."):
-            if dataclasses.is_dataclass(obj) and any(f.name == part for f in dataclasses.fields(obj)):
-                obj = getattr(obj, part)
-            else:
-                ok = False
+            if not (dataclasses.is_dataclass(obj) and any(f.name == part for f in dataclasses.fields(obj))):
                 break
-        if ok and not dataclasses.is_dataclass(obj):
-            return True, obj
+            obj = getattr(obj, part)
+        else:  # every part named a field: a value, not a section
+            if not dataclasses.is_dataclass(obj):
+                return True, obj
     return False, None
-
-
-def _strings(node: Any, prefix: str) -> Iterable[tuple[str, str]]:
-    for f in dataclasses.fields(node):
-        value = getattr(node, f.name)
-        key = _join(prefix, f.name)
-        if dataclasses.is_dataclass(value):
-            yield from _strings(value, key)
-        elif isinstance(value, str):
-            yield key, value
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -479,14 +464,11 @@ def add_config_args(parser: argparse.ArgumentParser, config_cls: type,
     overrides)` is the pipeline's loader, which `--print-config` calls (so it prints exactly what a run would use,
     and fails the same way). Parse with `parse_config_args`.
     """
-    parser.add_argument(
-        "--config", default=default_config, required=default_config is None,
-        help="YAML file with the settings" + (f" (default: {default_config})" if default_config else ""),
-    )
-    parser.add_argument(
-        "--set", dest="set", action="append", default=[], metavar="KEY=VALUE",
-        help="override one setting, e.g. --set training.epochs=3 (repeatable; values are YAML scalars)",
-    )
+    parser.add_argument("--config", default=default_config, required=default_config is None,
+                        help=f"YAML file with the settings (default: {default_config})" if default_config
+                        else "YAML file with the settings")
+    parser.add_argument("--set", dest="set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one setting, e.g. --set training.epochs=3 (repeatable; values are YAML scalars)")
     parser.add_argument("--help-config", action=_HelpConfigAction, config_cls=config_cls,
                         help="list every settings key with its type, default and meaning, then exit")
     parser.add_argument("--print-config", action="store_true",
@@ -541,26 +523,22 @@ class _HelpConfigAction(argparse.Action):
 
 @dataclass(frozen=True)
 class KeyDoc:
-    """One leaf setting."""
+    """One leaf setting: dotted `key` (`training.epochs`), readable `type` (`float | null`), `default` (what a YAML
+    file that leaves the key out gets) and the field's docstring `doc` ('' when it has none)."""
 
     key: str
-    """Dotted YAML key, e.g. `training.epochs`."""
     type: str
-    """Readable type, e.g. `int`, `float | null`, `'error' | 'ffill' | 'drop'`."""
     default: Any
-    """Default value (what a YAML file that leaves the key out gets)."""
     doc: str
-    """The field's docstring (empty when it has none)."""
 
 
 @dataclass(frozen=True)
 class SectionDoc:
-    """A nested dataclass: one YAML mapping."""
+    """A nested dataclass (one YAML mapping): dotted `key` and `doc`, its field docstring, else the class docstring's
+    first line."""
 
     key: str
-    """Dotted key of the section ('' for the top level)."""
     doc: str
-    """The section's docstring (its field docstring, else the class docstring's first line)."""
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -578,12 +556,8 @@ def _own_field_docs(cls: type) -> dict[str, str]:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
         return {}
-    tree = ast.parse(source)
-    klass = next((n for n in tree.body if isinstance(n, ast.ClassDef)), None)
-    if klass is None:
-        return {}
+    body = ast.parse(source).body[0].body  # the class statement (its decorators belong to it)
     docs: dict[str, str] = {}
-    body = klass.body
     for node, nxt in zip(body, body[1:]):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
                 and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
@@ -593,8 +567,6 @@ def _own_field_docs(cls: type) -> dict[str, str]:
 
 def describe_config(cls: type, prefix: str = "") -> list[KeyDoc | SectionDoc]:
     """Every section and leaf key of dataclass `cls`: a section's own keys, then its subsections (depth first)."""
-    if not dataclasses.is_dataclass(cls):
-        raise TypeError(f"describe_config expects a dataclass type, got {cls!r}")
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     leaves: list[KeyDoc | SectionDoc] = []
@@ -616,9 +588,7 @@ def describe_config(cls: type, prefix: str = "") -> list[KeyDoc | SectionDoc]:
 def _default(f: dataclasses.Field) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return dataclasses.MISSING
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
 
 
 def type_name(tp: Any) -> str:
@@ -639,20 +609,8 @@ def type_name(tp: Any) -> str:
 
 
 def _show_default(value: Any) -> str:
-    """A default as it would be written in YAML (null, true, "text", [a, b])."""
-    if value is dataclasses.MISSING:
-        return "(required)"
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_show_default(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_show_default(v)}" for k, v in value.items()) + "}"
-    return repr(value)
+    """A default as it would be written in YAML (null, true, "text", [a, b]): JSON is YAML's flow style."""
+    return "(required)" if value is dataclasses.MISSING else json.dumps(value, default=repr)
 
 
 def format_config_help(cls: type, title: str | None = None, width: int = 118) -> str:
@@ -668,15 +626,16 @@ def format_config_help(cls: type, title: str | None = None, width: int = 118) ->
     return "\n".join(lines)
 
 
-def config_to_dict(cfg: Any) -> Any:
-    """Plain nested dict (JSON/YAML-safe: Paths become str, tuples become lists) of a config dataclass."""
+def config_to_dict(cfg: Any, strict: bool = False) -> Any:
+    """Plain nested dict (JSON/YAML-safe: Paths become str, tuples become lists) of a config dataclass; `strict`:
+    every value that is not str/int/float/bool/None becomes its str too."""
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        return {f.name: config_to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+        return {f.name: config_to_dict(getattr(cfg, f.name), strict) for f in dataclasses.fields(cfg)}
     if isinstance(cfg, Mapping):
-        return {str(k): config_to_dict(v) for k, v in cfg.items()}
+        return {str(k): config_to_dict(v, strict) for k, v in cfg.items()}
     if isinstance(cfg, (list, tuple)):
-        return [config_to_dict(v) for v in cfg]
-    if isinstance(cfg, Path):
+        return [config_to_dict(v, strict) for v in cfg]
+    if isinstance(cfg, Path) or (strict and not (cfg is None or isinstance(cfg, (str, int, float, bool)))):
         return str(cfg)
     return cfg
 
@@ -779,39 +738,27 @@ class TrainingConfig:
 def validate_training_config(cfg: TrainingConfig, problems: Problems, prefix: str = "training") -> None:
     """Add every problem of `cfg` to `problems`, each named by its YAML key (`prefix.field`)."""
     k = (lambda name: f"{prefix}.{name}" if prefix else name)
-    problems.check(cfg.epochs >= 1, k("epochs"), f"must be >= 1, got {cfg.epochs}")
-    problems.check(cfg.batch_size >= 1, k("batch_size"), f"must be >= 1, got {cfg.batch_size}")
-    problems.check(cfg.accumulation_steps >= 1, k("accumulation_steps"), f"must be >= 1, got {cfg.accumulation_steps}")
-    problems.check(cfg.lr > 0, k("lr"), f"must be > 0, got {cfg.lr}")
-    problems.check(
-        len(cfg.betas) == 2 and all(0 <= b < 1 for b in cfg.betas), k("betas"),
-        f"need two values in [0, 1), got {cfg.betas}",
-    )
-    problems.check(cfg.weight_decay >= 0, k("weight_decay"), f"must be >= 0, got {cfg.weight_decay}")
+    at_least_one = ("epochs", "batch_size", "accumulation_steps", "log_every_steps", "keep_checkpoints", "lora_rank")
+    positive = ("lr", "div_factor", "final_div_factor", "dist_timeout_s", "lora_alpha")
+    non_negative = ("weight_decay", "num_workers", "save_every_steps", "min_delta")
+    for names, ok, bound in ((at_least_one, lambda v: v >= 1, ">= 1"), (positive, lambda v: v > 0, "> 0"),
+                             (non_negative, lambda v: v >= 0, ">= 0")):
+        for name in names:
+            problems.check(ok(getattr(cfg, name)), k(name), f"must be {bound}, got {getattr(cfg, name)}")
+    problems.check(len(cfg.betas) == 2 and all(0 <= b < 1 for b in cfg.betas), k("betas"),
+                   f"need two values in [0, 1), got {cfg.betas}")
     problems.check(0 < cfg.pct_start < 1, k("pct_start"), f"must be in (0, 1), got {cfg.pct_start}")
-    problems.check(cfg.div_factor > 0, k("div_factor"), f"must be > 0, got {cfg.div_factor}")
-    problems.check(cfg.final_div_factor > 0, k("final_div_factor"), f"must be > 0, got {cfg.final_div_factor}")
-    problems.check(
-        cfg.clip_grad_norm is None or cfg.clip_grad_norm >= 0, k("clip_grad_norm"),
-        f"must be >= 0 or null, got {cfg.clip_grad_norm}",
-    )
+    problems.check(cfg.clip_grad_norm is None or cfg.clip_grad_norm >= 0, k("clip_grad_norm"),
+                   f"must be >= 0 or null, got {cfg.clip_grad_norm}")
     problems.check(cfg.amp in ("none", "bf16"), k("amp"), f"must be 'none' or 'bf16', got {cfg.amp!r}")
-    problems.check(cfg.num_workers >= 0, k("num_workers"), f"must be >= 0, got {cfg.num_workers}")
     for name in ("max_train_samples", "max_val_samples"):
         v = getattr(cfg, name)
         problems.check(v is None or v >= 1, k(name), f"must be >= 1 or null (all windows), got {v}")
-    problems.check(cfg.log_every_steps >= 1, k("log_every_steps"), f"must be >= 1, got {cfg.log_every_steps}")
-    problems.check(cfg.save_every_steps >= 0, k("save_every_steps"), f"must be >= 0, got {cfg.save_every_steps}")
     problems.check(cfg.patience >= 0, k("patience"), f"must be >= 0 (0 = no early stopping), got {cfg.patience}")
-    problems.check(cfg.min_delta >= 0, k("min_delta"), f"must be >= 0, got {cfg.min_delta}")
-    problems.check(cfg.keep_checkpoints >= 1, k("keep_checkpoints"), f"must be >= 1, got {cfg.keep_checkpoints}")
     problems.check(isinstance(cfg.select_by, str) and cfg.select_by.strip() != "", k("select_by"),
                    f"must be 'loss' or a metric name, got {cfg.select_by!r}")
-    problems.check(cfg.dist_timeout_s > 0, k("dist_timeout_s"), f"must be > 0, got {cfg.dist_timeout_s}")
     problems.check(cfg.finetune_mode in ("full", "lora", "freeze"), k("finetune_mode"),
                    f"must be 'full', 'lora' or 'freeze', got {cfg.finetune_mode!r}")
-    problems.check(cfg.lora_rank >= 1, k("lora_rank"), f"must be >= 1, got {cfg.lora_rank}")
-    problems.check(cfg.lora_alpha > 0, k("lora_alpha"), f"must be > 0, got {cfg.lora_alpha}")
     problems.check(0 <= cfg.lora_dropout < 1, k("lora_dropout"), f"must be in [0, 1), got {cfg.lora_dropout}")
     problems.check(cfg.finetune_mode != "lora" or len(cfg.lora_targets) > 0, k("lora_targets"),
                    "must name at least one layer group or module, e.g. [attention]")
@@ -822,17 +769,9 @@ def validate_training_config(cfg: TrainingConfig, problems: Problems, prefix: st
         problems.add(key, message)
 
 
-
 def plain(obj: Any) -> Any:
     """Config data reduced to str/int/float/bool/None/list/dict (so the checkpoint loads with weights_only=True)."""
-    obj = config_to_dict(obj)
-    if isinstance(obj, dict):
-        return {str(k): plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [plain(v) for v in obj]
-    if obj is None or isinstance(obj, (str, int, float, bool)):
-        return obj
-    return str(obj)
+    return config_to_dict(obj, strict=True)
 
 
 log = logging.getLogger("finetune.config")
@@ -854,10 +793,33 @@ class StageConfig:
     """Gradient-norm clip; null = training.clip_grad_norm, whose null means 2.0 (tokenizer) / 3.0 (predictor)."""
 
 
-def apply_stage(training: TrainingConfig, stage: StageConfig) -> TrainingConfig:
-    """`training` with the stage's non-null overrides applied: what the engine runs that stage with."""
-    changed = {f.name: getattr(stage, f.name) for f in dataclasses.fields(stage) if getattr(stage, f.name) is not None}
-    return dataclasses.replace(training, **changed)
+class StagedConfig:
+    """Base of both pipelines' settings, which hold `training:` and the `tokenizer_training:` / `predictor_training:`
+    StageConfig sections."""
+
+    def stage_training(self, stage: Literal["tokenizer", "predictor"]) -> TrainingConfig:
+        """`training` with the stage's non-null overrides applied: what the engine runs that stage with."""
+        section = getattr(self, f"{stage}_training")
+        changed = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
+                   if getattr(section, f.name) is not None}
+        return dataclasses.replace(self.training, **changed)
+
+    def check_training(self, problems: Problems, select_by: Mapping[str, str], min_epochs: int = 1) -> None:
+        """Add the problems of `training:` and of both stage sections (each value may be null = inherit); `select_by`
+        maps each allowed training.select_by to what it selects by."""
+        validate_training_config(self.training, problems, "training")
+        choices = " or ".join(f"'{name}' ({meaning})" for name, meaning in select_by.items())
+        problems.check(self.training.select_by in select_by, "training.select_by",
+                       f"must be {choices}, got {self.training.select_by!r}")
+        for k in ("tokenizer_training", "predictor_training"):
+            s = getattr(self, k)
+            problems.check(s.epochs is None or s.epochs >= min_epochs, f"{k}.epochs",
+                           f"must be >= {min_epochs} or null, got {s.epochs}")
+            problems.check(s.lr is None or s.lr > 0, f"{k}.lr", f"must be > 0 or null, got {s.lr}")
+            problems.check(s.batch_size is None or s.batch_size >= 1, f"{k}.batch_size",
+                           f"must be >= 1 or null, got {s.batch_size}")
+            problems.check(s.clip_grad_norm is None or s.clip_grad_norm >= 0, f"{k}.clip_grad_norm",
+                           f"must be >= 0 or null, got {s.clip_grad_norm}")
 
 
 def stage_key(run_config: Mapping[str, Any] | None, stage: str, name: str) -> str:
@@ -867,23 +829,9 @@ def stage_key(run_config: Mapping[str, Any] | None, stage: str, name: str) -> st
     return f"{stage}_training.{name}" if section.get(name) is not None else f"training.{name}"
 
 
-def validate_stage(stage: StageConfig, prefix: str, problems: Problems, min_epochs: int = 1) -> None:
-    """Add the problems of one stage's overrides, named `prefix.field` (e.g. `predictor_training.lr`)."""
-    e = stage.epochs
-    problems.check(e is None or e >= min_epochs, f"{prefix}.epochs", f"must be >= {min_epochs} or null, got {e}")
-    problems.check(stage.lr is None or stage.lr > 0, f"{prefix}.lr", f"must be > 0 or null, got {stage.lr}")
-    problems.check(stage.batch_size is None or stage.batch_size >= 1, f"{prefix}.batch_size",
-                   f"must be >= 1 or null, got {stage.batch_size}")
-    problems.check(stage.clip_grad_norm is None or stage.clip_grad_norm >= 0, f"{prefix}.clip_grad_norm",
-                   f"must be >= 0 or null, got {stage.clip_grad_norm}")
-
-
 def shadowed_overrides(cfg: Any, overrides: Iterable[str]) -> list[str]:
-    """One message per `--set training.X=...` in `overrides` that a stage section of `cfg` shadows (sets X).
-
-    Parameters: cfg: a pipeline config with `tokenizer_training` / `predictor_training` StageConfig sections;
-    overrides: the raw `KEY=VALUE` strings. Returns: messages naming both keys (empty when nothing is shadowed).
-    """
+    """One message, naming both keys, per `--set training.X=...` in `overrides` (raw `KEY=VALUE` strings) that a
+    stage section of the pipeline config `cfg` shadows (sets X)."""
     stage_fields = {f.name for f in dataclasses.fields(StageConfig)}
     out = []
     for item in overrides or ():
@@ -929,11 +877,6 @@ class SamplingConfig:
         problems.check(self.sample_count >= 1, f"{prefix}.sample_count", f"must be >= 1, got {self.sample_count}")
 
 
-# setting -> (module to import, pip package): what each backend needs installed.
-_NEEDS = {"tensorboard": ("tensorboard", "tensorboard"), "mlflow": ("mlflow", "mlflow"),
-          "comet": ("comet_ml", "comet_ml")}
-
-
 def tracker_problems(*, tensorboard: bool = False, mlflow: bool = False, comet: bool = False,
                      prefix: str = "training") -> list[tuple[str, str]]:
     """(yaml key, message) for every enabled tracker whose package is missing; [] when all can be used.
@@ -941,9 +884,9 @@ def tracker_problems(*, tensorboard: bool = False, mlflow: bool = False, comet: 
     Lets config validation report a missing package before any data is loaded or model built.
     """
     out = []
-    for name, enabled in (("tensorboard", tensorboard), ("mlflow", mlflow), ("comet", comet)):
-        module, package = _NEEDS[name]
-        if enabled and importlib.util.find_spec(module) is None:
+    for name, enabled, package in (("tensorboard", tensorboard, "tensorboard"), ("mlflow", mlflow, "mlflow"),
+                                   ("comet", comet, "comet_ml")):  # package = the module to import
+        if enabled and importlib.util.find_spec(package) is None:
             out.append((f"{prefix}.{name}" if prefix else name,
                         f"is true but {package} is not installed: `pip install {package}` or set it to false"))
     return out
@@ -969,13 +912,7 @@ class ModelConfig:
     def check(self, problems: Problems, prefix: str = "model") -> None:
         """Add every problem of these settings to `problems`, named `prefix.key` (no file or Hub access)."""
         if self.pretraining_cutoff is not None:
-            try:
-                import pandas as pd
-
-                pd.Timestamp(str(self.pretraining_cutoff))
-            except ValueError:
-                problems.add(f"{prefix}.pretraining_cutoff", f"{self.pretraining_cutoff!r} is not a date; use "
-                                                             "e.g. 2024-06-30 or null")
+            parse_date(self.pretraining_cutoff, f"{prefix}.pretraining_cutoff", problems, "use e.g. 2024-06-30 or null")
         for name in ("pretrained_tokenizer", "pretrained_predictor"):
             value = getattr(self, name)
             problems.check(value is None or bool(str(value).strip()), f"{prefix}.{name}",
