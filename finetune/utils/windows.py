@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
+from finetune.utils.errors import DataError
 from finetune.utils.store import N_STAMP_COLUMNS, SeriesPanel
 
 SPLITS = ("train", "val", "test")
@@ -65,7 +66,7 @@ def split_bounds(n_rows: int, train_ratio: float, val_ratio: float) -> tuple[int
 
 def split_panel(panel: SeriesPanel, train_ratio: float, val_ratio: float, test_ratio: float, lookback: int,
                 predict: int) -> dict[str, PanelSegments]:
-    """Cut every series by time into train / val / (test when test_ratio > 0) index ranges; ValueError naming each
+    """Cut every series by time into train / val / (test when test_ratio > 0) index ranges; DataError naming each
     series too short for one window per split (train needs lookback + predict rows, val and test predict rows)."""
     lengths = panel.lengths()
     offsets = np.asarray(panel.offsets, dtype=np.int64)
@@ -77,10 +78,10 @@ def split_panel(panel: SeriesPanel, train_ratio: float, val_ratio: float, test_r
     if short.any():
         listed = [f"{panel.names[i]}: {int(lengths[i])} rows" for i in np.flatnonzero(short)[:10]]
         more = f" (+{int(short.sum()) - 10} more)" if short.sum() > 10 else ""
-        raise ValueError(f"{int(short.sum())} series too short for one window per split with data.lookback="
-                         f"{lookback}, data.predict={predict} and ratios {train_ratio}/{val_ratio}/{test_ratio}: "
-                         f"{', '.join(listed)}{more}; lower data.lookback / data.predict, change the ratios, or "
-                         "remove these series")
+        raise DataError(f"{int(short.sum())} series too short for one window per split with data.lookback="
+                        f"{lookback}, data.predict={predict} and ratios {train_ratio}/{val_ratio}/{test_ratio}: "
+                        f"{', '.join(listed)}{more}; lower data.lookback / data.predict, change the ratios, or "
+                        "remove these series")
     first = offsets[:-1]
     out = {"train": PanelSegments(panel, first, first, first + train_end),
            "val": PanelSegments(panel, first + train_end - lookback, first + train_end, first + val_end)}
@@ -267,7 +268,7 @@ class WindowDataset(Dataset):
     ranges: optional (start, stop), int64 (S,) each: series s reads only panel columns [start[s], stop[s]) (a time
         split as index ranges; they may overlap, as a val split's context overlaps train).
     Series shorter than a window give no windows and are listed in `short_series` (name, rows); a dataset with no
-    window at all raises ValueError.
+    window at all raises DataError.
     """
 
     def __init__(
@@ -308,7 +309,7 @@ class WindowDataset(Dataset):
         self.cum_windows = np.cumsum(self.windows_per_series)  # cum_windows[s] = windows in series 0..s
         self.short_series = [(self.names[i], int(lengths[i])) for i in np.flatnonzero(counts == 0)]
         if self.cum_windows[-1] == 0:
-            raise ValueError(
+            raise DataError(
                 f"no series has enough rows for one window of lookback + predict = {self.window} rows "
                 f"(longest series: {int(lengths.max())} rows); lower the lookback/predict window or add data"
             )
