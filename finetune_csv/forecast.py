@@ -43,7 +43,7 @@ from finetune_csv.config import CsvFinetuneConfig, best_dir, predictor_tokenizer
 from finetune_csv.data import PreparedData, prepare_data
 from model import Kronos, KronosPredictor, KronosTokenizer
 from model.features import FEATURES, PRICE_FEATURES, calc_time_stamps, normalize
-from model.fileio import write_json
+from model.fileio import atomic_write, write_json
 from model.predictor import PREDICTOR_INFO_NAME, read_predictor_info, tokenizer_source
 
 
@@ -217,10 +217,8 @@ def save_figure(fig, png: str | Path) -> Path:
     fig.tight_layout()
     png = Path(png)
     png.parent.mkdir(parents=True, exist_ok=True)
-    tmp = png.with_name(png.stem + ".tmp.png")
-    fig.savefig(tmp)
+    atomic_write(png, lambda p: fig.savefig(p, format="png"))
     plt.close(fig)
-    tmp.replace(png)
     return png
 
 
@@ -592,12 +590,6 @@ def forecast_table(names: list[str], stamps: list[pd.DatetimeIndex], paths: np.n
     return pd.concat(parts, ignore_index=True)
 
 
-def _write_csv(frame: pd.DataFrame, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    frame.to_csv(tmp, index=False)
-    tmp.replace(path)
-
-
 def format_report(metrics: dict) -> str:
     """One short table: each candidate's and baseline's headline scores, then the paired differences with their CIs,
     the calibration's coverage and the share of invalid sampled candles."""
@@ -713,7 +705,8 @@ def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> dict:
 
     out_dir = Path(out_dir) if out_dir is not None else cfg.base_dir / "forecast"
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_csv(forecast_table(windows.names, windows.y_timestamps, paths, windows.actual), out_dir / "forecast.csv")
+    table = forecast_table(windows.names, windows.y_timestamps, paths, windows.actual)
+    atomic_write(out_dir / "forecast.csv", lambda p: table.to_csv(p, index=False))
     tail = min(cfg.data.lookback, 3 * cfg.data.predict)
     plot_panels(_panels(windows.names, [ts[-tail:] for ts in windows.x_timestamps],
                         windows.context[:, -tail:, CLOSE], windows.y_timestamps, paths, windows.actual),
@@ -751,7 +744,7 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> pd.DataFr
     table = forecast_table(names, future_ts, paths).drop(columns="window")
     out_dir = Path(out_dir) if out_dir is not None else cfg.base_dir / "future"
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_csv(table, out_dir / "forecast.csv")
+    atomic_write(out_dir / "forecast.csv", lambda p: table.to_csv(p, index=False))
     tail = min(lookback, 3 * predict)
     plot_panels(_panels(names, [ts[-tail:] for ts in past_ts], context[:, -tail:, CLOSE], future_ts, paths),
                 out_dir / "forecast.png")

@@ -271,16 +271,9 @@ class WindowDataset(Dataset):
     window at all raises DataError.
     """
 
-    def __init__(
-        self,
-        data: SeriesPanel | Sequence[SeriesArrays | tuple[np.ndarray, np.ndarray]],
-        lookback: int,
-        predict: int,
-        *,
-        stride: int = 1,
-        clip: float = 5.0,
-        ranges: tuple[np.ndarray, np.ndarray] | None = None,
-    ):
+    def __init__(self, data: SeriesPanel | Sequence[SeriesArrays | tuple[np.ndarray, np.ndarray]], lookback: int,
+                 predict: int, *, stride: int = 1, clip: float = 5.0,
+                 ranges: tuple[np.ndarray, np.ndarray] | None = None):
         if lookback < 1 or predict < 0 or stride < 1:
             raise ValueError(f"need lookback >= 1, predict >= 0, stride >= 1; got {lookback}, {predict}, {stride}")
         self.lookback = int(lookback)
@@ -395,17 +388,8 @@ class EpochSampler(Sampler[int]):
     `set_epoch(epoch, skip=k)` starts the epoch after this rank's first k windows (mid-epoch resume).
     """
 
-    def __init__(
-        self,
-        num_samples: int,
-        *,
-        shuffle: bool = True,
-        seed: int = 0,
-        max_samples: int | None = None,
-        rank: int = 0,
-        world_size: int = 1,
-        drop_remainder: bool = True,
-    ):
+    def __init__(self, num_samples: int, *, shuffle: bool = True, seed: int = 0, max_samples: int | None = None,
+                 rank: int = 0, world_size: int = 1, drop_remainder: bool = True):
         if num_samples < 1:
             raise ValueError("EpochSampler needs at least one sample")
         if not 0 <= rank < world_size:
@@ -483,18 +467,9 @@ def seed_worker(worker_id: int) -> None:
     random.seed(s)
 
 
-def make_loader(
-    dataset: Dataset,
-    sampler: EpochSampler,
-    batch_size: int,
-    *,
-    epoch: int,
-    seed: int,
-    skip_batches: int = 0,
-    num_workers: int = 0,
-    pin_memory: bool = False,
-    prefetch_factor: int | None = None,
-) -> DataLoader:
+def make_loader(dataset: Dataset, sampler: EpochSampler, batch_size: int, *, epoch: int, seed: int,
+                skip_batches: int = 0, num_workers: int = 0, pin_memory: bool = False,
+                prefetch_factor: int | None = None) -> DataLoader:
     """The DataLoader for one epoch: `sampler.set_epoch(epoch, skip_batches * batch_size)`, batches of
     `batch_size` (last one may be smaller), every worker seeded reproducibly from (seed, epoch, rank, worker id)."""
     sampler.set_epoch(epoch, skip=skip_batches * batch_size)
