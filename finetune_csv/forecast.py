@@ -60,12 +60,8 @@ def candle_violations(open_: np.ndarray, high: np.ndarray, low: np.ndarray, clos
     bad_high = h < np.maximum(o, c)
     bad_low = l > np.minimum(o, c)
     bad_volume = v < 0
-    return {
-        "high_below_body": float(bad_high.mean()),
-        "low_above_body": float(bad_low.mean()),
-        "negative_volume": float(bad_volume.mean()),
-        "any": float((bad_high | bad_low | bad_volume).mean()),
-    }
+    return {"high_below_body": float(bad_high.mean()), "low_above_body": float(bad_low.mean()),
+            "negative_volume": float(bad_volume.mean()), "any": float((bad_high | bad_low | bad_volume).mean())}
 
 
 def repair_candles(paths: np.ndarray) -> np.ndarray:

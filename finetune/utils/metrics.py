@@ -68,7 +68,7 @@ class Tracker:
         """Record the resolved config (nested dict)."""
 
     def log_artifacts(self, paths: Iterable[Path]) -> None:
-        """Attach finished files (loss_curve.png, run_info.json) to the run."""
+        """Attach finished files (loss_curve.png, run_info.json; `MetricsLogger` passes existing ones only)."""
 
     def close(self, failed: bool = False) -> None:
         """End the run (`failed` marks it so where the backend knows run states)."""
@@ -158,8 +158,7 @@ class MLflowTracker(Tracker):
 
     def log_artifacts(self, paths: Iterable[Path]) -> None:
         for p in paths:
-            if p is not None and Path(p).exists():
-                self.client.log_artifact(self.run_id, str(p))
+            self.client.log_artifact(self.run_id, str(p))
 
     def close(self, failed: bool = False) -> None:
         status = self._status.FAILED if failed else self._status.FINISHED
@@ -184,8 +183,7 @@ class CometTracker(Tracker):
 
     def log_artifacts(self, paths: Iterable[Path]) -> None:
         for p in paths:
-            if p is not None and Path(p).exists():
-                self.experiment.log_asset(str(p))
+            self.experiment.log_asset(str(p))
 
     def close(self, failed: bool = False) -> None:
         self.experiment.end()

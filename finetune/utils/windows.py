@@ -302,10 +302,9 @@ class WindowDataset(Dataset):
         self.cum_windows = np.cumsum(self.windows_per_series)  # cum_windows[s] = windows in series 0..s
         self.short_series = [(self.names[i], int(lengths[i])) for i in np.flatnonzero(counts == 0)]
         if self.cum_windows[-1] == 0:
-            raise DataError(
-                f"no series has enough rows for one window of lookback + predict = {self.window} rows "
-                f"(longest series: {int(lengths.max())} rows); lower the lookback/predict window or add data"
-            )
+            raise DataError(f"no series has enough rows for one window of lookback + predict = {self.window} rows "
+                            f"(longest series: {int(lengths.max())} rows); lower the lookback/predict window or add "
+                            "data")
         # The panel's blocks as they are (one copy only if the dtype or layout is not the engine's): cheap to share
         # with forked DataLoader workers (copy-on-write), and a memmap stays on disk. Features are feature-major,
         # (F, sum N): a window's statistics are then reductions over a contiguous time axis (4x faster than (N, F)).
