@@ -31,7 +31,6 @@ import os
 import shutil
 import time
 import uuid
-import warnings
 import warnings as warnings_module
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -417,13 +416,10 @@ def data_summary_from_store(data: PreparedData, cfg: DataConfig) -> dict:
         n = seg.stop - seg.start
         windows = np.where(n >= window, (n - window) // cfg.stride + 1, 0)
         own = seg.stop > seg.first_target  # (S,) series with rows of their own in this split (by_date: not all)
-        per_split[name] = {
-            "rows": int((seg.stop - seg.first_target).sum()),
-            "context_rows": int((seg.first_target - seg.start).sum()),
-            "windows": int(windows.sum()),
-            "start": stamp_text(int(np.min(when[seg.first_target[own]]))),
-            "end": stamp_text(int(np.max(when[seg.stop[own] - 1]))),
-        }
+        per_split[name] = {"rows": int((seg.stop - seg.first_target).sum()),
+                           "context_rows": int((seg.first_target - seg.start).sum()), "windows": int(windows.sum()),
+                           "start": stamp_text(int(np.min(when[seg.first_target[own]]))),
+                           "end": stamp_text(int(np.max(when[seg.stop[own] - 1])))}
     return {
         "files": [{"path": f["path"], "bytes": f["bytes"], "sha256": f["sha256"]} for f in manifest["sources"]],
         "series": [{"name": s["name"], "rows": s["rows"], "start": s["start"], "end": s["end"]}
@@ -1449,7 +1445,7 @@ def check_frequencies(freqs: Mapping[str, pd.Timedelta], expected: str | pd.Time
                 continue
             files = [f for f, t in freqs.items() if pd.Timedelta(t) == td]
             groups.append(f"{format_frequency(td)}: {_listed(files)}")
-        warnings.warn(
+        warnings_module.warn(
             f"data: files of different bar lengths are mixed; most are {format_frequency(common)} "
             f"({counts[common]} file(s)), the others: {'; '.join(groups)}. Set data.frequency to make this an "
             "error, or remove/resample the odd files", MixedFrequencyWarning, stacklevel=2)

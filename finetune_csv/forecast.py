@@ -36,14 +36,14 @@ from finetune.evaluation.forecast_scores import (
 )
 from finetune.utils.checkpoint import list_checkpoints, weights_fingerprint
 from finetune.utils.config_utils import add_config_args, parse_config_args
-from finetune.utils.errors import RefusedError, setup_logging
+from finetune.utils.errors import ConfigError, DataError, PathError, RefusedError, setup_logging
 from finetune.utils.safety import LOCK_NAME, read_holder, stage_status
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir, predictor_tokenizer_source
 from finetune_csv.data import PreparedData, prepare_data
 from model import Kronos, KronosPredictor, KronosTokenizer
 from model.features import FEATURES, PRICE_FEATURES, calc_time_stamps, normalize
-from model.fileio import write_json
+from model.fileio import atomic_write, write_json
 from model.predictor import PREDICTOR_INFO_NAME, read_predictor_info, tokenizer_source
 
 
@@ -60,12 +60,8 @@ def candle_violations(open_: np.ndarray, high: np.ndarray, low: np.ndarray, clos
     bad_high = h < np.maximum(o, c)
     bad_low = l > np.minimum(o, c)
     bad_volume = v < 0
-    return {
-        "high_below_body": float(bad_high.mean()),
-        "low_above_body": float(bad_low.mean()),
-        "negative_volume": float(bad_volume.mean()),
-        "any": float((bad_high | bad_low | bad_volume).mean()),
-    }
+    return {"high_below_body": float(bad_high.mean()), "low_above_body": float(bad_low.mean()),
+            "negative_volume": float(bad_volume.mean()), "any": float((bad_high | bad_low | bad_volume).mean())}
 
 
 def repair_candles(paths: np.ndarray) -> np.ndarray:
@@ -95,13 +91,12 @@ DAY = pd.Timedelta(days=1)
 
 def read_calendar(path: str | Path) -> pd.DatetimeIndex:
     """Trading dates (normalised, sorted, unique) from the first column of a CSV file (`forecast.calendar`)."""
-    frame = pd.read_csv(path)
-    try:
-        dates = pd.DatetimeIndex(pd.to_datetime(frame.iloc[:, 0])).normalize()
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"forecast.calendar: the first column of {path} must hold dates ({exc})") from None
+    try:  # an empty or unparsable file is a pandas ValueError too
+        dates = pd.DatetimeIndex(pd.to_datetime(pd.read_csv(path).iloc[:, 0])).normalize()
+    except (ValueError, TypeError, IndexError) as exc:
+        raise DataError(f"forecast.calendar: the first column of {path} must hold dates ({exc})") from None
     if len(dates) == 0:
-        raise ValueError(f"forecast.calendar: {path} lists no dates")
+        raise DataError(f"forecast.calendar: {path} lists no dates")
     return dates.unique().sort_values()
 
 
@@ -112,8 +107,8 @@ def _trading_days(history: pd.DatetimeIndex, after: pd.Timestamp, calendar: pd.D
     if calendar is not None:
         days = calendar[calendar >= start][:n_days]
         if len(days) < n_days:
-            raise ValueError(f"series {name!r}: forecast.calendar has {len(days)} trading dates from {start.date()} "
-                             f"on, {n_days} needed; extend the calendar file")
+            raise DataError(f"series {name!r}: forecast.calendar has {len(days)} trading dates from {start.date()} "
+                            f"on, {n_days} needed; extend the calendar file")
         return list(days)
     weekdays = set(history.day_of_week)
     days, day = [], start
@@ -130,7 +125,7 @@ def future_timestamps(history: pd.DatetimeIndex, n: int, calendar: pd.DatetimeIn
     trading dates of `calendar` (None = the weekdays of the history)."""
     history = pd.DatetimeIndex(history)
     if len(history) < 2:
-        raise ValueError(f"series {name!r} has {len(history)} rows: too few to tell its bar spacing")
+        raise DataError(f"series {name!r} has {len(history)} rows: too few to tell its bar spacing")
     last = history[-1]
     step = pd.Series(history[-500:]).diff().dropna().median()
     if step > DAY:  # weekly / monthly bars: repeat the spacing
@@ -218,10 +213,8 @@ def save_figure(fig, png: str | Path) -> Path:
     fig.tight_layout()
     png = Path(png)
     png.parent.mkdir(parents=True, exist_ok=True)
-    tmp = png.with_name(png.stem + ".tmp.png")
-    fig.savefig(tmp)
+    atomic_write(png, lambda p: fig.savefig(p, format="png"))
     plt.close(fig)
-    tmp.replace(png)
     return png
 
 
@@ -346,8 +339,8 @@ def make_crps_val_metric(cfg, val_windows: HeldOutWindows, tokenizer: KronosToke
     for the tokenizer stage (no forecast to score) None.
     """
     if len(val_windows) == 0:
-        raise ValueError("the validation split has no window to score: lower data.lookback / data.predict or raise "
-                         "data.val_ratio, or select checkpoints by loss (training.select_by: loss)")
+        raise DataError("the validation split has no window to score: lower data.lookback / data.predict or raise "
+                        "data.val_ratio, or select checkpoints by loss (training.select_by: loss)")
     windows = val_windows.subset(spread_evenly(len(val_windows), max_windows))
     x_stamps, y_stamps = windows.stamps()  # (W, L, 5), (W, P, 5)
     last = windows.context[:, -1, CLOSE]  # (W,)
@@ -462,7 +455,7 @@ def finetuned_predictor(cfg: CsvFinetuneConfig) -> tuple[KronosPredictor, dict |
     there is none or forecast.calibrate is false); a clear error when there is no predictor."""
     predictor_dir = best_dir(cfg.predictor_dir)
     if not (predictor_dir / "config.json").is_file():
-        raise ValueError(f"no trained predictor in {predictor_dir}; run finetune_csv/train_sequential.py first")
+        raise PathError(f"no trained predictor in {predictor_dir}; run finetune_csv/train_sequential.py first")
     warn_if_unfinished(cfg.predictor_dir)
     calibration = read_predictor_info(predictor_dir).get("calibration") if cfg.forecast.calibrate else None
     if cfg.forecast.calibrate and calibration is None:
@@ -593,12 +586,6 @@ def forecast_table(names: list[str], stamps: list[pd.DatetimeIndex], paths: np.n
     return pd.concat(parts, ignore_index=True)
 
 
-def _write_csv(frame: pd.DataFrame, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    frame.to_csv(tmp, index=False)
-    tmp.replace(path)
-
-
 def format_report(metrics: dict) -> str:
     """One short table: each candidate's and baseline's headline scores, then the paired differences with their CIs,
     the calibration's coverage and the share of invalid sampled candles."""
@@ -701,8 +688,8 @@ def _panels(names: list[str], past_ts, past_close, future_ts, paths, actual=None
 def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> dict:
     """Score every held-out test window (and the zero-shot model); write metrics.json, forecast.csv and the plot."""
     if cfg.data.test_ratio <= 0:
-        raise ValueError("data.test_ratio is 0: there is no held-out test split to forecast; set it > 0 "
-                         "(and retrain, since the ratios move the split boundaries)")
+        raise ConfigError(["data.test_ratio: is 0, so there is no held-out test split to forecast; set it > 0 (and "
+                           "retrain, since the ratios move the split boundaries)"], "Invalid forecast configuration")
     finetuned, calibration = finetuned_predictor(cfg)
     data = prepare_data(cfg.data, cfg.store_dir)  # the store training made (re-prepared if the files changed)
     windows = held_out_windows(data.splits["test"], cfg.data.lookback, cfg.data.predict,
@@ -714,7 +701,8 @@ def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> dict:
 
     out_dir = Path(out_dir) if out_dir is not None else cfg.base_dir / "forecast"
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_csv(forecast_table(windows.names, windows.y_timestamps, paths, windows.actual), out_dir / "forecast.csv")
+    table = forecast_table(windows.names, windows.y_timestamps, paths, windows.actual)
+    atomic_write(out_dir / "forecast.csv", lambda p: table.to_csv(p, index=False))
     tail = min(cfg.data.lookback, 3 * cfg.data.predict)
     plot_panels(_panels(windows.names, [ts[-tail:] for ts in windows.x_timestamps],
                         windows.context[:, -tail:, CLOSE], windows.y_timestamps, paths, windows.actual),
@@ -731,8 +719,8 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> pd.DataFr
     lengths = panel.lengths()
     short = [name for name, n in zip(panel.names, lengths.tolist()) if n < lookback]
     if short:
-        raise ValueError(f"series shorter than data.lookback={lookback} rows cannot be forecast: {short}; lower "
-                         "data.lookback or remove them")
+        raise DataError(f"series shorter than data.lookback={lookback} rows cannot be forecast: {short}; lower "
+                        "data.lookback or remove them")
     trading_dates = read_calendar(cfg.forecast.calendar) if cfg.forecast.calendar else None
     names = list(panel.names)
     ends = np.asarray(panel.offsets[1:], dtype=np.int64)  # (S,) one past each series' last column
@@ -752,7 +740,7 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> pd.DataFr
     table = forecast_table(names, future_ts, paths).drop(columns="window")
     out_dir = Path(out_dir) if out_dir is not None else cfg.base_dir / "future"
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_csv(table, out_dir / "forecast.csv")
+    atomic_write(out_dir / "forecast.csv", lambda p: table.to_csv(p, index=False))
     tail = min(lookback, 3 * predict)
     plot_panels(_panels(names, [ts[-tail:] for ts in past_ts], context[:, -tail:, CLOSE], future_ts, paths),
                 out_dir / "forecast.png")

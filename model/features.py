@@ -130,20 +130,20 @@ def to_datetime_index(timestamps, name: str = "timestamps") -> pd.DatetimeIndex:
     """Series / Index / list of datetimes -> DatetimeIndex; strings or numbers are rejected (ambiguous)."""
     values = pd.Index(timestamps)
     if not isinstance(values, pd.DatetimeIndex):
-        raise ValueError(f"{name} must be datetimes (datetime64 Series/Index or pd.Timestamp values), got dtype "
+        raise DataError(f"{name} must be datetimes (datetime64 Series/Index or pd.Timestamp values), got dtype "
                          f"{values.dtype}; convert with pd.to_datetime first")
     if values.hasnans:
-        raise ValueError(f"{name} contains missing values (NaT)")
+        raise DataError(f"{name} contains missing values (NaT)")
     return values
 
 
 def check_increasing(timestamps: pd.DatetimeIndex, name: str = "timestamps") -> None:
-    """Strictly increasing, or ValueError naming the first offending position."""
+    """Strictly increasing, or DataError naming the first offending position."""
     if len(timestamps) > 1:
         bad = np.flatnonzero(np.diff(timestamps.asi8) <= 0)
         if bad.size:
             i = int(bad[0]) + 1
-            raise ValueError(f"{name} must be strictly increasing; position {i} ({timestamps[i]}) does not come "
+            raise DataError(f"{name} must be strictly increasing; position {i} ({timestamps[i]}) does not come "
                              f"after position {i - 1} ({timestamps[i - 1]})")
 
 
@@ -158,25 +158,25 @@ def candle_matrix(df: pd.DataFrame, name: str = "df") -> np.ndarray:
     """DataFrame with open/high/low/close (+ optional volume/amount) -> float32 (T, 6) in FEATURES order.
 
     Missing `volume` -> volume and amount are 0; missing `amount` -> `fill_amount` (volume * mean(OHLC)).
-    Raises ValueError naming the column for a missing price column, non-numeric data or NaN/inf.
+    Raises DataError naming the column for a missing price column, non-numeric data or NaN/inf.
     """
     if not isinstance(df, pd.DataFrame):
-        raise ValueError(f"{name} must be a pandas DataFrame, got {type(df).__name__}")
+        raise DataError(f"{name} must be a pandas DataFrame, got {type(df).__name__}")
     if len(df) == 0:
-        raise ValueError(f"{name} is empty: at least one candle of context is needed")
+        raise DataError(f"{name} is empty: at least one candle of context is needed")
     missing = [c for c in PRICE_FEATURES if c not in df.columns]
     if missing:
-        raise ValueError(f"{name} is missing price columns {missing}; required: {list(PRICE_FEATURES)}")
+        raise ColumnError(f"{name} is missing price columns {missing}; required: {list(PRICE_FEATURES)}")
     present = [c for c in FEATURES if c in df.columns]
     non_numeric = [c for c in present if not pd.api.types.is_numeric_dtype(df[c]) or pd.api.types.is_bool_dtype(df[c])]
     if non_numeric:
-        raise ValueError(f"{name} has non-numeric columns {non_numeric} (dtypes "
+        raise DataError(f"{name} has non-numeric columns {non_numeric} (dtypes "
                          f"{[str(df[c].dtype) for c in non_numeric]}); convert them to numbers")
     x = df[present].to_numpy(dtype=np.float64)
     bad = ~np.isfinite(x)
     if bad.any():
         rows, cols = np.nonzero(bad)
-        raise ValueError(f"{name} has {int(bad.sum())} NaN/inf values, first in column {present[cols[0]]!r} at row "
+        raise DataError(f"{name} has {int(bad.sum())} NaN/inf values, first in column {present[cols[0]]!r} at row "
                          f"{int(rows[0])}; fill or drop them before forecasting")
     cols = {c: x[:, j] for j, c in enumerate(present)}
     if "volume" not in cols:

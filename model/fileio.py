@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from finetune.utils.errors import DataError
+
 _DISK_FULL = (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 
@@ -148,12 +150,12 @@ def write_json(path: str | os.PathLike, data: Any) -> Path:
 
 
 def read_json_object(path: str | os.PathLike, what: str = "a JSON object") -> dict[str, Any]:
-    """The JSON object in `path`; a ValueError naming the file when it is not valid JSON or not an object."""
+    """The JSON object in `path`; a DataError naming the file when it is not valid JSON or not an object."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+        raise DataError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold {what}, got {type(data).__name__}")
+        raise DataError(f"{path} must hold {what}, got {type(data).__name__}")
     return data

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from finetune.utils.errors import DataError
 from model.kronos import Kronos
 
 
@@ -22,7 +23,7 @@ def sample_from_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: in
     threshold is kept). `None` disables either filter. top_k=1 is greedy.
     """
     if temperature <= 0:
-        raise ValueError(f"temperature T must be > 0, got {temperature}")
+        raise DataError(f"temperature T must be > 0, got {temperature}")
     logits = logits.float() / temperature
     if top_k is not None and top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 from safetensors.torch import load_file, save_file
 
+from finetune.utils.errors import DataError, PathError
 from model.config import DEFAULT_MAX_PARAMETERS
 from model.fileio import atomic_write, read_json_object, write_json
 
@@ -45,21 +46,21 @@ def resolve_model_dir(path_or_id: str | os.PathLike, *, cache_dir: str | os.Path
                       revision: str | None = None, token: str | bool | None = None, local_files_only: bool = False,
                       force_download: bool = False, allow_patterns: list[str] | None = None) -> Path:
     """A local folder, or the Hub snapshot (`huggingface_hub.snapshot_download` of `allow_patterns`, default
-    config.json + model.safetensors) of a bare `owner/name` id; FileNotFoundError in one line when neither works."""
+    config.json + model.safetensors) of a bare `owner/name` id; PathError in one line when neither works."""
     path = Path(path_or_id).expanduser()
     if path.is_dir():
         return path
     text = str(path_or_id)
     if path.exists():
-        raise FileNotFoundError(f"{text!r} is a file; expected a model folder with {CONFIG_NAME} and {WEIGHTS_NAME}")
+        raise PathError(f"{text!r} is a file; expected a model folder with {CONFIG_NAME} and {WEIGHTS_NAME}")
     if not is_hub_id(text):
-        raise FileNotFoundError(f"model path {text!r} does not exist (expected a folder with {CONFIG_NAME} and "
-                                f"{WEIGHTS_NAME}, or a Hugging Face Hub id such as 'NeoQuasar/Kronos-small')")
+        raise PathError(f"model path {text!r} does not exist (expected a folder with {CONFIG_NAME} and "
+                        f"{WEIGHTS_NAME}, or a Hugging Face Hub id such as 'NeoQuasar/Kronos-small')")
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise FileNotFoundError(f"{text!r} is not a local folder, and fetching it from the Hugging Face Hub needs "
-                                "the huggingface_hub package (pip install huggingface_hub)") from None
+        raise PathError(f"{text!r} is not a local folder, and fetching it from the Hugging Face Hub needs "
+                        "the huggingface_hub package (pip install huggingface_hub)") from None
     try:
         folder = snapshot_download(text, revision=revision, cache_dir=cache_dir, token=token,
                                    local_files_only=local_files_only, force_download=force_download,
@@ -67,7 +68,7 @@ def resolve_model_dir(path_or_id: str | os.PathLike, *, cache_dir: str | os.Path
     except Exception as exc:  # offline, unknown repo, gated, bad revision: one line says what was tried and why
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         where = f" at revision {revision!r}" if revision else ""
-        raise FileNotFoundError(
+        raise PathError(
             f"{text!r} is not a local folder and could not be fetched from the Hugging Face Hub{where}: "
             f"{type(exc).__name__}: {reason}. Check the id (and token for a private repo), or download the "
             "checkpoint folder and pass its path instead.") from None
@@ -79,17 +80,17 @@ def read_config(model_dir: Path, cls: type, max_parameters: float = DEFAULT_MAX_
 
     Names every missing argument; drops unknown keys; checks types and bounds with `cls.config_class` (the
     `model.config` dataclass), then the total parameter count against `max_parameters`, so a huge or mistyped value
-    is a ValueError naming the file and key (or the count), not an allocation of terabytes.
+    is a DataError naming the file and key (or the count), not an allocation of terabytes.
     """
     cfg_path = model_dir / CONFIG_NAME
     if not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path} not found: a {cls.__name__} folder needs {CONFIG_NAME} (the "
-                                f"constructor arguments) and {WEIGHTS_NAME}")
+        raise PathError(f"{cfg_path} not found: a {cls.__name__} folder needs {CONFIG_NAME} (the "
+                        f"constructor arguments) and {WEIGHTS_NAME}")
     config = read_json_object(cfg_path, "a JSON object of constructor arguments")
     names, required = constructor_args(cls)
     missing = [k for k in required if k not in config]
     if missing:
-        raise ValueError(f"{cfg_path} lacks constructor arguments of {cls.__name__}: {', '.join(missing)}")
+        raise DataError(f"{cfg_path} lacks constructor arguments of {cls.__name__}: {', '.join(missing)}")
     kwargs = {k: v for k, v in config.items() if k in names}
     config_class = getattr(cls, "config_class", None)
     if config_class is not None:
@@ -99,11 +100,11 @@ def read_config(model_dir: Path, cls: type, max_parameters: float = DEFAULT_MAX_
         problems += checked.problems()
         if problems:
             lines = "\n".join(f"  {key}: {msg}" for key, msg in problems)
-            raise ValueError(f"{cfg_path} has invalid {cls.__name__} settings:\n{lines}")
+            raise DataError(f"{cfg_path} has invalid {cls.__name__} settings:\n{lines}")
         count = checked.parameter_count()
         if count > max_parameters:
-            raise ValueError(f"{cfg_path} describes a {cls.__name__} of {count:,} parameters, above the limit of "
-                             f"{int(max_parameters):,} (max_parameters= of from_pretrained); refusing to allocate it")
+            raise DataError(f"{cfg_path} describes a {cls.__name__} of {count:,} parameters, above the limit of "
+                            f"{int(max_parameters):,} (max_parameters= of from_pretrained); refusing to allocate it")
     return kwargs
 
 
@@ -130,7 +131,7 @@ class PretrainedMixin:
         kwargs = read_config(model_dir, cls, max_parameters)
         weights = model_dir / WEIGHTS_NAME
         if not weights.is_file():
-            raise FileNotFoundError(f"{weights} not found")
+            raise PathError(f"{weights} not found")
         model = cls(**kwargs)
         state = load_file(str(weights), device=str(map_location))
         model.load_state_dict(state, strict=True)
@@ -139,13 +140,13 @@ class PretrainedMixin:
     def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
         """Write config.json + model.safetensors into `save_directory` (each file replaced atomically).
 
-        Raises ValueError (and writes nothing) when a weight holds NaN/inf: non-finite weights never reach disk.
+        Raises DataError (and writes nothing) when a weight holds NaN/inf: non-finite weights never reach disk.
         """
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
         if bad:
-            raise ValueError(f"refusing to save {type(self).__name__}: {len(bad)} tensors hold NaN/inf, first "
-                             f"{bad[0]!r}")
+            raise DataError(f"refusing to save {type(self).__name__}: {len(bad)} tensors hold NaN/inf, first "
+                            f"{bad[0]!r}")
         out = Path(save_directory)
         out.mkdir(parents=True, exist_ok=True)
         atomic_write(out / WEIGHTS_NAME, lambda p: save_file(state, p, metadata={"format": "pt"}))
@@ -161,7 +162,7 @@ class PretrainedMixin:
         from huggingface_hub import HfApi
 
         if not is_hub_id(repo_id):
-            raise ValueError(f"repo_id must look like 'owner/name', got {repo_id!r}")
+            raise DataError(f"repo_id must look like 'owner/name', got {repo_id!r}")
         api = HfApi(token=token)
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         with tempfile.TemporaryDirectory() as tmp:

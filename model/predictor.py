@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from finetune.utils.errors import PathError
+from finetune.utils.errors import DataError, PathError
 from model.features import (
     CLOSE,
     FEATURES,
@@ -91,12 +91,12 @@ def read_predictor_info(folder: Path) -> dict[str, Any]:
     for key in ("max_context", "lookback"):
         v = info.get(key)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 1_000_000):
-            raise ValueError(f"{path}: {key} must be an integer in [1, 1000000], got {v!r}")
+            raise DataError(f"{path}: {key} must be an integer in [1, 1000000], got {v!r}")
     if "tokenizer" in info and not isinstance(info["tokenizer"], str):
-        raise ValueError(f"{path}: tokenizer must be a folder path or Hub id (a string), got {info['tokenizer']!r}")
+        raise DataError(f"{path}: tokenizer must be a folder path or Hub id (a string), got {info['tokenizer']!r}")
     clip = info.get("clip")
     if clip is not None and (not isinstance(clip, (int, float)) or isinstance(clip, bool) or not clip > 0):
-        raise ValueError(f"{path}: clip must be a number > 0, got {clip!r}")
+        raise DataError(f"{path}: clip must be a number > 0, got {clip!r}")
     if info.get("calibration") is not None:
         calibration_margins(info["calibration"], str(path))
     return info
@@ -152,13 +152,13 @@ def fit_calibration(samples: np.ndarray, outcomes: np.ndarray, last: np.ndarray)
     """
     samples, outcomes, last = (np.asarray(a, dtype=np.float64) for a in (samples, outcomes, last))
     if samples.ndim != 3 or outcomes.shape != (samples.shape[0], samples.shape[2]) or last.shape != samples.shape[:1]:
-        raise ValueError(f"fit_calibration needs samples (W, S, H), outcomes (W, H), last (W,); got "
-                         f"{samples.shape}, {outcomes.shape}, {last.shape}")
+        raise DataError(f"fit_calibration needs samples (W, S, H), outcomes (W, H), last (W,); got "
+                        f"{samples.shape}, {outcomes.shape}, {last.shape}")
     for name, a in (("samples", samples), ("outcomes", outcomes), ("last", last)):
         if not (np.isfinite(a).all() and (a > 0).all()):
-            raise ValueError(f"fit_calibration: {name} must be finite positive prices (log returns)")
+            raise DataError(f"fit_calibration: {name} must be finite positive prices (log returns)")
     if samples.shape[0] < 1:
-        raise ValueError("fit_calibration needs at least one window")
+        raise DataError("fit_calibration needs at least one window")
     r = np.log(samples / last[:, None, None])  # (W, S, H)
     y = np.log(outcomes / last[:, None])       # (W, H)
     w = len(y)
@@ -191,8 +191,8 @@ def calibration_shift(calibration: dict[str, Any], close: np.ndarray, last: np.n
     close = np.asarray(close, dtype=np.float64)
     s, h = close.shape[-2:]
     if h > margins.shape[1]:
-        raise ValueError(f"the calibration covers {margins.shape[1]} horizons but {h} are forecast; forecast at most "
-                         f"{margins.shape[1]} steps or pass calibrated=False")
+        raise DataError(f"the calibration covers {margins.shape[1]} horizons but {h} are forecast; forecast at most "
+                        f"{margins.shape[1]} steps or pass calibrated=False")
     with np.errstate(divide="ignore", invalid="ignore"):
         r = np.log(close / np.asarray(last, dtype=np.float64)[..., None, None])  # (..., S, H)
     med = np.median(r, axis=-2, keepdims=True)
@@ -208,7 +208,7 @@ def calibration_shift(calibration: dict[str, Any], close: np.ndarray, last: np.n
 
 
 def calibration_margins(calibration: Any, where: str) -> tuple[np.ndarray, np.ndarray]:
-    """A calibration dict checked -> (levels (L,), margins (L, H)); ValueError naming `where` otherwise."""
+    """A calibration dict checked -> (levels (L,), margins (L, H)); DataError naming `where` otherwise."""
     ok = (isinstance(calibration, dict) and calibration.get("method") == "conformal"
           and calibration.get("space") == "log_return")
     try:
@@ -219,8 +219,8 @@ def calibration_margins(calibration: Any, where: str) -> tuple[np.ndarray, np.nd
     ok = ok and levels.ndim == 1 and margins.ndim == 2 and len(margins) == len(levels) > 0 and margins.shape[1] > 0
     if not (ok and np.isfinite(margins).all() and (np.diff(levels) > 0).all() and 0 < levels[0]
             and levels[-1] < 1):
-        raise ValueError(f"{where}: not a calibration as fit_calibration writes it ({{'method': 'conformal', 'space': "
-                         "'log_return', 'levels': increasing in (0, 1), 'margins': [[finite per horizon] per level]}})")
+        raise DataError(f"{where}: not a calibration as fit_calibration writes it ({{'method': 'conformal', 'space': "
+                        "'log_return', 'levels': increasing in (0, 1), 'margins': [[finite per horizon] per level]}})")
     return levels, margins
 
 
@@ -268,11 +268,11 @@ class KronosPredictor:
                  max_context: int = DEFAULT_MAX_CONTEXT, clip: float = 5, use_cache: bool = True,
                  lookback: int | None = None, calibration: dict[str, Any] | None = None):
         if (tokenizer.s1_bits, tokenizer.s2_bits) != (model.s1_bits, model.s2_bits):
-            raise ValueError(f"the tokenizer has s1/s2 bits {tokenizer.s1_bits}/{tokenizer.s2_bits} but the "
-                             f"predictor expects {model.s1_bits}/{model.s2_bits}; use a matching pair")
+            raise DataError(f"the tokenizer has s1/s2 bits {tokenizer.s1_bits}/{tokenizer.s2_bits} but the "
+                            f"predictor expects {model.s1_bits}/{model.s2_bits}; use a matching pair")
         for name, value in (("max_context", max_context), ("lookback", lookback)):
             if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                raise DataError(f"{name} must be an integer >= 1, got {value!r}")
         if calibration is not None:
             calibration_margins(calibration, "calibration")
         self.device = torch.device(device or default_device())
@@ -311,17 +311,17 @@ class KronosPredictor:
         if tokenizer is None:
             tokenizer = tokenizer_source(folder, info)
             if tokenizer is None:
-                raise ValueError(f"{folder} records no tokenizer ({PREDICTOR_INFO_NAME} with a 'tokenizer' entry, "
-                                 f"or a {TOKENIZER_SUBDIR}/ folder inside it); pass tokenizer= a tokenizer folder or "
-                                 "Hub id, e.g. the tokenizer stage's best_model/ or 'NeoQuasar/Kronos-Tokenizer-base'")
+                raise DataError(f"{folder} records no tokenizer ({PREDICTOR_INFO_NAME} with a 'tokenizer' entry, "
+                                f"or a {TOKENIZER_SUBDIR}/ folder inside it); pass tokenizer= a tokenizer folder or "
+                                "Hub id, e.g. the tokenizer stage's best_model/ or 'NeoQuasar/Kronos-Tokenizer-base'")
         if not isinstance(tokenizer, KronosTokenizer):
             tokenizer = KronosTokenizer.from_pretrained(tokenizer, **hub_kwargs)
         expected = read_tokenizer_config(folder)
         if expected is not None and expected != tokenizer.config:
             diff = sorted(k for k in set(expected) | set(tokenizer.config)
                           if expected.get(k) != tokenizer.config.get(k))
-            raise ValueError(f"the tokenizer does not match {Path(folder) / TOKENIZER_CONFIG_NAME} (the one the "
-                             f"predictor was trained with): {diff} differ; pass the matching tokenizer=")
+            raise DataError(f"the tokenizer does not match {Path(folder) / TOKENIZER_CONFIG_NAME} (the one the "
+                            f"predictor was trained with): {diff} differ; pass the matching tokenizer=")
         return cls(model, tokenizer, device=device,
                    max_context=max_context if max_context is not None else info.get("max_context",
                                                                                     DEFAULT_MAX_CONTEXT),
@@ -362,10 +362,10 @@ class KronosPredictor:
         calibration = self.calibration if calibrated else None
         self._check_options(pred_len, sample_count, quantiles, calibration)
         if not isinstance(df_list, (list, tuple)) or not df_list:
-            raise ValueError("df_list must be a non-empty list of DataFrames")
+            raise DataError("df_list must be a non-empty list of DataFrames")
         if not (len(df_list) == len(x_timestamp_list) == len(y_timestamp_list)):
-            raise ValueError(f"df_list, x_timestamp_list and y_timestamp_list have different lengths: "
-                             f"{len(df_list)}, {len(x_timestamp_list)}, {len(y_timestamp_list)}")
+            raise DataError(f"df_list, x_timestamp_list and y_timestamp_list have different lengths: "
+                            f"{len(df_list)}, {len(x_timestamp_list)}, {len(y_timestamp_list)}")
         prepared = [self._prepare(df, x_ts, y_ts, pred_len, "df" if len(df_list) == 1 else f"df_list[{i}]")
                     for i, (df, x_ts, y_ts) in enumerate(zip(df_list, x_timestamp_list, y_timestamp_list))]
         groups: dict[int, list[int]] = {}
@@ -400,9 +400,9 @@ class KronosPredictor:
         """
         where = "predict_df's df"
         if not isinstance(df, pd.DataFrame):
-            raise ValueError(f"df must be a pandas DataFrame, got {type(df).__name__}")
+            raise DataError(f"df must be a pandas DataFrame, got {type(df).__name__}")
         if len(df) == 0:
-            raise ValueError("df is empty: no series to forecast")
+            raise DataError("df is empty: no series to forecast")
         names = [str(c) for c in df.columns]
         if id_column is None:
             id_column = next((c for c in names if c.lower() == "id"), None)
@@ -428,7 +428,7 @@ class KronosPredictor:
         candles = pd.DataFrame({c: flat[n].to_numpy() for c, n in mapping.items() if n and c != "timestamps"})
         keys = flat[id_column].to_numpy() if id_column else np.zeros(len(df), dtype=np.int64)
         if pd.isna(keys).any():
-            raise ValueError(f"column {id_column!r} has missing ids; every row must belong to a series")
+            raise DataError(f"column {id_column!r} has missing ids; every row must belong to a series")
         ids, frames, x_ts, y_ts = [], [], [], []
         for sid, rows in pd.Series(np.arange(len(df))).groupby(keys, sort=False):
             rows = rows.to_numpy()[np.argsort(stamps[rows.to_numpy()].asi8, kind="stable")]
@@ -481,14 +481,14 @@ class KronosPredictor:
         x = candle_matrix(df, name)
         x_idx, y_idx = to_datetime_index(x_ts, "x_timestamp"), to_datetime_index(y_ts, "y_timestamp")
         if len(x_idx) != len(x):
-            raise ValueError(f"x_timestamp has {len(x_idx)} entries but {name} has {len(x)} rows")
+            raise DataError(f"x_timestamp has {len(x_idx)} entries but {name} has {len(x)} rows")
         if len(y_idx) != pred_len:
-            raise ValueError(f"y_timestamp has {len(y_idx)} entries but pred_len is {pred_len}")
+            raise DataError(f"y_timestamp has {len(y_idx)} entries but pred_len is {pred_len}")
         check_increasing(x_idx, "x_timestamp")
         check_increasing(y_idx, "y_timestamp")
         if x_idx[-1] >= y_idx[0]:
-            raise ValueError(f"y_timestamp must start after the context: first forecast time {y_idx[0]} is not "
-                             f"after the last context time {x_idx[-1]}")
+            raise DataError(f"y_timestamp must start after the context: first forecast time {y_idx[0]} is not "
+                            f"after the last context time {x_idx[-1]}")
         if len(x) > self.lookback:
             if not self._cut_said:
                 log.warning("%s has %d rows of history; the forecast uses (and normalises over) the last %d, the "
@@ -525,18 +525,18 @@ class KronosPredictor:
     def _check_options(pred_len: int, sample_count: int, quantiles: Sequence[float] | None,
                        calibration: dict[str, Any] | None) -> None:
         if not isinstance(pred_len, (int, np.integer)) or isinstance(pred_len, bool) or pred_len < 1:
-            raise ValueError(f"pred_len must be an integer >= 1, got {pred_len!r}")
+            raise DataError(f"pred_len must be an integer >= 1, got {pred_len!r}")
         if not isinstance(sample_count, (int, np.integer)) or isinstance(sample_count, bool) or sample_count < 1:
-            raise ValueError(f"sample_count must be an integer >= 1, got {sample_count!r}")
+            raise DataError(f"sample_count must be an integer >= 1, got {sample_count!r}")
         for q in quantiles or []:
             if not isinstance(q, (int, float)) or not 0.0 <= q <= 1.0:
-                raise ValueError(f"quantiles must lie in [0, 1], got {q!r}")
+                raise DataError(f"quantiles must lie in [0, 1], got {q!r}")
         if quantiles and sample_count < MIN_QUANTILE_SAMPLES:
-            raise ValueError(f"quantiles from {sample_count} sample path(s) are noise (with one, every quantile is "
-                             f"that path); pass sample_count >= {MIN_QUANTILE_SAMPLES}")
+            raise DataError(f"quantiles from {sample_count} sample path(s) are noise (with one, every quantile is "
+                            f"that path); pass sample_count >= {MIN_QUANTILE_SAMPLES}")
         if calibration is not None and pred_len > len(calibration["margins"][0]):
-            raise ValueError(f"the predictor's calibration covers {len(calibration['margins'][0])} horizons but "
-                             f"pred_len is {pred_len}; forecast fewer steps or pass calibrated=False")
+            raise DataError(f"the predictor's calibration covers {len(calibration['margins'][0])} horizons but "
+                            f"pred_len is {pred_len}; forecast fewer steps or pass calibrated=False")
 
 
 def future_timestamps(timestamps: pd.DatetimeIndex, prediction_length: int, freq: str | None,
@@ -544,16 +544,16 @@ def future_timestamps(timestamps: pd.DatetimeIndex, prediction_length: int, freq
     """The `prediction_length` timestamps after `timestamps`, at `freq` or the series' inferred frequency."""
     if freq is None:
         if len(timestamps) < 3:
-            raise ValueError(f"{series} has {len(timestamps)} rows: too few to infer its frequency; pass "
-                             "freq= (e.g. freq='5min')")
+            raise DataError(f"{series} has {len(timestamps)} rows: too few to infer its frequency; pass "
+                            "freq= (e.g. freq='5min')")
         with warnings.catch_warnings():  # pandas 3 warns that infer_freq will return an offset; both work below
             warnings.simplefilter("ignore")
             freq = pd.infer_freq(timestamps)
         if freq is None:
-            raise ValueError(f"{series}: cannot infer a regular frequency from its timestamps (gaps such as "
-                             "market closes?); pass freq= (e.g. freq='5min' or freq='B')")
+            raise DataError(f"{series}: cannot infer a regular frequency from its timestamps (gaps such as "
+                            "market closes?); pass freq= (e.g. freq='5min' or freq='B')")
     try:
         offset = pd.tseries.frequencies.to_offset(freq)
     except ValueError:
-        raise ValueError(f"freq {freq!r} is not a pandas frequency string (e.g. '5min', 'h', 'D', 'B')") from None
+        raise DataError(f"freq {freq!r} is not a pandas frequency string (e.g. '5min', 'h', 'D', 'B')") from None
     return pd.date_range(timestamps[-1] + offset, periods=prediction_length, freq=offset)

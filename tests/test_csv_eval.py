@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 
 from finetune.synthetic import generate_ohlcv, write_csv_folder
+from finetune.utils.errors import EXIT_CONFIG, EXIT_DATA, EXIT_PATH, run_main
 from finetune_csv import forecast
 from finetune_csv.config import load
 from tests.model_factory import tiny_models, tiny_predictor
@@ -121,12 +122,33 @@ def test_window_stride_and_the_zero_shot_model_that_cannot_be_loaded(tmp_path, c
     assert [r.message for r in caplog.records if "zero-shot comparison skipped" in r.message]
 
 
-def test_no_trained_predictor_is_a_clear_error_and_writes_nothing(tmp_path):
-    cfg = load(make_run(tmp_path))
+def _stderr_with_one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert len([line for line in err.splitlines() if line.startswith("error")]) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_no_trained_predictor_is_a_path_error_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("KRONOS_DEBUG", raising=False)
+    config = make_run(tmp_path)
+    cfg = load(config)
     (cfg.predictor_dir / "best_model" / "config.json").unlink()
-    with pytest.raises(ValueError, match="no trained predictor"):
-        forecast.run_forecast(cfg)
+    assert run_main(forecast.main, ["--config", str(config)]) == EXIT_PATH
+    assert "no trained predictor" in _stderr_with_one_error_line(capsys)
     assert not (cfg.base_dir / "forecast").exists()
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["--set", "data.val_ratio=0.4", "--set", "data.test_ratio=0"], EXIT_CONFIG, "data.test_ratio: is 0"),
+    (["--future", "--set", "forecast.calendar={calendar}"], EXIT_DATA, "forecast.calendar: the first column"),
+    (["--future", "--set", "data.lookback=260"], EXIT_DATA, "shorter than data.lookback=260"),  # a series: 251
+])
+def test_forecast_command_mistakes_exit_with_one_error_line(tmp_path, capsys, monkeypatch, args, code, message):
+    monkeypatch.delenv("KRONOS_DEBUG", raising=False)
+    (tmp_path / "calendar.csv").write_text("")  # an empty file: no dates
+    argv = ["--config", str(make_run(tmp_path, zero_shot=None))]
+    assert run_main(forecast.main, argv + [a.format(calendar=tmp_path / "calendar.csv") for a in args]) == code
+    assert message in _stderr_with_one_error_line(capsys)
 
 
 def test_bad_forecast_settings_name_their_keys(tmp_path):

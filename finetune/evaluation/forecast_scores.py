@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from finetune.utils.errors import DataError
 from model.fileio import strict_json
 
 DEFAULT_QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -36,9 +37,9 @@ def _check(obs: np.ndarray, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray
     obs = np.asarray(obs, dtype=np.float64)
     samples = np.asarray(samples, dtype=np.float64)
     if samples.ndim < 1 or samples.shape[:-1] != obs.shape:
-        raise ValueError(f"samples shape {samples.shape} must be obs shape {obs.shape} + (S,)")
+        raise DataError(f"samples shape {samples.shape} must be obs shape {obs.shape} + (S,)")
     if samples.shape[-1] < 1:
-        raise ValueError("an ensemble needs at least one sample")
+        raise DataError("an ensemble needs at least one sample")
     return obs, samples
 
 
@@ -48,7 +49,7 @@ def crps_ensemble(obs: np.ndarray, samples: np.ndarray, fair: bool = False) -> n
     obs, samples = _check(obs, samples)
     n = samples.shape[-1]
     if fair and n < 2:
-        raise ValueError("the fair CRPS needs at least 2 samples per ensemble")
+        raise DataError("the fair CRPS needs at least 2 samples per ensemble")
     spread_to_obs = np.abs(samples - obs[..., None]).mean(axis=-1)  # E|X - y|, (...)
     ranked = np.sort(samples, axis=-1)
     weights = 2.0 * np.arange(1, n + 1) - n - 1  # (S,)
@@ -61,7 +62,7 @@ def sample_quantiles(samples: np.ndarray, quantiles=DEFAULT_QUANTILES) -> np.nda
     """Empirical quantiles `(..., Q)` of each ensemble `samples (..., S)` (numpy's linear interpolation)."""
     q = np.asarray(quantiles, dtype=np.float64)
     if q.ndim != 1 or not np.all((q > 0) & (q < 1)):
-        raise ValueError(f"quantile levels must lie strictly between 0 and 1, got {list(q)}")
+        raise DataError(f"quantile levels must lie strictly between 0 and 1, got {list(q)}")
     return np.moveaxis(np.quantile(np.asarray(samples, dtype=np.float64), q, axis=-1), 0, -1)
 
 
@@ -88,7 +89,7 @@ def interval_coverage(obs: np.ndarray, samples: np.ndarray, level: float) -> np.
     """`(...)` 1.0 where `obs` lies in the central `level` interval of its ensemble (bounds included), else 0.0;
     level 0.5 is the [0.25, 0.75] sample-quantile interval."""
     if not 0 < level < 1:
-        raise ValueError(f"interval level must be in (0, 1), got {level}")
+        raise DataError(f"interval level must be in (0, 1), got {level}")
     obs, samples = _check(obs, samples)
     lo, hi = np.quantile(samples, [(1 - level) / 2, (1 + level) / 2], axis=-1)  # (2, ...) -> two (...) arrays
     return ((obs >= lo) & (obs <= hi)).astype(np.float64)
@@ -98,9 +99,9 @@ def resample_indices(n: int, n_boot: int, block: int = 1, seed: int = 0) -> np.n
     """`(n_boot, n)` bootstrap indices over `n` windows: each row concatenates ceil(n / block) blocks of consecutive
     windows starting at uniformly drawn positions in [0, n - block], cut to n (block 1 = iid)."""
     if n < 1:
-        raise ValueError("bootstrap needs at least one window")
+        raise DataError("bootstrap needs at least one window")
     if n_boot < 1:
-        raise ValueError(f"n_boot={n_boot} must be >= 1")
+        raise DataError(f"n_boot={n_boot} must be >= 1")
     block = int(min(max(block, 1), n))
     rng = np.random.default_rng(seed)
     n_blocks = -(-n // block)
@@ -185,7 +186,7 @@ def empirical_samples(history: np.ndarray, horizon: int, window: int = 250) -> n
     """
     history = np.asarray(history, dtype=np.float64)
     if history.ndim != 2 or history.shape[1] < horizon + 1:
-        raise ValueError(f"history of shape {history.shape} is shorter than horizon + 1 = {horizon + 1} bars")
+        raise DataError(f"history of shape {history.shape} is shorter than horizon + 1 = {horizon + 1} bars")
     tail = history[:, -min(window, history.shape[1] - 1) - 1:]  # (W, n+1): n returns' worth of bars
     n_paths = tail.shape[1] - horizon  # start bars t_k with t_k + H inside the tail
     starts = np.arange(n_paths)  # (S,)
@@ -199,26 +200,26 @@ def seasonal_naive_samples(context: np.ndarray, horizon: int, season: int) -> np
     value one season earlier, context[L - m + (h-1) % m]."""
     context = np.asarray(context, dtype=np.float64)
     if season < 1:
-        raise ValueError(f"season={season} must be >= 1")
+        raise DataError(f"season={season} must be >= 1")
     if context.ndim != 2 or context.shape[1] < season:
-        raise ValueError(f"context of shape {context.shape} is shorter than one season ({season} bars); "
-                         "lengthen the lookback or set the season explicitly")
+        raise DataError(f"context of shape {context.shape} is shorter than one season ({season} bars); "
+                        "lengthen the lookback or set the season explicitly")
     cols = context.shape[1] - season + (np.arange(horizon) % season)  # (H,)
     return context[:, None, cols]
 
 
 def infer_season(timestamps) -> int:
     """The season of one series' ascending `timestamps (N,)`: bars per trading day for intraday data, else 5 (a
-    trading week of daily bars); ValueError for spacings of more than a day."""
+    trading week of daily bars); DataError for spacings of more than a day."""
     stamps = pd.DatetimeIndex(pd.to_datetime(np.asarray(timestamps)))
     if len(stamps) < 2:
-        raise ValueError("need at least two timestamps to infer the season; set it explicitly")
+        raise DataError("need at least two timestamps to infer the season; set it explicitly")
     step = pd.Series(stamps).diff().dropna().median()
     if step < pd.Timedelta(days=1):
         return int(pd.Series(stamps.normalize()).value_counts().median())
     if step <= pd.Timedelta(days=1):
         return DAYS_PER_WEEK
-    raise ValueError(f"bars are {step} apart; the season cannot be inferred, set it explicitly")
+    raise DataError(f"bars are {step} apart; the season cannot be inferred, set it explicitly")
 
 
 @dataclass
@@ -271,7 +272,7 @@ def _check_inputs(samples, realised, last_close, context, series) -> tuple:
     if series.shape != last_close.shape:
         problems.append(f"series must be (windows,), got {series.shape}")
     if problems:
-        raise ValueError("cannot score forecasts:\n  " + "\n  ".join(problems))
+        raise DataError("cannot score forecasts:\n  " + "\n  ".join(problems))
     return samples, realised, last_close, context, series
 
 
@@ -358,7 +359,7 @@ def score_forecasts(samples, realised, last_close, context=None, series=None,
         forecasters["empirical"] = empirical_samples(history, horizon, settings.empirical_window)
     if settings.season is not None:
         if context is None:
-            raise ValueError("a seasonal-naive baseline (season) needs the context values")
+            raise DataError("a seasonal-naive baseline (season) needs the context values")
         forecasters["seasonal_naive"] = seasonal_naive_samples(context, horizon, settings.season)
     result = {"setup": {"windows": n_windows, "samples": n_samples, "horizon": horizon, "series": n_series,
                         "season": settings.season, "space": "return relative to the last observed close",

@@ -31,7 +31,7 @@ from typing import Any
 
 from finetune.utils.config_utils import tracker_problems
 from finetune.utils.errors import ConfigError
-from model.fileio import write_json
+from model.fileio import atomic_write, write_json
 
 _MLFLOW_PARAM_CHARS = 6000  # MLflow rejects longer parameter values
 _MLFLOW_BATCH = 100  # params per log_batch call (MLflow's limit; metrics allow 1000)
@@ -68,7 +68,7 @@ class Tracker:
         """Record the resolved config (nested dict)."""
 
     def log_artifacts(self, paths: Iterable[Path]) -> None:
-        """Attach finished files (loss_curve.png, run_info.json) to the run."""
+        """Attach finished files (loss_curve.png, run_info.json; `MetricsLogger` passes existing ones only)."""
 
     def close(self, failed: bool = False) -> None:
         """End the run (`failed` marks it so where the backend knows run states)."""
@@ -158,8 +158,7 @@ class MLflowTracker(Tracker):
 
     def log_artifacts(self, paths: Iterable[Path]) -> None:
         for p in paths:
-            if p is not None and Path(p).exists():
-                self.client.log_artifact(self.run_id, str(p))
+            self.client.log_artifact(self.run_id, str(p))
 
     def close(self, failed: bool = False) -> None:
         status = self._status.FAILED if failed else self._status.FINISHED
@@ -184,8 +183,7 @@ class CometTracker(Tracker):
 
     def log_artifacts(self, paths: Iterable[Path]) -> None:
         for p in paths:
-            if p is not None and Path(p).exists():
-                self.experiment.log_asset(str(p))
+            self.experiment.log_asset(str(p))
 
     def close(self, failed: bool = False) -> None:
         self.experiment.end()
@@ -262,14 +260,8 @@ def git_commit(path: str | Path | None = None) -> dict[str, Any] | None:
 
 def build_run_info(config: Any, data: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> dict:
     """The run_info dict: time, command line, config, library versions, git commit, data, and `extra`."""
-    info = {
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": sys.argv,
-        "config": config,
-        "versions": library_versions(),
-        "git": git_commit(),
-        "data": data,
-    }
+    info = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "command": sys.argv,
+            "config": config, "versions": library_versions(), "git": git_commit(), "data": data}
     if extra:
         info.update(extra)
     return info
@@ -364,12 +356,9 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     records = []
     with open(path, encoding="utf-8") as f:
         for line in f:
-            line = line.strip()
-            if not line:
-                continue
             try:
                 records.append(json.loads(line))
-            except json.JSONDecodeError:
+            except json.JSONDecodeError:  # also a blank line
                 continue
     return records
 
@@ -467,15 +456,8 @@ def plot_loss_curves(records: Iterable[dict[str, Any]], png_path: str | Path, ti
         warnings.warn("matplotlib is not installed; no loss_curve.png written", stacklevel=2)
         return None
     fig = loss_curve_figure(records, title=title, best_epoch=best_epoch)
-    png_path = Path(png_path)
-    png_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = png_path.with_name(png_path.name + ".tmp")
-    try:
-        fig.savefig(tmp, format="png")
-        tmp.replace(png_path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return png_path
+    Path(png_path).parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write(png_path, lambda p: fig.savefig(p, format="png"))
 
 
 def _ema(values: Iterable[float], weight: float) -> list[float]:

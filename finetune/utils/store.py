@@ -115,8 +115,7 @@ def npy_header(dtype: np.dtype, shape: tuple[int, ...], size: int = _HEADER_BYTE
     pad = size - 10 - len(body) - 1
     if pad < 0:
         raise ValueError(f"shape {shape} does not fit an .npy header of {size} bytes")
-    out = b"\x93NUMPY\x01\x00" + struct.pack("<H", size - 10) + body + b" " * pad + b"\n"
-    return out
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", size - 10) + body + b" " * pad + b"\n"
 
 
 class GrowingNpy:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
+from finetune.utils.errors import DataError
 from finetune.utils.store import N_STAMP_COLUMNS, SeriesPanel
 
 SPLITS = ("train", "val", "test")
@@ -65,7 +66,7 @@ def split_bounds(n_rows: int, train_ratio: float, val_ratio: float) -> tuple[int
 
 def split_panel(panel: SeriesPanel, train_ratio: float, val_ratio: float, test_ratio: float, lookback: int,
                 predict: int) -> dict[str, PanelSegments]:
-    """Cut every series by time into train / val / (test when test_ratio > 0) index ranges; ValueError naming each
+    """Cut every series by time into train / val / (test when test_ratio > 0) index ranges; DataError naming each
     series too short for one window per split (train needs lookback + predict rows, val and test predict rows)."""
     lengths = panel.lengths()
     offsets = np.asarray(panel.offsets, dtype=np.int64)
@@ -77,10 +78,10 @@ def split_panel(panel: SeriesPanel, train_ratio: float, val_ratio: float, test_r
     if short.any():
         listed = [f"{panel.names[i]}: {int(lengths[i])} rows" for i in np.flatnonzero(short)[:10]]
         more = f" (+{int(short.sum()) - 10} more)" if short.sum() > 10 else ""
-        raise ValueError(f"{int(short.sum())} series too short for one window per split with data.lookback="
-                         f"{lookback}, data.predict={predict} and ratios {train_ratio}/{val_ratio}/{test_ratio}: "
-                         f"{', '.join(listed)}{more}; lower data.lookback / data.predict, change the ratios, or "
-                         "remove these series")
+        raise DataError(f"{int(short.sum())} series too short for one window per split with data.lookback="
+                        f"{lookback}, data.predict={predict} and ratios {train_ratio}/{val_ratio}/{test_ratio}: "
+                        f"{', '.join(listed)}{more}; lower data.lookback / data.predict, change the ratios, or "
+                        "remove these series")
     first = offsets[:-1]
     out = {"train": PanelSegments(panel, first, first, first + train_end),
            "val": PanelSegments(panel, first + train_end - lookback, first + train_end, first + val_end)}
@@ -267,19 +268,12 @@ class WindowDataset(Dataset):
     ranges: optional (start, stop), int64 (S,) each: series s reads only panel columns [start[s], stop[s]) (a time
         split as index ranges; they may overlap, as a val split's context overlaps train).
     Series shorter than a window give no windows and are listed in `short_series` (name, rows); a dataset with no
-    window at all raises ValueError.
+    window at all raises DataError.
     """
 
-    def __init__(
-        self,
-        data: SeriesPanel | Sequence[SeriesArrays | tuple[np.ndarray, np.ndarray]],
-        lookback: int,
-        predict: int,
-        *,
-        stride: int = 1,
-        clip: float = 5.0,
-        ranges: tuple[np.ndarray, np.ndarray] | None = None,
-    ):
+    def __init__(self, data: SeriesPanel | Sequence[SeriesArrays | tuple[np.ndarray, np.ndarray]], lookback: int,
+                 predict: int, *, stride: int = 1, clip: float = 5.0,
+                 ranges: tuple[np.ndarray, np.ndarray] | None = None):
         if lookback < 1 or predict < 0 or stride < 1:
             raise ValueError(f"need lookback >= 1, predict >= 0, stride >= 1; got {lookback}, {predict}, {stride}")
         self.lookback = int(lookback)
@@ -308,10 +302,9 @@ class WindowDataset(Dataset):
         self.cum_windows = np.cumsum(self.windows_per_series)  # cum_windows[s] = windows in series 0..s
         self.short_series = [(self.names[i], int(lengths[i])) for i in np.flatnonzero(counts == 0)]
         if self.cum_windows[-1] == 0:
-            raise ValueError(
-                f"no series has enough rows for one window of lookback + predict = {self.window} rows "
-                f"(longest series: {int(lengths.max())} rows); lower the lookback/predict window or add data"
-            )
+            raise DataError(f"no series has enough rows for one window of lookback + predict = {self.window} rows "
+                            f"(longest series: {int(lengths.max())} rows); lower the lookback/predict window or add "
+                            "data")
         # The panel's blocks as they are (one copy only if the dtype or layout is not the engine's): cheap to share
         # with forked DataLoader workers (copy-on-write), and a memmap stays on disk. Features are feature-major,
         # (F, sum N): a window's statistics are then reductions over a contiguous time axis (4x faster than (N, F)).
@@ -394,17 +387,8 @@ class EpochSampler(Sampler[int]):
     `set_epoch(epoch, skip=k)` starts the epoch after this rank's first k windows (mid-epoch resume).
     """
 
-    def __init__(
-        self,
-        num_samples: int,
-        *,
-        shuffle: bool = True,
-        seed: int = 0,
-        max_samples: int | None = None,
-        rank: int = 0,
-        world_size: int = 1,
-        drop_remainder: bool = True,
-    ):
+    def __init__(self, num_samples: int, *, shuffle: bool = True, seed: int = 0, max_samples: int | None = None,
+                 rank: int = 0, world_size: int = 1, drop_remainder: bool = True):
         if num_samples < 1:
             raise ValueError("EpochSampler needs at least one sample")
         if not 0 <= rank < world_size:
@@ -482,18 +466,9 @@ def seed_worker(worker_id: int) -> None:
     random.seed(s)
 
 
-def make_loader(
-    dataset: Dataset,
-    sampler: EpochSampler,
-    batch_size: int,
-    *,
-    epoch: int,
-    seed: int,
-    skip_batches: int = 0,
-    num_workers: int = 0,
-    pin_memory: bool = False,
-    prefetch_factor: int | None = None,
-) -> DataLoader:
+def make_loader(dataset: Dataset, sampler: EpochSampler, batch_size: int, *, epoch: int, seed: int,
+                skip_batches: int = 0, num_workers: int = 0, pin_memory: bool = False,
+                prefetch_factor: int | None = None) -> DataLoader:
     """The DataLoader for one epoch: `sampler.set_epoch(epoch, skip_batches * batch_size)`, batches of
     `batch_size` (last one may be smaller), every worker seeded reproducibly from (seed, epoch, rank, worker id)."""
     sampler.set_epoch(epoch, skip=skip_batches * batch_size)
