@@ -17,12 +17,12 @@ Read it back with `qlib.init(provider_uri=OUT, region="cn")`; see finetune/qlib_
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import warnings
 
 from finetune.qlib_builder import build_qlib_provider, load_csv_folder
 from finetune.synthetic import generate_ohlcv
+from finetune.utils.errors import setup_logging
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    setup_logging()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

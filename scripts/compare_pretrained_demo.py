@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from finetune.synthetic import generate_ohlcv, write_csv_folder
 from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import DistInfo
+from finetune.utils.errors import DataError
 from finetune.utils.training_utils import evaluate_predictor
 from finetune.utils.windows import WindowDataset
 from finetune_csv import train_sequential
@@ -92,7 +93,7 @@ def train(config: str, data: Path, out: Path, extra: list[str]) -> dict:
     t0 = time.perf_counter()
     rc = train_sequential.main(["--config", config, *[a for s in sets for a in ("--set", s)]])
     if rc != 0:
-        raise RuntimeError(f"training into {out} failed with exit code {rc}")
+        raise DataError(f"training into {out} failed with exit code {rc}")
     cfg = load(config, sets)
     return {"seconds": time.perf_counter() - t0, "predictor_dir": str(cfg.predictor_dir / "best_model"),
             "tokenizer_source": train_sequential.predictor_tokenizer_source(cfg), "config": cfg}

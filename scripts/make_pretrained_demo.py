@@ -30,6 +30,7 @@ import torch
 from finetune.synthetic import generate_mix
 from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import distributed_context, seed_everything
+from finetune.utils.errors import DataError, setup_logging
 from finetune.utils.training_utils import train_predictor, train_tokenizer
 from finetune.utils.windows import SeriesArrays, WindowDataset
 from model import Kronos, KronosTokenizer
@@ -104,12 +105,12 @@ def check_finite(folder: Path) -> None:
 
     bad = [k for k, v in load_file(str(folder / "model.safetensors")).items() if not torch.isfinite(v).all()]
     if bad:
-        raise FloatingPointError(f"{folder}: non-finite weights in {bad[:5]}; not publishing this checkpoint")
+        raise DataError(f"{folder}: non-finite weights in {bad[:5]}; not publishing this checkpoint")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    setup_logging()
     out, work = Path(args.out), Path(args.work)
     if out.exists() and any(out.iterdir()) and not args.force:
         raise SystemExit(f"error: {out} already holds a checkpoint; pass --force to replace it")
