@@ -26,6 +26,7 @@ from typing import Any
 from finetune.config import QlibConfig
 from finetune.qlib_io import date_range
 from finetune.utils.config_utils import Problems
+from finetune.utils.errors import DataError
 from finetune.utils.store import SeriesPanel, StoreError, open_store, write_panel
 from finetune.utils.windows import WindowDataset
 from model.features import FEATURES
@@ -63,9 +64,9 @@ def load_split(path: str | Path) -> SeriesPanel:
     try:
         panel = open_store(path, verify=True)  # a damaged split is named, never trained on
     except (StoreError, OSError, KeyError) as e:
-        raise ValueError(f"{path}: not a readable split ({e}); rerun the preprocessing") from None
+        raise DataError(f"{path}: not a readable split ({e}); rerun the preprocessing") from None
     if panel.n_features != len(FEATURES):
-        raise ValueError(
+        raise DataError(
             f"{path}: features must be ({len(FEATURES)}, N), got {panel.features.shape}; rerun the preprocessing"
         )
     return panel
@@ -131,13 +132,13 @@ def build_window_dataset(split: SeriesPanel, cfg: QlibConfig, name: str) -> Wind
     """
     d = cfg.data
     if split.n_series == 0:
-        raise ValueError(
+        raise DataError(
             f"data.{name}_time_range: the {name} split holds no instrument; widen the range and preprocess again"
         )
     try:
         ds = WindowDataset(split, d.lookback, d.predict, clip=d.clip)
     except ValueError as e:
-        raise ValueError(f"data.{name}_time_range: the {name} split has no window ({e})") from None
+        raise DataError(f"data.{name}_time_range: the {name} split has no window ({e})") from None
     if ds.short_series:
         shown = ", ".join(f"{n} ({rows} bars)" for n, rows in ds.short_series[:10])
         more = f" and {len(ds.short_series) - 10} more" if len(ds.short_series) > 10 else ""

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from finetune.utils.errors import DataError
 from model.features import ColumnError, fill_amount, resolve_columns
 from model.fileio import atomic_dir, write_json
 
@@ -65,7 +66,7 @@ def load_csv_folder(csv_dir: str | os.PathLike) -> dict[str, pd.DataFrame]:
         raise FileNotFoundError(f"CSV folder {folder} does not exist (--csv-dir)")
     paths = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() == ".csv")
     if not paths:
-        raise ValueError(f"no *.csv files in {folder} (--csv-dir); expected one CSV per symbol, e.g. SH600000.csv")
+        raise DataError(f"no *.csv files in {folder} (--csv-dir); expected one CSV per symbol, e.g. SH600000.csv")
     frames: dict[str, pd.DataFrame] = {}
     sources: dict[str, Path] = {}
     problems = []
@@ -80,7 +81,7 @@ def load_csv_folder(csv_dir: str | os.PathLike) -> dict[str, pd.DataFrame]:
             problems.append(f"{path.name}: cannot be read as CSV ({err})")
         sources[symbol] = path
     if problems:
-        raise ValueError(f"cannot load CSVs from {folder} (--csv-dir):\n  " + "\n  ".join(problems))
+        raise DataError(f"cannot load CSVs from {folder} (--csv-dir):\n  " + "\n  ".join(problems))
     return frames
 
 
@@ -178,7 +179,7 @@ def validate_daily_frames(frames: dict[str, pd.DataFrame],
     as missing, never dropped. Row numbers in messages are 0-based data rows (CSV line = row + 2).
     """
     if not frames:
-        raise ValueError("no symbols to build a Qlib folder from (--csv-dir is empty or --synthetic 0)")
+        raise DataError("no symbols to build a Qlib folder from (--csv-dir is empty or --synthetic 0)")
     clean: dict[str, pd.DataFrame] = {}
     problems: list[str] = []
     for symbol, df in frames.items():
@@ -189,7 +190,7 @@ def validate_daily_frames(frames: dict[str, pd.DataFrame],
         if table is not None:
             clean[symbol] = table
     if problems:
-        raise ValueError("invalid daily OHLCV input (fix the CSVs under --csv-dir):\n  " + "\n  ".join(problems))
+        raise DataError("invalid daily OHLCV input (fix the CSVs under --csv-dir):\n  " + "\n  ".join(problems))
     return clean
 
 
@@ -249,7 +250,7 @@ def _check_names(universe: str, benchmark: str) -> None:
     if not _SYMBOL_RE.match(benchmark):
         problems.append(f"benchmark={benchmark!r} must be a plain symbol like SH000300 (--benchmark)")
     if problems:
-        raise ValueError("invalid Qlib folder settings:\n  " + "\n  ".join(problems))
+        raise DataError("invalid Qlib folder settings:\n  " + "\n  ".join(problems))
 
 
 def _write_bin(path: Path, start_index: int, values: np.ndarray) -> None:
@@ -276,9 +277,9 @@ def load_membership(source: str | os.PathLike | pd.DataFrame, symbols: set[str],
     raw.columns = [str(c).strip().lower() for c in raw.columns]
     missing = [c for c in MEMBERSHIP_COLUMNS if c not in raw.columns]
     if missing:
-        raise ValueError(f"{where}: missing columns {missing}; expected a header symbol,start,end")
+        raise DataError(f"{where}: missing columns {missing}; expected a header symbol,start,end")
     if len(raw) == 0:
-        raise ValueError(f"{where} has no rows")
+        raise DataError(f"{where} has no rows")
     out = pd.DataFrame({"symbol": raw["symbol"].astype(str).str.strip().str.upper(),
                         "start": _parse_dates(raw["start"]), "end": _parse_dates(raw["end"])})
     problems = []
@@ -302,7 +303,7 @@ def load_membership(source: str | os.PathLike | pd.DataFrame, symbols: set[str],
         if overlap.any():
             problems.append("overlapping spells for " + ", ".join(sorted(set(out["symbol"][overlap]))))
     if problems:
-        raise ValueError(f"invalid {where}:\n  " + "\n  ".join(problems))
+        raise DataError(f"invalid {where}:\n  " + "\n  ".join(problems))
     return out
 
 
@@ -351,7 +352,7 @@ def build_qlib_provider(frames: dict[str, pd.DataFrame], out_dir: str | os.PathL
         raise FileExistsError(f"{out} already exists and is not empty; pass overwrite=True (--overwrite) to replace it")
     upper = {s.upper(): s for s in frames}
     if len(upper) != len(frames):
-        raise ValueError("symbols differ only by case: " + ", ".join(sorted(frames)))
+        raise DataError("symbols differ only by case: " + ", ".join(sorted(frames)))
     clean = validate_daily_frames({s.upper(): df for s, df in frames.items()}, columns)
     derived = sorted(s.upper() for s, df in frames.items()
                      if resolve_columns(list(df.columns), columns, where=s)["amount"] is None)
@@ -364,7 +365,7 @@ def build_qlib_provider(frames: dict[str, pd.DataFrame], out_dir: str | os.PathL
     tables = {s: qlib_fields(df) for s, df in clean.items()}
     universe_symbols = [s for s in tables if s != benchmark]
     if not universe_symbols:
-        raise ValueError(f"the only table given is the benchmark {benchmark}; the universe would be empty")
+        raise DataError(f"the only table given is the benchmark {benchmark}; the universe would be empty")
     suspended = {s: int(suspended_days(df).sum()) for s, df in clean.items()}
     for symbol, n in suspended.items():
         if n:

@@ -23,6 +23,7 @@ import pandas as pd
 import torch
 
 from finetune.qlib_io import CLOSE, stamps_from_ns, time_major
+from finetune.utils.errors import ConfigError
 from finetune.utils.store import SeriesPanel
 from model.features import denormalize, normalize
 
@@ -190,7 +191,7 @@ def make_ic_val_metric(cfg, val_panel: SeriesPanel, tokenizer, *, max_days: int 
     keep = np.isin(np.asarray(val_panel.datetimes)[ends], days)
     ends, labels = ends[keep], labels[keep]
     if len(ends) == 0:
-        raise ValueError("data.val_time_range: no validation day has a forecast and a finite label; widen the range")
+        raise ConfigError(["data.val_time_range: no validation day has a forecast and a finite label; widen the range"])
 
     def metric(model, stage: str = "predictor") -> dict:
         was_training = model.training

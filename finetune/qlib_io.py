@@ -22,6 +22,7 @@ import pandas as pd
 
 from finetune.config import QlibConfig, parse_range
 from finetune.utils.config_utils import Problems
+from finetune.utils.errors import DataError
 from finetune.utils.store import N_STAMP_COLUMNS, SeriesPanel
 from model.features import FEATURES, calc_time_stamps
 
@@ -173,7 +174,7 @@ def frame_to_panel(frame: pd.DataFrame, amount_source: str, min_bars: int, calen
     """
     missing = [c for c in QLIB_FIELDS[:5] if c not in frame.columns]
     if missing:
-        raise ValueError(f"the Qlib data lacks fields {missing}")
+        raise DataError(f"the Qlib data lacks fields {missing}")
     frame = frame.sort_index(level=["instrument", "datetime"])
     level = frame.index.names.index("instrument")
     inst = np.asarray(frame.index.codes[level], dtype=np.int64)  # (N,) instrument codes: cheap to compare
@@ -182,7 +183,7 @@ def frame_to_panel(frame: pd.DataFrame, amount_source: str, min_bars: int, calen
     o, h, l, c, volume = (frame[f].to_numpy(np.float64) for f in QLIB_FIELDS[:5])
     if amount_source == "vwap":
         if "$vwap" not in frame.columns:
-            raise ValueError("data.amount_source=vwap but the Qlib data has no $vwap field; use ohlc_mean")
+            raise DataError("data.amount_source=vwap but the Qlib data has no $vwap field; use ohlc_mean")
         amount = volume * frame["$vwap"].to_numpy(np.float64)
     else:  # the original's amount (and what the forecaster assumes when a series has no amount)
         amount = volume * (o + h + l + c) / 4.0

@@ -50,7 +50,7 @@ from finetune.qlib_forecast import (
 from finetune.qlib_io import benchmark_label, check_qlib_folder, init_qlib, range_bounds
 from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.config_utils import config_to_dict, parse_config_args
-from finetune.utils.errors import require_extra, setup_logging
+from finetune.utils.errors import DataError, require_extra, setup_logging
 from finetune.utils.store import SeriesPanel
 from model import Kronos, KronosTokenizer
 from model.fileio import write_json
@@ -64,7 +64,7 @@ def backtest_period(
     days = calendar[(calendar >= start) & (calendar <= end)]
     days = days[days < calendar[-1]]
     if len(days) < 2:
-        raise ValueError(
+        raise DataError(
             f"data.test_time_range: fewer than 2 trading days to backtest between {start.date()} and {end.date()}"
         )
     return days[0], days[-1]
@@ -339,7 +339,7 @@ def forecast_signals(cfg: QlibConfig, split: SeriesPanel, calendar_ns: np.ndarra
     _, end = range_bounds(d.test_time_range)
     ends = forecast_window_ends(split, pd.Timestamp(first_day).value, end.value, d.lookback)
     if len(ends) == 0:
-        raise ValueError(f"data.test_time_range: no instrument has {d.lookback} bars before a day of the test range")
+        raise DataError(f"data.test_time_range: no instrument has {d.lookback} bars before a day of the test range")
     return forecast_frame(split, ends, calendar_ns, forecaster, lookback=d.lookback, predict=d.predict, freq=d.freq,
                           batch=max(1, f.batch_size // f.sample_count), seed=seed)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from finetune.utils.errors import DataError
 from model.fileio import atomic_write
 
 COLUMNS = ["timestamps", "open", "high", "low", "close", "volume", "amount"]
@@ -33,7 +34,7 @@ OVERNIGHT_VAR_SHARE = 0.2  # share of a day's return variance that happens betwe
 def session_offsets(freq: str) -> pd.TimedeltaIndex:
     """Start times (offsets from midnight) of the bars of one trading day; `[0]` for daily bars."""
     if freq not in FREQ_MINUTES:
-        raise ValueError(f"freq={freq!r} is not supported; choose one of {sorted(FREQ_MINUTES)}")
+        raise DataError(f"freq={freq!r} is not supported; choose one of {sorted(FREQ_MINUTES)}")
     minutes = FREQ_MINUTES[freq]
     if minutes is None:
         return pd.TimedeltaIndex([pd.Timedelta(0)])
@@ -47,18 +48,18 @@ def session_offsets(freq: str) -> pd.TimedeltaIndex:
 def trading_timestamps(freq: str, start: str, n_bars: int | None = None, end: str | None = None) -> pd.DatetimeIndex:
     """Bar timestamps from `start` on weekdays only: the first `n_bars`, or every bar up to the day `end` inclusive."""
     if (n_bars is None) == (end is None):
-        raise ValueError("give exactly one of n_bars (--n-bars) or end (--end)")
+        raise DataError("give exactly one of n_bars (--n-bars) or end (--end)")
     offsets = session_offsets(freq)
     first_day = pd.Timestamp(start).normalize()
     if n_bars is not None:
         if n_bars < 1:
-            raise ValueError(f"n_bars={n_bars} must be >= 1 (--n-bars)")
+            raise DataError(f"n_bars={n_bars} must be >= 1 (--n-bars)")
         n_days = -(-n_bars // len(offsets))  # ceil
         days = pd.bdate_range(first_day, periods=n_days)
     else:
         days = pd.bdate_range(first_day, pd.Timestamp(end).normalize())
         if len(days) == 0:
-            raise ValueError(f"no weekday between start={start} and end={end} (--start / --end)")
+            raise DataError(f"no weekday between start={start} and end={end} (--start / --end)")
     # (n_days, bars_per_day) grid of day + offset, flattened in time order.
     grid = days.values[:, None] + offsets.values[None, :]
     stamps = pd.DatetimeIndex(grid.ravel())
@@ -110,7 +111,7 @@ def generate_ohlcv(n_series: int = 8, n_bars: int | None = None, freq: str = "5m
     time features can learn it, so finetuning SHOULD pay here. 0 (default) = no drift, the data is unchanged.
     """
     if n_series < 1:
-        raise ValueError(f"n_series={n_series} must be >= 1 (--n-series)")
+        raise DataError(f"n_series={n_series} must be >= 1 (--n-series)")
     stamps = trading_timestamps(freq, start, n_bars=n_bars, end=end)
     offsets = session_offsets(freq)
     T, S, per_day = len(stamps), n_series, len(offsets)
@@ -182,7 +183,7 @@ def write_csv_folder(frames: dict[str, pd.DataFrame], out_dir: str | os.PathLike
     problems = [f"{sym}: missing columns {sorted(set(COLUMNS) - set(df.columns))}"
                 for sym, df in frames.items() if not set(COLUMNS) <= set(df.columns)]
     if problems:
-        raise ValueError("cannot write CSVs:\n  " + "\n  ".join(problems))
+        raise DataError("cannot write CSVs:\n  " + "\n  ".join(problems))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -218,9 +219,9 @@ MIX_DYNAMICS = ("trend", "mean_revert", "momentum")
 def mix_timestamps(freq: str, session: str, start: str, n_bars: int) -> pd.DatetimeIndex:
     """The first `n_bars` bar times from `start` for a `MIX_SESSIONS` calendar (bars labelled by their start)."""
     if freq not in FREQ_MINUTES:
-        raise ValueError(f"freq={freq!r} is not supported; choose one of {sorted(FREQ_MINUTES)}")
+        raise DataError(f"freq={freq!r} is not supported; choose one of {sorted(FREQ_MINUTES)}")
     if session not in MIX_SESSIONS:
-        raise ValueError(f"session={session!r} is not supported; choose one of {sorted(MIX_SESSIONS)}")
+        raise DataError(f"session={session!r} is not supported; choose one of {sorted(MIX_SESSIONS)}")
     sessions, weekends = MIX_SESSIONS[session]
     minutes = FREQ_MINUTES[freq]
     if minutes is None:
@@ -270,9 +271,9 @@ def generate_mix(n_series: int = 48, n_bars: int = 3000, seed: int = 0, start: s
     Returns n_series `MixSeries` of n_bars rows each; identical for the same arguments.
     """
     if n_series < 1:
-        raise ValueError(f"n_series={n_series} must be >= 1 (--n-series)")
+        raise DataError(f"n_series={n_series} must be >= 1 (--n-series)")
     if n_bars < 2:
-        raise ValueError(f"n_bars={n_bars} must be >= 2 (--n-bars)")
+        raise DataError(f"n_bars={n_bars} must be >= 2 (--n-bars)")
     rng = np.random.default_rng([seed, 0x6D6978])  # distinct stream from generate_ohlcv's for the same seed
     out = []
     for i in range(n_series):

@@ -25,13 +25,15 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from finetune.utils.errors import DataError
+
 DEAL_PRICES = ("close", "open", "vwap")
 
 
 def _price_field(deal_price: str) -> str:
     name = deal_price.lstrip("$").lower()
     if name not in DEAL_PRICES:
-        raise ValueError(f"deal_price={deal_price!r} is not supported; choose one of {list(DEAL_PRICES)} "
+        raise DataError(f"deal_price={deal_price!r} is not supported; choose one of {list(DEAL_PRICES)} "
                          "(backtest.deal_price)")
     return f"${name}"
 
@@ -49,7 +51,7 @@ def label_expression(deal_price: str = "close", horizon: int = 1) -> str:
     e.g. "Ref($close, -2) / Ref($close, -1) - 1" for close, h = 1.
     """
     if not isinstance(horizon, int) or horizon < 1:
-        raise ValueError(f"horizon={horizon!r} must be an integer >= 1")
+        raise DataError(f"horizon={horizon!r} must be an integer >= 1")
     field = _price_field(deal_price)
     return f"Ref({field}, -{horizon + 1}) / Ref({field}, -1) - 1"
 
@@ -62,7 +64,7 @@ def label_columns(horizons: int | Sequence[int]) -> list[str]:
 def _horizons(horizons: int | Sequence[int]) -> list[int]:
     hs = list(range(1, horizons + 1)) if isinstance(horizons, int) else [int(h) for h in horizons]
     if not hs or min(hs) < 1:
-        raise ValueError(f"horizons={horizons!r}: need at least one horizon, each >= 1")
+        raise DataError(f"horizons={horizons!r}: need at least one horizon, each >= 1")
     return hs
 
 
@@ -113,7 +115,7 @@ def newey_west_tstat(x, lag: int) -> dict[str, float]:
     values = values[np.isfinite(values)]
     n = len(values)
     if lag < 0:
-        raise ValueError(f"lag={lag} must be >= 0")
+        raise DataError(f"lag={lag} must be >= 0")
     if n < 2:
         return {"mean": float(values.mean()) if n else math.nan, "se": math.nan, "t": math.nan, "n": n}
     dev = values - values.mean()
@@ -129,7 +131,7 @@ def newey_west_tstat(x, lag: int) -> dict[str, float]:
 def _aligned(pred: pd.Series, label: pd.Series) -> tuple[pd.Series, pd.Series]:
     """pred and label on their common (datetime, instrument) rows where both are finite."""
     if list(pred.index.names) != ["datetime", "instrument"]:
-        raise ValueError(f"pred must be indexed by (datetime, instrument), got {list(pred.index.names)}")
+        raise DataError(f"pred must be indexed by (datetime, instrument), got {list(pred.index.names)}")
     frame = pd.DataFrame({"pred": pred, "label": label}).dropna()
     return frame["pred"], frame["label"]
 
@@ -191,7 +193,7 @@ def analyse_signal(pred: pd.Series, labels: pd.DataFrame, quantile: float = 0.2,
         horizon = int(str(col).rsplit("_", 1)[-1]) if str(col).rsplit("_", 1)[-1].isdigit() else 1
         p, y = _aligned(pred, labels[col])
         if len(p) == 0:
-            raise ValueError(f"no day with both a score and a finite {col}; check the score dates against the store")
+            raise DataError(f"no day with both a score and a finite {col}; check the score dates against the store")
         ic, ric = calc_ic(p, y)
         ls, avg = calc_long_short_return(p, y, quantile=quantile)
         excess = _long_excess(p, y, quantile)
@@ -277,7 +279,7 @@ def baseline_expressions(settings: BaselineSettings | None = None) -> dict[str, 
     for key in ("momentum_window", "reversal_window"):
         value = getattr(s, key)
         if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{key}={value!r} must be an integer >= 1")
+            raise DataError(f"{key}={value!r} must be an integer >= 1")
     return {"momentum": f"$close / Ref($close, {s.momentum_window}) - 1",
             "reversal": f"Ref($close, {s.reversal_window}) / $close - 1"}
 

@@ -47,6 +47,7 @@ from finetune.utils import adapters
 from finetune.utils.checkpoint import (
     CHECKPOINT_FORMAT,
     Checkpoint,
+    DivergenceError,
     assert_finite_state_dict,
     check_data,
     check_format,
@@ -75,7 +76,7 @@ from finetune.utils.distributed import (
     seed_everything,
     wrap_model,
 )
-from finetune.utils.errors import stage_log
+from finetune.utils.errors import DataError, stage_log
 from finetune.utils.metrics import MetricsLogger, loss_plot_title, plot_loss_curves, read_metrics, write_run_info
 from finetune.utils.safety import (
     GracefulStop,
@@ -608,7 +609,7 @@ class Trainer:
         self.val_sampler = val_sampler(val_set, cfg, dist)
         samples_per_rank = self.train_sampler.samples_per_rank()
         if samples_per_rank < 1:
-            raise ValueError(
+            raise DataError(
                 f"{stage.name}: {len(train_set)} training windows cannot be split over {dist.world_size} "
                 "processes; add data or use fewer processes"
             )
@@ -710,7 +711,7 @@ class Trainer:
         """A finished run is not retrained: its final checkpoint's weights go into the model, its result is returned."""
         found = load_for_resume(self.plan, self.dist, log.warning)
         if found is None:
-            raise ValueError(f"{self.out}: run_info.json says finished but no checkpoint is left")
+            raise DataError(f"{self.out}: run_info.json says finished but no checkpoint is left")
         self.resume_path, saved = found
         # A finished run made with other epochs / batch / model settings is not "this" run: say so, not skip.
         check_resume_compatible(saved, self.cfg, self.dist.world_size, self.stage.name, self.model_args(),
@@ -897,7 +898,7 @@ class Trainer:
         if self.grad_norm is not None:
             record["grad_norm"] = float(self.grad_norm)
         if not math.isfinite(record["loss"]):
-            raise FloatingPointError(
+            raise DivergenceError(
                 f"{self.stage.name}: training loss is {record['loss']} at step {self.state.global_step}; "
                 "lower training.lr or set training.amp=none"
             )
