@@ -319,21 +319,10 @@ def _point_last(path: Path, needed: int) -> Path:
 
 def save(state: dict, folder: str | Path, step: int, *, keep: int = 2, check_finite: bool = True,
          log: Callable[[str], None] | None = None) -> Path:
-    """Write `state` as `<folder>/step-XXXXXXXX.pt` atomically, point `last.pt` at it, keep the newest `keep`.
-
-    Parameters
-    ----------
-    state: the checkpoint dict (model, optimizer, scheduler, step, RNG states, config ...), tensors on any device.
-    folder: the checkpoint folder (created if missing).
-    step: the optimizer step the state is at (names the file; orders the rotation).
-    keep: how many step files to keep (>= 1); older ones are deleted after the new one is in place.
-    check_finite: refuse (NonFiniteWeightsError) to write a state with NaN/inf tensors.
-    log: where the line about deleted later-step files goes (default: this module's logger).
-
-    Returns
-    -------
-    The path of the step file written.
-    """
+    """Write `state` (tensors on any device) as `<folder>/step-XXXXXXXX.pt` atomically, point `last.pt` at it and
+    return its path; older step files beyond the newest `keep` are deleted once the new one is in place.
+    `check_finite` refuses (NonFiniteWeightsError) a state with NaN/inf tensors; `log` (default: this module's
+    logger) gets the line about deleted later-step files."""
     if keep < 1:
         raise ValueError(f"checkpoint keep must be >= 1, got {keep}")
     folder = Path(folder)
@@ -394,20 +383,10 @@ def _unreadable_reason(path: Path, map_location: Any, validate: Callable[[dict],
 
 def load_latest(folder: str | Path, *, map_location: Any = "cpu", validate: Callable[[dict], None] | None = None,
                 log: Callable[[str], None] | None = None) -> tuple[Path, dict] | None:
-    """The newest usable checkpoint in `folder`, falling back to older ones; None when there is none at all.
-
-    Parameters
-    ----------
-    folder: the checkpoint folder.
-    map_location: passed to `torch.load` (default "cpu").
-    validate: optional check of a loaded dict (e.g. its format tag); a ValueError makes the file unusable.
-    log: where the line about each unusable file goes (default: this module's logger at WARNING).
-
-    Returns
-    -------
-    (path, state) of the checkpoint used, or None if the folder holds no checkpoint file.
-    Raises `CheckpointError` when files exist but none can be used.
-    """
+    """(path, state) of the newest usable checkpoint in `folder`, falling back to older ones; None when there is
+    no checkpoint file, `CheckpointError` when files exist but none can be used. `validate` checks a loaded dict
+    (e.g. its format tag; a ValueError makes the file unusable); `log` (default: this module's logger at WARNING)
+    gets a line per unusable file."""
     folder = Path(folder)
     candidates = [p for _, p in list_checkpoints(folder)]
     last = folder / LAST_NAME
@@ -519,13 +498,9 @@ def _float_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tens
 
 
 def assert_finite_state_dict(state_dict: Any, what: str) -> None:
-    """Raise `NonFiniteWeightsError` naming the first tensor holding NaN/inf; call it before writing `what`.
-
-    Parameters
-    ----------
-    state_dict: a model state dict or a whole checkpoint dict (nested dicts/lists of tensors are searched).
-    what: what was about to be written, e.g. "checkpoints/step-00000123.pt", for the message.
-    """
+    """Raise `NonFiniteWeightsError` naming the first tensor of `state_dict` (a model state dict or a whole
+    checkpoint: nested dicts/lists are searched) that holds NaN/inf; call it before writing `what` (e.g.
+    "checkpoints/step-00000123.pt", named in the message)."""
     named = list(_float_tensors(state_dict))
     if not named:
         return
@@ -566,17 +541,10 @@ def check_resume_compatible(saved: Checkpoint, cfg: TrainingConfig, world_size: 
                             model_args: dict[str, Any], path: Path, *, run_config: dict[str, Any] | None = None,
                             finished: bool = False) -> list[str]:
     """Raise one ConfigError listing every setting that cannot differ from the checkpoint `saved` (loaded from
-    `path`); return 'key: old -> new' for each changeable optimisation setting that did change.
-
-    Parameters
-    ----------
-    saved: the checkpoint (its "stage", "model_args", "training_config", "world_size").
-    cfg, world_size, stage: this run's loop settings, process count and stage name.
-    model_args: this run's model constructor arguments, already `plain()`.
-    run_config: the pipeline's resolved config; a setting its `<stage>_training:` section sets is named by that
-        key (`predictor_training.epochs`), else by `training.<name>` (`config_utils.stage_key`).
-    finished: `saved` is the final checkpoint of a finished run that a re-run would otherwise skip.
-    """
+    `path`); return 'key: old -> new' for each changeable optimisation setting that did change. `model_args` are
+    this run's, already `plain()`; with the pipeline's resolved `run_config`, a setting its `<stage>_training:`
+    section sets is named by that key (`predictor_training.epochs`), else `training.<name>`. `finished`: `saved`
+    is the final checkpoint of a finished run that a re-run would otherwise skip."""
     title = (f"{path.parent.parent} holds a finished {stage} run made with other settings; nothing was trained"
              if finished else f"Cannot resume from {path}")
     problems = Problems(title)

@@ -195,18 +195,9 @@ def _quit_on_next_interrupt() -> None:
 
 
 def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> int:
-    """Run `main(argv)` and turn its outcome into an exit code, reporting failures as described above.
-
-    Parameters
-    ----------
-    main: an entry point's `main(argv)`; its return value is the exit code when it is an int, else 0.
-    argv: command-line arguments without the program name (default `sys.argv[1:]`); `--debug` is removed from
-        them (and turns tracebacks on) before `main` sees them.
-
-    Returns
-    -------
-    The process exit code (`EXIT_*`); pass it to `sys.exit`.
-    """
+    """Run `main(argv)` (default argv: `sys.argv[1:]`, less `--debug`, which turns tracebacks on) and return the
+    process exit code (`EXIT_*`; an int that `main` returns is passed through), reporting failures as described
+    above."""
     args, debug_flag = _split_debug(sys.argv[1:] if argv is None else argv)
     debug = debug_flag or debug_enabled()
     try:
@@ -262,13 +253,8 @@ class RankFilter(logging.Filter):
 
 def setup_logging(rank: int | None = None, log_file: str | Path | None = None, level: int = logging.INFO) -> None:
     """Configure the root logger once per process (calling again replaces the handlers it installed before).
-
-    Parameters
-    ----------
-    rank: this process's global rank; None = torchrun's RANK variable, 0 without torchrun.
-    log_file: also append the records to this file (rank 0 only, so ranks never interleave in one file).
-    level: lowest level shown on rank 0.
-    """
+    `rank` None = torchrun's RANK (0 without torchrun); `log_file` also gets the records, on rank 0 only (ranks
+    never interleave in one file); `level` is the lowest level shown on rank 0."""
     rank = int(os.environ.get("RANK", "0")) if rank is None else int(rank)
     root = logging.getLogger()
     for handler in [h for h in root.handlers if getattr(h, "_kronos_setup", False)]:
@@ -291,21 +277,10 @@ def open_stage_log(
     log_file: str | Path, *, rank: int | None = None, resumed_from: str | Path | None = None,
     stage: str | None = None, level: int = logging.INFO,
 ) -> logging.Handler | None:
-    """Start appending every log record (rank 0) to `log_file`, after a header line for this run.
-
-    Parameters
-    ----------
-    log_file: the stage's log, normally `<stage folder>/train.log` (created with its folder; never truncated).
-    rank: this process's global rank; None = torchrun's RANK. Other ranks than 0 get no file and None back.
-    resumed_from: the checkpoint this run resumes from (None = a fresh start); shown in the header.
-    stage: the stage name shown in the header.
-    level: records at this level and above are written (the root logger is lowered to it if it was higher).
-
-    Returns
-    -------
-    The handler to pass to `close_stage_log`, or None when nothing was added (another rank, or a handler for
-    the same file is already attached: no line is ever written twice).
-    """
+    """Start appending every log record of rank 0 at `level` and above to `log_file` (normally `<stage
+    folder>/train.log`; never truncated) after a header line naming the `stage`, the checkpoint it `resumed_from`
+    (None = a fresh start) and the command. Returns the handler for `close_stage_log`, or None when nothing was
+    added (another rank, or a handler for the same file is already attached: no line is ever written twice)."""
     rank = int(os.environ.get("RANK", "0")) if rank is None else int(rank)
     if rank != 0:
         return None

@@ -120,15 +120,10 @@ def _pid_alive(pid: int) -> bool:
 
 
 class RunLock:
-    """Exclusive lock on an output folder, held from `acquire()` (or `with`) until `release()`.
-
-    Parameters
-    ----------
-    folder: the run's output folder; created if missing (and removed again on release if the run left it empty).
-    enabled: False makes every method a no-op, so all ranks can run the same code (`enabled=dist.is_main`).
-    key: the setting naming the folder, quoted in the error so the user knows what to change.
-    log: where the stale-lock takeover line goes (default: this module's logger at WARNING).
-    """
+    """Exclusive lock on an output `folder` (created if missing, removed on release if the run left it empty), held
+    from `acquire()` (or `with`) until `release()`. `enabled=False` makes every method a no-op, so all ranks run
+    the same code (`enabled=dist.is_main`); `key` is the setting naming the folder, quoted in the error; `log`
+    (default: this module's logger at WARNING) gets the stale-lock takeover line."""
 
     def __init__(self, folder: str | Path, *, enabled: bool = True, key: str = "training.output_dir",
                  log: Callable[[str], None] | None = None):
@@ -301,19 +296,9 @@ class RunPlan:
 
 
 def plan_run(folder: str | Path, resume: str, overwrite: bool, stage: str) -> RunPlan:
-    """Decide what a run does with `folder` given training.resume and training.overwrite (pure, reads only).
-
-    Parameters
-    ----------
-    folder: the stage's output folder.
-    resume: training.resume: 'auto', 'never', 'required' or a path to a checkpoint file / run folder.
-    overwrite: training.overwrite.
-    stage: the stage name, for the messages.
-
-    Returns
-    -------
-    The `RunPlan`; raises `StageFolderError` when the settings contradict the folder's content.
-    """
+    """The `RunPlan` for the stage folder `folder` given training.resume ('auto', 'never', 'required' or a path to
+    a checkpoint file / run folder) and training.overwrite (pure, reads only); `StageFolderError` when the settings
+    contradict the folder's content."""
     folder = Path(folder)
     status = stage_status(folder)
     key = (resume or "never").strip()
@@ -406,13 +391,8 @@ def _write_line(text: str) -> None:
 
 
 class GracefulStop:
-    """Context manager installing the two-stage SIGTERM/SIGINT handlers (main thread only).
-
-    Parameters
-    ----------
-    signals: which signals request a stop (default SIGTERM and SIGINT).
-    enabled: False makes it a no-op (e.g. for library use inside another program's loop).
-    """
+    """Context manager installing the two-stage handlers of `signals` (main thread only); `enabled=False` makes it a
+    no-op (e.g. for library use inside another program's loop)."""
 
     def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT), *, enabled: bool = True):
         self.signals = tuple(signals)
@@ -523,21 +503,11 @@ def _fmt(x: float | None) -> str:
 def diagnose(history: Sequence[StepStats], amp: bool, step: int, loss: float, grad_norm: float | None = None, *,
              data_extremes: str | None = None, lr_key: str = "training.lr", amp_key: str = "training.amp",
              clip_key: str = "training.clip_grad_norm") -> str:
-    """The most likely reason a step went non-finite, as one sentence that names the setting to change.
-
-    Parameters
-    ----------
-    history: the recent FINITE steps, oldest first (the guard keeps the last 50).
-    amp: whether bf16 mixed precision is on.
-    step: the failing optimizer step (1-based).
-    loss / grad_norm: the failing step's values (NaN/inf allowed; grad_norm None when not computed).
-    data_extremes: what the data check flagged (e.g. "volume up to 3.1e+38 in a.csv"), or None.
-    lr_key / amp_key / clip_key: the settings to name (the stage's own keys where it overrides them).
-
-    Returns
-    -------
-    A string starting "most likely a data value", "most likely the learning rate" or "most likely bf16".
-    """
+    """The most likely reason the optimizer step `step` (1-based) went non-finite, as one sentence starting "most
+    likely a data value", "... the learning rate" or "... bf16" that names the setting to change (`*_key`: the
+    stage's own keys where it overrides them). `history`: the recent FINITE steps, oldest first; `loss` /
+    `grad_norm` (None when not computed) the failing step's; `data_extremes` what the data check flagged (e.g.
+    "volume up to 3.1e+38 in a.csv")."""
     if data_extremes:
         return (f"most likely a data value: the data check reported extreme values ({data_extremes}); "
                 "correct or remove them in the data")
@@ -579,16 +549,8 @@ def diagnose(history: Sequence[StepStats], amp: bool, step: int, loss: float, gr
 
 
 class NonFiniteGuard:
-    """Per-run state of the guard: remembers recent finite steps and raises `DivergenceError` on a bad one.
-
-    Parameters
-    ----------
-    amp: whether bf16 mixed precision is on (for the diagnosis).
-    dist: the run's `DistInfo` or None.
-    data_extremes: what the data check flagged, or None.
-    window: how many recent steps to remember.
-    keys: overrides of the setting names quoted (`lr_key`, `amp_key`, `clip_key`), e.g. the stage's lr key.
-    """
+    """Per-run state of the guard: remembers the last `window` finite steps and raises `DivergenceError` on a bad
+    one, with `diagnose`'s sentence (`amp`, `data_extremes` and the setting names in `keys` feed it)."""
 
     def __init__(self, *, amp: bool, dist: Any = None, data_extremes: str | None = None, window: int = 50,
                  **keys: str):

@@ -182,15 +182,9 @@ class ReducedSums:
 
 
 class LossSums:
-    """Per-rank running sums of loss * n, part * n and n.
-
-    Parameters
-    ----------
-    part_names: names of the loss parts, in the order `add` reads them from its `parts` dict.
-    device: where the sums live (the training device: no host sync per batch).
-    loss_sum, windows: starting values (a resumed epoch carries what it had summed before the interruption; give
-        them on one rank only, since `reduce` sums over ranks).
-    """
+    """Per-rank running sums of loss * n, part * n and n, on the training `device` (no host sync per batch).
+    `loss_sum` / `windows` start a resumed epoch where it was interrupted (give them on one rank only: `reduce`
+    sums over ranks)."""
 
     def __init__(self, part_names: Sequence[str], device: torch.device, loss_sum: float = 0.0, windows: int = 0):
         self.names = ("loss", *part_names)
@@ -263,15 +257,8 @@ def optimizer_steps_per_epoch(samples_per_rank: int, batch_size: int, accumulati
 
 
 def step_batch_sizes(batch_sizes: list[int], step_in_epoch: int, accumulation_steps: int) -> list[int]:
-    """Sizes of the micro-batches that make up optimizer step `step_in_epoch` (0-based) of an epoch on one rank.
-
-    Parameters
-    ----------
-    batch_sizes: the epoch's micro-batch sizes on this rank (`micro_batch_sizes`).
-    step_in_epoch: 0-based optimizer step within the epoch.
-    accumulation_steps: micro-batches per optimizer step; the epoch's last step may get fewer.
-    Returns the sizes, e.g. [4, 4] or, at the end of an epoch, [4, 2] or [2]; empty past the epoch's end.
-    """
+    """Sizes of the micro-batches (of the epoch's `batch_sizes` on this rank) that make up optimizer step
+    `step_in_epoch` (0-based), e.g. [4, 4] or, at the end of an epoch, [4, 2] or [2]; empty past the epoch's end."""
     return batch_sizes[step_in_epoch * accumulation_steps : (step_in_epoch + 1) * accumulation_steps]
 
 
