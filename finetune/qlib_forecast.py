@@ -108,14 +108,10 @@ def kronos_forecaster(tokenizer, predictor, *, device: str, max_context: int, cl
 
 def forecast_frame(split: SeriesPanel, ends: np.ndarray, calendar_ns: np.ndarray, forecaster: Forecaster, *,
                    lookback: int, predict: int, freq: str, batch: int, seed: int | None = None) -> pd.DataFrame:
-    """One row per forecast bar: datetime, instrument and the four signals (see the module docstring).
-
-    Parameters
-    ----------
-    split : the panel; ends : (W,) rows forecast (`forecast_window_ends`); calendar_ns : market calendar (ns) that
-    gives the forecast dates; batch : windows per forecaster call; seed : torch / numpy are seeded with it right
-    before the first batch (a sampling forecaster's draws then do not depend on what ran before it).
-    """
+    """One row per forecast bar: datetime, instrument and the four signals (see the module docstring), for the
+    window ends `ends` (W,) of `split`, `batch` windows per forecaster call, dated by the market calendar
+    `calendar_ns`. `seed` seeds torch / numpy right before the first batch (a sampling forecaster's draws then do
+    not depend on what ran before it)."""
     if seed is not None:
         torch.manual_seed(seed)
         np.random.seed(seed % 2**32)
@@ -162,18 +158,8 @@ def make_ic_val_metric(cfg, val_panel: SeriesPanel, tokenizer, *, max_days: int 
     """Checkpoint selection by IC (`training.select_by: ic`): a callable(model, stage) -> {"score", ...} that forecasts
     up to `max_days` evenly spaced validation days (every member stock on them) with `model` and `tokenizer` and
     scores the daily RankIC of the `last` signal against the P-day trade label (backtest.deal_price) computed on the
-    market calendar. score = -mean RankIC (lower is better, like a loss).
-
-    Parameters
-    ----------
-    cfg : QlibConfig; val_panel : the validation split; tokenizer : the (frozen) tokenizer the predictor reads;
-    max_days : validation days forecast per call (cost: days x stocks x sample_count sequences);
-    calendar_ns : market calendar (default: the processed manifest's calendar_ns).
-
-    Returns
-    -------
-    metric(model, stage) -> {"score": float, "rank_ic": float, "ic": float, "days": int}.
-    """
+    market calendar (default: the processed manifest's `calendar_ns`): {"score": -mean RankIC (lower is better,
+    like a loss), "rank_ic", "ic", "days"}. A call costs max_days x stocks x sample_count sequences."""
     from finetune.dataset import read_manifest
     from finetune.evaluation.signals import analyse_signal
 

@@ -84,11 +84,7 @@ def run_backtest(cfg, signal: pd.Series, start: pd.Timestamp, end: pd.Timestamp)
 
     An instrument whose data ends before `end` is sold on its last bar and never bought on or after it: Qlib's
     exchange treats every later day as suspended, so the position would otherwise stay held, frozen, to the end.
-
-    Returns
-    -------
-    (daily report with columns return, cost, bench, turnover, account; {day: sorted stocks held at its close}).
-    """
+    Returns (daily report: return, cost, bench, turnover, account; {day: sorted stocks held at its close})."""
     with quiet_qlib():
         from qlib.backtest import backtest, executor
         from qlib.backtest.decision import Order, OrderDir, TradeDecisionWO
@@ -164,19 +160,10 @@ def risk(returns: pd.Series, freq: str) -> dict[str, float]:
 
 def score_signal(cfg, pred: pd.Series, labels: pd.DataFrame, horizon: int, start: pd.Timestamp, end: pd.Timestamp,
                  backtest: bool = True) -> tuple[dict, pd.DataFrame | None]:
-    """Signal analysis at every horizon, the headline at `horizon`, and the backtest of one signal.
-
-    Parameters
-    ----------
-    pred : scores indexed by (datetime, instrument); labels : label_1..label_P (trade labels); horizon : the one the
-    signal forecasts; start, end : backtest days.
-
-    Returns
-    -------
-    ({"horizon", "analysis" (per label), "decay" (table as dict), "headline": {IC, RankIC, ICIR, RankICIR, IC_t_nw,
-    long_short}, "backtest": {excess_return_with_cost, ..., turnover_mean, holdings_mean}}, daily frame with columns
-    return, cost, bench, turnover, held or None).
-    """
+    """Analysis of `pred` against every trade label (label_1..label_P), the headline at `horizon` (the one the
+    signal forecasts) and the backtest over start..end: ({"horizon", "analysis" (per label), "decay", "headline":
+    {IC, RankIC, ICIR, RankICIR, IC_t_nw, long_short}, "backtest": {excess_return_with_cost, ..., turnover_mean,
+    holdings_mean}}, daily frame with columns return, cost, bench, turnover, held, or None)."""
     pred = pred.dropna()
     analysis = analyse_signal(pred, labels, quantile=cfg.backtest.quantile)
     head = analysis[f"label_{horizon}"]

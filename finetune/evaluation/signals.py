@@ -39,17 +39,8 @@ def _price_field(deal_price: str) -> str:
 
 
 def label_expression(deal_price: str = "close", horizon: int = 1) -> str:
-    """Qlib expression of the `horizon`-day return of a position entered at t+1 at `deal_price`.
-
-    Parameters
-    ----------
-    deal_price : "close", "open" or "vwap" (a leading "$" is accepted).
-    horizon : h >= 1 trading days held.
-
-    Returns
-    -------
-    e.g. "Ref($close, -2) / Ref($close, -1) - 1" for close, h = 1.
-    """
+    """Qlib expression of the `horizon`-day (>= 1) return of a position entered at t+1 at `deal_price` ("close",
+    "open" or "vwap"; a leading "$" is accepted), e.g. "Ref($close, -2) / Ref($close, -1) - 1" for close, h = 1."""
     if not isinstance(horizon, int) or horizon < 1:
         raise DataError(f"horizon={horizon!r} must be an integer >= 1")
     field = _price_field(deal_price)
@@ -70,23 +61,11 @@ def _horizons(horizons: int | Sequence[int]) -> list[int]:
 
 def forward_labels(instruments, start_time, end_time, deal_price: str = "close",
                    horizons: int | Sequence[int] = 1, freq: str = "day") -> pd.DataFrame:
-    """Trade-consistent forward returns for every instrument and day, from the initialised Qlib provider.
-
-    Parameters
-    ----------
-    instruments : a market name ("csi300"), a Qlib instruments config (`D.instruments(...)`) or a list of symbols.
-    start_time, end_time : label dates (the dates of the scores they are compared with); Qlib reads the days after
-        `end_time` the expressions need by itself.
-    deal_price : the backtest's deal price; horizons : P (-> 1..P) or a list of h.
-
-    Returns
-    -------
-    DataFrame, index (datetime, instrument), columns label_<h>, float; NaN where a needed day is missing or
-    suspended, or lies beyond the store's last day.
-    """
-    from qlib.data import (
-        D,  # Qlib only where labels are computed; the package itself does not need it
-    )
+    """Trade-consistent forward returns of `instruments` (a market name such as "csi300", a Qlib instruments config
+    or a list of symbols) from the initialised Qlib provider: index (datetime, instrument) over the label dates
+    `start_time`..`end_time` (Qlib reads the later days the expressions need by itself), columns label_<h> for
+    `horizons` (P -> 1..P, or a list); NaN where a needed day is missing, suspended or beyond the store's end."""
+    from qlib.data import D  # Qlib only where labels are computed; the package itself does not need it
 
     hs = _horizons(horizons)
     if isinstance(instruments, str):
@@ -101,16 +80,9 @@ def newey_west_tstat(x, lag: int) -> dict[str, float]:
     """t-statistic of the mean of `x` with a Newey-West (Bartlett kernel) standard error.
 
     var(mean) = (g_0 + 2 sum_{l=1..lag} (1 - l / (lag + 1)) g_l) / T,  g_l = (1/T) sum_t (x_t - m)(x_{t-l} - m);
-    lag = 0 gives the iid standard error with the population variance. NaNs are dropped first.
-
-    Parameters
-    ----------
-    x : (T,) observations in time order; lag : number of autocovariances (h - 1 for h-day overlapping returns).
-
-    Returns
-    -------
-    {"mean", "se", "t", "n"}; se and t are NaN for fewer than 2 observations or zero variance.
-    """
+    lag = 0 gives the iid standard error with the population variance. `x`: (T,) in time order, NaNs dropped
+    first; `lag`: h - 1 for h-day overlapping returns. Returns {"mean", "se", "t", "n"}; se and t are NaN for
+    fewer than 2 observations or zero variance."""
     values = np.asarray(x, dtype=np.float64)
     values = values[np.isfinite(values)]
     n = len(values)
@@ -146,14 +118,8 @@ def daily_ic(pred: pd.Series, label: pd.Series) -> tuple[pd.Series, pd.Series]:
 
 
 def quantile_group_returns(pred: pd.Series, label: pd.Series, n_groups: int = 5) -> pd.DataFrame:
-    """Mean label per day of each score group (group 1 = lowest scores, `n_groups` = highest).
-
-    Stocks are ranked each day (ties by order) and cut into `n_groups` groups of (nearly) equal size.
-
-    Returns
-    -------
-    DataFrame (days, n_groups), columns 1..n_groups.
-    """
+    """Mean label per day of each score group: a (days, n_groups) DataFrame, columns 1 (lowest scores) ..
+    `n_groups`; stocks are ranked each day (ties by order) and cut into groups of (nearly) equal size."""
     pred, label = _aligned(pred, label)
     rank = pred.groupby(level="datetime").rank(method="first")  # 1..n per day
     count = pred.groupby(level="datetime").transform("size")
@@ -173,19 +139,11 @@ def _long_excess(pred: pd.Series, label: pd.Series, quantile: float) -> pd.Serie
 
 
 def analyse_signal(pred: pd.Series, labels: pd.DataFrame, quantile: float = 0.2, n_groups: int = 5) -> dict:
-    """IC, RankIC, long-short, long excess and quantile-group returns of `pred` for every label column.
-
-    Parameters
-    ----------
-    pred : scores indexed by (datetime, instrument); labels : columns label_<h>, same index.
-    quantile : share of stocks in the long and the short leg; n_groups : score groups.
-
-    Returns
-    -------
+    """IC, RankIC, long-short (`quantile` of the stocks in each leg), long excess and `n_groups` quantile-group
+    returns of `pred` (indexed by (datetime, instrument)) for every label_<h> column of `labels`:
     {"label_<h>": {"horizon", "days", "ic": {mean, std, icir, t_nw}, "rank_ic": {...}, "long_short": {mean, t_nw},
     "long_average": {mean}, "excess_return": {mean, t_nw}, "group_means": [n_groups means]}}; returns are h-day
-    returns per day of the score (not annualised).
-    """
+    returns per day of the score (not annualised)."""
     from qlib.contrib.eva.alpha import calc_ic, calc_long_short_return
 
     out = {}
@@ -286,17 +244,9 @@ def baseline_expressions(settings: BaselineSettings | None = None) -> dict[str, 
 
 def baseline_signals(instruments, start_time, end_time, settings: BaselineSettings | None = None,
                      freq: str = "day") -> pd.DataFrame:
-    """Baseline scores for every instrument and day from the initialised Qlib provider.
-
-    Parameters
-    ----------
-    instruments : market name, Qlib instruments config or list of symbols; start_time, end_time : score dates
-        (Qlib reads the look-back days before `start_time` by itself).
-
-    Returns
-    -------
-    DataFrame, index (datetime, instrument), columns momentum, reversal.
-    """
+    """Baseline scores (columns momentum, reversal; index (datetime, instrument)) of `instruments` (market name,
+    Qlib instruments config or list of symbols) on the score dates `start_time`..`end_time`, from the initialised
+    Qlib provider (it reads the look-back days before `start_time` by itself)."""
     from qlib.data import D
 
     exprs = baseline_expressions(settings)
