@@ -29,12 +29,9 @@ _ROOT = Path(__file__).resolve().parents[1]
 class Command:
     """One `kronos` subcommand and where its `main(argv)` lives."""
 
-    target: str
-    """`package.module` (imported) or `scripts/<file>.py` (loaded from the source checkout) holding `main`."""
-    summary: str
-    """One line for `kronos --help`."""
-    torchrun: bool = False
-    """The command must be started by torchrun."""
+    target: str  # `package.module` (imported) or `scripts/<file>.py` (loaded from the source checkout) holding `main`.
+    summary: str  # One line for `kronos --help`.
+    torchrun: bool = False  # The command must be started by torchrun.
 
 
 COMMANDS: dict[str, Command] = {

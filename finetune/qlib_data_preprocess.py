@@ -77,12 +77,9 @@ class SplitRule:
     name: str
     start: pd.Timestamp
     end: pd.Timestamp
-    before: int
-    """Context bars kept before each run of target bars."""
-    context_in_range: bool
-    """Context bars must lie in [start, end] too (train)."""
-    min_bars: int
-    """A piece needs at least this many bars from its first context bar to its last target bar."""
+    before: int  # Context bars kept before each run of target bars.
+    context_in_range: bool  # Context bars must lie in [start, end] too (train).
+    min_bars: int  # A piece needs at least this many bars from its first context bar to its last target bar.
 
 
 def split_rules(cfg: QlibConfig, calendar: pd.DatetimeIndex | None = None) -> list[SplitRule]:

@@ -152,13 +152,13 @@ def time_major(panel: SeriesPanel, rows: np.ndarray) -> np.ndarray:
 class FrameReport:
     """What `frame_to_panel` removed, for the log and manifest."""
 
+    # Rows dropped per instrument because a feature was missing (suspended days, gaps in the data).
     nan_rows: dict[str, int] = field(default_factory=dict)
-    """Rows dropped per instrument because a feature was missing (suspended days, gaps in the data)."""
+    # Instruments (or pieces of one cut at a gap) dropped because fewer bars than `min_bars` remained: name -> bars
+    # dropped.
     short: dict[str, int] = field(default_factory=dict)
-    """Instruments (or pieces of one cut at a gap) dropped because fewer bars than `min_bars` remained:
-    name -> bars dropped."""
+    # Cuts per instrument at gaps of more than max_gap_days missing trading days.
     gaps: dict[str, int] = field(default_factory=dict)
-    """Cuts per instrument at gaps of more than max_gap_days missing trading days."""
 
 
 def frame_to_panel(frame: pd.DataFrame, amount_source: str, min_bars: int, calendar: pd.DatetimeIndex | None = None,

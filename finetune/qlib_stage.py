@@ -30,14 +30,12 @@ log = logging.getLogger(__name__)
 class StageSpec:
     """One Qlib training stage: its name, script, the model folders it reads, and how its models are built."""
 
-    stage: Literal["tokenizer", "predictor"]
-    """Engine stage; also the per-stage config section `<stage>_training`."""
-    script: str
-    """The script path, for the torchrun hint."""
+    stage: Literal["tokenizer", "predictor"]  # Engine stage; also the per-stage config section `<stage>_training`.
+    script: str  # The script path, for the torchrun hint.
+    # (dotted config key of a model folder/hub id the stage reads, whether a Hub id is allowed).
     model_folders: tuple[tuple[str, bool], ...]
-    """(dotted config key of a model folder/hub id the stage reads, whether a Hub id is allowed)."""
+    # cfg -> keyword arguments of the engine call: the models (tokenizer=..., predictor=...).
     build: Callable[[QlibConfig], dict[str, Any]]
-    """cfg -> keyword arguments of the engine call: the models (tokenizer=..., predictor=...)."""
 
 
 def check_inputs(spec: StageSpec, cfg: QlibConfig) -> None:

@@ -251,17 +251,13 @@ def _mix_profile(frac: np.ndarray, hour: np.ndarray, round_the_clock: bool, rng:
 class MixSeries:
     """One series of the mix: its candles and what generated them."""
 
-    name: str
-    """Unique name, e.g. 'mix007_crypto24x7_15min_trend'."""
-    frame: pd.DataFrame
-    """Columns COLUMNS (timestamps datetime64, prices/volume/amount float64), one row per bar."""
-    freq: str
-    """Bar length, one of MIX_FREQS."""
-    session: str
-    """Calendar, one of MIX_SESSIONS."""
+    name: str  # Unique name, e.g. 'mix007_crypto24x7_15min_trend'.
+    frame: pd.DataFrame  # Columns COLUMNS (timestamps datetime64, prices/volume/amount float64), one row per bar.
+    freq: str  # Bar length, one of MIX_FREQS.
+    session: str  # Calendar, one of MIX_SESSIONS.
+    # 'trend' (drifting random walk), 'mean_revert' (log price pulled back to a level) or 'momentum' (autocorrelated
+    # returns, positive or negative).
     dynamics: str
-    """'trend' (drifting random walk), 'mean_revert' (log price pulled back to a level) or 'momentum'
-    (autocorrelated returns, positive or negative)."""
 
 
 def generate_mix(n_series: int = 48, n_bars: int = 3000, seed: int = 0, start: str = "2021-01-04") -> list[MixSeries]:

@@ -34,21 +34,17 @@ _SECTIONS = ("data", "model", "training", "tokenizer_training", "predictor_train
 class FinetuneResult:
     """What a finetuning run produced."""
 
-    output_dir: Path
-    """The run's output folder (paths.base_dir)."""
+    output_dir: Path  # The run's output folder (paths.base_dir).
+    # best_model/ of the tokenizer the predictor uses (finetuned, or None when a published one was used).
     tokenizer_dir: Path | None
-    """best_model/ of the tokenizer the predictor uses (finetuned, or None when a published one was used)."""
-    predictor_dir: Path | None
-    """best_model/ of the finetuned predictor (None when the predictor stage did not run)."""
+    predictor_dir: Path | None  # best_model/ of the finetuned predictor (None when the predictor stage did not run).
+    # Per trained stage: best_val_loss, best_epoch (0 = the starting model, trained epochs count from 1), epochs
+    # (trained), steps, history (one dict per epoch, epoch 0 included).
     metrics: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Per trained stage: best_val_loss, best_epoch (0 = the starting model, trained epochs count from 1), epochs
-    (trained), steps, history (one dict per epoch, epoch 0 included)."""
-    skipped: dict[str, str] = field(default_factory=dict)
-    """Stages that did not train, and why."""
+    skipped: dict[str, str] = field(default_factory=dict)  # Stages that did not train, and why.
+    # The data summary recorded in run_info.json (files with sha256, series, splits, store).
     data: dict[str, Any] = field(default_factory=dict)
-    """The data summary recorded in run_info.json (files with sha256, series, splits, store)."""
-    config: CsvFinetuneConfig | None = None
-    """The resolved configuration that ran."""
+    config: CsvFinetuneConfig | None = None  # The resolved configuration that ran.
 
 
 def finetune(data: pd.DataFrame | Mapping[str, pd.DataFrame] | str | Path, *, config: str | Path | None = None,

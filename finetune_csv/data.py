@@ -130,22 +130,21 @@ def _default_columns() -> dict[str, str | None]:
 class StoreSettings:
     """How input files become series; every field is part of the store's identity (a change re-prepares)."""
 
+    # Our field (timestamps, open, high, low, close, volume, amount) -> the file's column name (None = absent).
     columns: Mapping[str, str | None] = field(default_factory=_default_columns)
-    """Our field (timestamps, open, high, low, close, volume, amount) -> the file's column name (None = absent)."""
+    # Column whose values split a file into several series; None = one series per file.
     symbol_column: str | None = None
-    """Column whose values split a file into several series; None = one series per file."""
+    # strftime format of text timestamps; None = ISO 8601 or inferred from the first value.
     timestamp_format: str | None = None
-    """strftime format of text timestamps; None = ISO 8601 or inferred from the first value."""
-    nan_policy: str = "error"
-    """Missing prices/volumes: error | ffill | drop (see finetune_csv.config.DataConfig)."""
+    nan_policy: str = "error"  # Missing prices/volumes: error | ffill | drop (see finetune_csv.config.DataConfig).
+    # IANA zone that offset-carrying stamps are converted to (data.timezone); None = keep their stated clock.
     timezone: str | None = None
-    """IANA zone that offset-carrying stamps are converted to (data.timezone); None = keep their stated clock."""
+    # Expected bar length (data.frequency, e.g. '5min'); None = infer per file and warn about odd files.
     frequency: str | None = None
-    """Expected bar length (data.frequency, e.g. '5min'); None = infer per file and warn about odd files."""
+    # A high below max(open, close) or a low above min(open, close): error | warn (data.bad_candles).
     bad_candles: str = "error"
-    """A high below max(open, close) or a low above min(open, close): error | warn (data.bad_candles)."""
+    # A series whose volume column is zero throughout is an error unless True (data.allow_zero_volume).
     allow_zero_volume: bool = False
-    """A series whose volume column is zero throughout is an error unless True (data.allow_zero_volume)."""
 
     @classmethod
     def from_data_config(cls, data: Any) -> StoreSettings:
@@ -187,14 +186,10 @@ class StoreSettings:
 class StoreInfo:
     """A prepared store on disk and how this call got it."""
 
-    path: Path
-    """The store folder."""
-    manifest: dict
-    """Its manifest.json."""
-    reused: bool
-    """True when an existing store matched (no parsing was done)."""
-    reason: str
-    """Why it was reused or (re-)prepared, for the log."""
+    path: Path  # The store folder.
+    manifest: dict  # Its manifest.json.
+    reused: bool  # True when an existing store matched (no parsing was done).
+    reason: str  # Why it was reused or (re-)prepared, for the log.
 
     def open(self) -> SeriesPanel:
         """The store as a SeriesPanel of read-only memory maps."""
@@ -289,14 +284,12 @@ def too_short_problems(rows: list[tuple[str, int]], cfg: DataConfig) -> Problems
 class PreparedData:
     """The data of a run: the store on disk, its memory-mapped panel and the time splits as index ranges."""
 
-    store: StoreInfo
-    """The store folder, its manifest and whether it was reused (and why)."""
+    store: StoreInfo  # The store folder, its manifest and whether it was reused (and why).
+    # All series, features float32 (6, N) and stamps int64 (N, 5) as read-only np.memmap (shared page cache).
     panel: SeriesPanel
-    """All series, features float32 (6, N) and stamps int64 (N, 5) as read-only np.memmap (shared page cache)."""
-    splits: dict[str, PanelSegments]
-    """train / val (/ test): per-series column ranges of `panel`."""
+    splits: dict[str, PanelSegments]  # train / val (/ test): per-series column ranges of `panel`.
+    # How the splits were cut: {"mode": by_date | per_series, "train_end", "val_end" (by_date)}.
     split: dict[str, Any] = field(default_factory=dict)
-    """How the splits were cut: {"mode": by_date | per_series, "train_end", "val_end" (by_date)}."""
 
 
 def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None, *, with_splits: bool = True,
@@ -728,15 +721,11 @@ class SourceProblems(ValueError):
 class ParsedBlock:
     """Consecutive rows of one file, parsed."""
 
+    # (n,) int64 where each row is in the file as a user finds it (CSV: line number, header = 1; Parquet: row, 1-based).
     lines: np.ndarray
-    """(n,) int64 where each row is in the file as a user finds it (CSV: line number, header = 1;
-    Parquet: row, 1-based)."""
-    timestamps: np.ndarray
-    """(n,) int64 naive wall-clock nanoseconds since 1970-01-01."""
-    values: np.ndarray
-    """(n, 6) float64 open..amount; NaN = missing cell; a column the file does not have is 0."""
-    symbols: np.ndarray | None
-    """(n,) int32 index into `SourceReader.symbols`, or None without a symbol column."""
+    timestamps: np.ndarray  # (n,) int64 naive wall-clock nanoseconds since 1970-01-01.
+    values: np.ndarray  # (n, 6) float64 open..amount; NaN = missing cell; a column the file does not have is 0.
+    symbols: np.ndarray | None  # (n,) int32 index into `SourceReader.symbols`, or None without a symbol column.
 
 
 @dataclass

@@ -151,18 +151,12 @@ BANDS = ((0.10, 0.90, 0.18), (0.25, 0.75, 0.35))  # (low quantile, high quantile
 class Panel:
     """What one plot panel shows."""
 
-    title: str
-    """Panel title."""
-    past_ts: pd.DatetimeIndex
-    """(T,) timestamps of the context tail."""
-    past_close: np.ndarray
-    """(T,) close of the context tail."""
-    future_ts: pd.DatetimeIndex
-    """(P,) timestamps of the forecast bars."""
-    paths_close: np.ndarray
-    """(S, P) sampled close paths."""
-    actual_close: np.ndarray | None = None
-    """(P,) realised close (held-out windows), None for a forecast of the future."""
+    title: str  # Panel title.
+    past_ts: pd.DatetimeIndex  # (T,) timestamps of the context tail.
+    past_close: np.ndarray  # (T,) close of the context tail.
+    future_ts: pd.DatetimeIndex  # (P,) timestamps of the forecast bars.
+    paths_close: np.ndarray  # (S, P) sampled close paths.
+    actual_close: np.ndarray | None = None  # (P,) realised close (held-out windows), None for a forecast of the future.
 
 
 def _tick_labels(stamps: pd.DatetimeIndex, n_ticks: int = 6) -> tuple[np.ndarray, list[str]]:
@@ -225,19 +219,14 @@ CLOSE = FEATURES.index("close")
 class HeldOutWindows:
     """N windows: context candles and the candles that really followed."""
 
-    names: list[str]
-    """(N,) series of each window; the windows of one series are contiguous and in time order."""
-    context: np.ndarray
-    """(N, lookback, 6) float64 context candles (columns FEATURES)."""
-    x_timestamps: list[pd.DatetimeIndex]
-    """N context time indexes (lookback each)."""
-    y_timestamps: list[pd.DatetimeIndex]
-    """N forecast time indexes (predict each)."""
-    actual: np.ndarray
-    """(N, predict, 6) float64 the candles that really followed."""
+    names: list[str]  # (N,) series of each window; the windows of one series are contiguous and in time order.
+    context: np.ndarray  # (N, lookback, 6) float64 context candles (columns FEATURES).
+    x_timestamps: list[pd.DatetimeIndex]  # N context time indexes (lookback each).
+    y_timestamps: list[pd.DatetimeIndex]  # N forecast time indexes (predict each).
+    actual: np.ndarray  # (N, predict, 6) float64 the candles that really followed.
+    # (N, T) float64 closes ending at each window's last context bar, T <= `held_out_windows(history=)`: the series' own
+    # earlier bars, beyond the lookback (the `empirical` baseline's paths); None when not asked for.
     history: np.ndarray | None = None
-    """(N, T) float64 closes ending at each window's last context bar, T <= `held_out_windows(history=)`: the series'
-    own earlier bars, beyond the lookback (the `empirical` baseline's paths); None when not asked for."""
 
     def __len__(self) -> int:
         return len(self.names)

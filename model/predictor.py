@@ -229,12 +229,10 @@ def calibration_margins(calibration: Any, where: str) -> tuple[np.ndarray, np.nd
 class Forecast:
     """A forecast with its sample paths, all in the input's units and indexed by the forecast timestamps."""
 
-    mean: pd.DataFrame
-    """(pred_len, 6) mean over the sample paths, columns FEATURES."""
-    samples: np.ndarray
-    """(S, pred_len, 6) the sample paths (calibrated when the predictor applied a calibration)."""
+    mean: pd.DataFrame  # (pred_len, 6) mean over the sample paths, columns FEATURES.
+    samples: np.ndarray  # (S, pred_len, 6) the sample paths (calibrated when the predictor applied a calibration).
+    # {q: (pred_len, 6) DataFrame} per requested quantile.
     quantiles: dict[float, pd.DataFrame] = field(default_factory=dict)
-    """{q: (pred_len, 6) DataFrame} per requested quantile."""
 
     def table(self) -> pd.DataFrame:
         """(pred_len, 6 * (1 + Q)): the mean (FEATURES columns), then each quantile as `<feature>_q<percent>`

@@ -226,24 +226,19 @@ def infer_season(timestamps) -> int:
 class ScoreSettings:
     """How forecasts are scored."""
 
-    quantiles: tuple[float, ...] = DEFAULT_QUANTILES
-    """Quantile levels of the pinball loss and WQL."""
-    intervals: tuple[float, ...] = (0.5, 0.8)
-    """Central interval levels whose coverage is reported."""
+    quantiles: tuple[float, ...] = DEFAULT_QUANTILES  # Quantile levels of the pinball loss and WQL.
+    intervals: tuple[float, ...] = (0.5, 0.8)  # Central interval levels whose coverage is reported.
+    # Season of the seasonal-naive baseline in bars (bars per day / week); None = no seasonal-naive baseline.
     season: int | None = None
-    """Season of the seasonal-naive baseline in bars (bars per day / week); None = no seasonal-naive baseline."""
-    n_boot: int = 1000
-    """Bootstrap resamples for confidence intervals (0 = none)."""
+    n_boot: int = 1000  # Bootstrap resamples for confidence intervals (0 = none).
+    # Bootstrap block length: consecutive windows (1 = iid), or with window dates, dates (None = `default_block`).
     block: int | None = 1
-    """Bootstrap block length: consecutive windows (1 = iid), or with window dates, dates (None = `default_block`)."""
+    # Least dates per block when `block` is None (windows closer than the horizon share realised bars).
     min_block: int = 1
-    """Least dates per block when `block` is None (windows closer than the horizon share realised bars)."""
+    # Trailing bars whose H-bar paths form the `empirical` baseline (needs the history, see `score_forecasts`).
     empirical_window: int = 250
-    """Trailing bars whose H-bar paths form the `empirical` baseline (needs the history, see `score_forecasts`)."""
-    level: float = 0.95
-    """Confidence level of the bootstrap intervals."""
-    seed: int = 0
-    """Seed of the bootstrap."""
+    level: float = 0.95  # Confidence level of the bootstrap intervals.
+    seed: int = 0  # Seed of the bootstrap.
 
 
 def _check_inputs(samples, realised, last_close, context, series) -> tuple:

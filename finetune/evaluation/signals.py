@@ -225,10 +225,8 @@ def plot_ic_decay(tables: dict[str, pd.DataFrame], path: str | Path) -> Path:
 class BaselineSettings:
     """Look-back windows of the baseline signals, in trading days."""
 
-    momentum_window: int = 20
-    """Momentum: return over this many days."""
-    reversal_window: int = 5
-    """Short-term reversal: minus the return over this many days."""
+    momentum_window: int = 20  # Momentum: return over this many days.
+    reversal_window: int = 5  # Short-term reversal: minus the return over this many days.
 
 
 def baseline_expressions(settings: BaselineSettings | None = None) -> dict[str, str]:

@@ -62,16 +62,11 @@ def seeded_init(seed: int) -> Iterator[None]:
 class DistInfo:
     """Where this process sits in the job."""
 
-    rank: int
-    """Global rank, 0..world_size-1."""
-    world_size: int
-    """Number of processes in the job (1 without torchrun)."""
-    local_rank: int
-    """Rank on this machine; picks the GPU (cuda:local_rank)."""
-    device: torch.device
-    """Device this process trains on."""
-    backend: str | None = None
-    """Process-group backend ('nccl' / 'gloo'), None when no group was created."""
+    rank: int  # Global rank, 0..world_size-1.
+    world_size: int  # Number of processes in the job (1 without torchrun).
+    local_rank: int  # Rank on this machine; picks the GPU (cuda:local_rank).
+    device: torch.device  # Device this process trains on.
+    backend: str | None = None  # Process-group backend ('nccl' / 'gloo'), None when no group was created.
 
     @property
     def is_main(self) -> bool:

@@ -68,14 +68,10 @@ _log = logging.getLogger(__name__)
 class LockHolder:
     """Who holds (or last held) a run lock, as written into the lock file."""
 
-    pid: int | None
-    """Process id of the holder (None when the file could not be read)."""
-    host: str
-    """Host name the holder runs on."""
-    started: str
-    """ISO-8601 local time the holder took the lock."""
-    argv: str = ""
-    """The holder's command line, for the user to recognise it."""
+    pid: int | None  # Process id of the holder (None when the file could not be read).
+    host: str  # Host name the holder runs on.
+    started: str  # ISO-8601 local time the holder took the lock.
+    argv: str = ""  # The holder's command line, for the user to recognise it.
 
     def describe(self) -> str:
         """One human-readable phrase, e.g. `pid 123 on host gpu1 (started 2025-01-02T03:04:05+01:00)`."""
@@ -283,16 +279,14 @@ def stage_status(folder: str | Path) -> Status:
 class RunPlan:
     """What rank 0 decided to do with the stage folder (broadcast to every rank)."""
 
+    # fresh = train from the start; resume = continue from `checkpoint_dir`/`checkpoint`; skip = finished.
     action: Literal["fresh", "resume", "skip"]
-    """fresh = train from the start; resume = continue from `checkpoint_dir`/`checkpoint`; skip = finished."""
+    # An explicit checkpoint file to resume from (training.resume=<path>), else None (use the newest).
     checkpoint: str | None = None
-    """An explicit checkpoint file to resume from (training.resume=<path>), else None (use the newest)."""
+    # The folder whose newest usable checkpoint is resumed (or read back when skipping).
     checkpoint_dir: str | None = None
-    """The folder whose newest usable checkpoint is resumed (or read back when skipping)."""
-    message: str = ""
-    """The one line to log about the decision ('' = nothing to say)."""
-    remove: tuple[str, ...] = ()
-    """Old outputs to delete before training (training.overwrite)."""
+    message: str = ""  # The one line to log about the decision ('' = nothing to say).
+    remove: tuple[str, ...] = ()  # Old outputs to delete before training (training.overwrite).
 
 
 def plan_run(folder: str | Path, resume: str, overwrite: bool, stage: str) -> RunPlan:

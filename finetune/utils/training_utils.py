@@ -98,79 +98,56 @@ from model.predictor import PREDICTOR_INFO_NAME, TOKENIZER_CONFIG_NAME, TOKENIZE
 class TrainResult:
     """What a training loop returns."""
 
-    stage: str
-    """'tokenizer' or 'predictor'."""
+    stage: str  # 'tokenizer' or 'predictor'.
+    # Validation loss (sample-weighted over all validation windows) of the best epoch; inf if none was finite.
     best_val_loss: float
-    """Validation loss (sample-weighted over all validation windows) of the best epoch; inf if none was finite."""
+    # Epoch of best_model/: 0 = the starting model (validated before the first step), 1.. = trained epochs.
     best_epoch: int | None
-    """Epoch of best_model/: 0 = the starting model (validated before the first step), 1.. = trained epochs."""
-    output_dir: Path
-    """The run's output folder."""
-    best_model_dir: Path
-    """save_pretrained folder of the best model (exists once one validation improved)."""
-    last_checkpoint: Path
-    """Resumable checkpoint."""
-    metrics_path: Path
-    """metrics.jsonl."""
-    plot_path: Path | None
-    """loss_curve.png (None without matplotlib)."""
-    run_info_path: Path
-    """run_info.json."""
+    output_dir: Path  # The run's output folder.
+    best_model_dir: Path  # save_pretrained folder of the best model (exists once one validation improved).
+    last_checkpoint: Path  # Resumable checkpoint.
+    metrics_path: Path  # metrics.jsonl.
+    plot_path: Path | None  # loss_curve.png (None without matplotlib).
+    run_info_path: Path  # run_info.json.
+    # One dict per validation: epoch (0 = the starting model, train_loss None), step, train_loss, val_loss, val_<part>,
+    # metric_<name> (with a val_metric), score, lr, seconds.
     history: list[dict[str, Any]] = field(default_factory=list)
-    """One dict per validation: epoch (0 = the starting model, train_loss None), step, train_loss, val_loss,
-    val_<part>, metric_<name> (with a val_metric), score, lr, seconds."""
-    global_step: int = 0
-    """Optimizer steps done."""
-    stopped_early: bool = False
-    """True when patience ran out before the last epoch."""
-    resumed_from: Path | None = None
-    """Checkpoint this run continued from (or read back, when skipped), if any."""
+    global_step: int = 0  # Optimizer steps done.
+    stopped_early: bool = False  # True when patience ran out before the last epoch.
+    resumed_from: Path | None = None  # Checkpoint this run continued from (or read back, when skipped), if any.
+    # The best value of what training.select_by chose (val_loss, or the forecast metric's score).
     best_score: float = math.inf
-    """The best value of what training.select_by chose (val_loss, or the forecast metric's score)."""
+    # The folder held a finished run: nothing was trained, the result was read from its final checkpoint.
     skipped: bool = False
-    """The folder held a finished run: nothing was trained, the result was read from its final checkpoint."""
 
 
 @dataclass
 class LoopState:
     """Everything besides tensors that a resumed run needs to continue exactly (last.pt's "loop" entry)."""
 
-    epoch: int = 0
-    """Current epoch (0-based); equals the epoch count once the run is finished."""
-    step_in_epoch: int = 0
-    """Optimizer steps done in the current epoch."""
+    epoch: int = 0  # Current epoch (0-based); equals the epoch count once the run is finished.
+    step_in_epoch: int = 0  # Optimizer steps done in the current epoch.
+    # All ranks' sum of per-window training losses so far in this epoch (as of the last mid-epoch checkpoint).
     epoch_loss_sum: float = 0.0
-    """All ranks' sum of per-window training losses so far in this epoch (as of the last mid-epoch checkpoint)."""
-    epoch_windows: int = 0
-    """... and the number of windows in that sum."""
-    global_step: int = 0
-    """Optimizer steps done in the run."""
-    best_val_loss: float = math.inf
-    """Validation loss of the best epoch so far."""
-    best_epoch: int | None = None
-    """Best epoch so far (0 = the starting model)."""
-    best_score: float = math.inf
-    """Best value of the selection score (val_loss or the forecast metric's score) so far."""
-    bad_epochs: int = 0
-    """Validations in a row without improvement (early stopping)."""
-    stopped_early: bool = False
-    """Patience ran out before the last epoch."""
-    finished: bool = False
-    """No epoch left to train."""
+    epoch_windows: int = 0  # ... and the number of windows in that sum.
+    global_step: int = 0  # Optimizer steps done in the run.
+    best_val_loss: float = math.inf  # Validation loss of the best epoch so far.
+    best_epoch: int | None = None  # Best epoch so far (0 = the starting model).
+    best_score: float = math.inf  # Best value of the selection score (val_loss or the forecast metric's score) so far.
+    bad_epochs: int = 0  # Validations in a row without improvement (early stopping).
+    stopped_early: bool = False  # Patience ran out before the last epoch.
+    finished: bool = False  # No epoch left to train.
+    # One entry per validation, epoch 0 (the starting model) first (train and validation loss, lr, seconds).
     history: list[dict[str, Any]] = field(default_factory=list)
-    """One entry per validation, epoch 0 (the starting model) first (train and validation loss, lr, seconds)."""
 
 
 @dataclass(frozen=True)
 class ReducedSums:
     """All ranks' totals of a `LossSums`, on the host."""
 
-    sums: dict[str, float]
-    """"loss" and each part name -> sum over windows of value * windows in its batch."""
-    windows: int
-    """Windows added on all ranks."""
-    extra: tuple[float, ...] = ()
-    """The `extra` numbers passed to `reduce`, summed over ranks."""
+    sums: dict[str, float]  # "loss" and each part name -> sum over windows of value * windows in its batch.
+    windows: int  # Windows added on all ranks.
+    extra: tuple[float, ...] = ()  # The `extra` numbers passed to `reduce`, summed over ranks.
 
     def mean(self, name: str) -> float:
         """Window-weighted mean of `name` ("loss" or a part); NaN when no window was added."""
@@ -212,14 +189,10 @@ class LossSums:
 class EarlyStopping:
     """Early-stopping state after one validation."""
 
-    best: float
-    """Best validation loss so far."""
-    bad_epochs: int
-    """Validations in a row without improvement."""
-    improved: bool
-    """This validation beat the best (save the model)."""
-    stop: bool
-    """Patience is used up: stop training."""
+    best: float  # Best validation loss so far.
+    bad_epochs: int  # Validations in a row without improvement.
+    improved: bool  # This validation beat the best (save the model).
+    stop: bool  # Patience is used up: stop training.
 
 
 def update_early_stopping(

@@ -38,14 +38,11 @@ SPLITS = ("train", "val", "test")
 class PanelSegments:
     """The rows of each series one split may read, as panel column ranges (arrays of shape (S,), int64)."""
 
-    panel: SeriesPanel
-    """The whole panel (possibly memory-mapped); never copied."""
-    start: np.ndarray
-    """First column a window of this split may read, per series."""
+    panel: SeriesPanel  # The whole panel (possibly memory-mapped); never copied.
+    start: np.ndarray  # First column a window of this split may read, per series.
+    # First column that belongs to the split itself (columns before it are context), per series.
     first_target: np.ndarray
-    """First column that belongs to the split itself (columns before it are context), per series."""
-    stop: np.ndarray
-    """One past the split's last column, per series."""
+    stop: np.ndarray  # One past the split's last column, per series.
 
     def lengths(self) -> np.ndarray:
         """Readable rows per series (context included), int64 (S,)."""
@@ -227,12 +224,9 @@ _ITER_CHUNK = 1 << 16  # window indices turned into Python ints at a time by Epo
 class SeriesArrays:
     """One series, already converted to arrays by the pipeline (built once, never per sample)."""
 
-    features: np.ndarray
-    """float32 (N, F): open, high, low, close, volume, amount."""
-    stamps: np.ndarray
-    """int64 (N, 5): minute, hour, weekday, day of month, month."""
-    name: str = ""
-    """Symbol or file name, used in messages."""
+    features: np.ndarray  # float32 (N, F): open, high, low, close, volume, amount.
+    stamps: np.ndarray  # int64 (N, 5): minute, hour, weekday, day of month, month.
+    name: str = ""  # Symbol or file name, used in messages.
 
 
 def panel_from_series(series: Sequence[SeriesArrays | tuple[np.ndarray, np.ndarray]]) -> SeriesPanel:
