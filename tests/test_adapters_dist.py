@@ -37,13 +37,16 @@ def test_killed_lora_run_resumed_ends_with_the_uninterrupted_weights(tmp_path):
         return subprocess.run([sys.executable, str(WORKER), args[0], str(out), *args[1:]], capture_output=True,
                               text=True, timeout=240, env=env(**extra))
 
-    whole = run(tmp_path / "whole")
-    assert whole.returncode == 0, whole.stderr
+    log = (tmp_path / "whole.log").open("w")  # a file, not a pipe: nothing reads it until the end
+    whole = subprocess.Popen([sys.executable, str(WORKER), args[0], str(tmp_path / "whole"), *args[1:]],
+                             stdout=log, stderr=subprocess.STDOUT, env=env())  # beside the killed runs
     for step, saved in ((3, 2), (6, 6)):
         killed = run(tmp_path / "resumed", **{FAULT_ENV: str(step)})
         assert killed.returncode == 17, killed.stderr
         assert load_checkpoint(tmp_path / "resumed/checkpoints/last.pt")["loop"]["global_step"] == saved
     assert run(tmp_path / "resumed").returncode == 0
+    assert whole.wait(timeout=240) == 0, (tmp_path / "whole.log").read_text()[-3000:]
+    log.close()
 
     a = torch.load(tmp_path / "whole/final_state.pt")
     b = torch.load(tmp_path / "resumed/final_state.pt")
