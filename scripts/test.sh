@@ -3,6 +3,8 @@
 #   bash scripts/test.sh                 # everything (what CI runs)
 #   bash scripts/test.sh --fast          # skip the tests marked slow (multi-process, end-to-end, packaging)
 #   bash scripts/test.sh tests/test_x.py -x   # extra arguments go to pytest
+# Two pytest-xdist workers (TEST_WORKERS=0 runs in one process); the tests that signal a running job at chosen
+# moments run one after another on one of them (tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 fast=()
@@ -11,4 +13,4 @@ if [ "${1:-}" = "--fast" ]; then
   fast=(-m "not slow")
 fi
 bash scripts/setup_env.sh
-exec .venv/bin/python -m pytest ${fast[@]+"${fast[@]}"} "$@"
+exec .venv/bin/python -m pytest -n "${TEST_WORKERS:-2}" --dist loadgroup ${fast[@]+"${fast[@]}"} "$@"

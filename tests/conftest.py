@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny Kronos models (one implementation: tests/model_factory.py), logging isolation."""
+"""Shared fixtures: tiny Kronos models (one implementation: tests/model_factory.py), logging isolation; under
+pytest-xdist (scripts/test.sh) the tests that time signals against a running job share one worker."""
 from __future__ import annotations
 
 import logging
@@ -6,6 +7,17 @@ import logging
 import pytest
 
 from tests import model_factory
+
+# Tests that signal or kill runs at chosen moments while polling their checkpoints: never two at once.
+TIMED_SIGNAL_MODULES = ("test_cluster_elastic", "test_cluster_signals", "test_safety_guard", "test_safety_interrupts",
+                        "test_safety_restart_loops")
+
+
+def pytest_collection_modifyitems(config, items):
+    """With `--dist loadgroup`, the slow tests of TIMED_SIGNAL_MODULES run one after another on one worker."""
+    for item in items:
+        if item.get_closest_marker("slow") and item.module.__name__.rpartition(".")[2] in TIMED_SIGNAL_MODULES:
+            item.add_marker(pytest.mark.xdist_group("timed_signals"))
 
 
 @pytest.fixture

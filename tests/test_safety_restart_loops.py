@@ -1,7 +1,7 @@
-"""Kill and stop loops: a run SIGKILLed 3 times (in one process and under torchrun; a checkpoint every step; kills in both epochs, one
-right after the epoch boundary, each at a random moment within a step) or stopped with SIGTERM (twice; once under
-torchrun), and re-run each time with the same command, ends with weights EQUAL to an uninterrupted run - in one
-process and under torchrun with 2 gloo processes. Also: a locked folder refuses all ranks cleanly."""
+"""Kill and stop loops: a run SIGKILLed 3 times (a checkpoint every step; kills in both epochs, one right after the
+epoch boundary, each at a random moment within a step) or stopped with SIGTERM (twice; once under torchrun), and
+re-run each time with the same command, ends with weights EQUAL to an uninterrupted run - in one process and under
+torchrun with 2 gloo processes. Also: a locked folder refuses all ranks cleanly."""
 
 from __future__ import annotations
 
