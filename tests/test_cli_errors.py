@@ -64,6 +64,20 @@ def test_plain_value_error_is_a_bug_wherever_it_was_raised():
     assert classify(_raised(read_yaml, "no/such/file.yaml")) == (EXIT_PATH, True)  # a typed check of ours
 
 
+def test_checks_of_the_qlib_side_and_the_generators_are_user_errors(tmp_path, capsys):
+    """Checks that relied on the old 'raised in our files' rule now raise typed errors: one line, exit 3."""
+    from finetune.evaluation.signals import label_expression
+    from finetune.qlib_builder import load_csv_folder
+    from finetune.synthetic import generate_ohlcv
+
+    for call, words in ((lambda: label_expression("bid"), "backtest.deal_price"),
+                        (lambda: generate_ohlcv(2, 0), "--n-bars"),
+                        (lambda: load_csv_folder(tmp_path), "no *.csv files")):
+        assert run_main(lambda argv, call=call: call(), []) == EXIT_DATA
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and words in err and "Traceback" not in err
+
+
 def test_value_error_from_a_library_is_a_bug():
     exc = _raised(np.reshape, np.arange(3), (2, 2))  # raised inside numpy: a check of ours is missing
     assert isinstance(exc, ValueError)
