@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.utils.errors import PathError, run_main
+from finetune.utils.errors import run_main
+from model.errors import PathError
 
 _ROOT = Path(__file__).resolve().parents[1]
 

@@ -26,9 +26,9 @@ from typing import Any
 from finetune.config import QlibConfig
 from finetune.qlib_io import date_range
 from finetune.utils.config_utils import Problems
-from finetune.utils.errors import DataError
 from finetune.utils.store import SeriesPanel, StoreError, open_store, write_panel
 from finetune.utils.windows import WindowDataset
+from model.errors import DataError
 from model.features import FEATURES
 
 log = logging.getLogger("finetune.qlib")

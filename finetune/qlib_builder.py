@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from finetune.utils.errors import DataError
+from model.errors import DataError
 from model.features import ColumnError, fill_amount, resolve_columns
 from model.fileio import atomic_dir, write_json
 

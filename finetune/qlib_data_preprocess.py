@@ -59,8 +59,9 @@ from finetune.qlib_io import (
     universe_spans,
 )
 from finetune.utils.config_utils import Problems, parse_config_args
-from finetune.utils.errors import ConfigError, require_extra, setup_logging
+from finetune.utils.errors import require_extra, setup_logging
 from finetune.utils.store import SeriesPanel
+from model.errors import ConfigError
 from model.fileio import write_json
 
 log = logging.getLogger("finetune.qlib")

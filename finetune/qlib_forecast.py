@@ -23,8 +23,8 @@ import pandas as pd
 import torch
 
 from finetune.qlib_io import CLOSE, stamps_from_ns, time_major
-from finetune.utils.errors import ConfigError
 from finetune.utils.store import SeriesPanel
+from model.errors import ConfigError
 from model.features import denormalize, normalize
 
 log = logging.getLogger("finetune.qlib")

@@ -22,8 +22,8 @@ import pandas as pd
 
 from finetune.config import QlibConfig, parse_range
 from finetune.utils.config_utils import Problems
-from finetune.utils.errors import DataError
 from finetune.utils.store import N_STAMP_COLUMNS, SeriesPanel
+from model.errors import DataError
 from model.features import FEATURES, calc_time_stamps
 
 # Qlib expressions read for open, high, low, close, volume (+ $vwap when data.amount_source is vwap).

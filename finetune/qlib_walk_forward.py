@@ -50,8 +50,9 @@ from finetune.qlib_io import benchmark_label, check_qlib_folder, init_qlib, read
 from finetune.qlib_test import backtest_period, forecast_all, score_signal, write_results
 from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.config_utils import Problems, config_to_dict, dump_config, parse_config_args
-from finetune.utils.errors import ConfigError, UserError, require_extra, setup_logging
+from finetune.utils.errors import require_extra, setup_logging
 from model import Kronos, KronosTokenizer
+from model.errors import ConfigError, UserError
 
 log = logging.getLogger("finetune.qlib")
 CANDIDATES = ("finetuned", "zero_shot")

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from finetune.utils.errors import DataError
+from model.errors import DataError
 from model.fileio import atomic_write
 
 COLUMNS = ["timestamps", "open", "high", "low", "close", "volume", "amount"]

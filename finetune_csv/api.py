@@ -23,9 +23,10 @@ from typing import Any
 import pandas as pd
 
 import finetune_csv.config as csv_config
-from finetune.utils.errors import ConfigError, setup_logging
+from finetune.utils.errors import setup_logging
 from finetune_csv.config import CsvFinetuneConfig, best_dir
 from finetune_csv.train_sequential import run_finetune
+from model.errors import ConfigError
 
 _SECTIONS = ("data", "model", "training", "tokenizer_training", "predictor_training", "paths")
 

@@ -37,8 +37,8 @@ from finetune.utils.config_utils import (
     set_dotted,
     warn_shadowed_overrides,
 )
-from finetune.utils.errors import ConfigError, DataError
 from model.config import KronosConfig, KronosTokenizerConfig
+from model.errors import ConfigError, DataError
 
 NAN_POLICIES = ("error", "ffill", "drop")
 

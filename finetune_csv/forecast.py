@@ -36,12 +36,13 @@ from finetune.evaluation.forecast_scores import (
 )
 from finetune.utils.checkpoint import list_checkpoints, weights_fingerprint
 from finetune.utils.config_utils import add_config_args, parse_config_args
-from finetune.utils.errors import ConfigError, DataError, PathError, RefusedError, setup_logging
+from finetune.utils.errors import setup_logging
 from finetune.utils.safety import LOCK_NAME, read_holder, stage_status
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir, predictor_tokenizer_source
 from finetune_csv.data import PreparedData, prepare_data
 from model import Kronos, KronosPredictor, KronosTokenizer
+from model.errors import ConfigError, DataError, PathError, RefusedError
 from model.features import FEATURES, PRICE_FEATURES, calc_time_stamps, normalize
 from model.fileio import atomic_write, write_json
 from model.predictor import PREDICTOR_INFO_NAME, read_predictor_info, tokenizer_source

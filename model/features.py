@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from finetune.utils.errors import DataError
+from model.errors import DataError
 
 FEATURES: tuple[str, ...] = ("open", "high", "low", "close", "volume", "amount")
 PRICE_FEATURES: tuple[str, ...] = FEATURES[:4]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from finetune.utils.errors import DataError
+from model.errors import DataError
 from model.kronos import Kronos
 
 

@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 import torch
 from safetensors.torch import load_file, save_file
 
-from finetune.utils.errors import DataError, PathError
 from model.config import DEFAULT_MAX_PARAMETERS
+from model.errors import DataError, PathError
 from model.fileio import atomic_write, read_json_object, write_json
 
 CONFIG_NAME = "config.json"

@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from finetune.utils.errors import DataError, PathError
+from model.errors import DataError, PathError
 from model.features import (
     CLOSE,
     FEATURES,

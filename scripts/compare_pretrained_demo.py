@@ -31,13 +31,13 @@ import torch.nn.functional as F
 from finetune.synthetic import generate_ohlcv, write_csv_folder
 from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import DistInfo
-from finetune.utils.errors import DataError
 from finetune.utils.training_utils import evaluate_predictor
 from finetune.utils.windows import WindowDataset
 from finetune_csv import train_sequential
 from finetune_csv.config import load
 from finetune_csv.data import build_dataset, prepare_data
 from model import Kronos, KronosTokenizer
+from model.errors import DataError
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 20  # windows per bootstrap block: 20 windows x stride 4 = 80 rows, one window length

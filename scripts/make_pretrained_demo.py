@@ -30,10 +30,11 @@ import torch
 from finetune.synthetic import generate_mix
 from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import distributed_context, seed_everything
-from finetune.utils.errors import DataError, setup_logging
+from finetune.utils.errors import setup_logging
 from finetune.utils.training_utils import train_predictor, train_tokenizer
 from finetune.utils.windows import SeriesArrays, WindowDataset
 from model import Kronos, KronosTokenizer
+from model.errors import DataError
 from model.features import FEATURES, calc_time_stamps
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,9 +19,9 @@ from finetune.utils import adapters
 from finetune.utils.checkpoint import load_checkpoint
 from finetune.utils.config_utils import TrainingConfig, load_config
 from finetune.utils.distributed import DistInfo
-from finetune.utils.errors import ConfigError, MissingExtraError
 from finetune.utils.training_utils import train_predictor, train_tokenizer
 from model import Kronos, KronosPredictor
+from model.errors import ConfigError, MissingExtraError
 from tests.engine_dist_worker import tiny_datasets, tiny_predictor, tiny_tokenizer
 
 peft = pytest.importorskip("peft")

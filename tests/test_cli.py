@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from finetune import cli
-from finetune.utils.errors import EXIT_CONFIG, EXIT_DATA, EXIT_MISSING_EXTRA
+from model.errors import EXIT_CONFIG, EXIT_DATA, EXIT_MISSING_EXTRA
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": os.environ.get("PATH", "/usr/bin:/bin")}

@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from finetune.utils import errors
 from finetune.utils.config_utils import load_config
-from finetune.utils.errors import (
+from finetune.utils.errors import classify, run_main
+from finetune_csv.config import CsvFinetuneConfig
+from model.errors import (
     EXIT_BUG,
     EXIT_CONFIG,
     EXIT_DATA,
@@ -26,10 +27,7 @@ from finetune.utils.errors import (
     PathError,
     RefusedError,
     UserError,
-    classify,
-    run_main,
 )
-from finetune_csv.config import CsvFinetuneConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -226,7 +224,8 @@ def test_script_error_in_a_subprocess_has_no_traceback(tmp_path):
 
 
 def test_exit_code_table_in_docstring_matches_constants():
-    doc = errors.__doc__
+    import model.errors as codes
+
     for name in ("EXIT_BUG", "EXIT_CONFIG", "EXIT_DATA", "EXIT_PATH", "EXIT_REFUSED", "EXIT_MISSING_EXTRA",
                  "EXIT_INTERRUPTED"):
-        assert f"\n    {getattr(errors, name)} " in doc, name
+        assert f"\n    {getattr(codes, name)} " in codes.__doc__, name

@@ -13,8 +13,9 @@ from safetensors import SafetensorError
 import finetune.utils.checkpoint as checkpoint_store
 import model.hub
 from finetune.utils.config_utils import MAX_YAML_ALIASES, TrainingConfig, load_config
-from finetune.utils.errors import ConfigError, run_main
+from finetune.utils.errors import run_main
 from finetune_csv import train_sequential
+from model.errors import ConfigError
 from tests.test_csv_train import make_run
 
 RUST_ENOSPC = 'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'

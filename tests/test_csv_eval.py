@@ -14,9 +14,10 @@ import pandas as pd
 import pytest
 
 from finetune.synthetic import generate_ohlcv, write_csv_folder
-from finetune.utils.errors import EXIT_CONFIG, EXIT_DATA, EXIT_PATH, run_main
+from finetune.utils.errors import run_main
 from finetune_csv import forecast
 from finetune_csv.config import load
+from model.errors import EXIT_CONFIG, EXIT_DATA, EXIT_PATH
 from tests.model_factory import tiny_models, tiny_predictor
 
 YAML = """

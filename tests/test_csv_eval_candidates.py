@@ -14,10 +14,10 @@ import torch
 
 import model.predictor as predictor_module
 from finetune.utils.checkpoint import weights_fingerprint
-from finetune.utils.errors import UserError
 from finetune_csv import forecast
 from finetune_csv.config import load
 from finetune_csv.data import prepare_data
+from model.errors import UserError
 from tests.model_factory import tiny_tokenizer
 from tests.test_csv_eval import make_run
 

@@ -21,10 +21,10 @@ import torch
 import yaml
 
 from finetune.synthetic import generate_ohlcv, write_csv_folder
-from finetune.utils.errors import PathError
 from finetune_csv import train_sequential
 from finetune_csv.config import load
 from finetune_csv.forecast import run_forecast
+from model.errors import PathError
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "finetune_csv" / "train_sequential.py"

@@ -20,7 +20,7 @@ from finetune.utils.config_utils import (
     parse_config_args,
     validate_training_config,
 )
-from finetune.utils.errors import ConfigError
+from model.errors import ConfigError
 
 
 @dataclass

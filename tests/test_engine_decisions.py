@@ -17,7 +17,6 @@ from finetune.utils.distributed import (
     resolve_backend,
     seed_everything,
 )
-from finetune.utils.errors import UserError
 from finetune.utils.training_utils import (
     micro_batch_sizes,
     optimizer_steps_per_epoch,
@@ -26,6 +25,7 @@ from finetune.utils.training_utils import (
     step_batch_sizes,
     update_early_stopping,
 )
+from model.errors import UserError
 
 
 def run_early_stopping(losses, patience, min_delta=0.0):

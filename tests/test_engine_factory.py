@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from finetune.utils.config_utils import ModelConfig, Problems
-from finetune.utils.errors import PathError
 from finetune.utils.factory import build_predictor, build_tokenizer
 from model import Kronos, KronosTokenizer
 from model.config import KronosConfig, KronosTokenizerConfig
+from model.errors import PathError
 from tests.model_factory import TINY_PREDICTOR, TINY_TOKENIZER
 
 TOK_ARCH = KronosTokenizerConfig(**TINY_TOKENIZER)

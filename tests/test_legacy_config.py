@@ -14,7 +14,6 @@ import yaml
 import finetune_csv.config as csv_config
 from finetune import cli
 from finetune.utils.config_utils import config_to_dict
-from finetune.utils.errors import ConfigError
 from finetune_csv.config import (
     ORIGINAL_DEFAULTS,
     RULES,
@@ -22,6 +21,7 @@ from finetune_csv.config import (
     is_original_config,
     translate,
 )
+from model.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 ORIGINAL = ROOT / "configs/original/finetune_csv.yaml"  # a subfolder: configs/*.yaml are csv_*/qlib_* files

@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 import torch
 
-from finetune.utils.errors import PathError
 from model import KronosPredictor
+from model.errors import PathError
 from model.features import ColumnError, quantile_column, resolve_columns
 from model.fileio import write_json
 from model.predictor import PREDICTOR_INFO_NAME, predictor_info

@@ -7,12 +7,7 @@ import sys
 
 import pytest
 
-from finetune.utils.errors import (
-    close_stage_log,
-    open_stage_log,
-    setup_logging,
-    stage_log,
-)
+from finetune.utils.errors import close_stage_log, open_stage_log, setup_logging, stage_log
 
 log = logging.getLogger("finetune.utils.training_utils")
 

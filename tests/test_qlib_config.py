@@ -8,7 +8,7 @@ from finetune import qlib_test, train_predictor, train_tokenizer
 from finetune.config import QlibConfig, check_model_folder, load
 from finetune.qlib_stage import check_inputs
 from finetune.utils.config_utils import Problems, load_config
-from finetune.utils.errors import ConfigError, UserError
+from model.errors import ConfigError, UserError
 
 
 def keys_of(err: ConfigError) -> list[str]:

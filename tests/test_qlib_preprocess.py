@@ -11,7 +11,7 @@ from finetune import qlib_io as qio
 from finetune.config import QlibConfig
 from finetune.dataset import MANIFEST_NAME, load_split, split_path
 from finetune.utils.config_utils import load_config
-from finetune.utils.errors import ConfigError
+from model.errors import ConfigError
 
 LOOKBACK, PREDICT = 6, 2
 

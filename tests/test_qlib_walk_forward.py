@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from finetune.qlib_walk_forward import ic_verdict, signal_days, walk_forward_periods
-from finetune.utils.errors import ConfigError
+from model.errors import ConfigError
 
 CAL = pd.bdate_range("2019-01-01", "2022-12-30")
 

@@ -18,7 +18,6 @@ import finetune.utils.checkpoint as checkpoint_store
 from finetune.utils.checkpoint import CheckpointWriteError, DivergenceError, load_checkpoint
 from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import DistInfo
-from finetune.utils.errors import ConfigError
 from finetune.utils.safety import (
     STOPPED_EXIT_CODE,
     RunLock,
@@ -28,6 +27,7 @@ from finetune.utils.safety import (
     stage_status,
 )
 from finetune.utils.training_utils import TokenizerStage, Trainer, restore_optimizer, train_predictor, train_tokenizer
+from model.errors import ConfigError
 from tests.engine_dist_worker import tiny_datasets, tiny_predictor, tiny_tokenizer
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))

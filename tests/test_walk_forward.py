@@ -10,10 +10,10 @@ import pandas as pd
 import pytest
 
 from finetune.synthetic import generate_ohlcv, write_csv_folder
-from finetune.utils.errors import ConfigError, RefusedError
 from finetune.utils.store import SeriesPanel
 from finetune_csv import walk_forward as wf
 from finetune_csv.config import load
+from model.errors import ConfigError, RefusedError
 from tests import model_factory
 
 YAML = """

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from finetune.utils.errors import DataError
+from model.errors import DataError
 
 DEAL_PRICES = ("close", "open", "vwap")
 

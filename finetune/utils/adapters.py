@@ -36,7 +36,7 @@ from torch import nn
 
 from finetune.utils.checkpoint import save_pretrained_atomic, write_extras
 from finetune.utils.config_utils import Problems, TrainingConfig, validate_training_config
-from finetune.utils.errors import ConfigError, MissingExtraError
+from model.errors import ConfigError, MissingExtraError
 from model.fileio import atomic_dir
 
 # Layer groups of the Kronos predictor (model/layers.py, model/kronos.py): names of nn.Linear modules.

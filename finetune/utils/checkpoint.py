@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from finetune.utils.config_utils import Problems, TrainingConfig, config_to_dict, plain, stage_key
-from finetune.utils.errors import EXIT_PATH, ConfigError, DataError, PathError, UserError, classify
+from finetune.utils.errors import classify
+from model.errors import EXIT_PATH, ConfigError, DataError, PathError, UserError
 from model.fileio import atomic_dir, atomic_write, write_json
 
 CHECKPOINT_FORMAT = "kronos-finetune/last-v1"

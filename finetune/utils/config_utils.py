@@ -38,8 +38,8 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
-from finetune.utils.errors import ConfigError, PathError
 from model.config import KronosConfig, KronosTokenizerConfig
+from model.errors import ConfigError, PathError
 from model.features import FEATURES
 
 T = TypeVar("T")

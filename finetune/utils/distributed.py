@@ -34,7 +34,7 @@ import torch.distributed as tdist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from finetune.utils.errors import DataError, UserError
+from model.errors import DataError, UserError
 
 
 def seed_everything(seed: int, rank: int = 0) -> int:

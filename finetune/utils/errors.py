@@ -1,22 +1,11 @@
-"""User errors versus bugs: the error classes, how every entry point reports a failure, and the one logging setup.
+"""User errors versus bugs: how every entry point reports a failure, and the one logging setup.
 
 Every entry point ends with `sys.exit(run_main(main))`; `kronos <command>` (finetune/cli.py) runs the same `main`.
 `run_main` prints a user error as ONE line on stderr, `error: ...`, without a traceback; a bug keeps its traceback.
 `--debug` on the command line or `KRONOS_DEBUG=1` adds the traceback to user errors too.
 
-An exception's class says what it is: every user-facing error subclasses `UserError` and carries its exit code.
-
-    0    success
-    1    a bug: any other exception (traceback printed; please report it)
-    2    ConfigError: a setting is wrong (also a bad command line, from argparse)
-    3    DataError: an input or run check failed (bad CSV, too few windows, non-finite loss, ...)
-    4    PathError: a file, folder or Hub id does not exist (also FileNotFoundError & co, Hub lookup errors)
-    5    RefusedError: the run would overwrite or lose earlier work (also FileExistsError)
-    6    MissingExtraError: an optional dependency is missing (also ModuleNotFoundError of `OPTIONAL_MODULES`)
-    75   TrainingStopped: stopped on SIGTERM / first Ctrl-C after saving; the same command resumes
-    130  KeyboardInterrupt (a second Ctrl-C)
-
-Any other exception is a bug, however it was raised: a check of the user's input raises a `UserError` subclass.
+The error classes and their exit codes are `model.errors` (the model package raises them too); anything else
+escaping `main` is a bug, however it was raised.
 
 Also here: one logging setup for every entry point and the engine (rank 0 speaks, the other ranks only warn) and
 the per-stage train.log.
@@ -39,73 +28,24 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-EXIT_OK = 0
-EXIT_BUG = 1
-EXIT_CONFIG = 2
-EXIT_DATA = 3
-EXIT_PATH = 4
-EXIT_REFUSED = 5
-EXIT_MISSING_EXTRA = 6
-EXIT_STOPPED = 75  # EX_TEMPFAIL: a scheduler may requeue the job
-EXIT_INTERRUPTED = 130
+from model.errors import (
+    EXIT_BUG,
+    EXIT_DATA,
+    EXIT_INTERRUPTED,
+    EXIT_MISSING_EXTRA,
+    EXIT_OK,
+    EXIT_PATH,
+    EXIT_REFUSED,
+    EXIT_STOPPED,
+    OPTIONAL_MODULES,
+    MissingExtraError,
+    UserError,
+)
 
 _FULL_DISK = (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC))
 
-# Top-level module -> the extra of this package that installs it.
-OPTIONAL_MODULES = {"qlib": "qlib", "tensorboard": "tensorboard"}
-PACKAGE_NAME = "kronos-finetune"
-
 _DEBUG_FLAG = "--debug"
 _DEBUG_HINT = f"(add {_DEBUG_FLAG} or set KRONOS_DEBUG=1 to see the traceback)"
-
-
-class UserError(Exception):
-    """A mistake the user can fix; shown as one `error: ...` message without a traceback. Base of the others."""
-
-    exit_code: int = EXIT_DATA
-
-
-class ConfigError(UserError, ValueError):
-    """Invalid settings; `.problems` lists one `"yaml.key: what is wrong"` line per problem."""
-
-    exit_code = EXIT_CONFIG
-
-    def __init__(self, problems: Sequence[str], title: str = "Invalid configuration"):
-        self.problems = list(problems)
-        n = len(self.problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{title} ({n} problem{'s' if n != 1 else ''}):\n{lines}")
-
-
-class DataError(UserError, ValueError):
-    """The input data fails a check (missing column, too few rows, NaN, ...)."""
-
-    exit_code = EXIT_DATA
-
-
-class PathError(UserError, FileNotFoundError):
-    """A file, folder or Hub id the settings name cannot be found."""
-
-    exit_code = EXIT_PATH
-
-
-class RefusedError(UserError):
-    """The run stops rather than overwrite or lose earlier work (e.g. resuming with different settings)."""
-
-    exit_code = EXIT_REFUSED
-
-
-class MissingExtraError(UserError, ImportError):
-    """An optional dependency is not installed; the message says which extra installs it."""
-
-    exit_code = EXIT_MISSING_EXTRA
-
-    @classmethod
-    def for_module(cls, module: str, what: str = "this command") -> MissingExtraError:
-        """The error for a missing `module` of `OPTIONAL_MODULES` (its extra is named in the message)."""
-        extra = OPTIONAL_MODULES.get(module.split(".")[0], module)
-        return cls(f"{what} needs the optional dependency '{module}', which is not installed; install it with: "
-                   f"pip install '{PACKAGE_NAME}[{extra}]'  (from a checkout: pip install '.[{extra}]')")
 
 
 def require_extra(module: str) -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.utils.config_utils import tracker_problems
-from finetune.utils.errors import ConfigError
+from model.errors import ConfigError
 from model.fileio import atomic_write, write_json
 
 _MLFLOW_PARAM_CHARS = 6000  # MLflow rejects longer parameter values

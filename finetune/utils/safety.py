@@ -37,7 +37,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from finetune.utils.checkpoint import LAST_NAME, DivergenceError, list_checkpoints
-from finetune.utils.errors import EXIT_STOPPED, RefusedError, UserError
+from model.errors import EXIT_STOPPED, RefusedError, UserError
 
 FAULT_ENV = "KRONOS_FAULT_EXIT_AFTER_STEP"
 FAULT_RANK_ENV = "KRONOS_FAULT_RANK"

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from finetune.utils.errors import DataError
+from model.errors import DataError
 
 N_STAMP_COLUMNS = 5  # minute, hour, weekday, day of month, month
 FORMAT = "kronos-series-store"

@@ -76,7 +76,7 @@ from finetune.utils.distributed import (
     seed_everything,
     wrap_model,
 )
-from finetune.utils.errors import DataError, stage_log
+from finetune.utils.errors import stage_log
 from finetune.utils.metrics import MetricsLogger, loss_plot_title, plot_loss_curves, read_metrics, write_run_info
 from finetune.utils.safety import (
     GracefulStop,
@@ -91,6 +91,7 @@ from finetune.utils.safety import (
     remove_outputs,
 )
 from finetune.utils.windows import EpochSampler, batches_per_epoch, make_loader, seed_worker
+from model.errors import DataError
 from model.predictor import PREDICTOR_INFO_NAME, TOKENIZER_CONFIG_NAME, TOKENIZER_SUBDIR, predictor_info
 
 

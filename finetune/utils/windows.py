@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
-from finetune.utils.errors import DataError
 from finetune.utils.store import N_STAMP_COLUMNS, SeriesPanel
+from model.errors import DataError
 
 SPLITS = ("train", "val", "test")
 
