@@ -51,6 +51,7 @@ from finetune.qlib_test import backtest_period, forecast_all, score_signal, writ
 from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.config_utils import Problems, config_to_dict, dump_config, parse_config_args
 from finetune.utils.errors import require_extra, setup_logging
+from finetune.utils.plots import save_figure
 from model import Kronos, KronosTokenizer
 from model.errors import ConfigError, UserError
 
@@ -245,9 +246,7 @@ def plot(result: dict, periods: list[Period], path: Path) -> None:
     for ax in (top, bottom):
         ax.grid(True, alpha=0.3)
         ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    save_figure(fig, path, dpi=100, bbox_inches="tight")
 
 
 def check_inputs(cfg: QlibConfig) -> None:

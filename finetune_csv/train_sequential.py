@@ -33,8 +33,10 @@ from finetune.utils.safety import stage_status
 from finetune.utils.training_utils import TrainResult, train_predictor, train_tokenizer
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, predictor_tokenizer_source
-from finetune_csv.data import PreparedData, build_dataset, data_summary_from_store, list_sources, prepare_data
 from finetune_csv.forecast import calibrate_best_model, held_out_windows, make_crps_val_metric
+from finetune_csv.prepare import PreparedData, data_summary_from_store, prepare_data
+from finetune_csv.sources import list_sources
+from finetune_csv.splits import build_dataset
 from model import KronosTokenizer
 
 log = logging.getLogger("finetune_csv")

@@ -120,7 +120,8 @@ def test_safetensors_disk_full_text_counts_as_a_space_error():
 # ------------------------------------------------------------------------------------------ line numbers
 def test_error_line_numbers_count_the_blank_lines_the_reader_skips(tmp_path):
     from finetune_csv.config import DataConfig
-    from finetune_csv.data import blank_lines, prepare_data
+    from finetune_csv.prepare import prepare_data
+    from finetune_csv.sources import blank_lines
     from tests.csv_reference import candles
 
     text = candles(30).to_csv(index=False).splitlines()

@@ -16,7 +16,7 @@ import model.predictor as predictor_module
 from finetune.utils.checkpoint import weights_fingerprint
 from finetune_csv import forecast
 from finetune_csv.config import load
-from finetune_csv.data import prepare_data
+from finetune_csv.prepare import prepare_data
 from model.errors import UserError
 from tests.model_factory import tiny_tokenizer
 from tests.test_csv_eval import make_run

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from finetune.utils.plots import save_figure
 from model.errors import DataError
 
 DEAL_PRICES = ("close", "open", "vwap")
@@ -214,11 +215,7 @@ def plot_ic_decay(tables: dict[str, pd.DataFrame], path: str | Path) -> Path:
         ax.set(xlabel="horizon h (days held from t+1)", title=f"mean daily {title} by horizon")
     axes[0].set_ylabel("mean daily correlation")
     fig.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=100, bbox_inches="tight")
 
 
 @dataclass
