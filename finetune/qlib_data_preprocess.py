@@ -58,7 +58,8 @@ from finetune.qlib_io import (
     read_calendar,
     universe_spans,
 )
-from finetune.utils.config_utils import Problems, parse_config_args
+from finetune.utils.cli_args import parse_config_args
+from finetune.utils.config_utils import Problems
 from finetune.utils.errors import require_extra, setup_logging
 from finetune.utils.store import SeriesPanel
 from model.errors import ConfigError

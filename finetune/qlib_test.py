@@ -49,7 +49,8 @@ from finetune.qlib_forecast import (
 )
 from finetune.qlib_io import benchmark_label, check_qlib_folder, init_qlib, range_bounds
 from finetune.utils.checkpoint import load_pretrained
-from finetune.utils.config_utils import config_to_dict, parse_config_args
+from finetune.utils.cli_args import parse_config_args
+from finetune.utils.config_utils import config_to_dict
 from finetune.utils.errors import require_extra, setup_logging
 from finetune.utils.plots import plot_cumulative
 from finetune.utils.store import SeriesPanel

@@ -49,7 +49,8 @@ from finetune.qlib_forecast import kronos_forecaster, signal_horizon
 from finetune.qlib_io import benchmark_label, check_qlib_folder, init_qlib, read_calendar
 from finetune.qlib_test import backtest_period, forecast_all, score_signal, write_results
 from finetune.utils.checkpoint import load_pretrained
-from finetune.utils.config_utils import Problems, config_to_dict, dump_config, parse_config_args
+from finetune.utils.cli_args import parse_config_args
+from finetune.utils.config_utils import Problems, config_to_dict, dump_config
 from finetune.utils.errors import require_extra, setup_logging
 from finetune.utils.plots import save_figure
 from model import Kronos, KronosTokenizer

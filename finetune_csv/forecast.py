@@ -35,7 +35,7 @@ from finetune.evaluation.forecast_scores import (
     score_forecasts,
 )
 from finetune.utils.checkpoint import list_checkpoints, weights_fingerprint
-from finetune.utils.config_utils import add_config_args, parse_config_args
+from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.errors import setup_logging
 from finetune.utils.plots import Panel, plot_panels, stamp_text
 from finetune.utils.safety import LOCK_NAME, read_holder, stage_status

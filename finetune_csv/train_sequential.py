@@ -25,7 +25,8 @@ from collections.abc import Mapping
 import pandas as pd
 
 import finetune_csv.config as csv_config
-from finetune.utils.config_utils import add_config_args, add_run_flags, config_to_dict, parse_config_args, run_overrides
+from finetune.utils.cli_args import add_config_args, add_run_flags, parse_config_args, run_overrides
+from finetune.utils.config_utils import config_to_dict
 from finetune.utils.distributed import DistInfo, barrier, distributed_context, seeded_init
 from finetune.utils.errors import setup_logging
 from finetune.utils.factory import build_predictor, build_tokenizer

@@ -33,13 +33,14 @@ import pandas as pd
 
 import finetune_csv.config as csv_config
 from finetune.evaluation.forecast_scores import ScoreSettings, empirical_samples, persistence_samples, window_scores
-from finetune.utils.config_utils import add_config_args, config_to_dict, parse_config_args
+from finetune.utils.cli_args import add_config_args, parse_config_args
+from finetune.utils.config_utils import config_to_dict
 from finetune.utils.errors import setup_logging
-from finetune.utils.plots import stamp_text
+from finetune.utils.plots import save_figure, stamp_text
 from finetune.utils.safety import RunLock
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir, predictor_tokenizer_source
-from finetune_csv.forecast import CLOSE, ensemble_paths, held_out_windows, make_predictor, sample_paths, save_figure
+from finetune_csv.forecast import CLOSE, ensemble_paths, held_out_windows, make_predictor, sample_paths
 from finetune_csv.prepare import prepare_data
 from finetune_csv.train_sequential import run_finetune
 from model.errors import ConfigError, DataError, RefusedError
