@@ -1,4 +1,4 @@
-"""Issue 19, items 6 and 7: a full disk at any checkpoint or best-model write is one line naming the file, the free
+"""A full disk at any checkpoint or best-model write is one line naming the file, the free
 space, the bytes needed and the pipeline's own output setting (nothing half-written); a YAML file built to exhaust
 memory (billion laughs) is refused or reported in a short line."""
 
