@@ -52,7 +52,7 @@ from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.cli_args import parse_config_args
 from finetune.utils.config_utils import Problems, config_to_dict, dump_config
 from finetune.utils.errors import require_extra, setup_logging
-from finetune.utils.plots import save_figure
+from finetune.utils.plots import pyplot, save_figure
 from model import Kronos, KronosTokenizer
 from model.errors import ConfigError, UserError
 
@@ -222,11 +222,7 @@ def score(cfg: QlibConfig, periods: list[Period], signals: pd.DataFrame, calenda
 def plot(result: dict, periods: list[Period], path: Path) -> None:
     """Per-period mean daily IC of both candidates (+- 2 Newey-West standard errors) and the cumulative daily IC
     difference over the span, period boundaries marked; legends outside the axes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     table = result["table"].drop(index="all")
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7))
     x = np.arange(len(table))

@@ -17,13 +17,11 @@ leaves nothing behind.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import time
-import uuid
 import warnings as warnings_module
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +62,7 @@ from finetune_csv.timestamps import (
     wallclock_stamps,
 )
 from model.features import FEATURES, fill_amount
-from model.fileio import write_json
+from model.fileio import atomic_dir, write_json
 
 _MAX_PROBLEMS_SHOWN = 50
 
@@ -95,22 +93,14 @@ class StoreSettings:
     allow_zero_volume: bool = False
 
     @classmethod
-    def from_data_config(cls, data: Any) -> StoreSettings:
-        """From a CSV pipeline `DataConfig`-like object (columns, symbol_column, timestamp_format, nan_policy)."""
-        cols = data.columns if isinstance(data.columns, Mapping) else vars(data.columns)
-        return cls(columns=dict(cols), symbol_column=data.symbol_column, timestamp_format=data.timestamp_format,
-                   nan_policy=data.nan_policy, timezone=getattr(data, "timezone", None),
-                   frequency=getattr(data, "frequency", None), bad_candles=getattr(data, "bad_candles", "error"),
-                   allow_zero_volume=bool(getattr(data, "allow_zero_volume", False)))
+    def from_data_config(cls, data: DataConfig) -> StoreSettings:
+        """The `data:` settings that make the store (the same names)."""
+        return cls(**{f.name: getattr(data, f.name) for f in fields(cls)} | {"columns": vars(data.columns)})
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-able form recorded in (and compared with) the manifest."""
-        columns = _default_columns()
-        columns.update(self.columns)
-        return {"columns": columns, "symbol_column": self.symbol_column,
-                "timestamp_format": self.timestamp_format, "nan_policy": self.nan_policy,
-                "timezone": self.timezone, "frequency": self.frequency, "bad_candles": self.bad_candles,
-                "allow_zero_volume": self.allow_zero_volume}
+        """JSON-able form recorded in (and compared with) the manifest; unmapped fields keep their own name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"columns": {**_default_columns(),
+                                                                                     **self.columns}}
 
     def validate(self) -> None:
         """Raise ConfigError (a ValueError) listing every bad setting."""
@@ -314,20 +304,18 @@ def prepare_store(sources: Sources, out_dir: str | Path,
     files = list_sources(sources)
     out_dir = Path(out_dir)
     _refuse_foreign_folder(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     t0 = time.perf_counter()
-    try:
-        fingerprints = [source_fingerprint(f) for f in files]  # before reading: a later edit is then noticed
+    fingerprints = [source_fingerprint(f) for f in files]  # before reading: a later edit is then noticed
+    # Built beside out_dir and swapped in whole; processes that still map an older store's files keep reading
+    # them (unlinked files live until unmapped).
+    with atomic_dir(out_dir) as tmp:
+        tmp.rmdir()  # the StoreWriter makes its folder itself
         manifest = _build(files, StoreWriter(tmp, len(FEATURES)), settings, block_rows,
                           {"settings": settings.as_dict(), "sources": fingerprints,
                            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         log.info("data store %s: %d series, %d rows prepared in %.1f s", out_dir, manifest["n_series"],
                  manifest["n_rows"], time.perf_counter() - t0)
-        _move_into_place(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        _refuse_foreign_folder(out_dir)  # still a store (or nothing) now that it is replaced
     return StoreInfo(out_dir, manifest, reused=False, reason="prepared")
 
 
@@ -412,19 +400,6 @@ def _refuse_foreign_folder(out_dir: Path) -> None:
     if out_dir.exists() and not (out_dir / MANIFEST).exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise StoreError(f"{out_dir} exists and is not a prepared data store; it is left untouched. Choose another "
                          "store folder (data.store_dir) or remove it")
-
-
-def _move_into_place(tmp: Path, out_dir: Path) -> None:
-    """Rename the finished store into place; an older store is renamed away first and then deleted (processes
-    that still map its files keep reading them: unlinked files live until unmapped)."""
-    _refuse_foreign_folder(out_dir)
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out_dir)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from finetune.utils.plots import save_figure
+from finetune.utils.plots import pyplot, save_figure
 from model.errors import DataError
 
 DEAL_PRICES = ("close", "open", "vwap")
@@ -193,11 +193,7 @@ def plot_ic_decay(tables: dict[str, pd.DataFrame], path: str | Path) -> Path:
     """PNG of IC (left) and RankIC (right) against the integer horizon, one line per signal ({name: `ic_decay`
     table}): one colour per signal kind (last, mean, ...), dashed for zero-shot, dotted for the baselines; the legend
     sits outside the axes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     horizons = sorted({int(h) for t in tables.values() for h in t.index})
     kinds = list(dict.fromkeys(name.split("@")[0] for name in tables))
