@@ -235,7 +235,8 @@ def load(config_path: str | Path | None, overrides: Sequence[str] = (),
     Python), and validate; one ConfigError lists every problem.
 
     A file in the original Kronos finetune_csv format is translated here (each mapped key logged once, see
-    `translate`); `--set` items with original keys are applied before the translation, this project's after it.
+    `original_config.translate`); `--set` items with original keys are applied before the translation, this
+    project's after it.
     Warns about `--set training.X` overrides that a stage section shadows.
     """
     raw, overrides, original = translate_original(read_yaml(config_path), list(overrides or ()), config_path)
