@@ -4,7 +4,7 @@
     kronos qlib-train-tokenizer ...                         (checks the torchrun launch first, naming `kronos`)
 
 `COMMANDS` is the registry of both pipelines' steps (the engine under finetune/utils/ knows neither). Each
-command's own parser has --config / --set / --help-config / --print-config (`config_utils.add_config_args`);
+command's own parser has --config / --set / --help-config / --print-config (`cli_args.add_config_args`);
 errors and exit codes are `errors.run_main`'s.
 """
 

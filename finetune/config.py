@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import pandas as pd
 
+from finetune.utils.cli_args import add_config_args
 from finetune.utils.config_utils import (
     ModelConfig,
     Problems,
@@ -33,7 +34,6 @@ from finetune.utils.config_utils import (
     StageConfig,
     StagedConfig,
     TrainingConfig,
-    add_config_args,
     load_config,
     parse_date,
     warn_shadowed_overrides,
@@ -371,7 +371,7 @@ def check_model_folder(path: str | None, key: str, problems: Problems, *, hub_ok
 
 def cli_parser(doc: str) -> argparse.ArgumentParser:
     """What every Qlib entry point takes: --config (default configs/qlib_csi300.yaml), repeatable --set,
-    --help-config and --print-config (parse it with `config_utils.parse_config_args`)."""
+    --help-config and --print-config (parse it with `cli_args.parse_config_args`)."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     add_config_args(parser, QlibConfig, load, default_config="configs/qlib_csi300.yaml")
     return parser

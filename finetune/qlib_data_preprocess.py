@@ -9,7 +9,7 @@ the instrument list, so no bar is hidden by the membership mask); derive vol = $
 high, low, close) (or vol * $vwap); drop rows with missing values (suspended days are NaN in the store) and cut an
 instrument into separate series where more than data.max_gap_days of its trading days in a row are missing (all
 logged by name); split by the configured time ranges and membership; write train/, val/, test/ (each a
-finetune_csv/data.py store) and manifest.json into data.dataset_path (all or nothing).
+finetune_csv/prepare.py store) and manifest.json into data.dataset_path (all or nothing).
 
 Split rules (bars are each instrument's own trading days). A "target" bar lies in the split's range AND in a
 membership spell; each run of consecutive target bars becomes one series, with context bars before it:
@@ -58,7 +58,8 @@ from finetune.qlib_io import (
     read_calendar,
     universe_spans,
 )
-from finetune.utils.config_utils import Problems, parse_config_args
+from finetune.utils.cli_args import parse_config_args
+from finetune.utils.config_utils import Problems
 from finetune.utils.errors import require_extra, setup_logging
 from finetune.utils.store import SeriesPanel
 from model.errors import ConfigError

@@ -18,7 +18,8 @@ from typing import Any, Literal
 
 from finetune.config import QlibConfig, check_model_folder, cli_parser, load
 from finetune.dataset import build_train_val_datasets, check_processed
-from finetune.utils.config_utils import add_run_flags, config_to_dict, get_dotted, parse_config_args, run_overrides
+from finetune.utils.cli_args import add_run_flags, parse_config_args, run_overrides
+from finetune.utils.config_utils import config_to_dict, get_dotted
 from finetune.utils.distributed import distributed_context, require_torchrun, seeded_init
 from finetune.utils.errors import setup_logging
 from finetune.utils.training_utils import train_predictor, train_tokenizer

@@ -49,8 +49,10 @@ from finetune.qlib_forecast import (
 )
 from finetune.qlib_io import benchmark_label, check_qlib_folder, init_qlib, range_bounds
 from finetune.utils.checkpoint import load_pretrained
-from finetune.utils.config_utils import config_to_dict, parse_config_args
+from finetune.utils.cli_args import parse_config_args
+from finetune.utils.config_utils import config_to_dict
 from finetune.utils.errors import require_extra, setup_logging
+from finetune.utils.plots import plot_cumulative
 from finetune.utils.store import SeriesPanel
 from model import Kronos, KronosTokenizer
 from model.errors import DataError
@@ -206,46 +208,6 @@ def summary_table(results: dict[str, dict], t_ok: bool = True) -> pd.DataFrame:
                       "IR": ex.get("information_ratio", math.nan), "max_dd": ex.get("max_drawdown", math.nan),
                       "turnover": bt.get("turnover_mean", math.nan), "cost_ann": bt.get("cost_ann", math.nan)}
     return pd.DataFrame.from_dict(rows, orient="index")
-
-
-def plot_cumulative(daily: dict[str, pd.DataFrame], benchmark: str, path: Path) -> None:
-    """Cumulative return with cost per signal vs the benchmark, and cumulative excess return with cost. One colour
-    per signal kind (last, mean, ..., momentum); the finetuned seeds are thin lines of that colour, zero-shot is
-    dashed, baselines dotted; the legend sits outside the axes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    kinds = list(dict.fromkeys(name.split("@")[0] for name in daily))
-    colour = {k: plt.get_cmap("tab10")(i % 10) for i, k in enumerate(kinds)}
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
-    labelled, bench = set(), None
-    for name, frame in daily.items():
-        kind, _, who = name.partition("@")
-        group = ("zero-shot" if who == "zeroshot" else "baseline" if kind in ("momentum", "reversal")
-                 else "finetuned" + (" (one line per seed)" if who.startswith("seed") else ""))
-        style = {"zero-shot": "--", "baseline": ":"}.get(group, "-")
-        label = f"{kind} {group}" if (kind, group) not in labelled else None
-        labelled.add((kind, group))
-        width = 0.9 if who.startswith("seed") else 1.6
-        net = frame["return"] - frame["cost"]
-        top.plot(frame.index, net.cumsum(), style, color=colour[kind], lw=width, label=label)
-        bottom.plot(frame.index, (net - frame["bench"]).cumsum(), style, color=colour[kind], lw=width)
-        bench = frame["bench"]
-    if bench is not None:
-        top.plot(bench.index, bench.cumsum(), "k-", lw=2.2, alpha=0.6, label=f"benchmark {benchmark}")
-        period = f"{bench.index[0]:%Y-%m-%d}..{bench.index[-1]:%Y-%m-%d}"
-        top.set_title(f"Cumulative return with cost, {period}")
-    top.set(ylabel="cumulative return")
-    bottom.set(title="Cumulative excess return over the benchmark, with cost", ylabel="cumulative excess return")
-    for ax in (top, bottom):
-        ax.grid(True, alpha=0.3)
-    fig.autofmt_xdate()
-    fig.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
 
 
 def seed_spread(per_seed: list[dict]) -> dict:

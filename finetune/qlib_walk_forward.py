@@ -49,8 +49,10 @@ from finetune.qlib_forecast import kronos_forecaster, signal_horizon
 from finetune.qlib_io import benchmark_label, check_qlib_folder, init_qlib, read_calendar
 from finetune.qlib_test import backtest_period, forecast_all, score_signal, write_results
 from finetune.utils.checkpoint import load_pretrained
-from finetune.utils.config_utils import Problems, config_to_dict, dump_config, parse_config_args
+from finetune.utils.cli_args import parse_config_args
+from finetune.utils.config_utils import Problems, config_to_dict, dump_config
 from finetune.utils.errors import require_extra, setup_logging
+from finetune.utils.plots import pyplot, save_figure
 from model import Kronos, KronosTokenizer
 from model.errors import ConfigError, UserError
 
@@ -220,11 +222,7 @@ def score(cfg: QlibConfig, periods: list[Period], signals: pd.DataFrame, calenda
 def plot(result: dict, periods: list[Period], path: Path) -> None:
     """Per-period mean daily IC of both candidates (+- 2 Newey-West standard errors) and the cumulative daily IC
     difference over the span, period boundaries marked; legends outside the axes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     table = result["table"].drop(index="all")
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7))
     x = np.arange(len(table))
@@ -245,9 +243,7 @@ def plot(result: dict, periods: list[Period], path: Path) -> None:
     for ax in (top, bottom):
         ax.grid(True, alpha=0.3)
         ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    save_figure(fig, path, dpi=100, bbox_inches="tight")
 
 
 def check_inputs(cfg: QlibConfig) -> None:

@@ -4,23 +4,17 @@ A YAML file in configs/ fills `CsvFinetuneConfig`; `--set training.epochs=3`-sty
 (see `load`). `validate()` checks every setting at once and raises ONE ConfigError listing each problem with
 the YAML key to change, before any data is read or any folder is created. The sections shared with the Qlib
 pipeline (model:, training:, the stage sections, the sampling keys of forecast:) are finetune/utils/config_utils.py's.
-Also here: where the stages keep their models, which tokenizer the predictor stage reads, and the translation of a
-YAML file written for the ORIGINAL Kronos `finetune_csv` (shiyu-coder/Kronos), done by `load`.
+Also here: where the stages keep their models and which tokenizer the predictor stage reads. A YAML file written
+for the ORIGINAL Kronos `finetune_csv` is translated by `load` (finetune_csv/original_config.py).
 """
 
 from __future__ import annotations
 
-import copy
-import json
-import logging
 import math
-import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-
-import pandas as pd
 
 from finetune.utils.config_utils import (
     ModelConfig,
@@ -30,17 +24,17 @@ from finetune.utils.config_utils import (
     StagedConfig,
     TrainingConfig,
     build_config,
-    get_dotted,
     parse_date,
-    parse_overrides,
     read_yaml,
-    set_dotted,
     warn_shadowed_overrides,
 )
-from model.config import KronosConfig, KronosTokenizerConfig
+from finetune_csv.original_config import translate_original
+from finetune_csv.timestamps import frequency_problem, timezone_problem
 from model.errors import ConfigError, DataError
+from model.features import FEATURES
 
-NAN_POLICIES = ("error", "ffill", "drop")
+NAN_POLICIES = ("error", "ffill", "drop")  # data.nan_policy (applied by finetune_csv/prepare.py `clean_series`)
+BAD_CANDLE_POLICIES = ("error", "warn")  # data.bad_candles
 
 
 @dataclass
@@ -65,7 +59,7 @@ class ColumnsConfig:
 
 @dataclass
 class DataConfig:
-    """Where the candles come from and how they are cut into windows (finetune_csv/data.py applies it).
+    """Where the candles come from and how they are cut into windows (finetune_csv/prepare.py applies it).
 
     Each field's docstring gives its policy; the README's Data / Splits / Checks paragraphs tell the whole story.
     Nothing is skipped silently: unsorted rows are sorted with a warning; duplicate timestamps, NaN (unless
@@ -241,10 +235,11 @@ def load(config_path: str | Path | None, overrides: Sequence[str] = (),
     Python), and validate; one ConfigError lists every problem.
 
     A file in the original Kronos finetune_csv format is translated here (each mapped key logged once, see
-    `translate`); `--set` items with original keys are applied before the translation, this project's after it.
+    `original_config.translate`); `--set` items with original keys are applied before the translation, this
+    project's after it.
     Warns about `--set training.X` overrides that a stage section shadows.
     """
-    raw, overrides, original = _translate_original(read_yaml(config_path), list(overrides or ()), config_path)
+    raw, overrides, original = translate_original(read_yaml(config_path), list(overrides or ()), config_path)
     source = None if config_path is None else str(config_path)
     try:
         cfg = build_config(CsvFinetuneConfig, raw, overrides, source, values)
@@ -271,19 +266,34 @@ def validate(cfg: CsvFinetuneConfig) -> None:
     problems.raise_if_any()
 
 
+def check_data_settings(d: Mapping[str, Any], p: Problems) -> None:
+    """The rules of the settings that say how files become series (data.columns, symbol_column, nan_policy,
+    bad_candles, timezone, frequency), from `d` {setting: value} with `columns` a mapping {field: column}; checked by
+    `validate` and by the data store (`StoreSettings.validate`) for callers that build its settings directly."""
+    columns = d["columns"]
+    known = ("timestamps", *FEATURES)
+    for key in columns:
+        p.check(key in known, f"data.columns.{key}", f"unknown field; the fields are {list(known)}")
+    for name in known[:5]:
+        p.check(bool(columns.get(name)), f"data.columns.{name}", f"is empty: name the CSV column holding {name}")
+    p.check(not (columns.get("volume") is None and columns.get("amount") is not None), "data.columns.amount",
+            "is set but data.columns.volume is null: amount without volume is not supported")
+    mapped = [v for v in columns.values() if v]
+    p.check(len(set(mapped)) == len(mapped), "data.columns", f"maps one CSV column to several fields: {mapped}")
+    p.check(d["symbol_column"] is None or d["symbol_column"] not in mapped, "data.symbol_column",
+            f"'{d['symbol_column']}' is also mapped in data.columns")
+    p.check(d["nan_policy"] in NAN_POLICIES, "data.nan_policy",
+            f"must be one of {', '.join(NAN_POLICIES)} (got '{d['nan_policy']}')")
+    p.check(d["bad_candles"] in BAD_CANDLE_POLICIES, "data.bad_candles",
+            f"must be error or warn, got {d['bad_candles']!r}")
+    for key, problem in (("data.timezone", timezone_problem(d["timezone"])),
+                         ("data.frequency", frequency_problem(d["frequency"]))):
+        p.check(problem is None, key, problem or "")
+
+
 def _check_data(d: DataConfig, p: Problems) -> None:
     p.check(bool(d.path), "data.path", "is empty: set it to a CSV/Parquet file or a folder of them")
-    for key, problem in (("data.timezone", timezone_problem(d.timezone)),
-                         ("data.frequency", frequency_problem(d.frequency))):
-        p.check(problem is None, key, problem or "")
-    for name in ("timestamps", "open", "high", "low", "close"):
-        p.check(bool(getattr(d.columns, name)), f"data.columns.{name}", f"is empty: name the CSV column holding {name}")
-    p.check(not (d.columns.volume is None and d.columns.amount is not None), "data.columns.amount",
-            "is set but data.columns.volume is null: amount without volume is not supported")
-    mapped = [v for v in vars(d.columns).values() if v]
-    p.check(len(set(mapped)) == len(mapped), "data.columns", f"maps one CSV column to several fields: {mapped}")
-    p.check(d.symbol_column is None or d.symbol_column not in mapped, "data.symbol_column",
-            f"'{d.symbol_column}' is also mapped in data.columns")
+    check_data_settings({**vars(d), "columns": vars(d.columns)}, p)
     for name in ("lookback", "predict", "stride"):
         p.check(getattr(d, name) >= 1, f"data.{name}", f"must be >= 1 (got {getattr(d, name)})")
     p.check(d.clip > 0, "data.clip", f"must be > 0 (got {d.clip})")
@@ -294,11 +304,8 @@ def _check_data(d: DataConfig, p: Problems) -> None:
     total = d.train_ratio + d.val_ratio + d.test_ratio
     p.check(math.isclose(total, 1.0, abs_tol=1e-6), "data.train_ratio",
             f"data.train_ratio + data.val_ratio + data.test_ratio must be 1 (got {total:g})")
-    p.check(d.nan_policy in NAN_POLICIES, "data.nan_policy",
-            f"must be one of {', '.join(NAN_POLICIES)} (got '{d.nan_policy}')")
     p.check(d.split in (None, "by_date", "per_series"), "data.split",
             f"must be by_date, per_series or null (= by_date when the series overlap in time), got {d.split!r}")
-    p.check(d.bad_candles in ("error", "warn"), "data.bad_candles", f"must be error or warn, got {d.bad_candles!r}")
     dates = {key: parse_date(getattr(d, key), f"data.{key}", p, "use YYYY-MM-DD, e.g. 2015-01-01")
              for key in ("train_end", "val_end") if getattr(d, key) is not None}
     if d.train_end is not None or d.val_end is not None:
@@ -374,311 +381,3 @@ def predictor_tokenizer_source(cfg: CsvFinetuneConfig) -> str:
         return cfg.model.pretrained_tokenizer
     raise ConfigError([f"model.pretrained_tokenizer: is null and there is no trained tokenizer in {finetuned}: "
                        "train the tokenizer first (drop --skip-tokenizer) or set model.pretrained_tokenizer"])
-
-
-log = logging.getLogger("finetune_csv.config")
-
-# Top-level sections only the original has / only ours has.
-ORIGINAL_ONLY_SECTIONS = ("model_paths", "experiment", "device", "distributed")
-NEW_ONLY_SECTIONS = ("model", "paths", "tokenizer_training", "predictor_training", "forecast")
-
-Outcome = list[tuple[str, Any]]  # (new dotted key, value) pairs to set
-_MISSING = object()
-
-
-@dataclass(frozen=True)
-class Rule:
-    """How one original key carries over."""
-
-    new: str | None
-    """This project's dotted key that receives the value; None = not carried over (see `same_as_ours` / note)."""
-    note: str = ""
-    """Shown in the log line: why the key is not needed, or how to get its effect here."""
-    convert: Callable[[Any, Mapping[str, Any]], Outcome] | None = None
-    """(value, whole original config) -> [(new key, new value), ...] for keys that do not map one to one."""
-    same_as_ours: Callable[[Any], bool] | None = None
-    """For keys with no counterpart: True when the value asks for what this pipeline does anyway (dropped
-    quietly); any other value is reported as unsupported. None with `new` None: always dropped with the note."""
-
-
-def _betas(value: Any, raw: Mapping[str, Any]) -> Outcome:
-    # The original has two scalars; ours is one [beta1, beta2] list (original defaults 0.9 / 0.95).
-    return [("training.betas", [get_dotted(raw, "training.adam_beta1", 0.9),
-                                get_dotted(raw, "training.adam_beta2", 0.95)])]
-
-
-def _base_path(value: Any, raw: Mapping[str, Any]) -> Outcome:
-    if get_dotted(raw, "model_paths.base_save_path"):  # an explicit base_save_path wins in the original too
-        return []
-    return [("paths.base_dir", f"{str(value).rstrip('/')}/{{exp_name}}")]
-
-
-def _base_save_path(value: Any, raw: Mapping[str, Any]) -> Outcome:
-    return [("paths.base_dir", value)] if value else []  # empty = derived from base_path/exp_name (as here)
-
-
-def _stage_switch(stage: str) -> Callable[[Any, Mapping[str, Any]], Outcome]:
-    return lambda value, raw: [] if value else [(f"{stage}_training.epochs", 0)]  # 0 epochs = the stage is skipped
-
-
-def _from_scratch(kind: str) -> Callable[[Any, Mapping[str, Any]], Outcome]:
-    """experiment.pre_trained[_<kind>]: false = a randomly initialised model with the pretrained one's architecture.
-
-    `kind` 'tokenizer' / 'predictor' handles `pre_trained_<kind>`; 'both' handles the shared `pre_trained`, which
-    the original lets `pre_trained_<kind>` override.
-    """
-
-    def one(which: str, value: Any, raw: Mapping[str, Any]) -> Outcome:
-        if value is not False:
-            return []
-        source = get_dotted(raw, f"model_paths.pretrained_{which}")
-        cfg_file = Path(str(source)).expanduser() / "config.json" if source else None
-        if cfg_file is None or not cfg_file.is_file():
-            raise _Unsupported(f"the original copies the {which} architecture from {source}/config.json, which is "
-                               f"not a local file here; set model.pretrained_{which}: null and model.{which}_arch")
-        arch_fields = (KronosTokenizerConfig if which == "tokenizer" else KronosConfig).__dataclass_fields__
-        arch = json.loads(cfg_file.read_text(encoding="utf-8"))
-        return [(f"model.pretrained_{which}", None)] + [
-            (f"model.{which}_arch.{k}", v) for k, v in arch.items() if k in arch_fields]
-
-    def convert(value: Any, raw: Mapping[str, Any]) -> Outcome:
-        if kind != "both":
-            return one(kind, value, raw)
-        return [pair for which in ("tokenizer", "predictor")
-                if get_dotted(raw, f"experiment.pre_trained_{which}") is None
-                for pair in one(which, value, raw)]
-
-    return convert
-
-
-def _finetuned_tokenizer(value: Any, raw: Mapping[str, Any]) -> Outcome:
-    if not value:
-        return []
-    exp = get_dotted(raw, "model_paths.exp_name", "")
-    base = (get_dotted(raw, "model_paths.base_save_path")
-            or f"{str(get_dotted(raw, 'model_paths.base_path', '')).rstrip('/')}/{exp}")
-    expected = f"{str(base).replace('{exp_name}', str(exp)).rstrip('/')}/tokenizer/best_model"
-    if os.path.normpath(str(value).replace("{exp_name}", str(exp))) == os.path.normpath(expected):
-        return []
-    raise _Unsupported("the predictor stage always uses <paths.base_dir>/tokenizer/best_model once the tokenizer "
-                       "stage has written it (else model.pretrained_tokenizer); point model.pretrained_tokenizer "
-                       "at this folder and pass --skip-tokenizer to train on another tokenizer")
-
-
-class _Unsupported(Exception):
-    """Raised by a converter: the value cannot be honoured (message says what to do instead)."""
-
-
-# Original key -> how it carries over. Keys are dotted paths in the original YAML.
-RULES: dict[str, Rule] = {
-    # data
-    "data.data_path": Rule("data.path"),
-    "data.lookback_window": Rule("data.lookback"),
-    "data.predict_window": Rule("data.predict"),
-    "data.max_context": Rule(None, "the forecast's context is data.lookback + data.predict; training needs no limit"),
-    "data.clip": Rule("data.clip"),
-    "data.train_ratio": Rule("data.train_ratio"),
-    "data.val_ratio": Rule("data.val_ratio"),
-    "data.test_ratio": Rule("data.test_ratio"),
-    # training
-    "training.epochs": Rule("training.epochs", "both stages, unless tokenizer_epochs / basemodel_epochs is given"),
-    "training.tokenizer_epochs": Rule("tokenizer_training.epochs"),
-    "training.basemodel_epochs": Rule("predictor_training.epochs"),
-    "training.batch_size": Rule("training.batch_size"),
-    "training.log_interval": Rule("training.log_every_steps", "counted in optimizer steps here"),
-    "training.num_workers": Rule("training.num_workers"),
-    "training.seed": Rule("training.seed"),
-    "training.tokenizer_learning_rate": Rule("tokenizer_training.lr"),
-    "training.predictor_learning_rate": Rule("predictor_training.lr"),
-    "training.adam_beta1": Rule("training.betas", convert=_betas),
-    "training.adam_beta2": Rule("training.betas", convert=_betas),
-    "training.adam_weight_decay": Rule("training.weight_decay"),
-    "training.accumulation_steps": Rule("training.accumulation_steps"),
-    # model_paths
-    "model_paths.pretrained_tokenizer": Rule("model.pretrained_tokenizer"),
-    "model_paths.pretrained_predictor": Rule("model.pretrained_predictor"),
-    "model_paths.exp_name": Rule("paths.exp_name"),
-    "model_paths.base_path": Rule("paths.base_dir", "as <base_path>/{exp_name}", convert=_base_path),
-    "model_paths.base_save_path": Rule("paths.base_dir", convert=_base_save_path),
-    "model_paths.finetuned_tokenizer": Rule(None, "derived: <paths.base_dir>/tokenizer/best_model",
-                                            convert=_finetuned_tokenizer),
-    "model_paths.tokenizer_save_name": Rule(None, "the stage folders are fixed: tokenizer/ and basemodel/",
-                                            same_as_ours=lambda v: v == "tokenizer"),
-    "model_paths.basemodel_save_name": Rule(None, "the stage folders are fixed: tokenizer/ and basemodel/",
-                                            same_as_ours=lambda v: v == "basemodel"),
-    # experiment
-    "experiment.name": Rule(None, "informational (paths.exp_name names the run)"),
-    "experiment.description": Rule(None, "informational"),
-    "experiment.use_comet": Rule("training.comet"),
-    "experiment.train_tokenizer": Rule("tokenizer_training.epochs", "false = 0 epochs (stage skipped)",
-                                       convert=_stage_switch("tokenizer")),
-    "experiment.train_basemodel": Rule("predictor_training.epochs", "false = 0 epochs (stage skipped)",
-                                       convert=_stage_switch("predictor")),
-    "experiment.skip_existing": Rule(None, "pass --skip-existing on the command line",
-                                     same_as_ours=lambda v: v is False),
-    "experiment.pre_trained": Rule("model.pretrained_*", "false = from scratch", convert=_from_scratch("both")),
-    "experiment.pre_trained_tokenizer": Rule("model.pretrained_tokenizer", "false = from scratch (tokenizer_arch)",
-                                             convert=_from_scratch("tokenizer")),
-    "experiment.pre_trained_predictor": Rule("model.pretrained_predictor", "false = from scratch (predictor_arch)",
-                                             convert=_from_scratch("predictor")),
-    # device / distributed: chosen by the launch here, not by the YAML
-    "device.use_cuda": Rule(None, "CUDA is used when available; CUDA_VISIBLE_DEVICES= forces the CPU",
-                            same_as_ours=lambda v: v is True),
-    "device.device_id": Rule(None, "choose the GPU with CUDA_VISIBLE_DEVICES=<id>",
-                             same_as_ours=lambda v: v in (0, None)),
-    "distributed.use_ddp": Rule(None, "DDP runs when the command is launched by torchrun"),
-    "distributed.backend": Rule(None, "set DIST_BACKEND=<backend> in the environment (default nccl on GPUs)",
-                                same_as_ours=lambda v: str(v).lower() == "nccl"),
-}
-
-# The original's defaults where they differ from this pipeline's, applied when an original file leaves them out.
-ORIGINAL_DEFAULTS: dict[str, Any] = {"training.batch_size": 160}
-
-
-@dataclass
-class Translation:
-    """The result of `translate`: `values`, the nested settings in this project's format (what a YAML file in
-    configs/ would hold); `lines`, one per original key (`old -> new = value`, or why it is not needed); and
-    `unsupported`, one per original key whose value cannot be honoured, with what to do instead."""
-
-    values: dict[str, Any] = field(default_factory=dict)
-    lines: list[str] = field(default_factory=list)
-    unsupported: list[str] = field(default_factory=list)
-
-
-def is_original_config(raw: Any) -> bool:
-    """True for a mapping with the original's top-level sections (model_paths / experiment / device / distributed,
-    or original-only keys under data / training) and none of this project's own sections."""
-    if not isinstance(raw, Mapping) or any(s in raw for s in NEW_ONLY_SECTIONS):
-        return False
-    if any(s in raw for s in ORIGINAL_ONLY_SECTIONS):
-        return True
-    return any(key in RULES and RULES[key].new != key for key in _leaves(raw))
-
-
-def _leaves(raw: Mapping[str, Any], prefix: str = "") -> list[str]:
-    out = []
-    for k, v in raw.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        out.extend(_leaves(v, key) if isinstance(v, Mapping) else [key])
-    return out
-
-
-def translate(raw: Mapping[str, Any]) -> Translation:
-    """Map an original-format config (already read from YAML) to this project's keys; pure (logs nothing)."""
-    out = Translation()
-    order = [k for k in RULES if get_dotted(raw, k, _MISSING) is not _MISSING]
-    unknown = [k for k in _leaves(raw) if k not in RULES]
-    for key in order:
-        rule, value = RULES[key], get_dotted(raw, key)
-        shown = json.dumps(value) if isinstance(value, (str, bool)) or value is None else value
-        try:
-            if rule.convert is not None:
-                pairs = rule.convert(value, raw)
-            elif rule.new is not None:
-                pairs = [(rule.new, value)]
-            elif rule.same_as_ours is not None and not rule.same_as_ours(value):
-                raise _Unsupported(rule.note)
-            else:
-                out.lines.append(f"{key} = {shown}: not needed; {rule.note}")
-                continue
-        except _Unsupported as why:
-            out.unsupported.append(f"{key} = {shown}: not supported; {why}")
-            continue
-        for new_key, new_value in pairs:
-            set_dotted(out.values, new_key, new_value)
-        if pairs:
-            targets = ", ".join(f"{k} = {json.dumps(v) if isinstance(v, (str, bool)) or v is None else v}"
-                                for k, v in pairs)
-            out.lines.append(f"{key} -> {targets}" + (f"  ({rule.note})" if rule.note else ""))
-        else:
-            out.lines.append(f"{key} = {shown}: not needed" + (f"; {rule.note}" if rule.note else ""))
-    for key, value in ORIGINAL_DEFAULTS.items():
-        old = next((k for k, r in RULES.items() if r.new == key), key)
-        if get_dotted(raw, old, _MISSING) is _MISSING:
-            set_dotted(out.values, key, value)
-            out.lines.append(f"{old} (absent) -> {key} = {value}  (the original's default)")
-    for key in unknown:
-        out.unsupported.append(f"{key}: not a key of the original Kronos finetune_csv config; ignored")
-    return out
-
-
-def _split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(overrides of original keys, overrides of this project's keys)."""
-    old, new = [], []
-    for item in overrides or ():
-        key = item.partition("=")[0].strip()
-        (old if key in RULES and RULES[key].new != key else new).append(item)
-    return old, new
-
-
-def _translate_original(raw: dict[str, Any], overrides: list[str], config_path: str | Path | None
-                        ) -> tuple[dict[str, Any], list[str], bool]:
-    """(settings in this project's format, overrides still to apply, was it an original-format file).
-
-    An original-format mapping is translated (rank 0 logs each mapped key); original keys mixed into this
-    project's format (in the file or in `--set`) are a ConfigError naming each key's new name.
-    """
-    old_overrides, new_overrides = _split_overrides(overrides)
-    if not is_original_config(raw):
-        keys = _leaves(raw) + [o.partition("=")[0].strip() for o in old_overrides]
-        mixed = [f"{k}: a key of the original Kronos format; here it is "
-                 f"{RULES[k].new or 'not needed (' + RULES[k].note + ')'}"
-                 for k in keys if k in RULES and RULES[k].new != k]
-        if mixed:
-            raise ConfigError(mixed, f"Invalid configuration from {config_path} (original Kronos keys mixed "
-                                     "into this project's format)")
-        return raw, overrides, False
-    raw = copy.deepcopy(raw)
-    for key, value in parse_overrides(old_overrides):
-        set_dotted(raw, key, value)
-    result = translate(raw)
-    if os.environ.get("RANK", "0") == "0":  # every rank translates; one reports
-        log.warning("%s is in the original Kronos finetune_csv format; its keys map to this project's as follows:",
-                    config_path)
-        for line in result.lines + result.unsupported:
-            log.warning("  %s", line)
-    return result.values, new_overrides, True
-
-
-def _parse_expected(expected: str | pd.Timedelta) -> pd.Timedelta:
-    if isinstance(expected, pd.Timedelta):
-        return expected
-    try:
-        td = pd.Timedelta(str(expected).strip())
-    except ValueError as e:
-        raise FrequencyError(f"data.frequency: cannot read '{expected}' as a bar length; use e.g. 5min, 1h, "
-                             "1D") from e
-    if td <= pd.Timedelta(0):
-        raise FrequencyError(f"data.frequency: must be a positive bar length, got '{expected}'")
-    return td
-
-
-def timezone_problem(name: str | None) -> str | None:
-    """Why `data.timezone` is unusable (None when it is unset or a known IANA zone)."""
-    if name is None:
-        return None
-    try:
-        pd.Timestamp(0, tz="UTC").tz_convert(name)
-    except Exception as e:  # pytz/zoneinfo raise different types for an unknown zone
-        return f"unknown time zone '{name}' ({type(e).__name__}); use an IANA name such as 'America/New_York'"
-    return None
-
-
-def frequency_problem(value: str | None) -> str | None:
-    """Why `data.frequency` is unusable (None when it is unset or a positive bar length such as '5min')."""
-    if value is None:
-        return None
-    try:
-        _parse_expected(value)
-    except FrequencyError as e:
-        return str(e).removeprefix("data.frequency: ")
-    return None
-
-
-class CandleDataError(DataError):
-    """A problem in the candle data itself; the message names the file, line and what to change."""
-
-
-class FrequencyError(CandleDataError):
-    """A file whose bar length differs from `data.frequency` (or that has too few stamps to tell)."""

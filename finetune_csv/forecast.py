@@ -35,12 +35,13 @@ from finetune.evaluation.forecast_scores import (
     score_forecasts,
 )
 from finetune.utils.checkpoint import list_checkpoints, weights_fingerprint
-from finetune.utils.config_utils import add_config_args, parse_config_args
+from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.errors import setup_logging
+from finetune.utils.plots import Panel, plot_panels, stamp_text
 from finetune.utils.safety import LOCK_NAME, read_holder, stage_status
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir, predictor_tokenizer_source
-from finetune_csv.data import PreparedData, prepare_data
+from finetune_csv.prepare import PreparedData, prepare_data
 from model import Kronos, KronosPredictor, KronosTokenizer
 from model.errors import ConfigError, DataError, PathError, RefusedError
 from model.features import FEATURES, PRICE_FEATURES, calc_time_stamps, normalize
@@ -143,74 +144,6 @@ def future_timestamps(history: pd.DatetimeIndex, n: int, calendar: pd.DatetimeIn
     for day in _trading_days(history, last, calendar, n_days, name):
         out.extend(t for t in (day + pd.Timedelta(x) for x in times) if t > last)
     return pd.DatetimeIndex(out[:n])
-
-
-BANDS = ((0.10, 0.90, 0.18), (0.25, 0.75, 0.35))  # (low quantile, high quantile, fill alpha)
-
-
-@dataclass
-class Panel:
-    """What one plot panel shows."""
-
-    title: str  # Panel title.
-    past_ts: pd.DatetimeIndex  # (T,) timestamps of the context tail.
-    past_close: np.ndarray  # (T,) close of the context tail.
-    future_ts: pd.DatetimeIndex  # (P,) timestamps of the forecast bars.
-    paths_close: np.ndarray  # (S, P) sampled close paths.
-    actual_close: np.ndarray | None = None  # (P,) realised close (held-out windows), None for a forecast of the future.
-
-
-def _tick_labels(stamps: pd.DatetimeIndex, n_ticks: int = 6) -> tuple[np.ndarray, list[str]]:
-    """Up to `n_ticks` evenly spread positions and their date labels (with the time for intraday bars)."""
-    pos = np.unique(np.linspace(0, len(stamps) - 1, min(n_ticks, len(stamps))).round().astype(int))
-    return pos, [stamp_text(stamps[i], stamps, "%m-%d %H:%M") for i in pos]
-
-
-def stamp_text(stamp: pd.Timestamp, stamps: pd.DatetimeIndex, intraday_fmt: str = "%Y-%m-%d %H:%M") -> str:
-    """`stamp` as text: the date alone unless `stamps` (its series' bars) are less than a day apart."""
-    intraday = len(stamps) > 1 and np.diff(stamps.values).min() < np.timedelta64(1, "D")  # any time unit
-    return stamp.strftime(intraday_fmt if intraday else "%Y-%m-%d")
-
-
-def plot_panels(panels: list[Panel], png: Path) -> Path:
-    """Draw one panel per entry into `png`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(panels), 1, figsize=(10.5, 2.8 * len(panels)), dpi=100, squeeze=False)
-    for ax, p in zip(axes[:, 0], panels):
-        n_past, horizon = len(p.past_close), p.paths_close.shape[1]
-        x_past, x_future = np.arange(n_past), np.arange(n_past - 1, n_past + horizon)  # future starts at last close
-        last = p.past_close[-1]
-        ax.plot(x_past, p.past_close, color="0.4", label="context")
-        for lo, hi, alpha in BANDS:
-            q = np.quantile(p.paths_close, [lo, hi], axis=0)  # (2, P)
-            ax.fill_between(x_future, np.r_[last, q[0]], np.r_[last, q[1]], color="tab:orange", alpha=alpha,
-                            linewidth=0, label=f"{lo:.0%}-{hi:.0%} of samples")
-        ax.plot(x_future, np.r_[last, np.median(p.paths_close, axis=0)], color="tab:orange", label="median forecast")
-        if p.actual_close is not None:
-            ax.plot(x_future, np.r_[last, p.actual_close], color="tab:blue", label="actual")
-        ax.axvline(n_past - 0.5, color="0.7", linestyle="--", linewidth=0.8)
-        pos, labels = _tick_labels(p.past_ts.append(p.future_ts))
-        ax.set_xticks(pos, labels, fontsize=7)
-        ax.set_title(p.title, fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # outside the data
-    return save_figure(fig, png)
-
-
-def save_figure(fig, png: str | Path) -> Path:
-    """Lay out, write (whole: to a temporary name first) and close a pyplot figure."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    png = Path(png)
-    png.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(png, lambda p: fig.savefig(p, format="png"))
-    plt.close(fig)
-    return png
 
 
 CLOSE = FEATURES.index("close")
@@ -669,7 +602,7 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
 def _panels(names: list[str], past_ts, past_close, future_ts, paths, actual=None, max_panels: int = 4) -> list[Panel]:
     """One panel per series (its first window), at most `max_panels`."""
     firsts = [names.index(n) for n in dict.fromkeys(names)][:max_panels]
-    text = lambda i, k: stamp_text(future_ts[i][k], past_ts[i].append(future_ts[i]))
+    text = lambda i, k: stamp_text(future_ts[i][k], past_ts[i].append(future_ts[i]), "%Y-%m-%d %H:%M")
     return [Panel(f"{names[i]}: close from {text(i, 0)} to {text(i, -1)}", past_ts[i], past_close[i],
                   future_ts[i], paths[i, :, :, CLOSE], None if actual is None else actual[i, :, CLOSE])
             for i in firsts]

@@ -25,7 +25,8 @@ from collections.abc import Mapping
 import pandas as pd
 
 import finetune_csv.config as csv_config
-from finetune.utils.config_utils import add_config_args, add_run_flags, config_to_dict, parse_config_args, run_overrides
+from finetune.utils.cli_args import add_config_args, add_run_flags, parse_config_args, run_overrides
+from finetune.utils.config_utils import config_to_dict
 from finetune.utils.distributed import DistInfo, barrier, distributed_context, seeded_init
 from finetune.utils.errors import setup_logging
 from finetune.utils.factory import build_predictor, build_tokenizer
@@ -33,8 +34,10 @@ from finetune.utils.safety import stage_status
 from finetune.utils.training_utils import TrainResult, train_predictor, train_tokenizer
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, predictor_tokenizer_source
-from finetune_csv.data import PreparedData, build_dataset, data_summary_from_store, list_sources, prepare_data
 from finetune_csv.forecast import calibrate_best_model, held_out_windows, make_crps_val_metric
+from finetune_csv.prepare import PreparedData, data_summary_from_store, prepare_data
+from finetune_csv.sources import list_sources
+from finetune_csv.splits import build_dataset
 from model import KronosTokenizer
 
 log = logging.getLogger("finetune_csv")

@@ -33,13 +33,15 @@ import pandas as pd
 
 import finetune_csv.config as csv_config
 from finetune.evaluation.forecast_scores import ScoreSettings, empirical_samples, persistence_samples, window_scores
-from finetune.utils.config_utils import add_config_args, config_to_dict, parse_config_args
+from finetune.utils.cli_args import add_config_args, parse_config_args
+from finetune.utils.config_utils import config_to_dict
 from finetune.utils.errors import setup_logging
+from finetune.utils.plots import pyplot, save_figure, stamp_text
 from finetune.utils.safety import RunLock
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir, predictor_tokenizer_source
-from finetune_csv.data import prepare_data, stamp_text
-from finetune_csv.forecast import CLOSE, ensemble_paths, held_out_windows, make_predictor, sample_paths, save_figure
+from finetune_csv.forecast import CLOSE, ensemble_paths, held_out_windows, make_predictor, sample_paths
+from finetune_csv.prepare import prepare_data
 from finetune_csv.train_sequential import run_finetune
 from model.errors import ConfigError, DataError, RefusedError
 from model.fileio import atomic_write, read_json_object, write_json
@@ -329,11 +331,7 @@ def _report(cfg: CsvFinetuneConfig, out: Path, frame: pd.DataFrame, meta: list[d
 
 def plot_walk_forward(report: dict, frame: pd.DataFrame, png: Path) -> Path:
     """Top: finetuned - zero_shot CRPS per fold with its interval; bottom: cumulative CRPS by candidate over time."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), dpi=100)
     paired = (report.get("paired") or {}).get("finetuned_vs_zero_shot")
     if paired:

@@ -93,7 +93,8 @@ def csv_bench(args: argparse.Namespace) -> None:
 
     from finetune.synthetic import generate_ohlcv, write_csv_folder
     from finetune_csv.config import DataConfig
-    from finetune_csv.data import build_dataset, prepare_data
+    from finetune_csv.prepare import prepare_data
+    from finetune_csv.splits import build_dataset
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     with tempfile.TemporaryDirectory() as tmp:
@@ -323,7 +324,7 @@ def worker(data: str, store: str, lookback: int, predict: int, batch: int) -> No
 
     from finetune.utils.distributed import barrier, distributed_context
     from finetune.utils.windows import EpochSampler, split_panel
-    from finetune_csv.data import ensure_store
+    from finetune_csv.prepare import ensure_store
     from model import KronosTokenizer
 
     torch.set_num_threads(1)
@@ -378,7 +379,7 @@ def measure_prepare(kind: str, path: str, out: str) -> None:
     import resource
 
     from finetune_csv.config import DataConfig
-    from finetune_csv.data import prepare_store
+    from finetune_csv.prepare import prepare_store
     from tests.csv_reference import load_series  # the in-memory pandas loader (a reference, not production)
 
     t0 = time.perf_counter()  # imports are not timed

@@ -35,7 +35,8 @@ from finetune.utils.training_utils import evaluate_predictor
 from finetune.utils.windows import WindowDataset
 from finetune_csv import train_sequential
 from finetune_csv.config import load
-from finetune_csv.data import build_dataset, prepare_data
+from finetune_csv.prepare import prepare_data
+from finetune_csv.splits import build_dataset
 from model import Kronos, KronosTokenizer
 from model.errors import DataError
 

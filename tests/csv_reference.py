@@ -1,6 +1,6 @@
 """The in-memory pandas loader of CSV candles: an INDEPENDENT REFERENCE for the tests, not production code.
 
-Production reads the prepared store (finetune_csv/data.py `prepare_data`); the tests compare the store, its
+Production reads the prepared store (finetune_csv/prepare.py `prepare_data`); the tests compare the store, its
 splits and the held-out windows cut from it with this loader bit for bit (float64 here, float32 in the store). It
 implements the same rules in pandas: sorting, duplicates, NaN policy, column mapping, time zones, float32 range.
 """
@@ -18,15 +18,16 @@ import pandas as pd
 from finetune.utils.config_utils import Problems
 from finetune.utils.store import file_fingerprint
 from finetune.utils.windows import split_bounds
-from finetune_csv.config import CandleDataError, DataConfig
-from finetune_csv.data import (
-    check_float32_range,
+from finetune_csv.config import DataConfig
+from finetune_csv.sources import check_float32_range
+from finetune_csv.splits import too_short_problems
+from finetune_csv.timestamps import (
+    CandleDataError,
     check_frequencies,
     check_tz_consistency,
     has_utc_offset,
     infer_frequency,
     parse_timestamps,
-    too_short_problems,
 )
 from model.features import FEATURES
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from finetune.utils.distributed import barrier, distributed_context
 from finetune.utils.windows import EpochSampler, split_panel
-from finetune_csv.data import StoreSettings, ensure_store
+from finetune_csv.prepare import StoreSettings, ensure_store
 
 LOOKBACK, PREDICT = 8, 4
 

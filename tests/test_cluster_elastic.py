@@ -1,4 +1,4 @@
-"""Issue 19, item 3: under `torchrun --max-restarts=N`, a killed worker is restarted and the job recovers EVERY time
+"""Under `torchrun --max-restarts=N`, a killed worker is restarted and the job recovers EVERY time
 (torchrun's shared rendezvous store kept the previous attempt's addresses: restarts failed or hung in process-group
 setup), ending with the uninterrupted run's weights."""
 

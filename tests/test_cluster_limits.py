@@ -1,4 +1,4 @@
-"""Issue 19, items 6 and 7: a full disk at any checkpoint or best-model write is one line naming the file, the free
+"""A full disk at any checkpoint or best-model write is one line naming the file, the free
 space, the bytes needed and the pipeline's own output setting (nothing half-written); a YAML file built to exhaust
 memory (billion laughs) is refused or reported in a short line."""
 
@@ -120,7 +120,8 @@ def test_safetensors_disk_full_text_counts_as_a_space_error():
 # ------------------------------------------------------------------------------------------ line numbers
 def test_error_line_numbers_count_the_blank_lines_the_reader_skips(tmp_path):
     from finetune_csv.config import DataConfig
-    from finetune_csv.data import blank_lines, prepare_data
+    from finetune_csv.prepare import prepare_data
+    from finetune_csv.sources import blank_lines
     from tests.csv_reference import candles
 
     text = candles(30).to_csv(index=False).splitlines()

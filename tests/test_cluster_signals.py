@@ -1,4 +1,4 @@
-"""Issue 19, items 2 and 9: a group SIGTERM (Slurm's time limit or preemption) with DataLoader workers saves and the
+"""A group SIGTERM (Slurm's time limit or preemption) with DataLoader workers saves and the
 re-run ends with the uninterrupted weights; a double Ctrl-C never prints a traceback; a best-model swap never
 leaves `best_model/` absent, and a swap killed half-way is repaired."""
 

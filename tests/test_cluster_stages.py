@@ -1,4 +1,4 @@
-"""Issue 19, items 1 and 8: a finished predictor is reused only with the tokenizer it was trained with (a changed
+"""A finished predictor is reused only with the tokenizer it was trained with (a changed
 tokenizer is named and the run refuses to pair them silently); `--resume` after a kill in the tokenizer stage
 finishes both stages."""
 

@@ -14,18 +14,17 @@ import finetune_csv.config as csv_config
 from finetune import cli
 from finetune.config import QlibConfig
 from finetune.config import load as load_qlib_config
-from finetune.utils.config_utils import (
+from finetune.utils.cli_args import (
     KeyDoc,
     SectionDoc,
     _show_default,
     add_config_args,
-    config_to_dict,
     describe_config,
     field_docs,
     format_config_help,
-    load_config,
     parse_config_args,
 )
+from finetune.utils.config_utils import config_to_dict, load_config
 from finetune_csv.config import CsvFinetuneConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,5 +1,5 @@
-"""CSV loading rules (on the pandas reference, tests/csv_reference.py), the split rules (finetune_csv.data), and the
-prepared store (finetune_csv.data) compared with the reference bit for bit."""
+"""CSV loading rules (on the pandas reference, tests/csv_reference.py), the split rules (finetune_csv.splits), and the
+prepared store (finetune_csv.prepare) compared with the reference bit for bit."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 
 from finetune.utils.windows import split_bounds
 from finetune_csv.config import ColumnsConfig, DataConfig
-from finetune_csv.data import build_dataset, data_summary_from_store, min_rows_needed, prepare_data, split_is_usable
+from finetune_csv.prepare import data_summary_from_store, prepare_data
+from finetune_csv.splits import build_dataset, min_rows_needed, split_is_usable
 from tests.csv_reference import candles, data_summary, load_series, reference_dataset, split_series, window_starts
 
 
@@ -270,7 +271,7 @@ def test_data_summary_records_files_hashes_and_split_ranges(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------- production path
-# The training pipeline reads the prepared, memory-mapped store (finetune_csv.data.prepare_data); the tests above
+# The training pipeline reads the prepared, memory-mapped store (finetune_csv.prepare.prepare_data); the tests above
 # exercise the pandas reference implementation of the same rules.
 
 

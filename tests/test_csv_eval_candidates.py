@@ -16,7 +16,7 @@ import model.predictor as predictor_module
 from finetune.utils.checkpoint import weights_fingerprint
 from finetune_csv import forecast
 from finetune_csv.config import load
-from finetune_csv.data import prepare_data
+from finetune_csv.prepare import prepare_data
 from model.errors import UserError
 from tests.model_factory import tiny_tokenizer
 from tests.test_csv_eval import make_run
@@ -155,5 +155,7 @@ def test_daily_plot_titles_show_dates_without_midnight():
     future = pd.date_range("2024-01-11", periods=3, freq="D")
     panel = forecast._panels(["A"], [past], np.ones((1, 10)), [future], np.ones((1, 2, 3, 6)))[0]
     assert panel.title == "A: close from 2024-01-11 to 2024-01-13"
-    intraday = pd.date_range("2024-01-02 09:30", periods=3, freq="5min")
-    assert forecast.stamp_text(intraday[1], intraday) == "2024-01-02 09:35"
+    past = pd.date_range("2024-01-02 09:00", periods=6, freq="5min")
+    future = pd.date_range("2024-01-02 09:30", periods=3, freq="5min")
+    panel = forecast._panels(["A"], [past], np.ones((1, 6)), [future], np.ones((1, 2, 3, 6)))[0]
+    assert panel.title == "A: close from 2024-01-02 09:30 to 2024-01-02 09:40"

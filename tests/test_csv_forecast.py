@@ -88,7 +88,7 @@ def test_the_sample_mean_equals_predict_batch_on_dataframes():
 def test_windows_from_the_store_equal_the_pandas_reference_windows(tmp_path, split, stride, cap):
     from finetune.synthetic import generate_ohlcv, write_csv_folder
     from finetune_csv.config import DataConfig
-    from finetune_csv.data import prepare_data
+    from finetune_csv.prepare import prepare_data
     from tests.csv_reference import load_series, reference_held_out_windows, split_series
 
     frames = generate_ohlcv(n_series=3, n_bars=200, freq="5min", seed=4)

@@ -326,7 +326,7 @@ def test_best_predictor_folder_loads_as_a_whole_forecaster(trained):
 
 
 def test_a_moved_best_model_forecasts_identically(trained, tmp_path):
-    """Issue 16.7: best_model/ carries its tokenizer; copied elsewhere (the run folder gone) it forecasts the same."""
+    """best_model/ carries its tokenizer; copied elsewhere (the run folder gone) it forecasts the same."""
     import shutil
 
     import pandas as pd

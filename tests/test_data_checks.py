@@ -12,7 +12,7 @@ import pytest
 
 from finetune.utils.store import StoreError, open_store
 from finetune_csv.config import DataConfig
-from finetune_csv.data import StoreSettings, ensure_store, prepare_data, prepare_store
+from finetune_csv.prepare import StoreSettings, ensure_store, prepare_data, prepare_store
 from tests.csv_reference import candles
 
 

@@ -17,7 +17,8 @@ import pytest
 from finetune.utils.store import SeriesPanel, StoreError, npy_header, open_store
 from finetune.utils.windows import SeriesArrays, WindowDataset, split_panel
 from finetune_csv.config import ColumnsConfig, DataConfig
-from finetune_csv.data import StoreSettings, ensure_store, prepare_store, wallclock_stamps
+from finetune_csv.prepare import StoreSettings, ensure_store, prepare_store
+from finetune_csv.timestamps import wallclock_stamps
 from model.features import calc_time_stamps
 from tests.csv_reference import candles, load_series, split_series
 
@@ -147,7 +148,7 @@ def test_store_is_reused_and_invalidated_with_a_reason(tmp_path, caplog):
     added = ensure_store(data, store, StoreSettings(nan_policy="drop"))
     assert not added.reused and "added" in added.reason and open_store(store).n_series == 3
     assert "preparing it" in caplog.text
-    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]  # nothing left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["csv", "store"]  # nothing left behind
 
 
 def test_bad_cells_raise_one_error_naming_file_column_line_and_leave_no_output(tmp_path):

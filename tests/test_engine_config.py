@@ -10,14 +10,13 @@ from typing import Literal
 import pytest
 import yaml
 
+from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.config_utils import (
     Problems,
     TrainingConfig,
-    add_config_args,
     config_to_dict,
     dump_config,
     load_config,
-    parse_config_args,
     validate_training_config,
 )
 from model.errors import ConfigError

@@ -17,8 +17,8 @@ from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import DistInfo, seed_everything, seeded_init
 from finetune.utils.errors import setup_logging
 from finetune.utils.safety import FAULT_ENV, maybe_die_after_step
-from finetune.utils.training_utils import LossSums, PredictorStage, TokenizerStage, Trainer
-from tests.engine_dist_worker import tiny_datasets, tiny_predictor, tiny_tokenizer
+from finetune.utils.training_utils import LossSums, TokenizerStage, Trainer
+from tests.engine_dist_worker import tiny_datasets, tiny_tokenizer
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
@@ -67,18 +67,6 @@ def test_the_trainer_seeds_each_run_whatever_the_process_did_before(tmp_path):
         Trainer(TokenizerStage(tiny_tokenizer()), train_set, val_set, cfg, tmp_path / str(noise), CPU)
         draws.append((random.random(), float(np.random.rand()), torch.rand(2)))
     assert draws[0][:2] == draws[1][:2] and torch.equal(draws[0][2], draws[1][2])
-
-
-def test_every_trainer_attribute_is_declared_in_init(tmp_path):
-    train_set, val_set = tiny_datasets()
-    cfg = TrainingConfig(epochs=2, batch_size=4, max_train_samples=8, num_workers=0, progress_bar=False,
-                         log_every_steps=1, save_every_steps=1)
-    trainer = Trainer(PredictorStage(tiny_predictor(), tiny_tokenizer().eval(), True), train_set, val_set, cfg,
-                      tmp_path, CPU)
-    declared = set(vars(trainer))
-    result = trainer.fit()
-    assert result.global_step == 4
-    assert set(vars(trainer)) == declared
 
 
 def test_fault_hook_exits_only_at_its_step_and_rank(monkeypatch):

@@ -1,4 +1,4 @@
-"""finetune_csv/config.py: a YAML written for the original Kronos finetune_csv loads into this project's
+"""finetune_csv/original_config.py: a YAML written for the original Kronos finetune_csv loads into this project's
 settings, key by key, with a log line per key and a warning per value that cannot be honoured."""
 
 from __future__ import annotations
@@ -14,13 +14,8 @@ import yaml
 import finetune_csv.config as csv_config
 from finetune import cli
 from finetune.utils.config_utils import config_to_dict
-from finetune_csv.config import (
-    ORIGINAL_DEFAULTS,
-    RULES,
-    CsvFinetuneConfig,
-    is_original_config,
-    translate,
-)
+from finetune_csv.config import CsvFinetuneConfig
+from finetune_csv.original_config import ORIGINAL_DEFAULTS, RULES, is_original_config, translate
 from model.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +57,7 @@ def test_rules_name_real_keys_of_this_project():
 
 
 def test_shipped_original_config_loads_with_the_same_meaning(caplog):
-    with caplog.at_level(logging.INFO, logger="finetune_csv.config"):
+    with caplog.at_level(logging.INFO, logger="finetune_csv.original_config"):
         cfg = csv_config.load(ORIGINAL, ["training.seed=9"])
     assert isinstance(cfg, CsvFinetuneConfig)
     d, t = cfg.data, cfg.training
@@ -99,7 +94,7 @@ def test_unsupported_and_unknown_keys_are_named(tmp_path, caplog):
     raw["model_paths"]["tokenizer_save_name"] = "tok"
     raw["experiment"]["skip_existing"] = True
     raw["training"]["warmup"] = 0.1
-    with caplog.at_level(logging.WARNING, logger="finetune_csv.config"):
+    with caplog.at_level(logging.WARNING, logger="finetune_csv.original_config"):
         csv_config.load(_write(tmp_path, raw))
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("device.device_id = 2: not supported" in m and "CUDA_VISIBLE_DEVICES" in m for m in warned)

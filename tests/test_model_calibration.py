@@ -1,4 +1,4 @@
-"""Issue 18: split-conformal calibration of the sampled bands (fit on validation windows, applied to new paths),
+"""Split-conformal calibration of the sampled bands (fit on validation windows, applied to new paths),
 stored in kronos_predictor.json and applied by KronosPredictor unless calibrated=False."""
 import json
 

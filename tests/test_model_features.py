@@ -3,7 +3,6 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from model import features
 from model.features import (
     CLOSE,
     FEATURES,
@@ -21,8 +20,6 @@ def test_contract_names():
     assert PRICE_FEATURES == ("open", "high", "low", "close")
     assert TIME_FEATURES == ("minute", "hour", "weekday", "day", "month")
     assert CLOSE == 3
-    # old names stay importable for the pipelines until they switch
-    assert not hasattr(features, "FEATURE_COLS")  # one name for the candle's columns: FEATURES
 
 
 def test_normalize_is_bit_identical_to_window_dataset_get_batch():

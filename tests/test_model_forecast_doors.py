@@ -1,4 +1,4 @@
-"""Issue 16 on the Python doors of KronosPredictor: the history is cut to the trained context, quantiles need enough
+"""The Python doors of KronosPredictor: the history is cut to the trained context, quantiles need enough
 paths, one column resolver (any case, aliases, a DatetimeIndex), `close_q10` naming, a self-contained best_model/."""
 import json
 import logging

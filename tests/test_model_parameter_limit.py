@@ -1,4 +1,4 @@
-"""Issue 19 item 7: a config.json whose fields are each within bounds but whose model would need terabytes is
+"""A config.json whose fields are each within bounds but whose model would need terabytes is
 refused before anything is allocated, naming the file and the parameter count."""
 import functools
 import json

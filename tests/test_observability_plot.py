@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from finetune.utils.metrics import (
+from finetune.utils.plots import (
     best_val_record,
     loss_curve_figure,
     loss_plot_title,

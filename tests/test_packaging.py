@@ -4,6 +4,7 @@ into a fresh virtual environment gives a working `kronos` command and CSV pipeli
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.metadata as md
 import os
 import shutil
@@ -59,22 +60,22 @@ def test_requirements_dev_agrees_with_the_dev_extra():
     assert _req_set(_requirement_lines(dev)) == _req_set(PROJECT["optional-dependencies"]["dev"])
 
 
+def _names(requirements: list[str]) -> set[str]:
+    return {canonicalize_name(packaging_req.Requirement(r).name) for r in requirements}
+
+
 def test_extras_and_torch_requirement():
     extras = PROJECT["optional-dependencies"]
-    assert _req_set(extras["qlib"]) == {"pyqlib==0.9.7"}
-    assert "tensorboard" in {packaging_req.Requirement(r).name for r in extras["tensorboard"]}
-    core = {canonicalize_name(packaging_req.Requirement(r).name) for r in PROJECT["dependencies"]}
-    assert "pyqlib" not in core and "tensorboard" not in core
+    assert "pyqlib" in _names(extras["qlib"]) and "tensorboard" in _names(extras["tensorboard"])
+    assert not {"pyqlib", "tensorboard"} & _names(PROJECT["dependencies"])  # the CSV pipeline installs without them
     torch = next(packaging_req.Requirement(r) for r in PROJECT["dependencies"] if r.startswith("torch"))
-    # A lower bound only: an installed CUDA build satisfies it, so pip never swaps it for another build.
-    assert str(torch.specifier) == ">=2.3" and not torch.url
+    # The torch installed here, and any later CUDA build of it, satisfy the requirement: pip never swaps the build.
+    assert torch.specifier.contains(md.version("torch")) and torch.specifier.contains("99.0+cu999") and not torch.url
 
 
 def test_console_script_points_at_the_cli():
-    assert PROJECT["scripts"] == {"kronos": "finetune.cli:main"}
-    from finetune.cli import main
-
-    assert callable(main)
+    module, _, attr = PROJECT["scripts"]["kronos"].partition(":")
+    assert callable(getattr(importlib.import_module(module), attr))
 
 
 def test_every_package_is_included():

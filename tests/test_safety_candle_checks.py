@@ -6,13 +6,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from finetune_csv.config import CandleDataError, FrequencyError
-from finetune_csv.data import (
-    Float32RangeError,
+from finetune_csv.sources import Float32RangeError, check_float32_range
+from finetune_csv.timestamps import (
+    CandleDataError,
+    FrequencyError,
     MixedFrequencyWarning,
     TimestampError,
     TimezoneMixError,
-    check_float32_range,
     check_frequencies,
     check_tz_consistency,
     format_frequency,

@@ -1,7 +1,7 @@
-"""Run safety wired into the engine (issue 8), one process on CPU: re-runs (resume / skip / overwrite / refuse),
+"""Run safety wired into the engine, one process on CPU: re-runs (resume / skip / overwrite / refuse),
 the run lock, graceful stop on SIGTERM, the per-step non-finite guard and what a resume may change, checkpoint
 rotation with fallback, the data fingerprint, disk-full errors and orphans; plus epoch-0 validation and the
-val_metric hook (issue 12)."""
+val_metric hook."""
 
 from __future__ import annotations
 
@@ -290,7 +290,7 @@ def test_disk_full_is_named_and_orphans_of_killed_writes_are_removed(tmp_path, m
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == []  # no partial file
 
 
-# ---- issue 12: epoch 0 is the starting model; a forecast metric can pick the best model
+# ---- epoch 0 is the starting model; a forecast metric can pick the best model
 def test_epoch_zero_is_validated_and_a_metric_can_keep_the_starting_model(tmp_path, caplog):
     train_set, val_set = tiny_datasets()
     tok = tiny_tokenizer()

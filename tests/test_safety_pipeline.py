@@ -1,4 +1,4 @@
-"""Run safety at the pipeline level (issue 8, observation 6): --skip-existing skips only FINISHED stages, and the
+"""Run safety at the pipeline level: --skip-existing skips only FINISHED stages, and the
 predictor stage never trains on (or forecasts with) a half-trained tokenizer."""
 
 from __future__ import annotations

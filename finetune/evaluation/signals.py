@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from finetune.utils.plots import pyplot, save_figure
 from model.errors import DataError
 
 DEAL_PRICES = ("close", "open", "vwap")
@@ -192,11 +193,7 @@ def plot_ic_decay(tables: dict[str, pd.DataFrame], path: str | Path) -> Path:
     """PNG of IC (left) and RankIC (right) against the integer horizon, one line per signal ({name: `ic_decay`
     table}): one colour per signal kind (last, mean, ...), dashed for zero-shot, dotted for the baselines; the legend
     sits outside the axes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     horizons = sorted({int(h) for t in tables.values() for h in t.index})
     kinds = list(dict.fromkeys(name.split("@")[0] for name in tables))
@@ -214,11 +211,7 @@ def plot_ic_decay(tables: dict[str, pd.DataFrame], path: str | Path) -> Path:
         ax.set(xlabel="horizon h (days held from t+1)", title=f"mean daily {title} by horizon")
     axes[0].set_ylabel("mean daily correlation")
     fig.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=100, bbox_inches="tight")
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Training metrics: a JSON-lines log, the experiment trackers it mirrors to, run_info.json and the loss plot.
+"""Training metrics: a JSON-lines log, the experiment trackers it mirrors to, and run_info.json.
 
 `MetricsLogger` always writes metrics.jsonl; with `training.tensorboard`, `training.mlflow` or
 `training.comet` set it also hands every record to one `Tracker` per backend built by `open_trackers`. Only rank 0
@@ -23,7 +23,6 @@ import platform
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Iterable, Mapping
 from importlib import metadata
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any
 
 from finetune.utils.config_utils import tracker_problems
 from model.errors import ConfigError
-from model.fileio import atomic_write, write_json
+from model.fileio import write_json
 
 _MLFLOW_PARAM_CHARS = 6000  # MLflow rejects longer parameter values
 _MLFLOW_BATCH = 100  # params per log_batch call (MLflow's limit; metrics allow 1000)
@@ -361,114 +360,3 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
             except json.JSONDecodeError:  # also a blank line
                 continue
     return records
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# loss plot
-
-
-def loss_plot_title(stage: str, source: str | None) -> str:
-    """"<stage>: finetuned from <source>" (source = the pretrained model's id or path) or "<stage>: trained from
-    scratch" (source None)."""
-    return f"{stage}: trained from scratch" if source is None else f"{stage}: finetuned from {source}"
-
-
-def best_val_record(records: Iterable[dict[str, Any]], best_epoch: int | None = None) -> dict[str, Any] | None:
-    """The validation record of `best_epoch` (the last one logged for it), or with None the one with the lowest
-    finite val_loss (the earliest on ties); None when there is no such record."""
-    val = [r for r in records if r.get("kind") == "val" and _finite(r.get("val_loss"))]
-    if best_epoch is not None:
-        of_epoch = [r for r in val if r.get("epoch") == best_epoch]
-        return of_epoch[-1] if of_epoch else None
-    return min(val, key=lambda r: r["val_loss"]) if val else None
-
-
-def loss_curve_figure(records: Iterable[dict[str, Any]], title: str = "", best_epoch: int | None = None,
-                      smoothing: float = 0.9):
-    """The loss figure: losses on top, learning rate below, both against the optimizer step.
-
-    Top: train loss per logged step (raw, faint; and an exponential moving average, debiased like TensorBoard's,
-    with weight `smoothing`), validation loss per epoch (epoch 0 = the starting model, at step 0), and the best
-    epoch marked with a star (artist gid "best_epoch") labelled with its epoch and loss. Bottom: the learning rate
-    of each train record (log scale). Needs matplotlib; returns a `matplotlib.figure.Figure` (not shown anywhere).
-    best_epoch: the trainer's (which honours min_delta); None = the lowest validation loss.
-    """
-    # no pyplot: no global backend or figure registry involved
-    from matplotlib.figure import Figure
-
-    records = sorted(records, key=lambda r: r.get("step", 0))  # sorted() is stable: same-step order kept
-    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train" and _finite(r.get("loss"))]
-    lr = [(r["step"], r["lr"]) for r in records if r.get("kind") == "train" and _finite(r.get("lr"))]
-    val = [(r["step"], r["val_loss"]) for r in records if r.get("kind") == "val" and _finite(r.get("val_loss"))]
-
-    fig = Figure(figsize=(8, 6), dpi=100)
-    ax, ax_lr = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    if train:
-        steps, losses = zip(*train)
-        ax.plot(steps, losses, color="C0", alpha=0.3, linewidth=0.8, label="train loss (raw)")
-        ax.plot(steps, _ema(losses, smoothing), color="C0", linewidth=1.5, label="train loss (smoothed)")
-    if val:
-        ax.plot(*zip(*val), "o-", color="C1", linewidth=1.5, label="validation loss (per epoch)")
-    best = best_val_record(records, best_epoch)
-    if best is not None:
-        ax.plot([best["step"]], [best["val_loss"]], linestyle="none", marker="*", markersize=16, color="C3",
-                zorder=5, gid="best_epoch", label=f"best: epoch {best.get('epoch')} (val {best['val_loss']:.4g})")
-        ax_lr.axvline(best["step"], color="C3", linestyle=":", linewidth=1)
-    # A checkpoint-selection metric (training.select_by: crps / ic -> "metric_<name>" in the val records) on its own
-    # axis: the curve the best epoch was chosen by.
-    metric_keys = sorted({k for r in records if r.get("kind") == "val" for k in r if k.startswith("metric_")})
-    handles = []
-    if metric_keys:
-        ax_metric = ax.twinx()
-        for i, key in enumerate(metric_keys):
-            points = [(r["step"], r[key]) for r in records if r.get("kind") == "val" and _finite(r.get(key))]
-            if points:
-                handles += ax_metric.plot(*zip(*points), "s--", color=f"C{4 + i}", linewidth=1.2, gid=key,
-                                          label=f"validation {key.removeprefix('metric_')} (per epoch)")
-        ax_metric.set_ylabel(", ".join(k.removeprefix("metric_") for k in metric_keys))
-    ax.set_ylabel("loss")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    if train or val:
-        lines, labels = ax.get_legend_handles_labels()
-        ax.legend(lines + handles, labels + [h.get_label() for h in handles], loc="upper right")
-    else:
-        ax.text(0.5, 0.5, "no finite losses logged", ha="center", va="center", transform=ax.transAxes)
-
-    if lr:
-        ax_lr.plot(*zip(*lr), color="C2", linewidth=1.2)
-        if all(v > 0 for _, v in lr):
-            ax_lr.set_yscale("log")  # OneCycle spans ~4 decades; linear would hide warmup and the tail
-    ax_lr.set_ylabel("learning rate")
-    ax_lr.set_xlabel("optimizer step")
-    ax_lr.grid(alpha=0.3)
-    fig.tight_layout()
-    return fig
-
-
-def plot_loss_curves(records: Iterable[dict[str, Any]], png_path: str | Path, title: str = "",
-                     best_epoch: int | None = None) -> Path | None:
-    """Write `loss_curve_figure(records, title, best_epoch)` to `png_path` (atomically: no torn PNG on a crash);
-    None (and a warning) when matplotlib is not installed."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        warnings.warn("matplotlib is not installed; no loss_curve.png written", stacklevel=2)
-        return None
-    fig = loss_curve_figure(records, title=title, best_epoch=best_epoch)
-    Path(png_path).parent.mkdir(parents=True, exist_ok=True)
-    return atomic_write(png_path, lambda p: fig.savefig(p, format="png"))
-
-
-def _ema(values: Iterable[float], weight: float) -> list[float]:
-    """Debiased exponential moving average (the first points are not pulled toward 0)."""
-    out, avg, norm = [], 0.0, 0.0
-    for v in values:
-        avg = weight * avg + (1 - weight) * v
-        norm = weight * norm + (1 - weight)
-        out.append(avg / norm if norm > 0 else v)
-    return out
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

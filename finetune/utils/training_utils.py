@@ -77,7 +77,8 @@ from finetune.utils.distributed import (
     wrap_model,
 )
 from finetune.utils.errors import stage_log
-from finetune.utils.metrics import MetricsLogger, loss_plot_title, plot_loss_curves, read_metrics, write_run_info
+from finetune.utils.metrics import MetricsLogger, read_metrics, write_run_info
+from finetune.utils.plots import loss_plot_title, plot_loss_curves
 from finetune.utils.safety import (
     GracefulStop,
     NonFiniteGuard,

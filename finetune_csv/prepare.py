@@ -1,0 +1,484 @@
+"""The CSV pipeline's data path, one straight line (`prepare_data`):
+
+    sources (CSV/Parquet files of data.path, or {name: DataFrame} from finetune())   finetune_csv/sources.py
+      -> columns resolved, cells parsed in blocks, checked; stamps to local time     (+ finetune_csv/timestamps.py)
+      -> one series at a time: candle checks (`candle_problems`), cleaning (data.nan_policy: `clean_series`)
+      -> StoreWriter (finetune/utils/store.py, the one store format, also the Qlib splits'): .npy + manifest
+      -> ensure_store: rank 0 reuses the store only if settings, sources' content and arrays' sha256 all match
+      -> open_store: a read-only memory-mapped SeriesPanel on every rank
+      -> split_data: train / val (/ test) index ranges, by date or per series          finetune_csv/splits.py
+      -> PanelSegments.dataset: the shared WindowDataset (finetune/utils/windows.py)
+
+Every error is a StoreError / CandleDataError (DataError) naming the source (file, or `frame 'AAPL'`), column,
+line and the setting to change; all problems of all sources are collected into one message; a failed preparation
+leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+import warnings as warnings_module
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from finetune.utils.config_utils import Problems
+from finetune.utils.plots import stamp_text
+from finetune.utils.store import (
+    MANIFEST,
+    SeriesPanel,
+    StoreError,
+    StoreWriter,
+    open_store,
+    read_manifest,
+    verify_store,
+)
+from finetune.utils.windows import PanelSegments
+from finetune_csv.config import DataConfig, check_data_settings
+from finetune_csv.sources import (
+    FLOAT32_MAX,
+    Frame,
+    SourceProblems,
+    SourceReader,
+    Sources,
+    file_series,
+    list_sources,
+    source_fingerprint,
+)
+from finetune_csv.splits import split_data
+from finetune_csv.timestamps import (
+    CandleDataError,
+    MixedFrequencyWarning,
+    check_frequencies,
+    check_tz_consistency,
+    infer_frequency,
+    listed,
+    wallclock_stamps,
+)
+from model.features import FEATURES, fill_amount
+from model.fileio import atomic_dir, write_json
+
+_MAX_PROBLEMS_SHOWN = 50
+
+log = logging.getLogger(__name__)
+
+def _default_columns() -> dict[str, str | None]:
+    return {f: f for f in ("timestamps",) + FEATURES}
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """How input files become series; every field is part of the store's identity (a change re-prepares)."""
+
+    # Our field (timestamps, open, high, low, close, volume, amount) -> the file's column name (None = absent).
+    columns: Mapping[str, str | None] = field(default_factory=_default_columns)
+    # Column whose values split a file into several series; None = one series per file.
+    symbol_column: str | None = None
+    # strftime format of text timestamps; None = ISO 8601 or inferred from the first value.
+    timestamp_format: str | None = None
+    nan_policy: str = "error"  # Missing prices/volumes: error | ffill | drop (see finetune_csv.config.DataConfig).
+    # IANA zone that offset-carrying stamps are converted to (data.timezone); None = keep their stated clock.
+    timezone: str | None = None
+    # Expected bar length (data.frequency, e.g. '5min'); None = infer per file and warn about odd files.
+    frequency: str | None = None
+    # A high below max(open, close) or a low above min(open, close): error | warn (data.bad_candles).
+    bad_candles: str = "error"
+    # A series whose volume column is zero throughout is an error unless True (data.allow_zero_volume).
+    allow_zero_volume: bool = False
+
+    @classmethod
+    def from_data_config(cls, data: DataConfig) -> StoreSettings:
+        """The `data:` settings that make the store (the same names)."""
+        return cls(**{f.name: getattr(data, f.name) for f in fields(cls)} | {"columns": vars(data.columns)})
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able form recorded in (and compared with) the manifest; unmapped fields keep their own name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"columns": {**_default_columns(),
+                                                                                     **self.columns}}
+
+    def validate(self) -> None:
+        """Raise ConfigError (a ValueError) listing every bad setting."""
+        p = Problems("Invalid data store settings")
+        check_data_settings(self.as_dict(), p)
+        p.raise_if_any()
+
+
+@dataclass(frozen=True)
+class StoreInfo:
+    """A prepared store on disk and how this call got it."""
+
+    path: Path  # The store folder.
+    manifest: dict  # Its manifest.json.
+    reused: bool  # True when an existing store matched (no parsing was done).
+    reason: str  # Why it was reused or (re-)prepared, for the log.
+
+    def open(self) -> SeriesPanel:
+        """The store as a SeriesPanel of read-only memory maps."""
+        return open_store(self.path)
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """The data of a run: the store on disk, its memory-mapped panel and the time splits as index ranges."""
+
+    store: StoreInfo  # The store folder, its manifest and whether it was reused (and why).
+    # All series, features float32 (6, N) and stamps int64 (N, 5) as read-only np.memmap (shared page cache).
+    panel: SeriesPanel
+    splits: dict[str, PanelSegments]  # train / val (/ test): per-series column ranges of `panel`.
+    # How the splits were cut: {"mode": by_date | per_series, "train_end", "val_end" (by_date)}.
+    split: dict[str, Any] = field(default_factory=dict)
+
+
+def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None, *, with_splits: bool = True,
+                 frames: Mapping[str, pd.DataFrame] | None = None) -> PreparedData:
+    """The CSV pipeline's data path, top to bottom: sources -> the prepared store (rank 0 prepares or reuses it,
+    `ensure_store`) -> the memory-mapped panel -> train / val (/ test) index ranges (`split_data`).
+
+    with_splits False: the whole series only, `splits` {} (the future forecast needs `lookback` rows per series,
+    not a usable split). frames: {name: DataFrame} from Python, read instead of `cfg.path`. A failed preparation
+    leaves no store and no folder it created.
+    """
+    store_dir = Path(store_dir)
+    is_main = dist is None or dist.is_main
+    created = [p for p in [store_dir, *store_dir.parents] if not p.exists()]
+
+    def undo() -> None:
+        if is_main and created:
+            shutil.rmtree(store_dir, ignore_errors=True)
+            for p in created[1:]:  # innermost first; only folders this call made and that are empty now
+                if p.is_dir() and not any(p.iterdir()):
+                    p.rmdir()
+
+    try:
+        info = ensure_store(cfg.path if frames is None else frames, store_dir, StoreSettings.from_data_config(cfg),
+                            dist=dist, barrier=barrier)
+        panel = info.open()
+        if not with_splits:
+            return PreparedData(info, panel, {})
+        splits, how = split_data(panel, cfg)
+    except Exception:
+        undo()
+        raise
+    return PreparedData(info, panel, splits, how)
+
+
+def data_summary_from_store(data: PreparedData, cfg: DataConfig) -> dict:
+    """What run_info.json records about the data, from the store's manifest: files with sha256, series, and rows,
+    windows and date ranges per split (same keys as the pandas reference's `data_summary`), plus the store folder.
+    The same data gives the same summary whether the store was prepared or reused (a resume compares them)."""
+    manifest = data.store.manifest
+    window = cfg.lookback + cfg.predict
+    when = data.panel.datetimes
+    per_split = {}
+    for name, seg in data.splits.items():
+        n = seg.stop - seg.start
+        windows = np.where(n >= window, (n - window) // cfg.stride + 1, 0)
+        own = seg.stop > seg.first_target  # (S,) series with rows of their own in this split (by_date: not all)
+        per_split[name] = {"rows": int((seg.stop - seg.first_target).sum()),
+                           "context_rows": int((seg.first_target - seg.start).sum()), "windows": int(windows.sum()),
+                           "start": stamp_text(int(np.min(when[seg.first_target[own]]))),
+                           "end": stamp_text(int(np.max(when[seg.stop[own] - 1])))}
+    return {
+        "files": [{"path": f["path"], "bytes": f["bytes"], "sha256": f["sha256"]} for f in manifest["sources"]],
+        "series": [{"name": s["name"], "rows": s["rows"], "start": s["start"], "end": s["end"]}
+                   for s in manifest["series"]],
+        "splits": per_split,
+        "split": data.split,
+        # Only what identifies the data: whether this run prepared or reused the store is no property of the data,
+        # and recording it would make a resumed run's data fingerprint differ (finetune/utils/training_utils.py).
+        "store": {"path": str(data.store.path)},
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reuse or prepare the store (ensure_store, check_store, prepare_store)
+
+
+def check_store(store_dir: str | Path, sources: Sequence[Path | Frame], settings: StoreSettings,
+                verify: bool = True) -> tuple[bool, str, dict | None]:
+    """Whether the store at `store_dir` was prepared from `sources` with `settings`, and is intact.
+
+    Returns (reusable, reason, refreshed manifest or None). With `verify` (the main process) every source's
+    content is hashed (a CSV edited in place keeping its size and mtime is found) and every array file's sha256 is
+    checked (a damaged or truncated array makes the store stale: the reason names the file); a source whose mtime
+    alone changed counts as unchanged and the refreshed manifest records its new mtime. Without `verify` (the other
+    processes, after the main one) only sizes and mtimes are compared.
+    """
+    if not Path(store_dir).exists():
+        return False, "first run: no store yet", None
+    try:
+        manifest = read_manifest(store_dir)
+    except StoreError as e:
+        return False, str(e), None
+    old, new = manifest["settings"], settings.as_dict()
+    for key in new:
+        if old.get(key) != new[key]:
+            return False, f"setting data.{key} changed from {old.get(key)!r} to {new[key]!r}", None
+    recorded = {s["path"]: s for s in manifest["sources"]}
+    current = {source_fingerprint(f, with_hash=False)["path"]: f for f in sources}
+    added, removed = sorted(set(current) - set(recorded)), sorted(set(recorded) - set(current))
+    if added or removed:
+        return False, f"input files changed (added {added}, removed {removed})", None
+    touched = 0
+    for path, source in current.items():
+        was, now = recorded[path], source_fingerprint(source, with_hash=verify)
+        if now["bytes"] != was["bytes"]:
+            return False, f"{path} changed ({was['bytes']} -> {now['bytes']} bytes)", None
+        if verify and now["sha256"] != was["sha256"]:
+            return False, f"{path} changed (its content differs from when the store was prepared)", None
+        if now["mtime_ns"] != was["mtime_ns"]:
+            if not verify:
+                return False, f"{path} was modified after the store was prepared", None
+            was["mtime_ns"] = now["mtime_ns"]
+            touched += 1
+    if verify:
+        try:
+            verify_store(store_dir, manifest)
+            open_store(store_dir)  # shapes and offsets agree with the manifest
+        except StoreError as e:
+            return False, str(e), None
+    reason = "inputs and settings unchanged" + (f" ({touched} file(s) touched, content identical)" if touched else "")
+    return True, reason, (manifest if touched else None)
+
+
+def ensure_store(sources: Sources, store_dir: str | Path,
+                 settings: StoreSettings | None = None, *, dist: Any = None,
+                 barrier: Callable[[], None] | None = None, block_rows: int = 1 << 20) -> StoreInfo:
+    """Reuse the store at `store_dir` if it matches the inputs and settings, else (re-)prepare it; log why.
+
+    With several processes: only the process whose `dist.is_main` is true checks and prepares; every process
+    then calls `barrier()` (so the others wait for the store) and opens it. A process that is not main verifies
+    cheaply (settings, file sizes and mtimes) that the store on disk is the one for its inputs, so a failure on
+    the main rank becomes a clear error there instead of training on a stale store. For a store on node-local
+    disk pass an object whose `is_main` is `local_rank == 0`.
+    """
+    settings = settings or StoreSettings()
+    is_main = True if dist is None else bool(dist.is_main)
+    wait = barrier or (lambda: None)
+    store_dir = Path(store_dir)
+    if not is_main:
+        wait()
+        files = list_sources(sources)
+        ok, reason, _ = check_store(store_dir, files, settings, verify=False)
+        if not ok:
+            raise StoreError(f"the main process did not leave a matching data store in {store_dir} ({reason}); "
+                             "see its error")
+        return StoreInfo(store_dir, read_manifest(store_dir), reused=True, reason="prepared by the main process")
+    error: Exception | None = None
+    info: StoreInfo | None = None
+    try:
+        settings.validate()
+        files = list_sources(sources)
+        ok, reason, refreshed = check_store(store_dir, files, settings)
+        if ok:
+            if refreshed is not None:
+                write_json(store_dir / MANIFEST, refreshed)
+            log.info("data store %s: reusing it (%s)", store_dir, reason)
+            info = StoreInfo(store_dir, refreshed or read_manifest(store_dir), reused=True, reason=reason)
+        else:
+            # A first run is no news (info); a store that exists but cannot be reused is (warning, with why).
+            log.log(logging.WARNING if store_dir.exists() else logging.INFO, "data store %s: preparing it (%s)",
+                    store_dir, reason)
+            prepared = prepare_store(files, store_dir, settings, block_rows=block_rows)
+            info = StoreInfo(store_dir, prepared.manifest, reused=False, reason=reason)
+    except Exception as e:  # noqa: BLE001  (re-raised after the barrier: the other ranks must not wait forever)
+        error = e
+    wait()
+    if error is not None:
+        raise error
+    return info
+
+
+def prepare_store(sources: Sources, out_dir: str | Path,
+                  settings: StoreSettings | None = None, *, block_rows: int = 1 << 20) -> StoreInfo:
+    """Parse, check and clean every input file into a store at `out_dir`, replacing an older store there (a
+    non-empty folder that is not a store is refused). `block_rows`: rows parsed at a time (~100 bytes a row)."""
+    settings = settings or StoreSettings()
+    settings.validate()
+    files = list_sources(sources)
+    out_dir = Path(out_dir)
+    _refuse_foreign_folder(out_dir)
+    t0 = time.perf_counter()
+    fingerprints = [source_fingerprint(f) for f in files]  # before reading: a later edit is then noticed
+    # Built beside out_dir and swapped in whole; processes that still map an older store's files keep reading
+    # them (unlinked files live until unmapped).
+    with atomic_dir(out_dir) as tmp:
+        tmp.rmdir()  # the StoreWriter makes its folder itself
+        manifest = _build(files, StoreWriter(tmp, len(FEATURES)), settings, block_rows,
+                          {"settings": settings.as_dict(), "sources": fingerprints,
+                           "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        log.info("data store %s: %d series, %d rows prepared in %.1f s", out_dir, manifest["n_series"],
+                 manifest["n_rows"], time.perf_counter() - t0)
+        _refuse_foreign_folder(out_dir)  # still a store (or nothing) now that it is replaced
+    return StoreInfo(out_dir, manifest, reused=False, reason="prepared")
+
+
+def _build(sources: list[Path | Frame], writer: StoreWriter, settings: StoreSettings, block_rows: int,
+           extra: dict[str, Any]) -> dict:
+    """Read, check and clean every source into `writer` (one series at a time); the manifest it writes.
+    Every problem of every source is collected first; then one StoreError lists them and nothing is kept."""
+    problems: list[str] = []
+    warnings: list[str] = []
+    series: list[dict] = []
+    aware: dict[str, bool] = {}  # source name -> stamps carry a UTC offset
+    freqs: dict[str, pd.Timedelta] = {}  # series name -> inferred bar length
+    try:
+        for source in sources:
+            try:
+                reader = SourceReader(source, settings.as_dict()["columns"], settings.symbol_column,
+                                      settings.timestamp_format, block_rows, timezone=settings.timezone)
+                for name, ts, values, lines in file_series(reader, writer.path, block_rows):
+                    where = reader.label if name == reader.name else f"{reader.label} (series {name})"
+                    bad, notes = candle_problems(values, lines, reader.columns, where, reader.unit, settings)
+                    problems.extend(bad)
+                    try:
+                        ts, values, cleaning = clean_series(ts, values, lines, reader.present, settings.nan_policy,
+                                                            where, reader.unit)
+                    except SourceProblems as e:
+                        problems.extend(e.problems)
+                        continue
+                    for note in notes + cleaning:
+                        log.warning(note)
+                    warnings.extend(notes + cleaning)
+                    if reader.tz_aware is not None:
+                        aware[reader.name] = reader.tz_aware
+                    if len(ts) >= 2:
+                        freqs[name] = infer_frequency(ts.view("datetime64[ns]"), source=where)
+                    if (np.abs(values) > FLOAT32_MAX).any():  # a derived amount (volume * price) can overflow
+                        problems.append(f"{where}: the derived amount (volume * mean price) exceeds float32's range "
+                                        "(+-3.4e38); rescale the volume or price columns, or give an amount column")
+                    if problems:
+                        continue  # keep checking the rest, write nothing more
+                    writer.append(name, values, wallclock_stamps(ts), ts)
+                    series.append({"name": name, "source": reader.label, "rows": len(ts),
+                                   "start": str(pd.Timestamp(ts[0])) if len(ts) else None,
+                                   "end": str(pd.Timestamp(ts[-1])) if len(ts) else None})
+            except SourceProblems as e:
+                problems.extend(e.problems)
+        problems.extend(_cross_file_checks(aware, freqs, settings, warnings))
+        if problems:
+            shown = problems[:_MAX_PROBLEMS_SHOWN]
+            more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+            raise StoreError(f"the input data has problems ({len(problems)}):\n"
+                             + "\n".join(f"  - {p}" for p in shown) + more)
+        if not sum(s["rows"] for s in series):
+            raise StoreError("no rows left after cleaning (data.nan_policy: drop removed every row)")
+        return writer.finish(list(FEATURES), series=series, warnings=warnings, **extra)
+    finally:
+        writer.close()
+
+
+def _cross_file_checks(aware: dict[str, bool], freqs: dict[str, pd.Timedelta], settings: StoreSettings,
+                       warnings_out: list[str]) -> list[str]:
+    """Checks across files: offsets on some files only, bar lengths that differ. Returns the problems; appends the
+    warnings to `warnings_out`."""
+    problems = []
+    try:
+        check_tz_consistency(aware)
+    except CandleDataError as e:
+        problems.append(str(e))
+    with warnings_module.catch_warnings(record=True) as caught:
+        warnings_module.simplefilter("always", MixedFrequencyWarning)
+        try:
+            check_frequencies(freqs, settings.frequency)
+        except CandleDataError as e:
+            problems.append(str(e))
+    for w in caught:
+        if issubclass(w.category, MixedFrequencyWarning):
+            log.warning("%s", w.message)
+            warnings_out.append(str(w.message))
+    return problems
+
+
+def _refuse_foreign_folder(out_dir: Path) -> None:
+    if out_dir.exists() and not (out_dir / MANIFEST).exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise StoreError(f"{out_dir} exists and is not a prepared data store; it is left untouched. Choose another "
+                         "store folder (data.store_dir) or remove it")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The rules of one series: candle checks, cleaning
+
+
+def candle_problems(values: np.ndarray, lines: np.ndarray, columns: Mapping[str, str | None], where: str,
+                    unit: str, settings: StoreSettings) -> tuple[list[str], list[str]]:
+    """The candle rules of one series, `values (n, 6)` open..amount, `lines (n,)`: (problems, warnings). A price <= 0
+    is an error; a high below max(open, close) or a low above min(open, close) is an error (a warning with
+    data.bad_candles: warn); a volume column zero throughout is an error unless data.allow_zero_volume. NaN cells
+    are left to data.nan_policy.
+    """
+    problems, notes = [], []
+    for i, f in enumerate(FEATURES[:4]):
+        bad = values[:, i] <= 0  # NaN compares False
+        if bad.any():
+            problems.append(f"{where}: column '{columns[f]}' (data.columns.{f}) has {int(bad.sum())} price(s) <= 0 "
+                            f"at {unit} {listed(lines[bad])}; prices must be positive (fix or remove these rows)")
+    o, h, lo, c = (values[:, i] for i in range(4))
+    for f, bad, rule in (("high", h < np.maximum(o, c), "below max(open, close)"),
+                         ("low", lo > np.minimum(o, c), "above min(open, close)")):
+        if bad.any():
+            text = (f"{where}: column '{columns[f]}' (data.columns.{f}) is {rule} in {int(bad.sum())} candle(s) at "
+                    f"{unit} {listed(lines[bad])}")
+            if settings.bad_candles == "error":
+                problems.append(text + "; fix the file, or set data.bad_candles: warn to train on them")
+            else:
+                notes.append(text + " (data.bad_candles: warn)")
+    if columns.get("volume") is not None and len(values) and not np.nan_to_num(values[:, 4]).any() \
+            and not settings.allow_zero_volume:
+        problems.append(f"{where}: column '{columns['volume']}' (data.columns.volume) is zero in every row; set "
+                        "data.allow_zero_volume: true if the data has no volume (e.g. an index), or "
+                        "data.columns.volume: null")
+    return problems, notes
+
+
+def clean_series(ts: np.ndarray, values: np.ndarray, lines: np.ndarray, present: tuple[bool, ...], nan_policy: str,
+                 where: str, unit: str = "line(s)") -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Sort, refuse duplicate stamps, apply `nan_policy` and derive a missing amount for one series: `ts (n,)` int64
+    wall-clock ns, `values (n, 6)` open..amount (NaN = missing, absent columns 0), `lines (n,)`.
+    Returns (ts (m,), values (m, 6), warnings); SourceProblems on duplicates or refused missing values."""
+    notes: list[str] = []
+    if len(ts) > 1 and (np.diff(ts) < 0).any():
+        notes.append(f"{where}: timestamps are not sorted; sorting them (rows keep their values)")
+        perm = np.argsort(ts, kind="stable")
+        ts, values, lines = ts[perm], values[perm], lines[perm]
+    same = np.flatnonzero(np.diff(ts) == 0)
+    if same.size:
+        first = ts[same[0]]
+        raise SourceProblems([(f"{where}: {same.size} duplicate timestamp(s), first {pd.Timestamp(first)} at {unit} "
+                               f"{listed(lines[ts == first])}; remove the duplicates (or set data.symbol_column "
+                               "if the file holds several series)")])
+    cols = [i for i, p in enumerate(present) if p]
+    nan = np.isnan(values[:, cols])  # (n, n_present)
+    if nan.any():
+        if nan_policy == "error":
+            details = [f"column {FEATURES[c]} at {unit} {listed(lines[nan[:, j]])}"
+                       for j, c in enumerate(cols) if nan[:, j].any()]
+            raise SourceProblems([f"{where}: missing values in " + "; ".join(details) +
+                                  " (data.nan_policy: error; set it to ffill or drop to repair them)"])
+        if nan_policy == "ffill":
+            if nan[0].any():
+                which = ", ".join(FEATURES[c] for j, c in enumerate(cols) if nan[0, j])
+                raise SourceProblems([(f"{where}: missing value(s) in the first row ({which}) cannot be "
+                                       "forward-filled (data.nan_policy: ffill); fix or drop that row")])
+            notes.append(f"{where}: forward-filling {int(nan.sum())} missing value(s) (data.nan_policy: ffill)")
+            values = values.copy()
+            idx = np.arange(len(ts))
+            for j, c in enumerate(cols):
+                if nan[:, j].any():
+                    last = np.maximum.accumulate(np.where(nan[:, j], 0, idx))  # last valid row at or before each
+                    values[:, c] = values[last, c]
+        else:
+            rows = nan.any(axis=1)
+            notes.append(f"{where}: dropping {int(rows.sum())} row(s) with missing values (data.nan_policy: drop)")
+            ts, values = ts[~rows], values[~rows]
+    if present[4] and not present[5]:
+        values = np.array(values, dtype=np.float64, copy=True)
+        # The forecaster derives a missing amount the same way, so training and inference see the same features.
+        values[:, 5] = fill_amount(*(values[:, i] for i in (4, 0, 1, 2, 3)))  # volume, open, high, low, close
+    return ts, values, notes

@@ -1,0 +1,659 @@
+"""Reading the input: CSV/Parquet files (or DataFrames from Python) -> columns resolved -> cells parsed and checked
+in blocks -> one series at a time (a file, or one per symbol of data.symbol_column).
+
+`list_sources` turns data.path into sources; `SourceReader` resolves the column mapping (data.columns) against a
+source's header (model.features.resolve_columns), parses its rows in blocks of numbers and local wall-clock stamps
+(finetune_csv/timestamps.py) and records every bad cell by column, line and the setting to change; `file_series`
+yields its series. Values beyond float32's finite range are an error.
+"""
+
+from __future__ import annotations
+
+import csv
+import difflib
+import hashlib
+import json
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
+
+from finetune.utils.store import StoreError, file_fingerprint
+from finetune_csv.timestamps import OFFSET_RE, SHOWN, CandleDataError, parse_timestamps
+from model.features import COLUMN_ALIASES, FEATURES, ColumnError, resolve_columns
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # 3.4028235e+38
+
+log = logging.getLogger(__name__)
+
+MISSING_SPELLINGS = ("", "nan", "NaN", "NA", "N/A", "null", "None")
+CSV_SUFFIXES = (".csv",)
+PARQUET_SUFFIXES = (".parquet", ".pq")
+_MISSING = pa.array(MISSING_SPELLINGS, pa.string())
+
+
+class SourceProblems(ValueError):
+    """Problems of one input file (each message names file, column, row and the setting to change)."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class Frame:
+    """A DataFrame handed over from Python (`finetune(data=...)`): one source like one file, named by its key."""
+
+    name: str
+    frame: pd.DataFrame
+
+    def table(self) -> pa.Table:
+        """The frame as Arrow (a DatetimeIndex becomes a column named after the index, else 'timestamps')."""
+        frame = self.frame
+        if isinstance(frame.index, pd.DatetimeIndex):
+            name = frame.index.name or "timestamps"
+            frame = frame.rename_axis(name).reset_index() if name not in frame.columns else frame
+        mixed = [c for c in frame.columns if frame[c].dtype == object]  # e.g. numbers and text: read cell by cell
+        if mixed:
+            frame = frame.astype({c: "string" for c in mixed})
+        try:
+            return pa.Table.from_pandas(frame, preserve_index=False)
+        except (pa.ArrowException, TypeError, ValueError) as e:
+            raise SourceProblems([f"frame '{self.name}': cannot be read as columns of numbers and times ({e})"]) \
+                from None
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Like `file_fingerprint`: a content hash of values, index and column names (no mtime)."""
+        h = pd.util.hash_pandas_object(self.frame, index=True).to_numpy()
+        digest = hashlib.sha256(json.dumps([str(c) for c in self.frame.columns]).encode() + h.tobytes()).hexdigest()
+        return {"path": f"frame '{self.name}'", "bytes": int(h.nbytes), "mtime_ns": None, "sha256": digest}
+
+
+Sources = str | Path | Sequence[str | Path] | Mapping[str, pd.DataFrame]
+
+
+def list_sources(sources: Sources) -> list[Path | Frame]:
+    """Input files: a .csv/.parquet file, a folder (its .csv/.parquet/.pq files, sorted by name), or a list of them;
+    or {name: DataFrame} from Python (one Frame each, in the mapping's order)."""
+    if isinstance(sources, Mapping):
+        bad = [str(k) for k, v in sources.items() if not isinstance(v, pd.DataFrame)]
+        if not sources or bad:
+            raise StoreError(f"data: give a DataFrame, a dict {{name: DataFrame}} or a path (not a DataFrame: {bad})")
+        return [Frame(str(k), v) for k, v in sources.items()]
+    if isinstance(sources, (str, Path)):
+        sources = [sources]
+    suffixes = CSV_SUFFIXES + PARQUET_SUFFIXES
+    out: list[Path] = []
+    for src in sources:
+        if isinstance(src, Frame):  # already listed (prepare_store called by ensure_store)
+            out.append(src)
+            continue
+        p = Path(src)
+        if p.is_file():
+            if p.suffix.lower() not in suffixes:
+                raise StoreError(f"data.path: {p} is not a .csv or .parquet file")
+            out.append(p)
+        elif p.is_dir():
+            files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in suffixes)
+            others = sorted(f.name for f in p.iterdir() if f.is_file() and f.suffix.lower() not in suffixes
+                            and not f.name.startswith("."))
+            if others:
+                log.info("ignoring %d file(s) in %s that are not .csv/.parquet: %s", len(others), p,
+                         ", ".join(others[:5]) + (" ..." if len(others) > 5 else ""))
+            if not files:
+                raise StoreError(f"data.path: the folder {p} holds no .csv or .parquet file")
+            out.extend(files)
+        else:
+            raise StoreError(f"data.path: {p} does not exist (give a file or a folder of CSV/Parquet files)")
+    names = [f.name for f in out]
+    if len(set(names)) != len(names):
+        raise StoreError(f"data.path: two input files share a name (series are named by file): {sorted(names)}")
+    return out
+
+
+def source_fingerprint(source: Path | Frame, with_hash: bool = True) -> dict[str, Any]:
+    """A file's `file_fingerprint` or a Frame's content hash: what the store records to tell a changed source."""
+    return source.fingerprint() if isinstance(source, Frame) else file_fingerprint(source, with_hash)
+
+
+@dataclass
+class ParsedBlock:
+    """Consecutive rows of one file, parsed."""
+
+    # (n,) int64 where each row is in the file as a user finds it (CSV: line number, header = 1; Parquet: row, 1-based).
+    lines: np.ndarray
+    timestamps: np.ndarray  # (n,) int64 naive wall-clock nanoseconds since 1970-01-01.
+    values: np.ndarray  # (n, 6) float64 open..amount; NaN = missing cell; a column the file does not have is 0.
+    symbols: np.ndarray | None  # (n,) int32 index into `SourceReader.symbols`, or None without a symbol column.
+
+
+@dataclass
+class _Issue:
+    count: int = 0
+    rows: list[int] = field(default_factory=list)
+    examples: list[str] = field(default_factory=list)
+
+    def add(self, rows: np.ndarray, examples: list[str] | None = None) -> None:
+        self.count += len(rows)
+        room = SHOWN - len(self.rows)
+        if room > 0:
+            self.rows.extend(int(r) for r in rows[:room])
+        if examples and len(self.examples) < 3:
+            self.examples.extend(examples[: 3 - len(self.examples)])
+
+    def where(self) -> str:
+        more = self.count - len(self.rows)
+        return ", ".join(map(str, self.rows)) + (f" (+{more} more)" if more > 0 else "")
+
+
+class SourceReader:
+    """One input file (or Frame): the column mapping (see `StoreSettings.columns`) resolved against its header, then
+    its rows in parsed blocks of `block_rows`. SourceProblems when it cannot be read or a column is missing."""
+
+    def __init__(self, path: str | Path | Frame, columns: Mapping[str, str | None], symbol_column: str | None = None,
+                 timestamp_format: str | None = None, block_rows: int = 1 << 20, timezone: str | None = None):
+        self._table = path.table() if isinstance(path, Frame) else None  # a DataFrame from Python, as Arrow
+        self.path = None if isinstance(path, Frame) else Path(path)
+        self.name = path.name if isinstance(path, Frame) else self.path.name
+        """The series name (the file name, or the frame's key) that symbols are appended to."""
+        self.label = f"frame '{path.name}'" if isinstance(path, Frame) else str(self.path)
+        """How messages name this source: the file path, or `frame 'AAPL'`."""
+        self.symbol_column = symbol_column
+        self.timestamp_format = timestamp_format
+        self.timezone = timezone
+        self.tz_aware: bool | None = None
+        """Whether this file's stamps carry a UTC offset (known after the first block)."""
+        self._messages: list[str] = []  # whole-message problems (candle checks), beside the per-cell issues
+        self.block_rows = int(block_rows)
+        self.is_parquet = self._table is not None or self.path.suffix.lower() in PARQUET_SUFFIXES
+        self.unit = "row(s)" if self.is_parquet else "line(s)"
+        self.symbols: list[str] = []
+        self._symbol_codes: dict[str, int] = {}
+        self._issues: dict[tuple[str, str], _Issue] = {}
+        self._guessed_format: str | None = None
+        self.n_rows = 0
+        header = self._parquet_header() if self.is_parquet else self._csv_header()
+        self._unnamed_hint: str | None = None
+        columns = self._adopt_unnamed_index(header, dict(columns))
+        try:
+            self.columns = _resolve_columns(header, columns, symbol_column, self.label)
+        except SourceProblems as e:
+            if self._unnamed_hint is not None:  # e.g. a to_csv index of numbers: say what the unnamed column is
+                e.problems[:] = [p + (f"; the first column has no header (read as '{self._unnamed_hint}'): if it "
+                                      f"holds the timestamps set data.columns.timestamps: '{self._unnamed_hint}', "
+                                      "else give it a name in the file"
+                                      if "timestamps" in p else "") for p in e.problems]
+            raise
+
+    # ------------------------------------------------------------------------------------------------------------
+    @property
+    def present(self) -> tuple[bool, ...]:
+        """Per feature: whether the file has that column."""
+        return tuple(self.columns.get(f) is not None for f in FEATURES)
+
+    @property
+    def problems(self) -> list[str]:
+        """Every problem found so far, one message per (column, kind)."""
+        out = []
+        for (kind, column), issue in self._issues.items():
+            out.append(_ISSUE_TEXT[kind].format(file=self.label, column=column, field=self._field_of(column),
+                                                n=issue.count, where=f"{self.unit} {issue.where()}",
+                                                examples=", ".join(issue.examples), fmt=self._fmt_text(),
+                                                symbol=self.symbol_column))
+        return out + self._messages
+
+    def blocks(self) -> Iterator[ParsedBlock]:
+        """Parsed blocks in file order; cells with problems are recorded in `problems` (their values are NaN/0)."""
+        batches = self._parquet_batches() if self.is_parquet else self._csv_batches()
+        first = 2 if not self.is_parquet else 1  # line/row number of the first data row
+        blank = np.zeros(0, np.int64) if self.is_parquet else blank_lines(self.path)  # the reader skips these
+        for batch in batches:
+            n = batch.num_rows
+            if n == 0:
+                continue
+            lines = np.arange(first + self.n_rows, first + self.n_rows + n, dtype=np.int64)
+            lines += np.searchsorted(blank - np.arange(len(blank)), lines, side="right")  # -> the file's lines
+            self.n_rows += n
+            yield self._parse(batch, lines)
+        if self.n_rows == 0:
+            raise SourceProblems([f"{self.label}: the file has a header but no rows"])
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _adopt_unnamed_index(self, header: list[str], columns: dict[str, str | None]) -> dict[str, str | None]:
+        """Take an unnamed first column (DataFrame.to_csv's index: 'Unnamed: 0'; Parquet: '__index_level_0__') as
+        the timestamps when the configured timestamps column is missing and its first value reads as a date."""
+        wanted = columns.get("timestamps", "timestamps")
+        like = {wanted.lower()} | ({"timestamps", *COLUMN_ALIASES["timestamps"]} if wanted == "timestamps" else set())
+        if any(h.strip().lower() in like for h in header) or not header \
+                or header[0] not in ("Unnamed: 0", "__index_level_0__"):
+            return columns
+        first = self._first_value(header[0])
+        try:
+            ok = first is not None and not pd.isna(pd.to_datetime(first, format=self.timestamp_format))
+        except (ValueError, TypeError, OverflowError):
+            ok = False
+        if ok:
+            log.info("%s: no '%s' column; taking the unnamed first column (e.g. %r) as the timestamps "
+                     "(set data.columns.timestamps to name another column)", self.name, wanted, first)
+            return {**columns, "timestamps": header[0]}
+        self._unnamed_hint = header[0]
+        return columns
+
+    def _first_value(self, column: str):
+        if self._table is not None:
+            col = self._table.column(column)
+            return col[0].as_py() if len(col) else None
+        if self.is_parquet:
+            for batch in self._pq.iter_batches(batch_size=1, columns=[column]):
+                return batch.column(0)[0].as_py() if batch.num_rows else None
+            return None
+        with open(self.path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.reader(f, skipinitialspace=True)
+            next(reader, None)
+            row = next(reader, None)
+        return row[0].strip() if row else None
+
+    def _csv_header(self) -> list[str]:
+        try:
+            with open(self.path, newline="", encoding="utf-8-sig") as f:
+                row = next(csv.reader(f, skipinitialspace=True), None)
+        except UnicodeDecodeError as e:
+            raise SourceProblems([f"{self.path}: not a readable CSV ({e})"]) from None
+        if not row:
+            raise SourceProblems([f"{self.path}: the file is empty"])
+        row = [c if c != "" else f"Unnamed: {i}" for i, c in enumerate(row)]  # pandas' names for empty cells
+        self._header = row
+        return row
+
+    def _csv_batches(self) -> Iterator[pa.RecordBatch]:
+        wanted = [c for c in self.columns.values() if c is not None]
+        if self.symbol_column is not None:
+            wanted.append(self.symbol_column)
+        wanted = list(dict.fromkeys(wanted))
+        # Column names come from our header read (leading spaces stripped, as pandas' skipinitialspace does).
+        names = _unique(self._header)
+        opts = pa_csv.ReadOptions(column_names=names, skip_rows=1, block_size=max(1 << 16, self.block_rows * 64))
+        conv = pa_csv.ConvertOptions(include_columns=wanted, column_types={c: pa.string() for c in wanted},
+                                     strings_can_be_null=False, quoted_strings_can_be_null=False)
+        try:
+            reader = pa_csv.open_csv(self.path, read_options=opts, convert_options=conv)
+            for batch in reader:
+                yield from _rebatch(batch, self.block_rows)
+        except pa.ArrowInvalid as e:
+            raise SourceProblems([f"{self.path}: not a readable CSV ({e})"]) from None
+
+    def _parquet_header(self) -> list[str]:
+        if self._table is not None:
+            return list(self._table.schema.names)
+        try:
+            self._pq = pq.ParquetFile(self.path)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise SourceProblems([f"{self.path}: not a readable Parquet file ({e})"]) from None
+        return list(self._pq.schema_arrow.names)
+
+    def _parquet_batches(self) -> Iterator[pa.RecordBatch]:
+        wanted = list(dict.fromkeys([c for c in self.columns.values() if c is not None]
+                                    + ([self.symbol_column] if self.symbol_column else [])))
+        if self._table is not None:
+            yield from self._table.select(wanted).to_batches(max_chunksize=self.block_rows)
+            return
+        try:
+            yield from self._pq.iter_batches(batch_size=self.block_rows, columns=wanted)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise SourceProblems([f"{self.path}: not a readable Parquet file ({e})"]) from None
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _parse(self, batch: pa.RecordBatch, lines: np.ndarray) -> ParsedBlock:
+        n = batch.num_rows
+        ts = self._parse_timestamps(batch.column(self.columns["timestamps"]), lines)
+        values = np.zeros((n, len(FEATURES)), dtype=np.float64)  # (n, 6)
+        for i, f in enumerate(FEATURES):
+            col = self.columns.get(f)
+            if col is not None:
+                values[:, i] = self._parse_numbers(batch.column(col), col, lines)
+        if not any(m.startswith((f"{self.label} line", f"{self.label} row")) for m in self._messages):
+            try:  # the first out-of-range value of the file is reported (one message per file)
+                check_float32_range(values, [self.columns.get(f) or f for f in FEATURES], self.label,
+                                    first_row=int(lines[0]))
+            except CandleDataError as e:
+                self._messages.append(str(e) if not self.is_parquet else str(e).replace(" line ", " row ", 1))
+        symbols = None if self.symbol_column is None else self._parse_symbols(batch.column(self.symbol_column), lines)
+        return ParsedBlock(lines=lines, timestamps=ts, values=values, symbols=symbols)
+
+    def _issue(self, kind: str, column: str, rows: np.ndarray, examples: list[str] | None = None) -> None:
+        self._issues.setdefault((kind, column), _Issue()).add(rows, examples)
+
+    def _parse_numbers(self, col: pa.Array, name: str, lines: np.ndarray) -> np.ndarray:
+        """(n,) float64 with NaN for missing cells."""
+        t = col.type
+        if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t):
+            out = pc.cast(col, pa.float64()).to_numpy(zero_copy_only=False)  # nulls -> NaN (missing)
+        elif pa.types.is_string(t) or pa.types.is_large_string(t):
+            out = self._numbers_from_text(col, name, lines)
+        else:
+            self._issue("numeric_type", name, lines[:1], [str(t)])
+            return np.full(len(col), np.nan)
+        inf = np.isinf(out)
+        if inf.any():
+            self._issue("inf", name, lines[inf])
+        return out
+
+    def _numbers_from_text(self, col: pa.Array, name: str, lines: np.ndarray) -> np.ndarray:
+        text = pc.utf8_trim_whitespace(col)
+        missing = pc.is_in(text, value_set=_MISSING).to_numpy(zero_copy_only=False)
+        try:
+            out = pc.cast(pc.if_else(pa.array(missing), pa.scalar(None, pa.string()), text),
+                          pa.float64()).to_numpy(zero_copy_only=False)
+            if not (np.isnan(out) & ~missing).any():  # e.g. 'NAN': pandas reads NaN, the CSV rules call it bad
+                return out
+        except pa.ArrowInvalid:
+            pass
+        # Slow path, the CSV pipeline's own routine: exact semantics and the rows to report.
+        s = pd.Series(text.to_numpy(zero_copy_only=False), dtype=object)
+        values = pd.to_numeric(s.where(~missing), errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
+        bad = np.isnan(values) & ~missing
+        if bad.any():
+            self._issue("not_number", name, lines[bad], [repr(v) for v in s[bad].head(3)])
+        return values
+
+    def _parse_timestamps(self, col: pa.Array, lines: np.ndarray) -> np.ndarray:
+        """(n,) int64 naive wall-clock ns; unparseable cells are recorded and set to 0."""
+        name = self.columns["timestamps"]
+        t = col.type
+        try:
+            if pa.types.is_timestamp(t):
+                self._note_aware(t.tz is not None, lines)
+                if t.tz is not None:
+                    if self.timezone is not None:
+                        col = col.cast(pa.timestamp(t.unit, tz=self.timezone))  # same instants, the exchange's zone
+                    col = pc.local_timestamp(col)  # wall-clock time in the column's zone
+                return self._ns(pc.cast(col, pa.timestamp("ns")), lines, name)
+            if pa.types.is_date(t):
+                self._note_aware(False, lines)
+                return self._ns(pc.cast(pc.cast(col, pa.timestamp("s")), pa.timestamp("ns")), lines, name)
+        except pa.ArrowInvalid:
+            self._issue("ts_range", name, lines[:1])
+            return np.zeros(len(col), dtype=np.int64)
+        if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
+            self._issue("ts_type", name, lines[:1], [str(t)])
+            return np.zeros(len(col), dtype=np.int64)
+        text = pc.utf8_trim_whitespace(col)
+        if self.timestamp_format is None:
+            try:
+                ns = self._ns(pc.cast(text, pa.timestamp("ns")), lines, name)  # ISO 8601, naive
+                self._note_aware(False, lines)
+                return ns
+            except pa.ArrowInvalid:
+                pass
+        aware = pc.any(pc.match_substring_regex(text, OFFSET_RE)).as_py() or False
+        if aware or self.tz_aware:
+            return self._timestamps_with_offsets(text.to_numpy(zero_copy_only=False), lines)
+        self._note_aware(False, lines)
+        return self._timestamps_pandas(text.to_numpy(zero_copy_only=False), lines, name)
+
+    def _note_aware(self, aware: bool, lines: np.ndarray) -> None:
+        """Record whether the stamps carry an offset; a file switching between blocks is a problem."""
+        if self.tz_aware is None:
+            self.tz_aware = aware
+        elif self.tz_aware != aware and not any("carry a UTC offset" in m for m in self._messages):
+            self._messages.append(
+                f"{self.label}: some timestamps carry a UTC offset and some do not (the change is near {self.unit} "
+                f"{int(lines[0])}); write all of them with an offset or none")
+
+    def _timestamps_with_offsets(self, text: np.ndarray, lines: np.ndarray) -> np.ndarray:
+        """Offset-carrying text stamps -> naive wall-clock ns (`parse_timestamps`: DST changes, zone)."""
+        try:
+            idx = parse_timestamps(text, source=self.label, fmt=self._format(text), timezone=self.timezone,
+                                   first_row=int(lines[0]))
+        except CandleDataError as e:
+            if str(e) not in self._messages:
+                self._messages.append(str(e))
+            return np.zeros(len(text), dtype=np.int64)
+        self._note_aware(True, lines)
+        return idx.asi8.copy()
+
+    def _ns(self, arr: pa.Array, lines: np.ndarray, name: str) -> np.ndarray:
+        ns = arr.cast(pa.int64()).to_numpy(zero_copy_only=False) if arr.null_count == 0 else None
+        if ns is None:
+            bad = arr.is_null().to_numpy(zero_copy_only=False)
+            self._issue("ts_bad", name, lines[bad], ["<empty>"])
+            ns = pc.fill_null(arr.cast(pa.int64()), 0).to_numpy()
+        return ns
+
+    def _format(self, text: np.ndarray) -> str | None:
+        """data.timestamp_format, else the format pandas infers from the file's first value (kept for the file)."""
+        if self.timestamp_format is not None:
+            return self.timestamp_format
+        if self._guessed_format is None and len(text):
+            self._guessed_format = pd.tseries.api.guess_datetime_format(str(text[0])) or ""
+        return self._guessed_format or None
+
+    def _timestamps_pandas(self, text: np.ndarray, lines: np.ndarray, name: str) -> np.ndarray:
+        s = pd.Series(text, dtype=object)
+        try:
+            ts = pd.to_datetime(s, format=self._format(text), errors="coerce")
+        except (ValueError, TypeError) as e:  # e.g. mixed time zones
+            self._issue("ts_mixed", name, lines[:1], [str(e)[:120]])
+            return np.zeros(len(text), dtype=np.int64)
+        if getattr(ts.dt, "tz", None) is not None:
+            ts = ts.dt.tz_localize(None)  # wall-clock time where the bar happened
+        bad = ts.isna().to_numpy()
+        if bad.any():
+            self._issue("ts_bad", name, lines[bad], [repr(v) for v in s[bad].head(3)])
+        try:
+            ns = ts.to_numpy(dtype="datetime64[ns]")
+        except (ValueError, OverflowError):
+            self._issue("ts_range", name, lines[:1])
+            return np.zeros(len(text), dtype=np.int64)
+        out = ns.view(np.int64).copy()
+        out[bad] = 0
+        return out
+
+    def _parse_symbols(self, col: pa.Array, lines: np.ndarray) -> np.ndarray:
+        text = pc.utf8_trim_whitespace(pc.cast(col, pa.string()))
+        text = pc.fill_null(text, "")
+        enc = pc.dictionary_encode(text)
+        local = [str(v) for v in enc.dictionary.to_pylist()]
+        if "" in local:
+            empty = (enc.indices.to_numpy(zero_copy_only=False) == local.index(""))
+            self._issue("symbol_empty", self.symbol_column, lines[empty])
+        # Codes are global to the file (first appearance order); `symbols[code]` is the name.
+        table = np.array([self._symbol_codes.setdefault(s, len(self._symbol_codes)) for s in local], dtype=np.int32)
+        self.symbols = list(self._symbol_codes)
+        return table[enc.indices.to_numpy(zero_copy_only=False)]
+
+    def _field_of(self, column: str) -> str:
+        for f, c in self.columns.items():
+            if c == column:
+                return f
+        return "symbol_column"
+
+    def _fmt_text(self) -> str:
+        return f"'{self.timestamp_format}'" if self.timestamp_format else "inferred"
+
+
+_ISSUE_TEXT = {
+    "not_number": (
+        "{file}: column '{column}' (data.columns.{field}) has {n} non-numeric value(s) at {where}: {examples}"
+    ),
+    "inf": "{file}: column '{column}' (data.columns.{field}) has {n} infinite value(s) at {where}",
+    "numeric_type": "{file}: column '{column}' (data.columns.{field}) holds {examples}, not numbers",
+    "ts_bad": "{file}: column '{column}' (data.columns.timestamps) has {n} unparseable timestamp(s) at {where}, e.g. "
+              "{examples} (format {fmt}; set data.timestamp_format)",
+    "ts_type": "{file}: column '{column}' (data.columns.timestamps) holds {examples}, not timestamps or text; "
+               "store the column as timestamps or strings",
+    "ts_range": "{file}: column '{column}' (data.columns.timestamps) has times outside 1677-2262, which nanosecond "
+                "timestamps cannot hold (first block at {where})",
+    "ts_mixed": "{file}: column '{column}' (data.columns.timestamps) cannot be parsed as one series of times near "
+                "{where} ({examples}); use one time zone and format (data.timestamp_format)",
+    "symbol_empty": "{file}: column '{symbol}' (data.symbol_column) is empty at {where}",
+}
+
+
+def _unique(names: list[str]) -> list[str]:
+    """Header names made unique the way pandas does ('a', 'a.1', ...), so a mapping means the same column."""
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        if n in seen:
+            seen[n] += 1
+            out.append(f"{n}.{seen[n]}")
+        else:
+            seen[n] = 0
+            out.append(n)
+    return out
+
+
+def _rebatch(batch: pa.RecordBatch, rows: int) -> Iterator[pa.RecordBatch]:
+    for start in range(0, batch.num_rows, rows):
+        yield batch.slice(start, rows)
+
+
+def _resolve_columns(header: list[str], wanted: Mapping[str, str | None], symbol_column: str | None,
+                     source: str) -> dict[str, str | None]:
+    """Our field -> the source's column, by the one column resolver (model.features.resolve_columns: any case,
+    aliases such as Date / Datetime / vol / turnover, a close-match hint, duplicates refused). `wanted` is
+    data.columns: a field mapped to its own name is matched, one mapped elsewhere (or to null) is explicit.
+    A missing volume/amount whose name has a close match is an error (a misspelling must not silently turn real
+    volumes into zeros), else it is derived."""
+    explicit = {f: c for f, c in wanted.items() if c != f}
+    try:
+        columns = resolve_columns(header, explicit, where=source)
+    except ColumnError as e:
+        raise SourceProblems([f"{e}; map the columns with data.columns.<field> (e.g. data.columns.close: Close)"]) \
+            from None
+    problems = []
+    unused = [h for h in header if h not in set(columns.values())]
+    for fld in ("volume", "amount"):
+        if columns[fld] is None and fld not in explicit:
+            close = difflib.get_close_matches(fld, [h.strip().lower() for h in unused], n=1, cutoff=0.6)
+            if close:
+                name = next(h for h in unused if h.strip().lower() == close[0])
+                problems.append(f"{source}: no '{fld}' column, but '{name}' looks like one; set data.columns.{fld}: "
+                                f"{name}, or data.columns.{fld}: null if the data has none")
+            else:
+                log.info("%s: no '%s' column (data.columns.%s); it will be derived", source, fld, fld)
+    if symbol_column is not None and symbol_column not in header:
+        close = difflib.get_close_matches(symbol_column, header, n=1, cutoff=0.6)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        problems.append(f"{source}: symbol column '{symbol_column}' (data.symbol_column) not found{hint}")
+    if problems:
+        raise SourceProblems(problems)
+    if columns["volume"] is None and columns["amount"] is not None:
+        raise SourceProblems([(f"{source}: has an amount column but no volume column; set data.columns.amount: "
+                               "null or map data.columns.volume")])
+    return columns
+
+
+def blank_lines(path: str | Path, chunk: int = 1 << 26) -> np.ndarray:
+    """1-based numbers of the empty lines ('' or a lone '\\r') of a text file, ascending: the CSV reader skips them,
+    so the n-th non-empty line is line n + (blank lines before it). Read in chunks of `chunk` bytes, memory-mapped."""
+    size = Path(path).stat().st_size
+    data = np.memmap(path, np.uint8, "r") if size else np.zeros(0, np.uint8)
+    found, line, last_nl = [], 1, -1  # line: number of the line the next newline ends
+    for start in range(0, size, chunk):
+        nl = np.flatnonzero(data[start:start + chunk] == 10) + start  # newline offsets
+        if not len(nl):
+            continue
+        length = nl - np.concatenate([[last_nl], nl[:-1]]) - 1  # bytes of each line before its newline
+        blank = (length == 0) | ((length == 1) & (data[nl - 1] == 13))
+        found.append(line + np.flatnonzero(blank))
+        line, last_nl = line + len(nl), int(nl[-1])
+    return np.concatenate(found).astype(np.int64) if found else np.zeros(0, np.int64)
+
+
+def file_series(reader: SourceReader, scratch: Path, block_rows: int):
+    """Yield (name, timestamps (n,), values (n, 6), lines (n,)) per series of one file, in the CSV pipeline's
+    order (one series per file, or one per symbol sorted by name)."""
+    if reader.symbol_column is None:
+        parts = list(reader.blocks())
+        if reader.problems:
+            raise SourceProblems(reader.problems)
+        yield (reader.name, np.concatenate([b.timestamps for b in parts]),
+               np.concatenate([b.values for b in parts]), np.concatenate([b.lines for b in parts]))
+        return
+    yield from grouped_series(reader, scratch, block_rows)
+
+
+def grouped_series(reader: SourceReader, scratch: Path, block_rows: int) -> Iterator[tuple]:
+    """Yield (name, timestamps (n,) int64, values (n, 6) float64, lines (n,) int64) per symbol of one file, sorted
+    by symbol name (the CSV pipeline's order), rows of a symbol in file order. Scratch files go to `scratch` and
+    are removed at the end."""
+    spill = {k: scratch / f".spill.{k}" for k in ("ts", "values", "lines", "codes")}
+    counts = np.zeros(0, dtype=np.int64)
+    try:
+        with open(spill["ts"], "wb") as f_ts, open(spill["values"], "wb") as f_v, \
+                open(spill["lines"], "wb") as f_l, open(spill["codes"], "wb") as f_c:
+            for b in reader.blocks():
+                b.timestamps.tofile(f_ts)
+                b.values.tofile(f_v)
+                b.lines.tofile(f_l)
+                b.symbols.tofile(f_c)
+                counts = np.pad(counts, (0, len(reader.symbols) - len(counts)))
+                counts += np.bincount(b.symbols, minlength=len(reader.symbols))
+        if reader.problems:
+            raise SourceProblems(reader.problems)
+        n = int(counts.sum())
+        order = sorted(range(len(reader.symbols)), key=lambda c: reader.symbols[c])  # by symbol name
+        start = np.zeros(len(counts), dtype=np.int64)
+        start[order] = np.concatenate([[0], np.cumsum(counts[order])[:-1]])
+        src = {"ts": np.memmap(spill["ts"], np.int64, "r", shape=(n,)),
+               "values": np.memmap(spill["values"], np.float64, "r", shape=(n, len(FEATURES))),
+               "lines": np.memmap(spill["lines"], np.int64, "r", shape=(n,))}
+        codes = np.memmap(spill["codes"], np.int32, "r", shape=(n,))
+        dst = {k: np.memmap(scratch / f".grouped.{k}", a.dtype, "w+", shape=a.shape) for k, a in src.items()}
+        cursor = start.copy()
+        for a in range(0, n, block_rows):
+            c = np.asarray(codes[a : a + block_rows])
+            perm = np.argsort(c, kind="stable")
+            sc = c[perm]
+            rank = np.arange(len(sc)) - np.searchsorted(sc, sc, side="left")  # position within its symbol
+            where = cursor[sc] + rank
+            for k in src:
+                dst[k][where] = np.asarray(src[k][a : a + block_rows])[perm]
+            cursor += np.bincount(c, minlength=len(cursor))
+        del src, codes
+        for c in order:
+            rows = slice(int(start[c]), int(start[c] + counts[c]))
+            yield (f"{reader.name}[{reader.symbols[c]}]", np.array(dst["ts"][rows]),
+                   np.array(dst["values"][rows]), np.array(dst["lines"][rows]))
+        del dst
+    finally:
+        for p in list(spill.values()) + [scratch / f".grouped.{k}" for k in ("ts", "values", "lines")]:
+            p.unlink(missing_ok=True)
+
+
+class Float32RangeError(CandleDataError):
+    """A value outside float32's finite range."""
+
+
+def check_float32_range(array: Any, columns: Sequence[str], source: str, first_row: int = 1) -> None:
+    """Raise `Float32RangeError` at the first value (row-major) of `array (N, C)` or `(N,)` with |x| > float32's max
+    (inf included; NaN not); `first_row` is the file line of row 0."""
+    a = np.asarray(array)
+    if a.ndim == 1:
+        a = a.reshape(-1, 1)  # (N, 1)
+    if a.dtype.kind in "iub" or a.size == 0:
+        return  # integers up to int64/uint64 are far below 3.4e38
+    a = a.astype(np.float64, copy=False)
+    with np.errstate(invalid="ignore"):
+        bad = np.abs(a) > FLOAT32_MAX  # (N, C) bool; NaN compares False
+    if not bad.any():
+        return
+    row = int(np.argmax(bad.any(axis=1)))
+    col = int(np.argmax(bad[row]))
+    total = int(bad.sum())
+    more = f" ({total} such values in this file)" if total > 1 else ""
+    name = columns[col] if col < len(columns) else f"#{col}"
+    raise Float32RangeError(
+        f"{source} line {first_row + row}, column '{name}': value {a[row, col]:.6g} is outside float32's finite "
+        f"range (+-{FLOAT32_MAX:.7g}){more}; the model computes in float32, so correct or remove it in the file "
+        "(or rescale that column)")

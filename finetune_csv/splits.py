@@ -1,0 +1,135 @@
+"""Cutting the prepared panel into train / val (/ test) by data.split: by_date (every series cut at the same dates:
+data.train_end / data.val_end, or the ratios of all candles) or per_series (each series by its own rows), as index
+ranges (no copies); the length rules a series must meet; and the windows a split yields (`build_dataset`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from finetune.utils.config_utils import Problems
+from finetune.utils.plots import stamp_text
+from finetune.utils.store import SeriesPanel, StoreError
+from finetune.utils.windows import (
+    PanelSegments,
+    WindowDataset,
+    date_bounds,
+    split_bounds,
+    split_panel,
+    split_panel_by_date,
+)
+from finetune_csv.config import DataConfig
+
+log = logging.getLogger(__name__)
+
+def split_row_counts(n_rows: int, cfg: DataConfig) -> dict[str, int]:
+    """Rows of each split of a series of `n_rows` (context excluded): {"train", "val", "test"}."""
+    train_end, val_end = split_bounds(n_rows, cfg.train_ratio, cfg.val_ratio)
+    return {"train": train_end, "val": val_end - train_end, "test": n_rows - val_end}
+
+
+def split_is_usable(n_rows: int, cfg: DataConfig) -> bool:
+    """Whether a series of n_rows gives at least one window in train, in val, and in test when test_ratio > 0."""
+    counts = split_row_counts(n_rows, cfg)
+    test_ok = cfg.test_ratio == 0 or counts["test"] >= cfg.predict
+    return counts["train"] >= cfg.lookback + cfg.predict and counts["val"] >= cfg.predict and test_ok
+
+
+def min_rows_needed(cfg: DataConfig) -> int:
+    """Smallest series length that gives every split at least one window (see `split_is_usable`)."""
+    n = cfg.lookback + cfg.predict
+    while not split_is_usable(n, cfg):
+        n += 1
+    return n
+
+
+def too_short_problems(rows: list[tuple[str, int]], cfg: DataConfig) -> Problems:
+    """One Problems entry per (series name, row count) too short for a window in every split; empty when none is."""
+    problems = Problems(
+        f"Series too short for one window per split: each needs at least {min_rows_needed(cfg)} rows with "
+        f"data.lookback={cfg.lookback}, data.predict={cfg.predict} and ratios {cfg.train_ratio}/{cfg.val_ratio}/"
+        f"{cfg.test_ratio} (train needs lookback + predict rows, val and test need predict rows); "
+        "lower data.lookback / data.predict, change the ratios, or remove these series")
+    for name, n in rows:
+        if not split_is_usable(n, cfg):
+            problems.add(name, f"{n} rows {split_row_counts(n, cfg)}")
+    return problems
+
+
+def series_overlap(panel: SeriesPanel) -> bool:
+    """Whether any two series share a stretch of time (their first..last bar intervals intersect)."""
+    when, offsets = np.asarray(panel.datetimes), np.asarray(panel.offsets)
+    nonempty = np.flatnonzero(np.diff(offsets) > 0)
+    first, last = when[offsets[nonempty]], when[offsets[nonempty + 1] - 1]
+    order = np.argsort(first, kind="stable")
+    return bool((first[order][1:] <= np.maximum.accumulate(last[order])[:-1]).any())
+
+
+def split_data(panel: SeriesPanel, cfg: DataConfig) -> tuple[dict[str, PanelSegments], dict[str, Any]]:
+    """Cut the panel into train / val (/ test) by `data.split`; (splits, how they were cut). Raises DataError when a
+    split gets no window (or, per_series, naming each series too short)."""
+    mode = cfg.split or ("by_date" if cfg.train_end or series_overlap(panel) else "per_series")
+    if mode == "per_series":
+        too_short_problems([(name, int(n)) for name, n in zip(panel.names, panel.lengths())], cfg).raise_if_any()
+        splits = split_panel(panel, cfg.train_ratio, cfg.val_ratio, cfg.test_ratio, cfg.lookback, cfg.predict)
+        _warn_overlapping_periods(splits)
+        return splits, {"mode": mode}
+    if cfg.train_end is not None:
+        train_end = pd.Timestamp(cfg.train_end).value
+        val_end = None if cfg.val_end is None else pd.Timestamp(cfg.val_end).value
+        source = "data.train_end / data.val_end"
+    else:
+        train_end, val_end = date_bounds(panel, cfg.train_ratio, cfg.val_ratio, cfg.test_ratio > 0)
+        source = f"ratios {cfg.train_ratio}/{cfg.val_ratio}/{cfg.test_ratio} of all candles"
+    splits = split_panel_by_date(panel, train_end, val_end, cfg.lookback, cfg.predict)
+    how = {"mode": mode, "train_end": stamp_text(train_end),
+           "val_end": None if val_end is None else stamp_text(val_end)}
+    window = cfg.lookback + cfg.predict
+    empty = [name for name, seg in splits.items()
+             if not (seg.stop - seg.start >= window).any() or not (seg.stop > seg.first_target).any()]
+    if empty:
+        raise StoreError(
+            f"data.split: by_date: the {', '.join(empty)} split(s) hold no window of data.lookback + data.predict = "
+            f"{window} bars with boundaries {how['train_end']} / {how['val_end']} (from {source}; with these ratios "
+            f"a series needs at least {min_rows_needed(cfg) + cfg.predict} rows); move the boundaries "
+            "(data.train_end, data.val_end or the ratios), add data, lower data.lookback / data.predict, or set "
+            "data.split: per_series")
+    return splits, how
+
+
+def _warn_overlapping_periods(splits: dict[str, PanelSegments]) -> None:
+    """per_series: warn when a series' validation or test period begins before another series' training (or, for
+    test, validation) period ends: correlated series then leak the future into training and model selection."""
+    panel = splits["train"].panel
+    if panel.n_series < 2:
+        return
+    when = np.asarray(panel.datetimes)
+    ends = {k: when[np.maximum(seg.stop - 1, seg.start)] for k, seg in splits.items()}  # (S,) last bar per split
+    for held, earlier in (("val", ("train",)), ("test", ("train", "val"))):
+        if held not in splits:
+            continue
+        begins = when[np.minimum(splits[held].first_target, len(when) - 1)]
+        for other in earlier:
+            i = int(np.argmin(begins))
+            later = np.flatnonzero(ends[other] > begins[i])
+            later = later[later != i]
+            if len(later):
+                j = int(later[np.argmax(ends[other][later])])
+                log.warning("data.split: per_series: the %s period of %s begins %s, inside the %s period of %s "
+                            "(to %s); related series then leak the future into training. Set data.split: by_date "
+                            "to cut every series at the same dates", held, panel.names[i], pd.Timestamp(begins[i]),
+                            other, panel.names[j], pd.Timestamp(ends[other][j]))
+                return
+
+
+def build_dataset(segments: PanelSegments, cfg: DataConfig) -> WindowDataset:
+    """All windows of `lookback + predict` rows, `stride` apart, inside each series' range (never across series).
+
+    Val/test ranges start `lookback` rows before their split (see `split_panel`), so every window of a split predicts
+    rows of its own split. Normalisation uses each window's lookback rows only.
+    """
+    return segments.dataset(cfg.lookback, cfg.predict, stride=cfg.stride, clip=cfg.clip)
