@@ -28,12 +28,12 @@ from torch import nn
 import finetune_csv.config as csv_config
 from finetune.evaluation.forecast_scores import (
     ScoreSettings,
-    bootstrap_ci,
     crps_ensemble,
     infer_season,
     interval_coverage,
     score_forecasts,
 )
+from finetune.evaluation.statistics import bootstrap_ci
 from finetune.utils.checkpoint import list_checkpoints, weights_fingerprint
 from finetune.utils.config_utils import add_config_args, parse_config_args
 from finetune.utils.errors import setup_logging

@@ -8,18 +8,17 @@ import pytest
 
 from finetune.evaluation.forecast_scores import (
     ScoreSettings,
-    bootstrap_ci,
     crps_ensemble,
     infer_season,
     interval_coverage,
     persistence_samples,
     pinball_loss,
-    resample_indices,
     sample_quantiles,
     score_forecasts,
     seasonal_naive_samples,
     weighted_quantile_loss,
 )
+from finetune.evaluation.statistics import bootstrap_ci, resample_indices
 from model.fileio import strict_json
 
 
