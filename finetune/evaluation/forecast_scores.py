@@ -122,17 +122,19 @@ def empirical_samples(history: np.ndarray, horizon: int, window: int = 250) -> n
     return history[:, -1, None, None] * rel
 
 
-def seasonal_naive_samples(context: np.ndarray, horizon: int, season: int) -> np.ndarray:
-    """Seasonal-naive forecast `(W, 1, H)` from `context (W, L)`, L >= season m: horizon h (1-based) repeats the
-    value one season earlier, context[L - m + (h-1) % m]."""
+def seasonal_naive_samples(context: np.ndarray, horizon: int, season) -> np.ndarray:
+    """Seasonal-naive forecast `(W, 1, H)` from `context (W, L)` and the season m (an int, or `(W,)` per window: a
+    daily and an hourly series have different seasons), L >= m: horizon h (1-based) repeats the value one season
+    earlier, context[L - m + (h-1) % m]."""
     context = np.asarray(context, dtype=np.float64)
-    if season < 1:
-        raise DataError(f"season={season} must be >= 1")
-    if context.ndim != 2 or context.shape[1] < season:
-        raise DataError(f"context of shape {context.shape} is shorter than one season ({season} bars); "
+    m = np.broadcast_to(np.asarray(season, dtype=np.int64), context.shape[:1])[:, None]  # (W, 1)
+    if (m < 1).any():
+        raise DataError(f"season={np.min(m)} must be >= 1")
+    if context.ndim != 2 or context.shape[1] < m.max(initial=1):
+        raise DataError(f"context of shape {context.shape} is shorter than one season ({m.max()} bars); "
                         "lengthen the lookback or set the season explicitly")
-    cols = context.shape[1] - season + (np.arange(horizon) % season)  # (H,)
-    return context[:, None, cols]
+    cols = context.shape[1] - m + (np.arange(horizon) % m)  # (W, H)
+    return np.take_along_axis(context, cols, axis=1)[:, None]
 
 
 def infer_season(timestamps) -> int:
@@ -155,8 +157,9 @@ class ScoreSettings:
 
     quantiles: tuple[float, ...] = DEFAULT_QUANTILES  # Quantile levels of the pinball loss and WQL.
     intervals: tuple[float, ...] = (0.5, 0.8)  # Central interval levels whose coverage is reported.
-    # Season of the seasonal-naive baseline in bars (bars per day / week); None = no seasonal-naive baseline.
-    season: int | None = None
+    # Season of the seasonal-naive baseline in bars (bars per day / week), one for all series or {series: season};
+    # None = no seasonal-naive baseline.
+    season: int | dict[str, int] | None = None
     n_boot: int = 1000  # Bootstrap resamples for confidence intervals (0 = none).
     # Bootstrap block length: consecutive windows (1 = iid), or with window dates, dates (None = `default_block`).
     block: int | None = 1
@@ -279,12 +282,17 @@ def score_forecasts(samples, realised, last_close, context=None, series=None,
     forecasters = {"model": samples, "persistence": persistence_samples(last_close, horizon)}
     if history is not None:
         forecasters["empirical"] = empirical_samples(history, horizon, settings.empirical_window)
-    if settings.season is not None:
+    season = settings.season
+    if isinstance(season, dict):  # {series: season} of the series scored here, one number when they agree
+        season = {str(n): int(season[n]) for n in names}
+        season = next(iter(season.values())) if len(set(season.values())) == 1 else season
+    if season is not None:
         if context is None:
             raise DataError("a seasonal-naive baseline (season) needs the context values")
-        forecasters["seasonal_naive"] = seasonal_naive_samples(context, horizon, settings.season)
+        per_window = np.array([season[n] for n in names])[codes] if isinstance(season, dict) else season  # (W,)
+        forecasters["seasonal_naive"] = seasonal_naive_samples(context, horizon, per_window)
     result = {"setup": {"windows": n_windows, "samples": n_samples, "horizon": horizon, "series": n_series,
-                        "season": settings.season, "space": "return relative to the last observed close",
+                        "season": season, "space": "return relative to the last observed close",
                         "empirical_paths": forecasters["empirical"].shape[1] if history is not None else None,
                         "point_forecast": "sample median", "quantiles": list(settings.quantiles)}}
     by_name = {}  # forecaster -> its per-window scores
