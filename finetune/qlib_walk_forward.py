@@ -102,17 +102,6 @@ def signal_days(calendar: pd.DatetimeIndex, periods: list[Period], k: int) -> tu
     return first, calendar[calendar < first_signal_day(calendar, periods[k + 1].test[0])][-1]
 
 
-def ic_verdict(diff: pd.Series, lag: int) -> dict[str, Any]:
-    """The verdict (`paired_test`) on daily IC differences, finetuned - zero-shot (> 0 = finetuned better), with
-    `lag` days of known dependence; plus the share of days the finetuned IC was higher."""
-    d = diff.dropna()
-    if len(d) < 2:
-        raise UserError("walk-forward: fewer than 2 days with both a finetuned and a zero-shot IC; widen "
-                        "walk_forward.test_range")
-    return {**paired_test(d.to_numpy(), d.index, lag, what="finetuned - zero-shot mean daily IC",
-                          higher_is_better=True), "share_days_better": float((d > 0).mean())}
-
-
 def period_config(cfg: QlibConfig, p: Period, folder: Path) -> QlibConfig:
     """`cfg` for one period: its three ranges, and every data / model / result path inside `folder`."""
     c = copy.deepcopy(cfg)
@@ -199,7 +188,8 @@ def score(cfg: QlibConfig, periods: list[Period], signals: pd.DataFrame, calenda
     table = pd.DataFrame(rows).set_index("period")
     table["IC_diff"] = table["IC_finetuned"] - table["IC_zero_shot"]
     diff = (daily["finetuned"] - daily["zero_shot"]).dropna()
-    verdict = ic_verdict(diff, max(h, w.block_days) - 1)
+    verdict = {**paired_test(diff.to_numpy(), diff.index, max(h, w.block_days) - 1, higher_is_better=True,
+                             what="finetuned - zero-shot mean daily IC"), "share_days_better": float((diff > 0).mean())}
     bt0, bt1 = backtest_period(calendar, periods[0].test[0], last)
     backtest = {}
     for cand in CANDIDATES:

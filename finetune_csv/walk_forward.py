@@ -1,19 +1,16 @@
 """Does finetuning pay on your market? A purged, expanding-window walk-forward with a three-word verdict.
 
     kronos walk-forward --config configs/csv_demo_walk_forward.yaml [--set walk_forward.folds=3] [--overwrite]
-    python finetune_csv/walk_forward.py --config ...                 # the same main(argv)
+    kronos walk-forward --config ... --report-only     # report.json, windows.csv and plot from the finished folds
 
-Folds are on one calendar, the union of all series' bar times: counted from its end, K test blocks of `test_bars`
-calendar bars, `embargo` bars apart (fold 0 the oldest); a block is a date range shared by every series, and a
-series without a test window in it (or a training window before it) sits that fold out. Fold k finetunes the
-starting models (`run_finetune`) on what precedes its block, the last `data.val_ratio` of it validating; on every
-series `purge` of its own rows separate the last training target from the validation block and the last validation
-target from the block's first date. `--report-only` rewrites the report from the finished folds. Every non-overlapping
-test window is scored with `window_scores` (as `kronos forecast` does) for each candidate (`calibrated` =
-finetuned with the bands fitted on the fold's validation windows); the verdict reads the paired finetuned -
-zero_shot CRPS per window (raw models: calibration is judged on its own). The method and the outputs: README
-"Does finetuning pay?".
-A fold's fold.json is written last and atomically: a re-run skips finished folds with the same settings and data.
+Folds are on one calendar (every series' bar times): from its end, K test blocks of `test_bars` bars, `embargo`
+apart (fold 0 the oldest), each a date range shared by all series; a series without a test window in it (or a
+training window before it) sits the fold out. Fold k finetunes the starting models (`run_finetune`) on what precedes
+its block, the last `data.val_ratio` validating; on every series `purge` of its own rows precede the validation
+block and the test block. Every non-overlapping test window is scored with `window_scores` (as `kronos forecast`)
+for each candidate (`calibrated` = finetuned with bands fitted on the fold's validation windows); the verdict
+(finetune/evaluation/statistics.py) reads the paired finetuned - zero_shot CRPS. Method and outputs: README "Does
+finetuning pay?". fold.json is written last and atomically: a re-run skips folds finished with the same settings.
 """
 
 from __future__ import annotations
@@ -178,13 +175,6 @@ def _fingerprint(cfg: CsvFinetuneConfig, fold: Fold, manifest: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _fold_config(cfg: CsvFinetuneConfig, folder: Path, overwrite: bool) -> CsvFinetuneConfig:
-    """The fold's run: its own stage folders under `folder`, the run's data store, training.overwrite as asked."""
-    return dataclasses.replace(cfg, paths=dataclasses.replace(cfg.paths, base_dir=str(folder)),
-                               data=dataclasses.replace(cfg.data, store_dir=str(cfg.store_dir)),
-                               training=dataclasses.replace(cfg.training, overwrite=overwrite))
-
-
 def run_walk_forward(cfg: CsvFinetuneConfig, overwrite: bool = False, report_only: bool = False) -> dict:
     """Train and score every fold (skipping finished ones), then write report.json, windows.csv and the plot;
     `report_only`: only the last step, from the finished folds' windows.csv (RefusedError naming one that is not)."""
@@ -206,12 +196,14 @@ def run_walk_forward(cfg: CsvFinetuneConfig, overwrite: bool = False, report_onl
             folder = out / f"fold_{fold.index}"
             fp, done = _fingerprint(cfg, fold, data.store.manifest), folder / "fold.json"
             info = read_json_object(done) if done.is_file() else None
-            if info is not None and info["fingerprint"] != fp and not overwrite:
+            finished = info is not None and info["fingerprint"] == fp
+            if report_only and not finished:
+                raise RefusedError(f"--report-only: {folder} holds no fold finished with these settings and data; "
+                                   "run without --report-only (with --overwrite to redo folds of other settings)")
+            if info is not None and not finished and not overwrite:
                 raise RefusedError(f"{folder} holds a finished fold made with other settings or data; pass "
                                    "--overwrite to redo every fold, or choose another paths.base_dir")
-            if report_only and info is None:
-                raise RefusedError(f"--report-only: {folder} holds no finished fold; run without --report-only")
-            if info is not None and info["fingerprint"] == fp and not overwrite:
+            if finished and (report_only or not overwrite):
                 log.info("fold %d of 0..%d: finished before (%s), skipped", fold.index, len(folds) - 1, done)
             else:
                 if overwrite and folder.exists():
@@ -233,7 +225,10 @@ def run_walk_forward(cfg: CsvFinetuneConfig, overwrite: bool = False, report_onl
 def _run_fold(cfg: CsvFinetuneConfig, fold: Fold, folder: Path, fp: str) -> dict:
     """Finetune (resuming an interrupted stage) and score one fold; write its windows.csv, then fold.json."""
     t0 = time.monotonic()
-    fold_cfg = _fold_config(cfg, folder, overwrite=False)
+    # The fold's run: its own stage folders under `folder`, the run's data store, finished stages kept.
+    fold_cfg = dataclasses.replace(cfg, paths=dataclasses.replace(cfg.paths, base_dir=str(folder)),
+                                   data=dataclasses.replace(cfg.data, store_dir=str(cfg.store_dir)),
+                                   training=dataclasses.replace(cfg.training, overwrite=False))
     _, plan, info = run_finetune(fold_cfg, skip_existing=True, splits={"train": fold.train, "val": fold.val})
     t1 = time.monotonic()
     frame = score_fold(cfg, fold_cfg, fold)

@@ -14,7 +14,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from finetune.qlib_walk_forward import ic_verdict, signal_days, walk_forward_periods
+from finetune.evaluation.statistics import paired_test
+from finetune.qlib_walk_forward import signal_days, walk_forward_periods
 from model.errors import ConfigError
 
 CAL = pd.bdate_range("2019-01-01", "2022-12-30")
@@ -39,6 +40,11 @@ def test_no_training_or_validation_target_reaches_its_test_period(months, val_mo
 def test_a_span_without_room_for_training_is_named():
     with pytest.raises(ConfigError, match="walk_forward.test_range: period 0"):
         walk_forward_periods(CAL, "2019-01-01", "2019-06-01", "2019-12-31", 6, 6, 10)
+
+
+def ic_verdict(diff: pd.Series, lag: int) -> dict:
+    """The Qlib walk-forward's verdict on daily IC differences (finetuned - zero-shot: higher is better)."""
+    return paired_test(diff.to_numpy(), diff.index, lag, higher_is_better=True)
 
 
 def test_verdict_direction_and_recomputation():

@@ -185,7 +185,8 @@ def test_report_and_windows_csv_agree_and_a_rerun_skips_finished_folds(run_confi
     # other settings are refused without --overwrite, and redone with it
     with pytest.raises(RefusedError, match="--overwrite"):
         wf.main(["--config", str(run_config), "--set", "forecast.sample_count=3"])
-    with pytest.raises(RefusedError, match="--overwrite"):  # --report-only never reports folds of other settings
-        wf.main(["--config", str(run_config), "--set", "forecast.sample_count=3", "--report-only"])
+    for flags in (["--report-only"], ["--report-only", "--overwrite"]):  # it never reports (or redoes) such folds
+        with pytest.raises(RefusedError, match="--report-only: .* no fold finished with these settings"):
+            wf.main(["--config", str(run_config), "--set", "forecast.sample_count=3", *flags])
     assert wf.main(["--config", str(run_config), "--set", "forecast.sample_count=3", "--overwrite"]) == 0
     assert json.loads((out / "report.json").read_text())["settings"]["samples"] == 3

@@ -282,10 +282,9 @@ def score_forecasts(samples, realised, last_close, context=None, series=None,
     forecasters = {"model": samples, "persistence": persistence_samples(last_close, horizon)}
     if history is not None:
         forecasters["empirical"] = empirical_samples(history, horizon, settings.empirical_window)
-    season = settings.season
-    if isinstance(season, dict):  # {series: season} of the series scored here, one number when they agree
-        season = {str(n): int(season[n]) for n in names}
-        season = next(iter(season.values())) if len(set(season.values())) == 1 else season
+    season = settings.season  # {series: season} of the series scored here, or one number when they agree
+    if isinstance(season, dict):
+        season = {str(n): season[n] for n in names} if len({season[n] for n in names}) > 1 else season[names[0]]
     if season is not None:
         if context is None:
             raise DataError("a seasonal-naive baseline (season) needs the context values")

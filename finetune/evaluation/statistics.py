@@ -1,26 +1,22 @@
-"""Inference on forecast scores: HAC variance, bootstraps, paired differences and the helps / hurts verdict.
+"""Inference on forecast scores: HAC variance, bootstraps, paired differences and the helps / hurts verdict, for
+the forecast report (`kronos forecast`) and both walk-forwards (CSV: finetuned - zero-shot CRPS per window; Qlib:
+finetuned - zero-shot daily IC).
 
-One module for the forecast report (`kronos forecast`), the CSV walk-forward (finetuned - zero-shot CRPS per window)
-and the Qlib walk-forward (finetuned - zero-shot daily IC).
-
-The verdict (`paired_test`). Paired differences d (one per window, < 0 = the first forecaster better for losses)
-are averaged over the windows of one date: correlated series at a date are one observation, not several. The T
-date means x_1..x_T, in time order over the pooled test periods, are the sample. Neighbouring dates are dependent
-(volatility clusters; with overlapping horizons the differences are MA(h - 1)), so:
-- variance: Newey-West (Bartlett) long-run variance with bandwidth L = max(lag, floor(4 (T/100)^(2/9))), `lag` the
-  known dependence (h - 1 for h-step overlapping targets, 0 for non-overlapping windows);
-- independent blocks: B = floor(T / (L + 1)) runs of L + 1 consecutive dates. The HAC variance is then worth about
-  B - 1 degrees of freedom, so the Diebold-Mariano t = mean / se is read against Student t with B - 1 df, not the
-  normal: with few dates the normal's 1.96 rejects far too often (heavy tails, an underestimated long-run variance);
-- the moving-block bootstrap of the date means (blocks of L + 1 dates) gives a second, distribution-free interval;
-- `helps` / `hurts` only when BOTH intervals exclude 0 on the same side; `no_evidence` when either contains 0, when
-  they disagree, or when B < MIN_BLOCKS (a 95% interval from fewer independent blocks is not worth its level).
-Why not resample (fold, series) blocks, as before: one series with 3 folds is 3 blocks, and the percentile interval
-of 3 block means is the range of the fold means; on null data it said helps / hurts 26% of the time (5% nominal).
-The simulation in tests/test_statistics.py (null differences with MA(h - 1) dependence, volatility clustering,
-t(4) tails and cross-series correlation 0.5) measures this verdict's false helps / hurts rate at 1 series x 3 folds,
-1 x 4 and 5 x 4. The interval is about the mean difference over these test dates for these fold models: it does not
-treat the folds' models as a sample of finetuning runs.
+The verdict (`paired_test`). Paired differences are averaged over the windows of one date (correlated series at a
+date are one observation); the T date means, in time order over the pooled test periods, are the sample.
+- Variance: HAC with bandwidth L = max(2 q, floor(4 (T/100)^(2/9))), weights 1 up to the known MA(q) dependence of
+  overlapping targets (q = h - 1; 0 for non-overlapping windows) and Bartlett's taper beyond (plain Newey-West
+  down-weights the known lags and, with MA(4) differences, rejected 7% at 5%).
+- Critical value: the T dates hold B = floor(T / (L + 1)) independent blocks, and the HAC variance is worth about
+  B - 1 degrees of freedom, so the Diebold-Mariano t = mean / se is read against Student's t(B - 1), not the
+  normal (with few dates the normal rejects too often: heavy tails, a noisy long-run variance). The interval is
+  mean +- t(B - 1) se; `helps` / `hurts` when it excludes 0, i.e. the DM test rejects.
+- Below MIN_BLOCKS blocks no interval is claimed: `no_evidence`, and the reason says so.
+Rejected: the (fold, series)-block bootstrap it replaces (1 series x 3 folds = 3 blocks, the interval is the range of
+the fold means: 26% false helps / hurts on null data), and the moving-block bootstrap of the date means, which
+alone said helps / hurts 11-14% of the time on the null designs of tests/test_statistics.py (MA(4) differences,
+t(4) tails, clustered volatility, series correlated 0.5), where this verdict says so 4-6% of the time. The interval
+is about the mean difference over these test dates for these fold models, not over finetuning runs in general.
 """
 
 from __future__ import annotations
@@ -34,16 +30,13 @@ from scipy import stats as sps
 
 from model.errors import DataError
 
-MIN_BLOCKS = 8
-LAGMULT = 3
-Z_95, Z_80 = 1.959963984540054, 0.8416212335729143  # two-sided 5% test, 80% power
+MIN_BLOCKS = 8  # independent blocks of dates below which no 95% interval is claimed
 
 
 def hac_variance(x: np.ndarray, lag: int, flat: int = 0) -> float:
-    """Long-run variance of `x (T,)` (time order): g_0 + 2 sum_{l<=lag} w_l g_l with g_l = (1/T) sum_t (x_t - m)
-    (x_{t-l} - m); w_l = 1 up to `flat`, then Bartlett's taper (flat 0 = Newey-West, w_l = 1 - l / (lag + 1)).
-    A flat part over a known MA(flat) dependence removes the Bartlett bias there. lag 0 = the population variance.
-    Clipped at 0."""
+    """Long-run variance of `x (T,)` (time order), clipped at 0: g_0 + 2 sum_{l<=lag} w_l g_l, g_l the lag-l
+    autocovariance (divided by T); w_l = 1 up to `flat` (a known MA(flat) dependence), then Bartlett's taper to 0
+    at lag + 1 (flat 0: Newey-West, w_l = 1 - l / (lag + 1)); lag 0 = the population variance."""
     dev = np.asarray(x, dtype=np.float64) - np.mean(x)
     n = len(dev)
     var = float(dev @ dev) / n
@@ -59,12 +52,8 @@ def newey_west_tstat(x, lag: int) -> dict[str, float]:
         raise DataError(f"lag={lag} must be >= 0")
     values = np.asarray(x, dtype=np.float64)
     values = values[np.isfinite(values)]
-    n = len(values)
-    mean = float(values.mean()) if n else math.nan
-    var = hac_variance(values, lag) if n >= 2 else 0.0
-    if not var > 0:
-        return {"mean": mean, "se": math.nan, "t": math.nan, "n": n}
-    se = math.sqrt(var / n)
+    n, var = len(values), hac_variance(values, lag) if len(values) >= 2 else 0.0
+    mean, se = float(values.mean()) if n else math.nan, math.sqrt(var / n) if var > 0 else math.nan
     return {"mean": mean, "se": se, "t": mean / se, "n": n}
 
 
@@ -85,14 +74,10 @@ def resample_indices(n: int, n_boot: int, block: int = 1, seed: int = 0) -> np.n
 
 def date_block_indices(dates: np.ndarray, n_boot: int, block: int | None = None, seed: int = 0,
                        min_block: int = 1) -> list[np.ndarray]:
-    """Moving-block bootstrap over the sorted unique window dates; every window on a drawn date comes along.
-
-    Windows of correlated series on one date are one observation, not several: resampling them independently
-    would shrink the interval by up to sqrt(series). Neighbouring dates are dependent too (volatility clusters,
-    and windows closer than the horizon share realised bars), hence blocks of consecutive dates.
+    """Moving-block bootstrap over the sorted unique window dates; every window on a drawn date comes along (windows
+    of correlated series at a date are one observation; neighbouring dates are dependent, hence blocks).
     `dates (n,)`: any sortable key per window; block None = `default_block(D, min_block)` for D unique dates.
-    Returns n_boot index arrays into the n windows (their lengths vary with the windows per date).
-    """
+    Returns n_boot index arrays into the n windows (their lengths vary with the windows per date)."""
     unique, inverse = np.unique(np.asarray(dates), return_inverse=True)
     order = np.argsort(inverse, kind="stable")  # windows grouped by date
     counts = np.bincount(inverse, minlength=len(unique))  # (D,)
@@ -107,12 +92,9 @@ def date_block_indices(dates: np.ndarray, n_boot: int, block: int | None = None,
 
 
 def default_block(n_dates: int, min_block: int = 1) -> int:
-    """Dates per bootstrap block: max(min_block, round(n_dates ** (1/3))).
-
-    n^(1/3) is the rate of the optimal block length for the mean of a weakly dependent series (Hall, Horowitz &
-    Jing 1995); `min_block` (the forecast uses ceil(horizon / window stride)) keeps windows that share realised
-    bars inside one block.
-    """
+    """Dates per bootstrap block: max(min_block, round(n_dates ** (1/3))), the optimal rate for the mean of a weakly
+    dependent series (Hall, Horowitz & Jing 1995); `min_block` (ceil(horizon / window stride) in the forecast) keeps
+    windows that share realised bars inside one block."""
     return max(int(min_block), round(max(n_dates, 1) ** (1 / 3)))
 
 
@@ -141,12 +123,10 @@ def bootstrap_ci(statistic: Callable[[np.ndarray], float], n: int, n_boot: int =
 
 def paired_test(diff, dates, lag: int = 0, level: float = 0.95, what: str = "difference",
                 higher_is_better: bool = False) -> dict:
-    """The verdict of the module docstring on paired differences `diff (W,)` at window `dates (W,)` (any sortable
-    key; windows sharing one are averaged first; < 0 = the first better unless `higher_is_better`). `lag`: the
-    dependence known in advance (h - 1 for overlapping h-step targets). `what` names the difference in the reason.
-    Returns a strict-JSON-ready dict: mean (of the date means), ci_low / ci_high (the HAC t interval), dm_stat, df,
-    p_value, windows, dates, lag (the bandwidth), block, blocks, windows_needed (80% power for a difference this
-    size), verdict, reason."""
+    """The verdict of the module docstring on paired differences `diff (W,)` at `dates (W,)` (sortable; < 0 = the
+    first better unless `higher_is_better`); `lag`: the known dependence q; `what` names the difference. Returns
+    mean (of the date means), ci_low / ci_high, dm_stat, df, p_value, windows, dates, lag (the bandwidth), block,
+    blocks, windows_needed (for 80% power at this difference), verdict, reason."""
     frame = pd.DataFrame({"d": np.asarray(diff, dtype=np.float64), "when": np.asarray(dates)}).dropna()
     x = frame.groupby("when")["d"].mean().sort_index().to_numpy()  # (T,) date means, time order
     n_dates, mean = len(x), float(x.mean()) if len(x) else math.nan
@@ -156,7 +136,8 @@ def paired_test(diff, dates, lag: int = 0, level: float = 0.95, what: str = "dif
     se, df = math.sqrt(lrv / max(n_dates, 1)), max(blocks - 1, 1)
     dm = mean / se if se > 0 else math.nan
     half = float(sps.t.ppf(0.5 + level / 2, df)) * se
-    needed = (Z_95 + Z_80) ** 2 * lrv / mean**2 * len(frame) / n_dates if mean and lrv > 0 else None
+    z = sps.norm.ppf(0.5 + level / 2) + sps.norm.ppf(0.8)  # a two-sided test at `level` with 80% power
+    needed = z**2 * lrv / mean**2 * len(frame) / n_dates if mean and lrv > 0 else None
     out = {"mean": mean, "ci_low": mean - half, "ci_high": mean + half, "level": level, "dm_stat": dm, "df": df,
            "p_value": float(2 * sps.t.sf(abs(dm), df)) if math.isfinite(dm) else math.nan, "windows": len(frame),
            "dates": n_dates, "lag": lag, "block": lag + 1, "blocks": blocks,
