@@ -272,8 +272,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         frames.append(frame[(frame.index.get_level_values("datetime") >= lo)
                             & (frame.index.get_level_values("datetime") <= hi)])
         spent = time.monotonic() - started
-        log.info("period %d/%d test %s..%s (train ..%s, val %s..%s): trained and forecast; %.0f s so far, ~%.0f s "
-                 "left", p.k + 1, len(periods), p.test[0].date(), p.test[1].date(), p.train[1].date(),
+        log.info("period %d of 0..%d test %s..%s (train ..%s, val %s..%s): trained and forecast; %.0f s so far, "
+                 "~%.0f s left", p.k, len(periods) - 1, p.test[0].date(), p.test[1].date(), p.train[1].date(),
                  p.val[0].date(), p.val[1].date(), spent, spent / (p.k + 1) * (len(periods) - p.k - 1))
     signals = pd.concat(frames).sort_index()
     result = score(cfg, periods, signals, calendar)
