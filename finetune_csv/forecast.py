@@ -589,7 +589,8 @@ def format_report(metrics: dict) -> str:
     rows += [(name, metrics["finetuned"][name]) for name in ("persistence", "empirical")
              if name in metrics["finetuned"]]
     if "seasonal_naive" in metrics["finetuned"]:
-        rows.append((f"seasonal({s['season']})", metrics["finetuned"]["seasonal_naive"]))
+        season = s["season"] if isinstance(s["season"], int) else "per series"  # {series: season} when they differ
+        rows.append((f"seasonal({season})", metrics["finetuned"]["seasonal_naive"]))
     for label, block in rows:
         o = block["overall"]
         lines.append(f"{label:15}{num(o['mae'], '9.5f')}{num(o.get('mase'), '7.3f')}{num(o['crps'], '9.5f')}"
