@@ -193,10 +193,8 @@ class WalkForwardConfig:
     signal: Literal["last", "mean", "max", "min"] = "last"
     """Signal of the verdict: its daily IC at its own horizon, finetuned minus zero-shot."""
     block_days: int = 10
-    """Block length (trading days) of the moving-block bootstrap of the mean daily IC difference: daily ICs of
-    overlapping labels are correlated, so days are resampled in blocks."""
-    n_boot: int = 2000
-    """Bootstrap resamples of the verdict's interval (95%)."""
+    """Trading days over which daily IC differences are taken as dependent (at least the signal's horizon: ICs of
+    overlapping labels are correlated); the verdict's HAC variance spans them (finetune/evaluation/statistics.py)."""
     nproc_per_node: int = 1
     """Training processes per stage (torchrun --nproc_per_node; e.g. the number of GPUs)."""
 
@@ -324,7 +322,7 @@ def _check_walk_forward(cfg: QlibConfig, p: Problems) -> None:
         if r is not None and end is not None:
             p.check(r[1] <= end, "walk_forward.test_range",
                     f"ends after data.dataset_end_time ({cfg.data.dataset_end_time}); widen the dataset range")
-    for name in ("period_months", "val_months", "block_days", "n_boot", "nproc_per_node"):
+    for name in ("period_months", "val_months", "block_days", "nproc_per_node"):
         p.check(getattr(w, name) >= 1, f"walk_forward.{name}", f"must be >= 1, got {getattr(w, name)}")
     p.check(w.purge is None or w.purge >= cfg.data.predict, "walk_forward.purge",
             f"must be >= data.predict ({cfg.data.predict}) so no training target reaches the next block, got {w.purge}")

@@ -15,8 +15,9 @@ DIST_BACKEND=gloo in front on a CPU), and its test days are forecast with the fi
 pair (zero-shot), each seeded with forecast.seed right before it runs. The periods' signals are concatenated (out of
 sample throughout) and scored against Qlib's trade labels: daily IC / RankIC of walk_forward.signal at its horizon,
 Newey-West t per period and overall, and the TopkDropout backtest over the whole span. The verdict is on the paired
-daily IC difference, finetuned minus zero-shot, on the same days: its mean and 95% moving-block bootstrap interval
-(blocks of walk_forward.block_days days) give `helps` (interval above 0), `hurts` (below 0) or `no_evidence`.
+daily IC difference, finetuned minus zero-shot, on the same days: its mean and 95% HAC t interval (dependence over
+max(horizon, walk_forward.block_days) days; finetune/evaluation/statistics.py, as the CSV walk-forward) give `helps`
+(interval above 0), `hurts` (below 0) or `no_evidence` (it contains 0, or too few independent blocks of days).
 
 Outputs in <paths.save_path>/walk_forward/: period_<k>/ (config.yaml, data/, finetune_tokenizer/,
 finetune_predictor/, train.log, signals.csv), report.json, periods.csv, signals.csv, walk_forward.png. A re-run
@@ -42,8 +43,8 @@ import torch
 
 from finetune.config import QlibConfig, check_model_folder, cli_parser, load
 from finetune.dataset import SPLITS, check_processed, load_split, read_manifest, split_path
-from finetune.evaluation.forecast_scores import bootstrap_ci
-from finetune.evaluation.signals import daily_ic, forward_labels, newey_west_tstat
+from finetune.evaluation.signals import daily_ic, forward_labels
+from finetune.evaluation.statistics import newey_west_tstat, paired_test
 from finetune.qlib_data_preprocess import first_signal_day, preprocess
 from finetune.qlib_forecast import kronos_forecaster, signal_horizon
 from finetune.qlib_io import benchmark_label, check_qlib_folder, init_qlib, read_calendar
@@ -101,26 +102,6 @@ def signal_days(calendar: pd.DatetimeIndex, periods: list[Period], k: int) -> tu
     if k + 1 == len(periods):
         return first, periods[k].test[1]
     return first, calendar[calendar < first_signal_day(calendar, periods[k + 1].test[0])][-1]
-
-
-def ic_verdict(diff: pd.Series, block: int, n_boot: int, seed: int = 0) -> dict[str, Any]:
-    """The three-word verdict on daily IC differences (finetuned - zero-shot, time order): mean, 95% moving-block
-    bootstrap interval over days, Newey-West t (lag block - 1), the verdict and its reason."""
-    d = diff.dropna().to_numpy(dtype=np.float64)
-    if len(d) < 2:
-        raise UserError("walk-forward: fewer than 2 days with both a finetuned and a zero-shot IC; widen "
-                        "walk_forward.test_range")
-    ci = bootstrap_ci(lambda i: float(d[i].mean()), len(d), n_boot=n_boot, block=block, seed=seed)
-    span = f"[{ci['low']:+.4f}, {ci['high']:+.4f}]"
-    if ci["low"] > 0:
-        word, why = "helps", f"the 95% interval {span} of the mean daily IC difference lies above 0"
-    elif ci["high"] < 0:
-        word, why = "hurts", f"the 95% interval {span} of the mean daily IC difference lies below 0"
-    else:
-        word, why = "no_evidence", f"the 95% interval {span} of the mean daily IC difference contains 0"
-    return {"verdict": word, "reason": f"{why} ({len(d)} days, blocks of {ci['block']})", "mean": float(d.mean()),
-            "ci_low": ci["low"], "ci_high": ci["high"], "t_nw": newey_west_tstat(d, max(0, block - 1))["t"],
-            "days": len(d), "block_days": ci["block"], "share_days_better": float((d > 0).mean())}
 
 
 def period_config(cfg: QlibConfig, p: Period, folder: Path) -> QlibConfig:
@@ -209,7 +190,8 @@ def score(cfg: QlibConfig, periods: list[Period], signals: pd.DataFrame, calenda
     table = pd.DataFrame(rows).set_index("period")
     table["IC_diff"] = table["IC_finetuned"] - table["IC_zero_shot"]
     diff = (daily["finetuned"] - daily["zero_shot"]).dropna()
-    verdict = ic_verdict(diff, w.block_days, w.n_boot, cfg.forecast.seed)
+    verdict = {**paired_test(diff.to_numpy(), diff.index, max(h, w.block_days) - 1, higher_is_better=True,
+                             what="finetuned - zero-shot mean daily IC"), "share_days_better": float((diff > 0).mean())}
     bt0, bt1 = backtest_period(calendar, periods[0].test[0], last)
     backtest = {}
     for cand in CANDIDATES:
@@ -286,8 +268,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         frames.append(frame[(frame.index.get_level_values("datetime") >= lo)
                             & (frame.index.get_level_values("datetime") <= hi)])
         spent = time.monotonic() - started
-        log.info("period %d/%d test %s..%s (train ..%s, val %s..%s): trained and forecast; %.0f s so far, ~%.0f s "
-                 "left", p.k + 1, len(periods), p.test[0].date(), p.test[1].date(), p.train[1].date(),
+        log.info("period %d of 0..%d test %s..%s (train ..%s, val %s..%s): trained and forecast; %.0f s so far, "
+                 "~%.0f s left", p.k, len(periods) - 1, p.test[0].date(), p.test[1].date(), p.train[1].date(),
                  p.val[0].date(), p.val[1].date(), spent, spent / (p.k + 1) * (len(periods) - p.k - 1))
     signals = pd.concat(frames).sort_index()
     result = score(cfg, periods, signals, calendar)

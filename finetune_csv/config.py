@@ -174,14 +174,14 @@ class WalkForwardConfig:
     """`kronos walk-forward` (finetune_csv/walk_forward.py): does finetuning pay over several out-of-sample periods?"""
 
     folds: int = 4
-    """Number of consecutive test blocks at the end of every series; fold k finetunes on what precedes block k."""
+    """Consecutive test blocks, date ranges shared by all series, at the end; fold k trains on what precedes block k."""
     test_bars: int | None = None
-    """Rows of each fold's test block, per series; null = 10% of the shortest series, in whole data.predict windows."""
+    """Calendar bars (all series' bar times) per test block; null = 10% of the shortest series, in whole windows."""
     purge: int | None = None
     """Rows left out between the last training (and validation) target and the next block; null = data.predict
     (also the minimum: a target window of predict rows must end before the block starts)."""
     embargo: int = 0
-    """Rows left out after each fold's test block before the next fold's test block (decorrelates the blocks)."""
+    """Calendar bars left out after each fold's test block before the next one's (decorrelates the blocks)."""
     candidates: list[str] = field(default_factory=lambda: list(WALK_FORWARD_CANDIDATES))
     """Forecasters scored on every test window: zero_shot, finetuned, persistence, empirical, ensemble (the
     ensemble only where finetune_csv.forecast.ensemble_paths exists). zero_shot and finetuned are required."""

@@ -28,12 +28,12 @@ from torch import nn
 import finetune_csv.config as csv_config
 from finetune.evaluation.forecast_scores import (
     ScoreSettings,
-    bootstrap_ci,
     crps_ensemble,
     infer_season,
     interval_coverage,
     score_forecasts,
 )
+from finetune.evaluation.statistics import bootstrap_ci
 from finetune.utils.checkpoint import list_checkpoints, weights_fingerprint
 from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.errors import setup_logging
@@ -447,21 +447,21 @@ def zero_shot_predictor(cfg: CsvFinetuneConfig) -> KronosPredictor | None:
         return None
 
 
-def _season(cfg: CsvFinetuneConfig, timestamps: pd.DatetimeIndex) -> int | None:
-    """The seasonal-naive season: forecast.season, else inferred from a series' `timestamps` (bars per day intraday,
-    5 for daily bars); None (logged) when it cannot be inferred or is longer than the lookback."""
-    season = cfg.forecast.season
-    if season is None:
+def _season(cfg: CsvFinetuneConfig, panel) -> dict[str, int] | None:
+    """The seasonal-naive season of each series: forecast.season, else inferred from its own bar times (bars per day
+    intraday, 5 for daily bars); None (logged, naming the series) when one cannot be inferred or exceeds lookback."""
+    seasons = {}
+    for s, name in enumerate(panel.names):
         try:
-            season = infer_season(timestamps)
+            seasons[name] = cfg.forecast.season or infer_season(np.asarray(panel.datetimes[panel.rows(s)]))
         except ValueError as exc:
-            log.info("no seasonal-naive baseline: %s (set forecast.season)", exc)
+            log.info("no seasonal-naive baseline: %s: %s (set forecast.season)", name, exc)
             return None
-    if season > cfg.data.lookback:
-        log.info("no seasonal-naive baseline: its season (%d bars) is longer than data.lookback (%d); "
-                 "set forecast.season", season, cfg.data.lookback)
-        return None
-    return season
+        if seasons[name] > cfg.data.lookback:
+            log.info("no seasonal-naive baseline: the season of %s (%d bars) is longer than data.lookback (%d); "
+                     "set forecast.season", name, seasons[name], cfg.data.lookback)
+            return None
+    return seasons
 
 
 def _window_crps(paths: np.ndarray, windows: HeldOutWindows) -> tuple[np.ndarray, np.ndarray]:
@@ -522,7 +522,8 @@ def format_report(metrics: dict) -> str:
     rows += [(name, metrics["finetuned"][name]) for name in ("persistence", "empirical")
              if name in metrics["finetuned"]]
     if "seasonal_naive" in metrics["finetuned"]:
-        rows.append((f"seasonal({s['season']})", metrics["finetuned"]["seasonal_naive"]))
+        season = s["season"] if isinstance(s["season"], int) else "per series"  # {series: season} when they differ
+        rows.append((f"seasonal({season})", metrics["finetuned"]["seasonal_naive"]))
     for label, block in rows:
         o = block["overall"]
         lines.append(f"{label:15}{num(o['mae'], '9.5f')}{num(o.get('mase'), '7.3f')}{num(o['crps'], '9.5f')}"
@@ -554,7 +555,7 @@ def format_report(metrics: dict) -> str:
 
 
 def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, windows: HeldOutWindows,
-                      zero_shot: KronosPredictor | None = None, season: int | None = None,
+                      zero_shot: KronosPredictor | None = None, season: int | dict[str, int] | None = None,
                       calibration: dict | None = None) -> tuple[dict, np.ndarray]:
     """Sample, score and compare; returns (metrics dict for metrics.json, finetuned paths (W, S, P, 6) as reported:
     calibrated and, with forecast.repair_candles, repaired). `season`: of the seasonal-naive baseline (None = none);
@@ -618,9 +619,8 @@ def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> dict:
     windows = held_out_windows(data.splits["test"], cfg.data.lookback, cfg.data.predict,
                                cfg.forecast.window_stride, cfg.forecast.max_windows,
                                history=cfg.forecast.empirical_window + 1)  # + 1: n returns need n + 1 closes
-    first_series = pd.DatetimeIndex(np.asarray(data.panel.datetimes[data.panel.rows(0)]).astype("datetime64[ns]"))
-    metrics, paths = evaluate_held_out(cfg, finetuned, windows, zero_shot_predictor(cfg),
-                                       _season(cfg, first_series), calibration)
+    metrics, paths = evaluate_held_out(cfg, finetuned, windows, zero_shot_predictor(cfg), _season(cfg, data.panel),
+                                       calibration)
 
     out_dir = Path(out_dir) if out_dir is not None else cfg.base_dir / "forecast"
     out_dir.mkdir(parents=True, exist_ok=True)

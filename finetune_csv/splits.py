@@ -109,20 +109,22 @@ def _warn_overlapping_periods(splits: dict[str, PanelSegments]) -> None:
         return
     when = np.asarray(panel.datetimes)
     ends = {k: when[np.maximum(seg.stop - 1, seg.start)] for k, seg in splits.items()}  # (S,) last bar per split
+    starts = {k: when[np.minimum(seg.first_target, len(when) - 1)] for k, seg in splits.items()}  # (S,) first bar
     for held, earlier in (("val", ("train",)), ("test", ("train", "val"))):
         if held not in splits:
             continue
-        begins = when[np.minimum(splits[held].first_target, len(when) - 1)]
+        begins = starts[held]
         for other in earlier:
             i = int(np.argmin(begins))
             later = np.flatnonzero(ends[other] > begins[i])
             later = later[later != i]
             if len(later):
                 j = int(later[np.argmax(ends[other][later])])
-                log.warning("data.split: per_series: the %s period of %s begins %s, inside the %s period of %s "
-                            "(to %s); related series then leak the future into training. Set data.split: by_date "
-                            "to cut every series at the same dates", held, panel.names[i], pd.Timestamp(begins[i]),
-                            other, panel.names[j], pd.Timestamp(ends[other][j]))
+                log.warning("data.split: per_series: the %s period of %s begins %s, before the %s period of %s "
+                            "(%s .. %s) ends; related series then leak the future into training. Set data.split: "
+                            "by_date to cut every series at the same dates", held, panel.names[i],
+                            pd.Timestamp(begins[i]), other, panel.names[j], pd.Timestamp(starts[other][j]),
+                            pd.Timestamp(ends[other][j]))
                 return
 
 

@@ -1,17 +1,16 @@
 """Does finetuning pay on your market? A purged, expanding-window walk-forward with a three-word verdict.
 
     kronos walk-forward --config configs/csv_demo_walk_forward.yaml [--set walk_forward.folds=3] [--overwrite]
-    python finetune_csv/walk_forward.py --config ...                 # the same main(argv)
+    kronos walk-forward --config ... --report-only     # report.json, windows.csv and plot from the finished folds
 
-Per series, counted from its end, K test blocks of `test_bars` rows, `embargo` rows apart (fold 0 is the oldest).
-Fold k finetunes the starting models (`run_finetune`) on what precedes its block, the last `data.val_ratio` of it
-validating; `purge` rows separate training, validation and test targets, and training stops `purge` rows before
-the fold's EARLIEST test date over all series, so a longer series cannot leak later dates. Every non-overlapping
-test window is scored with `window_scores` (as `kronos forecast` does) for each candidate (`calibrated` =
-finetuned with the bands fitted on the fold's validation windows); the verdict reads the paired finetuned -
-zero_shot CRPS per window (raw models: calibration is judged on its own). The method and the outputs: README
-"Does finetuning pay?".
-A fold's fold.json is written last and atomically: a re-run skips finished folds with the same settings and data.
+Folds are on one calendar (every series' bar times): from its end, K test blocks of `test_bars` bars, `embargo`
+apart (fold 0 the oldest), each a date range shared by all series; a series without a test window in it (or a
+training window before it) sits the fold out. Fold k finetunes the starting models (`run_finetune`) on what precedes
+its block, the last `data.val_ratio` validating; on every series `purge` of its own rows precede the validation
+block and the test block. Every non-overlapping test window is scored with `window_scores` (as `kronos forecast`)
+for each candidate (`calibrated` = finetuned with bands fitted on the fold's validation windows); the verdict
+(finetune/evaluation/statistics.py) reads the paired finetuned - zero_shot CRPS. Method and outputs: README "Does
+finetuning pay?". fold.json is written last and atomically: a re-run skips folds finished with the same settings.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import shutil
 import sys
 import time
@@ -33,6 +31,7 @@ import pandas as pd
 
 import finetune_csv.config as csv_config
 from finetune.evaluation.forecast_scores import ScoreSettings, empirical_samples, persistence_samples, window_scores
+from finetune.evaluation.statistics import paired_test
 from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.config_utils import config_to_dict
 from finetune.utils.errors import setup_logging
@@ -49,7 +48,6 @@ from model.predictor import apply_calibration, read_predictor_info
 
 log = logging.getLogger("finetune_csv.walk_forward")
 SCORES = ("crps", "mae", "cov50", "cov80", "direction")  # windows.csv score columns (returns vs the last close)
-Z_95, Z_80 = 1.959963984540054, 0.8416212335729143  # two-sided 5% test, 80% power
 
 
 @dataclass(frozen=True)
@@ -71,43 +69,45 @@ def fold_sizes(cfg: CsvFinetuneConfig, lengths: np.ndarray) -> tuple[int, int]:
 
 def make_folds(panel, lookback: int, predict: int, folds: int, test_bars: int, purge: int, embargo: int,
                val_ratio: float) -> list[Fold]:
-    """The K folds of `panel` (a SeriesPanel with datetimes), oldest first; DataError naming series too short."""
+    """The K folds of `panel` (a SeriesPanel with datetimes) on one calendar, oldest first; DataError when a fold
+    is left without a series."""
     offsets = np.asarray(panel.offsets, dtype=np.int64)
     first, lengths = offsets[:-1], np.diff(offsets)
     when = np.asarray(panel.datetimes)  # (N,) int64 ns
-    out, short = [], set()
+    calendar = np.unique(when)  # (C,) every series' bar times: the test blocks are ranges of these
+    rows = lambda t, side: np.array([np.searchsorted(when[o:o + n], t, side) for o, n in zip(first, lengths)])
+    out = []
     for k in range(folds):
-        t1 = lengths - (folds - 1 - k) * (test_bars + embargo)  # (S,) local rows: test block [t0, t1)
-        t0 = t1 - test_bars
-        # Training ends `purge` rows before this series' block AND before the fold's earliest test date anywhere.
-        earliest = when[first + np.clip(t0, 0, lengths - 1)].min()
-        before = np.array([np.searchsorted(when[o:o + n], earliest) for o, n in zip(first, lengths)])
-        end = np.minimum(t0, before) - purge  # (S,) one past the last validation target
+        c1 = len(calendar) - (folds - 1 - k) * (test_bars + embargo)  # one past the block's last calendar bar
+        c0 = max(c1 - test_bars, 0)
+        t0, t1 = rows(calendar[c0], "left"), rows(calendar[max(c1 - 1, 0)], "right")  # (S,) local test rows
+        end = t0 - purge  # (S,) one past the last validation target: `purge` of the series' own bars before t0
         v0 = end - np.maximum(predict, np.round(end * val_ratio).astype(np.int64))  # first validation target
         stop = v0 - purge  # one past the last training target
-        short.update(np.flatnonzero((stop < lookback + predict) | (t0 < lookback)).tolist())
-        out.append(Fold(k, PanelSegments(panel, first, first, first + stop),
-                        PanelSegments(panel, first + v0 - lookback, first + v0, first + end),
-                        PanelSegments(panel, first + t0 - lookback, first + t0, first + t1)))
-    if short:
-        listed = ", ".join(f"{panel.names[s]} ({int(lengths[s])} rows)" for s in sorted(short)[:10])
-        raise DataError(f"series too short for walk_forward.folds={folds} blocks of walk_forward.test_bars="
-                        f"{test_bars} (+ embargo {embargo}, purge {purge}) after a training window of data.lookback"
-                        f" + data.predict = {lookback + predict} rows and a validation block: {listed}; lower "
-                        "walk_forward.folds / test_bars / data.lookback or remove these series")
+        # A series without a training window before the block or a test window in it sits this fold out.
+        on = (stop >= lookback + predict) & (t0 >= lookback) & (t1 - t0 >= predict) & (c1 > test_bars)
+        if not on.any():
+            raise DataError(f"fold {k} of walk_forward.folds={folds} blocks of walk_forward.test_bars={test_bars} "
+                            f"(+ embargo {embargo}, purge {purge}) leaves no series with a training window of "
+                            f"data.lookback + data.predict = {lookback + predict} rows, a validation block and a "
+                            f"test window (the longest series has {int(lengths.max())} rows); lower "
+                            "walk_forward.folds / test_bars / data.lookback")
+        if not on.all():
+            log.info("fold %d: %s sit it out (no training window before %s or no test window in it)", k,
+                     ", ".join(panel.names[s] for s in np.flatnonzero(~on)[:10]), stamp_text(int(calendar[c0])))
+        cut = first + np.where(on, np.stack([stop, v0 - lookback, v0, end, t0 - lookback, t0, t1]), 0)  # (7, S)
+        out.append(Fold(k, PanelSegments(panel, first, first, cut[0]), PanelSegments(panel, *cut[1:4]),
+                        PanelSegments(panel, *cut[4:])))
     return out
 
 
-def _date(panel, col: np.ndarray, how) -> str:
-    return stamp_text(int(how(np.asarray(panel.datetimes)[col])))
-
-
 def fold_dates(fold: Fold) -> dict:
-    """The fold's span over all series: last training target, validation and test blocks (first / last row)."""
-    p = fold.train.panel
-    return {"train_end": _date(p, fold.train.stop - 1, np.max), "val_start": _date(p, fold.val.first_target, np.min),
-            "val_end": _date(p, fold.val.stop - 1, np.max), "test_start": _date(p, fold.test.first_target, np.min),
-            "test_end": _date(p, fold.test.stop - 1, np.max)}
+    """The fold's span over the series in it: last training target, validation and test blocks (first / last row)."""
+    on = fold.test.stop > fold.test.first_target  # (S,) series in this fold
+    when = lambda col, how: stamp_text(int(how(np.asarray(fold.train.panel.datetimes)[col[on]])))
+    return {"train_end": when(fold.train.stop - 1, np.max), "val_start": when(fold.val.first_target, np.min),
+            "val_end": when(fold.val.stop - 1, np.max), "test_start": when(fold.test.first_target, np.min),
+            "test_end": when(fold.test.stop - 1, np.max)}
 
 
 def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) -> pd.DataFrame:
@@ -142,74 +142,23 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) 
     return pd.concat(rows, ignore_index=True)
 
 
-def newey_west(x: np.ndarray, lags: int | None = None) -> float:
-    """Long-run variance of the series x (T,) with Bartlett weights; lags None = floor(4 (T/100)^(2/9))."""
-    x = np.asarray(x, dtype=np.float64) - np.mean(x)
-    n = len(x)
-    lags = int(4 * (n / 100) ** (2 / 9)) if lags is None else lags
-    lrv = float(x @ x) / n
-    for j in range(1, min(lags, n - 1) + 1):
-        lrv += 2 * (1 - j / (lags + 1)) * float(x[j:] @ x[:-j]) / n
-    return max(lrv, 0.0)
-
-
-def paired_stats(diff: np.ndarray, fold: np.ndarray, series: np.ndarray, when: np.ndarray, *, n_boot: int = 2000,
-                 seed: int = 0, level: float = 0.95) -> dict:
-    """Paired differences (W,) of two forecasters (< 0 = the first is better) over windows of (fold, series) at
-    `when` (W,): mean, block-bootstrap interval, Diebold-Mariano statistic and p value (HAC variance of the
-    per-date mean difference), windows needed for 80% power, share of folds won, per-fold means with HAC intervals."""
-    diff = np.asarray(diff, dtype=np.float64)
-    frame = pd.DataFrame({"d": diff, "fold": fold, "series": series, "when": pd.to_datetime(when)})
-    n = len(frame)
-    # Bootstrap over (fold, series) blocks: draw G blocks with replacement, the statistic is the pooled window mean.
-    groups = frame.groupby(["fold", "series"])["d"].agg(["sum", "count"]).to_numpy()  # (G, 2)
-    pick = np.random.default_rng(seed).integers(0, len(groups), size=(n_boot, len(groups)))
-    draws = groups[pick, 0].sum(axis=1) / groups[pick, 1].sum(axis=1)
-    alpha = (1 - level) / 2
-    lo, hi = np.quantile(draws, [alpha, 1 - alpha]) if len(groups) > 1 else (np.nan, np.nan)
-    # Diebold-Mariano on the date-ordered mean difference (series at one date averaged: their errors co-move).
-    by_date = frame.groupby("when")["d"].mean().sort_index().to_numpy()  # (T,)
-    lrv = newey_west(by_date)
-    se = math.sqrt(lrv / len(by_date)) if len(by_date) > 1 else math.nan
-    dm = float(by_date.mean() / se) if se and se > 0 else math.nan
-    p = math.erfc(abs(dm) / math.sqrt(2)) if math.isfinite(dm) else math.nan
-    mean = float(diff.mean())
-    needed = (Z_95 + Z_80) ** 2 * lrv / mean**2 * n / len(by_date) if mean and lrv > 0 else None
-    per_fold = []
-    for k, part in frame.groupby("fold"):
-        series_k = part.groupby("when")["d"].mean().sort_index().to_numpy()
-        half = Z_95 * math.sqrt(newey_west(series_k) / len(series_k)) if len(series_k) > 1 else math.nan
-        per_fold.append({"fold": int(k), "mean": float(part["d"].mean()), "ci_low": float(part["d"].mean() - half),
-                         "ci_high": float(part["d"].mean() + half), "windows": len(part)})
-    return {"mean": mean, "ci_low": float(lo), "ci_high": float(hi), "level": level, "dm_stat": dm, "p_value": p,
-            "windows": n, "dates": len(by_date), "blocks": len(groups),
-            "windows_needed": None if needed is None else int(math.ceil(needed)),
-            "share_folds_won": float(np.mean([r["mean"] < 0 for r in per_fold])), "per_fold": per_fold}
-
-
-def verdict(stats: dict) -> tuple[str, str]:
-    """(`helps` | `hurts` | `no_evidence`, why) from the CRPS paired statistics of `paired_stats`."""
-    lo, hi, mean = stats["ci_low"], stats["ci_high"], stats["mean"]
-    span = f"finetuned - zero_shot CRPS {mean:+.3g}, {stats['level']:.0%} interval [{lo:+.3g}, {hi:+.3g}] over " \
-           f"{stats['windows']} windows in {stats['blocks']} (fold, series) blocks"
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        return "no_evidence", f"{span}: too few blocks for an interval"
-    if hi < 0:
-        return "helps", f"{span}: entirely below 0"
-    if lo > 0:
-        return "hurts", f"{span}: entirely above 0"
-    need = stats["windows_needed"]
-    more = f"; about {need} windows would detect a difference this size (80% power)" if need else ""
-    return "no_evidence", f"{span}: contains 0{more}"
-
-
-def paired_from_windows(frame: pd.DataFrame, n_boot: int, seed: int) -> dict:
-    """paired.finetuned_vs_zero_shot from windows.csv rows (the verdict's windows): {"crps": ..., "mae": ...}."""
+def paired_from_windows(frame: pd.DataFrame) -> dict:
+    """paired.finetuned_vs_zero_shot from windows.csv rows (the verdict's windows): {"crps": ..., "mae": ...}, each
+    `paired_test` on the finetuned - zero_shot differences (windows are non-overlapping: no known lag) with each
+    fold's own mean and interval and the share of folds finetuning won."""
     keys = ["fold", "series", "window_start"]
     wide = frame[frame.candidate == "finetuned"].merge(frame[frame.candidate == "zero_shot"], on=keys,
                                                        suffixes=("_f", "_z"))
-    return {s: paired_stats(wide[f"{s}_f"] - wide[f"{s}_z"], wide["fold"], wide["series"], wide["window_start"],
-                            n_boot=n_boot, seed=seed) for s in ("crps", "mae")}
+    out = {}
+    for s in ("crps", "mae"):
+        wide["d"] = wide[f"{s}_f"] - wide[f"{s}_z"]
+        test = paired_test(wide["d"], wide["window_start"], what=f"finetuned - zero_shot {s.upper()}")
+        test["per_fold"] = [{"fold": int(k), **{x: paired_test(g["d"], g["window_start"])[x] for x in
+                                                ("mean", "ci_low", "ci_high", "windows")}}
+                            for k, g in wide.groupby("fold")]
+        test["share_folds_won"] = float(np.mean([r["mean"] < 0 for r in test["per_fold"]]))
+        out[s] = test
+    return out
 
 
 def _fingerprint(cfg: CsvFinetuneConfig, fold: Fold, manifest: dict) -> str:
@@ -228,15 +177,9 @@ def _fingerprint(cfg: CsvFinetuneConfig, fold: Fold, manifest: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _fold_config(cfg: CsvFinetuneConfig, folder: Path, overwrite: bool) -> CsvFinetuneConfig:
-    """The fold's run: its own stage folders under `folder`, the run's data store, training.overwrite as asked."""
-    return dataclasses.replace(cfg, paths=dataclasses.replace(cfg.paths, base_dir=str(folder)),
-                               data=dataclasses.replace(cfg.data, store_dir=str(cfg.store_dir)),
-                               training=dataclasses.replace(cfg.training, overwrite=overwrite))
-
-
-def run_walk_forward(cfg: CsvFinetuneConfig, overwrite: bool = False) -> dict:
-    """Train and score every fold (skipping finished ones), then write report.json, windows.csv and the plot."""
+def run_walk_forward(cfg: CsvFinetuneConfig, overwrite: bool = False, report_only: bool = False) -> dict:
+    """Train and score every fold (skipping finished ones), then write report.json, windows.csv and the plot;
+    `report_only`: only the last step, from the finished folds' windows.csv (RefusedError naming one that is not)."""
     m, w, d = cfg.model, cfg.walk_forward, cfg.data
     if m.pretrained_predictor is None or m.pretrained_tokenizer is None:
         raise ConfigError(["model.pretrained_predictor / model.pretrained_tokenizer: walk-forward compares the "
@@ -255,11 +198,15 @@ def run_walk_forward(cfg: CsvFinetuneConfig, overwrite: bool = False) -> dict:
             folder = out / f"fold_{fold.index}"
             fp, done = _fingerprint(cfg, fold, data.store.manifest), folder / "fold.json"
             info = read_json_object(done) if done.is_file() else None
-            if info is not None and info["fingerprint"] != fp and not overwrite:
+            finished = info is not None and info["fingerprint"] == fp
+            if report_only and not finished:
+                raise RefusedError(f"--report-only: {folder} holds no fold finished with these settings and data; "
+                                   "run without --report-only (with --overwrite to redo folds of other settings)")
+            if info is not None and not finished and not overwrite:
                 raise RefusedError(f"{folder} holds a finished fold made with other settings or data; pass "
                                    "--overwrite to redo every fold, or choose another paths.base_dir")
-            if info is not None and info["fingerprint"] == fp and not overwrite:
-                log.info("fold %d/%d: finished before (%s), skipped", fold.index + 1, len(folds), done)
+            if finished and (report_only or not overwrite):
+                log.info("fold %d of 0..%d: finished before (%s), skipped", fold.index, len(folds) - 1, done)
             else:
                 if overwrite and folder.exists():
                     log.warning("--overwrite: replacing %s", folder)
@@ -267,8 +214,8 @@ def run_walk_forward(cfg: CsvFinetuneConfig, overwrite: bool = False) -> dict:
                 info = _run_fold(cfg, fold, folder, fp)
                 trained += 1
                 left = (time.monotonic() - started) / trained * (len(folds) - 1 - fold.index)
-                log.info("fold %d/%d: %s; scored %d test windows x %d candidates, CRPS finetuned %.5f vs "
-                         "zero_shot %.5f; %.0f s so far, about %.0f s left", fold.index + 1, len(folds),
+                log.info("fold %d of 0..%d: %s; scored %d test windows x %d candidates, CRPS finetuned %.5f vs "
+                         "zero_shot %.5f; %.0f s so far, about %.0f s left", fold.index, len(folds) - 1,
                          info["trained"], info["windows"]["test"], len(info["scores"]),
                          info["scores"]["finetuned"]["crps"], info["scores"]["zero_shot"]["crps"],
                          time.monotonic() - started, left)
@@ -280,7 +227,10 @@ def run_walk_forward(cfg: CsvFinetuneConfig, overwrite: bool = False) -> dict:
 def _run_fold(cfg: CsvFinetuneConfig, fold: Fold, folder: Path, fp: str) -> dict:
     """Finetune (resuming an interrupted stage) and score one fold; write its windows.csv, then fold.json."""
     t0 = time.monotonic()
-    fold_cfg = _fold_config(cfg, folder, overwrite=False)
+    # The fold's run: its own stage folders under `folder`, the run's data store, finished stages kept.
+    fold_cfg = dataclasses.replace(cfg, paths=dataclasses.replace(cfg.paths, base_dir=str(folder)),
+                                   data=dataclasses.replace(cfg.data, store_dir=str(cfg.store_dir)),
+                                   training=dataclasses.replace(cfg.training, overwrite=False))
     _, plan, info = run_finetune(fold_cfg, skip_existing=True, splits={"train": fold.train, "val": fold.val})
     t1 = time.monotonic()
     frame = score_fold(cfg, fold_cfg, fold)
@@ -304,12 +254,11 @@ def _report(cfg: CsvFinetuneConfig, out: Path, frame: pd.DataFrame, meta: list[d
     excluded = {r["fold"] for r in meta if cutoff is not None and pd.Timestamp(r["test_start"]) < cutoff}
     frame["in_verdict"] = ~frame["fold"].isin(excluded)
     used = frame[frame.in_verdict]
-    n_boot = max(f.bootstrap_samples, 200)
     folds = [{**{k: v for k, v in r.items() if k != "fingerprint"}, "purge": purge, "embargo": w.embargo,
               "before_pretraining_cutoff": r["fold"] in excluded} for r in meta]
     report = {"settings": {"folds": w.folds, "test_bars": test_bars, "purge": purge, "embargo": w.embargo,
                            "candidates": list(w.candidates), "lookback": cfg.data.lookback,
-                           "predict": cfg.data.predict, "samples": f.sample_count, "bootstrap_samples": n_boot,
+                           "predict": cfg.data.predict, "samples": f.sample_count,
                            "pretraining_cutoff": cfg.model.pretraining_cutoff},
               "folds": folds, "excluded_folds": sorted(excluded),
               "scores": {c: {s: float(g[s].mean()) for s in SCORES}
@@ -318,9 +267,9 @@ def _report(cfg: CsvFinetuneConfig, out: Path, frame: pd.DataFrame, meta: list[d
         report.update(paired=None, verdict="no_evidence",
                       verdict_reason="every test block starts before model.pretraining_cutoff")
     else:
-        paired = paired_from_windows(used, n_boot, f.seed)
+        paired = paired_from_windows(used)
         report["paired"] = {"finetuned_vs_zero_shot": paired}
-        report["verdict"], report["verdict_reason"] = verdict(paired["crps"])
+        report["verdict"], report["verdict_reason"] = paired["crps"]["verdict"], paired["crps"]["reason"]
     report["seconds"] = {k: round(sum(r["seconds"][k] for r in meta), 1) for k in ("train", "score")}
     out_frame = frame.assign(window_start=frame["window_start"].astype(str))
     atomic_write(out / "windows.csv", lambda p: out_frame.to_csv(p, index=False))
@@ -341,7 +290,7 @@ def plot_walk_forward(report: dict, frame: pd.DataFrame, png: Path) -> Path:
         top.errorbar(x, mean, yerr=[mean - [r["ci_low"] for r in per], [r["ci_high"] for r in per] - mean],
                      fmt="o", capsize=4, label="fold mean, 95% HAC interval")
         c = paired["crps"]
-        top.axhspan(c["ci_low"], c["ci_high"], color="tab:orange", alpha=0.2, label="all folds, block bootstrap")
+        top.axhspan(c["ci_low"], c["ci_high"], color="tab:orange", alpha=0.2, label="all folds, HAC t interval")
         top.set_xticks(x, [f"fold {r['fold']}" for r in per])
         top.set_title(f"finetuned - zero_shot CRPS per window (< 0 = finetuning helped): {report['verdict']}",
                       fontsize=9)
@@ -361,7 +310,7 @@ def format_table(report: dict) -> str:
     """The console summary: scores by candidate, per-fold paired differences, the paired test and the verdict."""
     s = report["settings"]
     n = report["paired"]["finetuned_vs_zero_shot"]["crps"]["windows"] if report.get("paired") else 0
-    lines = [f"walk-forward: {s['folds']} folds, test blocks of {s['test_bars']} bars per series (purge {s['purge']},"
+    lines = [f"walk-forward: {s['folds']} folds, test blocks of {s['test_bars']} calendar bars (purge {s['purge']},"
              f" embargo {s['embargo']}), {n} paired test windows of {s['predict']} bars; returns vs the last close",
              f"{'':13}{'CRPS':>9}{'MAE':>9}{'cov50':>7}{'cov80':>7}{'dir':>7}"]
     for name, sc in report["scores"].items():
@@ -376,8 +325,9 @@ def format_table(report: dict) -> str:
         for key in ("crps", "mae"):
             c = p[key]
             lines.append(f"{key.upper():4} finetuned - zero_shot {c['mean']:+.5f} [{c['ci_low']:+.5f}, "
-                         f"{c['ci_high']:+.5f}] (95%, blocks of fold x series); DM {c['dm_stat']:+.2f}, p "
-                         f"{c['p_value']:.3g}; finetuning won {c['share_folds_won']:.0%} of folds")
+                         f"{c['ci_high']:+.5f}] (95% HAC t, {c['blocks']} blocks of {c['block']} dates); DM "
+                         f"{c['dm_stat']:+.2f}, p {c['p_value']:.3g}; finetuning won {c['share_folds_won']:.0%} "
+                         "of folds")
     if report["excluded_folds"]:
         lines.append(f"folds {report['excluded_folds']} start before model.pretraining_cutoff: not in the verdict")
     lines.append(f"verdict: {report['verdict']} ({report['verdict_reason']})")
@@ -389,10 +339,12 @@ def main(argv: list[str] | None = None) -> int:
                              csv_config.load)
     parser.add_argument("--overwrite", action="store_true",
                         help="redo every fold, replacing walk_forward/ (default: finished folds are kept and skipped)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite report.json, windows.csv and the plot from the finished folds, training nothing")
     args = parse_config_args(parser, argv)
     setup_logging()
     cfg = csv_config.load(args.config, args.set)
-    report = run_walk_forward(cfg, overwrite=args.overwrite)
+    report = run_walk_forward(cfg, overwrite=args.overwrite, report_only=args.report_only)
     print(format_table(report))
     print(f"written: {cfg.base_dir / 'walk_forward'}/{{report.json, windows.csv, walk_forward.png, fold_*/}}")
     return 0

@@ -7,13 +7,11 @@ import pytest
 
 from finetune.evaluation.forecast_scores import (
     ScoreSettings,
-    bootstrap_ci,
     crps_ensemble,
-    date_block_indices,
-    default_block,
     empirical_samples,
     score_forecasts,
 )
+from finetune.evaluation.statistics import bootstrap_ci, date_block_indices, default_block
 
 
 def test_two_perfectly_correlated_series_give_the_interval_of_one():

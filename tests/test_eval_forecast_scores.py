@@ -8,18 +8,17 @@ import pytest
 
 from finetune.evaluation.forecast_scores import (
     ScoreSettings,
-    bootstrap_ci,
     crps_ensemble,
     infer_season,
     interval_coverage,
     persistence_samples,
     pinball_loss,
-    resample_indices,
     sample_quantiles,
     score_forecasts,
     seasonal_naive_samples,
     weighted_quantile_loss,
 )
+from finetune.evaluation.statistics import bootstrap_ci, resample_indices
 from model.fileio import strict_json
 
 
@@ -160,3 +159,49 @@ def test_flat_series_and_bad_inputs():
         score_forecasts(samples, np.where(realised > 0, np.nan, realised), last)
     with pytest.raises(ValueError, match="needs the context"):
         score_forecasts(samples, realised, last, settings=ScoreSettings(season=5))
+
+
+def test_each_series_gets_its_own_seasonal_period():
+    from types import SimpleNamespace
+
+    from finetune_csv.forecast import _season
+    from tests.test_walk_forward import panel
+
+    daily = pd.bdate_range("2024-01-01", periods=60).as_unit("ns").asi8  # the panel keeps int64 ns
+    hourly = pd.date_range("2024-03-01", periods=24 * 10, freq="1h").as_unit("ns").asi8  # a 24/7 market: 24 bars a day
+    p = panel([60, 240], ["2024-03-22", "2024-03-10 23:00"])
+    p.datetimes[:] = np.r_[daily, hourly]
+    cfg = lambda season, lookback: SimpleNamespace(forecast=SimpleNamespace(season=season),
+                                                   data=SimpleNamespace(lookback=lookback))
+    assert _season(cfg(None, 48), p) == {"s0": 5, "s1": 24}  # not 24 trading days for the daily one
+    assert _season(cfg(None, 16), p) is None  # the hourly season exceeds the lookback: no baseline
+    assert _season(cfg(3, 16), p) == {"s0": 3, "s1": 3}
+    context = np.arange(2 * 30, dtype=np.float64).reshape(2, 30)
+    out = seasonal_naive_samples(context, 6, np.array([5, 24]))  # (W, 1, H): each window repeats its own season
+    np.testing.assert_array_equal(out[0, 0], context[0, [25, 26, 27, 28, 29, 25]])
+    np.testing.assert_array_equal(out[1, 0], context[1, 6:12])
+    rng = np.random.default_rng(0)
+    last = np.ones(2)
+    scored = score_forecasts(1 + 0.01 * rng.standard_normal((2, 4, 6)), np.ones((2, 6)), last, 1 + context / 100,
+                             np.array(["s0", "s1"]), ScoreSettings(season={"s0": 5, "s1": 24}, n_boot=0))
+    assert scored["setup"]["season"] == {"s0": 5, "s1": 24} and "seasonal_naive" in scored
+
+
+def test_the_per_series_leak_warning_names_the_other_series_period_as_it_is(caplog):
+    from finetune.utils.windows import PanelSegments
+    from finetune_csv.data import _warn_overlapping_periods
+    from tests.test_walk_forward import panel
+
+    # a daily series over 2023 and an hourly one over ten days of 2024, each cut 70/15/15 by its own rows
+    daily = pd.bdate_range("2023-01-02", periods=200).as_unit("ns").asi8
+    hourly = pd.date_range("2024-03-01", periods=240, freq="1h").as_unit("ns").asi8
+    p = panel([200, 240], ["2024-03-22", "2024-03-10 23:00"])
+    p.datetimes[:] = np.r_[daily, hourly]
+    at = lambda pct: np.array([pct * 200 // 100, 200 + pct * 240 // 100])  # (S,) panel columns at pct % of rows
+    (t0, t1), (v0, v1), (s0, s1) = (at(0), at(70)), (at(70), at(85)), (at(85), at(100))
+    _warn_overlapping_periods({"train": PanelSegments(p, t0, t0, t1), "val": PanelSegments(p, v0, v0, v1),
+                               "test": PanelSegments(p, s0, s0, s1)})
+    # the daily validation period (from 2023-07) precedes the hourly training period (2024-03-01 .. 03-08), which
+    # must be named with its own start, not as if it contained 2023-07
+    assert "the val period of s0 begins 2023-07-17 00:00:00, before the train period of s1 (2024-03-01 00:00:00 .. " \
+           "2024-03-07 23:00:00) ends" in caplog.text

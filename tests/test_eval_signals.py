@@ -17,10 +17,10 @@ from finetune.evaluation.signals import (
     forward_labels,
     ic_decay,
     label_expression,
-    newey_west_tstat,
     plot_ic_decay,
     quantile_group_returns,
 )
+from finetune.evaluation.statistics import newey_west_tstat
 from finetune.qlib_builder import SubstituteBenchmarkWarning, build_qlib_provider
 from finetune.synthetic import generate_ohlcv
 from model.fileio import strict_json

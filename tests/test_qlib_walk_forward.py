@@ -14,7 +14,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from finetune.qlib_walk_forward import ic_verdict, signal_days, walk_forward_periods
+from finetune.evaluation.statistics import paired_test
+from finetune.qlib_walk_forward import signal_days, walk_forward_periods
 from model.errors import ConfigError
 
 CAL = pd.bdate_range("2019-01-01", "2022-12-30")
@@ -41,16 +42,25 @@ def test_a_span_without_room_for_training_is_named():
         walk_forward_periods(CAL, "2019-01-01", "2019-06-01", "2019-12-31", 6, 6, 10)
 
 
+def ic_verdict(diff: pd.Series, lag: int) -> dict:
+    """The Qlib walk-forward's verdict on daily IC differences (finetuned - zero-shot: higher is better)."""
+    return paired_test(diff.to_numpy(), diff.index, lag, higher_is_better=True)
+
+
 def test_verdict_direction_and_recomputation():
     rng = np.random.default_rng(0)
     days = pd.bdate_range("2024-01-01", periods=300)
     noise = pd.Series(rng.normal(0, 0.05, len(days)), index=days)
-    assert ic_verdict(noise + 0.03, 10, 500)["verdict"] == "helps"
-    hurts = ic_verdict(noise - 0.03, 10, 500)
+    assert ic_verdict(noise + 0.03, 9)["verdict"] == "helps"
+    hurts = ic_verdict(noise - 0.03, 9)
     assert hurts["verdict"] == "hurts" and hurts["ci_high"] < 0 and "below 0" in hurts["reason"]
-    none = ic_verdict(noise - noise.mean(), 10, 500)
+    none = ic_verdict(noise - noise.mean(), 9)
     assert none["verdict"] == "no_evidence" and none["ci_low"] < 0 < none["ci_high"]
-    assert none["mean"] == pytest.approx(0.0, abs=1e-12) and none["days"] == 300
+    assert none["mean"] == pytest.approx(0.0, abs=1e-12) and none["dates"] == 300
+    # the same calibration as the CSV verdict: 9 days of dependence -> bandwidth 18, 15 blocks of 19 days
+    assert (none["lag"], none["block"], none["blocks"]) == (18, 19, 15)
+    short = ic_verdict(noise[:100] + 0.03, 9)  # 5 blocks of 19 days: too few for an interval, whatever the mean
+    assert short["verdict"] == "no_evidence" and "only 5 independent blocks" in short["reason"]
 
 
 @pytest.mark.slow
@@ -70,7 +80,7 @@ def test_walk_forward_command_on_a_tiny_store(tmp_path):
     cfg["model"] = {"pretrained_tokenizer": str(tmp_path / "pre_tok"),
                     "pretrained_predictor": str(tmp_path / "pre_pred")}
     cfg["walk_forward"] = {"test_range": ["2022-01-01", "2022-04-30"], "period_months": 2, "val_months": 2,
-                           "block_days": 5, "n_boot": 200}
+                           "block_days": 5}
     (tmp_path / "wf.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "DIST_BACKEND": "gloo", "OMP_NUM_THREADS": "1"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

@@ -50,29 +50,33 @@ def panel(lengths: list[int], ends: list[str]) -> SeriesPanel:
 
 
 @pytest.mark.parametrize("purge,embargo", [(4, 0), (7, 3)])
-def test_no_training_or_validation_target_reaches_into_the_test_block(purge, embargo):
+def test_folds_are_date_ranges_shared_by_all_series_and_purged_on_each(purge, embargo):
     lookback, predict = 16, 4
-    p = panel([300, 220, 260], ["2024-03-01 00:00", "2024-03-01 00:00", "2024-02-28 12:00"])
+    # s1 is shorter and s2 ends (is delisted) 30 hours before the others: uneven lengths AND end dates
+    p = panel([300, 220, 260], ["2024-03-01 00:00", "2024-03-01 00:00", "2024-02-28 18:00"])
     folds = wf.make_folds(p, lookback, predict, folds=3, test_bars=12, purge=purge, embargo=embargo, val_ratio=0.2)
     when = np.asarray(p.datetimes)
-    prev_test_stop = None
+    calendar = np.unique(when)
+    prev_last = None
     for fold in folds:
-        test_first = fold.test.first_target
-        for s in range(3):
-            # every row a training or validation window reads lies `purge` rows before this series' test block
-            assert fold.train.stop[s] <= test_first[s] - purge
-            assert fold.val.stop[s] <= test_first[s] - purge
-            assert fold.train.stop[s] <= fold.val.first_target[s] - purge  # the validation block is purged too
+        on = fold.test.stop > fold.test.first_target  # series in this fold
+        block = calendar[len(calendar) - (2 - fold.index) * (12 + embargo) - 12:][:12]  # the fold's 12 dates
+        for s in np.flatnonzero(on):
+            test_dates = when[fold.test.first_target[s]:fold.test.stop[s]]
+            assert np.isin(test_dates, block).all()  # one calendar: the series' test rows are the block's dates
+            # every training and validation target ends `purge` of this series' own rows before its test rows
+            assert fold.val.stop[s] <= fold.test.first_target[s] - purge
+            assert fold.train.stop[s] <= fold.val.first_target[s] - purge
             assert fold.train.stop[s] - fold.train.start[s] >= lookback + predict
             assert fold.test.first_target[s] - fold.test.start[s] == lookback  # context only, read before the block
-        # and no training/validation target is dated at or after the fold's earliest test start in ANY series
-        assert when[fold.val.stop - 1].max() < when[test_first].min()
-        assert when[fold.train.stop - 1].max() < when[test_first].min()
-        if prev_test_stop is not None:  # blocks never overlap, `embargo` rows apart
-            assert (test_first - prev_test_stop == embargo).all()
-        prev_test_stop = fold.test.stop
-    # the series ending earlier (s2) pulls the others' training end before its test start
-    assert when[folds[-1].train.stop[0] - 1] < when[folds[-1].test.first_target[2]]
+            assert when[fold.val.stop[s] - 1] < block[0]
+        if prev_last is not None:  # fold k's test dates all follow fold k-1's
+            assert when[fold.test.first_target[on]].min() > prev_last
+        prev_last = when[fold.test.stop[on] - 1].max()
+        assert wf.fold_dates(fold)["test_start"] == str(pd.Timestamp(block[0]))
+    # s2 ends before the last two blocks: present in fold 0 only, absent (no rows at all) from folds 1 and 2
+    assert [bool(f.test.stop[2] > f.test.first_target[2]) for f in folds] == [True, False, False]
+    assert all(f.train.stop[2] == f.train.start[2] for f in folds[1:])
 
 
 def test_too_short_series_and_a_purge_below_predict_are_named(tmp_path):
@@ -86,40 +90,37 @@ def test_too_short_series_and_a_purge_below_predict_are_named(tmp_path):
         load(config, ["walk_forward.candidates=[finetuned, persistence]"])
 
 
-def make_blocks(effect: float, n_folds: int = 4, n_series: int = 3, n_windows: int = 20, seed: int = 0):
+def windows_frame(effect: float, n_folds: int = 4, n_series: int = 3, n_windows: int = 20, seed: int = 0):
+    """windows.csv rows of finetuned and zero_shot: `effect` + noise as the CRPS difference per window."""
     rng = np.random.default_rng(seed)
-    rows = [(k, f"s{s}", pd.Timestamp("2024-01-01") + pd.Timedelta(hours=k * n_windows + i))
-            for k in range(n_folds) for s in range(n_series) for i in range(n_windows)]
-    fold, series, when = map(np.array, zip(*rows))
+    rows = pd.DataFrame([(k, f"s{s}", pd.Timestamp("2024-01-01") + pd.Timedelta(hours=k * n_windows + i))
+                         for k in range(n_folds) for s in range(n_series) for i in range(n_windows)],
+                        columns=["fold", "series", "window_start"])
     diff = effect + 0.002 * rng.standard_normal(len(rows))
-    return diff, fold, series, when
+    return pd.concat([rows.assign(candidate="zero_shot", crps=0.01, mae=0.01),
+                      rows.assign(candidate="finetuned", crps=0.01 + diff, mae=0.01 + diff)]), diff
 
 
 @pytest.mark.parametrize("effect,word", [(-0.003, "helps"), (0.003, "hurts"), (0.0, "no_evidence")])
 def test_the_verdict_points_the_right_way(effect, word):
-    diff, fold, series, when = make_blocks(effect)
-    stats = wf.paired_stats(diff, fold, series, when, n_boot=500)
-    assert wf.verdict(stats)[0] == word
+    frame, diff = windows_frame(effect)
+    stats = wf.paired_from_windows(frame)["crps"]
+    assert stats["verdict"] == word
     assert stats["mean"] == pytest.approx(diff.mean())
-    assert stats["windows"] == len(diff) and stats["blocks"] == 12
+    assert stats["windows"] == len(diff) and stats["dates"] == 80 and [r["fold"] for r in stats["per_fold"]] == [0, 1,
+                                                                                                                2, 3]
     if word != "no_evidence":
         assert stats["p_value"] < 0.01 and np.sign(stats["dm_stat"]) == np.sign(effect)
         assert stats["share_folds_won"] == (1.0 if word == "helps" else 0.0)
         assert stats["windows_needed"] < len(diff)  # detected, so fewer windows would have done
 
 
-def test_newey_west_equals_the_variance_without_lags_and_grows_with_positive_autocorrelation():
-    x = np.random.default_rng(1).standard_normal(400)
-    assert wf.newey_west(x, lags=0) == pytest.approx(x.var())
-    smooth = np.convolve(x, np.ones(5) / 5, mode="valid")
-    assert wf.newey_west(smooth, lags=8) > 2 * smooth.var()
-
-
 @pytest.fixture
 def run_config(tmp_path: Path) -> Path:
     """Three uneven synthetic series, a tiny pretrained pair on disk and a two-fold config."""
     frames = generate_ohlcv(n_series=2, n_bars=150, freq="5min", seed=0)
-    frames["SH700000"] = generate_ohlcv(n_series=1, n_bars=130, freq="5min", seed=1)["SH600000"]
+    # ends 8 bars (one test block) before the others: in fold 0, absent from fold 1
+    frames["SH700000"] = generate_ohlcv(n_series=1, n_bars=142, freq="5min", seed=1)["SH600000"]
     write_csv_folder(frames, tmp_path / "data")
     tok, pred = model_factory.tiny_models()
     tok.save_pretrained(tmp_path / "models" / "tokenizer")
@@ -134,28 +135,29 @@ def test_report_and_windows_csv_agree_and_a_rerun_skips_finished_folds(run_confi
     out = tmp_path / "out" / "wf" / "walk_forward"
     report = json.loads((out / "report.json").read_text())
     assert [f["fold"] for f in report["folds"]] == [0, 1]
-    for f in report["folds"]:
+    for f, n_series in zip(report["folds"], (3, 2)):
         assert pd.Timestamp(f["train_end"]) < pd.Timestamp(f["val_start"]) <= pd.Timestamp(f["val_end"]) \
             < pd.Timestamp(f["test_start"]) < pd.Timestamp(f["test_end"])
-        assert f["purge"] == 4 and f["windows"]["test"] == 3 * 2  # 3 series x 8 bars / 4
+        assert f["purge"] == 4 and f["windows"]["test"] == n_series * 2  # 8 bars / 4; SH700000 ended before fold 1
     assert (out / "walk_forward.png").stat().st_size > 0
     assert (out / "fold_1" / "basemodel" / "best_model" / "model.safetensors").is_file()
 
     # (b) the paired mean and the verdict recomputed from windows.csv
     rows = pd.read_csv(out / "windows.csv", parse_dates=["window_start"])
     assert set(rows.candidate) >= {"zero_shot", "finetuned", "persistence", "empirical"}
-    spans = rows.groupby(["series", "fold"]).window_start.agg(["min", "max"])  # per series the blocks follow in time
-    for name in rows.series.unique():
-        assert spans.loc[(name, 0), "max"] < spans.loc[(name, 1), "min"]
+    spans = rows.groupby("fold").window_start.agg(["min", "max"])  # one calendar: fold 1 follows all of fold 0
+    assert spans.loc[0, "max"] < spans.loc[1, "min"]
+    assert rows.groupby("fold").window_start.nunique().tolist() == [2, 2]  # series share the blocks' dates
     assert len(rows) == rows[["fold", "series", "window_start", "candidate"]].drop_duplicates().shape[0]
     wide = rows.pivot_table(index=["fold", "series", "window_start"], columns="candidate", values=["crps", "mae"])
     crps = report["paired"]["finetuned_vs_zero_shot"]["crps"]
-    assert crps["mean"] == pytest.approx((wide["crps"]["finetuned"] - wide["crps"]["zero_shot"]).mean(), abs=1e-12)
-    assert report["paired"]["finetuned_vs_zero_shot"]["mae"]["mean"] == pytest.approx(
-        (wide["mae"]["finetuned"] - wide["mae"]["zero_shot"]).mean(), abs=1e-12)
-    assert crps["windows"] == 12
-    again = wf.paired_from_windows(rows, report["settings"]["bootstrap_samples"], 0)
-    assert wf.verdict(again["crps"])[0] == report["verdict"] in ("helps", "hurts", "no_evidence")
+    # the verdict's mean is over dates of the series' mean at each date (fold 1 has one series fewer)
+    by_date = (wide["crps"]["finetuned"] - wide["crps"]["zero_shot"]).groupby("window_start").mean()
+    assert crps["mean"] == pytest.approx(by_date.mean(), abs=1e-12) and crps["dates"] == 4
+    assert crps["windows"] == 10
+    again = wf.paired_from_windows(rows[rows.in_verdict])
+    assert again["crps"]["verdict"] == report["verdict"] == "no_evidence"
+    assert "only 2 independent blocks: too few for a 95% interval" in report["verdict_reason"]  # 4 dates
     assert again["crps"]["ci_low"] == pytest.approx(crps["ci_low"])
     assert "verdict:" in capsys.readouterr().out
 
@@ -165,15 +167,26 @@ def test_report_and_windows_csv_agree_and_a_rerun_skips_finished_folds(run_confi
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
     assert json.loads((out / "report.json").read_text())["paired"] == report["paired"]
 
+    # --report-only rewrites report.json, windows.csv and the plot from the folds' windows.csv: the same report
+    written = {n: (out / n).read_bytes() for n in ("report.json", "windows.csv")}
+    for name in ("report.json", "windows.csv", "walk_forward.png"):
+        (out / name).unlink()
+    assert wf.main(["--config", str(run_config), "--report-only"]) == 0
+    assert {n: (out / n).read_bytes() for n in written} == written and (out / "walk_forward.png").is_file()
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps  # nothing trained or rescored
+
     # a cutoff after fold 0's test start leaves it out of the verdict (no retraining: the folds are unchanged)
     cutoff = report["folds"][1]["test_start"]
     assert wf.main(["--config", str(run_config), "--set", f"model.pretraining_cutoff='{cutoff}'"]) == 0
     cut = json.loads((out / "report.json").read_text())
-    assert cut["excluded_folds"] == [0] and cut["paired"]["finetuned_vs_zero_shot"]["crps"]["windows"] == 6
+    assert cut["excluded_folds"] == [0] and cut["paired"]["finetuned_vs_zero_shot"]["crps"]["windows"] == 4
     assert not pd.read_csv(out / "windows.csv").query("fold == 0").in_verdict.any()
 
     # other settings are refused without --overwrite, and redone with it
     with pytest.raises(RefusedError, match="--overwrite"):
         wf.main(["--config", str(run_config), "--set", "forecast.sample_count=3"])
+    for flags in (["--report-only"], ["--report-only", "--overwrite"]):  # it never reports (or redoes) such folds
+        with pytest.raises(RefusedError, match="--report-only: .* no fold finished with these settings"):
+            wf.main(["--config", str(run_config), "--set", "forecast.sample_count=3", *flags])
     assert wf.main(["--config", str(run_config), "--set", "forecast.sample_count=3", "--overwrite"]) == 0
     assert json.loads((out / "report.json").read_text())["settings"]["samples"] == 3

@@ -11,9 +11,7 @@ unbiased for the CRPS of the distribution the samples come from and matters for 
 (`scoringrules.crps_ensemble(..., estimator="fair")`). The pair sum uses the sorted-sample identity
 sum_{i,j} |x_i - x_j| = 2 sum_i (2 i - S - 1) x_(i) (i = 1..S), O(S log S) instead of O(S^2).
 
-Also here:
-- Seeded bootstrap confidence intervals over forecast windows (iid or moving-block, or moving blocks of DATES:
-  the windows of every series that share a date move together).
+Also here (the bootstrap intervals come from finetune.evaluation.statistics):
 - Naive forecasts in the model's sample layout, so the same scoring functions rate them.
 - Score a probabilistic forecast run (CSV pipeline): one nested, strict-JSON dict for metrics.json.
 """
@@ -21,12 +19,12 @@ Also here:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
+from finetune.evaluation.statistics import bootstrap_ci
 from model.errors import DataError
 from model.fileio import strict_json
 
@@ -95,77 +93,6 @@ def interval_coverage(obs: np.ndarray, samples: np.ndarray, level: float) -> np.
     return ((obs >= lo) & (obs <= hi)).astype(np.float64)
 
 
-def resample_indices(n: int, n_boot: int, block: int = 1, seed: int = 0) -> np.ndarray:
-    """`(n_boot, n)` bootstrap indices over `n` windows: each row concatenates ceil(n / block) blocks of consecutive
-    windows starting at uniformly drawn positions in [0, n - block], cut to n (block 1 = iid)."""
-    if n < 1:
-        raise DataError("bootstrap needs at least one window")
-    if n_boot < 1:
-        raise DataError(f"n_boot={n_boot} must be >= 1")
-    block = int(min(max(block, 1), n))
-    rng = np.random.default_rng(seed)
-    n_blocks = -(-n // block)
-    starts = rng.integers(0, n - block + 1, size=(n_boot, n_blocks))  # (n_boot, n_blocks)
-    idx = (starts[:, :, None] + np.arange(block)).reshape(n_boot, -1)  # (n_boot, n_blocks * block)
-    return idx[:, :n]
-
-
-def date_block_indices(dates: np.ndarray, n_boot: int, block: int | None = None, seed: int = 0,
-                       min_block: int = 1) -> list[np.ndarray]:
-    """Moving-block bootstrap over the sorted unique window dates; every window on a drawn date comes along.
-
-    Windows of correlated series on one date are one observation, not several: resampling them independently
-    would shrink the interval by up to sqrt(series). Neighbouring dates are dependent too (volatility clusters,
-    and windows closer than the horizon share realised bars), hence blocks of consecutive dates.
-    `dates (n,)`: any sortable key per window; block None = `default_block(D, min_block)` for D unique dates.
-    Returns n_boot index arrays into the n windows (their lengths vary with the windows per date).
-    """
-    unique, inverse = np.unique(np.asarray(dates), return_inverse=True)
-    order = np.argsort(inverse, kind="stable")  # windows grouped by date
-    counts = np.bincount(inverse, minlength=len(unique))  # (D,)
-    first = np.concatenate([[0], np.cumsum(counts)[:-1]])  # (D,) position of each date's group in `order`
-    block = default_block(len(unique), min_block) if block is None else block
-    out = []
-    for row in resample_indices(len(unique), n_boot, block, seed):  # (D,) drawn date positions
-        size = counts[row]
-        pos = np.repeat(first[row] - np.cumsum(size) + size, size) + np.arange(size.sum())
-        out.append(order[pos])
-    return out
-
-
-def default_block(n_dates: int, min_block: int = 1) -> int:
-    """Dates per bootstrap block: max(min_block, round(n_dates ** (1/3))).
-
-    n^(1/3) is the rate of the optimal block length for the mean of a weakly dependent series (Hall, Horowitz &
-    Jing 1995); `min_block` (the forecast uses ceil(horizon / window stride)) keeps windows that share realised
-    bars inside one block.
-    """
-    return max(int(min_block), round(max(n_dates, 1) ** (1 / 3)))
-
-
-def bootstrap_ci(statistic: Callable[[np.ndarray], float], n: int, n_boot: int = 1000, block: int | None = 1,
-                 seed: int = 0, level: float = 0.95, dates: np.ndarray | None = None,
-                 min_block: int = 1) -> dict[str, float]:
-    """Percentile confidence interval of `statistic` (an index array of windows -> one number, e.g.
-    `lambda i: crps[i].mean()`; ratios and paired differences are computed inside it on the same indices) over
-    resampled windows, or over blocks of `dates (n,)` when given (`date_block_indices`).
-    Returns {"estimate" (on all windows), "low", "high", "level", "n_boot", "block", "unit"}."""
-    if dates is not None:
-        n_dates = len(np.unique(np.asarray(dates)))
-        block = min(default_block(n_dates, min_block) if block is None else block, n_dates)
-        idx = date_block_indices(dates, n_boot, block, seed)
-    else:
-        block = 1 if block is None else block
-        idx = resample_indices(n, n_boot, block, seed)
-    draws = np.array([statistic(row) for row in idx], dtype=np.float64)
-    draws = draws[np.isfinite(draws)]
-    alpha = (1.0 - level) / 2.0
-    low, high = (np.quantile(draws, [alpha, 1.0 - alpha]) if len(draws) else (np.nan, np.nan))
-    return {"estimate": float(statistic(np.arange(n))), "low": float(low), "high": float(high),
-            "level": level, "n_boot": int(n_boot), "block": int(min(max(block, 1), n)),
-            "unit": "dates" if dates is not None else "windows"}
-
-
 DAYS_PER_WEEK = 5  # trading days: the season of daily bars
 
 
@@ -195,17 +122,19 @@ def empirical_samples(history: np.ndarray, horizon: int, window: int = 250) -> n
     return history[:, -1, None, None] * rel
 
 
-def seasonal_naive_samples(context: np.ndarray, horizon: int, season: int) -> np.ndarray:
-    """Seasonal-naive forecast `(W, 1, H)` from `context (W, L)`, L >= season m: horizon h (1-based) repeats the
-    value one season earlier, context[L - m + (h-1) % m]."""
+def seasonal_naive_samples(context: np.ndarray, horizon: int, season) -> np.ndarray:
+    """Seasonal-naive forecast `(W, 1, H)` from `context (W, L)` and the season m (an int, or `(W,)` per window: a
+    daily and an hourly series have different seasons), L >= m: horizon h (1-based) repeats the value one season
+    earlier, context[L - m + (h-1) % m]."""
     context = np.asarray(context, dtype=np.float64)
-    if season < 1:
-        raise DataError(f"season={season} must be >= 1")
-    if context.ndim != 2 or context.shape[1] < season:
-        raise DataError(f"context of shape {context.shape} is shorter than one season ({season} bars); "
+    m = np.broadcast_to(np.asarray(season, dtype=np.int64), context.shape[:1])[:, None]  # (W, 1)
+    if (m < 1).any():
+        raise DataError(f"season={np.min(m)} must be >= 1")
+    if context.ndim != 2 or context.shape[1] < m.max(initial=1):
+        raise DataError(f"context of shape {context.shape} is shorter than one season ({m.max()} bars); "
                         "lengthen the lookback or set the season explicitly")
-    cols = context.shape[1] - season + (np.arange(horizon) % season)  # (H,)
-    return context[:, None, cols]
+    cols = context.shape[1] - m + (np.arange(horizon) % m)  # (W, H)
+    return np.take_along_axis(context, cols, axis=1)[:, None]
 
 
 def infer_season(timestamps) -> int:
@@ -228,8 +157,9 @@ class ScoreSettings:
 
     quantiles: tuple[float, ...] = DEFAULT_QUANTILES  # Quantile levels of the pinball loss and WQL.
     intervals: tuple[float, ...] = (0.5, 0.8)  # Central interval levels whose coverage is reported.
-    # Season of the seasonal-naive baseline in bars (bars per day / week); None = no seasonal-naive baseline.
-    season: int | None = None
+    # Season of the seasonal-naive baseline in bars (bars per day / week), one for all series or {series: season};
+    # None = no seasonal-naive baseline.
+    season: int | dict[str, int] | None = None
     n_boot: int = 1000  # Bootstrap resamples for confidence intervals (0 = none).
     # Bootstrap block length: consecutive windows (1 = iid), or with window dates, dates (None = `default_block`).
     block: int | None = 1
@@ -352,12 +282,16 @@ def score_forecasts(samples, realised, last_close, context=None, series=None,
     forecasters = {"model": samples, "persistence": persistence_samples(last_close, horizon)}
     if history is not None:
         forecasters["empirical"] = empirical_samples(history, horizon, settings.empirical_window)
-    if settings.season is not None:
+    season = settings.season  # {series: season} of the series scored here, or one number when they agree
+    if isinstance(season, dict):
+        season = {str(n): season[n] for n in names} if len({season[n] for n in names}) > 1 else season[names[0]]
+    if season is not None:
         if context is None:
             raise DataError("a seasonal-naive baseline (season) needs the context values")
-        forecasters["seasonal_naive"] = seasonal_naive_samples(context, horizon, settings.season)
+        per_window = np.array([season[n] for n in names])[codes] if isinstance(season, dict) else season  # (W,)
+        forecasters["seasonal_naive"] = seasonal_naive_samples(context, horizon, per_window)
     result = {"setup": {"windows": n_windows, "samples": n_samples, "horizon": horizon, "series": n_series,
-                        "season": settings.season, "space": "return relative to the last observed close",
+                        "season": season, "space": "return relative to the last observed close",
                         "empirical_paths": forecasters["empirical"].shape[1] if history is not None else None,
                         "point_forecast": "sample median", "quantiles": list(settings.quantiles)}}
     by_name = {}  # forecaster -> its per-window scores

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
+from finetune.evaluation.statistics import newey_west_tstat
 from finetune.utils.plots import pyplot, save_figure
 from model.errors import DataError
 
@@ -75,30 +75,6 @@ def forward_labels(instruments, start_time, end_time, deal_price: str = "close",
     frame = D.features(instruments, exprs, start_time=start_time, end_time=end_time, freq=freq)
     frame.columns = label_columns(hs)
     return frame.swaplevel().sort_index() if frame.index.names[0] == "instrument" else frame.sort_index()
-
-
-def newey_west_tstat(x, lag: int) -> dict[str, float]:
-    """t-statistic of the mean of `x` with a Newey-West (Bartlett kernel) standard error.
-
-    var(mean) = (g_0 + 2 sum_{l=1..lag} (1 - l / (lag + 1)) g_l) / T,  g_l = (1/T) sum_t (x_t - m)(x_{t-l} - m);
-    lag = 0 gives the iid standard error with the population variance. `x`: (T,) in time order, NaNs dropped
-    first; `lag`: h - 1 for h-day overlapping returns. Returns {"mean", "se", "t", "n"}; se and t are NaN for
-    fewer than 2 observations or zero variance."""
-    values = np.asarray(x, dtype=np.float64)
-    values = values[np.isfinite(values)]
-    n = len(values)
-    if lag < 0:
-        raise DataError(f"lag={lag} must be >= 0")
-    if n < 2:
-        return {"mean": float(values.mean()) if n else math.nan, "se": math.nan, "t": math.nan, "n": n}
-    dev = values - values.mean()
-    var = dev @ dev / n
-    for lag_l in range(1, min(lag, n - 1) + 1):
-        var += 2.0 * (1.0 - lag_l / (lag + 1)) * (dev[lag_l:] @ dev[:-lag_l]) / n
-    if not var > 0:
-        return {"mean": float(values.mean()), "se": math.nan, "t": math.nan, "n": n}
-    se = math.sqrt(var / n)
-    return {"mean": float(values.mean()), "se": se, "t": float(values.mean()) / se, "n": n}
 
 
 def _aligned(pred: pd.Series, label: pd.Series) -> tuple[pd.Series, pd.Series]:
