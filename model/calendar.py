@@ -93,6 +93,17 @@ class TradingCalendar:
             raise DataError(f"{name}: the last timestamp {last} and the calendar's stamps (zone {self.tz}) are not "
                             "both tz-aware or both naive; use one convention")
         wall = last.tz_convert(self.tz).tz_localize(None) if last.tz is not None else last
+        m = n
+        while True:  # a DST change drops the wall-clock times that do not exist and merges repeated ones
+            stamps = self._wall_after(wall, m, freq, name)
+            if self.tz is None:
+                return stamps
+            local = stamps.tz_localize(self.tz, ambiguous=np.ones(m, bool), nonexistent="NaT").dropna().unique()
+            if len(local) >= n:
+                return local[:n]
+            m *= 2
+
+    def _wall_after(self, wall: pd.Timestamp, n: int, freq: str | None, name: str) -> pd.DatetimeIndex:
         if freq is not None:
             try:
                 offset = pd.tseries.frequencies.to_offset(freq)
@@ -109,15 +120,10 @@ class TradingCalendar:
             if len(out) < n:
                 raise DataError(f"{name}: freq {freq!r} stamps {len(out)} of {n} bars at times its market trades; "
                                 "pass another freq or the future timestamps")
-            stamps = pd.DatetimeIndex(out[:n])
-        elif self.offset is not None:
-            stamps = pd.date_range(wall + self.offset, periods=n, freq=self.offset)
-        else:
-            stamps = pd.DatetimeIndex(self._sessions(wall, n, name)).as_unit("ns")
-        if self.tz is None:
-            return stamps
-        local = stamps.tz_localize(self.tz, ambiguous=np.ones(len(stamps), bool), nonexistent="shift_forward")
-        return local if local.is_unique else self.after(last, 2 * n, freq, name).unique()[:n]  # a DST gap
+            return pd.DatetimeIndex(out[:n])
+        if self.offset is not None:
+            return pd.date_range(wall + self.offset, periods=n, freq=self.offset)
+        return pd.DatetimeIndex(self._sessions(wall, n, name)).as_unit("ns")
 
     def _sessions(self, wall: pd.Timestamp, n: int, name: str) -> list[pd.Timestamp]:
         out, day = [], wall.normalize()

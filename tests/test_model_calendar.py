@@ -1,0 +1,117 @@
+"""Trading calendars (model.calendar): the bars after a series' end occur at times its market trades."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from model.calendar import TradingCalendar
+from model.errors import DataError
+
+
+def fx_hours(start: str, end: str) -> pd.DatetimeIndex:
+    """Hourly FX bars (24/5): Sunday 21:00 to Friday 20:00 (the last bar closes at 21:00), no Saturday."""
+    h = pd.date_range(start, end, freq="h")
+    closed = (h.day_of_week == 5) | ((h.day_of_week == 6) & (h.hour < 21)) | ((h.day_of_week == 4) & (h.hour > 20))
+    return h[~closed]
+
+
+def session_bars(days: pd.DatetimeIndex) -> pd.DatetimeIndex:
+    """30-minute bars 09:30-11:00 and 13:00-14:30 (bar start times) on each day."""
+    times = ["09:30", "10:00", "10:30", "11:00", "13:00", "13:30", "14:00", "14:30"]
+    return pd.DatetimeIndex([d + pd.Timedelta(f"{t}:00") for d in days for t in times])
+
+
+def weekly_slots(stamps: pd.DatetimeIndex) -> set[tuple[int, int]]:
+    return set(zip(stamps.day_of_week, stamps.hour * 60 + stamps.minute))
+
+
+def test_fx_hours_ending_on_a_friday_continue_on_sunday_evening():
+    history = fx_hours("2024-01-07 21:00", "2024-03-01 16:00")  # ends Friday 16:00
+    got = TradingCalendar.learn(history).after(history[-1], 24)
+    assert weekly_slots(got) <= weekly_slots(history)  # every stamp is an hour the market trades
+    assert list(got[:5]) == list(pd.DatetimeIndex(["2024-03-01 17:00", "2024-03-01 18:00", "2024-03-01 19:00",
+                                                   "2024-03-01 20:00", "2024-03-03 21:00"]))
+    assert got[-1] == pd.Timestamp("2024-03-04 16:00") and got.is_monotonic_increasing
+
+
+def test_a_forced_freq_keeps_only_the_hours_the_market_trades():
+    history = fx_hours("2024-01-07 21:00", "2024-03-01 16:00")
+    cal = TradingCalendar.learn(history)
+    assert list(cal.after(history[-1], 24, freq="h")) == list(cal.after(history[-1], 24))
+    half = cal.after(history[-1], 10, freq="30min")  # finer than the bars: both halves of each traded hour
+    assert list(half[-2:]) == [pd.Timestamp("2024-03-01 20:30"), pd.Timestamp("2024-03-03 21:00")]
+    with pytest.raises(DataError, match="freq 'nonsense' is not a pandas frequency"):
+        cal.after(history[-1], 3, freq="nonsense")
+
+
+def test_crypto_hours_trade_every_hour_of_every_day():
+    history = pd.date_range("2024-01-01", "2024-02-02 23:00", freq="h")  # ends Friday 23:00
+    got = TradingCalendar.learn(history).after(history[-1], 30)
+    assert list(got) == list(pd.date_range("2024-02-03", periods=30, freq="h"))  # Saturday included
+
+
+def test_daily_stock_bars_continue_on_business_days_and_crypto_every_day():
+    days = pd.bdate_range("2023-06-01", "2024-03-15")  # ends on a Friday
+    holidays = pd.DatetimeIndex(["2023-07-04", "2023-09-04", "2023-11-23", "2023-12-25", "2024-01-01"])
+    stock = days.difference(holidays).append(pd.DatetimeIndex(["2023-09-09"])).sort_values()  # one stray Saturday
+    got = TradingCalendar.learn(stock).after(stock[-1], 6)
+    assert list(got) == list(pd.bdate_range("2024-03-18", periods=6))
+    crypto = pd.date_range("2024-03-01", "2024-03-10", freq="D")
+    assert list(TradingCalendar.learn(crypto).after(crypto[-1], 2)) == list(pd.date_range("2024-03-11", periods=2))
+    assert list(TradingCalendar.learn(stock).after(stock[-1], 3, freq="D")) == list(pd.bdate_range("2024-03-18",
+                                                                                                  periods=3))
+
+
+def test_intraday_session_with_lunch_break_and_per_weekday_times():
+    days = pd.bdate_range("2024-02-05", "2024-03-15")
+    bars = session_bars(days)
+    bars = bars[~((bars.day_of_week == 4) & (bars.hour >= 13))]  # Fridays: a half day
+    history = bars[:-1]  # ends Friday 10:30
+    got = TradingCalendar.learn(history).after(history[-1], 10)
+    expected = ["2024-03-15 11:00", "2024-03-18 09:30", "2024-03-18 10:00", "2024-03-18 10:30", "2024-03-18 11:00",
+                "2024-03-18 13:00", "2024-03-18 13:30", "2024-03-18 14:00", "2024-03-18 14:30", "2024-03-19 09:30"]
+    assert list(got) == list(pd.DatetimeIndex(expected))
+
+
+def test_a_calendar_of_trading_dates_skips_a_holiday():
+    history = session_bars(pd.bdate_range("2024-03-04", "2024-03-15"))
+    cal = TradingCalendar.learn(history, dates=pd.to_datetime(["2024-03-15", "2024-03-19", "2024-03-20"]))
+    got = cal.after(history[-1], 9)
+    assert got[0] == pd.Timestamp("2024-03-19 09:30") and got[-1] == pd.Timestamp("2024-03-20 09:30")
+    with pytest.raises(DataError, match="end on 2024-03-20.*extend the calendar"):
+        cal.after(history[-1], 30)
+
+
+def test_monthly_bars_follow_their_pandas_frequency():
+    history = pd.date_range("2020-01-31", periods=20, freq="ME")
+    got = TradingCalendar.learn(history).after(history[-1], 3)
+    assert list(got) == list(pd.DatetimeIndex(["2021-09-30", "2021-10-31", "2021-11-30"]))
+
+
+def test_tz_aware_stamps_are_read_on_their_own_wall_clock():
+    wall = fx_hours("2024-01-07 21:00", "2024-03-01 16:00")
+    history = wall.tz_localize("Asia/Shanghai")
+    got = TradingCalendar.learn(history).after(history[-1], 24)
+    assert str(got.tz) == "Asia/Shanghai"
+    assert list(got.tz_localize(None)) == list(TradingCalendar.learn(wall).after(wall[-1], 24))
+    with pytest.raises(DataError, match="not both tz-aware or both naive"):
+        TradingCalendar.learn(history).after(wall[-1], 3)
+
+
+def test_a_dst_change_never_stamps_a_time_twice_or_one_that_does_not_exist():
+    history = pd.date_range("2024-03-01", periods=24 * 30, freq="h", tz="Europe/Berlin")
+    got = TradingCalendar.learn(history).after(history[-1], 4)  # 2024-03-31 02:00 does not exist in Berlin
+    assert got.is_unique and got.is_monotonic_increasing
+    assert list(got.hour) == [0, 1, 3, 4]
+
+
+def test_histories_that_define_no_calendar_are_clear_errors():
+    with pytest.raises(DataError, match="1 row\\(s\\): too few to learn its trading calendar; pass freq="):
+        TradingCalendar.learn(pd.DatetimeIndex(["2024-01-02"]))
+    rng = np.random.default_rng(0)
+    scattered = pd.DatetimeIndex(sorted(pd.Timestamp("2024-01-01") + pd.to_timedelta(rng.integers(0, 40 * 86400, 60),
+                                                                                      unit="s")))
+    with pytest.raises(DataError, match="no time of day recurs"):
+        TradingCalendar.learn(scattered)
