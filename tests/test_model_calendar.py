@@ -115,3 +115,71 @@ def test_histories_that_define_no_calendar_are_clear_errors():
                                                                                       unit="s")))
     with pytest.raises(DataError, match="no time of day recurs"):
         TradingCalendar.learn(scattered)
+
+
+# ------------------------------------------------------------------------------ predict_df stamps by the calendar
+def _long(stamps_by_id: dict[str, pd.DatetimeIndex]) -> pd.DataFrame:
+    from tests.test_model_predictor import candles
+
+    parts = []
+    for k, (sid, stamps) in enumerate(stamps_by_id.items()):
+        df = candles(len(stamps), seed=k)[0].rename(columns=str.title)  # Open/High/...: any case is read
+        parts.append(df.assign(Date=stamps, id=sid))
+    return pd.concat(parts, ignore_index=True)
+
+
+@pytest.fixture(scope="module")
+def predictor():
+    from model import KronosPredictor
+    from tests.model_factory import tiny_models
+
+    tok, pred = tiny_models(seed=1)
+    return KronosPredictor(pred, tok, device="cpu", max_context=64)
+
+
+def test_predict_df_stamps_fx_hours_and_stock_business_days_without_freq(predictor):
+    fx = fx_hours("2024-02-04 21:00", "2024-03-01 16:00")[-200:]
+    stock = pd.bdate_range("2023-10-02", "2024-03-15")[-60:]
+    out = predictor.predict_df(_long({"EURUSD": fx, "STOCK": stock}), prediction_length=24, top_k=1, sample_count=1)
+    got = {sid: pd.DatetimeIndex(part["Date"]) for sid, part in out.groupby("id")}
+    assert weekly_slots(got["EURUSD"]) <= weekly_slots(fx) and got["EURUSD"][4] == pd.Timestamp("2024-03-03 21:00")
+    assert list(got["STOCK"]) == list(pd.bdate_range("2024-03-18", periods=24))
+    forced = predictor.predict_df(_long({"EURUSD": fx}), prediction_length=24, freq="h", top_k=1, sample_count=1)
+    assert not (pd.DatetimeIndex(forced["Date"]).day_of_week == 5).any()  # no Saturday hour
+
+
+def test_predict_df_takes_your_calendar_or_your_timestamps(predictor):
+    stock = pd.bdate_range("2024-01-02", "2024-03-15")
+    frame = _long({"A": stock, "B": stock})
+    crypto = TradingCalendar.learn(pd.date_range("2024-01-01", periods=30, freq="D"))
+    out = predictor.predict_df(frame, prediction_length=3, calendar=crypto, top_k=1, sample_count=1)
+    assert list(out["Date"][:3]) == list(pd.date_range("2024-03-16", periods=3))  # Saturday: your calendar
+    mine = pd.to_datetime(["2024-03-18", "2024-03-20", "2024-03-22"])
+    out = predictor.predict_df(frame, prediction_length=3, future={"A": mine, "B": mine + pd.Timedelta("1D")},
+                               top_k=1, sample_count=1)
+    assert list(out["Date"]) == [*mine, *(mine + pd.Timedelta("1D"))]
+    with pytest.raises(DataError, match="future has no timestamps for series 'B'"):
+        predictor.predict_df(frame, prediction_length=3, future={"A": mine}, top_k=1)
+    with pytest.raises(DataError, match="series 'A': the history's timestamps are naive but the forecast's are "
+                                        "tz-aware"):
+        predictor.predict_df(frame, prediction_length=3, future=mine.tz_localize("UTC"), top_k=1)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda f: f.assign(Close=np.where(f.index == 70, np.nan, f.Close)),
+     r"series 'B' has 1 NaN/inf values, first in column 'close' at row 20 \(2024-01-30"),
+    (lambda f: f.assign(Low=np.where(f.index == 55, -1.0, f.Low)),
+     r"series 'B': column 'low' is <= 0 .* first at row 5 \(2024-01-09"),
+    (lambda f: f.drop(columns="High"), r"no 'high' column, in any case; columns: \['Open', 'Low'"),
+])
+def test_predict_df_messages_name_the_series_and_the_bar(predictor, change, message):
+    stock = pd.bdate_range("2024-01-02", periods=50)
+    with pytest.raises(DataError, match=message):
+        predictor.predict_df(change(_long({"A": stock, "B": stock})), prediction_length=3, top_k=1)
+
+
+@pytest.mark.parametrize("n, message", [(-1, "prediction_length must be an integer >= 1, got -1"),
+                                        (65, r"prediction_length=65 is more than the predictor's window")])
+def test_predict_df_refuses_a_prediction_length_it_cannot_make(predictor, n, message):
+    with pytest.raises(DataError, match=message):
+        predictor.predict_df(_long({"A": pd.bdate_range("2024-01-02", periods=50)}), prediction_length=n)
