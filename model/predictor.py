@@ -506,10 +506,10 @@ class KronosPredictor:
             raise DataError(f"x_timestamp has {len(x_idx)} entries but {name} has {len(x)} rows")
         if len(y_idx) != pred_len:
             raise DataError(f"{name}: y_timestamp (future) has {len(y_idx)} entries but pred_len is {pred_len}")
-        if (x_idx.tz is None) != (y_idx.tz is None):
-            raise DataError(f"{name}: the history's timestamps are {'naive' if x_idx.tz is None else 'tz-aware'} "
-                            f"but the forecast's are {'naive' if y_idx.tz is None else 'tz-aware'}; give both a "
-                            "zone or neither (tz_localize / tz_convert(None))")
+        if str(x_idx.tz) != str(y_idx.tz):  # the time features read each on its own wall clock: one clock only
+            zone = lambda tz: "naive" if tz is None else f"tz-aware ({tz})"  # noqa: E731
+            raise DataError(f"{name}: the history's timestamps are {zone(x_idx.tz)} but the forecast's are "
+                            f"{zone(y_idx.tz)}; give both the same zone (tz_localize / tz_convert)")
         check_increasing(x_idx, f"{name}'s x_timestamp")
         check_increasing(y_idx, f"{name}'s y_timestamp")
         if min(len(x), self.lookback) < MIN_CONTEXT:

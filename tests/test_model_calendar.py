@@ -140,11 +140,11 @@ def predictor():
 def test_predict_df_stamps_fx_hours_and_stock_business_days_without_freq(predictor):
     fx = fx_hours("2024-02-04 21:00", "2024-03-01 16:00")[-200:]
     stock = pd.bdate_range("2023-10-02", "2024-03-15")[-60:]
-    out = predictor.predict_df(_long({"EURUSD": fx, "STOCK": stock}), prediction_length=24, top_k=1, sample_count=1)
+    out = predictor.predict_df(_long({"EURUSD": fx, "STOCK": stock}), prediction_length=6, top_k=1, sample_count=1)
     got = {sid: pd.DatetimeIndex(part["Date"]) for sid, part in out.groupby("id")}
     assert weekly_slots(got["EURUSD"]) <= weekly_slots(fx) and got["EURUSD"][4] == pd.Timestamp("2024-03-03 21:00")
-    assert list(got["STOCK"]) == list(pd.bdate_range("2024-03-18", periods=24))
-    forced = predictor.predict_df(_long({"EURUSD": fx}), prediction_length=24, freq="h", top_k=1, sample_count=1)
+    assert list(got["STOCK"]) == list(pd.bdate_range("2024-03-18", periods=6))
+    forced = predictor.predict_df(_long({"EURUSD": fx}), prediction_length=6, freq="h", top_k=1, sample_count=1)
     assert not (pd.DatetimeIndex(forced["Date"]).day_of_week == 5).any()  # no Saturday hour
 
 
@@ -183,3 +183,16 @@ def test_predict_df_messages_name_the_series_and_the_bar(predictor, change, mess
 def test_predict_df_refuses_a_prediction_length_it_cannot_make(predictor, n, message):
     with pytest.raises(DataError, match=message):
         predictor.predict_df(_long({"A": pd.bdate_range("2024-01-02", periods=50)}), prediction_length=n)
+
+
+def test_the_same_instants_in_utc_and_shanghai_are_read_on_their_own_clocks(predictor):
+    stock = pd.bdate_range("2024-01-02 01:30", periods=40, freq="B")
+    utc = _long({"A": stock.tz_localize("UTC")})
+    local = utc.assign(Date=utc["Date"].dt.tz_convert("Asia/Shanghai"))  # the same instants
+    a = predictor.predict_df(utc, prediction_length=3, top_k=1, sample_count=1)
+    b = predictor.predict_df(local, prediction_length=3, top_k=1, sample_count=1)
+    assert str(b["Date"].dt.tz) == "Asia/Shanghai" and (a["Date"] == b["Date"]).all()  # same instants stamped
+    assert not np.allclose(a["close"], b["close"])  # different clock-time features: different forecasts, by design
+    mixed = pd.concat([utc.assign(id="U"), local.assign(id="S")], ignore_index=True)
+    with pytest.raises(DataError, match="column 'Date' must hold datetimes"):  # two zones in one column
+        predictor.predict_df(mixed, prediction_length=3)

@@ -148,7 +148,7 @@ def _bad(case):
         long_y = pd.Series(pd.date_range(x_ts.iloc[-1] + pd.Timedelta("5min"), periods=65, freq="5min"))
         return (df, x_ts, long_y, 65), r"pred_len=65 is more than the predictor's window \(max_context=64\)"
     if case == "tz-aware history, naive future":
-        return (df, x_ts.dt.tz_localize("UTC"), y, 3), "tz-aware but the forecast's are naive"
+        return (df, x_ts.dt.tz_localize("UTC"), y, 3), r"tz-aware \(UTC\) but the forecast's are naive"
     if case == "nan":
         df.loc[5, "close"] = np.nan
         return (df, x_ts, y, 3), "NaN/inf"
