@@ -276,7 +276,9 @@ def _check_data(d: DataConfig, p: Problems) -> None:
     p.check(bool(d.freq.strip()), "data.freq", "is empty; use 'day' for daily bars")
     p.check(d.lookback >= 2, "data.lookback", f"must be >= 2 (the std needs 2 bars), got {d.lookback}")
     p.check(d.predict >= 1, "data.predict", f"must be >= 1, got {d.predict}")
-    p.check(d.lookback + d.predict <= d.max_context, "data.lookback", f"lookback + predict = "
+    p.check(d.max_context >= 3, "data.max_context", f"must be >= 3 (2 bars of context, the fewest a forecast "
+            f"normalises over, + 1 forecast), got {d.max_context}; the published models use 512")
+    p.check(d.lookback + d.predict <= d.max_context or d.max_context < 3, "data.lookback", f"lookback + predict = "
             f"{d.lookback + d.predict} does not fit in data.max_context = {d.max_context}; shorten the windows")
     p.check(d.clip > 0, "data.clip", f"must be > 0, got {d.clip}")
     p.check(d.max_gap_days >= 0, "data.max_gap_days", f"must be >= 0, got {d.max_gap_days}")
@@ -335,7 +337,9 @@ def _check_backtest(cfg: QlibConfig, p: Problems) -> None:
     unknown = [s for s in b.signals if s not in SIGNALS]
     p.check(not unknown, "backtest.signals", f"unknown {unknown}; choose among {list(SIGNALS)}")
     p.check(bool(b.signals), "backtest.signals", f"is empty; choose among {list(SIGNALS)}")
-    p.check(0 <= b.n_drop <= b.topk, "backtest.n_drop", f"must be in [0, topk={b.topk}], got {b.n_drop}")
+    p.check(1 <= b.n_drop <= b.topk, "backtest.n_drop", f"must be in [1, topk={b.topk}], got {b.n_drop}" + (
+        " (Qlib's TopkDropoutStrategy reads 0 as 'drop all': the whole portfolio sold every day)" if b.n_drop == 0
+        else ""))
     p.check(b.account > 0, "backtest.account", f"must be > 0, got {b.account}")
     for name in ("open_cost", "close_cost", "min_cost"):
         p.check(getattr(b, name) >= 0, f"backtest.{name}", f"must be >= 0, got {getattr(b, name)}")

@@ -8,7 +8,9 @@ finetune/utils/store.py, so every rank memory-maps it with `open_store` and shar
                                  (S + 1,); names.json (S instrument codes; one code may own several series: the
                                  pieces of its history cut at data gaps or between membership spells); manifest.json
     manifest.json                settings the splits were made with, date ranges, counts, dropped instruments, the
-                                 market calendar (ns) of the load range
+                                 market calendar (ns) of the load range, and `content_sha256`: the splits' identity
+                                 (a hash of their arrays' sha256s), so the folder may move between folders and
+                                 machines; the Qlib source path it was read from is recorded, never compared
 
 `load_split` returns a split as a `SeriesPanel` of read-only memory maps and `save_split` writes one. Training hands
 the panel to the shared `WindowDataset` as it is (windows never cross two series; normalised with lookback-only
@@ -17,6 +19,7 @@ statistics); which windows an epoch uses, on which rank, is the engine's `EpochS
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -35,8 +38,9 @@ log = logging.getLogger("finetune.qlib")
 
 SPLITS = ("train", "val", "test")
 MANIFEST_NAME = "manifest.json"
-# v3: one memory-mappable store per split (v2: .npz), series cut at gaps and membership spells, calendar_ns
-FORMAT = "kronos-qlib-splits/v3"
+# v3: one memory-mappable store per split (v2: .npz), series cut at gaps and membership spells, calendar_ns;
+# v4: content_sha256 identifies the splits (the source path is no longer compared)
+FORMAT = "kronos-qlib-splits/v4"
 # Settings a split depends on: changing any of them after preprocessing means preprocessing again.
 _MANIFEST_KEYS = ("qlib_data_path", "instrument", "freq", "lookback", "predict", "amount_source",
                   "train_time_range", "val_time_range", "test_time_range", "max_gap_days", "features")
@@ -70,6 +74,14 @@ def load_split(path: str | Path) -> SeriesPanel:
             f"{path}: features must be ({len(FEATURES)}, N), got {panel.features.shape}; rerun the preprocessing"
         )
     return panel
+
+
+def content_sha256(dataset_path: str | Path) -> str:
+    """The identity of the splits in `dataset_path`: sha256 of every split's array sha256s (its store manifest's
+    `checksums`, which `load_split` verifies against the arrays). Same content, same hash, wherever it lies."""
+    sums = {s: read_manifest(split_path(dataset_path, s)).get("checksums") for s in SPLITS
+            if (split_path(dataset_path, s) / MANIFEST_NAME).is_file()}
+    return hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()
 
 
 def read_manifest(dataset_path: str | Path) -> dict[str, Any]:
@@ -116,9 +128,13 @@ def check_processed(cfg: QlibConfig, splits: tuple[str, ...], problems: Problems
             "data.dataset_path", f"{folder} holds splits of format {manifest.get('format')!r}, not {FORMAT!r}; {fix}"
         )
         return
+    if manifest.get("content_sha256") != content_sha256(folder):
+        problems.add("data.dataset_path", f"the splits in {folder} are not the ones its {MANIFEST_NAME} was written "
+                     f"with (their content hash differs: a split replaced or copied in from elsewhere?); {fix}")
+        return
     made_with = manifest.get("settings", {})
     for key, now in manifest_settings(cfg).items():
-        if key in made_with and made_with[key] != now:
+        if key != "qlib_data_path" and key in made_with and made_with[key] != now:  # the source may move
             problems.add(
                 f"data.{key}", f"is {now!r} but the splits in {folder} were made with {made_with[key]!r}; {fix}"
             )
@@ -151,7 +167,10 @@ def build_window_dataset(split: SeriesPanel, cfg: QlibConfig, name: str) -> Wind
 def build_train_val_datasets(cfg: QlibConfig) -> tuple[WindowDataset, WindowDataset, dict[str, Any]]:
     """(train_set, val_set, data_info for run_info.json) from the files in data.dataset_path."""
     folder = Path(cfg.data.dataset_path).expanduser()
-    sets, info = {}, {"dataset_path": str(folder.resolve()), "splits": {}}
+    manifest = read_manifest(folder)
+    settings = {k: v for k, v in manifest.get("settings", {}).items() if k != "qlib_data_path"}
+    # What defines the data (its fingerprint guards a resume): the content, never where it lies.
+    sets, info = {}, {"content_sha256": manifest.get("content_sha256"), "settings": settings, "splits": {}}
     for name in ("train", "val"):
         split = load_split(split_path(folder, name))
         sets[name] = build_window_dataset(split, cfg, name)
@@ -160,8 +179,4 @@ def build_train_val_datasets(cfg: QlibConfig) -> tuple[WindowDataset, WindowData
             "instruments": split.n_series, "rows": split.n_rows, "windows": len(sets[name]),
             "start": dates[0] if dates else None, "end": dates[1] if dates else None,
         }
-    try:
-        info["manifest"] = read_manifest(folder)
-    except (OSError, ValueError):
-        pass
     return sets["train"], sets["val"], info

@@ -40,6 +40,7 @@ from finetune.config import QlibConfig, cli_parser, load
 from finetune.dataset import (
     FORMAT,
     MANIFEST_NAME,
+    content_sha256,
     manifest_settings,
     save_split,
     split_path,
@@ -192,7 +193,26 @@ def make_splits(panel: SeriesPanel, cfg: QlibConfig, member: np.ndarray | None =
         log.info("[%s] %d instruments, %d bars, %s..%s", rule.name, split.n_series, split.n_rows,
                  *(dates or ("-", "-")))
     problems.raise_if_any()
+    _note_disjoint_histories(panel, splits["test"])
     return splits, report
+
+
+def _note_disjoint_histories(panel: SeriesPanel, test: SeriesPanel, max_gap_days: int = 30) -> None:
+    """Warn when the instruments' histories do not overlap in time: a stretch with no bar of any instrument (the
+    calendar jumps), or a test split never holding two instruments on one day (no cross-section: the IC is blank,
+    the top-k backtest holds one stock)."""
+    days = np.unique(np.asarray(panel.datetimes).astype("datetime64[ns]").astype("datetime64[D]"))
+    if len(days) > 1 and (gap := np.diff(days).astype(np.int64)).max() > max_gap_days:
+        i = int(gap.argmax())
+        log.warning("no instrument has a bar from %s to %s (%d days): the histories do not overlap in time, so "
+                    "the splits by date hold different instruments; choose a universe whose members trade together",
+                    days[i], days[i + 1], int(gap[i]))
+    when = pd.Series(np.asarray(test.datetimes).astype("datetime64[ns]").astype("datetime64[D]"))
+    per_day = pd.Series(np.repeat(test.names, test.lengths())).groupby(when.to_numpy()).nunique()
+    if len(per_day) and per_day.max() < 2:
+        log.warning("the test split never holds two instruments on one day: the IC (a correlation across "
+                    "instruments per day) is blank and the top-k backtest holds one stock; widen "
+                    "data.test_time_range or choose a universe whose members trade together")
 
 
 def write_splits(folder: str | Path, splits: dict[str, SeriesPanel], manifest: dict[str, Any]) -> Path:
@@ -204,6 +224,7 @@ def write_splits(folder: str | Path, splits: dict[str, SeriesPanel], manifest: d
     try:
         for name, split in splits.items():
             save_split(split_path(tmp, name), split)
+        manifest["content_sha256"] = content_sha256(tmp)  # the splits' identity (finetune/dataset.py)
         write_json(tmp / MANIFEST_NAME, manifest)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / MANIFEST_NAME).unlink(missing_ok=True)  # an interrupted move must not leave an old manifest

@@ -160,8 +160,8 @@ class ForecastConfig(SamplingConfig):
     compare_pretrained: bool = True
     """Also forecast the same windows with model.pretrained_predictor (zero-shot) and report the paired difference."""
     calendar: str | None = None
-    """Trading days of --future forecasts: null = weekdays seen in the history; a CSV file whose first column lists
-    the trading dates (e.g. the exchange's sessions). Intraday bar times are always taken from the history."""
+    """Trading days of --future forecasts: null = each series' trading calendar learned from its history
+    (model.calendar); a CSV file whose first column lists the trading dates (e.g. the exchange's sessions)."""
     batch_size: int = 32
     """Windows per generation call (x sample_count sequences in memory at once)."""
 

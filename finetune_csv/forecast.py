@@ -1,11 +1,14 @@
-"""Consistency of generated candles (reported in metrics.json); the forecast scores live in finetune.evaluation.
+"""Forecast with a finetuned CSV run: score every held-out test window, or forecast past the end of the data.
+
+    kronos forecast --config configs/csv_demo.yaml [--future] [--set forecast.sample_count=50]
 
 Also here:
-- Timestamps of the bars after the end of a series, for `forecast.py --future`.
+- Consistency of generated candles (reported in metrics.json); the forecast scores live in finetune.evaluation.
+- `--future` stamps the bars after each series' end by its trading calendar (`model.calendar`; forecast.calendar
+  lists the trading dates when holidays matter).
 - PNG plots of CSV forecasts: close of the context tail, the median forecast and its 10-90 / 25-75 quantile bands.
 - Held-out windows of the CSV pipeline and their sampled forecasts, as arrays end to end.
 - A forecast metric on the validation split for checkpoint selection (`training.select_by: crps`).
-- Forecast with the finetuned models: score every held-out test window, or forecast past the end of the data.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir, predictor_tokenizer_source
 from finetune_csv.prepare import PreparedData, prepare_data
 from model import Kronos, KronosPredictor, KronosTokenizer
+from model.calendar import TradingCalendar
 from model.errors import ConfigError, DataError, PathError, RefusedError
 from model.features import FEATURES, PRICE_FEATURES, calc_time_stamps, normalize
 from model.fileio import atomic_write, write_json
@@ -87,10 +91,6 @@ def ensemble_paths(finetuned: np.ndarray, zero_shot: np.ndarray, weight: float) 
     return np.concatenate([finetuned[:, :k], zero_shot[:, k:]], axis=1)
 
 
-RECENT_DAYS = 20  # trading days of history that define the session's bar times
-DAY = pd.Timedelta(days=1)
-
-
 def read_calendar(path: str | Path) -> pd.DatetimeIndex:
     """Trading dates (normalised, sorted, unique) from the first column of a CSV file (`forecast.calendar`)."""
     try:  # an empty or unparsable file is a pandas ValueError too
@@ -102,48 +102,6 @@ def read_calendar(path: str | Path) -> pd.DatetimeIndex:
     return dates.unique().sort_values()
 
 
-def _trading_days(history: pd.DatetimeIndex, after: pd.Timestamp, calendar: pd.DatetimeIndex | None, n_days: int,
-                  name: str) -> list[pd.Timestamp]:
-    """The first `n_days` trading dates >= the date of `after` (midnight timestamps)."""
-    start = after.normalize()
-    if calendar is not None:
-        days = calendar[calendar >= start][:n_days]
-        if len(days) < n_days:
-            raise DataError(f"series {name!r}: forecast.calendar has {len(days)} trading dates from {start.date()} "
-                            f"on, {n_days} needed; extend the calendar file")
-        return list(days)
-    weekdays = set(history.day_of_week)
-    days, day = [], start
-    while len(days) < n_days:
-        if day.weekday() in weekdays:
-            days.append(day)
-        day += DAY
-    return days
-
-
-def future_timestamps(history: pd.DatetimeIndex, n: int, calendar: pd.DatetimeIndex | None = None,
-                      name: str = "series") -> pd.DatetimeIndex:
-    """The `n` bar timestamps (ascending, unique) after the last of one series' `history` (T,), T >= 2, on the
-    trading dates of `calendar` (None = the weekdays of the history)."""
-    history = pd.DatetimeIndex(history)
-    if len(history) < 2:
-        raise DataError(f"series {name!r} has {len(history)} rows: too few to tell its bar spacing")
-    last = history[-1]
-    step = pd.Series(history[-500:]).diff().dropna().median()
-    if step > DAY:  # weekly / monthly bars: repeat the spacing
-        return pd.DatetimeIndex([last + step * k for k in range(1, n + 1)])
-    if step == DAY or step > pd.Timedelta(hours=12):  # daily bars, at the history's time of day
-        days = _trading_days(history, last + DAY, calendar, n, name)
-        return pd.DatetimeIndex([d + (last - last.normalize()) for d in days])
-    recent_days = history.normalize().unique()[-RECENT_DAYS:]
-    recent = history[history.normalize() >= recent_days[0]]
-    counts = pd.Series(recent - recent.normalize()).value_counts()
-    times = np.sort(counts[counts >= len(recent_days) / 2].index.to_numpy())  # session bar times of day
-    out: list[pd.Timestamp] = []
-    n_days = -(-n // len(times)) + 1  # the last day may be partly over
-    for day in _trading_days(history, last, calendar, n_days, name):
-        out.extend(t for t in (day + pd.Timedelta(x) for x in times) if t > last)
-    return pd.DatetimeIndex(out[:n])
 
 
 CLOSE = FEATURES.index("close")
@@ -381,6 +339,12 @@ def finetuned_predictor(cfg: CsvFinetuneConfig) -> tuple[KronosPredictor, dict |
         raise PathError(f"no trained predictor in {predictor_dir}; run finetune_csv/train_sequential.py first")
     warn_if_unfinished(cfg.predictor_dir)
     calibration = read_predictor_info(predictor_dir).get("calibration") if cfg.forecast.calibrate else None
+    horizons = len(calibration["margins"][0]) if calibration is not None else cfg.data.predict
+    if horizons < cfg.data.predict:  # said before any sampling
+        raise ConfigError([f"data.predict: is {cfg.data.predict} but the calibration in "
+                           f"{predictor_dir / PREDICTOR_INFO_NAME} covers {horizons} horizons; set data.predict "
+                           f"<= {horizons}, or --set forecast.calibrate=false for the raw bands"],
+                          "Invalid forecast configuration")
     if cfg.forecast.calibrate and calibration is None:
         log.info("no calibration stored in %s: the bands are the raw samples' (train with forecast.calibrate: true "
                  "to fit one)", predictor_dir / PREDICTOR_INFO_NAME)
@@ -650,7 +614,9 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> pd.DataFr
     cols = ends[:, None] - lookback + np.arange(lookback, dtype=np.int64)  # (S, L) the last lookback columns
     when = lambda s: pd.DatetimeIndex(np.asarray(panel.datetimes[panel.rows(s)]).astype("datetime64[ns]"))
     past_ts = [when(s)[-lookback:] for s in range(len(names))]
-    future_ts = [future_timestamps(when(s), predict, trading_dates, name) for s, name in enumerate(names)]
+    future_ts = [TradingCalendar.learn(when(s), trading_dates, f"series {name!r}").after(when(s)[-1], predict,
+                                                                                          name=f"series {name!r}")
+                 for s, name in enumerate(names)]
     context = np.moveaxis(np.asarray(panel.features[:, cols], dtype=np.float64), 0, -1)  # (S, L, 6)
     as_stamps = lambda stamps: np.stack([calc_time_stamps(ts).to_numpy(np.int64) for ts in stamps])
     paths = sample_paths(finetuned, context, as_stamps(past_ts), as_stamps(future_ts), predict, cfg.forecast,

@@ -154,30 +154,47 @@ def calc_time_stamps(timestamps) -> pd.DataFrame:
                          "month": ts.month})
 
 
+def candle_faults(values: np.ndarray) -> list[tuple[str, np.ndarray, str]]:
+    """The candle rules (their one home), on values (n, >= 4) in FEATURES order: [(field, rows (n,) bool, rule)] for
+    every rule some row breaks: a price <= 0 (per price field), a high below max(open, close), a low above
+    min(open, close). NaN breaks no rule (each door has its own NaN policy)."""
+    o, h, lo, c = (values[:, i] for i in range(4))
+    rules = [(f, values[:, i] <= 0, "<= 0 (prices must be positive)") for i, f in enumerate(PRICE_FEATURES)]
+    rules += [("high", h < np.maximum(o, c), "below max(open, close)"),
+              ("low", lo > np.minimum(o, c), "above min(open, close)")]
+    return [(f, bad, rule) for f, bad, rule in rules if bad.any()]
+
+
 def candle_matrix(df: pd.DataFrame, name: str = "df") -> np.ndarray:
-    """DataFrame with open/high/low/close (+ optional volume/amount) -> float32 (T, 6) in FEATURES order.
+    """DataFrame with open/high/low/close (+ optional volume/amount; any case, the `resolve_columns` aliases) ->
+    float32 (T, 6) in FEATURES order.
 
     Missing `volume` -> volume and amount are 0; missing `amount` -> `fill_amount` (volume * mean(OHLC)).
-    Raises DataError naming the column for a missing price column, non-numeric data or NaN/inf.
+    Raises DataError naming `name`, the column and the first row (with its index label when the index is not a
+    RangeIndex, e.g. the timestamps) for a missing column, non-numeric data, NaN/inf or a broken `candle_faults` rule.
     """
     if not isinstance(df, pd.DataFrame):
         raise DataError(f"{name} must be a pandas DataFrame, got {type(df).__name__}")
     if len(df) == 0:
         raise DataError(f"{name} is empty: at least one candle of context is needed")
-    missing = [c for c in PRICE_FEATURES if c not in df.columns]
-    if missing:
-        raise ColumnError(f"{name} is missing price columns {missing}; required: {list(PRICE_FEATURES)}")
-    present = [c for c in FEATURES if c in df.columns]
-    non_numeric = [c for c in present if not pd.api.types.is_numeric_dtype(df[c]) or pd.api.types.is_bool_dtype(df[c])]
+    mapping = resolve_columns(df.columns, {"timestamps": None}, where=name)
+    present = [c for c in FEATURES if mapping[c] is not None]
+    frame = df.set_axis([str(c) for c in df.columns], axis=1)[[mapping[c] for c in present]]
+    non_numeric = [mapping[c] for c, d in zip(present, frame.dtypes)
+                   if not pd.api.types.is_numeric_dtype(d) or pd.api.types.is_bool_dtype(d)]
     if non_numeric:
-        raise DataError(f"{name} has non-numeric columns {non_numeric} (dtypes "
-                         f"{[str(df[c].dtype) for c in non_numeric]}); convert them to numbers")
-    x = df[present].to_numpy(dtype=np.float64)
+        raise DataError(f"{name} has non-numeric columns {non_numeric}; convert them to numbers")
+    x = frame.to_numpy(dtype=np.float64)
+    at = lambda r: f"row {r}" + ("" if isinstance(df.index, pd.RangeIndex) else f" ({df.index[r]})")
     bad = ~np.isfinite(x)
     if bad.any():
         rows, cols = np.nonzero(bad)
-        raise DataError(f"{name} has {int(bad.sum())} NaN/inf values, first in column {present[cols[0]]!r} at row "
-                         f"{int(rows[0])}; fill or drop them before forecasting")
+        raise DataError(f"{name} has {int(bad.sum())} NaN/inf values, first in column {mapping[present[cols[0]]]!r} "
+                        f"at {at(int(rows[0]))}; fill or drop them before forecasting")
+    for f, rows, rule in candle_faults(x):
+        r = int(np.flatnonzero(rows)[0])
+        raise DataError(f"{name}: column {mapping[f]!r} is {rule} in {int(rows.sum())} candle(s), first at {at(r)}; "
+                        "fix or drop these rows")
     cols = {c: x[:, j] for j, c in enumerate(present)}
     if "volume" not in cols:
         cols["volume"] = np.zeros(len(x))

@@ -16,8 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from model.calendar import TradingCalendar
 from model.errors import DataError, PathError
 from model.features import (
     CLOSE,
@@ -54,6 +54,9 @@ TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
 TOKENIZER_SUBDIR = "tokenizer"  # a self-contained best_model/ carries its tokenizer here
 DEFAULT_MAX_CONTEXT = 512  # the window of the published Kronos-small / Kronos-base
 MIN_QUANTILE_SAMPLES = 20  # fewer paths give quantiles that are noise (one path: every quantile is that path)
+MIN_CONTEXT = 2  # rows of context a forecast needs: one row has no spread to normalise by (a flat forecast)
+SHORT_CONTEXT = 16  # fewer rows than this (and than lookback) are forecast with a warning, said once
+MAX_MARGIN = 5.0  # |calibration margin| in log-return units (x148 in price): beyond it a file is not a calibration
 CALIBRATION_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)  # central band levels with a margin
 
 
@@ -217,10 +220,14 @@ def calibration_margins(calibration: Any, where: str) -> tuple[np.ndarray, np.nd
     except (KeyError, TypeError, ValueError):
         ok = False
     ok = ok and levels.ndim == 1 and margins.ndim == 2 and len(margins) == len(levels) > 0 and margins.shape[1] > 0
-    if not (ok and np.isfinite(margins).all() and (np.diff(levels) > 0).all() and 0 < levels[0]
-            and levels[-1] < 1):
+    if not (ok and (np.diff(levels) > 0).all() and 0 < levels[0] and levels[-1] < 1):
         raise DataError(f"{where}: not a calibration as fit_calibration writes it ({{'method': 'conformal', 'space': "
                         "'log_return', 'levels': increasing in (0, 1), 'margins': [[finite per horizon] per level]}})")
+    bad = ~(np.abs(margins) <= MAX_MARGIN)  # NaN too
+    if bad.any():
+        raise DataError(f"{where}: calibration margins must be finite log returns within +-{MAX_MARGIN:g}; "
+                        f"margins[{np.argwhere(bad)[0][0]}] holds {margins[bad][0]!r}; refit the calibration, or "
+                        "forecast with calibrated=False (the CLI: --set forecast.calibrate=false)")
     return levels, margins
 
 
@@ -281,7 +288,7 @@ class KronosPredictor:
         self.clip = clip
         self.use_cache = use_cache
         self.calibration = calibration
-        self._cut_said = False  # the history cut is logged once per predictor
+        self._cut_said = self._short_said = False  # the history cut / a short context is logged once per predictor
 
     # ----------------------------------------------------------- loading
     @classmethod
@@ -350,22 +357,25 @@ class KronosPredictor:
                       y_timestamp_list: Sequence[Any], pred_len: int, T: float = 1.0, top_k: int | None = 0,
                       top_p: float | None = 0.9, sample_count: int = 1, verbose: bool = True,
                       return_samples: bool = False, quantiles: Sequence[float] | None = None,
-                      calibrated: bool = True) -> list[pd.DataFrame] | list[Forecast]:
-        """Forecast several series; arguments as `predict`, one entry per series in each list.
+                      calibrated: bool = True, *,
+                      series_names: Sequence[str] | None = None) -> list[pd.DataFrame] | list[Forecast]:
+        """Forecast several series; arguments as `predict`, one entry per series in each list (series_names: what
+        messages call them, default df_list[i]).
 
         Series may have different context lengths: they are batched in groups of equal length (in greedy mode the
         results equal calling `predict` one by one). Returns a list in the input order, of DataFrames or of
         `Forecast`s as `predict` does.
         """
         calibration = self.calibration if calibrated else None
-        self._check_options(pred_len, sample_count, quantiles, calibration)
+        self._check_options(pred_len, sample_count, quantiles, calibration)  # before any work
         if not isinstance(df_list, (list, tuple)) or not df_list:
             raise DataError("df_list must be a non-empty list of DataFrames")
         if not (len(df_list) == len(x_timestamp_list) == len(y_timestamp_list)):
             raise DataError(f"df_list, x_timestamp_list and y_timestamp_list have different lengths: "
                             f"{len(df_list)}, {len(x_timestamp_list)}, {len(y_timestamp_list)}")
-        prepared = [self._prepare(df, x_ts, y_ts, pred_len, "df" if len(df_list) == 1 else f"df_list[{i}]")
-                    for i, (df, x_ts, y_ts) in enumerate(zip(df_list, x_timestamp_list, y_timestamp_list))]
+        names = list(series_names or (["df"] if len(df_list) == 1 else [f"df_list[{i}]" for i in range(len(df_list))]))
+        prepared = [self._prepare(df, x_ts, y_ts, pred_len, name)
+                    for df, x_ts, y_ts, name in zip(df_list, x_timestamp_list, y_timestamp_list, names)]
         groups: dict[int, list[int]] = {}
         for i, p in enumerate(prepared):
             groups.setdefault(len(p["x"]), []).append(i)
@@ -381,8 +391,9 @@ class KronosPredictor:
 
     def predict_df(self, df: pd.DataFrame, *, prediction_length: int, id_column: str | None = None,
                    timestamp_column: str | None = None, columns: dict[str, str | None] | None = None,
-                   freq: str | None = None, quantiles: Sequence[float] = (), T: float = 1.0, top_k: int | None = 0,
-                   top_p: float | None = 0.9, sample_count: int | None = None, verbose: bool = False,
+                   freq: str | None = None, calendar: TradingCalendar | None = None, future: Any = None,
+                   quantiles: Sequence[float] = (), T: float = 1.0, top_k: int | None = 0,
+                   top_p: float | None = 0.9, sample_count: int = MIN_QUANTILE_SAMPLES, verbose: bool = False,
                    calibrated: bool = True) -> pd.DataFrame:
         """Forecast every series of a long frame (one row per candle), in the style of Chronos' `predict_df`.
 
@@ -390,13 +401,19 @@ class KronosPredictor:
         by timestamp within each series; series may differ in length.
         id_column: None = a column named "id" (any case) when there is one, else the frame is one series.
         timestamp_column, columns: explicit names ({"close": "Adj Close", ...}: canonical -> yours); they win.
-        freq: pandas frequency of the forecast timestamps; None = infer each series' own (`pd.infer_freq`).
+        The forecast's timestamps follow each series' trading calendar (`model.calendar.TradingCalendar`, learned
+        from its history on its own wall clock: business days for daily stock bars, the session or 24/5 week of
+        intraday bars), or `calendar` for every series; freq: a pandas frequency instead of the bar spacing,
+        keeping the bars that start while the market trades; future: the timestamps themselves, one sequence for
+        every series or {id: sequence}, used as they are.
         quantiles: levels in [0, 1] added as `<feature>_q<percent>` columns (close_q10, close_q90).
-        sample_count: None = 1, or MIN_QUANTILE_SAMPLES when quantiles are asked; the rest as in `predict`.
+        sample_count: sample paths (default MIN_QUANTILE_SAMPLES: the mean of one path reads like a point forecast
+            but is one draw); the rest as in `predict`.
         Returns prediction_length rows per series (in order of first appearance): the id column (when there is
         one), the timestamps (your column's name, else "timestamps"), FEATURES (the mean), the quantile columns.
         """
         where = "predict_df's df"
+        self._check_options(prediction_length, sample_count, quantiles, None, "prediction_length")
         if not isinstance(df, pd.DataFrame):
             raise DataError(f"df must be a pandas DataFrame, got {type(df).__name__}")
         if len(df) == 0:
@@ -433,14 +450,20 @@ class KronosPredictor:
             label = f"series {sid!r}" if id_column else "the series (no id column)"
             check_increasing(stamps[rows], f"the timestamps of {label}")  # duplicates: e.g. two series, no id
             ids.append(sid)
-            frames.append(candles.iloc[rows].reset_index(drop=True))
+            frames.append(candles.iloc[rows].set_axis(stamps[rows]))  # messages name a bad row by its time
             x_ts.append(stamps[rows])
-            y_ts.append(future_timestamps(stamps[rows], prediction_length, freq, label))
+            if future is not None:
+                y = future.get(sid) if isinstance(future, Mapping) else future
+                if y is None:
+                    raise DataError(f"future has no timestamps for {label}; give every series its own")
+                y_ts.append(to_datetime_index(y, f"the future timestamps of {label}"))
+            else:
+                cal = calendar or TradingCalendar.learn(stamps[rows], name=label)
+                y_ts.append(cal.after(stamps[rows][-1], prediction_length, freq, label))
         quantiles = list(quantiles)
-        if sample_count is None:
-            sample_count = MIN_QUANTILE_SAMPLES if quantiles else 1
         results = self.predict_batch(frames, x_ts, y_ts, prediction_length, T, top_k, top_p, sample_count, verbose,
-                                     False, quantiles or None, calibrated)
+                                     False, quantiles or None, calibrated, series_names=[
+                                         f"series {sid!r}" if id_column else "df" for sid in ids])
         ts_name = mapping["timestamps"] or "timestamps"
         out = []
         for sid, y, res in zip(ids, y_ts, results):
@@ -477,13 +500,25 @@ class KronosPredictor:
         """Check one series (all rows given), cut it to the last `lookback` rows and normalise those: x (N, 6),
         mean/std (1, 6), last_close, x_stamp (N, 5), y_stamp (pred_len, 5)."""
         x = candle_matrix(df, name)
-        x_idx, y_idx = to_datetime_index(x_ts, "x_timestamp"), to_datetime_index(y_ts, "y_timestamp")
+        x_idx = to_datetime_index(x_ts, f"{name}'s x_timestamp")
+        y_idx = to_datetime_index(y_ts, f"{name}'s y_timestamp")
         if len(x_idx) != len(x):
             raise DataError(f"x_timestamp has {len(x_idx)} entries but {name} has {len(x)} rows")
         if len(y_idx) != pred_len:
-            raise DataError(f"y_timestamp has {len(y_idx)} entries but pred_len is {pred_len}")
-        check_increasing(x_idx, "x_timestamp")
-        check_increasing(y_idx, "y_timestamp")
+            raise DataError(f"{name}: y_timestamp (future) has {len(y_idx)} entries but pred_len is {pred_len}")
+        if str(x_idx.tz) != str(y_idx.tz):  # the time features read each on its own wall clock: one clock only
+            zone = lambda tz: "naive" if tz is None else f"tz-aware ({tz})"  # noqa: E731
+            raise DataError(f"{name}: the history's timestamps are {zone(x_idx.tz)} but the forecast's are "
+                            f"{zone(y_idx.tz)}; give both the same zone (tz_localize / tz_convert)")
+        check_increasing(x_idx, f"{name}'s x_timestamp")
+        check_increasing(y_idx, f"{name}'s y_timestamp")
+        if min(len(x), self.lookback) < MIN_CONTEXT:
+            raise DataError(f"{name} has {len(x)} row(s) of context (lookback {self.lookback}); a forecast needs at "
+                            f"least {MIN_CONTEXT} (one row has no spread to normalise by)")
+        if len(x) < min(SHORT_CONTEXT, self.lookback) and not self._short_said:
+            log.warning("%s has %d rows of context, little for the model (trained with up to %d); said once",
+                        name, len(x), self.lookback)
+            self._short_said = True
         if x_idx[-1] >= y_idx[0]:
             raise DataError(f"y_timestamp must start after the context: first forecast time {y_idx[0]} is not "
                             f"after the last context time {x_idx[-1]}")
@@ -519,11 +554,13 @@ class KronosPredictor:
         qs = {q: pd.DataFrame(np.quantile(samples, q, axis=0), columns=cols, index=y_idx) for q in (quantiles or [])}
         return Forecast(mean_df, samples, qs)
 
-    @staticmethod
-    def _check_options(pred_len: int, sample_count: int, quantiles: Sequence[float] | None,
-                       calibration: dict[str, Any] | None) -> None:
+    def _check_options(self, pred_len: int, sample_count: int, quantiles: Sequence[float] | None,
+                       calibration: dict[str, Any] | None, key: str = "pred_len") -> None:
         if not isinstance(pred_len, (int, np.integer)) or isinstance(pred_len, bool) or pred_len < 1:
-            raise DataError(f"pred_len must be an integer >= 1, got {pred_len!r}")
+            raise DataError(f"{key} must be an integer >= 1, got {pred_len!r}")
+        if pred_len > self.max_context:  # the decoder sees at most max_context tokens: the forecast must fit
+            raise DataError(f"{key}={pred_len} is more than the predictor's window (max_context={self.max_context}) "
+                            f"can generate; forecast at most {self.max_context} steps")
         if not isinstance(sample_count, (int, np.integer)) or isinstance(sample_count, bool) or sample_count < 1:
             raise DataError(f"sample_count must be an integer >= 1, got {sample_count!r}")
         for q in quantiles or []:
@@ -534,24 +571,5 @@ class KronosPredictor:
                             f"that path); pass sample_count >= {MIN_QUANTILE_SAMPLES}")
         if calibration is not None and pred_len > len(calibration["margins"][0]):
             raise DataError(f"the predictor's calibration covers {len(calibration['margins'][0])} horizons but "
-                            f"pred_len is {pred_len}; forecast fewer steps or pass calibrated=False")
+                            f"{key} is {pred_len}; forecast fewer steps or pass calibrated=False")
 
-
-def future_timestamps(timestamps: pd.DatetimeIndex, prediction_length: int, freq: str | None,
-                      series: str) -> pd.DatetimeIndex:
-    """The `prediction_length` timestamps after `timestamps`, at `freq` or the series' inferred frequency."""
-    if freq is None:
-        if len(timestamps) < 3:
-            raise DataError(f"{series} has {len(timestamps)} rows: too few to infer its frequency; pass "
-                            "freq= (e.g. freq='5min')")
-        with warnings.catch_warnings():  # pandas 3 warns that infer_freq will return an offset; both work below
-            warnings.simplefilter("ignore")
-            freq = pd.infer_freq(timestamps)
-        if freq is None:
-            raise DataError(f"{series}: cannot infer a regular frequency from its timestamps (gaps such as "
-                            "market closes?); pass freq= (e.g. freq='5min' or freq='B')")
-    try:
-        offset = pd.tseries.frequencies.to_offset(freq)
-    except ValueError:
-        raise DataError(f"freq {freq!r} is not a pandas frequency string (e.g. '5min', 'h', 'D', 'B')") from None
-    return pd.date_range(timestamps[-1] + offset, periods=prediction_length, freq=offset)

@@ -1,50 +1,91 @@
-"""Future bar timestamps (finetune_csv.forecast): daily, intraday sessions with a lunch break, a calendar."""
+"""`kronos forecast --future` on real-looking calendars (FX 24/5 hours, stock business days) and its early refusals:
+a calibration shorter than data.predict, calibration margins that are no calibration, the --help line."""
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pandas as pd
 import pytest
 
-from finetune_csv.forecast import future_timestamps, read_calendar
+from finetune.synthetic import write_csv_folder
+from finetune.utils.errors import run_main
+from finetune_csv import forecast
+from finetune_csv.config import load
+from model.errors import EXIT_CONFIG, EXIT_DATA
+from model.predictor import PREDICTOR_INFO_NAME
+from tests.test_csv_eval import make_run
+from tests.test_model_calendar import fx_hours, weekly_slots
 
 
-def session_bars(days: pd.DatetimeIndex) -> pd.DatetimeIndex:
-    """30-minute bars 09:30-11:00 and 13:00-14:30 (bar start times) on each day."""
-    times = ["09:30", "10:00", "10:30", "11:00", "13:00", "13:30", "14:00", "14:30"]
-    return pd.DatetimeIndex([d + pd.Timedelta(f"{t}:00") for d in days for t in times])
+def ohlcv(stamps: pd.DatetimeIndex, seed: int) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    close = 100 * np.exp(np.cumsum(rng.normal(0, 0.002, len(stamps))))
+    open_ = np.r_[close[0], close[:-1]]
+    return pd.DataFrame({"timestamps": stamps, "open": open_, "high": np.maximum(open_, close) * 1.001,
+                         "low": np.minimum(open_, close) * 0.999, "close": close,
+                         "volume": rng.uniform(1e3, 2e3, len(stamps)), "amount": close * 1e3})
 
 
-def test_daily_bars_continue_on_the_next_weekdays():
-    history = pd.bdate_range("2024-03-04", "2024-03-15")  # ends on a Friday
-    got = future_timestamps(history, 3)
-    assert list(got) == list(pd.DatetimeIndex(["2024-03-18", "2024-03-19", "2024-03-20"]))
+def run_on(tmp_path, frames: dict[str, pd.DataFrame]):
+    config = make_run(tmp_path, zero_shot=None)
+    for old in (tmp_path / "data").glob("*.csv"):
+        old.unlink()
+    write_csv_folder(frames, tmp_path / "data")
+    return config
 
 
-def test_daily_bars_of_a_market_open_every_day_continue_daily():
-    history = pd.date_range("2024-03-01", "2024-03-10", freq="D")  # includes weekends (crypto)
-    assert list(future_timestamps(history, 2)) == list(pd.DatetimeIndex(["2024-03-11", "2024-03-12"]))
+def test_future_fx_hours_after_a_friday_are_hours_the_market_trades(tmp_path, capsys):
+    history = fx_hours("2024-01-07 21:00", "2024-03-01 16:00")  # ends Friday 16:00
+    config = run_on(tmp_path, {"EURUSD": ohlcv(history, 0)})
+    assert forecast.main(["--config", str(config), "--set", "data.predict=24", "--future"]) == 0
+    got = pd.DatetimeIndex(pd.read_csv(load(config).base_dir / "future" / "forecast.csv",
+                                       parse_dates=["timestamps"])["timestamps"])
+    assert len(got) == 24 and weekly_slots(got) <= weekly_slots(history)
+    assert got[3] == pd.Timestamp("2024-03-01 20:00") and got[4] == pd.Timestamp("2024-03-03 21:00")
+    assert "to 2024-03-04 16:00:00" in capsys.readouterr().out
 
 
-def test_intraday_bars_follow_the_session_and_skip_lunch_and_the_weekend():
-    history = session_bars(pd.bdate_range("2024-03-04", "2024-03-15"))[:-4]  # Friday ends at 11:00
-    got = future_timestamps(history, 8)
-    expected = ["2024-03-15 13:00", "2024-03-15 13:30", "2024-03-15 14:00", "2024-03-15 14:30",
-                "2024-03-18 09:30", "2024-03-18 10:00", "2024-03-18 10:30", "2024-03-18 11:00"]
-    assert list(got) == list(pd.DatetimeIndex(expected))
+def test_future_daily_stock_bars_are_the_business_days_after_the_last_bar(tmp_path):
+    days = pd.bdate_range("2023-01-02", "2024-03-15").difference(pd.DatetimeIndex(["2023-12-25", "2024-01-01"]))
+    config = run_on(tmp_path, {"STOCK": ohlcv(days, 1)})
+    table = forecast.run_future(load(config))
+    assert list(pd.DatetimeIndex(table["timestamps"])) == list(pd.bdate_range("2024-03-18", periods=6))
 
 
-def test_a_calendar_skips_a_holiday(tmp_path):
-    cal = tmp_path / "sessions.csv"
-    pd.DataFrame({"date": ["2024-03-15", "2024-03-19", "2024-03-20"]}).to_csv(cal, index=False)  # 18th: holiday
-    history = session_bars(pd.bdate_range("2024-03-04", "2024-03-15"))
-    got = future_timestamps(history, 9, read_calendar(cal))
-    assert got[0] == pd.Timestamp("2024-03-19 09:30") and got[-1] == pd.Timestamp("2024-03-20 09:30")
-    with pytest.raises(ValueError, match="extend the calendar"):
-        future_timestamps(history, 30, read_calendar(cal))
+def _calibrate(config, margins):
+    info_path = load(config).predictor_dir / "best_model" / PREDICTOR_INFO_NAME
+    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+    info["calibration"] = {"method": "conformal", "space": "log_return", "levels": [0.5, 0.9], "margins": margins}
+    info_path.write_text(json.dumps(info))
+    return info_path
 
 
-def test_a_calendar_that_is_not_dates_is_a_clear_error(tmp_path):
-    cal = tmp_path / "bad.csv"
-    pd.DataFrame({"date": ["monday", "tuesday"]}).to_csv(cal, index=False)
-    with pytest.raises(ValueError, match="forecast.calendar"):
-        read_calendar(cal)
+def test_a_calibration_shorter_than_data_predict_is_refused_before_sampling(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("KRONOS_DEBUG", raising=False)
+    config = make_run(tmp_path, zero_shot=None)
+    _calibrate(config, [[0.01] * 6, [0.02] * 6])
+    monkeypatch.setattr(forecast, "sample_paths", lambda *a, **k: pytest.fail("sampled before refusing"))
+    argv = ["--config", str(config), "--set", "data.predict=10", "--future"]
+    assert run_main(forecast.main, argv) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "data.predict: is 10" in err and "--set forecast.calibrate=false" in err and "Traceback" not in err
+    assert not (load(config).base_dir / "future").exists()
+
+
+@pytest.mark.parametrize("margin", [1e3, -1e6, float("nan")])
+def test_calibration_margins_that_are_no_calibration_are_refused_at_load(tmp_path, capsys, monkeypatch, margin):
+    monkeypatch.delenv("KRONOS_DEBUG", raising=False)
+    config = make_run(tmp_path, zero_shot=None)
+    info_path = _calibrate(config, [[0.01] * 6, [0.02] * 5 + [margin]])
+    assert run_main(forecast.main, ["--config", str(config), "--future"]) == EXIT_DATA
+    err = capsys.readouterr().err
+    assert f"{info_path}: calibration margins must be finite log returns within +-5" in err
+    assert "Traceback" not in err and not (load(config).base_dir / "future").exists()
+
+
+def test_forecast_help_opens_with_what_the_command_does(capsys):
+    with pytest.raises(SystemExit):
+        forecast.main(["--help"])
+    assert "Forecast with a finetuned CSV run" in capsys.readouterr().out.split("\n\n")[1]

@@ -64,6 +64,7 @@ def test_the_sample_mean_equals_predict_batch_on_dataframes():
     tok, pred = tiny_models(seed=2)
     rng = np.random.default_rng(0)
     values = 100 + np.abs(rng.normal(0, 1, (80, 6))).cumsum(axis=0)
+    values[:, 1], values[:, 2] = values[:, :4].max(axis=1), values[:, :4].min(axis=1)  # valid candles
     ts = pd.date_range("2024-01-02 09:30", periods=80, freq="5min")
     seg = one_series_split(values, ts, start=40, first_target=48, stop=80)
     w = held_out_windows(seg, lookback=8, predict=4, max_windows=5)

@@ -264,3 +264,27 @@ def test_two_ranks_share_one_store_and_read_disjoint_windows(tmp_path):
     job = torchrun(tmp_path / "run2")
     assert "non-numeric" in (tmp_path / "run2" / "rank0.err").read_text()
     assert "did not leave a matching data store" in (tmp_path / "run2" / "rank1.err").read_text()
+
+
+@pytest.mark.parametrize("where", ["append", "finish"])
+def test_a_full_disk_while_writing_the_store_is_one_line_naming_the_folder(tmp_path, monkeypatch, capsys, where):
+    import errno
+
+    from finetune.utils import store as store_module
+    from finetune.utils.errors import run_main
+
+    candles(40).to_csv(tmp_path / "a.csv", index=False)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store_module.GrowingNpy, where, full)
+    with pytest.raises(StoreError) as err:
+        prepare_store(tmp_path / "a.csv", tmp_path / "out" / "store")
+    assert str(err.value).startswith(f"cannot write the data store in {tmp_path / 'out'}: no space left on device")
+    assert "data.store_dir / data.dataset_path" in str(err.value) and "\n" not in str(err.value)
+    assert list((tmp_path / "out").iterdir()) == []  # nothing half-written
+    monkeypatch.delenv("KRONOS_DEBUG", raising=False)
+    write = lambda argv=None: prepare_store(tmp_path / "a.csv", tmp_path / "out" / "store")  # noqa: E731
+    assert run_main(write) == StoreError.exit_code
+    assert "Traceback" not in capsys.readouterr().err

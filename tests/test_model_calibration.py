@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from model import KronosPredictor
+from model.errors import DataError
 from model.fileio import write_json
 from model.predictor import (
     PREDICTOR_INFO_NAME,
@@ -113,3 +114,15 @@ def test_a_malformed_stored_calibration_is_named(tmp_path):
     (folder / PREDICTOR_INFO_NAME).write_text(json.dumps(info))
     with pytest.raises(ValueError, match="kronos_predictor.json: not a calibration as fit_calibration writes it"):
         KronosPredictor.from_pretrained(folder, device="cpu")
+
+
+@pytest.mark.parametrize("margin", [1e3, 1e6, -1e3, float("inf")])
+def test_margins_that_are_no_calibration_are_refused_at_load_naming_the_file(tmp_path, margin):
+    folder = _folder(tmp_path, fit_calibration(*_draws(np.random.default_rng(3), 30)))
+    info = json.loads((folder / PREDICTOR_INFO_NAME).read_text())
+    info["calibration"]["margins"][3][1] = margin
+    (folder / PREDICTOR_INFO_NAME).write_text(json.dumps(info))
+    with pytest.raises(DataError, match=r"kronos_predictor.json: calibration margins must be finite log returns "
+                                        r"within \+-5; margins\[3\] holds"):
+        KronosPredictor.from_pretrained(folder, device="cpu")
+    assert abs(np.asarray(fit_calibration(*_draws(np.random.default_rng(3), 30))["margins"])).max() < 5

@@ -70,3 +70,19 @@ def test_fill_amount_and_candle_matrix():
     no_volume = candle_matrix(df.drop(columns="volume"))
     assert no_volume.dtype == np.float32 and (no_volume[:, 4:] == 0).all()
     np.testing.assert_array_equal(no_volume[:, :4], df[list(PRICE_FEATURES)].to_numpy(np.float32))
+
+
+def test_candle_faults_name_each_broken_rule_and_its_rows():
+    from model.features import candle_faults
+
+    good = np.array([[10.0, 11, 9, 10.5, 1, 1], [10.5, 12, 10, 11, 1, 1]])
+    assert candle_faults(good) == []
+    bad = np.array([[10.0, 9.5, 9, 10.5, 1, 1],     # high below the close
+                    [-1.0, 12, -2, 11, 1, 1],        # open and low <= 0
+                    [10.0, 11, 10.2, 10.5, 1, 1],    # low above the open
+                    [np.nan, 11, 9, 10, 1, 1]])      # NaN breaks no rule (each door has its NaN policy)
+    got = {(f, rule): rows.tolist() for f, rows, rule in candle_faults(bad)}
+    assert got == {("open", "<= 0 (prices must be positive)"): [False, True, False, False],
+                   ("low", "<= 0 (prices must be positive)"): [False, True, False, False],
+                   ("high", "below max(open, close)"): [True, False, False, False],
+                   ("low", "above min(open, close)"): [False, False, True, False]}

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from model import Forecast, KronosPredictor, generate_tokens, sample_from_logits
+from model.errors import DataError
 from tests.model_factory import tiny_models
 
 
@@ -134,7 +135,20 @@ def _bad(case):
     df, x_ts, y_ts = candles(20)
     y = y_ts[:3]
     if case == "missing price column":
-        return (df.drop(columns="high"), x_ts, y, 3), "missing price columns"
+        return (df.drop(columns="high"), x_ts, y, 3), r"no 'high' column.*columns: \['open', 'low'"
+    if case == "negative price":
+        df.loc[7, "low"] = -1.0
+        return (df, x_ts, y, 3), r"df: column 'low' is <= 0 .* in 1 candle\(s\), first at row 7"
+    if case == "high below low":
+        df.loc[4, "high"] = df.loc[4, "low"] - 1
+        return (df, x_ts, y, 3), r"column 'high' is below max\(open, close\) in 1 candle\(s\), first at row 4"
+    if case == "one-row context":
+        return (df.iloc[-1:], x_ts[-1:], y, 3), r"1 row\(s\) of context .* at least 2"
+    if case == "pred_len beyond the window":
+        long_y = pd.Series(pd.date_range(x_ts.iloc[-1] + pd.Timedelta("5min"), periods=65, freq="5min"))
+        return (df, x_ts, long_y, 65), r"pred_len=65 is more than the predictor's window \(max_context=64\)"
+    if case == "tz-aware history, naive future":
+        return (df, x_ts.dt.tz_localize("UTC"), y, 3), r"tz-aware \(UTC\) but the forecast's are naive"
     if case == "nan":
         df.loc[5, "close"] = np.nan
         return (df, x_ts, y, 3), "NaN/inf"
@@ -163,12 +177,37 @@ def _bad(case):
 
 @pytest.mark.parametrize("case", ["missing price column", "nan", "inf", "non-numeric", "timestamps not datetimes",
                                   "timestamps not increasing", "y_timestamp length", "pred_len < 1", "empty frame",
-                                  "x_timestamp length", "forecast before context"])
+                                  "x_timestamp length", "forecast before context", "negative price",
+                                  "high below low", "one-row context", "pred_len beyond the window",
+                                  "tz-aware history, naive future"])
 def test_bad_input_is_a_clear_value_error(case):
     cached, _ = predictors(64)
     args, message = _bad(case)
     with pytest.raises(ValueError, match=message):
         cached.predict(*args, verbose=False)
+
+
+def test_bad_input_is_refused_before_any_generation(monkeypatch):
+    cached, _ = predictors(64)
+    monkeypatch.setattr(cached, "generate", lambda *a, **k: pytest.fail("generated before refusing"))
+    for case in ("pred_len beyond the window", "high below low", "tz-aware history, naive future"):
+        args, message = _bad(case)
+        with pytest.raises(DataError, match=message):
+            cached.predict(*args, verbose=False)
+
+
+def test_any_case_columns_are_read_and_a_short_context_is_said_once(caplog):
+    cached, _ = predictors(64)
+    df, x_ts, y_ts = candles(20)
+    upper = df.rename(columns=str.title).rename(columns={"Volume": "vol"})  # Open/High/Low/Close, an alias
+    a = cached.predict(upper, x_ts, y_ts[:3], 3, top_k=1, verbose=False)
+    b = cached.predict(df, x_ts, y_ts[:3], 3, top_k=1, verbose=False)
+    pd.testing.assert_frame_equal(a, b)
+    with caplog.at_level("WARNING", logger="model.predictor"):
+        for _ in range(2):
+            cached.predict(df.iloc[-5:], x_ts[-5:], y_ts[:3], 3, top_k=1, verbose=False)
+    assert [r.getMessage() for r in caplog.records if "little for the model" in r.getMessage()] == [
+        "df has 5 rows of context, little for the model (trained with up to 64); said once"]
 
 
 def test_predict_batch_rejects_mismatched_inputs():

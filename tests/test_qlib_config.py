@@ -42,6 +42,16 @@ def test_every_problem_is_reported_at_once_with_its_key():
     assert keys_of(again.value) == keys_of(err.value)
 
 
+@pytest.mark.parametrize("override, key, says", [
+    ("backtest.n_drop=0", "backtest.n_drop", "'drop all': the whole portfolio sold every day"),
+    ("data.max_context=2", "data.max_context", "must be >= 3 (2 bars of context"),
+])
+def test_settings_that_make_results_meaningless_are_refused_by_key(override, key, says):
+    with pytest.raises(ConfigError) as err:
+        load(None, [override])
+    assert keys_of(err.value) == [key] and says in str(err.value)
+
+
 def test_unknown_universe_needs_an_explicit_benchmark():
     with pytest.raises(ConfigError) as err:
         load(None, ["data.instrument=my_pool"])

@@ -105,3 +105,32 @@ def test_splits_made_with_other_settings_are_named(tmp_path):
     check_processed(changed, ("train",), problems)
     keys = sorted(p.split(":")[0] for p in problems.items)
     assert keys == ["data.instrument", "data.lookback"]
+
+
+def test_processed_splits_are_identified_by_content_and_may_move(tmp_path):
+    import shutil
+
+    from finetune.dataset import build_train_val_datasets
+
+    cfg = cfg_for(tmp_path, "data.lookback=3", "data.predict=1")
+    split = tiny_split()
+    pre.write_splits(cfg.data.dataset_path, {"train": split, "val": split, "test": split},
+                     {"format": FORMAT, "settings": manifest_settings(cfg)})
+    info = build_train_val_datasets(cfg)[2]
+    moved = tmp_path / "elsewhere" / "processed"
+    shutil.move(cfg.data.dataset_path, moved)  # another folder; and the Qlib source lives elsewhere too
+    there = cfg_for(tmp_path, "data.lookback=3", "data.predict=1", f"data.dataset_path={moved}",
+                    f"data.qlib_data_path={tmp_path / 'other_machine_qlib'}")
+    problems = Problems()
+    check_processed(there, ("train", "val", "test"), problems)
+    assert not problems.items
+    assert build_train_val_datasets(there)[2] == info  # the same data fingerprint: a resume is allowed
+
+    other = tmp_path / "other"
+    pre.write_splits(other, {"train": tiny_split(seed=1), "val": split, "test": split},
+                     {"format": FORMAT, "settings": manifest_settings(there)})
+    shutil.rmtree(moved / "train")
+    shutil.copytree(other / "train", moved / "train")  # another store at the same path
+    check_processed(there, ("train",), problems)
+    assert len(problems.items) == 1 and "their content hash differs" in problems.items[0]
+    assert problems.items[0].startswith("data.dataset_path")

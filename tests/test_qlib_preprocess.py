@@ -9,7 +9,7 @@ import pytest
 from finetune import qlib_data_preprocess as pre
 from finetune import qlib_io as qio
 from finetune.config import QlibConfig
-from finetune.dataset import MANIFEST_NAME, load_split, split_path
+from finetune.dataset import MANIFEST_NAME, content_sha256, load_split, split_path
 from finetune.utils.config_utils import load_config
 from model.errors import ConfigError
 
@@ -144,7 +144,8 @@ def test_written_splits_load_without_pickle_and_round_trip(tmp_path):
     for name in ("features", "stamps", "datetimes", "offsets"):
         np.testing.assert_array_equal(getattr(back, name), getattr(splits["val"], name))
     assert list(back.names) == ["A", "B"]
-    assert json.loads((folder / MANIFEST_NAME).read_text()) == {"format": "x"}
+    written = json.loads((folder / MANIFEST_NAME).read_text())
+    assert written == {"format": "x", "content_sha256": content_sha256(folder)} and len(written["content_sha256"]) == 64
 
 
 def test_a_failed_write_leaves_no_partial_output(tmp_path, monkeypatch):
@@ -209,3 +210,19 @@ def test_ranges_outside_the_calendar_are_named(tmp_path):
     problems = cfg.problems()
     qio.check_ranges_in_calendar(cfg, calendar, problems)
     assert [p.split(":")[0] for p in problems.items] == ["data.test_time_range"]
+
+
+def test_instruments_that_never_trade_together_are_noted(tmp_path, caplog):
+    cfg = cfg_for(tmp_path)
+    frame = stacked_frame({"A": ("2020-01-01", 80), "B": ("2020-05-26", 30)})  # A ends 2020-04-21: a 34-day hole
+    panel, _ = qio.frame_to_panel(frame, "ohlc_mean", 1)
+    with caplog.at_level("WARNING", logger=pre.log.name):
+        splits, _ = pre.make_splits(panel, cfg)
+    assert set(splits["test"].names) == {"B"}
+    assert "no instrument has a bar from 2020-04-21 to 2020-05-26 (35 days)" in caplog.text
+    assert "the test split never holds two instruments on one day" in caplog.text
+    caplog.clear()
+    together = stacked_frame({"A": ("2020-01-01", 160), "B": ("2020-01-01", 160)})
+    with caplog.at_level("WARNING", logger=pre.log.name):
+        pre.make_splits(qio.frame_to_panel(together, "ohlc_mean", 1)[0], cfg)
+    assert "do not overlap" not in caplog.text and "never holds two" not in caplog.text

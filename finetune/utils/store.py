@@ -26,6 +26,8 @@ fingerprint of the project (`file_fingerprint`, sources and arrays alike) lives 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -192,6 +194,23 @@ class StoreError(DataError):
     """A store that cannot be written, opened or trusted; the message names the file and what to do."""
 
 
+_SPACE_ERRNOS = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+@contextlib.contextmanager
+def _disk_space_named(folder: Path):
+    """A disk-full / quota / file-too-large error while writing the store in `folder` -> one StoreError line."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in _SPACE_ERRNOS:
+            raise
+        free = shutil.disk_usage(folder.parent).free if folder.parent.exists() else None
+        raise StoreError(f"cannot write the data store in {folder.parent}: {os.strerror(e.errno).lower()} "
+                         f"({'unknown' if free is None else f'{free / 2**30:.1f} GiB'} free); free some space there, "
+                         "or set the store folder (data.store_dir / data.dataset_path) on a larger disk") from None
+
+
 def sha256_file(path: str | Path, chunk_bytes: int = 1 << 20) -> str:
     """Hex sha256 of a file, read in chunks (about 1.2 GB/s: a large file never sits in memory whole)."""
     h = hashlib.sha256()
@@ -215,7 +234,8 @@ class StoreWriter:
 
     def __init__(self, path: str | Path, n_features: int):
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=False)
+        with _disk_space_named(self.path):
+            self.path.mkdir(parents=True, exist_ok=False)
         self.features = FeatureMajorWriter(self.path / "features_t.npy", n_features)
         self.stamps = GrowingNpy(self.path / "stamps.npy", np.int64, (N_STAMP_COLUMNS,))
         self.datetimes = GrowingNpy(self.path / "datetimes.npy", np.int64)
@@ -224,24 +244,26 @@ class StoreWriter:
 
     def append(self, name: str, features: np.ndarray, stamps: np.ndarray, datetimes: np.ndarray) -> None:
         """One series: features (n, F) time-major, stamps (n, 5), datetimes (n,) int64 ns."""
-        self.features.append(features)
-        self.stamps.append(stamps)
-        self.datetimes.append(datetimes)
+        with _disk_space_named(self.path):
+            self.features.append(features)
+            self.stamps.append(stamps)
+            self.datetimes.append(datetimes)
         self.names.append(str(name))
         self.lengths.append(len(datetimes))
 
     def finish(self, features: list[str], **extra) -> dict:
         """Close the arrays and write offsets.npy, names.json and manifest.json (with `extra` keys); the manifest."""
-        for w in (self.features, self.stamps, self.datetimes):
-            w.finish()
-        np.save(self.path / "offsets.npy", np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)]))
-        (self.path / "names.json").write_text(json.dumps(self.names), encoding="utf-8")
-        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "n_rows": int(sum(self.lengths)),
-                    "n_series": len(self.names), "features": list(features),
-                    "checksums": {f: sha256_file(self.path / f) for f in ARRAY_FILES}, **extra}
-        tmp = self.path / f".{MANIFEST}.tmp"
-        tmp.write_text(json.dumps(manifest, indent=2, allow_nan=False), encoding="utf-8")
-        os.replace(tmp, self.path / MANIFEST)
+        with _disk_space_named(self.path):
+            for w in (self.features, self.stamps, self.datetimes):
+                w.finish()
+            np.save(self.path / "offsets.npy", np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)]))
+            (self.path / "names.json").write_text(json.dumps(self.names), encoding="utf-8")
+            manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "n_rows": int(sum(self.lengths)),
+                        "n_series": len(self.names), "features": list(features),
+                        "checksums": {f: sha256_file(self.path / f) for f in ARRAY_FILES}, **extra}
+            tmp = self.path / f".{MANIFEST}.tmp"
+            tmp.write_text(json.dumps(manifest, indent=2, allow_nan=False), encoding="utf-8")
+            os.replace(tmp, self.path / MANIFEST)
         return manifest
 
     def close(self) -> None:

@@ -1,0 +1,153 @@
+"""The trading calendar of one series, learned from its history: the times its market trades, so that the bars
+after its end are stamped at times that occur (those stamps also feed the model's time features).
+
+`TradingCalendar.learn(history)` reads the last RECENT_WEEKS weeks on the stamps' own wall clock (a tz-aware
+history is read in its own zone, never converted; the stamps it makes carry that zone):
+- intraday bars: the bar times of each weekday. A weekday trades when it has bars in at least half of the weeks; a
+  time counts when it occurs on at least half of that weekday's dates (the first and last, partial, dates aside).
+  So a stock session with its lunch break, an FX week (Sunday ~21:00 to Friday ~21:00) and a crypto market (every
+  hour of every day) are each what they are. A history shorter than a week also trades Monday-Friday, at the times
+  its days share; one without a whole day in it continues at its bar spacing.
+- daily bars: the weekdays that trade (business days for a stock, every day for crypto), at the last bar's time.
+- longer bars (weekly, monthly): the pandas frequency of the last bars, else their median spacing.
+`dates` (trading dates, e.g. a holiday calendar) restricts the days. `after(last, n, freq)` stamps n bars; with a
+pandas `freq` the bars are at that frequency, keeping those that start inside a learned bar of their weekday.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from model.errors import DataError
+from model.features import to_datetime_index
+
+RECENT_WEEKS = 8  # the history that defines the calendar (a market changes its hours; DST moves UTC sessions)
+DAY, WEEK = pd.Timedelta(days=1), pd.Timedelta(days=7)
+
+
+@dataclass(frozen=True)
+class TradingCalendar:
+    """When one market trades; build it with `learn`, use it with `after`."""
+
+    step: pd.Timedelta  # the bar length (median spacing of the recent bars)
+    times: dict[int, np.ndarray]  # weekday (Monday=0) -> sorted bar times of day (int64 ns since midnight)
+    typical: np.ndarray  # bar times of a listed trading date whose weekday never traded
+    offset: pd.DateOffset | None = None  # bars longer than a day: their pandas frequency
+    dates: pd.DatetimeIndex | None = None  # the trading dates (midnight), None = every date of a trading weekday
+    tz: object = None  # the zone of the history's stamps (None = naive)
+
+    @classmethod
+    def learn(cls, history, dates=None, name: str = "the series") -> TradingCalendar:
+        """The calendar of one series from its timestamps (T >= 2, increasing); `dates`: its trading dates."""
+        ts = to_datetime_index(history, f"the timestamps of {name}")
+        if len(ts) < 2:
+            raise DataError(f"{name} has {len(ts)} row(s): too few to learn its trading calendar; pass freq= or "
+                            "the future timestamps")
+        wall = (ts.tz_localize(None) if ts.tz is not None else ts).as_unit("ns")
+        recent = wall[wall > wall[-1] - RECENT_WEEKS * WEEK]
+        recent = recent if len(recent) > 2 else wall[-3:]
+        step = pd.Series(recent).diff().median()
+        days = None if dates is None else pd.DatetimeIndex(to_datetime_index(dates, "dates")).normalize().unique()
+        if step > 1.5 * DAY:  # weekly / monthly bars
+            with warnings.catch_warnings():  # pandas warns that infer_freq will return an offset; both work
+                warnings.simplefilter("ignore")
+                freq = pd.infer_freq(wall[-5:]) if len(wall) >= 3 else None
+            offset = pd.tseries.frequencies.to_offset(freq or step)
+            return cls(step, {}, np.zeros(0, np.int64), offset, days, ts.tz)
+        date = recent.normalize()
+        tod = (recent - date).asi8  # time of day, ns
+        unique = date.unique()
+        weeks = (unique[-1] - unique[0]) / WEEK
+        counts = pd.Series(unique.day_of_week).value_counts()
+        traded = {int(d) for d, c in counts.items() if c >= weeks / 2} | (set(range(5)) if weeks < 1 else set())
+        traded = traded or set(counts.index)
+        edge = {unique[0], unique[-1]}
+
+        def common(keep: np.ndarray) -> np.ndarray:
+            """Times of day on at least half of the (full, when there are any) dates selected by `keep`."""
+            full = keep & ~np.isin(date, list(edge))
+            keep = full if full.any() else keep
+            t, c = np.unique(tod[keep], return_counts=True)
+            return t[c >= len(np.unique(date[keep])) / 2]
+
+        if step >= DAY / 2:  # daily bars: one per trading day, at the last bar's time of day
+            typical = np.array([tod[-1]])
+            times = {d: typical for d in traded}
+        elif len(unique) < 3:  # no whole day seen: its session is unknown, the bars continue at their spacing
+            return cls(step, {}, np.zeros(0, np.int64), pd.tseries.frequencies.to_offset(step), days, ts.tz)
+        else:
+            typical = common(np.ones(len(tod), bool))
+            times = {d: (common(date.day_of_week == d) if d in counts else typical) for d in traded}
+        if not any(len(t) for t in times.values()):
+            raise DataError(f"{name}: no time of day recurs in its bars, so they follow no trading calendar; pass "
+                            "freq= or the future timestamps")
+        return cls(step, times, typical, None, days, ts.tz)
+
+    def after(self, last, n: int, freq: str | None = None, name: str = "the series") -> pd.DatetimeIndex:
+        """The `n` bar timestamps after `last` (ascending, in the calendar's zone), at `freq` when given."""
+        last = pd.Timestamp(last)
+        if (last.tz is None) != (self.tz is None):
+            raise DataError(f"{name}: the last timestamp {last} and the calendar's stamps (zone {self.tz}) are not "
+                            "both tz-aware or both naive; use one convention")
+        wall = last.tz_convert(self.tz).tz_localize(None) if last.tz is not None else last
+        m = n
+        while True:  # a DST change drops the wall-clock times that do not exist and merges repeated ones
+            stamps = self._wall_after(wall, m, freq, name)
+            if self.tz is None:
+                return stamps
+            local = stamps.tz_localize(self.tz, ambiguous=np.ones(m, bool), nonexistent="NaT").dropna().unique()
+            if len(local) >= n:
+                return local[:n]
+            m *= 2
+
+    def _wall_after(self, wall: pd.Timestamp, n: int, freq: str | None, name: str) -> pd.DatetimeIndex:
+        if freq is not None:
+            try:
+                offset = pd.tseries.frequencies.to_offset(freq)
+            except ValueError:
+                raise DataError(f"freq {freq!r} is not a pandas frequency string (e.g. '5min', 'h', 'D', 'B')") \
+                    from None
+            out, start = [], wall
+            for _ in range(64):  # chunks of candidates, bounded: a freq may meet no trading time at all
+                stamps = pd.date_range(start + offset, periods=max(4 * n, 64), freq=offset)
+                out.extend(stamps[self._trades(stamps)])
+                start = stamps[-1]
+                if len(out) >= n:
+                    break
+            if len(out) < n:
+                raise DataError(f"{name}: freq {freq!r} stamps {len(out)} of {n} bars at times its market trades; "
+                                "pass another freq or the future timestamps")
+            return pd.DatetimeIndex(out[:n])
+        if self.offset is not None:
+            return pd.date_range(wall + self.offset, periods=n, freq=self.offset)
+        return pd.DatetimeIndex(self._sessions(wall, n, name)).as_unit("ns")
+
+    def _sessions(self, wall: pd.Timestamp, n: int, name: str) -> list[pd.Timestamp]:
+        out, day = [], wall.normalize()
+        while len(out) < n:
+            if self.dates is not None:
+                if day > self.dates[-1]:
+                    raise DataError(f"{name}: the trading dates given end on {self.dates[-1].date()}; {n} bars "
+                                    f"after {wall} need more: extend the calendar")
+                times = self.times.get(day.weekday(), self.typical) if day in self.dates else ()
+            else:
+                times = self.times.get(day.weekday(), ())
+            out.extend(t for t in (day + pd.Timedelta(int(x)) for x in times) if t > wall)
+            day += DAY
+        return out[:n]
+
+    def _trades(self, stamps: pd.DatetimeIndex) -> np.ndarray:
+        """(N,) bool: the stamp starts inside a learned bar of its weekday (on a listed date)."""
+        if self.offset is not None:
+            return np.ones(len(stamps), bool)
+        stamps = stamps.as_unit("ns")
+        date = stamps.normalize()
+        tod, ok = (stamps - date).asi8, np.zeros(len(stamps), bool)
+        for d, times in self.times.items():
+            on = stamps.day_of_week == d
+            i = np.searchsorted(times, tod[on], side="right") - 1  # the learned bar starting last before it
+            ok[on] = (i >= 0) & (tod[on] < times[np.maximum(i, 0)] + self.step.value)
+        return ok & (date.isin(self.dates) if self.dates is not None else True)
