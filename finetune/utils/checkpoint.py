@@ -385,8 +385,8 @@ def _unreadable_reason(path: Path, map_location: Any, validate: Callable[[dict],
     return None, state
 
 
-# The fields that go to the training device; the rest (RNG states: CPU ByteTensors even for CUDA's generators,
-# which `set_rng_state` hands to numpy and torch as such) stay on the CPU.
+# The checkpoint fields that go to the training device. The rest stays on the CPU: the RNG states must (numpy reads
+# host memory; torch's generators, CUDA's included, take CPU ByteTensors), the counters and settings need no device.
 _ON_DEVICE = ("model", "optimizer")
 
 
