@@ -10,6 +10,9 @@
 #   3. the Qlib demo trainers (configs/qlib_demo.yaml) under torchrun --standalone --nproc_per_node=1 with
 #      DIST_BACKEND=nccl, on the splits in $QLIB_PROCESSED (a folder finetune/qlib_data_preprocess.py wrote with that
 #      config; the raw Qlib data is not needed), else built here when pyqlib is installed, else SKIP,
+#      To make such a folder where pyqlib is installed (3 MB; carry it to the GPU machine):
+#        python scripts/build_qlib_data.py --synthetic 20 --out data/generated/qlib_demo
+#        python finetune/qlib_data_preprocess.py --config configs/qlib_demo.yaml  # -> data/generated/qlib_demo_processed
 #   4. the CSV demo on the GPU: synthetic candles, `kronos finetune`, `kronos forecast` (configs/csv_demo.yaml),
 #   5. the benchmarks: scripts/bench_train_step.py and scripts/bench_generation.py with their defaults.
 # Then one table (step, status, seconds); the exit status is 1 when any step failed. Logs and outputs go to
