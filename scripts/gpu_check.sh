@@ -88,6 +88,12 @@ rc=$?
 echo "[gpu-check] environment: $env_line"
 record "environment" "$( ((rc == 0)) && echo PASS || echo "FAIL (exit $rc)")" $(( SECONDS - start ))
 
+# the project's dependencies (pyproject.toml), peft (LoRA) and pytest: a missing one is named here, once
+step "python packages" 60 "$PY" -c "import importlib.util as u, sys
+missing = [m for m in ('yaml', 'safetensors', 'huggingface_hub', 'tqdm', 'matplotlib', 'pyarrow', 'scoringrules',
+                       'peft', 'pytest') if u.find_spec(m) is None]
+sys.exit('missing: ' + ', '.join(missing) if missing else 0)"
+
 # 2. the cuda tests; a skipped one (no peft, a GPU pytest cannot see) is a failure here
 if step "cuda tests (pytest -m cuda)" 300 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py \
   && grep -Eq "[0-9]+ skipped" "$log"; then
