@@ -1,23 +1,39 @@
 """Shared fixtures: tiny Kronos models (one implementation: tests/model_factory.py), logging isolation; under
-pytest-xdist (scripts/test.sh) the tests that time signals against a running job share one worker."""
+pytest-xdist (scripts/test.sh) the tests that time signals against a running job share one worker; `cpu_env` for
+child processes that must run on the CPU; the `cuda` tests skip without a GPU."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
 from tests import model_factory
 
 # Tests that signal or kill runs at chosen moments while polling their checkpoints: never two at once.
-TIMED_SIGNAL_MODULES = ("test_cluster_elastic", "test_cluster_signals", "test_safety_guard", "test_safety_interrupts",
-                        "test_safety_restart_loops")
+TIMED_SIGNAL_MODULES = ("test_cluster_elastic", "test_cluster_signals", "test_cuda", "test_safety_guard",
+                        "test_safety_interrupts", "test_safety_restart_loops")
+
+
+def cpu_env(**extra: str) -> dict[str, str]:
+    """The environment for a child process that must run on the CPU (N gloo ranks, or a CPU run compared exactly
+    with another), also on a machine with a GPU: CUDA hidden, so the engine picks the CPU. `extra` is added."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", **extra}
 
 
 def pytest_collection_modifyitems(config, items):
-    """With `--dist loadgroup`, the slow tests of TIMED_SIGNAL_MODULES run one after another on one worker."""
+    """With `--dist loadgroup`, the slow tests of TIMED_SIGNAL_MODULES run one after another on one worker; the
+    tests marked `cuda` skip on a machine without a GPU."""
     for item in items:
         if item.get_closest_marker("slow") and item.module.__name__.rpartition(".")[2] in TIMED_SIGNAL_MODULES:
             item.add_marker(pytest.mark.xdist_group("timed_signals"))
+    if any(item.get_closest_marker("cuda") for item in items):
+        import torch
+
+        if not torch.cuda.is_available():
+            for item in items:
+                if item.get_closest_marker("cuda"):
+                    item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)"))
 
 
 @pytest.fixture

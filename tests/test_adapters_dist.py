@@ -3,7 +3,6 @@ DDP lora run (gloo) equals one process on the combined batch."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 from finetune.utils.checkpoint import load_checkpoint
 from finetune.utils.metrics import read_metrics
 from finetune.utils.safety import FAULT_ENV
+from tests.conftest import cpu_env
 from tests.engine_dist_worker import tiny_predictor
 
 pytest.importorskip("peft")
@@ -24,7 +24,7 @@ LORA = ["--set", "finetune_mode=lora", "--set", "lora_targets=[attention, heads]
 
 
 def env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "DIST_BACKEND": "gloo", **extra}
+    return cpu_env(OMP_NUM_THREADS="1", DIST_BACKEND="gloo", **extra)
 
 
 def test_killed_lora_run_resumed_ends_with_the_uninterrupted_weights(tmp_path):

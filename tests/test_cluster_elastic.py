@@ -4,13 +4,14 @@ setup), ending with the uninterrupted run's weights."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.conftest import cpu_env
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +27,7 @@ def torchrun(out: Path, *extra: str, env: dict[str, str] | None = None) -> subpr
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *extra,
            str(WORKER), ARGS[0], str(out), *ARGS[1:]]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DIST_BACKEND": "gloo",
-                               **(env or {})})
+                          env=cpu_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", DIST_BACKEND="gloo", **(env or {})))
 
 
 def test_a_killed_worker_is_restarted_and_the_run_recovers_every_time(tmp_path):

@@ -18,6 +18,7 @@ import torch
 import model.fileio
 from finetune.utils.checkpoint import list_checkpoints, remove_orphans
 from model.fileio import atomic_dir
+from tests.conftest import cpu_env
 from tests.test_safety_restart_loops import process_tree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +35,7 @@ def command(out: Path, nproc: int) -> list[str]:
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DIST_BACKEND": "gloo"}
+    return cpu_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", DIST_BACKEND="gloo")
 
 
 def newest_step(out: Path) -> int:

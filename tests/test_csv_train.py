@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import socket
 import subprocess
@@ -25,6 +24,7 @@ from finetune_csv import train_sequential
 from finetune_csv.config import load
 from finetune_csv.forecast import run_forecast
 from model.errors import PathError
+from tests.conftest import cpu_env
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "finetune_csv" / "train_sequential.py"
@@ -87,7 +87,7 @@ def without_step_files(files: set[str]) -> set[str]:
 
 def env_one_thread() -> dict:
     # Tiny models: one intra-op thread per process keeps two processes from fighting over the cores.
-    return {**os.environ, "OMP_NUM_THREADS": "1", "DIST_BACKEND": "gloo", "PYTHONUNBUFFERED": "1"}
+    return cpu_env(OMP_NUM_THREADS="1", DIST_BACKEND="gloo", PYTHONUNBUFFERED="1")
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from finetune_csv.config import ColumnsConfig, DataConfig
 from finetune_csv.prepare import StoreSettings, ensure_store, prepare_store
 from finetune_csv.timestamps import wallclock_stamps
 from model.features import calc_time_stamps
+from tests.conftest import cpu_env
 from tests.csv_reference import candles, load_series, split_series
 
 
@@ -241,7 +242,7 @@ def test_two_ranks_share_one_store_and_read_disjoint_windows(tmp_path):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
                str(data), str(tmp_path / "store"), str(out)]
         return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=180,
-                              env={**os.environ, "DIST_BACKEND": "gloo", "OMP_NUM_THREADS": "1"})
+                              env=cpu_env(DIST_BACKEND="gloo", OMP_NUM_THREADS="1"))
 
     job = torchrun(tmp_path / "run1")
     assert job.returncode == 0, job.stderr[-3000:]

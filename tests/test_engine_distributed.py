@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch
 
 from finetune.utils.metrics import read_metrics
 from finetune.utils.safety import FAULT_ENV
+from tests.conftest import cpu_env
 from tests.engine_dist_worker import tiny_predictor, tiny_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ def torchrun(out: Path, *args: str, env: dict | None = None, timeout: int = 180)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
            COMMON[0], str(out), *COMMON[1:], *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "DIST_BACKEND": "gloo", "OMP_NUM_THREADS": "1", **(env or {})})
+                          env=cpu_env(DIST_BACKEND="gloo", OMP_NUM_THREADS="1", **(env or {})))
 
 
 def test_two_ranks_with_accumulation_match_one_process_with_the_global_batch(tmp_path):

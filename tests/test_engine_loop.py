@@ -28,6 +28,7 @@ from finetune.utils.training_utils import (
     train_tokenizer,
 )
 from model import Kronos, KronosPredictor, KronosTokenizer
+from tests.conftest import cpu_env
 from tests.engine_dist_worker import tiny_datasets, tiny_predictor, tiny_tokenizer
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -171,7 +172,7 @@ def test_killed_run_resumed_ends_with_the_same_weights_as_an_uninterrupted_run(t
 
     def start(out: Path, **env) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, str(WORKER), args[0], str(out), *args[1:]], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+                                stderr=subprocess.PIPE, text=True, env=cpu_env(OMP_NUM_THREADS="1", **env))
 
     def run(out: Path, **env) -> subprocess.CompletedProcess:
         proc = start(out, **env)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import yaml
 pytest.importorskip("qlib")
 from finetune.qlib_builder import build_qlib_provider
 from finetune.synthetic import generate_ohlcv
+from tests.conftest import cpu_env
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +55,7 @@ def tiny_config(tmp_path: Path) -> Path:
 
 
 def run(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DIST_BACKEND": "gloo", "OMP_NUM_THREADS": "1"}
+    env = cpu_env(DIST_BACKEND="gloo", OMP_NUM_THREADS="1")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

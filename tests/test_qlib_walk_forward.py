@@ -4,7 +4,6 @@ whole command on a tiny synthetic Qlib folder."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import yaml
 from finetune.evaluation.statistics import paired_test
 from finetune.qlib_walk_forward import signal_days, walk_forward_periods
 from model.errors import ConfigError
+from tests.conftest import cpu_env
 
 CAL = pd.bdate_range("2019-01-01", "2022-12-30")
 
@@ -82,7 +82,7 @@ def test_walk_forward_command_on_a_tiny_store(tmp_path):
     cfg["walk_forward"] = {"test_range": ["2022-01-01", "2022-04-30"], "period_months": 2, "val_months": 2,
                            "block_days": 5}
     (tmp_path / "wf.yaml").write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "DIST_BACKEND": "gloo", "OMP_NUM_THREADS": "1"}
+    env = cpu_env(DIST_BACKEND="gloo", OMP_NUM_THREADS="1")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     proc = subprocess.run([sys.executable, "-m", "finetune.cli", "qlib-walk-forward", "--config",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,7 @@ import torch
 
 from finetune.utils.checkpoint import DivergenceError, NonFiniteWeightsError, assert_finite_state_dict
 from finetune.utils.safety import NonFiniteGuard, StepStats, check_step, diagnose
+from tests.conftest import cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
 NAN, INF = float("nan"), float("inf")
@@ -136,7 +136,7 @@ CHECK = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_all_ranks_stop_at_the_same_step_when_one_rank_diverges(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = cpu_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-c", CHECK, str(tmp_path / "rdv"), str(r)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
     outs = [p.communicate(timeout=120) for p in procs]

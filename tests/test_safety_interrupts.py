@@ -18,6 +18,7 @@ from finetune.utils.safety import (
     TrainingStopped,
     check_step,
 )
+from tests.conftest import cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -135,7 +136,7 @@ AGREE = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_ranks_agree_to_stop_when_any_rank_was_signalled(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = cpu_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-c", AGREE, str(tmp_path / "rdv"), str(r)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
     outs = [p.communicate(timeout=120) for p in procs]

@@ -19,6 +19,7 @@ import torch
 from finetune.utils.checkpoint import list_checkpoints
 from finetune.utils.metrics import read_metrics
 from finetune.utils.safety import RunLock
+from tests.conftest import cpu_env
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +42,7 @@ def command(out: Path, nproc: int) -> list[str]:
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DIST_BACKEND": "gloo"}
+    return cpu_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", DIST_BACKEND="gloo")
 
 
 def process_tree(pid: int) -> list[int]:

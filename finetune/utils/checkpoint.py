@@ -72,7 +72,8 @@ def check_format(state: dict) -> None:
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint:
-    """Load one checkpoint file the user named; an unusable file is a CheckpointError naming it and why."""
+    """Load one checkpoint file the user named; an unusable file is a CheckpointError naming it and why.
+    `map_location` is where the model and optimizer tensors go (the training device); RNG states stay on the CPU."""
     reason, state = _unreadable_reason(Path(path), map_location, check_format)
     if reason is not None:
         raise CheckpointError(f"training.resume: cannot resume from {path}: {reason}")
@@ -359,7 +360,7 @@ def _unreadable_reason(path: Path, map_location: Any, validate: Callable[[dict],
     if size == 0:
         return "empty file (0 bytes): the write that made it was interrupted", None
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         if "weights_only" in str(e).lower() or "weights only" in str(e).lower():
             return ("holds Python objects other than tensors, numbers and strings, so it cannot be loaded safely; "
@@ -379,7 +380,25 @@ def _unreadable_reason(path: Path, map_location: Any, validate: Callable[[dict],
             validate(state)
         except ValueError as e:
             return str(e), None
+    if torch.device(map_location).type != "cpu":
+        state.update({key: _to_device(state[key], map_location) for key in _ON_DEVICE if key in state})
     return None, state
+
+
+# The checkpoint fields that go to the training device. The rest stays on the CPU: the RNG states must (numpy reads
+# host memory; torch's generators, CUDA's included, take CPU ByteTensors), the counters and settings need no device.
+_ON_DEVICE = ("model", "optimizer")
+
+
+def _to_device(obj: Any, device: Any) -> Any:
+    """`obj` (tensors inside nested dicts/lists) with every tensor moved to `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
 
 
 def load_latest(folder: str | Path, *, map_location: Any = "cpu", validate: Callable[[dict], None] | None = None,
@@ -387,7 +406,7 @@ def load_latest(folder: str | Path, *, map_location: Any = "cpu", validate: Call
     """(path, state) of the newest usable checkpoint in `folder`, falling back to older ones; None when there is
     no checkpoint file, `CheckpointError` when files exist but none can be used. `validate` checks a loaded dict
     (e.g. its format tag; a ValueError makes the file unusable); `log` (default: this module's logger at WARNING)
-    gets a line per unusable file."""
+    gets a line per unusable file. `map_location`: as in `load_checkpoint`."""
     folder = Path(folder)
     candidates = [p for _, p in list_checkpoints(folder)]
     last = folder / LAST_NAME
