@@ -62,31 +62,6 @@ def race_sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
     return torch.argmax(probs / race, dim=-1, keepdim=True)
 
 
-class _CachedWindow:
-    """The cache of one batch of sequences: tokens from absolute position `offset` on, at window positions
-    0..length-1. All model access goes through Kronos' cached-decoding methods."""
-
-    def __init__(self, model: Kronos, batch: int, max_context: int, device: torch.device, dtype: torch.dtype):
-        self.model = model
-        self.cache = model.new_cache(batch, max_context, device, dtype)
-        self.offset = 0
-        self.length = 0
-
-    def restart(self, offset: int) -> None:
-        """Forget everything: the next `extend` starts a window at absolute position `offset`."""
-        self.offset, self.length = offset, 0
-
-    def extend(self, s1: torch.Tensor, s2: torch.Tensor, stamp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append tokens (B, L) -> (s1 logits of the last one (B, V1), its hidden state (B, 1, d))."""
-        logits, h_last = self.model.decode_s1_cached(s1, s2, stamp, self.cache, self.length)
-        self.length += s1.shape[1]
-        return logits, h_last
-
-    def s2_logits(self, h_last: torch.Tensor, s1: torch.Tensor) -> torch.Tensor:
-        """h_last (B, 1, d), sampled s1 (B, 1) -> s2 logits (B, V2); the s1 query attends to the whole window."""
-        return self.model.decode_s2_cached(h_last, s1, self.cache, self.length)
-
-
 class _StaticStep:
     """One decoding step of `rows` sequences on a preallocated cache of `length` window positions: the token pair
     (s1, s2 (R, 1)) at window position `pos` (1,) with its stamp (R, 1, 5) goes through the trunk and both heads and
@@ -175,8 +150,8 @@ def _graphed_step(model: Kronos, rows: int, length: int, device: torch.device,
     return steps.get(key)
 
 
-def _generate_static(model: Kronos, step: _StaticStep, s1_ctx: torch.Tensor, s2_ctx: torch.Tensor, stamps: torch.Tensor,
-                     pred_len: int, max_context: int, sample_count: int,
+def _generate_static(model: Kronos, step: _StaticStep, s1_ctx: torch.Tensor, s2_ctx: torch.Tensor,
+                     stamps: torch.Tensor, pred_len: int, max_context: int, sample_count: int,
                      verbose: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`generate_tokens` with a static step: the context is encoded once per series and copied to its sample
     paths; each next token is one `step.run()`; a slid window is encoded again (as in the eager paths)."""
@@ -230,19 +205,19 @@ def generate_tokens(model: Kronos, s1_ctx: torch.Tensor, s2_ctx: torch.Tensor, s
     total = n_ctx + pred_len
     s1 = torch.cat([s1_ctx, s1_ctx.new_zeros(batch, pred_len)], dim=1)
     s2 = torch.cat([s2_ctx, s2_ctx.new_zeros(batch, pred_len)], dim=1)
-    decoder = None
-    if use_cache:
-        decoder = _CachedWindow(model, batch, max_context, s1.device, next(model.parameters()).dtype)
+    cache = model.new_cache(batch, max_context, s1.device, next(model.parameters()).dtype) if use_cache else None
+    offset = length = 0  # the cache holds tokens offset..offset+length-1 at window positions 0..length-1
     for cur in tqdm(range(n_ctx, total), disable=not verbose, desc="forecast", leave=False):
         start = max(0, cur - max_context)  # the window is tokens start..cur-1, at positions 0..cur-start-1
-        if decoder is not None:
-            if start != decoder.offset:
+        if cache is not None:
+            if start != offset:
                 # The window slid: every hidden state in it changes, so the cache restarts on the new window.
-                decoder.restart(start)
-            lo = decoder.offset + decoder.length  # feed what the cache has not seen (the whole window at first)
-            s1_logits, h_last = decoder.extend(s1[:, lo:cur], s2[:, lo:cur], stamps[:, lo:cur])
+                offset, length = start, 0
+            lo = offset + length  # feed what the cache has not seen (the whole window at first)
+            s1_logits, h_last = model.decode_s1_cached(s1[:, lo:cur], s2[:, lo:cur], stamps[:, lo:cur], cache, length)
+            length = cur - offset
             s1_next = sample_from_logits(s1_logits, temperature, top_k, top_p)
-            s2_logits = decoder.s2_logits(h_last, s1_next)
+            s2_logits = model.decode_s2_cached(h_last, s1_next, cache, length)  # the s1 query sees the whole window
         else:
             # Full recompute of the window (the published algorithm).
             s1_logits, context = model.decode_s1(s1[:, start:cur], s2[:, start:cur], stamps[:, start:cur])
