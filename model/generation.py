@@ -8,7 +8,6 @@ changes (the dropped token no longer influences anything), so both paths recompu
 from __future__ import annotations
 
 import warnings
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -122,19 +121,17 @@ class _StaticStep:
             self.graph.replay()
 
 
-_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {shape and sampling key: _StaticStep}
-_KEEP_GRAPHS = 2  # captured steps kept per model (each holds its cache: rows x length x layers)
+_KEEP_GRAPHS = 2  # captured steps kept per owner (each holds its cache: rows x length x layers x 2)
 _graph_failed = False  # capture failed once in this process: the eager generator runs, said once
 
 
 def _graphed_step(model: Kronos, rows: int, length: int, device: torch.device,
-                  sampling: tuple[float, int | None, float | None]) -> _StaticStep | None:
-    """A captured step for `rows` sequences padded to a power of two, kept per model and reused across calls (the
+                  sampling: tuple[float, int | None, float | None], steps: dict) -> _StaticStep | None:
+    """A captured step for `rows` sequences padded to a power of two, taken from or kept in `steps` (the
     parameters' address is in the key: a moved model is captured again); None when capture fails."""
     global _graph_failed
     padded = 1 << (rows - 1).bit_length()
     key = (padded, length, next(model.parameters()).data_ptr(), sampling)
-    steps = _GRAPHS.setdefault(model, {})
     if key not in steps and not _graph_failed:
         try:
             step = _StaticStep(model, padded, length, device, sampling)
@@ -178,8 +175,8 @@ def _generate_static(model: Kronos, step: _StaticStep, s1_ctx: torch.Tensor, s2_
 @torch.inference_mode()
 def generate_tokens(model: Kronos, s1_ctx: torch.Tensor, s2_ctx: torch.Tensor, stamps: torch.Tensor, pred_len: int,
                     max_context: int, temperature: float = 1.0, top_k: int | None = 0, top_p: float | None = 1.0,
-                    use_cache: bool = True, verbose: bool = False, sample_count: int = 1,
-                    decode: str = "eager") -> tuple[torch.Tensor, torch.Tensor]:
+                    use_cache: bool = True, verbose: bool = False, sample_count: int = 1, decode: str = "eager",
+                    graphs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Continue context ids s1_ctx, s2_ctx (B, N) by `pred_len` steps, `sample_count` paths per series, with
     `stamps` (B, N + pred_len, 5) -> the full sequences (s1, s2), each (B * S, N + pred_len) int64, the S paths of
     a series in consecutive rows. use_cache False: the published full recompute (same tokens in greedy mode).
@@ -187,7 +184,8 @@ def generate_tokens(model: Kronos, s1_ctx: torch.Tensor, s2_ctx: torch.Tensor, s
     decode (with the cache): "eager" grows the window one token at a time (the default); "static" runs the step a
     CUDA graph records (a preallocated cache written at a position tensor, sampling by `race_sample`, the context
     encoded once per series) without the graph; "graph" records and replays it on CUDA, and falls back to "eager"
-    with one warning when capture fails. Greedy tokens agree across all of them; sampled paths have the same
+    with one warning when capture fails; `graphs` keeps the recorded steps between calls (a KronosPredictor holds
+    one; None = record afresh). Greedy tokens agree across all of them; sampled paths have the same
     distribution (not the same draws: "static" and "graph" race instead of torch.multinomial).
     """
     sampling = (temperature, top_k, top_p)
@@ -195,7 +193,7 @@ def generate_tokens(model: Kronos, s1_ctx: torch.Tensor, s2_ctx: torch.Tensor, s
     if use_cache and decode in ("static", "graph"):
         rows, length = len(s1_ctx) * sample_count, min(max_context, s1_ctx.shape[1] + pred_len - 1)
         graph = decode == "graph" and s1_ctx.is_cuda
-        step = (_graphed_step(model, rows, length, s1_ctx.device, sampling) if graph
+        step = (_graphed_step(model, rows, length, s1_ctx.device, sampling, {} if graphs is None else graphs) if graph
                 else _StaticStep(model, rows, length, s1_ctx.device, sampling))
         if step is not None:
             return _generate_static(model, step, s1_ctx, s2_ctx, stamps, pred_len, max_context, sample_count, verbose)

@@ -285,6 +285,7 @@ class KronosPredictor:
         self.clip = clip
         self.use_cache = use_cache
         self.decode = ("graph" if self.device.type == "cuda" else "eager") if decode == "auto" else decode
+        self._graphs: dict = {}  # CUDA graphs of decoding steps, reused while this predictor lives
         self.calibration = calibration
         self._cut_said = False  # the history cut is logged once per predictor
 
@@ -501,7 +502,7 @@ class KronosPredictor:
         s1_ctx, s2_ctx = self.tokenizer.encode(x_t, half=True)  # (B, N) each
         s1, s2 = generate_tokens(self.model, s1_ctx, s2_ctx, stamps, pred_len, self.max_context, T, top_k, top_p,
                                  use_cache=self.use_cache, verbose=verbose, sample_count=sample_count,
-                                 decode=self.decode)  # (B * S, N + P) each
+                                 decode=self.decode, graphs=self._graphs)  # (B * S, N + P) each
         start = max(0, n + pred_len - self.max_context)
         z = self.tokenizer.decode((s1[:, start:], s2[:, start:]), half=True)  # (B*S, window, 6)
         return z[:, -pred_len:].float().cpu().numpy().reshape(b, sample_count, pred_len, d)

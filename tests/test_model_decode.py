@@ -5,6 +5,8 @@ beyond the predictor window, several sample paths sharing one prefill); its samp
 filtered softmax distribution; a whole static step draws the model's next-token distribution; `predict_df` in
 batches equals one batch, never forecasting more series at once than asked.
 """
+import warnings
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -63,18 +65,30 @@ def test_race_sampler_draws_the_filtered_softmax(top_k, top_p, temperature):
     assert (freq[expected == 0] == 0).all()  # filtered tokens are never drawn
 
 
-def test_static_step_samples_the_models_next_token_distribution():
-    """One series, 20,000 paths sharing its prefill: the first drawn s1 follows softmax(logits / T)."""
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA graph is only taken on CUDA")
+
+
+@pytest.mark.parametrize("device, decode", [("cpu", "static"), pytest.param("cuda", "graph", marks=CUDA)])
+def test_static_step_samples_the_models_next_token_distribution(device, decode):
+    """One series, 20,000 paths sharing its prefill: the first drawn s1 follows softmax(logits / 0.7), and so does
+    the second (drawn by the recorded step) among the paths whose first pair is the most frequent one."""
     _, pred = tiny_models(seed=2)
-    s1, s2, stamps = _ids(1, 12, 1, seed=2)
-    with torch.no_grad():
-        expected = F.softmax(pred.decode_s1(s1, s2, stamps[:, :12])[0][0, -1] / 1.5, dim=-1).double()
+    s1, s2, stamps = _ids(1, 12, 2, seed=2)
     torch.manual_seed(0)
-    out, _ = generate_tokens(pred, s1, s2, stamps, 1, 32, temperature=1.5, top_k=0, top_p=1.0,
-                             sample_count=20_000, decode="static")
-    freq = torch.bincount(out[:, -1], minlength=16).double() / 20_000
-    sigma = (expected * (1 - expected) / 20_000).sqrt()
-    assert ((freq - expected).abs() <= 5 * sigma + 1e-12).all(), (freq, expected)
+    out1, out2 = generate_tokens(pred.to(device), s1.to(device), s2.to(device), stamps.to(device), 2, 32,
+                                 temperature=0.7, top_k=0, top_p=1.0, sample_count=20_000, decode=decode)
+    out1, out2, pred = out1.cpu(), out2.cpu(), pred.cpu()
+    pairs, counts = torch.unique(out1[:, 12] * 16 + out2[:, 12], return_counts=True)
+    top = pairs[counts.argmax()]
+    same = out1[:, 12] * 16 + out2[:, 12] == top
+    for ctx1, ctx2, drawn in [(s1, s2, out1[:, 12]), (torch.cat([s1, top.view(1, 1) // 16], 1),
+                                                      torch.cat([s2, top.view(1, 1) % 16], 1), out1[same, 13])]:
+        with torch.no_grad():
+            logits = pred.decode_s1(ctx1, ctx2, stamps[:, :ctx1.shape[1]])[0][0, -1]
+        expected = F.softmax(logits / 0.7, dim=-1).double()
+        freq = torch.bincount(drawn, minlength=16).double() / len(drawn)
+        sigma = (expected * (1 - expected) / len(drawn)).sqrt()
+        assert len(drawn) > 1000 and ((freq - expected).abs() <= 5 * sigma + 1e-12).all(), (freq, expected)
 
 
 def _long(n_series=5, n=30):
@@ -103,13 +117,17 @@ def test_predict_df_in_batches_equals_one_batch_and_bounds_the_batch(monkeypatch
         kp.predict_df(long, prediction_length=4, batch_size=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA graph is only taken on CUDA")
+@CUDA
 def test_cuda_graph_greedy_tokens_equal_the_cached_generator_and_replay_across_calls():
     _, pred = tiny_models(seed=0)
-    pred = pred.cuda()
-    for batch, n_ctx, pred_len, max_context, samples in [(3, 20, 10, 64, 2), (4, 10, 30, 24, 1), (3, 20, 10, 64, 2)]:
-        s1, s2, stamps = (t.cuda() for t in _ids(batch, n_ctx, pred_len, 0))
-        eager = generate_tokens(pred, s1, s2, stamps, pred_len, max_context, top_k=1, sample_count=samples)
-        graph = generate_tokens(pred, s1, s2, stamps, pred_len, max_context, top_k=1, sample_count=samples,
-                                decode="graph")
-        assert torch.equal(eager[0], graph[0]) and torch.equal(eager[1], graph[1])
+    pred, graphs = pred.cuda(), {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed capture (the eager fallback) fails the test
+        for batch, n_ctx, pred_len, max_context, samples in [(3, 20, 10, 64, 2), (4, 10, 30, 24, 1),
+                                                             (3, 20, 10, 64, 2)]:
+            s1, s2, stamps = (t.cuda() for t in _ids(batch, n_ctx, pred_len, 0))
+            eager = generate_tokens(pred, s1, s2, stamps, pred_len, max_context, top_k=1, sample_count=samples)
+            graph = generate_tokens(pred, s1, s2, stamps, pred_len, max_context, top_k=1, sample_count=samples,
+                                    decode="graph", graphs=graphs)
+            assert torch.equal(eager[0], graph[0]) and torch.equal(eager[1], graph[1])
+    assert len(graphs) == 2  # the third call replayed the first one's graph
