@@ -1,4 +1,5 @@
-"""Autoregressive token generation for forecasting, with a key/value cache and a plain full-recompute path.
+"""Autoregressive token generation for forecasting: a key/value-cached path (eager, or a static step that a CUDA
+graph records once and replays per token) and a plain full-recompute path.
 
 Both paths compute the same thing: at every step the predictor sees the last `min(len, max_context)` tokens with
 positions restarting at 0 inside that window. While the sequence fits in `max_context` nothing before the new token
