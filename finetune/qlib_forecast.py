@@ -25,7 +25,6 @@ import torch
 from finetune.qlib_io import CLOSE, stamps_from_ns, time_major
 from finetune.utils.store import SeriesPanel
 from model.errors import ConfigError
-from model.features import denormalize, normalize
 
 log = logging.getLogger("finetune.qlib")
 
@@ -88,20 +87,18 @@ def signals_from_closes(pred_close: np.ndarray, last_close: np.ndarray) -> dict[
 
 def kronos_forecaster(tokenizer, predictor, *, device: str, max_context: int, clip: float, predict: int,
                       temperature: float, top_k: int, top_p: float, sample_count: int) -> Forecaster:
-    """A Forecaster running KronosPredictor.generate: contexts normalised with their own statistics, `sample_count`
-    paths averaged, close de-normalised. It draws from torch's global generator: `forecast_frame(seed=...)` seeds
-    it right before the first batch, so each forecaster's draws depend on its own seed only."""
+    """A Forecaster running `KronosPredictor.sample_windows` (each context normalised with its own statistics, the
+    mean of `sample_count` paths, de-normalised) and keeping the close. It draws from torch's global generator:
+    `forecast_frame(seed=...)` seeds it right before the first batch, so each forecaster's draws depend on its own
+    seed only."""
     from model import KronosPredictor
 
     kp = KronosPredictor(predictor, tokenizer, device=device, max_context=max_context, clip=clip)
 
     def forecast(x: np.ndarray, x_stamp: np.ndarray, y_stamp: np.ndarray) -> np.ndarray:
-        # Each context normalised with its own statistics, as in training: (B, L, 6), mean/std (B, 1, 6).
-        xn, mean, std = normalize(x.astype(np.float32), clip, axis=1)
-        paths = kp.generate(xn, x_stamp, y_stamp, predict, T=temperature, top_k=top_k, top_p=top_p,
-                            sample_count=sample_count)  # (B, S, P, 6), normalised
-        # Average the paths in normalised space, then undo the normalisation (the published forecaster's order).
-        return denormalize(paths.mean(axis=1), mean, std)[..., CLOSE]  # (B, P)
+        _, mean = kp.sample_windows(x, x_stamp, y_stamp, predict, T=temperature, top_k=top_k, top_p=top_p,
+                                    sample_count=sample_count)  # (B, P, 6)
+        return mean[..., CLOSE]  # (B, P)
 
     return forecast
 

@@ -48,7 +48,7 @@ from finetune_csv.prepare import PreparedData, prepare_data
 from model import Kronos, KronosPredictor, KronosTokenizer
 from model.calendar import TradingCalendar
 from model.errors import ConfigError, DataError, PathError, RefusedError
-from model.features import FEATURES, PRICE_FEATURES, calc_time_stamps, normalize
+from model.features import FEATURES, PRICE_FEATURES, calc_time_stamps
 from model.fileio import atomic_write, write_json
 from model.predictor import PREDICTOR_INFO_NAME, read_predictor_info, tokenizer_source
 
@@ -190,23 +190,14 @@ def sample_paths(predictor: KronosPredictor, context: np.ndarray, x_stamps: np.n
     """Sampled future candles (N, S, P, 6) float64 of every window, in price units, from context (N, L, 6) and
     stamps x (N, L, 5), y (N, P, 5); `sampling` has temperature, top_k, top_p, sample_count and seed.
 
-    Each context is normalised on its own (float32, row-major, as KronosPredictor.predict_batch does) and each
-    sample path is scaled back with its window's mean / std, so the mean over samples equals predict_batch's
-    forecast. `torch.manual_seed(sampling.seed)` is set once before the first batch.
+    `KronosPredictor.sample_windows` (each window normalised on its own, as predict_batch does), `batch` windows
+    per forward pass. `torch.manual_seed(sampling.seed)` is set once before the first batch.
     """
     torch.manual_seed(sampling.seed)
-    out = []
-    for lo in range(0, len(context), batch):
-        part = slice(lo, lo + batch)
-        # Row-major (T, 6) float32 like KronosPredictor._prepare: numpy's sum order (so the last float32 bit of the
-        # mean / std) depends on the memory layout, and this keeps the forecasts identical to predict_batch's.
-        stats = [normalize(x, predictor.clip, axis=0) for x in np.asarray(context[part], dtype=np.float32)]
-        xn = np.stack([s[0] for s in stats])  # (B, L, 6)
-        paths = predictor.generate(xn, x_stamps[part], y_stamps[part], predict, T=sampling.temperature,
-                                   top_k=sampling.top_k, top_p=sampling.top_p,
-                                   sample_count=sampling.sample_count)  # (B, S, P, 6) normalised
-        out.extend(paths[b] * (std + 1e-5) + mean for b, (_, mean, std) in enumerate(stats))
-    return np.stack(out).astype(np.float64) if out else np.zeros((0, sampling.sample_count, predict, 6))
+    samples, _ = predictor.sample_windows(context, x_stamps, y_stamps, predict, T=sampling.temperature,
+                                          top_k=sampling.top_k, top_p=sampling.top_p,
+                                          sample_count=sampling.sample_count, batch_size=batch)
+    return samples.astype(np.float64)
 
 
 DEFAULT_MAX_WINDOWS = 64  # windows scored per validation pass: enough to rank epochs, cheap next to an epoch

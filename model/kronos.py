@@ -41,13 +41,14 @@ class DependencyAwareLayer(nn.Module):
         """hidden (B, L, d) -> keys, values (B, 4, L, d/4) for `step` (computed once per position and cached)."""
         return self.cross_attn.project_kv(hidden_states, hidden_states)
 
-    def step(self, hidden_last: torch.Tensor, sibling_embed: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor) -> torch.Tensor:
-        """`forward` for one query: hidden_last (B, 1, d), sibling (B, 1, d), memory k/v (B, 4, L, d/4) -> (B, 1, d).
+    def step(self, hidden_last: torch.Tensor, sibling_embed: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             valid: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward` for one query: hidden_last (B, 1, d), sibling (B, 1, d), memory k/v (B, 4, L, d/4) -> (B, 1, d);
+        valid (L,): the filled positions of a static cache.
 
         Equals forward(hidden, sibling)[:, -1:] in eval mode when k/v = memory(hidden).
         """
-        return self.norm(hidden_last + self.cross_attn.attend_kv(sibling_embed, k, v))
+        return self.norm(hidden_last + self.cross_attn.attend_kv(sibling_embed, k, v, valid))
 
 
 class DualHead(nn.Module):
@@ -189,8 +190,9 @@ class Kronos(nn.Module, PretrainedMixin):
         return self.n_layers
 
     def decode_s1_cached(self, s1_ids: torch.Tensor, s2_ids: torch.Tensor, stamp: torch.Tensor | None,
-                         cache: KVCache, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append tokens (B, L) at window positions start_pos.. to `cache` (trunk and dependency memory).
+                         cache: KVCache, start_pos: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append tokens (B, L) at window positions start_pos.. to `cache` (trunk and dependency memory); a tensor
+        start_pos (1,) appends one token in place (a static step, see `KVCache`).
 
         Returns (s1 logits of the last position (B, V1), its hidden state (B, 1, d_model)), the same numbers as
         `decode_s1` on the whole window.
@@ -202,10 +204,13 @@ class Kronos(nn.Module, PretrainedMixin):
         return self.head(h_last)[:, -1], h_last
 
     def decode_s2_cached(self, h_last: torch.Tensor, s1_ids: torch.Tensor, cache: KVCache,
-                         length: int) -> torch.Tensor:
-        """h_last (B, 1, d), sampled s1 (B, 1), `length` cached positions -> s2 logits (B, V2).
+                         length: int | torch.Tensor) -> torch.Tensor:
+        """h_last (B, 1, d), sampled s1 (B, 1), `length` cached positions (a tensor (1,): a static step, the whole
+        buffer under a mask) -> s2 logits (B, V2).
 
         The same numbers as `decode_s2(context, s1_ids)[:, -1]` on the window's hidden states.
         """
-        k, v = cache.filled(self.dep_slot, length)
-        return self.head.cond_forward(self.dep_layer.step(h_last, self.embedding.emb_s1(s1_ids), k, v))[:, -1]
+        static = isinstance(length, torch.Tensor)
+        k, v = (cache.k[self.dep_slot], cache.v[self.dep_slot]) if static else cache.filled(self.dep_slot, length)
+        x2 = self.dep_layer.step(h_last, self.embedding.emb_s1(s1_ids), k, v, cache.valid(length) if static else None)
+        return self.head.cond_forward(x2)[:, -1]

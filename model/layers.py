@@ -56,14 +56,16 @@ class RotaryPositionalEmbedding(nn.Module):
         inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
         self.register_buffer("inv_freq", inv_freq)
 
-    def cos_sin(self, length: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for positions offset..offset+length-1, each (1, 1, length, dim)."""
-        t = torch.arange(offset, offset + length, device=self.inv_freq.device, dtype=self.inv_freq.dtype)
+    def cos_sin(self, length: int, offset: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions offset..offset+length-1, each (1, 1, length, dim); a tensor offset (1,) is read on
+        the device (a static-cache decoding step)."""
+        t = torch.arange(length, device=self.inv_freq.device, dtype=self.inv_freq.dtype) + offset
         freqs = torch.outer(t, self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos()[None, None], emb.sin()[None, None]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q: torch.Tensor, k: torch.Tensor,
+                offset: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q (B, H, Lq, Dh) and k (B, H, Lk, Dh) with the positions of the *query* (published rule)."""
         cos, sin = self.cos_sin(q.shape[-2], offset)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
@@ -75,7 +77,9 @@ class KVCache:
 
     Slot i holds `k[i]`, `v[i]`, each (B, H_i, max_len, Dh_i): the predictor uses slots 0..n_layers-1 for its
     self-attention layers and slot n_layers for the dependency layer's keys/values (4 heads, another head_dim).
-    The caller tracks how many positions are filled.
+    The caller tracks how many positions are filled. A static decoding step gives its position as a tensor (1,):
+    it is written in place with index_copy_ and the step attends to the whole buffer under a mask, so the step's
+    shapes and addresses never change and nothing is read back to the host (a CUDA graph can capture it).
     """
 
     def __init__(self, batch: int, max_len: int, slots: list[tuple[int, int]], device: torch.device | str,
@@ -85,9 +89,14 @@ class KVCache:
         self.v = [torch.zeros((batch, h, max_len, dh), device=device, dtype=dtype) for h, dh in slots]
         self.max_len = max_len
 
-    def update(self, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, slot: int, start: int | torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, H, L_new, Dh) at positions start.. and return all filled keys/values
-        (B, H, start+L_new, Dh)."""
+        (B, H, start+L_new, Dh); a tensor `start` (1,) writes one position and returns the whole buffers."""
+        if isinstance(start, torch.Tensor):
+            self.k[slot].index_copy_(2, start, k)
+            self.v[slot].index_copy_(2, start, v)
+            return self.k[slot], self.v[slot]
         end = start + k.shape[-2]
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: {end} positions > max_len {self.max_len}")
@@ -98,6 +107,16 @@ class KVCache:
     def filled(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` cached keys/values of `slot`, each (B, H, length, Dh)."""
         return self.k[slot][:, :, :length], self.v[slot][:, :, :length]
+
+    def load(self, other: KVCache, repeat: int) -> None:
+        """Copy `other`'s positions 0..other.max_len-1 into this cache, each of its sequences `repeat` times in a
+        row (a prefill shared by the sample paths of a series); rows beyond stay as they are."""
+        for dst, src in zip(self.k + self.v, other.k + other.v):
+            dst[:src.shape[0] * repeat, :, :src.shape[2]].copy_(src.repeat_interleave(repeat, dim=0))
+
+    def valid(self, end: torch.Tensor) -> torch.Tensor:
+        """Mask (max_len,) of the positions before `end` (1,): True = filled."""
+        return torch.arange(self.max_len, device=end.device) < end
 
 
 def _attention_mask(key_padding_mask: torch.Tensor | None, lq: int, lk: int, causal: bool,
@@ -141,13 +160,16 @@ class _Attention(nn.Module):
         return x.view(b, l, self.n_heads, self.head_dim).transpose(1, 2)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               is_causal: bool) -> torch.Tensor:
-        """q (B, H, Lq, Dh), k/v (B, H, Lk, Dh) -> projected output (B, Lq, d)."""
+               is_causal: bool, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """q (B, H, Lq, Dh), k/v (B, H, Lk, Dh) -> projected output (B, Lq, d). valid (Lk,): the filled keys of a
+        static cache (one query only)."""
         dropout = self.attn_dropout_p if self.training else 0.0
         if q.shape[-2] == 1 and mask is None and dropout == 0.0:
             # One query (a generation step): two small matmuls. The CPU flash kernel spends ~20x longer on this
             # shape than the arithmetic needs, and it dominated the cost of a cached decoding step.
             scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)  # (B, H, 1, Lk)
+            if valid is not None:
+                scores = scores.masked_fill(~valid, float("-inf"))
             out = torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v    # (B, H, 1, Dh)
         elif mask is not None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
@@ -162,12 +184,15 @@ class MultiHeadAttentionWithRoPE(_Attention):
     """Causal self-attention with rotary positions (causal in training and in eval)."""
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
-                cache: KVCache | None = None, layer_idx: int = 0, start_pos: int = 0) -> torch.Tensor:
-        """x (B, L, d) -> (B, L, d). With `cache`, x holds positions start_pos.. and attends to the cached past."""
+                cache: KVCache | None = None, layer_idx: int = 0, start_pos: int | torch.Tensor = 0) -> torch.Tensor:
+        """x (B, L, d) -> (B, L, d). With `cache`, x holds positions start_pos.. and attends to the cached past
+        (a tensor start_pos (1,): one token of a static cache)."""
         q, k, v = self.split_heads(self.q_proj(x)), self.split_heads(self.k_proj(x)), self.split_heads(self.v_proj(x))
         q, k = self.rotary(q, k, offset=start_pos)
         if cache is not None:
             k, v = cache.update(layer_idx, start_pos, k, v)
+            if isinstance(start_pos, torch.Tensor):  # a static step: one query over the filled part of the buffer
+                return self.attend(q, k, v, None, False, valid=cache.valid(start_pos + 1))
         lq, lk = q.shape[-2], k.shape[-2]
         if key_padding_mask is None and lq == lk:
             return self.attend(q, k, v, None, is_causal=True)
@@ -200,11 +225,13 @@ class MultiHeadCrossAttentionWithRoPE(_Attention):
         """key/value (B, L, d) -> cacheable keys and values, each (B, H, L, Dh), as a length-1 query sees them."""
         return self.split_heads(self.k_proj(key)), self.split_heads(self.v_proj(value))
 
-    def attend_kv(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """One query (B, 1, d) over projected keys/values (B, H, Lk, Dh) -> (B, 1, d); no mask (eval, one query)."""
+    def attend_kv(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  valid: torch.Tensor | None = None) -> torch.Tensor:
+        """One query (B, 1, d) over projected keys/values (B, H, Lk, Dh) -> (B, 1, d); no mask (eval, one query)
+        but `valid` (Lk,), the filled keys of a static cache."""
         if query.shape[1] != 1:
             raise ValueError(f"attend_kv takes one query position, got {query.shape[1]}")
-        return self.attend(self.split_heads(self.q_proj(query)), k, v, None, False)
+        return self.attend(self.split_heads(self.q_proj(query)), k, v, None, False, valid)
 
 
 class TransformerBlock(nn.Module):
@@ -219,7 +246,7 @@ class TransformerBlock(nn.Module):
         self.ffn = FeedForward(d_model, ff_dim, ffn_dropout_p)
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
-                cache: KVCache | None = None, layer_idx: int = 0, start_pos: int = 0) -> torch.Tensor:
+                cache: KVCache | None = None, layer_idx: int = 0, start_pos: int | torch.Tensor = 0) -> torch.Tensor:
         x = x + self.self_attn(self.norm1(x), key_padding_mask, cache, layer_idx, start_pos)
         return x + self.ffn(self.norm2(x))
 

@@ -262,6 +262,8 @@ class KronosPredictor:
 
     max_context: the predictor's window (512 for Kronos-small/base; lookback + predict for a finetuned one).
     use_cache: key/value-cached generation; False = the full-recompute generator (same tokens, slower).
+    decode: how the cached generator steps (`generate_tokens`): "auto" = "graph" (one CUDA graph per step) on CUDA,
+        else "eager"; or "eager", "static" explicitly.
     lookback: the context rows a forecast uses: a longer history is cut to its last `lookback` rows (said once per
         predictor), and those rows alone give the normalisation statistics, as in training. None = max_context.
         A lookback above max_context normalises over more rows than the window sees (the original Kronos code
@@ -271,7 +273,9 @@ class KronosPredictor:
 
     def __init__(self, model: Kronos, tokenizer: KronosTokenizer, device: str | None = None,
                  max_context: int = DEFAULT_MAX_CONTEXT, clip: float = 5, use_cache: bool = True,
-                 lookback: int | None = None, calibration: dict[str, Any] | None = None):
+                 lookback: int | None = None, calibration: dict[str, Any] | None = None, decode: str = "auto"):
+        if decode not in ("auto", "eager", "static", "graph"):
+            raise DataError(f"decode must be 'auto', 'eager', 'static' or 'graph', got {decode!r}")
         if (tokenizer.s1_bits, tokenizer.s2_bits) != (model.s1_bits, model.s2_bits):
             raise DataError(f"the tokenizer has s1/s2 bits {tokenizer.s1_bits}/{tokenizer.s2_bits} but the "
                             f"predictor expects {model.s1_bits}/{model.s2_bits}; use a matching pair")
@@ -287,6 +291,8 @@ class KronosPredictor:
         self.lookback = int(lookback or max_context)
         self.clip = clip
         self.use_cache = use_cache
+        self.decode = ("graph" if self.device.type == "cuda" else "eager") if decode == "auto" else decode
+        self._graphs: dict = {}  # CUDA graphs of decoding steps, reused while this predictor lives
         self.calibration = calibration
         self._cut_said = self._short_said = False  # the history cut / a short context is logged once per predictor
 
@@ -357,14 +363,15 @@ class KronosPredictor:
                       y_timestamp_list: Sequence[Any], pred_len: int, T: float = 1.0, top_k: int | None = 0,
                       top_p: float | None = 0.9, sample_count: int = 1, verbose: bool = True,
                       return_samples: bool = False, quantiles: Sequence[float] | None = None,
-                      calibrated: bool = True, *,
+                      calibrated: bool = True, batch_size: int | None = None, *,
                       series_names: Sequence[str] | None = None) -> list[pd.DataFrame] | list[Forecast]:
         """Forecast several series; arguments as `predict`, one entry per series in each list (series_names: what
         messages call them, default df_list[i]).
 
         Series may have different context lengths: they are batched in groups of equal length (in greedy mode the
-        results equal calling `predict` one by one). Returns a list in the input order, of DataFrames or of
-        `Forecast`s as `predict` does.
+        results equal calling `predict` one by one), at most `batch_size` series (x sample_count sequences) per
+        forward pass (None = a whole group). Returns a list in the input order, of DataFrames or of `Forecast`s as
+        `predict` does.
         """
         calibration = self.calibration if calibrated else None
         self._check_options(pred_len, sample_count, quantiles, calibration)  # before any work
@@ -379,22 +386,22 @@ class KronosPredictor:
         groups: dict[int, list[int]] = {}
         for i, p in enumerate(prepared):
             groups.setdefault(len(p["x"]), []).append(i)
-        paths: list[np.ndarray | None] = [None] * len(prepared)
+        results: list[pd.DataFrame | Forecast | None] = [None] * len(prepared)
         for members in groups.values():
-            out = self.generate(np.stack([prepared[i]["x"] for i in members]),
-                                np.stack([prepared[i]["x_stamp"] for i in members]),
-                                np.stack([prepared[i]["y_stamp"] for i in members]), pred_len, T, top_k, top_p,
-                                sample_count, verbose)  # (G, S, pred_len, 6), normalised
+            samples, mean = self.sample_windows(
+                np.stack([prepared[i]["x"] for i in members]), np.stack([prepared[i]["x_stamp"] for i in members]),
+                np.stack([prepared[i]["y_stamp"] for i in members]), pred_len, T=T, top_k=top_k, top_p=top_p,
+                sample_count=sample_count, batch_size=batch_size, verbose=verbose)  # (G, S, P, 6), (G, P, 6)
             for j, i in enumerate(members):
-                paths[i] = out[j]
-        return [self._result(p, path, return_samples, quantiles, calibration) for p, path in zip(prepared, paths)]
+                results[i] = self._result(prepared[i], samples[j], mean[j], return_samples, quantiles, calibration)
+        return results
 
     def predict_df(self, df: pd.DataFrame, *, prediction_length: int, id_column: str | None = None,
                    timestamp_column: str | None = None, columns: dict[str, str | None] | None = None,
                    freq: str | None = None, calendar: TradingCalendar | None = None, future: Any = None,
                    quantiles: Sequence[float] = (), T: float = 1.0, top_k: int | None = 0,
                    top_p: float | None = 0.9, sample_count: int = MIN_QUANTILE_SAMPLES, verbose: bool = False,
-                   calibrated: bool = True) -> pd.DataFrame:
+                   calibrated: bool = True, batch_size: int | None = None) -> pd.DataFrame:
         """Forecast every series of a long frame (one row per candle), in the style of Chronos' `predict_df`.
 
         Columns are found by `model.features.resolve_columns` (timestamps may be a DatetimeIndex); rows are sorted
@@ -409,6 +416,8 @@ class KronosPredictor:
         quantiles: levels in [0, 1] added as `<feature>_q<percent>` columns (close_q10, close_q90).
         sample_count: sample paths (default MIN_QUANTILE_SAMPLES: the mean of one path reads like a point forecast
             but is one draw); the rest as in `predict`.
+        batch_size: series forecast together (x sample_count sequences per forward pass); only their candles and
+            paths are held at once. None = all series in one batch.
         Returns prediction_length rows per series (in order of first appearance): the id column (when there is
         one), the timestamps (your column's name, else "timestamps"), FEATURES (the mean), the quantile columns.
         """
@@ -444,33 +453,65 @@ class KronosPredictor:
         keys = flat[id_column].to_numpy() if id_column else np.zeros(len(df), dtype=np.int64)
         if pd.isna(keys).any():
             raise DataError(f"column {id_column!r} has missing ids; every row must belong to a series")
-        ids, frames, x_ts, y_ts = [], [], [], []
+        series = []  # (id, row numbers sorted by time, forecast timestamps): all checked before any forecast
         for sid, rows in pd.Series(np.arange(len(df))).groupby(keys, sort=False):
             rows = rows.to_numpy()[np.argsort(stamps[rows.to_numpy()].asi8, kind="stable")]
             label = f"series {sid!r}" if id_column else "the series (no id column)"
             check_increasing(stamps[rows], f"the timestamps of {label}")  # duplicates: e.g. two series, no id
-            ids.append(sid)
-            frames.append(candles.iloc[rows].set_axis(stamps[rows]))  # messages name a bad row by its time
-            x_ts.append(stamps[rows])
             if future is not None:
                 y = future.get(sid) if isinstance(future, Mapping) else future
                 if y is None:
                     raise DataError(f"future has no timestamps for {label}; give every series its own")
-                y_ts.append(to_datetime_index(y, f"the future timestamps of {label}"))
+                y = to_datetime_index(y, f"the future timestamps of {label}")
             else:
                 cal = calendar or TradingCalendar.learn(stamps[rows], name=label)
-                y_ts.append(cal.after(stamps[rows][-1], prediction_length, freq, label))
+                y = cal.after(stamps[rows][-1], prediction_length, freq, label)
+            series.append((sid, rows, y))
         quantiles = list(quantiles)
-        results = self.predict_batch(frames, x_ts, y_ts, prediction_length, T, top_k, top_p, sample_count, verbose,
-                                     False, quantiles or None, calibrated, series_names=[
-                                         f"series {sid!r}" if id_column else "df" for sid in ids])
         ts_name = mapping["timestamps"] or "timestamps"
+        name = (lambda sid: f"series {sid!r}") if id_column else (lambda sid: "df")
+        frame = lambda rows: candles.iloc[rows].set_axis(stamps[rows])  # messages name a bad row by its time
+        check_batch_size(batch_size)
+        step = batch_size or len(series)
+        if step < len(series):  # every series' candles checked before the first batch is forecast
+            for sid, rows, _ in series:
+                candle_matrix(frame(rows), name(sid))
         out = []
-        for sid, y, res in zip(ids, y_ts, results):
-            table = res.table() if quantiles else res
-            head = pd.DataFrame({**({id_column: [sid] * prediction_length} if id_column else {}), ts_name: y})
-            out.append(pd.concat([head, table.reset_index(drop=True)], axis=1))
+        for lo in range(0, len(series), step):  # the candles of one batch of series at a time
+            part = series[lo:lo + step]
+            results = self.predict_batch([frame(rows) for _, rows, _ in part], [stamps[rows] for _, rows, _ in part],
+                                         [y for _, _, y in part], prediction_length, T, top_k, top_p, sample_count,
+                                         verbose, False, quantiles or None, calibrated, batch_size,
+                                         series_names=[name(sid) for sid, _, _ in part])
+            for (sid, _, y), res in zip(part, results):
+                table = res.table() if quantiles else res
+                head = pd.DataFrame({**({id_column: [sid] * prediction_length} if id_column else {}), ts_name: y})
+                out.append(pd.concat([head, table.reset_index(drop=True)], axis=1))
         return pd.concat(out, ignore_index=True)
+
+    def sample_windows(self, context: np.ndarray, x_stamp: np.ndarray, y_stamp: np.ndarray, pred_len: int, *,
+                       T: float = 1.0, top_k: int | None = 0, top_p: float | None = 0.9, sample_count: int = 1,
+                       batch_size: int | None = None, verbose: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """The batched window sampler every forecast runs: raw contexts (W, L, 6) (no cut) + stamps (W, L, 5),
+        (W, pred_len, 5) -> (sample paths (W, S, pred_len, 6), mean forecast (W, pred_len, 6)), float32 in the
+        input's units; `batch_size` windows (None = all) per `generate`.
+
+        Each window is normalised over its own rows (float32, row-major: the bits of `_prepare`, so of predict), its
+        paths scaled back with its mean / std. The mean averages the paths in normalised space and then undoes the
+        normalisation, the published order (the same float32 bits as the original Kronos' forecast).
+        """
+        check_batch_size(batch_size)
+        w, step = len(context), batch_size or max(1, len(context))
+        samples = np.zeros((w, sample_count, pred_len, len(FEATURES)), dtype=np.float32)
+        mean = np.zeros((w, pred_len, len(FEATURES)), dtype=np.float32)
+        for lo in range(0, w, step):
+            stats = [normalize(x, self.clip, axis=0) for x in np.asarray(context[lo:lo + step], dtype=np.float32)]
+            mu, sd = np.stack([m for _, m, _ in stats]), np.stack([d for _, _, d in stats])  # (B, 1, 6) each
+            paths = self.generate(np.stack([x for x, _, _ in stats]), x_stamp[lo:lo + step], y_stamp[lo:lo + step],
+                                  pred_len, T, top_k, top_p, sample_count, verbose)  # (B, S, P, 6) normalised
+            samples[lo:lo + step] = denormalize(paths, mu[:, None], sd[:, None])
+            mean[lo:lo + step] = denormalize(paths.mean(axis=1), mu, sd)
+        return samples, mean
 
     @torch.inference_mode()
     def generate(self, x: np.ndarray, x_stamp: np.ndarray, y_stamp: np.ndarray, pred_len: int, T: float = 1.0,
@@ -478,27 +519,26 @@ class KronosPredictor:
                  verbose: bool = False) -> np.ndarray:
         """Normalised context x (B, N, 6) + stamps (B, N, 5), (B, pred_len, 5) -> sample paths (B, S, pred_len, 6).
 
-        Each series is repeated `sample_count` times, its context encoded in full, `pred_len` token pairs sampled
-        with a predictor window of `max_context`, and the last `max_context` tokens decoded. No cut, no
-        calibration: the callers that normalise their own windows (the CLI evaluation) use this.
+        Each series' context is tokenised once, `pred_len` token pairs sampled `sample_count` times with a predictor
+        window of `max_context` (`generate_tokens`, stepping as `self.decode` says), and the last `max_context`
+        tokens of every path decoded. No cut, no calibration.
         """
         dev = self.device
         b, n, d = x.shape
-        s = sample_count
-        rep = lambda a, dtype: torch.tensor(np.asarray(a), dtype=dtype, device=dev).repeat_interleave(s, dim=0)
-        x_t = torch.clip(rep(x, torch.float32), -self.clip, self.clip)  # (B*S, N, 6)
-        stamps = torch.cat([rep(x_stamp, torch.long), rep(y_stamp, torch.long)], dim=1)  # (B*S, N + pred_len, 5)
-        s1_ctx, s2_ctx = self.tokenizer.encode(x_t, half=True)
+        x_t = torch.clip(torch.tensor(np.asarray(x), dtype=torch.float32, device=dev), -self.clip, self.clip)
+        stamps = torch.tensor(np.concatenate([x_stamp, y_stamp], axis=1), dtype=torch.long, device=dev)  # (B, N+P, 5)
+        s1_ctx, s2_ctx = self.tokenizer.encode(x_t, half=True)  # (B, N) each
         s1, s2 = generate_tokens(self.model, s1_ctx, s2_ctx, stamps, pred_len, self.max_context, T, top_k, top_p,
-                                 use_cache=self.use_cache, verbose=verbose)
+                                 use_cache=self.use_cache, verbose=verbose, sample_count=sample_count,
+                                 decode=self.decode, graphs=self._graphs)  # (B * S, N + P) each
         start = max(0, n + pred_len - self.max_context)
         z = self.tokenizer.decode((s1[:, start:], s2[:, start:]), half=True)  # (B*S, window, 6)
-        return z[:, -pred_len:].float().cpu().numpy().reshape(b, s, pred_len, d)
+        return z[:, -pred_len:].float().cpu().numpy().reshape(b, sample_count, pred_len, d)
 
     # ----------------------------------------------------------- helpers
     def _prepare(self, df: pd.DataFrame, x_ts: Any, y_ts: Any, pred_len: int, name: str) -> dict[str, Any]:
-        """Check one series (all rows given), cut it to the last `lookback` rows and normalise those: x (N, 6),
-        mean/std (1, 6), last_close, x_stamp (N, 5), y_stamp (pred_len, 5)."""
+        """Check one series (all rows given) and cut it to the last `lookback` rows: x (N, 6) float32, last_close,
+        x_stamp (N, 5), y_stamp (pred_len, 5)."""
         x = candle_matrix(df, name)
         x_idx = to_datetime_index(x_ts, f"{name}'s x_timestamp")
         y_idx = to_datetime_index(y_ts, f"{name}'s y_timestamp")
@@ -529,22 +569,17 @@ class KronosPredictor:
                             self.lookback)
                 self._cut_said = True
             x, x_idx = np.ascontiguousarray(x[-self.lookback:]), x_idx[-self.lookback:]
-        xn, mean, std = normalize(x, self.clip, axis=0)
-        return {"x": xn, "mean": mean, "std": std, "y_index": y_idx, "last_close": float(x[-1, CLOSE]),
+        return {"x": x, "y_index": y_idx, "last_close": float(x[-1, CLOSE]),
                 "x_stamp": calc_time_stamps(x_idx).to_numpy(np.float32),
                 "y_stamp": calc_time_stamps(y_idx).to_numpy(np.float32)}
 
     @staticmethod
-    def _result(p: dict[str, Any], paths: np.ndarray, return_samples: bool, quantiles: Sequence[float] | None,
-                calibration: dict[str, Any] | None) -> pd.DataFrame | Forecast:
-        """Normalised paths (S, pred_len, 6) -> the mean DataFrame, or a Forecast, in input units."""
+    def _result(p: dict[str, Any], samples: np.ndarray, mean: np.ndarray, return_samples: bool,
+                quantiles: Sequence[float] | None, calibration: dict[str, Any] | None) -> pd.DataFrame | Forecast:
+        """`sample_windows`' paths (S, pred_len, 6) and mean (pred_len, 6) of one series -> the mean DataFrame, or a
+        Forecast, calibrated when `calibration` is given."""
         cols, y_idx = list(FEATURES), p["y_index"]
-        if calibration is None:
-            # Average in normalised space, then undo the normalisation (the published order: same float32 bits).
-            mean = denormalize(paths.mean(axis=0), p["mean"], p["std"])
-            samples = denormalize(paths, p["mean"], p["std"]) if (return_samples or quantiles) else None
-        else:
-            samples = denormalize(paths, p["mean"], p["std"])  # (S, pred_len, 6)
+        if calibration is not None:
             shift = calibration_shift(calibration, samples[..., CLOSE], np.float64(p["last_close"]))  # (S, pred_len)
             samples[..., :len(PRICE_FEATURES)] *= np.exp(shift)[..., None]  # volume and amount stay as drawn
             mean = samples.mean(axis=0)
@@ -573,3 +608,8 @@ class KronosPredictor:
             raise DataError(f"the predictor's calibration covers {len(calibration['margins'][0])} horizons but "
                             f"{key} is {pred_len}; forecast fewer steps or pass calibrated=False")
 
+
+def check_batch_size(batch_size: int | None) -> None:
+    if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool)
+                                   or batch_size < 1):
+        raise DataError(f"batch_size must be an integer >= 1 or None, got {batch_size!r}")

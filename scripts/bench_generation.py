@@ -1,15 +1,15 @@
-"""Benchmark: forecasting with the key/value cache vs the plain full-recompute generator.
+"""Benchmark: forecasting with today's eager cached generator against the static decoding step (`decode="static"`)
+and, on CUDA, the same step recorded as one CUDA graph (`decode="graph"`), in one run.
 
 Kronos-small + Kronos-Tokenizer-base shapes (randomly initialised: timing does not depend on the weights), greedy
-decoding so both paths must produce the same forecast, which is checked. Uses CUDA when present.
+decoding so every path must produce the same forecast, which is checked. Three workloads (issue 27):
+    one    1 series, context 400 -> 120 steps (the last 8 slide the window: full re-encodes in every path)
+    many   300 series, context 90 -> 10 (one day of a CSI 300 backtest)
+    paths  64 series x 8 sample paths, context 400 -> 24 (the static step encodes each context once, not 8 times)
+Without CUDA the defaults are small (--quick: about a minute on 2 CPU cores); --full runs the issue's sizes.
 
-    python scripts/bench_generation.py                       # context 400 and 392, 120 steps, 1 sample
-    python scripts/bench_generation.py --context 200 --steps 60 --samples 4
-
-Past `max_context` the window slides and every hidden state in it changes, so both paths recompute the whole
-window at each such step: with context 400 + 120 steps and max_context 512, the last 8 steps are full recomputes
-in both paths, which bounds the speed-up at about 120 / (1 prefill + 8) even for a free cached step. Context 392
-fills the window exactly and shows the cache alone.
+    python scripts/bench_generation.py                 # quick on CPU, full on CUDA
+    python scripts/bench_generation.py --full --repeats 3
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import argparse
 import time
 
 import numpy as np
-import pandas as pd
 import torch
 
 from model import Kronos, KronosPredictor, KronosTokenizer
@@ -27,63 +26,73 @@ TOKENIZER_BASE = dict(d_in=6, d_model=256, n_heads=4, ff_dim=512, n_enc_layers=4
                       gamma=1.1, zeta=0.05, group_size=4)
 KRONOS_SMALL = dict(s1_bits=10, s2_bits=10, n_layers=8, d_model=512, n_heads=8, ff_dim=1024, ffn_dropout_p=0.2,
                     attn_dropout_p=0.0, resid_dropout_p=0.2, token_dropout_p=0.0, learn_te=True)
+# name: (series, sample paths, context, steps), full and quick
+WORKLOADS = {"one": ((1, 1, 400, 120), (1, 1, 64, 24)), "many": ((300, 1, 90, 10), (8, 1, 90, 10)),
+             "paths": ((64, 8, 400, 24), (2, 8, 64, 12))}
 
 
-def make_inputs(context: int, steps: int):
+def inputs(series: int, context: int, steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Normalised random-walk contexts (B, N, 6) and calendar stamps (B, N, 5), (B, steps, 5)."""
     rng = np.random.default_rng(0)
-    close = 100 * np.exp(np.cumsum(rng.normal(0, 0.01, context)))
-    df = pd.DataFrame({"open": close, "high": close * 1.002, "low": close * 0.998, "close": close,
-                       "volume": rng.uniform(1e3, 2e3, context)})
-    ts = pd.date_range("2024-01-02 09:30", periods=context + steps, freq="5min")
-    return df, pd.Series(ts[:context]), pd.Series(ts[context:])
+    x = np.cumsum(rng.normal(0, 0.1, (series, context, 6)), axis=1).astype(np.float32)
+    x = (x - x.mean(axis=1, keepdims=True)) / (x.std(axis=1, keepdims=True) + 1e-5)
+    t = np.arange(context + steps)
+    stamps = np.stack([t % 12 * 5, 9 + t // 12 % 7, t // 84 % 5, 1 + t // 84 % 28, np.full_like(t, 3)], axis=-1)
+    stamps = np.broadcast_to(stamps, (series, context + steps, 5)).astype(np.float32)
+    return x, stamps[:, :context], stamps[:, context:]
 
 
-def time_predict(predictor, args, inputs, repeats: int) -> tuple[float, pd.DataFrame]:
+def timed(kp: KronosPredictor, decode: str, work, samples: int, repeats: int) -> tuple[float, np.ndarray]:
+    """Best of `repeats` greedy forecasts after one warm-up (which also records the graph)."""
+    kp.decode = decode
+    sync = torch.cuda.synchronize if kp.device.type == "cuda" else (lambda: None)
     best, out = float("inf"), None
-    for _ in range(repeats):
-        if predictor.device.type == "cuda":
-            torch.cuda.synchronize()
+    for i in range(repeats + 1):
+        sync()
         t0 = time.perf_counter()
-        out = predictor.predict(*inputs, args.steps, top_k=1, sample_count=args.samples, verbose=False)
-        if predictor.device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
+        out = kp.generate(*work, top_k=1, sample_count=samples)
+        sync()
+        best = best if i == 0 else min(best, time.perf_counter() - t0)
     return best, out
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--context", type=int, nargs="+", default=[400, 392])
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--samples", type=int, default=1)
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="small workloads (the default without CUDA)")
+    size.add_argument("--full", action="store_true", help="the issue's workloads (the default on CUDA)")
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     p.add_argument("--max-context", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=1, help="best of N timings per path")
+    p.add_argument("--repeats", type=int, default=1, help="best of N timings per path (after one warm-up)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     args = p.parse_args(argv)
 
     torch.manual_seed(0)
-    tok, model = KronosTokenizer(**TOKENIZER_BASE), Kronos(**KRONOS_SMALL)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    cached = KronosPredictor(model, tok, device=device, max_context=args.max_context, use_cache=True)
-    plain = KronosPredictor(model, tok, device=device, max_context=args.max_context, use_cache=False)
+    kp = KronosPredictor(Kronos(**KRONOS_SMALL), KronosTokenizer(**TOKENIZER_BASE), device=device,
+                         max_context=args.max_context)
+    full = args.full or (device.startswith("cuda") and not args.quick)
+    fast = ["static", "graph"] if device.startswith("cuda") else ["static"]
     name = torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu ({torch.get_num_threads()} threads)"
-    print(f"Generation, Kronos-small + Tokenizer-base shapes, {args.steps} steps, {args.samples} sample(s), greedy, "
-          f"max_context {args.max_context}, device {name}, torch {torch.__version__}")
-    print("| context | sliding steps | full recompute s | kv cache s | cached steps/s | speed-up | identical |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"Forecast, Kronos-small + Tokenizer-base shapes, greedy, max_context {args.max_context}, "
+          f"{'full' if full else 'quick'} workloads, device {name}, torch {torch.__version__}")
+    print(f"| workload | series x paths | context -> steps | eager s | {' | '.join(f'{d} s' for d in fast)} | "
+          f"{' | '.join(f'eager / {d}' for d in fast)} | identical |")
+    print("|---|---|---|---|" + "---|" * 2 * len(fast) + "---|")
     differ = False
-    for context in args.context:
-        inputs = make_inputs(context, args.steps)
-        time_predict(cached, args, inputs, 1)  # warm-up (allocator, kernels)
-        t_cache, a = time_predict(cached, args, inputs, args.repeats)
-        t_plain, b = time_predict(plain, args, inputs, args.repeats)
-        same = np.allclose(a.to_numpy(), b.to_numpy(), rtol=1e-4, atol=1e-4)
+    for wl in args.workloads:
+        series, samples, context, steps = WORKLOADS[wl][0 if full else 1]
+        x, xs, ys = inputs(series, context, steps)
+        work = (x, xs, ys, steps)
+        t_eager, ref = timed(kp, "eager", work, samples, args.repeats)
+        runs = [timed(kp, d, work, samples, args.repeats) for d in fast]
+        same = all(np.array_equal(ref, out) for _, out in runs)
         differ |= not same
-        sliding = max(0, context + args.steps - args.max_context)
-        print(f"| {context} | {sliding} | {t_plain:.2f} | {t_cache:.2f} | {args.steps / t_cache:.1f} | "
-              f"{t_plain / t_cache:.1f}x | {same} |", flush=True)
+        print(f"| {wl} | {series} x {samples} | {context} -> {steps} | {t_eager:.3f} | "
+              f"{' | '.join(f'{t:.3f}' for t, _ in runs)} | {' | '.join(f'{t_eager / t:.2f}x' for t, _ in runs)} | "
+              f"{same} |", flush=True)
     if differ:
-        raise SystemExit("cached and full-recompute forecasts differ")
+        raise SystemExit("the static or graph forecast differs from the eager one")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent
 BENCHES = {
-    "generation": ["bench_generation.py"],     # KV-cache vs full-recompute forecasting
+    "generation": ["bench_generation.py"],     # forecast: eager cached vs static step (+ CUDA graph), 3 workloads
     "csv_data": ["bench_data.py", "csv"],      # CSV window dataset vs per-sample pandas .iloc
     "qlib_data": ["bench_data.py", "qlib"],    # Qlib window dataset vs per-sample pandas
     "train_step": ["bench_train_step.py"],     # engine train step vs plain fp32 step (bf16 on CUDA)

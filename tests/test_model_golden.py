@@ -40,13 +40,14 @@ def test_tokens_reconstruction_and_logits_match_the_original(case):
     np.testing.assert_allclose(l2.numpy(), golden["s2_logits"], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("use_cache, decode", [(True, "eager"), (False, "eager"), (True, "static")])
 @pytest.mark.parametrize("ctx, pred_len", [(40, 6), (40, 20), (60, 10)])  # max_context 48: inside, across, beyond
-def test_greedy_forecast_matches_the_original(case, ctx, pred_len, use_cache):
+def test_greedy_forecast_matches_the_original(case, ctx, pred_len, use_cache, decode):
     df, golden, tok, pred = case
     ts = pd.Series(pd.date_range(df.timestamps.iloc[0], periods=len(df) + 40, freq="5min"))
     # lookback=ctx: the original normalised over the whole history passed (the default cuts it to max_context).
-    p = KronosPredictor(pred, tok, device="cpu", max_context=48, clip=5, use_cache=use_cache, lookback=ctx)
+    p = KronosPredictor(pred, tok, device="cpu", max_context=48, clip=5, use_cache=use_cache, lookback=ctx,
+                        decode=decode)
     y = p.predict(df[COLS].iloc[:ctx], ts.iloc[:ctx], ts.iloc[ctx:ctx + pred_len], pred_len, T=1.0, top_k=1,
                   verbose=False)
     np.testing.assert_allclose(y.to_numpy(), golden[f"forecast_{ctx}_{pred_len}"], rtol=1e-6, atol=1e-6)
