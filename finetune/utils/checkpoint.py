@@ -27,7 +27,6 @@ from typing import Any, TypedDict
 
 import numpy as np
 import torch
-from torch import nn
 
 from finetune.utils.config_utils import Problems, TrainingConfig, config_to_dict, plain, stage_key
 from finetune.utils.errors import classify
@@ -583,16 +582,6 @@ def _canonical(obj: Any) -> str:
 def data_fingerprint(data_info: dict[str, Any] | None) -> str | None:
     """sha256 of `data_info` as canonical JSON (None without data_info)."""
     return None if data_info is None else hashlib.sha256(_canonical(data_info).encode()).hexdigest()
-
-
-def weights_fingerprint(module: nn.Module) -> str:
-    """sha256 over a module's state dict (names, dtypes, shapes and bytes, in name order)."""
-    h = hashlib.sha256()
-    for name, t in sorted(module.state_dict().items()):
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
