@@ -163,7 +163,14 @@ def load_trained_pair(folder_or_id: str | os.PathLike, tokenizer: str | os.PathL
         raise DataError(f"{folder} records no tokenizer ({PREDICTOR_INFO_NAME} with a 'tokenizer' entry, or a "
                         f"{TOKENIZER_SUBDIR}/ folder inside it); pass tokenizer= a tokenizer folder or Hub id, e.g. "
                         "the tokenizer stage's best_model/ or 'NeoQuasar/Kronos-Tokenizer-base'")
-    loaded = source if isinstance(source, KronosTokenizer) else KronosTokenizer.from_pretrained(source, **hub_kwargs)
+    try:
+        loaded = source if isinstance(source, KronosTokenizer) else \
+            KronosTokenizer.from_pretrained(source, **hub_kwargs)
+    except (PathError, DataError) as exc:
+        if tokenizer is not None:
+            raise
+        raise type(exc)(f"{folder / PREDICTOR_INFO_NAME} pairs the predictor with tokenizer {source}, which cannot be "
+                        f"loaded: {exc}") from None
     expected = read_tokenizer_config(folder)
     if expected is not None and expected != loaded.config:
         diff = sorted(k for k in set(expected) | set(loaded.config) if expected.get(k) != loaded.config.get(k))
