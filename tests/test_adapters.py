@@ -183,3 +183,26 @@ def test_csv_pipeline_in_lora_mode_keeps_the_tokenizer_selects_by_crps_and_forec
     best = results[0].best_model_dir
     assert (best / "adapter" / "adapter_config.json").is_file()
     assert np.isfinite(forecast(KronosPredictor.from_pretrained(best))).all()  # a whole forecaster, as any
+
+
+def test_csv_freeze_on_the_shipped_demo_model_trains_the_default_blocks_and_a_missing_block_is_refused_first(
+        tmp_path):
+    from finetune_csv import train_sequential
+    from finetune_csv.config import load
+    from tests.test_csv_train import make_run
+
+    demo = Path(__file__).resolve().parents[1] / "checkpoints/demo-pretrained"  # a predictor of 2 blocks
+    overrides = [f"model.pretrained_tokenizer={demo / 'tokenizer'}", f"model.pretrained_predictor={demo / 'predictor'}",
+                 "training.finetune_mode=freeze"]
+    config = make_run(tmp_path)
+    cfg = load(config, [*overrides, "training.trainable=[head, transformer.7]"])
+    with pytest.raises(ConfigError, match=r"\['transformer.7'\] match no parameter name.*the model has 2 "
+                                          r"transformer blocks \(transformer.0 ... transformer.1\)"):
+        train_sequential.run_finetune(cfg)
+    assert not cfg.base_dir.exists()  # refused before the data store or a stage folder was written
+    results, plan, _ = train_sequential.run_finetune(load(config, overrides))  # no trainable: the default
+    assert "finetune_mode is freeze" in plan["tokenizer"] and [r.stage for r in results] == ["predictor"]
+    info = json.loads((results[0].output_dir / "run_info.json").read_text())
+    heads_and_last = sum(p.numel() for n, p in Kronos.from_pretrained(demo / "predictor").named_parameters()
+                         if n.startswith(("head.", "transformer.1.")))
+    assert info["finetune_mode"] == "freeze" and info["trainable_parameters"] == heads_and_last
