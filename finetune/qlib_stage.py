@@ -11,7 +11,6 @@ torchrun, as the original's do.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -23,7 +22,6 @@ from finetune.utils.distributed import DistInfo, require_torchrun
 from finetune.utils.errors import setup_logging
 from finetune.utils.stages import plan_stages, run_stages
 
-log = logging.getLogger(__name__)
 TOKENIZER_KEY = "paths.finetuned_tokenizer_path"
 
 
@@ -86,7 +84,4 @@ def run_stage(spec: StageSpec, argv: list[str] | None = None, doc: str = "") -> 
     cfg = load(args.config, list(args.set) + run_overrides(args))
     check_inputs(spec, cfg)
     pipe = QlibPipeline(cfg)
-    results, _ = run_stages(pipe, plan_stages(pipe, (spec.stage,), {}, skip_existing=False))
-    for r in results:
-        log.info("[%s] best val loss %.4f (epoch %s); model: %s", r.stage, r.best_val_loss, r.best_epoch,
-                 r.best_model_dir)
+    run_stages(pipe, plan_stages(pipe, (spec.stage,), {}, skip_existing=False))

@@ -35,7 +35,7 @@ from finetune.utils.safety import LOCK_NAME, read_holder, stage_status
 from finetune.utils.windows import HeldOutWindows, held_out_windows, sample_paths
 from finetune_csv.config import CsvFinetuneConfig, best_dir
 from finetune_csv.data import prepare_data
-from finetune_csv.train_sequential import csv_tokenizer_source
+from finetune_csv.train_sequential import CsvPipeline
 from model import Kronos, KronosPredictor, KronosTokenizer
 from model.errors import ConfigError, DataError, PathError
 from model.features import FEATURES, PRICE_FEATURES, calc_time_stamps
@@ -257,7 +257,7 @@ def finetuned_predictor(cfg: CsvFinetuneConfig) -> tuple[KronosPredictor, dict |
     if not (predictor_dir / "config.json").is_file():
         raise PathError(f"no trained predictor in {predictor_dir}; run finetune_csv/train_sequential.py first")
     warn_if_unfinished(cfg.predictor_dir)
-    current = csv_tokenizer_source(cfg)[0]
+    current = CsvPipeline(cfg).tokenizer_source()[0]
     recorded = tokenizer_source(predictor_dir, read_predictor_info(predictor_dir))
     model, tokenizer, info = load_trained_pair(predictor_dir, None if recorded else current)
     if recorded and Path(recorded).resolve() != Path(current).resolve() and Path(current).is_dir() and \
@@ -291,7 +291,7 @@ def zero_shot_predictor(cfg: CsvFinetuneConfig) -> KronosPredictor | None:
     m = cfg.model
     if not cfg.forecast.compare_pretrained or m.pretrained_predictor is None:
         return None
-    tokenizer_src = m.pretrained_tokenizer or csv_tokenizer_source(cfg)[0]
+    tokenizer_src = m.pretrained_tokenizer or CsvPipeline(cfg).tokenizer_source()[0]
     try:
         return make_predictor(m.pretrained_predictor, tokenizer_src, cfg)
     except Exception as exc:  # noqa: BLE001 - any load failure (network, files, shapes) only skips the comparison

@@ -79,8 +79,6 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
     pipe.plan = plan_stages(pipe, STAGES, skip, skip_existing)
     list_sources(cfg.data.path if frames is None else frames)  # a wrong data path, before any model loads
     results, data_info = run_stages(pipe, pipe.plan, stage_resume(pipe, pipe.plan))
-    if pipe.is_main:
-        log.info("%s", summarize(results, pipe.plan))
     return results, pipe.plan, data_info
 
 
@@ -93,7 +91,6 @@ class CsvPipeline:
         self.cfg, self.frames, self.splits = cfg, frames, splits
         self.plan: dict[str, str | None] = {}
         self.data: PreparedData | None = None  # once `datasets` prepared it
-        self.is_main = True
 
     def stage_dir(self, stage: str) -> Path:
         return self.cfg.tokenizer_dir if stage == "tokenizer" else self.cfg.predictor_dir
@@ -110,7 +107,7 @@ class CsvPipeline:
         if self.splits is not None:
             data = dataclasses.replace(data, splits={k: dataclasses.replace(v, panel=data.panel)
                                                      for k, v in self.splits.items()})
-        self.data, self.is_main = data, dist.is_main
+        self.data = data
         data_info = data_summary_from_store(data, cfg.data)
         if dist.is_main:
             log.info("%s", describe(cfg, data_info, self.plan, dist, data))
@@ -118,9 +115,20 @@ class CsvPipeline:
 
     def tokenizer_source(self) -> tuple[str, str]:
         """The finetuned tokenizer once it exists, else `model.pretrained_tokenizer` (the tokenizer stage never ran,
-        e.g. --skip-tokenizer). An interrupted tokenizer stage and a from-scratch tokenizer never trained are
-        errors, not a silent half-trained or random one."""
-        return csv_tokenizer_source(self.cfg)
+        e.g. --skip-tokenizer); also what `kronos forecast` compares with. An interrupted tokenizer stage and a
+        from-scratch tokenizer never trained are errors, not a silent half-trained or random one."""
+        cfg = self.cfg
+        folder, finetuned = Path(cfg.tokenizer_dir), best_dir(cfg.tokenizer_dir)
+        if stage_status(folder) == "unfinished" and any(
+                (folder / name).exists() for name in ("checkpoints", "run_info.json", "metrics.jsonl")):
+            raise DataError(f"the tokenizer stage in {folder} is unfinished: run it to the end first (drop "
+                            "--skip-tokenizer; it resumes where it stopped) or use another paths.base_dir")
+        if (finetuned / "config.json").is_file():  # a finished stage's model, or one placed there by hand
+            return str(finetuned), "paths.base_dir"
+        if cfg.model.pretrained_tokenizer is not None:
+            return cfg.model.pretrained_tokenizer, "model.pretrained_tokenizer"
+        raise ConfigError([f"model.pretrained_tokenizer: is null and there is no trained tokenizer in {finetuned}: "
+                           "train the tokenizer first (drop --skip-tokenizer) or set model.pretrained_tokenizer"])
 
     def val_metric(self, select_by: str, tokenizer):
         """select_by crps: sampled forecasts of the validation split's non-overlapping windows."""
@@ -136,23 +144,6 @@ class CsvPipeline:
         if not f.calibrate:
             return None
         return held_out_windows(self.data.splits["val"], d.lookback, d.predict, f.window_stride)
-
-
-def csv_tokenizer_source(cfg: CsvFinetuneConfig) -> tuple[str, str]:
-    """(folder or Hub id, its setting) of the tokenizer the CSV predictor trains and forecasts with: the run's
-    finetuned tokenizer once it exists, else model.pretrained_tokenizer; an unfinished tokenizer stage is refused."""
-    folder, finetuned = Path(cfg.tokenizer_dir), best_dir(cfg.tokenizer_dir)
-    interrupted = stage_status(folder) == "unfinished" and any(
-        (folder / name).exists() for name in ("checkpoints", "run_info.json", "metrics.jsonl"))
-    if interrupted:  # never train or forecast on a half-trained tokenizer
-        raise DataError(f"the tokenizer stage in {folder} is unfinished: run it to the end first (drop "
-                        "--skip-tokenizer; it resumes where it stopped) or use another paths.base_dir")
-    if (finetuned / "config.json").is_file():  # a finished stage's model, or one placed there by hand
-        return str(finetuned), "paths.base_dir"
-    if cfg.model.pretrained_tokenizer is not None:
-        return cfg.model.pretrained_tokenizer, "model.pretrained_tokenizer"
-    raise ConfigError([f"model.pretrained_tokenizer: is null and there is no trained tokenizer in {finetuned}: "
-                       "train the tokenizer first (drop --skip-tokenizer) or set model.pretrained_tokenizer"])
 
 
 def describe(cfg: CsvFinetuneConfig, data_info: dict, plan: dict[str, str | None], dist: DistInfo,
@@ -175,15 +166,6 @@ def describe(cfg: CsvFinetuneConfig, data_info: dict, plan: dict[str, str | None
     for stage in STAGES:
         lines.append(f"  {stage}: " + ("train" if plan[stage] is None else f"skipped ({plan[stage]})"))
     lines.append(f"  {dist.world_size} process(es) on {dist.device}; outputs in {cfg.base_dir}")
-    return "\n".join(lines)
-
-
-def summarize(results: list[TrainResult], plan: dict[str, str | None]) -> str:
-    lines = ["done."]
-    for r in results:
-        lines.append(f"  {r.stage}: best val loss {r.best_val_loss:.4f} (epoch {r.best_epoch}), "
-                     f"{r.global_step} steps -> {r.best_model_dir}")
-    lines += [f"  {stage}: skipped ({why})" for stage, why in plan.items() if why is not None]
     return "\n".join(lines)
 
 

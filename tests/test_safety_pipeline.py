@@ -9,7 +9,7 @@ import pytest
 
 import finetune_csv.config as csv_config
 from finetune.utils.stages import STAGES, plan_stages
-from finetune_csv.train_sequential import CsvPipeline, csv_tokenizer_source
+from finetune_csv.train_sequential import CsvPipeline
 from tests.model_factory import tiny_tokenizer
 
 
@@ -43,9 +43,9 @@ def test_skip_existing_skips_a_finished_stage(cfg):
 def test_predictor_refuses_a_half_trained_tokenizer(cfg):
     interrupted_tokenizer_stage(cfg)
     with pytest.raises(ValueError, match="tokenizer stage in .* is unfinished"):
-        csv_tokenizer_source(cfg)
+        CsvPipeline(cfg).tokenizer_source()
 
 
 def test_a_model_placed_by_hand_is_used(cfg):
     tiny_tokenizer().save_pretrained(cfg.tokenizer_dir / "best_model")  # no run records: the user's own model
-    assert csv_tokenizer_source(cfg) == (str(cfg.tokenizer_dir / "best_model"), "paths.base_dir")
+    assert CsvPipeline(cfg).tokenizer_source() == (str(cfg.tokenizer_dir / "best_model"), "paths.base_dir")

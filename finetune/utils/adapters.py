@@ -1,6 +1,5 @@
-"""Finetune modes of the predictor stage (`training.finetune_mode`), one class each, in the registry `MODES`:
-all weights, LoRA adapters, or named parts. The configuration checks, the stage runner and the trainer read the
-registry; a new mode is one class here.
+"""Finetune modes of the predictor stage (`training.finetune_mode`): one class each in the registry `MODES`, which
+the configuration checks, the stage runner and the trainer read (a new mode is one class here).
 
     training:
       finetune_mode: lora           # full | lora | freeze
@@ -12,12 +11,10 @@ registry; a new mode is one class here.
                                          # not transformer.10); [] (default) = the heads and the last block
 
 - full (`Adapter`): every parameter trains (the published recipe); checkpoints hold the whole state dict.
-- lora (`LoraAdapter`): `peft` injects LoRA layers into the model in place (the base weights frozen); only the
-  adapters train.
+- lora (`LoraAdapter`): `peft` injects LoRA layers in place (the base weights frozen); only the adapters train.
 - freeze (`FreezeAdapter`): parameters whose names start with one of `trainable` train (none given: `head` and the
   last transformer block); the rest get requires_grad=False and are not in the optimizer.
-The tokenizer is frozen in every mode but full (`trains_tokenizer`); lora / freeze of the tokenizer stage is refused
-(the CSV pipeline skips that stage instead).
+lora / freeze of the tokenizer stage is refused (`trains_tokenizer`; the CSV pipeline skips that stage instead).
 
 What a run writes: in lora / freeze, step checkpoints hold the trainable parameters only (and the optimizer state
 of those), so they are small; a resume rebuilds the base model the pipeline loaded, checks it is the same (its
@@ -25,9 +22,8 @@ sha256 joins the frozen tokenizer's in the checkpoint), then loads them. `best_m
 format: for lora the adapters merged into the weights (W + alpha / r * B @ A), so
 `KronosPredictor.from_pretrained`, `kronos forecast` and `push_to_hub` need nothing new, and the adapter alone in
 peft's format under `best_model/adapter/` (`PeftModel.from_pretrained(base_model, "best_model/adapter")`).
-After training the in-memory model is plain again (lora: merged, freeze: requires_grad restored).
-
-The config modules read `MODES` and must load no torch: torch is imported where a model is touched.
+After training the in-memory model is plain again (lora: merged, freeze: requires_grad restored). The config
+modules read `MODES` and must load no torch: torch is imported where a model is touched.
 """
 
 from __future__ import annotations
@@ -85,10 +81,7 @@ def lora_target_names(model: Any, targets: list[str]) -> list[str]:
 
 class Adapter:
     """full: every parameter trains. The base of the modes: what the trainer asks of a model prepared for one.
-
-    model: the module the loop trains (for lora: with peft's LoRA layers injected in place).
-    base_fingerprint: sha256 of every tensor that does not train (None in full mode).
-    """
+    `model`: the module the loop trains; `base_fingerprint`: sha256 of every tensor that does not train, or None."""
 
     name: ClassVar[str] = "full"
     trains_tokenizer: ClassVar[bool] = True  # may the tokenizer stage run in this mode
@@ -104,12 +97,11 @@ class Adapter:
 
     @classmethod
     def check(cls, model: Any, cfg: Any) -> None:
-        """What the settings select of `model` (names that exist): a ConfigError before any data is written."""
+        """ConfigError when the settings select what `model` lacks (the runner asks before any data is written)."""
 
     @classmethod
     def prepare(cls, model: Any, cfg: Any) -> Adapter:
-        """Set `model` up for this mode before the optimizer is built (checked by `check` first)."""
-        cls.check(model, cfg)
+        """`model` set up for this mode, before the optimizer is built."""
         return cls(model)
 
     def trainable_names(self) -> list[str]:
@@ -122,7 +114,7 @@ class Adapter:
                 "total_parameters": sum(p.numel() for p in params)}
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """The checkpoint's "model": the whole state dict."""
+        """The checkpoint's "model"."""
         return self.model.state_dict()
 
     def load_checkpoint_state(self, state: dict[str, Any], path: Path) -> None:
@@ -130,7 +122,7 @@ class Adapter:
         self.model.load_state_dict(state)
 
     def published_model(self) -> Any:
-        """The model as best_model/ holds it (the published format)."""
+        """The model as best_model/ holds it."""
         return self.model
 
     def save_best(self, folder: Path, extra_json: dict[str, Any], extra_models: dict[str, Any] | None = None) -> None:
@@ -145,15 +137,14 @@ class Adapter:
             self.save_extra(tmp)
 
     def save_extra(self, tmp: Path) -> None:
-        """Files of this mode beside the published model (lora: the adapter alone)."""
+        """Files of this mode beside the published model."""
 
     def unload(self) -> None:
         """Leave the model plain after training."""
 
 
 class PartialAdapter(Adapter):
-    """A mode that trains part of the model: checkpoints hold the trainable parameters only, and the frozen rest
-    is fingerprinted (a resume on another base model is refused)."""
+    """Part of the model trains: checkpoints hold it only; the frozen rest is fingerprinted (resume checks it)."""
 
     trains_tokenizer = False
 
@@ -184,7 +175,7 @@ class FreezeAdapter(PartialAdapter):
 
     def __init__(self, model: Any, saved_requires_grad: dict[str, bool]):
         super().__init__(model)
-        self.saved_requires_grad = saved_requires_grad  # the flags to restore after training
+        self.saved_requires_grad = saved_requires_grad  # restored after training
 
     @staticmethod
     def trainable(model: Any, cfg: Any) -> list[str]:
@@ -226,7 +217,7 @@ class LoraAdapter(PartialAdapter):
 
     def __init__(self, model: Any, peft_model: Any):
         super().__init__(model)
-        self.peft_model = peft_model  # peft's wrapper around `model` (it writes the adapter in peft's format)
+        self.peft_model = peft_model  # peft's wrapper around `model` (writes the adapter in peft's format)
 
     @staticmethod
     def problems(cfg: Any) -> list[tuple[str, str]]:
@@ -243,8 +234,7 @@ class LoraAdapter(PartialAdapter):
 
     @classmethod
     def prepare(cls, model: Any, cfg: Any) -> Adapter:
-        """lora adapters are initialised from `cfg.seed` (the same on every run and rank; the global random
-        streams are left as they were)."""
+        """The adapters start from `cfg.seed` (the same on every run and rank; the global streams untouched)."""
         import torch
 
         peft = _import_peft()

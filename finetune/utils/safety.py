@@ -470,10 +470,6 @@ GRAD_EXPLOSION = 10.0
 """The gradient norm counts as exploding when its last value is this many times the window's median."""
 
 
-
-
-
-
 class StepStats(NamedTuple):
     """One finite optimizer step remembered for the diagnosis."""
 
@@ -596,7 +592,3 @@ class NonFiniteGuard:
         cause = {"a data value": "data", "the learning rate": "lr", "bf16": "bf16"}.get(cause)
         raise DivergenceError(f"training diverged at step {step}{local} (loss {_fmt(loss_f)}, gradient norm "
                               f"{_fmt(norm_f)}); nothing of this step was applied: {text}", step=step, cause=cause)
-
-
-
-

@@ -2,19 +2,15 @@
 tokenizer stage, the predictor stage on the tokenizer it produced, the calibration of the predictor's bands.
 
     plan = plan_stages(pipeline, STAGES, skip={"tokenizer": "--skip-tokenizer"}, skip_existing=False)
-    results = run_stages(pipeline, plan, resume=stage_resume(pipeline, plan))
+    results, data_info = run_stages(pipeline, plan, resume=stage_resume(pipeline, plan))
 
-A pipeline writes its data side only, a `Pipeline`: its settings, stage folders, datasets, the tokenizer its
-predictor trains with, a forecast metric for checkpoint selection and the windows its bands are calibrated on
-(finetune_csv/train_sequential.py, finetune/qlib_stage.py). The rest is here, once: the tokenizer is always selected
-by its validation loss; a from-scratch model starts from the same weights on every run (`seeded_init`); the
-predictor's folder records what forecasting needs beside its weights (the window, the tokenizer and its weights'
-sha256, the clip: kronos_predictor.json); a finished predictor lacking its calibration gets it on the next run.
-
-One stop request covers the whole run: the `GracefulStop` entered here holds the signal handlers from the first
-model load to the last calibration batch, and every boundary (data ready, each stage done, each batch of sampled
-forecasts) is a safe point that ends the run with `TrainingStopped` (exit 75) once all its work is on disk; the same
-command then finishes with exactly the uninterrupted run's outputs.
+A pipeline writes its data side only, a `Pipeline` (finetune_csv/train_sequential.py, finetune/qlib_stage.py).
+The rest is here, once: the tokenizer is selected by its validation loss; a from-scratch model starts from the same
+weights on every run (`seeded_init`); kronos_predictor.json records the window, the tokenizer and its weights'
+sha256 and the clip; a finished predictor lacking its calibration gets it on the next run. One stop request covers
+the whole run (the `GracefulStop` entered here), and each boundary (data ready, a stage done, a batch of sampled
+forecasts) is a safe point: `TrainingStopped` (exit 75) once the work so far is on disk, and the same command then
+ends with exactly the uninterrupted run's outputs.
 """
 
 from __future__ import annotations
@@ -47,33 +43,27 @@ from model.hub import weights_fingerprint
 
 log = logging.getLogger(__name__)
 STAGES = ("tokenizer", "predictor")
+NOT_IN_RUN = "not this run's stage"
 DEFAULT_MAX_WINDOWS = 64  # windows scored per validation pass: enough to rank epochs, cheap next to an epoch
 
 
 class Pipeline(Protocol):
-    """A pipeline's data side: all the stage runner asks of it."""
+    """A pipeline's data side: all the stage runner asks of it. `cfg`: its settings (`model`, `data.lookback /
+    predict / clip`, `training`, `stage_training(stage)`, `forecast`: sampling and batch_size)."""
 
     cfg: Any
-    """Its settings: `model` (ModelConfig), `data.lookback / predict / clip`, `training`, `stage_training(stage)`,
-    `forecast` (sampling and batch_size: calibration)."""
 
-    def stage_dir(self, stage: str) -> Path:
-        """The stage's output folder."""
+    def stage_dir(self, stage: str) -> Path: ...  # the stage's output folder
 
-    def output_key(self, stage: str) -> str:
-        """The setting that names `stage_dir(stage)` (a full disk names it as the one to change)."""
+    def output_key(self, stage: str) -> str: ...  # the setting naming it (a full disk names it)
 
-    def datasets(self, dist: DistInfo) -> tuple[Dataset, Dataset, dict[str, Any]]:
-        """(train_set, val_set, data_info for run_info.json): prepared once, after the models were checked."""
+    def datasets(self, dist: DistInfo) -> tuple[Dataset, Dataset, dict[str, Any]]: ...  # train, val, data_info
 
-    def tokenizer_source(self) -> tuple[str, str]:
-        """(folder or Hub id, the setting naming it) of the tokenizer the predictor trains with."""
+    def tokenizer_source(self) -> tuple[str, str]: ...  # (folder / Hub id, its setting): the predictor's tokenizer
 
-    def val_metric(self, select_by: str, tokenizer: nn.Module) -> ValMetric | None:
-        """The forecast metric `training.select_by` names (None for 'loss')."""
+    def val_metric(self, select_by: str, tokenizer: nn.Module) -> ValMetric | None: ...  # None for 'loss'
 
-    def calibration_windows(self) -> HeldOutWindows | None:
-        """Validation windows to calibrate the predictor's bands on, None = no calibration."""
+    def calibration_windows(self) -> HeldOutWindows | None: ...  # validation windows of the bands; None: none
 
 
 def plan_stages(pipe: Pipeline, stages: Sequence[str], skip: Mapping[str, str], skip_existing: bool
@@ -85,7 +75,7 @@ def plan_stages(pipe: Pipeline, stages: Sequence[str], skip: Mapping[str, str], 
     mode = pipe.cfg.training.finetune_mode
     for stage in STAGES:
         if stage not in stages:
-            plan[stage] = "not this run's stage"
+            plan[stage] = NOT_IN_RUN
         elif stage in skip:
             plan[stage] = skip[stage]
         elif pipe.cfg.stage_training(stage).epochs == 0:
@@ -157,9 +147,18 @@ def run_stages(pipe: Pipeline, plan: Mapping[str, str | None], resume: Mapping[s
                                            output_key=pipe.output_key("predictor"), **common))
             raise_if_stop_requested("after the predictor stage", dist)
         if dist.is_main:
-            trained = any(r.stage == "predictor" and not r.skipped for r in results)
-            calibrate_if_due(pipe, trained)
+            calibrate_if_due(pipe, any(r.stage == "predictor" and not r.skipped for r in results))
+            log.info("%s", summarize(results, plan))
     return results, data_info
+
+
+def summarize(results: list[TrainResult], plan: Mapping[str, str | None]) -> str:
+    lines = ["done."]
+    for r in results:
+        lines.append(f"  {r.stage}: best val loss {r.best_val_loss:.4f} (epoch {r.best_epoch}), "
+                     f"{r.global_step} steps -> {r.best_model_dir}")
+    return "\n".join(lines + [f"  {stage}: skipped ({why})" for stage, why in plan.items()
+                               if why not in (None, NOT_IN_RUN)])
 
 
 def _predictor_pair(pipe: Pipeline, seed: int, tokenizer: KronosTokenizer | None = None) -> tuple[Any, Any]:
