@@ -118,6 +118,7 @@ KILLED_BEFORE_CALIBRATION = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [[], ["--skip-existing"], ["--resume"]], ids=["rerun", "skip-existing", "resume"])
 def test_a_kill_between_the_finished_predictor_and_its_calibration_is_calibrated_by_the_next_run(
         tmp_path, uninterrupted, flags, one_thread):
