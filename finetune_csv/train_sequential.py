@@ -10,8 +10,9 @@ wait, every rank memory-maps it; a failed preparation leaves nothing behind). Ou
 tokenizer/ and basemodel/, each with best_model/ (published format), checkpoints/last.pt, metrics.jsonl,
 loss_curve.png and run_info.json (see finetune/utils/training_utils.py).
 
-`run_finetune(cfg, ...)` is the whole run as a function: this script's `main` and the Python API
-(`finetune_csv.finetune`, finetune_csv/api.py) both call it.
+`run_finetune(cfg, ...)` is the whole run as a function (this script's `main`, the Python API in
+finetune_csv/api.py and the walk-forward call it): the CSV data side (`CsvPipeline`) handed to the engine's stage
+runner (finetune/utils/stages.py), which also calibrates the bands and honours SIGTERM between the stages.
 """
 
 from __future__ import annotations
