@@ -57,6 +57,7 @@ from finetune.utils.store import SeriesPanel
 from model import Kronos, KronosTokenizer
 from model.errors import DataError
 from model.fileio import write_json
+from model.predictor import load_trained_pair
 
 
 def backtest_period(
@@ -418,8 +419,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from qlib.data import D
 
     calendar = pd.DatetimeIndex(D.calendar(freq=d.freq))
-    tokenizer = load_pretrained(KronosTokenizer, cfg.paths.finetuned_tokenizer_path, "paths.finetuned_tokenizer_path")
-    predictor = load_pretrained(Kronos, cfg.paths.finetuned_predictor_path, "paths.finetuned_predictor_path")
+    # The pair as trained: a tokenizer at paths.finetuned_tokenizer_path other than the predictor's is refused.
+    predictor, tokenizer, _ = load_trained_pair(cfg.paths.finetuned_predictor_path, cfg.paths.finetuned_tokenizer_path)
 
     def make(tok, pred):
         return kronos_forecaster(tok, pred, device=device, max_context=d.max_context, clip=d.clip, predict=d.predict,

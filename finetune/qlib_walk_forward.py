@@ -56,6 +56,7 @@ from finetune.utils.errors import require_extra, setup_logging
 from finetune.utils.plots import pyplot, save_figure
 from model import Kronos, KronosTokenizer
 from model.errors import ConfigError, UserError
+from model.predictor import load_trained_pair
 
 log = logging.getLogger("finetune.qlib")
 CANDIDATES = ("finetuned", "zero_shot")
@@ -144,8 +145,8 @@ def period_signals(c: QlibConfig, folder: Path, zero: tuple, device: str) -> pd.
     if cache.is_file() and cache.stat().st_mtime > model_dir.stat().st_mtime:
         return pd.read_csv(cache, parse_dates=["datetime"]).set_index(["datetime", "instrument"])
     d, f = c.data, c.forecast
-    tuned = (load_pretrained(KronosTokenizer, c.paths.finetuned_tokenizer_path, "paths.finetuned_tokenizer_path"),
-             load_pretrained(Kronos, c.paths.finetuned_predictor_path, "paths.finetuned_predictor_path"))
+    predictor, tokenizer, _ = load_trained_pair(c.paths.finetuned_predictor_path, c.paths.finetuned_tokenizer_path)
+    tuned = (tokenizer, predictor)
     make = lambda tok, pred: kronos_forecaster(  # noqa: E731
         tok, pred, device=device, max_context=d.max_context, clip=d.clip, predict=d.predict,
         temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, sample_count=f.sample_count)

@@ -11,26 +11,10 @@ run_info.json. `training.select_by: ic` keeps the epoch with the best validation
 
 from __future__ import annotations
 
-from finetune.config import QlibConfig
-from finetune.qlib_stage import StageSpec, run_stage
-from finetune.utils.checkpoint import load_pretrained
-from finetune.utils.factory import build_predictor
-from model import KronosTokenizer
-
-TOKENIZER_KEY = "paths.finetuned_tokenizer_path"
-
-
-def build(cfg: QlibConfig) -> dict:
-    """The frozen finetuned tokenizer, and the predictor to finetune (model.pretrained_predictor, or fresh from
-    model.predictor_arch with the tokenizer's sub-token sizes)."""
-    tokenizer = load_pretrained(KronosTokenizer, cfg.paths.finetuned_tokenizer_path, TOKENIZER_KEY)
-    predictor = build_predictor(cfg.model.pretrained_predictor, cfg.model.predictor_arch, tokenizer, "model",
-                                tokenizer_key=TOKENIZER_KEY)
-    return {"tokenizer": tokenizer, "predictor": predictor}
-
+from finetune.qlib_stage import TOKENIZER_KEY, StageSpec, run_stage
 
 SPEC = StageSpec("predictor", "finetune/train_predictor.py",
-                 ((TOKENIZER_KEY, False), ("model.pretrained_predictor", True)), build)
+                 ((TOKENIZER_KEY, False), ("model.pretrained_predictor", True)))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,18 +11,9 @@ A re-run resumes an unfinished stage and skips a finished one (see finetune/qlib
 
 from __future__ import annotations
 
-from finetune.config import QlibConfig
 from finetune.qlib_stage import StageSpec, run_stage
-from finetune.utils.factory import build_tokenizer
 
-
-def build(cfg: QlibConfig) -> dict:
-    """The tokenizer to finetune: model.pretrained_tokenizer, or a fresh one shaped by model.tokenizer_arch."""
-    return {"tokenizer": build_tokenizer(cfg.model.pretrained_tokenizer, cfg.model.tokenizer_arch, "model")}
-
-
-SPEC = StageSpec("tokenizer", "finetune/train_tokenizer.py",
-                 (("model.pretrained_tokenizer", True),), build)
+SPEC = StageSpec("tokenizer", "finetune/train_tokenizer.py", (("model.pretrained_tokenizer", True),))
 
 
 def main(argv: list[str] | None = None) -> None:

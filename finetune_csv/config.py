@@ -30,7 +30,7 @@ from finetune.utils.config_utils import (
 )
 from finetune_csv.original_config import translate_original
 from finetune_csv.timestamps import frequency_problem, timezone_problem
-from model.errors import ConfigError, DataError
+from model.errors import ConfigError
 from model.features import FEATURES
 
 NAN_POLICIES = ("error", "ffill", "drop")  # data.nan_policy (applied by finetune_csv/prepare.py `clean_series`)
@@ -360,24 +360,3 @@ def best_dir(stage_dir: Path) -> Path:
     return Path(stage_dir) / "best_model"
 
 
-def predictor_tokenizer_source(cfg: CsvFinetuneConfig) -> str:
-    """The tokenizer the predictor is trained with (and forecasts with): the finetuned one once it exists.
-
-    Falls back to `model.pretrained_tokenizer` when the tokenizer stage never ran (for instance with
-    --skip-tokenizer); an interrupted tokenizer stage and a from-scratch tokenizer that was never trained are errors,
-    not a silent half-trained or random one.
-    """
-    from finetune.utils.safety import stage_status
-
-    folder, finetuned = Path(cfg.tokenizer_dir), best_dir(cfg.tokenizer_dir)
-    interrupted = stage_status(folder) == "unfinished" and any(
-        (folder / name).exists() for name in ("checkpoints", "run_info.json", "metrics.jsonl"))
-    if interrupted:  # never train or forecast on a half-trained tokenizer (issue 8, observation 6)
-        raise DataError(f"the tokenizer stage in {folder} is unfinished: run it to the end first (drop "
-                        "--skip-tokenizer; it resumes where it stopped) or use another paths.base_dir")
-    if (finetuned / "config.json").is_file():  # a finished stage's model, or one placed there by hand
-        return str(finetuned)
-    if cfg.model.pretrained_tokenizer is not None:
-        return cfg.model.pretrained_tokenizer
-    raise ConfigError([f"model.pretrained_tokenizer: is null and there is no trained tokenizer in {finetuned}: "
-                       "train the tokenizer first (drop --skip-tokenizer) or set model.pretrained_tokenizer"])

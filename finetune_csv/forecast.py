@@ -7,26 +7,20 @@ Also here:
 - `--future` stamps the bars after each series' end by its trading calendar (`model.calendar`; forecast.calendar
   lists the trading dates when holidays matter).
 - PNG plots of CSV forecasts: close of the context tail, the median forecast and its 10-90 / 25-75 quantile bands.
-- Held-out windows of the CSV pipeline and their sampled forecasts, as arrays end to end.
-- A forecast metric on the validation split for checkpoint selection (`training.select_by: crps`).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import socket
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
-from torch import nn
 
 import finetune_csv.config as csv_config
 from finetune.evaluation.forecast_scores import (
@@ -37,20 +31,21 @@ from finetune.evaluation.forecast_scores import (
     score_forecasts,
 )
 from finetune.evaluation.statistics import bootstrap_ci
-from finetune.utils.checkpoint import list_checkpoints, weights_fingerprint
 from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.errors import setup_logging
 from finetune.utils.plots import Panel, plot_panels, stamp_text
 from finetune.utils.safety import LOCK_NAME, read_holder, stage_status
-from finetune.utils.windows import PanelSegments
-from finetune_csv.config import CsvFinetuneConfig, best_dir, predictor_tokenizer_source
-from finetune_csv.prepare import PreparedData, prepare_data
+from finetune.utils.windows import HeldOutWindows, held_out_windows, sample_paths
+from finetune_csv.config import CsvFinetuneConfig, best_dir
+from finetune_csv.prepare import prepare_data
+from finetune_csv.train_sequential import CsvPipeline
 from model import Kronos, KronosPredictor, KronosTokenizer
 from model.calendar import TradingCalendar
-from model.errors import ConfigError, DataError, PathError, RefusedError
+from model.errors import ConfigError, DataError, PathError
 from model.features import FEATURES, PRICE_FEATURES, calc_time_stamps
 from model.fileio import atomic_write, write_json
-from model.predictor import PREDICTOR_INFO_NAME, read_predictor_info, tokenizer_source
+from model.hub import weights_fingerprint
+from model.predictor import PREDICTOR_INFO_NAME, load_trained_pair, read_predictor_info, tokenizer_source
 
 
 def candle_violations(open_: np.ndarray, high: np.ndarray, low: np.ndarray, close: np.ndarray,
@@ -107,141 +102,6 @@ def read_calendar(path: str | Path) -> pd.DatetimeIndex:
 CLOSE = FEATURES.index("close")
 
 
-@dataclass
-class HeldOutWindows:
-    """N windows: context candles and the candles that really followed."""
-
-    names: list[str]  # (N,) series of each window; the windows of one series are contiguous and in time order.
-    context: np.ndarray  # (N, lookback, 6) float64 context candles (columns FEATURES).
-    x_timestamps: list[pd.DatetimeIndex]  # N context time indexes (lookback each).
-    y_timestamps: list[pd.DatetimeIndex]  # N forecast time indexes (predict each).
-    actual: np.ndarray  # (N, predict, 6) float64 the candles that really followed.
-    # (N, T) float64 closes ending at each window's last context bar, T <= `held_out_windows(history=)`: the series' own
-    # earlier bars, beyond the lookback (the `empirical` baseline's paths); None when not asked for.
-    history: np.ndarray | None = None
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-    def stamps(self) -> tuple[np.ndarray, np.ndarray]:
-        """Calendar stamps of the contexts (N, lookback, 5) and of the forecast bars (N, predict, 5), int64."""
-        as_array = lambda ts: calc_time_stamps(ts).to_numpy(np.int64)  # (T, 5)
-        return (np.stack([as_array(ts) for ts in self.x_timestamps]),
-                np.stack([as_array(ts) for ts in self.y_timestamps]))
-
-    def subset(self, idx: np.ndarray) -> HeldOutWindows:
-        """The windows at positions `idx` (in that order)."""
-        idx = np.asarray(idx, dtype=np.int64)
-        return HeldOutWindows([self.names[i] for i in idx], self.context[idx], [self.x_timestamps[i] for i in idx],
-                              [self.y_timestamps[i] for i in idx], self.actual[idx],
-                              None if self.history is None else self.history[idx])
-
-    def dates(self) -> np.ndarray:
-        """(N,) int64 ns time of each window's last context bar: windows of different series on one date match."""
-        return np.array([ts[-1].value for ts in self.x_timestamps], dtype=np.int64)
-
-
-def spread_evenly(n_available: int, n_wanted: int) -> np.ndarray:
-    """Indices of min(n_wanted, n_available) items spread evenly over range(n_available), first and last included."""
-    if n_available < 1:
-        return np.zeros(0, dtype=np.int64)
-    k = min(n_wanted, n_available)
-    return np.unique(np.round(np.linspace(0, n_available - 1, k)).astype(np.int64))
-
-
-def held_out_windows(segments: PanelSegments, lookback: int, predict: int, stride: int | None = None,
-                     max_windows: int | None = None, history: int = 0) -> HeldOutWindows:
-    """Every window of each series' range of a split (its panel with datetimes), starts `stride` rows apart (None =
-    predict: non-overlapping), series in panel order and windows in time order; only the windows' columns are read.
-
-    max_windows: optional cap per series (evenly spread, first and last included).
-    history: also cut the closes of the `history` bars ending at each window's last context bar, from the whole
-        series (earlier splits included); fewer (the same for all windows) when a series starts later.
-    """
-    panel = segments.panel
-    if panel.datetimes is None:
-        raise ValueError("held-out windows need the bar times: this panel has no datetimes")
-    stride = predict if stride is None else stride
-    window = lookback + predict
-    names, columns, series_first = [], [], []
-    for s, (lo, hi) in enumerate(zip(segments.start.tolist(), segments.stop.tolist())):
-        starts = np.arange(0, hi - lo - window + 1, stride, dtype=np.int64)
-        if max_windows is not None:
-            starts = starts[spread_evenly(len(starts), max_windows)]
-        names += [panel.names[s]] * len(starts)
-        columns.append(lo + starts)
-        series_first.append(np.full(len(starts), int(panel.offsets[s]), dtype=np.int64))
-    first = np.concatenate(columns) if columns else np.zeros(0, dtype=np.int64)  # (N,) window start columns
-    past = None
-    if history > 0:
-        ends = first + lookback  # (N,) one past each window's last context column
-        n_bars = int(min(history, (ends - np.concatenate(series_first)).min(initial=history)))
-        past = np.asarray(panel.features[CLOSE][ends[:, None] - n_bars + np.arange(n_bars)], dtype=np.float64)
-    cols = first[:, None] + np.arange(window, dtype=np.int64)  # (N, W) panel columns of each window
-    values = np.moveaxis(np.asarray(panel.features[:, cols], dtype=np.float64), 0, -1)  # (N, W, 6)
-    when = np.asarray(panel.datetimes)[cols]  # (N, W) int64 ns, naive wall-clock time
-    as_index = lambda ns: pd.DatetimeIndex(ns.astype("datetime64[ns]"))
-    return HeldOutWindows(names, values[:, :lookback].copy(), [as_index(w[:lookback]) for w in when],
-                          [as_index(w[lookback:]) for w in when], values[:, lookback:].copy(), past)
-
-
-def sample_paths(predictor: KronosPredictor, context: np.ndarray, x_stamps: np.ndarray, y_stamps: np.ndarray,
-                 predict: int, sampling, batch: int = 32) -> np.ndarray:
-    """Sampled future candles (N, S, P, 6) float64 of every window, in price units, from context (N, L, 6) and
-    stamps x (N, L, 5), y (N, P, 5); `sampling` has temperature, top_k, top_p, sample_count and seed.
-
-    `KronosPredictor.sample_windows` (each window normalised on its own, as predict_batch does), `batch` windows
-    per forward pass. `torch.manual_seed(sampling.seed)` is set once before the first batch.
-    """
-    torch.manual_seed(sampling.seed)
-    samples, _ = predictor.sample_windows(context, x_stamps, y_stamps, predict, T=sampling.temperature,
-                                          top_k=sampling.top_k, top_p=sampling.top_p,
-                                          sample_count=sampling.sample_count, batch_size=batch)
-    return samples.astype(np.float64)
-
-
-DEFAULT_MAX_WINDOWS = 64  # windows scored per validation pass: enough to rank epochs, cheap next to an epoch
-
-
-def make_crps_val_metric(cfg, val_windows: HeldOutWindows, tokenizer: KronosTokenizer,
-                         max_windows: int = DEFAULT_MAX_WINDOWS) -> Callable[[nn.Module, object], dict | None]:
-    """Build `metric(model, stage)` over a fixed, evenly spread subsample of `max_windows` validation windows, with
-    the (frozen) tokenizer the predictor trains with. For the predictor stage it returns {"score": mean CRPS of the
-    close in returns from the last context close, "crps", "mae" (of the sample median), "windows", "samples"};
-    for the tokenizer stage (no forecast to score) None.
-    """
-    if len(val_windows) == 0:
-        raise DataError("the validation split has no window to score: lower data.lookback / data.predict or raise "
-                        "data.val_ratio, or select checkpoints by loss (training.select_by: loss)")
-    windows = val_windows.subset(spread_evenly(len(val_windows), max_windows))
-    x_stamps, y_stamps = windows.stamps()  # (W, L, 5), (W, P, 5)
-    last = windows.context[:, -1, CLOSE]  # (W,)
-    obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, P)
-    f = cfg.forecast
-
-    def metric(model: nn.Module, stage) -> dict | None:
-        if getattr(stage, "name", stage) != "predictor":
-            return None
-        module = getattr(model, "module", model)  # DDP-wrapped or not
-        device = next(module.parameters()).device
-        was_training = module.training
-        predictor = KronosPredictor(module, tokenizer, device=str(device),
-                                    max_context=cfg.data.lookback + cfg.data.predict, clip=cfg.data.clip)
-        devices = [device] if device.type == "cuda" else []
-        try:
-            with torch.random.fork_rng(devices=devices):
-                paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, cfg.data.predict, f,
-                                     f.batch_size)  # (W, S, P, 6), seeded with forecast.seed inside
-        finally:
-            module.train(was_training)
-        ens = np.moveaxis(paths[..., CLOSE] / last[:, None, None] - 1.0, 1, -1)  # (W, P, S)
-        crps = float(crps_ensemble(obs, ens).mean())
-        mae = float(np.abs(np.median(ens, axis=-1) - obs).mean())
-        return {"score": crps, "crps": crps, "mae": mae, "windows": len(windows), "samples": int(ens.shape[-1])}
-
-    return metric
-
-
 log = logging.getLogger("finetune_csv.forecast")
 TABLE_QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)  # quantile columns of forecast.csv (the plot's bands + median)
 
@@ -253,10 +113,6 @@ def make_predictor(predictor_src, tokenizer_src, cfg: CsvFinetuneConfig) -> Kron
     model = predictor_src if isinstance(predictor_src, Kronos) else Kronos.from_pretrained(predictor_src)
     return KronosPredictor(model, tokenizer, device="cuda:0" if torch.cuda.is_available() else "cpu",
                            max_context=cfg.data.lookback + cfg.data.predict, clip=cfg.data.clip, use_cache=True)
-
-
-class TokenizerMismatchError(RefusedError, ValueError):
-    """The predictor would be paired with another tokenizer than the one it was trained with."""
 
 
 def warn_if_unfinished(stage_dir: Path) -> None:
@@ -283,53 +139,22 @@ def warn_if_unfinished(stage_dir: Path) -> None:
                     "training to finish it)", stage_dir)
 
 
-def recorded_tokenizer(cfg: CsvFinetuneConfig, predictor_dir: Path) -> KronosTokenizer:
-    """The tokenizer the predictor in `predictor_dir` was trained with, or a refusal naming both tokenizers.
-
-    The pair is taken from `kronos_predictor.json` (else the run's tokenizer); when the stage's checkpoint recorded
-    the frozen tokenizer's weights (sha256), the loaded tokenizer must match them: a tokenizer retrained in the same
-    folder after the predictor finished would otherwise pair silently.
-    """
-    current = predictor_tokenizer_source(cfg)
-    source = tokenizer_source(predictor_dir, read_predictor_info(predictor_dir)) or current
-    try:
-        tokenizer = KronosTokenizer.from_pretrained(source)
-    except Exception as exc:  # noqa: BLE001 - missing folder, Hub id without network, broken files
-        raise TokenizerMismatchError(f"{predictor_dir / PREDICTOR_INFO_NAME} pairs the predictor with tokenizer "
-                                     f"{source}, which cannot be loaded ({str(exc).splitlines()[0]}); this run's "
-                                     f"tokenizer is {current}: retrain the predictor (--overwrite)") from None
-    saved, now = _trained_tokenizer_fingerprint(cfg.predictor_dir), weights_fingerprint(tokenizer)
-    if saved is not None and saved != now:
-        raise TokenizerMismatchError(
-            f"the predictor in {predictor_dir} was trained with other tokenizer weights (sha256 {saved[:12]}) than "
-            f"those now in {source} (sha256 {now[:12]}): the tokenizer changed after the "
-            "predictor finished; retrain the predictor (train_sequential.py --skip-tokenizer --overwrite)")
-    if Path(source).resolve() != Path(current).resolve() and Path(current).is_dir() and \
-            weights_fingerprint(KronosTokenizer.from_pretrained(current)) != weights_fingerprint(tokenizer):
-        log.warning("the predictor in %s was trained with tokenizer %s, not with this run's %s: forecasting with the "
-                    "former (retrain the predictor to use the latter)", predictor_dir, source, current)
-    return tokenizer
-
-
-def _trained_tokenizer_fingerprint(stage_dir: Path) -> str | None:
-    """The frozen tokenizer's sha256 stored in the predictor stage's newest checkpoint (None when there is none)."""
-    for _, path in list_checkpoints(Path(stage_dir) / "checkpoints")[:1]:
-        try:  # memory-mapped: only the small entries are read
-            frozen = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("frozen_fingerprint")
-            return None if frozen is None else frozen.split("+")[0]  # lora / freeze append the base's: "tok+base"
-        except Exception:  # noqa: BLE001 - an unreadable checkpoint leaves only the path check
-            return None
-    return None
-
-
 def finetuned_predictor(cfg: CsvFinetuneConfig) -> tuple[KronosPredictor, dict | None]:
-    """The run's best predictor with the tokenizer it was trained with, and its stored calibration (None when
-    there is none or forecast.calibrate is false); a clear error when there is no predictor."""
+    """The run's best predictor with the tokenizer it was trained with (`load_trained_pair`: a swapped tokenizer is
+    refused naming both fingerprints), and its stored calibration (None when there is none or forecast.calibrate is
+    false); a clear error when there is no predictor."""
     predictor_dir = best_dir(cfg.predictor_dir)
     if not (predictor_dir / "config.json").is_file():
         raise PathError(f"no trained predictor in {predictor_dir}; run finetune_csv/train_sequential.py first")
     warn_if_unfinished(cfg.predictor_dir)
-    calibration = read_predictor_info(predictor_dir).get("calibration") if cfg.forecast.calibrate else None
+    current = CsvPipeline(cfg).tokenizer_source()[0]
+    recorded = tokenizer_source(predictor_dir, read_predictor_info(predictor_dir))
+    model, tokenizer, info = load_trained_pair(predictor_dir, None if recorded else current)
+    if recorded and Path(recorded).resolve() != Path(current).resolve() and Path(current).is_dir() and \
+            weights_fingerprint(KronosTokenizer.from_pretrained(current)) != weights_fingerprint(tokenizer):
+        log.warning("the predictor in %s was trained with tokenizer %s, not with this run's %s: forecasting with the "
+                    "former (retrain the predictor to use the latter)", predictor_dir, recorded, current)
+    calibration = info.get("calibration") if cfg.forecast.calibrate else None
     horizons = len(calibration["margins"][0]) if calibration is not None else cfg.data.predict
     if horizons < cfg.data.predict:  # said before any sampling
         raise ConfigError([f"data.predict: is {cfg.data.predict} but the calibration in "
@@ -339,38 +164,7 @@ def finetuned_predictor(cfg: CsvFinetuneConfig) -> tuple[KronosPredictor, dict |
     if cfg.forecast.calibrate and calibration is None:
         log.info("no calibration stored in %s: the bands are the raw samples' (train with forecast.calibrate: true "
                  "to fit one)", predictor_dir / PREDICTOR_INFO_NAME)
-    return make_predictor(predictor_dir, recorded_tokenizer(cfg, predictor_dir), cfg), calibration
-
-
-def calibrate_best_model(cfg: CsvFinetuneConfig, data: PreparedData) -> dict | None:
-    """After the predictor stage: fit the conformal calibration of the bands on the VALIDATION split's held-out
-    windows with the finetuned best model and store it in best_model/kronos_predictor.json (PLAN interface 4).
-
-    The test windows stay untouched, so the coverage `kronos forecast` reports after calibration is out of sample.
-    Returns the calibration (None when forecast.calibrate is false or the validation split has no window)."""
-    if not cfg.forecast.calibrate:
-        return None
-    from model.predictor import fit_calibration, write_calibration
-
-    windows = held_out_windows(data.splits["val"], cfg.data.lookback, cfg.data.predict, cfg.forecast.window_stride)
-    if len(windows) == 0:
-        log.warning("no calibration: the validation split has no %d-bar window (raise data.val_ratio)",
-                    cfg.data.lookback + cfg.data.predict)
-        return None
-    predictor, _ = finetuned_predictor(dataclasses.replace(cfg, forecast=dataclasses.replace(cfg.forecast,
-                                                                                             calibrate=False)))
-    x_stamps, y_stamps = windows.stamps()
-    paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, cfg.data.predict, cfg.forecast,
-                         cfg.forecast.batch_size)  # (W, S, P, 6) raw samples
-    try:
-        calibration = fit_calibration(paths[..., CLOSE], windows.actual[..., CLOSE], windows.context[:, -1, CLOSE])
-    except ValueError as exc:  # e.g. a price <= 0: no log returns to calibrate in
-        log.warning("no calibration of the bands: %s", exc)
-        return None
-    write_calibration(best_dir(cfg.predictor_dir), calibration)
-    log.info("calibration of the bands fitted on %d validation windows -> %s", len(windows),
-             best_dir(cfg.predictor_dir) / PREDICTOR_INFO_NAME)
-    return calibration
+    return make_predictor(model, tokenizer, cfg), calibration
 
 
 def finish_paths(paths: np.ndarray, calibration: dict | None, last: np.ndarray, repair: bool) -> np.ndarray:
@@ -393,7 +187,7 @@ def zero_shot_predictor(cfg: CsvFinetuneConfig) -> KronosPredictor | None:
     m = cfg.model
     if not cfg.forecast.compare_pretrained or m.pretrained_predictor is None:
         return None
-    tokenizer_src = m.pretrained_tokenizer or predictor_tokenizer_source(cfg)
+    tokenizer_src = m.pretrained_tokenizer or CsvPipeline(cfg).tokenizer_source()[0]
     try:
         return make_predictor(m.pretrained_predictor, tokenizer_src, cfg)
     except Exception as exc:  # noqa: BLE001 - any load failure (network, files, shapes) only skips the comparison

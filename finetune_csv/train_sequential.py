@@ -10,8 +10,9 @@ wait, every rank memory-maps it; a failed preparation leaves nothing behind). Ou
 tokenizer/ and basemodel/, each with best_model/ (published format), checkpoints/last.pt, metrics.jsonl,
 loss_curve.png and run_info.json (see finetune/utils/training_utils.py).
 
-`run_finetune(cfg, ...)` is the whole run as a function: this script's `main` and the Python API
-(`finetune_csv.finetune`, finetune_csv/api.py) both call it.
+`run_finetune(cfg, ...)` is the whole run as a function (this script's `main`, the Python API in
+finetune_csv/api.py and the walk-forward call it): the CSV data side (`CsvPipeline`) handed to the engine's stage
+runner (finetune/utils/stages.py), which also calibrates the bands and honours SIGTERM between the stages.
 """
 
 from __future__ import annotations
@@ -21,27 +22,25 @@ import dataclasses
 import logging
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 import pandas as pd
 
 import finetune_csv.config as csv_config
 from finetune.utils.cli_args import add_config_args, add_run_flags, parse_config_args, run_overrides
-from finetune.utils.config_utils import config_to_dict
-from finetune.utils.distributed import DistInfo, barrier, distributed_context, seeded_init
+from finetune.utils.distributed import DistInfo, barrier
 from finetune.utils.errors import setup_logging
-from finetune.utils.factory import build_predictor, build_tokenizer
 from finetune.utils.safety import stage_status
-from finetune.utils.training_utils import TrainResult, train_predictor, train_tokenizer
-from finetune.utils.windows import PanelSegments
-from finetune_csv.config import CsvFinetuneConfig, predictor_tokenizer_source
-from finetune_csv.forecast import calibrate_best_model, held_out_windows, make_crps_val_metric
+from finetune.utils.stages import STAGES, make_crps_val_metric, plan_stages, run_stages, stage_resume
+from finetune.utils.training_utils import TrainResult
+from finetune.utils.windows import HeldOutWindows, PanelSegments, held_out_windows
+from finetune_csv.config import CsvFinetuneConfig, best_dir
 from finetune_csv.prepare import PreparedData, data_summary_from_store, prepare_data
 from finetune_csv.sources import list_sources
 from finetune_csv.splits import build_dataset
-from model import KronosTokenizer
+from model.errors import ConfigError, DataError
 
 log = logging.getLogger("finetune_csv")
-STAGES = ("tokenizer", "predictor")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,38 +56,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parse_config_args(parser, argv)
 
 
-def plan_stages(cfg: CsvFinetuneConfig, skip_tokenizer: bool, skip_predictor: bool,
-                skip_existing: bool) -> dict[str, str | None]:
-    """For each stage, None if it trains, else why it is skipped (flags, 0 epochs, --skip-existing)."""
-    plan: dict[str, str | None] = {}
-    for stage, skipped, folder in (("tokenizer", skip_tokenizer, cfg.tokenizer_dir),
-                                   ("predictor", skip_predictor, cfg.predictor_dir)):
-        if skipped:
-            plan[stage] = f"--skip-{'tokenizer' if stage == 'tokenizer' else 'basemodel'}"
-        elif cfg.stage_training(stage).epochs == 0:
-            plan[stage] = f"{stage}_training.epochs is 0"
-        elif stage == "tokenizer" and cfg.training.finetune_mode != "full":  # lora / freeze: predictor only
-            plan[stage] = f"training.finetune_mode is {cfg.training.finetune_mode} (the tokenizer stays frozen)"
-        elif skip_existing and stage_status(folder) == "finished":
-            plan[stage] = f"--skip-existing and {folder} holds a finished run"
-        else:
-            plan[stage] = None
-    return plan
-
-
-def stage_resume(cfg: CsvFinetuneConfig, plan: dict[str, str | None]) -> dict[str, str]:
-    """Each stage's training.resume. --resume (required) insists on resuming the RUN: when some stage that trains
-    has a run in its folder, a stage with an empty folder starts fresh (e.g. the predictor after a kill in the
-    tokenizer stage) instead of failing; with nothing anywhere to resume, it stays an error."""
-    status = {stage: stage_status(getattr(cfg, f"{stage}_dir")) for stage in STAGES if plan[stage] is None}
-    resume = {stage: cfg.stage_training(stage).resume for stage in STAGES}
-    if any(s != "empty" for s in status.values()):
-        for stage, s in status.items():
-            if s == "empty" and resume[stage].strip().lower() == "required":
-                resume[stage] = "auto"
-    return resume
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()  # rank 0 reports; under torchrun the other ranks only warn
@@ -102,68 +69,84 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
                  skip_existing: bool = False, frames: Mapping[str, pd.DataFrame] | None = None,
                  splits: dict[str, PanelSegments] | None = None
                  ) -> tuple[list[TrainResult], dict[str, str | None], dict]:
-    """The CSV finetuning run for a validated config: data store, tokenizer stage, predictor stage.
+    """The CSV finetuning run for a validated config: data store, tokenizer stage, predictor stage, calibration.
 
     frames: {name: DataFrame} (finetune_csv/api.py), read instead of the files of data.path.
     splits: explicit {"train", "val"} index ranges of the store's panel (a walk-forward fold) instead of the ratios.
     Returns (results of the stages that trained, {stage: None | why skipped}, the data summary of run_info.json).
     """
-    plan = plan_stages(cfg, skip_tokenizer, skip_predictor, skip_existing)
-    resume = stage_resume(cfg, plan)
-    run_config = config_to_dict(cfg)
-    results: list[TrainResult] = []
-    with distributed_context(cfg.training.dist_timeout_s) as dist:
-        list_sources(cfg.data.path if frames is None else frames)  # a wrong data path, before any model loads
-        # Models next (cheap to check, and a mistake then leaves no data store behind). A from-scratch model starts
-        # from the same weights on every run (seeded_init); the engine seeds the training streams itself.
-        m = cfg.model
-        if plan["tokenizer"] is None:
-            with seeded_init(cfg.training.seed):
-                tokenizer = build_tokenizer(m.pretrained_tokenizer, m.tokenizer_arch, "model")
-            if plan["predictor"] is None:  # check the pair up front, not after an hour of tokenizer training
-                build_predictor(m.pretrained_predictor, m.predictor_arch, tokenizer, "model")
-        elif plan["predictor"] is None:  # the tokenizer it will use, and a bad pretrained_predictor, before the store
-            tokenizer = KronosTokenizer.from_pretrained(predictor_tokenizer_source(cfg))
-            build_predictor(m.pretrained_predictor, m.predictor_arch, tokenizer, "model")
-        # Data: rank 0 parses and checks every file into the store (or reuses it), the others wait; every rank
-        # maps it read-only (one page-cache copy per machine); the splits are index ranges, nothing is copied.
-        data = prepare_data(cfg.data, cfg.store_dir, dist=dist, barrier=barrier, frames=frames,
-                            with_splits=splits is None)
-        if splits is not None:
+    pipe = CsvPipeline(cfg, frames, splits)
+    skip = {"tokenizer": "--skip-tokenizer"} if skip_tokenizer else {}
+    if skip_predictor:
+        skip["predictor"] = "--skip-basemodel"
+    pipe.plan = plan_stages(pipe, STAGES, skip, skip_existing)
+    list_sources(cfg.data.path if frames is None else frames)  # a wrong data path, before any model loads
+    results, data_info = run_stages(pipe, pipe.plan, stage_resume(pipe, pipe.plan))
+    return results, pipe.plan, data_info
+
+
+class CsvPipeline:
+    """The CSV pipeline's side of the stage runner (finetune/utils/stages.py): its data store, splits and
+    windows, the tokenizer its predictor trains with, the CRPS metric and the calibration windows."""
+
+    def __init__(self, cfg: CsvFinetuneConfig, frames: Mapping[str, pd.DataFrame] | None = None,
+                 splits: dict[str, PanelSegments] | None = None):
+        self.cfg, self.frames, self.splits = cfg, frames, splits
+        self.plan: dict[str, str | None] = {}
+        self.data: PreparedData | None = None  # once `datasets` prepared it
+
+    def stage_dir(self, stage: str) -> Path:
+        return self.cfg.tokenizer_dir if stage == "tokenizer" else self.cfg.predictor_dir
+
+    def output_key(self, stage: str) -> str:
+        return "paths.base_dir"
+
+    def datasets(self, dist: DistInfo) -> tuple:
+        """Rank 0 parses and checks every file into the store (or reuses it), the others wait; every rank maps it
+        read-only (one page-cache copy per machine); the splits are index ranges, nothing is copied."""
+        cfg = self.cfg
+        data = prepare_data(cfg.data, cfg.store_dir, dist=dist, barrier=barrier, frames=self.frames,
+                            with_splits=self.splits is None)
+        if self.splits is not None:
             data = dataclasses.replace(data, splits={k: dataclasses.replace(v, panel=data.panel)
-                                                     for k, v in splits.items()})
-        train_set, val_set = build_dataset(data.splits["train"], cfg.data), build_dataset(data.splits["val"], cfg.data)
+                                                     for k, v in self.splits.items()})
+        self.data = data
         data_info = data_summary_from_store(data, cfg.data)
         if dist.is_main:
-            log.info("%s", describe(cfg, data_info, plan, dist, data))
-        if plan["tokenizer"] is None:
-            # The tokenizer has no forecast to score: it is always selected by its validation loss.
-            tok_training = dataclasses.replace(cfg.stage_training("tokenizer"), select_by="loss",
-                                               resume=resume["tokenizer"])
-            results.append(train_tokenizer(tokenizer, train_set, val_set, tok_training,
-                                           cfg.tokenizer_dir, dist, run_config=run_config, data_info=data_info,
-                                           output_key="paths.base_dir"))
-        if plan["predictor"] is None:
-            # The best tokenizer epoch on disk (not the last one in memory): what the predictor will forecast with.
-            tokenizer = KronosTokenizer.from_pretrained(predictor_tokenizer_source(cfg))
-            with seeded_init(cfg.training.seed):
-                predictor = build_predictor(m.pretrained_predictor, m.predictor_arch, tokenizer, "model")
-            pred_training = dataclasses.replace(cfg.stage_training("predictor"), resume=resume["predictor"])
-            val_metric = None  # select_by crps: sampled forecasts of the validation split's non-overlapping windows
-            if pred_training.select_by == "crps":
-                val_windows = held_out_windows(data.splits["val"], cfg.data.lookback, cfg.data.predict)
-                val_metric = make_crps_val_metric(cfg, val_windows, tokenizer)
-            # What forecasting needs beside the weights (kronos_predictor.json): the window, tokenizer and clip.
-            forecast_info = {"max_context": cfg.data.lookback + cfg.data.predict, "lookback": cfg.data.lookback,
-                             "tokenizer": predictor_tokenizer_source(cfg), "clip": cfg.data.clip}
-            results.append(train_predictor(predictor, tokenizer, train_set, val_set, pred_training, cfg.predictor_dir,
-                                           dist, run_config=run_config, data_info=data_info, val_metric=val_metric,
-                                           forecast_info=forecast_info, output_key="paths.base_dir"))
-            if dist.is_main:  # conformal bands fitted on the validation windows (forecast.calibrate)
-                calibrate_best_model(cfg, data)
-        if dist.is_main:
-            log.info("%s", summarize(results, plan))
-    return results, plan, data_info
+            log.info("%s", describe(cfg, data_info, self.plan, dist, data))
+        return build_dataset(data.splits["train"], cfg.data), build_dataset(data.splits["val"], cfg.data), data_info
+
+    def tokenizer_source(self) -> tuple[str, str]:
+        """The finetuned tokenizer once it exists, else `model.pretrained_tokenizer` (the tokenizer stage never ran,
+        e.g. --skip-tokenizer); also what `kronos forecast` compares with. An interrupted tokenizer stage and a
+        from-scratch tokenizer never trained are errors, not a silent half-trained or random one."""
+        cfg = self.cfg
+        folder, finetuned = Path(cfg.tokenizer_dir), best_dir(cfg.tokenizer_dir)
+        if stage_status(folder) == "unfinished" and any(
+                (folder / name).exists() for name in ("checkpoints", "run_info.json", "metrics.jsonl")):
+            raise DataError(f"the tokenizer stage in {folder} is unfinished: run it to the end first (drop "
+                            "--skip-tokenizer; it resumes where it stopped) or use another paths.base_dir")
+        if (finetuned / "config.json").is_file():  # a finished stage's model, or one placed there by hand
+            return str(finetuned), "paths.base_dir"
+        if cfg.model.pretrained_tokenizer is not None:
+            return cfg.model.pretrained_tokenizer, "model.pretrained_tokenizer"
+        raise ConfigError([f"model.pretrained_tokenizer: is null and there is no trained tokenizer in {finetuned}: "
+                           "train the tokenizer first (drop --skip-tokenizer) or set model.pretrained_tokenizer"])
+
+    def val_metric(self, select_by: str, tokenizer):
+        """select_by crps: sampled forecasts of the validation split's non-overlapping windows."""
+        if select_by != "crps":
+            return None
+        d = self.cfg.data
+        return make_crps_val_metric(self.cfg, held_out_windows(self.data.splits["val"], d.lookback, d.predict),
+                                    tokenizer)
+
+    def calibration_windows(self) -> HeldOutWindows | None:
+        """forecast.calibrate: conformal bands fitted on the validation windows."""
+        d, f = self.cfg.data, self.cfg.forecast
+        if not f.calibrate:
+            return None
+        return held_out_windows(self.data.splits["val"], d.lookback, d.predict, f.window_stride)
 
 
 def describe(cfg: CsvFinetuneConfig, data_info: dict, plan: dict[str, str | None], dist: DistInfo,
@@ -186,15 +169,6 @@ def describe(cfg: CsvFinetuneConfig, data_info: dict, plan: dict[str, str | None
     for stage in STAGES:
         lines.append(f"  {stage}: " + ("train" if plan[stage] is None else f"skipped ({plan[stage]})"))
     lines.append(f"  {dist.world_size} process(es) on {dist.device}; outputs in {cfg.base_dir}")
-    return "\n".join(lines)
-
-
-def summarize(results: list[TrainResult], plan: dict[str, str | None]) -> str:
-    lines = ["done."]
-    for r in results:
-        lines.append(f"  {r.stage}: best val loss {r.best_val_loss:.4f} (epoch {r.best_epoch}), "
-                     f"{r.global_step} steps -> {r.best_model_dir}")
-    lines += [f"  {stage}: skipped ({why})" for stage, why in plan.items() if why is not None]
     return "\n".join(lines)
 
 

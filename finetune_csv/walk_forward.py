@@ -37,14 +37,14 @@ from finetune.utils.config_utils import config_to_dict
 from finetune.utils.errors import setup_logging
 from finetune.utils.plots import pyplot, save_figure, stamp_text
 from finetune.utils.safety import RunLock
-from finetune.utils.windows import PanelSegments
-from finetune_csv.config import CsvFinetuneConfig, best_dir, predictor_tokenizer_source
-from finetune_csv.forecast import CLOSE, ensemble_paths, held_out_windows, make_predictor, sample_paths
+from finetune.utils.windows import PanelSegments, held_out_windows, sample_paths
+from finetune_csv.config import CsvFinetuneConfig, best_dir
+from finetune_csv.forecast import CLOSE, ensemble_paths, make_predictor
 from finetune_csv.prepare import prepare_data
 from finetune_csv.train_sequential import run_finetune
 from model.errors import ConfigError, DataError, RefusedError
 from model.fileio import atomic_write, read_json_object, write_json
-from model.predictor import apply_calibration, read_predictor_info
+from model.predictor import apply_calibration, load_trained_pair, read_predictor_info
 
 log = logging.getLogger("finetune_csv.walk_forward")
 SCORES = ("crps", "mae", "cov50", "cov80", "direction")  # windows.csv score columns (returns vs the last close)
@@ -122,7 +122,7 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) 
     sample = lambda src, tok, c: sample_paths(make_predictor(src, tok, c), windows.context, x_stamps, y_stamps,
                                               d.predict, f, f.batch_size)[..., CLOSE]  # (W, S, H) closes
     paths = {"zero_shot": sample(m.pretrained_predictor, m.pretrained_tokenizer, cfg),
-             "finetuned": sample(best_dir(fold_cfg.predictor_dir), predictor_tokenizer_source(fold_cfg), fold_cfg),
+             "finetuned": sample(*load_trained_pair(best_dir(fold_cfg.predictor_dir))[:2], fold_cfg),
              "persistence": persistence_samples(last, d.predict)}
     if "empirical" in candidates:
         paths["empirical"] = empirical_samples(windows.history, d.predict, windows.history.shape[1])

@@ -71,6 +71,10 @@ class RefusedError(UserError):
     exit_code = EXIT_REFUSED
 
 
+class TokenizerMismatchError(RefusedError, ValueError):
+    """A predictor would be paired with other tokenizer weights than those it was trained with."""
+
+
 class MissingExtraError(UserError, ImportError):
     """An optional dependency is not installed; the message says which extra installs it."""
 

@@ -7,10 +7,12 @@ through huggingface_hub's `snapshot_download` (cache, revision, token, offline m
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 import os
 import re
 import tempfile
+from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -27,6 +29,19 @@ WEIGHTS_NAME = "model.safetensors"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 M = TypeVar("M", bound="PretrainedMixin")
+
+
+def weights_fingerprint(weights: torch.nn.Module | Mapping[str, torch.Tensor]) -> str:
+    """sha256 over a module's state dict, or over `weights` {name: tensor} (names, dtypes, shapes and bytes, in name
+    order): what identifies the weights a model was trained with (a predictor's frozen tokenizer, recorded in
+    kronos_predictor.json; the frozen base of a lora / freeze run)."""
+    h = hashlib.sha256()
+    tensors = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
+    for name, t in sorted(tensors.items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def constructor_args(cls: type) -> tuple[list[str], list[str]]:

@@ -4,9 +4,11 @@ calibrated sample paths.
 - `KronosPredictor`: DataFrames in, forecasts out (`predict`, `predict_batch`, the long-format `predict_df`). Every
   door cuts the history to the context the model was trained for (`lookback`) and normalises over exactly those rows.
 - `kronos_predictor.json`, beside config.json + model.safetensors in a finetuned predictor folder (the engine's
-  `best_model/`): {"max_context", "lookback", "tokenizer", "clip", "calibration"}, every key optional. A relative
-  "tokenizer" path is resolved against the predictor folder ("tokenizer" = a copy inside it: the folder is
-  self-contained); `tokenizer_config.json` is the config of the tokenizer the predictor was trained with.
+  `best_model/`): {"max_context", "lookback", "tokenizer", "tokenizer_sha256", "clip", "calibration"}, every key
+  optional. A relative "tokenizer" path is resolved against the predictor folder ("tokenizer" = a copy inside it:
+  the folder is self-contained); "tokenizer_sha256" fingerprints the weights of the tokenizer the predictor was
+  trained with and `tokenizer_config.json` its config: `load_trained_pair`, which every door loads through,
+  refuses any other tokenizer.
 - Calibration (`fit_calibration`, `apply_calibration`, `write_calibration`): split-conformal margins per horizon in
   log-return space, applied to the sample paths so that the mean, quantiles and CRPS all use the same draws.
 """
@@ -26,7 +28,7 @@ import pandas as pd
 import torch
 
 from model.calendar import TradingCalendar
-from model.errors import DataError, PathError
+from model.errors import DataError, PathError, TokenizerMismatchError
 from model.features import (
     CLOSE,
     FEATURES,
@@ -43,7 +45,7 @@ from model.features import (
 )
 from model.fileio import read_json_object, write_json
 from model.generation import generate_tokens
-from model.hub import is_hub_id, resolve_model_dir
+from model.hub import is_hub_id, resolve_model_dir, weights_fingerprint
 from model.kronos import Kronos
 from model.tokenizer import KronosTokenizer
 
@@ -62,7 +64,8 @@ CALIBRATION_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)  # cent
 
 # ------------------------------------------------------------------------------------- kronos_predictor.json
 def predictor_info(folder: str | os.PathLike, *, max_context: int, lookback: int | None = None,
-                   tokenizer: str | os.PathLike | None = None, clip: float | None = None) -> dict[str, Any]:
+                   tokenizer: str | os.PathLike | None = None, tokenizer_sha256: str | None = None,
+                   clip: float | None = None) -> dict[str, Any]:
     """The content of `kronos_predictor.json` for a predictor that will live in `folder`. An existing tokenizer
     folder is stored relative to `folder` (a copy inside it reads "tokenizer"), so moving the run keeps it valid."""
     if not isinstance(max_context, int) or isinstance(max_context, bool) or max_context < 1:
@@ -79,6 +82,8 @@ def predictor_info(folder: str | os.PathLike, *, max_context: int, lookback: int
             except ValueError:  # another drive (Windows): keep it absolute
                 tokenizer = str(tok.resolve())
         info["tokenizer"] = str(tokenizer)
+    if tokenizer_sha256 is not None:
+        info["tokenizer_sha256"] = tokenizer_sha256
     if clip is not None:
         info["clip"] = float(clip)
     return info
@@ -97,6 +102,9 @@ def read_predictor_info(folder: Path) -> dict[str, Any]:
             raise DataError(f"{path}: {key} must be an integer in [1, 1000000], got {v!r}")
     if "tokenizer" in info and not isinstance(info["tokenizer"], str):
         raise DataError(f"{path}: tokenizer must be a folder path or Hub id (a string), got {info['tokenizer']!r}")
+    sha = info.get("tokenizer_sha256")
+    if sha is not None and not (isinstance(sha, str) and len(sha) == 64 and set(sha) <= set("0123456789abcdef")):
+        raise DataError(f"{path}: tokenizer_sha256 must be 64 lowercase hex digits, got {sha!r}")
     clip = info.get("clip")
     if clip is not None and (not isinstance(clip, (int, float)) or isinstance(clip, bool) or not clip > 0):
         raise DataError(f"{path}: clip must be a number > 0, got {clip!r}")
@@ -136,6 +144,49 @@ def write_calibration(best_model_dir: str | os.PathLike, calibration: dict[str, 
     info = read_predictor_info(folder)
     info["calibration"] = calibration
     return write_json(folder / PREDICTOR_INFO_NAME, info)
+
+
+def load_trained_pair(folder_or_id: str | os.PathLike, tokenizer: str | os.PathLike | KronosTokenizer | None = None,
+                      **hub_kwargs: Any) -> tuple[Kronos, KronosTokenizer, dict[str, Any]]:
+    """(predictor, the tokenizer it was trained with, its kronos_predictor.json) from a predictor folder or Hub id:
+    the one way every door (Python, `kronos forecast`, the backtests, the walk-forwards) loads a finetuned pair.
+
+    tokenizer: None = the one the folder records (`tokenizer_source`), else a folder, Hub id or loaded tokenizer.
+    Whatever it is, a recorded `tokenizer_config.json` must equal its config (DataError naming the keys) and a
+    recorded "tokenizer_sha256" its weights (TokenizerMismatchError naming both fingerprints): a tokenizer swapped
+    after training would otherwise forecast silently from tokens the predictor never saw.
+    hub_kwargs: cache_dir, revision, token, local_files_only, force_download (for both downloads).
+    """
+    folder = resolve_model_dir(folder_or_id, allow_patterns=["*.json", "model.safetensors",
+                                                             f"{TOKENIZER_SUBDIR}/model.safetensors"], **hub_kwargs)
+    info = read_predictor_info(folder)
+    model = Kronos.from_pretrained(folder)
+    source = tokenizer if tokenizer is not None else tokenizer_source(folder, info)
+    if source is None:
+        raise DataError(f"{folder} records no tokenizer ({PREDICTOR_INFO_NAME} with a 'tokenizer' entry, or a "
+                        f"{TOKENIZER_SUBDIR}/ folder inside it); pass tokenizer= a tokenizer folder or Hub id, e.g. "
+                        "the tokenizer stage's best_model/ or 'NeoQuasar/Kronos-Tokenizer-base'")
+    try:
+        loaded = source if isinstance(source, KronosTokenizer) else \
+            KronosTokenizer.from_pretrained(source, **hub_kwargs)
+    except (PathError, DataError) as exc:
+        if tokenizer is not None:
+            raise
+        raise type(exc)(f"{folder / PREDICTOR_INFO_NAME} pairs the predictor with tokenizer {source}, which cannot be "
+                        f"loaded: {exc}") from None
+    expected = read_tokenizer_config(folder)
+    if expected is not None and expected != loaded.config:
+        diff = sorted(k for k in set(expected) | set(loaded.config) if expected.get(k) != loaded.config.get(k))
+        raise DataError(f"the tokenizer does not match {Path(folder) / TOKENIZER_CONFIG_NAME} (the one the "
+                        f"predictor was trained with): {diff} differ; pass the matching tokenizer=")
+    recorded = info.get("tokenizer_sha256")
+    if recorded is not None and recorded != (now := weights_fingerprint(loaded)):
+        given = "the tokenizer passed" if isinstance(source, KronosTokenizer) else f"tokenizer {source}"
+        raise TokenizerMismatchError(
+            f"the predictor in {folder} was trained with tokenizer weights sha256 {recorded[:12]} "
+            f"({PREDICTOR_INFO_NAME}), but {given} has sha256 {now[:12]}: refusing the swapped pair; load it with "
+            f"the tokenizer it records (tokenizer=None) or retrain the predictor on this tokenizer")
+    return model, loaded, info
 
 
 # ------------------------------------------------------------------------------------------------- calibration
@@ -306,33 +357,14 @@ class KronosPredictor:
         calibration. max_context, lookback and clip default to kronos_predictor.json's (else 512, max_context, 5).
 
         tokenizer: folder, Hub id or a loaded KronosTokenizer; None = `tokenizer_source` (for the published pair
-            pass e.g. tokenizer="NeoQuasar/Kronos-Tokenizer-base"). When the folder holds tokenizer_config.json,
-            the tokenizer's config must equal it (the pair the predictor was trained with).
+            pass e.g. tokenizer="NeoQuasar/Kronos-Tokenizer-base"); checked by `load_trained_pair`.
         hub_kwargs: cache_dir, revision, token, local_files_only, force_download (for both downloads).
         """
         allowed = {"cache_dir", "revision", "token", "local_files_only", "force_download"}
         unknown = sorted(set(hub_kwargs) - allowed)
         if unknown:
             raise TypeError(f"unexpected arguments {unknown}; Hub options are {sorted(allowed)}")
-        folder = resolve_model_dir(folder_or_id, allow_patterns=["*.json", "model.safetensors",
-                                                                 f"{TOKENIZER_SUBDIR}/model.safetensors"],
-                                   **hub_kwargs)
-        info = read_predictor_info(folder)
-        model = Kronos.from_pretrained(folder)
-        if tokenizer is None:
-            tokenizer = tokenizer_source(folder, info)
-            if tokenizer is None:
-                raise DataError(f"{folder} records no tokenizer ({PREDICTOR_INFO_NAME} with a 'tokenizer' entry, "
-                                f"or a {TOKENIZER_SUBDIR}/ folder inside it); pass tokenizer= a tokenizer folder or "
-                                "Hub id, e.g. the tokenizer stage's best_model/ or 'NeoQuasar/Kronos-Tokenizer-base'")
-        if not isinstance(tokenizer, KronosTokenizer):
-            tokenizer = KronosTokenizer.from_pretrained(tokenizer, **hub_kwargs)
-        expected = read_tokenizer_config(folder)
-        if expected is not None and expected != tokenizer.config:
-            diff = sorted(k for k in set(expected) | set(tokenizer.config)
-                          if expected.get(k) != tokenizer.config.get(k))
-            raise DataError(f"the tokenizer does not match {Path(folder) / TOKENIZER_CONFIG_NAME} (the one the "
-                            f"predictor was trained with): {diff} differ; pass the matching tokenizer=")
+        model, tokenizer, info = load_trained_pair(folder_or_id, tokenizer, **hub_kwargs)
         return cls(model, tokenizer, device=device,
                    max_context=max_context if max_context is not None else info.get("max_context",
                                                                                     DEFAULT_MAX_CONTEXT),

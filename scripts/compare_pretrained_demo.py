@@ -97,7 +97,7 @@ def train(config: str, data: Path, out: Path, extra: list[str]) -> dict:
         raise DataError(f"training into {out} failed with exit code {rc}")
     cfg = load(config, sets)
     return {"seconds": time.perf_counter() - t0, "predictor_dir": str(cfg.predictor_dir / "best_model"),
-            "tokenizer_source": train_sequential.predictor_tokenizer_source(cfg), "config": cfg}
+            "tokenizer_source": train_sequential.CsvPipeline(cfg).tokenizer_source()[0], "config": cfg}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -113,6 +113,15 @@ def test_freeze_trains_only_the_named_prefixes(tmp_path):
     assert not (result.best_model_dir / "adapter").exists()
 
 
+def test_freeze_without_trainable_trains_the_heads_and_the_last_block(tmp_path):
+    pred, start, result = train(tmp_path, replace(FAST, finetune_mode="freeze", trainable=[]))
+    last = f"transformer.{pred.config['n_layers'] - 1}."
+    state = load_checkpoint(result.last_checkpoint)
+    assert set(state["model"]) == {k for k, _ in pred.named_parameters() if k.startswith(("head.", last))}
+    moved = {k for k, v in pred.state_dict().items() if not torch.equal(v, start[k])}
+    assert moved and moved <= set(state["model"])
+
+
 def test_lora_targets_select_groups_and_names():
     pred = tiny_predictor()
     assert adapters.lora_target_names(pred, ["attention"]) == ["q_proj", "k_proj", "v_proj", "out_proj"]
@@ -122,10 +131,9 @@ def test_lora_targets_select_groups_and_names():
 
 
 def test_settings_errors_name_the_key(tmp_path):
-    with pytest.raises(ConfigError, match=r"training.trainable: \['transformer.9'\] match no parameter name"):
+    with pytest.raises(ConfigError, match=r"training.trainable: \['transformer.9'\] match no parameter name.*the "
+                                          r"model has 1 transformer blocks \(transformer.0 ... transformer.0\)"):
         train(tmp_path / "a", replace(FAST, finetune_mode="freeze", trainable=["transformer.9"]))
-    with pytest.raises(ConfigError, match="training.trainable: must name at least one"):
-        train(tmp_path / "b", replace(FAST, finetune_mode="freeze", trainable=[]))
     with pytest.raises(ConfigError, match="training.finetune_mode: must be 'full', 'lora' or 'freeze'"):
         train(tmp_path / "c", replace(FAST, finetune_mode="adapters"))
     with pytest.raises(ConfigError, match="training.finetune_mode: 'lora' applies to the predictor stage only"):
@@ -175,3 +183,26 @@ def test_csv_pipeline_in_lora_mode_keeps_the_tokenizer_selects_by_crps_and_forec
     best = results[0].best_model_dir
     assert (best / "adapter" / "adapter_config.json").is_file()
     assert np.isfinite(forecast(KronosPredictor.from_pretrained(best))).all()  # a whole forecaster, as any
+
+
+def test_csv_freeze_on_the_shipped_demo_model_trains_the_default_blocks_and_a_missing_block_is_refused_first(
+        tmp_path):
+    from finetune_csv import train_sequential
+    from finetune_csv.config import load
+    from tests.test_csv_train import make_run
+
+    demo = Path(__file__).resolve().parents[1] / "checkpoints/demo-pretrained"  # a predictor of 2 blocks
+    overrides = [f"model.pretrained_tokenizer={demo / 'tokenizer'}", f"model.pretrained_predictor={demo / 'predictor'}",
+                 "training.finetune_mode=freeze"]
+    config = make_run(tmp_path)
+    cfg = load(config, [*overrides, "training.trainable=[head, transformer.7]"])
+    with pytest.raises(ConfigError, match=r"\['transformer.7'\] match no parameter name.*the model has 2 "
+                                          r"transformer blocks \(transformer.0 ... transformer.1\)"):
+        train_sequential.run_finetune(cfg)
+    assert not cfg.base_dir.exists()  # refused before the data store or a stage folder was written
+    results, plan, _ = train_sequential.run_finetune(load(config, overrides))  # no trainable: the default
+    assert "finetune_mode is freeze" in plan["tokenizer"] and [r.stage for r in results] == ["predictor"]
+    info = json.loads((results[0].output_dir / "run_info.json").read_text())
+    heads_and_last = sum(p.numel() for n, p in Kronos.from_pretrained(demo / "predictor").named_parameters()
+                         if n.startswith(("head.", "transformer.1.")))
+    assert info["finetune_mode"] == "freeze" and info["trainable_parameters"] == heads_and_last

@@ -10,14 +10,18 @@ import socket
 import numpy as np
 import pandas as pd
 import pytest
-import torch
 
 import model.predictor as predictor_module
-from finetune.utils.checkpoint import weights_fingerprint
+from finetune.utils.stages import calibrate
+from finetune.utils.windows import held_out_windows
 from finetune_csv import forecast
 from finetune_csv.config import load
 from finetune_csv.prepare import prepare_data
+from model import KronosTokenizer
 from model.errors import UserError
+from model.fileio import write_json
+from model.hub import weights_fingerprint
+from model.predictor import predictor_info
 from tests.model_factory import tiny_tokenizer
 from tests.test_csv_eval import make_run
 
@@ -86,7 +90,9 @@ def test_calibration_is_fitted_on_validation_windows_and_coverage_reported_befor
     seen: dict = {}
     fake_calibration(monkeypatch, seen)
     cfg = load(make_run(tmp_path, zero_shot=None))
-    forecast.calibrate_best_model(cfg, prepare_data(cfg.data, cfg.store_dir))
+    best = record_tokenizer(cfg, tmp_path / "start/tokenizer")
+    val = held_out_windows(prepare_data(cfg.data, cfg.store_dir).splits["val"], 24, 6, cfg.forecast.window_stride)
+    calibrate(best, val, cfg.forecast, 30, cfg.data.clip)
     # Validation windows only: 10 + 8 of them, the first realised closes are rows 180.. of the longer series.
     assert seen["samples"].shape == (18, 8, 6)
     frames = [pd.read_csv(p) for p in sorted((tmp_path / "data").glob("*.csv"))]
@@ -101,21 +107,23 @@ def test_calibration_is_fitted_on_validation_windows_and_coverage_reported_befor
     assert off["calibration"] is None
 
 
-def checkpoint_with_tokenizer(stage_dir, fingerprint: str) -> None:
-    (stage_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-    torch.save({"format": "kronos-finetune/last-v1", "frozen_fingerprint": fingerprint},
-               stage_dir / "checkpoints" / "step-00000001.pt")
+def record_tokenizer(cfg, tokenizer_dir, sha256: str | None = None):
+    """What the stage runner writes beside a trained predictor: its tokenizer and that tokenizer's weights' sha256."""
+    best = cfg.predictor_dir / "best_model"
+    sha256 = sha256 or weights_fingerprint(KronosTokenizer.from_pretrained(tokenizer_dir))
+    write_json(best / "kronos_predictor.json", predictor_info(best, max_context=30, tokenizer=tokenizer_dir,
+                                                              tokenizer_sha256=sha256))
+    return best
 
 
-def test_a_tokenizer_changed_after_the_predictor_finished_is_refused_naming_both(tmp_path):
+def test_a_tokenizer_other_than_the_one_the_predictor_was_trained_with_is_refused_naming_both(tmp_path):
     cfg = load(make_run(tmp_path, zero_shot=None))
-    checkpoint_with_tokenizer(cfg.predictor_dir, "0" * 64)
-    with pytest.raises(UserError, match="other tokenizer weights .*000000000000.* than those now in"):
+    record_tokenizer(cfg, tmp_path / "start/tokenizer", "0" * 64)
+    right = weights_fingerprint(KronosTokenizer.from_pretrained(tmp_path / "start/tokenizer"))
+    with pytest.raises(UserError, match=f"tokenizer weights sha256 000000000000 .* has sha256 {right[:12]}"):
         forecast.run_forecast(cfg)
     assert not (cfg.base_dir / "forecast").exists()
-    from model import KronosTokenizer
-    right = weights_fingerprint(KronosTokenizer.from_pretrained(tmp_path / "start/tokenizer"))
-    checkpoint_with_tokenizer(cfg.predictor_dir, right)
+    record_tokenizer(cfg, tmp_path / "start/tokenizer")
     assert forecast.run_forecast(cfg)["windows"] == 18
 
 

@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from finetune.synthetic import generate_ohlcv, write_csv_folder
+from finetune.utils.stages import STAGES, plan_stages
 from finetune_csv import train_sequential
 from finetune_csv.config import load
 from finetune_csv.forecast import run_forecast
@@ -152,9 +153,9 @@ def test_forecast_scores_the_held_out_split_and_writes_its_files(trained):
 def test_plan_stages_reports_why_a_stage_is_skipped(trained):
     config, _ = trained
     cfg = load(config, ["tokenizer_training.epochs=0"])
-    plan = train_sequential.plan_stages(cfg, skip_tokenizer=False, skip_predictor=True, skip_existing=False)
+    plan = plan_stages(train_sequential.CsvPipeline(cfg), STAGES, {"predictor": "--skip-basemodel"}, False)
     assert plan == {"tokenizer": "tokenizer_training.epochs is 0", "predictor": "--skip-basemodel"}
-    plan = train_sequential.plan_stages(load(config), False, False, skip_existing=True)
+    plan = plan_stages(train_sequential.CsvPipeline(load(config)), STAGES, {}, skip_existing=True)
     assert plan["tokenizer"].startswith("--skip-existing") and plan["predictor"].startswith("--skip-existing")
 
 

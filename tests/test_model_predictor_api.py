@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from model import Forecast, KronosPredictor
+from model.errors import TokenizerMismatchError
 from model.fileio import write_json
+from model.hub import weights_fingerprint
 from model.predictor import PREDICTOR_INFO_NAME, predictor_info
 from tests.model_factory import tiny_models
 from tests.test_model_predictor import candles
@@ -145,6 +147,22 @@ def test_from_pretrained_errors(tmp_path):
         KronosPredictor.from_pretrained(folder, tokenizer=tok, revison="x")
     with pytest.raises(ValueError, match="max_context must be an integer >= 1"):
         predictor_info(folder, max_context=0)
+
+
+def test_from_pretrained_refuses_a_swapped_tokenizer_naming_both_fingerprints(tmp_path):
+    tok, _, folder = _run_folder(tmp_path)
+    trained = weights_fingerprint(tok)
+    write_json(folder / PREDICTOR_INFO_NAME, predictor_info(folder, max_context=40, tokenizer=tmp_path / "tokenizer" /
+                                                            "best_model", tokenizer_sha256=trained, clip=4))
+    assert KronosPredictor.from_pretrained(folder, device="cpu").max_context == 40  # the recorded pair
+    other, _ = tiny_models(seed=9)  # the same config (tokenizer_config.json matches), other weights
+    other.save_pretrained(tmp_path / "tokenizer" / "best_model")  # e.g. the tokenizer stage retrained in place
+    swapped = f"trained with tokenizer weights sha256 {trained[:12]} .* has sha256 {weights_fingerprint(other)[:12]}"
+    with pytest.raises(TokenizerMismatchError, match=swapped):
+        KronosPredictor.from_pretrained(folder, device="cpu")
+    with pytest.raises(TokenizerMismatchError, match="the tokenizer passed has sha256"):
+        KronosPredictor.from_pretrained(folder, tokenizer=other, device="cpu")
+    assert KronosPredictor.from_pretrained(folder, tokenizer=tok, device="cpu").max_context == 40
 
 
 def test_from_pretrained_published_pair_via_hub_ids(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ from finetune.utils.safety import (
     GracefulStop,
     TrainingStopped,
     check_step,
+    raise_if_stop_requested,
 )
 from tests.conftest import cpu_env
 
@@ -117,6 +118,25 @@ def test_handlers_are_restored_and_flag_is_per_context():
     with GracefulStop(enabled=False):
         assert signal.getsignal(signal.SIGINT) == before_int
     assert check_step(0.0, stop=False) == (True, False)
+
+
+def test_a_nested_stop_shares_the_runs_request_and_the_safe_point_raises_after_it():
+    raise_if_stop_requested("between stages")  # no run holds the handlers: nothing to honour
+    before = signal.getsignal(signal.SIGTERM)
+    with GracefulStop() as run:
+        with GracefulStop() as stage:  # a stage's loop inside the run: the same request
+            assert stage is run
+        assert signal.getsignal(signal.SIGTERM) == run._handle  # the stage's exit kept the run's handlers
+        raise_if_stop_requested("between stages")
+        os.kill(os.getpid(), signal.SIGTERM)  # e.g. right after the stage's last epoch
+        deadline = time.monotonic() + 5
+        while not run.requested and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(TrainingStopped) as stopped:
+            raise_if_stop_requested("after the tokenizer stage")
+    assert str(stopped.value) == ("stopped on SIGTERM after the tokenizer stage; run the same command again to "
+                                  "resume from there") and stopped.value.exit_code == 75
+    assert signal.getsignal(signal.SIGTERM) == before and GracefulStop.active is None
 
 
 def test_training_stopped_message_without_checkpoint():

@@ -8,8 +8,8 @@ import json
 import pytest
 
 import finetune_csv.config as csv_config
-from finetune_csv.config import predictor_tokenizer_source
-from finetune_csv.train_sequential import plan_stages
+from finetune.utils.stages import STAGES, plan_stages
+from finetune_csv.train_sequential import CsvPipeline
 from tests.model_factory import tiny_tokenizer
 
 
@@ -31,21 +31,21 @@ def interrupted_tokenizer_stage(cfg):
 
 def test_skip_existing_does_not_skip_an_interrupted_stage(cfg):
     interrupted_tokenizer_stage(cfg)
-    assert plan_stages(cfg, False, False, skip_existing=True)["tokenizer"] is None  # it trains (resumes)
+    assert plan_stages(CsvPipeline(cfg), STAGES, {}, skip_existing=True)["tokenizer"] is None  # it trains (resumes)
 
 
 def test_skip_existing_skips_a_finished_stage(cfg):
     folder = interrupted_tokenizer_stage(cfg)
     (folder / "run_info.json").write_text(json.dumps({"result": {"finished": True}}))
-    assert "finished" in plan_stages(cfg, False, False, skip_existing=True)["tokenizer"]
+    assert "finished" in plan_stages(CsvPipeline(cfg), STAGES, {}, skip_existing=True)["tokenizer"]
 
 
 def test_predictor_refuses_a_half_trained_tokenizer(cfg):
     interrupted_tokenizer_stage(cfg)
     with pytest.raises(ValueError, match="tokenizer stage in .* is unfinished"):
-        predictor_tokenizer_source(cfg)
+        CsvPipeline(cfg).tokenizer_source()
 
 
 def test_a_model_placed_by_hand_is_used(cfg):
     tiny_tokenizer().save_pretrained(cfg.tokenizer_dir / "best_model")  # no run records: the user's own model
-    assert predictor_tokenizer_source(cfg) == str(cfg.tokenizer_dir / "best_model")
+    assert CsvPipeline(cfg).tokenizer_source() == (str(cfg.tokenizer_dir / "best_model"), "paths.base_dir")

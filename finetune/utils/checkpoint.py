@@ -2,7 +2,7 @@
 it (atomic step files with rotation, `last.pt` = the newest, never non-finite weights, a full disk named with the
 bytes needed), reading it back (`load_latest` falls back to the previous file when the newest is broken), whether
 a run may resume from it (`check_resume_compatible`, `check_data` with the data and frozen-weights fingerprints),
-and the published-format best model (`save_pretrained_atomic`, `load_pretrained`).
+and loading a published-format model with errors naming the setting (`load_pretrained`).
 
 Only rank 0 calls the writers; the training loop puts a `barrier()` after them before any rank reads. Writes go to
 a temporary name in the same folder and are moved into place with `os.replace`, so a process killed mid-write
@@ -27,12 +27,11 @@ from typing import Any, TypedDict
 
 import numpy as np
 import torch
-from torch import nn
 
 from finetune.utils.config_utils import Problems, TrainingConfig, config_to_dict, plain, stage_key
 from finetune.utils.errors import classify
 from model.errors import EXIT_PATH, ConfigError, DataError, PathError, UserError
-from model.fileio import atomic_dir, atomic_write, write_json
+from model.fileio import atomic_write
 
 CHECKPOINT_FORMAT = "kronos-finetune/last-v1"
 LAST_NAME = "last.pt"
@@ -104,30 +103,6 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
-def save_pretrained_atomic(model: Any, folder: str | Path, extra_json: dict[str, Any] | None = None,
-                           extra_models: dict[str, Any] | None = None) -> Path:
-    """`model.save_pretrained(folder)` (config.json + model.safetensors) plus `extra_json` files and `extra_models`
-    subfolders, swapped in whole.
-
-    The folder is written under a temporary name and renamed into place (model.fileio.atomic_dir), so a reader
-    never sees a mix of an old config and new weights. `extra_json` maps file names to JSON-able data, e.g.
-    {"tokenizer_config.json": {...}}; `extra_models` maps subfolder names to models saved there, e.g. the
-    predictor's tokenizer under "tokenizer" (a self-contained best_model/).
-    """
-    with atomic_dir(folder) as tmp:
-        model.save_pretrained(str(tmp))
-        write_extras(tmp, extra_json, extra_models)
-    return Path(folder)
-
-
-def write_extras(tmp: Path, extra_json: dict[str, Any] | None, extra_models: dict[str, Any] | None) -> None:
-    """The JSON files and model subfolders that go beside a saved model (inside its temporary folder)."""
-    for name, data in (extra_json or {}).items():
-        write_json(tmp / name, data)
-    for name, extra in (extra_models or {}).items():
-        extra.save_pretrained(str(tmp / name))
-
-
 def load_pretrained(cls: Any, source: str | Path, key: str) -> Any:
     """`cls.from_pretrained(source)` (a published-format folder or Hub id), failing with a PathError (nothing found)
     or DataError (found but unreadable) that names the YAML key to change."""
@@ -149,7 +124,7 @@ def check_token_sizes(tokenizer: Any, predictor: Any, keys: str) -> None:
 
 
 _STEP_RE = re.compile(r"^step-(\d{8,})\.pt$")
-# save_pretrained_atomic's temporary folders: tempfile.mkdtemp(prefix=".<name>.") adds 8 chars; ".<name>.old".
+# best_model/'s temporary folders (atomic_dir): tempfile.mkdtemp(prefix=".<name>.") adds 8 chars; ".<name>.old".
 _MODEL_TMP_RE = re.compile(r"^\.(?P<name>.+)\.(old|[a-z0-9_]{8})$")
 _MODEL_FILES = {"config.json", "model.safetensors", "tokenizer_config.json", "kronos_predictor.json",
                 "run_info.json", "adapter"}  # adapter/: lora
@@ -602,16 +577,6 @@ def _canonical(obj: Any) -> str:
 def data_fingerprint(data_info: dict[str, Any] | None) -> str | None:
     """sha256 of `data_info` as canonical JSON (None without data_info)."""
     return None if data_info is None else hashlib.sha256(_canonical(data_info).encode()).hexdigest()
-
-
-def weights_fingerprint(module: nn.Module) -> str:
-    """sha256 over a module's state dict (names, dtypes, shapes and bytes, in name order)."""
-    h = hashlib.sha256()
-    for name, t in sorted(module.state_dict().items()):
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:

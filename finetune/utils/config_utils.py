@@ -30,6 +30,7 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
+from finetune.utils.adapters import mode_problems
 from model.config import KronosConfig, KronosTokenizerConfig
 from model.errors import ConfigError, PathError
 from model.features import FEATURES
@@ -569,15 +570,16 @@ class TrainingConfig:
     lora_targets: list[str] = field(default_factory=lambda: ["attention"])
     """lora: layers that get adapters: groups attention, feed_forward, heads, or module names (e.g. q_proj, w1)."""
     trainable: list[str] = field(default_factory=list)
-    """freeze: parameter-name prefixes that train, e.g. [head, transformer.7, embedding]; the rest is frozen."""
+    """freeze: parameter-name prefixes that train, e.g. [head, transformer.1, embedding]; the rest is frozen.
+    [] = the heads and the last transformer block."""
 
 
 
 def validate_training_config(cfg: TrainingConfig, problems: Problems, prefix: str = "training") -> None:
     """Add every problem of `cfg` to `problems`, each named by its YAML key (`prefix.field`)."""
     k = (lambda name: f"{prefix}.{name}" if prefix else name)
-    at_least_one = ("epochs", "batch_size", "accumulation_steps", "log_every_steps", "keep_checkpoints", "lora_rank")
-    positive = ("lr", "div_factor", "final_div_factor", "dist_timeout_s", "lora_alpha")
+    at_least_one = ("epochs", "batch_size", "accumulation_steps", "log_every_steps", "keep_checkpoints")
+    positive = ("lr", "div_factor", "final_div_factor", "dist_timeout_s")
     non_negative = ("weight_decay", "num_workers", "save_every_steps", "min_delta")
     for names, ok, bound in ((at_least_one, lambda v: v >= 1, ">= 1"), (positive, lambda v: v > 0, "> 0"),
                              (non_negative, lambda v: v >= 0, ">= 0")):
@@ -595,13 +597,8 @@ def validate_training_config(cfg: TrainingConfig, problems: Problems, prefix: st
     problems.check(cfg.patience >= 0, k("patience"), f"must be >= 0 (0 = no early stopping), got {cfg.patience}")
     problems.check(isinstance(cfg.select_by, str) and cfg.select_by.strip() != "", k("select_by"),
                    f"must be 'loss' or a metric name, got {cfg.select_by!r}")
-    problems.check(cfg.finetune_mode in ("full", "lora", "freeze"), k("finetune_mode"),
-                   f"must be 'full', 'lora' or 'freeze', got {cfg.finetune_mode!r}")
-    problems.check(0 <= cfg.lora_dropout < 1, k("lora_dropout"), f"must be in [0, 1), got {cfg.lora_dropout}")
-    problems.check(cfg.finetune_mode != "lora" or len(cfg.lora_targets) > 0, k("lora_targets"),
-                   "must name at least one layer group or module, e.g. [attention]")
-    problems.check(cfg.finetune_mode != "freeze" or len(cfg.trainable) > 0, k("trainable"),
-                   "must name at least one parameter-name prefix when finetune_mode is 'freeze', e.g. [head]")
+    for name, message in mode_problems(cfg):  # the finetune modes' registry (finetune/utils/adapters.py)
+        problems.add(k(name), message)
     for key, message in tracker_problems(tensorboard=cfg.tensorboard, mlflow=cfg.mlflow, comet=cfg.comet,
                                          prefix=prefix):
         problems.add(key, message)

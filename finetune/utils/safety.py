@@ -4,7 +4,9 @@
 - Stage folder rules: `stage_status` (empty / unfinished / finished) and `plan_run` (fresh, resume, skip,
   overwrite or refuse, from training.resume / training.overwrite); `remove_outputs` under the lock.
 - Interrupts: `GracefulStop` (SIGTERM / first Ctrl-C: finish the step, save, `TrainingStopped`, exit 75; a second
-  Ctrl-C quits at once); workers ignore SIGINT.
+  Ctrl-C quits at once); workers ignore SIGINT. The outermost `GracefulStop` holds the handlers for the whole run
+  (a nested one shares its request), and `raise_if_stop_requested` is the safe point outside the training loop:
+  between stages, before calibrating, before each batch of sampled forecasts (scoring, calibration, forecasting).
 - The non-finite guard: `check_step` (finite on every rank + stop agreed, one all-reduce), `diagnose` (most
   likely cause, naming the setting), `NonFiniteGuard` (raises `DivergenceError` before the update).
 - Fault injection for the kill-loop tests (`maybe_die_after_step`):
@@ -368,11 +370,12 @@ class TrainingStopped(UserError):
 
     exit_code = STOPPED_EXIT_CODE
 
-    def __init__(self, signal_name: str, checkpoint: str | Path | None = None, step: int | None = None):
+    def __init__(self, signal_name: str, checkpoint: str | Path | None = None, step: int | None = None,
+                 where: str | None = None):
         self.signal_name = signal_name
         self.checkpoint = Path(checkpoint) if checkpoint is not None else None
         self.step = step
-        at = f" at step {step}" if step is not None else ""
+        at = f" at step {step}" if step is not None else f" {where}" if where else ""
         saved = f"; saved {self.checkpoint}" if self.checkpoint is not None else ""
         super().__init__(f"stopped on {signal_name}{at}{saved}; run the same command again to resume from there")
 
@@ -386,7 +389,11 @@ def _write_line(text: str) -> None:
 
 class GracefulStop:
     """Context manager installing the two-stage handlers of `signals` (main thread only); `enabled=False` makes it a
-    no-op (e.g. for library use inside another program's loop)."""
+    no-op (e.g. for library use inside another program's loop). Entered while another one is active, it gives back
+    that one: a run's stages share the run's stop request, which outlives each stage's loop."""
+
+    active: GracefulStop | None = None
+    """The outermost entered instance (the one whose handlers are installed), None outside any."""
 
     def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT), *, enabled: bool = True):
         self.signals = tuple(signals)
@@ -417,8 +424,11 @@ class GracefulStop:
     def __enter__(self) -> GracefulStop:
         if not self.enabled or threading.current_thread() is not threading.main_thread():
             return self  # signal.signal only works in the main thread; nothing to install elsewhere
+        if GracefulStop.active is not None:
+            return GracefulStop.active
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        GracefulStop.active = self
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -426,6 +436,22 @@ class GracefulStop:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
+        if GracefulStop.active is self:
+            GracefulStop.active = None
+
+
+def raise_if_stop_requested(where: str, dist: Any = None) -> None:
+    """A safe point outside the training loop: raise `TrainingStopped` ("stopped on SIGTERM `where`; run the same
+    command again ...") when a stop signal arrived since the run's `GracefulStop` was entered. Call it where all
+    work so far is on disk. `dist`: the run's DistInfo when every rank reaches this point (the ranks agree in one
+    all-reduce, so none goes on alone into a collective); None on one rank (scoring, calibration)."""
+    stopper = GracefulStop.active
+    requested = stopper is not None and stopper.requested
+    if dist is not None and dist.world_size > 1:
+        requested = check_step(0.0, None, dist, requested)[1]
+    if requested:
+        raise TrainingStopped(stopper.signal_name if stopper and stopper.signal_name else "a signal to another process",
+                              where=where)
 
 
 def ignore_interrupts_in_worker(worker_id: int) -> None:
@@ -442,10 +468,6 @@ LOSS_GROWTH = 2.0
 """The loss counts as having grown when its last value is this many times the window's early median."""
 GRAD_EXPLOSION = 10.0
 """The gradient norm counts as exploding when its last value is this many times the window's median."""
-
-
-
-
 
 
 class StepStats(NamedTuple):
@@ -570,7 +592,3 @@ class NonFiniteGuard:
         cause = {"a data value": "data", "the learning rate": "lr", "bf16": "bf16"}.get(cause)
         raise DivergenceError(f"training diverged at step {step}{local} (loss {_fmt(loss_f)}, gradient norm "
                               f"{_fmt(norm_f)}); nothing of this step was applied: {text}", step=step, cause=cause)
-
-
-
-

@@ -58,7 +58,6 @@ from finetune.utils.checkpoint import (
     load_latest,
     rng_state,
     set_rng_state,
-    weights_fingerprint,
 )
 from finetune.utils.config_utils import (
     Problems,
@@ -93,6 +92,7 @@ from finetune.utils.safety import (
 )
 from finetune.utils.windows import EpochSampler, batches_per_epoch, make_loader, seed_worker
 from model.errors import DataError
+from model.hub import weights_fingerprint
 from model.predictor import PREDICTOR_INFO_NAME, TOKENIZER_CONFIG_NAME, TOKENIZER_SUBDIR, predictor_info
 
 

@@ -1,0 +1,256 @@
+"""The stage runner both pipelines call: which stages run, their models checked before any data is written, the
+tokenizer stage, the predictor stage on the tokenizer it produced, the calibration of the predictor's bands.
+
+    plan = plan_stages(pipeline, STAGES, skip={"tokenizer": "--skip-tokenizer"}, skip_existing=False)
+    results, data_info = run_stages(pipeline, plan, resume=stage_resume(pipeline, plan))
+
+A pipeline writes its data side only, a `Pipeline` (finetune_csv/train_sequential.py, finetune/qlib_stage.py).
+The rest is here, once: the tokenizer is selected by its validation loss; a from-scratch model starts from the same
+weights on every run (`seeded_init`); kronos_predictor.json records the window, the tokenizer and its weights'
+sha256 and the clip; a finished predictor lacking its calibration gets it on the next run. One stop request covers
+the whole run (the `GracefulStop` entered here), and each boundary (data ready, a stage done, a batch of sampled
+forecasts) is a safe point: `TrainingStopped` (exit 75) once the work so far is on disk, and the same command then
+ends with exactly the uninterrupted run's outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+import model.predictor as forecaster
+from finetune.evaluation.forecast_scores import crps_ensemble
+from finetune.utils import adapters
+from finetune.utils.checkpoint import load_pretrained
+from finetune.utils.config_utils import config_to_dict
+from finetune.utils.distributed import DistInfo, distributed_context, seeded_init
+from finetune.utils.factory import build_predictor, build_tokenizer
+from finetune.utils.safety import GracefulStop, raise_if_stop_requested, stage_status
+from finetune.utils.training_utils import TrainResult, ValMetric, train_predictor, train_tokenizer
+from finetune.utils.windows import HeldOutWindows, sample_paths, spread_evenly
+from model import KronosTokenizer
+from model.errors import DataError
+from model.features import CLOSE
+from model.hub import weights_fingerprint
+
+log = logging.getLogger(__name__)
+STAGES = ("tokenizer", "predictor")
+NOT_IN_RUN = "not this run's stage"
+DEFAULT_MAX_WINDOWS = 64  # windows scored per validation pass: enough to rank epochs, cheap next to an epoch
+
+
+class Pipeline(Protocol):
+    """A pipeline's data side: all the stage runner asks of it. `cfg`: its settings (`model`, `data.lookback /
+    predict / clip`, `training`, `stage_training(stage)`, `forecast`: sampling and batch_size)."""
+
+    cfg: Any
+
+    def stage_dir(self, stage: str) -> Path: ...  # the stage's output folder
+
+    def output_key(self, stage: str) -> str: ...  # the setting naming it (a full disk names it)
+
+    def datasets(self, dist: DistInfo) -> tuple[Dataset, Dataset, dict[str, Any]]: ...  # train, val, data_info
+
+    def tokenizer_source(self) -> tuple[str, str]: ...  # (folder / Hub id, its setting): the predictor's tokenizer
+
+    def val_metric(self, select_by: str, tokenizer: nn.Module) -> ValMetric | None: ...  # None for 'loss'
+
+    def calibration_windows(self) -> HeldOutWindows | None: ...  # validation windows of the bands; None: none
+
+
+def plan_stages(pipe: Pipeline, stages: Sequence[str], skip: Mapping[str, str], skip_existing: bool
+                ) -> dict[str, str | None]:
+    """For each of STAGES, None if it trains, else why not: not in `stages`, `skip[stage]` (the flag that skipped
+    it), 0 epochs, a finetune mode that keeps the tokenizer frozen (when the predictor follows it in this run),
+    --skip-existing on a finished stage."""
+    plan: dict[str, str | None] = {}
+    mode = pipe.cfg.training.finetune_mode
+    for stage in STAGES:
+        if stage not in stages:
+            plan[stage] = NOT_IN_RUN
+        elif stage in skip:
+            plan[stage] = skip[stage]
+        elif pipe.cfg.stage_training(stage).epochs == 0:
+            plan[stage] = f"{stage}_training.epochs is 0"
+        elif stage == "tokenizer" and "predictor" in stages and not adapters.MODES[mode].trains_tokenizer:
+            plan[stage] = f"training.finetune_mode is {mode} (the tokenizer stays frozen)"
+        elif skip_existing and stage_status(pipe.stage_dir(stage)) == "finished":
+            plan[stage] = f"--skip-existing and {pipe.stage_dir(stage)} holds a finished run"
+        else:
+            plan[stage] = None
+    return plan
+
+
+def stage_resume(pipe: Pipeline, plan: Mapping[str, str | None]) -> dict[str, str]:
+    """Each stage's training.resume. --resume (required) insists on resuming the RUN: when some stage that trains
+    has a run in its folder, a stage with an empty folder starts fresh (e.g. the predictor after a kill in the
+    tokenizer stage) instead of failing; with nothing anywhere to resume, it stays an error."""
+    status = {stage: stage_status(pipe.stage_dir(stage)) for stage in STAGES if plan[stage] is None}
+    resume = {stage: pipe.cfg.stage_training(stage).resume for stage in STAGES}
+    if any(s != "empty" for s in status.values()):
+        for stage, s in status.items():
+            if s == "empty" and resume[stage].strip().lower() == "required":
+                resume[stage] = "auto"
+    return resume
+
+
+def run_stages(pipe: Pipeline, plan: Mapping[str, str | None], resume: Mapping[str, str] | None = None
+               ) -> tuple[list[TrainResult], dict[str, Any]]:
+    """Train the stages `plan` leaves in (None), in order, then calibrate the predictor; returns (the results of
+    the stages that ran, the data_info). Raises TrainingStopped (exit 75) at the first safe point after a stop
+    signal, and every settings or model error before `pipe.datasets` writes anything."""
+    cfg, m, d = pipe.cfg, pipe.cfg.model, pipe.cfg.data
+    resume = resume or {}
+    training = {s: dataclasses.replace(cfg.stage_training(s), **({"resume": resume[s]} if s in resume else {}))
+                for s in STAGES}
+    # The tokenizer has no forecast to score: it is always selected by its validation loss.
+    training["tokenizer"] = dataclasses.replace(training["tokenizer"], select_by="loss")
+    results: list[TrainResult] = []
+    with GracefulStop(), distributed_context(cfg.training.dist_timeout_s) as dist:
+        # Models first (cheap to check, and a mistake then leaves no data behind): the pair, and what the finetune
+        # mode trains of this predictor.
+        tokenizer = predictor = None
+        if plan["tokenizer"] is None:
+            with seeded_init(training["tokenizer"].seed):
+                tokenizer = build_tokenizer(m.pretrained_tokenizer, m.tokenizer_arch, "model")
+        if plan["predictor"] is None:
+            trained_tokenizer = tokenizer is not None
+            tokenizer, predictor = _predictor_pair(pipe, training["predictor"].seed, tokenizer)
+            adapters.MODES[training["predictor"].finetune_mode].check(predictor, training["predictor"])
+        train_set, val_set, data_info = pipe.datasets(dist)
+        raise_if_stop_requested("before training", dist)
+        common = dict(run_config=config_to_dict(cfg), data_info=data_info)
+        if plan["tokenizer"] is None:
+            results.append(train_tokenizer(tokenizer, train_set, val_set, training["tokenizer"],
+                                           pipe.stage_dir("tokenizer"), dist, output_key=pipe.output_key("tokenizer"),
+                                           **common))
+            raise_if_stop_requested("after the tokenizer stage", dist)
+        if plan["predictor"] is None:
+            if trained_tokenizer:  # the best tokenizer epoch on disk (not the last one in memory)
+                tokenizer, predictor = _predictor_pair(pipe, training["predictor"].seed)
+            # What forecasting needs beside the weights (kronos_predictor.json): the window, the tokenizer (its
+            # weights' sha256 pins the pair) and the clip.
+            forecast_info = {"max_context": d.lookback + d.predict, "lookback": d.lookback,
+                             "tokenizer": pipe.tokenizer_source()[0],
+                             "tokenizer_sha256": weights_fingerprint(tokenizer), "clip": d.clip}
+            results.append(train_predictor(predictor, tokenizer, train_set, val_set, training["predictor"],
+                                           pipe.stage_dir("predictor"), dist, forecast_info=forecast_info,
+                                           val_metric=pipe.val_metric(training["predictor"].select_by, tokenizer),
+                                           output_key=pipe.output_key("predictor"), **common))
+            raise_if_stop_requested("after the predictor stage", dist)
+        if dist.is_main:
+            calibrate_if_due(pipe, any(r.stage == "predictor" and not r.skipped for r in results))
+            log.info("%s", summarize(results, plan))
+    return results, data_info
+
+
+def summarize(results: list[TrainResult], plan: Mapping[str, str | None]) -> str:
+    lines = ["done."]
+    for r in results:
+        lines.append(f"  {r.stage}: best val loss {r.best_val_loss:.4f} (epoch {r.best_epoch}), "
+                     f"{r.global_step} steps -> {r.best_model_dir}")
+    return "\n".join(lines + [f"  {stage}: skipped ({why})" for stage, why in plan.items()
+                               if why not in (None, NOT_IN_RUN)])
+
+
+def _predictor_pair(pipe: Pipeline, seed: int, tokenizer: KronosTokenizer | None = None) -> tuple[Any, Any]:
+    """(tokenizer, predictor to finetune): `tokenizer` (the one the tokenizer stage is about to train: the pair is
+    checked before that stage's hour of training), else the pipeline's tokenizer source."""
+    key = None
+    if tokenizer is None:
+        source, key = pipe.tokenizer_source()
+        tokenizer = load_pretrained(KronosTokenizer, source, key)
+    m = pipe.cfg.model
+    with seeded_init(seed):
+        predictor = build_predictor(m.pretrained_predictor, m.predictor_arch, tokenizer, "model", tokenizer_key=key)
+    return tokenizer, predictor
+
+
+def calibrate_if_due(pipe: Pipeline, trained: bool) -> dict | None:
+    """Calibrate the finished predictor's bands when this run trained it or its kronos_predictor.json lacks a
+    calibration (a run stopped between the two); None when the pipeline has no calibration windows."""
+    folder = pipe.stage_dir("predictor")
+    best = folder / "best_model"
+    if stage_status(folder) != "finished" or not (trained or "calibration" not in forecaster.read_predictor_info(best)):
+        return None
+    windows = pipe.calibration_windows()
+    if windows is None:
+        return None
+    raise_if_stop_requested("before calibrating the predictor's bands")
+    d = pipe.cfg.data
+    return calibrate(best, windows, pipe.cfg.forecast, d.lookback + d.predict, d.clip)
+
+
+def calibrate(best: Path, windows: HeldOutWindows, sampling: Any, max_context: int, clip: float) -> dict | None:
+    """Fit the conformal calibration of the bands of the predictor in `best` (loaded with the tokenizer it was
+    trained with) on held-out VALIDATION `windows` and store it in its kronos_predictor.json: the test windows stay
+    untouched, so the coverage a forecast reports after calibration is out of sample. `sampling`: temperature,
+    top_k, top_p, sample_count, seed, batch_size. Returns the calibration (None when there is no window or no
+    positive price to calibrate in)."""
+    if len(windows) == 0:
+        log.warning("no calibration: the validation split has no %d-bar window (raise data.val_ratio)", max_context)
+        return None
+    model, tokenizer, _ = forecaster.load_trained_pair(best)
+    predictor = forecaster.KronosPredictor(model, tokenizer, device=forecaster.default_device(),
+                                           max_context=max_context, clip=clip)
+    x_stamps, y_stamps = windows.stamps()
+    predict = windows.actual.shape[1]
+    paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, predict, sampling,
+                         sampling.batch_size)  # (W, S, P, 6) raw samples
+    try:
+        calibration = forecaster.fit_calibration(paths[..., CLOSE], windows.actual[..., CLOSE],
+                                                 windows.context[:, -1, CLOSE])
+    except ValueError as exc:  # e.g. a price <= 0: no log returns to calibrate in
+        log.warning("no calibration of the bands: %s", exc)
+        return None
+    forecaster.write_calibration(best, calibration)
+    log.info("calibration of the bands fitted on %d validation windows -> %s", len(windows),
+             best / forecaster.PREDICTOR_INFO_NAME)
+    return calibration
+
+
+def make_crps_val_metric(cfg: Any, val_windows: HeldOutWindows, tokenizer: KronosTokenizer,
+                         max_windows: int = DEFAULT_MAX_WINDOWS) -> ValMetric:
+    """`training.select_by: crps`: `metric(model, stage)` over a fixed, evenly spread subsample of `max_windows`
+    validation windows, sampled with the (frozen) tokenizer the predictor trains with (`cfg`: data.lookback /
+    predict / clip, forecast sampling). For the predictor stage it returns {"score": mean CRPS of the close in
+    returns from the last context close, "crps", "mae" (of the sample median), "windows", "samples"}; for the
+    tokenizer stage (no forecast to score) None."""
+    if len(val_windows) == 0:
+        raise DataError("the validation split has no window to score: lower data.lookback / data.predict or raise "
+                        "data.val_ratio, or select checkpoints by loss (training.select_by: loss)")
+    windows = val_windows.subset(spread_evenly(len(val_windows), max_windows))
+    x_stamps, y_stamps = windows.stamps()  # (W, L, 5), (W, P, 5)
+    last = windows.context[:, -1, CLOSE]  # (W,)
+    obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, P)
+    f = cfg.forecast
+
+    def metric(model: nn.Module, stage: Any) -> dict | None:
+        if getattr(stage, "name", stage) != "predictor":
+            return None
+        module = getattr(model, "module", model)  # DDP-wrapped or not
+        device = next(module.parameters()).device
+        was_training = module.training
+        predictor = forecaster.KronosPredictor(module, tokenizer, device=str(device),
+                                               max_context=cfg.data.lookback + cfg.data.predict, clip=cfg.data.clip)
+        devices = [device] if device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices):  # the loop stops after its own checkpoint, not in here
+                paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, cfg.data.predict, f,
+                                     f.batch_size, interruptible=False)  # (W, S, P, 6), seeded with forecast.seed
+        finally:
+            module.train(was_training)
+        ens = np.moveaxis(paths[..., CLOSE] / last[:, None, None] - 1.0, 1, -1)  # (W, P, S)
+        crps = float(crps_ensemble(obs, ens).mean())
+        mae = float(np.abs(np.median(ens, axis=-1) - obs).mean())
+        return {"score": crps, "crps": crps, "mae": mae, "windows": len(windows), "samples": int(ens.shape[-1])}
+
+    return metric
