@@ -34,7 +34,7 @@ from finetune.evaluation.statistics import bootstrap_ci
 from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.errors import setup_logging
 from finetune.utils.plots import Panel, plot_panels, stamp_text
-from finetune.utils.safety import LOCK_NAME, read_holder, stage_status
+from finetune.utils.safety import LOCK_NAME, GracefulStop, read_holder, stage_status
 from finetune.utils.windows import HeldOutWindows, held_out_windows, sample_paths
 from finetune_csv.config import CsvFinetuneConfig, best_dir
 from finetune_csv.prepare import prepare_data
@@ -429,13 +429,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_config_args(parser, argv)
     setup_logging()
     cfg = csv_config.load(args.config, args.set)
+    with GracefulStop():  # SIGTERM while sampling: exit 75 before the next batch, nothing half-written
+        if args.future:
+            table = run_future(cfg)
+        else:
+            metrics = run_forecast(cfg)
     if args.future:
-        table = run_future(cfg)
         print(f"future forecast: {table['series'].nunique()} series x {cfg.data.predict} candles, from "
               f"{table['timestamps'].min()} to {table['timestamps'].max()}")
         print(f"written: {cfg.base_dir / 'future'}/{{forecast.csv, forecast.png}}")
         return 0
-    metrics = run_forecast(cfg)
     print(format_report(metrics))
     print(f"written: {cfg.base_dir / 'forecast'}/{{metrics.json, forecast.csv, forecast_vs_actual.png}}")
     return 0

@@ -36,7 +36,7 @@ from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.config_utils import config_to_dict
 from finetune.utils.errors import setup_logging
 from finetune.utils.plots import pyplot, save_figure, stamp_text
-from finetune.utils.safety import RunLock
+from finetune.utils.safety import GracefulStop, RunLock
 from finetune.utils.windows import PanelSegments, held_out_windows, sample_paths
 from finetune_csv.config import CsvFinetuneConfig, best_dir
 from finetune_csv.forecast import CLOSE, ensemble_paths, make_predictor
@@ -189,7 +189,9 @@ def run_walk_forward(cfg: CsvFinetuneConfig, overwrite: bool = False, report_onl
         raise ConfigError(["predictor_training.epochs: is 0, so no fold would finetune the predictor; set it >= 1"],
                           "Invalid walk-forward configuration")
     out = cfg.base_dir / "walk_forward"
-    with RunLock(out, key="paths.base_dir"):
+    # One stop request for the whole walk-forward: SIGTERM while a fold trains, scores or calibrates ends at the next
+    # safe point with exit 75, and the re-run skips the finished folds.
+    with GracefulStop(), RunLock(out, key="paths.base_dir"):
         data = prepare_data(d, cfg.store_dir, with_splits=False)
         test_bars, purge = fold_sizes(cfg, data.panel.lengths())
         folds = make_folds(data.panel, d.lookback, d.predict, w.folds, test_bars, purge, w.embargo, d.val_ratio)

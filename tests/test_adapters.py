@@ -46,8 +46,9 @@ def forecast(predictor: Kronos | KronosPredictor) -> np.ndarray:
     """Greedy (top_k=1) forecast of 3 bars of a fixed frame (prices, (3, 6)); a bare Kronos forecasts with the
     tiny tokenizer."""
     ts = pd.date_range("2024-01-01", periods=12, freq="1h")
-    df = pd.DataFrame(np.random.default_rng(0).uniform(10, 11, (12, 6)),
-                      columns=["open", "high", "low", "close", "volume", "amount"])
+    values = np.random.default_rng(0).uniform(10, 11, (12, 6))
+    values[:, 1], values[:, 2] = values[:, :4].max(axis=1), values[:, :4].min(axis=1)  # valid candles
+    df = pd.DataFrame(values, columns=["open", "high", "low", "close", "volume", "amount"])
     future = pd.Series(pd.date_range(ts[-1] + pd.Timedelta("1h"), periods=3, freq="1h"))
     if isinstance(predictor, Kronos):
         predictor = KronosPredictor(predictor.eval(), tiny_tokenizer().eval(), device="cpu")

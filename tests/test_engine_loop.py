@@ -100,8 +100,9 @@ def test_predictor_best_folder_keeps_the_tokenizer_config_and_feeds_kronos_predi
     assert all(not p.requires_grad for p in tok.parameters())  # the tokenizer stayed frozen
 
     ts = pd.date_range("2024-01-01", periods=12, freq="1h")
-    df = pd.DataFrame(np.random.default_rng(0).uniform(10, 11, (12, 6)),
-                      columns=["open", "high", "low", "close", "volume", "amount"])
+    values = np.random.default_rng(0).uniform(10, 11, (12, 6))
+    values[:, 1], values[:, 2] = values[:, :4].max(axis=1), values[:, :4].min(axis=1)  # valid candles
+    df = pd.DataFrame(values, columns=["open", "high", "low", "close", "volume", "amount"])
     future = pd.Series(pd.date_range(ts[-1] + pd.Timedelta("1h"), periods=3, freq="1h"))
     out = KronosPredictor(loaded, tok, device="cpu").predict(df, pd.Series(ts), future, pred_len=3, top_k=1,
                                                             verbose=False)

@@ -131,3 +131,25 @@ def test_a_kill_between_the_finished_predictor_and_its_calibration_is_calibrated
     assert "calibration" not in info
     assert run(config, *flags) == 0
     assert outputs(tmp_path) == uninterrupted
+
+
+def test_sigterm_while_kronos_forecast_samples_stops_with_75_and_writes_nothing(tmp_path, monkeypatch, capsys,
+                                                                               one_thread):
+    from finetune_csv import forecast
+
+    config = make_run(tmp_path)
+    assert run(config) == 0
+    sample = forecast.sample_paths
+
+    def signal_then_sample(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return sample(*args, **kwargs)
+
+    monkeypatch.setattr(forecast, "sample_paths", signal_then_sample)
+    assert run_main(forecast.main, ["--config", str(config)]) == STOPPED_EXIT_CODE
+    assert "stopped on SIGTERM while sampling forecasts; run the same command again" in capsys.readouterr().err
+    assert not (tmp_path / "out/tiny/forecast/metrics.json").exists()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and GracefulStop.active is None
+    monkeypatch.undo()
+    assert run_main(forecast.main, ["--config", str(config)]) == 0
+    assert (tmp_path / "out/tiny/forecast/metrics.json").is_file()

@@ -190,3 +190,49 @@ def test_report_and_windows_csv_agree_and_a_rerun_skips_finished_folds(run_confi
             wf.main(["--config", str(run_config), "--set", "forecast.sample_count=3", *flags])
     assert wf.main(["--config", str(run_config), "--set", "forecast.sample_count=3", "--overwrite"]) == 0
     assert json.loads((out / "report.json").read_text())["settings"]["samples"] == 3
+
+
+@pytest.mark.slow
+def test_sigterm_after_a_predictor_while_scoring_or_calibrating_ends_with_the_uninterrupted_report(
+        run_config, tmp_path, monkeypatch, capsys):
+    """Each interruption stops with exit 75 and one line; the re-runs end with the uninterrupted run's report.json,
+    with calibrated rows in every fold."""
+    import os
+    import signal
+
+    import finetune.utils.stages as stages
+    from finetune.utils.errors import run_main
+
+    reference = tmp_path / "reference.yaml"
+    reference.write_text(run_config.read_text().replace(str(tmp_path / "out"), str(tmp_path / "ref")))
+    assert run_main(wf.main, ["--config", str(reference)]) == 0
+    expected = json.loads((tmp_path / "ref/wf/walk_forward/report.json").read_text())
+
+    def signal_after(module, name: str, before: bool = False) -> None:
+        real = getattr(module, name)
+
+        def wrapped(*args, **kwargs):
+            if before:
+                os.kill(os.getpid(), signal.SIGTERM)
+            value = real(*args, **kwargs)
+            if not before:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return value
+
+        monkeypatch.setattr(module, name, wrapped)
+
+    for module, name, before, said in ((stages, "train_predictor", False, "after the predictor stage"),
+                                       (stages, "sample_paths", True, "while sampling forecasts"),  # calibrating
+                                       (wf, "sample_paths", True, "while sampling forecasts")):  # scoring
+        signal_after(module, name, before)
+        assert run_main(wf.main, ["--config", str(run_config)]) == 75, name
+        err = capsys.readouterr().err
+        assert f"stopped on SIGTERM {said}" in err and "Traceback" not in err, err
+        monkeypatch.undo()
+    assert run_main(wf.main, ["--config", str(run_config)]) == 0
+    out = tmp_path / "out/wf/walk_forward"
+    report = json.loads((out / "report.json").read_text())
+    assert report["paired"] == expected["paired"] and report["verdict"] == expected["verdict"]
+    assert [f["scores"] for f in report["folds"]] == [f["scores"] for f in expected["folds"]]
+    assert all("calibrated" in f["scores"] for f in report["folds"])
+    assert (out / "windows.csv").read_bytes() == (tmp_path / "ref/wf/walk_forward/windows.csv").read_bytes()
