@@ -61,7 +61,7 @@ from finetune_csv.timestamps import (
     listed,
     wallclock_stamps,
 )
-from model.features import FEATURES, fill_amount
+from model.features import FEATURES, candle_faults, fill_amount
 from model.fileio import atomic_dir, write_json
 
 _MAX_PROBLEMS_SHOWN = 50
@@ -408,27 +408,20 @@ def _refuse_foreign_folder(out_dir: Path) -> None:
 
 def candle_problems(values: np.ndarray, lines: np.ndarray, columns: Mapping[str, str | None], where: str,
                     unit: str, settings: StoreSettings) -> tuple[list[str], list[str]]:
-    """The candle rules of one series, `values (n, 6)` open..amount, `lines (n,)`: (problems, warnings). A price <= 0
-    is an error; a high below max(open, close) or a low above min(open, close) is an error (a warning with
-    data.bad_candles: warn); a volume column zero throughout is an error unless data.allow_zero_volume. NaN cells
-    are left to data.nan_policy.
-    """
+    """The candle rules (`model.features.candle_faults`) of one series, `values (n, 6)` open..amount, `lines (n,)`:
+    (problems, warnings). A price <= 0 is an error; a broken high / low rule is an error, or a warning with
+    data.bad_candles: warn; a volume column zero throughout is an error unless data.allow_zero_volume."""
     problems, notes = [], []
-    for i, f in enumerate(FEATURES[:4]):
-        bad = values[:, i] <= 0  # NaN compares False
-        if bad.any():
-            problems.append(f"{where}: column '{columns[f]}' (data.columns.{f}) has {int(bad.sum())} price(s) <= 0 "
-                            f"at {unit} {listed(lines[bad])}; prices must be positive (fix or remove these rows)")
-    o, h, lo, c = (values[:, i] for i in range(4))
-    for f, bad, rule in (("high", h < np.maximum(o, c), "below max(open, close)"),
-                         ("low", lo > np.minimum(o, c), "above min(open, close)")):
-        if bad.any():
-            text = (f"{where}: column '{columns[f]}' (data.columns.{f}) is {rule} in {int(bad.sum())} candle(s) at "
-                    f"{unit} {listed(lines[bad])}")
-            if settings.bad_candles == "error":
-                problems.append(text + "; fix the file, or set data.bad_candles: warn to train on them")
-            else:
-                notes.append(text + " (data.bad_candles: warn)")
+    for f, bad, rule in candle_faults(values):
+        column, at = f"column '{columns[f]}' (data.columns.{f})", f"{unit} {listed(lines[bad])}"
+        if rule.startswith("<= 0"):
+            problems.append(f"{where}: {column} has {int(bad.sum())} price(s) <= 0 at {at}; prices must be positive "
+                            "(fix or remove these rows)")
+        elif settings.bad_candles == "error":
+            problems.append(f"{where}: {column} is {rule} in {int(bad.sum())} candle(s) at {at}; fix the file, or set "
+                            "data.bad_candles: warn to train on them")
+        else:
+            notes.append(f"{where}: {column} is {rule} in {int(bad.sum())} candle(s) at {at} (data.bad_candles: warn)")
     if columns.get("volume") is not None and len(values) and not np.nan_to_num(values[:, 4]).any() \
             and not settings.allow_zero_volume:
         problems.append(f"{where}: column '{columns['volume']}' (data.columns.volume) is zero in every row; set "
