@@ -4,25 +4,17 @@
     python scripts/bench_data.py qlib  [--symbols 300 --days 3600 --batch 50 --seconds 3]
     python scripts/bench_data.py store --rows 100_000_000 --series 2000 [--nproc 2] [--data-dir /tmp/kronos_store_bench]
 
-csv    Samples/s through the engine's DataLoader (num_workers=0, shuffled) of the CSV pipeline's prepared,
-       memory-mapped store and its WindowDataset (one vectorised gather + normalisation per batch) against the
-       baseline `df.iloc[start:start + window]` per sample (the original Kronos CSV dataset); and the share of a
-       small predictor's train step spent waiting for data. Synthetic 5-minute data (finetune.synthetic), prepared
-       into a store in a temporary folder (the time to parse, check and write it is reported).
-qlib   Synthetic CSI-300-sized daily data in Qlib's stacked layout. Preprocessing (stacked frame -> per-instrument
-       arrays): ours (one sort, offsets) against the original's pandas pivot per symbol (timed on
-       --baseline-symbols, scaled up); training samples/s (90 + 10): the pandas baseline, ours per sample and
-       ours batched (what the DataLoader calls).
-store  Data larger than memory. Generates --series Parquet files under <data-dir>/parquet (kept for re-runs, never
-       in the repository; 100M rows take ~5 GB, the store ~7 GB), then runs `torchrun --nproc_per_node=<nproc>` of
-       this script's worker twice: with no store (rank 0 prepares it while the other ranks wait at the barrier),
-       then again (the store is reused). Each rank opens the store memory-mapped, splits it 90/10, builds the epoch
-       sampler, reads one batch of 512+48 windows and does one DDP (gloo) step of a small tokenizer, reporting the
-       seconds from launch to each stage and peak memory sampled every 20 ms from /proc/self/status: RssAnon (what
-       a rank costs beyond the shared page cache) and RssFile (mapped pages, shared by all ranks). Then the
-       preparation throughput on --baseline-rows rows: tests/csv_reference.py load_series (pandas, in memory)
-       against prepare_store on the same CSV files and on the same rows as Parquet, each in a fresh process.
-The numbers depend on the machine: run on an idle one.
+csv    the CSV pipeline's memory-mapped store + WindowDataset through the engine's DataLoader against
+       `df.iloc[start:start + window]` per sample (the original Kronos CSV dataset), and the share of a small
+       predictor's train step spent waiting for data; synthetic 5-minute data (finetune.synthetic).
+qlib   Qlib-layout daily data: preprocessing (one sort + offsets vs the original's pandas pivot per symbol, timed on
+       --baseline-symbols and scaled) and training samples/s (pandas per sample, ours per sample, ours batched).
+store  data larger than memory: --series Parquet files under <data-dir>/parquet (kept for re-runs, never in the
+       repository), then `torchrun --nproc_per_node=<nproc>` of this script's worker twice (rank 0 prepares the store,
+       then it is reused): seconds from launch to each stage and peak memory per rank (RssAnon: private; RssFile:
+       mapped pages, shared); then the preparation throughput on --baseline-rows rows (pandas in memory vs
+       prepare_store on CSV and on Parquet, each in a fresh process).
+The numbers depend on the machine: run on an idle one. Results and what made them fast: docs/benchmarks.md.
 """
 
 from __future__ import annotations
