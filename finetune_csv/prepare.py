@@ -68,28 +68,24 @@ _MAX_PROBLEMS_SHOWN = 50
 
 log = logging.getLogger(__name__)
 
+
 def _default_columns() -> dict[str, str | None]:
     return {f: f for f in ("timestamps",) + FEATURES}
 
 
 @dataclass(frozen=True)
 class StoreSettings:
-    """How input files become series; every field is part of the store's identity (a change re-prepares)."""
+    """How input files become series: each field is the `data:` setting of its name (finetune_csv.config.DataConfig
+    documents them; `columns`: our field -> the file's column, None = absent). Every field is part of the store's
+    identity (a change re-prepares)."""
 
-    # Our field (timestamps, open, high, low, close, volume, amount) -> the file's column name (None = absent).
     columns: Mapping[str, str | None] = field(default_factory=_default_columns)
-    # Column whose values split a file into several series; None = one series per file.
     symbol_column: str | None = None
-    # strftime format of text timestamps; None = ISO 8601 or inferred from the first value.
     timestamp_format: str | None = None
-    nan_policy: str = "error"  # Missing prices/volumes: error | ffill | drop (see finetune_csv.config.DataConfig).
-    # IANA zone that offset-carrying stamps are converted to (data.timezone); None = keep their stated clock.
+    nan_policy: str = "error"
     timezone: str | None = None
-    # Expected bar length (data.frequency, e.g. '5min'); None = infer per file and warn about odd files.
     frequency: str | None = None
-    # A high below max(open, close) or a low above min(open, close): error | warn (data.bad_candles).
     bad_candles: str = "error"
-    # A series whose volume column is zero throughout is an error unless True (data.allow_zero_volume).
     allow_zero_volume: bool = False
 
     @classmethod
