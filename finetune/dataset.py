@@ -33,6 +33,7 @@ from finetune.utils.store import SeriesPanel, StoreError, open_store, write_pane
 from finetune.utils.windows import WindowDataset
 from model.errors import DataError
 from model.features import FEATURES
+from model.fileio import read_json_object
 
 log = logging.getLogger("finetune.qlib")
 
@@ -80,9 +81,7 @@ def content_sha256(dataset_path: str | Path) -> str:
 
 
 def read_manifest(dataset_path: str | Path) -> dict[str, Any]:
-    path = Path(dataset_path).expanduser() / MANIFEST_NAME
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return read_json_object(Path(dataset_path).expanduser() / MANIFEST_NAME, "a splits manifest")
 
 
 def manifest_settings(cfg: QlibConfig) -> dict[str, Any]:

@@ -253,11 +253,6 @@ def _check_names(universe: str, benchmark: str) -> None:
         raise DataError("invalid Qlib folder settings:\n  " + "\n  ".join(problems))
 
 
-def _write_bin(path: Path, start_index: int, values: np.ndarray) -> None:
-    """Qlib feature file: little-endian float32 [start_index, values...]."""
-    np.concatenate([[float(start_index)], values]).astype("<f4").tofile(path)
-
-
 def load_membership(source: str | os.PathLike | pd.DataFrame, symbols: set[str], benchmark: str) -> pd.DataFrame:
     """Point-in-time universe membership: CSV or DataFrame with columns symbol, start, end (one row per spell).
 
@@ -330,8 +325,9 @@ def _write_provider(root: Path, tables: dict[str, pd.DataFrame], universe: str, 
         aligned = table.reindex(calendar[first:last + 1])  # (n_days_listed, n_fields), NaN on missing days
         folder = root / "features" / symbol.lower()
         folder.mkdir(parents=True)
-        for field in FIELDS:
-            _write_bin(folder / f"{field}.day.bin", first, aligned[field].to_numpy(dtype=np.float64))
+        for field in FIELDS:  # little-endian float32 [index of the first day, values...] (module docstring)
+            values = np.concatenate([[float(first)], aligned[field].to_numpy(dtype=np.float64)])
+            values.astype("<f4").tofile(folder / f"{field}.day.bin")
 
 
 def build_qlib_provider(frames: dict[str, pd.DataFrame], out_dir: str | os.PathLike, universe: str = "csi300",
