@@ -133,13 +133,9 @@ class PreparedData:
 
 def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None, *, with_splits: bool = True,
                  frames: Mapping[str, pd.DataFrame] | None = None) -> PreparedData:
-    """The CSV pipeline's data path, top to bottom: sources -> the prepared store (rank 0 prepares or reuses it,
-    `ensure_store`) -> the memory-mapped panel -> train / val (/ test) index ranges (`split_data`).
-
-    with_splits False: the whole series only, `splits` {} (the future forecast needs `lookback` rows per series,
-    not a usable split). frames: {name: DataFrame} from Python, read instead of `cfg.path`. A failed preparation
-    leaves no store and no folder it created.
-    """
+    """The CSV pipeline's data path of the module docstring. with_splits False: `splits` {} (the future forecast
+    needs `lookback` rows per series, not a usable split); frames: {name: DataFrame} from Python, read instead of
+    `cfg.path`. A failed preparation leaves no store and no folder it created."""
     store_dir = Path(store_dir)
     is_main = dist is None or dist.is_main
     created = [p for p in [store_dir, *store_dir.parents] if not p.exists()]
@@ -198,14 +194,11 @@ def data_summary_from_store(data: PreparedData, cfg: DataConfig) -> dict:
 
 def check_store(store_dir: str | Path, sources: Sequence[Path | Frame], settings: StoreSettings,
                 verify: bool = True) -> tuple[bool, str, dict | None]:
-    """Whether the store at `store_dir` was prepared from `sources` with `settings`, and is intact.
-
-    Returns (reusable, reason, refreshed manifest or None). With `verify` (the main process) every source's
-    content is hashed (a CSV edited in place keeping its size and mtime is found) and every array file's sha256 is
-    checked (a damaged or truncated array makes the store stale: the reason names the file); a source whose mtime
-    alone changed counts as unchanged and the refreshed manifest records its new mtime. Without `verify` (the other
-    processes, after the main one) only sizes and mtimes are compared.
-    """
+    """(reusable, reason, refreshed manifest or None): whether the store at `store_dir` was prepared from `sources`
+    with `settings` and is intact. With `verify` (the main process) every source's content is hashed (a CSV edited
+    in place keeping its size and mtime is found) and every array's sha256 checked (the reason names a damaged
+    file); a source whose mtime alone changed is unchanged, and the refreshed manifest records its new mtime.
+    Without `verify` (the other processes, after the main one) only sizes and mtimes are compared."""
     if not Path(store_dir).exists():
         return False, "first run: no store yet", None
     try:
