@@ -189,7 +189,7 @@ def test_each_series_gets_its_own_seasonal_period():
 
 def test_the_per_series_leak_warning_names_the_other_series_period_as_it_is(caplog):
     from finetune.utils.windows import PanelSegments
-    from finetune_csv.data import _warn_overlapping_periods
+    from finetune_csv.splits import _warn_overlapping_periods
     from tests.test_walk_forward import panel
 
     # a daily series over 2023 and an hourly one over ten days of 2024, each cut 70/15/15 by its own rows
