@@ -33,6 +33,7 @@ from finetune.utils.store import SeriesPanel, StoreError, open_store, write_pane
 from finetune.utils.windows import WindowDataset
 from model.errors import DataError
 from model.features import FEATURES
+from model.fileio import read_json_object
 
 log = logging.getLogger("finetune.qlib")
 
@@ -41,9 +42,6 @@ MANIFEST_NAME = "manifest.json"
 # v3: one memory-mappable store per split (v2: .npz), series cut at gaps and membership spells, calendar_ns;
 # v4: content_sha256 identifies the splits (the source path is no longer compared)
 FORMAT = "kronos-qlib-splits/v4"
-# Settings a split depends on: changing any of them after preprocessing means preprocessing again.
-_MANIFEST_KEYS = ("qlib_data_path", "instrument", "freq", "lookback", "predict", "amount_source",
-                  "train_time_range", "val_time_range", "test_time_range", "max_gap_days", "features")
 
 
 def split_path(dataset_path: str | Path, split: str) -> Path:
@@ -62,17 +60,15 @@ def load_split(path: str | Path) -> SeriesPanel:
     """Open a split written by `save_split` as a SeriesPanel of read-only memory maps (no copy)."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(
-            f"{path} not found: run `python finetune/qlib_data_preprocess.py --config ...` first (data.dataset_path)"
-        )
+        raise FileNotFoundError(f"{path} not found: run `python finetune/qlib_data_preprocess.py --config ...` "
+                                "first (data.dataset_path)")
     try:
         panel = open_store(path, verify=True)  # a damaged split is named, never trained on
     except (StoreError, OSError, KeyError) as e:
         raise DataError(f"{path}: not a readable split ({e}); rerun the preprocessing") from None
     if panel.n_features != len(FEATURES):
-        raise DataError(
-            f"{path}: features must be ({len(FEATURES)}, N), got {panel.features.shape}; rerun the preprocessing"
-        )
+        raise DataError(f"{path}: features must be ({len(FEATURES)}, N), got {panel.features.shape}; rerun the "
+                        "preprocessing")
     return panel
 
 
@@ -85,27 +81,17 @@ def content_sha256(dataset_path: str | Path) -> str:
 
 
 def read_manifest(dataset_path: str | Path) -> dict[str, Any]:
-    path = Path(dataset_path).expanduser() / MANIFEST_NAME
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return read_json_object(Path(dataset_path).expanduser() / MANIFEST_NAME, "a splits manifest")
 
 
 def manifest_settings(cfg: QlibConfig) -> dict[str, Any]:
-    """The settings recorded in manifest.json that the splits depend on (compared by `check_processed`)."""
+    """The settings recorded in manifest.json that the splits depend on (compared by `check_processed`): changing
+    any of them after preprocessing means preprocessing again."""
     d = cfg.data
-    return {
-        "qlib_data_path": str(Path(os.path.expanduser(d.qlib_data_path)).resolve()),
-        "instrument": d.instrument,
-        "freq": d.freq,
-        "lookback": d.lookback,
-        "predict": d.predict,
-        "amount_source": d.amount_source,
-        "train_time_range": list(d.train_time_range),
-        "val_time_range": list(d.val_time_range),
-        "test_time_range": list(d.test_time_range),
-        "max_gap_days": d.max_gap_days,
-        "features": list(FEATURES),
-    }
+    return {"qlib_data_path": str(Path(os.path.expanduser(d.qlib_data_path)).resolve()),
+            **{k: getattr(d, k) for k in ("instrument", "freq", "lookback", "predict", "amount_source")},
+            **{k: list(getattr(d, k)) for k in ("train_time_range", "val_time_range", "test_time_range")},
+            "max_gap_days": d.max_gap_days, "features": list(FEATURES)}
 
 
 def check_processed(cfg: QlibConfig, splits: tuple[str, ...], problems: Problems) -> None:
@@ -124,9 +110,8 @@ def check_processed(cfg: QlibConfig, splits: tuple[str, ...], problems: Problems
         problems.add("data.dataset_path", f"{folder / MANIFEST_NAME} is unreadable ({e}); {fix}")
         return
     if manifest.get("format") != FORMAT:
-        problems.add(
-            "data.dataset_path", f"{folder} holds splits of format {manifest.get('format')!r}, not {FORMAT!r}; {fix}"
-        )
+        problems.add("data.dataset_path", f"{folder} holds splits of format {manifest.get('format')!r}, not "
+                     f"{FORMAT!r}; {fix}")
         return
     if manifest.get("content_sha256") != content_sha256(folder):
         problems.add("data.dataset_path", f"the splits in {folder} are not the ones its {MANIFEST_NAME} was written "
@@ -135,22 +120,17 @@ def check_processed(cfg: QlibConfig, splits: tuple[str, ...], problems: Problems
     made_with = manifest.get("settings", {})
     for key, now in manifest_settings(cfg).items():
         if key != "qlib_data_path" and key in made_with and made_with[key] != now:  # the source may move
-            problems.add(
-                f"data.{key}", f"is {now!r} but the splits in {folder} were made with {made_with[key]!r}; {fix}"
-            )
+            problems.add(f"data.{key}", f"is {now!r} but the splits in {folder} were made with {made_with[key]!r}; "
+                         f"{fix}")
 
 
 def build_window_dataset(split: SeriesPanel, cfg: QlibConfig, name: str) -> WindowDataset:
     """Every window of lookback + predict bars inside each instrument of `split`, as the shared WindowDataset.
-
-    Instruments too short for one window are listed in the log (never dropped silently); a split with no window
-    at all raises ValueError naming the time range to widen.
-    """
+    Instruments too short for one window are logged (never dropped silently); no window at all is a DataError."""
     d = cfg.data
     if split.n_series == 0:
-        raise DataError(
-            f"data.{name}_time_range: the {name} split holds no instrument; widen the range and preprocess again"
-        )
+        raise DataError(f"data.{name}_time_range: the {name} split holds no instrument; widen the range and "
+                        "preprocess again")
     try:
         ds = WindowDataset(split, d.lookback, d.predict, clip=d.clip)
     except ValueError as e:
@@ -175,8 +155,6 @@ def build_train_val_datasets(cfg: QlibConfig) -> tuple[WindowDataset, WindowData
         split = load_split(split_path(folder, name))
         sets[name] = build_window_dataset(split, cfg, name)
         dates = date_range(split)
-        info["splits"][name] = {
-            "instruments": split.n_series, "rows": split.n_rows, "windows": len(sets[name]),
-            "start": dates[0] if dates else None, "end": dates[1] if dates else None,
-        }
+        info["splits"][name] = {"instruments": split.n_series, "rows": split.n_rows, "windows": len(sets[name]),
+                                "start": dates[0] if dates else None, "end": dates[1] if dates else None}
     return sets["train"], sets["val"], info

@@ -57,10 +57,8 @@ class SubstituteBenchmarkWarning(UserWarning):
 
 
 def load_csv_folder(csv_dir: str | os.PathLike) -> dict[str, pd.DataFrame]:
-    """Read every `*.csv` in `csv_dir` as {SYMBOL (file stem, upper-cased): DataFrame}, columns as written.
-
-    Only checks the folder itself; `build_qlib_provider` validates the contents (all problems reported at once).
-    """
+    """Read every `*.csv` in `csv_dir` as {SYMBOL (file stem, upper-cased): DataFrame}, columns as written (the
+    contents are checked by `build_qlib_provider`, all problems at once)."""
     folder = Path(csv_dir)
     if not folder.is_dir():
         raise FileNotFoundError(f"CSV folder {folder} does not exist (--csv-dir)")
@@ -172,12 +170,9 @@ def _clean_daily_table(df: pd.DataFrame, symbol: str,
 
 def validate_daily_frames(frames: dict[str, pd.DataFrame],
                           columns: dict[str, str | None] | None = None) -> dict[str, pd.DataFrame]:
-    """Check every table and return clean copies: `timestamps` daily datetime64, numeric columns float64, sorted.
-
-    Raises one ValueError listing every problem (missing columns, unparseable or intraday or duplicate timestamps,
-    non-numeric values, prices <= 0, negative volume or amount). Empty cells stay NaN: a missing value is written
-    as missing, never dropped. Row numbers in messages are 0-based data rows (CSV line = row + 2).
-    """
+    """Check every table and return clean copies (`timestamps` daily datetime64, numeric columns float64, sorted),
+    or raise one DataError listing every problem; row numbers are 0-based data rows (CSV line = row + 2). Empty
+    cells stay NaN: a missing value is written as missing, never dropped."""
     if not frames:
         raise DataError("no symbols to build a Qlib folder from (--csv-dir is empty or --synthetic 0)")
     clean: dict[str, pd.DataFrame] = {}
@@ -253,18 +248,10 @@ def _check_names(universe: str, benchmark: str) -> None:
         raise DataError("invalid Qlib folder settings:\n  " + "\n  ".join(problems))
 
 
-def _write_bin(path: Path, start_index: int, values: np.ndarray) -> None:
-    """Qlib feature file: little-endian float32 [start_index, values...]."""
-    np.concatenate([[float(start_index)], values]).astype("<f4").tofile(path)
-
-
 def load_membership(source: str | os.PathLike | pd.DataFrame, symbols: set[str], benchmark: str) -> pd.DataFrame:
-    """Point-in-time universe membership: CSV or DataFrame with columns symbol, start, end (one row per spell).
-
-    Returns a clean copy (symbols upper-cased, start / end datetime64, sorted). Raises one ValueError listing every
-    problem: missing columns, unparseable dates, start after end, overlapping spells of one symbol, symbols without
-    data (they would be listed in the universe but have no features), the benchmark as a member.
-    """
+    """Point-in-time universe membership: CSV or DataFrame with columns symbol, start, end (one row per spell), as a
+    clean copy (symbols upper-cased, start / end datetime64, sorted), or one DataError listing every problem (a
+    member without data would be listed in the universe with no features)."""
     where = "membership file (--membership)"
     if isinstance(source, pd.DataFrame):
         raw = source.copy()
@@ -330,22 +317,18 @@ def _write_provider(root: Path, tables: dict[str, pd.DataFrame], universe: str, 
         aligned = table.reindex(calendar[first:last + 1])  # (n_days_listed, n_fields), NaN on missing days
         folder = root / "features" / symbol.lower()
         folder.mkdir(parents=True)
-        for field in FIELDS:
-            _write_bin(folder / f"{field}.day.bin", first, aligned[field].to_numpy(dtype=np.float64))
+        for field in FIELDS:  # little-endian float32 [index of the first day, values...] (module docstring)
+            values = np.concatenate([[float(first)], aligned[field].to_numpy(dtype=np.float64)])
+            values.astype("<f4").tofile(folder / f"{field}.day.bin")
 
 
 def build_qlib_provider(frames: dict[str, pd.DataFrame], out_dir: str | os.PathLike, universe: str = "csi300",
                         benchmark: str = "SH000300", overwrite: bool = False,
                         membership: str | os.PathLike | pd.DataFrame | None = None,
                         columns: dict[str, str | None] | None = None) -> Path:
-    """Write a Qlib 'day' provider folder for `frames` ({symbol: OHLCV(A) DataFrame}); returns its path.
-
-    Every symbol goes into instruments/<universe>.txt except `benchmark` (or, with `membership`, the spells of that
-    file: see `load_membership`): a table under the benchmark's name is written as given, otherwise the benchmark
-    is the equal-weighted index of the universe and a `SubstituteBenchmarkWarning` is issued. Symbols are
-    upper-cased. Suspended days (see `suspended_days`) become NaN in every field. build_info.json records the
-    benchmark's source and the suspended-day count per symbol.
-    """
+    """Write a Qlib 'day' provider folder for `frames` ({symbol: OHLCV(A) DataFrame}), as the module docstring
+    describes (universe, benchmark or its substitute, suspensions, membership); returns its path. build_info.json
+    records the benchmark's source and the suspended-day count per symbol."""
     _check_names(universe, benchmark)
     out = Path(out_dir)
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):

@@ -23,7 +23,6 @@ membership spell; each run of consecutive target bars becomes one series, with c
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import logging
 import os
@@ -37,14 +36,7 @@ import numpy as np
 import pandas as pd
 
 from finetune.config import QlibConfig, cli_parser, load
-from finetune.dataset import (
-    FORMAT,
-    MANIFEST_NAME,
-    content_sha256,
-    manifest_settings,
-    save_split,
-    split_path,
-)
+from finetune.dataset import FORMAT, MANIFEST_NAME, content_sha256, manifest_settings, save_split, split_path
 from finetune.qlib_io import (
     check_qlib_folder,
     check_ranges_in_calendar,
@@ -90,9 +82,8 @@ def split_rules(cfg: QlibConfig, calendar: pd.DatetimeIndex | None = None) -> li
     on the last trading day before test_time_range (else on its first day)."""
     d = cfg.data
     window = d.lookback + d.predict
-    (tr0, tr1), (va0, va1), (te0, te1) = (
-        range_bounds(r) for r in (d.train_time_range, d.val_time_range, d.test_time_range)
-    )
+    (tr0, tr1), (va0, va1), (te0, te1) = (range_bounds(r) for r in (d.train_time_range, d.val_time_range,
+                                                                     d.test_time_range))
     if calendar is not None:
         te0 = first_signal_day(calendar, te0)
     return [
@@ -116,9 +107,8 @@ def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1) - 1))
 
 
-def cut_split(
-    panel: SeriesPanel, rule: SplitRule, member: np.ndarray | None = None
-) -> tuple[SeriesPanel, dict[str, int]]:
+def cut_split(panel: SeriesPanel, rule: SplitRule, member: np.ndarray | None = None
+              ) -> tuple[SeriesPanel, dict[str, int]]:
     """The pieces of `panel` that `rule` selects; returns (split, dropped: name -> usable bars of dropped pieces).
 
     Target bars: inside [rule.start, rule.end] and, with `member` ((N,) bool), members of the universe. Each run of
@@ -144,11 +134,9 @@ def cut_split(
             kept.append(s)
             lengths.append(b + 1 - a0)
     rows = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
-    split = SeriesPanel(
-        np.ascontiguousarray(panel.features[:, rows]), np.asarray(panel.stamps)[rows],
-        np.r_[0, np.cumsum(lengths)].astype(np.int64), [str(panel.names[k]) for k in kept],
-        np.asarray(panel.datetimes)[rows],
-    )
+    split = SeriesPanel(np.ascontiguousarray(panel.features[:, rows]), np.asarray(panel.stamps)[rows],
+                        np.r_[0, np.cumsum(lengths)].astype(np.int64), [str(panel.names[k]) for k in kept],
+                        np.asarray(panel.datetimes)[rows])
     return split, dropped
 
 
@@ -171,25 +159,16 @@ def make_splits(panel: SeriesPanel, cfg: QlibConfig, member: np.ndarray | None =
             log.warning("[%s] dropped %d instrument(s) with fewer than %d usable bars: %s",
                         rule.name, len(dropped), rule.min_bars, _show(dropped))
         if split.n_series == 0:
-            problems.add(
-                key,
-                f"leaves the {rule.name} split empty: no instrument has {rule.min_bars} bars from "
-                f"{rule.before} bars before {rule.start.date()} to {rule.end.date()}"
-                + (f" ({len(dropped)} instruments have fewer)" if dropped else "")
-                + "; widen the range or shorten data.lookback / data.predict",
-            )
+            problems.add(key, f"leaves the {rule.name} split empty: no instrument has {rule.min_bars} bars from "
+                              f"{rule.before} bars before {rule.start.date()} to {rule.end.date()}"
+                              + (f" ({len(dropped)} instruments have fewer)" if dropped else "")
+                              + "; widen the range or shorten data.lookback / data.predict")
         dates = date_range(split)
         splits[rule.name] = split
-        report[rule.name] = {
-            "time_range": [str(rule.start.date()), str(rule.end.date())],
-            "instruments": len(set(split.names)),
-            "series": split.n_series,
-            "rows": split.n_rows,
-            "first_bar": dates[0] if dates else None,
-            "last_bar": dates[1] if dates else None,
-            "context_bars": rule.before,
-            "dropped_too_short": dropped,
-        }
+        report[rule.name] = {"time_range": [str(rule.start.date()), str(rule.end.date())],
+                             "instruments": len(set(split.names)), "series": split.n_series, "rows": split.n_rows,
+                             "first_bar": dates[0] if dates else None, "last_bar": dates[1] if dates else None,
+                             "context_bars": rule.before, "dropped_too_short": dropped}
         log.info("[%s] %d instruments, %d bars, %s..%s", rule.name, split.n_series, split.n_rows,
                  *(dates or ("-", "-")))
     problems.raise_if_any()
@@ -242,11 +221,6 @@ def write_splits(folder: str | Path, splits: dict[str, SeriesPanel], manifest: d
 # entry point
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = cli_parser(__doc__)
-    return parse_config_args(parser, argv)
-
-
 def preprocess(cfg: QlibConfig) -> dict[str, Any]:
     """Run every step for `cfg`; returns the manifest written to data.dataset_path."""
     problems = cfg.problems()
@@ -262,16 +236,14 @@ def preprocess(cfg: QlibConfig) -> dict[str, Any]:
     start, end = load_range(calendar, d.dataset_begin_time, d.dataset_end_time, d.lookback, d.predict)
     spans = universe_spans(cfg, start, end)
     if not spans:
-        raise ConfigError(
-            [f"data.instrument: universe {d.instrument!r} has no member between {start.date()} and {end.date()}"]
-        )
+        raise ConfigError([f"data.instrument: universe {d.instrument!r} has no member between {start.date()} and "
+                           f"{end.date()}"])
     log.info("loading the full history of %d instrument(s) of %s from %s (%s .. %s, %s bars)", len(spans),
              d.instrument, d.qlib_data_path, start.date(), end.date(), d.freq)
     frame = load_frame(cfg, start, end, instruments=list(spans))
     if frame.empty:
-        raise ConfigError(
-            [f"data.instrument: universe {d.instrument!r} has no data between {start.date()} and {end.date()}"]
-        )
+        raise ConfigError([f"data.instrument: universe {d.instrument!r} has no data between {start.date()} and "
+                           f"{end.date()}"])
 
     # Fewer bars than one test context cannot serve any split (training windows need lookback + predict).
     panel, frame_report = frame_to_panel(frame, d.amount_source, min_bars=d.lookback, calendar=calendar,
@@ -311,7 +283,7 @@ def preprocess(cfg: QlibConfig) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     setup_logging()
-    args = parse_args(argv)
+    args = parse_config_args(cli_parser(__doc__), argv)
     require_extra("qlib")  # named before any work (the qlib imports below are lazy)
     cfg = load(args.config, args.set)
     preprocess(cfg)

@@ -41,32 +41,25 @@ def check_qlib_folder(cfg: QlibConfig, problems: Problems, need_benchmark: bool 
     d = cfg.data
     root = Path(os.path.expanduser(d.qlib_data_path))
     if not root.is_dir():
-        problems.add(
-            "data.qlib_data_path",
-            f"{root} is not a folder; point it at a Qlib provider folder (with calendars/, instruments/, features/)",
-        )
+        problems.add("data.qlib_data_path", f"{root} is not a folder; point it at a Qlib provider folder (with "
+                     "calendars/, instruments/, features/)")
         return
     calendar = root / "calendars" / f"{d.freq}.txt"
     if not calendar.is_file():
         found = sorted(p.stem for p in (root / "calendars").glob("*.txt"))
-        problems.add(
-            "data.qlib_data_path" if not found else "data.freq",
-            f"{calendar} not found (calendars present: {found or 'none'}); is {root} a Qlib provider folder?",
-        )
+        problems.add("data.qlib_data_path" if not found else "data.freq",
+                     f"{calendar} not found (calendars present: {found or 'none'}); is {root} a Qlib provider folder?")
     universe = root / "instruments" / f"{d.instrument}.txt"
     if not universe.is_file():
         known = sorted(p.stem for p in (root / "instruments").glob("*.txt"))
-        problems.add(
-            "data.instrument", f"unknown universe {d.instrument!r}: {universe} not found (available: {known or 'none'})"
-        )
+        problems.add("data.instrument", f"unknown universe {d.instrument!r}: {universe} not found (available: "
+                     f"{known or 'none'})")
     bench = cfg.benchmark
     if need_benchmark and bench:
         bench_close = root / "features" / bench.lower() / f"close.{d.freq}.bin"
         if not bench_close.is_file():
-            problems.add(
-                "backtest.benchmark",
-                f"{bench!r} is not in the data ({bench_close} not found); pick an instrument under {root / 'features'}",
-            )
+            problems.add("backtest.benchmark", f"{bench!r} is not in the data ({bench_close} not found); pick an "
+                         f"instrument under {root / 'features'}")
 
 
 def benchmark_label(cfg: QlibConfig) -> str:
@@ -90,20 +83,16 @@ def check_ranges_in_calendar(cfg: QlibConfig, calendar: pd.DatetimeIndex, proble
             continue
         r = range_bounds(getattr(cfg.data, name))
         days = int(((calendar >= r[0]) & (calendar <= r[1])).sum())
-        problems.check(
-            days > 0, f"data.{name}",
-            f"{[str(x.date()) for x in r]} holds no trading day of the Qlib calendar ({first}..{last}); "
-            "move it inside the data",
-        )
+        problems.check(days > 0, f"data.{name}", f"{[str(x.date()) for x in r]} holds no trading day of the Qlib "
+                       f"calendar ({first}..{last}); move it inside the data")
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # pure conversions (unit-tested without Qlib)
 
 
-def load_range(
-    calendar: pd.DatetimeIndex, begin: str, end: str, lookback: int, predict: int
-) -> tuple[pd.Timestamp, pd.Timestamp]:
+def load_range(calendar: pd.DatetimeIndex, begin: str, end: str, lookback: int, predict: int
+               ) -> tuple[pd.Timestamp, pd.Timestamp]:
     """Dates to load: `lookback` trading days before `begin` to `predict` trading days after `end`, clamped to the
     calendar (the margins give the first windows their context and the last forecasts their realised returns)."""
     start_i = int(calendar.searchsorted(pd.Timestamp(begin), side="left"))
@@ -154,8 +143,7 @@ class FrameReport:
 
     # Rows dropped per instrument because a feature was missing (suspended days, gaps in the data).
     nan_rows: dict[str, int] = field(default_factory=dict)
-    # Instruments (or pieces of one cut at a gap) dropped because fewer bars than `min_bars` remained: name -> bars
-    # dropped.
+    # Instruments (or pieces cut at a gap) with fewer than `min_bars` bars, dropped: name -> bars dropped.
     short: dict[str, int] = field(default_factory=dict)
     # Cuts per instrument at gaps of more than max_gap_days missing trading days.
     gaps: dict[str, int] = field(default_factory=dict)
@@ -213,9 +201,8 @@ def frame_to_panel(frame: pd.DataFrame, amount_source: str, min_bars: int, calen
     for n, k in zip(names[~keep], lengths[~keep]):
         report.short[str(n)] = report.short.get(str(n), 0) + int(k)
     if not keep.all():
-        rows = np.concatenate(
-            [np.arange(offsets[i], offsets[i + 1]) for i in np.flatnonzero(keep)] or [np.zeros(0, np.int64)]
-        )
+        rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in np.flatnonzero(keep)]
+                              or [np.zeros(0, np.int64)])
         inst, when, features = inst[rows], when[rows], features[rows]
         offsets = np.r_[0, np.cumsum(lengths[keep])].astype(np.int64)
         names = names[keep]
@@ -247,9 +234,8 @@ def read_calendar(cfg: QlibConfig) -> pd.DatetimeIndex:
     return pd.DatetimeIndex(D.calendar(freq=cfg.data.freq)).as_unit("ns")
 
 
-def universe_spans(
-    cfg: QlibConfig, start: pd.Timestamp, end: pd.Timestamp
-) -> dict[str, list[tuple[pd.Timestamp, pd.Timestamp]]]:
+def universe_spans(cfg: QlibConfig, start: pd.Timestamp, end: pd.Timestamp
+                   ) -> dict[str, list[tuple[pd.Timestamp, pd.Timestamp]]]:
     """Membership spells of every instrument of the universe that is a member at some time in [start, end]:
     {code: [(first day, last day), ...]} (Qlib's instruments/<universe>.txt, clipped to the range)."""
     from qlib.data import D
@@ -259,9 +245,8 @@ def universe_spans(
     return {str(k): [(pd.Timestamp(a), pd.Timestamp(b)) for a, b in v] for k, v in sorted(spans.items())}
 
 
-def load_frame(
-    cfg: QlibConfig, start: pd.Timestamp, end: pd.Timestamp, instruments: list[str] | None = None
-) -> pd.DataFrame:
+def load_frame(cfg: QlibConfig, start: pd.Timestamp, end: pd.Timestamp, instruments: list[str] | None = None
+               ) -> pd.DataFrame:
     """One D.features call: index (instrument, datetime), columns QLIB_FIELDS.
 
     `instruments` (a list of codes) are loaded WITHOUT the universe's membership mask, i.e. their whole history in

@@ -7,22 +7,9 @@ Period k, on the trading calendar (s = its first trading day; s-1 its first sign
 
     dataset_begin .. train_end | purge | val_start .. val_end | purge | s-1 | s .. e (test period k)
 
-Every training window lies inside the training range (the preprocessing rule), the validation block picks the
-checkpoint, and `purge` (>= data.predict) trading days separate the last training target from the validation block
-and the last validation target from the first signal. Each period is preprocessed, its tokenizer and predictor are
-finetuned from model.pretrained_* by the usual trainers under torchrun (walk_forward.nproc_per_node processes; put
-DIST_BACKEND=gloo in front on a CPU), and its test days are forecast with the finetuned pair and with the pretrained
-pair (zero-shot), each seeded with forecast.seed right before it runs. The periods' signals are concatenated (out of
-sample throughout) and scored against Qlib's trade labels: daily IC / RankIC of walk_forward.signal at its horizon,
-Newey-West t per period and overall, and the TopkDropout backtest over the whole span. The verdict is on the paired
-daily IC difference, finetuned minus zero-shot, on the same days: its mean and 95% HAC t interval (dependence over
-max(horizon, walk_forward.block_days) days; finetune/evaluation/statistics.py, as the CSV walk-forward) give `helps`
-(interval above 0), `hurts` (below 0) or `no_evidence` (it contains 0, or too few independent blocks of days).
-
-Outputs in <paths.save_path>/walk_forward/: period_<k>/ (config.yaml, data/, finetune_tokenizer/,
-finetune_predictor/, train.log, signals.csv), report.json, periods.csv, signals.csv, walk_forward.png. A re-run
-skips what is finished: preprocessed periods, finished stages (the trainers' rule) and forecasts newer than their
-model.
+Each period is preprocessed and finetuned by the usual trainers under torchrun (DIST_BACKEND=gloo on a CPU), then
+forecast with the finetuned and the pretrained (zero-shot) pair; the verdict is on the paired daily IC difference
+(finetune/evaluation/statistics.py). Method, outputs and the rule of a re-run: docs/qlib_evaluation.md "Walk-forward".
 """
 
 from __future__ import annotations

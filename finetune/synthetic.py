@@ -31,15 +31,16 @@ TRADING_DAYS_PER_YEAR = 252
 OVERNIGHT_VAR_SHARE = 0.2  # share of a day's return variance that happens between sessions (the gap)
 
 
-def session_offsets(freq: str) -> pd.TimedeltaIndex:
-    """Start times (offsets from midnight) of the bars of one trading day; `[0]` for daily bars."""
+def session_offsets(freq: str, sessions: tuple[tuple[str, str], ...] = SESSIONS) -> pd.TimedeltaIndex:
+    """Start times (offsets from midnight) of the bars of one trading day of `sessions` ((start, end) "HH:MM", end
+    exclusive, "24:00" = midnight); `[0]` for daily bars."""
     if freq not in FREQ_MINUTES:
         raise DataError(f"freq={freq!r} is not supported; choose one of {sorted(FREQ_MINUTES)}")
     minutes = FREQ_MINUTES[freq]
     if minutes is None:
         return pd.TimedeltaIndex([pd.Timedelta(0)])
     parts = []
-    for start, end in SESSIONS:
+    for start, end in sessions:
         lo, hi = pd.Timedelta(f"{start}:00"), pd.Timedelta(f"{end}:00")
         parts.append(pd.timedelta_range(lo, hi - pd.Timedelta(minutes=minutes), freq=f"{minutes}min"))
     return parts[0].append(parts[1:])
@@ -171,10 +172,6 @@ def generate_ohlcv(n_series: int = 8, n_bars: int | None = None, freq: str = "5m
     return frames
 
 
-def _is_daily(stamps: pd.Series) -> bool:
-    return bool((stamps == stamps.dt.normalize()).all())
-
-
 def write_csv_folder(frames: dict[str, pd.DataFrame], out_dir: str | os.PathLike) -> list[Path]:
     """Write one `<symbol>.csv` per frame (columns COLUMNS, ISO timestamps); returns the paths written, sorted.
 
@@ -189,7 +186,7 @@ def write_csv_folder(frames: dict[str, pd.DataFrame], out_dir: str | os.PathLike
     paths = []
     for symbol, df in sorted(frames.items()):
         stamps = pd.to_datetime(df["timestamps"])
-        fmt = "%Y-%m-%d" if _is_daily(stamps) else "%Y-%m-%d %H:%M:%S"
+        fmt = "%Y-%m-%d" if (stamps == stamps.dt.normalize()).all() else "%Y-%m-%d %H:%M:%S"
         path = out / f"{symbol}.csv"
         frame = df.assign(timestamps=stamps)[COLUMNS]
         atomic_write(path, lambda tmp, frame=frame, fmt=fmt: frame.to_csv(tmp, index=False, date_format=fmt))
@@ -218,17 +215,10 @@ MIX_DYNAMICS = ("trend", "mean_revert", "momentum")
 
 def mix_timestamps(freq: str, session: str, start: str, n_bars: int) -> pd.DatetimeIndex:
     """The first `n_bars` bar times from `start` for a `MIX_SESSIONS` calendar (bars labelled by their start)."""
-    if freq not in FREQ_MINUTES:
-        raise DataError(f"freq={freq!r} is not supported; choose one of {sorted(FREQ_MINUTES)}")
     if session not in MIX_SESSIONS:
         raise DataError(f"session={session!r} is not supported; choose one of {sorted(MIX_SESSIONS)}")
     sessions, weekends = MIX_SESSIONS[session]
-    minutes = FREQ_MINUTES[freq]
-    if minutes is None:
-        offsets = pd.TimedeltaIndex([pd.Timedelta(0)])
-    else:
-        lo, hi = (pd.Timedelta(f"{t}:00") if t != "24:00" else pd.Timedelta(days=1) for t in sessions[0])
-        offsets = pd.timedelta_range(lo, hi - pd.Timedelta(minutes=minutes), freq=f"{minutes}min")
+    offsets = session_offsets(freq, sessions)
     n_days = -(-n_bars // len(offsets))
     first = pd.Timestamp(start).normalize()
     days = pd.date_range(first, periods=n_days, freq="D") if weekends else pd.bdate_range(first, periods=n_days)

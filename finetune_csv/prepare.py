@@ -61,12 +61,13 @@ from finetune_csv.timestamps import (
     listed,
     wallclock_stamps,
 )
-from model.features import FEATURES, fill_amount
+from model.features import FEATURES, candle_faults, fill_amount
 from model.fileio import atomic_dir, write_json
 
 _MAX_PROBLEMS_SHOWN = 50
 
 log = logging.getLogger(__name__)
+
 
 def _default_columns() -> dict[str, str | None]:
     return {f: f for f in ("timestamps",) + FEATURES}
@@ -74,22 +75,17 @@ def _default_columns() -> dict[str, str | None]:
 
 @dataclass(frozen=True)
 class StoreSettings:
-    """How input files become series; every field is part of the store's identity (a change re-prepares)."""
+    """How input files become series: each field is the `data:` setting of its name (finetune_csv.config.DataConfig
+    documents them; `columns`: our field -> the file's column, None = absent). Every field is part of the store's
+    identity (a change re-prepares)."""
 
-    # Our field (timestamps, open, high, low, close, volume, amount) -> the file's column name (None = absent).
     columns: Mapping[str, str | None] = field(default_factory=_default_columns)
-    # Column whose values split a file into several series; None = one series per file.
     symbol_column: str | None = None
-    # strftime format of text timestamps; None = ISO 8601 or inferred from the first value.
     timestamp_format: str | None = None
-    nan_policy: str = "error"  # Missing prices/volumes: error | ffill | drop (see finetune_csv.config.DataConfig).
-    # IANA zone that offset-carrying stamps are converted to (data.timezone); None = keep their stated clock.
+    nan_policy: str = "error"
     timezone: str | None = None
-    # Expected bar length (data.frequency, e.g. '5min'); None = infer per file and warn about odd files.
     frequency: str | None = None
-    # A high below max(open, close) or a low above min(open, close): error | warn (data.bad_candles).
     bad_candles: str = "error"
-    # A series whose volume column is zero throughout is an error unless True (data.allow_zero_volume).
     allow_zero_volume: bool = False
 
     @classmethod
@@ -137,13 +133,9 @@ class PreparedData:
 
 def prepare_data(cfg: DataConfig, store_dir: str | Path, dist=None, barrier=None, *, with_splits: bool = True,
                  frames: Mapping[str, pd.DataFrame] | None = None) -> PreparedData:
-    """The CSV pipeline's data path, top to bottom: sources -> the prepared store (rank 0 prepares or reuses it,
-    `ensure_store`) -> the memory-mapped panel -> train / val (/ test) index ranges (`split_data`).
-
-    with_splits False: the whole series only, `splits` {} (the future forecast needs `lookback` rows per series,
-    not a usable split). frames: {name: DataFrame} from Python, read instead of `cfg.path`. A failed preparation
-    leaves no store and no folder it created.
-    """
+    """The CSV pipeline's data path of the module docstring. with_splits False: `splits` {} (the future forecast
+    needs `lookback` rows per series, not a usable split); frames: {name: DataFrame} from Python, read instead of
+    `cfg.path`. A failed preparation leaves no store and no folder it created."""
     store_dir = Path(store_dir)
     is_main = dist is None or dist.is_main
     created = [p for p in [store_dir, *store_dir.parents] if not p.exists()]
@@ -202,14 +194,11 @@ def data_summary_from_store(data: PreparedData, cfg: DataConfig) -> dict:
 
 def check_store(store_dir: str | Path, sources: Sequence[Path | Frame], settings: StoreSettings,
                 verify: bool = True) -> tuple[bool, str, dict | None]:
-    """Whether the store at `store_dir` was prepared from `sources` with `settings`, and is intact.
-
-    Returns (reusable, reason, refreshed manifest or None). With `verify` (the main process) every source's
-    content is hashed (a CSV edited in place keeping its size and mtime is found) and every array file's sha256 is
-    checked (a damaged or truncated array makes the store stale: the reason names the file); a source whose mtime
-    alone changed counts as unchanged and the refreshed manifest records its new mtime. Without `verify` (the other
-    processes, after the main one) only sizes and mtimes are compared.
-    """
+    """(reusable, reason, refreshed manifest or None): whether the store at `store_dir` was prepared from `sources`
+    with `settings` and is intact. With `verify` (the main process) every source's content is hashed (a CSV edited
+    in place keeping its size and mtime is found) and every array's sha256 checked (the reason names a damaged
+    file); a source whose mtime alone changed is unchanged, and the refreshed manifest records its new mtime.
+    Without `verify` (the other processes, after the main one) only sizes and mtimes are compared."""
     if not Path(store_dir).exists():
         return False, "first run: no store yet", None
     try:
@@ -408,27 +397,20 @@ def _refuse_foreign_folder(out_dir: Path) -> None:
 
 def candle_problems(values: np.ndarray, lines: np.ndarray, columns: Mapping[str, str | None], where: str,
                     unit: str, settings: StoreSettings) -> tuple[list[str], list[str]]:
-    """The candle rules of one series, `values (n, 6)` open..amount, `lines (n,)`: (problems, warnings). A price <= 0
-    is an error; a high below max(open, close) or a low above min(open, close) is an error (a warning with
-    data.bad_candles: warn); a volume column zero throughout is an error unless data.allow_zero_volume. NaN cells
-    are left to data.nan_policy.
-    """
+    """The candle rules (`model.features.candle_faults`) of one series, `values (n, 6)` open..amount, `lines (n,)`:
+    (problems, warnings). A price <= 0 is an error; a broken high / low rule is an error, or a warning with
+    data.bad_candles: warn; a volume column zero throughout is an error unless data.allow_zero_volume."""
     problems, notes = [], []
-    for i, f in enumerate(FEATURES[:4]):
-        bad = values[:, i] <= 0  # NaN compares False
-        if bad.any():
-            problems.append(f"{where}: column '{columns[f]}' (data.columns.{f}) has {int(bad.sum())} price(s) <= 0 "
-                            f"at {unit} {listed(lines[bad])}; prices must be positive (fix or remove these rows)")
-    o, h, lo, c = (values[:, i] for i in range(4))
-    for f, bad, rule in (("high", h < np.maximum(o, c), "below max(open, close)"),
-                         ("low", lo > np.minimum(o, c), "above min(open, close)")):
-        if bad.any():
-            text = (f"{where}: column '{columns[f]}' (data.columns.{f}) is {rule} in {int(bad.sum())} candle(s) at "
-                    f"{unit} {listed(lines[bad])}")
-            if settings.bad_candles == "error":
-                problems.append(text + "; fix the file, or set data.bad_candles: warn to train on them")
-            else:
-                notes.append(text + " (data.bad_candles: warn)")
+    for f, bad, rule in candle_faults(values):
+        column, at = f"column '{columns[f]}' (data.columns.{f})", f"{unit} {listed(lines[bad])}"
+        if rule.startswith("<= 0"):
+            problems.append(f"{where}: {column} has {int(bad.sum())} price(s) <= 0 at {at}; prices must be positive "
+                            "(fix or remove these rows)")
+        elif settings.bad_candles == "error":
+            problems.append(f"{where}: {column} is {rule} in {int(bad.sum())} candle(s) at {at}; fix the file, or set "
+                            "data.bad_candles: warn to train on them")
+        else:
+            notes.append(f"{where}: {column} is {rule} in {int(bad.sum())} candle(s) at {at} (data.bad_candles: warn)")
     if columns.get("volume") is not None and len(values) and not np.nan_to_num(values[:, 4]).any() \
             and not settings.allow_zero_volume:
         problems.append(f"{where}: column '{columns['volume']}' (data.columns.volume) is zero in every row; set "

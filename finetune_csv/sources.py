@@ -162,15 +162,12 @@ class SourceReader:
                  timestamp_format: str | None = None, block_rows: int = 1 << 20, timezone: str | None = None):
         self._table = path.table() if isinstance(path, Frame) else None  # a DataFrame from Python, as Arrow
         self.path = None if isinstance(path, Frame) else Path(path)
-        self.name = path.name if isinstance(path, Frame) else self.path.name
-        """The series name (the file name, or the frame's key) that symbols are appended to."""
-        self.label = f"frame '{path.name}'" if isinstance(path, Frame) else str(self.path)
-        """How messages name this source: the file path, or `frame 'AAPL'`."""
+        self.name = path.name if isinstance(path, Frame) else self.path.name  # series name; symbols append to it
+        self.label = f"frame '{path.name}'" if isinstance(path, Frame) else str(self.path)  # or `frame 'AAPL'`
         self.symbol_column = symbol_column
         self.timestamp_format = timestamp_format
         self.timezone = timezone
-        self.tz_aware: bool | None = None
-        """Whether this file's stamps carry a UTC offset (known after the first block)."""
+        self.tz_aware: bool | None = None  # whether the stamps carry a UTC offset (known after the first block)
         self._messages: list[str] = []  # whole-message problems (candle checks), beside the per-cell issues
         self.block_rows = int(block_rows)
         self.is_parquet = self._table is not None or self.path.suffix.lower() in PARQUET_SUFFIXES
@@ -273,11 +270,13 @@ class SourceReader:
         self._header = row
         return row
 
+    def _wanted(self) -> list[str]:
+        """The source columns read: the mapped ones and the symbol column, each once."""
+        return list(dict.fromkeys([c for c in self.columns.values() if c is not None]
+                                  + ([self.symbol_column] if self.symbol_column else [])))
+
     def _csv_batches(self) -> Iterator[pa.RecordBatch]:
-        wanted = [c for c in self.columns.values() if c is not None]
-        if self.symbol_column is not None:
-            wanted.append(self.symbol_column)
-        wanted = list(dict.fromkeys(wanted))
+        wanted = self._wanted()
         # Column names come from our header read (leading spaces stripped, as pandas' skipinitialspace does).
         names = _unique(self._header)
         opts = pa_csv.ReadOptions(column_names=names, skip_rows=1, block_size=max(1 << 16, self.block_rows * 64))
@@ -286,7 +285,8 @@ class SourceReader:
         try:
             reader = pa_csv.open_csv(self.path, read_options=opts, convert_options=conv)
             for batch in reader:
-                yield from _rebatch(batch, self.block_rows)
+                for start in range(0, batch.num_rows, self.block_rows):
+                    yield batch.slice(start, self.block_rows)
         except pa.ArrowInvalid as e:
             raise SourceProblems([f"{self.path}: not a readable CSV ({e})"]) from None
 
@@ -300,8 +300,7 @@ class SourceReader:
         return list(self._pq.schema_arrow.names)
 
     def _parquet_batches(self) -> Iterator[pa.RecordBatch]:
-        wanted = list(dict.fromkeys([c for c in self.columns.values() if c is not None]
-                                    + ([self.symbol_column] if self.symbol_column else [])))
+        wanted = self._wanted()
         if self._table is not None:
             yield from self._table.select(wanted).to_batches(max_chunksize=self.block_rows)
             return
@@ -510,11 +509,6 @@ def _unique(names: list[str]) -> list[str]:
             seen[n] = 0
             out.append(n)
     return out
-
-
-def _rebatch(batch: pa.RecordBatch, rows: int) -> Iterator[pa.RecordBatch]:
-    for start in range(0, batch.num_rows, rows):
-        yield batch.slice(start, rows)
 
 
 def _resolve_columns(header: list[str], wanted: Mapping[str, str | None], symbol_column: str | None,

@@ -55,21 +55,6 @@ def listed(items: Sequence) -> str:
     return shown + (f" (+{len(items) - SHOWN} more)" if len(items) > SHOWN else "")
 
 
-def _offset_text(values: pd.Series) -> pd.Series:
-    """The UTC-offset suffix of each string (NaN where there is none)."""
-    return values.str.extract(OFFSET_RE, expand=True)["off"]
-
-
-def has_utc_offset(values: Any) -> bool:
-    """True when the timestamps carry a UTC offset (tz-aware datetimes, or strings ending in +hh:mm / Z)."""
-    s = pd.Series(values)
-    if isinstance(s.dtype, pd.DatetimeTZDtype):
-        return True
-    if pd.api.types.is_datetime64_dtype(s.dtype) or len(s) == 0:
-        return False
-    return bool(_offset_text(s.astype("string").str.strip()).notna().any())
-
-
 def _offsets_as_timedelta(off: pd.Series) -> pd.Series:
     """'+05:30' / '-0400' / '+03' / 'Z' -> Timedelta per row."""
     norm = off.str.replace(":", "", regex=False).replace({"Z": "+0000", "UTC": "+0000"})
@@ -92,7 +77,7 @@ def parse_timestamps(values: Any, *, source: str, fmt: str | None = None, timezo
         if len(missing):
             raise TimestampError(f"{source}: empty timestamp at line(s) {listed(first_row + missing)}; every candle "
                                  "needs a time (fix the file)")
-        off = _offset_text(text)
+        off = text.str.extract(OFFSET_RE, expand=True)["off"]  # the UTC-offset suffix, NaN where none
         aware = off.notna().to_numpy()
         if aware.any() and not aware.all():
             with_, without = np.flatnonzero(aware), np.flatnonzero(~aware)

@@ -3,14 +3,11 @@
     kronos walk-forward --config configs/csv_demo_walk_forward.yaml [--set walk_forward.folds=3] [--overwrite]
     kronos walk-forward --config ... --report-only     # report.json, windows.csv and plot from the finished folds
 
-Folds are on one calendar (every series' bar times): from its end, K test blocks of `test_bars` bars, `embargo`
-apart (fold 0 the oldest), each a date range shared by all series; a series without a test window in it (or a
-training window before it) sits the fold out. Fold k finetunes the starting models (`run_finetune`) on what precedes
-its block, the last `data.val_ratio` validating; on every series `purge` of its own rows precede the validation
-block and the test block. Every non-overlapping test window is scored with `window_scores` (as `kronos forecast`)
-for each candidate (`calibrated` = finetuned with bands fitted on the fold's validation windows); the verdict
-(finetune/evaluation/statistics.py) reads the paired finetuned - zero_shot CRPS. Method and outputs: README "Does
-finetuning pay?". fold.json is written last and atomically: a re-run skips folds finished with the same settings.
+`make_folds` cuts K test blocks on one calendar, fold k finetunes the starting models on what precedes its block
+(`run_finetune`), `score_fold` scores every non-overlapping test window of every candidate as `kronos forecast` does,
+and the verdict (finetune/evaluation/statistics.py) reads the paired finetuned - zero_shot CRPS. Method, outputs and
+what the interval means: README "Does finetuning pay?". fold.json is written last and atomically: a re-run skips
+folds finished with the same settings.
 """
 
 from __future__ import annotations

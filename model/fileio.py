@@ -20,7 +20,8 @@ from typing import Any
 
 from model.errors import DataError
 
-_DISK_FULL = (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC))
+# Disk full, file too large, over quota: the machine's state, reported as such (never as a bug).
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 
 def _umask() -> int:
@@ -64,7 +65,7 @@ def atomic_write(target: str | os.PathLike, write_fn: Callable[[str], Any]) -> P
     except OSError as exc:
         written = _size(tmp)
         _remove(tmp)
-        if exc.errno in _DISK_FULL:
+        if exc.errno in DISK_FULL_ERRNOS:
             raise OSError(exc.errno, f"no space left to write {target}: {_gib(_free_bytes(target.parent))} free on "
                                      f"that filesystem, {written} bytes written before the failure; free some space "
                                      f"or write elsewhere") from None

@@ -4,25 +4,17 @@
     python scripts/bench_data.py qlib  [--symbols 300 --days 3600 --batch 50 --seconds 3]
     python scripts/bench_data.py store --rows 100_000_000 --series 2000 [--nproc 2] [--data-dir /tmp/kronos_store_bench]
 
-csv    Samples/s through the engine's DataLoader (num_workers=0, shuffled) of the CSV pipeline's prepared,
-       memory-mapped store and its WindowDataset (one vectorised gather + normalisation per batch) against the
-       baseline `df.iloc[start:start + window]` per sample (the original Kronos CSV dataset); and the share of a
-       small predictor's train step spent waiting for data. Synthetic 5-minute data (finetune.synthetic), prepared
-       into a store in a temporary folder (the time to parse, check and write it is reported).
-qlib   Synthetic CSI-300-sized daily data in Qlib's stacked layout. Preprocessing (stacked frame -> per-instrument
-       arrays): ours (one sort, offsets) against the original's pandas pivot per symbol (timed on
-       --baseline-symbols, scaled up); training samples/s (90 + 10): the pandas baseline, ours per sample and
-       ours batched (what the DataLoader calls).
-store  Data larger than memory. Generates --series Parquet files under <data-dir>/parquet (kept for re-runs, never
-       in the repository; 100M rows take ~5 GB, the store ~7 GB), then runs `torchrun --nproc_per_node=<nproc>` of
-       this script's worker twice: with no store (rank 0 prepares it while the other ranks wait at the barrier),
-       then again (the store is reused). Each rank opens the store memory-mapped, splits it 90/10, builds the epoch
-       sampler, reads one batch of 512+48 windows and does one DDP (gloo) step of a small tokenizer, reporting the
-       seconds from launch to each stage and peak memory sampled every 20 ms from /proc/self/status: RssAnon (what
-       a rank costs beyond the shared page cache) and RssFile (mapped pages, shared by all ranks). Then the
-       preparation throughput on --baseline-rows rows: tests/csv_reference.py load_series (pandas, in memory)
-       against prepare_store on the same CSV files and on the same rows as Parquet, each in a fresh process.
-The numbers depend on the machine: run on an idle one.
+csv    the CSV pipeline's memory-mapped store + WindowDataset through the engine's DataLoader against
+       `df.iloc[start:start + window]` per sample (the original Kronos CSV dataset), and the share of a small
+       predictor's train step spent waiting for data; synthetic 5-minute data (finetune.synthetic).
+qlib   Qlib-layout daily data: preprocessing (one sort + offsets vs the original's pandas pivot per symbol, timed on
+       --baseline-symbols and scaled) and training samples/s (pandas per sample, ours per sample, ours batched).
+store  data larger than memory: --series Parquet files under <data-dir>/parquet (kept for re-runs, never in the
+       repository), then `torchrun --nproc_per_node=<nproc>` of this script's worker twice (rank 0 prepares the store,
+       then it is reused): seconds from launch to each stage and peak memory per rank (RssAnon: private; RssFile:
+       mapped pages, shared); then the preparation throughput on --baseline-rows rows (pandas in memory vs
+       prepare_store on CSV and on Parquet, each in a fresh process).
+The numbers depend on the machine: run on an idle one. Results and what made them fast: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -45,6 +37,7 @@ from model.features import FEATURES, TIME_FEATURES, calc_time_stamps
 
 T0_ENV = "BENCH_DATA_STORE_T0"
 BAR_NS = 300 * 10**9  # 5 minutes
+START_NS = int(np.datetime64("2020-01-01T00:00", "ns").astype(np.int64))  # first bar of the store benchmark's series
 QLIB_LOOKBACK, QLIB_PREDICT = 90, 10
 
 
@@ -158,6 +151,7 @@ def data_wait_share(loader, steps: int, device) -> tuple[float, float]:
     """(share of step time spent in next(loader), mean step seconds) for a small tokenizer + predictor."""
     import torch
 
+    from finetune.utils.training_utils import predictor_loss
     from model import Kronos, KronosTokenizer
 
     tok = KronosTokenizer(6, 32, 2, 64, 2, 2, 0.0, 0.0, 0.0, 6, 6, 0.05, 1.0, 1.1, 0.05, 4).to(device).eval()
@@ -169,11 +163,7 @@ def data_wait_share(loader, steps: int, device) -> tuple[float, float]:
         x, stamp = next(it)
         x, stamp = x.to(device), stamp.to(device)  # (B, W, 6) float32, (B, W, 5) int64
         t1 = time.perf_counter()
-        with torch.no_grad():
-            s1, s2 = tok.encode(x, half=True)
-        s1_logits, s2_logits = pred(s1[:, :-1], s2[:, :-1], stamp[:, :-1], use_teacher_forcing=True,
-                                    s1_targets=s1[:, 1:])
-        loss, _, _ = pred.head.compute_loss(s1_logits, s2_logits, s1[:, 1:], s2[:, 1:])
+        loss, _ = predictor_loss(pred, tok, x, stamp)  # the engine's training objective
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -285,7 +275,7 @@ class PeakMemory:
                 "vm_hwm_mib": last.get("VmHWM", 0.0)}
 
 
-def series_frame(i: int, bars: int, start_ns: int):
+def series_frame(i: int, bars: int):
     """One synthetic 5-minute series as an Arrow table (random walk OHLCV; timestamps typed, naive)."""
     import pyarrow as pa
 
@@ -294,7 +284,7 @@ def series_frame(i: int, bars: int, start_ns: int):
     open_ = np.concatenate([[close[0]], close[:-1]])
     spread = np.abs(rng.normal(0, 0.001, bars)) * close
     volume = rng.integers(100, 10_000, bars).astype(np.float64)
-    ts = start_ns + np.arange(bars, dtype=np.int64) * BAR_NS
+    ts = START_NS + np.arange(bars, dtype=np.int64) * BAR_NS
     return pa.table({"timestamps": pa.array(ts.astype("datetime64[ns]")), "open": open_,
                      "high": np.maximum(open_, close) + spread, "low": np.minimum(open_, close) - spread,
                      "close": close, "volume": volume, "amount": volume * close})
@@ -310,9 +300,8 @@ def generate_parquet(folder: Path, series: int, bars: int) -> None:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     t0 = time.perf_counter()
-    start = int(np.datetime64("2020-01-01T00:00", "ns").astype(np.int64))
     for i in range(series):
-        pq.write_table(series_frame(i, bars, start), folder / f"S{i:05d}.parquet")
+        pq.write_table(series_frame(i, bars), folder / f"S{i:05d}.parquet")
     marker.write_text(json.dumps(want))
     print(f"generated {series} x {bars} bars as Parquet in {time.perf_counter() - t0:.1f} s", flush=True)
 
@@ -323,6 +312,7 @@ def worker(data: str, store: str, lookback: int, predict: int, batch: int) -> No
     import torch
 
     from finetune.utils.distributed import barrier, distributed_context
+    from finetune.utils.training_utils import tokenizer_loss
     from finetune.utils.windows import EpochSampler, split_panel
     from finetune_csv.prepare import ensure_store
     from model import KronosTokenizer
@@ -349,9 +339,7 @@ def worker(data: str, store: str, lookback: int, predict: int, batch: int) -> No
         tok = KronosTokenizer(6, 32, 2, 64, 2, 2, 0.0, 0.0, 0.0, 6, 6, 0.05, 1.0, 1.1, 0.05, 4)
         model = torch.nn.parallel.DistributedDataParallel(tok) if dist.distributed else tok
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        (z_pre, z), bsq_loss, _, _ = model(x)
-        loss = ((z_pre - x) ** 2).mean() + ((z - x) ** 2).mean() + bsq_loss
-        loss.backward()
+        tokenizer_loss(model, x)[0].backward()
         opt.step()
         t_step = time.time() - t0
         out = {"rank": dist.rank, "reused": info.reused, "reason": info.reason, "n_rows": panel.n_rows,
@@ -394,17 +382,15 @@ def measure_prepare(kind: str, path: str, out: str) -> None:
 
 def prepare_throughput(script: Path, root: Path, rows: int, bars: int) -> list[dict]:
     import pyarrow.csv as pa_csv
+    import pyarrow.parquet as pq
 
     series = max(1, rows // bars)
     csv_dir, pq_dir = root / "baseline_csv", root / "baseline_parquet"
     for d in (csv_dir, pq_dir):
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
-    import pyarrow.parquet as pq
-
-    start = int(np.datetime64("2020-01-01T00:00", "ns").astype(np.int64))
     for i in range(series):
-        table = series_frame(i, bars, start)
+        table = series_frame(i, bars)
         pq.write_table(table, pq_dir / f"S{i:05d}.parquet")
         # timestamps as 'YYYY-MM-DD HH:MM:SS' text, the usual CSV form
         text = table.set_column(0, "timestamps", table.column(0).cast("timestamp[s]").cast("string"))
@@ -467,12 +453,14 @@ def store_bench(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="bench", required=True)
-    p = sub.add_parser("csv", help="the CSV pipeline's store + WindowDataset against pandas .iloc per sample")
+    windows = argparse.ArgumentParser(add_help=False)  # the window and batch of the csv and store benchmarks
+    windows.add_argument("--lookback", type=int, default=512)
+    windows.add_argument("--predict", type=int, default=48)
+    windows.add_argument("--batch", type=int, default=32)
+    p = sub.add_parser("csv", parents=[windows],
+                       help="the CSV pipeline's store + WindowDataset against pandas .iloc per sample")
     p.add_argument("--series", type=int, default=8)
     p.add_argument("--bars", type=int, default=20_000)
-    p.add_argument("--lookback", type=int, default=512)
-    p.add_argument("--predict", type=int, default=48)
-    p.add_argument("--batch", type=int, default=32)
     p.add_argument("--batches", type=int, default=60, help="batches timed per loader")
     p.add_argument("--steps", type=int, default=20, help="train steps timed for the data-wait share")
     p = sub.add_parser("qlib", help="the Qlib preprocessing and window dataset against the original's pandas loop")
@@ -481,14 +469,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--baseline-symbols", type=int, default=30, help="symbols the original's pivot loop is timed on")
     p.add_argument("--batch", type=int, default=50)
     p.add_argument("--seconds", type=float, default=3.0, help="time per samples/s measurement")
-    p = sub.add_parser("store", help="the memory-mapped store under torchrun, and preparation throughput")
+    p = sub.add_parser("store", parents=[windows],
+                       help="the memory-mapped store under torchrun, and preparation throughput")
     p.add_argument("--rows", type=int, default=100_000_000, help="total rows of the synthetic Parquet folder")
     p.add_argument("--series", type=int, default=2000, help="series (one Parquet file each)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--data-dir", default="/tmp/kronos_store_bench")
-    p.add_argument("--lookback", type=int, default=512)
-    p.add_argument("--predict", type=int, default=48)
-    p.add_argument("--batch", type=int, default=32)
     p.add_argument("--baseline-rows", type=int, default=1_000_000, help="rows for the throughput comparison; 0 skips")
     p.add_argument("--keep", action="store_true", help="keep the generated data and the store")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -76,8 +76,6 @@ def build(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    import sys
-
     from finetune.utils.errors import run_main  # one error line and an exit code (finetune/utils/errors.py)
 
     sys.exit(run_main(main))

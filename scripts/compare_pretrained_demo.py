@@ -12,8 +12,8 @@ with the same (pretrained, frozen) tokenizer, so their losses are on the same to
                    at --scratch-lr (default 2e-3: the from-scratch demo's rate).
 
 The score is the engine's validation loss (teacher-forced, causal cross-entropy, mean of s1 and s2), per window;
-95% intervals come from a block bootstrap over test windows (blocks of consecutive windows of one series), and the
-differences are paired (same windows).
+95% intervals come from a moving-block bootstrap over test windows (finetune.evaluation.statistics.bootstrap_ci,
+blocks of BLOCK consecutive windows), and the differences are paired (same windows).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from finetune.evaluation.statistics import bootstrap_ci
 from finetune.synthetic import generate_ohlcv, write_csv_folder
 from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import DistInfo
@@ -75,17 +76,10 @@ def window_losses(predictor: Kronos, tokenizer: KronosTokenizer, dataset: Window
     return np.concatenate(out)
 
 
-def block_bootstrap_ci(values: np.ndarray, series_of: np.ndarray, seed: int = 0) -> tuple[float, float]:
-    """95% interval of the mean of `values` (n,), resampling blocks of BLOCK consecutive windows of one series."""
-    blocks = [idx[i:i + BLOCK] for s in np.unique(series_of) for idx in [np.flatnonzero(series_of == s)]
-              for i in range(0, len(idx), BLOCK)]
-    rng = np.random.default_rng(seed)
-    sums = np.array([values[b].sum() for b in blocks])
-    sizes = np.array([len(b) for b in blocks])
-    draws = rng.integers(0, len(blocks), (N_BOOT, len(blocks)))
-    means = sums[draws].sum(1) / sizes[draws].sum(1)
-    lo, hi = np.percentile(means, [2.5, 97.5])
-    return float(lo), float(hi)
+def mean_ci95(values: np.ndarray) -> list[float]:
+    """95% interval of the mean of `values (n,)` over test windows, resampling blocks of BLOCK windows."""
+    ci = bootstrap_ci(lambda i: values[i].mean(), len(values), N_BOOT, block=BLOCK)
+    return [ci["low"], ci["high"]]
 
 
 def train(config: str, data: Path, out: Path, extra: list[str]) -> dict:
@@ -119,7 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     cfg = runs["finetuned"]["config"]
     test_set = build_dataset(prepare_data(cfg.data, cfg.store_dir).splits["test"], cfg.data)  # the run's store
-    series_of, _ = test_set.locate(np.arange(len(test_set)))
     tokenizer = KronosTokenizer.from_pretrained(tok_src)
     models = {"zero_shot": pre_pred, "finetuned": Kronos.from_pretrained(runs["finetuned"]["predictor_dir"]),
               "scratch": Kronos.from_pretrained(runs["scratch"]["predictor_dir"])}
@@ -133,14 +126,12 @@ def main(argv: list[str] | None = None) -> int:
                                     dist)["val_loss"]
         if not np.isclose(engine, losses[name].mean(), rtol=1e-4):
             raise AssertionError(f"{name}: per-window mean {losses[name].mean()} != engine loss {engine}")
-        lo, hi = block_bootstrap_ci(losses[name], series_of)
-        result["models"][name] = {"test_loss": float(losses[name].mean()), "ci95": [lo, hi]}
+        result["models"][name] = {"test_loss": float(losses[name].mean()), "ci95": mean_ci95(losses[name])}
         if name in runs:
             result["models"][name]["train_seconds"] = round(runs[name]["seconds"], 1)
     for a, b in (("finetuned", "zero_shot"), ("finetuned", "scratch"), ("zero_shot", "scratch")):
         d = losses[a] - losses[b]
-        lo, hi = block_bootstrap_ci(d, series_of)
-        result[f"{a}_minus_{b}"] = {"mean": float(d.mean()), "ci95": [lo, hi]}
+        result[f"{a}_minus_{b}"] = {"mean": float(d.mean()), "ci95": mean_ci95(d)}
     result["config"] = str(args.config)
     result["overrides"] = args.set
     result["scratch_lr"] = args.scratch_lr

@@ -14,13 +14,10 @@ Then `scripts/compare_pretrained_demo.py` measures what the checkpoint is worth 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,11 +28,13 @@ from finetune.synthetic import generate_mix
 from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import distributed_context, seed_everything
 from finetune.utils.errors import setup_logging
+from finetune.utils.metrics import git_commit
 from finetune.utils.training_utils import train_predictor, train_tokenizer
 from finetune.utils.windows import SeriesArrays, WindowDataset
 from model import Kronos, KronosTokenizer
 from model.errors import DataError
 from model.features import FEATURES, calc_time_stamps
+from model.fileio import atomic_dir, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 # The demo's shapes (configs/csv_demo.yaml), so that the demo can start from this checkpoint unchanged.
@@ -89,17 +88,6 @@ def mix_datasets(n_series: int, n_bars: int, seed: int, stride: int) -> tuple[Wi
     return train_set, val_set, info
 
 
-def git_commit() -> str:
-    """The commit the checkpoint was made at (+ '-dirty' with uncommitted changes), or 'unknown'."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "finetune", "model", "scripts"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return head.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def check_finite(folder: Path) -> None:
     """Refuse to publish a model with NaN/inf weights."""
     from safetensors.torch import load_file
@@ -140,35 +128,25 @@ def main(argv: list[str] | None = None) -> int:
 
     for folder in (tok_result.best_model_dir, pred_result.best_model_dir):
         check_finite(folder)
-    # Publish: copy both best models into a temporary folder next to `out`, then swap it in whole.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes an owner-only folder; a checkpoint is meant to be shared
-    try:
+    git = git_commit(REPO)
+    # Publish: both best models go into a folder built beside `out`, swapped in whole (a failure keeps the old one).
+    with atomic_dir(out) as tmp:
         for name, src in (("tokenizer", tok_result.best_model_dir), ("predictor", pred_result.best_model_dir)):
             (tmp / name).mkdir()
             for f in ("config.json", "model.safetensors"):
                 shutil.copy2(src / f, tmp / name / f)
         summary = {
             "command": "OMP_NUM_THREADS=1 python scripts/make_pretrained_demo.py " + " ".join(argv or sys.argv[1:]),
-            "git_commit": git_commit(), "torch": torch.__version__, "data": data_info,
+            "git_commit": "unknown" if git is None else git["commit"] + ("-dirty" if git["dirty"] else ""),
+            "torch": torch.__version__, "data": data_info,
             "tokenizer": _stage_summary(tok_result, tok_cfg, t_pred - t_tok),
             "predictor": _stage_summary(pred_result, pred_cfg, t_end - t_pred),
             "total_seconds": round(time.perf_counter() - t0, 1),
         }
-        (tmp / "training_info.json").write_text(json.dumps(summary, indent=2) + "\n")
-        old = out.with_name(f".{out.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        keep = [p for p in (out / "README.md", out / "comparison.json") if p.is_file()]
-        for p in keep:  # hand-written README and the last comparison survive a rebuild (the numbers are re-measured)
-            shutil.copy2(p, tmp / p.name)
-        if out.exists():
-            out.replace(old)
-        tmp.replace(out)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        write_json(tmp / "training_info.json", summary)
+        for p in (out / "README.md", out / "comparison.json"):  # hand-written README and the last comparison
+            if p.is_file():  # survive a rebuild (the numbers are re-measured)
+                shutil.copy2(p, tmp / p.name)
     size_kb = sum(f.stat().st_size for f in out.rglob("*.safetensors")) / 1024
     log.info("wrote %s (%.0f KB of weights) in %.0f s: tokenizer val %.4f (epoch %s), predictor val %.4f (epoch %s)",
              out, size_kb, summary["total_seconds"], tok_result.best_val_loss, tok_result.best_epoch,

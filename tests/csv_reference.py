@@ -22,10 +22,10 @@ from finetune_csv.config import DataConfig
 from finetune_csv.sources import check_float32_range
 from finetune_csv.splits import too_short_problems
 from finetune_csv.timestamps import (
+    OFFSET_RE,
     CandleDataError,
     check_frequencies,
     check_tz_consistency,
-    has_utc_offset,
     infer_frequency,
     parse_timestamps,
 )
@@ -35,6 +35,16 @@ log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val", "test")
 _MAX_LISTED = 5  # rows quoted per problem: enough to find them, short enough to read
+
+
+def has_utc_offset(values) -> bool:
+    """True when the timestamps carry a UTC offset (tz-aware datetimes, or strings ending in +hh:mm / Z)."""
+    s = pd.Series(values)
+    if isinstance(s.dtype, pd.DatetimeTZDtype):
+        return True
+    if pd.api.types.is_datetime64_dtype(s.dtype) or len(s) == 0:
+        return False
+    return bool(s.astype("string").str.strip().str.extract(OFFSET_RE, expand=True)["off"].notna().any())
 
 
 @dataclass(frozen=True)

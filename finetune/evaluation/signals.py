@@ -48,11 +48,6 @@ def label_expression(deal_price: str = "close", horizon: int = 1) -> str:
     return f"Ref({field}, -{horizon + 1}) / Ref({field}, -1) - 1"
 
 
-def label_columns(horizons: int | Sequence[int]) -> list[str]:
-    """Column names label_<h> for horizons 1..P (an int P) or the given list."""
-    return [f"label_{h}" for h in _horizons(horizons)]
-
-
 def _horizons(horizons: int | Sequence[int]) -> list[int]:
     hs = list(range(1, horizons + 1)) if isinstance(horizons, int) else [int(h) for h in horizons]
     if not hs or min(hs) < 1:
@@ -73,7 +68,7 @@ def forward_labels(instruments, start_time, end_time, deal_price: str = "close",
         instruments = D.instruments(instruments)
     exprs = [label_expression(deal_price, h) for h in hs]
     frame = D.features(instruments, exprs, start_time=start_time, end_time=end_time, freq=freq)
-    frame.columns = label_columns(hs)
+    frame.columns = [f"label_{h}" for h in hs]
     return frame.swaplevel().sort_index() if frame.index.names[0] == "instrument" else frame.sort_index()
 
 

@@ -14,7 +14,6 @@ the per-stage train.log.
 from __future__ import annotations
 
 import datetime
-import errno
 import importlib.util
 import logging
 import os
@@ -41,8 +40,7 @@ from model.errors import (
     MissingExtraError,
     UserError,
 )
-
-_FULL_DISK = (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC))
+from model.fileio import DISK_FULL_ERRNOS
 
 _DEBUG_FLAG = "--debug"
 _DEBUG_HINT = f"(add {_DEBUG_FLAG} or set KRONOS_DEBUG=1 to see the traceback)"
@@ -72,7 +70,7 @@ def classify(exc: BaseException) -> tuple[int, bool]:
         return EXIT_PATH, True
     if _is_hub_error(exc):
         return EXIT_PATH, True
-    if isinstance(exc, OSError) and exc.errno in _FULL_DISK:  # the machine's state, not a bug: no traceback
+    if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:  # the machine's state, not a bug: no traceback
         return EXIT_DATA, True
     return EXIT_BUG, False
 
@@ -213,21 +211,20 @@ def setup_logging(rank: int | None = None, log_file: str | Path | None = None, l
     logging.captureWarnings(True)  # warnings.warn(...) goes through the same handlers and filter
 
 
-def open_stage_log(
-    log_file: str | Path, *, rank: int | None = None, resumed_from: str | Path | None = None,
-    stage: str | None = None, level: int = logging.INFO,
-) -> logging.Handler | None:
-    """Start appending every log record of rank 0 at `level` and above to `log_file` (normally `<stage
+@contextmanager
+def stage_log(log_file: str | Path, *, rank: int | None = None, resumed_from: str | Path | None = None,
+              stage: str | None = None, level: int = logging.INFO) -> Iterator[logging.Handler | None]:
+    """For the `with` block, append every log record of rank 0 at `level` and above to `log_file` (normally `<stage
     folder>/train.log`; never truncated) after a header line naming the `stage`, the checkpoint it `resumed_from`
-    (None = a fresh start) and the command. Returns the handler for `close_stage_log`, or None when nothing was
-    added (another rank, or a handler for the same file is already attached: no line is ever written twice)."""
+    (None = a fresh start) and the command; on exit, success or failure, detach it and restore the root level.
+    Yields the handler, or None when nothing was added (another rank, or a handler for the same file is already
+    attached: no line is ever written twice)."""
     rank = int(os.environ.get("RANK", "0")) if rank is None else int(rank)
-    if rank != 0:
-        return None
     path = Path(log_file).resolve()
     root = logging.getLogger()
-    if any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path for h in root.handlers):
-        return None
+    if rank != 0 or any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path for h in root.handlers):
+        yield None
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, mode="a", encoding="utf-8")
     handler.setFormatter(logging.Formatter(_FORMAT, datefmt=_FILE_DATEFMT))
@@ -237,31 +234,13 @@ def open_stage_log(
     where = f"{stage} " if stage else ""
     handler.stream.write(f"===== {now} {where}run ({how}); command: {shlex.join(sys.argv)} =====\n")
     handler.flush()
-    handler._kronos_previous_level = root.level  # restored by close_stage_log
+    previous_level = root.level
     if root.level == logging.NOTSET or root.level > level:
         root.setLevel(level)
     root.addHandler(handler)
-    return handler
-
-
-def close_stage_log(handler: logging.Handler | None) -> None:
-    """Detach and close a handler from `open_stage_log` (None: nothing to do) and restore the root level."""
-    if handler is None:
-        return
-    root = logging.getLogger()
-    root.removeHandler(handler)
-    handler.close()
-    root.setLevel(getattr(handler, "_kronos_previous_level", root.level))
-
-
-@contextmanager
-def stage_log(
-    log_file: str | Path, *, rank: int | None = None, resumed_from: str | Path | None = None,
-    stage: str | None = None, level: int = logging.INFO,
-) -> Iterator[logging.Handler | None]:
-    """`open_stage_log` for the duration of a `with` block, closed on success and on failure alike."""
-    handler = open_stage_log(log_file, rank=rank, resumed_from=resumed_from, stage=stage, level=level)
     try:
         yield handler
     finally:
-        close_stage_log(handler)
+        root.removeHandler(handler)
+        handler.close()
+        root.setLevel(previous_level)

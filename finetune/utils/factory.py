@@ -23,12 +23,8 @@ from model.config import KronosConfig, KronosTokenizerConfig
 
 
 def build_tokenizer(pretrained: str | None, arch: KronosTokenizerConfig, key: str = "model") -> KronosTokenizer:
-    """The tokenizer to finetune: `pretrained` loaded (folder or hub id), or a fresh one built from `arch`.
-
-    Parameters: pretrained: folder / hub id, or None = from scratch; arch: constructor arguments used when None;
-    key: YAML section of these settings, named in errors (`{key}.pretrained_tokenizer`, `{key}.tokenizer_arch`).
-    Returns: the tokenizer (encodes (B, T, d_in) candles into two (B, T) token id tensors).
-    """
+    """The tokenizer to finetune: `pretrained` loaded (folder or hub id), or with None a fresh one built from `arch`;
+    errors name `{key}.pretrained_tokenizer` / `{key}.tokenizer_arch`."""
     if pretrained is not None:
         return load_pretrained(KronosTokenizer, pretrained, f"{key}.pretrained_tokenizer")
     problems = Problems(f"Invalid {key}.tokenizer_arch")
@@ -40,15 +36,10 @@ def build_tokenizer(pretrained: str | None, arch: KronosTokenizerConfig, key: st
 
 def build_predictor(pretrained: str | None, arch: KronosConfig, tokenizer: KronosTokenizer, key: str = "model",
                     *, tokenizer_key: str | None = None) -> Kronos:
-    """The predictor to finetune, paired with `tokenizer`: `pretrained` loaded, or a fresh one built from `arch`.
-
-    Parameters: pretrained: folder / hub id, or None = from scratch; arch: constructor arguments used when None,
-    its s1_bits / s2_bits None = the tokenizer's; tokenizer: the (finetuned) tokenizer the predictor reads the
-    tokens of; key: YAML section of these settings; tokenizer_key: the setting the tokenizer came from, for
-    messages (default `{key}.pretrained_tokenizer / {key}.tokenizer_arch`).
-    Returns: the predictor, whose vocabularies (2^s1_bits, 2^s2_bits) match the tokenizer's; a mismatch is a
-    ValueError naming the keys that chose the pair.
-    """
+    """The predictor to finetune, reading the tokens of `tokenizer`: `pretrained` loaded, or with None a fresh one
+    built from `arch` (its s1_bits / s2_bits None = the tokenizer's). Its vocabularies (2^s1_bits, 2^s2_bits) match
+    the tokenizer's; a mismatch is a ValueError naming the keys that chose the pair (`tokenizer_key`: the setting
+    the tokenizer came from, default `{key}.pretrained_tokenizer / {key}.tokenizer_arch`)."""
     tokenizer_key = tokenizer_key or f"{key}.pretrained_tokenizer / {key}.tokenizer_arch"
     if pretrained is not None:
         predictor = load_pretrained(Kronos, pretrained, f"{key}.pretrained_predictor")

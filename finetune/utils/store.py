@@ -27,7 +27,6 @@ fingerprint of the project (`file_fingerprint`, sources and arrays alike) lives 
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -40,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from model.errors import DataError
+from model.fileio import DISK_FULL_ERRNOS
 
 N_STAMP_COLUMNS = 5  # minute, hour, weekday, day of month, month
 FORMAT = "kronos-series-store"
@@ -194,16 +194,13 @@ class StoreError(DataError):
     """A store that cannot be written, opened or trusted; the message names the file and what to do."""
 
 
-_SPACE_ERRNOS = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
-
-
 @contextlib.contextmanager
 def _disk_space_named(folder: Path):
     """A disk-full / quota / file-too-large error while writing the store in `folder` -> one StoreError line."""
     try:
         yield
     except OSError as e:
-        if e.errno not in _SPACE_ERRNOS:
+        if e.errno not in DISK_FULL_ERRNOS:
             raise
         free = shutil.disk_usage(folder.parent).free if folder.parent.exists() else None
         raise StoreError(f"cannot write the data store in {folder.parent}: {os.strerror(e.errno).lower()} "
