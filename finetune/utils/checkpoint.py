@@ -23,7 +23,7 @@ import secrets
 import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, Protocol, TypedDict, runtime_checkable
 
 import numpy as np
 import torch
@@ -40,7 +40,8 @@ LAST_NAME = "last.pt"
 
 class Checkpoint(TypedDict):
     """What a resumable checkpoint (`checkpoints/step-XXXXXXXX.pt`, `last.pt`) holds: tensors, numbers, strings,
-    lists and dicts only, so it loads with `torch.load(weights_only=True)`. Written by `Trainer.save_last`."""
+    lists and dicts only, so it loads with `torch.load(weights_only=True)`. `Trainer.state_dict()` builds it,
+    `Trainer.load_state_dict()` continues from it."""
 
     format: str  # CHECKPOINT_FORMAT
     stage: str  # "tokenizer" | "predictor"
@@ -318,14 +319,29 @@ def _point_last(path: Path, needed: int) -> Path:
     return last
 
 
-def save(state: dict, folder: str | Path, step: int, *, keep: int = 2, check_finite: bool = True,
-         log: Callable[[str], None] | None = None) -> Path:
-    """Write `state` (tensors on any device) as `<folder>/step-XXXXXXXX.pt` atomically, point `last.pt` at it and
-    return its path; older step files beyond the newest `keep` are deleted once the new one is in place.
+@runtime_checkable
+class Stateful(Protocol):
+    """What the checkpointer saves (the trainer, as in torchtitan): its state_dict() is the checkpoint's content."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def save(state: dict | Stateful, folder: str | Path, step: int, *, keep: int = 2, check_finite: bool = True,
+         log: Callable[[str], None] | None = None, write: bool = True) -> Path | None:
+    """Write `state` (a dict of tensors on any device, or a `Stateful`'s state_dict()) as
+    `<folder>/step-XXXXXXXX.pt` atomically, point `last.pt` at it and return its path; older step files beyond the
+    newest `keep` are deleted once the new one is in place. Under torchrun every rank calls it with its `Stateful`
+    (state_dict() may gather from all ranks) and only `write=True` (rank 0) writes; the others get None.
     `check_finite` refuses (NonFiniteWeightsError) a state with NaN/inf tensors; `log` (default: this module's
     logger) gets the line about deleted later-step files."""
     if keep < 1:
         raise ValueError(f"checkpoint keep must be >= 1, got {keep}")
+    if isinstance(state, Stateful):
+        state = state.state_dict()
+    if not write:
+        return None
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = step_path(folder, step)
@@ -534,7 +550,7 @@ RESUME_KEYS = ("epochs", "batch_size", "accumulation_steps", "seed", "max_train_
                "lora_rank", "lora_alpha", "lora_targets", "trainable")
 # Optimisation settings a resume may change (e.g. a lower lr after a divergence); each change is reported.
 CHANGEABLE_KEYS = ("lr", "pct_start", "div_factor", "final_div_factor", "betas", "weight_decay", "clip_grad_norm",
-                   "amp", "patience", "min_delta", "teacher_forcing", "max_val_samples", "select_by",
+                   "amp", "compile", "patience", "min_delta", "teacher_forcing", "max_val_samples", "select_by",
                    "lora_dropout")
 
 
