@@ -397,8 +397,9 @@ class PredictorStage(Stage):
         self.adapter.save_best(folder, extra, models)  # lora: merged, plus the adapter alone under adapter/
 
     def flops_per_token(self, seq):
-        tok = self.tokenizer  # + the frozen tokenizer's encode (forward only)
-        return (3 * forward_flops_per_token([self.model], seq)
+        # The predictor trains on seq - 1 positions of each window; the frozen tokenizer encodes all seq (forward).
+        tok = self.tokenizer
+        return (3 * forward_flops_per_token([self.model], seq - 1) * (seq - 1) / seq
                 + forward_flops_per_token([tok.embed, tok.encoder, tok.quant_embed], seq))
 
     def frozen_fingerprint(self):
