@@ -40,7 +40,7 @@ def train_losses(result) -> list[float]:
 def test_amp_auto_is_float32_on_cpu_and_bf16_with_tf32_on_a_gpu_that_has_it(monkeypatch):
     cpu = resolve_precision("auto", torch.device("cpu"))
     assert cpu.autocast is None and not cpu.tf32 and cpu.peak_flops is None
-    assert "no MFU on CPU" in cpu.describe(torch.device("cpu"))
+    assert "no MFU on CPU" in cpu.text
     assert TrainingConfig().amp == "auto"
 
     gpu = torch.device("cuda", 0)
@@ -55,7 +55,7 @@ def test_amp_auto_is_float32_on_cpu_and_bf16_with_tf32_on_a_gpu_that_has_it(monk
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, b=bf16, **k: b)
         p = resolve_precision(amp, gpu)
         assert (p.autocast, p.tf32, p.peak_flops) == want, name
-        text = p.describe(gpu)
+        text = p.text
         assert f"training.amp={amp}" in text
         assert ("no MFU" in text) == (want[2] is None), text
 

@@ -23,7 +23,7 @@ import secrets
 import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Protocol, TypedDict, runtime_checkable
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -319,26 +319,17 @@ def _point_last(path: Path, needed: int) -> Path:
     return last
 
 
-@runtime_checkable
-class Stateful(Protocol):
-    """What the checkpointer saves (the trainer, as in torchtitan): its state_dict() is the checkpoint's content."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-def save(state: dict | Stateful, folder: str | Path, step: int, *, keep: int = 2, check_finite: bool = True,
+def save(state: Any, folder: str | Path, step: int, *, keep: int = 2, check_finite: bool = True,
          log: Callable[[str], None] | None = None, write: bool = True) -> Path | None:
-    """Write `state` (a dict of tensors on any device, or a `Stateful`'s state_dict()) as
+    """Write `state` (a dict of tensors on any device, or an object's state_dict(), e.g. the trainer's) as
     `<folder>/step-XXXXXXXX.pt` atomically, point `last.pt` at it and return its path; older step files beyond the
-    newest `keep` are deleted once the new one is in place. Under torchrun every rank calls it with its `Stateful`
+    newest `keep` are deleted once the new one is in place. Under torchrun every rank calls it with the object
     (state_dict() may gather from all ranks) and only `write=True` (rank 0) writes; the others get None.
     `check_finite` refuses (NonFiniteWeightsError) a state with NaN/inf tensors; `log` (default: this module's
     logger) gets the line about deleted later-step files."""
     if keep < 1:
         raise ValueError(f"checkpoint keep must be >= 1, got {keep}")
-    if isinstance(state, Stateful):
+    if not isinstance(state, dict):  # a stateful object (torchtitan's Stateful protocol: importing it costs seconds)
         state = state.state_dict()
     if not write:
         return None

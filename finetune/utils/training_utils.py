@@ -11,8 +11,10 @@ Contents, in order:
   loss parts, how the best model is saved, the frozen weights' fingerprint).
 - Resume steps: `on_main` (rank 0 decides, every rank gets the answer or the error), `load_for_resume` (rank 0
   deserialises once), `restore_optimizer` (moments kept, this run's lr schedule), `rng_fork`.
-- Data loading (`train_sampler`, `val_sampler`, workers that ignore Ctrl-C), `autocast`, `evaluate` (validation).
-- `Trainer`: all state declared in `__init__`; `fit()` = take the folder (lock, plan), resume or validate the
+- Data loading (`train_sampler`, `val_sampler`, workers that ignore Ctrl-C), precision (`resolve_precision`:
+  training.amp, TF32, the peak behind MFU; `forward_flops_per_token`), `autocast`, `evaluate` (validation).
+- `Trainer`: all state declared in `__init__`, `state_dict()` / `load_state_dict()` what a checkpoint holds (the
+  checkpointer is handed the trainer); `fit()` = take the folder (lock, plan), resume or validate the
   starting model (epoch 0), `train_epoch` -> `train_step` -> `forward_backward_step` / `optimizer_step`,
   `end_epoch` (validate, keep the best model, early stopping, checkpoint), `finish` (plot, run_info.json).
 - Entry points `train_tokenizer`, `train_predictor`, `evaluate_predictor`.
@@ -526,21 +528,12 @@ PEAK_FLOPS = {"H100 PCIe": (756e12, 378e12, 51e12), "H100": (989e12, 495e12, 67e
 
 @dataclass(frozen=True)
 class Precision:
-    """What training.amp resolves to on the training device (said once in the log)."""
+    """What training.amp resolves to on the training device."""
 
     autocast: torch.dtype | None  # bf16 autocast, or None: float32
     tf32: bool  # float32 matmuls run in TF32 (CUDA)
-    why: str  # the setting and what decided it
     peak_flops: float | None  # the device's peak at this precision; None: no MFU (CPU, or a GPU not in PEAK_FLOPS)
-
-    def describe(self, device: torch.device) -> str:
-        text = "bf16 autocast" if self.autocast is not None else "float32"
-        text += (", TF32 matmuls for what stays float32" if self.tf32 else "") + f" ({self.why})"
-        if self.peak_flops is not None:
-            return f"{text}; MFU against a peak of {self.peak_flops / 1e12:.0f} TFLOP/s per device"
-        if device.type != "cuda":
-            return f"{text}; tokens/s only (no MFU on CPU)"
-        return f"{text}; no MFU: the peak FLOP/s of {torch.cuda.get_device_name(device)} is not known"
+    text: str  # the log's line: which precision, why, and whether MFU is reported
 
 
 def resolve_precision(amp: str, device: torch.device) -> Precision:
@@ -548,31 +541,31 @@ def resolve_precision(amp: str, device: torch.device) -> Precision:
     for what stays float32 (e.g. the predictor stage's frozen tokenizer); 'none' float32 (TF32 off); 'bf16' bf16
     autocast; float32 on CPU."""
     if device.type != "cuda":
-        return Precision(None, False, f"training.amp={amp}: no CUDA device", None)
+        return Precision(None, False, None, f"float32 (training.amp={amp}: no CUDA device); tokens/s, no MFU on CPU")
     name = torch.cuda.get_device_name(device)
-    if amp == "auto":
-        bf16 = torch.cuda.is_bf16_supported()
-        dtype, tf32, why = (torch.bfloat16 if bf16 else None), True, \
-            f"training.amp=auto: {name} {'supports' if bf16 else 'does not support'} bf16"
-    else:
-        dtype, tf32, why = (torch.bfloat16 if amp == "bf16" else None), False, f"training.amp={amp}"
+    bf16 = amp == "bf16" or (amp == "auto" and torch.cuda.is_bf16_supported())
+    why = f"training.amp=auto: {name} {'supports' if bf16 else 'does not support'} bf16" if amp == "auto" else \
+        f"training.amp={amp}"
     peaks = next((p for part, p in PEAK_FLOPS.items() if part in name), None)
-    return Precision(dtype, tf32, why, None if peaks is None else peaks[0 if dtype else 1 if tf32 else 2])
+    peak = None if peaks is None else peaks[0 if bf16 else 1 if amp == "auto" else 2]
+    text = ("bf16 autocast" if bf16 else "float32") + (", TF32 matmuls for what stays float32" if amp == "auto" else "")
+    text += f" ({why}); " + (f"MFU against {peak / 1e12:.0f} TFLOP/s per device" if peak else
+                             f"no MFU: {name}'s peak FLOP/s is not known")
+    return Precision(torch.bfloat16 if bf16 else None, amp == "auto", peak, text)
 
 
 def autocast(precision: Precision) -> contextlib.AbstractContextManager:
     """bf16 autocast on CUDA when `precision` says so; nothing otherwise."""
-    if precision.autocast is not None:
-        return torch.autocast(device_type="cuda", dtype=precision.autocast)
-    return contextlib.nullcontext()
+    if precision.autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type="cuda", dtype=precision.autocast)
 
 
 @contextlib.contextmanager
 def tf32_matmuls(on: bool) -> Iterator[None]:
     """float32 matmuls in TF32 inside the block when `on` (the process's setting is restored afterwards)."""
     before = torch.get_float32_matmul_precision()
-    if on:
-        torch.set_float32_matmul_precision("high")
+    torch.set_float32_matmul_precision("high" if on else before)
     try:
         yield
     finally:
@@ -580,11 +573,10 @@ def tf32_matmuls(on: bool) -> Iterator[None]:
 
 
 def forward_flops_per_token(modules: Sequence[nn.Module], seq: int) -> float:
-    """Forward FLOPs per token of `modules` on windows of `seq` tokens, as nanoGPT's estimate_mfu (PaLM, appendix B)
-    counts them: 2 per weight of every nn.Linear (a multiply-add) + 4 * d_model * seq per attention layer (q @ k^T
-    and softmax @ v over the whole window; the causal half is not subtracted). Embedding lookups, norms and
-    element-wise ops are not counted. Training costs 3x the forward (the backward computes input and weight
-    gradients: 6 * N + 12 * L * d_model * seq in all), also for frozen weights (an over-estimate for lora / freeze)."""
+    """Forward FLOPs per token of `modules` on windows of `seq` tokens, counted as nanoGPT's estimate_mfu does: 2 per
+    nn.Linear weight (a multiply-add) + 4 * d_model * seq per attention layer (q @ k^T and softmax @ v, the causal
+    half not subtracted); lookups, norms and element-wise ops are left out. A training step costs 3x (backward: input
+    and weight gradients), i.e. 6 * N + 12 * L * d_model * seq, also for frozen weights (lora / freeze: too high)."""
     found = [m for module in modules for m in module.modules()]
     weights = sum(m.weight.numel() for m in found if isinstance(m, nn.Linear))
     attention = sum(m.d_model for m in found
@@ -686,9 +678,7 @@ class Trainer:
                                                                                                  total_steps),
             div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor, cycle_momentum=False,
         )
-        if cfg.amp == "bf16" and self.device.type != "cuda":
-            warnings.warn("training.amp=bf16 needs CUDA; training in float32 on CPU", stacklevel=2)
-        self.precision = resolve_precision(cfg.amp, self.device)
+        self.precision = resolve_precision(cfg.amp, self.device)  # said in the log (bf16 on CPU: float32)
         # training.compile: the loss of full micro-batches is compiled at the first one (see forward_backward_step).
         self.compile = self.device.type == "cuda" if cfg.compile == "auto" else bool(cfg.compile)
         self.compiled_loss: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] | None = None
@@ -844,8 +834,8 @@ class Trainer:
             n, total = self.run_extra["trainable_parameters"], self.run_extra["total_parameters"]
             log.info("[%s] finetune_mode=%s: %d of %d parameters train (%.2f%%)", self.stage.name,
                      cfg.finetune_mode, n, total, 100 * n / max(total, 1))
-            log.info("[%s] precision: %s; training.compile=%s: %s", self.stage.name,
-                     self.precision.describe(self.device), cfg.compile, "compiled" if self.compile else "eager")
+            log.info("[%s] precision: %s; training.compile=%s: %s", self.stage.name, self.precision.text,
+                     cfg.compile, "compiled" if self.compile else "eager")
 
     def validate_start(self) -> None:
         """Epoch 0: validate the starting model before the first step; it is best_model/ until an epoch beats it.
@@ -905,23 +895,19 @@ class Trainer:
         and shapes stay static (no recompiles); the epoch's ragged last micro-batch, if any, runs eagerly, so the
         windows trained, the step count and a resume are the same as without compile. A compile that fails there
         logs one warning and the step runs eagerly (random streams put back: as if compile had been off)."""
-        loss_fn = self.stage.loss
-        if self.compile and x.shape[0] == self.cfg.batch_size:
-            if self.compiled_loss is None:  # the run's first full micro-batch: a step's first, no gradient yet
-                saved = rng_state()
-                try:
-                    self.compiled_loss = torch.compile(self.stage.loss, dynamic=False)
-                    return self.micro_batch(self.compiled_loss, x, stamp, weight, sync)
-                except Exception as e:  # noqa: BLE001 - any compiler failure: the eager step still trains
-                    first = (str(e).strip().splitlines() or [""])[0][:300]
-                    log.warning("[%s] training.compile: compiling the training step failed (%s: %s); training "
-                                "eagerly", self.stage.name, type(e).__name__, first)
-                    self.compile, self.compiled_loss = False, None
-                    self.optimizer.zero_grad(set_to_none=True)
-                    set_rng_state(saved)
-            else:
-                loss_fn = self.compiled_loss
-        self.micro_batch(loss_fn, x, stamp, weight, sync)
+        compiled = self.compile and x.shape[0] == self.cfg.batch_size
+        if compiled and self.compiled_loss is None:  # the run's first full micro-batch: a step's first, no gradient
+            saved = rng_state()
+            try:
+                self.compiled_loss = torch.compile(self.stage.loss, dynamic=False)
+                return self.micro_batch(self.compiled_loss, x, stamp, weight, sync)
+            except Exception as e:  # noqa: BLE001 - any compiler failure: the eager step still trains
+                log.warning("[%s] training.compile: compiling the training step failed (%s: %s); training eagerly",
+                            self.stage.name, type(e).__name__, (str(e).strip().splitlines() or [""])[0][:300])
+                self.compile, self.compiled_loss, compiled = False, None, False
+                self.optimizer.zero_grad(set_to_none=True)
+                set_rng_state(saved)
+        self.micro_batch(self.compiled_loss if compiled else self.stage.loss, x, stamp, weight, sync)
 
     def micro_batch(self, loss_fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]], x: torch.Tensor,
                     stamp: torch.Tensor, weight: float, sync: bool) -> None:
@@ -980,9 +966,8 @@ class Trainer:
         record["tokens_per_s"] = totals.windows * self.window_len / seconds  # candles (= token pairs) per second
         record["data_wait_s"] = totals.extra[0] / self.dist.world_size  # mean over ranks
         record["seconds"] = seconds
-        if self.precision.peak_flops is not None:  # model FLOPs utilisation of all ranks' devices
-            record["mfu"] = record["tokens_per_s"] * self.stage.flops_per_token(self.window_len) / (
-                self.precision.peak_flops * self.dist.world_size)
+        if self.precision.peak_flops is not None:
+            record["mfu"] = self.mfu(record["tokens_per_s"])
         self.epoch_tokens += totals.windows * self.window_len
         self.epoch_train_s += seconds
         record.update(step=self.state.global_step, epoch=self.state.epoch + 1, lr=self.scheduler.get_last_lr()[0])
@@ -1041,16 +1026,16 @@ class Trainer:
                      "  (saved)" if decision.improved else "", self.throughput() if epoch > 0 else "")
         return decision.stop and epoch > 0
 
+    def mfu(self, tokens_per_s: float) -> float:
+        """Model FLOPs utilisation of all ranks' devices at `tokens_per_s` (candles per second, all ranks)."""
+        flops = tokens_per_s * self.stage.flops_per_token(self.window_len)
+        return flops / (self.precision.peak_flops * self.dist.world_size)
+
     def throughput(self) -> str:
         """"  <n> tokens/s  MFU <x>%" of the epoch's training steps (all ranks, validation excluded)."""
-        if self.epoch_train_s <= 0:
-            return ""
-        per_s = self.epoch_tokens / self.epoch_train_s
-        text = f"  {per_s:,.0f} tokens/s"
-        if self.precision.peak_flops is not None:
-            flops = per_s * self.stage.flops_per_token(self.window_len)
-            text += f"  MFU {100 * flops / (self.precision.peak_flops * self.dist.world_size):.1f}%"
-        return text
+        per_s = self.epoch_tokens / max(self.epoch_train_s, 1e-9)
+        mfu = f"  MFU {100 * self.mfu(per_s):.1f}%" if self.precision.peak_flops is not None else ""
+        return f"  {per_s:,.0f} tokens/s{mfu}"
 
     def save_best(self, epoch: int, val_loss: float) -> None:
         """best_model/ in the published format plus its run_info.json (rank 0); never non-finite weights, and a
@@ -1080,8 +1065,7 @@ class Trainer:
         barrier()
 
     def state_dict(self) -> Checkpoint:
-        """Everything a resumed run needs, as the checkpoint holds it (`Checkpoint`). Every rank calls it (it
-        gathers every rank's random streams); rank 0's copy is written."""
+        """Everything a resumed run needs, as the checkpoint holds it; every rank calls it (gathers RNG states)."""
         rngs = all_gather_object(rng_state())  # every rank resumes its own random stream
         return {
             "format": CHECKPOINT_FORMAT,
@@ -1102,9 +1086,8 @@ class Trainer:
         }
 
     def load_state_dict(self, saved: Checkpoint) -> None:
-        """Continue from `saved` (already checked against this run by `resume` / `read_finished`): the trained
-        weights, the optimizer's moments and step under this run's optimisation settings (`restore_optimizer`),
-        the loop's counters and history, and this rank's random streams."""
+        """Continue from `saved` (checked by `resume` / `read_finished`): weights, optimizer moments and step (with
+        this run's optimisation settings), the loop's counters and history, this rank's random streams."""
         self.stage.adapter.load_checkpoint_state(saved["model"], self.resume_path)
         restore_optimizer(self.optimizer, self.scheduler, saved)
         self.state = LoopState(**saved["loop"])
