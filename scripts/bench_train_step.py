@@ -2,13 +2,10 @@
 
     python scripts/bench_train_step.py                                  # CPU defaults: batch 2 x 128, few steps
     python scripts/bench_train_step.py --batch 8 --seq 512 --models tokenizer-base kronos-small kronos-base
-    python scripts/bench_train_step.py          # on CUDA: Kronos-small 64 x 512 and Kronos-base 32 x 512
-
-On CUDA each model also gets the engine with `amp=bf16` eager and `amp=bf16` + `compile=true`, each with ms/step,
-tokens (candles) per second and MFU (the engine's estimate, training_utils.forward_flops_per_token, against the
-device's peak at that precision). Every fp32 column runs with TF32 off, as `training.amp=none` trains; the defaults
-(`amp: auto`, `compile: auto`) give the bf16 compiled column plus TF32 for what stays float32 (the predictor's frozen
-tokenizer encode). On CUDA --batch / --seq default to each model's shape (64 x 512 small, 32 x 512 base).
+On CUDA the defaults are Kronos-small 64 x 512 and Kronos-base 32 x 512, and the engine also runs with `amp=bf16`
+eager and compiled; each column gives ms/step, tokens (candles) per second and the engine's MFU. fp32 columns run
+with TF32 off, as `training.amp=none` trains; the defaults (`amp: auto`, `compile: auto`) give the bf16 compiled
+column plus TF32 for what stays float32 (the predictor's frozen tokenizer encode).
 
 "plain" is the minimal hand-written step on tensors already in memory: forward, loss, backward, clip, AdamW,
 zero_grad (for the predictor the frozen tokenizer encodes the batch first, as in any finetuning step).
@@ -80,7 +77,6 @@ GPU_SHAPES = {"tokenizer-base": (64, 512), "kronos-small": (64, 512), "kronos-ba
 @dataclass
 class Timing:
     """One column of one model: fastest and median ms per step, tokens/s of the fastest, its MFU (None: unknown)."""
-
     ms: float
     median_ms: float
     tokens_per_s: float

@@ -321,10 +321,10 @@ def _point_last(path: Path, needed: int) -> Path:
 
 def save(state: Any, folder: str | Path, step: int, *, keep: int = 2, check_finite: bool = True,
          log: Callable[[str], None] | None = None, write: bool = True) -> Path | None:
-    """Write `state` (a dict of tensors on any device, or an object's state_dict(), e.g. the trainer's) as
+    """Write `state` (tensors on any device; or an object, e.g. the trainer, whose state_dict() gives them: every
+    rank calls it then, as state_dict() may gather, and only `write` (rank 0) writes, the others get None) as
     `<folder>/step-XXXXXXXX.pt` atomically, point `last.pt` at it and return its path; older step files beyond the
-    newest `keep` are deleted once the new one is in place. Under torchrun every rank calls it with the object
-    (state_dict() may gather from all ranks) and only `write=True` (rank 0) writes; the others get None.
+    newest `keep` are deleted once the new one is in place.
     `check_finite` refuses (NonFiniteWeightsError) a state with NaN/inf tensors; `log` (default: this module's
     logger) gets the line about deleted later-step files."""
     if keep < 1:

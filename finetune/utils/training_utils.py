@@ -11,12 +11,12 @@ Contents, in order:
   loss parts, how the best model is saved, the frozen weights' fingerprint).
 - Resume steps: `on_main` (rank 0 decides, every rank gets the answer or the error), `load_for_resume` (rank 0
   deserialises once), `restore_optimizer` (moments kept, this run's lr schedule), `rng_fork`.
-- Data loading (`train_sampler`, `val_sampler`, workers that ignore Ctrl-C), precision (`resolve_precision`:
-  training.amp, TF32, the peak behind MFU; `forward_flops_per_token`), `autocast`, `evaluate` (validation).
-- `Trainer`: all state declared in `__init__`, `state_dict()` / `load_state_dict()` what a checkpoint holds (the
-  checkpointer is handed the trainer); `fit()` = take the folder (lock, plan), resume or validate the
-  starting model (epoch 0), `train_epoch` -> `train_step` -> `forward_backward_step` / `optimizer_step`,
-  `end_epoch` (validate, keep the best model, early stopping, checkpoint), `finish` (plot, run_info.json).
+- Data loading (`train_sampler`, `val_sampler`, workers that ignore Ctrl-C), `resolve_precision` (training.amp, TF32,
+  the peak behind MFU), `forward_flops_per_token`, `autocast`, `evaluate` (validation).
+- `Trainer`: all state declared in `__init__`, `state_dict()` / `load_state_dict()` = a checkpoint's content;
+  `fit()` = take the folder (lock, plan), resume or validate the starting model (epoch 0), `train_epoch` ->
+  `train_step` -> `forward_backward_step` / `optimizer_step`, `end_epoch` (validate, keep the best model, early
+  stopping, checkpoint), `finish` (plot, run_info.json).
 - Entry points `train_tokenizer`, `train_predictor`, `evaluate_predictor`.
 
 Checkpoints are finetune/utils/checkpoint.py's, run safety finetune/utils/safety.py's. `data_info` goes into
@@ -223,12 +223,10 @@ def should_log(step: int, every: int, last_step_of_epoch: bool) -> bool:
 
 
 def one_cycle_pct_start(pct_start: float, total_steps: int) -> float:
-    """training.pct_start as OneCycleLR can use it for a stage of `total_steps` optimizer steps.
-
-    OneCycleLR ends the warm-up at step pct_start * total_steps - 1 and divides by the warm-up's length: when that
-    is exactly 0 (e.g. pct_start 0.1 of 10 steps, 0.5 of 2) it raises ZeroDivisionError. Such a stage gets one
-    warm-up step (step 0 at lr / div_factor, then the peak), what any pct_start a little larger gives; every other
-    value is kept as it is (below one step OneCycleLR starts at the peak; pinned runs rely on that)."""
+    """training.pct_start for OneCycleLR over `total_steps`. Its warm-up ends at step pct_start * total_steps - 1
+    and it divides by the warm-up's length: exactly 0 (pct_start 0.1 of 10 steps) raises ZeroDivisionError, so such
+    a stage gets one warm-up step (step 0 at lr / div_factor), as a slightly larger pct_start does. Other values are
+    kept (below one step OneCycleLR starts at the peak; the pinned golden runs do)."""
     return 1.5 / total_steps if math.isclose(pct_start * total_steps, 1.0) else pct_start
 
 
@@ -544,8 +542,7 @@ def resolve_precision(amp: str, device: torch.device) -> Precision:
         return Precision(None, False, None, f"float32 (training.amp={amp}: no CUDA device); tokens/s, no MFU on CPU")
     name = torch.cuda.get_device_name(device)
     bf16 = amp == "bf16" or (amp == "auto" and torch.cuda.is_bf16_supported())
-    why = f"training.amp=auto: {name} {'supports' if bf16 else 'does not support'} bf16" if amp == "auto" else \
-        f"training.amp={amp}"
+    why = f"training.amp={amp}" + (f": {name} {'supports' if bf16 else 'lacks'} bf16" if amp == "auto" else "")
     peaks = next((p for part, p in PEAK_FLOPS.items() if part in name), None)
     peak = None if peaks is None else peaks[0 if bf16 else 1 if amp == "auto" else 2]
     text = ("bf16 autocast" if bf16 else "float32") + (", TF32 matmuls for what stays float32" if amp == "auto" else "")
@@ -672,10 +669,9 @@ class Trainer:
         )
         self.optimizer.zero_grad(set_to_none=True)  # a model reused after a failed run may hold (NaN) gradients
         # cycle_momentum=False: OneCycleLR would otherwise overwrite AdamW's beta1 (0.85..0.95), ignoring cfg.betas.
-        total_steps = self.steps_per_epoch * cfg.epochs
+        total = self.steps_per_epoch * cfg.epochs
         self.scheduler = torch.optim.lr_scheduler.OneCycleLR(
-            self.optimizer, max_lr=cfg.lr, total_steps=total_steps, pct_start=one_cycle_pct_start(cfg.pct_start,
-                                                                                                 total_steps),
+            self.optimizer, max_lr=cfg.lr, total_steps=total, pct_start=one_cycle_pct_start(cfg.pct_start, total),
             div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor, cycle_momentum=False,
         )
         self.precision = resolve_precision(cfg.amp, self.device)  # said in the log (bf16 on CPU: float32)
@@ -890,28 +886,22 @@ class Trainer:
     def forward_backward_step(self, x: torch.Tensor, stamp: torch.Tensor, weight: float, sync: bool) -> None:
         """Loss of one micro-batch x (B, T, F), stamp (B, T, 5); backward of loss * weight; DDP all-reduces the
         gradients only when `sync` (the step's last micro-batch). The loss goes into the window and epoch sums.
-
-        With training.compile the loss (forward and backward) of full micro-batches is compiled at the first one
-        and shapes stay static (no recompiles); the epoch's ragged last micro-batch, if any, runs eagerly, so the
-        windows trained, the step count and a resume are the same as without compile. A compile that fails there
-        logs one warning and the step runs eagerly (random streams put back: as if compile had been off)."""
+        training.compile: full micro-batches run the compiled loss (forward + backward; static shapes, compiled at
+        the first), the epoch's ragged last one eagerly: windows, step counts and resume are those of an eager run.
+        A failing compile logs one warning and that step runs eagerly, its random streams put back."""
         compiled = self.compile and x.shape[0] == self.cfg.batch_size
         if compiled and self.compiled_loss is None:  # the run's first full micro-batch: a step's first, no gradient
             saved = rng_state()
             try:
                 self.compiled_loss = torch.compile(self.stage.loss, dynamic=False)
-                return self.micro_batch(self.compiled_loss, x, stamp, weight, sync)
+                return self.forward_backward_step(x, stamp, weight, sync)
             except Exception as e:  # noqa: BLE001 - any compiler failure: the eager step still trains
                 log.warning("[%s] training.compile: compiling the training step failed (%s: %s); training eagerly",
                             self.stage.name, type(e).__name__, (str(e).strip().splitlines() or [""])[0][:300])
                 self.compile, self.compiled_loss, compiled = False, None, False
                 self.optimizer.zero_grad(set_to_none=True)
                 set_rng_state(saved)
-        self.micro_batch(self.compiled_loss if compiled else self.stage.loss, x, stamp, weight, sync)
-
-    def micro_batch(self, loss_fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]], x: torch.Tensor,
-                    stamp: torch.Tensor, weight: float, sync: bool) -> None:
-        """Forward (`loss_fn`: the stage's loss or its compiled form) and backward of one micro-batch, then sums."""
+        loss_fn = self.compiled_loss if compiled else self.stage.loss
         with contextlib.nullcontext() if sync else no_sync(self.wrapped):
             with autocast(self.precision):
                 loss, parts = loss_fn(self.wrapped, x, stamp, training=True)
@@ -1067,23 +1057,13 @@ class Trainer:
     def state_dict(self) -> Checkpoint:
         """Everything a resumed run needs, as the checkpoint holds it; every rank calls it (gathers RNG states)."""
         rngs = all_gather_object(rng_state())  # every rank resumes its own random stream
-        return {
-            "format": CHECKPOINT_FORMAT,
-            "stage": self.stage.name,
-            "model": self.stage.adapter.checkpoint_state(),  # lora / freeze: what trains only
-            "model_args": self.model_args(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "grad_scaler": None,
-            "loop": dataclasses.asdict(self.state),
-            "rng": rngs,
-            "world_size": self.dist.world_size,
-            "training_config": config_to_dict(self.cfg),
-            "run_config": plain(self.run_config),
-            "data_info": plain(self.data_info),
-            "data_fingerprint": data_fingerprint(plain(self.data_info)),
-            "frozen_fingerprint": self.frozen_fp,
-        }
+        return {"format": CHECKPOINT_FORMAT, "stage": self.stage.name,
+                "model": self.stage.adapter.checkpoint_state(),  # lora / freeze: what trains only
+                "model_args": self.model_args(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "grad_scaler": None, "loop": dataclasses.asdict(self.state),
+                "rng": rngs, "world_size": self.dist.world_size, "training_config": config_to_dict(self.cfg),
+                "run_config": plain(self.run_config), "data_info": plain(self.data_info),
+                "data_fingerprint": data_fingerprint(plain(self.data_info)), "frozen_fingerprint": self.frozen_fp}
 
     def load_state_dict(self, saved: Checkpoint) -> None:
         """Continue from `saved` (checked by `resume` / `read_finished`): weights, optimizer moments and step (with
