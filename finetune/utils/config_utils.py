@@ -672,10 +672,11 @@ class TrainingConfig:
     amp: Literal["auto", "none", "bf16"] = "auto"
     """Mixed precision. 'auto': bfloat16 autocast on a CUDA GPU that supports it (torch.cuda.is_bf16_supported),
     else float32, with TF32 matmuls for what stays float32 on CUDA; float32 on CPU. 'none': float32 everywhere
-    (TF32 off). 'bf16': bfloat16 autocast on CUDA (ignored with a warning on CPU). The train log says which ran."""
+    (TF32 off). 'bf16': bfloat16 autocast on CUDA (float32 on CPU). The train log says which ran and why."""
     compile: bool | Literal["auto"] = "auto"
     """torch.compile the training loss (forward + backward) once per stage: 'auto' = on with CUDA, off on CPU;
-    true / false. A compile that fails at the first step logs one warning and the step runs eagerly."""
+    true / false. An epoch's ragged last micro-batch runs eagerly (static shapes); a compile that fails at the first
+    step logs one warning and training goes on eagerly."""
     seed: int = 100
     """Base seed; each process uses seed + rank; data order depends on (seed, epoch) only."""
     num_workers: int = 2
