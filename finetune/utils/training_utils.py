@@ -893,6 +893,7 @@ class Trainer:
         if compiled and self.compiled_loss is None:  # the run's first full micro-batch: a step's first, no gradient
             saved = rng_state()
             try:
+                torch.compiler.reset()  # a fresh cache per stage (many stages in one process: no recompile limit)
                 self.compiled_loss = torch.compile(self.stage.loss, dynamic=False)
                 return self.forward_backward_step(x, stamp, weight, sync)
             except Exception as e:  # noqa: BLE001 - any compiler failure: the eager step still trains
