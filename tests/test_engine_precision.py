@@ -143,3 +143,22 @@ def test_a_ten_step_stage_with_pct_start_0_1_trains_with_one_warm_up_step(tmp_pa
         peak = cfg.lr if total > 2 else cfg.lr / 10 / 1e4
         assert seen[0] == pytest.approx(cfg.lr / 10) and seen[1] == pytest.approx(peak, rel=0.2), (total, pct)
     assert one_cycle_pct_start(0.03, 8) == 0.03  # a usable pct_start is kept as it is
+
+
+def test_train_records_and_the_epoch_line_carry_tokens_per_s_and_mfu_when_the_peak_is_known(tmp_path, monkeypatch):
+    import finetune.utils.training_utils as engine
+
+    peak = 1e9  # a pretend device peak, so MFU is reported on this CPU
+    monkeypatch.setattr(engine, "resolve_precision", lambda amp, device: engine.Precision(None, False, peak, "fp32"))
+    train_set, val_set = tiny_datasets()
+    tok = tiny_tokenizer()
+    result = train_tokenizer(tok, train_set, val_set, CFG, tmp_path, CPU)
+    records = [r for r in read_metrics(result.metrics_path) if r["kind"] == "train"]
+    seq = train_set[0][0].shape[0]
+    flops = TokenizerStage(tok).flops_per_token(seq)
+    assert len(records) == 3
+    for r in records:
+        assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * seq)
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * flops / peak)
+    epoch_line = [line for line in (tmp_path / "train.log").read_text().splitlines() if "epoch 1/1" in line]
+    assert len(epoch_line) == 1 and "tokens/s  MFU " in epoch_line[0]
