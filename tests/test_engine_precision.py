@@ -39,7 +39,7 @@ def train_losses(result) -> list[float]:
 
 def test_amp_auto_is_float32_on_cpu_and_bf16_with_tf32_on_a_gpu_that_has_it(monkeypatch):
     cpu = resolve_precision("auto", torch.device("cpu"))
-    assert cpu.autocast is None and not cpu.tf32 and cpu.peak_flops is None
+    assert cpu.autocast_dtype is None and not cpu.tf32 and cpu.peak_flops is None
     assert "no MFU on CPU" in cpu.text
     assert TrainingConfig().amp == "auto"
 
@@ -54,7 +54,7 @@ def test_amp_auto_is_float32_on_cpu_and_bf16_with_tf32_on_a_gpu_that_has_it(monk
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, b=bf16, **k: b)
         p = resolve_precision(amp, gpu)
-        assert (p.autocast, p.tf32, p.peak_flops) == want, name
+        assert (p.autocast_dtype, p.tf32, p.peak_flops) == want, name
         text = p.text
         assert f"training.amp={amp}" in text
         assert ("no MFU" in text) == (want[2] is None), text

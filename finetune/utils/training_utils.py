@@ -12,7 +12,7 @@ Contents, in order:
 - Resume steps: `on_main` (rank 0 decides, every rank gets the answer or the error), `load_for_resume` (rank 0
   deserialises once), `restore_optimizer` (moments kept, this run's lr schedule), `rng_fork`.
 - Data loading (`train_sampler`, `val_sampler`, workers that ignore Ctrl-C), `resolve_precision` (training.amp, TF32,
-  the peak behind MFU), `forward_flops_per_token`, `autocast`, `evaluate` (validation).
+  the peak behind MFU, autocast), `forward_flops_per_token`, `evaluate` (validation).
 - `Trainer`: all state declared in `__init__`, `state_dict()` / `load_state_dict()` = a checkpoint's content;
   `fit()` = take the folder (lock, plan), resume or validate the starting model (epoch 0), `train_epoch` ->
   `train_step` -> `forward_backward_step` / `optimizer_step`, `end_epoch` (validate, keep the best model, early
@@ -528,10 +528,14 @@ PEAK_FLOPS = {"H100 PCIe": (756e12, 378e12, 51e12), "H100": (989e12, 495e12, 67e
 class Precision:
     """What training.amp resolves to on the training device."""
 
-    autocast: torch.dtype | None  # bf16 autocast, or None: float32
+    autocast_dtype: torch.dtype | None  # bf16 autocast, or None: float32
     tf32: bool  # float32 matmuls run in TF32 (CUDA)
     peak_flops: float | None  # the device's peak at this precision; None: no MFU (CPU, or a GPU not in PEAK_FLOPS)
     text: str  # the log's line: which precision, why, and whether MFU is reported
+
+    def autocast(self) -> torch.autocast:
+        """bf16 autocast on CUDA when it applies; a no-op otherwise."""
+        return torch.autocast("cuda", dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
 
 
 def resolve_precision(amp: str, device: torch.device) -> Precision:
@@ -543,19 +547,11 @@ def resolve_precision(amp: str, device: torch.device) -> Precision:
     name = torch.cuda.get_device_name(device)
     bf16 = amp == "bf16" or (amp == "auto" and torch.cuda.is_bf16_supported())
     why = f"training.amp={amp}" + (f": {name} {'supports' if bf16 else 'lacks'} bf16" if amp == "auto" else "")
-    peaks = next((p for part, p in PEAK_FLOPS.items() if part in name), None)
-    peak = None if peaks is None else peaks[0 if bf16 else 1 if amp == "auto" else 2]
+    peak = next((p[0 if bf16 else 1 if amp == "auto" else 2] for part, p in PEAK_FLOPS.items() if part in name), None)
     text = ("bf16 autocast" if bf16 else "float32") + (", TF32 matmuls for what stays float32" if amp == "auto" else "")
     text += f" ({why}); " + (f"MFU against {peak / 1e12:.0f} TFLOP/s per device" if peak else
                              f"no MFU: {name}'s peak FLOP/s is not known")
     return Precision(torch.bfloat16 if bf16 else None, amp == "auto", peak, text)
-
-
-def autocast(precision: Precision) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA when `precision` says so; nothing otherwise."""
-    if precision.autocast is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type="cuda", dtype=precision.autocast)
 
 
 @contextlib.contextmanager
@@ -598,7 +594,7 @@ def evaluate(stage: Stage, wrapped: nn.Module, dataset: Dataset, sampler: EpochS
     for x, stamp in loader:
         # x (B, T, F), stamp (B, T, 5)
         x, stamp = x.to(dist.device, non_blocking=True), stamp.to(dist.device, non_blocking=True)
-        with autocast(precision):
+        with precision.autocast():
             loss, parts = stage.loss(wrapped, x, stamp, training=False)
         sums.add(loss, parts, x.shape[0])
     totals = sums.reduce()
@@ -683,7 +679,7 @@ class Trainer:
         self.lock = RunLock(self.out, enabled=dist.is_main, key="the stage's output folder (output_dir)",
                             log=log.warning)
         self.stopper = GracefulStop(enabled=False)  # the real one is entered in fit()
-        self.guard = NonFiniteGuard(amp=self.precision.autocast is not None, dist=dist,
+        self.guard = NonFiniteGuard(amp=self.precision.autocast_dtype is not None, dist=dist,
                                     data_extremes=data_extremes)
         self.stop_agreed = False  # some rank received SIGTERM/SIGINT: stop after this step
         self.step_loss = torch.zeros((), device=self.device)  # the current optimizer step's loss (weighted mean)
@@ -904,7 +900,7 @@ class Trainer:
                 set_rng_state(saved)
         loss_fn = self.compiled_loss if compiled else self.stage.loss
         with contextlib.nullcontext() if sync else no_sync(self.wrapped):
-            with autocast(self.precision):
+            with self.precision.autocast():
                 loss, parts = loss_fn(self.wrapped, x, stamp, training=True)
             (loss * weight).backward()
         self.step_loss = self.step_loss + loss.detach().float() * weight  # the step's window-weighted mean loss
