@@ -1,7 +1,11 @@
-"""Train-step time at the published shapes: a plain fp32 step vs the shared engine's step (and bf16 on CUDA).
+"""Train-step time at the published shapes: a plain fp32 step vs the shared engine's step (more columns on CUDA).
 
     python scripts/bench_train_step.py                                  # CPU defaults: batch 2 x 128, few steps
     python scripts/bench_train_step.py --batch 8 --seq 512 --models tokenizer-base kronos-small kronos-base
+On CUDA the defaults are Kronos-small 64 x 512 and Kronos-base 32 x 512, and the engine also runs with `amp=bf16`
+eager and compiled; each column gives ms/step, tokens (candles) per second and the engine's MFU. fp32 columns run
+with TF32 off, as `training.amp=none` trains; the defaults (`amp: auto`, `compile: auto`) give the bf16 compiled
+column plus TF32 for what stays float32 (the predictor's frozen tokenizer encode).
 
 "plain" is the minimal hand-written step on tensors already in memory: forward, loss, backward, clip, AdamW,
 zero_grad (for the predictor the frozen tokenizer encodes the batch first, as in any finetuning step).
@@ -67,24 +71,29 @@ PREDICTORS = {
 }
 
 
+GPU_SHAPES = {"tokenizer-base": (64, 512), "kronos-small": (64, 512), "kronos-base": (32, 512)}  # batch, seq
+
+
 @dataclass
-class Row:
-    model: str
-    shape: str
-    plain_ms: float
-    engine_ms: float
-    bf16_ms: float | None
-    plain_median_ms: float
-    engine_median_ms: float
+class Timing:
+    """One column of one model: fastest and median ms per step, tokens/s of the fastest, its MFU (None: unknown)."""
+    ms: float
+    median_ms: float
+    tokens_per_s: float
+    mfu: float | None = None
+
+    def cell(self) -> str:
+        mfu = f"{100 * self.mfu:5.1f}%" if self.mfu is not None else "     -"
+        return f"{self.ms:9.1f} ms {self.tokens_per_s:10,.0f} tok/s {mfu}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cuda = torch.cuda.is_available()
-    p.add_argument("--models", nargs="+", default=["tokenizer-base", "kronos-small"],
-                   choices=["tokenizer-base", *PREDICTORS])
-    p.add_argument("--batch", type=int, default=8 if cuda else 2, help="windows per step")
-    p.add_argument("--seq", type=int, default=512 if cuda else 128, help="window length (lookback + predict)")
+    p.add_argument("--models", nargs="+", default=["kronos-small", "kronos-base"] if cuda else
+                   ["tokenizer-base", "kronos-small"], choices=["tokenizer-base", *PREDICTORS])
+    p.add_argument("--batch", type=int, default=None if cuda else 2, help="windows per step (CUDA: per model)")
+    p.add_argument("--seq", type=int, default=None if cuda else 128, help="window length (lookback + predict)")
     p.add_argument("--steps", type=int, default=20 if cuda else 5, help="timed steps")
     p.add_argument("--warmup", type=int, default=5 if cuda else 3, help="untimed steps first")
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
@@ -110,8 +119,8 @@ def make_dataset(n_windows: int, seq: int, seed: int = 0) -> WindowDataset:
     return WindowDataset([SeriesArrays(feats, stamps, "bench")], seq - 1, 1)
 
 
-def plain_step_ms(name: str, args: argparse.Namespace, device: torch.device) -> tuple[float, float]:
-    """(min, median) ms of the hand-written fp32 step on a fixed in-memory batch."""
+def plain_step_ms(name: str, args: argparse.Namespace, device: torch.device) -> Timing:
+    """The hand-written fp32 step (TF32 off) on a fixed in-memory batch."""
     torch.manual_seed(0)
     tok = KronosTokenizer(**TOKENIZER_BASE).to(device)
     x, stamp = make_dataset(args.batch, args.seq).get_batch(list(range(args.batch)))
@@ -141,19 +150,20 @@ def plain_step_ms(name: str, args: argparse.Namespace, device: torch.device) -> 
         sync(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-    return 1000 * min(times), 1000 * statistics.median(times)
+    return Timing(1000 * min(times), 1000 * statistics.median(times), args.batch * args.seq / min(times))
 
 
 def engine_step_ms(name: str, args: argparse.Namespace, device: torch.device, amp: str, mode: str = "full",
-                   extra: dict | None = None) -> tuple[float, float]:
-    """(min, median) ms per optimizer step of the real loop (one epoch of warmup + steps batches; metrics.jsonl).
-    `extra` (a dict) receives the run's parameter counts and its checkpoint's size."""
+                   extra: dict | None = None, compile: bool = False) -> Timing:
+    """Per optimizer step of the real loop (one epoch of warmup + steps batches; metrics.jsonl; the compile, if
+    any, happens in the first warmup step). `extra` (a dict) receives the run's parameter counts and its
+    checkpoint's size."""
     torch.manual_seed(0)
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
     train_set = make_dataset(args.batch * (args.warmup + args.steps), args.seq)
     val_set = make_dataset(1, args.seq, seed=1)
     cfg = TrainingConfig(epochs=1, batch_size=args.batch, lr=1e-5, num_workers=0, log_every_steps=1, amp=amp,
-                         progress_bar=False, resume="never", seed=0, finetune_mode=mode,
+                         compile=compile, progress_bar=False, resume="never", seed=0, finetune_mode=mode,
                          trainable=["head", "transformer.7"])
     tok = KronosTokenizer(**TOKENIZER_BASE)
     with tempfile.TemporaryDirectory() as out:
@@ -168,8 +178,10 @@ def engine_step_ms(name: str, args: argparse.Namespace, device: torch.device, am
                          ckpt_mb=(Path(out) / "checkpoints" / "last.pt").stat().st_size / 2**20)
     # Each record covers one step (log_every_steps=1), measured on the host; the logging all-reduce/.item()
     # synchronises CUDA, so the time is the step's real cost.
-    times = [r["seconds"] for r in records[args.warmup :]]
-    return 1000 * min(times), 1000 * statistics.median(times)
+    timed = records[args.warmup :]
+    best = min(timed, key=lambda r: r["seconds"])
+    return Timing(1000 * best["seconds"], 1000 * statistics.median(r["seconds"] for r in timed),
+                  best["tokens_per_s"], best.get("mfu"))
 
 
 DEMO_TOKENIZER = dict(d_in=6, d_model=32, n_heads=2, ff_dim=64, n_enc_layers=2, n_dec_layers=2, ffn_dropout_p=0.0,
@@ -249,10 +261,10 @@ def _mode_child(mode: str, args: argparse.Namespace, queue) -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     extra: dict = {}
-    best, median = engine_step_ms("kronos-small", args, device, "none", mode=mode, extra=extra)
+    timing = engine_step_ms("kronos-small", args, device, "none", mode=mode, extra=extra)
     peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
-    queue.put({"mode": mode, "step_ms": best, "median_ms": median, "peak_mb": peak / 2**20, **extra})
+    queue.put({"mode": mode, "step_ms": timing.ms, "median_ms": timing.median_ms, "peak_mb": peak / 2**20, **extra})
 
 
 def modes_main(args: argparse.Namespace) -> None:
@@ -289,25 +301,35 @@ def main(argv: list[str] | None = None) -> None:
         modes_main(args)
         return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.set_float32_matmul_precision("high")
+    # No torch.set_float32_matmul_precision here: every fp32 column is what training.amp=none trains (TF32 off).
+    columns = {"plain fp32": None, "engine fp32": ("none", False)}
+    if device.type == "cuda":
+        columns.update({"engine bf16": ("bf16", False), "engine bf16 compiled": ("bf16", True)})
     rows = []
     for name in args.models:
-        plain, plain_median = plain_step_ms(name, args, device)
-        engine, engine_median = engine_step_ms(name, args, device, "none")
-        bf16 = engine_step_ms(name, args, device, "bf16")[0] if device.type == "cuda" else None
-        rows.append(Row(name, f"{args.batch} x {args.seq}", plain, engine, bf16, plain_median, engine_median))
+        shape = argparse.Namespace(**{**vars(args), "batch": args.batch or GPU_SHAPES[name][0],
+                                      "seq": args.seq or GPU_SHAPES[name][1]})
+        timings = {col: plain_step_ms(name, shape, device) if how is None
+                   else engine_step_ms(name, shape, device, how[0], compile=how[1]) for col, how in columns.items()}
+        rows.append({"model": name, "batch": shape.batch, "seq": shape.seq,
+                     **{col: t.__dict__ for col, t in timings.items()}})
         print(f"done {name}", flush=True)
 
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
-    print(f"\ntrain step, {label}, torch {torch.__version__}, fastest of {args.steps} steps after {args.warmup} warmup")
-    print(f"{'model':<16}{'batch x seq':>13}{'plain fp32 ms':>15}{'engine fp32 ms':>16}{'engine/plain':>14}"
-          f"{'engine bf16 ms':>16}{'fp32/bf16':>11}")
+    print(f"\ntrain step, {label}, torch {torch.__version__}, fastest of {args.steps} steps after {args.warmup} warmup "
+          "(fp32 = TF32 off, as training.amp=none; MFU where the device's peak is known)")
     for r in rows:
-        bf16 = f"{r.bf16_ms:16.1f}{r.engine_ms / r.bf16_ms:11.2f}" if r.bf16_ms else f"{'n/a (CPU)':>16}{'':>11}"
-        print(f"{r.model:<16}{r.shape:>13}{r.plain_ms:15.1f}{r.engine_ms:16.1f}{r.engine_ms / r.plain_ms:14.2f}{bf16}"
-              f"   (medians: plain {r.plain_median_ms:.1f}, engine {r.engine_median_ms:.1f})")
+        print(f"{r['model']} {r['batch']} x {r['seq']}")
+        for col in columns:
+            t = Timing(**r[col])
+            ratio = (f"  engine/plain {t.ms / r['plain fp32']['ms']:.2f}" if col == "engine fp32" else
+                     f"  {r['engine fp32']['ms'] / t.ms:.2f}x engine fp32" if col != "plain fp32" else "")
+            print(f"  {col:<22}{t.cell()}   (median {t.median_ms:.1f} ms){ratio}")
+    if device.type == "cuda":
+        print("training.amp=auto + compile=auto (the defaults) = 'engine bf16 compiled' plus TF32 for what stays "
+              "float32 (the predictor stage's frozen tokenizer encode)")
     if args.json:
-        args.json.write_text(json.dumps([r.__dict__ for r in rows], indent=2))
+        args.json.write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ LAST_NAME = "last.pt"
 
 class Checkpoint(TypedDict):
     """What a resumable checkpoint (`checkpoints/step-XXXXXXXX.pt`, `last.pt`) holds: tensors, numbers, strings,
-    lists and dicts only, so it loads with `torch.load(weights_only=True)`. Written by `Trainer.save_last`."""
+    lists and dicts only, so it loads with `torch.load(weights_only=True)`. `Trainer.state_dict()` builds it,
+    `Trainer.load_state_dict()` continues from it."""
 
     format: str  # CHECKPOINT_FORMAT
     stage: str  # "tokenizer" | "predictor"
@@ -294,14 +295,20 @@ def _point_last(path: Path, needed: int) -> Path:
     return last
 
 
-def save(state: dict, folder: str | Path, step: int, *, keep: int = 2, check_finite: bool = True,
-         log: Callable[[str], None] | None = None) -> Path:
-    """Write `state` (tensors on any device) as `<folder>/step-XXXXXXXX.pt` atomically, point `last.pt` at it and
-    return its path; older step files beyond the newest `keep` are deleted once the new one is in place.
+def save(state: Any, folder: str | Path, step: int, *, keep: int = 2, check_finite: bool = True,
+         log: Callable[[str], None] | None = None, write: bool = True) -> Path | None:
+    """Write `state` (tensors on any device; or an object, e.g. the trainer, whose state_dict() gives them: every
+    rank calls it then, as state_dict() may gather, and only `write` (rank 0) writes, the others get None) as
+    `<folder>/step-XXXXXXXX.pt` atomically, point `last.pt` at it and return its path; older step files beyond the
+    newest `keep` are deleted once the new one is in place.
     `check_finite` refuses (NonFiniteWeightsError) a state with NaN/inf tensors; `log` (default: this module's
     logger) gets the line about deleted later-step files."""
     if keep < 1:
         raise ValueError(f"checkpoint keep must be >= 1, got {keep}")
+    if not isinstance(state, dict):  # a stateful object (torchtitan's Stateful protocol: importing it costs seconds)
+        state = state.state_dict()
+    if not write:
+        return None
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = step_path(folder, step)
@@ -528,7 +535,7 @@ RESUME_KEYS = ("epochs", "batch_size", "accumulation_steps", "seed", "max_train_
                "lora_rank", "lora_alpha", "lora_targets", "trainable")
 # Optimisation settings a resume may change (e.g. a lower lr after a divergence); each change is reported.
 CHANGEABLE_KEYS = ("lr", "pct_start", "div_factor", "final_div_factor", "betas", "weight_decay", "clip_grad_norm",
-                   "amp", "patience", "min_delta", "teacher_forcing", "max_val_samples", "select_by",
+                   "amp", "compile", "patience", "min_delta", "teacher_forcing", "max_val_samples", "select_by",
                    "lora_dropout")
 
 

@@ -508,8 +508,14 @@ class TrainingConfig:
     """OneCycle: the last learning rate is lr / div_factor / final_div_factor."""
     clip_grad_norm: float | None = None
     """Max gradient norm; null = stage default (2.0 tokenizer, 3.0 predictor); 0 = no clipping."""
-    amp: Literal["none", "bf16"] = "none"
-    """Mixed precision: 'bf16' runs the forward under bfloat16 autocast on CUDA (ignored with a warning on CPU)."""
+    amp: Literal["auto", "none", "bf16"] = "auto"
+    """Mixed precision. 'auto': bfloat16 autocast on a CUDA GPU that supports it (torch.cuda.is_bf16_supported),
+    else float32, with TF32 matmuls for what stays float32 on CUDA; float32 on CPU. 'none': float32 everywhere
+    (TF32 off). 'bf16': bfloat16 autocast on CUDA (float32 on CPU). The train log says which ran and why."""
+    compile: bool | Literal["auto"] = "auto"
+    """torch.compile the training loss (forward + backward) once per stage: 'auto' = on with CUDA, off on CPU;
+    true / false. An epoch's ragged last micro-batch runs eagerly (static shapes); a compile that fails at the first
+    step logs one warning and training goes on eagerly."""
     seed: int = 100
     """Base seed; each process uses seed + rank; data order depends on (seed, epoch) only."""
     num_workers: int = 2
@@ -590,7 +596,9 @@ def validate_training_config(cfg: TrainingConfig, problems: Problems, prefix: st
     problems.check(0 < cfg.pct_start < 1, k("pct_start"), f"must be in (0, 1), got {cfg.pct_start}")
     problems.check(cfg.clip_grad_norm is None or cfg.clip_grad_norm >= 0, k("clip_grad_norm"),
                    f"must be >= 0 or null, got {cfg.clip_grad_norm}")
-    problems.check(cfg.amp in ("none", "bf16"), k("amp"), f"must be 'none' or 'bf16', got {cfg.amp!r}")
+    problems.check(cfg.amp in ("auto", "none", "bf16"), k("amp"), f"must be 'auto', 'none' or 'bf16', got {cfg.amp!r}")
+    problems.check(cfg.compile is True or cfg.compile is False or cfg.compile == "auto", k("compile"),
+                   f"must be 'auto', true or false, got {cfg.compile!r}")
     for name in ("max_train_samples", "max_val_samples"):
         v = getattr(cfg, name)
         problems.check(v is None or v >= 1, k(name), f"must be >= 1 or null (all windows), got {v}")

@@ -11,10 +11,12 @@ Contents, in order:
   loss parts, how the best model is saved, the frozen weights' fingerprint).
 - Resume steps: `on_main` (rank 0 decides, every rank gets the answer or the error), `load_for_resume` (rank 0
   deserialises once), `restore_optimizer` (moments kept, this run's lr schedule), `rng_fork`.
-- Data loading (`train_sampler`, `val_sampler`, workers that ignore Ctrl-C), `autocast`, `evaluate` (validation).
-- `Trainer`: all state declared in `__init__`; `fit()` = take the folder (lock, plan), resume or validate the
-  starting model (epoch 0), `train_epoch` -> `train_step` -> `forward_backward_step` / `optimizer_step`,
-  `end_epoch` (validate, keep the best model, early stopping, checkpoint), `finish` (plot, run_info.json).
+- Data loading (`train_sampler`, `val_sampler`, workers that ignore Ctrl-C), `resolve_precision` (training.amp, TF32,
+  the peak behind MFU, autocast), `forward_flops_per_token`, `evaluate` (validation).
+- `Trainer`: all state declared in `__init__`, `state_dict()` / `load_state_dict()` = a checkpoint's content;
+  `fit()` = take the folder (lock, plan), resume or validate the starting model (epoch 0), `train_epoch` ->
+  `train_step` -> `forward_backward_step` / `optimizer_step`, `end_epoch` (validate, keep the best model, early
+  stopping, checkpoint), `finish` (plot, run_info.json).
 - Entry points `train_tokenizer`, `train_predictor`, `evaluate_predictor`.
 
 Checkpoints are finetune/utils/checkpoint.py's, run safety finetune/utils/safety.py's. `data_info` goes into
@@ -93,6 +95,7 @@ from finetune.utils.safety import (
 from finetune.utils.windows import EpochSampler, batches_per_epoch, make_loader, seed_worker
 from model.errors import DataError
 from model.hub import weights_fingerprint
+from model.layers import MultiHeadAttentionWithRoPE, MultiHeadCrossAttentionWithRoPE
 from model.predictor import PREDICTOR_INFO_NAME, TOKENIZER_CONFIG_NAME, TOKENIZER_SUBDIR, predictor_info
 
 
@@ -220,6 +223,14 @@ def should_log(step: int, every: int, last_step_of_epoch: bool) -> bool:
     return last_step_of_epoch or (every > 0 and step % every == 0)
 
 
+def one_cycle_pct_start(pct_start: float, total_steps: int) -> float:
+    """training.pct_start for OneCycleLR over `total_steps`. Its warm-up ends at step pct_start * total_steps - 1
+    and it divides by the warm-up's length: exactly 0 (pct_start 0.1 of 10 steps) raises ZeroDivisionError, so such
+    a stage gets one warm-up step (step 0 at lr / div_factor), as a slightly larger pct_start does. Other values are
+    kept (below one step OneCycleLR starts at the peak; the pinned golden runs do)."""
+    return 1.5 / total_steps if math.isclose(pct_start * total_steps, 1.0) else pct_start
+
+
 def micro_batch_sizes(samples: int, batch_size: int) -> list[int]:
     """Sizes of the epoch's micro-batches on one rank: full batches, then a possibly smaller last one."""
     full, rest = divmod(samples, batch_size)
@@ -320,6 +331,10 @@ class Stage:
         frozen weights is refused); None when there is none."""
         return None
 
+    def flops_per_token(self, seq: int) -> float:
+        """Estimated FLOPs of one training step per token (candle) of windows of `seq` (`forward_flops_per_token`)."""
+        raise NotImplementedError
+
 
 class TokenizerStage(Stage):
     """The BSQ tokenizer trained on reconstruction + BSQ loss."""
@@ -337,6 +352,10 @@ class TokenizerStage(Stage):
 
     def save_best(self, folder):
         self.adapter.save_best(folder, {})
+
+    def flops_per_token(self, seq):
+        tok = self.model  # the decoder runs twice (from the s1 bits alone and from the full code)
+        return 3 * (forward_flops_per_token([tok], seq) + forward_flops_per_token([tok.decoder, tok.head], seq))
 
 
 class PredictorStage(Stage):
@@ -377,6 +396,12 @@ class PredictorStage(Stage):
             extra[PREDICTOR_INFO_NAME] = {**predictor_info(folder, **info), "tokenizer": TOKENIZER_SUBDIR}
             models[TOKENIZER_SUBDIR] = self.tokenizer
         self.adapter.save_best(folder, extra, models)  # lora: merged, plus the adapter alone under adapter/
+
+    def flops_per_token(self, seq):
+        # The predictor trains on seq - 1 positions of each window; the frozen tokenizer encodes all seq (forward).
+        tok = self.tokenizer
+        return (3 * forward_flops_per_token([self.model], seq - 1) * (seq - 1) / seq
+                + forward_flops_per_token([tok.embed, tok.encoder, tok.quant_embed], seq))
 
     def frozen_fingerprint(self):
         base = self.adapter.base_fingerprint  # lora / freeze: the predictor's frozen weights count too
@@ -494,11 +519,63 @@ def val_sampler(dataset: Dataset, cfg: TrainingConfig, dist: DistInfo) -> EpochS
     )
 
 
-def autocast(cfg: TrainingConfig, device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA when training.amp=bf16; nothing otherwise."""
-    if cfg.amp == "bf16" and device.type == "cuda":
-        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+# Dense peak FLOP/s (no sparsity) of one GPU by the precision its matmuls run in (bf16, tf32, fp32), from NVIDIA's
+# datasheets (SXM parts unless named); the first name part found in torch.cuda.get_device_name() is used.
+PEAK_FLOPS = {"H100 PCIe": (756e12, 378e12, 51e12), "H100": (989e12, 495e12, 67e12), "H200": (989e12, 495e12, 67e12),
+              "A100": (312e12, 156e12, 19.5e12), "L40S": (362e12, 183e12, 91.6e12)}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What training.amp resolves to on the training device."""
+
+    autocast_dtype: torch.dtype | None  # bf16 autocast, or None: float32
+    tf32: bool  # float32 matmuls run in TF32 (CUDA)
+    peak_flops: float | None  # the device's peak at this precision; None: no MFU (CPU, or a GPU not in PEAK_FLOPS)
+    text: str  # the log's line: which precision, why, and whether MFU is reported
+
+    def autocast(self) -> torch.autocast:
+        """bf16 autocast on CUDA when it applies; a no-op otherwise."""
+        return torch.autocast("cuda", dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+
+
+def resolve_precision(amp: str, device: torch.device) -> Precision:
+    """training.amp on `device`: 'auto' = bf16 autocast where the GPU supports it, else float32, with TF32 matmuls
+    for what stays float32 (e.g. the predictor stage's frozen tokenizer); 'none' float32 (TF32 off); 'bf16' bf16
+    autocast; float32 on CPU."""
+    if device.type != "cuda":
+        return Precision(None, False, None, f"float32 (training.amp={amp}: no CUDA device); tokens/s, no MFU on CPU")
+    name = torch.cuda.get_device_name(device)
+    bf16 = amp == "bf16" or (amp == "auto" and torch.cuda.is_bf16_supported())
+    why = f"training.amp={amp}" + (f": {name} {'supports' if bf16 else 'lacks'} bf16" if amp == "auto" else "")
+    peak = next((p[0 if bf16 else 1 if amp == "auto" else 2] for part, p in PEAK_FLOPS.items() if part in name), None)
+    text = ("bf16 autocast" if bf16 else "float32") + (", TF32 matmuls for what stays float32" if amp == "auto" else "")
+    text += f" ({why}); " + (f"MFU against {peak / 1e12:.0f} TFLOP/s per device" if peak else
+                             f"no MFU: {name}'s peak FLOP/s is not known")
+    return Precision(torch.bfloat16 if bf16 else None, amp == "auto", peak, text)
+
+
+@contextlib.contextmanager
+def tf32_matmuls(on: bool) -> Iterator[None]:
+    """float32 matmuls in TF32 inside the block when `on` (the process's setting is restored afterwards)."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if on else before)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def forward_flops_per_token(modules: Sequence[nn.Module], seq: int) -> float:
+    """Forward FLOPs per token of `modules` on windows of `seq` tokens, counted as nanoGPT's estimate_mfu does: 2 per
+    nn.Linear weight (a multiply-add) + 4 * d_model * seq per attention layer (q @ k^T and softmax @ v, the causal
+    half not subtracted); lookups, norms and element-wise ops are left out. A training step costs 3x (backward: input
+    and weight gradients), i.e. 6 * N + 12 * L * d_model * seq, also for frozen weights (lora / freeze: too high)."""
+    found = [m for module in modules for m in module.modules()]
+    weights = sum(m.weight.numel() for m in found if isinstance(m, nn.Linear))
+    attention = sum(m.d_model for m in found
+                    if isinstance(m, (MultiHeadAttentionWithRoPE, MultiHeadCrossAttentionWithRoPE)))
+    return 2 * weights + 4 * attention * seq
 
 
 @torch.no_grad()
@@ -514,10 +591,11 @@ def evaluate(stage: Stage, wrapped: nn.Module, dataset: Dataset, sampler: EpochS
     loader = quiet_loader(make_loader(dataset, sampler, cfg.batch_size, epoch=epoch, seed=cfg.seed + 1,
                                       num_workers=cfg.num_workers, pin_memory=dist.device.type == "cuda"))
     sums = LossSums(stage.part_names, dist.device)
+    precision = resolve_precision(cfg.amp, dist.device)
     for x, stamp in loader:
         # x (B, T, F), stamp (B, T, 5)
         x, stamp = x.to(dist.device, non_blocking=True), stamp.to(dist.device, non_blocking=True)
-        with autocast(cfg, dist.device):
+        with precision.autocast():
             loss, parts = stage.loss(wrapped, x, stamp, training=False)
         sums.add(loss, parts, x.shape[0])
     totals = sums.reduce()
@@ -588,18 +666,21 @@ class Trainer:
         )
         self.optimizer.zero_grad(set_to_none=True)  # a model reused after a failed run may hold (NaN) gradients
         # cycle_momentum=False: OneCycleLR would otherwise overwrite AdamW's beta1 (0.85..0.95), ignoring cfg.betas.
+        total = self.steps_per_epoch * cfg.epochs
         self.scheduler = torch.optim.lr_scheduler.OneCycleLR(
-            self.optimizer, max_lr=cfg.lr, total_steps=self.steps_per_epoch * cfg.epochs, pct_start=cfg.pct_start,
+            self.optimizer, max_lr=cfg.lr, total_steps=total, pct_start=one_cycle_pct_start(cfg.pct_start, total),
             div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor, cycle_momentum=False,
         )
-        if cfg.amp == "bf16" and self.device.type != "cuda":
-            warnings.warn("training.amp=bf16 needs CUDA; training in float32 on CPU", stacklevel=2)
+        self.precision = resolve_precision(cfg.amp, self.device)  # said in the log (bf16 on CPU: float32)
+        # training.compile: the loss of full micro-batches is compiled at the first one (see forward_backward_step).
+        self.compile = self.device.type == "cuda" if cfg.compile == "auto" else bool(cfg.compile)
+        self.compiled_loss: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] | None = None
 
         # Run safety: one run per folder (rank 0 holds the lock), signals -> graceful stop, non-finite guard.
         self.lock = RunLock(self.out, enabled=dist.is_main, key="the stage's output folder (output_dir)",
                             log=log.warning)
         self.stopper = GracefulStop(enabled=False)  # the real one is entered in fit()
-        self.guard = NonFiniteGuard(amp=cfg.amp == "bf16" and self.device.type == "cuda", dist=dist,
+        self.guard = NonFiniteGuard(amp=self.precision.autocast_dtype is not None, dist=dist,
                                     data_extremes=data_extremes)
         self.stop_agreed = False  # some rank received SIGTERM/SIGINT: stop after this step
         self.step_loss = torch.zeros((), device=self.device)  # the current optimizer step's loss (weighted mean)
@@ -618,6 +699,7 @@ class Trainer:
         self.window_start = time.perf_counter()
         self.window_data_wait = 0.0  # seconds this rank waited for the loader in the window
         self.window_len = 0  # T of the last batch: tokens/s = windows/s * T
+        self.epoch_tokens, self.epoch_train_s = 0, 0.0  # all ranks' candles trained this epoch, and the seconds
         self.grad_norm: torch.Tensor | None = None  # of the last optimizer step (None without clipping)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -628,7 +710,7 @@ class Trainer:
         applied, the last checkpoint kept), RunLockedError / StageFolderError / ConfigError on every rank when the
         folder or settings refuse the run.
         """
-        with GracefulStop() as self.stopper:
+        with GracefulStop() as self.stopper, tf32_matmuls(self.precision.tf32):
             try:
                 self.take_folder()
                 if self.plan.action == "skip":
@@ -681,8 +763,7 @@ class Trainer:
         self.check_still_holds(saved)
         if self.dist.is_main:
             log.info("%s", self.plan.message)
-        self.stage.adapter.load_checkpoint_state(saved["model"], self.resume_path)
-        self.state = LoopState(**saved["loop"])
+        self.load_state_dict(saved)
         plot = self.out / "loss_curve.png"
         return self.result(plot if plot.exists() else None, skipped=True)
 
@@ -716,10 +797,7 @@ class Trainer:
                                               self.model_args(), self.resume_path, run_config=self.run_config)
             accepted = check_data(saved, self.data_info, self.frozen_fp, self.cfg.accept_changed_data,
                                   self.resume_path)
-            self.stage.adapter.load_checkpoint_state(saved["model"], self.resume_path)
-            restore_optimizer(self.optimizer, self.scheduler, saved)
-            self.state = LoopState(**saved["loop"])
-            set_rng_state(saved["rng"][self.dist.rank])  # this rank's own python/numpy/torch streams
+            self.load_state_dict(saved)
             self.run_extra = {"changed_on_resume": changed, "accepted_changed_data": accepted}
             if self.dist.is_main:
                 log.info("[%s] resuming from %s at step %d", self.stage.name, self.resume_path, self.state.global_step)
@@ -749,6 +827,8 @@ class Trainer:
             n, total = self.run_extra["trainable_parameters"], self.run_extra["total_parameters"]
             log.info("[%s] finetune_mode=%s: %d of %d parameters train (%.2f%%)", self.stage.name,
                      cfg.finetune_mode, n, total, 100 * n / max(total, 1))
+            log.info("[%s] precision: %s; training.compile=%s: %s", self.stage.name, self.precision.text,
+                     cfg.compile, "compiled" if self.compile else "eager")
 
     def validate_start(self) -> None:
         """Epoch 0: validate the starting model before the first step; it is best_model/ until an epoch beats it.
@@ -771,6 +851,7 @@ class Trainer:
         # After a resume rank 0 carries the (all ranks') sum of the part of the epoch done before the interruption.
         carried = (state.epoch_loss_sum, state.epoch_windows) if self.dist.is_main else (0.0, 0)
         self.epoch_sums = LossSums(self.stage.part_names, self.device, *carried)
+        self.epoch_tokens, self.epoch_train_s = 0, 0.0
         self.reset_window()
         show_bar = self.dist.is_main and cfg.progress_bar
         self.bar = tqdm(total=self.steps_per_epoch, initial=state.step_in_epoch, disable=not show_bar,
@@ -801,10 +882,27 @@ class Trainer:
 
     def forward_backward_step(self, x: torch.Tensor, stamp: torch.Tensor, weight: float, sync: bool) -> None:
         """Loss of one micro-batch x (B, T, F), stamp (B, T, 5); backward of loss * weight; DDP all-reduces the
-        gradients only when `sync` (the step's last micro-batch). The loss goes into the window and epoch sums."""
+        gradients only when `sync` (the step's last micro-batch). The loss goes into the window and epoch sums.
+        training.compile: full micro-batches run the compiled loss (forward + backward; static shapes, compiled at
+        the first), the epoch's ragged last one eagerly: windows, step counts and resume are those of an eager run.
+        A failing compile logs one warning and that step runs eagerly, its random streams put back."""
+        compiled = self.compile and x.shape[0] == self.cfg.batch_size
+        if compiled and self.compiled_loss is None:  # the run's first full micro-batch: a step's first, no gradient
+            saved = rng_state()
+            try:
+                torch.compiler.reset()  # a fresh cache per stage (many stages in one process: no recompile limit)
+                self.compiled_loss = torch.compile(self.stage.loss, dynamic=False)
+                return self.forward_backward_step(x, stamp, weight, sync)
+            except Exception as e:  # noqa: BLE001 - any compiler failure: the eager step still trains
+                log.warning("[%s] training.compile: compiling the training step failed (%s: %s); training eagerly",
+                            self.stage.name, type(e).__name__, (str(e).strip().splitlines() or [""])[0][:300])
+                self.compile, self.compiled_loss, compiled = False, None, False
+                self.optimizer.zero_grad(set_to_none=True)
+                set_rng_state(saved)
+        loss_fn = self.compiled_loss if compiled else self.stage.loss
         with contextlib.nullcontext() if sync else no_sync(self.wrapped):
-            with autocast(self.cfg, self.device):
-                loss, parts = self.stage.loss(self.wrapped, x, stamp, training=True)
+            with self.precision.autocast():
+                loss, parts = loss_fn(self.wrapped, x, stamp, training=True)
             (loss * weight).backward()
         self.step_loss = self.step_loss + loss.detach().float() * weight  # the step's window-weighted mean loss
         self.window.add(loss, parts, x.shape[0])
@@ -856,6 +954,10 @@ class Trainer:
         record["tokens_per_s"] = totals.windows * self.window_len / seconds  # candles (= token pairs) per second
         record["data_wait_s"] = totals.extra[0] / self.dist.world_size  # mean over ranks
         record["seconds"] = seconds
+        if self.precision.peak_flops is not None:
+            record["mfu"] = self.mfu(record["tokens_per_s"])
+        self.epoch_tokens += totals.windows * self.window_len
+        self.epoch_train_s += seconds
         record.update(step=self.state.global_step, epoch=self.state.epoch + 1, lr=self.scheduler.get_last_lr()[0])
         if self.grad_norm is not None:
             record["grad_norm"] = float(self.grad_norm)
@@ -907,10 +1009,21 @@ class Trainer:
                          "improved": decision.improved})
         if dist.is_main:
             what = "starting model" if epoch == 0 else f"epoch {epoch}/{cfg.epochs}  train {train_loss:.4f}"
-            log.info("[%s] %s  val %.4f%s  best %.4f%s", stage.name, what, val["val_loss"],
+            log.info("[%s] %s  val %.4f%s  best %.4f%s%s", stage.name, what, val["val_loss"],
                      f"  {cfg.select_by} {score:.4f}" if cfg.select_by != "loss" else "", state.best_score,
-                     "  (saved)" if decision.improved else "")
+                     "  (saved)" if decision.improved else "", self.throughput() if epoch > 0 else "")
         return decision.stop and epoch > 0
+
+    def mfu(self, tokens_per_s: float) -> float:
+        """Model FLOPs utilisation of all ranks' devices at `tokens_per_s` (candles per second, all ranks)."""
+        flops = tokens_per_s * self.stage.flops_per_token(self.window_len)
+        return flops / (self.precision.peak_flops * self.dist.world_size)
+
+    def throughput(self) -> str:
+        """"  <n> tokens/s  MFU <x>%" of the epoch's training steps (all ranks, validation excluded)."""
+        per_s = self.epoch_tokens / max(self.epoch_train_s, 1e-9)
+        mfu = f"  MFU {100 * self.mfu(per_s):.1f}%" if self.precision.peak_flops is not None else ""
+        return f"  {per_s:,.0f} tokens/s{mfu}"
 
     def save_best(self, epoch: int, val_loss: float) -> None:
         """best_model/ in the published format plus its run_info.json (rank 0); never non-finite weights, and a
@@ -932,31 +1045,31 @@ class Trainer:
         `mid_epoch`: also store the epoch's running training loss (all ranks' sums) so a resumed epoch reports the
         same mean as an uninterrupted one.
         """
-        rngs = all_gather_object(rng_state())  # every rank resumes its own random stream
         if mid_epoch:
             totals = self.epoch_sums.reduce()
             self.state.epoch_loss_sum, self.state.epoch_windows = totals.sums["loss"], totals.windows
-        if self.dist.is_main:
-            state: Checkpoint = {
-                "format": CHECKPOINT_FORMAT,
-                "stage": self.stage.name,
-                "model": self.stage.adapter.checkpoint_state(),  # lora / freeze: what trains only
-                "model_args": self.model_args(),
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "grad_scaler": None,
-                "loop": dataclasses.asdict(self.state),
-                "rng": rngs,
-                "world_size": self.dist.world_size,
-                "training_config": config_to_dict(self.cfg),
-                "run_config": plain(self.run_config),
-                "data_info": plain(self.data_info),
-                "data_fingerprint": data_fingerprint(plain(self.data_info)),
-                "frozen_fingerprint": self.frozen_fp,
-            }
-            checkpoint_store.save(state, self.ckpt_path.parent, self.state.global_step,
-                                  keep=self.cfg.keep_checkpoints, log=log.warning)
+        checkpoint_store.save(self, self.ckpt_path.parent, self.state.global_step, keep=self.cfg.keep_checkpoints,
+                              log=log.warning, write=self.dist.is_main)
         barrier()
+
+    def state_dict(self) -> Checkpoint:
+        """Everything a resumed run needs, as the checkpoint holds it; every rank calls it (gathers RNG states)."""
+        rngs = all_gather_object(rng_state())  # every rank resumes its own random stream
+        return {"format": CHECKPOINT_FORMAT, "stage": self.stage.name,
+                "model": self.stage.adapter.checkpoint_state(),  # lora / freeze: what trains only
+                "model_args": self.model_args(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "grad_scaler": None, "loop": dataclasses.asdict(self.state),
+                "rng": rngs, "world_size": self.dist.world_size, "training_config": config_to_dict(self.cfg),
+                "run_config": plain(self.run_config), "data_info": plain(self.data_info),
+                "data_fingerprint": data_fingerprint(plain(self.data_info)), "frozen_fingerprint": self.frozen_fp}
+
+    def load_state_dict(self, saved: Checkpoint) -> None:
+        """Continue from `saved` (checked by `resume` / `read_finished`): weights, optimizer moments and step (with
+        this run's optimisation settings), the loop's counters and history, this rank's random streams."""
+        self.stage.adapter.load_checkpoint_state(saved["model"], self.resume_path)
+        restore_optimizer(self.optimizer, self.scheduler, saved)
+        self.state = LoopState(**saved["loop"])
+        set_rng_state(saved["rng"][self.dist.rank])
 
     def model_args(self) -> dict[str, Any]:
         """The model's constructor arguments as plain data (checkpoint's "model_args")."""
