@@ -8,7 +8,7 @@ signal dated t depends on nothing after t. The mean sample path's closes give fo
 against the last observed close c_t:
     last = close[t+P] / c_t - 1     mean = mean(close[t+1..t+P]) / c_t - 1
     max  = max(close[t+1..t+P]) / c_t - 1     min = min(...) / c_t - 1
-Each signal forecasts a horizon (`SIGNAL_HORIZON`): last / max / min the P-day move, mean about half of it; the
+Each signal forecasts a horizon (`signal_horizon`): last / max / min the P-day move, mean about half of it; the
 report scores it against the trade label of that horizon (and every horizon 1..P in the decay table).
 """
 
@@ -36,9 +36,6 @@ def signal_horizon(signal: str, predict: int) -> int:
     """The label horizon a signal forecasts: P for last / max / min, ceil(P / 2) for mean, 1 for anything else
     (baselines such as momentum are scored at the backtest's own one-day holding)."""
     return {"last": predict, "max": predict, "min": predict, "mean": max(1, math.ceil(predict / 2))}.get(signal, 1)
-
-
-SIGNAL_HORIZON = signal_horizon
 
 
 def forecast_window_ends(split: SeriesPanel, start_ns: int, end_ns: int, lookback: int) -> np.ndarray:

@@ -4,9 +4,6 @@ TopkDropoutStrategy backtest with positions and turnover, the short summary tabl
 Every number comes from Qlib's own functions where Qlib has one: labels from `D.features` expressions
 (finetune/evaluation/signals.py), IC / RankIC / long-short from `qlib.contrib.eva.alpha`
 (finetune/evaluation/signals.py), returns and drawdowns from `qlib.contrib.evaluate.risk_analysis`.
-
-Also here:
-- Forecast every test day with the finetuned models, score the signals against the trade and backtest them in Qlib,
 """
 
 from __future__ import annotations
@@ -282,29 +279,23 @@ def zero_shot_models(cfg: QlibConfig) -> tuple[Any, Any] | None:
         return None
 
 
-def forecast_signals(cfg: QlibConfig, split: SeriesPanel, calendar_ns: np.ndarray, forecaster: Forecaster,
-                     first_day: pd.Timestamp, seed: int) -> pd.DataFrame:
-    """Signals of every forecast day from `first_day` to the end of the test range: columns datetime, instrument,
-    last, mean, max, min. The random streams are seeded with `seed` right before the forecaster runs."""
+def forecast_all(cfg: QlibConfig, forecasters: dict[str, Forecaster], seeds: dict[str, int] | None,
+                 split: SeriesPanel, calendar_ns: np.ndarray, first_day: pd.Timestamp) -> dict[str, pd.DataFrame]:
+    """{name: signals (last, mean, max, min) indexed by (datetime, instrument)} of every forecaster on every
+    forecast day from `first_day` to the end of the test range, each seeded right before it runs with
+    `seeds[name]` (default forecast.seed): its draws are the same whichever forecasters run before it."""
     d, f = cfg.data, cfg.forecast
     _, end = range_bounds(d.test_time_range)
     ends = forecast_window_ends(split, pd.Timestamp(first_day).value, end.value, d.lookback)
     if len(ends) == 0:
         raise DataError(f"data.test_time_range: no instrument has {d.lookback} bars before a day of the test range")
-    return forecast_frame(split, ends, calendar_ns, forecaster, lookback=d.lookback, predict=d.predict, freq=d.freq,
-                          batch=max(1, f.batch_size // f.sample_count), seed=seed)
-
-
-def forecast_all(cfg: QlibConfig, forecasters: dict[str, Forecaster], seeds: dict[str, int] | None,
-                 split: SeriesPanel, calendar_ns: np.ndarray, first_day: pd.Timestamp) -> dict[str, pd.DataFrame]:
-    """{name: signals indexed by (datetime, instrument)} of every forecaster, each seeded right before it runs with
-    `seeds[name]` (default forecast.seed): its draws are the same whichever forecasters run before it."""
     frames = {}
     for name, forecaster in forecasters.items():
-        seed = (seeds or {}).get(name, cfg.forecast.seed)
+        seed = (seeds or {}).get(name, f.seed)
         log.info("forecasting the test split (%s, seed %d): %d series", name, seed, split.n_series)
-        frames[name] = forecast_signals(cfg, split, calendar_ns, forecaster, first_day, seed).set_index(
-            ["datetime", "instrument"])
+        frames[name] = forecast_frame(split, ends, calendar_ns, forecaster, lookback=d.lookback, predict=d.predict,
+                                      freq=d.freq, batch=max(1, f.batch_size // f.sample_count),
+                                      seed=seed).set_index(["datetime", "instrument"])
     return frames
 
 
@@ -365,10 +356,7 @@ def evaluate(cfg: QlibConfig, forecasters: dict[str, Forecaster], split: SeriesP
         results[name], daily[name] = score_signal(cfg, pred, labels, horizon, bt_start, bt_end)
 
     seeds_ = [n for n in frames if n.startswith("seed")] or [""]
-    spread = {}
-    if len(seeds_) > 1:
-        for s in b.signals:
-            spread[s] = seed_spread([results[f"{s}@{n}"] for n in seeds_])
+    spread = {s: seed_spread([results[f"{s}@{n}"] for n in seeds_]) for s in b.signals} if len(seeds_) > 1 else {}
     per_day = index.get_level_values("datetime").value_counts()
     table = summary_table(results, t_ok=float(per_day.median()) >= MIN_T_CROSS_SECTION)
     merged = pd.concat({n: f.drop(columns=["bench"]) for n, f in daily.items()}, axis=1)

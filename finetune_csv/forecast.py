@@ -42,7 +42,7 @@ from finetune_csv.train_sequential import CsvPipeline
 from model import Kronos, KronosPredictor, KronosTokenizer
 from model.calendar import TradingCalendar
 from model.errors import ConfigError, DataError, PathError
-from model.features import FEATURES, PRICE_FEATURES, calc_time_stamps
+from model.features import CLOSE, FEATURES, PRICE_FEATURES, calc_time_stamps
 from model.fileio import atomic_write, write_json
 from model.hub import weights_fingerprint
 from model.predictor import PREDICTOR_INFO_NAME, load_trained_pair, read_predictor_info, tokenizer_source
@@ -95,11 +95,6 @@ def read_calendar(path: str | Path) -> pd.DatetimeIndex:
     if len(dates) == 0:
         raise DataError(f"forecast.calendar: {path} lists no dates")
     return dates.unique().sort_values()
-
-
-
-
-CLOSE = FEATURES.index("close")
 
 
 log = logging.getLogger("finetune_csv.forecast")
@@ -358,6 +353,16 @@ def _panels(names: list[str], past_ts, past_close, future_ts, paths, actual=None
             for i in firsts]
 
 
+def write_outputs(cfg: CsvFinetuneConfig, out_dir: Path, table: pd.DataFrame, png: str, names: list[str], past_ts,
+                  context: np.ndarray, future_ts, paths: np.ndarray, actual: np.ndarray | None = None) -> None:
+    """forecast.csv and the plot `png` of the last min(lookback, 3 x predict) context bars (W, L, 6) and the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(out_dir / "forecast.csv", lambda p: table.to_csv(p, index=False))
+    tail = min(cfg.data.lookback, 3 * cfg.data.predict)
+    plot_panels(_panels(names, [ts[-tail:] for ts in past_ts], context[:, -tail:, CLOSE], future_ts, paths, actual),
+                out_dir / png)
+
+
 def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> dict:
     """Score every held-out test window (and the zero-shot model); write metrics.json, forecast.csv and the plot."""
     if cfg.data.test_ratio <= 0:
@@ -372,13 +377,9 @@ def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> dict:
                                        calibration)
 
     out_dir = Path(out_dir) if out_dir is not None else cfg.base_dir / "forecast"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    table = forecast_table(windows.names, windows.y_timestamps, paths, windows.actual)
-    atomic_write(out_dir / "forecast.csv", lambda p: table.to_csv(p, index=False))
-    tail = min(cfg.data.lookback, 3 * cfg.data.predict)
-    plot_panels(_panels(windows.names, [ts[-tail:] for ts in windows.x_timestamps],
-                        windows.context[:, -tail:, CLOSE], windows.y_timestamps, paths, windows.actual),
-                out_dir / "forecast_vs_actual.png")
+    write_outputs(cfg, out_dir, forecast_table(windows.names, windows.y_timestamps, paths, windows.actual),
+                  "forecast_vs_actual.png", windows.names, windows.x_timestamps, windows.context,
+                  windows.y_timestamps, paths, windows.actual)
     write_json(out_dir / "metrics.json", metrics)
     return metrics
 
@@ -412,12 +413,8 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> pd.DataFr
              " (kept; forecast.repair_candles: true repairs them)")
     paths = finish_paths(paths, calibration, context[:, -1, CLOSE], cfg.forecast.repair_candles)
     table = forecast_table(names, future_ts, paths).drop(columns="window")
-    out_dir = Path(out_dir) if out_dir is not None else cfg.base_dir / "future"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(out_dir / "forecast.csv", lambda p: table.to_csv(p, index=False))
-    tail = min(lookback, 3 * predict)
-    plot_panels(_panels(names, [ts[-tail:] for ts in past_ts], context[:, -tail:, CLOSE], future_ts, paths),
-                out_dir / "forecast.png")
+    write_outputs(cfg, Path(out_dir) if out_dir is not None else cfg.base_dir / "future", table, "forecast.png",
+                  names, past_ts, context, future_ts, paths)
     return table
 
 
