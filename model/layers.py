@@ -73,18 +73,15 @@ class RotaryPositionalEmbedding(nn.Module):
 
 
 class KVCache:
-    """Pre-allocated key/value buffers for incremental decoding, one slot per attention module.
-
-    Slot i holds `k[i]`, `v[i]`, each (B, H_i, max_len, Dh_i): the predictor uses slots 0..n_layers-1 for its
-    self-attention layers and slot n_layers for the dependency layer's keys/values (4 heads, another head_dim).
-    The caller tracks how many positions are filled. A static decoding step gives its position as a tensor (1,):
-    it is written in place with index_copy_ and the step attends to the whole buffer under a mask, so the step's
-    shapes and addresses never change and nothing is read back to the host (a CUDA graph can capture it).
-    """
+    """Pre-allocated key/value buffers for incremental decoding, one slot per attention module. Slot i holds
+    `k[i]`, `v[i]`, each (B, H_i, max_len, Dh_i): the predictor uses slots 0..n_layers-1 for its self-attention
+    layers and slot n_layers for the dependency layer's keys/values (4 heads, another head_dim). The caller tracks
+    how many positions are filled. A static decoding step gives its position as a tensor (1,): it is written in
+    place with index_copy_ and the step attends to the whole buffer under a mask, so the step's shapes and addresses
+    never change and nothing is read back to the host (a CUDA graph can capture it)."""
 
     def __init__(self, batch: int, max_len: int, slots: list[tuple[int, int]], device: torch.device | str,
-                 dtype: torch.dtype):
-        """slots: (n_heads, head_dim) of every attention module that caches."""
+                 dtype: torch.dtype):  # slots: (n_heads, head_dim) of every attention module that caches
         self.k = [torch.zeros((batch, h, max_len, dh), device=device, dtype=dtype) for h, dh in slots]
         self.v = [torch.zeros((batch, h, max_len, dh), device=device, dtype=dtype) for h, dh in slots]
         self.max_len = max_len
@@ -121,11 +118,9 @@ class KVCache:
 
 def _attention_mask(key_padding_mask: torch.Tensor | None, lq: int, lk: int, causal: bool,
                     device: torch.device) -> torch.Tensor | None:
-    """Boolean mask (B or 1, 1, Lq, Lk), True = may attend; None when no masking is needed.
-
-    The causal rule is aligned to the *end* of the keys (query i sits at key position lk - lq + i), which is the
-    usual rule for a query chunk appended after cached keys and the plain lower triangle when lq == lk.
-    """
+    """Boolean mask (B or 1, 1, Lq, Lk), True = may attend; None when no masking is needed. The causal rule is
+    aligned to the *end* of the keys (query i sits at key position lk - lq + i): a query chunk appended after cached
+    keys, the plain lower triangle when lq == lk."""
     mask = None
     if causal and lq > 1:
         qpos = torch.arange(lk - lq, lk, device=device)[:, None]
@@ -200,12 +195,10 @@ class MultiHeadAttentionWithRoPE(_Attention):
 
 
 class MultiHeadCrossAttentionWithRoPE(_Attention):
-    """Cross-attention of the dependency layer.
-
-    Published behaviour kept for checkpoint parity: rotary cos/sin come from the *query* length and are applied to
-    q and k; the attention is causal only in training mode. `causal=True/False` overrides the mode rule (a
-    validation loss must be causal, or position t would see the hidden states of later positions).
-    """
+    """Cross-attention of the dependency layer. Published behaviour kept for checkpoint parity: rotary cos/sin come
+    from the *query* length and are applied to q and k; the attention is causal only in training mode.
+    `causal=True/False` overrides the mode rule (a validation loss must be causal, or position t would see the hidden
+    states of later positions)."""
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_padding_mask: torch.Tensor | None = None, causal: bool | None = None) -> torch.Tensor:
