@@ -49,14 +49,10 @@ class BinarySphericalQuantizer(nn.Module):
         group_codebook = ((codes[:, None] // self.group_basis) % 2).float() * 2 - 1  # (2^g, g)
         self.register_buffer("group_codebook", group_codebook, persistent=False)
 
-    def quantize(self, z: torch.Tensor) -> torch.Tensor:
-        """Sign with a straight-through gradient (z > 0 -> +1, else -1)."""
-        zhat = torch.where(z > 0, torch.ones_like(z), -torch.ones_like(z))
-        return z + (zhat - z).detach()
-
     def forward(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """z (..., D), already L2-normalised -> (zq scaled to +-1/sqrt(D), bsq_loss scalar)."""
-        zq = self.quantize(z) * self.q_scale
+        zhat = torch.where(z > 0, torch.ones_like(z), -torch.ones_like(z))  # the sign, with 0 -> -1
+        zq = (z + (zhat - z).detach()) * self.q_scale  # a straight-through gradient
         commit = self.beta * ((zq.detach() - z) ** 2).sum(-1).mean()
         per_sample, codebook = self.soft_entropy(z)
         loss = commit + self.zeta * (self.gamma0 * per_sample - self.gamma * codebook)
