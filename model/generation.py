@@ -25,11 +25,9 @@ def check_temperature(temperature: float) -> None:
 
 def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = 0,
                   top_p: float | None = 1.0) -> torch.Tensor:
-    """logits (B, V) -> float32 logits (B, V) with the tokens the filters drop at -inf.
-
-    Temperature first; then top-k if top_k > 0, else nucleus top-p if top_p < 1 (the first token past the
-    threshold is kept). `None` disables either filter. top_k=1 is greedy.
-    """
+    """logits (B, V) -> float32 logits (B, V) with the tokens the filters drop at -inf: temperature first; then
+    top-k if top_k > 0, else nucleus top-p if top_p < 1 (the first token past the threshold is kept). `None`
+    disables either filter. top_k=1 is greedy."""
     check_temperature(temperature)
     logits = logits.float() / temperature
     if top_k is not None and top_k > 0:
@@ -181,7 +179,6 @@ def generate_tokens(model: Kronos, s1_ctx: torch.Tensor, s2_ctx: torch.Tensor, s
     """Continue context ids s1_ctx, s2_ctx (B, N) by `pred_len` steps, `sample_count` paths per series, with
     `stamps` (B, N + pred_len, 5) -> the full sequences (s1, s2), each (B * S, N + pred_len) int64, the S paths of
     a series in consecutive rows. use_cache False: the published full recompute (same tokens in greedy mode).
-
     decode (with the cache): "eager" grows the window one token at a time (the default); "static" runs the step a
     CUDA graph records (a preallocated cache written at a position tensor, sampling by `race_sample`, the context
     encoded once per series) without the graph; "graph" records and replays it on CUDA, and falls back to "eager"
