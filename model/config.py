@@ -107,11 +107,8 @@ class KronosTokenizerConfig:
 
 @dataclass
 class KronosConfig:
-    """`Kronos` (predictor) constructor arguments (defaults: the published Kronos-small).
-
-    `s1_bits` / `s2_bits` null = take them from the tokenizer the predictor is paired with (a factory fills them in);
-    a value that differs from the tokenizer's is an error there.
-    """
+    """`Kronos` (predictor) constructor arguments (defaults: the published Kronos-small); null bits are filled in
+    from the paired tokenizer by a factory, which refuses bits that differ from the tokenizer's."""
 
     s1_bits: int | None = None
     """Bits of the coarse sub-token; null = the tokenizer's."""
@@ -166,9 +163,6 @@ class KronosConfig:
         for name in ("ffn_dropout_p", "attn_dropout_p", "resid_dropout_p", "token_dropout_p"):
             _bounded(out, k(name), getattr(self, name), 0.0, 1.0, high_open=True)
         return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
 
 
 def _keyer(prefix: str):
