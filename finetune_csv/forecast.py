@@ -50,11 +50,8 @@ from model.predictor import PREDICTOR_INFO_NAME, load_trained_pair, read_predict
 
 def candle_violations(open_: np.ndarray, high: np.ndarray, low: np.ndarray, close: np.ndarray,
                       volume: np.ndarray) -> dict[str, float]:
-    """Share of generated candles breaking each consistency rule, and breaking any of them.
-
-    Rules: high >= max(open, close); low <= min(open, close); volume >= 0. The tokenizer decodes each feature
-    independently, so nothing forces a generated candle to respect them; this measures how often it does not.
-    """
+    """Share of generated candles breaking each rule (high >= max(open, close); low <= min(open, close); volume >= 0)
+    and any of them: the tokenizer decodes each feature independently, so nothing forces a candle to respect them."""
     o, h, l, c, v = (np.asarray(a, dtype=np.float64).ravel() for a in (open_, high, low, close, volume))
     if not (len(o) == len(h) == len(l) == len(c) == len(v)) or len(o) == 0:
         raise ValueError("candle_violations needs equally long, non-empty open/high/low/close/volume")
@@ -75,11 +72,8 @@ def repair_candles(paths: np.ndarray) -> np.ndarray:
 
 
 def ensemble_paths(finetuned: np.ndarray, zero_shot: np.ndarray, weight: float) -> np.ndarray:
-    """The `ensemble` candidate: round(weight * S) sample paths of the finetuned model, the rest zero-shot.
-
-    finetuned, zero_shot : (W, S, H) (or (W, S, H, F)) sample paths of the same windows; the paths of one model are
-    exchangeable draws, so the first ones are as good as any. Returns the same shape.
-    """
+    """The `ensemble` candidate: the first round(weight * S) of the finetuned model's paths (exchangeable draws: the
+    first are as good as any), the rest zero-shot; paths (W, S, H) or (W, S, H, F) of the same windows -> same shape."""
     if finetuned.shape != zero_shot.shape:
         raise ValueError(f"ensemble needs equally shaped paths, got {finetuned.shape} and {zero_shot.shape}")
     k = round(weight * finetuned.shape[1])
