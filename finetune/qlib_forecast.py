@@ -82,19 +82,19 @@ def signals_from_closes(pred_close: np.ndarray, last_close: np.ndarray) -> dict[
     }
 
 
-def kronos_forecaster(tokenizer, predictor, *, device: str, max_context: int, clip: float, predict: int,
-                      temperature: float, top_k: int, top_p: float, sample_count: int) -> Forecaster:
-    """A Forecaster running `KronosPredictor.sample_windows` (each context normalised with its own statistics, the
-    mean of `sample_count` paths, de-normalised) and keeping the close. It draws from torch's global generator:
-    `forecast_frame(seed=...)` seeds it right before the first batch, so each forecaster's draws depend on its own
-    seed only."""
+def kronos_forecaster(tokenizer, predictor, cfg, device: str) -> Forecaster:
+    """A Forecaster running `KronosPredictor.sample_windows` with cfg.data's window and cfg.forecast's sampling
+    (each context normalised with its own statistics, the mean of `sample_count` paths, de-normalised) and keeping
+    the close. It draws from torch's global generator: `forecast_frame(seed=...)` seeds it right before the first
+    batch, so each forecaster's draws depend on its own seed only."""
     from model import KronosPredictor
 
-    kp = KronosPredictor(predictor, tokenizer, device=device, max_context=max_context, clip=clip)
+    d, f = cfg.data, cfg.forecast
+    kp = KronosPredictor(predictor, tokenizer, device=device, max_context=d.max_context, clip=d.clip)
 
     def forecast(x: np.ndarray, x_stamp: np.ndarray, y_stamp: np.ndarray) -> np.ndarray:
-        _, mean = kp.sample_windows(x, x_stamp, y_stamp, predict, T=temperature, top_k=top_k, top_p=top_p,
-                                    sample_count=sample_count)  # (B, P, 6)
+        _, mean = kp.sample_windows(x, x_stamp, y_stamp, d.predict, T=f.temperature, top_k=f.top_k, top_p=f.top_p,
+                                    sample_count=f.sample_count)  # (B, P, 6)
         return mean[..., CLOSE]  # (B, P)
 
     return forecast
@@ -175,10 +175,7 @@ def make_ic_val_metric(cfg, val_panel: SeriesPanel, tokenizer, *, max_days: int 
 
     def metric(model, stage: str = "predictor") -> dict:
         was_training = model.training
-        forecaster = kronos_forecaster(tokenizer, model, device=device or str(next(model.parameters()).device),
-                                       max_context=d.max_context, clip=d.clip, predict=d.predict,
-                                       temperature=f.temperature, top_k=f.top_k, top_p=f.top_p,
-                                       sample_count=f.sample_count)
+        forecaster = kronos_forecaster(tokenizer, model, cfg, device or str(next(model.parameters()).device))
         try:
             frame = forecast_frame(val_panel, ends, calendar_ns, forecaster, lookback=d.lookback, predict=d.predict,
                                    freq=d.freq, batch=max(1, f.batch_size // f.sample_count), seed=f.seed)

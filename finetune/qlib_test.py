@@ -57,17 +57,15 @@ from model.fileio import write_json
 from model.predictor import load_trained_pair
 
 
-def backtest_period(
-    calendar: pd.DatetimeIndex, start: pd.Timestamp, end: pd.Timestamp
-) -> tuple[pd.Timestamp, pd.Timestamp]:
+def backtest_period(calendar: pd.DatetimeIndex, start: pd.Timestamp,
+                    end: pd.Timestamp) -> tuple[pd.Timestamp, pd.Timestamp]:
     """Trading days [first >= start, last <= end], and before the calendar's last day: Qlib's backtest needs
     the day after its last step (IndexError otherwise)."""
     days = calendar[(calendar >= start) & (calendar <= end)]
     days = days[days < calendar[-1]]
     if len(days) < 2:
-        raise DataError(
-            f"data.test_time_range: fewer than 2 trading days to backtest between {start.date()} and {end.date()}"
-        )
+        raise DataError(f"data.test_time_range: fewer than 2 trading days to backtest between {start.date()} and "
+                        f"{end.date()}")
     return days[0], days[-1]
 
 
@@ -383,9 +381,8 @@ def evaluate(cfg: QlibConfig, forecasters: dict[str, Forecaster], split: SeriesP
         "summary.csv": table.rename_axis("signal"),
         "signals.csv": signals_table,
         "ic_decay.csv": decay_table.reset_index(),
-        "ic_decay.png": lambda p: plot_ic_decay(
-            {n: t for n, t in decay.items() if "@seed" not in n or n.endswith(f"@{seeds_[0]}")}, p
-        ),
+        "ic_decay.png": lambda p: plot_ic_decay({n: t for n, t in decay.items()
+                                                 if "@seed" not in n or n.endswith(f"@{seeds_[0]}")}, p),
         "backtest_daily.csv": merged,
         "cumulative_return.png": lambda p: plot_cumulative(daily, report["benchmark"], p),
     }
@@ -409,17 +406,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     calendar = pd.DatetimeIndex(D.calendar(freq=d.freq))
     # The pair as trained: a tokenizer at paths.finetuned_tokenizer_path other than the predictor's is refused.
     predictor, tokenizer, _ = load_trained_pair(cfg.paths.finetuned_predictor_path, cfg.paths.finetuned_tokenizer_path)
-
-    def make(tok, pred):
-        return kronos_forecaster(tok, pred, device=device, max_context=d.max_context, clip=d.clip, predict=d.predict,
-                                 temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, sample_count=f.sample_count)
-
     # Labels carry the seed value; zero-shot always samples with forecast.seed, whatever forecast.seeds lists.
     seeds = {f"seed{seed}": seed for seed in f.seed_list()}
-    forecasters = {name: make(tokenizer, predictor) for name in seeds}
+    forecasters = {name: kronos_forecaster(tokenizer, predictor, cfg, device) for name in seeds}
     zero = zero_shot_models(cfg)
     if zero is not None:
-        forecasters["zeroshot"], seeds["zeroshot"] = make(*zero), f.seed
+        forecasters["zeroshot"], seeds["zeroshot"] = kronos_forecaster(*zero, cfg, device), f.seed
     report, files = evaluate(cfg, forecasters, split, calendar_ns, calendar, seeds)
     report.update(device=device, seeds=f.seed_list(), config=config_to_dict(cfg))
     out = write_results(cfg.paths.backtest_result_path, {"report.json": report, **files})
