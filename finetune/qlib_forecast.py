@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from finetune.qlib_io import CLOSE, stamps_from_ns, time_major
+from finetune.qlib_io import CLOSE, range_bounds, stamps_from_ns, time_major
 from finetune.utils.store import SeriesPanel
 from model.errors import ConfigError
 
@@ -140,8 +140,7 @@ def panel_labels(split: SeriesPanel, ends: np.ndarray, calendar_ns: np.ndarray, 
     pos = np.searchsorted(cal, when[ends])
     ok &= pos + 1 + horizon < len(cal)
     idx = np.flatnonzero(ok)
-    ok_idx = (when[enter[idx]] == cal[pos[idx] + 1]) & (when[leave[idx]] == cal[pos[idx] + 1 + horizon])
-    idx = idx[ok_idx]
+    idx = idx[(when[enter[idx]] == cal[pos[idx] + 1]) & (when[leave[idx]] == cal[pos[idx] + 1 + horizon])]
     price = np.asarray(split.features[price_row])
     out[idx] = price[leave[idx]].astype(np.float64) / price[enter[idx]] - 1.0
     return out
@@ -160,7 +159,7 @@ def make_ic_val_metric(cfg, val_panel: SeriesPanel, tokenizer, *, max_days: int 
     d, f = cfg.data, cfg.forecast
     if calendar_ns is None:
         calendar_ns = np.asarray(read_manifest(d.dataset_path)["calendar_ns"], dtype=np.int64)
-    start, end = pd.Timestamp(d.val_time_range[0]).value, pd.Timestamp(d.val_time_range[1]).value + 86_399_999_999_999
+    start, end = (t.value for t in range_bounds(d.val_time_range))  # the end date inclusive
     ends = forecast_window_ends(val_panel, start, end, d.lookback)
     price_row = {"open": 0, "close": CLOSE}.get(cfg.backtest.deal_price, CLOSE)
     labels = panel_labels(val_panel, ends, calendar_ns, d.predict, price_row)
