@@ -343,13 +343,11 @@ def evaluate(cfg: QlibConfig, forecasters: dict[str, Forecaster], split: SeriesP
     if b.baselines:
         base = baseline_signals(instruments, first_day, end, BaselineSettings(b.momentum_window, b.reversal_window),
                                 freq=d.freq).reindex(index)  # only member stock-days, as the model's
-        for col in base.columns:
-            signals[col] = base[col]
+        signals.update(base.items())
 
     results, daily = {}, {}
     for name, pred in signals.items():
-        kind = name.split("@")[0]
-        horizon = signal_horizon(kind, d.predict)
+        horizon = signal_horizon(name.split("@")[0], d.predict)  # "last@seed1" forecasts as "last" does
         log.info("scoring and backtesting %s (label horizon %d)", name, horizon)
         results[name], daily[name] = score_signal(cfg, pred, labels, horizon, bt_start, bt_end)
 
