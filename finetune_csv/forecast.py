@@ -2,11 +2,9 @@
 
     kronos forecast --config configs/csv_demo.yaml [--future] [--set forecast.sample_count=50]
 
-Also here:
-- Consistency of generated candles (reported in metrics.json); the forecast scores live in finetune.evaluation.
-- `--future` stamps the bars after each series' end by its trading calendar (`model.calendar`; forecast.calendar
-  lists the trading dates when holidays matter).
-- PNG plots of CSV forecasts: close of the context tail, the median forecast and its 10-90 / 25-75 quantile bands.
+Also here: the consistency of generated candles (in metrics.json; the forecast scores live in finetune.evaluation).
+`--future` stamps the bars after each series' end by its trading calendar (`model.calendar`; forecast.calendar lists
+the trading dates when holidays matter).
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ import numpy as np
 import pandas as pd
 import torch
 
-import finetune_csv.config as csv_config
 from finetune.evaluation.forecast_scores import (
     ScoreSettings,
     crps_ensemble,
@@ -36,7 +33,7 @@ from finetune.utils.errors import setup_logging
 from finetune.utils.plots import Panel, plot_panels, stamp_text
 from finetune.utils.safety import LOCK_NAME, GracefulStop, read_holder, stage_status
 from finetune.utils.windows import HeldOutWindows, held_out_windows, sample_paths
-from finetune_csv.config import CsvFinetuneConfig, best_dir
+from finetune_csv.config import CsvFinetuneConfig, best_dir, load
 from finetune_csv.prepare import prepare_data
 from finetune_csv.train_sequential import CsvPipeline
 from model import Kronos, KronosPredictor, KronosTokenizer
@@ -383,8 +380,7 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> pd.DataFr
     finetuned, calibration = finetuned_predictor(cfg)
     panel = prepare_data(cfg.data, cfg.store_dir, with_splits=False).panel  # whole series, no split needed
     lookback, predict = cfg.data.lookback, cfg.data.predict
-    lengths = panel.lengths()
-    short = [name for name, n in zip(panel.names, lengths.tolist()) if n < lookback]
+    short = [name for name, n in zip(panel.names, panel.lengths().tolist()) if n < lookback]
     if short:
         raise DataError(f"series shorter than data.lookback={lookback} rows cannot be forecast: {short}; lower "
                         "data.lookback or remove them")
@@ -413,13 +409,12 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> pd.DataFr
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = add_config_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]), csv_config.CsvFinetuneConfig,
-                             csv_config.load)
+    parser = add_config_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]), CsvFinetuneConfig, load)
     parser.add_argument("--future", action="store_true",
                         help="forecast the data.predict candles after each series' last row instead of scoring")
     args = parse_config_args(parser, argv)
     setup_logging()
-    cfg = csv_config.load(args.config, args.set)
+    cfg = load(args.config, args.set)
     with GracefulStop():  # SIGTERM while sampling: exit 75 before the next batch, nothing half-written
         if args.future:
             table = run_future(cfg)
