@@ -136,12 +136,11 @@ def to_datetime_index(timestamps, name: str = "timestamps") -> pd.DatetimeIndex:
 
 def check_increasing(timestamps: pd.DatetimeIndex, name: str = "timestamps") -> None:
     """Strictly increasing, or DataError naming the first offending position."""
-    if len(timestamps) > 1:
-        bad = np.flatnonzero(np.diff(timestamps.asi8) <= 0)
-        if bad.size:
-            i = int(bad[0]) + 1
-            raise DataError(f"{name} must be strictly increasing; position {i} ({timestamps[i]}) does not come "
-                             f"after position {i - 1} ({timestamps[i - 1]})")
+    bad = np.flatnonzero(np.diff(timestamps.asi8) <= 0)  # empty for 0 or 1 stamps
+    if bad.size:
+        i = int(bad[0]) + 1
+        raise DataError(f"{name} must be strictly increasing; position {i} ({timestamps[i]}) does not come after "
+                        f"position {i - 1} ({timestamps[i - 1]})")
 
 
 def calc_time_stamps(timestamps) -> pd.DataFrame:
