@@ -198,12 +198,11 @@ def generate_tokens(model: Kronos, s1_ctx: torch.Tensor, s2_ctx: torch.Tensor, s
     if sample_count > 1:  # every path re-encodes its context (the published way)
         s1_ctx, s2_ctx, stamps = (t.repeat_interleave(sample_count, dim=0) for t in (s1_ctx, s2_ctx, stamps))
     batch, n_ctx = s1_ctx.shape
-    total = n_ctx + pred_len
     s1 = torch.cat([s1_ctx, s1_ctx.new_zeros(batch, pred_len)], dim=1)
     s2 = torch.cat([s2_ctx, s2_ctx.new_zeros(batch, pred_len)], dim=1)
     cache = model.new_cache(batch, max_context, s1.device, next(model.parameters()).dtype) if use_cache else None
     offset = length = 0  # the cache holds tokens offset..offset+length-1 at window positions 0..length-1
-    for cur in tqdm(range(n_ctx, total), disable=not verbose, desc="forecast", leave=False):
+    for cur in tqdm(range(n_ctx, n_ctx + pred_len), disable=not verbose, desc="forecast", leave=False):
         start = max(0, cur - max_context)  # the window is tokens start..cur-1, at positions 0..cur-start-1
         if cache is not None:
             if start != offset:
