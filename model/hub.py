@@ -3,7 +3,6 @@
 `config.json` holds the constructor's keyword arguments; `model.safetensors` the state dict. A local path that does
 not exist is an error (it never silently turns into a Hub lookup); only a bare `owner/name` id goes to the Hub,
 through huggingface_hub's `snapshot_download` (cache, revision, token, offline mode as huggingface_hub defines them).
-`config.json` is type- and bounds-checked with the `model.config` dataclasses before any tensor is allocated.
 """
 from __future__ import annotations
 
@@ -71,11 +70,8 @@ def resolve_model_dir(path_or_id: str | os.PathLike, *, cache_dir: str | os.Path
     if not is_hub_id(text):
         raise PathError(f"model path {text!r} does not exist (expected a folder with {CONFIG_NAME} and "
                         f"{WEIGHTS_NAME}, or a Hugging Face Hub id such as 'NeoQuasar/Kronos-small')")
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise PathError(f"{text!r} is not a local folder, and fetching it from the Hugging Face Hub needs "
-                        "the huggingface_hub package (pip install huggingface_hub)") from None
+    from huggingface_hub import snapshot_download  # a core dependency, imported only when a Hub id is used
+
     try:
         folder = snapshot_download(text, revision=revision, cache_dir=cache_dir, token=token,
                                    local_files_only=local_files_only, force_download=force_download,
