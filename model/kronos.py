@@ -136,12 +136,10 @@ class Kronos(nn.Module, PretrainedMixin):
                 s1_targets: torch.Tensor | None = None,
                 causal_dep: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Ids (B, T), stamps (B, T, 5), padding_mask (B, T) True = real -> logits of the next token pair at every
-        position: (s1 (B, T, 2^s1_bits), s2 (B, T, 2^s2_bits)).
-
-        use_teacher_forcing: condition s2 on `s1_targets` (B, T) (the true next s1), else on an s1 drawn from the
-        model's own s1 distribution. causal_dep: True keeps the dependency layer causal in eval mode too (an honest
-        validation loss); None follows the published rule (causal only in training mode).
-        """
+        position: (s1 (B, T, 2^s1_bits), s2 (B, T, 2^s2_bits)). use_teacher_forcing: condition s2 on `s1_targets`
+        (B, T) (the true next s1), else on an s1 drawn from the model's own s1 distribution. causal_dep: True keeps
+        the dependency layer causal in eval mode too (an honest validation loss); None follows the published rule
+        (causal only in training mode)."""
         x = self.trunk(s1_ids, s2_ids, stamp, padding_mask)
         s1_logits = self.head(x)
         if use_teacher_forcing:
