@@ -56,19 +56,14 @@ class RotaryPositionalEmbedding(nn.Module):
         inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
         self.register_buffer("inv_freq", inv_freq)
 
-    def cos_sin(self, length: int, offset: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for positions offset..offset+length-1, each (1, 1, length, dim); a tensor offset (1,) is read on
-        the device (a static-cache decoding step)."""
-        t = torch.arange(length, device=self.inv_freq.device, dtype=self.inv_freq.dtype) + offset
-        freqs = torch.outer(t, self.inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos()[None, None], emb.sin()[None, None]
-
     def forward(self, q: torch.Tensor, k: torch.Tensor,
                 offset: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q (B, H, Lq, Dh) and k (B, H, Lk, Dh) with the positions of the *query* (published rule)."""
-        cos, sin = self.cos_sin(q.shape[-2], offset)
-        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        """Rotate q (B, H, Lq, Dh) and k (B, H, Lk, Dh) with the positions of the *query* (published rule),
+        offset..offset+Lq-1; a tensor offset (1,) is read on the device (a static-cache decoding step)."""
+        t = torch.arange(q.shape[-2], device=self.inv_freq.device, dtype=self.inv_freq.dtype) + offset
+        freqs = torch.outer(t, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (Lq, Dh)
+        cos, sin = emb.cos()[None, None].to(q.dtype), emb.sin()[None, None].to(q.dtype)  # (1, 1, Lq, Dh)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
@@ -138,9 +133,7 @@ class _Attention(nn.Module):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
-        self.d_model = d_model
-        self.n_heads = n_heads
-        self.head_dim = d_model // n_heads
+        self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
         self.q_proj = nn.Linear(d_model, d_model)
         self.k_proj = nn.Linear(d_model, d_model)
         self.v_proj = nn.Linear(d_model, d_model)
