@@ -217,14 +217,12 @@ def fit_calibration(samples: np.ndarray, outcomes: np.ndarray, last: np.ndarray)
 
 
 def apply_calibration(calibration: dict[str, Any], samples: np.ndarray, last: np.ndarray) -> np.ndarray:
-    """Calibrated close paths: samples (..., S, H) with last (...) the last context close -> same shape.
-
-    Each path's log return is moved away from (margin > 0) or toward (margin < 0) the per-horizon median of the S
-    paths by the margin of its own central level: a path of rank k has quantile level p = (k + 0.5) / S and central
-    level c = |2p - 1|; its margin is interpolated between the stored levels (from 0 at c = 0, the last level's
-    beyond it). The quantile q of the result therefore approximates the calibrated band edge of level |2q - 1|. A
-    path never crosses the median; a horizon where a price is not positive is left as it is.
-    """
+    """Calibrated close paths: samples (..., S, H) with last (...) the last context close -> same shape. Each
+    path's log return is moved away from (margin > 0) or toward (margin < 0) the per-horizon median of the S paths by
+    the margin of its own central level: a path of rank k has quantile level p = (k + 0.5) / S and central level
+    c = |2p - 1|; its margin is interpolated between the stored levels (from 0 at c = 0, the last level's beyond it).
+    The quantile q of the result therefore approximates the calibrated band edge of level |2q - 1|. A path never
+    crosses the median; a horizon where a price is not positive is left as it is."""
     return np.asarray(samples) * np.exp(calibration_shift(calibration, samples, last))
 
 
@@ -373,9 +371,8 @@ class KronosPredictor:
         Returns the mean, a (pred_len, 6) DataFrame of FEATURES indexed by y_timestamp; with return_samples or
         quantiles a `Forecast` instead.
         """
-        out = self.predict_batch([df], [x_timestamp], [y_timestamp], pred_len, T, top_k, top_p, sample_count,
-                                 verbose, return_samples, quantiles, calibrated)
-        return out[0]
+        return self.predict_batch([df], [x_timestamp], [y_timestamp], pred_len, T, top_k, top_p, sample_count,
+                                  verbose, return_samples, quantiles, calibrated)[0]
 
     def predict_batch(self, df_list: Sequence[pd.DataFrame], x_timestamp_list: Sequence[Any],
                       y_timestamp_list: Sequence[Any], pred_len: int, T: float = 1.0, top_k: int | None = 0,
