@@ -38,9 +38,8 @@ class BinarySphericalQuantizer(nn.Module):
         super().__init__()
         if embed_dim % group_size:
             raise ValueError(f"s1_bits + s2_bits ({embed_dim}) must be divisible by group_size ({group_size})")
-        self.embed_dim = embed_dim
+        self.embed_dim, self.group_size = embed_dim, group_size
         self.beta, self.gamma0, self.gamma, self.zeta = beta, gamma0, gamma, zeta
-        self.group_size = group_size
         self.q_scale = 1.0 / math.sqrt(embed_dim)
         self.register_buffer("basis", 2 ** torch.arange(embed_dim - 1, -1, -1, dtype=torch.long))
         self.register_buffer("group_basis", 2 ** torch.arange(group_size - 1, -1, -1, dtype=torch.long))
@@ -94,10 +93,8 @@ class BSQuantizer(nn.Module):
 
 
 class KronosTokenizer(nn.Module, PretrainedMixin):
-    """Encode normalised candles (B, T, d_in) into token ids and decode ids back to candles.
-
-    The encoder has n_enc_layers - 1 blocks and the decoder n_dec_layers - 1 blocks (published layout).
-    """
+    """Encode normalised candles (B, T, d_in) into token ids and decode ids back to candles; the encoder has
+    n_enc_layers - 1 blocks and the decoder n_dec_layers - 1 blocks (published layout)."""
 
     config_class = KronosTokenizerConfig  # checks config.json before from_pretrained allocates anything
 
@@ -136,11 +133,8 @@ class KronosTokenizer(nn.Module, PretrainedMixin):
 
     def forward(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor,
                                                 torch.Tensor]:
-        """Encode, quantise and reconstruct normalised candles x (B, T, d_in) (training).
-
-        Returns ((z_pre, z), bsq_loss, quantized, ids): z the reconstruction from the full code and z_pre from the
-        coarse (s1) bits alone, both (B, T, d_in); quantized (B, T, D); ids (B, T) int64 over all D bits.
-        """
+        """Normalised candles x (B, T, d_in) -> ((z_pre, z), bsq_loss, quantized (B, T, D), ids (B, T) over all D
+        bits) (training): z the reconstruction (B, T, d_in) from the full code, z_pre from the coarse (s1) bits."""
         bsq_loss, quantized, ids = self.tokenizer(self._encode_latent(x))
         z_pre = self._decode_latent(self.post_quant_embed_pre(quantized[..., : self.s1_bits]))
         z = self._decode_latent(self.post_quant_embed(quantized))
