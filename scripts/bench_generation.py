@@ -81,8 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     differ = False
     for wl in args.workloads:
         series, samples, context, steps = WORKLOADS[wl][0 if full else 1]
-        x, xs, ys = inputs(series, context, steps)
-        work = (x, xs, ys, steps)
+        work = (*inputs(series, context, steps), steps)  # x, x_stamp, y_stamp, pred_len
         t_eager, ref = timed(kp, "eager", work, samples, args.repeats)
         runs = [timed(kp, d, work, samples, args.repeats) for d in fast]
         same = all(np.array_equal(ref, out) for _, out in runs)
