@@ -80,11 +80,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def make_dataset(n_windows: int, seq: int, seed: int = 0) -> WindowDataset:
     """One random-walk series holding exactly `n_windows` windows of `seq` rows."""
     rng = np.random.default_rng(seed)
@@ -117,6 +112,7 @@ def plain_step_ms(name: str, args: argparse.Namespace, device: torch.device) -> 
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda device: None)
     times = []
     for i in range(args.warmup + args.steps):
         sync(device)
