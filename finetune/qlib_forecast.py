@@ -8,7 +8,7 @@ signal dated t depends on nothing after t. The mean sample path's closes give fo
 against the last observed close c_t:
     last = close[t+P] / c_t - 1     mean = mean(close[t+1..t+P]) / c_t - 1
     max  = max(close[t+1..t+P]) / c_t - 1     min = min(...) / c_t - 1
-Each signal forecasts a horizon (`SIGNAL_HORIZON`): last / max / min the P-day move, mean about half of it; the
+Each signal forecasts a horizon (`signal_horizon`): last / max / min the P-day move, mean about half of it; the
 report scores it against the trade label of that horizon (and every horizon 1..P in the decay table).
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from finetune.qlib_io import CLOSE, stamps_from_ns, time_major
+from finetune.qlib_io import CLOSE, range_bounds, stamps_from_ns, time_major
 from finetune.utils.store import SeriesPanel
 from model.errors import ConfigError
 
@@ -36,9 +36,6 @@ def signal_horizon(signal: str, predict: int) -> int:
     """The label horizon a signal forecasts: P for last / max / min, ceil(P / 2) for mean, 1 for anything else
     (baselines such as momentum are scored at the backtest's own one-day holding)."""
     return {"last": predict, "max": predict, "min": predict, "mean": max(1, math.ceil(predict / 2))}.get(signal, 1)
-
-
-SIGNAL_HORIZON = signal_horizon
 
 
 def forecast_window_ends(split: SeriesPanel, start_ns: int, end_ns: int, lookback: int) -> np.ndarray:
@@ -85,19 +82,19 @@ def signals_from_closes(pred_close: np.ndarray, last_close: np.ndarray) -> dict[
     }
 
 
-def kronos_forecaster(tokenizer, predictor, *, device: str, max_context: int, clip: float, predict: int,
-                      temperature: float, top_k: int, top_p: float, sample_count: int) -> Forecaster:
-    """A Forecaster running `KronosPredictor.sample_windows` (each context normalised with its own statistics, the
-    mean of `sample_count` paths, de-normalised) and keeping the close. It draws from torch's global generator:
-    `forecast_frame(seed=...)` seeds it right before the first batch, so each forecaster's draws depend on its own
-    seed only."""
+def kronos_forecaster(tokenizer, predictor, cfg, device: str) -> Forecaster:
+    """A Forecaster running `KronosPredictor.sample_windows` with cfg.data's window and cfg.forecast's sampling
+    (each context normalised with its own statistics, the mean of `sample_count` paths, de-normalised) and keeping
+    the close. It draws from torch's global generator: `forecast_frame(seed=...)` seeds it right before the first
+    batch, so each forecaster's draws depend on its own seed only."""
     from model import KronosPredictor
 
-    kp = KronosPredictor(predictor, tokenizer, device=device, max_context=max_context, clip=clip)
+    d, f = cfg.data, cfg.forecast
+    kp = KronosPredictor(predictor, tokenizer, device=device, max_context=d.max_context, clip=d.clip)
 
     def forecast(x: np.ndarray, x_stamp: np.ndarray, y_stamp: np.ndarray) -> np.ndarray:
-        _, mean = kp.sample_windows(x, x_stamp, y_stamp, predict, T=temperature, top_k=top_k, top_p=top_p,
-                                    sample_count=sample_count)  # (B, P, 6)
+        _, mean = kp.sample_windows(x, x_stamp, y_stamp, d.predict, T=f.temperature, top_k=f.top_k, top_p=f.top_p,
+                                    sample_count=f.sample_count)  # (B, P, 6)
         return mean[..., CLOSE]  # (B, P)
 
     return forecast
@@ -143,8 +140,7 @@ def panel_labels(split: SeriesPanel, ends: np.ndarray, calendar_ns: np.ndarray, 
     pos = np.searchsorted(cal, when[ends])
     ok &= pos + 1 + horizon < len(cal)
     idx = np.flatnonzero(ok)
-    ok_idx = (when[enter[idx]] == cal[pos[idx] + 1]) & (when[leave[idx]] == cal[pos[idx] + 1 + horizon])
-    idx = idx[ok_idx]
+    idx = idx[(when[enter[idx]] == cal[pos[idx] + 1]) & (when[leave[idx]] == cal[pos[idx] + 1 + horizon])]
     price = np.asarray(split.features[price_row])
     out[idx] = price[leave[idx]].astype(np.float64) / price[enter[idx]] - 1.0
     return out
@@ -163,7 +159,7 @@ def make_ic_val_metric(cfg, val_panel: SeriesPanel, tokenizer, *, max_days: int 
     d, f = cfg.data, cfg.forecast
     if calendar_ns is None:
         calendar_ns = np.asarray(read_manifest(d.dataset_path)["calendar_ns"], dtype=np.int64)
-    start, end = pd.Timestamp(d.val_time_range[0]).value, pd.Timestamp(d.val_time_range[1]).value + 86_399_999_999_999
+    start, end = (t.value for t in range_bounds(d.val_time_range))  # the end date inclusive
     ends = forecast_window_ends(val_panel, start, end, d.lookback)
     price_row = {"open": 0, "close": CLOSE}.get(cfg.backtest.deal_price, CLOSE)
     labels = panel_labels(val_panel, ends, calendar_ns, d.predict, price_row)
@@ -178,10 +174,7 @@ def make_ic_val_metric(cfg, val_panel: SeriesPanel, tokenizer, *, max_days: int 
 
     def metric(model, stage: str = "predictor") -> dict:
         was_training = model.training
-        forecaster = kronos_forecaster(tokenizer, model, device=device or str(next(model.parameters()).device),
-                                       max_context=d.max_context, clip=d.clip, predict=d.predict,
-                                       temperature=f.temperature, top_k=f.top_k, top_p=f.top_p,
-                                       sample_count=f.sample_count)
+        forecaster = kronos_forecaster(tokenizer, model, cfg, device or str(next(model.parameters()).device))
         try:
             frame = forecast_frame(val_panel, ends, calendar_ns, forecaster, lookback=d.lookback, predict=d.predict,
                                    freq=d.freq, batch=max(1, f.batch_size // f.sample_count), seed=f.seed)

@@ -4,9 +4,6 @@ TopkDropoutStrategy backtest with positions and turnover, the short summary tabl
 Every number comes from Qlib's own functions where Qlib has one: labels from `D.features` expressions
 (finetune/evaluation/signals.py), IC / RankIC / long-short from `qlib.contrib.eva.alpha`
 (finetune/evaluation/signals.py), returns and drawdowns from `qlib.contrib.evaluate.risk_analysis`.
-
-Also here:
-- Forecast every test day with the finetuned models, score the signals against the trade and backtest them in Qlib,
 """
 
 from __future__ import annotations
@@ -60,17 +57,15 @@ from model.fileio import write_json
 from model.predictor import load_trained_pair
 
 
-def backtest_period(
-    calendar: pd.DatetimeIndex, start: pd.Timestamp, end: pd.Timestamp
-) -> tuple[pd.Timestamp, pd.Timestamp]:
+def backtest_period(calendar: pd.DatetimeIndex, start: pd.Timestamp,
+                    end: pd.Timestamp) -> tuple[pd.Timestamp, pd.Timestamp]:
     """Trading days [first >= start, last <= end], and before the calendar's last day: Qlib's backtest needs
     the day after its last step (IndexError otherwise)."""
     days = calendar[(calendar >= start) & (calendar <= end)]
     days = days[days < calendar[-1]]
     if len(days) < 2:
-        raise DataError(
-            f"data.test_time_range: fewer than 2 trading days to backtest between {start.date()} and {end.date()}"
-        )
+        raise DataError(f"data.test_time_range: fewer than 2 trading days to backtest between {start.date()} and "
+                        f"{end.date()}")
     return days[0], days[-1]
 
 
@@ -282,29 +277,23 @@ def zero_shot_models(cfg: QlibConfig) -> tuple[Any, Any] | None:
         return None
 
 
-def forecast_signals(cfg: QlibConfig, split: SeriesPanel, calendar_ns: np.ndarray, forecaster: Forecaster,
-                     first_day: pd.Timestamp, seed: int) -> pd.DataFrame:
-    """Signals of every forecast day from `first_day` to the end of the test range: columns datetime, instrument,
-    last, mean, max, min. The random streams are seeded with `seed` right before the forecaster runs."""
+def forecast_all(cfg: QlibConfig, forecasters: dict[str, Forecaster], seeds: dict[str, int] | None,
+                 split: SeriesPanel, calendar_ns: np.ndarray, first_day: pd.Timestamp) -> dict[str, pd.DataFrame]:
+    """{name: signals (last, mean, max, min) indexed by (datetime, instrument)} of every forecaster on every
+    forecast day from `first_day` to the end of the test range, each seeded right before it runs with
+    `seeds[name]` (default forecast.seed): its draws are the same whichever forecasters run before it."""
     d, f = cfg.data, cfg.forecast
     _, end = range_bounds(d.test_time_range)
     ends = forecast_window_ends(split, pd.Timestamp(first_day).value, end.value, d.lookback)
     if len(ends) == 0:
         raise DataError(f"data.test_time_range: no instrument has {d.lookback} bars before a day of the test range")
-    return forecast_frame(split, ends, calendar_ns, forecaster, lookback=d.lookback, predict=d.predict, freq=d.freq,
-                          batch=max(1, f.batch_size // f.sample_count), seed=seed)
-
-
-def forecast_all(cfg: QlibConfig, forecasters: dict[str, Forecaster], seeds: dict[str, int] | None,
-                 split: SeriesPanel, calendar_ns: np.ndarray, first_day: pd.Timestamp) -> dict[str, pd.DataFrame]:
-    """{name: signals indexed by (datetime, instrument)} of every forecaster, each seeded right before it runs with
-    `seeds[name]` (default forecast.seed): its draws are the same whichever forecasters run before it."""
     frames = {}
     for name, forecaster in forecasters.items():
-        seed = (seeds or {}).get(name, cfg.forecast.seed)
+        seed = (seeds or {}).get(name, f.seed)
         log.info("forecasting the test split (%s, seed %d): %d series", name, seed, split.n_series)
-        frames[name] = forecast_signals(cfg, split, calendar_ns, forecaster, first_day, seed).set_index(
-            ["datetime", "instrument"])
+        frames[name] = forecast_frame(split, ends, calendar_ns, forecaster, lookback=d.lookback, predict=d.predict,
+                                      freq=d.freq, batch=max(1, f.batch_size // f.sample_count),
+                                      seed=seed).set_index(["datetime", "instrument"])
     return frames
 
 
@@ -354,21 +343,16 @@ def evaluate(cfg: QlibConfig, forecasters: dict[str, Forecaster], split: SeriesP
     if b.baselines:
         base = baseline_signals(instruments, first_day, end, BaselineSettings(b.momentum_window, b.reversal_window),
                                 freq=d.freq).reindex(index)  # only member stock-days, as the model's
-        for col in base.columns:
-            signals[col] = base[col]
+        signals.update(base.items())
 
     results, daily = {}, {}
     for name, pred in signals.items():
-        kind = name.split("@")[0]
-        horizon = signal_horizon(kind, d.predict)
+        horizon = signal_horizon(name.split("@")[0], d.predict)  # "last@seed1" forecasts as "last" does
         log.info("scoring and backtesting %s (label horizon %d)", name, horizon)
         results[name], daily[name] = score_signal(cfg, pred, labels, horizon, bt_start, bt_end)
 
     seeds_ = [n for n in frames if n.startswith("seed")] or [""]
-    spread = {}
-    if len(seeds_) > 1:
-        for s in b.signals:
-            spread[s] = seed_spread([results[f"{s}@{n}"] for n in seeds_])
+    spread = {s: seed_spread([results[f"{s}@{n}"] for n in seeds_]) for s in b.signals} if len(seeds_) > 1 else {}
     per_day = index.get_level_values("datetime").value_counts()
     table = summary_table(results, t_ok=float(per_day.median()) >= MIN_T_CROSS_SECTION)
     merged = pd.concat({n: f.drop(columns=["bench"]) for n, f in daily.items()}, axis=1)
@@ -395,9 +379,8 @@ def evaluate(cfg: QlibConfig, forecasters: dict[str, Forecaster], split: SeriesP
         "summary.csv": table.rename_axis("signal"),
         "signals.csv": signals_table,
         "ic_decay.csv": decay_table.reset_index(),
-        "ic_decay.png": lambda p: plot_ic_decay(
-            {n: t for n, t in decay.items() if "@seed" not in n or n.endswith(f"@{seeds_[0]}")}, p
-        ),
+        "ic_decay.png": lambda p: plot_ic_decay({n: t for n, t in decay.items()
+                                                 if "@seed" not in n or n.endswith(f"@{seeds_[0]}")}, p),
         "backtest_daily.csv": merged,
         "cumulative_return.png": lambda p: plot_cumulative(daily, report["benchmark"], p),
     }
@@ -421,17 +404,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     calendar = pd.DatetimeIndex(D.calendar(freq=d.freq))
     # The pair as trained: a tokenizer at paths.finetuned_tokenizer_path other than the predictor's is refused.
     predictor, tokenizer, _ = load_trained_pair(cfg.paths.finetuned_predictor_path, cfg.paths.finetuned_tokenizer_path)
-
-    def make(tok, pred):
-        return kronos_forecaster(tok, pred, device=device, max_context=d.max_context, clip=d.clip, predict=d.predict,
-                                 temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, sample_count=f.sample_count)
-
     # Labels carry the seed value; zero-shot always samples with forecast.seed, whatever forecast.seeds lists.
     seeds = {f"seed{seed}": seed for seed in f.seed_list()}
-    forecasters = {name: make(tokenizer, predictor) for name in seeds}
+    forecasters = {name: kronos_forecaster(tokenizer, predictor, cfg, device) for name in seeds}
     zero = zero_shot_models(cfg)
     if zero is not None:
-        forecasters["zeroshot"], seeds["zeroshot"] = make(*zero), f.seed
+        forecasters["zeroshot"], seeds["zeroshot"] = kronos_forecaster(*zero, cfg, device), f.seed
     report, files = evaluate(cfg, forecasters, split, calendar_ns, calendar, seeds)
     report.update(device=device, seeds=f.seed_list(), config=config_to_dict(cfg))
     out = write_results(cfg.paths.backtest_result_path, {"report.json": report, **files})

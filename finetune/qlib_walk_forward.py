@@ -131,12 +131,10 @@ def period_signals(c: QlibConfig, folder: Path, zero: tuple, device: str) -> pd.
     cache, model_dir = folder / "signals.csv", Path(c.paths.finetuned_predictor_path)
     if cache.is_file() and cache.stat().st_mtime > model_dir.stat().st_mtime:
         return pd.read_csv(cache, parse_dates=["datetime"]).set_index(["datetime", "instrument"])
-    d, f = c.data, c.forecast
+    d = c.data
     predictor, tokenizer, _ = load_trained_pair(c.paths.finetuned_predictor_path, c.paths.finetuned_tokenizer_path)
     tuned = (tokenizer, predictor)
-    make = lambda tok, pred: kronos_forecaster(  # noqa: E731
-        tok, pred, device=device, max_context=d.max_context, clip=d.clip, predict=d.predict,
-        temperature=f.temperature, top_k=f.top_k, top_p=f.top_p, sample_count=f.sample_count)
+    make = lambda tok, pred: kronos_forecaster(tok, pred, c, device)  # noqa: E731
     calendar_ns = np.asarray(read_manifest(d.dataset_path)["calendar_ns"], dtype=np.int64)
     first = first_signal_day(pd.DatetimeIndex(calendar_ns.astype("datetime64[ns]")), pd.Timestamp(d.test_time_range[0]))
     frames = forecast_all(c, {"finetuned": make(*tuned), "zero_shot": make(*zero)}, None,

@@ -2,11 +2,9 @@
 
     kronos forecast --config configs/csv_demo.yaml [--future] [--set forecast.sample_count=50]
 
-Also here:
-- Consistency of generated candles (reported in metrics.json); the forecast scores live in finetune.evaluation.
-- `--future` stamps the bars after each series' end by its trading calendar (`model.calendar`; forecast.calendar
-  lists the trading dates when holidays matter).
-- PNG plots of CSV forecasts: close of the context tail, the median forecast and its 10-90 / 25-75 quantile bands.
+Also here: the consistency of generated candles (in metrics.json; the forecast scores live in finetune.evaluation).
+`--future` stamps the bars after each series' end by its trading calendar (`model.calendar`; forecast.calendar lists
+the trading dates when holidays matter).
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ import numpy as np
 import pandas as pd
 import torch
 
-import finetune_csv.config as csv_config
 from finetune.evaluation.forecast_scores import (
     ScoreSettings,
     crps_ensemble,
@@ -36,13 +33,13 @@ from finetune.utils.errors import setup_logging
 from finetune.utils.plots import Panel, plot_panels, stamp_text
 from finetune.utils.safety import LOCK_NAME, GracefulStop, read_holder, stage_status
 from finetune.utils.windows import HeldOutWindows, held_out_windows, sample_paths
-from finetune_csv.config import CsvFinetuneConfig, best_dir
+from finetune_csv.config import CsvFinetuneConfig, best_dir, load
 from finetune_csv.prepare import prepare_data
 from finetune_csv.train_sequential import CsvPipeline
 from model import Kronos, KronosPredictor, KronosTokenizer
 from model.calendar import TradingCalendar
 from model.errors import ConfigError, DataError, PathError
-from model.features import FEATURES, PRICE_FEATURES, calc_time_stamps
+from model.features import CLOSE, FEATURES, PRICE_FEATURES, calc_time_stamps
 from model.fileio import atomic_write, write_json
 from model.hub import weights_fingerprint
 from model.predictor import PREDICTOR_INFO_NAME, load_trained_pair, read_predictor_info, tokenizer_source
@@ -50,11 +47,8 @@ from model.predictor import PREDICTOR_INFO_NAME, load_trained_pair, read_predict
 
 def candle_violations(open_: np.ndarray, high: np.ndarray, low: np.ndarray, close: np.ndarray,
                       volume: np.ndarray) -> dict[str, float]:
-    """Share of generated candles breaking each consistency rule, and breaking any of them.
-
-    Rules: high >= max(open, close); low <= min(open, close); volume >= 0. The tokenizer decodes each feature
-    independently, so nothing forces a generated candle to respect them; this measures how often it does not.
-    """
+    """Share of generated candles breaking each rule (high >= max(open, close); low <= min(open, close); volume >= 0)
+    and any of them: the tokenizer decodes each feature independently, so nothing forces a candle to respect them."""
     o, h, l, c, v = (np.asarray(a, dtype=np.float64).ravel() for a in (open_, high, low, close, volume))
     if not (len(o) == len(h) == len(l) == len(c) == len(v)) or len(o) == 0:
         raise ValueError("candle_violations needs equally long, non-empty open/high/low/close/volume")
@@ -75,11 +69,8 @@ def repair_candles(paths: np.ndarray) -> np.ndarray:
 
 
 def ensemble_paths(finetuned: np.ndarray, zero_shot: np.ndarray, weight: float) -> np.ndarray:
-    """The `ensemble` candidate: round(weight * S) sample paths of the finetuned model, the rest zero-shot.
-
-    finetuned, zero_shot : (W, S, H) (or (W, S, H, F)) sample paths of the same windows; the paths of one model are
-    exchangeable draws, so the first ones are as good as any. Returns the same shape.
-    """
+    """The `ensemble` candidate: the first round(weight * S) of the finetuned model's paths (exchangeable draws: the
+    first are as good as any), the rest zero-shot; paths (W, S, H) or (W, S, H, F) of the same windows -> same shape."""
     if finetuned.shape != zero_shot.shape:
         raise ValueError(f"ensemble needs equally shaped paths, got {finetuned.shape} and {zero_shot.shape}")
     k = round(weight * finetuned.shape[1])
@@ -95,11 +86,6 @@ def read_calendar(path: str | Path) -> pd.DatetimeIndex:
     if len(dates) == 0:
         raise DataError(f"forecast.calendar: {path} lists no dates")
     return dates.unique().sort_values()
-
-
-
-
-CLOSE = FEATURES.index("close")
 
 
 log = logging.getLogger("finetune_csv.forecast")
@@ -358,6 +344,16 @@ def _panels(names: list[str], past_ts, past_close, future_ts, paths, actual=None
             for i in firsts]
 
 
+def write_outputs(cfg: CsvFinetuneConfig, out_dir: Path, table: pd.DataFrame, png: str, names: list[str], past_ts,
+                  context: np.ndarray, future_ts, paths: np.ndarray, actual: np.ndarray | None = None) -> None:
+    """forecast.csv and the plot `png` of the last min(lookback, 3 x predict) context bars (W, L, 6) and the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(out_dir / "forecast.csv", lambda p: table.to_csv(p, index=False))
+    tail = min(cfg.data.lookback, 3 * cfg.data.predict)
+    plot_panels(_panels(names, [ts[-tail:] for ts in past_ts], context[:, -tail:, CLOSE], future_ts, paths, actual),
+                out_dir / png)
+
+
 def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> dict:
     """Score every held-out test window (and the zero-shot model); write metrics.json, forecast.csv and the plot."""
     if cfg.data.test_ratio <= 0:
@@ -372,13 +368,9 @@ def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> dict:
                                        calibration)
 
     out_dir = Path(out_dir) if out_dir is not None else cfg.base_dir / "forecast"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    table = forecast_table(windows.names, windows.y_timestamps, paths, windows.actual)
-    atomic_write(out_dir / "forecast.csv", lambda p: table.to_csv(p, index=False))
-    tail = min(cfg.data.lookback, 3 * cfg.data.predict)
-    plot_panels(_panels(windows.names, [ts[-tail:] for ts in windows.x_timestamps],
-                        windows.context[:, -tail:, CLOSE], windows.y_timestamps, paths, windows.actual),
-                out_dir / "forecast_vs_actual.png")
+    write_outputs(cfg, out_dir, forecast_table(windows.names, windows.y_timestamps, paths, windows.actual),
+                  "forecast_vs_actual.png", windows.names, windows.x_timestamps, windows.context,
+                  windows.y_timestamps, paths, windows.actual)
     write_json(out_dir / "metrics.json", metrics)
     return metrics
 
@@ -388,8 +380,7 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> pd.DataFr
     finetuned, calibration = finetuned_predictor(cfg)
     panel = prepare_data(cfg.data, cfg.store_dir, with_splits=False).panel  # whole series, no split needed
     lookback, predict = cfg.data.lookback, cfg.data.predict
-    lengths = panel.lengths()
-    short = [name for name, n in zip(panel.names, lengths.tolist()) if n < lookback]
+    short = [name for name, n in zip(panel.names, panel.lengths().tolist()) if n < lookback]
     if short:
         raise DataError(f"series shorter than data.lookback={lookback} rows cannot be forecast: {short}; lower "
                         "data.lookback or remove them")
@@ -412,23 +403,18 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> pd.DataFr
              " (kept; forecast.repair_candles: true repairs them)")
     paths = finish_paths(paths, calibration, context[:, -1, CLOSE], cfg.forecast.repair_candles)
     table = forecast_table(names, future_ts, paths).drop(columns="window")
-    out_dir = Path(out_dir) if out_dir is not None else cfg.base_dir / "future"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(out_dir / "forecast.csv", lambda p: table.to_csv(p, index=False))
-    tail = min(lookback, 3 * predict)
-    plot_panels(_panels(names, [ts[-tail:] for ts in past_ts], context[:, -tail:, CLOSE], future_ts, paths),
-                out_dir / "forecast.png")
+    write_outputs(cfg, Path(out_dir) if out_dir is not None else cfg.base_dir / "future", table, "forecast.png",
+                  names, past_ts, context, future_ts, paths)
     return table
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = add_config_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]), csv_config.CsvFinetuneConfig,
-                             csv_config.load)
+    parser = add_config_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]), CsvFinetuneConfig, load)
     parser.add_argument("--future", action="store_true",
                         help="forecast the data.predict candles after each series' last row instead of scoring")
     args = parse_config_args(parser, argv)
     setup_logging()
-    cfg = csv_config.load(args.config, args.set)
+    cfg = load(args.config, args.set)
     with GracefulStop():  # SIGTERM while sampling: exit 75 before the next batch, nothing half-written
         if args.future:
             table = run_future(cfg)

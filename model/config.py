@@ -1,15 +1,8 @@
-"""Typed constructor arguments of the two models, in the spirit of nanoGPT's `GPTConfig` and Chronos' `ChronosConfig`.
-
-Each dataclass mirrors its model's constructor one field per argument (the names are the published `config.json`
-keys), with the published checkpoints' values as defaults:
-
-    KronosTokenizerConfig()          == Kronos-Tokenizer-base
-    KronosConfig()                   == Kronos-small (s1/s2 bits taken from the tokenizer when left null)
-
-    tokenizer = KronosTokenizer(**asdict(KronosTokenizerConfig(d_model=32)))
-
-`problems(prefix)` lists every value that the constructor would reject or that cannot be allocated sanely, as
-`(yaml_key, message)` pairs, so configs and untrusted `config.json` files are checked before any tensor exists.
+"""Typed constructor arguments of the two models, in the spirit of nanoGPT's `GPTConfig` and Chronos' `ChronosConfig`:
+one field per constructor argument (the published `config.json` keys), the published checkpoints' values as defaults,
+e.g. `KronosTokenizer(**asdict(KronosTokenizerConfig(d_model=32)))`. `problems(prefix)` lists every value that the
+constructor would reject or that cannot be allocated sanely, so configs and untrusted `config.json` files are checked
+before any tensor exists.
 """
 from __future__ import annotations
 
@@ -107,11 +100,8 @@ class KronosTokenizerConfig:
 
 @dataclass
 class KronosConfig:
-    """`Kronos` (predictor) constructor arguments (defaults: the published Kronos-small).
-
-    `s1_bits` / `s2_bits` null = take them from the tokenizer the predictor is paired with (a factory fills them in);
-    a value that differs from the tokenizer's is an error there.
-    """
+    """`Kronos` (predictor) constructor arguments (defaults: the published Kronos-small); null bits are filled in
+    from the paired tokenizer by a factory, which refuses bits that differ from the tokenizer's."""
 
     s1_bits: int | None = None
     """Bits of the coarse sub-token; null = the tokenizer's."""
@@ -168,30 +158,25 @@ class KronosConfig:
         return out
 
 
-# ---------------------------------------------------------------------------------------------------------------
-
-
 def _keyer(prefix: str):
     return lambda name: f"{prefix}.{name}" if prefix else name
 
 
+_TYPE_CHECKS = {  # the annotation's first type -> its check; bool is not an int here
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+}
+
+
 def _type_problems(cfg: Any, k) -> list[tuple[str, str]]:
-    """Wrong types first (a string d_model would make every bound check meaningless). bool is not an int here."""
+    """Wrong types first (a string d_model would make every bound check meaningless)."""
     out = []
     for f in fields(cfg):
         value = getattr(cfg, f.name)
         want = str(f.type)
-        if value is None and "None" in want:
-            continue
-        if want.startswith("int"):
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        elif want.startswith("float"):
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        elif want.startswith("bool"):
-            ok = isinstance(value, bool)
-        else:
-            ok = True
-        if not ok:
+        check = next((c for t, c in _TYPE_CHECKS.items() if want.startswith(t)), None)
+        if not (value is None and "None" in want) and check is not None and not check(value):
             out.append((k(f.name), f"must be {want.split(' |')[0]}, got {value!r} ({type(value).__name__})"))
     return out
 

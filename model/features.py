@@ -35,9 +35,8 @@ class ColumnError(DataError):
 
 def resolve_columns(names: Sequence[str], explicit: Mapping[str, str | None] | None = None, *,
                     where: str) -> dict[str, str | None]:
-    """{canonical: the user's column or None} for every CANDLE_COLUMNS field, out of the column `names`.
-
-    `explicit` mappings win (None = "not a column": volume/amount absent, timestamps from a DatetimeIndex); any
+    """{canonical: the user's column or None} for every CANDLE_COLUMNS field, out of the column `names`: `explicit`
+    mappings win (None = "not a column": volume/amount absent, timestamps from a DatetimeIndex); any
     other field matches its own name in any case, else one of COLUMN_ALIASES. ColumnError naming `where` (with a
     close match) for a missing required column, two columns matching one field, or an explicit non-column.
     """
@@ -91,12 +90,10 @@ def quantile_column(feature: str, q: float) -> str:
 
 def normalize(x: np.ndarray, clip: float, *, axis: int = 0,
               stats_len: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-feature z-score along the time `axis` of x, e.g. (T, F) with axis=0 or (B, F, W) with axis=-1, clipped
-    to [-clip, clip] -> (x_norm, mean, std), mean/std with keepdims, std the population std.
-
-    stats_len: only the first `stats_len` steps give mean/std (the lookback part of a training window: the future
-    must not leak into its own normalisation). Bit-identical to `WindowDataset.get_batch` on its (B, F, W) block.
-    """
+    """Per-feature z-score along the time `axis` of x, e.g. (T, F) with axis=0 or (B, F, W) with axis=-1, clipped to
+    [-clip, clip] -> (x_norm, mean, std), mean/std with keepdims, std the population std. stats_len: only the first
+    `stats_len` steps give mean/std (the lookback part of a training window: the future must not leak into its own
+    normalisation). Bit-identical to `WindowDataset.get_batch` on its (B, F, W) block."""
     x = np.asarray(x)
     axis = axis % x.ndim
     n = x.shape[axis] if stats_len is None else int(stats_len)
@@ -139,12 +136,11 @@ def to_datetime_index(timestamps, name: str = "timestamps") -> pd.DatetimeIndex:
 
 def check_increasing(timestamps: pd.DatetimeIndex, name: str = "timestamps") -> None:
     """Strictly increasing, or DataError naming the first offending position."""
-    if len(timestamps) > 1:
-        bad = np.flatnonzero(np.diff(timestamps.asi8) <= 0)
-        if bad.size:
-            i = int(bad[0]) + 1
-            raise DataError(f"{name} must be strictly increasing; position {i} ({timestamps[i]}) does not come "
-                             f"after position {i - 1} ({timestamps[i - 1]})")
+    bad = np.flatnonzero(np.diff(timestamps.asi8) <= 0)  # empty for 0 or 1 stamps
+    if bad.size:
+        i = int(bad[0]) + 1
+        raise DataError(f"{name} must be strictly increasing; position {i} ({timestamps[i]}) does not come after "
+                        f"position {i - 1} ({timestamps[i - 1]})")
 
 
 def calc_time_stamps(timestamps) -> pd.DataFrame:
@@ -166,13 +162,11 @@ def candle_faults(values: np.ndarray) -> list[tuple[str, np.ndarray, str]]:
 
 
 def candle_matrix(df: pd.DataFrame, name: str = "df") -> np.ndarray:
-    """DataFrame with open/high/low/close (+ optional volume/amount; any case, the `resolve_columns` aliases) ->
-    float32 (T, 6) in FEATURES order.
-
-    Missing `volume` -> volume and amount are 0; missing `amount` -> `fill_amount` (volume * mean(OHLC)).
-    Raises DataError naming `name`, the column and the first row (with its index label when the index is not a
-    RangeIndex, e.g. the timestamps) for a missing column, non-numeric data, NaN/inf or a broken `candle_faults` rule.
-    """
+    """DataFrame with open/high/low/close (+ optional volume/amount; any case, the `resolve_columns` aliases) -> float32
+    (T, 6) in FEATURES order. Missing `volume` -> volume and amount are 0; missing `amount` -> `fill_amount` (volume
+    * mean(OHLC)). Raises DataError naming `name`, the column and the first row (with its index label when the index
+    is not a RangeIndex, e.g. the timestamps) for a missing column, non-numeric data, NaN/inf or a broken
+    `candle_faults` rule."""
     if not isinstance(df, pd.DataFrame):
         raise DataError(f"{name} must be a pandas DataFrame, got {type(df).__name__}")
     if len(df) == 0:

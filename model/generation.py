@@ -25,11 +25,9 @@ def check_temperature(temperature: float) -> None:
 
 def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = 0,
                   top_p: float | None = 1.0) -> torch.Tensor:
-    """logits (B, V) -> float32 logits (B, V) with the tokens the filters drop at -inf.
-
-    Temperature first; then top-k if top_k > 0, else nucleus top-p if top_p < 1 (the first token past the
-    threshold is kept). `None` disables either filter. top_k=1 is greedy.
-    """
+    """logits (B, V) -> float32 logits (B, V) with the tokens the filters drop at -inf: temperature first; then
+    top-k if top_k > 0, else nucleus top-p if top_p < 1 (the first token past the threshold is kept). `None`
+    disables either filter. top_k=1 is greedy."""
     check_temperature(temperature)
     logits = logits.float() / temperature
     if top_k is not None and top_k > 0:
@@ -181,7 +179,6 @@ def generate_tokens(model: Kronos, s1_ctx: torch.Tensor, s2_ctx: torch.Tensor, s
     """Continue context ids s1_ctx, s2_ctx (B, N) by `pred_len` steps, `sample_count` paths per series, with
     `stamps` (B, N + pred_len, 5) -> the full sequences (s1, s2), each (B * S, N + pred_len) int64, the S paths of
     a series in consecutive rows. use_cache False: the published full recompute (same tokens in greedy mode).
-
     decode (with the cache): "eager" grows the window one token at a time (the default); "static" runs the step a
     CUDA graph records (a preallocated cache written at a position tensor, sampling by `race_sample`, the context
     encoded once per series) without the graph; "graph" records and replays it on CUDA, and falls back to "eager"
@@ -201,12 +198,11 @@ def generate_tokens(model: Kronos, s1_ctx: torch.Tensor, s2_ctx: torch.Tensor, s
     if sample_count > 1:  # every path re-encodes its context (the published way)
         s1_ctx, s2_ctx, stamps = (t.repeat_interleave(sample_count, dim=0) for t in (s1_ctx, s2_ctx, stamps))
     batch, n_ctx = s1_ctx.shape
-    total = n_ctx + pred_len
     s1 = torch.cat([s1_ctx, s1_ctx.new_zeros(batch, pred_len)], dim=1)
     s2 = torch.cat([s2_ctx, s2_ctx.new_zeros(batch, pred_len)], dim=1)
     cache = model.new_cache(batch, max_context, s1.device, next(model.parameters()).dtype) if use_cache else None
     offset = length = 0  # the cache holds tokens offset..offset+length-1 at window positions 0..length-1
-    for cur in tqdm(range(n_ctx, total), disable=not verbose, desc="forecast", leave=False):
+    for cur in tqdm(range(n_ctx, n_ctx + pred_len), disable=not verbose, desc="forecast", leave=False):
         start = max(0, cur - max_context)  # the window is tokens start..cur-1, at positions 0..cur-start-1
         if cache is not None:
             if start != offset:

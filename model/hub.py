@@ -3,7 +3,6 @@
 `config.json` holds the constructor's keyword arguments; `model.safetensors` the state dict. A local path that does
 not exist is an error (it never silently turns into a Hub lookup); only a bare `owner/name` id goes to the Hub,
 through huggingface_hub's `snapshot_download` (cache, revision, token, offline mode as huggingface_hub defines them).
-`config.json` is type- and bounds-checked with the `model.config` dataclasses before any tensor is allocated.
 """
 from __future__ import annotations
 
@@ -71,11 +70,8 @@ def resolve_model_dir(path_or_id: str | os.PathLike, *, cache_dir: str | os.Path
     if not is_hub_id(text):
         raise PathError(f"model path {text!r} does not exist (expected a folder with {CONFIG_NAME} and "
                         f"{WEIGHTS_NAME}, or a Hugging Face Hub id such as 'NeoQuasar/Kronos-small')")
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise PathError(f"{text!r} is not a local folder, and fetching it from the Hugging Face Hub needs "
-                        "the huggingface_hub package (pip install huggingface_hub)") from None
+    from huggingface_hub import snapshot_download  # a core dependency, imported only when a Hub id is used
+
     try:
         folder = snapshot_download(text, revision=revision, cache_dir=cache_dir, token=token,
                                    local_files_only=local_files_only, force_download=force_download,
@@ -91,12 +87,9 @@ def resolve_model_dir(path_or_id: str | os.PathLike, *, cache_dir: str | os.Path
 
 
 def read_config(model_dir: Path, cls: type, max_parameters: float = DEFAULT_MAX_PARAMETERS) -> dict[str, Any]:
-    """config.json as checked constructor kwargs.
-
-    Names every missing argument; drops unknown keys; checks types and bounds with `cls.config_class` (the
-    `model.config` dataclass), then the total parameter count against `max_parameters`, so a huge or mistyped value
-    is a DataError naming the file and key (or the count), not an allocation of terabytes.
-    """
+    """config.json as checked constructor kwargs (unknown keys dropped): a missing argument, a type or bound
+    `cls.config_class` rejects, or more than `max_parameters` in all is a DataError naming the file and key (or the
+    count), not an allocation of terabytes."""
     cfg_path = model_dir / CONFIG_NAME
     if not cfg_path.is_file():
         raise PathError(f"{cfg_path} not found: a {cls.__name__} folder needs {CONFIG_NAME} (the "
@@ -148,15 +141,12 @@ class PretrainedMixin:
         if not weights.is_file():
             raise PathError(f"{weights} not found")
         model = cls(**kwargs)
-        state = load_file(str(weights), device=str(map_location))
-        model.load_state_dict(state, strict=True)
+        model.load_state_dict(load_file(str(weights), device=str(map_location)), strict=True)
         return model
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
-        """Write config.json + model.safetensors into `save_directory` (each file replaced atomically).
-
-        Raises DataError (and writes nothing) when a weight holds NaN/inf: non-finite weights never reach disk.
-        """
+        """Write config.json + model.safetensors into `save_directory` (each file replaced atomically); a weight
+        holding NaN/inf is a DataError and nothing is written: non-finite weights never reach disk."""
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
         if bad:
@@ -170,10 +160,7 @@ class PretrainedMixin:
 
     def push_to_hub(self, repo_id: str, *, commit_message: str | None = None, private: bool | None = None,
                     token: str | bool | None = None, revision: str | None = None, create_pr: bool = False) -> Any:
-        """Upload config.json + model.safetensors (the published format) to the Hub repo `repo_id`.
-
-        Creates the repo if needed (`private` as given). Returns huggingface_hub's commit info.
-        """
+        """Upload config.json + model.safetensors to the Hub repo `repo_id` (created if needed) -> the commit info."""
         from huggingface_hub import HfApi
 
         if not is_hub_id(repo_id):

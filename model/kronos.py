@@ -43,11 +43,8 @@ class DependencyAwareLayer(nn.Module):
 
     def step(self, hidden_last: torch.Tensor, sibling_embed: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              valid: torch.Tensor | None = None) -> torch.Tensor:
-        """`forward` for one query: hidden_last (B, 1, d), sibling (B, 1, d), memory k/v (B, 4, L, d/4) -> (B, 1, d);
-        valid (L,): the filled positions of a static cache.
-
-        Equals forward(hidden, sibling)[:, -1:] in eval mode when k/v = memory(hidden).
-        """
+        """forward(hidden, sibling)[:, -1:] in eval mode, from k/v = memory(hidden): hidden_last (B, 1, d), sibling
+        (B, 1, d), k/v (B, 4, L, d/4) -> (B, 1, d); valid (L,): the filled positions of a static cache."""
         return self.norm(hidden_last + self.cross_attn.attend_kv(sibling_embed, k, v, valid))
 
 
@@ -71,11 +68,8 @@ class DualHead(nn.Module):
     def compute_loss(self, s1_logits: torch.Tensor, s2_logits: torch.Tensor, s1_targets: torch.Tensor,
                      s2_targets: torch.Tensor,
                      padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Mean of the two cross-entropies over (valid) positions -> (loss, ce_s1, ce_s2).
-
-        logits (B, T, V1) / (B, T, V2), targets (B, T) int64; padding_mask (B, T): True/1 = a real position (the
-        attention convention), False/0 = padding. Returns three scalars (float32).
-        """
+        """logits (B, T, V1) / (B, T, V2), targets (B, T) int64 -> float32 scalars (loss = the mean of the two
+        cross-entropies over the real positions, ce_s1, ce_s2); padding_mask (B, T): True/1 = real, False/0 = pad."""
         if padding_mask is not None:
             valid = padding_mask.to(torch.bool)
             s1_logits, s2_logits = s1_logits[valid], s2_logits[valid]
@@ -98,6 +92,7 @@ class Kronos(nn.Module, PretrainedMixin):
         self.s1_bits, self.s2_bits = s1_bits, s2_bits
         self.s1_vocab_size, self.s2_vocab_size = 2 ** s1_bits, 2 ** s2_bits
         self.d_model, self.n_layers, self.n_heads = d_model, n_layers, n_heads
+        self.dep_slot = n_layers  # the cache slot of the dependency layer's keys/values, after the trunk's
 
         self.embedding = HierarchicalEmbedding(s1_bits, s2_bits, d_model)
         self.time_emb = TemporalEmbedding(d_model, learn_te)
@@ -126,10 +121,8 @@ class Kronos(nn.Module, PretrainedMixin):
     def trunk(self, s1_ids: torch.Tensor, s2_ids: torch.Tensor, stamp: torch.Tensor | None = None,
               padding_mask: torch.Tensor | None = None, cache: KVCache | None = None,
               start_pos: int = 0) -> torch.Tensor:
-        """Token ids (B, L) (+ stamps (B, L, 5)) -> normalised hidden states (B, L, d_model).
-
-        With `cache`, the ids are positions start_pos..start_pos+L-1 appended after the cached ones.
-        """
+        """Token ids (B, L) (+ stamps (B, L, 5)) -> normalised hidden states (B, L, d_model); with `cache`, the ids
+        are positions start_pos..start_pos+L-1 appended after the cached ones."""
         x = self.embedding((s1_ids, s2_ids))
         if stamp is not None:
             x = x + self.time_emb(stamp)
@@ -143,12 +136,10 @@ class Kronos(nn.Module, PretrainedMixin):
                 s1_targets: torch.Tensor | None = None,
                 causal_dep: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Ids (B, T), stamps (B, T, 5), padding_mask (B, T) True = real -> logits of the next token pair at every
-        position: (s1 (B, T, 2^s1_bits), s2 (B, T, 2^s2_bits)).
-
-        use_teacher_forcing: condition s2 on `s1_targets` (B, T) (the true next s1), else on an s1 drawn from the
-        model's own s1 distribution. causal_dep: True keeps the dependency layer causal in eval mode too (an honest
-        validation loss); None follows the published rule (causal only in training mode).
-        """
+        position: (s1 (B, T, 2^s1_bits), s2 (B, T, 2^s2_bits)). use_teacher_forcing: condition s2 on `s1_targets`
+        (B, T) (the true next s1), else on an s1 drawn from the model's own s1 distribution. causal_dep: True keeps
+        the dependency layer causal in eval mode too (an honest validation loss); None follows the published rule
+        (causal only in training mode)."""
         x = self.trunk(s1_ids, s2_ids, stamp, padding_mask)
         s1_logits = self.head(x)
         if use_teacher_forcing:
@@ -184,19 +175,11 @@ class Kronos(nn.Module, PretrainedMixin):
         dep = self.dep_layer.cross_attn
         return KVCache(batch, max_len, trunk + [(dep.n_heads, dep.head_dim)], device, dtype)
 
-    @property
-    def dep_slot(self) -> int:
-        """Cache slot of the dependency layer's keys/values."""
-        return self.n_layers
-
     def decode_s1_cached(self, s1_ids: torch.Tensor, s2_ids: torch.Tensor, stamp: torch.Tensor | None,
                          cache: KVCache, start_pos: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append tokens (B, L) at window positions start_pos.. to `cache` (trunk and dependency memory); a tensor
-        start_pos (1,) appends one token in place (a static step, see `KVCache`).
-
-        Returns (s1 logits of the last position (B, V1), its hidden state (B, 1, d_model)), the same numbers as
-        `decode_s1` on the whole window.
-        """
+        """Append tokens (B, L) at window positions start_pos.. to `cache` (trunk and dependency memory; a tensor
+        start_pos (1,) appends one token in place, see `KVCache`) -> (s1 logits of the last position (B, V1), its
+        hidden state (B, 1, d_model)), the same numbers as `decode_s1` on the whole window."""
         h = self.trunk(s1_ids, s2_ids, stamp, cache=cache, start_pos=start_pos)  # (B, L, d)
         k, v = self.dep_layer.memory(h)  # (B, 4, L, d/4) each
         cache.update(self.dep_slot, start_pos, k, v)
@@ -206,10 +189,7 @@ class Kronos(nn.Module, PretrainedMixin):
     def decode_s2_cached(self, h_last: torch.Tensor, s1_ids: torch.Tensor, cache: KVCache,
                          length: int | torch.Tensor) -> torch.Tensor:
         """h_last (B, 1, d), sampled s1 (B, 1), `length` cached positions (a tensor (1,): a static step, the whole
-        buffer under a mask) -> s2 logits (B, V2).
-
-        The same numbers as `decode_s2(context, s1_ids)[:, -1]` on the window's hidden states.
-        """
+        buffer under a mask) -> s2 logits (B, V2), the numbers of `decode_s2(context, s1_ids)[:, -1]`."""
         static = isinstance(length, torch.Tensor)
         k, v = (cache.k[self.dep_slot], cache.v[self.dep_slot]) if static else cache.filled(self.dep_slot, length)
         x2 = self.dep_layer.step(h_last, self.embedding.emb_s1(s1_ids), k, v, cache.valid(length) if static else None)

@@ -56,35 +56,27 @@ class RotaryPositionalEmbedding(nn.Module):
         inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
         self.register_buffer("inv_freq", inv_freq)
 
-    def cos_sin(self, length: int, offset: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for positions offset..offset+length-1, each (1, 1, length, dim); a tensor offset (1,) is read on
-        the device (a static-cache decoding step)."""
-        t = torch.arange(length, device=self.inv_freq.device, dtype=self.inv_freq.dtype) + offset
-        freqs = torch.outer(t, self.inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos()[None, None], emb.sin()[None, None]
-
     def forward(self, q: torch.Tensor, k: torch.Tensor,
                 offset: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q (B, H, Lq, Dh) and k (B, H, Lk, Dh) with the positions of the *query* (published rule)."""
-        cos, sin = self.cos_sin(q.shape[-2], offset)
-        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        """Rotate q (B, H, Lq, Dh) and k (B, H, Lk, Dh) with the positions of the *query* (published rule),
+        offset..offset+Lq-1; a tensor offset (1,) is read on the device (a static-cache decoding step)."""
+        t = torch.arange(q.shape[-2], device=self.inv_freq.device, dtype=self.inv_freq.dtype) + offset
+        freqs = torch.outer(t, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (Lq, Dh)
+        cos, sin = emb.cos()[None, None].to(q.dtype), emb.sin()[None, None].to(q.dtype)  # (1, 1, Lq, Dh)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 class KVCache:
-    """Pre-allocated key/value buffers for incremental decoding, one slot per attention module.
-
-    Slot i holds `k[i]`, `v[i]`, each (B, H_i, max_len, Dh_i): the predictor uses slots 0..n_layers-1 for its
-    self-attention layers and slot n_layers for the dependency layer's keys/values (4 heads, another head_dim).
-    The caller tracks how many positions are filled. A static decoding step gives its position as a tensor (1,):
-    it is written in place with index_copy_ and the step attends to the whole buffer under a mask, so the step's
-    shapes and addresses never change and nothing is read back to the host (a CUDA graph can capture it).
-    """
+    """Pre-allocated key/value buffers for incremental decoding, one slot per attention module. Slot i holds
+    `k[i]`, `v[i]`, each (B, H_i, max_len, Dh_i): the predictor uses slots 0..n_layers-1 for its self-attention
+    layers and slot n_layers for the dependency layer's keys/values (4 heads, another head_dim). The caller tracks
+    how many positions are filled. A static decoding step gives its position as a tensor (1,): it is written in
+    place with index_copy_ and the step attends to the whole buffer under a mask, so the step's shapes and addresses
+    never change and nothing is read back to the host (a CUDA graph can capture it)."""
 
     def __init__(self, batch: int, max_len: int, slots: list[tuple[int, int]], device: torch.device | str,
-                 dtype: torch.dtype):
-        """slots: (n_heads, head_dim) of every attention module that caches."""
+                 dtype: torch.dtype):  # slots: (n_heads, head_dim) of every attention module that caches
         self.k = [torch.zeros((batch, h, max_len, dh), device=device, dtype=dtype) for h, dh in slots]
         self.v = [torch.zeros((batch, h, max_len, dh), device=device, dtype=dtype) for h, dh in slots]
         self.max_len = max_len
@@ -121,11 +113,9 @@ class KVCache:
 
 def _attention_mask(key_padding_mask: torch.Tensor | None, lq: int, lk: int, causal: bool,
                     device: torch.device) -> torch.Tensor | None:
-    """Boolean mask (B or 1, 1, Lq, Lk), True = may attend; None when no masking is needed.
-
-    The causal rule is aligned to the *end* of the keys (query i sits at key position lk - lq + i), which is the
-    usual rule for a query chunk appended after cached keys and the plain lower triangle when lq == lk.
-    """
+    """Boolean mask (B or 1, 1, Lq, Lk), True = may attend; None when no masking is needed. The causal rule is
+    aligned to the *end* of the keys (query i sits at key position lk - lq + i): a query chunk appended after cached
+    keys, the plain lower triangle when lq == lk."""
     mask = None
     if causal and lq > 1:
         qpos = torch.arange(lk - lq, lk, device=device)[:, None]
@@ -143,9 +133,7 @@ class _Attention(nn.Module):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
-        self.d_model = d_model
-        self.n_heads = n_heads
-        self.head_dim = d_model // n_heads
+        self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
         self.q_proj = nn.Linear(d_model, d_model)
         self.k_proj = nn.Linear(d_model, d_model)
         self.v_proj = nn.Linear(d_model, d_model)
@@ -200,12 +188,10 @@ class MultiHeadAttentionWithRoPE(_Attention):
 
 
 class MultiHeadCrossAttentionWithRoPE(_Attention):
-    """Cross-attention of the dependency layer.
-
-    Published behaviour kept for checkpoint parity: rotary cos/sin come from the *query* length and are applied to
-    q and k; the attention is causal only in training mode. `causal=True/False` overrides the mode rule (a
-    validation loss must be causal, or position t would see the hidden states of later positions).
-    """
+    """Cross-attention of the dependency layer. Published behaviour kept for checkpoint parity: rotary cos/sin come
+    from the *query* length and are applied to q and k; the attention is causal only in training mode.
+    `causal=True/False` overrides the mode rule (a validation loss must be causal, or position t would see the hidden
+    states of later positions)."""
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_padding_mask: torch.Tensor | None = None, causal: bool | None = None) -> torch.Tensor:

@@ -131,12 +131,6 @@ def tokenizer_source(folder: Path, info: dict[str, Any]) -> str | None:
                     f"set \"tokenizer\": \"{TOKENIZER_SUBDIR}\" there, or pass tokenizer= to from_pretrained")
 
 
-def read_tokenizer_config(folder: Path) -> dict[str, Any] | None:
-    """The predictor folder's `tokenizer_config.json` (the tokenizer it was trained with), or None."""
-    path = folder / TOKENIZER_CONFIG_NAME
-    return read_json_object(path) if path.is_file() else None
-
-
 def write_calibration(best_model_dir: str | os.PathLike, calibration: dict[str, Any]) -> Path:
     """Add (or replace) "calibration" in `best_model_dir`'s kronos_predictor.json, atomically; returns its path."""
     calibration_margins(calibration, "calibration")
@@ -149,14 +143,10 @@ def write_calibration(best_model_dir: str | os.PathLike, calibration: dict[str, 
 def load_trained_pair(folder_or_id: str | os.PathLike, tokenizer: str | os.PathLike | KronosTokenizer | None = None,
                       **hub_kwargs: Any) -> tuple[Kronos, KronosTokenizer, dict[str, Any]]:
     """(predictor, the tokenizer it was trained with, its kronos_predictor.json) from a predictor folder or Hub id:
-    the one way every door (Python, `kronos forecast`, the backtests, the walk-forwards) loads a finetuned pair.
-
-    tokenizer: None = the one the folder records (`tokenizer_source`), else a folder, Hub id or loaded tokenizer.
-    Whatever it is, a recorded `tokenizer_config.json` must equal its config (DataError naming the keys) and a
-    recorded "tokenizer_sha256" its weights (TokenizerMismatchError naming both fingerprints): a tokenizer swapped
-    after training would otherwise forecast silently from tokens the predictor never saw.
-    hub_kwargs: cache_dir, revision, token, local_files_only, force_download (for both downloads).
-    """
+    the one way every door loads a finetuned pair. tokenizer: None = the one the folder records, else a folder, Hub
+    id or loaded tokenizer; a recorded `tokenizer_config.json` must equal its config and a recorded
+    "tokenizer_sha256" its weights: a tokenizer swapped after training would otherwise forecast silently from tokens
+    the predictor never saw. hub_kwargs: cache_dir, revision, token, local_files_only, force_download."""
     folder = resolve_model_dir(folder_or_id, allow_patterns=["*.json", "model.safetensors",
                                                              f"{TOKENIZER_SUBDIR}/model.safetensors"], **hub_kwargs)
     info = read_predictor_info(folder)
@@ -174,10 +164,11 @@ def load_trained_pair(folder_or_id: str | os.PathLike, tokenizer: str | os.PathL
             raise
         raise type(exc)(f"{folder / PREDICTOR_INFO_NAME} pairs the predictor with tokenizer {source}, which cannot be "
                         f"loaded: {exc}") from None
-    expected = read_tokenizer_config(folder)
+    config_path = folder / TOKENIZER_CONFIG_NAME  # the config of the tokenizer it was trained with
+    expected = read_json_object(config_path) if config_path.is_file() else None
     if expected is not None and expected != loaded.config:
         diff = sorted(k for k in set(expected) | set(loaded.config) if expected.get(k) != loaded.config.get(k))
-        raise DataError(f"the tokenizer does not match {Path(folder) / TOKENIZER_CONFIG_NAME} (the one the "
+        raise DataError(f"the tokenizer does not match {config_path} (the one the "
                         f"predictor was trained with): {diff} differ; pass the matching tokenizer=")
     recorded = info.get("tokenizer_sha256")
     if recorded is not None and recorded != (now := weights_fingerprint(loaded)):
@@ -226,16 +217,13 @@ def fit_calibration(samples: np.ndarray, outcomes: np.ndarray, last: np.ndarray)
 
 
 def apply_calibration(calibration: dict[str, Any], samples: np.ndarray, last: np.ndarray) -> np.ndarray:
-    """Calibrated close paths: samples (..., S, H) with last (...) the last context close -> same shape.
-
-    Each path's log return is moved away from (margin > 0) or toward (margin < 0) the per-horizon median of the S
-    paths by the margin of its own central level: a path of rank k has quantile level p = (k + 0.5) / S and central
-    level c = |2p - 1|; its margin is interpolated between the stored levels (from 0 at c = 0, the last level's
-    beyond it). The quantile q of the result therefore approximates the calibrated band edge of level |2q - 1|. A
-    path never crosses the median; a horizon where a price is not positive is left as it is.
-    """
-    samples = np.asarray(samples)
-    return samples * np.exp(calibration_shift(calibration, samples, last))
+    """Calibrated close paths: samples (..., S, H) with last (...) the last context close -> same shape. Each
+    path's log return is moved away from (margin > 0) or toward (margin < 0) the per-horizon median of the S paths by
+    the margin of its own central level: a path of rank k has quantile level p = (k + 0.5) / S and central level
+    c = |2p - 1|; its margin is interpolated between the stored levels (from 0 at c = 0, the last level's beyond it).
+    The quantile q of the result therefore approximates the calibrated band edge of level |2q - 1|. A path never
+    crosses the median; a horizon where a price is not positive is left as it is."""
+    return np.asarray(samples) * np.exp(calibration_shift(calibration, samples, last))
 
 
 def calibration_shift(calibration: dict[str, Any], close: np.ndarray, last: np.ndarray) -> np.ndarray:
@@ -353,13 +341,9 @@ class KronosPredictor:
                         None = None, device: str | None = None, max_context: int | None = None,
                         lookback: int | None = None, clip: float | None = None, use_cache: bool = True,
                         **hub_kwargs: Any) -> KronosPredictor:
-        """Load a predictor folder (e.g. a finetuned run's best_model/) or Hub id, its tokenizer, window and
-        calibration. max_context, lookback and clip default to kronos_predictor.json's (else 512, max_context, 5).
-
-        tokenizer: folder, Hub id or a loaded KronosTokenizer; None = `tokenizer_source` (for the published pair
-            pass e.g. tokenizer="NeoQuasar/Kronos-Tokenizer-base"); checked by `load_trained_pair`.
-        hub_kwargs: cache_dir, revision, token, local_files_only, force_download (for both downloads).
-        """
+        """Load a predictor folder (e.g. a finetuned run's best_model/) or Hub id with `load_trained_pair`, and its
+        window and calibration; max_context, lookback and clip default to kronos_predictor.json's (else 512,
+        max_context, 5). For the published pair pass e.g. tokenizer="NeoQuasar/Kronos-Tokenizer-base"."""
         allowed = {"cache_dir", "revision", "token", "local_files_only", "force_download"}
         unknown = sorted(set(hub_kwargs) - allowed)
         if unknown:
@@ -387,9 +371,8 @@ class KronosPredictor:
         Returns the mean, a (pred_len, 6) DataFrame of FEATURES indexed by y_timestamp; with return_samples or
         quantiles a `Forecast` instead.
         """
-        out = self.predict_batch([df], [x_timestamp], [y_timestamp], pred_len, T, top_k, top_p, sample_count,
-                                 verbose, return_samples, quantiles, calibrated)
-        return out[0]
+        return self.predict_batch([df], [x_timestamp], [y_timestamp], pred_len, T, top_k, top_p, sample_count,
+                                  verbose, return_samples, quantiles, calibrated)[0]
 
     def predict_batch(self, df_list: Sequence[pd.DataFrame], x_timestamp_list: Sequence[Any],
                       y_timestamp_list: Sequence[Any], pred_len: int, T: float = 1.0, top_k: int | None = 0,
@@ -398,13 +381,9 @@ class KronosPredictor:
                       calibrated: bool = True, batch_size: int | None = None, *,
                       series_names: Sequence[str] | None = None) -> list[pd.DataFrame] | list[Forecast]:
         """Forecast several series; arguments as `predict`, one entry per series in each list (series_names: what
-        messages call them, default df_list[i]).
-
-        Series may have different context lengths: they are batched in groups of equal length (in greedy mode the
-        results equal calling `predict` one by one), at most `batch_size` series (x sample_count sequences) per
-        forward pass (None = a whole group). Returns a list in the input order, of DataFrames or of `Forecast`s as
-        `predict` does.
-        """
+        messages call them, default df_list[i]). Series of equal context length are batched together (in greedy mode
+        the results equal calling `predict` one by one), at most `batch_size` series (x sample_count sequences) per
+        forward pass (None = a whole group). Returns a list in the input order, as `predict` returns."""
         calibration = self.calibration if calibrated else None
         self._check_options(pred_len, sample_count, quantiles, calibration)  # before any work
         if not isinstance(df_list, (list, tuple)) or not df_list:
@@ -526,12 +505,9 @@ class KronosPredictor:
                        batch_size: int | None = None, verbose: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """The batched window sampler every forecast runs: raw contexts (W, L, 6) (no cut) + stamps (W, L, 5),
         (W, pred_len, 5) -> (sample paths (W, S, pred_len, 6), mean forecast (W, pred_len, 6)), float32 in the
-        input's units; `batch_size` windows (None = all) per `generate`.
-
-        Each window is normalised over its own rows (float32, row-major: the bits of `_prepare`, so of predict), its
-        paths scaled back with its mean / std. The mean averages the paths in normalised space and then undoes the
-        normalisation, the published order (the same float32 bits as the original Kronos' forecast).
-        """
+        input's units; `batch_size` windows (None = all) per `generate`. Each window is normalised over its own rows
+        (float32, row-major: the bits of predict). The mean averages the paths in normalised space and then undoes
+        the normalisation, the published order (the same float32 bits as the original Kronos' forecast)."""
         check_batch_size(batch_size)
         w, step = len(context), batch_size or max(1, len(context))
         samples = np.zeros((w, sample_count, pred_len, len(FEATURES)), dtype=np.float32)
@@ -549,12 +525,9 @@ class KronosPredictor:
     def generate(self, x: np.ndarray, x_stamp: np.ndarray, y_stamp: np.ndarray, pred_len: int, T: float = 1.0,
                  top_k: int | None = 0, top_p: float | None = 0.9, sample_count: int = 1,
                  verbose: bool = False) -> np.ndarray:
-        """Normalised context x (B, N, 6) + stamps (B, N, 5), (B, pred_len, 5) -> sample paths (B, S, pred_len, 6).
-
-        Each series' context is tokenised once, `pred_len` token pairs sampled `sample_count` times with a predictor
-        window of `max_context` (`generate_tokens`, stepping as `self.decode` says), and the last `max_context`
-        tokens of every path decoded. No cut, no calibration.
-        """
+        """Normalised context x (B, N, 6) + stamps (B, N, 5), (B, pred_len, 5) -> sample paths (B, S, pred_len, 6):
+        `generate_tokens` with a predictor window of `max_context`, the last `max_context` tokens of every path
+        decoded. No cut, no calibration."""
         dev = self.device
         b, n, d = x.shape
         x_t = torch.clip(torch.tensor(np.asarray(x), dtype=torch.float32, device=dev), -self.clip, self.clip)
@@ -623,13 +596,12 @@ class KronosPredictor:
 
     def _check_options(self, pred_len: int, sample_count: int, quantiles: Sequence[float] | None,
                        calibration: dict[str, Any] | None, key: str = "pred_len") -> None:
-        if not isinstance(pred_len, (int, np.integer)) or isinstance(pred_len, bool) or pred_len < 1:
-            raise DataError(f"{key} must be an integer >= 1, got {pred_len!r}")
+        for name, value in ((key, pred_len), ("sample_count", sample_count)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise DataError(f"{name} must be an integer >= 1, got {value!r}")
         if pred_len > self.max_context:  # the decoder sees at most max_context tokens: the forecast must fit
             raise DataError(f"{key}={pred_len} is more than the predictor's window (max_context={self.max_context}) "
                             f"can generate; forecast at most {self.max_context} steps")
-        if not isinstance(sample_count, (int, np.integer)) or isinstance(sample_count, bool) or sample_count < 1:
-            raise DataError(f"sample_count must be an integer >= 1, got {sample_count!r}")
         for q in quantiles or []:
             if not isinstance(q, (int, float)) or not 0.0 <= q <= 1.0:
                 raise DataError(f"quantiles must lie in [0, 1], got {q!r}")

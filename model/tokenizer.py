@@ -38,9 +38,8 @@ class BinarySphericalQuantizer(nn.Module):
         super().__init__()
         if embed_dim % group_size:
             raise ValueError(f"s1_bits + s2_bits ({embed_dim}) must be divisible by group_size ({group_size})")
-        self.embed_dim = embed_dim
+        self.embed_dim, self.group_size = embed_dim, group_size
         self.beta, self.gamma0, self.gamma, self.zeta = beta, gamma0, gamma, zeta
-        self.group_size = group_size
         self.q_scale = 1.0 / math.sqrt(embed_dim)
         self.register_buffer("basis", 2 ** torch.arange(embed_dim - 1, -1, -1, dtype=torch.long))
         self.register_buffer("group_basis", 2 ** torch.arange(group_size - 1, -1, -1, dtype=torch.long))
@@ -49,14 +48,10 @@ class BinarySphericalQuantizer(nn.Module):
         group_codebook = ((codes[:, None] // self.group_basis) % 2).float() * 2 - 1  # (2^g, g)
         self.register_buffer("group_codebook", group_codebook, persistent=False)
 
-    def quantize(self, z: torch.Tensor) -> torch.Tensor:
-        """Sign with a straight-through gradient (z > 0 -> +1, else -1)."""
-        zhat = torch.where(z > 0, torch.ones_like(z), -torch.ones_like(z))
-        return z + (zhat - z).detach()
-
     def forward(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """z (..., D), already L2-normalised -> (zq scaled to +-1/sqrt(D), bsq_loss scalar)."""
-        zq = self.quantize(z) * self.q_scale
+        zhat = torch.where(z > 0, torch.ones_like(z), -torch.ones_like(z))  # the sign, with 0 -> -1
+        zq = (z + (zhat - z).detach()) * self.q_scale  # a straight-through gradient
         commit = self.beta * ((zq.detach() - z) ** 2).sum(-1).mean()
         per_sample, codebook = self.soft_entropy(z)
         loss = commit + self.zeta * (self.gamma0 * per_sample - self.gamma * codebook)
@@ -98,10 +93,8 @@ class BSQuantizer(nn.Module):
 
 
 class KronosTokenizer(nn.Module, PretrainedMixin):
-    """Encode normalised candles (B, T, d_in) into token ids and decode ids back to candles.
-
-    The encoder has n_enc_layers - 1 blocks and the decoder n_dec_layers - 1 blocks (published layout).
-    """
+    """Encode normalised candles (B, T, d_in) into token ids and decode ids back to candles; the encoder has
+    n_enc_layers - 1 blocks and the decoder n_dec_layers - 1 blocks (published layout)."""
 
     config_class = KronosTokenizerConfig  # checks config.json before from_pretrained allocates anything
 
@@ -140,11 +133,8 @@ class KronosTokenizer(nn.Module, PretrainedMixin):
 
     def forward(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor,
                                                 torch.Tensor]:
-        """Encode, quantise and reconstruct normalised candles x (B, T, d_in) (training).
-
-        Returns ((z_pre, z), bsq_loss, quantized, ids): z the reconstruction from the full code and z_pre from the
-        coarse (s1) bits alone, both (B, T, d_in); quantized (B, T, D); ids (B, T) int64 over all D bits.
-        """
+        """Normalised candles x (B, T, d_in) -> ((z_pre, z), bsq_loss, quantized (B, T, D), ids (B, T) over all D
+        bits) (training): z the reconstruction (B, T, d_in) from the full code, z_pre from the coarse (s1) bits."""
         bsq_loss, quantized, ids = self.tokenizer(self._encode_latent(x))
         z_pre = self._decode_latent(self.post_quant_embed_pre(quantized[..., : self.s1_bits]))
         z = self._decode_latent(self.post_quant_embed(quantized))

@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import asdict
 
 import numpy as np
 import torch
 
 from model import Kronos, KronosPredictor, KronosTokenizer
+from model.config import KronosConfig, KronosTokenizerConfig
 
-TOKENIZER_BASE = dict(d_in=6, d_model=256, n_heads=4, ff_dim=512, n_enc_layers=4, n_dec_layers=4, ffn_dropout_p=0.0,
-                      attn_dropout_p=0.0, resid_dropout_p=0.0, s1_bits=10, s2_bits=10, beta=0.05, gamma0=1.0,
-                      gamma=1.1, zeta=0.05, group_size=4)
-KRONOS_SMALL = dict(s1_bits=10, s2_bits=10, n_layers=8, d_model=512, n_heads=8, ff_dim=1024, ffn_dropout_p=0.2,
-                    attn_dropout_p=0.0, resid_dropout_p=0.2, token_dropout_p=0.0, learn_te=True)
+TOKENIZER_BASE = asdict(KronosTokenizerConfig())  # the published Kronos-Tokenizer-base
+KRONOS_SMALL = asdict(KronosConfig(s1_bits=10, s2_bits=10))  # the published Kronos-small
 # name: (series, sample paths, context, steps), full and quick
 WORKLOADS = {"one": ((1, 1, 400, 120), (1, 1, 64, 24)), "many": ((300, 1, 90, 10), (8, 1, 90, 10)),
              "paths": ((64, 8, 400, 24), (2, 8, 64, 12))}
@@ -82,8 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     differ = False
     for wl in args.workloads:
         series, samples, context, steps = WORKLOADS[wl][0 if full else 1]
-        x, xs, ys = inputs(series, context, steps)
-        work = (x, xs, ys, steps)
+        work = (*inputs(series, context, steps), steps)  # x, x_stamp, y_stamp, pred_len
         t_eager, ref = timed(kp, "eager", work, samples, args.repeats)
         runs = [timed(kp, d, work, samples, args.repeats) for d in fast]
         same = all(np.array_equal(ref, out) for _, out in runs)

@@ -1,36 +1,19 @@
 """Train-step time at the published shapes: a plain fp32 step vs the shared engine's step (more columns on CUDA).
+What each column measures, and the results, are in docs/benchmarks.md.
 
     python scripts/bench_train_step.py                                  # CPU defaults: batch 2 x 128, few steps
     python scripts/bench_train_step.py --batch 8 --seq 512 --models tokenizer-base kronos-small kronos-base
-On CUDA the defaults are Kronos-small 64 x 512 and Kronos-base 32 x 512, and the engine also runs with `amp=bf16`
-eager and compiled; each column gives ms/step, tokens (candles) per second and the engine's MFU. fp32 columns run
-with TF32 off, as `training.amp=none` trains; the defaults (`amp: auto`, `compile: auto`) give the bf16 compiled
-column plus TF32 for what stays float32 (the predictor's frozen tokenizer encode).
-
-"plain" is the minimal hand-written step on tensors already in memory: forward, loss, backward, clip, AdamW,
-zero_grad (for the predictor the frozen tokenizer encodes the batch first, as in any finetuning step).
-"engine" runs `train_tokenizer` / `train_predictor` for one epoch and reads the per-step wall time from its
-metrics.jsonl, so it includes everything a real step costs: reading and normalising windows from a
-`WindowDataset`, DDP wrapper (none in one process), autocast, logging. Both columns show the fastest of the
-timed steps (as timeit does: on a shared machine the minimum is the least disturbed measurement); the median is
-printed too.
-On CUDA the engine also runs with amp=bf16. Models are randomly initialised (no download).
-
     python scripts/bench_train_step.py --safety        # run-safety overheads, demo and Kronos-small scale
-
-`--safety` times, in the same process and on the same model, a plain predictor step and the run-safety work the
-engine adds: the per-step non-finite guard (`NonFiniteGuard.check`: loss + grad-norm flags, one host sync; plus
-`get_total_norm` when clipping is off) and one rotating checkpoint save (`checkpoint_store.save`: the finite
-check of every tensor, torch.save + fsync of model + AdamW state, hard-linking last.pt, deleting the oldest). Both
-are reported as a share of the step time (same-run ratio); the save also as the share at `save_every_steps`
-intervals, since it is paid once per save, not per step.
-
     python scripts/bench_train_step.py --modes full lora freeze        # finetune modes, Kronos-small predictor
 
-`--modes` runs the engine's predictor step once per `training.finetune_mode` (lora: rank 8 on the attention
-projections; freeze: `trainable: [head, transformer.7]`), each in a fresh process, and reports the step time, the
-process's peak memory (CPU: peak RSS; CUDA: peak allocated), the trainable parameters and the size of a step
-checkpoint, with each mode's ratio to `full` from the same run.
+"plain" is the minimal hand-written step on tensors already in memory (forward, loss, backward, clip, AdamW);
+"engine" runs `train_tokenizer` / `train_predictor` for one epoch and reads the per-step wall time from its
+metrics.jsonl, so it includes everything a real step costs. Both show the fastest of the timed steps (as timeit
+does: on a shared machine the minimum is the least disturbed measurement) and the median. fp32 columns run with
+TF32 off, as `training.amp=none` trains; on CUDA the engine also runs with `amp=bf16`, eager and compiled.
+`--safety` times the non-finite guard and one rotating checkpoint save against a predictor step in one process;
+`--modes` runs the engine's predictor step once per `training.finetune_mode`, each in a fresh process (its peak
+memory is its own). Models are randomly initialised (no download).
 """
 
 from __future__ import annotations
@@ -40,7 +23,7 @@ import json
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -59,18 +42,13 @@ from finetune.utils.training_utils import (
 )
 from finetune.utils.windows import SeriesArrays, WindowDataset
 from model import Kronos, KronosTokenizer
+from model.config import KronosConfig, KronosTokenizerConfig
 
-TOKENIZER_BASE = dict(d_in=6, d_model=256, n_heads=4, ff_dim=512, n_enc_layers=4, n_dec_layers=4, ffn_dropout_p=0.0,
-                      attn_dropout_p=0.0, resid_dropout_p=0.0, s1_bits=10, s2_bits=10, beta=0.05, gamma0=1.0,
-                      gamma=1.1, zeta=0.05, group_size=4)
+TOKENIZER_BASE = asdict(KronosTokenizerConfig())  # the published Kronos-Tokenizer-base
 PREDICTORS = {
-    "kronos-small": dict(s1_bits=10, s2_bits=10, n_layers=8, d_model=512, n_heads=8, ff_dim=1024, ffn_dropout_p=0.2,
-                         attn_dropout_p=0.0, resid_dropout_p=0.2, token_dropout_p=0.0, learn_te=True),
-    "kronos-base": dict(s1_bits=10, s2_bits=10, n_layers=12, d_model=832, n_heads=16, ff_dim=2048, ffn_dropout_p=0.2,
-                        attn_dropout_p=0.0, resid_dropout_p=0.2, token_dropout_p=0.0, learn_te=True),
+    "kronos-small": asdict(KronosConfig(s1_bits=10, s2_bits=10)),
+    "kronos-base": asdict(KronosConfig(s1_bits=10, s2_bits=10, n_layers=12, d_model=832, n_heads=16, ff_dim=2048)),
 }
-
-
 GPU_SHAPES = {"tokenizer-base": (64, 512), "kronos-small": (64, 512), "kronos-base": (32, 512)}  # batch, seq
 
 
@@ -100,11 +78,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--safety", action="store_true", help="time the run-safety overheads instead (see above)")
     p.add_argument("--modes", nargs="+", choices=["full", "lora", "freeze"], help="compare finetune modes (see above)")
     return p.parse_args(argv)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def make_dataset(n_windows: int, seq: int, seed: int = 0) -> WindowDataset:
@@ -139,6 +112,7 @@ def plain_step_ms(name: str, args: argparse.Namespace, device: torch.device) -> 
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda device: None)
     times = []
     for i in range(args.warmup + args.steps):
         sync(device)
@@ -184,11 +158,11 @@ def engine_step_ms(name: str, args: argparse.Namespace, device: torch.device, am
                   best["tokens_per_s"], best.get("mfu"))
 
 
-DEMO_TOKENIZER = dict(d_in=6, d_model=32, n_heads=2, ff_dim=64, n_enc_layers=2, n_dec_layers=2, ffn_dropout_p=0.0,
-                      attn_dropout_p=0.0, resid_dropout_p=0.0, s1_bits=6, s2_bits=6, beta=0.05, gamma0=1.0,
-                      gamma=1.1, zeta=0.05, group_size=4)  # configs/csv_demo.yaml
-DEMO_PREDICTOR = dict(s1_bits=6, s2_bits=6, n_layers=2, d_model=64, n_heads=4, ff_dim=128, ffn_dropout_p=0.0,
-                      attn_dropout_p=0.0, resid_dropout_p=0.0, token_dropout_p=0.0, learn_te=True)
+# the models of configs/csv_demo.yaml
+DEMO_TOKENIZER = asdict(KronosTokenizerConfig(d_model=32, n_heads=2, ff_dim=64, n_enc_layers=2, n_dec_layers=2,
+                                              s1_bits=6, s2_bits=6))
+DEMO_PREDICTOR = asdict(KronosConfig(s1_bits=6, s2_bits=6, n_layers=2, d_model=64, n_heads=4, ff_dim=128,
+                                     ffn_dropout_p=0.0, resid_dropout_p=0.0))
 SAFETY_SCALES = {  # name: (tokenizer args, predictor args, batch, seq)
     "demo": (DEMO_TOKENIZER, DEMO_PREDICTOR, 32, 80),  # the demo's batch 32 x (lookback 64 + predict 16)
     "kronos-small": (TOKENIZER_BASE, PREDICTORS["kronos-small"], 2, 128),

@@ -38,8 +38,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     from finetune.utils.errors import run_main  # one error line and an exit code (finetune/utils/errors.py)
 
     sys.exit(run_main(main))
