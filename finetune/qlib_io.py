@@ -22,9 +22,10 @@ import pandas as pd
 
 from finetune.config import QlibConfig, parse_range
 from finetune.utils.config_utils import Problems
-from finetune.utils.store import N_STAMP_COLUMNS, SeriesPanel
+from finetune.utils.store import SeriesPanel
+from finetune.utils.windows import wallclock_stamps
 from model.errors import DataError
-from model.features import FEATURES, calc_time_stamps
+from model.features import FEATURES
 
 # Qlib expressions read for open, high, low, close, volume (+ $vwap when data.amount_source is vwap).
 QLIB_FIELDS = ["$open", "$high", "$low", "$close", "$volume", "$vwap"]
@@ -105,15 +106,6 @@ def load_range(calendar: pd.DatetimeIndex, begin: str, end: str, lookback: int, 
 def datetimes_ns(values: Any) -> np.ndarray:
     """Datetimes (any pandas resolution) -> int64 nanoseconds since 1970-01-01."""
     return np.asarray(pd.DatetimeIndex(values).as_unit("ns").asi8, dtype=np.int64)
-
-
-def stamps_from_ns(when: np.ndarray) -> np.ndarray:
-    """int64 ns datetimes (N,) -> int64 (N, 5): minute, hour, weekday, day, month (the model's time features)."""
-    if len(when) == 0:
-        return np.zeros((0, N_STAMP_COLUMNS), dtype=np.int64)
-    unique, inverse = np.unique(when, return_inverse=True)  # stamps once per distinct bar time, then gathered
-    stamps = calc_time_stamps(pd.DatetimeIndex(unique.astype("datetime64[ns]"))).to_numpy(np.int64)
-    return np.ascontiguousarray(stamps[inverse.ravel()], dtype=np.int64)
 
 
 def range_bounds(time_range: list[str]) -> tuple[pd.Timestamp, pd.Timestamp]:
@@ -206,7 +198,7 @@ def frame_to_panel(frame: pd.DataFrame, amount_source: str, min_bars: int, calen
         inst, when, features = inst[rows], when[rows], features[rows]
         offsets = np.r_[0, np.cumsum(lengths[keep])].astype(np.int64)
         names = names[keep]
-    panel = SeriesPanel(np.ascontiguousarray(features.astype(np.float32).T), stamps_from_ns(when), offsets,
+    panel = SeriesPanel(np.ascontiguousarray(features.astype(np.float32).T), wallclock_stamps(when), offsets,
                         np.asarray(names, dtype=str), when)
     return panel, report
 

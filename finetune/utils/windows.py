@@ -223,6 +223,27 @@ class EpochOrder:
             yield make()
 
 
+_NS_PER_DAY = 86_400_000_000_000
+_NS_PER_MINUTE = 60_000_000_000
+
+
+def wallclock_stamps(ts: np.ndarray) -> np.ndarray:
+    """Calendar stamps of naive wall-clock ns times: int64 (n, 5) minute, hour, weekday (Monday=0), day, month
+    (equal to model.features.calc_time_stamps of the same times)."""
+    ts = np.asarray(ts, dtype=np.int64)
+    days = ts // _NS_PER_DAY  # floor: times before 1970 count back correctly
+    minute_of_day = (ts - days * _NS_PER_DAY) // _NS_PER_MINUTE
+    d = days.astype("datetime64[D]")
+    month_start = d.astype("datetime64[M]")
+    out = np.empty((len(ts), 5), dtype=np.int64)
+    out[:, 0] = minute_of_day % 60
+    out[:, 1] = minute_of_day // 60
+    out[:, 2] = (days + 3) % 7  # 1970-01-01 was a Thursday
+    out[:, 3] = (d - month_start).astype(np.int64) + 1
+    out[:, 4] = month_start.astype(np.int64) % 12 + 1
+    return out
+
+
 _ITER_CHUNK = 1 << 16  # window indices turned into Python ints at a time by EpochSampler.__iter__
 
 
