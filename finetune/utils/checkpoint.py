@@ -149,7 +149,7 @@ class CheckpointWriteError(UserError, OSError):
 
     def with_key(self, key: str) -> CheckpointWriteError:
         """The same error naming `key` (the pipeline's output-folder setting) as the setting to change."""
-        return _space_error(Path(self.filename), getattr(self, "needed", 0), self.__cause__, key)
+        return space_error(self.filename, getattr(self, "needed", 0), self.__cause__, key)
 
 
 def step_path(folder: str | Path, step: int) -> Path:
@@ -207,7 +207,8 @@ def _errno_in_chain(e: BaseException) -> int | None:
     return None
 
 
-def _is_space_error(e: BaseException) -> bool:
+def is_space_error(e: BaseException) -> bool:
+    """True when `e` (or what it wraps) is a disk-full / file-too-large / quota error."""
     code = _errno_in_chain(e)
     if code is not None:
         return code in _SPACE_ERRNOS
@@ -218,8 +219,11 @@ def _is_space_error(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and ("inline_container" in str(e) or "PytorchStreamWriter" in str(e))
 
 
-def _space_error(path: Path, needed: int, cause: BaseException | None,
-                 key: str = "training.output_dir") -> CheckpointWriteError:
+def space_error(path: str | Path, needed: int, cause: BaseException | None = None,
+                key: str = "training.output_dir") -> CheckpointWriteError:
+    """The `CheckpointWriteError` for a failed write of about `needed` bytes to `path` (names free space and the
+    setting `key` that moves the output)."""
+    path = Path(path)
     free = _free_bytes(path.parent)
     free_text = _human(free) if free is not None else "unknown"
     code = _errno_in_chain(cause) if cause is not None else None
@@ -268,8 +272,8 @@ def _write_file(state: Any, path: Path, needed: int) -> None:
     try:
         atomic_write(path, lambda tmp: _save_to(state, tmp))
     except BaseException as e:
-        if _is_space_error(e):
-            raise _space_error(path, needed, e) from e
+        if is_space_error(e):
+            raise space_error(path, needed, e) from e
         raise
 
 
@@ -281,7 +285,7 @@ def _point_last(path: Path, needed: int) -> Path:
         try:
             os.link(path, tmp)
         except OSError as e:
-            if _is_space_error(e):
+            if is_space_error(e):
                 raise
             shutil.copyfile(path, tmp)  # no hard links here (some network/FUSE filesystems)
             with open(tmp, "rb+") as f:
@@ -289,8 +293,8 @@ def _point_last(path: Path, needed: int) -> Path:
         os.replace(tmp, last)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
-        if _is_space_error(e):
-            raise _space_error(last, needed, e) from e
+        if is_space_error(e):
+            raise space_error(last, needed, e) from e
         raise
     return last
 
@@ -317,7 +321,7 @@ def save(state: Any, folder: str | Path, step: int, *, keep: int = 2, check_fini
     needed = estimate_bytes(state)
     free = _free_bytes(folder)
     if free is not None and free < needed:
-        raise _space_error(path, needed, None)
+        raise space_error(path, needed, None)
     _write_file(state, path, needed)
     _fsync_dir(folder)
     _point_last(path, needed)
@@ -453,18 +457,6 @@ def remove_orphans(folder: str | Path, log: Callable[[str], None] | None = None)
         (log or _log.warning)(f"{folder}: removed {len(removed)} leftover(s) of interrupted writes: "
                               + ", ".join(p.name for p in removed))
     return removed
-
-
-def is_space_error(e: BaseException) -> bool:
-    """True when `e` (or what it wraps) is a disk-full / file-too-large / quota error."""
-    return _is_space_error(e)
-
-
-def space_error(path: str | Path, needed: int, cause: BaseException | None = None,
-                key: str = "training.output_dir") -> CheckpointWriteError:
-    """The `CheckpointWriteError` for a failed write of about `needed` bytes to `path` (names free space and the
-    setting `key` that moves the output)."""
-    return _space_error(Path(path), needed, cause, key)
 
 
 def prepare_folder(folder: str | Path, log: Callable[[str], None] | None = None) -> list[Path]:
