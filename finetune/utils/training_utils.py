@@ -200,9 +200,8 @@ class EarlyStopping:
     stop: bool  # Patience is used up: stop training.
 
 
-def update_early_stopping(
-    best: float, bad_epochs: int, val_loss: float, patience: int, min_delta: float = 0.0
-) -> EarlyStopping:
+def update_early_stopping(best: float, bad_epochs: int, val_loss: float, patience: int,
+                          min_delta: float = 0.0) -> EarlyStopping:
     """Fold one validation loss into the early-stopping state; `patience=0` never stops. NaN never improves."""
     improved = math.isfinite(val_loss) and val_loss < best - min_delta
     if improved:
@@ -265,16 +264,9 @@ def tokenizer_loss(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dic
     return loss, {"recon_pre": recon_pre.detach(), "recon": recon.detach(), "bsq": bsq_loss.detach().float()}
 
 
-def predictor_loss(
-    model: nn.Module,
-    tokenizer: nn.Module,
-    x: torch.Tensor,
-    x_stamp: torch.Tensor,
-    *,
-    teacher_forcing: bool = True,
-    causal_dep: bool | None = None,
-    head: nn.Module | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def predictor_loss(model: nn.Module, tokenizer: nn.Module, x: torch.Tensor, x_stamp: torch.Tensor, *,
+                   teacher_forcing: bool = True, causal_dep: bool | None = None, head: nn.Module | None = None
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Next-token objective of the predictor: mean of the s1 and s2 cross-entropies over all positions.
 
     x (B, T, F) is encoded by the frozen `tokenizer` (no grad, float32 even under autocast, so the tokens are the
@@ -312,9 +304,8 @@ class Stage:
     adapter: adapters.Adapter
     """What trains of `model` (training.finetune_mode): the checkpoint's model state, best_model/, counts."""
 
-    def loss(
-        self, wrapped: nn.Module, x: torch.Tensor, stamp: torch.Tensor, training: bool
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(self, wrapped: nn.Module, x: torch.Tensor, stamp: torch.Tensor, training: bool
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss on one batch: x (B, T, F) float32, stamp (B, T, 5) int64 -> (scalar loss, {part: scalar}).
 
         `wrapped` is `model` or its DDP wrapper (the forward must go through the wrapper for gradient sync);
@@ -375,15 +366,9 @@ class PredictorStage(Stage):
 
     def loss(self, wrapped, x, stamp, training):
         # Validation is always teacher-forced and causal: the s2 head at position t must not see later positions.
-        return predictor_loss(
-            wrapped,
-            self.tokenizer,
-            x,
-            stamp,
-            teacher_forcing=self.teacher_forcing if training else True,
-            causal_dep=None if training else True,
-            head=self.model.head,
-        )
+        return predictor_loss(wrapped, self.tokenizer, x, stamp,
+                              teacher_forcing=self.teacher_forcing if training else True,
+                              causal_dep=None if training else True, head=self.model.head)
 
     def save_best(self, folder):
         # The tokenizer's config travels with the predictor so the pair cannot drift apart.
@@ -507,16 +492,14 @@ def train_sampler(dataset: Dataset, cfg: TrainingConfig, dist: DistInfo) -> Epoc
     """Shuffled per (seed, epoch), capped at max_train_samples, equal share per rank (the remainder dropped)."""
     return EpochSampler(
         len(dataset), shuffle=True, seed=cfg.seed, max_samples=cfg.max_train_samples,
-        rank=dist.rank, world_size=dist.world_size, drop_remainder=True,
-    )
+        rank=dist.rank, world_size=dist.world_size, drop_remainder=True)
 
 
 def val_sampler(dataset: Dataset, cfg: TrainingConfig, dist: DistInfo) -> EpochSampler:
     """Ordered, nothing dropped or duplicated (an exact loss); a capped run draws a seeded subset per epoch."""
     return EpochSampler(
         len(dataset), shuffle=False, seed=cfg.seed + 1, max_samples=cfg.max_val_samples,
-        rank=dist.rank, world_size=dist.world_size, drop_remainder=False,
-    )
+        rank=dist.rank, world_size=dist.world_size, drop_remainder=False)
 
 
 # Dense peak FLOP/s (no sparsity) of one GPU by the precision its matmuls run in (bf16, tf32, fp32), from NVIDIA's
@@ -662,15 +645,13 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-            fused=self.device.type == "cuda",
-        )
+            fused=self.device.type == "cuda")
         self.optimizer.zero_grad(set_to_none=True)  # a model reused after a failed run may hold (NaN) gradients
         # cycle_momentum=False: OneCycleLR would otherwise overwrite AdamW's beta1 (0.85..0.95), ignoring cfg.betas.
         total = self.steps_per_epoch * cfg.epochs
         self.scheduler = torch.optim.lr_scheduler.OneCycleLR(
             self.optimizer, max_lr=cfg.lr, total_steps=total, pct_start=one_cycle_pct_start(cfg.pct_start, total),
-            div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor, cycle_momentum=False,
-        )
+            div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor, cycle_momentum=False)
         self.precision = resolve_precision(cfg.amp, self.device)  # said in the log (bf16 on CPU: float32)
         # training.compile: the loss of full micro-batches is compiled at the first one (see forward_backward_step).
         self.compile = self.device.type == "cuda" if cfg.compile == "auto" else bool(cfg.compile)
@@ -814,8 +795,7 @@ class Trainer:
             self.out, enabled=self.dist.is_main, tensorboard=cfg.tensorboard, mlflow=cfg.mlflow,
             mlflow_tracking_uri=cfg.mlflow_tracking_uri, mlflow_experiment=cfg.mlflow_experiment, comet=cfg.comet,
             comet_project=cfg.comet_project, run_name=f"{self.out.name}-{self.stage.name}",
-            resume_step=self.state.global_step if self.resume_path is not None else None,
-        )
+            resume_step=self.state.global_step if self.resume_path is not None else None)
         self.run_extra = {"stage": self.stage.name, "world_size": self.dist.world_size, "select_by": cfg.select_by,
                           "frozen_fingerprint": self.frozen_fp,  # the predictor's tokenizer (sha256 of weights)
                           **self.stage.adapter.counts(),
@@ -846,8 +826,7 @@ class Trainer:
         loader = quiet_loader(make_loader(
             self.train_set, self.train_sampler, cfg.batch_size, epoch=state.epoch, seed=cfg.seed,
             skip_batches=state.step_in_epoch * cfg.accumulation_steps, num_workers=cfg.num_workers,
-            pin_memory=self.device.type == "cuda",
-        ))
+            pin_memory=self.device.type == "cuda"))
         # After a resume rank 0 carries the (all ranks') sum of the part of the epoch done before the interruption.
         carried = (state.epoch_loss_sum, state.epoch_windows) if self.dist.is_main else (0.0, 0)
         self.epoch_sums = LossSums(self.stage.part_names, self.device, *carried)
@@ -1101,75 +1080,31 @@ class Trainer:
         """The TrainResult of the loop state."""
         state = self.state
         return TrainResult(
-            stage=self.stage.name,
-            best_val_loss=state.best_val_loss,
-            best_epoch=state.best_epoch,
-            output_dir=self.out,
-            best_model_dir=self.best_dir,
-            last_checkpoint=self.ckpt_path,
-            metrics_path=self.out / "metrics.jsonl",
-            plot_path=plot_path,
-            run_info_path=self.out / "run_info.json",
-            history=list(state.history),
-            global_step=state.global_step,
-            stopped_early=state.stopped_early,
-            resumed_from=self.resume_path,
-            best_score=state.best_score,
-            skipped=skipped,
-        )
+            stage=self.stage.name, best_val_loss=state.best_val_loss, best_epoch=state.best_epoch,
+            output_dir=self.out, best_model_dir=self.best_dir, last_checkpoint=self.ckpt_path,
+            metrics_path=self.out / "metrics.jsonl", plot_path=plot_path, run_info_path=self.out / "run_info.json",
+            history=list(state.history), global_step=state.global_step, stopped_early=state.stopped_early,
+            resumed_from=self.resume_path, best_score=state.best_score, skipped=skipped)
 
 
-def train_tokenizer(
-    tokenizer: nn.Module,
-    train_set: Dataset,
-    val_set: Dataset,
-    cfg: TrainingConfig,
-    output_dir: str | Path,
-    dist: DistInfo,
-    *,
-    run_config: dict[str, Any] | None = None,
-    data_info: dict[str, Any] | None = None,
-    val_metric: ValMetric | None = None,
-    data_extremes: str | None = None,
-    output_key: str = "training.output_dir",
-) -> TrainResult:
-    """Finetune the BSQ tokenizer on x (B, T, F) windows; the best epoch is saved with save_pretrained.
-
-    Args:
-        tokenizer: a KronosTokenizer (e.g. from_pretrained); moved to `dist.device` and trained in place.
-        train_set, val_set: datasets of (x, x_stamp) items (stamps are not used by the tokenizer).
-        cfg: loop settings; clip_grad_norm defaults to 2.0.
-        output_dir: this stage's output folder (see module docstring).
-        dist: from `distributed_context()`.
-        run_config: the pipeline's resolved config (stored in run_info.json and the checkpoint).
-        data_info: description of the training data (see the module docstring).
-        val_metric: optional forecast metric (model, stage) -> {"score": lower is better, ...} run after every
-            validation on every rank; picks best_model/ when training.select_by names it.
-        data_extremes: what the pipeline's data check flagged (quoted when training diverges), or None.
-        output_key: the pipeline's setting naming `output_dir` (a full disk names it as the one to change).
-    """
+def train_tokenizer(tokenizer: nn.Module, train_set: Dataset, val_set: Dataset, cfg: TrainingConfig,
+                    output_dir: str | Path, dist: DistInfo, *, run_config: dict[str, Any] | None = None,
+                    data_info: dict[str, Any] | None = None, val_metric: ValMetric | None = None,
+                    data_extremes: str | None = None, output_key: str = "training.output_dir") -> TrainResult:
+    """Finetune the BSQ tokenizer (trained in place on `dist.device`) on x (B, T, F) windows; the best epoch is saved
+    with save_pretrained. The arguments are `Trainer`'s (`output_dir` its `out`); clip_grad_norm defaults to 2.0."""
     stage = TokenizerStage(tokenizer, adapters.prepare(tokenizer, cfg, "tokenizer"))  # lora / freeze: refused
     trainer = Trainer(stage, train_set, val_set, cfg, Path(output_dir), dist, run_config, data_info,
                       val_metric=val_metric, data_extremes=data_extremes, output_key=output_key)
     return trainer.fit()
 
 
-def train_predictor(
-    predictor: nn.Module,
-    tokenizer: nn.Module,
-    train_set: Dataset,
-    val_set: Dataset,
-    cfg: TrainingConfig,
-    output_dir: str | Path,
-    dist: DistInfo,
-    *,
-    run_config: dict[str, Any] | None = None,
-    data_info: dict[str, Any] | None = None,
-    val_metric: ValMetric | None = None,
-    data_extremes: str | None = None,
-    forecast_info: dict[str, Any] | None = None,
-    output_key: str = "training.output_dir",
-) -> TrainResult:
+def train_predictor(predictor: nn.Module, tokenizer: nn.Module, train_set: Dataset, val_set: Dataset,
+                    cfg: TrainingConfig, output_dir: str | Path, dist: DistInfo, *,
+                    run_config: dict[str, Any] | None = None, data_info: dict[str, Any] | None = None,
+                    val_metric: ValMetric | None = None, data_extremes: str | None = None,
+                    forecast_info: dict[str, Any] | None = None, output_key: str = "training.output_dir"
+                    ) -> TrainResult:
     """Finetune the Kronos predictor on tokens of the frozen `tokenizer`; the best epoch is saved with
     save_pretrained plus the tokenizer's config (tokenizer_config.json). Arguments as in `train_tokenizer`;
     clip_grad_norm defaults to 3.0; `cfg.teacher_forcing` picks the s2 conditioning used in training.
@@ -1186,9 +1121,8 @@ def train_predictor(
 
 
 @torch.no_grad()
-def evaluate_predictor(
-    predictor: nn.Module, tokenizer: nn.Module, dataset: Dataset, cfg: TrainingConfig, dist: DistInfo, epoch: int = 0
-) -> dict[str, float]:
+def evaluate_predictor(predictor: nn.Module, tokenizer: nn.Module, dataset: Dataset, cfg: TrainingConfig,
+                       dist: DistInfo, epoch: int = 0) -> dict[str, float]:
     """Causal, teacher-forced predictor loss averaged over validation windows (all ranks)."""
     tokenizer.to(dist.device).eval()
     stage = PredictorStage(predictor.to(dist.device), tokenizer, True)
