@@ -234,11 +234,8 @@ def space_error(path: str | Path, needed: int, cause: BaseException | None = Non
     else:
         reason = "not enough free space"
     error = CheckpointWriteError(
-        errno.ENOSPC,
-        f"cannot write checkpoint {path}: {reason}; {free_text} free on that disk, about {_human(needed)} needed. "
-        f"Free some space or set {key} to a folder on a larger disk",
-        str(path),
-    )
+        errno.ENOSPC, f"cannot write checkpoint {path}: {reason}; {free_text} free on that disk, about "
+        f"{_human(needed)} needed. Free some space or set {key} to a folder on a larger disk", str(path))
     error.needed = needed  # so a caller that knows the pipeline's settings key can say it (with_key)
     return error
 

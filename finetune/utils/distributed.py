@@ -54,10 +54,6 @@ def seeded_init(seed: int) -> Iterator[None]:
         yield
 
 
-# Re-exported for the entry points that import it from here (new code: finetune.utils.distributed).
-
-
-
 @dataclass(frozen=True)
 class DistInfo:
     """Where this process sits in the job."""
@@ -135,22 +131,16 @@ def distributed_context(timeout_s: float = 1800.0, backend: str | None = None) -
     chosen = resolve_backend(backend if backend is not None else os.environ.get("DIST_BACKEND"), cuda)
     if cuda:
         if local_rank >= torch.cuda.device_count():
-            raise DataError(
-                f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible; "
-                "lower torchrun's --nproc_per_node"
-            )
+            raise DataError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible; "
+                            "lower torchrun's --nproc_per_node")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     with setup_deadline(min(timeout_s, INIT_TIMEOUT_S), rank, world_size):
-        tdist.init_process_group(
-            backend=chosen,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            store=attempt_store(rank, world_size, timeout_s),
-        )
+        tdist.init_process_group(backend=chosen, rank=rank, world_size=world_size,
+                                 timeout=datetime.timedelta(seconds=timeout_s),
+                                 store=attempt_store(rank, world_size, timeout_s))
         barrier()  # every rank is here at once: connects nccl too, so the deadline covers the whole setup
     try:
         yield DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=chosen)
@@ -237,17 +227,10 @@ def wrap_model(model: nn.Module, dist: DistInfo) -> nn.Module:
     # broadcast_buffers=False: the only buffers are constants (rotary frequencies, BSQ bases), and skipping the
     # per-forward broadcast lets ranks run different numbers of validation batches without a collective mismatch.
     # (newer torch names the flag forward_sync_buffers and deprecates broadcast_buffers)
-    no_buffer_sync = (
-        {"forward_sync_buffers": False}
-        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
-        else {"broadcast_buffers": False}
-    )
-    return DistributedDataParallel(
-        model,
-        device_ids=[dist.device.index] if dist.device.type == "cuda" else None,
-        gradient_as_bucket_view=True,
-        **no_buffer_sync,
-    )
+    newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    no_buffer_sync = {"forward_sync_buffers": False} if newer else {"broadcast_buffers": False}
+    return DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None,
+                                   gradient_as_bucket_view=True, **no_buffer_sync)
 
 
 def no_sync(wrapped: nn.Module) -> contextlib.AbstractContextManager:

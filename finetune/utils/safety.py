@@ -88,10 +88,8 @@ class RunLockedError(RefusedError, ValueError):
     def __init__(self, folder: Path, holder: LockHolder, key: str):
         self.folder = folder
         self.holder = holder
-        super().__init__(
-            f"{key}: another run is already writing into {folder}: {holder.describe()}.\n"
-            f"  Wait for it to finish, stop it, or set {key} to a different folder."
-        )
+        super().__init__(f"{key}: another run is already writing into {folder}: {holder.describe()}.\n"
+                         f"  Wait for it to finish, stop it, or set {key} to a different folder.")
 
 
 def read_holder(path: str | Path) -> LockHolder:
