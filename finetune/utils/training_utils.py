@@ -1088,23 +1088,17 @@ class Trainer:
 
 
 def train_tokenizer(tokenizer: nn.Module, train_set: Dataset, val_set: Dataset, cfg: TrainingConfig,
-                    output_dir: str | Path, dist: DistInfo, *, run_config: dict[str, Any] | None = None,
-                    data_info: dict[str, Any] | None = None, val_metric: ValMetric | None = None,
-                    data_extremes: str | None = None, output_key: str = "training.output_dir") -> TrainResult:
+                    output_dir: str | Path, dist: DistInfo, **options: Any) -> TrainResult:
     """Finetune the BSQ tokenizer (trained in place on `dist.device`) on x (B, T, F) windows; the best epoch is saved
-    with save_pretrained. The arguments are `Trainer`'s (`output_dir` its `out`); clip_grad_norm defaults to 2.0."""
+    with save_pretrained. The arguments are `Trainer`'s (`output_dir` its `out`; `options`: run_config, data_info,
+    val_metric, data_extremes, output_key); clip_grad_norm defaults to 2.0."""
     stage = TokenizerStage(tokenizer, adapters.prepare(tokenizer, cfg, "tokenizer"))  # lora / freeze: refused
-    trainer = Trainer(stage, train_set, val_set, cfg, Path(output_dir), dist, run_config, data_info,
-                      val_metric=val_metric, data_extremes=data_extremes, output_key=output_key)
-    return trainer.fit()
+    return Trainer(stage, train_set, val_set, cfg, Path(output_dir), dist, **options).fit()
 
 
 def train_predictor(predictor: nn.Module, tokenizer: nn.Module, train_set: Dataset, val_set: Dataset,
                     cfg: TrainingConfig, output_dir: str | Path, dist: DistInfo, *,
-                    run_config: dict[str, Any] | None = None, data_info: dict[str, Any] | None = None,
-                    val_metric: ValMetric | None = None, data_extremes: str | None = None,
-                    forecast_info: dict[str, Any] | None = None, output_key: str = "training.output_dir"
-                    ) -> TrainResult:
+                    forecast_info: dict[str, Any] | None = None, **options: Any) -> TrainResult:
     """Finetune the Kronos predictor on tokens of the frozen `tokenizer`; the best epoch is saved with
     save_pretrained plus the tokenizer's config (tokenizer_config.json). Arguments as in `train_tokenizer`;
     clip_grad_norm defaults to 3.0; `cfg.teacher_forcing` picks the s2 conditioning used in training.
@@ -1114,8 +1108,7 @@ def train_predictor(predictor: nn.Module, tokenizer: nn.Module, train_set: Datas
     adapter = adapters.prepare(predictor, cfg, "predictor")  # training.finetune_mode: what trains
     stage = PredictorStage(predictor, tokenizer, cfg.teacher_forcing, forecast_info, adapter)
     try:
-        return Trainer(stage, train_set, val_set, cfg, Path(output_dir), dist, run_config, data_info,
-                       val_metric=val_metric, data_extremes=data_extremes, output_key=output_key).fit()
+        return Trainer(stage, train_set, val_set, cfg, Path(output_dir), dist, **options).fit()
     finally:
         adapter.unload()  # the caller's predictor is a plain Kronos again (lora merged in place)
 
