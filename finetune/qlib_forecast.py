@@ -22,10 +22,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-from finetune.qlib_io import CLOSE, time_major
+from finetune.qlib_io import time_major
 from finetune.utils.store import SeriesPanel
 from finetune.utils.windows import wallclock_stamps
 from model.errors import ConfigError
+from model.features import CLOSE
 
 log = logging.getLogger("finetune.qlib")
 

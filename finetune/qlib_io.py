@@ -25,11 +25,9 @@ from finetune.utils.config_utils import Problems
 from finetune.utils.store import SeriesPanel
 from finetune.utils.windows import wallclock_stamps
 from model.errors import DataError
-from model.features import FEATURES
 
 # Qlib expressions read for open, high, low, close, volume (+ $vwap when data.amount_source is vwap).
 QLIB_FIELDS = ["$open", "$high", "$low", "$close", "$volume", "$vwap"]
-CLOSE = FEATURES.index("close")  # row of close in a panel's features (F, N)
 
 
 # ----------------------------------------------------------------------------------------------------------------

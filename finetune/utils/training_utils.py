@@ -61,13 +61,7 @@ from finetune.utils.checkpoint import (
     rng_state,
     set_rng_state,
 )
-from finetune.utils.config_utils import (
-    Problems,
-    TrainingConfig,
-    config_to_dict,
-    plain,
-    validate_training_config,
-)
+from finetune.utils.config_utils import Problems, TrainingConfig, config_to_dict, plain, validate_training_config
 from finetune.utils.distributed import (
     DistInfo,
     all_gather_object,
