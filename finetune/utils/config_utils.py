@@ -672,11 +672,10 @@ def stage_key(run_config: Mapping[str, Any] | None, stage: str, name: str) -> st
     return f"{stage}_training.{name}" if section.get(name) is not None else f"training.{name}"
 
 
-def shadowed_overrides(cfg: Any, overrides: Iterable[str]) -> list[str]:
-    """One message, naming both keys, per `--set training.X=...` in `overrides` (raw `KEY=VALUE` strings) that a
-    stage section of the pipeline config `cfg` shadows (sets X)."""
+def warn_shadowed_overrides(cfg: Any, overrides: Iterable[str]) -> None:
+    """Log one warning, naming both keys, per `--set training.X=...` in `overrides` (raw `KEY=VALUE` strings) that
+    a stage section of the pipeline config `cfg` shadows (sets X)."""
     stage_fields = {f.name for f in dataclasses.fields(StageConfig)}
-    out = []
     for item in overrides or ():
         key = item.partition("=")[0].strip()
         section, _, name = key.partition(".")
@@ -685,15 +684,8 @@ def shadowed_overrides(cfg: Any, overrides: Iterable[str]) -> list[str]:
         for stage in STAGES:
             value = getattr(getattr(cfg, f"{stage}_training"), name)
             if value is not None:
-                out.append(f"--set {key} does not change the {stage} stage: {stage}_training.{name} = {value} "
-                           f"shadows it; set {stage}_training.{name} instead (or set it to null to inherit)")
-    return out
-
-
-def warn_shadowed_overrides(cfg: Any, overrides: Iterable[str]) -> None:
-    """Log a warning for each override `shadowed_overrides` finds."""
-    for message in shadowed_overrides(cfg, overrides):
-        log.warning("%s", message)
+                log.warning("--set %s does not change the %s stage: %s_training.%s = %s shadows it; set %s_training.%s "
+                            "instead (or set it to null to inherit)", key, stage, stage, name, value, stage, name)
 
 
 @dataclass
