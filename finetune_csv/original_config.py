@@ -35,15 +35,13 @@ _MISSING = object()
 class Rule:
     """How one original key carries over."""
 
-    new: str | None
-    """This project's dotted key that receives the value; None = not carried over (see `same_as_ours` / note)."""
-    note: str = ""
-    """Shown in the log line: why the key is not needed, or how to get its effect here."""
+    new: str | None  # This project's dotted key receiving the value; None = not carried over (see same_as_ours / note).
+    note: str = ""  # Shown in the log line: why the key is not needed, or how to get its effect here.
+    # (value, whole original config) -> [(new key, new value), ...] for keys that do not map one to one.
     convert: Callable[[Any, Mapping[str, Any]], Outcome] | None = None
-    """(value, whole original config) -> [(new key, new value), ...] for keys that do not map one to one."""
+    # For keys with no counterpart: True when the value asks for what this pipeline does anyway (dropped quietly);
+    # any other value is reported as unsupported. None with `new` None: always dropped with the note.
     same_as_ours: Callable[[Any], bool] | None = None
-    """For keys with no counterpart: True when the value asks for what this pipeline does anyway (dropped
-    quietly); any other value is reported as unsupported. None with `new` None: always dropped with the note."""
 
 
 def _betas(value: Any, raw: Mapping[str, Any]) -> Outcome:

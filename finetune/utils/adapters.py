@@ -273,8 +273,8 @@ class LoraAdapter(PartialAdapter):
         self.peft_model.merge_and_unload()  # in place: the caller's predictor is a plain Kronos again
 
 
+# training.finetune_mode -> its class
 MODES: dict[str, type[Adapter]] = {mode.name: mode for mode in (Adapter, LoraAdapter, FreezeAdapter)}
-"""training.finetune_mode -> its class."""
 
 
 def _blocks(model: Any) -> int:

@@ -366,10 +366,8 @@ def _show(value: Any) -> str:
     return f"{_SHORT.repr(value)} ({type(value).__name__})"
 
 
-MAX_CONFIG_BYTES = 1 << 20
-"""A settings file larger than this (1 MiB) is refused before parsing: configs are a few KiB."""
-MAX_YAML_ALIASES = 100
-"""YAML aliases (`*name`) allowed in one file; a "billion laughs" file nests thousands to exhaust memory."""
+MAX_CONFIG_BYTES = 1 << 20  # a larger settings file (1 MiB) is refused before parsing: configs are a few KiB
+MAX_YAML_ALIASES = 100  # aliases (`*name`) allowed in one file; a "billion laughs" file nests thousands of them
 
 
 class _BoundedLoader(yaml.SafeLoader):

@@ -358,8 +358,7 @@ FORWARD_GRACE_S = 0.3
 """A second signal this soon after the first counts as the same request forwarded by a launcher, not a user's
 second Ctrl-C."""
 
-STOPPED_EXIT_CODE = EXIT_STOPPED
-"""Exit status of a run that stopped on a signal after saving (EX_TEMPFAIL: resume it later)."""
+STOPPED_EXIT_CODE = EXIT_STOPPED  # a run that stopped on a signal after saving (EX_TEMPFAIL: resume it later)
 
 
 class TrainingStopped(UserError):
@@ -390,8 +389,7 @@ class GracefulStop:
     no-op (e.g. for library use inside another program's loop). Entered while another one is active, it gives back
     that one: a run's stages share the run's stop request, which outlives each stage's loop."""
 
-    active: GracefulStop | None = None
-    """The outermost entered instance (the one whose handlers are installed), None outside any."""
+    active: GracefulStop | None = None  # the outermost entered instance (its handlers are installed), None outside any
 
     def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT), *, enabled: bool = True):
         self.signals = tuple(signals)
@@ -460,12 +458,9 @@ def ignore_interrupts_in_worker(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-EARLY_STEPS = 3
-"""A non-finite loss within this many finite steps of the start points at the data, not the optimisation."""
-LOSS_GROWTH = 2.0
-"""The loss counts as having grown when its last value is this many times the window's early median."""
-GRAD_EXPLOSION = 10.0
-"""The gradient norm counts as exploding when its last value is this many times the window's median."""
+EARLY_STEPS = 3  # a non-finite loss within this many finite steps of the start points at the data, not the optimisation
+LOSS_GROWTH = 2.0  # the loss counts as having grown when its last value is this many times the window's early median
+GRAD_EXPLOSION = 10.0  # the gradient norm counts as exploding when its last is this many times the window's median
 
 
 class StepStats(NamedTuple):

@@ -286,17 +286,14 @@ def predictor_loss(model: nn.Module, tokenizer: nn.Module, x: torch.Tensor, x_st
 class Stage:
     """One training stage: the model it trains and what is specific to it."""
 
-    name: str
-    """'tokenizer' or 'predictor' (messages, checkpoint's "stage" key)."""
-    default_clip: float
-    """Gradient-norm clip used when training.clip_grad_norm is null."""
+    name: str  # 'tokenizer' or 'predictor' (messages, checkpoint's "stage" key).
+    default_clip: float  # Gradient-norm clip used when training.clip_grad_norm is null.
+    # Names of the detached loss parts `loss()` returns beside the loss, in this order (logged as-is, and as
+    # val_<name> after validation).
     part_names: tuple[str, ...]
-    """Names of the detached loss parts `loss()` returns beside the loss, in this order (logged as-is, and as
-    val_<name> after validation)."""
-    model: nn.Module
-    """The module whose parameters are trained (unwrapped)."""
+    model: nn.Module  # The module whose parameters are trained (unwrapped).
+    # What trains of `model` (training.finetune_mode): the checkpoint's model state, best_model/, counts.
     adapter: adapters.Adapter
-    """What trains of `model` (training.finetune_mode): the checkpoint's model state, best_model/, counts."""
 
     def loss(self, wrapped: nn.Module, x: torch.Tensor, stamp: torch.Tensor, training: bool
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -465,8 +462,8 @@ def rng_fork() -> Iterator[None]:
 
 log = logging.getLogger(__name__)
 
+# (model, stage) -> {"score": lower is better, other named values...}; called on every rank after validation.
 ValMetric = Callable[[nn.Module, Stage], dict[str, float]]
-"""(model, stage) -> {"score": lower is better, other named values...}; called on every rank after validation."""
 
 
 def _worker_init(worker_id: int) -> None:
