@@ -84,13 +84,12 @@ def rng_state() -> dict:
     """RNG states of python, numpy, torch CPU and (if present) CUDA, as plain lists/tensors."""
     py = random.getstate()
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    state = {
+    return {
         "python": [py[0], list(py[1]), py[2]],
         "numpy": [np_name, torch.from_numpy(np_keys.astype(np.int64)), int(np_pos), int(np_has_gauss), float(np_gauss)],
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
-    return state
 
 
 def set_rng_state(state: dict) -> None:
@@ -150,11 +149,6 @@ class CheckpointWriteError(UserError, OSError):
     def with_key(self, key: str) -> CheckpointWriteError:
         """The same error naming `key` (the pipeline's output-folder setting) as the setting to change."""
         return space_error(self.filename, getattr(self, "needed", 0), self.__cause__, key)
-
-
-def step_path(folder: str | Path, step: int) -> Path:
-    """`<folder>/step-00000123.pt` (8 digits, more when the step needs them, so names sort by step)."""
-    return Path(folder) / f"step-{int(step):08d}.pt"
 
 
 def list_checkpoints(folder: str | Path) -> list[tuple[int, Path]]:
@@ -253,10 +247,6 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _tmp_name(folder: Path, name: str) -> Path:
-    return folder / f".{name}.{secrets.token_hex(4)}.tmp"
-
-
 def _save_to(state: Any, tmp: str) -> None:
     # Through an open file object: torch then reports a failed write (EFBIG, ENOSPC) with the OSError attached.
     with open(tmp, "wb") as f:
@@ -277,7 +267,7 @@ def _write_file(state: Any, path: Path, needed: int) -> None:
 def _point_last(path: Path, needed: int) -> Path:
     """Make `last.pt` the newest checkpoint: a hard link to `path` (atomic via a temporary link), else a copy."""
     last = path.parent / LAST_NAME
-    tmp = _tmp_name(path.parent, LAST_NAME)
+    tmp = path.parent / f".{LAST_NAME}.{secrets.token_hex(4)}.tmp"
     try:
         try:
             os.link(path, tmp)
@@ -312,7 +302,7 @@ def save(state: Any, folder: str | Path, step: int, *, keep: int = 2, check_fini
         return None
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    path = step_path(folder, step)
+    path = folder / f"step-{int(step):08d}.pt"  # 8 digits, more when the step needs them: names sort by step
     if check_finite:
         assert_finite_state_dict(state, str(path))
     needed = estimate_bytes(state)
@@ -566,13 +556,12 @@ def check_resume_compatible(saved: Checkpoint, cfg: TrainingConfig, world_size: 
     return changed
 
 
-def _canonical(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, default=str, separators=(",", ":"))
-
-
 def data_fingerprint(data_info: dict[str, Any] | None) -> str | None:
     """sha256 of `data_info` as canonical JSON (None without data_info)."""
-    return None if data_info is None else hashlib.sha256(_canonical(data_info).encode()).hexdigest()
+    if data_info is None:
+        return None
+    canonical = json.dumps(data_info, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
