@@ -118,9 +118,8 @@ def check_token_sizes(tokenizer: Any, predictor: Any, keys: str) -> None:
     """The predictor's vocabularies must match the tokenizer's sub-token bits (else ids index out of range);
     `keys` names the settings that chose the pair."""
     if (tokenizer.s1_bits, tokenizer.s2_bits) != (predictor.s1_bits, predictor.s2_bits):
-        raise DataError(
-            f"{keys}: the tokenizer has s1/s2 bits {tokenizer.s1_bits}/{tokenizer.s2_bits} but the predictor "
-            f"expects {predictor.s1_bits}/{predictor.s2_bits}; use a matching pair")
+        raise DataError(f"{keys}: the tokenizer has s1/s2 bits {tokenizer.s1_bits}/{tokenizer.s2_bits} but the "
+                        f"predictor expects {predictor.s1_bits}/{predictor.s2_bits}; use a matching pair")
 
 
 _STEP_RE = re.compile(r"^step-(\d{8,})\.pt$")

@@ -131,8 +131,7 @@ class RunLock:
         self._fd: int | None = None
         self._mode: str | None = None  # "flock" or "exclusive"
         self._created_folder = False
-        self.took_over: LockHolder | None = None
-        """The previous holder when a stale lock was taken over, else None."""
+        self.took_over: LockHolder | None = None  # the previous holder when a stale lock was taken over
 
     @property
     def held(self) -> bool:
@@ -203,12 +202,8 @@ class RunLock:
         raise RunLockedError(self.folder, read_holder(self.path), self.key)
 
     def _write_holder(self, fd: int) -> None:
-        info = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "argv": " ".join(sys.argv),
-        }
+        started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": started, "argv": " ".join(sys.argv)}
         data = (json.dumps(info) + "\n").encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)

@@ -481,16 +481,14 @@ def quiet_loader(loader):
 
 def train_sampler(dataset: Dataset, cfg: TrainingConfig, dist: DistInfo) -> EpochSampler:
     """Shuffled per (seed, epoch), capped at max_train_samples, equal share per rank (the remainder dropped)."""
-    return EpochSampler(
-        len(dataset), shuffle=True, seed=cfg.seed, max_samples=cfg.max_train_samples,
-        rank=dist.rank, world_size=dist.world_size, drop_remainder=True)
+    return EpochSampler(len(dataset), shuffle=True, seed=cfg.seed, max_samples=cfg.max_train_samples,
+                        rank=dist.rank, world_size=dist.world_size, drop_remainder=True)
 
 
 def val_sampler(dataset: Dataset, cfg: TrainingConfig, dist: DistInfo) -> EpochSampler:
     """Ordered, nothing dropped or duplicated (an exact loss); a capped run draws a seeded subset per epoch."""
-    return EpochSampler(
-        len(dataset), shuffle=False, seed=cfg.seed + 1, max_samples=cfg.max_val_samples,
-        rank=dist.rank, world_size=dist.world_size, drop_remainder=False)
+    return EpochSampler(len(dataset), shuffle=False, seed=cfg.seed + 1, max_samples=cfg.max_val_samples,
+                        rank=dist.rank, world_size=dist.world_size, drop_remainder=False)
 
 
 # Dense peak FLOP/s (no sparsity) of one GPU by the precision its matmuls run in (bf16, tf32, fp32), from NVIDIA's
@@ -623,10 +621,8 @@ class Trainer:
         self.val_sampler = val_sampler(val_set, cfg, dist)
         samples_per_rank = self.train_sampler.samples_per_rank()
         if samples_per_rank < 1:
-            raise DataError(
-                f"{stage.name}: {len(train_set)} training windows cannot be split over {dist.world_size} "
-                "processes; add data or use fewer processes"
-            )
+            raise DataError(f"{stage.name}: {len(train_set)} training windows cannot be split over "
+                            f"{dist.world_size} processes; add data or use fewer processes")
         self.batch_sizes = micro_batch_sizes(samples_per_rank, cfg.batch_size)  # this rank's micro-batches per epoch
         self.steps_per_epoch = optimizer_steps_per_epoch(samples_per_rank, cfg.batch_size, cfg.accumulation_steps)
 
@@ -634,9 +630,8 @@ class Trainer:
         self.model.to(self.device)
         self.clip = stage.default_clip if cfg.clip_grad_norm is None else cfg.clip_grad_norm
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-            fused=self.device.type == "cuda")
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas),
+                                           weight_decay=cfg.weight_decay, fused=self.device.type == "cuda")
         self.optimizer.zero_grad(set_to_none=True)  # a model reused after a failed run may hold (NaN) gradients
         # cycle_momentum=False: OneCycleLR would otherwise overwrite AdamW's beta1 (0.85..0.95), ignoring cfg.betas.
         total = self.steps_per_epoch * cfg.epochs
@@ -932,10 +927,8 @@ class Trainer:
         if self.grad_norm is not None:
             record["grad_norm"] = float(self.grad_norm)
         if not math.isfinite(record["loss"]):
-            raise DivergenceError(
-                f"{self.stage.name}: training loss is {record['loss']} at step {self.state.global_step}; "
-                "lower training.lr or set training.amp=none"
-            )
+            raise DivergenceError(f"{self.stage.name}: training loss is {record['loss']} at step "
+                                  f"{self.state.global_step}; lower training.lr or set training.amp=none")
         self.logger.log({"kind": "train", **record})
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
         self.reset_window()
