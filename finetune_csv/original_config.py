@@ -68,8 +68,7 @@ def _from_scratch(kind: str) -> Callable[[Any, Mapping[str, Any]], Outcome]:
     """experiment.pre_trained[_<kind>]: false = a randomly initialised model with the pretrained one's architecture.
 
     `kind` 'tokenizer' / 'predictor' handles `pre_trained_<kind>`; 'both' handles the shared `pre_trained`, which
-    the original lets `pre_trained_<kind>` override.
-    """
+    the original lets `pre_trained_<kind>` override."""
 
     def one(which: str, value: Any, raw: Mapping[str, Any]) -> Outcome:
         if value is not False:
@@ -260,8 +259,7 @@ def translate_original(raw: dict[str, Any], overrides: list[str], config_path: s
     """(settings in this project's format, overrides still to apply, was it an original-format file).
 
     An original-format mapping is translated (rank 0 logs each mapped key); original keys mixed into this
-    project's format (in the file or in `--set`) are a ConfigError naming each key's new name.
-    """
+    project's format (in the file or in `--set`) are a ConfigError naming each key's new name."""
     old_overrides, new_overrides = _split_overrides(overrides)
     if not is_original_config(raw):
         keys = _leaves(raw) + [o.partition("=")[0].strip() for o in old_overrides]

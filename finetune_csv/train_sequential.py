@@ -74,8 +74,7 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
 
     frames: {name: DataFrame} (finetune_csv/api.py), read instead of the files of data.path.
     splits: explicit {"train", "val"} index ranges of the store's panel (a walk-forward fold) instead of the ratios.
-    Returns (results of the stages that trained, {stage: None | why skipped}, the data summary of run_info.json).
-    """
+    Returns (results of the stages that trained, {stage: None | why skipped}, the data summary of run_info.json)."""
     pipe = CsvPipeline(cfg, frames, splits)
     skip = {"tokenizer": "--skip-tokenizer"} if skip_tokenizer else {}
     if skip_predictor:

@@ -417,8 +417,7 @@ def remove_orphans(folder: str | Path, log: Callable[[str], None] | None = None)
     published-model files (config.json, model.safetensors, tokenizer_config.json). Nothing else is touched.
     A `.<name>.<8 chars>.old/x` model folder of a swap killed half-way is moved back to `<name>` when that is
     missing (model.fileio.atomic_dir without renameat2), else removed.
-    Only call it while holding the folder's run lock.
-    """
+    Only call it while holding the folder's run lock."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
@@ -590,8 +589,7 @@ def check_data(saved: dict, data_info: dict[str, Any] | None, frozen_fp: str | N
     """Compare the checkpoint's data fingerprint and frozen-model hash with this run's.
 
     Returns the changes found (empty when none, or when the checkpoint predates fingerprints); raises a
-    ConfigError naming them unless `accept` (training.accept_changed_data).
-    """
+    ConfigError naming them unless `accept` (training.accept_changed_data)."""
     changes = []
     old_fp = saved.get("data_fingerprint")
     if old_fp is not None and old_fp != data_fingerprint(data_info):

@@ -45,8 +45,7 @@ class Problems:
 
         problems = Problems()
         problems.check(cfg.training.epochs > 0, "training.epochs", f"must be > 0, got {cfg.training.epochs}")
-        problems.raise_if_any()
-    """
+        problems.raise_if_any()"""
 
     def __init__(self, title: str = "Invalid configuration"):
         self.title = title
@@ -714,8 +713,7 @@ def tracker_problems(*, tensorboard: bool = False, mlflow: bool = False, comet: 
                      prefix: str = "training") -> list[tuple[str, str]]:
     """(yaml key, message) for every enabled tracker whose package is missing; [] when all can be used.
 
-    Lets config validation report a missing package before any data is loaded or model built.
-    """
+    Lets config validation report a missing package before any data is loaded or model built."""
     out = []
     for name, enabled, package in (("tensorboard", tensorboard, "tensorboard"), ("mlflow", mlflow, "mlflow"),
                                    ("comet", comet, "comet_ml")):  # package = the module to import

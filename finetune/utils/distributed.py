@@ -85,8 +85,7 @@ def require_torchrun(*launches: str, args: str = "--config <your.yaml>") -> None
     """Raise a UserError showing the torchrun command(s) unless this process was started by torchrun.
 
     `launches`: what follows torchrun's options, e.g. `finetune/train_tokenizer.py` or `--no-python kronos
-    qlib-train-tokenizer` (default: this script); `args`: the command's arguments shown after it.
-    """
+    qlib-train-tokenizer` (default: this script); `args`: the command's arguments shown after it."""
     if launched_by_torchrun():
         return
     launches = launches or (sys.argv[0] if sys.argv and sys.argv[0] else "<script.py>",)
@@ -99,8 +98,7 @@ def require_torchrun(*launches: str, args: str = "--config <your.yaml>") -> None
 def resolve_backend(requested: str | None, cuda_available: bool) -> str:
     """The process-group backend: `requested` (from DIST_BACKEND) or nccl with CUDA / gloo without.
 
-    Raises DataError when nccl is asked for on a machine without CUDA (nccl only runs on GPUs).
-    """
+    Raises DataError when nccl is asked for on a machine without CUDA (nccl only runs on GPUs)."""
     backend = (requested or "").strip().lower() or ("nccl" if cuda_available else "gloo")
     if backend not in ("nccl", "gloo", "mpi", "ucc"):
         raise DataError(f"DIST_BACKEND={requested!r} is not a torch.distributed backend; use nccl or gloo")
@@ -117,8 +115,7 @@ def distributed_context(timeout_s: float = 1800.0, backend: str | None = None) -
     Args:
         timeout_s: how long a collective may wait for the other ranks before the job fails instead of hanging.
         backend: overrides DIST_BACKEND (None: read the environment).
-    Yields a `DistInfo`. The process group is destroyed here, and only here, whether the body succeeds or raises.
-    """
+    Yields a `DistInfo`. The process group is destroyed here, and only here, whether the body succeeds or raises."""
     cuda = torch.cuda.is_available()
     if not launched_by_torchrun():
         device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -160,8 +157,7 @@ def attempt_store(rank: int, world_size: int, timeout_s: float) -> tdist.Store |
     torchrun's workers use the agent's rendezvous TCP store, which outlives a restart and still holds the previous
     attempt's keys (e.g. gloo's peer addresses): a restarted rank read the dead rank's old port (Connection refused)
     or hung. `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` in torchrun's environment avoids it; this prefix does it for a
-    plain `torchrun --max-restarts=N`. None (torch's default env:// store) when not under an elastic agent store.
-    """
+    plain `torchrun --max-restarts=N`. None (torch's default env:// store) when not under an elastic agent store."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     store, _, _ = next(tdist.rendezvous("env://", rank, world_size, timeout=datetime.timedelta(seconds=timeout_s)))
@@ -220,8 +216,7 @@ def all_gather_object(obj: Any) -> list[Any]:
 def wrap_model(model: nn.Module, dist: DistInfo) -> nn.Module:
     """DDP around `model` when there are several processes; the model itself otherwise (same call syntax).
 
-    Wrapping broadcasts rank 0's parameters to the other ranks, so every rank starts from the same weights.
-    """
+    Wrapping broadcasts rank 0's parameters to the other ranks, so every rank starts from the same weights."""
     if not dist.distributed:
         return model
     # broadcast_buffers=False: the only buffers are constants (rotary frequencies, BSQ bases), and skipping the

@@ -98,8 +98,7 @@ class MLflowTracker(Tracker):
     """One MLflow run per stage: flattened config as params, every record's numbers as metrics, final artefacts.
 
     Uses `MlflowClient` with an explicit run id rather than MLflow's process-global active run, so the two stages
-    of one process (and tests) never log into each other's run.
-    """
+    of one process (and tests) never log into each other's run."""
 
     def __init__(self, folder: Path, tracking_uri: str | None, experiment: str, run_name: str | None,
                  resume: bool):
@@ -274,8 +273,7 @@ class MetricsLogger:
     resume_step: when resuming from the checkpoint of this optimizer step, drop records of later steps (they were
         logged by the interrupted run and are about to be redone) instead of duplicating them; the stage's MLflow
         run is continued.
-    A missing tracker package is a `TrackerUnavailable` before anything is written.
-    """
+    A missing tracker package is a `TrackerUnavailable` before anything is written."""
 
     def __init__(self, folder: str | Path, *, enabled: bool = True, resume_step: int | None = None, **tracking: Any):
         self.enabled = enabled

@@ -486,8 +486,7 @@ def check_step(loss: torch.Tensor | float, grad_norm: torch.Tensor | float | Non
     optimizer step carries both flags (no collective in a single process).
 
     `loss`: a 0-d tensor or float; `grad_norm`: what `clip_grad_norm_` returned, or None; `stop`: this rank's
-    `GracefulStop.requested`; `dist`: the run's `DistInfo` (its device holds the flags; nccl needs the GPU).
-    """
+    `GracefulStop.requested`; `dist`: the run's `DistInfo` (its device holds the flags; nccl needs the GPU)."""
     import torch.distributed as tdist
 
     bad = _all_finite_flag([loss, grad_norm])

@@ -249,8 +249,7 @@ def tokenizer_loss(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dic
     """Tokenizer objective on x (B, T, F): ((mse(z_pre, x) + mse(z, x)) + bsq_loss) / 2.
 
     `model` is the tokenizer or its DDP wrapper (the forward must go through the wrapper for gradient sync).
-    Returns (loss, parts) with parts {"recon_pre", "recon", "bsq"} (detached scalars).
-    """
+    Returns (loss, parts) with parts {"recon_pre", "recon", "bsq"} (detached scalars)."""
     (z_pre, z), bsq_loss, _, _ = model(x)  # z_pre, z (B, T, F): decodes of the s1 bits and of the full code
     recon_pre = F.mse_loss(z_pre.float(), x)
     recon = F.mse_loss(z.float(), x)
@@ -267,8 +266,7 @@ def predictor_loss(model: nn.Module, tokenizer: nn.Module, x: torch.Tensor, x_st
     ones inference would produce); the predictor reads tokens[:, :-1] with stamps[:, :-1] and is scored on
     tokens[:, 1:]. `model` is Kronos or its DDP wrapper; `head` defaults to the unwrapped model's head.
     `causal_dep=True` keeps the dependency layer causal in eval mode (needed for an honest validation loss).
-    Returns (loss, {"s1_loss", "s2_loss"}).
-    """
+    Returns (loss, {"s1_loss", "s2_loss"})."""
     with torch.no_grad(), torch.autocast(device_type=x.device.type, enabled=False):
         s1, s2 = tokenizer.encode(x, half=True)  # (B, T) int64 each
     s1_in, s2_in, stamp_in = s1[:, :-1], s2[:, :-1], x_stamp[:, :-1]  # (B, T-1)
@@ -300,8 +298,7 @@ class Stage:
         """Loss on one batch: x (B, T, F) float32, stamp (B, T, 5) int64 -> (scalar loss, {part: scalar}).
 
         `wrapped` is `model` or its DDP wrapper (the forward must go through the wrapper for gradient sync);
-        `training=False` gives the validation loss.
-        """
+        `training=False` gives the validation loss."""
         raise NotImplementedError
 
     def save_best(self, folder: Path) -> None:
@@ -408,8 +405,7 @@ def load_for_resume(plan: RunPlan, dist: DistInfo, log: Callable[[str], None]) -
     """The checkpoint `plan` resumes (or reads back, when skipping): an explicit file, else the newest usable one
     in `plan.checkpoint_dir` (a corrupt newest is reported by path and the previous one used). None: nothing.
 
-    Rank 0 deserialises the file once while choosing it and keeps that copy; the other ranks load the chosen path.
-    """
+    Rank 0 deserialises the file once while choosing it and keeps that copy; the other ranks load the chosen path."""
     found: tuple[Path, Checkpoint] | None = None
 
     def pick() -> str | None:
@@ -432,8 +428,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, scheduler: Any, saved: d
     `optimizer.load_state_dict` would bring back the old lr/betas/weight_decay and OneCycle bounds; instead the
     freshly built groups' settings are kept and the freshly built schedule (this run's lr, pct_start, div factors)
     is moved to the checkpoint's step. With unchanged settings this gives the exact same lr as loading the
-    scheduler's state (the same closed-form OneCycle formula at the same step).
-    """
+    scheduler's state (the same closed-form OneCycle formula at the same step)."""
     keep = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     optimizer.load_state_dict(saved["optimizer"])
     for group, settings in zip(optimizer.param_groups, keep):
@@ -556,8 +551,7 @@ def evaluate(stage: Stage, wrapped: nn.Module, dataset: Dataset, sampler: EpochS
     """Validation loss of `stage` over every window `sampler` deals (all ranks), in eval mode.
 
     Returns {"val_loss", "val_<part>" for each of stage.part_names, "val_windows"}: window-weighted means over all
-    ranks (sums and counts all-reduced, not batch means). A rank with no window still joins the all-reduce.
-    """
+    ranks (sums and counts all-reduced, not batch means). A rank with no window still joins the all-reduce."""
     was_training = stage.model.training
     stage.model.eval()
     loader = quiet_loader(make_loader(dataset, sampler, cfg.batch_size, epoch=epoch, seed=cfg.seed + 1,
@@ -590,8 +584,7 @@ class Trainer:
     val_metric: optional forecast metric (model, stage) -> {"score", ...}, run after each validation; with
         training.select_by = its name, its "score" (lower is better) picks best_model/ instead of val_loss.
     data_extremes: what the data check flagged (for the divergence diagnosis), or None.
-    output_key: the pipeline's setting that names `out` (e.g. `paths.base_dir`), quoted when the disk is full.
-    """
+    output_key: the pipeline's setting that names `out` (e.g. `paths.base_dir`), quoted when the disk is full."""
 
     def __init__(self, stage: Stage, train_set: Dataset, val_set: Dataset, cfg: TrainingConfig, out: Path,
                  dist: DistInfo, run_config: dict[str, Any] | None = None, data_info: dict[str, Any] | None = None,
@@ -675,8 +668,7 @@ class Trainer:
 
         Raises TrainingStopped after saving on SIGTERM/SIGINT, DivergenceError on a non-finite step (nothing of it
         applied, the last checkpoint kept), RunLockedError / StageFolderError / ConfigError on every rank when the
-        folder or settings refuse the run.
-        """
+        folder or settings refuse the run."""
         with GracefulStop() as self.stopper, tf32_matmuls(self.precision.tf32):
             try:
                 self.take_folder()
@@ -1006,8 +998,7 @@ class Trainer:
         """Write checkpoints/last.pt (rank 0; every rank's RNG state included), then wait for all ranks.
 
         `mid_epoch`: also store the epoch's running training loss (all ranks' sums) so a resumed epoch reports the
-        same mean as an uninterrupted one.
-        """
+        same mean as an uninterrupted one."""
         if mid_epoch:
             totals = self.epoch_sums.reduce()
             self.state.epoch_loss_sum, self.state.epoch_windows = totals.sums["loss"], totals.windows
