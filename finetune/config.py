@@ -139,8 +139,7 @@ class BacktestConfig:
     Defaults are the ORIGINAL KRONOS example's, kept so results stay comparable with it; Qlib's benchmark workflows
     (e.g. LightGBM on Alpha158, CSI300) differ where noted per field: deal_price close, open_cost 0.0005,
     hold_thresh 1. Same as Qlib's: topk 50, n_drop 5, close_cost 0.0015, min_cost 5, limit_threshold 0.095,
-    benchmark SH000300 for csi300. Qlib's workflows start with 1e8 of cash, as here. See docs/qlib_evaluation.md.
-    """
+    benchmark SH000300 for csi300. Qlib's workflows start with 1e8 of cash, as here. See docs/qlib_evaluation.md."""
 
     benchmark: str = ""
     """Benchmark instrument; empty = the universe's index (csi300 -> SH000300, csi800 -> SH000906, ...)."""

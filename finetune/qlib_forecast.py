@@ -22,9 +22,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-from finetune.qlib_io import CLOSE, range_bounds, stamps_from_ns, time_major
+from finetune.qlib_io import range_bounds, time_major
 from finetune.utils.store import SeriesPanel
+from finetune.utils.windows import wallclock_stamps
 from model.errors import ConfigError
+from model.features import CLOSE
 
 log = logging.getLogger("finetune.qlib")
 
@@ -114,7 +116,7 @@ def forecast_frame(split: SeriesPanel, ends: np.ndarray, calendar_ns: np.ndarray
     for lo in range(0, len(ends), max(1, batch)):
         hi = min(lo + max(1, batch), len(ends))
         rows = context_rows(ends[lo:hi], lookback)  # (B, L)
-        y_stamp = stamps_from_ns(future[lo:hi].ravel()).reshape(hi - lo, predict, 5)  # (B, P, 5)
+        y_stamp = wallclock_stamps(future[lo:hi].ravel()).reshape(hi - lo, predict, 5)  # (B, P, 5)
         closes[lo:hi] = forecaster(time_major(split, rows).astype(np.float64), np.asarray(split.stamps)[rows], y_stamp)
     last_close = np.asarray(split.features[CLOSE])[ends].astype(np.float64)
     series = np.searchsorted(np.asarray(split.offsets), ends, side="right") - 1

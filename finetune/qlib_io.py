@@ -22,13 +22,12 @@ import pandas as pd
 
 from finetune.config import QlibConfig, parse_range
 from finetune.utils.config_utils import Problems
-from finetune.utils.store import N_STAMP_COLUMNS, SeriesPanel
+from finetune.utils.store import SeriesPanel
+from finetune.utils.windows import wallclock_stamps
 from model.errors import DataError
-from model.features import FEATURES, calc_time_stamps
 
 # Qlib expressions read for open, high, low, close, volume (+ $vwap when data.amount_source is vwap).
 QLIB_FIELDS = ["$open", "$high", "$low", "$close", "$volume", "$vwap"]
-CLOSE = FEATURES.index("close")  # row of close in a panel's features (F, N)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -107,15 +106,6 @@ def datetimes_ns(values: Any) -> np.ndarray:
     return np.asarray(pd.DatetimeIndex(values).as_unit("ns").asi8, dtype=np.int64)
 
 
-def stamps_from_ns(when: np.ndarray) -> np.ndarray:
-    """int64 ns datetimes (N,) -> int64 (N, 5): minute, hour, weekday, day, month (the model's time features)."""
-    if len(when) == 0:
-        return np.zeros((0, N_STAMP_COLUMNS), dtype=np.int64)
-    unique, inverse = np.unique(when, return_inverse=True)  # stamps once per distinct bar time, then gathered
-    stamps = calc_time_stamps(pd.DatetimeIndex(unique.astype("datetime64[ns]"))).to_numpy(np.int64)
-    return np.ascontiguousarray(stamps[inverse.ravel()], dtype=np.int64)
-
-
 def range_bounds(time_range: list[str]) -> tuple[pd.Timestamp, pd.Timestamp]:
     """[start, end] dates -> (start 00:00, last nanosecond of end): the end date is inclusive, also for
     intraday bars."""
@@ -158,8 +148,7 @@ def frame_to_panel(frame: pd.DataFrame, amount_source: str, min_bars: int, calen
     instrument). With `calendar` and `max_gap_days`, an instrument is cut into separate series wherever more than
     `max_gap_days` trading days of the calendar are missing between two of its bars (a window never joins bars
     across such a gap). Series with fewer than `min_bars` bars are dropped (listed). The panel has datetimes (ns)
-    and names = instrument codes (one code names several series when it was cut).
-    """
+    and names = instrument codes (one code names several series when it was cut)."""
     missing = [c for c in QLIB_FIELDS[:5] if c not in frame.columns]
     if missing:
         raise DataError(f"the Qlib data lacks fields {missing}")
@@ -206,7 +195,7 @@ def frame_to_panel(frame: pd.DataFrame, amount_source: str, min_bars: int, calen
         inst, when, features = inst[rows], when[rows], features[rows]
         offsets = np.r_[0, np.cumsum(lengths[keep])].astype(np.int64)
         names = names[keep]
-    panel = SeriesPanel(np.ascontiguousarray(features.astype(np.float32).T), stamps_from_ns(when), offsets,
+    panel = SeriesPanel(np.ascontiguousarray(features.astype(np.float32).T), wallclock_stamps(when), offsets,
                         np.asarray(names, dtype=str), when)
     return panel, report
 

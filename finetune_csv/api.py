@@ -58,8 +58,7 @@ def finetune(data: pd.DataFrame | Mapping[str, pd.DataFrame] | str | Path, *, co
     config: YAML file to start from (None = the defaults: the published Kronos-small pair).
     overrides: {dotted key: value}, applied after the YAML, e.g. {"data.timezone": "America/New_York"}.
     settings: short field names (e.g. epochs=2, lookback=64), each naming exactly one field of the config's sections
-        (a `training:` field wins over the per-stage sections, which inherit it).
-    """
+        (a `training:` field wins over the per-stage sections, which inherit it)."""
     if not logging.getLogger().handlers:  # a notebook or script without logging: show progress like the CLI
         setup_logging()
     values = {k.replace("__", "."): v for k, v in (overrides or {}).items()}

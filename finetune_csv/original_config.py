@@ -35,15 +35,13 @@ _MISSING = object()
 class Rule:
     """How one original key carries over."""
 
-    new: str | None
-    """This project's dotted key that receives the value; None = not carried over (see `same_as_ours` / note)."""
-    note: str = ""
-    """Shown in the log line: why the key is not needed, or how to get its effect here."""
+    new: str | None  # This project's dotted key receiving the value; None = not carried over (see same_as_ours / note).
+    note: str = ""  # Shown in the log line: why the key is not needed, or how to get its effect here.
+    # (value, whole original config) -> [(new key, new value), ...] for keys that do not map one to one.
     convert: Callable[[Any, Mapping[str, Any]], Outcome] | None = None
-    """(value, whole original config) -> [(new key, new value), ...] for keys that do not map one to one."""
+    # For keys with no counterpart: True when the value asks for what this pipeline does anyway (dropped quietly);
+    # any other value is reported as unsupported. None with `new` None: always dropped with the note.
     same_as_ours: Callable[[Any], bool] | None = None
-    """For keys with no counterpart: True when the value asks for what this pipeline does anyway (dropped
-    quietly); any other value is reported as unsupported. None with `new` None: always dropped with the note."""
 
 
 def _betas(value: Any, raw: Mapping[str, Any]) -> Outcome:
@@ -70,8 +68,7 @@ def _from_scratch(kind: str) -> Callable[[Any, Mapping[str, Any]], Outcome]:
     """experiment.pre_trained[_<kind>]: false = a randomly initialised model with the pretrained one's architecture.
 
     `kind` 'tokenizer' / 'predictor' handles `pre_trained_<kind>`; 'both' handles the shared `pre_trained`, which
-    the original lets `pre_trained_<kind>` override.
-    """
+    the original lets `pre_trained_<kind>` override."""
 
     def one(which: str, value: Any, raw: Mapping[str, Any]) -> Outcome:
         if value is not False:
@@ -262,8 +259,7 @@ def translate_original(raw: dict[str, Any], overrides: list[str], config_path: s
     """(settings in this project's format, overrides still to apply, was it an original-format file).
 
     An original-format mapping is translated (rank 0 logs each mapped key); original keys mixed into this
-    project's format (in the file or in `--set`) are a ConfigError naming each key's new name.
-    """
+    project's format (in the file or in `--set`) are a ConfigError naming each key's new name."""
     old_overrides, new_overrides = _split_overrides(overrides)
     if not is_original_config(raw):
         keys = _leaves(raw) + [o.partition("=")[0].strip() for o in old_overrides]

@@ -39,7 +39,7 @@ from finetune.utils.store import (
     read_manifest,
     verify_store,
 )
-from finetune.utils.windows import PanelSegments
+from finetune.utils.windows import PanelSegments, wallclock_stamps
 from finetune_csv.config import DataConfig, check_data_settings
 from finetune_csv.sources import (
     FLOAT32_MAX,
@@ -59,7 +59,6 @@ from finetune_csv.timestamps import (
     check_tz_consistency,
     infer_frequency,
     listed,
-    wallclock_stamps,
 )
 from model.features import FEATURES, candle_faults, fill_amount
 from model.fileio import atomic_dir, write_json

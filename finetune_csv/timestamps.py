@@ -25,8 +25,6 @@ from model.errors import DataError
 # precede it so a plain date's "-02" (2024-01-02) is not read as an offset.
 OFFSET_RE = r"\d{1,2}:\d{2}(?::\d{2}(?:\.\d+)?)?\s*(?P<off>Z|UTC|[+-]\d{2}(?::?\d{2})?)$"
 SHOWN = 5  # how many lines / rows / files an error lists
-_NS_PER_DAY = 86_400_000_000_000
-_NS_PER_MINUTE = 60_000_000_000
 
 
 class CandleDataError(DataError):
@@ -206,20 +204,3 @@ def frequency_problem(value: str | None) -> str | None:
     except FrequencyError as e:
         return str(e).removeprefix("data.frequency: ")
     return None
-
-
-def wallclock_stamps(ts: np.ndarray) -> np.ndarray:
-    """Calendar stamps of naive wall-clock ns times: int64 (n, 5) minute, hour, weekday (Monday=0), day, month
-    (equal to model.features.calc_time_stamps of the same times)."""
-    ts = np.asarray(ts, dtype=np.int64)
-    days = ts // _NS_PER_DAY  # floor: times before 1970 count back correctly
-    minute_of_day = (ts - days * _NS_PER_DAY) // _NS_PER_MINUTE
-    d = days.astype("datetime64[D]")
-    month_start = d.astype("datetime64[M]")
-    out = np.empty((len(ts), 5), dtype=np.int64)
-    out[:, 0] = minute_of_day % 60
-    out[:, 1] = minute_of_day // 60
-    out[:, 2] = (days + 3) % 7  # 1970-01-01 was a Thursday
-    out[:, 3] = (d - month_start).astype(np.int64) + 1
-    out[:, 4] = month_start.astype(np.int64) % 12 + 1
-    return out

@@ -28,10 +28,11 @@ import pandas as pd
 
 import finetune_csv.config as csv_config
 from finetune.utils.cli_args import add_config_args, add_run_flags, parse_config_args, run_overrides
+from finetune.utils.config_utils import STAGES
 from finetune.utils.distributed import DistInfo, barrier
 from finetune.utils.errors import setup_logging
 from finetune.utils.safety import stage_status
-from finetune.utils.stages import STAGES, make_crps_val_metric, plan_stages, run_stages, stage_resume
+from finetune.utils.stages import make_crps_val_metric, plan_stages, run_stages, stage_resume
 from finetune.utils.training_utils import TrainResult
 from finetune.utils.windows import HeldOutWindows, PanelSegments, held_out_windows
 from finetune_csv.config import CsvFinetuneConfig, best_dir
@@ -73,8 +74,7 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
 
     frames: {name: DataFrame} (finetune_csv/api.py), read instead of the files of data.path.
     splits: explicit {"train", "val"} index ranges of the store's panel (a walk-forward fold) instead of the ratios.
-    Returns (results of the stages that trained, {stage: None | why skipped}, the data summary of run_info.json).
-    """
+    Returns (results of the stages that trained, {stage: None | why skipped}, the data summary of run_info.json)."""
     pipe = CsvPipeline(cfg, frames, splits)
     skip = {"tokenizer": "--skip-tokenizer"} if skip_tokenizer else {}
     if skip_predictor:

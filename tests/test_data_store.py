@@ -15,10 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from finetune.utils.store import SeriesPanel, StoreError, npy_header, open_store
-from finetune.utils.windows import SeriesArrays, WindowDataset, split_panel
+from finetune.utils.windows import SeriesArrays, WindowDataset, split_panel, wallclock_stamps
 from finetune_csv.config import ColumnsConfig, DataConfig
 from finetune_csv.prepare import StoreSettings, ensure_store, prepare_store
-from finetune_csv.timestamps import wallclock_stamps
 from model.features import calc_time_stamps
 from tests.conftest import cpu_env
 from tests.csv_reference import candles, load_series, split_series

@@ -16,7 +16,7 @@ from finetune.dataset import (
 )
 from finetune.utils.config_utils import Problems
 from finetune.utils.store import SeriesPanel
-from finetune.utils.windows import EpochSampler
+from finetune.utils.windows import EpochSampler, wallclock_stamps
 
 LOOKBACK, PREDICT = 5, 3
 
@@ -32,7 +32,7 @@ def tiny_split(lengths=(12, 4, 9), seed=0) -> SeriesPanel:
         when.append(qio.datetimes_ns(pd.bdate_range("2021-01-04", periods=n)))
         names.append(f"S{s}")
     when = np.concatenate(when)
-    return SeriesPanel(np.ascontiguousarray(np.concatenate(feats).T), qio.stamps_from_ns(when),
+    return SeriesPanel(np.ascontiguousarray(np.concatenate(feats).T), wallclock_stamps(when),
                        np.r_[0, np.cumsum(lengths)].astype(np.int64), names, when)
 
 

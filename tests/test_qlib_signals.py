@@ -9,6 +9,7 @@ from finetune import qlib_forecast as qt
 from finetune import qlib_io as qio
 from finetune import qlib_test as qr
 from finetune.utils.store import SeriesPanel
+from finetune.utils.windows import wallclock_stamps
 
 LOOKBACK = 4
 
@@ -22,7 +23,7 @@ def split_with(closes: dict[str, np.ndarray], first_day: str = "2021-03-01") -> 
         when.append(qio.datetimes_ns(pd.bdate_range(first_day, periods=len(c))))
     when = np.concatenate(when)
     lengths = [len(c) for c in closes.values()]
-    return SeriesPanel(np.ascontiguousarray(np.concatenate(feats).T), qio.stamps_from_ns(when),
+    return SeriesPanel(np.ascontiguousarray(np.concatenate(feats).T), wallclock_stamps(when),
                        np.r_[0, np.cumsum(lengths)].astype(np.int64), list(closes), when)
 
 
@@ -67,7 +68,7 @@ def test_panel_labels_follow_the_trade_on_the_market_calendar():
         feats.append(f)
         when.append(qio.datetimes_ns(days))
     w = np.concatenate(when)
-    split = SeriesPanel(np.ascontiguousarray(np.concatenate(feats).T), qio.stamps_from_ns(w),
+    split = SeriesPanel(np.ascontiguousarray(np.concatenate(feats).T), wallclock_stamps(w),
                         np.array([0, 6, 11]), ["A", "B"], w)
     ends = np.arange(11)
     h1 = qt.panel_labels(split, ends, qio.datetimes_ns(cal), 1)

@@ -273,8 +273,8 @@ class LoraAdapter(PartialAdapter):
         self.peft_model.merge_and_unload()  # in place: the caller's predictor is a plain Kronos again
 
 
+# training.finetune_mode -> its class
 MODES: dict[str, type[Adapter]] = {mode.name: mode for mode in (Adapter, LoraAdapter, FreezeAdapter)}
-"""training.finetune_mode -> its class."""
 
 
 def _blocks(model: Any) -> int:
@@ -295,8 +295,7 @@ def prepare(model: Any, cfg: Any, stage: str) -> Adapter:
     """Set `model` up for `cfg.finetune_mode` before the optimizer is built; the `Adapter` the trainer uses.
 
     Raises ConfigError for a mode setting that is wrong, a target or prefix that matches nothing, for lora /
-    freeze of the tokenizer stage, and MissingExtraError when lora is asked for without peft.
-    """
+    freeze of the tokenizer stage, and MissingExtraError when lora is asked for without peft."""
     problems = mode_problems(cfg)  # before peft sees a rank or the model is touched
     if problems:
         raise ConfigError([f"training.{key}: {message}" for key, message in problems])

@@ -84,13 +84,12 @@ def rng_state() -> dict:
     """RNG states of python, numpy, torch CPU and (if present) CUDA, as plain lists/tensors."""
     py = random.getstate()
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    state = {
+    return {
         "python": [py[0], list(py[1]), py[2]],
         "numpy": [np_name, torch.from_numpy(np_keys.astype(np.int64)), int(np_pos), int(np_has_gauss), float(np_gauss)],
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
-    return state
 
 
 def set_rng_state(state: dict) -> None:
@@ -119,9 +118,8 @@ def check_token_sizes(tokenizer: Any, predictor: Any, keys: str) -> None:
     """The predictor's vocabularies must match the tokenizer's sub-token bits (else ids index out of range);
     `keys` names the settings that chose the pair."""
     if (tokenizer.s1_bits, tokenizer.s2_bits) != (predictor.s1_bits, predictor.s2_bits):
-        raise DataError(
-            f"{keys}: the tokenizer has s1/s2 bits {tokenizer.s1_bits}/{tokenizer.s2_bits} but the predictor "
-            f"expects {predictor.s1_bits}/{predictor.s2_bits}; use a matching pair")
+        raise DataError(f"{keys}: the tokenizer has s1/s2 bits {tokenizer.s1_bits}/{tokenizer.s2_bits} but the "
+                        f"predictor expects {predictor.s1_bits}/{predictor.s2_bits}; use a matching pair")
 
 
 _STEP_RE = re.compile(r"^step-(\d{8,})\.pt$")
@@ -149,12 +147,7 @@ class CheckpointWriteError(UserError, OSError):
 
     def with_key(self, key: str) -> CheckpointWriteError:
         """The same error naming `key` (the pipeline's output-folder setting) as the setting to change."""
-        return _space_error(Path(self.filename), getattr(self, "needed", 0), self.__cause__, key)
-
-
-def step_path(folder: str | Path, step: int) -> Path:
-    """`<folder>/step-00000123.pt` (8 digits, more when the step needs them, so names sort by step)."""
-    return Path(folder) / f"step-{int(step):08d}.pt"
+        return space_error(self.filename, getattr(self, "needed", 0), self.__cause__, key)
 
 
 def list_checkpoints(folder: str | Path) -> list[tuple[int, Path]]:
@@ -207,7 +200,8 @@ def _errno_in_chain(e: BaseException) -> int | None:
     return None
 
 
-def _is_space_error(e: BaseException) -> bool:
+def is_space_error(e: BaseException) -> bool:
+    """True when `e` (or what it wraps) is a disk-full / file-too-large / quota error."""
     code = _errno_in_chain(e)
     if code is not None:
         return code in _SPACE_ERRNOS
@@ -218,8 +212,11 @@ def _is_space_error(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and ("inline_container" in str(e) or "PytorchStreamWriter" in str(e))
 
 
-def _space_error(path: Path, needed: int, cause: BaseException | None,
-                 key: str = "training.output_dir") -> CheckpointWriteError:
+def space_error(path: str | Path, needed: int, cause: BaseException | None = None,
+                key: str = "training.output_dir") -> CheckpointWriteError:
+    """The `CheckpointWriteError` for a failed write of about `needed` bytes to `path` (names free space and the
+    setting `key` that moves the output)."""
+    path = Path(path)
     free = _free_bytes(path.parent)
     free_text = _human(free) if free is not None else "unknown"
     code = _errno_in_chain(cause) if cause is not None else None
@@ -230,11 +227,8 @@ def _space_error(path: Path, needed: int, cause: BaseException | None,
     else:
         reason = "not enough free space"
     error = CheckpointWriteError(
-        errno.ENOSPC,
-        f"cannot write checkpoint {path}: {reason}; {free_text} free on that disk, about {_human(needed)} needed. "
-        f"Free some space or set {key} to a folder on a larger disk",
-        str(path),
-    )
+        errno.ENOSPC, f"cannot write checkpoint {path}: {reason}; {free_text} free on that disk, about "
+        f"{_human(needed)} needed. Free some space or set {key} to a folder on a larger disk", str(path))
     error.needed = needed  # so a caller that knows the pipeline's settings key can say it (with_key)
     return error
 
@@ -252,10 +246,6 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _tmp_name(folder: Path, name: str) -> Path:
-    return folder / f".{name}.{secrets.token_hex(4)}.tmp"
-
-
 def _save_to(state: Any, tmp: str) -> None:
     # Through an open file object: torch then reports a failed write (EFBIG, ENOSPC) with the OSError attached.
     with open(tmp, "wb") as f:
@@ -268,20 +258,20 @@ def _write_file(state: Any, path: Path, needed: int) -> None:
     try:
         atomic_write(path, lambda tmp: _save_to(state, tmp))
     except BaseException as e:
-        if _is_space_error(e):
-            raise _space_error(path, needed, e) from e
+        if is_space_error(e):
+            raise space_error(path, needed, e) from e
         raise
 
 
 def _point_last(path: Path, needed: int) -> Path:
     """Make `last.pt` the newest checkpoint: a hard link to `path` (atomic via a temporary link), else a copy."""
     last = path.parent / LAST_NAME
-    tmp = _tmp_name(path.parent, LAST_NAME)
+    tmp = path.parent / f".{LAST_NAME}.{secrets.token_hex(4)}.tmp"
     try:
         try:
             os.link(path, tmp)
         except OSError as e:
-            if _is_space_error(e):
+            if is_space_error(e):
                 raise
             shutil.copyfile(path, tmp)  # no hard links here (some network/FUSE filesystems)
             with open(tmp, "rb+") as f:
@@ -289,8 +279,8 @@ def _point_last(path: Path, needed: int) -> Path:
         os.replace(tmp, last)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
-        if _is_space_error(e):
-            raise _space_error(last, needed, e) from e
+        if is_space_error(e):
+            raise space_error(last, needed, e) from e
         raise
     return last
 
@@ -311,13 +301,13 @@ def save(state: Any, folder: str | Path, step: int, *, keep: int = 2, check_fini
         return None
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    path = step_path(folder, step)
+    path = folder / f"step-{int(step):08d}.pt"  # 8 digits, more when the step needs them: names sort by step
     if check_finite:
         assert_finite_state_dict(state, str(path))
     needed = estimate_bytes(state)
     free = _free_bytes(folder)
     if free is not None and free < needed:
-        raise _space_error(path, needed, None)
+        raise space_error(path, needed, None)
     _write_file(state, path, needed)
     _fsync_dir(folder)
     _point_last(path, needed)
@@ -427,8 +417,7 @@ def remove_orphans(folder: str | Path, log: Callable[[str], None] | None = None)
     published-model files (config.json, model.safetensors, tokenizer_config.json). Nothing else is touched.
     A `.<name>.<8 chars>.old/x` model folder of a swap killed half-way is moved back to `<name>` when that is
     missing (model.fileio.atomic_dir without renameat2), else removed.
-    Only call it while holding the folder's run lock.
-    """
+    Only call it while holding the folder's run lock."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
@@ -453,18 +442,6 @@ def remove_orphans(folder: str | Path, log: Callable[[str], None] | None = None)
         (log or _log.warning)(f"{folder}: removed {len(removed)} leftover(s) of interrupted writes: "
                               + ", ".join(p.name for p in removed))
     return removed
-
-
-def is_space_error(e: BaseException) -> bool:
-    """True when `e` (or what it wraps) is a disk-full / file-too-large / quota error."""
-    return _is_space_error(e)
-
-
-def space_error(path: str | Path, needed: int, cause: BaseException | None = None,
-                key: str = "training.output_dir") -> CheckpointWriteError:
-    """The `CheckpointWriteError` for a failed write of about `needed` bytes to `path` (names free space and the
-    setting `key` that moves the output)."""
-    return _space_error(Path(path), needed, cause, key)
 
 
 def prepare_folder(folder: str | Path, log: Callable[[str], None] | None = None) -> list[Path]:
@@ -577,13 +554,12 @@ def check_resume_compatible(saved: Checkpoint, cfg: TrainingConfig, world_size: 
     return changed
 
 
-def _canonical(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, default=str, separators=(",", ":"))
-
-
 def data_fingerprint(data_info: dict[str, Any] | None) -> str | None:
     """sha256 of `data_info` as canonical JSON (None without data_info)."""
-    return None if data_info is None else hashlib.sha256(_canonical(data_info).encode()).hexdigest()
+    if data_info is None:
+        return None
+    canonical = json.dumps(data_info, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -613,8 +589,7 @@ def check_data(saved: dict, data_info: dict[str, Any] | None, frozen_fp: str | N
     """Compare the checkpoint's data fingerprint and frozen-model hash with this run's.
 
     Returns the changes found (empty when none, or when the checkpoint predates fingerprints); raises a
-    ConfigError naming them unless `accept` (training.accept_changed_data).
-    """
+    ConfigError naming them unless `accept` (training.accept_changed_data)."""
     changes = []
     old_fp = saved.get("data_fingerprint")
     if old_fp is not None and old_fp != data_fingerprint(data_info):

@@ -31,8 +31,7 @@ def add_config_args(parser: argparse.ArgumentParser, config_cls: type,
 
     `config_cls` is the settings dataclass (`--help-config` lists its keys and exits, like --help); `load_fn(path,
     overrides)` is the pipeline's loader, which `--print-config` calls (so it prints exactly what a run would use,
-    and fails the same way). Parse with `parse_config_args`.
-    """
+    and fails the same way). Parse with `parse_config_args`."""
     parser.add_argument("--config", default=default_config, required=default_config is None,
                         help=f"YAML file with the settings (default: {default_config})" if default_config
                         else "YAML file with the settings")

@@ -45,8 +45,7 @@ class Problems:
 
         problems = Problems()
         problems.check(cfg.training.epochs > 0, "training.epochs", f"must be > 0, got {cfg.training.epochs}")
-        problems.raise_if_any()
-    """
+        problems.raise_if_any()"""
 
     def __init__(self, title: str = "Invalid configuration"):
         self.title = title
@@ -366,10 +365,8 @@ def _show(value: Any) -> str:
     return f"{_SHORT.repr(value)} ({type(value).__name__})"
 
 
-MAX_CONFIG_BYTES = 1 << 20
-"""A settings file larger than this (1 MiB) is refused before parsing: configs are a few KiB."""
-MAX_YAML_ALIASES = 100
-"""YAML aliases (`*name`) allowed in one file; a "billion laughs" file nests thousands to exhaust memory."""
+MAX_CONFIG_BYTES = 1 << 20  # a larger settings file (1 MiB) is refused before parsing: configs are a few KiB
+MAX_YAML_ALIASES = 100  # aliases (`*name`) allowed in one file; a "billion laughs" file nests thousands of them
 
 
 class _BoundedLoader(yaml.SafeLoader):
@@ -672,11 +669,10 @@ def stage_key(run_config: Mapping[str, Any] | None, stage: str, name: str) -> st
     return f"{stage}_training.{name}" if section.get(name) is not None else f"training.{name}"
 
 
-def shadowed_overrides(cfg: Any, overrides: Iterable[str]) -> list[str]:
-    """One message, naming both keys, per `--set training.X=...` in `overrides` (raw `KEY=VALUE` strings) that a
-    stage section of the pipeline config `cfg` shadows (sets X)."""
+def warn_shadowed_overrides(cfg: Any, overrides: Iterable[str]) -> None:
+    """Log one warning, naming both keys, per `--set training.X=...` in `overrides` (raw `KEY=VALUE` strings) that
+    a stage section of the pipeline config `cfg` shadows (sets X)."""
     stage_fields = {f.name for f in dataclasses.fields(StageConfig)}
-    out = []
     for item in overrides or ():
         key = item.partition("=")[0].strip()
         section, _, name = key.partition(".")
@@ -685,15 +681,8 @@ def shadowed_overrides(cfg: Any, overrides: Iterable[str]) -> list[str]:
         for stage in STAGES:
             value = getattr(getattr(cfg, f"{stage}_training"), name)
             if value is not None:
-                out.append(f"--set {key} does not change the {stage} stage: {stage}_training.{name} = {value} "
-                           f"shadows it; set {stage}_training.{name} instead (or set it to null to inherit)")
-    return out
-
-
-def warn_shadowed_overrides(cfg: Any, overrides: Iterable[str]) -> None:
-    """Log a warning for each override `shadowed_overrides` finds."""
-    for message in shadowed_overrides(cfg, overrides):
-        log.warning("%s", message)
+                log.warning("--set %s does not change the %s stage: %s_training.%s = %s shadows it; set %s_training.%s "
+                            "instead (or set it to null to inherit)", key, stage, stage, name, value, stage, name)
 
 
 @dataclass
@@ -724,8 +713,7 @@ def tracker_problems(*, tensorboard: bool = False, mlflow: bool = False, comet: 
                      prefix: str = "training") -> list[tuple[str, str]]:
     """(yaml key, message) for every enabled tracker whose package is missing; [] when all can be used.
 
-    Lets config validation report a missing package before any data is loaded or model built.
-    """
+    Lets config validation report a missing package before any data is loaded or model built."""
     out = []
     for name, enabled, package in (("tensorboard", tensorboard, "tensorboard"), ("mlflow", mlflow, "mlflow"),
                                    ("comet", comet, "comet_ml")):  # package = the module to import

@@ -54,10 +54,6 @@ def seeded_init(seed: int) -> Iterator[None]:
         yield
 
 
-# Re-exported for the entry points that import it from here (new code: finetune.utils.distributed).
-
-
-
 @dataclass(frozen=True)
 class DistInfo:
     """Where this process sits in the job."""
@@ -89,8 +85,7 @@ def require_torchrun(*launches: str, args: str = "--config <your.yaml>") -> None
     """Raise a UserError showing the torchrun command(s) unless this process was started by torchrun.
 
     `launches`: what follows torchrun's options, e.g. `finetune/train_tokenizer.py` or `--no-python kronos
-    qlib-train-tokenizer` (default: this script); `args`: the command's arguments shown after it.
-    """
+    qlib-train-tokenizer` (default: this script); `args`: the command's arguments shown after it."""
     if launched_by_torchrun():
         return
     launches = launches or (sys.argv[0] if sys.argv and sys.argv[0] else "<script.py>",)
@@ -103,8 +98,7 @@ def require_torchrun(*launches: str, args: str = "--config <your.yaml>") -> None
 def resolve_backend(requested: str | None, cuda_available: bool) -> str:
     """The process-group backend: `requested` (from DIST_BACKEND) or nccl with CUDA / gloo without.
 
-    Raises DataError when nccl is asked for on a machine without CUDA (nccl only runs on GPUs).
-    """
+    Raises DataError when nccl is asked for on a machine without CUDA (nccl only runs on GPUs)."""
     backend = (requested or "").strip().lower() or ("nccl" if cuda_available else "gloo")
     if backend not in ("nccl", "gloo", "mpi", "ucc"):
         raise DataError(f"DIST_BACKEND={requested!r} is not a torch.distributed backend; use nccl or gloo")
@@ -121,8 +115,7 @@ def distributed_context(timeout_s: float = 1800.0, backend: str | None = None) -
     Args:
         timeout_s: how long a collective may wait for the other ranks before the job fails instead of hanging.
         backend: overrides DIST_BACKEND (None: read the environment).
-    Yields a `DistInfo`. The process group is destroyed here, and only here, whether the body succeeds or raises.
-    """
+    Yields a `DistInfo`. The process group is destroyed here, and only here, whether the body succeeds or raises."""
     cuda = torch.cuda.is_available()
     if not launched_by_torchrun():
         device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -135,22 +128,16 @@ def distributed_context(timeout_s: float = 1800.0, backend: str | None = None) -
     chosen = resolve_backend(backend if backend is not None else os.environ.get("DIST_BACKEND"), cuda)
     if cuda:
         if local_rank >= torch.cuda.device_count():
-            raise DataError(
-                f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible; "
-                "lower torchrun's --nproc_per_node"
-            )
+            raise DataError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible; "
+                            "lower torchrun's --nproc_per_node")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     with setup_deadline(min(timeout_s, INIT_TIMEOUT_S), rank, world_size):
-        tdist.init_process_group(
-            backend=chosen,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            store=attempt_store(rank, world_size, timeout_s),
-        )
+        tdist.init_process_group(backend=chosen, rank=rank, world_size=world_size,
+                                 timeout=datetime.timedelta(seconds=timeout_s),
+                                 store=attempt_store(rank, world_size, timeout_s))
         barrier()  # every rank is here at once: connects nccl too, so the deadline covers the whole setup
     try:
         yield DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=chosen)
@@ -170,8 +157,7 @@ def attempt_store(rank: int, world_size: int, timeout_s: float) -> tdist.Store |
     torchrun's workers use the agent's rendezvous TCP store, which outlives a restart and still holds the previous
     attempt's keys (e.g. gloo's peer addresses): a restarted rank read the dead rank's old port (Connection refused)
     or hung. `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` in torchrun's environment avoids it; this prefix does it for a
-    plain `torchrun --max-restarts=N`. None (torch's default env:// store) when not under an elastic agent store.
-    """
+    plain `torchrun --max-restarts=N`. None (torch's default env:// store) when not under an elastic agent store."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     store, _, _ = next(tdist.rendezvous("env://", rank, world_size, timeout=datetime.timedelta(seconds=timeout_s)))
@@ -230,24 +216,16 @@ def all_gather_object(obj: Any) -> list[Any]:
 def wrap_model(model: nn.Module, dist: DistInfo) -> nn.Module:
     """DDP around `model` when there are several processes; the model itself otherwise (same call syntax).
 
-    Wrapping broadcasts rank 0's parameters to the other ranks, so every rank starts from the same weights.
-    """
+    Wrapping broadcasts rank 0's parameters to the other ranks, so every rank starts from the same weights."""
     if not dist.distributed:
         return model
     # broadcast_buffers=False: the only buffers are constants (rotary frequencies, BSQ bases), and skipping the
     # per-forward broadcast lets ranks run different numbers of validation batches without a collective mismatch.
     # (newer torch names the flag forward_sync_buffers and deprecates broadcast_buffers)
-    no_buffer_sync = (
-        {"forward_sync_buffers": False}
-        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
-        else {"broadcast_buffers": False}
-    )
-    return DistributedDataParallel(
-        model,
-        device_ids=[dist.device.index] if dist.device.type == "cuda" else None,
-        gradient_as_bucket_view=True,
-        **no_buffer_sync,
-    )
+    newer = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    no_buffer_sync = {"forward_sync_buffers": False} if newer else {"broadcast_buffers": False}
+    return DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None,
+                                   gradient_as_bucket_view=True, **no_buffer_sync)
 
 
 def no_sync(wrapped: nn.Module) -> contextlib.AbstractContextManager:

@@ -98,8 +98,7 @@ class MLflowTracker(Tracker):
     """One MLflow run per stage: flattened config as params, every record's numbers as metrics, final artefacts.
 
     Uses `MlflowClient` with an explicit run id rather than MLflow's process-global active run, so the two stages
-    of one process (and tests) never log into each other's run.
-    """
+    of one process (and tests) never log into each other's run."""
 
     def __init__(self, folder: Path, tracking_uri: str | None, experiment: str, run_name: str | None,
                  resume: bool):
@@ -257,35 +256,26 @@ def git_commit(path: str | Path | None = None) -> dict[str, Any] | None:
     return {"commit": sha, "dirty": bool(status.strip())} if sha else None
 
 
-def build_run_info(config: Any, data: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> dict:
-    """The run_info dict: time, command line, config, library versions, git commit, data, and `extra`."""
-    info = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "command": sys.argv,
-            "config": config, "versions": library_versions(), "git": git_commit(), "data": data}
-    if extra:
-        info.update(extra)
-    return info
-
-
 def write_run_info(folder: str | Path, config: Any, data: dict[str, Any] | None = None,
                    extra: dict[str, Any] | None = None) -> Path:
-    """Write `<folder>/run_info.json` atomically (rank 0 only: the caller guards it) and return its path."""
-    return write_json(Path(folder) / "run_info.json", build_run_info(config, data, extra))
+    """Write `<folder>/run_info.json` atomically (rank 0 only: the caller guards it) and return its path: time,
+    command line, config, library versions, git commit, data, and `extra`."""
+    info = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "command": sys.argv,
+            "config": config, "versions": library_versions(), "git": git_commit(), "data": data, **(extra or {})}
+    return write_json(Path(folder) / "run_info.json", info)
 
 
 class MetricsLogger:
     """Append records to `<folder>/metrics.jsonl` and mirror their numbers to the trackers (see `open_trackers`).
 
     enabled: False on non-main ranks: nothing is created or written.
+    tracking: `open_trackers`' backend settings (tensorboard, mlflow, mlflow_tracking_uri, ..., run_name).
     resume_step: when resuming from the checkpoint of this optimizer step, drop records of later steps (they were
         logged by the interrupted run and are about to be redone) instead of duplicating them; the stage's MLflow
         run is continued.
-    A missing tracker package is a `TrackerUnavailable` before anything is written.
-    """
+    A missing tracker package is a `TrackerUnavailable` before anything is written."""
 
-    def __init__(self, folder: str | Path, *, enabled: bool = True, tensorboard: bool = False, mlflow: bool = False,
-                 mlflow_tracking_uri: str | None = None, mlflow_experiment: str = "kronos-finetune",
-                 comet: bool = False, comet_project: str | None = None, run_name: str | None = None,
-                 resume_step: int | None = None):
+    def __init__(self, folder: str | Path, *, enabled: bool = True, resume_step: int | None = None, **tracking: Any):
         self.enabled = enabled
         self.path = Path(folder) / "metrics.jsonl"
         self._file = None
@@ -294,10 +284,7 @@ class MetricsLogger:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Trackers first: a missing package fails here, before the old metrics.jsonl is touched.
-        self.trackers = open_trackers(folder, tensorboard=tensorboard, mlflow=mlflow,
-                                      mlflow_tracking_uri=mlflow_tracking_uri, mlflow_experiment=mlflow_experiment,
-                                      comet=comet, comet_project=comet_project, run_name=run_name,
-                                      resume=resume_step is not None)
+        self.trackers = open_trackers(folder, resume=resume_step is not None, **tracking)
         if resume_step is None:
             self.path.unlink(missing_ok=True)  # a fresh run starts a fresh log
         elif self.path.exists():

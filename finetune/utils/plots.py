@@ -28,8 +28,7 @@ def stamp_text(stamp: Any, stamps: pd.DatetimeIndex | None = None, intraday_fmt:
     """A bar time for people: the date alone (`2017-04-28`) for a daily bar, else with the time of day.
 
     Daily means: `stamps` (the bar's series) at least a day apart; without `stamps`, the stamp at midnight.
-    `intraday_fmt`: strftime format of an intraday bar (None = full precision, `2017-04-28 09:35:00`).
-    """
+    `intraday_fmt`: strftime format of an intraday bar (None = full precision, `2017-04-28 09:35:00`)."""
     ts = pd.Timestamp(stamp)
     if stamps is None:
         intraday = ts != ts.normalize()
@@ -89,8 +88,7 @@ def loss_curve_figure(records: Iterable[dict[str, Any]], title: str = "", best_e
     with weight `smoothing`), validation loss per epoch (epoch 0 = the starting model, at step 0), and the best
     epoch marked with a star (artist gid "best_epoch") labelled with its epoch and loss. Bottom: the learning rate
     of each train record (log scale). Needs matplotlib; returns a `matplotlib.figure.Figure` (not shown anywhere).
-    best_epoch: the trainer's (which honours min_delta); None = the lowest validation loss.
-    """
+    best_epoch: the trainer's (which honours min_delta); None = the lowest validation loss."""
     # no pyplot: no global backend or figure registry involved
     from matplotlib.figure import Figure
 

@@ -88,10 +88,8 @@ class RunLockedError(RefusedError, ValueError):
     def __init__(self, folder: Path, holder: LockHolder, key: str):
         self.folder = folder
         self.holder = holder
-        super().__init__(
-            f"{key}: another run is already writing into {folder}: {holder.describe()}.\n"
-            f"  Wait for it to finish, stop it, or set {key} to a different folder."
-        )
+        super().__init__(f"{key}: another run is already writing into {folder}: {holder.describe()}.\n"
+                         f"  Wait for it to finish, stop it, or set {key} to a different folder.")
 
 
 def read_holder(path: str | Path) -> LockHolder:
@@ -133,8 +131,7 @@ class RunLock:
         self._fd: int | None = None
         self._mode: str | None = None  # "flock" or "exclusive"
         self._created_folder = False
-        self.took_over: LockHolder | None = None
-        """The previous holder when a stale lock was taken over, else None."""
+        self.took_over: LockHolder | None = None  # the previous holder when a stale lock was taken over
 
     @property
     def held(self) -> bool:
@@ -205,12 +202,8 @@ class RunLock:
         raise RunLockedError(self.folder, read_holder(self.path), self.key)
 
     def _write_holder(self, fd: int) -> None:
-        info = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "argv": " ".join(sys.argv),
-        }
+        started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": started, "argv": " ".join(sys.argv)}
         data = (json.dumps(info) + "\n").encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)
@@ -360,8 +353,7 @@ FORWARD_GRACE_S = 0.3
 """A second signal this soon after the first counts as the same request forwarded by a launcher, not a user's
 second Ctrl-C."""
 
-STOPPED_EXIT_CODE = EXIT_STOPPED
-"""Exit status of a run that stopped on a signal after saving (EX_TEMPFAIL: resume it later)."""
+STOPPED_EXIT_CODE = EXIT_STOPPED  # a run that stopped on a signal after saving (EX_TEMPFAIL: resume it later)
 
 
 class TrainingStopped(UserError):
@@ -392,8 +384,7 @@ class GracefulStop:
     no-op (e.g. for library use inside another program's loop). Entered while another one is active, it gives back
     that one: a run's stages share the run's stop request, which outlives each stage's loop."""
 
-    active: GracefulStop | None = None
-    """The outermost entered instance (the one whose handlers are installed), None outside any."""
+    active: GracefulStop | None = None  # the outermost entered instance (its handlers are installed), None outside any
 
     def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT), *, enabled: bool = True):
         self.signals = tuple(signals)
@@ -462,12 +453,9 @@ def ignore_interrupts_in_worker(worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-EARLY_STEPS = 3
-"""A non-finite loss within this many finite steps of the start points at the data, not the optimisation."""
-LOSS_GROWTH = 2.0
-"""The loss counts as having grown when its last value is this many times the window's early median."""
-GRAD_EXPLOSION = 10.0
-"""The gradient norm counts as exploding when its last value is this many times the window's median."""
+EARLY_STEPS = 3  # a non-finite loss within this many finite steps of the start points at the data, not the optimisation
+LOSS_GROWTH = 2.0  # the loss counts as having grown when its last value is this many times the window's early median
+GRAD_EXPLOSION = 10.0  # the gradient norm counts as exploding when its last is this many times the window's median
 
 
 class StepStats(NamedTuple):
@@ -498,8 +486,7 @@ def check_step(loss: torch.Tensor | float, grad_norm: torch.Tensor | float | Non
     optimizer step carries both flags (no collective in a single process).
 
     `loss`: a 0-d tensor or float; `grad_norm`: what `clip_grad_norm_` returned, or None; `stop`: this rank's
-    `GracefulStop.requested`; `dist`: the run's `DistInfo` (its device holds the flags; nccl needs the GPU).
-    """
+    `GracefulStop.requested`; `dist`: the run's `DistInfo` (its device holds the flags; nccl needs the GPU)."""
     import torch.distributed as tdist
 
     bad = _all_finite_flag([loss, grad_norm])

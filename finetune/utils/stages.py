@@ -30,7 +30,7 @@ import model.predictor as forecaster
 from finetune.evaluation.forecast_scores import crps_ensemble
 from finetune.utils import adapters
 from finetune.utils.checkpoint import load_pretrained
-from finetune.utils.config_utils import config_to_dict
+from finetune.utils.config_utils import STAGES, config_to_dict
 from finetune.utils.distributed import DistInfo, distributed_context, seeded_init
 from finetune.utils.factory import build_predictor, build_tokenizer
 from finetune.utils.safety import GracefulStop, raise_if_stop_requested, stage_status
@@ -42,7 +42,6 @@ from model.features import CLOSE
 from model.hub import weights_fingerprint
 
 log = logging.getLogger(__name__)
-STAGES = ("tokenizer", "predictor")
 NOT_IN_RUN = "not this run's stage"
 DEFAULT_MAX_WINDOWS = 64  # windows scored per validation pass: enough to rank epochs, cheap next to an epoch
 

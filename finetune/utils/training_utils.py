@@ -61,13 +61,7 @@ from finetune.utils.checkpoint import (
     rng_state,
     set_rng_state,
 )
-from finetune.utils.config_utils import (
-    Problems,
-    TrainingConfig,
-    config_to_dict,
-    plain,
-    validate_training_config,
-)
+from finetune.utils.config_utils import Problems, TrainingConfig, config_to_dict, plain, validate_training_config
 from finetune.utils.distributed import (
     DistInfo,
     all_gather_object,
@@ -200,9 +194,8 @@ class EarlyStopping:
     stop: bool  # Patience is used up: stop training.
 
 
-def update_early_stopping(
-    best: float, bad_epochs: int, val_loss: float, patience: int, min_delta: float = 0.0
-) -> EarlyStopping:
+def update_early_stopping(best: float, bad_epochs: int, val_loss: float, patience: int,
+                          min_delta: float = 0.0) -> EarlyStopping:
     """Fold one validation loss into the early-stopping state; `patience=0` never stops. NaN never improves."""
     improved = math.isfinite(val_loss) and val_loss < best - min_delta
     if improved:
@@ -256,8 +249,7 @@ def tokenizer_loss(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dic
     """Tokenizer objective on x (B, T, F): ((mse(z_pre, x) + mse(z, x)) + bsq_loss) / 2.
 
     `model` is the tokenizer or its DDP wrapper (the forward must go through the wrapper for gradient sync).
-    Returns (loss, parts) with parts {"recon_pre", "recon", "bsq"} (detached scalars).
-    """
+    Returns (loss, parts) with parts {"recon_pre", "recon", "bsq"} (detached scalars)."""
     (z_pre, z), bsq_loss, _, _ = model(x)  # z_pre, z (B, T, F): decodes of the s1 bits and of the full code
     recon_pre = F.mse_loss(z_pre.float(), x)
     recon = F.mse_loss(z.float(), x)
@@ -265,24 +257,16 @@ def tokenizer_loss(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dic
     return loss, {"recon_pre": recon_pre.detach(), "recon": recon.detach(), "bsq": bsq_loss.detach().float()}
 
 
-def predictor_loss(
-    model: nn.Module,
-    tokenizer: nn.Module,
-    x: torch.Tensor,
-    x_stamp: torch.Tensor,
-    *,
-    teacher_forcing: bool = True,
-    causal_dep: bool | None = None,
-    head: nn.Module | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def predictor_loss(model: nn.Module, tokenizer: nn.Module, x: torch.Tensor, x_stamp: torch.Tensor, *,
+                   teacher_forcing: bool = True, causal_dep: bool | None = None, head: nn.Module | None = None
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Next-token objective of the predictor: mean of the s1 and s2 cross-entropies over all positions.
 
     x (B, T, F) is encoded by the frozen `tokenizer` (no grad, float32 even under autocast, so the tokens are the
     ones inference would produce); the predictor reads tokens[:, :-1] with stamps[:, :-1] and is scored on
     tokens[:, 1:]. `model` is Kronos or its DDP wrapper; `head` defaults to the unwrapped model's head.
     `causal_dep=True` keeps the dependency layer causal in eval mode (needed for an honest validation loss).
-    Returns (loss, {"s1_loss", "s2_loss"}).
-    """
+    Returns (loss, {"s1_loss", "s2_loss"})."""
     with torch.no_grad(), torch.autocast(device_type=x.device.type, enabled=False):
         s1, s2 = tokenizer.encode(x, half=True)  # (B, T) int64 each
     s1_in, s2_in, stamp_in = s1[:, :-1], s2[:, :-1], x_stamp[:, :-1]  # (B, T-1)
@@ -300,26 +284,21 @@ def predictor_loss(
 class Stage:
     """One training stage: the model it trains and what is specific to it."""
 
-    name: str
-    """'tokenizer' or 'predictor' (messages, checkpoint's "stage" key)."""
-    default_clip: float
-    """Gradient-norm clip used when training.clip_grad_norm is null."""
+    name: str  # 'tokenizer' or 'predictor' (messages, checkpoint's "stage" key).
+    default_clip: float  # Gradient-norm clip used when training.clip_grad_norm is null.
+    # Names of the detached loss parts `loss()` returns beside the loss, in this order (logged as-is, and as
+    # val_<name> after validation).
     part_names: tuple[str, ...]
-    """Names of the detached loss parts `loss()` returns beside the loss, in this order (logged as-is, and as
-    val_<name> after validation)."""
-    model: nn.Module
-    """The module whose parameters are trained (unwrapped)."""
+    model: nn.Module  # The module whose parameters are trained (unwrapped).
+    # What trains of `model` (training.finetune_mode): the checkpoint's model state, best_model/, counts.
     adapter: adapters.Adapter
-    """What trains of `model` (training.finetune_mode): the checkpoint's model state, best_model/, counts."""
 
-    def loss(
-        self, wrapped: nn.Module, x: torch.Tensor, stamp: torch.Tensor, training: bool
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(self, wrapped: nn.Module, x: torch.Tensor, stamp: torch.Tensor, training: bool
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss on one batch: x (B, T, F) float32, stamp (B, T, 5) int64 -> (scalar loss, {part: scalar}).
 
         `wrapped` is `model` or its DDP wrapper (the forward must go through the wrapper for gradient sync);
-        `training=False` gives the validation loss.
-        """
+        `training=False` gives the validation loss."""
         raise NotImplementedError
 
     def save_best(self, folder: Path) -> None:
@@ -375,15 +354,9 @@ class PredictorStage(Stage):
 
     def loss(self, wrapped, x, stamp, training):
         # Validation is always teacher-forced and causal: the s2 head at position t must not see later positions.
-        return predictor_loss(
-            wrapped,
-            self.tokenizer,
-            x,
-            stamp,
-            teacher_forcing=self.teacher_forcing if training else True,
-            causal_dep=None if training else True,
-            head=self.model.head,
-        )
+        return predictor_loss(wrapped, self.tokenizer, x, stamp,
+                              teacher_forcing=self.teacher_forcing if training else True,
+                              causal_dep=None if training else True, head=self.model.head)
 
     def save_best(self, folder):
         # The tokenizer's config travels with the predictor so the pair cannot drift apart.
@@ -432,8 +405,7 @@ def load_for_resume(plan: RunPlan, dist: DistInfo, log: Callable[[str], None]) -
     """The checkpoint `plan` resumes (or reads back, when skipping): an explicit file, else the newest usable one
     in `plan.checkpoint_dir` (a corrupt newest is reported by path and the previous one used). None: nothing.
 
-    Rank 0 deserialises the file once while choosing it and keeps that copy; the other ranks load the chosen path.
-    """
+    Rank 0 deserialises the file once while choosing it and keeps that copy; the other ranks load the chosen path."""
     found: tuple[Path, Checkpoint] | None = None
 
     def pick() -> str | None:
@@ -456,8 +428,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, scheduler: Any, saved: d
     `optimizer.load_state_dict` would bring back the old lr/betas/weight_decay and OneCycle bounds; instead the
     freshly built groups' settings are kept and the freshly built schedule (this run's lr, pct_start, div factors)
     is moved to the checkpoint's step. With unchanged settings this gives the exact same lr as loading the
-    scheduler's state (the same closed-form OneCycle formula at the same step).
-    """
+    scheduler's state (the same closed-form OneCycle formula at the same step)."""
     keep = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     optimizer.load_state_dict(saved["optimizer"])
     for group, settings in zip(optimizer.param_groups, keep):
@@ -486,8 +457,8 @@ def rng_fork() -> Iterator[None]:
 
 log = logging.getLogger(__name__)
 
+# (model, stage) -> {"score": lower is better, other named values...}; called on every rank after validation.
 ValMetric = Callable[[nn.Module, Stage], dict[str, float]]
-"""(model, stage) -> {"score": lower is better, other named values...}; called on every rank after validation."""
 
 
 def _worker_init(worker_id: int) -> None:
@@ -505,18 +476,14 @@ def quiet_loader(loader):
 
 def train_sampler(dataset: Dataset, cfg: TrainingConfig, dist: DistInfo) -> EpochSampler:
     """Shuffled per (seed, epoch), capped at max_train_samples, equal share per rank (the remainder dropped)."""
-    return EpochSampler(
-        len(dataset), shuffle=True, seed=cfg.seed, max_samples=cfg.max_train_samples,
-        rank=dist.rank, world_size=dist.world_size, drop_remainder=True,
-    )
+    return EpochSampler(len(dataset), shuffle=True, seed=cfg.seed, max_samples=cfg.max_train_samples,
+                        rank=dist.rank, world_size=dist.world_size, drop_remainder=True)
 
 
 def val_sampler(dataset: Dataset, cfg: TrainingConfig, dist: DistInfo) -> EpochSampler:
     """Ordered, nothing dropped or duplicated (an exact loss); a capped run draws a seeded subset per epoch."""
-    return EpochSampler(
-        len(dataset), shuffle=False, seed=cfg.seed + 1, max_samples=cfg.max_val_samples,
-        rank=dist.rank, world_size=dist.world_size, drop_remainder=False,
-    )
+    return EpochSampler(len(dataset), shuffle=False, seed=cfg.seed + 1, max_samples=cfg.max_val_samples,
+                        rank=dist.rank, world_size=dist.world_size, drop_remainder=False)
 
 
 # Dense peak FLOP/s (no sparsity) of one GPU by the precision its matmuls run in (bf16, tf32, fp32), from NVIDIA's
@@ -584,8 +551,7 @@ def evaluate(stage: Stage, wrapped: nn.Module, dataset: Dataset, sampler: EpochS
     """Validation loss of `stage` over every window `sampler` deals (all ranks), in eval mode.
 
     Returns {"val_loss", "val_<part>" for each of stage.part_names, "val_windows"}: window-weighted means over all
-    ranks (sums and counts all-reduced, not batch means). A rank with no window still joins the all-reduce.
-    """
+    ranks (sums and counts all-reduced, not batch means). A rank with no window still joins the all-reduce."""
     was_training = stage.model.training
     stage.model.eval()
     loader = quiet_loader(make_loader(dataset, sampler, cfg.batch_size, epoch=epoch, seed=cfg.seed + 1,
@@ -618,8 +584,7 @@ class Trainer:
     val_metric: optional forecast metric (model, stage) -> {"score", ...}, run after each validation; with
         training.select_by = its name, its "score" (lower is better) picks best_model/ instead of val_loss.
     data_extremes: what the data check flagged (for the divergence diagnosis), or None.
-    output_key: the pipeline's setting that names `out` (e.g. `paths.base_dir`), quoted when the disk is full.
-    """
+    output_key: the pipeline's setting that names `out` (e.g. `paths.base_dir`), quoted when the disk is full."""
 
     def __init__(self, stage: Stage, train_set: Dataset, val_set: Dataset, cfg: TrainingConfig, out: Path,
                  dist: DistInfo, run_config: dict[str, Any] | None = None, data_info: dict[str, Any] | None = None,
@@ -649,10 +614,8 @@ class Trainer:
         self.val_sampler = val_sampler(val_set, cfg, dist)
         samples_per_rank = self.train_sampler.samples_per_rank()
         if samples_per_rank < 1:
-            raise DataError(
-                f"{stage.name}: {len(train_set)} training windows cannot be split over {dist.world_size} "
-                "processes; add data or use fewer processes"
-            )
+            raise DataError(f"{stage.name}: {len(train_set)} training windows cannot be split over "
+                            f"{dist.world_size} processes; add data or use fewer processes")
         self.batch_sizes = micro_batch_sizes(samples_per_rank, cfg.batch_size)  # this rank's micro-batches per epoch
         self.steps_per_epoch = optimizer_steps_per_epoch(samples_per_rank, cfg.batch_size, cfg.accumulation_steps)
 
@@ -660,17 +623,14 @@ class Trainer:
         self.model.to(self.device)
         self.clip = stage.default_clip if cfg.clip_grad_norm is None else cfg.clip_grad_norm
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-            fused=self.device.type == "cuda",
-        )
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=tuple(cfg.betas),
+                                           weight_decay=cfg.weight_decay, fused=self.device.type == "cuda")
         self.optimizer.zero_grad(set_to_none=True)  # a model reused after a failed run may hold (NaN) gradients
         # cycle_momentum=False: OneCycleLR would otherwise overwrite AdamW's beta1 (0.85..0.95), ignoring cfg.betas.
         total = self.steps_per_epoch * cfg.epochs
         self.scheduler = torch.optim.lr_scheduler.OneCycleLR(
             self.optimizer, max_lr=cfg.lr, total_steps=total, pct_start=one_cycle_pct_start(cfg.pct_start, total),
-            div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor, cycle_momentum=False,
-        )
+            div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor, cycle_momentum=False)
         self.precision = resolve_precision(cfg.amp, self.device)  # said in the log (bf16 on CPU: float32)
         # training.compile: the loss of full micro-batches is compiled at the first one (see forward_backward_step).
         self.compile = self.device.type == "cuda" if cfg.compile == "auto" else bool(cfg.compile)
@@ -708,8 +668,7 @@ class Trainer:
 
         Raises TrainingStopped after saving on SIGTERM/SIGINT, DivergenceError on a non-finite step (nothing of it
         applied, the last checkpoint kept), RunLockedError / StageFolderError / ConfigError on every rank when the
-        folder or settings refuse the run.
-        """
+        folder or settings refuse the run."""
         with GracefulStop() as self.stopper, tf32_matmuls(self.precision.tf32):
             try:
                 self.take_folder()
@@ -814,8 +773,7 @@ class Trainer:
             self.out, enabled=self.dist.is_main, tensorboard=cfg.tensorboard, mlflow=cfg.mlflow,
             mlflow_tracking_uri=cfg.mlflow_tracking_uri, mlflow_experiment=cfg.mlflow_experiment, comet=cfg.comet,
             comet_project=cfg.comet_project, run_name=f"{self.out.name}-{self.stage.name}",
-            resume_step=self.state.global_step if self.resume_path is not None else None,
-        )
+            resume_step=self.state.global_step if self.resume_path is not None else None)
         self.run_extra = {"stage": self.stage.name, "world_size": self.dist.world_size, "select_by": cfg.select_by,
                           "frozen_fingerprint": self.frozen_fp,  # the predictor's tokenizer (sha256 of weights)
                           **self.stage.adapter.counts(),
@@ -846,8 +804,7 @@ class Trainer:
         loader = quiet_loader(make_loader(
             self.train_set, self.train_sampler, cfg.batch_size, epoch=state.epoch, seed=cfg.seed,
             skip_batches=state.step_in_epoch * cfg.accumulation_steps, num_workers=cfg.num_workers,
-            pin_memory=self.device.type == "cuda",
-        ))
+            pin_memory=self.device.type == "cuda"))
         # After a resume rank 0 carries the (all ranks') sum of the part of the epoch done before the interruption.
         carried = (state.epoch_loss_sum, state.epoch_windows) if self.dist.is_main else (0.0, 0)
         self.epoch_sums = LossSums(self.stage.part_names, self.device, *carried)
@@ -962,10 +919,8 @@ class Trainer:
         if self.grad_norm is not None:
             record["grad_norm"] = float(self.grad_norm)
         if not math.isfinite(record["loss"]):
-            raise DivergenceError(
-                f"{self.stage.name}: training loss is {record['loss']} at step {self.state.global_step}; "
-                "lower training.lr or set training.amp=none"
-            )
+            raise DivergenceError(f"{self.stage.name}: training loss is {record['loss']} at step "
+                                  f"{self.state.global_step}; lower training.lr or set training.amp=none")
         self.logger.log({"kind": "train", **record})
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
         self.reset_window()
@@ -1043,8 +998,7 @@ class Trainer:
         """Write checkpoints/last.pt (rank 0; every rank's RNG state included), then wait for all ranks.
 
         `mid_epoch`: also store the epoch's running training loss (all ranks' sums) so a resumed epoch reports the
-        same mean as an uninterrupted one.
-        """
+        same mean as an uninterrupted one."""
         if mid_epoch:
             totals = self.epoch_sums.reduce()
             self.state.epoch_loss_sum, self.state.epoch_windows = totals.sums["loss"], totals.windows
@@ -1101,75 +1055,25 @@ class Trainer:
         """The TrainResult of the loop state."""
         state = self.state
         return TrainResult(
-            stage=self.stage.name,
-            best_val_loss=state.best_val_loss,
-            best_epoch=state.best_epoch,
-            output_dir=self.out,
-            best_model_dir=self.best_dir,
-            last_checkpoint=self.ckpt_path,
-            metrics_path=self.out / "metrics.jsonl",
-            plot_path=plot_path,
-            run_info_path=self.out / "run_info.json",
-            history=list(state.history),
-            global_step=state.global_step,
-            stopped_early=state.stopped_early,
-            resumed_from=self.resume_path,
-            best_score=state.best_score,
-            skipped=skipped,
-        )
+            stage=self.stage.name, best_val_loss=state.best_val_loss, best_epoch=state.best_epoch,
+            output_dir=self.out, best_model_dir=self.best_dir, last_checkpoint=self.ckpt_path,
+            metrics_path=self.out / "metrics.jsonl", plot_path=plot_path, run_info_path=self.out / "run_info.json",
+            history=list(state.history), global_step=state.global_step, stopped_early=state.stopped_early,
+            resumed_from=self.resume_path, best_score=state.best_score, skipped=skipped)
 
 
-def train_tokenizer(
-    tokenizer: nn.Module,
-    train_set: Dataset,
-    val_set: Dataset,
-    cfg: TrainingConfig,
-    output_dir: str | Path,
-    dist: DistInfo,
-    *,
-    run_config: dict[str, Any] | None = None,
-    data_info: dict[str, Any] | None = None,
-    val_metric: ValMetric | None = None,
-    data_extremes: str | None = None,
-    output_key: str = "training.output_dir",
-) -> TrainResult:
-    """Finetune the BSQ tokenizer on x (B, T, F) windows; the best epoch is saved with save_pretrained.
-
-    Args:
-        tokenizer: a KronosTokenizer (e.g. from_pretrained); moved to `dist.device` and trained in place.
-        train_set, val_set: datasets of (x, x_stamp) items (stamps are not used by the tokenizer).
-        cfg: loop settings; clip_grad_norm defaults to 2.0.
-        output_dir: this stage's output folder (see module docstring).
-        dist: from `distributed_context()`.
-        run_config: the pipeline's resolved config (stored in run_info.json and the checkpoint).
-        data_info: description of the training data (see the module docstring).
-        val_metric: optional forecast metric (model, stage) -> {"score": lower is better, ...} run after every
-            validation on every rank; picks best_model/ when training.select_by names it.
-        data_extremes: what the pipeline's data check flagged (quoted when training diverges), or None.
-        output_key: the pipeline's setting naming `output_dir` (a full disk names it as the one to change).
-    """
+def train_tokenizer(tokenizer: nn.Module, train_set: Dataset, val_set: Dataset, cfg: TrainingConfig,
+                    output_dir: str | Path, dist: DistInfo, **options: Any) -> TrainResult:
+    """Finetune the BSQ tokenizer (trained in place on `dist.device`) on x (B, T, F) windows; the best epoch is saved
+    with save_pretrained. The arguments are `Trainer`'s (`output_dir` its `out`; `options`: run_config, data_info,
+    val_metric, data_extremes, output_key); clip_grad_norm defaults to 2.0."""
     stage = TokenizerStage(tokenizer, adapters.prepare(tokenizer, cfg, "tokenizer"))  # lora / freeze: refused
-    trainer = Trainer(stage, train_set, val_set, cfg, Path(output_dir), dist, run_config, data_info,
-                      val_metric=val_metric, data_extremes=data_extremes, output_key=output_key)
-    return trainer.fit()
+    return Trainer(stage, train_set, val_set, cfg, Path(output_dir), dist, **options).fit()
 
 
-def train_predictor(
-    predictor: nn.Module,
-    tokenizer: nn.Module,
-    train_set: Dataset,
-    val_set: Dataset,
-    cfg: TrainingConfig,
-    output_dir: str | Path,
-    dist: DistInfo,
-    *,
-    run_config: dict[str, Any] | None = None,
-    data_info: dict[str, Any] | None = None,
-    val_metric: ValMetric | None = None,
-    data_extremes: str | None = None,
-    forecast_info: dict[str, Any] | None = None,
-    output_key: str = "training.output_dir",
-) -> TrainResult:
+def train_predictor(predictor: nn.Module, tokenizer: nn.Module, train_set: Dataset, val_set: Dataset,
+                    cfg: TrainingConfig, output_dir: str | Path, dist: DistInfo, *,
+                    forecast_info: dict[str, Any] | None = None, **options: Any) -> TrainResult:
     """Finetune the Kronos predictor on tokens of the frozen `tokenizer`; the best epoch is saved with
     save_pretrained plus the tokenizer's config (tokenizer_config.json). Arguments as in `train_tokenizer`;
     clip_grad_norm defaults to 3.0; `cfg.teacher_forcing` picks the s2 conditioning used in training.
@@ -1179,16 +1083,14 @@ def train_predictor(
     adapter = adapters.prepare(predictor, cfg, "predictor")  # training.finetune_mode: what trains
     stage = PredictorStage(predictor, tokenizer, cfg.teacher_forcing, forecast_info, adapter)
     try:
-        return Trainer(stage, train_set, val_set, cfg, Path(output_dir), dist, run_config, data_info,
-                       val_metric=val_metric, data_extremes=data_extremes, output_key=output_key).fit()
+        return Trainer(stage, train_set, val_set, cfg, Path(output_dir), dist, **options).fit()
     finally:
         adapter.unload()  # the caller's predictor is a plain Kronos again (lora merged in place)
 
 
 @torch.no_grad()
-def evaluate_predictor(
-    predictor: nn.Module, tokenizer: nn.Module, dataset: Dataset, cfg: TrainingConfig, dist: DistInfo, epoch: int = 0
-) -> dict[str, float]:
+def evaluate_predictor(predictor: nn.Module, tokenizer: nn.Module, dataset: Dataset, cfg: TrainingConfig,
+                       dist: DistInfo, epoch: int = 0) -> dict[str, float]:
     """Causal, teacher-forced predictor loss averaged over validation windows (all ranks)."""
     tokenizer.to(dist.device).eval()
     stage = PredictorStage(predictor.to(dist.device), tokenizer, True)

@@ -113,8 +113,7 @@ def split_panel_by_date(panel: SeriesPanel, train_end: int, val_end: int | None,
     Purge: a split's own rows stop `predict` bars before the next split begins, so the last training window's
     targets end `predict` bars before the first validation target (the same between val and test). Val/test ranges
     start up to `lookback` bars before their first own row (context), never before the series' first bar. A series
-    without bars in a split gets an empty range there (no window); the caller checks that each split has windows.
-    """
+    without bars in a split gets an empty range there (no window); the caller checks that each split has windows."""
     if panel.datetimes is None:
         raise ValueError("a date split needs the bar datetimes (SeriesPanel.datetimes)")
     when = np.asarray(panel.datetimes)
@@ -147,8 +146,7 @@ class EpochOrder:
     """The windows chosen for one epoch, all ranks, as consecutive chunks (int32/int64 arrays), a pure function of
     (n, seed, epoch) and the options: shuffle False = ascending (a capped subset is drawn at random, then sorted);
     only the first m = min(max_samples, n) windows of the order; m - m % world_size of them when drop_remainder.
-    Up to `exact_limit` windows the order is one full permutation, above it blocks of `block_size` are shuffled.
-    """
+    Up to `exact_limit` windows the order is one full permutation, above it blocks of `block_size` are shuffled."""
 
     def __init__(self, n: int, seed: int, epoch: int, *, shuffle: bool = True, max_samples: int | None = None,
                  world_size: int = 1, drop_remainder: bool = True, exact_limit: int = EXACT_LIMIT,
@@ -223,6 +221,27 @@ class EpochOrder:
             yield make()
 
 
+_NS_PER_DAY = 86_400_000_000_000
+_NS_PER_MINUTE = 60_000_000_000
+
+
+def wallclock_stamps(ts: np.ndarray) -> np.ndarray:
+    """Calendar stamps of naive wall-clock ns times: int64 (n, 5) minute, hour, weekday (Monday=0), day, month
+    (equal to model.features.calc_time_stamps of the same times)."""
+    ts = np.asarray(ts, dtype=np.int64)
+    days = ts // _NS_PER_DAY  # floor: times before 1970 count back correctly
+    minute_of_day = (ts - days * _NS_PER_DAY) // _NS_PER_MINUTE
+    d = days.astype("datetime64[D]")
+    month_start = d.astype("datetime64[M]")
+    out = np.empty((len(ts), 5), dtype=np.int64)
+    out[:, 0] = minute_of_day % 60
+    out[:, 1] = minute_of_day // 60
+    out[:, 2] = (days + 3) % 7  # 1970-01-01 was a Thursday
+    out[:, 3] = (d - month_start).astype(np.int64) + 1
+    out[:, 4] = month_start.astype(np.int64) % 12 + 1
+    return out
+
+
 _ITER_CHUNK = 1 << 16  # window indices turned into Python ints at a time by EpochSampler.__iter__
 
 
@@ -268,8 +287,7 @@ class WindowDataset(Dataset):
     ranges: optional (start, stop), int64 (S,) each: series s reads only panel columns [start[s], stop[s]) (a time
         split as index ranges; they may overlap, as a val split's context overlaps train).
     Series shorter than a window give no windows and are listed in `short_series` (name, rows); a dataset with no
-    window at all raises DataError.
-    """
+    window at all raises DataError."""
 
     def __init__(self, data: SeriesPanel | Sequence[SeriesArrays | tuple[np.ndarray, np.ndarray]], lookback: int,
                  predict: int, *, stride: int = 1, clip: float = 5.0,
@@ -346,8 +364,7 @@ class WindowDataset(Dataset):
         """Windows `indices` as one batch, vectorised: x (B, W, F) float32, x_stamp (B, W, 5) int64.
 
         x is normalised with the mean and population std (ddof=0, as at inference) of its lookback rows only,
-        `(x - mean) / (std + 1e-5)`, then clipped to [-clip, clip].
-        """
+        `(x - mean) / (std + 1e-5)`, then clipped to [-clip, clip]."""
         starts = self.starts(np.asarray(indices, dtype=np.int64))
         x = self._feature_windows[starts]  # (B, F, W) copy
         past = x[:, :, : self.lookback]
@@ -384,8 +401,7 @@ class EpochSampler(Sampler[int]):
     handful is dropped each shuffled epoch). With `drop_remainder=False` (validation) nothing is dropped or
     duplicated; ranks then differ by at most one window, and the loss is summed and counted exactly.
 
-    `set_epoch(epoch, skip=k)` starts the epoch after this rank's first k windows (mid-epoch resume).
-    """
+    `set_epoch(epoch, skip=k)` starts the epoch after this rank's first k windows (mid-epoch resume)."""
 
     def __init__(self, num_samples: int, *, shuffle: bool = True, seed: int = 0, max_samples: int | None = None,
                  rank: int = 0, world_size: int = 1, drop_remainder: bool = True):
@@ -541,8 +557,7 @@ def held_out_windows(segments: PanelSegments, lookback: int, predict: int, strid
 
     max_windows: optional cap per series (evenly spread, first and last included).
     history: also cut the closes of the `history` bars ending at each window's last context bar, from the whole
-        series (earlier splits included); fewer (the same for all windows) when a series starts later.
-    """
+        series (earlier splits included); fewer (the same for all windows) when a series starts later."""
     panel = segments.panel
     if panel.datetimes is None:
         raise ValueError("held-out windows need the bar times: this panel has no datetimes")
@@ -578,8 +593,7 @@ def sample_paths(predictor: Any, context: np.ndarray, x_stamps: np.ndarray, y_st
     `predictor.sample_windows` (a `model.KronosPredictor`: each window normalised on its own, as predict_batch
     does), `batch` windows per forward pass; `torch.manual_seed(sampling.seed)` is set once before the first batch.
     `interruptible`: a stop request (SIGTERM) ends the sampling before each batch with `TrainingStopped` (False
-    inside the training loop's validation, which stops after its own checkpoint).
-    """
+    inside the training loop's validation, which stops after its own checkpoint)."""
     torch.manual_seed(sampling.seed)
     out = []
     for lo in range(0, len(context), batch):
