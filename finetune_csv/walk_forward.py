@@ -73,7 +73,7 @@ def make_folds(panel, lookback: int, predict: int, folds: int, test_bars: int, p
     when = np.asarray(panel.datetimes)  # (N,) int64 ns
     calendar = np.unique(when)  # (C,) every series' bar times: the test blocks are ranges of these
     rows = lambda t, side: np.array([np.searchsorted(when[o:o + n], t, side) for o, n in zip(first, lengths)])
-    out = []
+    out, scored = [], np.zeros(len(lengths), dtype=bool)  # (S,) series in at least one fold
     for k in range(folds):
         c1 = len(calendar) - (folds - 1 - k) * (test_bars + embargo)  # one past the block's last calendar bar
         c0 = max(c1 - test_bars, 0)
@@ -92,9 +92,15 @@ def make_folds(panel, lookback: int, predict: int, folds: int, test_bars: int, p
         if not on.all():
             log.info("fold %d: %s sit it out (no training window before %s or no test window in it)", k,
                      ", ".join(panel.names[s] for s in np.flatnonzero(~on)[:10]), stamp_text(int(calendar[c0])))
+        scored |= on
         cut = first + np.where(on, np.stack([stop, v0 - lookback, v0, end, t0 - lookback, t0, t1]), 0)  # (7, S)
         out.append(Fold(k, PanelSegments(panel, first, first, cut[0]), PanelSegments(panel, *cut[1:4]),
                         PanelSegments(panel, *cut[4:])))
+    if not scored.all():  # the blocks follow the latest series: a verdict on fewer series than the user gave
+        log.warning("walk-forward: %s are in no fold (the test blocks are the last %d x %d bars of the calendar, "
+                    "after their data ends): the verdict covers %d of %d series; cut every series to a common end "
+                    "date to compare them all", ", ".join(panel.names[s] for s in np.flatnonzero(~scored)[:10]),
+                    folds, test_bars, int(scored.sum()), len(scored))
     return out
 
 
