@@ -12,7 +12,7 @@ from tests import model_factory
 
 # Tests that signal or kill runs at chosen moments while polling their checkpoints: never two at once.
 TIMED_SIGNAL_MODULES = ("test_cluster_elastic", "test_cluster_signals", "test_cuda", "test_safety_guard",
-                        "test_safety_interrupts", "test_safety_restart_loops")
+                        "test_safety_interrupts", "test_safety_restart_loops", "test_walk_forward")
 
 
 def cpu_env(**extra: str) -> dict[str, str]:

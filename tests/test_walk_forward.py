@@ -250,3 +250,48 @@ def test_sigterm_after_a_predictor_while_scoring_or_calibrating_ends_with_the_un
     assert [f["scores"] for f in report["folds"]] == [f["scores"] for f in expected["folds"]]
     assert all("calibrated" in f["scores"] for f in report["folds"])
     assert (out / "windows.csv").read_bytes() == (tmp_path / "ref/wf/walk_forward/windows.csv").read_bytes()
+
+
+@pytest.mark.slow
+def test_sigkill_at_chosen_moments_of_a_walk_forward_then_rerun_gives_the_uninterrupted_report(run_config, tmp_path):
+    """A walk-forward killed (SIGKILL: no handler runs) right after fold 0's predictor is published (calibration
+    pending), while fold 1 trains and while fold 1 is scored, each at a random delay, then run again, ends with the
+    uninterrupted run's verdict, scores and windows.csv, calibrated in every fold."""
+    import random
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import cpu_env
+
+    env = cpu_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    command = lambda config: [sys.executable, "-m", "finetune.cli", "walk-forward", "--config", str(config)]
+    reference = tmp_path / "reference.yaml"
+    reference.write_text(run_config.read_text().replace(str(tmp_path / "out"), str(tmp_path / "ref")))
+    subprocess.run(command(reference), env=env, capture_output=True, text=True, timeout=600, check=True)
+    out = tmp_path / "out/wf/walk_forward"
+    calibrated = lambda fold: "calibration" in (
+        (out / fold / "basemodel/best_model/kronos_predictor.json").read_text()
+        if (out / fold / "basemodel/best_model/kronos_predictor.json").is_file() else "")
+    moments = [lambda: (out / "fold_0/basemodel/best_model").is_dir(),
+               lambda: (out / "fold_1/basemodel/checkpoints").is_dir(),
+               lambda: calibrated("fold_1")]
+    rng, kills = random.Random(7), 0
+    for moment in moments:
+        job = subprocess.Popen(command(run_config), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 300
+        while job.poll() is None and not moment() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if job.poll() is None:
+            time.sleep(rng.uniform(0.0, 0.3))
+            job.kill()
+            kills += job.wait() == -9
+    assert kills >= 2, f"the walk-forward finished before {3 - kills} of the kills: nothing was interrupted"
+    final = subprocess.run(command(run_config), env=env, capture_output=True, text=True, timeout=600)
+    assert final.returncode == 0, final.stderr[-3000:]
+    got, expected = (json.loads((root / "wf/walk_forward/report.json").read_text())
+                     for root in (tmp_path / "out", tmp_path / "ref"))
+    assert got["paired"] == expected["paired"] and got["verdict"] == expected["verdict"]
+    assert [f["scores"] for f in got["folds"]] == [f["scores"] for f in expected["folds"]]
+    assert all("calibrated" in f["scores"] for f in got["folds"])
+    assert (out / "windows.csv").read_bytes() == (tmp_path / "ref/wf/walk_forward/windows.csv").read_bytes()
