@@ -37,6 +37,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (tiny models: threads only fight over the cores), restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def tiny_pair():
     """(tokenizer, predictor), width 16, eval mode, seed 0."""
     return model_factory.tiny_models()

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from finetune.utils.checkpoint import load_latest
 from finetune.utils.errors import run_main
@@ -22,14 +21,6 @@ from model import KronosTokenizer
 from model.hub import weights_fingerprint
 from tests.model_factory import tiny_tokenizer
 from tests.test_csv_train import REPO, SCRIPT, make_run
-
-
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def run(config, *extra: str) -> int:

@@ -9,7 +9,6 @@ import logging
 import numpy as np
 import pandas as pd
 import pytest
-import torch
 
 from finetune_csv import train_sequential
 from finetune_csv.api import FinetuneResult, finetune
@@ -33,12 +32,7 @@ def frame(n: int = 160, seed: int = 0) -> pd.DataFrame:
                         index=pd.date_range("2024-01-02 09:30", periods=n, freq="5min"))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread
 
 
 def test_finetune_a_dataframe_returns_model_folders_and_metrics(tmp_path, caplog):

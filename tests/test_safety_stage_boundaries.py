@@ -26,14 +26,6 @@ OUTPUTS = ("tokenizer/best_model/model.safetensors", "basemodel/best_model/model
            "basemodel/best_model/tokenizer/model.safetensors")
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def run(config: Path, *flags: str) -> int:
     return run_main(train_sequential.main, ["--config", str(config), *flags])
 
