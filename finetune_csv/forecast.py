@@ -27,7 +27,7 @@ from finetune.evaluation.forecast_scores import (
     interval_coverage,
     score_forecasts,
 )
-from finetune.evaluation.statistics import bootstrap_ci
+from finetune.evaluation.statistics import MIN_BLOCKS, paired_test
 from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.errors import setup_logging
 from finetune.utils.plots import Panel, plot_panels, stamp_text
@@ -207,21 +207,38 @@ def _window_crps(paths: np.ndarray, windows: HeldOutWindows) -> tuple[np.ndarray
     return crps_ensemble(obs, ens).mean(axis=1), np.abs(np.median(ens, axis=-1) - obs).mean(axis=1)
 
 
+def trading_days(windows: HeldOutWindows) -> np.ndarray:
+    """(W,) int64 ns calendar date of each window's first forecast bar: the blocks of the paired test (intraday
+    windows of one session share its news, so they are one observation, not one each)."""
+    return np.array([ts[0].normalize().value for ts in windows.y_timestamps], dtype=np.int64)
+
+
+def day_interval(diff: np.ndarray, days: np.ndarray, lag: int = 0, level: float = 0.95, what: str = "CRPS") -> dict:
+    """`paired_test` of the differences `diff (W,)` on their trading `days (W,)`, with no interval (ci_low / ci_high
+    None) below MIN_BLOCKS independent blocks: the `kronos forecast` lines print it or say why there is none."""
+    out = paired_test(diff, days, lag, level, what)
+    if out["blocks"] < MIN_BLOCKS:
+        out["ci_low"] = out["ci_high"] = None
+        out["reason"] = (f"{what} {out['mean']:+.5f}, no {level:.0%} interval: {out['windows']} windows on "
+                         f"{out['dates']} trading days hold only {out['blocks']} independent blocks (at least "
+                         f"{MIN_BLOCKS} needed: more test windows, e.g. a longer test split)")
+    return out
+
+
 def paired_difference(candidate: np.ndarray, zero_shot: np.ndarray, windows: HeldOutWindows,
                       settings: ScoreSettings) -> dict:
-    """Candidate (finetuned, ensemble) - zero-shot CRPS and MAE per window (same windows), each with a bootstrap CI
-    over blocks of window dates (windows of all series on one date move together); < 0 = candidate better.
-    `candidate`, `zero_shot`: sample paths (W, S, P, 6)."""
+    """Candidate (finetuned, ensemble) - zero-shot CRPS and MAE per window (same windows), each with the walk-forward's
+    HAC-t interval (`paired_test`) on the means per trading day (no interval below MIN_BLOCKS independent blocks;
+    `reason` says why); < 0 = candidate better. `candidate`, `zero_shot`: sample paths (W, S, P, 6)."""
     crps_f, mae_f = _window_crps(candidate, windows)
     crps_z, mae_z = _window_crps(zero_shot, windows)
-    out = {"crps": crps_f.mean() - crps_z.mean(), "mae": mae_f.mean() - mae_z.mean(),
-           "windows_finetuned_better_crps": float((crps_f < crps_z).mean())}
-    if settings.n_boot > 0:
-        n, dates = len(windows), windows.dates()
-        boot = lambda d: bootstrap_ci(lambda i: d[i].mean(), n, settings.n_boot, settings.block, settings.seed,
-                                      settings.level, dates, settings.min_block)
-        out["bootstrap"] = {"crps": boot(crps_f - crps_z), "mae": boot(mae_f - mae_z)}
-    return out
+    days = trading_days(windows)
+    # Overlapping windows on distinct days share bars with their next min_block - 1 neighbours: MA(q) dependence.
+    lag = settings.min_block - 1 if len(np.unique(days)) == len(days) else 0
+    test = lambda d, what: day_interval(d, days, lag, settings.level, what)  # noqa: E731
+    return {"crps": crps_f.mean() - crps_z.mean(), "mae": mae_f.mean() - mae_z.mean(),
+            "windows_finetuned_better_crps": float((crps_f < crps_z).mean()),
+            "interval": {"crps": test(crps_f - crps_z, "CRPS"), "mae": test(mae_f - mae_z, "MAE")}}
 
 
 def forecast_table(names: list[str], stamps: list[pd.DatetimeIndex], paths: np.ndarray,
@@ -274,9 +291,10 @@ def format_report(metrics: dict) -> str:
             lines.append(f"CRPS finetuned - {name + ':':13}{ci(c)} (95% CI, blocks of {c['block']} {c['unit']})")
     for name in ("finetuned", "ensemble"):
         diff = metrics.get(f"{name}_vs_zero_shot")
-        if diff and diff.get("bootstrap"):
-            lines.append(f"CRPS {name} - zero-shot: {ci(diff['bootstrap']['crps'])} (95% CI; < 0 = better than "
-                         f"zero-shot on average; better on {diff['windows_finetuned_better_crps']:.0%} of windows)")
+        if diff:
+            lines.append(f"{name} - zero-shot ({diff['interval']['crps']['verdict']}): "
+                         f"{diff['interval']['crps']['reason']}; < 0 = better than zero-shot, better on "
+                         f"{diff['windows_finetuned_better_crps']:.0%} of windows")
     cal = metrics.get("calibration")
     if cal:
         lines.append(f"calibrated bands (fitted on validation windows): coverage 50% {cal['cov50_raw']:.2f} -> "
