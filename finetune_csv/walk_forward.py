@@ -164,6 +164,23 @@ def paired_from_windows(frame: pd.DataFrame) -> dict:
     return out
 
 
+MODELS = ("finetuned", "zero_shot", "ensemble", "calibrated")  # the rest of the candidates are baselines
+
+
+def rank_candidates(frame: pd.DataFrame) -> dict:
+    """Every candidate of windows.csv rows by mean CRPS, best first, and the best's `paired_test` against the
+    runner-up on the windows both scored; `advice` says what to ship when a baseline beats every model."""
+    crps = frame.groupby("candidate")["crps"].mean().sort_values()
+    best, second = crps.index[0], crps.index[min(1, len(crps) - 1)]
+    keys = ["fold", "series", "window_start"]
+    wide = frame[frame.candidate == best].merge(frame[frame.candidate == second], on=keys, suffixes=("_b", "_r"))
+    test = paired_test(wide["crps_b"] - wide["crps_r"], wide["window_start"], what=f"{best} - {second} CRPS")
+    advice = (f"the {best} baseline beats every model here: use it, or finetune more" if best not in MODELS
+              else f"{best} forecasts best here")
+    return {"ranking": [{"candidate": c, "crps": float(v)} for c, v in crps.items()], "best": best,
+            "runner_up": second, "best_vs_runner_up": test, "advice": advice}
+
+
 def _fingerprint(cfg: CsvFinetuneConfig, fold: Fold, manifest: dict) -> str:
     """What a fold's results depend on: settings (not paths / run flags), its index ranges and the data files."""
     settings = config_to_dict(cfg)
@@ -275,6 +292,7 @@ def _report(cfg: CsvFinetuneConfig, out: Path, frame: pd.DataFrame, meta: list[d
         paired = paired_from_windows(used)
         report["paired"] = {"finetuned_vs_zero_shot": paired}
         report["verdict"], report["verdict_reason"] = paired["crps"]["verdict"], paired["crps"]["reason"]
+        report["best"] = rank_candidates(used)
     report["seconds"] = {k: round(sum(r["seconds"][k] for r in meta), 1) for k in ("train", "score")}
     out_frame = frame.assign(window_start=frame["window_start"].astype(str))
     atomic_write(out / "windows.csv", lambda p: out_frame.to_csv(p, index=False))
@@ -335,7 +353,10 @@ def format_table(report: dict) -> str:
                          "of folds")
     if report["excluded_folds"]:
         lines.append(f"folds {report['excluded_folds']} start before model.pretraining_cutoff: not in the verdict")
-    lines.append(f"verdict: {report['verdict']} ({report['verdict_reason']})")
+    best = report.get("best")
+    named = (f"; best by CRPS: {best['best']} ({best['best_vs_runner_up']['reason']}): {best['advice']}"
+             if best else "")
+    lines.append(f"verdict: finetuned vs zero_shot {report['verdict']} ({report['verdict_reason']}){named}")
     return "\n".join(lines)
 
 

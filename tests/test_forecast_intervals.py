@@ -45,3 +45,28 @@ def test_intraday_windows_are_blocked_by_trading_day():
     assert len(np.unique(days)) == 6
     out = day_interval(np.random.default_rng(0).normal(size=36), days)
     assert out["dates"] == 6 and out["ci_low"] is None and "6 trading days" in out["reason"]
+
+
+def _windows_frame(rng: np.random.Generator, crps: dict[str, float], n: int = 60) -> pd.DataFrame:
+    """windows.csv rows: `n` daily windows of one series, per-window CRPS around each candidate's level."""
+    starts = pd.bdate_range("2024-01-01", periods=n)
+    return pd.concat([pd.DataFrame({"fold": np.arange(n) // 20, "series": "x", "window_start": starts, "candidate": c,
+                                    "crps": level * (1 + 0.1 * rng.standard_normal(n)), "mae": level})
+                      for c, level in crps.items()], ignore_index=True)
+
+
+def test_a_walk_forward_whose_empirical_baseline_wins_names_it():
+    from finetune_csv import walk_forward as wf
+
+    frame = _windows_frame(np.random.default_rng(6), {"finetuned": 0.0196, "zero_shot": 0.0196, "ensemble": 0.0195,
+                                                       "persistence": 0.03, "empirical": 0.0172})
+    best = wf.rank_candidates(frame)
+    assert best["best"] == "empirical" and best["runner_up"] in ("finetuned", "zero_shot", "ensemble")
+    assert [r["candidate"] for r in best["ranking"]][0] == "empirical" and best["ranking"][-1]["crps"] > 0.025
+    assert best["best_vs_runner_up"]["verdict"] == "helps" and "use it, or finetune more" in best["advice"]
+    report = {"settings": {"folds": 3, "test_bars": 20, "purge": 0, "embargo": 0, "predict": 1},
+              "scores": {}, "paired": {"finetuned_vs_zero_shot": wf.paired_from_windows(frame)},
+              "folds": [{"test_start": "a", "test_end": "b"}] * 3, "excluded_folds": [],
+              "verdict": "no_evidence", "verdict_reason": "contains 0", "best": best}
+    verdict = [line for line in wf.format_table(report).splitlines() if line.startswith("verdict:")]
+    assert len(verdict) == 1 and "best by CRPS: empirical" in verdict[0] and "beats every model" in verdict[0]
