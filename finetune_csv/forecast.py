@@ -261,6 +261,19 @@ def forecast_table(names: list[str], stamps: list[pd.DatetimeIndex], paths: np.n
     return pd.concat(parts, ignore_index=True)
 
 
+def rank_by_crps(metrics: dict) -> dict:
+    """Every candidate and baseline of `metrics` by overall CRPS, best first, and what to ship (a baseline that beats
+    every model says so: the interval of finetuned - that baseline is the report's "CRPS finetuned - ..." line)."""
+    blocks = {name: metrics[name]["model"] for name in ("finetuned", "zero_shot", "ensemble") if metrics.get(name)}
+    blocks.update({name: metrics["finetuned"][name] for name in ("persistence", "empirical", "seasonal_naive")
+                   if name in metrics["finetuned"]})
+    ranking = sorted((b["overall"]["crps"], name) for name, b in blocks.items() if b["overall"].get("crps") is not None)
+    best = ranking[0][1]
+    return {"ranking": [{"candidate": n, "crps": c} for c, n in ranking], "best": best,
+            "advice": f"the {best} baseline beats every model here: use it, or finetune more"
+            if best not in ("finetuned", "zero_shot", "ensemble") else f"{best} forecasts best here"}
+
+
 def format_report(metrics: dict) -> str:
     """One short table: each candidate's and baseline's headline scores, then the paired differences with their CIs,
     the calibration's coverage and the share of invalid sampled candles."""
@@ -295,6 +308,9 @@ def format_report(metrics: dict) -> str:
             lines.append(f"{name} - zero-shot ({diff['interval']['crps']['verdict']}): "
                          f"{diff['interval']['crps']['reason']}; < 0 = better than zero-shot, better on "
                          f"{diff['windows_finetuned_better_crps']:.0%} of windows")
+    rank = rank_by_crps(metrics)
+    lines.append("best by CRPS: " + " < ".join(f"{r['candidate']} {r['crps']:.5f}" for r in rank["ranking"])
+                 + f": {rank['advice']}")
     cal = metrics.get("calibration")
     if cal:
         lines.append(f"calibrated bands (fitted on validation windows): coverage 50% {cal['cov50_raw']:.2f} -> "
@@ -350,6 +366,7 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
         metrics["finetuned_vs_zero_shot"] = paired_difference(paths, zs_paths, windows, settings)
         metrics["ensemble_vs_zero_shot"] = paired_difference(ens_paths, zs_paths, windows, settings)
         metrics["ensemble"]["weight"] = f.ensemble_weight
+    metrics["best"] = rank_by_crps(metrics)
     return metrics, paths
 
 

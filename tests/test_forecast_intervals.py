@@ -70,3 +70,14 @@ def test_a_walk_forward_whose_empirical_baseline_wins_names_it():
               "verdict": "no_evidence", "verdict_reason": "contains 0", "best": best}
     verdict = [line for line in wf.format_table(report).splitlines() if line.startswith("verdict:")]
     assert len(verdict) == 1 and "best by CRPS: empirical" in verdict[0] and "beats every model" in verdict[0]
+
+
+def test_kronos_forecast_names_a_winning_baseline():
+    from finetune_csv.forecast import rank_by_crps
+
+    block = lambda crps: {"overall": {"crps": crps}}  # noqa: E731
+    metrics = {"finetuned": {"model": block(0.0196), "persistence": block(0.03), "empirical": block(0.0172)},
+               "zero_shot": {"model": block(0.0195)}, "ensemble": None}
+    rank = rank_by_crps(metrics)
+    assert [r["candidate"] for r in rank["ranking"]] == ["empirical", "zero_shot", "finetuned", "persistence"]
+    assert rank["best"] == "empirical" and "use it, or finetune more" in rank["advice"]
