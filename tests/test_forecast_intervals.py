@@ -81,3 +81,20 @@ def test_kronos_forecast_names_a_winning_baseline():
     rank = rank_by_crps(metrics)
     assert [r["candidate"] for r in rank["ranking"]] == ["empirical", "zero_shot", "finetuned", "persistence"]
     assert rank["best"] == "empirical" and "use it, or finetune more" in rank["advice"]
+
+
+def test_a_date_split_names_the_series_it_leaves_without_test_windows(caplog):
+    from finetune_csv.config import DataConfig
+    from finetune_csv.splits import split_data
+    from finetune.utils.store import SeriesPanel
+
+    n_long, n_short = 400, 200
+    feats = [np.ones((n, 6), np.float32) for n in (n_long, n_short)]
+    when = [pd.date_range("2024-01-01", periods=n, freq="1h").as_unit("ns").asi8 for n in (n_long, n_short)]
+    panel = SeriesPanel.from_series(feats, [np.zeros((n, 5), np.int64) for n in (n_long, n_short)], ["AAPL", "NVDA"],
+                                    when)
+    cfg = DataConfig(lookback=16, predict=4, split="by_date", train_end="2024-01-06 00:00", val_end="2024-01-10 00:00")
+    with caplog.at_level("WARNING"):
+        splits, _ = split_data(panel, cfg)
+    line = [r.getMessage() for r in caplog.records if "no test window" in r.getMessage()]
+    assert len(line) == 1 and "NVDA" in line[0] and "AAPL" not in line[0] and "kronos forecast" in line[0]
