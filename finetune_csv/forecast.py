@@ -279,7 +279,8 @@ def format_report(metrics: dict) -> str:
     the calibration's coverage and the share of invalid sampled candles."""
     s = metrics["finetuned"]["setup"]
     lines = [f"held-out forecast: {s['windows']} windows (every non-overlapping test window) x {s['horizon']} "
-             f"candles, {s['series']} series ({', '.join(metrics['series'])}), {s['samples']} samples; close, returns vs the last context close",
+             f"candles, {s['series']} series ({', '.join(metrics['series'])}), {s['samples']} samples; close, "
+             "returns vs the last context close",
              f"{'':15}{'MAE':>9}{'MASE':>7}{'CRPS':>9}{'WQL':>7}{'cov50':>7}{'cov80':>7}{'dir':>7}"]
     num = lambda v, fmt: format(v, fmt) if v is not None else "-".rjust(int(fmt.split(".")[0]))
     rows = [(name.replace("_", "-"), metrics[name]["model"]) for name in ("finetuned", "zero_shot", "ensemble")

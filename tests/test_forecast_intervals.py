@@ -6,8 +6,12 @@ import pandas as pd
 import pytest
 
 from finetune.evaluation.statistics import MIN_BLOCKS
-from finetune_csv.forecast import day_interval, trading_days
+from finetune.utils.store import SeriesPanel
 from finetune.utils.windows import HeldOutWindows
+from finetune_csv import walk_forward as wf
+from finetune_csv.config import DataConfig
+from finetune_csv.forecast import day_interval, rank_by_crps, trading_days
+from finetune_csv.splits import split_data
 
 
 def _null(rng: np.random.Generator, n: int, phi: float) -> np.ndarray:
@@ -37,10 +41,11 @@ def test_null_differences_give_at_most_7_percent_false_intervals(phi):
 
 def test_intraday_windows_are_blocked_by_trading_day():
     # 36 five-minute windows over 6 sessions: 6 blocks (the issue measured "36 windows on 36 dates").
-    starts = [pd.Timestamp(f"2024-03-0{d} 09:30") + pd.Timedelta(minutes=30 * k) for d in range(4, 10) for k in range(6)]
+    starts = [pd.Timestamp(f"2024-03-0{d} 09:30") + pd.Timedelta(minutes=30 * k)
+              for d in range(4, 10) for k in range(6)]
+    x = [pd.DatetimeIndex([t - pd.Timedelta("5min")] * 2) for t in starts]
     y = [pd.date_range(t, periods=6, freq="5min") for t in starts]
-    w = HeldOutWindows(["x"] * 36, np.zeros((36, 2, 6)), [pd.DatetimeIndex([t - pd.Timedelta("5min")] * 2) for t in starts],
-                       y, np.zeros((36, 6, 6)))
+    w = HeldOutWindows(["x"] * 36, np.zeros((36, 2, 6)), x, y, np.zeros((36, 6, 6)))
     days = trading_days(w)
     assert len(np.unique(days)) == 6
     out = day_interval(np.random.default_rng(0).normal(size=36), days)
@@ -56,8 +61,6 @@ def _windows_frame(rng: np.random.Generator, crps: dict[str, float], n: int = 60
 
 
 def test_a_walk_forward_whose_empirical_baseline_wins_names_it():
-    from finetune_csv import walk_forward as wf
-
     frame = _windows_frame(np.random.default_rng(6), {"finetuned": 0.0196, "zero_shot": 0.0196, "ensemble": 0.0195,
                                                        "persistence": 0.03, "empirical": 0.0172})
     best = wf.rank_candidates(frame)
@@ -73,8 +76,6 @@ def test_a_walk_forward_whose_empirical_baseline_wins_names_it():
 
 
 def test_kronos_forecast_names_a_winning_baseline():
-    from finetune_csv.forecast import rank_by_crps
-
     block = lambda crps: {"overall": {"crps": crps}}  # noqa: E731
     metrics = {"finetuned": {"model": block(0.0196), "persistence": block(0.03), "empirical": block(0.0172)},
                "zero_shot": {"model": block(0.0195)}, "ensemble": None}
@@ -84,10 +85,6 @@ def test_kronos_forecast_names_a_winning_baseline():
 
 
 def test_a_date_split_names_the_series_it_leaves_without_test_windows(caplog):
-    from finetune_csv.config import DataConfig
-    from finetune_csv.splits import split_data
-    from finetune.utils.store import SeriesPanel
-
     n_long, n_short = 400, 200
     feats = [np.ones((n, 6), np.float32) for n in (n_long, n_short)]
     when = [pd.date_range("2024-01-01", periods=n, freq="1h").as_unit("ns").asi8 for n in (n_long, n_short)]
