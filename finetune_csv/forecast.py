@@ -208,8 +208,7 @@ def _window_crps(paths: np.ndarray, windows: HeldOutWindows) -> tuple[np.ndarray
 
 
 def trading_days(windows: HeldOutWindows) -> np.ndarray:
-    """(W,) int64 ns calendar date of each window's first forecast bar: the blocks of the paired test (intraday
-    windows of one session share its news, so they are one observation, not one each)."""
+    """(W,) int64 ns date of each window's first forecast bar: one session's intraday windows are one observation."""
     return np.array([ts[0].normalize().value for ts in windows.y_timestamps], dtype=np.int64)
 
 
@@ -219,9 +218,8 @@ def day_interval(diff: np.ndarray, days: np.ndarray, lag: int = 0, level: float 
     out = paired_test(diff, days, lag, level, what)
     if out["blocks"] < MIN_BLOCKS:
         out["ci_low"] = out["ci_high"] = None
-        out["reason"] = (f"{what} {out['mean']:+.5f}, no {level:.0%} interval: {out['windows']} windows on "
-                         f"{out['dates']} trading days hold only {out['blocks']} independent blocks (at least "
-                         f"{MIN_BLOCKS} needed: more test windows, e.g. a longer test split)")
+        out["reason"] = (f"{what} {out['mean']:+.5f}, no {level:.0%} interval: {out['dates']} trading days hold only "
+                         f"{out['blocks']} independent blocks (at least {MIN_BLOCKS} needed: more test windows)")
     return out
 
 
@@ -268,10 +266,14 @@ def rank_by_crps(metrics: dict) -> dict:
     blocks.update({name: metrics["finetuned"][name] for name in ("persistence", "empirical", "seasonal_naive")
                    if name in metrics["finetuned"]})
     ranking = sorted((b["overall"]["crps"], name) for name, b in blocks.items() if b["overall"].get("crps") is not None)
-    best = ranking[0][1]
-    return {"ranking": [{"candidate": n, "crps": c} for c, n in ranking], "best": best,
-            "advice": f"the {best} baseline beats every model here: use it, or finetune more"
-            if best not in ("finetuned", "zero_shot", "ensemble") else f"{best} forecasts best here"}
+    return {"ranking": [{"candidate": n, "crps": c} for c, n in ranking], "best": ranking[0][1],
+            "advice": ship_advice(ranking[0][1])}
+
+
+def ship_advice(best: str) -> str:
+    """What to ship when `best` (a candidate of kronos forecast or the walk-forward) has the lowest CRPS."""
+    return f"{best} forecasts best here" if best in ("finetuned", "zero_shot", "ensemble", "calibrated") else \
+        f"the {best} baseline beats every model here: use it, or finetune more"
 
 
 def format_report(metrics: dict) -> str:

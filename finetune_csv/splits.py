@@ -101,10 +101,9 @@ def split_data(panel: SeriesPanel, cfg: DataConfig) -> tuple[dict[str, PanelSegm
     for name, seg in splits.items():  # a series the boundaries leave out of a split is named, never dropped silently
         idle = [n for n, ok in zip(panel.names, seg.stop - seg.start >= window) if not ok]
         if idle:
-            log.warning("data.split: by_date: %s %s no %s window with boundaries %s / %s (from %s): %s; move the "
-                        "boundaries or set data.split: per_series", ", ".join(idle), "has" if len(idle) == 1 else
-                        "have", name, how["train_end"], how["val_end"], source,
-                        "not scored by kronos forecast" if name == "test" else f"not in the {name} split")
+            log.warning("data.split: by_date: no %s window for %s with boundaries %s / %s (from %s): %s; move the "
+                        "boundaries or set data.split: per_series", name, ", ".join(idle), how["train_end"],
+                        how["val_end"], source, "not scored by kronos forecast" if name == "test" else "left out")
     return splits, how
 
 

@@ -36,7 +36,7 @@ from finetune.utils.plots import pyplot, save_figure, stamp_text
 from finetune.utils.safety import GracefulStop, RunLock
 from finetune.utils.windows import PanelSegments, held_out_windows, sample_paths
 from finetune_csv.config import CsvFinetuneConfig, best_dir
-from finetune_csv.forecast import CLOSE, ensemble_paths, make_predictor
+from finetune_csv.forecast import CLOSE, ensemble_paths, make_predictor, ship_advice
 from finetune_csv.prepare import prepare_data
 from finetune_csv.train_sequential import run_finetune
 from model.errors import ConfigError, DataError, RefusedError
@@ -164,21 +164,16 @@ def paired_from_windows(frame: pd.DataFrame) -> dict:
     return out
 
 
-MODELS = ("finetuned", "zero_shot", "ensemble", "calibrated")  # the rest of the candidates are baselines
-
-
 def rank_candidates(frame: pd.DataFrame) -> dict:
     """Every candidate of windows.csv rows by mean CRPS, best first, and the best's `paired_test` against the
     runner-up on the windows both scored; `advice` says what to ship when a baseline beats every model."""
     crps = frame.groupby("candidate")["crps"].mean().sort_values()
     best, second = crps.index[0], crps.index[min(1, len(crps) - 1)]
-    keys = ["fold", "series", "window_start"]
-    wide = frame[frame.candidate == best].merge(frame[frame.candidate == second], on=keys, suffixes=("_b", "_r"))
+    wide = frame[frame.candidate == best].merge(frame[frame.candidate == second], on=["fold", "series", "window_start"],
+                                                suffixes=("_b", "_r"))
     test = paired_test(wide["crps_b"] - wide["crps_r"], wide["window_start"], what=f"{best} - {second} CRPS")
-    advice = (f"the {best} baseline beats every model here: use it, or finetune more" if best not in MODELS
-              else f"{best} forecasts best here")
     return {"ranking": [{"candidate": c, "crps": float(v)} for c, v in crps.items()], "best": best,
-            "runner_up": second, "best_vs_runner_up": test, "advice": advice}
+            "runner_up": second, "best_vs_runner_up": test, "advice": ship_advice(best)}
 
 
 def _fingerprint(cfg: CsvFinetuneConfig, fold: Fold, manifest: dict) -> str:
