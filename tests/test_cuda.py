@@ -243,6 +243,38 @@ def test_a_stored_calibration_widens_the_price_bands_on_cuda(tmp_path):
     np.testing.assert_array_equal(runs[True].samples[..., 4:], runs[False].samples[..., 4:])  # volume as drawn
 
 
+def seeded_paths(device: str, decode: str, graphs: dict) -> list[torch.Tensor]:
+    """Three calls of sampled decoding, each after torch.manual_seed(0), sharing `graphs` (the first call on CUDA
+    captures the graph step, the later ones replay it) -> the s1 ids of each call."""
+    from model.generation import generate_tokens
+    from tests.model_factory import tiny_models
+    from tests.test_model_decode import _ids
+
+    pred = tiny_models()[1].to(device)
+    s1, s2, stamps = (t.to(device) for t in _ids(3, 20, 12, 0))
+    out = []
+    for _ in range(3):
+        torch.manual_seed(0)
+        out.append(generate_tokens(pred, s1, s2, stamps, 12, 64, temperature=1.5, sample_count=4, decode=decode,
+                                   graphs=graphs)[0].cpu())
+    return out
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_the_same_seed_draws_the_same_paths_on_every_call_on_the_cpu(decode):
+    first, *later = seeded_paths("cpu", decode, {})
+    assert all(torch.equal(first, x) for x in later)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("decode", ["eager", "static", "graph"])
+def test_the_same_seed_draws_the_same_paths_on_the_first_and_later_calls_on_cuda(decode):
+    graphs: dict = {}
+    first, *later = seeded_paths("cuda:0", decode, graphs)
+    assert all(torch.equal(first, x) for x in later)
+    assert (len(graphs) == 1) == (decode == "graph")  # the first call captured, the later ones replayed
+
+
 if __name__ == "__main__":  # python tests/test_cuda.py <script.py> <args>: run the script deterministically
     torch.use_deterministic_algorithms(True, warn_only=True)
     sys.argv = sys.argv[1:]
