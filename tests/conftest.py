@@ -1,6 +1,6 @@
 """Shared fixtures: tiny Kronos models (one implementation: tests/model_factory.py), logging isolation; under
 pytest-xdist (scripts/test.sh) the tests that time signals against a running job share one worker; `cpu_env` for
-child processes that must run on the CPU; the `cuda` tests skip without a GPU."""
+child processes that must run on the CPU; the `cuda` tests skip without a GPU, and only they see one."""
 from __future__ import annotations
 
 import logging
@@ -34,6 +34,20 @@ def pytest_collection_modifyitems(config, items):
             for item in items:
                 if item.get_closest_marker("cuda"):
                     item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)"))
+
+
+@pytest.fixture(autouse=True)
+def hide_cuda(request, monkeypatch):
+    """Every test not marked `cuda` runs as on a machine without a GPU, so the suite's result and time on a GPU
+    machine equal a CPU machine's: children inherit CUDA_VISIBLE_DEVICES="", and in this process (where CUDA may
+    already be initialised by a cuda test) torch.cuda reports no device."""
+    if request.node.get_closest_marker("cuda"):
+        return
+    import torch
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
 
 
 @pytest.fixture

@@ -243,6 +243,21 @@ def test_a_stored_calibration_widens_the_price_bands_on_cuda(tmp_path):
     np.testing.assert_array_equal(runs[True].samples[..., 4:], runs[False].samples[..., 4:])  # volume as drawn
 
 
+def test_a_test_not_marked_cuda_sees_no_gpu_in_process_nor_in_a_child():
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and not torch.cuda.is_available() and torch.cuda.device_count() == 0
+    child = subprocess.run([sys.executable, "-c", "import os, torch; print(os.environ['CUDA_VISIBLE_DEVICES'] == '', "
+                            "torch.cuda.is_available(), torch.cuda.device_count())"], capture_output=True, text=True)
+    assert child.stdout.split() == ["True", "False", "0"], child.stderr
+
+
+@pytest.mark.cuda
+def test_a_test_marked_cuda_sees_the_gpu():
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") != "" and torch.cuda.is_available()
+    child = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                           capture_output=True, text=True)
+    assert child.stdout.split() == ["True"], child.stderr
+
+
 def seeded_paths(device: str, decode: str, graphs: dict) -> list[torch.Tensor]:
     """Three calls of sampled decoding, each after torch.manual_seed(0), sharing `graphs` (the first call on CUDA
     captures the graph step, the later ones replay it) -> the s1 ids of each call."""
