@@ -2,8 +2,9 @@
 and, on CUDA, the same step recorded as one CUDA graph (`decode="graph"`), in one run.
 
 Kronos-small + Kronos-Tokenizer-base shapes (randomly initialised: timing does not depend on the weights), greedy
-decoding so every path must produce the same forecast, which is checked. Three workloads (issue 27):
+decoding so every path must produce the same forecast, which is checked. Four workloads (issues 27, 34):
     one    1 series, context 400 -> 120 steps (the last 8 slide the window: full re-encodes in every path)
+    few    8 series x 2 sample paths, context 128 -> 24
     many   300 series, context 90 -> 10 (one day of a CSI 300 backtest)
     paths  64 series x 8 sample paths, context 400 -> 24 (the static step encodes each context once, not 8 times)
 Without CUDA the defaults are small (--quick: about a minute on 2 CPU cores); --full runs the issue's sizes.
@@ -14,8 +15,10 @@ Without CUDA the defaults are small (--quick: about a minute on 2 CPU cores); --
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,7 +29,8 @@ from model.config import KronosConfig, KronosTokenizerConfig
 TOKENIZER_BASE = asdict(KronosTokenizerConfig())  # the published Kronos-Tokenizer-base
 KRONOS_SMALL = asdict(KronosConfig(s1_bits=10, s2_bits=10))  # the published Kronos-small
 # name: (series, sample paths, context, steps), full and quick
-WORKLOADS = {"one": ((1, 1, 400, 120), (1, 1, 64, 24)), "many": ((300, 1, 90, 10), (8, 1, 90, 10)),
+WORKLOADS = {"one": ((1, 1, 400, 120), (1, 1, 64, 24)), "few": ((8, 2, 128, 24), (2, 2, 64, 12)),
+             "many": ((300, 1, 90, 10), (8, 1, 90, 10)),
              "paths": ((64, 8, 400, 24), (2, 8, 64, 12))}
 
 
@@ -64,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-context", type=int, default=512)
     p.add_argument("--repeats", type=int, default=1, help="best of N timings per path (after one warm-up)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--json", type=Path, help="also write the rows (seconds per path, identical) as JSON here")
     args = p.parse_args(argv)
 
     torch.manual_seed(0)
@@ -78,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"| workload | series x paths | context -> steps | eager s | {' | '.join(f'{d} s' for d in fast)} | "
           f"{' | '.join(f'eager / {d}' for d in fast)} | identical |")
     print("|---|---|---|---|" + "---|" * 2 * len(fast) + "---|")
-    differ = False
+    differ, rows = False, []
     for wl in args.workloads:
         series, samples, context, steps = WORKLOADS[wl][0 if full else 1]
         work = (*inputs(series, context, steps), steps)  # x, x_stamp, y_stamp, pred_len
@@ -89,6 +94,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {wl} | {series} x {samples} | {context} -> {steps} | {t_eager:.3f} | "
               f"{' | '.join(f'{t:.3f}' for t, _ in runs)} | {' | '.join(f'{t_eager / t:.2f}x' for t, _ in runs)} | "
               f"{same} |", flush=True)
+        rows.append({"workload": wl, "series": series, "paths": samples, "context": context, "steps": steps,
+                     "seconds": {"eager": t_eager, **{d: t for d, (t, _) in zip(fast, runs)}}, "identical": same})
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
     if differ:
         raise SystemExit("the static or graph forecast differs from the eager one")
 

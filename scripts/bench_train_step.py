@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
     p.add_argument("--safety", action="store_true", help="time the run-safety overheads instead (see above)")
     p.add_argument("--modes", nargs="+", choices=["full", "lora", "freeze"], help="compare finetune modes (see above)")
+    p.add_argument("--targets", action="store_true", help="only the issue's targets: the engine with the defaults "
+                   "(amp auto, compile auto) at the GPU shapes, median tokens/s, MFU of 6N FLOPs/token vs 790 TFLOP/s")
     return p.parse_args(argv)
 
 
@@ -266,6 +268,28 @@ def modes_main(args: argparse.Namespace) -> None:
         args.json.write_text(json.dumps(rows, indent=2))
 
 
+MEASURED_BF16_PEAK = 790e12  # the bf16 matrix rate measured on an H100 (issue 34), not the 989 TFLOP/s spec
+
+
+def targets_main(args: argparse.Namespace) -> None:
+    """The train-step targets: each model at its GPU shape with the engine's defaults, one line and a JSON row."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = []
+    for name in args.models:
+        shape = argparse.Namespace(**{**vars(args), "batch": args.batch or GPU_SHAPES[name][0],
+                                      "seq": args.seq or GPU_SHAPES[name][1]})
+        t = engine_step_ms(name, shape, device, "auto", compile="auto")
+        n = sum(p.numel() for p in Kronos(**PREDICTORS[name]).parameters()) if name in PREDICTORS else None
+        tps = shape.batch * shape.seq / (t.median_ms / 1000)  # the median step, not the fastest
+        mfu = 6 * n * tps / MEASURED_BF16_PEAK if n and device.type == "cuda" else None
+        rows.append({"model": name, "batch": shape.batch, "seq": shape.seq, "params": n, "median_ms": t.median_ms,
+                     "tokens_per_s": tps, "mfu_790": mfu})
+        print(f"{name} {shape.batch} x {shape.seq}: median {t.median_ms:.1f} ms, {tps:,.0f} tokens/s, MFU (790) "
+              + (f"{100 * mfu:.1f}%" if mfu is not None else "-"), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.safety:
@@ -273,6 +297,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.modes:
         modes_main(args)
+        return
+    if args.targets:
+        targets_main(args)
         return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # No torch.set_float32_matmul_precision here: every fp32 column is what training.amp=none trains (TF32 off).
