@@ -14,17 +14,22 @@
 #        python scripts/build_qlib_data.py --synthetic 20 --out data/generated/qlib_demo
 #        python finetune/qlib_data_preprocess.py --config configs/qlib_demo.yaml  # -> data/generated/qlib_demo_processed
 #   4. the CSV demo on the GPU: synthetic candles, `kronos finetune`, `kronos forecast` (configs/csv_demo.yaml),
-#   5. the benchmarks: scripts/bench_train_step.py and scripts/bench_generation.py with their defaults.
-# Then one table (step, status, seconds); the exit status is 1 when any step failed. Logs and outputs go to
-# $GPU_CHECK_OUT (default: a new temporary folder). Python: .venv/bin/python when there is one, else python3 with
-# this checkout on PYTHONPATH (nothing installed). Without a GPU it says so and exits 0.
+#   5. the benchmarks of the targets (issue 34): bench_train_step.py --targets (Kronos-small 64 x 512, Kronos-base
+#      32 x 512, engine defaults, tokens/s and MFU vs 790 TFLOP/s), bench_generation.py (four forecast workloads,
+#      eager vs static vs graph, identical greedy output).
+# Steps 2 and 5 run first (the figures the check exists to give), then 4 and 3 in what is left. Then one table
+# (step, status, seconds) and $WORK/summary.json: each step's status and seconds, the benchmark figures, the hardware,
+# and the traceback of every failed cuda test; the exit status is 1 when any step failed. Everything goes to one
+# folder: $GPU_CHECK_OUT, else $OUT, else a new temporary folder. Python: .venv/bin/python when there is one, else
+# python3 with this checkout on PYTHONPATH (nothing installed). Without a GPU (or with CUDA_VISIBLE_DEVICES="") it
+# says so and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1
 
 if ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
-  if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q "^GPU"; then
+  if [ "${CUDA_VISIBLE_DEVICES-unset}" != "" ] && command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q "^GPU"; then
     echo "a GPU is present (nvidia-smi) but torch cannot use it ($PY):" >&2
     "$PY" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)" >&2
     exit 1
@@ -33,7 +38,7 @@ if ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/de
   exit 0
 fi
 
-WORK="${GPU_CHECK_OUT:-$(mktemp -d -t kronos-gpu-check.XXXXXX)}"
+WORK="${GPU_CHECK_OUT:-${OUT:-$(mktemp -d -t kronos-gpu-check.XXXXXX)}}"
 mkdir -p "$WORK/logs"
 BUDGET_S=480
 names=() statuses=() seconds=()
@@ -94,11 +99,26 @@ missing = [m for m in ('yaml', 'safetensors', 'huggingface_hub', 'tqdm', 'matplo
                        'peft', 'pytest') if u.find_spec(m) is None]
 sys.exit('missing: ' + ', '.join(missing) if missing else 0)"
 
-# 2. the cuda tests; a skipped one (no peft, a GPU pytest cannot see) is a failure here
-if step "cuda tests (pytest -m cuda)" 300 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py \
-  && grep -Eq "[0-9]+ skipped" "$log"; then
+# 2. the cuda tests, 4 workers (the kill tests share one: tests/conftest.py); a skipped one (no peft, a GPU pytest
+# cannot see) is a failure here; failures' tracebacks go to summary.json from the JUnit XML
+if step "cuda tests (pytest -m cuda)" 210 "$PY" -m pytest -q -p no:cacheprovider -m cuda -n 4 --dist loadgroup \
+  --junitxml="$WORK/cuda-tests.xml" tests/test_cuda.py tests/test_model_decode.py && grep -Eq "[0-9]+ skipped" "$log"
+then
   statuses[-1]="FAIL (skipped: $(grep -Eo "[0-9]+ skipped" "$log"))"
 fi
+
+# 5. the benchmarks of the targets
+step "bench_train_step.py --targets" 130 "$PY" scripts/bench_train_step.py --targets --json "$WORK/bench_train.json" \
+  && tail -n 3 "$log"
+step "bench_generation.py" 75 "$PY" scripts/bench_generation.py --full --json "$WORK/bench_generation.json" \
+  && tail -n 6 "$log"
+
+# 4. the CSV demo on the GPU (the engine trains on cuda:0 when CUDA is available)
+csv=(--config configs/csv_demo.yaml --set "data.path=$WORK/csv_demo_5min" --set "paths.base_dir=$WORK/csv_demo")
+step "csv demo data" 60 "$PY" scripts/make_synthetic_data.py --out "$WORK/csv_demo_5min" --n-series 4 --n-bars 3000 \
+  --freq 5min --seed 0 \
+  && step "csv demo: kronos finetune" 150 "$PY" -m finetune.cli finetune "${csv[@]}" \
+  && step "csv demo: kronos forecast" 120 "$PY" -m finetune.cli forecast "${csv[@]}"
 
 # 3. the Qlib demo trainers under torchrun + NCCL
 qlib=()
@@ -123,17 +143,6 @@ if [ ${#qlib[@]} -gt 0 ]; then
   done
 fi
 
-# 4. the CSV demo on the GPU (the engine trains on cuda:0 when CUDA is available)
-csv=(--config configs/csv_demo.yaml --set "data.path=$WORK/csv_demo_5min" --set "paths.base_dir=$WORK/csv_demo")
-step "csv demo data" 60 "$PY" scripts/make_synthetic_data.py --out "$WORK/csv_demo_5min" --n-series 4 --n-bars 3000 \
-  --freq 5min --seed 0 \
-  && step "csv demo: kronos finetune" 150 "$PY" -m finetune.cli finetune "${csv[@]}" \
-  && step "csv demo: kronos forecast" 120 "$PY" -m finetune.cli forecast "${csv[@]}"
-
-# 5. the benchmarks (their own defaults; they pick the GPU when there is one)
-step "bench_train_step.py" 120 "$PY" scripts/bench_train_step.py && tail -n 20 "$log"
-step "bench_generation.py" 90 "$PY" scripts/bench_generation.py && tail -n 20 "$log"
-
 echo
 echo "GPU check: $env_line"
 printf '%-44s %-40s %8s\n' step status seconds
@@ -143,5 +152,27 @@ for i in "${!names[@]}"; do
   [[ ${statuses[$i]} == FAIL* ]] && failed=1
 done
 printf '%-44s %-40s %8s\n' total "" "$SECONDS"
-echo "logs and outputs: $WORK"
+# summary.json: the table, the figures, the hardware, the failed tests' tracebacks (printed too)
+printf '%s\n' "${names[@]}" >"$WORK/.names"; printf '%s\n' "${statuses[@]}" >"$WORK/.statuses"
+"$PY" - "$WORK" "$env_line" "${seconds[@]}" <<'EOF'
+import json, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+work, hardware, secs = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+names, statuses = ((work / f).read_text().splitlines() for f in (".names", ".statuses"))
+read = lambda f: json.loads((work / f).read_text()) if (work / f).exists() else None  # noqa: E731
+failures = {}
+if (work / "cuda-tests.xml").exists():
+    for case in ET.parse(work / "cuda-tests.xml").iter("testcase"):
+        for bad in [*case.iter("failure"), *case.iter("error")]:
+            failures[f"{case.get('classname')}::{case.get('name')}"] = (bad.text or bad.get("message") or "")[-6000:]
+summary = {"hardware": hardware, "steps": [{"step": n, "status": s, "seconds": int(t)}
+                                          for n, s, t in zip(names, statuses, secs)],
+           "train_step": read("bench_train.json"), "forecast": read("bench_generation.json"),
+           "failed_tests": failures}
+(work / "summary.json").write_text(json.dumps(summary, indent=2))
+for name, text in failures.items():
+    print(f"\n=== FAILED {name}\n{text}")
+EOF
+rm -f "$WORK/.names" "$WORK/.statuses"
+echo "logs, outputs and summary.json: $WORK"
 exit $failed

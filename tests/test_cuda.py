@@ -250,6 +250,12 @@ def test_a_test_not_marked_cuda_sees_no_gpu_in_process_nor_in_a_child():
     assert child.stdout.split() == ["True", "False", "0"], child.stderr
 
 
+def test_the_gpu_check_without_a_gpu_says_so_and_exits_0(tmp_path):
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
+                         env={**os.environ, "OUT": str(tmp_path)}, timeout=120)
+    assert (run.returncode, run.stdout.strip()) == (0, "no GPU: nothing to check"), run.stderr
+
+
 @pytest.mark.cuda
 def test_a_test_marked_cuda_sees_the_gpu():
     assert os.environ.get("CUDA_VISIBLE_DEVICES") != "" and torch.cuda.is_available()
