@@ -243,6 +243,31 @@ def test_a_stored_calibration_widens_the_price_bands_on_cuda(tmp_path):
     np.testing.assert_array_equal(runs[True].samples[..., 4:], runs[False].samples[..., 4:])  # volume as drawn
 
 
+@pytest.mark.cuda
+def test_seeded_sampling_repeats_on_cuda_on_the_first_call_as_on_later_ones():
+    """The first graph call captures (warm-up steps draw random numbers), later ones replay: one seed must still give
+    one set of paths on every call, for the graph and the eager decode. The graph replays the static step's kernels
+    on the same generator state, so graph and static draw the same paths (eager samples another way: multinomial)."""
+    from model import KronosPredictor
+    from tests.model_factory import tiny_models
+    from tests.test_model_predictor import candles
+
+    tok, pred = tiny_models(seed=1)
+    df, x_ts, y_ts = candles(40)
+    paths = {}
+    for decode in ("graph", "static", "eager"):
+        p = KronosPredictor(pred, tok, device="cuda:0", decode=decode)
+        calls = []
+        for _ in range(3):  # the first call of a fresh predictor captures its graph
+            torch.manual_seed(0)
+            calls.append(p.predict(df, x_ts, y_ts[:6], 6, T=1.0, top_p=0.9, sample_count=4, verbose=False,
+                                   return_samples=True).samples)
+        for later in calls[1:]:
+            np.testing.assert_array_equal(later, calls[0], err_msg=decode)
+        paths[decode] = calls[0]
+    np.testing.assert_allclose(paths["graph"], paths["static"], rtol=1e-5)
+
+
 if __name__ == "__main__":  # python tests/test_cuda.py <script.py> <args>: run the script deterministically
     torch.use_deterministic_algorithms(True, warn_only=True)
     sys.argv = sys.argv[1:]
