@@ -23,8 +23,8 @@ from finetune.utils.training_utils import (
     should_log,
     should_save_checkpoint,
     step_batch_sizes,
-    update_early_stopping,
 )
+from finetune.utils.validate import update_early_stopping
 from model.errors import UserError
 
 

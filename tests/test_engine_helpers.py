@@ -17,7 +17,8 @@ from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import DistInfo, seed_everything, seeded_init
 from finetune.utils.errors import setup_logging
 from finetune.utils.safety import FAULT_ENV, maybe_die_after_step
-from finetune.utils.training_utils import LossSums, TokenizerStage, Trainer
+from finetune.utils.training_utils import TokenizerStage, Trainer
+from finetune.utils.validate import LossSums
 from tests.engine_dist_worker import tiny_datasets, tiny_tokenizer
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))

@@ -356,7 +356,7 @@ class HandlerProbe:
 
 
 def test_loader_workers_ignore_sigint_and_keep_their_seeding():
-    from finetune.utils.training_utils import quiet_loader
+    from finetune.utils.validate import quiet_loader
     from finetune.utils.windows import EpochSampler, make_loader
 
     # A pytest started in the background (`cmd &`) inherits SIGINT ignored: start from Python's own handler.

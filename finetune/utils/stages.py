@@ -34,7 +34,8 @@ from finetune.utils.config_utils import STAGES, config_to_dict
 from finetune.utils.distributed import DistInfo, distributed_context, seeded_init
 from finetune.utils.factory import build_predictor, build_tokenizer
 from finetune.utils.safety import GracefulStop, raise_if_stop_requested, stage_status
-from finetune.utils.training_utils import TrainResult, ValMetric, train_predictor, train_tokenizer
+from finetune.utils.training_utils import TrainResult, train_predictor, train_tokenizer
+from finetune.utils.validate import ValMetric
 from finetune.utils.windows import HeldOutWindows, sample_paths, spread_evenly
 from model import KronosTokenizer
 from model.errors import DataError

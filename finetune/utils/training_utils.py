@@ -32,7 +32,7 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -65,7 +65,6 @@ from finetune.utils.config_utils import Problems, TrainingConfig, config_to_dict
 from finetune.utils.distributed import (
     DistInfo,
     all_gather_object,
-    all_reduce_sum,
     barrier,
     no_sync,
     seed_everything,
@@ -81,15 +80,25 @@ from finetune.utils.safety import (
     RunPlan,
     StageFolderError,
     TrainingStopped,
-    ignore_interrupts_in_worker,
     maybe_die_after_step,
     plan_run,
     remove_outputs,
 )
-from finetune.utils.windows import EpochSampler, batches_per_epoch, make_loader, seed_worker
+from finetune.utils.validate import (
+    LossSums,
+    Validator,
+    ValMetric,
+    evaluate,
+    forward_flops_per_token,
+    quiet_loader,
+    resolve_precision,
+    rng_fork,
+    tf32_matmuls,
+    val_sampler,
+)
+from finetune.utils.windows import EpochSampler, batches_per_epoch, make_loader
 from model.errors import DataError
 from model.hub import weights_fingerprint
-from model.layers import MultiHeadAttentionWithRoPE, MultiHeadCrossAttentionWithRoPE
 from model.predictor import PREDICTOR_INFO_NAME, TOKENIZER_CONFIG_NAME, TOKENIZER_SUBDIR, predictor_info
 
 
@@ -139,71 +148,6 @@ class LoopState:
     # One entry per validation, epoch 0 (the starting model) first (train and validation loss, lr, seconds).
     history: list[dict[str, Any]] = field(default_factory=list)
 
-
-@dataclass(frozen=True)
-class ReducedSums:
-    """All ranks' totals of a `LossSums`, on the host."""
-
-    sums: dict[str, float]  # "loss" and each part name -> sum over windows of value * windows in its batch.
-    windows: int  # Windows added on all ranks.
-    extra: tuple[float, ...] = ()  # The `extra` numbers passed to `reduce`, summed over ranks.
-
-    def mean(self, name: str) -> float:
-        """Window-weighted mean of `name` ("loss" or a part); NaN when no window was added."""
-        return self.sums[name] / self.windows if self.windows > 0 else math.nan
-
-    def means(self, prefix: str = "") -> dict[str, float]:
-        """{prefix + name: mean} for "loss" and every part."""
-        return {f"{prefix}{name}": self.mean(name) for name in self.sums}
-
-
-class LossSums:
-    """Per-rank running sums of loss * n, part * n and n, on the training `device` (no host sync per batch).
-    `loss_sum` / `windows` start a resumed epoch where it was interrupted (give them on one rank only: `reduce`
-    sums over ranks)."""
-
-    def __init__(self, part_names: Sequence[str], device: torch.device, loss_sum: float = 0.0, windows: int = 0):
-        self.names = ("loss", *part_names)
-        # (1 + n_parts + 1,) float64: loss, parts..., windows
-        self.totals = torch.zeros(len(self.names) + 1, dtype=torch.float64, device=device)
-        self.totals[0] = loss_sum
-        self.totals[-1] = windows
-
-    def add(self, loss: torch.Tensor, parts: dict[str, torch.Tensor], n: int) -> None:
-        """Add a batch of `n` windows whose mean loss is `loss` (scalar) and mean parts `parts` (scalars)."""
-        values = torch.stack([loss.detach().double(), *[parts[k].detach().double() for k in self.names[1:]]])
-        self.totals[:-1] += values * n
-        self.totals[-1] += n
-
-    def reduce(self, extra: Sequence[float] = ()) -> ReducedSums:
-        """Sum over all ranks (one all-reduce, `extra` host numbers included); the running sums are unchanged."""
-        extra_t = torch.tensor(list(extra), dtype=torch.float64, device=self.totals.device)
-        totals = all_reduce_sum(torch.cat([self.totals, extra_t])).tolist()
-        k = len(self.names)
-        return ReducedSums(sums=dict(zip(self.names, totals[:k])), windows=int(totals[k]),
-                           extra=tuple(totals[k + 1:]))
-
-
-@dataclass(frozen=True)
-class EarlyStopping:
-    """Early-stopping state after one validation."""
-
-    best: float  # Best validation loss so far.
-    bad_epochs: int  # Validations in a row without improvement.
-    improved: bool  # This validation beat the best (save the model).
-    stop: bool  # Patience is used up: stop training.
-
-
-def update_early_stopping(best: float, bad_epochs: int, val_loss: float, patience: int,
-                          min_delta: float = 0.0) -> EarlyStopping:
-    """Fold one validation loss into the early-stopping state; `patience=0` never stops. NaN never improves."""
-    improved = math.isfinite(val_loss) and val_loss < best - min_delta
-    if improved:
-        best, bad_epochs = val_loss, 0
-    else:
-        bad_epochs += 1
-    stop = patience > 0 and bad_epochs >= patience
-    return EarlyStopping(best=best, bad_epochs=bad_epochs, improved=improved, stop=stop)
 
 
 def should_save_checkpoint(step: int, every: int) -> bool:
@@ -444,129 +388,14 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, scheduler: Any, saved: d
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
-@contextlib.contextmanager
-def rng_fork() -> Iterator[None]:
-    """Run a block without moving this process's random streams (python, numpy, torch): epoch-0 validation and
-    forecast metrics must not change the training's dropout / sampling."""
-    saved = rng_state()
-    try:
-        yield
-    finally:
-        set_rng_state(saved)
-
 
 log = logging.getLogger(__name__)
-
-# (model, stage) -> {"score": lower is better, other named values...}; called on every rank after validation.
-ValMetric = Callable[[nn.Module, Stage], dict[str, float]]
-
-
-def _worker_init(worker_id: int) -> None:
-    """DataLoader workers: reproducible seeds, and Ctrl-C left to the training process (graceful stop)."""
-    seed_worker(worker_id)
-    ignore_interrupts_in_worker(worker_id)
-
-
-def quiet_loader(loader):
-    """The loader with workers that ignore SIGINT (make_loader's seeding kept)."""
-    if loader.num_workers > 0:
-        loader.worker_init_fn = _worker_init
-    return loader
 
 
 def train_sampler(dataset: Dataset, cfg: TrainingConfig, dist: DistInfo) -> EpochSampler:
     """Shuffled per (seed, epoch), capped at max_train_samples, equal share per rank (the remainder dropped)."""
     return EpochSampler(len(dataset), shuffle=True, seed=cfg.seed, max_samples=cfg.max_train_samples,
                         rank=dist.rank, world_size=dist.world_size, drop_remainder=True)
-
-
-def val_sampler(dataset: Dataset, cfg: TrainingConfig, dist: DistInfo) -> EpochSampler:
-    """Ordered, nothing dropped or duplicated (an exact loss); a capped run draws a seeded subset per epoch."""
-    return EpochSampler(len(dataset), shuffle=False, seed=cfg.seed + 1, max_samples=cfg.max_val_samples,
-                        rank=dist.rank, world_size=dist.world_size, drop_remainder=False)
-
-
-# Dense peak FLOP/s (no sparsity) of one GPU by the precision its matmuls run in (bf16, tf32, fp32), from NVIDIA's
-# datasheets (SXM parts unless named); the first name part found in torch.cuda.get_device_name() is used.
-PEAK_FLOPS = {"H100 PCIe": (756e12, 378e12, 51e12), "H100": (989e12, 495e12, 67e12), "H200": (989e12, 495e12, 67e12),
-              "A100": (312e12, 156e12, 19.5e12), "L40S": (362e12, 183e12, 91.6e12)}
-
-
-@dataclass(frozen=True)
-class Precision:
-    """What training.amp resolves to on the training device."""
-
-    autocast_dtype: torch.dtype | None  # bf16 autocast, or None: float32
-    tf32: bool  # float32 matmuls run in TF32 (CUDA)
-    peak_flops: float | None  # the device's peak at this precision; None: no MFU (CPU, or a GPU not in PEAK_FLOPS)
-    text: str  # the log's line: which precision, why, and whether MFU is reported
-
-    def autocast(self) -> torch.autocast:
-        """bf16 autocast on CUDA when it applies; a no-op otherwise."""
-        return torch.autocast("cuda", dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
-
-
-def resolve_precision(amp: str, device: torch.device) -> Precision:
-    """training.amp on `device`: 'auto' = bf16 autocast where the GPU supports it, else float32, with TF32 matmuls
-    for what stays float32 (e.g. the predictor stage's frozen tokenizer); 'none' float32 (TF32 off); 'bf16' bf16
-    autocast; float32 on CPU."""
-    if device.type != "cuda":
-        return Precision(None, False, None, f"float32 (training.amp={amp}: no CUDA device); tokens/s, no MFU on CPU")
-    name = torch.cuda.get_device_name(device)
-    bf16 = amp == "bf16" or (amp == "auto" and torch.cuda.is_bf16_supported())
-    why = f"training.amp={amp}" + (f": {name} {'supports' if bf16 else 'lacks'} bf16" if amp == "auto" else "")
-    peak = next((p[0 if bf16 else 1 if amp == "auto" else 2] for part, p in PEAK_FLOPS.items() if part in name), None)
-    text = ("bf16 autocast" if bf16 else "float32") + (", TF32 matmuls for what stays float32" if amp == "auto" else "")
-    text += f" ({why}); " + (f"MFU against {peak / 1e12:.0f} TFLOP/s per device" if peak else
-                             f"no MFU: {name}'s peak FLOP/s is not known")
-    return Precision(torch.bfloat16 if bf16 else None, amp == "auto", peak, text)
-
-
-@contextlib.contextmanager
-def tf32_matmuls(on: bool) -> Iterator[None]:
-    """float32 matmuls in TF32 inside the block when `on` (the process's setting is restored afterwards)."""
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high" if on else before)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
-
-
-def forward_flops_per_token(modules: Sequence[nn.Module], seq: int) -> float:
-    """Forward FLOPs per token of `modules` on windows of `seq` tokens, counted as nanoGPT's estimate_mfu does: 2 per
-    nn.Linear weight (a multiply-add) + 4 * d_model * seq per attention layer (q @ k^T and softmax @ v, the causal
-    half not subtracted); lookups, norms and element-wise ops are left out. A training step costs 3x (backward: input
-    and weight gradients), i.e. 6 * N + 12 * L * d_model * seq, also for frozen weights (lora / freeze: too high)."""
-    found = [m for module in modules for m in module.modules()]
-    weights = sum(m.weight.numel() for m in found if isinstance(m, nn.Linear))
-    attention = sum(m.d_model for m in found
-                    if isinstance(m, (MultiHeadAttentionWithRoPE, MultiHeadCrossAttentionWithRoPE)))
-    return 2 * weights + 4 * attention * seq
-
-
-@torch.no_grad()
-def evaluate(stage: Stage, wrapped: nn.Module, dataset: Dataset, sampler: EpochSampler, cfg: TrainingConfig,
-             dist: DistInfo, epoch: int) -> dict[str, float]:
-    """Validation loss of `stage` over every window `sampler` deals (all ranks), in eval mode.
-
-    Returns {"val_loss", "val_<part>" for each of stage.part_names, "val_windows"}: window-weighted means over all
-    ranks (sums and counts all-reduced, not batch means). A rank with no window still joins the all-reduce."""
-    was_training = stage.model.training
-    stage.model.eval()
-    loader = quiet_loader(make_loader(dataset, sampler, cfg.batch_size, epoch=epoch, seed=cfg.seed + 1,
-                                      num_workers=cfg.num_workers, pin_memory=dist.device.type == "cuda"))
-    sums = LossSums(stage.part_names, dist.device)
-    precision = resolve_precision(cfg.amp, dist.device)
-    for x, stamp in loader:
-        # x (B, T, F), stamp (B, T, 5)
-        x, stamp = x.to(dist.device, non_blocking=True), stamp.to(dist.device, non_blocking=True)
-        with precision.autocast():
-            loss, parts = stage.loss(wrapped, x, stamp, training=False)
-        sums.add(loss, parts, x.shape[0])
-    totals = sums.reduce()
-    stage.model.train(was_training)
-    return {**totals.means(prefix="val_"), "val_windows": totals.windows}
 
 
 class Trainer:
@@ -601,17 +430,15 @@ class Trainer:
 
         self.stage, self.cfg, self.out, self.dist = stage, cfg, Path(out), dist
         self.model, self.device = stage.model, dist.device
-        self.train_set, self.val_set = train_set, val_set
+        self.train_set = train_set
         self.run_config = run_config if run_config is not None else {"training": config_to_dict(cfg)}
         self.data_info = data_info
-        self.val_metric = val_metric
         self.frozen_fp = stage.frozen_fingerprint()  # the predictor's tokenizer weights (None for the tokenizer)
         self.best_dir, self.ckpt_path = self.out / "best_model", last_checkpoint_path(self.out)
         self.output_key = output_key  # the pipeline's setting naming `out`, quoted when the disk is full
 
         # Data: the samplers fix the order from (seed, epoch); the loaders are rebuilt every epoch.
         self.train_sampler = train_sampler(train_set, cfg, dist)
-        self.val_sampler = val_sampler(val_set, cfg, dist)
         samples_per_rank = self.train_sampler.samples_per_rank()
         if samples_per_rank < 1:
             raise DataError(f"{stage.name}: {len(train_set)} training windows cannot be split over "
@@ -632,6 +459,7 @@ class Trainer:
             self.optimizer, max_lr=cfg.lr, total_steps=total, pct_start=one_cycle_pct_start(cfg.pct_start, total),
             div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor, cycle_momentum=False)
         self.precision = resolve_precision(cfg.amp, self.device)  # said in the log (bf16 on CPU: float32)
+        self.validator = Validator(stage, val_set, cfg, dist, self.precision, val_metric)
         # training.compile: the loss of full micro-batches is compiled at the first one (see forward_backward_step).
         self.compile = self.device.type == "cuda" if cfg.compile == "auto" else bool(cfg.compile)
         self.compiled_loss: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] | None = None
@@ -940,34 +768,25 @@ class Trainer:
     def validate_and_select(self, epoch: int, train_loss: float | None) -> bool:
         """Validate after `epoch` (0 = the starting model), save best_model/ when the score improved, log the
         record; returns the early-stopping decision."""
-        state, cfg, stage, dist = self.state, self.cfg, self.stage, self.dist
-        # The sampler's epoch (a fresh subset per epoch under max_val_samples): epoch 0 shares epoch 1's.
-        val = evaluate(stage, self.wrapped, self.val_set, self.val_sampler, cfg, dist, max(epoch - 1, 0))
-        score = val["val_loss"]
-        if self.val_metric is not None:
-            with rng_fork():  # a sampled forecast metric must not move the training's random streams
-                metric = self.val_metric(self.model, stage)
-            val.update({f"metric_{k}": float(v) for k, v in metric.items()})
-            if cfg.select_by != "loss":
-                score = float(metric["score"])
-        decision = update_early_stopping(state.best_score, state.bad_epochs, score, cfg.patience, cfg.min_delta)
-        if decision.improved:
-            state.best_epoch, state.best_val_loss = epoch, val["val_loss"]
+        state, cfg, dist = self.state, self.cfg, self.dist
+        sel = self.validator.validate_and_select(self.wrapped, epoch, state.best_score, state.bad_epochs)
+        if sel.improved:
+            state.best_epoch, state.best_val_loss = epoch, sel.values["val_loss"]
             if dist.is_main:
-                self.save_best(epoch, val["val_loss"])
+                self.save_best(epoch, state.best_val_loss)
             barrier()
-        state.best_score, state.bad_epochs = decision.best, (0 if epoch == 0 else decision.bad_epochs)
-        entry = {"epoch": epoch, "step": state.global_step, "train_loss": train_loss, **val, "score": score,
+        state.best_score, state.bad_epochs = sel.best_score, sel.bad_epochs
+        entry = {"epoch": epoch, "step": state.global_step, "train_loss": train_loss, **sel.values,
                  "lr": self.scheduler.get_last_lr()[0], "seconds": time.perf_counter() - self.epoch_start}
         state.history.append(entry)
         self.logger.log({"kind": "val", **entry, "best_val_loss": state.best_val_loss, "best_score": state.best_score,
-                         "improved": decision.improved})
+                         "improved": sel.improved})
         if dist.is_main:
             what = "starting model" if epoch == 0 else f"epoch {epoch}/{cfg.epochs}  train {train_loss:.4f}"
-            log.info("[%s] %s  val %.4f%s  best %.4f%s%s", stage.name, what, val["val_loss"],
-                     f"  {cfg.select_by} {score:.4f}" if cfg.select_by != "loss" else "", state.best_score,
-                     "  (saved)" if decision.improved else "", self.throughput() if epoch > 0 else "")
-        return decision.stop and epoch > 0
+            log.info("[%s] %s  val %.4f%s  best %.4f%s%s", self.stage.name, what, entry["val_loss"],
+                     f"  {cfg.select_by} {entry['score']:.4f}" if cfg.select_by != "loss" else "", state.best_score,
+                     "  (saved)" if sel.improved else "", self.throughput() if epoch > 0 else "")
+        return sel.stop
 
     def mfu(self, tokens_per_s: float) -> float:
         """Model FLOPs utilisation of all ranks' devices at `tokens_per_s` (candles per second, all ranks)."""
@@ -1094,4 +913,5 @@ def evaluate_predictor(predictor: nn.Module, tokenizer: nn.Module, dataset: Data
     """Causal, teacher-forced predictor loss averaged over validation windows (all ranks)."""
     tokenizer.to(dist.device).eval()
     stage = PredictorStage(predictor.to(dist.device), tokenizer, True)
-    return evaluate(stage, predictor, dataset, val_sampler(dataset, cfg, dist), cfg, dist, epoch)
+    return evaluate(stage, predictor, dataset, val_sampler(dataset, cfg, dist), cfg, dist, epoch,
+                    resolve_precision(cfg.amp, dist.device))
