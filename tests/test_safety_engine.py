@@ -18,13 +18,13 @@ import finetune.utils.checkpoint as checkpoint_store
 from finetune.utils.checkpoint import CheckpointWriteError, DivergenceError, load_checkpoint
 from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import DistInfo
+from finetune.utils.ledger import stage_status
 from finetune.utils.safety import (
     STOPPED_EXIT_CODE,
     RunLock,
     RunLockedError,
     StageFolderError,
     TrainingStopped,
-    stage_status,
 )
 from finetune.utils.training_utils import TokenizerStage, Trainer, restore_optimizer, train_predictor, train_tokenizer
 from model.errors import ConfigError

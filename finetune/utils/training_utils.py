@@ -3,25 +3,15 @@
     train_tokenizer(tokenizer, train_set, val_set, cfg, out_dir, dist, run_config=..., data_info=...)
     train_predictor(predictor, tokenizer, train_set, val_set, cfg, out_dir, dist, ..., forecast_info=...)
 
-Contents, in order:
-- `TrainResult` (what a run returns) and `LoopState` (what it remembers; last.pt's "loop" entry).
-- `LossSums`: the one accumulator (log window, epoch training loss, validation), all-reduced once per record.
-- Pure decisions: early stopping, when to log / checkpoint, how an epoch splits into optimizer steps.
-- The two stages: `tokenizer_loss` / `predictor_loss`, `TokenizerStage` / `PredictorStage` (loss, default clip,
-  loss parts, how the best model is saved, the frozen weights' fingerprint).
-- Resume steps: `on_main` (rank 0 decides, every rank gets the answer or the error), `load_for_resume` (rank 0
-  deserialises once), `restore_optimizer` (moments kept, this run's lr schedule), `rng_fork`.
-- Data loading (`train_sampler`, `val_sampler`, workers that ignore Ctrl-C), `resolve_precision` (training.amp, TF32,
-  the peak behind MFU, autocast), `forward_flops_per_token`, `evaluate` (validation).
-- `Trainer`: all state declared in `__init__`, `state_dict()` / `load_state_dict()` = a checkpoint's content;
-  `fit()` = take the folder (lock, plan), resume or validate the starting model (epoch 0), `train_epoch` ->
-  `train_step` -> `forward_backward_step` / `optimizer_step`, `end_epoch` (validate, keep the best model, early
-  stopping, checkpoint), `finish` (plot, run_info.json).
-- Entry points `train_tokenizer`, `train_predictor`, `evaluate_predictor`.
+Contents: `TrainResult`, `LoopState` (last.pt's "loop" entry); the pure step decisions; the two stages (loss,
+default clip, loss parts, how the best model is saved, the frozen weights' fingerprint); `restore_optimizer`;
+`Trainer`: all state declared in `__init__`, `state_dict()` / `load_state_dict()` = a checkpoint's content, `fit()`
+the table of contents; the entry points `train_tokenizer`, `train_predictor`, `evaluate_predictor`.
 
-Checkpoints are finetune/utils/checkpoint.py's, run safety finetune/utils/safety.py's. `data_info` goes into
-run_info.json and its fingerprint into every checkpoint: a resume with other data is refused unless
-training.accept_changed_data, so pipelines put in it what defines their data (file sha256s, splits, window).
+The ledger (finetune/utils/ledger.py) decides what the stage folder's content means (fresh, resume, reuse, rebuild
+or refuse), the Validator (validate.py) validates and selects, checkpoint.py writes, safety.py keeps the run safe.
+`data_info` goes into run_info.json and its fingerprint into every checkpoint, so pipelines put in it what defines
+their data (file sha256s, splits, window).
 """
 
 from __future__ import annotations
@@ -35,7 +25,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,19 +35,13 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import finetune.utils.checkpoint as checkpoint_store
-from finetune.utils import adapters
+from finetune.utils import adapters, ledger
 from finetune.utils.checkpoint import (
     CHECKPOINT_FORMAT,
     Checkpoint,
     DivergenceError,
     assert_finite_state_dict,
-    check_data,
-    check_format,
-    check_resume_compatible,
-    data_fingerprint,
     last_checkpoint_path,
-    load_checkpoint,
-    load_latest,
     rng_state,
     set_rng_state,
 )
@@ -77,12 +61,8 @@ from finetune.utils.safety import (
     GracefulStop,
     NonFiniteGuard,
     RunLock,
-    RunPlan,
-    StageFolderError,
     TrainingStopped,
     maybe_die_after_step,
-    plan_run,
-    remove_outputs,
 )
 from finetune.utils.validate import (
     LossSums,
@@ -325,47 +305,6 @@ class PredictorStage(Stage):
         return weights_fingerprint(self.tokenizer) + (f"+{base}" if base else "")
 
 
-T = TypeVar("T")
-
-
-def on_main(fn: Callable[[], T], dist: DistInfo) -> T:
-    """Run `fn` on rank 0 and hand its value to every rank; a ValueError/OSError it raises is raised on every rank
-    (the original on rank 0, a `StageFolderError` with the same message elsewhere), so all ranks exit cleanly."""
-    value, error = None, None
-    if dist.is_main:
-        try:
-            value = fn()
-        except (ValueError, OSError) as e:
-            error = e
-    shared = all_gather_object((value, None if error is None else str(error)))[0]
-    if error is not None:
-        raise error
-    if shared[1] is not None:
-        raise StageFolderError(shared[1])
-    return shared[0]
-
-
-def load_for_resume(plan: RunPlan, dist: DistInfo, log: Callable[[str], None]) -> tuple[Path, Checkpoint] | None:
-    """The checkpoint `plan` resumes (or reads back, when skipping): an explicit file, else the newest usable one
-    in `plan.checkpoint_dir` (a corrupt newest is reported by path and the previous one used). None: nothing.
-
-    Rank 0 deserialises the file once while choosing it and keeps that copy; the other ranks load the chosen path."""
-    found: tuple[Path, Checkpoint] | None = None
-
-    def pick() -> str | None:
-        nonlocal found
-        if plan.checkpoint is not None:  # an unusable explicit file is an error, not a silent fresh start
-            found = Path(plan.checkpoint), load_checkpoint(plan.checkpoint, map_location=dist.device)
-        else:
-            found = load_latest(plan.checkpoint_dir, map_location=dist.device, validate=check_format, log=log)
-        return None if found is None else str(found[0])
-
-    path = on_main(pick, dist)
-    if path is None:
-        return None
-    return found if dist.is_main else (Path(path), load_checkpoint(path, map_location=dist.device))
-
-
 def restore_optimizer(optimizer: torch.optim.Optimizer, scheduler: Any, saved: dict) -> None:
     """Load the checkpoint's optimizer moments and step count, keeping THIS run's optimisation settings.
 
@@ -418,7 +357,7 @@ class Trainer:
     def __init__(self, stage: Stage, train_set: Dataset, val_set: Dataset, cfg: TrainingConfig, out: Path,
                  dist: DistInfo, run_config: dict[str, Any] | None = None, data_info: dict[str, Any] | None = None,
                  val_metric: ValMetric | None = None, data_extremes: str | None = None,
-                 output_key: str = "training.output_dir"):
+                 output_key: str = "training.output_dir", rebuild_changed: bool = False):
         problems = Problems()
         validate_training_config(cfg, problems)
         problems.check(cfg.select_by == "loss" or val_metric is not None, "training.select_by",
@@ -436,6 +375,7 @@ class Trainer:
         self.frozen_fp = stage.frozen_fingerprint()  # the predictor's tokenizer weights (None for the tokenizer)
         self.best_dir, self.ckpt_path = self.out / "best_model", last_checkpoint_path(self.out)
         self.output_key = output_key  # the pipeline's setting naming `out`, quoted when the disk is full
+        self.rebuild_changed = rebuild_changed  # a finished run whose inputs changed is retrained, not refused
 
         # Data: the samplers fix the order from (seed, epoch); the loaders are rebuilt every epoch.
         self.train_sampler = train_sampler(train_set, cfg, dist)
@@ -472,7 +412,8 @@ class Trainer:
                                     data_extremes=data_extremes)
         self.stop_agreed = False  # some rank received SIGTERM/SIGINT: stop after this step
         self.step_loss = torch.zeros((), device=self.device)  # the current optimizer step's loss (weighted mean)
-        self.plan = RunPlan("fresh")
+        self.plan = ledger.RunPlan("fresh")
+        self.opened = ledger.Opened(self.plan)
 
         # Run state: replaced by the checkpoint's in resume(); updated by the steps.
         self.state = LoopState()
@@ -499,9 +440,13 @@ class Trainer:
         folder or settings refuse the run."""
         with GracefulStop() as self.stopper, tf32_matmuls(self.precision.tf32):
             try:
-                self.take_folder()
-                if self.plan.action == "skip":
-                    return self.read_finished()
+                self.opened = ledger.open_stage(self, self.rebuild_changed)  # fresh, resume, reuse or refuse
+                self.plan = self.opened.plan
+                if self.plan.action == "skip":  # a finished run, current for these inputs: read back, not retrained
+                    self.resume_path = self.opened.path
+                    self.load_state_dict(self.opened.saved)
+                    plot = self.out / "loss_curve.png"
+                    return self.result(plot if plot.exists() else None, skipped=True)
                 # Everything this run logs (rank 0) also goes to <stage>/train.log, appended across resumes.
                 with stage_log(self.out / "train.log", rank=self.dist.rank, stage=self.stage.name,
                                resumed_from=self.plan.checkpoint or self.plan.checkpoint_dir):
@@ -522,75 +467,20 @@ class Trainer:
                 self.logger.close()
                 self.lock.release()
 
-    def take_folder(self) -> None:
-        """Rank 0 locks the stage folder, decides what to do with what it holds, deletes replaced outputs and
-        leftovers of killed writes (under the lock); every rank gets the decision or the same error."""
-
-        def decide() -> RunPlan:
-            self.lock.acquire()
-            plan = plan_run(self.out, self.cfg.resume, self.cfg.overwrite, self.stage.name)
-            if plan.message and plan.action != "skip":  # a skip is announced once its settings are checked
-                log.info("%s", plan.message)
-            remove_outputs(self.out, plan.remove)
-            checkpoint_store.prepare_folder(self.out, log=log.warning)
-            checkpoint_store.prepare_folder(self.ckpt_path.parent, log=log.warning)
-            return plan
-
-        self.plan = on_main(decide, self.dist)
-
-    def read_finished(self) -> TrainResult:
-        """A finished run is not retrained: its final checkpoint's weights go into the model, its result is returned."""
-        found = load_for_resume(self.plan, self.dist, log.warning)
-        if found is None:
-            raise DataError(f"{self.out}: run_info.json says finished but no checkpoint is left")
-        self.resume_path, saved = found
-        # A finished run made with other epochs / batch / model settings is not "this" run: say so, not skip.
-        check_resume_compatible(saved, self.cfg, self.dist.world_size, self.stage.name, self.model_args(),
-                                self.resume_path, run_config=self.run_config, finished=True)
-        self.check_still_holds(saved)
-        if self.dist.is_main:
-            log.info("%s", self.plan.message)
-        self.load_state_dict(saved)
-        plot = self.out / "loss_curve.png"
-        return self.result(plot if plot.exists() else None, skipped=True)
-
-    def check_still_holds(self, saved: dict) -> None:
-        """A finished run is reused only if what it was trained on still holds: the same data and, for the
-        predictor, the same frozen tokenizer (its weights' sha256). Otherwise refuse (StageFolderError, exit 5)
-        naming what changed: retraining would replace a finished model, which only --overwrite may do."""
-        if self.data_info is None:  # the caller describes no data this time: only the frozen model is compared
-            saved = {**saved, "data_fingerprint": None}
-        changes = check_data(saved, self.data_info, self.frozen_fp, True, self.resume_path)
-        if not changes:
-            return
-        if self.cfg.accept_changed_data:
-            for text in changes:
-                log.warning("[%s] training.accept_changed_data=true: keeping the finished run although %s",
-                            self.stage.name, text)
-            return
-        raise StageFolderError(
-            f"[{self.stage.name}] {self.out} holds a finished run, but {'; '.join(changes)}; set "
-            "training.overwrite=true (--overwrite) to retrain it on what the run now uses, or "
-            "training.accept_changed_data=true to keep it as it is")
-
     def resume(self) -> None:
-        """Load the newest usable checkpoint when the plan says resume, then wrap the model for DDP (broadcasts rank
-        0's weights). A resume may change optimisation settings (each named in one line) but not the data order,
-        shapes, data or frozen tokenizer (unless training.accept_changed_data)."""
-        found = load_for_resume(self.plan, self.dist, log.warning) if self.plan.action == "resume" else None
-        if found is not None:
-            self.resume_path, saved = found
-            changed = check_resume_compatible(saved, self.cfg, self.dist.world_size, self.stage.name,
-                                              self.model_args(), self.resume_path, run_config=self.run_config)
-            accepted = check_data(saved, self.data_info, self.frozen_fp, self.cfg.accept_changed_data,
-                                  self.resume_path)
-            self.load_state_dict(saved)
-            self.run_extra = {"changed_on_resume": changed, "accepted_changed_data": accepted}
+        """Load the checkpoint the ledger chose to resume, then wrap the model for DDP (broadcasts rank 0's
+        weights)."""
+        opened = self.opened
+        if opened.saved is not None:
+            self.resume_path = opened.path
+            self.load_state_dict(opened.saved)
+            self.run_extra = {"changed_on_resume": opened.changed, "accepted_changed_data": opened.accepted}
             if self.dist.is_main:
                 log.info("[%s] resuming from %s at step %d", self.stage.name, self.resume_path, self.state.global_step)
-                if changed:
-                    log.info("[%s] settings changed since the checkpoint: %s", self.stage.name, "; ".join(changed))
-                for text in accepted:
+                if opened.changed:
+                    log.info("[%s] settings changed since the checkpoint: %s", self.stage.name,
+                             "; ".join(opened.changed))
+                for text in opened.accepted:
                     log.warning("[%s] training.accept_changed_data=true: %s", self.stage.name, text)
         self.wrapped = wrap_model(self.model, self.dist)
 
@@ -834,7 +724,8 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(), "grad_scaler": None, "loop": dataclasses.asdict(self.state),
                 "rng": rngs, "world_size": self.dist.world_size, "training_config": config_to_dict(self.cfg),
                 "run_config": plain(self.run_config), "data_info": plain(self.data_info),
-                "data_fingerprint": data_fingerprint(plain(self.data_info)), "frozen_fingerprint": self.frozen_fp}
+                "data_fingerprint": ledger.data_fingerprint(plain(self.data_info)),
+                "frozen_fingerprint": self.frozen_fp}
 
     def load_state_dict(self, saved: Checkpoint) -> None:
         """Continue from `saved` (checked by `resume` / `read_finished`): weights, optimizer moments and step (with
