@@ -88,7 +88,7 @@ def test_a_failing_compile_warns_once_and_trains_exactly_like_eager(tmp_path, mo
         return first_call
 
     monkeypatch.setattr(torch, "compile", broken_compile)
-    with caplog.at_level(logging.WARNING, logger="finetune.utils.training_utils"):
+    with caplog.at_level(logging.WARNING, logger="finetune.utils"):
         result = train_tokenizer(tiny_tokenizer(dropout=0.1), train_set, val_set, replace(cfg, compile=True),
                                  tmp_path / "c", CPU)
     warned = [r.getMessage() for r in caplog.records

@@ -46,24 +46,11 @@ from finetune.utils.checkpoint import (
     set_rng_state,
 )
 from finetune.utils.config_utils import Problems, TrainingConfig, config_to_dict, plain, validate_training_config
-from finetune.utils.distributed import (
-    DistInfo,
-    all_gather_object,
-    barrier,
-    no_sync,
-    seed_everything,
-    wrap_model,
-)
+from finetune.utils.distributed import DistInfo, all_gather_object, barrier, no_sync, seed_everything, wrap_model
 from finetune.utils.errors import stage_log
 from finetune.utils.metrics import MetricsLogger, read_metrics, write_run_info
 from finetune.utils.plots import loss_plot_title, plot_loss_curves
-from finetune.utils.safety import (
-    GracefulStop,
-    NonFiniteGuard,
-    RunLock,
-    TrainingStopped,
-    maybe_die_after_step,
-)
+from finetune.utils.safety import GracefulStop, NonFiniteGuard, RunLock, TrainingStopped, maybe_die_after_step
 from finetune.utils.validate import (
     LossSums,
     Validator,
