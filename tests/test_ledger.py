@@ -3,6 +3,7 @@ the inputs of this run, rebuilt (the log says why) when they changed, refused wh
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -10,9 +11,13 @@ from pathlib import Path
 import pytest
 
 import finetune.utils.stages as stages
+from finetune.utils.errors import run_main
 from finetune.utils.ledger import check_record, plan_run, write_record
+from finetune_csv import walk_forward as wf
+from model.errors import RefusedError
 from tests.test_csv_train import make_run
 from tests.test_safety_stage_boundaries import outputs, run
+from tests.test_walk_forward import run_config  # noqa: F401 - the two-fold walk-forward fixture
 
 
 def test_resume_required_before_the_first_checkpoint_starts_the_stage(tmp_path):
@@ -62,3 +67,55 @@ def test_skip_existing_after_a_stop_before_calibration_on_edited_data_retrains_b
     fresh = tmp_path / "fresh"
     assert run(make_run(fresh, n_bars=200)) == 0
     assert outputs(tmp_path) == outputs(fresh)
+
+
+def _cut_csvs(folder: Path, bars: int) -> None:
+    """Remove the last `bars` rows of every CSV in `folder` (as a user replacing the data with a shorter export)."""
+    for path in folder.glob("*.csv"):
+        lines = path.read_text().splitlines(keepends=True)
+        path.write_text("".join(lines[:-bars]))
+
+
+def _report(root: Path) -> tuple[dict, bytes]:
+    out = root / "wf" / "walk_forward"
+    report = json.loads((out / "report.json").read_text())
+    return {k: report[k] for k in ("paired", "verdict")} | {"scores": [f["scores"] for f in report["folds"]],
+                                                              "dates": [f["test_start"] for f in report["folds"]]}, \
+        (out / "windows.csv").read_bytes()
+
+
+def test_a_walk_forward_stopped_after_fold_0_then_run_on_cut_data_retrains_fold_0(
+        run_config, tmp_path, monkeypatch, caplog, one_thread):  # noqa: F811
+    """Issue 30 item 1: the fold-0 predictor trained on the longer data must not be reused once the data is cut (its
+    training period then overlaps fold 0's new test block): the re-run retrains it and ends as a fresh run on the
+    cut data."""
+    real = stages.train_predictor
+
+    def stop_after(*args, **kwargs):
+        value = real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return value
+
+    monkeypatch.setattr(stages, "train_predictor", stop_after)
+    assert run_main(wf.main, ["--config", str(run_config)]) == 75
+    monkeypatch.undo()
+    _cut_csvs(tmp_path / "data", 16)
+    assert run_main(wf.main, ["--config", str(run_config)]) == 0
+    assert "fold_0/basemodel holds a finished run that is no longer current (the training data changed" in caplog.text
+    reference = tmp_path / "reference.yaml"
+    reference.write_text(run_config.read_text().replace(str(tmp_path / "out"), str(tmp_path / "ref")))
+    assert run_main(wf.main, ["--config", str(reference)]) == 0
+    assert _report(tmp_path / "out") == _report(tmp_path / "ref")
+
+
+def test_report_only_refuses_a_cut_windows_csv_and_a_rerun_rescores_it(run_config, tmp_path, one_thread):  # noqa: F811
+    """Issue 30 item 6: a fold's windows.csv cut to half its rows is not what its fold.json recorded."""
+    assert run_main(wf.main, ["--config", str(run_config)]) == 0
+    expected = _report(tmp_path / "out")
+    rows = tmp_path / "out/wf/walk_forward/fold_0/windows.csv"
+    lines = rows.read_text().splitlines(keepends=True)
+    rows.write_text("".join(lines[: len(lines) // 2]))
+    with pytest.raises(RefusedError, match=r"--report-only: .*fold_0 .*windows.csv does not hold"):
+        wf.main(["--config", str(run_config), "--report-only"])
+    assert run_main(wf.main, ["--config", str(run_config)]) == 0
+    assert _report(tmp_path / "out") == expected

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+import numpy as np
+import pandas as pd
+
 from finetune.utils import adapters
 from finetune.utils.checkpoint import (
     LAST_NAME,
@@ -34,8 +37,8 @@ from finetune.utils.checkpoint import (
 from finetune.utils.config_utils import STAGES, Problems, TrainingConfig, config_to_dict, plain, stage_key
 from finetune.utils.distributed import DistInfo, all_gather_object
 from finetune.utils.safety import StageFolderError
-from model.errors import ConfigError, DataError
-from model.fileio import atomic_write
+from model.errors import ConfigError, DataError, RefusedError
+from model.fileio import atomic_write, read_json_object
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -453,3 +456,43 @@ def check_record(path: str | Path, inputs: Mapping[str, Any]) -> Literal["reuse"
     log.warning("%s is not current (%s): building it again", path, why)
     return "rebuild"
 
+
+
+def reuse_fold(folder: Path, fingerprint: str, report_only: bool, overwrite: bool) -> dict | None:
+    """A walk-forward fold in `folder`: its fold.json record when it is current (made with `fingerprint`, and its
+    windows.csv still the rows it recorded: the count and each candidate's mean score), else None: score it again
+    (after deleting the folder under `overwrite`). Refused (RefusedError): a fold of other settings or data without
+    `overwrite`, and under `report_only` any fold that is not current."""
+    done, rows = folder / "fold.json", folder / "windows.csv"
+    info = read_json_object(done) if done.is_file() else None
+    why = "it holds no finished fold" if info is None else (
+        "its fold was made with other settings or data" if info.get("fingerprint") != fingerprint else
+        _windows_damage(rows, info))
+    if why is None and (report_only or not overwrite):
+        return info
+    if report_only:
+        raise RefusedError(f"--report-only: {folder} holds no fold finished with these settings and data ({why}); "
+                           "run without --report-only (with --overwrite to redo folds of other settings)")
+    if info is not None and info.get("fingerprint") != fingerprint and not overwrite:
+        raise RefusedError(f"{folder} holds a finished fold made with other settings or data; pass "
+                           "--overwrite to redo every fold, or choose another paths.base_dir")
+    if overwrite and folder.exists():
+        log.warning("--overwrite: replacing %s", folder)
+        shutil.rmtree(folder)
+    elif info is not None:
+        log.warning("%s: %s; scoring the fold again", folder, why)
+    return None
+
+
+def _windows_damage(rows: Path, info: dict) -> str | None:
+    """Why the fold's windows.csv is not the one its fold.json describes (None: it is): cut, edited, unreadable."""
+    try:
+        frame = pd.read_csv(rows)
+    except (OSError, ValueError) as e:
+        return f"its windows.csv is unreadable ({e})"
+    for candidate, scores in info.get("scores", {}).items():
+        got = frame[frame["candidate"] == candidate]
+        if len(got) != info["windows"]["test"] or not all(
+                np.isclose(got[s].mean(), v, rtol=1e-9, atol=0, equal_nan=True) for s, v in scores.items()):
+            return f"its windows.csv does not hold the {candidate} rows fold.json recorded (damaged or edited)"
+    return None
