@@ -119,3 +119,37 @@ def test_report_only_refuses_a_cut_windows_csv_and_a_rerun_rescores_it(run_confi
         wf.main(["--config", str(run_config), "--report-only"])
     assert run_main(wf.main, ["--config", str(run_config)]) == 0
     assert _report(tmp_path / "out") == expected
+
+
+def test_qlib_signals_csv_cut_by_a_kill_is_rebuilt_not_reused(tmp_path, monkeypatch):
+    """Issue 30 item 5: signals.csv is written atomically, recorded, and a copy cut to 37% of its bytes (a kill
+    mid-write under the old code) is forecast again instead of read back."""
+    import pandas as pd
+
+    from finetune import qlib_walk_forward as qwf
+    from finetune.config import load as load_qlib
+    from tests.model_factory import tiny_models
+    from tests.test_qlib_pipeline import tiny_config
+
+    c = load_qlib(tiny_config(tmp_path))
+    best = tmp_path / "best_model"
+    best.mkdir()
+    (best / "model.safetensors").write_bytes(b"weights")
+    c.paths.finetuned_predictor_path = str(best)
+    index = pd.MultiIndex.from_product([pd.date_range("2022-01-03", periods=50), [f"SH{i}" for i in range(40)]],
+                                       names=["datetime", "instrument"])
+    table = pd.DataFrame({"mean/finetuned": range(2000), "mean/zero_shot": range(2000)}, index=index) / 7.0
+    calls = []
+    monkeypatch.setattr(qwf, "forecast_signals", lambda *args: calls.append(1) or table)
+    zero = tiny_models()
+    first = qwf.period_signals(c, tmp_path, zero, "cpu")
+    assert len(calls) == 1 and not list(tmp_path.glob("*.tmp*"))
+    pd.testing.assert_frame_equal(qwf.period_signals(c, tmp_path, zero, "cpu"), first, check_freq=False)
+    assert len(calls) == 1  # current: read back
+    data = (tmp_path / "signals.csv").read_bytes()
+    (tmp_path / "signals.csv").write_bytes(data[: int(len(data) * 0.37)])
+    again = qwf.period_signals(c, tmp_path, zero, "cpu")
+    assert len(calls) == 2 and len(again) == 2000 and not again.isna().any().any()
+    (best / "model.safetensors").write_bytes(b"retrained")  # a new predictor: its signals are forecast again
+    qwf.period_signals(c, tmp_path, zero, "cpu")
+    assert len(calls) == 3

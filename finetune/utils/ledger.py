@@ -420,6 +420,14 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def folder_sha256(folder: Path) -> str:
+    """sha256 over the relative paths and bytes of every file under `folder` (a saved model, say)."""
+    digest = hashlib.sha256()
+    for p in sorted(q for q in folder.rglob("*") if q.is_file()):
+        digest.update(str(p.relative_to(folder)).encode() + b"\0" + p.read_bytes())
+    return digest.hexdigest()
+
+
 def record_path(path: Path) -> Path:
     return path.with_name(path.name + ".record.json")
 
