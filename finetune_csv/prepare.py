@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import tempfile
 import time
 import warnings as warnings_module
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +38,7 @@ from finetune.utils.store import (
     StoreWriter,
     open_store,
     read_manifest,
+    snapshot_file,
     verify_store,
 )
 from finetune.utils.windows import PanelSegments, wallclock_stamps
@@ -293,12 +295,21 @@ def prepare_store(sources: Sources, out_dir: str | Path,
     out_dir = Path(out_dir)
     _refuse_foreign_folder(out_dir)
     t0 = time.perf_counter()
-    fingerprints = [source_fingerprint(f) for f in files]  # before reading: a later edit is then noticed
     # Built beside out_dir and swapped in whole; processes that still map an older store's files keep reading
-    # them (unlinked files live until unmapped).
-    with atomic_dir(out_dir) as tmp:
+    # them (unlinked files live until unmapped). Each file is parsed from a snapshot of the bytes it was hashed
+    # from: the store never records the sha256 of other content than it holds.
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_dir(out_dir) as tmp, tempfile.TemporaryDirectory(prefix=".sources-", dir=out_dir.parent) as snap:
+        copies = [f if isinstance(f, Frame) else Path(snap, str(i), f.name) for i, f in enumerate(files)]
+        fingerprints = []
+        for f, copy in zip(files, copies):
+            if isinstance(f, Frame):
+                fingerprints.append(source_fingerprint(f))
+            else:
+                copy.parent.mkdir()
+                fingerprints.append(snapshot_file(f, copy))
         tmp.rmdir()  # the StoreWriter makes its folder itself
-        manifest = _build(files, StoreWriter(tmp, len(FEATURES)), settings, block_rows,
+        manifest = _build(list(zip(copies, files)), StoreWriter(tmp, len(FEATURES)), settings, block_rows,
                           {"settings": settings.as_dict(), "sources": fingerprints,
                            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         log.info("data store %s: %d series, %d rows prepared in %.1f s", out_dir, manifest["n_series"],
@@ -307,30 +318,34 @@ def prepare_store(sources: Sources, out_dir: str | Path,
     return StoreInfo(out_dir, manifest, reused=False, reason="prepared")
 
 
-def _build(sources: list[Path | Frame], writer: StoreWriter, settings: StoreSettings, block_rows: int,
-           extra: dict[str, Any]) -> dict:
-    """Read, check and clean every source into `writer` (one series at a time); the manifest it writes.
-    Every problem of every source is collected first; then one StoreError lists them and nothing is kept."""
+def _build(sources: list[tuple[Path | Frame, Path | Frame]], writer: StoreWriter, settings: StoreSettings,
+           block_rows: int, extra: dict[str, Any]) -> dict:
+    """Read, check and clean every source (its snapshot, its user-facing path) into `writer` (one series at a time);
+    the manifest it writes. Every problem of every source is collected first; then one StoreError lists them and
+    nothing is kept. Messages name the user's file, not its snapshot."""
     problems: list[str] = []
     warnings: list[str] = []
     series: list[dict] = []
     aware: dict[str, bool] = {}  # source name -> stamps carry a UTC offset
     freqs: dict[str, pd.Timedelta] = {}  # series name -> inferred bar length
     try:
-        for source in sources:
+        for source, original in sources:
+            named = lambda texts, a=str(source), b=str(original): [t.replace(a, b) for t in texts]  # noqa: E731
             try:
                 reader = SourceReader(source, settings.as_dict()["columns"], settings.symbol_column,
                                       settings.timestamp_format, block_rows, timezone=settings.timezone)
+                reader.label = reader.label.replace(str(source), str(original))
                 for name, ts, values, lines in file_series(reader, writer.path, block_rows):
                     where = reader.label if name == reader.name else f"{reader.label} (series {name})"
                     bad, notes = candle_problems(values, lines, reader.columns, where, reader.unit, settings)
-                    problems.extend(bad)
+                    problems.extend(named(bad))
                     try:
                         ts, values, cleaning = clean_series(ts, values, lines, reader.present, settings.nan_policy,
                                                             where, reader.unit)
                     except SourceProblems as e:
-                        problems.extend(e.problems)
+                        problems.extend(named(e.problems))
                         continue
+                    notes, cleaning = named(notes), named(cleaning)
                     for note in notes + cleaning:
                         log.warning(note)
                     warnings.extend(notes + cleaning)
@@ -348,7 +363,7 @@ def _build(sources: list[Path | Frame], writer: StoreWriter, settings: StoreSett
                                    "start": str(pd.Timestamp(ts[0])) if len(ts) else None,
                                    "end": str(pd.Timestamp(ts[-1])) if len(ts) else None})
             except SourceProblems as e:
-                problems.extend(e.problems)
+                problems.extend(named(e.problems))
         problems.extend(_cross_file_checks(aware, freqs, settings, warnings))
         if problems:
             shown = problems[:_MAX_PROBLEMS_SHOWN]

@@ -153,3 +153,47 @@ def test_qlib_signals_csv_cut_by_a_kill_is_rebuilt_not_reused(tmp_path, monkeypa
     (best / "model.safetensors").write_bytes(b"retrained")  # a new predictor: its signals are forecast again
     qwf.period_signals(c, tmp_path, zero, "cpu")
     assert len(calls) == 3
+
+
+def test_the_store_records_the_hash_of_the_bytes_it_parsed_while_the_csv_is_replaced_in_a_loop(tmp_path):
+    """Issue 30 item 3: with another process replacing the CSV between two versions (the second with prices x2),
+    every build records the sha256 of the version it holds, never of the other one."""
+    import hashlib
+    import threading
+
+    from finetune.synthetic import generate_ohlcv
+    from finetune.utils.store import open_store
+    from finetune_csv.prepare import prepare_store
+
+    frame = generate_ohlcv(n_series=1, n_bars=3000, freq="5min", seed=0)["SH600000"]
+    doubled = frame.copy()
+    for col in ("open", "high", "low", "close"):
+        doubled[col] *= 2
+    versions = [frame.to_csv(index=False).encode(), doubled.to_csv(index=False).encode()]
+    sha = [hashlib.sha256(v).hexdigest() for v in versions]
+    path = tmp_path / "data" / "SH600000.csv"
+    path.parent.mkdir()
+    path.write_bytes(versions[0])
+    stop = threading.Event()
+
+    def replace_in_a_loop():
+        k = 0
+        while not stop.is_set():
+            k ^= 1
+            (tmp_path / "next.csv").write_bytes(versions[k])
+            os.replace(tmp_path / "next.csv", path)
+
+    writer = threading.Thread(target=replace_in_a_loop)
+    writer.start()
+    try:
+        held = []
+        for i in range(30):
+            info = prepare_store(path, tmp_path / f"store_{i}")
+            version = sha.index(info.manifest["sources"][0]["sha256"])
+            close = float(open_store(info.path).features[3, 0])  # (6, N) float32: the first close
+            held.append(version)
+            assert close == pytest.approx(float(frame["close"].iloc[0]) * (1 + version), rel=1e-6), i
+    finally:
+        stop.set()
+        writer.join()
+    assert len(set(held)) == 2  # both versions were built while the file changed

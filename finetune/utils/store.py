@@ -225,6 +225,19 @@ def file_fingerprint(path: str | Path, with_hash: bool = True) -> dict:
             "sha256": sha256_file(p) if with_hash else None}
 
 
+def snapshot_file(path: str | Path, copy: Path, chunk_bytes: int = 1 << 20) -> dict:
+    """Copy `path` to `copy` while hashing the bytes copied: its `file_fingerprint`, of exactly the bytes in `copy`
+    (one read, so a file replaced or edited meanwhile cannot give a hash of other bytes than those parsed)."""
+    p, h, size = Path(path), hashlib.sha256(), 0
+    with open(p, "rb") as src, open(copy, "wb") as dst:
+        mtime_ns = os.fstat(src.fileno()).st_mtime_ns
+        while chunk := src.read(chunk_bytes):
+            h.update(chunk)
+            dst.write(chunk)
+            size += len(chunk)
+    return {"path": str(p.resolve()), "bytes": size, "mtime_ns": mtime_ns, "sha256": h.hexdigest()}
+
+
 class StoreWriter:
     """Write a store into the new folder `path`: `append` series in order, then `finish` (offsets, names, checksums,
     manifest). The arrays grow on disk (a block at a time), so a data set larger than memory can be written."""
