@@ -197,3 +197,33 @@ def test_the_store_records_the_hash_of_the_bytes_it_parsed_while_the_csv_is_repl
         stop.set()
         writer.join()
     assert len(set(held)) == 2  # both versions were built while the file changed
+
+
+def test_forecasts_after_a_stop_before_calibration_say_so_and_other_data_goes_beside_the_run(
+        tmp_path, monkeypatch, caplog, capsys, one_thread):
+    """Issue 30 items 4, 8 and 9: an uncalibrated finished predictor is announced as such (naming the fix); a
+    *.tmp left by a killed forecast does not survive the next one; a forecast on other data than the run's says so
+    and writes beside the run's folders, never over them."""
+    from finetune.synthetic import generate_ohlcv, write_csv_folder
+    from finetune_csv import forecast
+
+    config = make_run(tmp_path)
+    _stop_before_calibration(monkeypatch, config)
+    assert run_main(forecast.main, ["--config", str(config)]) == 0
+    assert "finished but its bands were never calibrated" in caplog.text and "`kronos finetune` again" in caplog.text
+    assert run(config) == 0  # calibrates it
+    caplog.clear()
+    out = tmp_path / "out" / "tiny"
+    (out / "forecast" / ".forecast.csv.k1ll3d.tmp").write_text("half")
+    assert run_main(forecast.main, ["--config", str(config)]) == 0
+    assert "never calibrated" not in caplog.text and not list((out / "forecast").glob("*.tmp"))
+    kept = {p: p.read_bytes() for p in [*(out / "forecast").iterdir(), *(out / "data_store").rglob("*")]
+            if p.is_file()}
+    write_csv_folder(generate_ohlcv(n_series=2, n_bars=240, freq="5min", seed=9), tmp_path / "other")
+    capsys.readouterr()
+    assert run_main(forecast.main, ["--config", str(config), "--set", f"data.path={tmp_path / 'other'}"]) == 0
+    assert "forecasting other data than the run" in caplog.text
+    assert {p: p.read_bytes() for p in kept} == kept  # the run's forecast and data store untouched
+    beside = [p for p in (out / "forecast").iterdir() if p.is_dir() and p.name.startswith("data_")]
+    assert len(beside) == 1 and (beside[0] / "metrics.json").is_file()
+    assert f"written: {beside[0]}/" in capsys.readouterr().out

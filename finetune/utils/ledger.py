@@ -504,3 +504,18 @@ def _windows_damage(rows: Path, info: dict) -> str | None:
                 np.isclose(got[s].mean(), v, rtol=1e-9, atol=0, equal_nan=True) for s, v in scores.items()):
             return f"its windows.csv does not hold the {candidate} rows fold.json recorded (damaged or edited)"
     return None
+
+
+def other_data_key(stage_dir: Path, files: Sequence[dict]) -> str | None:
+    """Is a forecast's data (`files`: fingerprints with "path" and "sha256") the data the run in `stage_dir` was
+    trained on? None when it is (or the run recorded none), else a short key of this other data: its outputs then
+    go beside the run's, never over them (the log says so)."""
+    recorded = (_read_run_info(Path(stage_dir)).get("data") or {}).get("files")
+    ours = sorted((f["path"], f["sha256"]) for f in files)
+    if not recorded or sorted((f["path"], f["sha256"]) for f in recorded) == ours:
+        return None
+    key = sha256_bytes(json.dumps(ours).encode())[:12]
+    log.warning("forecasting other data than the run in %s was trained on (%d file(s) recorded, %d given, or other "
+                "content): its outputs go to folders keyed data_%s, the run's own are kept; set data.path to the "
+                "run's files to score the run itself", stage_dir, len(recorded), len(ours), key)
+    return key
