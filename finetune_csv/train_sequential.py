@@ -81,7 +81,7 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
         skip["predictor"] = "--skip-basemodel"
     pipe.plan = plan_stages(pipe, STAGES, skip, skip_existing)
     list_sources(cfg.data.path if frames is None else frames)  # a wrong data path, before any model loads
-    results, data_info = run_stages(pipe, pipe.plan, stage_resume(pipe, pipe.plan))
+    results, data_info = run_stages(pipe, pipe.plan, stage_resume(pipe, pipe.plan), rebuild_changed=skip_existing)
     return results, pipe.plan, data_info
 
 

@@ -320,13 +320,13 @@ def open_stage(t: Any, rebuild_changed: bool = False) -> Opened:
 
     plan = on_main(decide, t.dist)
     found = load_for_resume(plan, t.dist, log.warning) if plan.action != "fresh" else None
-    if plan.action == "resume" and found is not None:
+    if plan.action == "resume" and found is not None and not (rebuild_changed and finished_changes(t, *found, True)):
         path, saved = found
         changed = check_resume_compatible(saved, t.cfg, t.dist.world_size, t.stage.name, t.model_args(), path,
                                           run_config=t.run_config)
         accepted = check_data(saved, t.data_info, t.frozen_fp, t.cfg.accept_changed_data, path)
         return Opened(plan, path, saved, changed, accepted)
-    if plan.action != "skip":
+    if plan.action == "fresh" or (plan.action == "resume" and found is None):
         return Opened(plan)
     if found is None:
         raise DataError(f"{t.out}: run_info.json says finished but no checkpoint is left")
@@ -338,8 +338,8 @@ def open_stage(t: Any, rebuild_changed: bool = False) -> Opened:
         return Opened(plan, path, saved)
 
     def rebuild() -> RunPlan:
-        log.warning("[%s] %s holds a finished run that is no longer current (%s): training it again", t.stage.name,
-                    t.out, "; ".join(changes))
+        log.warning("[%s] %s holds a%s run that is no longer current (%s): training it again", t.stage.name, t.out,
+                    " finished" if plan.action == "skip" else "n unfinished", "; ".join(changes))
         remove_outputs(t.out, tuple(n for n in RUN_OUTPUTS if (t.out / n).exists()))
         prepare_folder(t.out / "checkpoints")
         return RunPlan("fresh")

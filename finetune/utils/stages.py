@@ -66,16 +66,15 @@ class Pipeline(Protocol):
     def calibration_windows(self) -> HeldOutWindows | None: ...  # validation windows of the bands; None: none
 
 
-def run_stages(pipe: Pipeline, plan: Mapping[str, str | None], resume: Mapping[str, str] | None = None
-               ) -> tuple[list[TrainResult], dict[str, Any]]:
+def run_stages(pipe: Pipeline, plan: Mapping[str, str | None], resume: Mapping[str, str] | None = None,
+               rebuild_changed: bool = False) -> tuple[list[TrainResult], dict[str, Any]]:
     """Train the stages `plan` leaves in (None), in order, then calibrate the predictor; returns (the results of
     the stages that ran, the data_info). Raises TrainingStopped (exit 75) at the first safe point after a stop
     signal, and every settings or model error before `pipe.datasets` writes anything."""
     cfg, m, d = pipe.cfg, pipe.cfg.model, pipe.cfg.data
     resume = resume or {}
-    # --skip-existing: a finished stage is read back while current and retrained when its inputs changed.
-    rebuild = {s: (plan[s] or "").startswith(SKIP_EXISTING) for s in STAGES}
-    plan = {s: None if rebuild[s] else why for s, why in plan.items()}
+    # --skip-existing (`rebuild_changed`): a stage is reused or resumed while current, else trained again.
+    plan = {s: None if (why or "").startswith(SKIP_EXISTING) else why for s, why in plan.items()}
     training = {s: dataclasses.replace(cfg.stage_training(s), **({"resume": resume[s]} if s in resume else {}))
                 for s in STAGES}
     # The tokenizer has no forecast to score: it is always selected by its validation loss.
@@ -98,7 +97,7 @@ def run_stages(pipe: Pipeline, plan: Mapping[str, str | None], resume: Mapping[s
         if plan["tokenizer"] is None:
             results.append(train_tokenizer(tokenizer, train_set, val_set, training["tokenizer"],
                                            pipe.stage_dir("tokenizer"), dist, output_key=pipe.output_key("tokenizer"),
-                                           rebuild_changed=rebuild["tokenizer"], **common))
+                                           rebuild_changed=rebuild_changed, **common))
             raise_if_stop_requested("after the tokenizer stage", dist)
         if plan["predictor"] is None:
             if trained_tokenizer:  # the best tokenizer epoch on disk (not the last one in memory)
@@ -112,7 +111,7 @@ def run_stages(pipe: Pipeline, plan: Mapping[str, str | None], resume: Mapping[s
                                            pipe.stage_dir("predictor"), dist, forecast_info=forecast_info,
                                            val_metric=pipe.val_metric(training["predictor"].select_by, tokenizer),
                                            output_key=pipe.output_key("predictor"),
-                                           rebuild_changed=rebuild["predictor"], **common))
+                                           rebuild_changed=rebuild_changed, **common))
             raise_if_stop_requested("after the predictor stage", dist)
         if dist.is_main:
             calibrate_if_due(pipe, any(r.stage == "predictor" and not r.skipped for r in results))
