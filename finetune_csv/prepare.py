@@ -29,18 +29,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+import finetune.utils.store as store
 from finetune.utils.config_utils import Problems
 from finetune.utils.plots import stamp_text
-from finetune.utils.store import (
-    MANIFEST,
-    SeriesPanel,
-    StoreError,
-    StoreWriter,
-    open_store,
-    read_manifest,
-    snapshot_file,
-    verify_store,
-)
 from finetune.utils.windows import PanelSegments, wallclock_stamps
 from finetune_csv.config import DataConfig, check_data_settings
 from finetune_csv.sources import (
@@ -115,9 +106,9 @@ class StoreInfo:
     reused: bool  # True when an existing store matched (no parsing was done).
     reason: str  # Why it was reused or (re-)prepared, for the log.
 
-    def open(self) -> SeriesPanel:
+    def open(self) -> store.SeriesPanel:
         """The store as a SeriesPanel of read-only memory maps."""
-        return open_store(self.path)
+        return store.open_store(self.path)
 
 
 @dataclass(frozen=True)
@@ -126,7 +117,7 @@ class PreparedData:
 
     store: StoreInfo  # The store folder, its manifest and whether it was reused (and why).
     # All series, features float32 (6, N) and stamps int64 (N, 5) as read-only np.memmap (shared page cache).
-    panel: SeriesPanel
+    panel: store.SeriesPanel
     splits: dict[str, PanelSegments]  # train / val (/ test): per-series column ranges of `panel`.
     # How the splits were cut: {"mode": by_date | per_series, "train_end", "val_end" (by_date)}.
     split: dict[str, Any] = field(default_factory=dict)
@@ -203,8 +194,8 @@ def check_store(store_dir: str | Path, sources: Sequence[Path | Frame], settings
     if not Path(store_dir).exists():
         return False, "first run: no store yet", None
     try:
-        manifest = read_manifest(store_dir)
-    except StoreError as e:
+        manifest = store.read_manifest(store_dir)
+    except store.StoreError as e:
         return False, str(e), None
     old, new = manifest["settings"], settings.as_dict()
     for key in new:
@@ -229,9 +220,9 @@ def check_store(store_dir: str | Path, sources: Sequence[Path | Frame], settings
             touched += 1
     if verify:
         try:
-            verify_store(store_dir, manifest)
-            open_store(store_dir)  # shapes and offsets agree with the manifest
-        except StoreError as e:
+            store.verify_store(store_dir, manifest)
+            store.open_store(store_dir)  # shapes and offsets agree with the manifest
+        except store.StoreError as e:
             return False, str(e), None
     reason = "inputs and settings unchanged" + (f" ({touched} file(s) touched, content identical)" if touched else "")
     return True, reason, (manifest if touched else None)
@@ -257,9 +248,9 @@ def ensure_store(sources: Sources, store_dir: str | Path,
         files = list_sources(sources)
         ok, reason, _ = check_store(store_dir, files, settings, verify=False)
         if not ok:
-            raise StoreError(f"the main process did not leave a matching data store in {store_dir} ({reason}); "
+            raise store.StoreError(f"the main process did not leave a matching data store in {store_dir} ({reason}); "
                              "see its error")
-        return StoreInfo(store_dir, read_manifest(store_dir), reused=True, reason="prepared by the main process")
+        return StoreInfo(store_dir, store.read_manifest(store_dir), reused=True, reason="prepared by the main process")
     error: Exception | None = None
     info: StoreInfo | None = None
     try:
@@ -268,9 +259,9 @@ def ensure_store(sources: Sources, store_dir: str | Path,
         ok, reason, refreshed = check_store(store_dir, files, settings)
         if ok:
             if refreshed is not None:
-                write_json(store_dir / MANIFEST, refreshed)
+                write_json(store_dir / store.MANIFEST, refreshed)
             log.info("data store %s: reusing it (%s)", store_dir, reason)
-            info = StoreInfo(store_dir, refreshed or read_manifest(store_dir), reused=True, reason=reason)
+            info = StoreInfo(store_dir, refreshed or store.read_manifest(store_dir), reused=True, reason=reason)
         else:
             # A first run is no news (info); a store that exists but cannot be reused is (warning, with why).
             log.log(logging.WARNING if store_dir.exists() else logging.INFO, "data store %s: preparing it (%s)",
@@ -307,9 +298,9 @@ def prepare_store(sources: Sources, out_dir: str | Path,
                 fingerprints.append(source_fingerprint(f))
             else:
                 copy.parent.mkdir()
-                fingerprints.append(snapshot_file(f, copy))
+                fingerprints.append(store.snapshot_file(f, copy))
         tmp.rmdir()  # the StoreWriter makes its folder itself
-        manifest = _build(list(zip(copies, files)), StoreWriter(tmp, len(FEATURES)), settings, block_rows,
+        manifest = _build(list(zip(copies, files)), store.StoreWriter(tmp, len(FEATURES)), settings, block_rows,
                           {"settings": settings.as_dict(), "sources": fingerprints,
                            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         log.info("data store %s: %d series, %d rows prepared in %.1f s", out_dir, manifest["n_series"],
@@ -318,7 +309,7 @@ def prepare_store(sources: Sources, out_dir: str | Path,
     return StoreInfo(out_dir, manifest, reused=False, reason="prepared")
 
 
-def _build(sources: list[tuple[Path | Frame, Path | Frame]], writer: StoreWriter, settings: StoreSettings,
+def _build(sources: list[tuple[Path | Frame, Path | Frame]], writer: store.StoreWriter, settings: StoreSettings,
            block_rows: int, extra: dict[str, Any]) -> dict:
     """Read, check and clean every source (its snapshot, its user-facing path) into `writer` (one series at a time);
     the manifest it writes. Every problem of every source is collected first; then one StoreError lists them and
@@ -368,10 +359,10 @@ def _build(sources: list[tuple[Path | Frame, Path | Frame]], writer: StoreWriter
         if problems:
             shown = problems[:_MAX_PROBLEMS_SHOWN]
             more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
-            raise StoreError(f"the input data has problems ({len(problems)}):\n"
+            raise store.StoreError(f"the input data has problems ({len(problems)}):\n"
                              + "\n".join(f"  - {p}" for p in shown) + more)
         if not sum(s["rows"] for s in series):
-            raise StoreError("no rows left after cleaning (data.nan_policy: drop removed every row)")
+            raise store.StoreError("no rows left after cleaning (data.nan_policy: drop removed every row)")
         return writer.finish(list(FEATURES), series=series, warnings=warnings, **extra)
     finally:
         writer.close()
@@ -400,9 +391,10 @@ def _cross_file_checks(aware: dict[str, bool], freqs: dict[str, pd.Timedelta], s
 
 
 def _refuse_foreign_folder(out_dir: Path) -> None:
-    if out_dir.exists() and not (out_dir / MANIFEST).exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise StoreError(f"{out_dir} exists and is not a prepared data store; it is left untouched. Choose another "
-                         "store folder (data.store_dir) or remove it")
+    if out_dir.exists() and not (out_dir / store.MANIFEST).exists() and (
+            not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise store.StoreError(f"{out_dir} exists and is not a prepared data store; it is left untouched. Choose "
+                               "another store folder (data.store_dir) or remove it")
 
 
 # ----------------------------------------------------------------------------------------------------------------

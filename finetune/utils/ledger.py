@@ -1,13 +1,8 @@
-"""The ledger: every reuse decision, in one place (after DVC's dvc.lock and torchtitan's checkpointer).
-
-Whether a step may reuse what an earlier run left is one question, "is this artifact current for these inputs?", with
-three answers: reuse; rebuild (the inputs changed: the log says which); refuse (damaged, or incomplete and not
-finishable, or a change only the user may accept). Asked here, never by the callers:
-- a stage folder (`open_stage`, the Trainer's only way in): fresh / resume / reuse a finished run / rebuild / refuse,
-  from training.resume / training.overwrite, the checkpoint's settings, data fingerprint and frozen weights;
-- which stages run (`plan_stages`, `stage_resume`: --skip-existing, --resume);
-- a file artifact (`write_record` / `check_record`: the data store's content, a walk-forward fold's windows.csv, the
-  Qlib signals.csv): a `<name>.record.json` beside it holds the sha256 of its bytes and of what made it.
+"""The ledger: every reuse decision, in one place (after DVC's dvc.lock and torchtitan's checkpointer). "Is this
+artifact current for these inputs?": reuse; rebuild (the log says which input changed); refuse (damaged, or a change
+only the user may accept). Asked of it: a stage folder (`open_stage`: fresh / resume / reuse / rebuild / refuse),
+which stages run (`plan_stages`, `stage_resume`), a walk-forward fold (`reuse_fold`), a forecast's data
+(`other_data_key`), a file such as Qlib's signals.csv (`check_record` against its `write_record`).
 """
 
 from __future__ import annotations
@@ -24,21 +19,13 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import pandas as pd
 
+import finetune.utils.checkpoint as checkpoint_store
 from finetune.utils import adapters
-from finetune.utils.checkpoint import (
-    LAST_NAME,
-    Checkpoint,
-    check_format,
-    list_checkpoints,
-    load_checkpoint,
-    load_latest,
-    prepare_folder,
-)
 from finetune.utils.config_utils import STAGES, Problems, TrainingConfig, config_to_dict, plain, stage_key
 from finetune.utils.distributed import DistInfo, all_gather_object
 from finetune.utils.safety import StageFolderError
 from model.errors import ConfigError, DataError, RefusedError
-from model.fileio import atomic_write, read_json_object
+from model.fileio import read_json_object, write_json
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,6 +37,7 @@ RUN_OUTPUTS = ("checkpoints", "best_model", "metrics.jsonl", "loss_curve.png", "
 
 Status = Literal["empty", "unfinished", "finished"]
 
+
 def _read_run_info(folder: Path) -> dict[str, Any]:
     try:
         data = json.loads((folder / "run_info.json").read_text(encoding="utf-8"))
@@ -60,7 +48,7 @@ def _read_run_info(folder: Path) -> dict[str, Any]:
 
 def _has_checkpoint(folder: Path) -> bool:
     ckpt = folder / "checkpoints"
-    return bool(list_checkpoints(ckpt)) or (ckpt / LAST_NAME).is_file()
+    return bool(checkpoint_store.list_checkpoints(ckpt)) or (ckpt / checkpoint_store.LAST_NAME).is_file()
 
 
 def stage_status(folder: str | Path) -> Status:
@@ -132,7 +120,7 @@ def plan_run(folder: str | Path, resume: str, overwrite: bool, stage: str) -> Ru
         return RunPlan("fresh")
     path = Path(key)
     if path.is_dir():
-        path = path / "checkpoints" / LAST_NAME if (path / "checkpoints").is_dir() else path / LAST_NAME
+        path = (path / "checkpoints" if (path / "checkpoints").is_dir() else path) / checkpoint_store.LAST_NAME
     if not path.is_file():
         raise StageFolderError(f"training.resume: checkpoint {key} not found "
                                "(use 'auto', 'never', 'required' or a checkpoint file / run folder)")
@@ -164,7 +152,7 @@ CHANGEABLE_KEYS = ("lr", "pct_start", "div_factor", "final_div_factor", "betas",
                    "lora_dropout")
 
 
-def check_resume_compatible(saved: Checkpoint, cfg: TrainingConfig, world_size: int, stage: str,
+def check_resume_compatible(saved: checkpoint_store.Checkpoint, cfg: TrainingConfig, world_size: int, stage: str,
                             model_args: dict[str, Any], path: Path, *, run_config: dict[str, Any] | None = None,
                             finished: bool = False) -> list[str]:
     """Raise one ConfigError listing every setting that cannot differ from the checkpoint `saved` (loaded from
@@ -270,25 +258,27 @@ def on_main(fn: Callable[[], T], dist: DistInfo) -> T:
     return shared[0]
 
 
-def load_for_resume(plan: RunPlan, dist: DistInfo, log: Callable[[str], None]) -> tuple[Path, Checkpoint] | None:
+def load_for_resume(plan: RunPlan, dist: DistInfo, log: Callable[[str], None]
+                    ) -> tuple[Path, checkpoint_store.Checkpoint] | None:
     """The checkpoint `plan` resumes (or reads back, when skipping): an explicit file, else the newest usable one
     in `plan.checkpoint_dir` (a corrupt newest is reported by path and the previous one used). None: nothing.
 
     Rank 0 deserialises the file once while choosing it and keeps that copy; the other ranks load the chosen path."""
-    found: tuple[Path, Checkpoint] | None = None
+    found: tuple[Path, checkpoint_store.Checkpoint] | None = None
 
     def pick() -> str | None:
         nonlocal found
         if plan.checkpoint is not None:  # an unusable explicit file is an error, not a silent fresh start
-            found = Path(plan.checkpoint), load_checkpoint(plan.checkpoint, map_location=dist.device)
+            found = Path(plan.checkpoint), checkpoint_store.load_checkpoint(plan.checkpoint, map_location=dist.device)
         else:
-            found = load_latest(plan.checkpoint_dir, map_location=dist.device, validate=check_format, log=log)
+            found = checkpoint_store.load_latest(plan.checkpoint_dir, map_location=dist.device,
+                                                 validate=checkpoint_store.check_format, log=log)
         return None if found is None else str(found[0])
 
     path = on_main(pick, dist)
     if path is None:
         return None
-    return found if dist.is_main else (Path(path), load_checkpoint(path, map_location=dist.device))
+    return found if dist.is_main else (Path(path), checkpoint_store.load_checkpoint(path, map_location=dist.device))
 
 @dataclass
 class Opened:
@@ -296,7 +286,7 @@ class Opened:
 
     plan: RunPlan
     path: Path | None = None  # the checkpoint file
-    saved: Checkpoint | None = None  # its content (rank 0's copy on rank 0)
+    saved: checkpoint_store.Checkpoint | None = None  # its content (rank 0's copy on rank 0)
     changed: list[str] = field(default_factory=list)  # optimisation settings changed since the checkpoint
     accepted: list[str] = field(default_factory=list)  # data changes kept under training.accept_changed_data
 
@@ -314,8 +304,8 @@ def open_stage(t: Any, rebuild_changed: bool = False) -> Opened:
         if plan.message and plan.action != "skip":  # a skip is announced once its inputs are checked
             log.info("%s", plan.message)
         remove_outputs(t.out, plan.remove)
-        prepare_folder(t.out, log=log.warning)
-        prepare_folder(t.out / "checkpoints", log=log.warning)
+        checkpoint_store.prepare_folder(t.out, log=log.warning)
+        checkpoint_store.prepare_folder(t.out / "checkpoints", log=log.warning)
         return plan
 
     plan = on_main(decide, t.dist)
@@ -341,13 +331,13 @@ def open_stage(t: Any, rebuild_changed: bool = False) -> Opened:
         log.warning("[%s] %s holds a%s run that is no longer current (%s): training it again", t.stage.name, t.out,
                     " finished" if plan.action == "skip" else "n unfinished", "; ".join(changes))
         remove_outputs(t.out, tuple(n for n in RUN_OUTPUTS if (t.out / n).exists()))
-        prepare_folder(t.out / "checkpoints")
+        checkpoint_store.prepare_folder(t.out / "checkpoints")
         return RunPlan("fresh")
 
     return Opened(on_main(rebuild, t.dist))
 
 
-def finished_changes(t: Any, saved: Checkpoint, path: Path, rebuild_changed: bool) -> list[str]:
+def finished_changes(t: Any, saved: checkpoint_store.Checkpoint, path: Path, rebuild_changed: bool) -> list[str]:
     """What changed since the finished run in `saved` was made: its settings (every one, also the optimisation
     settings a resume may change), data and frozen weights. Without `rebuild_changed` a change refuses the run
     (reused only under training.accept_changed_data, with a warning), so the list is then empty."""
@@ -416,10 +406,6 @@ def stage_resume(pipe: Any, plan: Mapping[str, str | None]) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------------------------
 # Records of file artifacts: `<file>.record.json` = {"sha256": of the file's bytes, "inputs": what made it}.
 
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def folder_sha256(folder: Path) -> str:
     """sha256 over the relative paths and bytes of every file under `folder` (a saved model, say)."""
     digest = hashlib.sha256()
@@ -428,42 +414,27 @@ def folder_sha256(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def record_path(path: Path) -> Path:
-    return path.with_name(path.name + ".record.json")
+def write_record(path: Path, inputs: Mapping[str, Any]) -> None:
+    """Record beside the complete file `path` (<name>.record.json, atomically) its sha256 and what made it
+    (`inputs`: hashes of upstream artifacts, settings)."""
+    record = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "inputs": plain(dict(inputs))}
+    write_json(path.with_name(path.name + ".record.json"), record)
 
 
-def write_record(path: str | Path, inputs: Mapping[str, Any]) -> None:
-    """Record that the (already complete) file `path` was made from `inputs` (hashes of upstream artifacts,
-    settings): its sha256 beside it, written atomically after the file itself."""
-    path = Path(path)
-    record = {"sha256": sha256_bytes(path.read_bytes()), "inputs": plain(dict(inputs))}
-    atomic_write(record_path(path), lambda p: Path(p).write_text(json.dumps(record, sort_keys=True, indent=1)))
-
-
-def check_record(path: str | Path, inputs: Mapping[str, Any]) -> Literal["reuse", "rebuild"]:
-    """Is the file `path` current for `inputs`? "reuse" when its bytes match its record and the record's inputs
-    are `inputs`; "rebuild" (logged with the reason) when it is missing, damaged (a kill mid-write, an edit), has no
-    record, or was made from other inputs."""
-    path, why = Path(path), None
+def check_record(path: Path, inputs: Mapping[str, Any]) -> Literal["reuse", "rebuild"]:
+    """Is the file `path` current for `inputs`? "reuse" when its bytes and inputs are the recorded ones; else
+    "rebuild", logged with why: missing, no record, damaged (a kill mid-write, an edit), made from other inputs."""
     try:
-        record = json.loads(record_path(path).read_text())
-        data = path.read_bytes()
+        record = read_json_object(path.with_name(path.name + ".record.json"))
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
     except (OSError, ValueError):
-        record, data = None, b""
-    if not path.is_file():
         return "rebuild"
-    if not isinstance(record, dict):
-        why = "it has no record of what made it"
-    elif record.get("sha256") != sha256_bytes(data):
-        why = "its bytes are not the ones recorded (damaged or edited)"
-    elif record.get("inputs") != plain(dict(inputs)):
-        changed = describe_changes(record.get("inputs"), plain(dict(inputs)))
-        why = "what made it changed: " + "; ".join(changed)
-    if why is None:
-        return "reuse"
-    log.warning("%s is not current (%s): building it again", path, why)
-    return "rebuild"
-
+    changed = describe_changes(record.get("inputs"), plain(dict(inputs)))
+    why = ("its bytes are not the ones recorded (damaged or edited)" if record.get("sha256") != digest else
+           "what made it changed: " + "; ".join(changed) if changed else None)
+    if why is not None:
+        log.warning("%s is not current (%s): building it again", path, why)
+    return "rebuild" if why else "reuse"
 
 
 def reuse_fold(folder: Path, fingerprint: str, report_only: bool, overwrite: bool) -> dict | None:
@@ -514,7 +485,7 @@ def other_data_key(stage_dir: Path, files: Sequence[dict]) -> str | None:
     ours = sorted((f["path"], f["sha256"]) for f in files)
     if not recorded or sorted((f["path"], f["sha256"]) for f in recorded) == ours:
         return None
-    key = sha256_bytes(json.dumps(ours).encode())[:12]
+    key = hashlib.sha256(json.dumps(ours).encode()).hexdigest()[:12]
     log.warning("forecasting other data than the run in %s was trained on (%d file(s) recorded, %d given, or other "
                 "content): its outputs go to folders keyed data_%s, the run's own are kept; set data.path to the "
                 "run's files to score the run itself", stage_dir, len(recorded), len(ours), key)

@@ -35,34 +35,13 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import finetune.utils.checkpoint as checkpoint_store
-from finetune.utils import adapters, ledger
-from finetune.utils.checkpoint import (
-    CHECKPOINT_FORMAT,
-    Checkpoint,
-    DivergenceError,
-    assert_finite_state_dict,
-    last_checkpoint_path,
-    rng_state,
-    set_rng_state,
-)
+from finetune.utils import adapters, ledger, validate
 from finetune.utils.config_utils import Problems, TrainingConfig, config_to_dict, plain, validate_training_config
 from finetune.utils.distributed import DistInfo, all_gather_object, barrier, no_sync, seed_everything, wrap_model
 from finetune.utils.errors import stage_log
 from finetune.utils.metrics import MetricsLogger, read_metrics, write_run_info
 from finetune.utils.plots import loss_plot_title, plot_loss_curves
 from finetune.utils.safety import GracefulStop, NonFiniteGuard, RunLock, TrainingStopped, maybe_die_after_step
-from finetune.utils.validate import (
-    LossSums,
-    Validator,
-    ValMetric,
-    evaluate,
-    forward_flops_per_token,
-    quiet_loader,
-    resolve_precision,
-    rng_fork,
-    tf32_matmuls,
-    val_sampler,
-)
 from finetune.utils.windows import EpochSampler, batches_per_epoch, make_loader
 from model.errors import DataError
 from model.hub import weights_fingerprint
@@ -245,7 +224,8 @@ class TokenizerStage(Stage):
 
     def flops_per_token(self, seq):
         tok = self.model  # the decoder runs twice (from the s1 bits alone and from the full code)
-        return 3 * (forward_flops_per_token([tok], seq) + forward_flops_per_token([tok.decoder, tok.head], seq))
+        flops = validate.forward_flops_per_token
+        return 3 * (flops([tok], seq) + flops([tok.decoder, tok.head], seq))
 
 
 class PredictorStage(Stage):
@@ -284,8 +264,8 @@ class PredictorStage(Stage):
     def flops_per_token(self, seq):
         # The predictor trains on seq - 1 positions of each window; the frozen tokenizer encodes all seq (forward).
         tok = self.tokenizer
-        return (3 * forward_flops_per_token([self.model], seq - 1) * (seq - 1) / seq
-                + forward_flops_per_token([tok.embed, tok.encoder, tok.quant_embed], seq))
+        return (3 * validate.forward_flops_per_token([self.model], seq - 1) * (seq - 1) / seq
+                + validate.forward_flops_per_token([tok.embed, tok.encoder, tok.quant_embed], seq))
 
     def frozen_fingerprint(self):
         base = self.adapter.base_fingerprint  # lora / freeze: the predictor's frozen weights count too
@@ -343,7 +323,7 @@ class Trainer:
 
     def __init__(self, stage: Stage, train_set: Dataset, val_set: Dataset, cfg: TrainingConfig, out: Path,
                  dist: DistInfo, run_config: dict[str, Any] | None = None, data_info: dict[str, Any] | None = None,
-                 val_metric: ValMetric | None = None, data_extremes: str | None = None,
+                 val_metric: validate.ValMetric | None = None, data_extremes: str | None = None,
                  output_key: str = "training.output_dir", rebuild_changed: bool = False):
         problems = Problems()
         validate_training_config(cfg, problems)
@@ -360,7 +340,7 @@ class Trainer:
         self.run_config = run_config if run_config is not None else {"training": config_to_dict(cfg)}
         self.data_info = data_info
         self.frozen_fp = stage.frozen_fingerprint()  # the predictor's tokenizer weights (None for the tokenizer)
-        self.best_dir, self.ckpt_path = self.out / "best_model", last_checkpoint_path(self.out)
+        self.best_dir, self.ckpt_path = self.out / "best_model", checkpoint_store.last_checkpoint_path(self.out)
         self.output_key = output_key  # the pipeline's setting naming `out`, quoted when the disk is full
         self.rebuild_changed = rebuild_changed  # a finished run whose inputs changed is retrained, not refused
 
@@ -385,8 +365,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.OneCycleLR(
             self.optimizer, max_lr=cfg.lr, total_steps=total, pct_start=one_cycle_pct_start(cfg.pct_start, total),
             div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor, cycle_momentum=False)
-        self.precision = resolve_precision(cfg.amp, self.device)  # said in the log (bf16 on CPU: float32)
-        self.validator = Validator(stage, val_set, cfg, dist, self.precision, val_metric)
+        self.precision = validate.resolve_precision(cfg.amp, self.device)  # said in the log (bf16 on CPU: float32)
+        self.validator = validate.Validator(stage, val_set, cfg, dist, self.precision, val_metric)
         # training.compile: the loss of full micro-batches is compiled at the first one (see forward_backward_step).
         self.compile = self.device.type == "cuda" if cfg.compile == "auto" else bool(cfg.compile)
         self.compiled_loss: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] | None = None
@@ -410,8 +390,8 @@ class Trainer:
         self.run_extra: dict[str, Any] = {}  # stage, world size, resumed_from: added to every run_info.json
         self.bar = tqdm(disable=True)  # this epoch's progress bar (rank 0 with training.progress_bar)
         self.epoch_start = time.perf_counter()
-        self.epoch_sums = LossSums(stage.part_names, self.device)  # the epoch's training loss so far
-        self.window = LossSums(stage.part_names, self.device)  # training loss since the last log record
+        self.epoch_sums = validate.LossSums(stage.part_names, self.device)  # the epoch's training loss so far
+        self.window = validate.LossSums(stage.part_names, self.device)  # training loss since the last log record
         self.window_start = time.perf_counter()
         self.window_data_wait = 0.0  # seconds this rank waited for the loader in the window
         self.window_len = 0  # T of the last batch: tokens/s = windows/s * T
@@ -425,7 +405,7 @@ class Trainer:
         Raises TrainingStopped after saving on SIGTERM/SIGINT, DivergenceError on a non-finite step (nothing of it
         applied, the last checkpoint kept), RunLockedError / StageFolderError / ConfigError on every rank when the
         folder or settings refuse the run."""
-        with GracefulStop() as self.stopper, tf32_matmuls(self.precision.tf32):
+        with GracefulStop() as self.stopper, validate.tf32_matmuls(self.precision.tf32):
             try:
                 self.opened = ledger.open_stage(self, self.rebuild_changed)  # fresh, resume, reuse or refuse
                 self.plan = self.opened.plan
@@ -497,7 +477,7 @@ class Trainer:
         """Epoch 0: validate the starting model before the first step; it is best_model/ until an epoch beats it.
         The random streams are restored afterwards, so training is the same as without this validation."""
         self.epoch_start = time.perf_counter()
-        with rng_fork():
+        with validate.rng_fork():
             self.validate_and_select(epoch=0, train_loss=None)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -506,13 +486,13 @@ class Trainer:
         cfg, state = self.cfg, self.state
         self.epoch_start = time.perf_counter()
         self.model.train()
-        loader = quiet_loader(make_loader(
+        loader = validate.quiet_loader(make_loader(
             self.train_set, self.train_sampler, cfg.batch_size, epoch=state.epoch, seed=cfg.seed,
             skip_batches=state.step_in_epoch * cfg.accumulation_steps, num_workers=cfg.num_workers,
             pin_memory=self.device.type == "cuda"))
         # After a resume rank 0 carries the (all ranks') sum of the part of the epoch done before the interruption.
         carried = (state.epoch_loss_sum, state.epoch_windows) if self.dist.is_main else (0.0, 0)
-        self.epoch_sums = LossSums(self.stage.part_names, self.device, *carried)
+        self.epoch_sums = validate.LossSums(self.stage.part_names, self.device, *carried)
         self.epoch_tokens, self.epoch_train_s = 0, 0.0
         self.reset_window()
         show_bar = self.dist.is_main and cfg.progress_bar
@@ -550,7 +530,7 @@ class Trainer:
         A failing compile logs one warning and that step runs eagerly, its random streams put back."""
         compiled = self.compile and x.shape[0] == self.cfg.batch_size
         if compiled and self.compiled_loss is None:  # the run's first full micro-batch: a step's first, no gradient
-            saved = rng_state()
+            saved = checkpoint_store.rng_state()
             try:
                 torch.compiler.reset()  # a fresh cache per stage (many stages in one process: no recompile limit)
                 self.compiled_loss = torch.compile(self.stage.loss, dynamic=False)
@@ -560,7 +540,7 @@ class Trainer:
                             self.stage.name, type(e).__name__, (str(e).strip().splitlines() or [""])[0][:300])
                 self.compile, self.compiled_loss, compiled = False, None, False
                 self.optimizer.zero_grad(set_to_none=True)
-                set_rng_state(saved)
+                checkpoint_store.set_rng_state(saved)
         loss_fn = self.compiled_loss if compiled else self.stage.loss
         with contextlib.nullcontext() if sync else no_sync(self.wrapped):
             with self.precision.autocast():
@@ -603,7 +583,7 @@ class Trainer:
 
     def reset_window(self) -> None:
         """Start a new log window (sums, clock, loader wait)."""
-        self.window = LossSums(self.stage.part_names, self.device)
+        self.window = validate.LossSums(self.stage.part_names, self.device)
         self.window_start = time.perf_counter()
         self.window_data_wait = 0.0
 
@@ -624,7 +604,7 @@ class Trainer:
         if self.grad_norm is not None:
             record["grad_norm"] = float(self.grad_norm)
         if not math.isfinite(record["loss"]):
-            raise DivergenceError(f"{self.stage.name}: training loss is {record['loss']} at step "
+            raise checkpoint_store.DivergenceError(f"{self.stage.name}: training loss is {record['loss']} at step "
                                   f"{self.state.global_step}; lower training.lr or set training.amp=none")
         self.logger.log({"kind": "train", **record})
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
@@ -679,7 +659,7 @@ class Trainer:
     def save_best(self, epoch: int, val_loss: float) -> None:
         """best_model/ in the published format plus its run_info.json (rank 0); never non-finite weights, and a
         full disk is reported with the folder, free space and bytes needed."""
-        assert_finite_state_dict(self.model.state_dict(), str(self.best_dir))
+        checkpoint_store.assert_finite_state_dict(self.model.state_dict(), str(self.best_dir))
         try:
             self.stage.save_best(self.best_dir)
             write_run_info(self.best_dir, self.run_config, self.data_info,
@@ -702,10 +682,10 @@ class Trainer:
                               log=log.warning, write=self.dist.is_main)
         barrier()
 
-    def state_dict(self) -> Checkpoint:
+    def state_dict(self) -> checkpoint_store.Checkpoint:
         """Everything a resumed run needs, as the checkpoint holds it; every rank calls it (gathers RNG states)."""
-        rngs = all_gather_object(rng_state())  # every rank resumes its own random stream
-        return {"format": CHECKPOINT_FORMAT, "stage": self.stage.name,
+        rngs = all_gather_object(checkpoint_store.rng_state())  # every rank resumes its own random stream
+        return {"format": checkpoint_store.CHECKPOINT_FORMAT, "stage": self.stage.name,
                 "model": self.stage.adapter.checkpoint_state(),  # lora / freeze: what trains only
                 "model_args": self.model_args(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "grad_scaler": None, "loop": dataclasses.asdict(self.state),
@@ -714,13 +694,13 @@ class Trainer:
                 "data_fingerprint": ledger.data_fingerprint(plain(self.data_info)),
                 "frozen_fingerprint": self.frozen_fp}
 
-    def load_state_dict(self, saved: Checkpoint) -> None:
+    def load_state_dict(self, saved: checkpoint_store.Checkpoint) -> None:
         """Continue from `saved` (checked by `resume` / `read_finished`): weights, optimizer moments and step (with
         this run's optimisation settings), the loop's counters and history, this rank's random streams."""
         self.stage.adapter.load_checkpoint_state(saved["model"], self.resume_path)
         restore_optimizer(self.optimizer, self.scheduler, saved)
         self.state = LoopState(**saved["loop"])
-        set_rng_state(saved["rng"][self.dist.rank])
+        checkpoint_store.set_rng_state(saved["rng"][self.dist.rank])
 
     def model_args(self) -> dict[str, Any]:
         """The model's constructor arguments as plain data (checkpoint's "model_args")."""
@@ -791,5 +771,5 @@ def evaluate_predictor(predictor: nn.Module, tokenizer: nn.Module, dataset: Data
     """Causal, teacher-forced predictor loss averaged over validation windows (all ranks)."""
     tokenizer.to(dist.device).eval()
     stage = PredictorStage(predictor.to(dist.device), tokenizer, True)
-    return evaluate(stage, predictor, dataset, val_sampler(dataset, cfg, dist), cfg, dist, epoch,
-                    resolve_precision(cfg.amp, dist.device))
+    return validate.evaluate(stage, predictor, dataset, validate.val_sampler(dataset, cfg, dist), cfg, dist, epoch,
+                    validate.resolve_precision(cfg.amp, dist.device))

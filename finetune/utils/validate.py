@@ -1,12 +1,6 @@
-"""Validation of one training stage (after torchtitan's components/validate.py): the loss over the validation windows,
-the pipeline's forecast metric, best-model selection and early stopping, returned as one `Selection` record.
-
-    validator = Validator(stage, val_set, cfg, dist, precision, val_metric)
-    selection = validator.validate_and_select(wrapped, epoch, best_score, bad_epochs)
-
-Also the pieces training shares with it: `LossSums` (the one accumulator, all-reduced once per record),
-`resolve_precision` (training.amp, TF32, the peak behind MFU, autocast: resolved once per run by the Trainer and
-handed here) and `rng_fork`.
+"""Validation of one stage (after torchtitan's components/validate.py): `Validator.validate_and_select` = the
+validation loss, the pipeline's forecast metric, best-model selection and early stopping, as one `Selection`. Also
+what training shares with it: `LossSums`, `resolve_precision` (resolved once per run by the Trainer), `rng_fork`.
 """
 
 from __future__ import annotations
