@@ -291,18 +291,13 @@ def prepare_store(sources: Sources, out_dir: str | Path,
     # from: the store never records the sha256 of other content than it holds.
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with atomic_dir(out_dir) as tmp, tempfile.TemporaryDirectory(prefix=".sources-", dir=out_dir.parent) as snap:
-        copies = [f if isinstance(f, Frame) else Path(snap, str(i), f.name) for i, f in enumerate(files)]
-        fingerprints = []
-        for f, copy in zip(files, copies):
-            if isinstance(f, Frame):
-                fingerprints.append(source_fingerprint(f))
-            else:
-                copy.parent.mkdir()
-                fingerprints.append(store.snapshot_file(f, copy))
+        snaps = [(f, source_fingerprint(f)) if isinstance(f, Frame) else
+                 store.snapshot_file(f, Path(snap, str(i))) for i, f in enumerate(files)]
+        fingerprints = [fp for _, fp in snaps]
         tmp.rmdir()  # the StoreWriter makes its folder itself
-        manifest = _build(list(zip(copies, files)), store.StoreWriter(tmp, len(FEATURES)), settings, block_rows,
-                          {"settings": settings.as_dict(), "sources": fingerprints,
-                           "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        manifest = _build([(copy, f) for (copy, _), f in zip(snaps, files)], store.StoreWriter(tmp, len(FEATURES)),
+                          settings, block_rows, {"settings": settings.as_dict(), "sources": fingerprints,
+                                                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         log.info("data store %s: %d series, %d rows prepared in %.1f s", out_dir, manifest["n_series"],
                  manifest["n_rows"], time.perf_counter() - t0)
         _refuse_foreign_folder(out_dir)  # still a store (or nothing) now that it is replaced

@@ -7,12 +7,13 @@ which stages run (`plan_stages`, `stage_resume`), a walk-forward fold (`reuse_fo
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import shutil
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -77,6 +78,12 @@ class RunPlan:
     checkpoint_dir: str | None = None
     message: str = ""  # The one line to log about the decision ('' = nothing to say).
     remove: tuple[str, ...] = ()  # Old outputs to delete before training (training.overwrite).
+    # Set by `open_stage`: the checkpoint read back (skip) or resumed, its content (rank 0's copy on rank 0), the
+    # optimisation settings changed since, the data changes kept under training.accept_changed_data.
+    path: Path | None = None
+    saved: checkpoint_store.Checkpoint | None = None
+    changed: tuple[str, ...] = ()
+    accepted: tuple[str, ...] = ()
 
 
 def plan_run(folder: str | Path, resume: str, overwrite: bool, stage: str) -> RunPlan:
@@ -280,18 +287,7 @@ def load_for_resume(plan: RunPlan, dist: DistInfo, log: Callable[[str], None]
         return None
     return found if dist.is_main else (Path(path), checkpoint_store.load_checkpoint(path, map_location=dist.device))
 
-@dataclass
-class Opened:
-    """What `open_stage` decided for a stage folder, with the checkpoint it reads back (skip) or resumes."""
-
-    plan: RunPlan
-    path: Path | None = None  # the checkpoint file
-    saved: checkpoint_store.Checkpoint | None = None  # its content (rank 0's copy on rank 0)
-    changed: list[str] = field(default_factory=list)  # optimisation settings changed since the checkpoint
-    accepted: list[str] = field(default_factory=list)  # data changes kept under training.accept_changed_data
-
-
-def open_stage(t: Any, rebuild_changed: bool = False) -> Opened:
+def open_stage(t: Any, rebuild_changed: bool = False) -> RunPlan:
     """Take the Trainer `t`'s stage folder (rank 0 locks it, deletes replaced outputs and leftovers of killed
     writes) and decide, on every rank: fresh, resume (the checkpoint checked: settings that cannot change, data,
     frozen weights), or a finished run reused only while it is current. A finished run whose settings, data or
@@ -315,9 +311,9 @@ def open_stage(t: Any, rebuild_changed: bool = False) -> Opened:
         changed = check_resume_compatible(saved, t.cfg, t.dist.world_size, t.stage.name, t.model_args(), path,
                                           run_config=t.run_config)
         accepted = check_data(saved, t.data_info, t.frozen_fp, t.cfg.accept_changed_data, path)
-        return Opened(plan, path, saved, changed, accepted)
+        return dataclasses.replace(plan, path=path, saved=saved, changed=tuple(changed), accepted=tuple(accepted))
     if plan.action == "fresh" or (plan.action == "resume" and found is None):
-        return Opened(plan)
+        return plan
     if found is None:
         raise DataError(f"{t.out}: run_info.json says finished but no checkpoint is left")
     path, saved = found
@@ -325,7 +321,7 @@ def open_stage(t: Any, rebuild_changed: bool = False) -> Opened:
     if not changes:
         if t.dist.is_main:
             log.info("%s", plan.message)
-        return Opened(plan, path, saved)
+        return dataclasses.replace(plan, path=path, saved=saved)
 
     def rebuild() -> RunPlan:
         log.warning("[%s] %s holds a%s run that is no longer current (%s): training it again", t.stage.name, t.out,
@@ -334,7 +330,7 @@ def open_stage(t: Any, rebuild_changed: bool = False) -> Opened:
         checkpoint_store.prepare_folder(t.out / "checkpoints")
         return RunPlan("fresh")
 
-    return Opened(on_main(rebuild, t.dist))
+    return on_main(rebuild, t.dist)
 
 
 def finished_changes(t: Any, saved: checkpoint_store.Checkpoint, path: Path, rebuild_changed: bool) -> list[str]:

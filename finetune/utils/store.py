@@ -225,17 +225,20 @@ def file_fingerprint(path: str | Path, with_hash: bool = True) -> dict:
             "sha256": sha256_file(p) if with_hash else None}
 
 
-def snapshot_file(path: str | Path, copy: Path, chunk_bytes: int = 1 << 20) -> dict:
-    """Copy `path` to `copy` while hashing the bytes copied: its `file_fingerprint`, of exactly the bytes in `copy`
-    (one read, so a file replaced or edited meanwhile cannot give a hash of other bytes than those parsed)."""
+def snapshot_file(path: str | Path, folder: Path, chunk_bytes: int = 1 << 20) -> tuple[Path, dict]:
+    """Copy `path` into the new `folder` (same name) while hashing the bytes copied: (the copy, its
+    `file_fingerprint` of exactly the copy's bytes: one read, so a file replaced or edited meanwhile cannot give a
+    hash of other bytes than those parsed from the copy)."""
     p, h, size = Path(path), hashlib.sha256(), 0
-    with open(p, "rb") as src, open(copy, "wb") as dst:
+    folder.mkdir()
+    with open(p, "rb") as src, open(folder / p.name, "wb") as dst:
         mtime_ns = os.fstat(src.fileno()).st_mtime_ns
         while chunk := src.read(chunk_bytes):
             h.update(chunk)
             dst.write(chunk)
             size += len(chunk)
-    return {"path": str(p.resolve()), "bytes": size, "mtime_ns": mtime_ns, "sha256": h.hexdigest()}
+    fingerprint = {"path": str(p.resolve()), "bytes": size, "mtime_ns": mtime_ns, "sha256": h.hexdigest()}
+    return folder / p.name, fingerprint
 
 
 class StoreWriter:

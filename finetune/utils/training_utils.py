@@ -380,7 +380,6 @@ class Trainer:
         self.stop_agreed = False  # some rank received SIGTERM/SIGINT: stop after this step
         self.step_loss = torch.zeros((), device=self.device)  # the current optimizer step's loss (weighted mean)
         self.plan = ledger.RunPlan("fresh")
-        self.opened = ledger.Opened(self.plan)
 
         # Run state: replaced by the checkpoint's in resume(); updated by the steps.
         self.state = LoopState()
@@ -407,11 +406,10 @@ class Trainer:
         folder or settings refuse the run."""
         with GracefulStop() as self.stopper, validate.tf32_matmuls(self.precision.tf32):
             try:
-                self.opened = ledger.open_stage(self, self.rebuild_changed)  # fresh, resume, reuse or refuse
-                self.plan = self.opened.plan
+                self.plan = ledger.open_stage(self, self.rebuild_changed)  # fresh, resume, reuse or refuse
                 if self.plan.action == "skip":  # a finished run, current for these inputs: read back, not retrained
-                    self.resume_path = self.opened.path
-                    self.load_state_dict(self.opened.saved)
+                    self.resume_path = self.plan.path
+                    self.load_state_dict(self.plan.saved)
                     plot = self.out / "loss_curve.png"
                     return self.result(plot if plot.exists() else None, skipped=True)
                 # Everything this run logs (rank 0) also goes to <stage>/train.log, appended across resumes.
@@ -437,17 +435,18 @@ class Trainer:
     def resume(self) -> None:
         """Load the checkpoint the ledger chose to resume, then wrap the model for DDP (broadcasts rank 0's
         weights)."""
-        opened = self.opened
-        if opened.saved is not None:
-            self.resume_path = opened.path
-            self.load_state_dict(opened.saved)
-            self.run_extra = {"changed_on_resume": opened.changed, "accepted_changed_data": opened.accepted}
+        plan = self.plan
+        if plan.saved is not None:
+            self.resume_path = plan.path
+            self.load_state_dict(plan.saved)
+            self.run_extra = {"changed_on_resume": list(plan.changed),
+                             "accepted_changed_data": list(plan.accepted)}
             if self.dist.is_main:
                 log.info("[%s] resuming from %s at step %d", self.stage.name, self.resume_path, self.state.global_step)
-                if opened.changed:
+                if plan.changed:
                     log.info("[%s] settings changed since the checkpoint: %s", self.stage.name,
-                             "; ".join(opened.changed))
-                for text in opened.accepted:
+                             "; ".join(plan.changed))
+                for text in plan.accepted:
                     log.warning("[%s] training.accept_changed_data=true: %s", self.stage.name, text)
         self.wrapped = wrap_model(self.model, self.dist)
 
@@ -632,7 +631,7 @@ class Trainer:
             if dist.is_main:
                 self.save_best(epoch, state.best_val_loss)
             barrier()
-        state.best_score, state.bad_epochs = sel.best_score, sel.bad_epochs
+        state.best_score, state.bad_epochs = sel.best, sel.bad_epochs
         entry = {"epoch": epoch, "step": state.global_step, "train_loss": train_loss, **sel.values,
                  "lr": self.scheduler.get_last_lr()[0], "seconds": time.perf_counter() - self.epoch_start}
         state.history.append(entry)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -208,16 +208,12 @@ def evaluate(stage: Any, wrapped: nn.Module, dataset: Dataset, sampler: EpochSam
 
 
 @dataclass(frozen=True)
-class Selection:
-    """One validation's record: what it measured and what it decided."""
+class Selection(EarlyStopping):
+    """One validation's record: the early-stopping state after it (`improved`: this model becomes best_model/; no
+    stop, and no bad epoch counted, after the starting model's) and what it measured (`values`: val_loss,
+    val_<part>, val_windows, metric_<name> with a forecast metric, score: what training.select_by compares)."""
 
-    # val_loss, val_<part>, val_windows, metric_<name> (with a forecast metric), score (what training.select_by
-    # compares, lower is better).
-    values: dict[str, Any]
-    improved: bool  # the score beat the best so far: this model becomes best_model/
-    best_score: float  # best score so far, this one included
-    bad_epochs: int  # validations in a row without improvement (0 after the starting model's)
-    stop: bool  # patience is used up (never after the starting model's validation)
+    values: dict[str, Any] = field(default_factory=dict)
 
 
 class Validator:
@@ -246,5 +242,5 @@ class Validator:
             if cfg.select_by != "loss":
                 score = float(metric["score"])
         decision = update_early_stopping(best_score, bad_epochs, score, cfg.patience, cfg.min_delta)
-        return Selection({**values, "score": score}, decision.improved, decision.best,
-                         0 if epoch == 0 else decision.bad_epochs, decision.stop and epoch > 0)
+        return Selection(decision.best, 0 if epoch == 0 else decision.bad_epochs, decision.improved,
+                         decision.stop and epoch > 0, {**values, "score": score})
