@@ -116,7 +116,8 @@ def test_engine_progress_lines_go_through_logging(tmp_path, caplog):
         Trainer(TokenizerStage(tiny_tokenizer()), train_set, val_set, cfg, tmp_path, CPU).fit()
         Trainer(TokenizerStage(tiny_tokenizer()), train_set, val_set, replace(cfg, resume="auto"), tmp_path,
                 CPU).fit()
-    messages = [r.getMessage() for r in caplog.records if r.name in ("finetune.utils.training_utils", "finetune.utils.ledger")]
+    messages = [r.getMessage() for r in caplog.records
+                if r.name in ("finetune.utils.training_utils", "finetune.utils.ledger")]
     assert any(m.startswith("[tokenizer] epoch 1/1  train ") for m in messages)
     assert any(m.startswith("[tokenizer] starting model  val ") for m in messages)
     assert any(m.endswith("already holds a finished run; skipping it (--overwrite or training.overwrite=true "
