@@ -306,7 +306,8 @@ def open_stage(t: Any, rebuild_changed: bool = False) -> RunPlan:
 
     plan = on_main(decide, t.dist)
     found = load_for_resume(plan, t.dist, log.warning) if plan.action != "fresh" else None
-    if plan.action == "resume" and found is not None and not (rebuild_changed and finished_changes(t, found[1], found[0], True)):
+    stale = rebuild_changed and found is not None and finished_changes(t, found[1], found[0], True)
+    if plan.action == "resume" and found is not None and not stale:
         path, saved = found
         changed = check_resume_compatible(saved, t.cfg, t.dist.world_size, t.stage.name, t.model_args(), path,
                                           run_config=t.run_config)
