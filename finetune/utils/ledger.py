@@ -290,9 +290,9 @@ def load_for_resume(plan: RunPlan, dist: DistInfo, log: Callable[[str], None]
 def open_stage(t: Any, rebuild_changed: bool = False) -> RunPlan:
     """Take the Trainer `t`'s stage folder (rank 0 locks it, deletes replaced outputs and leftovers of killed
     writes) and decide, on every rank: fresh, resume (the checkpoint checked: settings that cannot change, data,
-    frozen weights), or a finished run reused only while it is current. A finished run whose settings, data or
-    frozen tokenizer changed is retrained with one log line naming the change when `rebuild_changed`
-    (--skip-existing, walk-forward folds), else refused (StageFolderError / ConfigError, exit 5)."""
+    frozen weights), or a finished run reused only while it is current. A run whose settings, data or frozen
+    tokenizer changed is trained again with one warning naming the change when `rebuild_changed` (--skip-existing,
+    walk-forward folds), else refused (StageFolderError / ConfigError, exit 5)."""
 
     def decide() -> RunPlan:
         t.lock.acquire()
@@ -306,19 +306,17 @@ def open_stage(t: Any, rebuild_changed: bool = False) -> RunPlan:
 
     plan = on_main(decide, t.dist)
     found = load_for_resume(plan, t.dist, log.warning) if plan.action != "fresh" else None
-    stale = rebuild_changed and found is not None and finished_changes(t, found[1], found[0], True)
-    if plan.action == "resume" and found is not None and not stale:
-        path, saved = found
+    if found is None and plan.action == "skip":
+        raise DataError(f"{t.out}: run_info.json says finished but no checkpoint is left")
+    if found is None:
+        return plan
+    path, saved = found
+    changes = finished_changes(t, saved, path, rebuild_changed) if rebuild_changed or plan.action == "skip" else []
+    if not changes and plan.action == "resume":
         changed = check_resume_compatible(saved, t.cfg, t.dist.world_size, t.stage.name, t.model_args(), path,
                                           run_config=t.run_config)
         accepted = check_data(saved, t.data_info, t.frozen_fp, t.cfg.accept_changed_data, path)
         return dataclasses.replace(plan, path=path, saved=saved, changed=tuple(changed), accepted=tuple(accepted))
-    if plan.action == "fresh" or (plan.action == "resume" and found is None):
-        return plan
-    if found is None:
-        raise DataError(f"{t.out}: run_info.json says finished but no checkpoint is left")
-    path, saved = found
-    changes = finished_changes(t, saved, path, rebuild_changed)
     if not changes:
         if t.dist.is_main:
             log.info("%s", plan.message)
