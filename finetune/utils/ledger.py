@@ -67,6 +67,8 @@ def stage_status(folder: str | Path) -> Status:
 
 
 @dataclass(frozen=True)
+
+
 class RunPlan:
     """What rank 0 decided to do with the stage folder (broadcast to every rank)."""
 
@@ -248,6 +250,7 @@ def check_data(saved: dict, data_info: dict[str, Any] | None, frozen_fp: str | N
                           title=f"Cannot resume from {path}")
     return changes
 
+
 def on_main(fn: Callable[[], T], dist: DistInfo) -> T:
     """Run `fn` on rank 0 and hand its value to every rank; a ValueError/OSError it raises is raised on every rank
     (the original on rank 0, a `StageFolderError` with the same message elsewhere), so all ranks exit cleanly."""
@@ -286,6 +289,7 @@ def load_for_resume(plan: RunPlan, dist: DistInfo, log: Callable[[str], None]
     if path is None:
         return None
     return found if dist.is_main else (Path(path), checkpoint_store.load_checkpoint(path, map_location=dist.device))
+
 
 def open_stage(t: Any, rebuild_changed: bool = False) -> RunPlan:
     """Take the Trainer `t`'s stage folder (rank 0 locks it, deletes replaced outputs and leftovers of killed
@@ -398,8 +402,10 @@ def stage_resume(pipe: Any, plan: Mapping[str, str | None]) -> dict[str, str]:
                 resume[stage] = "auto"
     return resume
 
+
 # ---------------------------------------------------------------------------------------------------------------
 # Records of file artifacts: `<file>.record.json` = {"sha256": of the file's bytes, "inputs": what made it}.
+
 
 def folder_sha256(folder: Path) -> str:
     """sha256 over the relative paths and bytes of every file under `folder` (a saved model, say)."""

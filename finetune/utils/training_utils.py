@@ -604,7 +604,8 @@ class Trainer:
             record["grad_norm"] = float(self.grad_norm)
         if not math.isfinite(record["loss"]):
             raise checkpoint_store.DivergenceError(f"{self.stage.name}: training loss is {record['loss']} at step "
-                                  f"{self.state.global_step}; lower training.lr or set training.amp=none")
+                                                   f"{self.state.global_step}; lower training.lr or set "
+                                                   "training.amp=none")
         self.logger.log({"kind": "train", **record})
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
         self.reset_window()
@@ -771,4 +772,4 @@ def evaluate_predictor(predictor: nn.Module, tokenizer: nn.Module, dataset: Data
     tokenizer.to(dist.device).eval()
     stage = PredictorStage(predictor.to(dist.device), tokenizer, True)
     return validate.evaluate(stage, predictor, dataset, validate.val_sampler(dataset, cfg, dist), cfg, dist, epoch,
-                    validate.resolve_precision(cfg.amp, dist.device))
+                             validate.resolve_precision(cfg.amp, dist.device))

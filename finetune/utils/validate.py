@@ -25,7 +25,10 @@ from model.layers import MultiHeadAttentionWithRoPE, MultiHeadCrossAttentionWith
 # (model, stage) -> {"score": lower is better, other named values...}; called on every rank after validation.
 ValMetric = Callable[[nn.Module, Any], dict[str, float]]
 
+
 @dataclass(frozen=True)
+
+
 class ReducedSums:
     """All ranks' totals of a `LossSums`, on the host."""
 
@@ -70,6 +73,8 @@ class LossSums:
 
 
 @dataclass(frozen=True)
+
+
 class EarlyStopping:
     """Early-stopping state after one validation."""
 
@@ -91,8 +96,9 @@ def update_early_stopping(best: float, bad_epochs: int, val_loss: float, patienc
     return EarlyStopping(best=best, bad_epochs=bad_epochs, improved=improved, stop=stop)
 
 
-
 @contextlib.contextmanager
+
+
 def rng_fork() -> Iterator[None]:
     """Run a block without moving this process's random streams (python, numpy, torch): epoch-0 validation and
     forecast metrics must not change the training's dropout / sampling."""
@@ -101,7 +107,6 @@ def rng_fork() -> Iterator[None]:
         yield
     finally:
         set_rng_state(saved)
-
 
 
 def _worker_init(worker_id: int) -> None:
@@ -117,13 +122,10 @@ def quiet_loader(loader):
     return loader
 
 
-
 def val_sampler(dataset: Dataset, cfg: TrainingConfig, dist: DistInfo) -> EpochSampler:
     """Ordered, nothing dropped or duplicated (an exact loss); a capped run draws a seeded subset per epoch."""
     return EpochSampler(len(dataset), shuffle=False, seed=cfg.seed + 1, max_samples=cfg.max_val_samples,
                         rank=dist.rank, world_size=dist.world_size, drop_remainder=False)
-
-
 
 
 # datasheets (SXM parts unless named); the first name part found in torch.cuda.get_device_name() is used.
@@ -132,6 +134,8 @@ PEAK_FLOPS = {"H100 PCIe": (756e12, 378e12, 51e12), "H100": (989e12, 495e12, 67e
 
 
 @dataclass(frozen=True)
+
+
 class Precision:
     """What training.amp resolves to on the training device."""
 
@@ -162,6 +166,8 @@ def resolve_precision(amp: str, device: torch.device) -> Precision:
 
 
 @contextlib.contextmanager
+
+
 def tf32_matmuls(on: bool) -> Iterator[None]:
     """float32 matmuls in TF32 inside the block when `on` (the process's setting is restored afterwards)."""
     before = torch.get_float32_matmul_precision()
@@ -182,6 +188,7 @@ def forward_flops_per_token(modules: Sequence[nn.Module], seq: int) -> float:
     attention = sum(m.d_model for m in found
                     if isinstance(m, (MultiHeadAttentionWithRoPE, MultiHeadCrossAttentionWithRoPE)))
     return 2 * weights + 4 * attention * seq
+
 
 @torch.no_grad()
 def evaluate(stage: Any, wrapped: nn.Module, dataset: Dataset, sampler: EpochSampler, cfg: TrainingConfig,
@@ -206,8 +213,9 @@ def evaluate(stage: Any, wrapped: nn.Module, dataset: Dataset, sampler: EpochSam
     return {**totals.means(prefix="val_"), "val_windows": totals.windows}
 
 
-
 @dataclass(frozen=True)
+
+
 class Selection(EarlyStopping):
     """One validation's record: the early-stopping state after it (`improved`: this model becomes best_model/; no
     stop, and no bad epoch counted, after the starting model's) and what it measured (`values`: val_loss,
