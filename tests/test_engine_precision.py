@@ -21,10 +21,10 @@ from finetune.utils.training_utils import (
     TokenizerStage,
     one_cycle_pct_start,
     predictor_loss,
-    resolve_precision,
     tokenizer_loss,
     train_tokenizer,
 )
+from finetune.utils.validate import Precision, resolve_precision
 from tests.engine_dist_worker import tiny_datasets, tiny_predictor, tiny_tokenizer
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -88,7 +88,7 @@ def test_a_failing_compile_warns_once_and_trains_exactly_like_eager(tmp_path, mo
         return first_call
 
     monkeypatch.setattr(torch, "compile", broken_compile)
-    with caplog.at_level(logging.WARNING, logger="finetune.utils.training_utils"):
+    with caplog.at_level(logging.WARNING, logger="finetune.utils"):
         result = train_tokenizer(tiny_tokenizer(dropout=0.1), train_set, val_set, replace(cfg, compile=True),
                                  tmp_path / "c", CPU)
     warned = [r.getMessage() for r in caplog.records
@@ -149,7 +149,7 @@ def test_train_records_and_the_epoch_line_carry_tokens_per_s_and_mfu_when_the_pe
     import finetune.utils.training_utils as engine
 
     peak = 1e9  # a pretend device peak, so MFU is reported on this CPU
-    monkeypatch.setattr(engine, "resolve_precision", lambda amp, device: engine.Precision(None, False, peak, "fp32"))
+    monkeypatch.setattr(engine, "resolve_precision", lambda amp, device: Precision(None, False, peak, "fp32"))
     train_set, val_set = tiny_datasets()
     tok = tiny_tokenizer()
     result = train_tokenizer(tok, train_set, val_set, CFG, tmp_path, CPU)
