@@ -426,12 +426,16 @@ def check_record(path: Path, inputs: Mapping[str, Any]) -> Literal["reuse", "reb
     """Is the file `path` current for `inputs`? "reuse" when its bytes and inputs are the recorded ones; else
     "rebuild", logged with why: missing, no record, damaged (a kill mid-write, an edit), made from other inputs."""
     try:
-        record = read_json_object(path.with_name(path.name + ".record.json"))
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return "rebuild"  # not there yet
+    try:
+        record = read_json_object(path.with_name(path.name + ".record.json"))
     except (OSError, ValueError):
-        return "rebuild"
+        record = {}
     changed = describe_changes(record.get("inputs"), plain(dict(inputs)))
-    why = ("its bytes are not the ones recorded (damaged or edited)" if record.get("sha256") != digest else
+    why = ("it has no record of what made it (an older version wrote it)" if not record else
+           "its bytes are not the ones recorded (damaged or edited)" if record.get("sha256") != digest else
            "what made it changed: " + "; ".join(changed) if changed else None)
     if why is not None:
         log.warning("%s is not current (%s): building it again", path, why)
