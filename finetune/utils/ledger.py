@@ -41,10 +41,9 @@ Status = Literal["empty", "unfinished", "finished"]
 
 def _read_run_info(folder: Path) -> dict[str, Any]:
     try:
-        data = json.loads((folder / "run_info.json").read_text(encoding="utf-8"))
+        return read_json_object(folder / "run_info.json")
     except (OSError, ValueError):
         return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _has_checkpoint(folder: Path) -> bool:
@@ -472,13 +471,13 @@ def _windows_damage(rows: Path, info: dict) -> str | None:
     """Why the fold's windows.csv is not the one its fold.json describes (None: it is): cut, edited, unreadable."""
     try:
         frame = pd.read_csv(rows)
-    except (OSError, ValueError) as e:
-        return f"its windows.csv is unreadable ({e})"
-    for candidate, scores in info.get("scores", {}).items():
-        got = frame[frame["candidate"] == candidate]
-        if len(got) != info["windows"]["test"] or not all(
-                np.isclose(got[s].mean(), v, rtol=1e-9, atol=0, equal_nan=True) for s, v in scores.items()):
-            return f"its windows.csv does not hold the {candidate} rows fold.json recorded (damaged or edited)"
+        for candidate, scores in info.get("scores", {}).items():
+            got = frame[frame["candidate"] == candidate]
+            if len(got) != info["windows"]["test"] or not all(
+                    np.isclose(got[s].mean(), v, rtol=1e-9, atol=0, equal_nan=True) for s, v in scores.items()):
+                return f"its windows.csv does not hold the {candidate} rows fold.json recorded (damaged or edited)"
+    except (OSError, ValueError, KeyError) as e:
+        return f"its windows.csv is unreadable ({type(e).__name__}: {e})"
     return None
 
 
