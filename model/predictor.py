@@ -34,13 +34,13 @@ from model.features import (
     FEATURES,
     PRICE_FEATURES,
     ColumnError,
-    calc_time_stamps,
     candle_matrix,
     check_increasing,
     denormalize,
     normalize,
     quantile_column,
     resolve_columns,
+    time_features,
     to_datetime_index,
 )
 from model.fileio import read_json_object, write_json
@@ -575,20 +575,19 @@ class KronosPredictor:
                 self._cut_said = True
             x, x_idx = np.ascontiguousarray(x[-self.lookback:]), x_idx[-self.lookback:]
         return {"x": x, "y_index": y_idx, "last_close": float(x[-1, CLOSE]),
-                "x_stamp": calc_time_stamps(x_idx).to_numpy(np.float32),
-                "y_stamp": calc_time_stamps(y_idx).to_numpy(np.float32)}
+                "x_stamp": time_features(x_idx).astype(np.float32), "y_stamp": time_features(y_idx).astype(np.float32)}
 
     @staticmethod
     def _result(p: dict[str, Any], samples: np.ndarray, mean: np.ndarray, return_samples: bool,
                 quantiles: Sequence[float] | None, calibration: dict[str, Any] | None) -> pd.DataFrame | Forecast:
         """`sample_windows`' paths (S, pred_len, 6) and mean (pred_len, 6) of one series -> the mean DataFrame, or a
         Forecast, calibrated when `calibration` is given."""
-        cols, y_idx = list(FEATURES), p["y_index"]
+        cols, y_idx = pd.Index(FEATURES), p["y_index"]  # an Index: a list would be re-validated per series
         if calibration is not None:
             shift = calibration_shift(calibration, samples[..., CLOSE], np.float64(p["last_close"]))  # (S, pred_len)
             samples[..., :len(PRICE_FEATURES)] *= np.exp(shift)[..., None]  # volume and amount stay as drawn
             mean = samples.mean(axis=0)
-        mean_df = pd.DataFrame(mean, columns=cols, index=y_idx)
+        mean_df = pd.DataFrame(mean, columns=cols, index=y_idx, copy=False)
         if not (return_samples or quantiles):
             return mean_df
         qs = {q: pd.DataFrame(np.quantile(samples, q, axis=0), columns=cols, index=y_idx) for q in (quantiles or [])}

@@ -7,9 +7,13 @@ decoding so every path must produce the same forecast, which is checked. Three w
     many   300 series, context 90 -> 10 (one day of a CSI 300 backtest)
     paths  64 series x 8 sample paths, context 400 -> 24 (the static step encodes each context once, not 8 times)
 Without CUDA the defaults are small (--quick: about a minute on 2 CPU cores); --full runs the issue's sizes.
+--host times what `predict_batch` does outside the model (checks, cut, normalisation, time features, results as
+DataFrames) for 300 DataFrames of 90 daily bars -> 10, with the model replaced by a stub that returns at once: the
+CPU stand-in of the 300-series target (issue 34: <= 100 ms on 2 cores).
 
     python scripts/bench_generation.py                 # quick on CPU, full on CUDA
     python scripts/bench_generation.py --full --repeats 3
+    python scripts/bench_generation.py --host          # PYTHONPATH=<another checkout> times that one's host side
 """
 from __future__ import annotations
 
@@ -55,6 +59,29 @@ def timed(kp: KronosPredictor, decode: str, work, samples: int, repeats: int) ->
     return best, out
 
 
+def host_side(repeats: int) -> None:
+    """Process-CPU milliseconds of predict_batch for 300 frames of 90 bars -> 10, the model stubbed out."""
+    import pandas as pd
+
+    torch.set_num_threads(1)
+    kp = KronosPredictor(Kronos(**KRONOS_SMALL), KronosTokenizer(**TOKENIZER_BASE), device="cpu")
+    kp.generate = lambda x, x_stamp, y_stamp, steps, *a, **k: np.zeros((len(x), 1, steps, 6), np.float32)
+    rng, idx = np.random.default_rng(0), pd.bdate_range("2023-01-02", periods=100)
+    frames = []
+    for _ in range(300):
+        c = 10 * np.exp(np.cumsum(rng.normal(0, 0.01, 100)))
+        frames.append(pd.DataFrame({"open": c, "high": c * 1.01, "low": c * 0.99, "close": c, "volume": 1e5 + c,
+                                    "amount": 1e6 + c}, index=idx).iloc[:90])
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.process_time()
+        kp.predict_batch(frames, [idx[:90]] * 300, [idx[90:]] * 300, 10, verbose=False)
+        times.append(1000 * (time.process_time() - t0))
+    times = sorted(times[1:])
+    print(f"host side of predict_batch, 300 series 90 -> 10, model stubbed: min {times[0]:.0f} ms, median "
+          f"{times[len(times) // 2]:.0f} ms over {len(times)} runs (process CPU time, 1 thread)")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = p.add_mutually_exclusive_group()
@@ -64,7 +91,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-context", type=int, default=512)
     p.add_argument("--repeats", type=int, default=1, help="best of N timings per path (after one warm-up)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--host", action="store_true", help="time predict_batch's host side only (model stubbed)")
     args = p.parse_args(argv)
+    if args.host:
+        return host_side(max(args.repeats, 10))
 
     torch.manual_seed(0)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

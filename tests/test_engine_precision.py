@@ -162,3 +162,28 @@ def test_train_records_and_the_epoch_line_carry_tokens_per_s_and_mfu_when_the_pe
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * flops / peak)
     epoch_line = [line for line in (tmp_path / "train.log").read_text().splitlines() if "epoch 1/1" in line]
     assert len(epoch_line) == 1 and "tokens/s  MFU " in epoch_line[0]
+
+
+def test_training_deterministic_runs_the_stage_under_deterministic_kernels_and_says_so(tmp_path, monkeypatch,
+                                                                                       caplog):
+    """training.deterministic: true turns on torch's deterministic algorithms for the stage (a kernel without a
+    deterministic version would raise, not silently differ), turns compile 'auto' off, says so in the log, and puts
+    the process's setting back afterwards; the default leaves them off and says that too."""
+    seen = []
+    real_step = torch.optim.AdamW.step
+
+    def step(self, *a, **k):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    train_set, val_set = tiny_datasets()
+    with caplog.at_level(logging.INFO):
+        for on in (True, False):
+            train_tokenizer(tiny_tokenizer(), train_set, val_set, replace(CFG, deterministic=on), tmp_path / str(on),
+                            CPU)
+    assert seen[:3] == [True] * 3 and seen[3:] == [False] * 3
+    assert not torch.are_deterministic_algorithms_enabled()
+    text = caplog.text
+    assert "training.deterministic: on: torch.use_deterministic_algorithms" in text
+    assert "training.deterministic: off" in text

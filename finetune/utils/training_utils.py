@@ -368,7 +368,8 @@ class Trainer:
         self.precision = validate.resolve_precision(cfg.amp, self.device)  # said in the log (bf16 on CPU: float32)
         self.validator = validate.Validator(stage, val_set, cfg, dist, self.precision, val_metric)
         # training.compile: the loss of full micro-batches is compiled at the first one (see forward_backward_step).
-        self.compile = self.device.type == "cuda" if cfg.compile == "auto" else bool(cfg.compile)
+        self.compile = (self.device.type == "cuda" and not cfg.deterministic if cfg.compile == "auto"
+                        else bool(cfg.compile))
         self.compiled_loss: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] | None = None
 
         # Run safety: one run per folder (rank 0 holds the lock), signals -> graceful stop, non-finite guard.
@@ -404,7 +405,8 @@ class Trainer:
         Raises TrainingStopped after saving on SIGTERM/SIGINT, DivergenceError on a non-finite step (nothing of it
         applied, the last checkpoint kept), RunLockedError / StageFolderError / ConfigError on every rank when the
         folder or settings refuse the run."""
-        with GracefulStop() as self.stopper, validate.tf32_matmuls(self.precision.tf32):
+        with (GracefulStop() as self.stopper, validate.tf32_matmuls(self.precision.tf32),
+              validate.deterministic_kernels(self.cfg.deterministic) as self.determinism):
             try:
                 self.plan = ledger.open_stage(self, self.rebuild_changed)  # fresh, resume, reuse or refuse
                 if self.plan.action == "skip":  # a finished run, current for these inputs: read back, not retrained
@@ -469,8 +471,8 @@ class Trainer:
             n, total = self.run_extra["trainable_parameters"], self.run_extra["total_parameters"]
             log.info("[%s] finetune_mode=%s: %d of %d parameters train (%.2f%%)", self.stage.name,
                      cfg.finetune_mode, n, total, 100 * n / max(total, 1))
-            log.info("[%s] precision: %s; training.compile=%s: %s", self.stage.name, self.precision.text,
-                     cfg.compile, "compiled" if self.compile else "eager")
+            log.info("[%s] precision: %s; training.compile=%s: %s; training.deterministic: %s", self.stage.name,
+                     self.precision.text, cfg.compile, "compiled" if self.compile else "eager", self.determinism)
 
     def validate_start(self) -> None:
         """Epoch 0: validate the starting model before the first step; it is best_model/ until an epoch beats it.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,6 +177,26 @@ def tf32_matmuls(on: bool) -> Iterator[None]:
         yield
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+@contextlib.contextmanager
+def deterministic_kernels(on: bool) -> Iterator[str]:
+    """training.deterministic: inside the block torch picks deterministic kernels (and errors on an op that has
+    none); yields the log's words. cuBLAS reads CUBLAS_WORKSPACE_CONFIG when its handle is made: set it first."""
+    if not on:
+        yield "off (GPU kernels may differ run to run)"
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+              torch.backends.cudnn.benchmark)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield ("on: torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG="
+               f"{os.environ['CUBLAS_WORKSPACE_CONFIG']}, cuDNN deterministic, compile 'auto' eager")
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1], before[2]
 
 
 def forward_flops_per_token(modules: Sequence[nn.Module], seq: int) -> float:
