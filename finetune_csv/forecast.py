@@ -27,7 +27,7 @@ from finetune.evaluation.forecast_scores import (
     interval_coverage,
     score_forecasts,
 )
-from finetune.evaluation.statistics import bootstrap_ci
+from finetune.evaluation.statistics import session_test
 from finetune.utils.checkpoint import prepare_folder
 from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.errors import setup_logging
@@ -227,19 +227,34 @@ def _window_crps(paths: np.ndarray, windows: HeldOutWindows) -> tuple[np.ndarray
 
 def paired_difference(candidate: np.ndarray, zero_shot: np.ndarray, windows: HeldOutWindows,
                       settings: ScoreSettings) -> dict:
-    """Candidate (finetuned, ensemble) - zero-shot CRPS and MAE per window (same windows), each with a bootstrap CI
-    over blocks of window dates (windows of all series on one date move together); < 0 = candidate better.
-    `candidate`, `zero_shot`: sample paths (W, S, P, 6)."""
+    """Candidate (finetuned, ensemble) - zero-shot CRPS and MAE per window (same windows), each with the HAC-t interval
+    of `session_test` (windows of all series on one date or trading session are one observation; too few
+    independent blocks: no interval); < 0 = candidate better. `candidate`, `zero_shot`: sample paths (W, S, P, 6)."""
     crps_f, mae_f = _window_crps(candidate, windows)
     crps_z, mae_z = _window_crps(zero_shot, windows)
     out = {"crps": crps_f.mean() - crps_z.mean(), "mae": mae_f.mean() - mae_z.mean(),
            "windows_finetuned_better_crps": float((crps_f < crps_z).mean())}
-    if settings.n_boot > 0:
-        n, dates = len(windows), windows.dates()
-        boot = lambda d: bootstrap_ci(lambda i: d[i].mean(), n, settings.n_boot, settings.block, settings.seed,
-                                      settings.level, dates, settings.min_block)
-        out["bootstrap"] = {"crps": boot(crps_f - crps_z), "mae": boot(mae_f - mae_z)}
+    test = lambda d, what: session_test(d, windows.dates(), settings.min_block - 1, what=what)
+    out["test"] = {"crps": test(crps_f - crps_z, "CRPS - zero-shot"), "mae": test(mae_f - mae_z, "MAE - zero-shot")}
     return out
+
+
+def ranking(metrics: dict) -> str:
+    """The verdict line: every scored forecaster ranked by mean CRPS, the best named with its interval against the
+    runner-up it was compared with (the finetuned model against each baseline and zero-shot)."""
+    ft = metrics["finetuned"]
+    crps = {name: metrics[name]["model"]["overall"]["crps"] for name in ("finetuned", "zero_shot", "ensemble")
+            if metrics.get(name)}
+    crps |= {name: ft[name]["overall"]["crps"] for name in ("persistence", "empirical", "seasonal_naive") if name in ft}
+    order = sorted(crps, key=lambda k: crps[k])
+    tests = {frozenset(("finetuned", k)): t for k, t in (ft.get("versus") or {}).items()}
+    tests |= {frozenset((k, "zero_shot")): metrics[f"{k}_vs_zero_shot"]["test"]["crps"]
+              for k in ("finetuned", "ensemble") if metrics.get(f"{k}_vs_zero_shot")}
+    best = order[0]  # its interval: against the next in the ranking that it was compared with (signs as printed)
+    rival = next((o for o in order[1:] if frozenset((best, o)) in tests), None)
+    head = "best by CRPS: " + best.replace("_", "-") + " (" + " < ".join(
+        f"{k.replace('_', '-')} {crps[k]:.5f}" for k in order) + ")"
+    return head + (f"; against {rival.replace('_', '-')}: {tests[frozenset((best, rival))]['reason']}" if rival else "")
 
 
 def forecast_table(names: list[str], stamps: list[pd.DatetimeIndex], paths: np.ndarray,
@@ -284,17 +299,14 @@ def format_report(metrics: dict) -> str:
                      f"{num(o.get('direction_accuracy'), '7.3f')}")
     d = metrics["finetuned"]["direction"]
     lines.append(f"dir = sign of the {d['horizon']}-bar move; coin 0.500, majority class {d['majority_class']:.3f}")
-    ci = lambda c: f"{c['estimate']:+.5f} [{c['low']:+.5f}, {c['high']:+.5f}]"
-    boot = metrics["finetuned"].get("bootstrap") or {}
-    for name in ("persistence", "empirical"):
-        if f"crps_minus_{name}" in boot:
-            c = boot[f"crps_minus_{name}"]
-            lines.append(f"CRPS finetuned - {name + ':':13}{ci(c)} (95% CI, blocks of {c['block']} {c['unit']})")
+    for name, test in (metrics["finetuned"].get("versus") or {}).items():
+        lines.append(f"finetuned vs {name}: {test['reason']}")
     for name in ("finetuned", "ensemble"):
         diff = metrics.get(f"{name}_vs_zero_shot")
-        if diff and diff.get("bootstrap"):
-            lines.append(f"CRPS {name} - zero-shot: {ci(diff['bootstrap']['crps'])} (95% CI; < 0 = better than "
-                         f"zero-shot on average; better on {diff['windows_finetuned_better_crps']:.0%} of windows)")
+        if diff:
+            lines.append(f"{name} vs zero-shot: {diff['test']['crps']['reason']} (< 0 = better; better on "
+                         f"{diff['windows_finetuned_better_crps']:.0%} of windows)")
+    lines.append(ranking(metrics))
     cal = metrics.get("calibration")
     if cal:
         lines.append(f"calibrated bands (fitted on validation windows): coverage 50% {cal['cov50_raw']:.2f} -> "
