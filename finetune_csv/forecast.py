@@ -234,7 +234,7 @@ def paired_difference(candidate: np.ndarray, zero_shot: np.ndarray, windows: Hel
     crps_z, mae_z = _window_crps(zero_shot, windows)
     out = {"crps": crps_f.mean() - crps_z.mean(), "mae": mae_f.mean() - mae_z.mean(),
            "windows_finetuned_better_crps": float((crps_f < crps_z).mean())}
-    test = lambda d, what: session_test(d, windows.dates(), settings.min_block - 1, what=what)
+    test = lambda d, what: session_test(d, pd.to_datetime(windows.dates()), settings.min_block - 1, what=what)
     out["test"] = {"crps": test(crps_f - crps_z, "CRPS - zero-shot"), "mae": test(mae_f - mae_z, "MAE - zero-shot")}
     return out
 
@@ -339,7 +339,7 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
     last = windows.context[:, -1, CLOSE]  # (W,)
     score = lambda paths: score_forecasts(paths[..., CLOSE], windows.actual[..., CLOSE], last,
                                           windows.context[..., CLOSE], np.asarray(windows.names), settings,
-                                          history, windows.dates())
+                                          history, pd.to_datetime(windows.dates()).to_numpy())
     raw = sample(finetuned)  # (W, S, P, 6)
     paths = finish_paths(raw, calibration, last, f.repair_candles)
     metrics = {"windows": len(windows), "horizon": horizon, "series": sorted(set(windows.names)),

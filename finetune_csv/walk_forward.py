@@ -27,7 +27,7 @@ import pandas as pd
 
 import finetune_csv.config as csv_config
 from finetune.evaluation.forecast_scores import ScoreSettings, empirical_samples, persistence_samples, window_scores
-from finetune.evaluation.statistics import paired_test
+from finetune.evaluation.statistics import session_test
 from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.config_utils import config_to_dict
 from finetune.utils.errors import setup_logging
@@ -147,7 +147,7 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) 
 
 def paired_from_windows(frame: pd.DataFrame) -> dict:
     """paired.finetuned_vs_zero_shot from windows.csv rows (the verdict's windows): {"crps": ..., "mae": ...}, each
-    `paired_test` on the finetuned - zero_shot differences (windows are non-overlapping: no known lag) with each
+    `session_test` (intraday windows: one date per trading session) on the finetuned - zero_shot differences (windows are non-overlapping: no known lag) with each
     fold's own mean and interval and the share of folds finetuning won."""
     keys = ["fold", "series", "window_start"]
     wide = frame[frame.candidate == "finetuned"].merge(frame[frame.candidate == "zero_shot"], on=keys,
@@ -155,13 +155,27 @@ def paired_from_windows(frame: pd.DataFrame) -> dict:
     out = {}
     for s in ("crps", "mae"):
         wide["d"] = wide[f"{s}_f"] - wide[f"{s}_z"]
-        test = paired_test(wide["d"], wide["window_start"], what=f"finetuned - zero_shot {s.upper()}")
-        test["per_fold"] = [{"fold": int(k), **{x: paired_test(g["d"], g["window_start"])[x] for x in
+        test = session_test(wide["d"], wide["window_start"], what=f"finetuned - zero_shot {s.upper()}")
+        test["per_fold"] = [{"fold": int(k), **{x: session_test(g["d"], g["window_start"])[x] for x in
                                                 ("mean", "ci_low", "ci_high", "windows")}}
                             for k, g in wide.groupby("fold")]
         test["share_folds_won"] = float(np.mean([r["mean"] < 0 for r in test["per_fold"]]))
         out[s] = test
     return out
+
+
+def best_candidate(frame: pd.DataFrame) -> dict:
+    """Every candidate ranked by mean CRPS over the windows all of them scored; the best with the `session_test`
+    interval of its CRPS minus the runner-up's (< 0 = the best is ahead)."""
+    keys = ["fold", "series", "window_start"]
+    wide = frame.pivot_table(index=keys, columns="candidate", values="crps").dropna()  # (windows, candidates)
+    ranking = wide.mean().sort_values()
+    best, rival = ranking.index[0], ranking.index[1]
+    test = session_test(wide[best] - wide[rival], wide.index.get_level_values("window_start"),
+                        what=f"CRPS {best} - {rival}")
+    return {"candidate": best, "ranking": {k: float(v) for k, v in ranking.items()}, "runner_up": rival,
+            "test": test, "line": f"best by CRPS: {best} (" + " < ".join(f"{k} {v:.5f}" for k, v in ranking.items())
+            + f"); against {rival}: {test['reason']}"}
 
 
 def _fingerprint(cfg: CsvFinetuneConfig, fold: Fold, manifest: dict) -> str:
@@ -267,6 +281,7 @@ def _report(cfg: CsvFinetuneConfig, out: Path, frame: pd.DataFrame, meta: list[d
         paired = paired_from_windows(used)
         report["paired"] = {"finetuned_vs_zero_shot": paired}
         report["verdict"], report["verdict_reason"] = paired["crps"]["verdict"], paired["crps"]["reason"]
+        report["best"] = best_candidate(used)
     report["seconds"] = {k: round(sum(r["seconds"][k] for r in meta), 1) for k in ("train", "score")}
     out_frame = frame.assign(window_start=frame["window_start"].astype(str))
     atomic_write(out / "windows.csv", lambda p: out_frame.to_csv(p, index=False))
@@ -328,6 +343,8 @@ def format_table(report: dict) -> str:
     if report["excluded_folds"]:
         lines.append(f"folds {report['excluded_folds']} start before model.pretraining_cutoff: not in the verdict")
     lines.append(f"verdict: {report['verdict']} ({report['verdict_reason']})")
+    if report.get("best"):
+        lines.append(report["best"]["line"])
     return "\n".join(lines)
 
 

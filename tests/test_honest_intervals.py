@@ -31,7 +31,7 @@ def test_null_intervals_exclude_zero_at_most_7_percent_at_any_sample_size(phi):
 def test_intraday_windows_are_blocked_by_trading_session_not_by_window_time():
     # 36 windows of 5-minute bars, 6 per session over 6 sessions: 6 dates, far too few blocks for an interval.
     days = pd.bdate_range("2024-03-04", periods=6)
-    times = np.concatenate([d + pd.Timedelta("09:30") + pd.to_timedelta(np.arange(6) * 30, "min") for d in days])
+    times = np.concatenate([d + pd.Timedelta("09:30:00") + pd.to_timedelta(np.arange(6) * 30, "min") for d in days])
     out = session_test(np.full(36, -1.0) + np.random.default_rng(0).normal(0, 0.1, 36), times)
     assert out["dates"] == 6 and out["verdict"] == "no_evidence" and "no 95% interval" in out["reason"]
     daily = session_test(np.full(36, -1.0) + np.random.default_rng(0).normal(0, 0.1, 36),

@@ -313,8 +313,8 @@ def score_forecasts(samples, realised, last_close, context=None, series=None,
     result["bootstrap"] = (_bootstrap(by_name, codes, n_series, settings, dates) if settings.n_boot > 0
                            else None)
     # Paired differences get the one interval rule of every report (statistics.paired_test, sessions as dates).
-    when = np.arange(n_windows) if dates is None else dates
-    test = session_test if dates is not None else paired_test
+    when = np.arange(n_windows) if dates is None else np.asarray(dates)
+    test = session_test if np.issubdtype(when.dtype, np.datetime64) else paired_test
     result["versus"] = {name: test(by_name["model"]["crps"].mean(axis=1) - by_name[name]["crps"].mean(axis=1),
                                    when, settings.min_block - 1, what=f"CRPS model - {name}")
                         for name in by_name if name != "model"}
