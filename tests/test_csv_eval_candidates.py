@@ -34,7 +34,7 @@ def test_the_empirical_baseline_uses_history_beyond_the_lookback_and_the_ensembl
     # 199 one-bar steps, so 199 - 6 + 1 = 194 six-bar paths (of the 250 asked for).
     assert ft["setup"]["empirical_paths"] == 194
     assert ft["empirical"]["overall"]["crps"] > 0 and ft["empirical"]["overall"]["coverage_80"] > 0
-    assert ft["versus"]["empirical"]["dates"] == ft["setup"]["windows"]
+    assert ft["versus"]["empirical"]["windows"] == ft["setup"]["windows"]
     assert metrics["ensemble"]["weight"] == 0.5 and metrics["ensemble"]["setup"]["samples"] == 8
     ens, fin, zs = (metrics[k]["model"]["overall"]["crps"] for k in ("ensemble", "finetuned", "zero_shot"))
     assert metrics["ensemble_vs_zero_shot"]["crps"] == pytest.approx(ens - zs)
