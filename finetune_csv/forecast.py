@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import socket
 import sys
@@ -309,8 +310,15 @@ def format_report(metrics: dict) -> str:
     lines.append(ranking(metrics))
     cal = metrics.get("calibration")
     if cal:
-        lines.append(f"calibrated bands (fitted on validation windows): coverage 50% {cal['cov50_raw']:.2f} -> "
-                     f"{cal['cov50_calibrated']:.2f}, 80% {cal['cov80_raw']:.2f} -> {cal['cov80_calibrated']:.2f}")
+        lines.append(f"calibrated bands (fitted on {cal['fitted_on_windows']} validation windows), held-out coverage "
+                     f"raw -> calibrated: 50% {cal['cov50_raw']:.2f} -> {cal['cov50_calibrated']:.2f}, 80% "
+                     f"{cal['cov80_raw']:.2f} -> {cal['cov80_calibrated']:.2f} (nominal 0.50 / 0.80, sampling error "
+                     f"+-{cal['sampling_error_50']:.2f} / +-{cal['sampling_error_80']:.2f})")
+        off = [f"{p}% ({cal[f'cov{p}_calibrated']:.2f})" for p in (50, 80)
+               if abs(cal[f"cov{p}_calibrated"] - p / 100) > cal[f"sampling_error_{p}"]]
+        if off:
+            lines.append(f"calibrated coverage off nominal by more than sampling error at {', '.join(off)}: the "
+                         "stored calibration does not fit this data; refit it, or set forecast.calibrate: false")
     v = metrics["candle_violations"]
     lines.append(f"invalid sampled candles: {v['any']:.1%} (high below the body {v['high_below_body']:.1%}, low above "
                  f"it {v['low_above_body']:.1%}); " + ("repaired (forecast.repair_candles: true)"
@@ -355,6 +363,9 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
         metrics["calibration"] = {"cov50_raw": cover(raw, 0.5), "cov80_raw": cover(raw, 0.8),
                                   "cov50_calibrated": cover(paths, 0.5), "cov80_calibrated": cover(paths, 0.8),
                                   "method": calibration.get("method"), "fitted_on_windows": calibration.get("windows")}
+        n = len(np.unique(pd.to_datetime(windows.dates()).normalize()))  # sessions: windows in one move together
+        for p in (50, 80):  # 2 binomial standard errors over the n independent sessions
+            metrics["calibration"][f"sampling_error_{p}"] = 2 * math.sqrt(p / 100 * (1 - p / 100) / n)
     if zero_shot is not None:
         zs_paths = finish_paths(sample(zero_shot), None, last, f.repair_candles)
         ens_paths = ensemble_paths(paths, zs_paths, f.ensemble_weight)

@@ -100,8 +100,11 @@ def test_calibration_is_fitted_on_validation_windows_and_coverage_reported_befor
     assert any(np.allclose(seen["outcomes"][0], first, rtol=1e-6) for first in firsts)
     stored = json.loads((cfg.predictor_dir / "best_model" / "kronos_predictor.json").read_text())
     assert stored["calibration"]["windows"] == 18
-    cal = forecast.run_forecast(cfg)["calibration"]
+    metrics = forecast.run_forecast(cfg)
+    cal = metrics["calibration"]
     assert cal["cov80_raw"] < 0.5 and cal["cov80_calibrated"] > 0.9 and cal["cov50_calibrated"] >= cal["cov50_raw"]
+    # 50x too wide: 80% covered far beyond nominal + 2 binomial s.e., and the report says so
+    assert "calibrated coverage off nominal by more than sampling error at" in forecast.format_report(metrics)
     off = forecast.run_forecast(load(make_run(tmp_path, zero_shot=None, extra=", calibrate: false")),
                                 tmp_path / "raw")
     assert off["calibration"] is None
