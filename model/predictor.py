@@ -361,6 +361,12 @@ class KronosPredictor:
         if unknown:
             raise TypeError(f"unexpected arguments {unknown}; Hub options are {sorted(allowed)}")
         model, tokenizer, info = load_trained_pair(folder_or_id, tokenizer, **hub_kwargs)
+        run = Path(folder_or_id) / "run_info.json"  # a finetuned run's best_model/ records the settings it ran with
+        wanted = run.is_file() and (read_json_object(run).get("config") or {}).get("forecast", {}).get("calibrate")
+        if wanted is True and not info.get("calibration"):
+            log.warning("%s was trained with forecast.calibrate: true but holds no calibration (its run stopped "
+                        "before calibrating): its bands are the raw samples', too narrow; run `kronos finetune` "
+                        "again with its config to calibrate it", folder_or_id)
         return cls(model, tokenizer, device=device,
                    max_context=max_context if max_context is not None else info.get("max_context",
                                                                                     DEFAULT_MAX_CONTEXT),

@@ -76,6 +76,14 @@ def test_a_checkpoint_loaded_for_another_device_restores_the_rng_streams_exactly
     assert draws() == expected
 
 
+@pytest.mark.skipif(subprocess.run("nvidia-smi -L", shell=True, capture_output=True).returncode == 0,
+                    reason="a GPU machine: gpu_check.sh runs its check there")
+def test_gpu_check_without_a_gpu_says_so_and_exits_0(tmp_path):
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "GPU_CHECK_OUT": str(tmp_path)})
+    assert run.returncode == 0 and run.stdout.strip() == "no GPU: nothing to check", run.stderr
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # on a GPU
 

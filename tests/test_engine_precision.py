@@ -146,10 +146,10 @@ def test_a_ten_step_stage_with_pct_start_0_1_trains_with_one_warm_up_step(tmp_pa
 
 
 def test_train_records_and_the_epoch_line_carry_tokens_per_s_and_mfu_when_the_peak_is_known(tmp_path, monkeypatch):
-    import finetune.utils.training_utils as engine
+    import finetune.utils.validate as validation
 
     peak = 1e9  # a pretend device peak, so MFU is reported on this CPU
-    monkeypatch.setattr(engine, "resolve_precision", lambda amp, device: Precision(None, False, peak, "fp32"))
+    monkeypatch.setattr(validation, "resolve_precision", lambda amp, device: Precision(None, False, peak, "fp32"))
     train_set, val_set = tiny_datasets()
     tok = tiny_tokenizer()
     result = train_tokenizer(tok, train_set, val_set, CFG, tmp_path, CPU)

@@ -41,10 +41,9 @@ Status = Literal["empty", "unfinished", "finished"]
 
 def _read_run_info(folder: Path) -> dict[str, Any]:
     try:
-        data = json.loads((folder / "run_info.json").read_text(encoding="utf-8"))
+        return read_json_object(folder / "run_info.json")
     except (OSError, ValueError):
         return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _has_checkpoint(folder: Path) -> bool:
@@ -426,12 +425,16 @@ def check_record(path: Path, inputs: Mapping[str, Any]) -> Literal["reuse", "reb
     """Is the file `path` current for `inputs`? "reuse" when its bytes and inputs are the recorded ones; else
     "rebuild", logged with why: missing, no record, damaged (a kill mid-write, an edit), made from other inputs."""
     try:
-        record = read_json_object(path.with_name(path.name + ".record.json"))
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return "rebuild"  # not there yet
+    try:
+        record = read_json_object(path.with_name(path.name + ".record.json"))
     except (OSError, ValueError):
-        return "rebuild"
+        record = {}
     changed = describe_changes(record.get("inputs"), plain(dict(inputs)))
-    why = ("its bytes are not the ones recorded (damaged or edited)" if record.get("sha256") != digest else
+    why = ("it has no record of what made it (an older version wrote it)" if not record else
+           "its bytes are not the ones recorded (damaged or edited)" if record.get("sha256") != digest else
            "what made it changed: " + "; ".join(changed) if changed else None)
     if why is not None:
         log.warning("%s is not current (%s): building it again", path, why)
@@ -468,13 +471,13 @@ def _windows_damage(rows: Path, info: dict) -> str | None:
     """Why the fold's windows.csv is not the one its fold.json describes (None: it is): cut, edited, unreadable."""
     try:
         frame = pd.read_csv(rows)
-    except (OSError, ValueError) as e:
-        return f"its windows.csv is unreadable ({e})"
-    for candidate, scores in info.get("scores", {}).items():
-        got = frame[frame["candidate"] == candidate]
-        if len(got) != info["windows"]["test"] or not all(
-                np.isclose(got[s].mean(), v, rtol=1e-9, atol=0, equal_nan=True) for s, v in scores.items()):
-            return f"its windows.csv does not hold the {candidate} rows fold.json recorded (damaged or edited)"
+        for candidate, scores in info.get("scores", {}).items():
+            got = frame[frame["candidate"] == candidate]
+            if len(got) != info["windows"]["test"] or not all(
+                    np.isclose(got[s].mean(), v, rtol=1e-9, atol=0, equal_nan=True) for s, v in scores.items()):
+                return f"its windows.csv does not hold the {candidate} rows fold.json recorded (damaged or edited)"
+    except (OSError, ValueError, KeyError) as e:
+        return f"its windows.csv is unreadable ({type(e).__name__}: {e})"
     return None
 
 
