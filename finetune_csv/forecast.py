@@ -283,7 +283,9 @@ def format_report(metrics: dict) -> str:
     the calibration's coverage and the share of invalid sampled candles."""
     s = metrics["finetuned"]["setup"]
     lines = [f"held-out forecast: {s['windows']} windows (every non-overlapping test window) x {s['horizon']} "
-             f"candles, {s['series']} series, {s['samples']} samples; close, returns vs the last context close",
+             f"candles, {s['series']} series ({', '.join(metrics['series'])}), {s['samples']} samples; close, returns "
+             "vs the last context close" + (f"; no test window: {', '.join(metrics['series_without_test_windows'])}"
+                                            if metrics.get("series_without_test_windows") else ""),
              f"{'':15}{'MAE':>9}{'MASE':>7}{'CRPS':>9}{'WQL':>7}{'cov50':>7}{'cov80':>7}{'dir':>7}"]
     num = lambda v, fmt: format(v, fmt) if v is not None else "-".rjust(int(fmt.split(".")[0]))
     rows = [(name.replace("_", "-"), metrics[name]["model"]) for name in ("finetuned", "zero_shot", "ensemble")
@@ -410,6 +412,7 @@ def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: t
                                history=cfg.forecast.empirical_window + 1)  # + 1: n returns need n + 1 closes
     metrics, paths = evaluate_held_out(cfg, finetuned, windows, zero_shot_predictor(cfg), _season(cfg, data.panel),
                                        calibration)
+    metrics["series_without_test_windows"] = sorted(set(data.panel.names) - set(windows.names))
 
     write_outputs(cfg, out_dir, forecast_table(windows.names, windows.y_timestamps, paths, windows.actual),
                   "forecast_vs_actual.png", windows.names, windows.x_timestamps, windows.context,

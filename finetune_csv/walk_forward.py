@@ -81,8 +81,9 @@ def make_folds(panel, lookback: int, predict: int, folds: int, test_bars: int, p
         end = t0 - purge  # (S,) one past the last validation target: `purge` of the series' own bars before t0
         v0 = end - np.maximum(predict, np.round(end * val_ratio).astype(np.int64))  # first validation target
         stop = v0 - purge  # one past the last training target
-        # A series without a training window before the block or a test window in it sits this fold out.
-        on = (stop >= lookback + predict) & (t0 >= lookback) & (t1 - t0 >= predict) & (c1 > test_bars)
+        # A series with a training window before the block trains; without a test window in it, it is not scored.
+        trains = (stop >= lookback + predict) & (c1 > test_bars)  # (S,)
+        on = trains & (t0 >= lookback) & (t1 - t0 >= predict)
         if not on.any():
             raise DataError(f"fold {k} of walk_forward.folds={folds} blocks of walk_forward.test_bars={test_bars} "
                             f"(+ embargo {embargo}, purge {purge}) leaves no series with a training window of "
@@ -90,16 +91,20 @@ def make_folds(panel, lookback: int, predict: int, folds: int, test_bars: int, p
                             f"test window (the longest series has {int(lengths.max())} rows); lower "
                             "walk_forward.folds / test_bars / data.lookback")
         if not on.all():
-            log.info("fold %d: %s sit it out (no training window before %s or no test window in it)", k,
-                     ", ".join(panel.names[s] for s in np.flatnonzero(~on)[:10]), stamp_text(int(calendar[c0])))
+            log.info("fold %d: %s not scored (no training window before %s or no test window in it; trained on: "
+                     "%s)", k, ", ".join(panel.names[s] for s in np.flatnonzero(~on)),
+                     stamp_text(int(calendar[c0])), ", ".join(panel.names[s] for s in np.flatnonzero(trains & ~on))
+                     or "none of them")
         scored |= on
-        cut = first + np.where(on, np.stack([stop, v0 - lookback, v0, end, t0 - lookback, t0, t1]), 0)  # (7, S)
+        cut = first + np.concatenate([np.where(trains, np.stack([stop, v0 - lookback, v0, end]), 0),
+                                      np.where(on, np.stack([t0 - lookback, t0, t1]), 0)])  # (7, S)
         out.append(Fold(k, PanelSegments(panel, first, first, cut[0]), PanelSegments(panel, *cut[1:4]),
                         PanelSegments(panel, *cut[4:])))
     if not scored.all():  # the blocks follow the latest series: a verdict on fewer series than the user gave
-        log.warning("walk-forward: %s are in no fold (the test blocks are the last %d x %d bars of the calendar, "
-                    "after their data ends): the verdict covers %d of %d series; cut every series to a common end "
-                    "date to compare them all", ", ".join(panel.names[s] for s in np.flatnonzero(~scored)[:10]),
+        log.warning("walk-forward: %s are scored in no fold, only trained on (the test blocks are the last %d x %d "
+                    "bars of the calendar, after their data ends): the verdict covers %d of %d series; cut every "
+                    "series to a common end date to compare them all",
+                    ", ".join(panel.names[s] for s in np.flatnonzero(~scored)[:10]),
                     folds, test_bars, int(scored.sum()), len(scored))
     return out
 
@@ -147,7 +152,8 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) 
 
 def paired_from_windows(frame: pd.DataFrame) -> dict:
     """paired.finetuned_vs_zero_shot from windows.csv rows (the verdict's windows): {"crps": ..., "mae": ...}, each
-    `session_test` (intraday windows: one date per trading session) on the finetuned - zero_shot differences (windows are non-overlapping: no known lag) with each
+    `session_test` (intraday windows: one date per trading session) on the finetuned - zero_shot differences
+    (windows are non-overlapping: no known lag) with each
     fold's own mean and interval and the share of folds finetuning won."""
     keys = ["fold", "series", "window_start"]
     wide = frame[frame.candidate == "finetuned"].merge(frame[frame.candidate == "zero_shot"], on=keys,

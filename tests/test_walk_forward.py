@@ -74,9 +74,12 @@ def test_folds_are_date_ranges_shared_by_all_series_and_purged_on_each(purge, em
             assert when[fold.test.first_target[on]].min() > prev_last
         prev_last = when[fold.test.stop[on] - 1].max()
         assert wf.fold_dates(fold)["test_start"] == str(pd.Timestamp(block[0]))
-    # s2 ends before the last two blocks: present in fold 0 only, absent (no rows at all) from folds 1 and 2
+    # s2 ends before the last two blocks: scored in fold 0 only, yet still trained on (all its rows but the
+    # purged validation tail, every one before the block) in folds 1 and 2 -- never dropped silently
     assert [bool(f.test.stop[2] > f.test.first_target[2]) for f in folds] == [True, False, False]
-    assert all(f.train.stop[2] == f.train.start[2] for f in folds[1:])
+    for f in folds[1:]:
+        assert f.train.stop[2] - f.train.start[2] >= lookback + predict and f.val.stop[2] <= p.offsets[3]
+        assert when[f.val.stop[2] - 1] < calendar[len(calendar) - (2 - f.index) * (12 + embargo) - 12]
 
 
 def test_a_series_that_ends_before_every_test_block_is_named_in_a_warning(caplog):
@@ -85,7 +88,8 @@ def test_a_series_that_ends_before_every_test_block_is_named_in_a_warning(caplog
     with caplog.at_level("WARNING", logger=wf.log.name):
         folds = wf.make_folds(p, 16, 4, folds=3, test_bars=12, purge=4, embargo=0, val_ratio=0.2)
     assert all(f.test.stop[1] == f.test.first_target[1] for f in folds)
-    assert "s1 are in no fold" in caplog.text and "the verdict covers 1 of 2 series" in caplog.text
+    assert "s1 are scored in no fold, only trained on" in caplog.text and "the verdict covers 1 of 2" in caplog.text
+    assert all(f.train.stop[1] - f.train.start[1] >= 20 for f in folds)  # s1 still trains in every fold
     caplog.clear()
     with caplog.at_level("WARNING", logger=wf.log.name):  # ends 30 hours early: in fold 0, no warning
         wf.make_folds(panel([300, 260], ["2024-03-01 00:00", "2024-02-28 18:00"]), 16, 4, folds=3, test_bars=12,
