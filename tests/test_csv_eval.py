@@ -110,6 +110,9 @@ def test_metrics_json_holds_scores_baselines_intervals_and_the_zero_shot_compari
     crps |= {k: ft[k]["overall"]["crps"] for k in ("persistence", "empirical", "seasonal_naive") if k in ft}
     best = min(crps, key=crps.get)  # the verdict line names the best of all, models and baselines
     assert f"best by CRPS: {best.replace('_', '-')}" in report
+    assert on_disk["series_without_test_windows"] == [] and "(SH600000.csv, SH600001.csv)" in report
+    metrics["series_without_test_windows"] = ["NVDA.csv"]  # a date split that left NVDA without a test window
+    assert "no test window: NVDA.csv" in forecast.format_report(metrics).splitlines()[0]
 
 
 def test_the_same_seed_gives_the_same_scores(tmp_path):

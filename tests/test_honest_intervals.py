@@ -37,3 +37,21 @@ def test_intraday_windows_are_blocked_by_trading_session_not_by_window_time():
     daily = session_test(np.full(36, -1.0) + np.random.default_rng(0).normal(0, 0.1, 36),
                          pd.bdate_range("2024-03-04", periods=36))
     assert daily["dates"] == 36 and daily["verdict"] == "helps"
+
+
+def test_a_date_split_that_leaves_a_series_without_test_windows_names_it(caplog):
+    from finetune.utils.store import SeriesPanel
+    from finetune_csv.config import DataConfig
+    from finetune_csv.splits import split_data
+
+    # s1 ends before data.val_end: it trains and validates, but has no test window (hourly bars)
+    when = [pd.date_range(end=end, periods=n, freq="1h").as_unit("ns").asi8
+            for n, end in ((300, "2024-03-01 00:00"), (200, "2024-02-25 00:00"))]
+    p = SeriesPanel.from_series([np.ones((len(w), 6), np.float32) for w in when],
+                                [np.zeros((len(w), 5), np.int64) for w in when], ["s0", "s1"], when)
+    cfg = DataConfig(split="by_date", train_end="2024-02-20 00:00", val_end="2024-02-26 00:00", lookback=16,
+                     predict=4)
+    with caplog.at_level("WARNING"):
+        splits, _ = split_data(p, cfg)
+    assert "s1 has no test window" in caplog.text and "the others are still trained on" in caplog.text
+    assert splits["train"].stop[1] - splits["train"].start[1] > 20  # still trained on

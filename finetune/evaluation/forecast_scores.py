@@ -324,18 +324,14 @@ def score_forecasts(samples, realised, last_close, context=None, series=None,
 
 def _bootstrap(by_name: dict, codes: np.ndarray, n_series: int, settings: ScoreSettings,
                dates: np.ndarray | None = None) -> dict:
-    """CIs over windows (or date blocks) of the model's headline numbers and paired differences to each baseline."""
+    """CIs over windows (or date blocks) of the model's headline numbers."""
     model = by_name["model"]
     n = len(codes)
     stats = {"mae": lambda i: model["abs_err"][i].mean(), "crps": lambda i: model["crps"][i].mean(),
              "direction_accuracy": lambda i: model["direction_hit"][i].mean()}
-    for name in [b for b in ("persistence", "empirical") if b in by_name]:
-        naive = by_name[name]
-        if model["scaled"] is not None:
-            scaled_m, scaled_b = model["scaled"].mean(axis=1), naive["scaled"].mean(axis=1)  # (W,)
-            stats["mase"] = lambda i, m=scaled_m: _series_mean(m, codes, n_series, i)
-            stats[f"mase_minus_{name}"] = lambda i, m=scaled_m, b=scaled_b: (_series_mean(m, codes, n_series, i)
-                                                                              - _series_mean(b, codes, n_series, i))
+    if model["scaled"] is not None:  # paired differences to the baselines: "versus" (statistics.paired_test)
+        scaled = model["scaled"].mean(axis=1)  # (W,)
+        stats["mase"] = lambda i: _series_mean(scaled, codes, n_series, i)
     return {k: bootstrap_ci(f, n, settings.n_boot, settings.block, settings.seed, settings.level, dates,
                             settings.min_block) for k, f in stats.items()}
 
