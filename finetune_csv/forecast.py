@@ -244,18 +244,17 @@ def ranking(metrics: dict) -> str:
     """The verdict line: every scored forecaster ranked by mean CRPS, the best named with its interval against the
     runner-up it was compared with (the finetuned model against each baseline and zero-shot)."""
     ft = metrics["finetuned"]
-    crps = {name: metrics[name]["model"]["overall"]["crps"] for name in ("finetuned", "zero_shot", "ensemble")
-            if metrics.get(name)}
-    crps |= {name: ft[name]["overall"]["crps"] for name in ("persistence", "empirical", "seasonal_naive") if name in ft}
-    order = sorted(crps, key=lambda k: crps[k])
+    crps = {k: (metrics.get(k) or {}).get("model", ft.get(k, {})).get("overall", {}).get("crps") for k in
+            ("finetuned", "zero_shot", "ensemble", "persistence", "empirical", "seasonal_naive")}
+    order = sorted((k for k in crps if crps[k] is not None), key=crps.get)
     tests = {frozenset(("finetuned", k)): t for k, t in (ft.get("versus") or {}).items()}
     tests |= {frozenset((k, "zero_shot")): metrics[f"{k}_vs_zero_shot"]["test"]["crps"]
               for k in ("finetuned", "ensemble") if metrics.get(f"{k}_vs_zero_shot")}
     best = order[0]  # its interval: against the next in the ranking that it was compared with (signs as printed)
     rival = next((o for o in order[1:] if frozenset((best, o)) in tests), None)
-    head = "best by CRPS: " + best.replace("_", "-") + " (" + " < ".join(
-        f"{k.replace('_', '-')} {crps[k]:.5f}" for k in order) + ")"
-    return head + (f"; against {rival.replace('_', '-')}: {tests[frozenset((best, rival))]['reason']}" if rival else "")
+    name = lambda k: k.replace("_", "-")  # noqa: E731
+    vs = f"; against {name(rival)}: {tests[frozenset((best, rival))]['reason']}" if rival else ""
+    return f"best by CRPS: {name(best)} (" + " < ".join(f"{name(k)} {crps[k]:.5f}" for k in order) + ")" + vs
 
 
 def forecast_table(names: list[str], stamps: list[pd.DatetimeIndex], paths: np.ndarray,
@@ -366,8 +365,7 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
                                   "cov50_calibrated": cover(paths, 0.5), "cov80_calibrated": cover(paths, 0.8),
                                   "method": calibration.get("method"), "fitted_on_windows": calibration.get("windows")}
         n = len(np.unique(pd.to_datetime(windows.dates()).normalize()))  # sessions: windows in one move together
-        for p in (50, 80):  # 2 binomial standard errors over the n independent sessions
-            metrics["calibration"][f"sampling_error_{p}"] = 2 * math.sqrt(p / 100 * (1 - p / 100) / n)
+        metrics["calibration"] |= {f"sampling_error_{p}": 2 * math.sqrt(p / 100 * (1 - p / 100) / n) for p in (50, 80)}
     if zero_shot is not None:
         zs_paths = finish_paths(sample(zero_shot), None, last, f.repair_candles)
         ens_paths = ensemble_paths(paths, zs_paths, f.ensemble_weight)

@@ -101,10 +101,8 @@ def split_data(panel: SeriesPanel, cfg: DataConfig) -> tuple[dict[str, PanelSegm
     for name, seg in splits.items():  # a series left out of one split is named, never dropped silently
         none = ~((seg.stop - seg.start >= window) & (seg.stop > seg.first_target))  # (S,)
         if none.any():
-            log.warning("data.split: by_date: %s %s no %s window (boundaries %s / %s); %s", ", ".join(
-                np.asarray(panel.names)[none]), "has" if none.sum() == 1 else "have", name, how["train_end"],
-                how["val_end"], "not trained on" if name == "train" else f"the others are still trained on; not in "
-                f"the {name} scores")
+            log.warning("data.split: by_date: %s %s no %s window (boundaries %s / %s)", ", ".join(np.asarray(
+                panel.names)[none]), "has" if none.sum() == 1 else "have", name, how["train_end"], how["val_end"])
     return splits, how
 
 

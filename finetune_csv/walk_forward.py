@@ -173,8 +173,7 @@ def paired_from_windows(frame: pd.DataFrame) -> dict:
 def best_candidate(frame: pd.DataFrame) -> dict:
     """Every candidate ranked by mean CRPS over the windows all of them scored; the best with the `session_test`
     interval of its CRPS minus the runner-up's (< 0 = the best is ahead)."""
-    keys = ["fold", "series", "window_start"]
-    wide = frame.pivot_table(index=keys, columns="candidate", values="crps").dropna()  # (windows, candidates)
+    wide = frame.pivot_table(index=["fold", "series", "window_start"], columns="candidate", values="crps").dropna()
     ranking = wide.mean().sort_values()
     best, rival = ranking.index[0], ranking.index[1]
     test = session_test(wide[best] - wide[rival], wide.index.get_level_values("window_start"),

@@ -12,8 +12,7 @@ date are one observation); the T date means, in time order over the pooled test 
   normal (with few dates the normal rejects too often: heavy tails, a noisy long-run variance). The interval is
   mean +- t(B - 1) se; `helps` / `hurts` when it excludes 0, i.e. the DM test rejects.
 - Below MIN_BLOCKS blocks no interval is claimed: `no_evidence`, and the reason says so.
-- Intraday windows: the dates are trading sessions (`session_test`), not window end times: the bars of one session
-  share its news, so windows within it are not independent blocks.
+- Intraday windows: the dates are trading sessions (`session_test`); windows of one session are not independent.
 Rejected: the (fold, series)-block bootstrap it replaces (1 series x 3 folds = 3 blocks, the interval is the range of
 the fold means: 26% false helps / hurts on null data), and the moving-block bootstrap of the date means, which
 alone said helps / hurts 11-14% of the time on the null designs of tests/test_statistics.py (MA(4) differences,
