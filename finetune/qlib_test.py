@@ -214,7 +214,10 @@ def best_signal(signals: dict[str, pd.Series], labels: pd.DataFrame, results: di
     higher is better) of its daily IC minus the runner-up's, each at its own label horizon; `line` for the console."""
     ic = {n: r["headline"]["IC"] for n, r in results.items() if np.isfinite(r["headline"]["IC"])}
     order = sorted(ic, key=ic.get, reverse=True)
-    best, rival = order[0], order[min(1, len(order) - 1)]
+    if len(order) < 2:  # nothing to compare (e.g. every IC undefined on a tiny universe)
+        return {"signal": order[0] if order else None, "ranking": ic, "line": "best by IC: fewer than 2 signals "
+                "with a defined IC, no ranking"}
+    best, rival = order[0], order[1]
     daily = {n: daily_ic(signals[n], labels[f"label_{results[n]['horizon']}"])[0] for n in (best, rival)}
     diff = (daily[best] - daily[rival]).dropna()  # (days,) both defined
     lag = max(results[best]["horizon"], results[rival]["horizon"]) - 1  # overlapping h-day labels

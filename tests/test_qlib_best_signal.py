@@ -31,3 +31,10 @@ def test_a_baseline_that_beats_the_models_is_named_best():
     # a model on top gets no baseline advice
     results["close@seed0"]["headline"]["IC"] = 1.0
     assert "finetune more" not in best_signal(signals, labels, results, ["momentum"])["line"]
+
+
+def test_fewer_than_two_defined_signals_give_no_ranking():
+    results = {"close@seed0": {"headline": {"IC": float("nan")}, "horizon": 1},
+               "momentum": {"headline": {"IC": 0.1}, "horizon": 1}}
+    best = best_signal({}, pd.DataFrame(), results, ["momentum"])
+    assert best["signal"] == "momentum" and "no ranking" in best["line"]
