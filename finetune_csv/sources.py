@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 
 from finetune.utils.store import StoreError, file_fingerprint
 from finetune_csv.timestamps import OFFSET_RE, SHOWN, CandleDataError, parse_timestamps
-from model.features import COLUMN_ALIASES, FEATURES, ColumnError, resolve_columns
+from model.features import COLUMN_ALIASES, FEATURES, ColumnError, resolve_columns, timestamp_parts
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # 3.4028235e+38
 
@@ -181,7 +181,17 @@ class SourceReader:
         self._unnamed_hint: str | None = None
         columns = self._adopt_unnamed_index(header, dict(columns))
         try:
+            self._ts_parts = timestamp_parts(header, columns.get("timestamps", "timestamps"))
+        except ColumnError as e:
+            raise SourceProblems([f"{self.label}: {e} (data.columns.timestamps)"]) from None
+        if self._ts_parts:  # resolved as the date column; read as the parts joined by a space ('Date+Time')
+            columns["timestamps"] = self._ts_parts[0]
+            log.info("%s: timestamps are the columns %s joined (data.columns.timestamps: %s)", self.name,
+                     self._ts_parts, "+".join(self._ts_parts))
+        try:
             self.columns = _resolve_columns(header, columns, symbol_column, self.label)
+            if self._ts_parts:
+                self.columns["timestamps"] = "+".join(self._ts_parts)
         except SourceProblems as e:
             if self._unnamed_hint is not None:  # e.g. a to_csv index of numbers: say what the unnamed column is
                 e.problems[:] = [p + (f"; the first column has no header (read as '{self._unnamed_hint}'): if it "
@@ -270,9 +280,14 @@ class SourceReader:
         self._header = row
         return row
 
+    @property
+    def _joined(self) -> str | None:
+        return "+".join(self._ts_parts) if self._ts_parts else None
+
     def _wanted(self) -> list[str]:
         """The source columns read: the mapped ones and the symbol column, each once."""
-        return list(dict.fromkeys([c for c in self.columns.values() if c is not None]
+        return list(dict.fromkeys([c for c in self.columns.values() if c is not None and c != self._joined]
+                                  + (self._ts_parts or [])
                                   + ([self.symbol_column] if self.symbol_column else [])))
 
     def _csv_batches(self) -> Iterator[pa.RecordBatch]:
@@ -312,7 +327,11 @@ class SourceReader:
     # ------------------------------------------------------------------------------------------------------------
     def _parse(self, batch: pa.RecordBatch, lines: np.ndarray) -> ParsedBlock:
         n = batch.num_rows
-        ts = self._parse_timestamps(batch.column(self.columns["timestamps"]), lines)
+        if self._ts_parts:  # (n,) text '<date> <time>'
+            stamps = pc.binary_join_element_wise(*[pc.cast(batch.column(c), pa.string()) for c in self._ts_parts], " ")
+        else:
+            stamps = batch.column(self.columns["timestamps"])
+        ts = self._parse_timestamps(stamps, lines)
         values = np.zeros((n, len(FEATURES)), dtype=np.float64)  # (n, 6)
         for i, f in enumerate(FEATURES):
             col = self.columns.get(f)

@@ -76,6 +76,24 @@ def resolve_columns(names: Sequence[str], explicit: Mapping[str, str | None] | N
     return out
 
 
+def timestamp_parts(names: Sequence[str], wanted: str | None = "timestamps") -> list[str] | None:
+    """The [date, time] columns whose text joined by a space is the timestamp (the common intraday export), or None:
+    `wanted` 'Date+Time' names them; with `wanted` left at 'timestamps', a header with a 'date' and a 'time' column
+    (any case) and no other timestamp column is read so. ColumnError when a named part is not a column."""
+    names = [str(n) for n in names]
+    if wanted and "+" in wanted and wanted not in names:
+        parts = [p.strip() for p in wanted.split("+")]
+        missing = [p for p in parts if p not in names]
+        if missing:
+            raise ColumnError(f"the timestamp {wanted!r} joins the columns {parts}, but {missing} are not columns"
+                              f"{_did_you_mean(missing[0], names)}")
+        return parts
+    lowered = {n.strip().lower(): n for n in names}
+    if wanted != "timestamps" or {"timestamps", "timestamp", "datetime", "dt", "trade_date"} & set(lowered):
+        return None
+    return [lowered["date"], lowered["time"]] if "date" in lowered and "time" in lowered else None
+
+
 def _did_you_mean(name: str, names: Sequence[str]) -> str:
     lowered = {n.strip().lower(): n for n in names}
     close = difflib.get_close_matches(name.lower(), list(lowered), n=1, cutoff=0.6)

@@ -1,0 +1,59 @@
+"""Issue 33: real exports (separate Date and Time columns, string dates) load in one try."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from finetune_csv.sources import SourceProblems, SourceReader
+from model.features import ColumnError
+
+COLUMNS = {"timestamps": "timestamps", "open": "open", "high": "high", "low": "low", "close": "close",
+           "volume": "volume", "amount": "amount"}
+
+
+def _date_time_csv(path, rows=6):
+    stamps = pd.date_range("2024-01-02 09:30", periods=rows, freq="5min")
+    price = 100 + np.arange(rows, dtype=float)
+    pd.DataFrame({"Date": stamps.strftime("%m/%d/%Y"), "Time": stamps.strftime("%H:%M"), "Open": price,
+                  "High": price + 1, "Low": price - 1, "Close": price, "Volume": 10.0}).to_csv(path, index=False)
+    return stamps
+
+
+@pytest.mark.parametrize("mapping", ["timestamps", "Date+Time"])
+def test_date_and_time_columns_are_one_timestamp(tmp_path, mapping):
+    stamps = _date_time_csv(tmp_path / "es.csv")
+    reader = SourceReader(tmp_path / "es.csv", {**COLUMNS, "timestamps": mapping})
+    blocks = list(reader.blocks())
+    assert reader.problems == []
+    np.testing.assert_array_equal(blocks[0].timestamps, stamps.as_unit("ns").asi8)
+    np.testing.assert_array_equal(blocks[0].values[:, 3], 100 + np.arange(6))
+
+
+def test_a_missing_part_of_a_joined_timestamp_is_named(tmp_path):
+    _date_time_csv(tmp_path / "es.csv")
+    with pytest.raises(SourceProblems, match=r"'Date\+Hour'.*\['Hour'\].*data.columns.timestamps"):
+        SourceReader(tmp_path / "es.csv", {**COLUMNS, "timestamps": "Date+Hour"})
+
+
+def _frame(rows=40, ids=("A",)):
+    out = []
+    for sid in ids:
+        stamps = pd.date_range("2024-01-02 09:30", periods=rows, freq="5min")
+        price = 100 + np.sin(np.arange(rows))
+        out.append(pd.DataFrame({"id": sid, "Date": stamps.strftime("%Y-%m-%d"), "Time": stamps.strftime("%H:%M"),
+                                 "open": price, "high": price + 1, "low": price - 1, "close": price,
+                                 "volume": 5.0}))
+    return pd.concat(out, ignore_index=True)
+
+
+def test_predict_df_joins_date_and_time_and_parses_string_dates(tiny_pair, one_thread):
+    from model.predictor import KronosPredictor
+
+    predictor = KronosPredictor(tiny_pair[1], tiny_pair[0], device="cpu", max_context=64)
+    out = predictor.predict_df(_frame(), prediction_length=2, top_k=1, sample_count=1, freq="5min")
+    assert list(out["Date+Time"]) == list(pd.date_range("2024-01-02 12:50", periods=2, freq="5min"))
+    text = _frame().drop(columns="Time").assign(Date=lambda f: pd.date_range("2024-01-02", periods=40).astype(str))
+    out = predictor.predict_df(text, prediction_length=1, top_k=1, sample_count=1, freq="D")
+    assert out["Date"].iloc[0] == pd.Timestamp("2024-02-11")
+    with pytest.raises(ColumnError, match="'Date'.*not datetimes"):
+        predictor.predict_df(text.assign(Date="soon"), prediction_length=1, top_k=1, sample_count=1)
