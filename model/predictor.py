@@ -41,6 +41,7 @@ from model.features import (
     normalize,
     quantile_column,
     resolve_columns,
+    timestamp_parts,
     to_datetime_index,
 )
 from model.fileio import read_json_object, write_json
@@ -55,6 +56,7 @@ PREDICTOR_INFO_NAME = "kronos_predictor.json"
 TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
 TOKENIZER_SUBDIR = "tokenizer"  # a self-contained best_model/ carries its tokenizer here
 DEFAULT_MAX_CONTEXT = 512  # the window of the published Kronos-small / Kronos-base
+FORWARD_BUDGET = 1 << 26  # floats of one forward pass of predict_df's default batch (256 MB in float32)
 MIN_QUANTILE_SAMPLES = 20  # fewer paths give quantiles that are noise (one path: every quantile is that path)
 MIN_CONTEXT = 2  # rows of context a forecast needs: one row has no spread to normalise by (a flat forecast)
 SHORT_CONTEXT = 16  # fewer rows than this (and than lookback) are forecast with a warning, said once
@@ -428,7 +430,8 @@ class KronosPredictor:
         sample_count: sample paths (default MIN_QUANTILE_SAMPLES: the mean of one path reads like a point forecast
             but is one draw); the rest as in `predict`.
         batch_size: series forecast together (x sample_count sequences per forward pass); only their candles and
-            paths are held at once. None = all series in one batch.
+            paths are held at once. None = `default_batch_size(sample_count, prediction_length)`: as many series as
+            keep one forward pass near FORWARD_BUDGET floats (its activations and logits), at least 1.
         Returns prediction_length rows per series (in order of first appearance): the id column (when there is
         one), the timestamps (your column's name, else "timestamps"), FEATURES (the mean), the quantile columns.
         """
@@ -448,17 +451,26 @@ class KronosPredictor:
         if timestamp_column is not None:
             explicit["timestamps"] = timestamp_column
         rest = [c for c in names if c != id_column]
+        flat = df.set_axis(names, axis=1)
+        parts = timestamp_parts(rest, explicit.get("timestamps", "timestamps"))  # e.g. ['Date', 'Time']
+        if parts:  # their text joined by a space is the timestamp, named 'Date+Time' in the output
+            rest = [c for c in rest if c not in parts]
+            explicit["timestamps"] = None
         try:
             mapping = resolve_columns(rest, explicit, where=where)
         except ColumnError:
             if "timestamps" in explicit or not isinstance(df.index, pd.DatetimeIndex):
                 raise
             mapping = resolve_columns(rest, {**explicit, "timestamps": None}, where=where)
-        flat = df.set_axis(names, axis=1)
-        stamps = df.index if mapping["timestamps"] is None else flat[mapping["timestamps"]]
+        ts_name = "+".join(parts) if parts else mapping["timestamps"]
+        stamps = (flat[parts].astype(str).agg(" ".join, axis=1) if parts else
+                  df.index if mapping["timestamps"] is None else flat[mapping["timestamps"]])
         if not pd.api.types.is_datetime64_any_dtype(stamps):
-            raise ColumnError(f"{where}: column {mapping['timestamps']!r} must hold datetimes (dtype {stamps.dtype}); "
-                              "convert it with pd.to_datetime first")
+            try:  # text dates, as the CLI reads them
+                stamps = pd.to_datetime(stamps)
+            except (ValueError, TypeError, OverflowError) as e:
+                raise ColumnError(f"{where}: column {ts_name!r} holds values that are not datetimes ({e}); convert "
+                                  "it with pd.to_datetime(..., format=...) first") from None
         stamps = pd.DatetimeIndex(stamps)
         candles = pd.DataFrame({c: flat[n].to_numpy() for c, n in mapping.items() if n and c != "timestamps"})
         keys = flat[id_column].to_numpy() if id_column else np.zeros(len(df), dtype=np.int64)
@@ -479,11 +491,12 @@ class KronosPredictor:
                 y = cal.after(stamps[rows][-1], prediction_length, freq, label)
             series.append((sid, rows, y))
         quantiles = list(quantiles)
-        ts_name = mapping["timestamps"] or "timestamps"
+        ts_name = ts_name or "timestamps"
         name = (lambda sid: f"series {sid!r}") if id_column else (lambda sid: "df")
         frame = lambda rows: candles.iloc[rows].set_axis(stamps[rows])  # messages name a bad row by its time
         check_batch_size(batch_size)
-        step = batch_size or len(series)
+        batch_size = batch_size or self.default_batch_size(sample_count, prediction_length)
+        step = batch_size
         if step < len(series):  # every series' candles checked before the first batch is forecast
             for sid, rows, _ in series:
                 candle_matrix(frame(rows), name(sid))
@@ -499,6 +512,14 @@ class KronosPredictor:
                 head = pd.DataFrame({**({id_column: [sid] * prediction_length} if id_column else {}), ts_name: y})
                 out.append(pd.concat([head, table.reset_index(drop=True)], axis=1))
         return pd.concat(out, ignore_index=True)
+
+    def default_batch_size(self, sample_count: int, pred_len: int) -> int:
+        """Series per forward pass keeping its floats near FORWARD_BUDGET: each series is sample_count sequences of
+        max_context + pred_len tokens, each holding the layers' activations (~4 d_model per layer) and the logits of
+        both token halves (2^s1_bits + 2^s2_bits)."""
+        m = self.model
+        per_token = 4 * m.d_model * m.n_layers + 2 ** m.s1_bits + 2 ** m.s2_bits
+        return max(1, FORWARD_BUDGET // (sample_count * (self.max_context + pred_len) * per_token))
 
     def sample_windows(self, context: np.ndarray, x_stamp: np.ndarray, y_stamp: np.ndarray, pred_len: int, *,
                        T: float = 1.0, top_k: int | None = 0, top_p: float | None = 0.9, sample_count: int = 1,

@@ -57,3 +57,25 @@ def test_predict_df_joins_date_and_time_and_parses_string_dates(tiny_pair, one_t
     assert out["Date"].iloc[0] == pd.Timestamp("2024-02-11")
     with pytest.raises(ColumnError, match="'Date'.*not datetimes"):
         predictor.predict_df(text.assign(Date="soon"), prediction_length=1, top_k=1, sample_count=1)
+
+
+def test_predict_df_batches_series_by_default(tiny_pair, one_thread, monkeypatch):
+    """256 series are forecast in groups of the default batch size (fixed by model and context), not all at once."""
+    from model.predictor import KronosPredictor
+
+    predictor = KronosPredictor(tiny_pair[1], tiny_pair[0], device="cpu", max_context=64)
+    default = predictor.default_batch_size(2, 1)
+    predictor.max_context = 4096  # a long context: fewer series per pass
+    small = predictor.default_batch_size(2, 1)
+    assert 1 <= small < default
+    groups, real = [], predictor.predict_batch
+
+    def spy(dfs, *a, **k):
+        groups.append(len(dfs))
+        return real(dfs, *a, **k)
+
+    monkeypatch.setattr(predictor, "predict_batch", spy)
+    ids = [f"s{i}" for i in range(256)]
+    out = predictor.predict_df(_frame(rows=12, ids=ids), prediction_length=1, top_k=1,
+                               sample_count=2, freq="5min")
+    assert len(out) == 256 and sum(groups) == 256 and max(groups) <= small < 256
