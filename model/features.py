@@ -69,7 +69,9 @@ def resolve_columns(names: Sequence[str], explicit: Mapping[str, str | None] | N
         f = missing[0]
         also = f" (or one of {list(COLUMN_ALIASES[f])})" if f in COLUMN_ALIASES else ""
         unused = [n for n in names if n not in set(out.values())]
-        raise ColumnError(f"{where}: no {f!r} column{also}, in any case{_did_you_mean(f, unused)}; columns: {shown}")
+        last = next((n for n in unused if n.strip().lower() in ("last", "last price")), None) if f == "close" else None
+        hint = f"; {last!r} may be the close: map close to it" if last else _did_you_mean(f, unused)
+        raise ColumnError(f"{where}: no {f!r} column{also}, in any case{hint}; columns: {shown}")
     bad = [f for f in PRICE_FEATURES if out[f] is None]
     if bad:
         raise ColumnError(f"{where}: the price columns {bad} cannot be mapped to None: they are required")

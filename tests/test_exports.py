@@ -79,3 +79,10 @@ def test_predict_df_batches_series_by_default(tiny_pair, one_thread, monkeypatch
     out = predictor.predict_df(_frame(rows=12, ids=ids), prediction_length=1, top_k=1,
                                sample_count=2, freq="5min")
     assert len(out) == 256 and sum(groups) == 256 and max(groups) <= small < 256
+
+
+def test_a_last_column_is_named_as_the_close():
+    from model.features import resolve_columns
+
+    with pytest.raises(ColumnError, match="'Last' may be the close"):
+        resolve_columns(["Date", "Open", "High", "Low", "Last"], where="f.csv")

@@ -37,6 +37,23 @@ from torch.nn.parallel import DistributedDataParallel
 from model.errors import DataError, UserError
 
 
+def choose_threads(env: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """Set torch's intra-op threads for this process and return (threads, why): OMP_NUM_THREADS when set, else the
+    cores per rank (usable cores / LOCAL_WORLD_SIZE, as torchrun does for several ranks) less the ones other
+    processes keep busy (1-minute load average): threads beyond the idle cores only wait on each other."""
+    env = os.environ if env is None else env
+    if env.get("OMP_NUM_THREADS", "").strip().isdigit() and int(env["OMP_NUM_THREADS"]) >= 1:
+        threads, why = int(env["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        ranks = max(1, int(env.get("LOCAL_WORLD_SIZE", "1") or 1))
+        idle = cores - int(os.getloadavg()[0]) if hasattr(os, "getloadavg") else cores
+        threads = max(1, min(cores // ranks, idle))
+        why = f"{cores} cores / {ranks} rank(s), {max(0, cores - idle)} busy; set OMP_NUM_THREADS to override"
+    torch.set_num_threads(threads)
+    return threads, why
+
+
 def seed_everything(seed: int, rank: int = 0) -> int:
     """Seed python, numpy and torch (all devices) with `seed + rank`; returns the seed used."""
     s = int(seed) + int(rank)
