@@ -28,13 +28,16 @@ from finetune.evaluation.forecast_scores import (
     score_forecasts,
 )
 from finetune.evaluation.statistics import bootstrap_ci
+from finetune.utils.checkpoint import prepare_folder
 from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.errors import setup_logging
+from finetune.utils.ledger import other_data_key, stage_status
 from finetune.utils.plots import Panel, plot_panels, stamp_text
-from finetune.utils.safety import LOCK_NAME, GracefulStop, read_holder, stage_status
+from finetune.utils.safety import LOCK_NAME, GracefulStop, read_holder
 from finetune.utils.windows import HeldOutWindows, held_out_windows, sample_paths
 from finetune_csv.config import CsvFinetuneConfig, best_dir, load
 from finetune_csv.prepare import prepare_data
+from finetune_csv.sources import list_sources, source_fingerprint
 from finetune_csv.train_sequential import CsvPipeline
 from model import Kronos, KronosPredictor, KronosTokenizer
 from model.calendar import TradingCalendar
@@ -147,10 +150,25 @@ def finetuned_predictor(cfg: CsvFinetuneConfig) -> tuple[KronosPredictor, dict |
                            f"{predictor_dir / PREDICTOR_INFO_NAME} covers {horizons} horizons; set data.predict "
                            f"<= {horizons}, or --set forecast.calibrate=false for the raw bands"],
                           "Invalid forecast configuration")
-    if cfg.forecast.calibrate and calibration is None:
+    if cfg.forecast.calibrate and calibration is None and stage_status(cfg.predictor_dir) == "finished":
+        log.warning("the predictor in %s finished but its bands were never calibrated (the run stopped before "
+                    "calibrating): these bands are the raw samples'; run `kronos finetune` again with this config to "
+                    "calibrate it", predictor_dir)
+    elif cfg.forecast.calibrate and calibration is None:
         log.info("no calibration stored in %s: the bands are the raw samples' (train with forecast.calibrate: true "
                  "to fit one)", predictor_dir / PREDICTOR_INFO_NAME)
     return make_predictor(model, tokenizer, cfg), calibration
+
+
+def run_folders(cfg: CsvFinetuneConfig, out_dir: Path | None, name: str) -> tuple[Path, Path]:
+    """(data store, output folder) of a forecast: the run's (`out_dir` or <base_dir>/<name>) on the data the run was
+    trained on; on other data (the ledger compares the files' sha256) folders keyed by that data beside them."""
+    out_dir = Path(out_dir) if out_dir is not None else cfg.base_dir / name
+    files = list_sources(cfg.data.path)
+    key = other_data_key(cfg.predictor_dir, [source_fingerprint(f) for f in files])
+    if key is None:
+        return cfg.store_dir, out_dir
+    return cfg.store_dir.with_name(f"{cfg.store_dir.name}_data_{key}"), out_dir / f"data_{key}"
 
 
 def finish_paths(paths: np.ndarray, calibration: dict | None, last: np.ndarray, repair: bool) -> np.ndarray:
@@ -346,28 +364,30 @@ def _panels(names: list[str], past_ts, past_close, future_ts, paths, actual=None
 
 def write_outputs(cfg: CsvFinetuneConfig, out_dir: Path, table: pd.DataFrame, png: str, names: list[str], past_ts,
                   context: np.ndarray, future_ts, paths: np.ndarray, actual: np.ndarray | None = None) -> None:
-    """forecast.csv and the plot `png` of the last min(lookback, 3 x predict) context bars (W, L, 6) and the paths."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """forecast.csv and the plot `png` of the last min(lookback, 3 x predict) context bars (W, L, 6) and the paths;
+    what a killed write left there (.*.tmp) is removed first."""
+    prepare_folder(out_dir, log=log.warning)
     atomic_write(out_dir / "forecast.csv", lambda p: table.to_csv(p, index=False))
     tail = min(cfg.data.lookback, 3 * cfg.data.predict)
     plot_panels(_panels(names, [ts[-tail:] for ts in past_ts], context[:, -tail:, CLOSE], future_ts, paths, actual),
                 out_dir / png)
 
 
-def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> dict:
-    """Score every held-out test window (and the zero-shot model); write metrics.json, forecast.csv and the plot."""
+def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: tuple[Path, Path] | None = None) -> dict:
+    """Score every held-out test window (and the zero-shot model); write metrics.json, forecast.csv and the plot
+    (`folders`: `run_folders`' answer, when the caller asked already)."""
     if cfg.data.test_ratio <= 0:
         raise ConfigError(["data.test_ratio: is 0, so there is no held-out test split to forecast; set it > 0 (and "
                            "retrain, since the ratios move the split boundaries)"], "Invalid forecast configuration")
     finetuned, calibration = finetuned_predictor(cfg)
-    data = prepare_data(cfg.data, cfg.store_dir)  # the store training made (re-prepared if the files changed)
+    store_dir, out_dir = folders or run_folders(cfg, out_dir, "forecast")
+    data = prepare_data(cfg.data, store_dir)  # the store training made (re-prepared if the files changed)
     windows = held_out_windows(data.splits["test"], cfg.data.lookback, cfg.data.predict,
                                cfg.forecast.window_stride, cfg.forecast.max_windows,
                                history=cfg.forecast.empirical_window + 1)  # + 1: n returns need n + 1 closes
     metrics, paths = evaluate_held_out(cfg, finetuned, windows, zero_shot_predictor(cfg), _season(cfg, data.panel),
                                        calibration)
 
-    out_dir = Path(out_dir) if out_dir is not None else cfg.base_dir / "forecast"
     write_outputs(cfg, out_dir, forecast_table(windows.names, windows.y_timestamps, paths, windows.actual),
                   "forecast_vs_actual.png", windows.names, windows.x_timestamps, windows.context,
                   windows.y_timestamps, paths, windows.actual)
@@ -375,10 +395,12 @@ def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> dict:
     return metrics
 
 
-def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> pd.DataFrame:
+def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: tuple[Path, Path] | None = None
+               ) -> pd.DataFrame:
     """Forecast the `data.predict` candles after each series' last row; write forecast.csv and forecast.png."""
     finetuned, calibration = finetuned_predictor(cfg)
-    panel = prepare_data(cfg.data, cfg.store_dir, with_splits=False).panel  # whole series, no split needed
+    store_dir, out_dir = folders or run_folders(cfg, out_dir, "future")
+    panel = prepare_data(cfg.data, store_dir, with_splits=False).panel  # whole series, no split needed
     lookback, predict = cfg.data.lookback, cfg.data.predict
     short = [name for name, n in zip(panel.names, panel.lengths().tolist()) if n < lookback]
     if short:
@@ -403,7 +425,7 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> pd.DataFr
              " (kept; forecast.repair_candles: true repairs them)")
     paths = finish_paths(paths, calibration, context[:, -1, CLOSE], cfg.forecast.repair_candles)
     table = forecast_table(names, future_ts, paths).drop(columns="window")
-    write_outputs(cfg, Path(out_dir) if out_dir is not None else cfg.base_dir / "future", table, "forecast.png",
+    write_outputs(cfg, out_dir, table, "forecast.png",
                   names, past_ts, context, future_ts, paths)
     return table
 
@@ -416,17 +438,18 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     cfg = load(args.config, args.set)
     with GracefulStop():  # SIGTERM while sampling: exit 75 before the next batch, nothing half-written
+        folders = run_folders(cfg, None, "future" if args.future else "forecast")
         if args.future:
-            table = run_future(cfg)
+            table = run_future(cfg, folders=folders)
         else:
-            metrics = run_forecast(cfg)
+            metrics = run_forecast(cfg, folders=folders)
     if args.future:
         print(f"future forecast: {table['series'].nunique()} series x {cfg.data.predict} candles, from "
               f"{table['timestamps'].min()} to {table['timestamps'].max()}")
-        print(f"written: {cfg.base_dir / 'future'}/{{forecast.csv, forecast.png}}")
+        print(f"written: {folders[1]}/{{forecast.csv, forecast.png}}")
         return 0
     print(format_report(metrics))
-    print(f"written: {cfg.base_dir / 'forecast'}/{{metrics.json, forecast.csv, forecast_vs_actual.png}}")
+    print(f"written: {folders[1]}/{{metrics.json, forecast.csv, forecast_vs_actual.png}}")
     return 0
 
 

@@ -31,8 +31,8 @@ from finetune.utils.cli_args import add_config_args, add_run_flags, parse_config
 from finetune.utils.config_utils import STAGES
 from finetune.utils.distributed import DistInfo, barrier
 from finetune.utils.errors import setup_logging
-from finetune.utils.safety import stage_status
-from finetune.utils.stages import make_crps_val_metric, plan_stages, run_stages, stage_resume
+from finetune.utils.ledger import plan_stages, stage_resume, stage_status
+from finetune.utils.stages import make_crps_val_metric, run_stages
 from finetune.utils.training_utils import TrainResult
 from finetune.utils.windows import HeldOutWindows, PanelSegments, held_out_windows
 from finetune_csv.config import CsvFinetuneConfig, best_dir
@@ -81,7 +81,7 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
         skip["predictor"] = "--skip-basemodel"
     pipe.plan = plan_stages(pipe, STAGES, skip, skip_existing)
     list_sources(cfg.data.path if frames is None else frames)  # a wrong data path, before any model loads
-    results, data_info = run_stages(pipe, pipe.plan, stage_resume(pipe, pipe.plan))
+    results, data_info = run_stages(pipe, pipe.plan, stage_resume(pipe, pipe.plan), rebuild_changed=skip_existing)
     return results, pipe.plan, data_info
 
 

@@ -17,7 +17,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from finetune.evaluation.statistics import paired_test
 from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.config_utils import config_to_dict
 from finetune.utils.errors import setup_logging
+from finetune.utils.ledger import reuse_fold
 from finetune.utils.plots import pyplot, save_figure, stamp_text
 from finetune.utils.safety import GracefulStop, RunLock
 from finetune.utils.windows import PanelSegments, held_out_windows, sample_paths
@@ -39,8 +39,8 @@ from finetune_csv.config import CsvFinetuneConfig, best_dir
 from finetune_csv.forecast import CLOSE, ensemble_paths, make_predictor
 from finetune_csv.prepare import prepare_data
 from finetune_csv.train_sequential import run_finetune
-from model.errors import ConfigError, DataError, RefusedError
-from model.fileio import atomic_write, read_json_object, write_json
+from model.errors import ConfigError, DataError
+from model.fileio import atomic_write, write_json
 from model.predictor import apply_calibration, load_trained_pair, read_predictor_info
 
 log = logging.getLogger("finetune_csv.walk_forward")
@@ -201,21 +201,11 @@ def run_walk_forward(cfg: CsvFinetuneConfig, overwrite: bool = False, report_onl
         started, trained, rows, meta = time.monotonic(), 0, [], []
         for fold in folds:
             folder = out / f"fold_{fold.index}"
-            fp, done = _fingerprint(cfg, fold, data.store.manifest), folder / "fold.json"
-            info = read_json_object(done) if done.is_file() else None
-            finished = info is not None and info["fingerprint"] == fp
-            if report_only and not finished:
-                raise RefusedError(f"--report-only: {folder} holds no fold finished with these settings and data; "
-                                   "run without --report-only (with --overwrite to redo folds of other settings)")
-            if info is not None and not finished and not overwrite:
-                raise RefusedError(f"{folder} holds a finished fold made with other settings or data; pass "
-                                   "--overwrite to redo every fold, or choose another paths.base_dir")
-            if finished and (report_only or not overwrite):
-                log.info("fold %d of 0..%d: finished before (%s), skipped", fold.index, len(folds) - 1, done)
+            fp = _fingerprint(cfg, fold, data.store.manifest)
+            info = reuse_fold(folder, fp, report_only, overwrite)  # the ledger: current, or refused, or None
+            if info is not None:
+                log.info("fold %d of 0..%d: finished before (%s), skipped", fold.index, len(folds) - 1, folder)
             else:
-                if overwrite and folder.exists():
-                    log.warning("--overwrite: replacing %s", folder)
-                    shutil.rmtree(folder)
                 info = _run_fold(cfg, fold, folder, fp)
                 trained += 1
                 left = (time.monotonic() - started) / trained * (len(folds) - 1 - fold.index)
@@ -236,7 +226,9 @@ def _run_fold(cfg: CsvFinetuneConfig, fold: Fold, folder: Path, fp: str) -> dict
     fold_cfg = dataclasses.replace(cfg, paths=dataclasses.replace(cfg.paths, base_dir=str(folder)),
                                    data=dataclasses.replace(cfg.data, store_dir=str(cfg.store_dir)),
                                    training=dataclasses.replace(cfg.training, overwrite=False))
-    _, plan, info = run_finetune(fold_cfg, skip_existing=True, splits={"train": fold.train, "val": fold.val})
+    # --skip-existing: a finished stage is reused while current for this fold's data and settings, else retrained.
+    results, plan, info = run_finetune(fold_cfg, skip_existing=True, splits={"train": fold.train, "val": fold.val})
+    reused = {r.stage: "reused" if r.skipped else "trained" for r in results}
     t1 = time.monotonic()
     frame = score_fold(cfg, fold_cfg, fold)
     atomic_write(folder / "windows.csv", lambda p: frame.to_csv(p, index=False))
@@ -245,7 +237,7 @@ def _run_fold(cfg: CsvFinetuneConfig, fold: Fold, folder: Path, fp: str) -> dict
         "fold": fold.index, **dates, "fingerprint": fp,
         "windows": {"train": info["splits"]["train"]["windows"], "val": info["splits"]["val"]["windows"],
                     "test": int((frame.candidate == "finetuned").sum())},
-        "trained": ", ".join(f"{s} {'trained' if why is None else f'skipped ({why})'}" for s, why in plan.items()),
+        "trained": ", ".join(f"{s} {reused.get(s) or f'skipped ({why})'}" for s, why in plan.items()),
         "scores": {c: {s: float(g[s].mean()) for s in SCORES} for c, g in frame.groupby("candidate", sort=False)},
         "seconds": {"train": round(t1 - t0, 1), "score": round(time.monotonic() - t1, 1)}}
     write_json(folder / "fold.json", record)

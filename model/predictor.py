@@ -34,13 +34,13 @@ from model.features import (
     FEATURES,
     PRICE_FEATURES,
     ColumnError,
-    calc_time_stamps,
     candle_matrix,
     check_increasing,
     denormalize,
     normalize,
     quantile_column,
     resolve_columns,
+    time_features,
     timestamp_parts,
     to_datetime_index,
 )
@@ -351,6 +351,12 @@ class KronosPredictor:
         if unknown:
             raise TypeError(f"unexpected arguments {unknown}; Hub options are {sorted(allowed)}")
         model, tokenizer, info = load_trained_pair(folder_or_id, tokenizer, **hub_kwargs)
+        run = Path(folder_or_id) / "run_info.json"  # a finetuned run's best_model/ records the settings it ran with
+        wanted = run.is_file() and (read_json_object(run).get("config") or {}).get("forecast", {}).get("calibrate")
+        if wanted is True and not info.get("calibration"):
+            log.warning("%s was trained with forecast.calibrate: true but holds no calibration (its run stopped "
+                        "before calibrating): its bands are the raw samples', too narrow; run `kronos finetune` "
+                        "again with its config to calibrate it", folder_or_id)
         return cls(model, tokenizer, device=device,
                    max_context=max_context if max_context is not None else info.get("max_context",
                                                                                     DEFAULT_MAX_CONTEXT),
@@ -596,20 +602,19 @@ class KronosPredictor:
                 self._cut_said = True
             x, x_idx = np.ascontiguousarray(x[-self.lookback:]), x_idx[-self.lookback:]
         return {"x": x, "y_index": y_idx, "last_close": float(x[-1, CLOSE]),
-                "x_stamp": calc_time_stamps(x_idx).to_numpy(np.float32),
-                "y_stamp": calc_time_stamps(y_idx).to_numpy(np.float32)}
+                "x_stamp": time_features(x_idx).astype(np.float32), "y_stamp": time_features(y_idx).astype(np.float32)}
 
     @staticmethod
     def _result(p: dict[str, Any], samples: np.ndarray, mean: np.ndarray, return_samples: bool,
                 quantiles: Sequence[float] | None, calibration: dict[str, Any] | None) -> pd.DataFrame | Forecast:
         """`sample_windows`' paths (S, pred_len, 6) and mean (pred_len, 6) of one series -> the mean DataFrame, or a
         Forecast, calibrated when `calibration` is given."""
-        cols, y_idx = list(FEATURES), p["y_index"]
+        cols, y_idx = pd.Index(FEATURES), p["y_index"]  # an Index: a list would be re-validated per series
         if calibration is not None:
             shift = calibration_shift(calibration, samples[..., CLOSE], np.float64(p["last_close"]))  # (S, pred_len)
             samples[..., :len(PRICE_FEATURES)] *= np.exp(shift)[..., None]  # volume and amount stay as drawn
             mean = samples.mean(axis=0)
-        mean_df = pd.DataFrame(mean, columns=cols, index=y_idx)
+        mean_df = pd.DataFrame(mean, columns=cols, index=y_idx, copy=False)
         if not (return_samples or quantiles):
             return mean_df
         qs = {q: pd.DataFrame(np.quantile(samples, q, axis=0), columns=cols, index=y_idx) for q in (quantiles or [])}

@@ -77,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
     p.add_argument("--safety", action="store_true", help="time the run-safety overheads instead (see above)")
     p.add_argument("--modes", nargs="+", choices=["full", "lora", "freeze"], help="compare finetune modes (see above)")
+    p.add_argument("--targets", action="store_true", help="only the engine with its defaults (amp auto, compile "
+                   "auto) at the issue's shapes, MFU = 6N FLOPs per token against --peak (gpu_check.sh)")
+    p.add_argument("--peak", type=float, default=790e12, help="FLOP/s for --targets' MFU (790e12: the bf16 matrix "
+                   "rate measured on an H100/H200)")
     return p.parse_args(argv)
 
 
@@ -128,7 +132,7 @@ def plain_step_ms(name: str, args: argparse.Namespace, device: torch.device) -> 
 
 
 def engine_step_ms(name: str, args: argparse.Namespace, device: torch.device, amp: str, mode: str = "full",
-                   extra: dict | None = None, compile: bool = False) -> Timing:
+                   extra: dict | None = None, compile: bool | str = False) -> Timing:
     """Per optimizer step of the real loop (one epoch of warmup + steps batches; metrics.jsonl; the compile, if
     any, happens in the first warmup step). `extra` (a dict) receives the run's parameter counts and its
     checkpoint's size."""
@@ -266,6 +270,25 @@ def modes_main(args: argparse.Namespace) -> None:
         args.json.write_text(json.dumps(rows, indent=2))
 
 
+def targets_main(args: argparse.Namespace, device: torch.device) -> None:
+    """The issue's train-step targets: the engine as a user runs it (amp auto, compile auto), tokens/s of the
+    fastest step and MFU = tokens/s x 6N / peak (N: the predictor's parameters, nanoGPT's estimate without the
+    attention term), beside the MFU the engine logs (its own peak table and FLOPs count)."""
+    rows = []
+    for name in [m for m in args.models if m != "tokenizer-base"]:
+        shape = argparse.Namespace(**{**vars(args), "batch": args.batch or GPU_SHAPES[name][0],
+                                      "seq": args.seq or GPU_SHAPES[name][1]})
+        n = sum(p.numel() for p in Kronos(**PREDICTORS[name]).parameters())
+        t = engine_step_ms(name, shape, device, "auto", compile="auto")
+        rows.append({"model": name, "batch": shape.batch, "seq": shape.seq, "parameters": n, **t.__dict__,
+                     "mfu_at_peak": t.tokens_per_s * 6 * n / args.peak, "peak": args.peak})
+        print(f"{name} {shape.batch} x {shape.seq}: {t.ms:.1f} ms/step (median {t.median_ms:.1f}), "
+              f"{t.tokens_per_s:,.0f} tokens/s, MFU {100 * rows[-1]['mfu_at_peak']:.1f}% of {args.peak / 1e12:.0f} "
+              f"TFLOP/s (the log's: {'-' if t.mfu is None else f'{100 * t.mfu:.1f}%'})", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.safety:
@@ -275,6 +298,8 @@ def main(argv: list[str] | None = None) -> None:
         modes_main(args)
         return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.targets:
+        return targets_main(args, device)
     # No torch.set_float32_matmul_precision here: every fp32 column is what training.amp=none trains (TF32 off).
     columns = {"plain fp32": None, "engine fp32": ("none", False)}
     if device.type == "cuda":

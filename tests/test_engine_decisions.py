@@ -23,8 +23,8 @@ from finetune.utils.training_utils import (
     should_log,
     should_save_checkpoint,
     step_batch_sizes,
-    update_early_stopping,
 )
+from finetune.utils.validate import update_early_stopping
 from model.errors import UserError
 
 
@@ -124,7 +124,8 @@ def test_seed_plus_rank_and_rng_state_round_trip():
 
 
 def test_resume_setting(tmp_path):
-    from finetune.utils.safety import StageFolderError, plan_run
+    from finetune.utils.ledger import plan_run
+    from finetune.utils.safety import StageFolderError
 
     assert plan_run(tmp_path, "auto", False, "tokenizer").action == "fresh"
     assert plan_run(tmp_path, "never", False, "tokenizer").action == "fresh"

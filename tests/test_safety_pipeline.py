@@ -9,7 +9,7 @@ import pytest
 
 import finetune_csv.config as csv_config
 from finetune.utils.config_utils import STAGES
-from finetune.utils.stages import plan_stages
+from finetune.utils.ledger import plan_stages
 from finetune_csv.train_sequential import CsvPipeline
 from tests.model_factory import tiny_tokenizer
 
