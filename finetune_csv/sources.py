@@ -28,7 +28,8 @@ import pyarrow.parquet as pq
 
 from finetune.utils.store import StoreError, file_fingerprint
 from finetune_csv.timestamps import OFFSET_RE, SHOWN, CandleDataError, parse_timestamps
-from model.features import COLUMN_ALIASES, FEATURES, ColumnError, resolve_columns, timestamp_parts
+from model.features import (COLUMN_ALIASES, FEATURES, ColumnError, adj_close_column, adjust_prices, resolve_columns,
+                            timestamp_parts)
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # 3.4028235e+38
 
@@ -159,7 +160,8 @@ class SourceReader:
     its rows in parsed blocks of `block_rows`. SourceProblems when it cannot be read or a column is missing."""
 
     def __init__(self, path: str | Path | Frame, columns: Mapping[str, str | None], symbol_column: str | None = None,
-                 timestamp_format: str | None = None, block_rows: int = 1 << 20, timezone: str | None = None):
+                 timestamp_format: str | None = None, block_rows: int = 1 << 20, timezone: str | None = None,
+                 adjust: str = "none"):
         self._table = path.table() if isinstance(path, Frame) else None  # a DataFrame from Python, as Arrow
         self.path = None if isinstance(path, Frame) else Path(path)
         self.name = path.name if isinstance(path, Frame) else self.path.name  # series name; symbols append to it
@@ -180,6 +182,11 @@ class SourceReader:
         header = self._parquet_header() if self.is_parquet else self._csv_header()
         self._unnamed_hint: str | None = None
         columns = self._adopt_unnamed_index(header, dict(columns))
+        self.adj_close = adj_close_column(header)  # named by a candle refusal as data.adjust: adj_close
+        self.adjust = adjust
+        if adjust == "adj_close" and (self.adj_close is None or columns.get("close") == self.adj_close):
+            raise SourceProblems([f"{self.label}: data.adjust: adj_close needs an 'Adj Close' column beside the "
+                                  f"close (columns: {header[:12]}); map data.columns.close to the unadjusted close"])
         try:
             self._ts_parts = timestamp_parts(header, columns.get("timestamps", "timestamps"))
         except ColumnError as e:
@@ -287,7 +294,7 @@ class SourceReader:
     def _wanted(self) -> list[str]:
         """The source columns read: the mapped ones and the symbol column, each once."""
         return list(dict.fromkeys([c for c in self.columns.values() if c is not None and c != self._joined]
-                                  + (self._ts_parts or [])
+                                  + (self._ts_parts or []) + ([self.adj_close] if self.adjust == "adj_close" else [])
                                   + ([self.symbol_column] if self.symbol_column else [])))
 
     def _csv_batches(self) -> Iterator[pa.RecordBatch]:
@@ -337,6 +344,8 @@ class SourceReader:
             col = self.columns.get(f)
             if col is not None:
                 values[:, i] = self._parse_numbers(batch.column(col), col, lines)
+        if self.adjust == "adj_close":
+            values = adjust_prices(values, self._parse_numbers(batch.column(self.adj_close), self.adj_close, lines))
         if not any(m.startswith((f"{self.label} line", f"{self.label} row")) for m in self._messages):
             try:  # the first out-of-range value of the file is reported (one message per file)
                 check_float32_range(values, [self.columns.get(f) or f for f in FEATURES], self.label,

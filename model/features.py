@@ -78,6 +78,26 @@ def resolve_columns(names: Sequence[str], explicit: Mapping[str, str | None] | N
     return out
 
 
+ADJUST = ("none", "adj_close")  # data.adjust / predict_df(adjust=): how prices are adjusted for splits and dividends
+ADJ_CLOSE_NAMES = ("adj close", "adj_close", "adjclose", "adjusted close", "adj. close")
+
+
+def adjust_prices(values: np.ndarray, adj_close: np.ndarray) -> np.ndarray:
+    """`values (n, >= 4)` open, high, low, close with open/high/low scaled by adj_close / close and close set to
+    adj_close (a Yahoo-style export adjusts only its 'Adj Close'; scaling keeps every candle's shape)."""
+    out = np.array(values, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.asarray(adj_close, dtype=np.float64) / out[:, 3]  # (n,)
+    out[:, :3] *= ratio[:, None]
+    out[:, 3] = adj_close
+    return out
+
+
+def adj_close_column(names: Sequence[str]) -> str | None:
+    """The column holding adjusted closes ('Adj Close', any case and spelling of ADJ_CLOSE_NAMES), or None."""
+    return next((str(n) for n in names if str(n).strip().lower() in ADJ_CLOSE_NAMES), None)
+
+
 def timestamp_parts(names: Sequence[str], wanted: str | None = "timestamps") -> list[str] | None:
     """The [date, time] columns whose text joined by a space is the timestamp (the common intraday export), or None:
     `wanted` 'Date+Time' names them; with `wanted` left at 'timestamps', a header with a 'date' and a 'time' column

@@ -30,10 +30,13 @@ import torch
 from model.calendar import TradingCalendar
 from model.errors import DataError, PathError, TokenizerMismatchError
 from model.features import (
+    ADJUST,
     CLOSE,
     FEATURES,
     PRICE_FEATURES,
     ColumnError,
+    adj_close_column,
+    adjust_prices,
     candle_matrix,
     check_increasing,
     denormalize,
@@ -420,13 +423,16 @@ class KronosPredictor:
                    freq: str | None = None, calendar: TradingCalendar | None = None, future: Any = None,
                    quantiles: Sequence[float] = (), T: float = 1.0, top_k: int | None = 0,
                    top_p: float | None = 0.9, sample_count: int = MIN_QUANTILE_SAMPLES, verbose: bool = False,
-                   calibrated: bool = True, batch_size: int | None = None) -> pd.DataFrame:
+                   calibrated: bool = True, batch_size: int | None = None, adjust: str = "none") -> pd.DataFrame:
         """Forecast every series of a long frame (one row per candle), in the style of Chronos' `predict_df`.
 
         Columns are found by `model.features.resolve_columns` (timestamps may be a DatetimeIndex); rows are sorted
         by timestamp within each series; series may differ in length.
         id_column: None = a column named "id" (any case) when there is one, else the frame is one series.
-        timestamp_column, columns: explicit names ({"close": "Adj Close", ...}: canonical -> yours); they win.
+        timestamp_column, columns: explicit names ({"close": "Close", ...}: canonical -> yours); they win. Separate
+            'Date' and 'Time' columns are joined into the timestamp (named 'Date+Time'; or timestamp_column="D+T").
+        adjust: "adj_close" scales open/high/low by the 'Adj Close' column / close (a Yahoo export adjusts only
+            'Adj Close'); "none" takes the prices as they are.
         The forecast's timestamps follow each series' trading calendar (`model.calendar.TradingCalendar`, learned
         from its history on its own wall clock: business days for daily stock bars, the session or 24/5 week of
         intraday bars), or `calendar` for every series; freq: a pandas frequency instead of the bar spacing,
@@ -479,6 +485,13 @@ class KronosPredictor:
                                   "it with pd.to_datetime(..., format=...) first") from None
         stamps = pd.DatetimeIndex(stamps)
         candles = pd.DataFrame({c: flat[n].to_numpy() for c, n in mapping.items() if n and c != "timestamps"})
+        adj = adj_close_column(rest)
+        if adjust not in ADJUST or (adjust == "adj_close" and adj in (None, mapping["close"])):
+            raise DataError(f"{where}: adjust={adjust!r} must be one of {list(ADJUST)}, and adj_close needs an 'Adj "
+                            "Close' column beside the unadjusted close (map close to it)")
+        if adjust == "adj_close":
+            prices = list(PRICE_FEATURES)
+            candles[prices] = adjust_prices(candles[prices].to_numpy(np.float64), flat[adj].to_numpy(np.float64))
         keys = flat[id_column].to_numpy() if id_column else np.zeros(len(df), dtype=np.int64)
         if pd.isna(keys).any():
             raise DataError(f"column {id_column!r} has missing ids; every row must belong to a series")

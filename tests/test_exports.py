@@ -5,6 +5,7 @@ import pandas as pd
 import pytest
 
 from finetune_csv.sources import SourceProblems, SourceReader
+from model.errors import DataError
 from model.features import ColumnError
 
 COLUMNS = {"timestamps": "timestamps", "open": "open", "high": "high", "low": "low", "close": "close",
@@ -86,3 +87,40 @@ def test_a_last_column_is_named_as_the_close():
 
     with pytest.raises(ColumnError, match="'Last' may be the close"):
         resolve_columns(["Date", "Open", "High", "Low", "Last"], where="f.csv")
+
+
+def _yahoo_csv(path, rows=30):
+    """A Yahoo export: only 'Adj Close' is adjusted (here by half), so low > Adj Close on every row."""
+    price = 100 + np.arange(rows, dtype=float)
+    pd.DataFrame({"Date": pd.date_range("2024-01-02", periods=rows, freq="B").strftime("%Y-%m-%d"), "Open": price,
+                  "High": price + 2, "Low": price - 2, "Close": price + 1, "Adj Close": (price + 1) / 2,
+                  "Volume": 1000}).to_csv(path, index=False)
+    return price
+
+
+def test_adjust_scales_open_high_low_by_adj_close(tmp_path):
+    from finetune.utils.store import StoreError, open_store
+    from finetune_csv.prepare import StoreSettings, prepare_store
+
+    price = _yahoo_csv(tmp_path / "orcl.csv")
+    with pytest.raises(StoreError, match="set data.adjust: adj_close"):
+        prepare_store(tmp_path / "orcl.csv", tmp_path / "s0", StoreSettings(columns={"close": "Adj Close"}))
+    prepare_store(tmp_path / "orcl.csv", tmp_path / "s1", StoreSettings(adjust="adj_close"))
+    ohlc = np.asarray(open_store(tmp_path / "s1").features[:4], dtype=np.float64)  # (4, N)
+    np.testing.assert_allclose(ohlc, np.stack([price / 2, (price + 2) / 2, (price - 2) / 2, (price + 1) / 2]),
+                               rtol=1e-6)
+
+
+def test_predict_df_adjusts_to_adj_close(tmp_path, tiny_pair, one_thread):
+    from model.predictor import KronosPredictor
+
+    _yahoo_csv(tmp_path / "orcl.csv", rows=40)
+    df = pd.read_csv(tmp_path / "orcl.csv")
+    predictor = KronosPredictor(tiny_pair[1], tiny_pair[0], device="cpu", max_context=64)
+    with pytest.raises(DataError, match="'Adj Close' column beside"):
+        predictor.predict_df(df, prediction_length=1, top_k=1, sample_count=1, columns={"close": "Adj Close"},
+                             adjust="adj_close")
+    half = predictor.predict_df(df, prediction_length=1, top_k=1, sample_count=1, columns={"close": "Close"},
+                                adjust="adj_close")
+    whole = predictor.predict_df(df.drop(columns="Adj Close"), prediction_length=1, top_k=1, sample_count=1)
+    np.testing.assert_allclose(half["close"], whole["close"] / 2, rtol=1e-4)
