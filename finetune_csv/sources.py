@@ -28,8 +28,15 @@ import pyarrow.parquet as pq
 
 from finetune.utils.store import StoreError, file_fingerprint
 from finetune_csv.timestamps import OFFSET_RE, SHOWN, CandleDataError, parse_timestamps
-from model.features import (COLUMN_ALIASES, FEATURES, ColumnError, adj_close_column, adjust_prices, resolve_columns,
-                            timestamp_parts)
+from model.features import (
+    COLUMN_ALIASES,
+    FEATURES,
+    ColumnError,
+    adj_close_column,
+    adjust_prices,
+    resolve_columns,
+    timestamp_parts,
+)
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # 3.4028235e+38
 
