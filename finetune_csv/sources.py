@@ -422,7 +422,7 @@ class SourceReader:
         text = pc.utf8_trim_whitespace(col)
         if self.timestamp_format is None:
             try:
-                ns = self._ns(pc.cast(text, pa.timestamp("ns")), lines, name)  # ISO 8601, naive
+                ns = self._iso_ns(text, lines, name)
                 self._note_aware(False, lines)
                 return ns
             except pa.ArrowInvalid:
@@ -432,6 +432,20 @@ class SourceReader:
             return self._timestamps_with_offsets(text.to_numpy(zero_copy_only=False), lines)
         self._note_aware(False, lines)
         return self._timestamps_pandas(text.to_numpy(zero_copy_only=False), lines, name)
+
+    def _iso_ns(self, text: pa.Array, lines: np.ndarray, name: str) -> np.ndarray:
+        """ISO 8601 naive text -> (n,) int64 ns; ArrowInvalid when not ISO. Parsed at microseconds first (straight to
+        ns a year 2300 wraps to 1715) so times outside 1677-2262 are named; nanosecond digits parse as ns."""
+        try:
+            us = pc.cast(text, pa.timestamp("us"))
+        except pa.ArrowInvalid:  # e.g. nanosecond digits: too fine for us, so within 1677-2262 is not checked
+            return self._ns(pc.cast(text, pa.timestamp("ns")), lines, name)
+        ints = pc.fill_null(us.cast(pa.int64()), 0).to_numpy(zero_copy_only=False)  # (n,) microseconds
+        outside = (ints < pd.Timestamp.min.value // 1000) | (ints > pd.Timestamp.max.value // 1000)
+        if outside.any():
+            self._issue("ts_range", name, lines[outside], [repr(v.as_py()) for v in text.filter(outside)[:3]])
+            us = pc.if_else(pa.array(outside), pa.scalar(0, us.type), us)
+        return self._ns(pc.cast(us, pa.timestamp("ns")), lines, name)
 
     def _note_aware(self, aware: bool, lines: np.ndarray) -> None:
         """Record whether the stamps carry an offset; a file switching between blocks is a problem."""
@@ -524,8 +538,8 @@ _ISSUE_TEXT = {
               "{examples} (format {fmt}; set data.timestamp_format)",
     "ts_type": "{file}: column '{column}' (data.columns.timestamps) holds {examples}, not timestamps or text; "
                "store the column as timestamps or strings",
-    "ts_range": "{file}: column '{column}' (data.columns.timestamps) has times outside 1677-2262, which nanosecond "
-                "timestamps cannot hold (first block at {where})",
+    "ts_range": "{file}: column '{column}' (data.columns.timestamps) has {n} time(s) outside 1677-2262, which "
+                "nanosecond timestamps cannot hold, at {where}: {examples}",
     "ts_mixed": "{file}: column '{column}' (data.columns.timestamps) cannot be parsed as one series of times near "
                 "{where} ({examples}); use one time zone and format (data.timestamp_format)",
     "symbol_empty": "{file}: column '{symbol}' (data.symbol_column) is empty at {where}",

@@ -171,6 +171,10 @@ def to_datetime_index(timestamps, name: str = "timestamps") -> pd.DatetimeIndex:
                          f"{values.dtype}; convert with pd.to_datetime first")
     if values.hasnans:
         raise DataError(f"{name} contains missing values (NaT)")
+    outside = np.flatnonzero((values < pd.Timestamp.min) | (values > pd.Timestamp.max))
+    if len(outside):  # pandas 3 holds them (datetime64[us]); the nanosecond time features would wrap
+        raise DataError(f"{name}: {len(outside)} timestamp(s) outside 1677-2262 (what datetime64[ns] holds), first "
+                        f"{values[outside[0]]} at position {outside[0]}")
     return values
 
 
@@ -244,6 +248,12 @@ def candle_matrix(df: pd.DataFrame, name: str = "df") -> np.ndarray:
         rows, cols = np.nonzero(bad)
         raise DataError(f"{name} has {int(bad.sum())} NaN/inf values, first in column {mapping[present[cols[0]]]!r} "
                         f"at {at(int(rows[0]))}; fill or drop them before forecasting")
+    bad = np.abs(x) > np.finfo(np.float32).max  # the model computes in float32: such a value becomes inf
+    if bad.any():
+        rows, cols = np.nonzero(bad)
+        raise DataError(f"{name}: column {mapping[present[cols[0]]]!r} has {int(bad.sum())} value(s) beyond "
+                        f"float32's range (+-3.4e38), first {x[rows[0], cols[0]]:.6g} at {at(int(rows[0]))}; correct "
+                        "or rescale them")
     for f, rows, rule in candle_faults(x):
         r = int(np.flatnonzero(rows)[0])
         raise DataError(f"{name}: column {mapping[f]!r} is {rule} in {int(rows.sum())} candle(s), first at {at(r)}; "

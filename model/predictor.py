@@ -483,7 +483,7 @@ class KronosPredictor:
             except (ValueError, TypeError, OverflowError) as e:
                 raise ColumnError(f"{where}: column {ts_name!r} holds values that are not datetimes ({e}); convert "
                                   "it with pd.to_datetime(..., format=...) first") from None
-        stamps = pd.DatetimeIndex(stamps)
+        stamps = to_datetime_index(stamps, f"{where}: column {ts_name or 'timestamps'!r}")
         candles = pd.DataFrame({c: flat[n].to_numpy() for c, n in mapping.items() if n and c != "timestamps"})
         adj = adj_close_column(rest)
         if adjust not in ADJUST or (adjust == "adj_close" and adj in (None, mapping["close"])):

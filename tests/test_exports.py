@@ -124,3 +124,25 @@ def test_predict_df_adjusts_to_adj_close(tmp_path, tiny_pair, one_thread):
                                 adjust="adj_close")
     whole = predictor.predict_df(df.drop(columns="Adj Close"), prediction_length=1, top_k=1, sample_count=1)
     np.testing.assert_allclose(half["close"], whole["close"] / 2, rtol=1e-4)
+
+
+def test_years_outside_1677_2262_are_refused_by_line(tmp_path):
+    (tmp_path / "f.csv").write_text("timestamps,open,high,low,close\n2024-01-02 09:30,1,1,1,1\n"
+                                    "2300-01-02 09:30,1,1,1,1\n")
+    reader = SourceReader(tmp_path / "f.csv", {})
+    list(reader.blocks())
+    assert len(reader.problems) == 1 and "outside 1677-2262" in reader.problems[0] and "line(s) 3" in \
+        reader.problems[0]
+
+
+def test_predict_df_refuses_values_beyond_float32_and_years_beyond_2262(tiny_pair, one_thread):
+    from model.predictor import KronosPredictor
+
+    predictor = KronosPredictor(tiny_pair[1], tiny_pair[0], device="cpu", max_context=64)
+    huge = _frame()
+    huge.loc[5, "volume"] = 1e300
+    with pytest.raises(DataError, match=r"'volume' has 1 value\(s\) beyond float32's range.*1e\+300"):
+        predictor.predict_df(huge, prediction_length=1, top_k=1, sample_count=1)
+    late = _frame().drop(columns="Time").assign(Date=pd.date_range("2262-03-20", periods=40, unit="us").astype(str))
+    with pytest.raises(DataError, match="outside 1677-2262"):
+        predictor.predict_df(late, prediction_length=1, top_k=1, sample_count=1)
