@@ -171,10 +171,13 @@ def to_datetime_index(timestamps, name: str = "timestamps") -> pd.DatetimeIndex:
                          f"{values.dtype}; convert with pd.to_datetime first")
     if values.hasnans:
         raise DataError(f"{name} contains missing values (NaT)")
-    outside = np.flatnonzero((values < pd.Timestamp.min) | (values > pd.Timestamp.max))
-    if len(outside):  # pandas 3 holds them (datetime64[us]); the nanosecond time features would wrap
+    try:  # pandas 3 holds later years (datetime64[us]); the nanosecond time features would wrap
+        values.as_unit("ns")
+    except pd.errors.OutOfBoundsDatetime:
+        naive = values.tz_localize(None) if values.tz is not None else values
+        outside = np.flatnonzero((naive < pd.Timestamp.min) | (naive > pd.Timestamp.max))
         raise DataError(f"{name}: {len(outside)} timestamp(s) outside 1677-2262 (what datetime64[ns] holds), first "
-                        f"{values[outside[0]]} at position {outside[0]}")
+                        f"{values[outside[0]]} at position {outside[0]}") from None
     return values
 
 

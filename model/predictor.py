@@ -559,6 +559,9 @@ class KronosPredictor:
                                   pred_len, T, top_k, top_p, sample_count, verbose)  # (B, S, P, 6) normalised
             samples[lo:lo + step] = denormalize(paths, mu[:, None], sd[:, None])
             mean[lo:lo + step] = denormalize(paths.mean(axis=1), mu, sd)
+        still = ~np.asarray(context)[..., 4:].any(axis=1)  # (W, 2) volume / amount zero in the whole context
+        samples[..., 4:] = np.where(still[:, None, None, :], 0.0, samples[..., 4:])  # e.g. an index: no volume
+        mean[..., 4:] = np.where(still[:, None, :], 0.0, mean[..., 4:])
         return samples, mean
 
     @torch.inference_mode()

@@ -146,3 +146,16 @@ def test_predict_df_refuses_values_beyond_float32_and_years_beyond_2262(tiny_pai
     late = _frame().drop(columns="Time").assign(Date=pd.date_range("2262-03-20", periods=40, unit="us").astype(str))
     with pytest.raises(DataError, match="outside 1677-2262"):
         predictor.predict_df(late, prediction_length=1, top_k=1, sample_count=1)
+
+
+def test_zero_volume_markets_get_zero_volume_forecasts_and_repair_clips_volume(tiny_pair, one_thread):
+    from finetune_csv.forecast import candle_violations, repair_candles
+    from model.predictor import KronosPredictor
+
+    predictor = KronosPredictor(tiny_pair[1], tiny_pair[0], device="cpu", max_context=64)
+    out = predictor.predict_df(_frame().assign(volume=0.0), prediction_length=3, top_k=0, sample_count=2)
+    assert (out["volume"] == 0).all() and (out["amount"] == 0).all()
+    paths = np.ones((1, 1, 4, 6))
+    paths[..., 4] = -1.0
+    assert candle_violations(*(paths[..., i] for i in range(5)))["negative_volume"] == 1.0
+    assert (repair_candles(paths)[..., 4] == 0).all()
