@@ -303,9 +303,9 @@ def format_report(metrics: dict) -> str:
                      f"{cal['cov50_calibrated']:.2f}, 80% {cal['cov80_raw']:.2f} -> {cal['cov80_calibrated']:.2f}")
     v = metrics["candle_violations"]
     lines.append(f"invalid sampled candles: {v['any']:.1%} (high below the body {v['high_below_body']:.1%}, low above "
-                 f"it {v['low_above_body']:.1%}, negative volume {v['negative_volume']:.1%}); " + ("repaired (forecast.repair_candles: true)"
-                                                       if metrics["candles_repaired"] else
-                                                       "kept as sampled (forecast.repair_candles: true repairs them)"))
+                 f"it {v['low_above_body']:.1%}, negative volume {v['negative_volume']:.1%}); "
+                 + ("repaired (forecast.repair_candles: true)" if metrics["candles_repaired"] else
+                    "kept as sampled (forecast.repair_candles: true repairs them)"))
     return "\n".join(lines)
 
 
