@@ -130,10 +130,9 @@ def _dispatch(argv: list[str]) -> int:
         return 2
     _check_ready(name, COMMANDS[name], args)
     entry = resolve(name)
-    from finetune.utils.distributed import choose_threads  # torch loads only for a command that runs
+    from finetune.utils.distributed import use_chosen_threads  # torch loads only for a command that runs
 
-    threads, why = choose_threads()
-    print(f"kronos: {threads} intra-op thread(s) ({why})", file=sys.stderr)
+    use_chosen_threads()
     saved, sys.argv[0] = sys.argv[0], f"kronos {name}"  # argparse names the program after sys.argv[0]
     try:
         result = entry(list(args))
