@@ -133,11 +133,12 @@ def _dispatch(argv: list[str]) -> int:
     from finetune.utils.distributed import use_chosen_threads  # torch loads only for a command that runs
 
     use_chosen_threads()
-    saved, sys.argv[0] = sys.argv[0], f"kronos {name}"  # argparse names the program after sys.argv[0]
+    # argparse names the program after sys.argv[0]; the lock and logs quote sys.argv ("kronos finetune --config x")
+    saved, sys.argv = sys.argv, [f"kronos {name}", *args]
     try:
         result = entry(list(args))
     finally:
-        sys.argv[0] = saved
+        sys.argv = saved
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
 

@@ -37,3 +37,5 @@ def test_real_exports_finetune_and_forecast_with_one_setting(tmp_path, export, o
     assert main(["finetune", "--config", str(config)]) == 0
     assert main(["forecast", "--config", str(config), "--future"]) == 0
     assert list((tmp_path / "out").rglob("forecast.csv"))
+    header = (tmp_path / "out" / "tiny" / "basemodel" / "train.log").read_text().splitlines()[0]
+    assert "command: 'kronos finetune' --config" in header and "intra-op thread(s)" in header  # the threads, once

@@ -57,13 +57,12 @@ def choose_threads(env: Mapping[str, str] | None = None) -> tuple[int, str]:
 _CHOSEN: tuple[int, str] | None = None
 
 
-def use_chosen_threads() -> None:
-    """`choose_threads` once per process (the kronos CLI, or an entry point run directly), said on rank 0's stderr."""
+def use_chosen_threads() -> str:
+    """`choose_threads` once per process (the kronos CLI for every command, or a training entry point run
+    directly); returns the line a run logs."""
     global _CHOSEN
-    if _CHOSEN is None:
-        _CHOSEN = choose_threads()
-        if os.environ.get("RANK", "0") == "0":
-            print(f"kronos: {_CHOSEN[0]} intra-op thread(s) ({_CHOSEN[1]})", file=sys.stderr)
+    _CHOSEN = _CHOSEN or choose_threads()
+    return f"{_CHOSEN[0]} intra-op thread(s) ({_CHOSEN[1]})"
 
 
 def seed_everything(seed: int, rank: int = 0) -> int:
@@ -145,7 +144,6 @@ def distributed_context(timeout_s: float = 1800.0, backend: str | None = None) -
         timeout_s: how long a collective may wait for the other ranks before the job fails instead of hanging.
         backend: overrides DIST_BACKEND (None: read the environment).
     Yields a `DistInfo`. The process group is destroyed here, and only here, whether the body succeeds or raises."""
-    use_chosen_threads()
     cuda = torch.cuda.is_available()
     if not launched_by_torchrun():
         device = torch.device("cuda", 0) if cuda else torch.device("cpu")

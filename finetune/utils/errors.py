@@ -232,7 +232,10 @@ def stage_log(log_file: str | Path, *, rank: int | None = None, resumed_from: st
     now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     how = f"resumed from {resumed_from}" if resumed_from is not None else "fresh start"
     where = f"{stage} " if stage else ""
-    handler.stream.write(f"===== {now} {where}run ({how}); command: {shlex.join(sys.argv)} =====\n")
+    from finetune.utils.distributed import use_chosen_threads  # torch: loaded by then
+
+    handler.stream.write(f"===== {now} {where}run ({how}); command: {shlex.join(sys.argv)}; "
+                         f"{use_chosen_threads()} =====\n")
     handler.flush()
     previous_level = root.level
     if root.level == logging.NOTSET or root.level > level:
