@@ -159,3 +159,20 @@ def test_zero_volume_markets_get_zero_volume_forecasts_and_repair_clips_volume(t
     paths[..., 4] = -1.0
     assert candle_violations(*(paths[..., i] for i in range(5)))["negative_volume"] == 1.0
     assert (repair_candles(paths)[..., 4] == 0).all()
+
+
+def test_numpys_short_write_while_writing_the_store_is_the_disk_full_line(tmp_path, monkeypatch):
+    from finetune.utils import store as store_module
+    from finetune.utils.errors import classify
+    from finetune.utils.store import StoreError
+    from finetune_csv.prepare import prepare_store
+
+    (tmp_path / "a.csv").write_text("timestamps,open,high,low,close\n2024-01-02,1,1,1,1\n2024-01-03,1,1,1,1\n")
+
+    def short(*args, **kwargs):
+        raise OSError("1 requested and 0 written")  # numpy's tofile on a full disk: no errno
+
+    monkeypatch.setattr(store_module.GrowingNpy, "append", short)
+    with pytest.raises(StoreError, match=r"cannot write the data store in .*: no space left on device"):
+        prepare_store(tmp_path / "a.csv", tmp_path / "out" / "store")
+    assert classify(OSError("1 requested and 0 written"))[1]  # a user-facing line, not "a bug"

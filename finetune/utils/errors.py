@@ -40,7 +40,7 @@ from model.errors import (
     MissingExtraError,
     UserError,
 )
-from model.fileio import DISK_FULL_ERRNOS
+from model.fileio import disk_full
 
 _DEBUG_FLAG = "--debug"
 _DEBUG_HINT = f"(add {_DEBUG_FLAG} or set KRONOS_DEBUG=1 to see the traceback)"
@@ -70,7 +70,7 @@ def classify(exc: BaseException) -> tuple[int, bool]:
         return EXIT_PATH, True
     if _is_hub_error(exc):
         return EXIT_PATH, True
-    if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:  # the machine's state, not a bug: no traceback
+    if disk_full(exc):  # the machine's state, not a bug: no traceback
         return EXIT_DATA, True
     return EXIT_BUG, False
 
