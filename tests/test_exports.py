@@ -176,3 +176,20 @@ def test_numpys_short_write_while_writing_the_store_is_the_disk_full_line(tmp_pa
     with pytest.raises(StoreError, match=r"cannot write the data store in .*: no space left on device"):
         prepare_store(tmp_path / "a.csv", tmp_path / "out" / "store")
     assert classify(OSError("1 requested and 0 written"))[1]  # a user-facing line, not "a bug"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("data:\n  path: a.csv\n  lookback: 8\n  lookback: 16\n", "line 4: the key 'lookback' appears twice"),
+    ("data:\n  lookback: 1000000000000000000000000000000\n", "line 2: the integer 1000000000"),
+    ("a: " + "[" * 10000 + "]" * 10000 + "\n", "nested more than 32 levels deep"),
+    (b"\x89PNG\r\n\x1a\n\0\0\0", "a binary file, not a YAML settings file"),
+])
+def test_the_config_loader_refuses_bad_yaml_with_one_line(tmp_path, text, message):
+    from finetune.utils.config_utils import ConfigError
+    from finetune_csv.config import load
+
+    path = tmp_path / "c.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ConfigError) as err:
+        load(path)
+    assert message in str(err.value) and str(err.value).count("\n") <= 1, str(err.value)
