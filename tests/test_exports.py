@@ -193,3 +193,21 @@ def test_the_config_loader_refuses_bad_yaml_with_one_line(tmp_path, text, messag
     with pytest.raises(ConfigError) as err:
         load(path)
     assert message in str(err.value) and str(err.value).count("\n") <= 1, str(err.value)
+
+
+@pytest.mark.parametrize("damage, message", [("truncate", "not a readable safetensors file"),
+                                             ("nan", "holds NaN/inf")])
+def test_a_damaged_model_folder_is_one_line_naming_the_file(tmp_path, tiny_pair, damage, message):
+    from safetensors.torch import load_file, save_file
+
+    tokenizer = tiny_pair[0]
+    tokenizer.save_pretrained(tmp_path / "tok")
+    weights = tmp_path / "tok" / "model.safetensors"
+    if damage == "truncate":
+        weights.write_bytes(weights.read_bytes()[:200])
+    else:
+        state = load_file(str(weights))
+        next(v for v in state.values() if v.is_floating_point())[0] = float("nan")
+        save_file(state, str(weights))
+    with pytest.raises(DataError, match=f"{weights}: .*{message}"):
+        type(tokenizer).from_pretrained(tmp_path / "tok")
