@@ -246,17 +246,12 @@ def candle_matrix(df: pd.DataFrame, name: str = "df") -> np.ndarray:
         x = df.iloc[:, where]
     x = np.asarray(x[:, where] if isinstance(x, np.ndarray) else x, dtype=np.float64)
     at = lambda r: f"row {r}" + ("" if isinstance(df.index, pd.RangeIndex) else f" ({df.index[r]})")
-    bad = ~np.isfinite(x)
+    bad = ~(np.abs(x) <= np.finfo(np.float32).max)  # NaN, inf, and what the model's float32 turns into inf
     if bad.any():
         rows, cols = np.nonzero(bad)
         raise DataError(f"{name} has {int(bad.sum())} NaN/inf values, first in column {mapping[present[cols[0]]]!r} "
-                        f"at {at(int(rows[0]))}; fill or drop them before forecasting")
-    bad = np.abs(x) > np.finfo(np.float32).max  # the model computes in float32: such a value becomes inf
-    if bad.any():
-        rows, cols = np.nonzero(bad)
-        raise DataError(f"{name}: column {mapping[present[cols[0]]]!r} has {int(bad.sum())} value(s) beyond "
-                        f"float32's range (+-3.4e38), first {x[rows[0], cols[0]]:.6g} at {at(int(rows[0]))}; correct "
-                        "or rescale them")
+                        f"at {at(int(rows[0]))} ({x[rows[0], cols[0]]:.6g}; float32 holds up to +-3.4e38); fill, "
+                        "drop or rescale them before forecasting")
     for f, rows, rule in candle_faults(x):
         r = int(np.flatnonzero(rows)[0])
         raise DataError(f"{name}: column {mapping[f]!r} is {rule} in {int(rows.sum())} candle(s), first at {at(r)}; "
