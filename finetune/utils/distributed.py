@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import inspect
 import os
 import random
@@ -37,32 +38,23 @@ from torch.nn.parallel import DistributedDataParallel
 from model.errors import DataError, UserError
 
 
-def choose_threads(env: Mapping[str, str] | None = None) -> tuple[int, str]:
-    """Set torch's intra-op threads for this process and return (threads, why): OMP_NUM_THREADS when set, else the
-    cores per rank (usable cores / LOCAL_WORLD_SIZE, as torchrun does for several ranks) less the ones other
-    processes keep busy (1-minute load average): threads beyond the idle cores only wait on each other."""
+def choose_threads(env: Mapping[str, str] | None = None) -> str:
+    """Set torch's intra-op threads and return the line a run logs: OMP_NUM_THREADS when set, else the cores per rank
+    (cores / LOCAL_WORLD_SIZE, as torchrun does for several ranks) less those other processes keep busy (1-minute
+    load average): threads beyond the idle cores only wait on each other."""
     env = os.environ if env is None else env
     if env.get("OMP_NUM_THREADS", "").strip().isdigit() and int(env["OMP_NUM_THREADS"]) >= 1:
         threads, why = int(env["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
     else:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        ranks = max(1, int(env.get("LOCAL_WORLD_SIZE", "1") or 1))
-        idle = cores - int(os.getloadavg()[0]) if hasattr(os, "getloadavg") else cores
-        threads = max(1, min(cores // ranks, idle))
-        why = f"{cores} cores / {ranks} rank(s), {max(0, cores - idle)} busy; set OMP_NUM_THREADS to override"
+        cores, ranks = len(os.sched_getaffinity(0)), max(1, int(env.get("LOCAL_WORLD_SIZE") or 1))
+        busy = min(cores, int(os.getloadavg()[0]))
+        threads = max(1, min(cores // ranks, cores - busy))
+        why = f"{cores} cores / {ranks} rank(s), {busy} busy; set OMP_NUM_THREADS to override"
     torch.set_num_threads(threads)
-    return threads, why
+    return f"{threads} intra-op thread(s) ({why})"
 
 
-_CHOSEN: tuple[int, str] | None = None
-
-
-def use_chosen_threads() -> str:
-    """`choose_threads` once per process (the kronos CLI for every command, or a training entry point run
-    directly); returns the line a run logs."""
-    global _CHOSEN
-    _CHOSEN = _CHOSEN or choose_threads()
-    return f"{_CHOSEN[0]} intra-op thread(s) ({_CHOSEN[1]})"
+use_chosen_threads = functools.cache(choose_threads)  # once per process: the CLI, then every stage's log
 
 
 def seed_everything(seed: int, rank: int = 0) -> int:
