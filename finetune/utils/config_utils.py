@@ -371,7 +371,8 @@ MAX_YAML_DEPTH = 32  # nested mappings/lists; the settings nest 3 deep, and 10,0
 
 
 class _BoundedLoader(yaml.SafeLoader):
-    """The pure-Python safe loader (the C one composes in C), counting aliases; stops past MAX_YAML_ALIASES."""
+    """The pure-Python safe loader (the C one composes in C), counting aliases (past MAX_YAML_ALIASES) and depth
+    (past MAX_YAML_DEPTH), refusing duplicate keys and integers beyond 64 bits: one ConfigError line each."""
 
     def _refuse(self, node: Any, problem: str) -> None:
         raise ConfigError([f"{self.name} line {node.start_mark.line + 1}: {problem}"])
@@ -380,11 +381,9 @@ class _BoundedLoader(yaml.SafeLoader):
         seen: set[Any] = set()
         for key_node, _ in node.value:  # a key written twice: the last one would silently win
             key = self.construct_object(key_node)
-            if not isinstance(key, Hashable):
-                continue  # the base class names an unhashable key
-            if key in seen:
+            if isinstance(key, Hashable) and key in seen:  # (the base class names an unhashable key)
                 self._refuse(key_node, f"the key {key!r} appears twice in one mapping; keep one")
-            seen.add(key)
+            seen.add(key if isinstance(key, Hashable) else id(key))
         return super().construct_mapping(node, deep)
 
     def construct_yaml_int(self, node: Any) -> int:
@@ -395,21 +394,16 @@ class _BoundedLoader(yaml.SafeLoader):
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         self._depth = getattr(self, "_depth", 0) + 1
-        try:
-            if self._depth > MAX_YAML_DEPTH:
-                self._refuse(self.peek_event(), f"nested more than {MAX_YAML_DEPTH} levels deep; settings nest a few")
-            return self._compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-    def _compose_node(self, parent: Any, index: Any) -> Any:
+        if self._depth > MAX_YAML_DEPTH:
+            self._refuse(self.peek_event(), f"nested more than {MAX_YAML_DEPTH} levels deep; settings nest a few")
         if self.check_event(yaml.AliasEvent):
             self._aliases = getattr(self, "_aliases", 0) + 1
             if self._aliases > MAX_YAML_ALIASES:
-                mark = self.peek_event().start_mark
-                raise ConfigError([f"{self.name}: more than {MAX_YAML_ALIASES} YAML aliases (*name), the last at "
-                                   f"line {mark.line + 1}; a settings file needs few; write the values out"])
-        return super().compose_node(parent, index)
+                self._refuse(self.peek_event(), f"more than {MAX_YAML_ALIASES} YAML aliases (*name); a settings "
+                             "file needs few; write the values out")
+        node = super().compose_node(parent, index)
+        self._depth -= 1
+        return node
 
 
 _BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_yaml_int)
