@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import torch
 
 from finetune.evaluation.forecast_scores import (
     ScoreSettings,
@@ -100,8 +99,8 @@ def make_predictor(predictor_src, tokenizer_src, cfg: CsvFinetuneConfig) -> Kron
     tokenizer = tokenizer_src if isinstance(tokenizer_src, KronosTokenizer) else \
         KronosTokenizer.from_pretrained(tokenizer_src)
     model = predictor_src if isinstance(predictor_src, Kronos) else Kronos.from_pretrained(predictor_src)
-    return KronosPredictor(model, tokenizer, device="cuda:0" if torch.cuda.is_available() else "cpu",
-                           max_context=cfg.data.lookback + cfg.data.predict, clip=cfg.data.clip, use_cache=True)
+    return KronosPredictor.from_models(model, tokenizer, max_context=cfg.data.lookback + cfg.data.predict,
+                                       clip=cfg.data.clip)
 
 
 def warn_if_unfinished(stage_dir: Path) -> None:

@@ -348,13 +348,21 @@ class KronosPredictor:
         unknown = sorted(set(hub_kwargs) - allowed)
         if unknown:
             raise TypeError(f"unexpected arguments {unknown}; Hub options are {sorted(allowed)}")
-        model, tokenizer, info = load_trained_pair(folder_or_id, tokenizer, **hub_kwargs)
-        return cls(model, tokenizer, device=device,
+        return cls.from_models(*load_trained_pair(folder_or_id, tokenizer, **hub_kwargs), device=device,
+                               max_context=max_context, lookback=lookback, clip=clip, use_cache=use_cache)
+
+    @classmethod
+    def from_models(cls, model: Kronos, tokenizer: KronosTokenizer, info: dict[str, Any] | None = None, *,
+                    device: str | None = None, max_context: int | None = None, lookback: int | None = None,
+                    clip: float | None = None, use_cache: bool = True) -> KronosPredictor:
+        """A forecaster over an in-memory pair (a `load_trained_pair` result, or a model being trained): max_context,
+        lookback, clip and calibration default to `info` (its kronos_predictor.json), else 512, max_context, 5."""
+        info = info or {}
+        return cls(model, tokenizer, device=device, use_cache=use_cache, calibration=info.get("calibration"),
                    max_context=max_context if max_context is not None else info.get("max_context",
                                                                                     DEFAULT_MAX_CONTEXT),
-                   clip=clip if clip is not None else info.get("clip", 5), use_cache=use_cache,
-                   lookback=lookback if lookback is not None else info.get("lookback"),
-                   calibration=info.get("calibration"))
+                   clip=clip if clip is not None else info.get("clip", 5),
+                   lookback=lookback if lookback is not None else info.get("lookback"))
 
     # ------------------------------------------------------------ public
     def predict(self, df: pd.DataFrame, x_timestamp: Any, y_timestamp: Any, pred_len: int, T: float = 1.0,
