@@ -45,7 +45,7 @@ from model.features import (
 )
 from model.fileio import read_json_object, write_json
 from model.generation import generate_tokens
-from model.hub import is_hub_id, resolve_model_dir, weights_fingerprint
+from model.hub import is_hub_id, load_pretrained, resolve_model_dir, weights_fingerprint
 from model.kronos import Kronos
 from model.tokenizer import KronosTokenizer
 
@@ -138,6 +138,14 @@ def write_calibration(best_model_dir: str | os.PathLike, calibration: dict[str, 
     info = read_predictor_info(folder)
     info["calibration"] = calibration
     return write_json(folder / PREDICTOR_INFO_NAME, info)
+
+
+def load_pretrained_pair(predictor: str | os.PathLike, tokenizer: str | os.PathLike,
+                         keys: tuple[str, str] = ("model.pretrained_predictor", "model.pretrained_tokenizer")
+                         ) -> tuple[Kronos, KronosTokenizer]:
+    """(predictor, tokenizer) of a published (zero-shot) pair, e.g. NeoQuasar/Kronos-small with
+    NeoQuasar/Kronos-Tokenizer-base: the one way every door loads one; a failure names the setting in `keys`."""
+    return load_pretrained(Kronos, predictor, keys[0]), load_pretrained(KronosTokenizer, tokenizer, keys[1])
 
 
 def load_trained_pair(folder_or_id: str | os.PathLike, tokenizer: str | os.PathLike | KronosTokenizer | None = None,

@@ -26,7 +26,6 @@ from torch.utils.data import Dataset
 
 import model.predictor as forecaster
 from finetune.utils import adapters
-from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.config_utils import STAGES, config_to_dict
 from finetune.utils.distributed import DistInfo, distributed_context, seeded_init
 from finetune.utils.factory import build_predictor, build_tokenizer
@@ -37,7 +36,7 @@ from finetune.utils.validate import ValMetric
 from finetune.utils.windows import HeldOutWindows, sample_paths
 from model import KronosTokenizer
 from model.features import CLOSE
-from model.hub import weights_fingerprint
+from model.hub import load_pretrained, weights_fingerprint
 
 log = logging.getLogger(__name__)
 
