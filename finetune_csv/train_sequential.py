@@ -28,7 +28,6 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
-from torch import nn
 
 import finetune_csv.config as csv_config
 from finetune.evaluation.forecast_scores import crps_ensemble
@@ -109,7 +108,7 @@ def make_crps_val_metric(cfg: Any, val_windows: HeldOutWindows, tokenizer: Krono
     obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, P)
     f = cfg.forecast
 
-    def metric(model: nn.Module, stage: Any) -> dict | None:
+    def metric(model: torch.nn.Module, stage: Any) -> dict | None:
         if getattr(stage, "name", stage) != "predictor":
             return None
         module = getattr(model, "module", model)  # DDP-wrapped or not

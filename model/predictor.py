@@ -140,12 +140,11 @@ def write_calibration(best_model_dir: str | os.PathLike, calibration: dict[str, 
     return write_json(folder / PREDICTOR_INFO_NAME, info)
 
 
-def load_pretrained_pair(predictor: str | os.PathLike, tokenizer: str | os.PathLike,
-                         keys: tuple[str, str] = ("model.pretrained_predictor", "model.pretrained_tokenizer")
-                         ) -> tuple[Kronos, KronosTokenizer]:
-    """(predictor, tokenizer) of a published (zero-shot) pair, e.g. NeoQuasar/Kronos-small with
-    NeoQuasar/Kronos-Tokenizer-base: the one way every door loads one; a failure names the setting in `keys`."""
-    return load_pretrained(Kronos, predictor, keys[0]), load_pretrained(KronosTokenizer, tokenizer, keys[1])
+def load_pretrained_pair(predictor: str | os.PathLike, tokenizer: str | os.PathLike) -> tuple[Kronos, KronosTokenizer]:
+    """(predictor, tokenizer) of a published (zero-shot) pair, e.g. NeoQuasar/Kronos-small with Kronos-Tokenizer-base:
+    the one way every door loads one; a failure names the model.pretrained_* setting to change."""
+    return (load_pretrained(Kronos, predictor, "model.pretrained_predictor"),
+            load_pretrained(KronosTokenizer, tokenizer, "model.pretrained_tokenizer"))
 
 
 def load_trained_pair(folder_or_id: str | os.PathLike, tokenizer: str | os.PathLike | KronosTokenizer | None = None,
@@ -366,11 +365,10 @@ class KronosPredictor:
         """A forecaster over an in-memory pair (a `load_trained_pair` result, or a model being trained): max_context,
         lookback, clip and calibration default to `info` (its kronos_predictor.json), else 512, max_context, 5."""
         info = info or {}
+        pick = lambda given, key, default=None: info.get(key, default) if given is None else given
         return cls(model, tokenizer, device=device, use_cache=use_cache, calibration=info.get("calibration"),
-                   max_context=max_context if max_context is not None else info.get("max_context",
-                                                                                    DEFAULT_MAX_CONTEXT),
-                   clip=clip if clip is not None else info.get("clip", 5),
-                   lookback=lookback if lookback is not None else info.get("lookback"))
+                   max_context=pick(max_context, "max_context", DEFAULT_MAX_CONTEXT), clip=pick(clip, "clip", 5),
+                   lookback=pick(lookback, "lookback"))
 
     # ------------------------------------------------------------ public
     def predict(self, df: pd.DataFrame, x_timestamp: Any, y_timestamp: Any, pred_len: int, T: float = 1.0,
