@@ -355,8 +355,15 @@ class KronosPredictor:
         unknown = sorted(set(hub_kwargs) - allowed)
         if unknown:
             raise TypeError(f"unexpected arguments {unknown}; Hub options are {sorted(allowed)}")
-        return cls.from_models(*load_trained_pair(folder_or_id, tokenizer, **hub_kwargs), device=device,
-                               max_context=max_context, lookback=lookback, clip=clip, use_cache=use_cache)
+        model, tokenizer, info = load_trained_pair(folder_or_id, tokenizer, **hub_kwargs)
+        run = Path(folder_or_id) / "run_info.json"  # a finetuned run's best_model/ records the settings it ran with
+        wanted = run.is_file() and (read_json_object(run).get("config") or {}).get("forecast", {}).get("calibrate")
+        if wanted is True and not info.get("calibration"):
+            log.warning("%s was trained with forecast.calibrate: true but holds no calibration (its run stopped "
+                        "before calibrating): its bands are the raw samples', too narrow; run `kronos finetune` "
+                        "again with its config to calibrate it", folder_or_id)
+        return cls.from_models(model, tokenizer, info, device=device, max_context=max_context, lookback=lookback,
+                               clip=clip, use_cache=use_cache)
 
     @classmethod
     def from_models(cls, model: Kronos, tokenizer: KronosTokenizer, info: dict[str, Any] | None = None, *,

@@ -159,7 +159,8 @@ def calibrate(best: Path, windows: HeldOutWindows, sampling: Any, max_context: i
     if len(windows) == 0:
         log.warning("no calibration: the validation split has no %d-bar window (raise data.val_ratio)", max_context)
         return None
-    predictor = forecaster.KronosPredictor.from_pretrained(best, max_context=max_context, clip=clip)
+    model, tokenizer, _ = forecaster.load_trained_pair(best)  # not from_pretrained: it warns "never calibrated"
+    predictor = forecaster.KronosPredictor.from_models(model, tokenizer, max_context=max_context, clip=clip)
     x_stamps, y_stamps = windows.stamps()
     predict = windows.actual.shape[1]
     paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, predict, sampling,
