@@ -249,8 +249,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     periods = walk_forward_periods(calendar, d.dataset_begin_time, span[0], span[1], w.period_months,
                                    w.val_months, w.purge or d.predict)
     root = Path(cfg.paths.save_path).expanduser() / "walk_forward"
-    predictor, tokenizer = load_pretrained_pair(cfg.model.pretrained_predictor, cfg.model.pretrained_tokenizer)
-    zero = (tokenizer, predictor)  # this order: the run folders record their fingerprints in it
+    # (tokenizer, predictor): the order the period folders record their fingerprints in
+    zero = load_pretrained_pair(cfg.model.pretrained_predictor, cfg.model.pretrained_tokenizer)[::-1]
     frames, started = [], time.monotonic()
     for p in periods:
         folder = root / f"period_{p.k}"

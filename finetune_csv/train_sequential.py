@@ -116,9 +116,8 @@ def make_crps_val_metric(cfg: Any, val_windows: HeldOutWindows, tokenizer: Krono
         was_training = module.training
         predictor = KronosPredictor.from_models(module, tokenizer, device=str(device), clip=cfg.data.clip,
                                                 max_context=cfg.data.lookback + cfg.data.predict)
-        devices = [device] if device.type == "cuda" else []
-        try:
-            with torch.random.fork_rng(devices=devices):  # the loop stops after its own checkpoint, not in here
+        try:  # interruptible=False: the loop stops after its own checkpoint, not in here
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, cfg.data.predict, f,
                                      f.batch_size, interruptible=False)  # (W, S, P, 6), seeded with forecast.seed
         finally:

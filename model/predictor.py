@@ -371,9 +371,8 @@ class KronosPredictor:
                     clip: float | None = None, use_cache: bool = True) -> KronosPredictor:
         """A forecaster over an in-memory pair (a `load_trained_pair` result, or a model being trained): max_context,
         lookback, clip and calibration default to `info` (its kronos_predictor.json), else 512, max_context, 5."""
-        info = info or {}
-        pick = lambda given, key, default=None: info.get(key, default) if given is None else given
-        return cls(model, tokenizer, device=device, use_cache=use_cache, calibration=info.get("calibration"),
+        pick = lambda given, key, default=None: (info or {}).get(key, default) if given is None else given
+        return cls(model, tokenizer, device=device, use_cache=use_cache, calibration=pick(None, "calibration"),
                    max_context=pick(max_context, "max_context", DEFAULT_MAX_CONTEXT), clip=pick(clip, "clip", 5),
                    lookback=pick(lookback, "lookback"))
 
