@@ -23,7 +23,6 @@ import logging
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -92,7 +91,7 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
     return results, pipe.plan, data_info
 
 
-def make_crps_val_metric(cfg: Any, val_windows: HeldOutWindows, tokenizer: KronosTokenizer,
+def make_crps_val_metric(cfg: CsvFinetuneConfig, val_windows: HeldOutWindows, tokenizer: KronosTokenizer,
                          max_windows: int = 64) -> ValMetric:  # 64: ranks epochs, cheap next to an epoch
     """`training.select_by: crps`: `metric(model, stage)` over a fixed, evenly spread subsample of `max_windows`
     validation windows, sampled with the (frozen) tokenizer the predictor trains with (`cfg`: data.lookback /
@@ -108,7 +107,7 @@ def make_crps_val_metric(cfg: Any, val_windows: HeldOutWindows, tokenizer: Krono
     obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, P)
     f = cfg.forecast
 
-    def metric(model: torch.nn.Module, stage: Any) -> dict | None:
+    def metric(model: torch.nn.Module, stage: object) -> dict | None:
         if getattr(stage, "name", stage) != "predictor":
             return None
         module = getattr(model, "module", model)  # DDP-wrapped or not
