@@ -1,7 +1,7 @@
 """Checkpoints, in one place: what a resumable checkpoint holds (`Checkpoint`, format `CHECKPOINT_FORMAT`), writing
 it (atomic step files with rotation, `last.pt` = the newest, never non-finite weights, a full disk named with the
-bytes needed), reading it back (`load_latest` falls back to the previous file when the newest is broken), loading a
-published-format model with errors naming the setting (`load_pretrained`). Whether to resume: the ledger's.
+bytes needed), reading it back (`load_latest` falls back to the previous file when the newest is broken).
+Loading a published-format model: model/hub.py's `load_pretrained`. Whether to resume: the ledger's.
 
 Only rank 0 calls the writers; the training loop puts a `barrier()` after them before any rank reads. Writes go to
 a temporary name in the same folder and are moved into place with `os.replace`, so a process killed mid-write
