@@ -116,6 +116,17 @@ def read_config(model_dir: Path, cls: type, max_parameters: float = DEFAULT_MAX_
     return kwargs
 
 
+def load_pretrained(cls: Any, source: str | os.PathLike, key: str) -> Any:
+    """`cls.from_pretrained(source)` (a published-format folder or Hub id), failing with a PathError (nothing found)
+    or DataError (found but unreadable) that names the setting `key` to change."""
+    try:
+        return cls.from_pretrained(source)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:  # PathError is a FileNotFoundError
+        kind = PathError if isinstance(e, FileNotFoundError) else DataError
+        raise kind(f"{key}: cannot load {cls.__name__} from '{source}': {e}\n  set {key} to a folder with "
+                   "config.json + model.safetensors (or a Hub id)") from e
+
+
 class PretrainedMixin:
     """`from_pretrained` / `save_pretrained` / `push_to_hub` for an nn.Module whose constructor kwargs are recorded
     in `self.config`. A subclass sets `config_class` (a `model.config` dataclass with `.problems()`)."""
@@ -141,7 +152,16 @@ class PretrainedMixin:
         if not weights.is_file():
             raise PathError(f"{weights} not found")
         model = cls(**kwargs)
-        model.load_state_dict(load_file(str(weights), device=str(map_location)), strict=True)
+        try:
+            state = load_file(str(weights), device=str(map_location))
+        except Exception as e:  # safetensors' own error (a Rust panic type for some damage): the file is damaged
+            raise DataError(f"{weights}: not a readable safetensors file ({type(e).__name__}: {str(e)[:120]}); "
+                            "copy or download the model again") from None
+        bad = next((k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+        if bad is not None:
+            raise DataError(f"{weights}: the weight {bad!r} holds NaN/inf; the model is damaged (copy or train it "
+                            "again)")
+        model.load_state_dict(state, strict=True)
         return model
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
