@@ -27,7 +27,7 @@ import pandas as pd
 
 import finetune_csv.config as csv_config
 from finetune.evaluation.forecast_scores import ScoreSettings, empirical_samples, persistence_samples, window_scores
-from finetune.evaluation.statistics import paired_test
+from finetune.evaluation.statistics import session_test
 from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.config_utils import config_to_dict
 from finetune.utils.errors import setup_logging
@@ -81,8 +81,9 @@ def make_folds(panel, lookback: int, predict: int, folds: int, test_bars: int, p
         end = t0 - purge  # (S,) one past the last validation target: `purge` of the series' own bars before t0
         v0 = end - np.maximum(predict, np.round(end * val_ratio).astype(np.int64))  # first validation target
         stop = v0 - purge  # one past the last training target
-        # A series without a training window before the block or a test window in it sits this fold out.
-        on = (stop >= lookback + predict) & (t0 >= lookback) & (t1 - t0 >= predict) & (c1 > test_bars)
+        # A series with a training window before the block trains; without a test window in it, it is not scored.
+        trains = (stop >= lookback + predict) & (c1 > test_bars)  # (S,)
+        on = trains & (t0 >= lookback) & (t1 - t0 >= predict)
         if not on.any():
             raise DataError(f"fold {k} of walk_forward.folds={folds} blocks of walk_forward.test_bars={test_bars} "
                             f"(+ embargo {embargo}, purge {purge}) leaves no series with a training window of "
@@ -90,16 +91,20 @@ def make_folds(panel, lookback: int, predict: int, folds: int, test_bars: int, p
                             f"test window (the longest series has {int(lengths.max())} rows); lower "
                             "walk_forward.folds / test_bars / data.lookback")
         if not on.all():
-            log.info("fold %d: %s sit it out (no training window before %s or no test window in it)", k,
-                     ", ".join(panel.names[s] for s in np.flatnonzero(~on)[:10]), stamp_text(int(calendar[c0])))
+            log.info("fold %d: %s not scored (no training window before %s or no test window in it; trained on: "
+                     "%s)", k, ", ".join(panel.names[s] for s in np.flatnonzero(~on)),
+                     stamp_text(int(calendar[c0])), ", ".join(panel.names[s] for s in np.flatnonzero(trains & ~on))
+                     or "none of them")
         scored |= on
-        cut = first + np.where(on, np.stack([stop, v0 - lookback, v0, end, t0 - lookback, t0, t1]), 0)  # (7, S)
+        cut = first + np.concatenate([np.where(trains, np.stack([stop, v0 - lookback, v0, end]), 0),
+                                      np.where(on, np.stack([t0 - lookback, t0, t1]), 0)])  # (7, S)
         out.append(Fold(k, PanelSegments(panel, first, first, cut[0]), PanelSegments(panel, *cut[1:4]),
                         PanelSegments(panel, *cut[4:])))
     if not scored.all():  # the blocks follow the latest series: a verdict on fewer series than the user gave
-        log.warning("walk-forward: %s are in no fold (the test blocks are the last %d x %d bars of the calendar, "
-                    "after their data ends): the verdict covers %d of %d series; cut every series to a common end "
-                    "date to compare them all", ", ".join(panel.names[s] for s in np.flatnonzero(~scored)[:10]),
+        log.warning("walk-forward: %s are scored in no fold, only trained on (the test blocks are the last %d x %d "
+                    "bars of the calendar, after their data ends): the verdict covers %d of %d series; cut every "
+                    "series to a common end date to compare them all",
+                    ", ".join(panel.names[s] for s in np.flatnonzero(~scored)[:10]),
                     folds, test_bars, int(scored.sum()), len(scored))
     return out
 
@@ -147,7 +152,8 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) 
 
 def paired_from_windows(frame: pd.DataFrame) -> dict:
     """paired.finetuned_vs_zero_shot from windows.csv rows (the verdict's windows): {"crps": ..., "mae": ...}, each
-    `paired_test` on the finetuned - zero_shot differences (windows are non-overlapping: no known lag) with each
+    `session_test` (intraday windows: one date per trading session) on the finetuned - zero_shot differences
+    (windows are non-overlapping: no known lag) with each
     fold's own mean and interval and the share of folds finetuning won."""
     keys = ["fold", "series", "window_start"]
     wide = frame[frame.candidate == "finetuned"].merge(frame[frame.candidate == "zero_shot"], on=keys,
@@ -155,13 +161,26 @@ def paired_from_windows(frame: pd.DataFrame) -> dict:
     out = {}
     for s in ("crps", "mae"):
         wide["d"] = wide[f"{s}_f"] - wide[f"{s}_z"]
-        test = paired_test(wide["d"], wide["window_start"], what=f"finetuned - zero_shot {s.upper()}")
-        test["per_fold"] = [{"fold": int(k), **{x: paired_test(g["d"], g["window_start"])[x] for x in
+        test = session_test(wide["d"], wide["window_start"], what=f"finetuned - zero_shot {s.upper()}")
+        test["per_fold"] = [{"fold": int(k), **{x: session_test(g["d"], g["window_start"])[x] for x in
                                                 ("mean", "ci_low", "ci_high", "windows")}}
                             for k, g in wide.groupby("fold")]
         test["share_folds_won"] = float(np.mean([r["mean"] < 0 for r in test["per_fold"]]))
         out[s] = test
     return out
+
+
+def best_candidate(frame: pd.DataFrame) -> dict:
+    """Every candidate ranked by mean CRPS over the windows all of them scored; the best with the `session_test`
+    interval of its CRPS minus the runner-up's (< 0 = the best is ahead)."""
+    wide = frame.pivot_table(index=["fold", "series", "window_start"], columns="candidate", values="crps").dropna()
+    ranking = wide.mean().sort_values()
+    best, rival = ranking.index[0], ranking.index[1]
+    test = session_test(wide[best] - wide[rival], wide.index.get_level_values("window_start"),
+                        what=f"CRPS {best} - {rival}")
+    return {"candidate": best, "ranking": {k: float(v) for k, v in ranking.items()}, "runner_up": rival,
+            "test": test, "line": f"best by CRPS: {best} (" + " < ".join(f"{k} {v:.5f}" for k, v in ranking.items())
+            + f"); against {rival}: {test['reason']}"}
 
 
 def _fingerprint(cfg: CsvFinetuneConfig, fold: Fold, manifest: dict) -> str:
@@ -267,6 +286,7 @@ def _report(cfg: CsvFinetuneConfig, out: Path, frame: pd.DataFrame, meta: list[d
         paired = paired_from_windows(used)
         report["paired"] = {"finetuned_vs_zero_shot": paired}
         report["verdict"], report["verdict_reason"] = paired["crps"]["verdict"], paired["crps"]["reason"]
+        report["best"] = best_candidate(used)
     report["seconds"] = {k: round(sum(r["seconds"][k] for r in meta), 1) for k in ("train", "score")}
     out_frame = frame.assign(window_start=frame["window_start"].astype(str))
     atomic_write(out / "windows.csv", lambda p: out_frame.to_csv(p, index=False))
@@ -318,16 +338,14 @@ def format_table(report: dict) -> str:
         for r in p["crps"]["per_fold"]:
             meta = report["folds"][r["fold"]]
             lines.append(f"fold {r['fold']} {meta['test_start']} .. {meta['test_end']}: CRPS diff {r['mean']:+.5f} "
-                         f"[{r['ci_low']:+.5f}, {r['ci_high']:+.5f}] ({r['windows']} windows)")
-        for key in ("crps", "mae"):
-            c = p[key]
-            lines.append(f"{key.upper():4} finetuned - zero_shot {c['mean']:+.5f} [{c['ci_low']:+.5f}, "
-                         f"{c['ci_high']:+.5f}] (95% HAC t, {c['blocks']} blocks of {c['block']} dates); DM "
-                         f"{c['dm_stat']:+.2f}, p {c['p_value']:.3g}; finetuning won {c['share_folds_won']:.0%} "
-                         "of folds")
+                         f"({r['windows']} windows)")
+        for key in ("crps", "mae"):  # the one interval rule: no interval printed below MIN_BLOCKS blocks
+            lines.append(f"{p[key]['reason']}; finetuning won {p[key]['share_folds_won']:.0%} of folds")
     if report["excluded_folds"]:
         lines.append(f"folds {report['excluded_folds']} start before model.pretraining_cutoff: not in the verdict")
     lines.append(f"verdict: {report['verdict']} ({report['verdict_reason']})")
+    if report.get("best"):
+        lines.append(report["best"]["line"])
     return "\n".join(lines)
 
 

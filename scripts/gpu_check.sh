@@ -9,7 +9,8 @@
 #   2. the `cuda` tests (tests/test_cuda.py, 4 xdist workers on the one GPU: kill / SIGTERM / torchrun restart then
 #      resume equal to the uninterrupted run, default-settings resume within two uninterrupted runs' distance and
 #      exact with training.deterministic, seeded sampling repeating on the first call, bf16 both CSV stages,
-#      forecast cuda vs CPU, LoRA, calibration),
+#      forecast cuda vs CPU, LoRA, calibration, a NaN batch never applied by the sync-free guard; and
+#      tests/test_model_decode.py's CUDA-graph decode tests),
 #   3. the speed targets: bench_train_step.py --targets (Kronos-small 64 x 512, Kronos-base 32 x 512, engine
 #      defaults, MFU against 790 TFLOP/s) and bench_generation.py --full (the four forecast workloads: eager, static,
 #      graph, identical greedy output) and --host,
@@ -153,7 +154,7 @@ fi
 
 # 2. the cuda tests; a skipped one (no peft, a GPU pytest cannot see) is a failure here
 if step "cuda tests (pytest -m cuda, -n 4)" 200 "$PY" -m pytest -v -p no:cacheprovider -m cuda -n 4 --dist load \
-  --junitxml="$WORK/results/cuda_tests.xml" -rfs --durations=0 tests/test_cuda.py \
+  --junitxml="$WORK/results/cuda_tests.xml" -rfs --durations=0 tests/test_cuda.py tests/test_model_decode.py \
   && grep -Eq "[0-9]+ skipped" "$log"; then
   statuses[-1]="FAIL (skipped: $(grep -Eo "[0-9]+ skipped" "$log"))"
 fi

@@ -322,3 +322,52 @@ if __name__ == "__main__":  # python tests/test_cuda.py <script.py> <args>: run 
     sys.argv = sys.argv[1:]
     sys.path[0] = str(Path(sys.argv[0]).resolve().parent)  # as `python <script.py>` would have it
     runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+def test_the_deferred_guard_skips_a_non_finite_step_in_the_fused_adamw_and_raises_at_the_next_read():
+    """The guard of one CUDA process (`check_later`), on CPU tensors: a non-finite step is not applied (the fused
+    AdamW's found_inf) and its DivergenceError comes when the verdict is read."""
+    from finetune.utils.checkpoint import DivergenceError
+    from finetune.utils.safety import NonFiniteGuard
+
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([w], lr=0.1, fused=True)
+    guard = NonFiniteGuard(amp=False)
+
+    def step(n: int, grad: list[float]) -> None:
+        w.grad = torch.tensor(grad)
+        opt.found_inf = guard.check_later(n, w.grad.sum(), torch.linalg.vector_norm(w.grad))
+        opt.step()
+
+    step(1, [1.0, 1.0, 1.0])
+    moved = w.detach().clone()
+    assert not torch.equal(moved, torch.ones(3))
+    step(2, [float("nan"), 1.0, 1.0])
+    assert torch.equal(w.detach(), moved) and opt.state[w]["step"].item() == 1  # step 2 not applied
+    with pytest.raises(DivergenceError, match=r"training diverged at step 2 \(loss nan, gradient norm nan\); "
+                                              r"nothing of this step was applied"):
+        guard.settle()
+    guard.settle()  # read once
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("log_every, save_every", [(1, 1), (100, 2)])
+def test_a_nan_batch_on_cuda_is_never_applied_logged_or_saved(tmp_path, log_every, save_every):
+    """Engine on cuda:0, one process (the guard without a host sync): step 3's batch is NaN -> DivergenceError
+    naming step 3, read at step 3's log (log_every 1) or at step 4's update (log_every 100); the model and the last
+    checkpoint hold step 2's weights."""
+    from finetune.utils.checkpoint import DivergenceError
+    from finetune.utils.distributed import DistInfo
+    from finetune.utils.training_utils import train_tokenizer
+    from tests.engine_dist_worker import tiny_datasets, tiny_tokenizer
+    from tests.test_safety_engine import CFG, Poisoned
+
+    train_set, val_set = tiny_datasets()
+    tok = tiny_tokenizer()
+    cuda = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cuda:0"))
+    cfg = replace(CFG, save_every_steps=save_every, log_every_steps=log_every)
+    with pytest.raises(DivergenceError, match=r"training diverged at step 3 .*nothing of this step was applied"):
+        train_tokenizer(tok, Poisoned(train_set, 3, "nan"), val_set, cfg, tmp_path, cuda)
+    saved = load_checkpoint(tmp_path / "checkpoints/last.pt")
+    assert saved["loop"]["global_step"] == 2
+    assert all(torch.equal(v.cpu(), saved["model"][k].cpu()) for k, v in tok.state_dict().items())

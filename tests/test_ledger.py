@@ -211,8 +211,15 @@ def test_forecasts_after_a_stop_before_calibration_say_so_and_other_data_goes_be
     _stop_before_calibration(monkeypatch, config)
     assert run_main(forecast.main, ["--config", str(config)]) == 0
     assert "finished but its bands were never calibrated" in caplog.text and "`kronos finetune` again" in caplog.text
+    from model import KronosPredictor
+
+    best = tmp_path / "out" / "tiny" / "basemodel" / "best_model"
+    caplog.clear()
+    assert KronosPredictor.from_pretrained(best).calibration is None
+    assert "holds no calibration" in caplog.text and "`kronos finetune`" in caplog.text
     assert run(config) == 0  # calibrates it
     caplog.clear()
+    assert KronosPredictor.from_pretrained(best).calibration and "holds no calibration" not in caplog.text
     out = tmp_path / "out" / "tiny"
     (out / "forecast" / ".forecast.csv.k1ll3d.tmp").write_text("half")
     assert run_main(forecast.main, ["--config", str(config)]) == 0

@@ -379,6 +379,7 @@ class NonFiniteGuard:
         self.amp, self.dist, self.data_extremes = amp, dist, data_extremes
         self.history: deque[StepStats] = deque(maxlen=window)
         self.keys = keys
+        self.pending: tuple[int, torch.Tensor, Any, bool] | None = None  # `check_later`'s step, not yet read
 
     def check(self, step: int, loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None,
               stop: bool = False) -> bool:
@@ -386,11 +387,41 @@ class NonFiniteGuard:
         rank's loss or gradient norm is non-finite. `stop`: this rank's stop request (`GracefulStop.requested`);
         returns whether any rank asked to stop (agreed in the same all-reduce)."""
         finite, stop_any = check_step(loss, grad_norm, self.dist, stop)
-        loss_f = float(loss)
-        norm_f = None if grad_norm is None else float(grad_norm)
+        self._verdict(step, finite, float(loss), None if grad_norm is None else float(grad_norm))
+        return stop_any
+
+    def check_later(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:
+        """`check` for one process without waiting for the device: reads the previous step's verdict (`settle`),
+        queues this step's flag, loss and norm for the host, and returns the flag as a float32 0-d tensor (1.0 =
+        non-finite) for a fused optimizer's `found_inf`, which then skips the step on the device (as GradScaler
+        does). The step's DivergenceError comes at the next `check_later` or `settle`: call `settle` before
+        anything is saved or logged."""
+        self.settle()
+        bad = _all_finite_flag([loss, grad_norm]).float()
+        norm = bad * 0 if grad_norm is None else grad_norm.detach().float()
+        host = torch.stack([bad, loss.detach().float(), norm]).to("cpu", non_blocking=True)  # (3,), pinned on CUDA
+        event = None
+        if bad.is_cuda:  # the copy is done when this event is: no wait for work queued after it
+            event = torch.cuda.Event()
+            event.record()
+        self.pending = (step, host, event, grad_norm is not None)
+        return bad
+
+    def settle(self) -> None:
+        """Read `check_later`'s pending verdict (raises DivergenceError for a non-finite step)."""
+        if self.pending is None:
+            return
+        step, host, event, has_norm = self.pending
+        self.pending = None
+        if event is not None:
+            event.synchronize()
+        bad, loss_f, norm_f = host.tolist()
+        self._verdict(step, not bad, loss_f, norm_f if has_norm else None)
+
+    def _verdict(self, step: int, finite: bool, loss_f: float, norm_f: float | None) -> None:
         if finite:
             self.history.append(StepStats(step, loss_f, norm_f))
-            return stop_any
+            return
         text = diagnose(self.history, self.amp, step, loss_f, norm_f, data_extremes=self.data_extremes, **self.keys)
         here_finite = math.isfinite(loss_f) and (norm_f is None or math.isfinite(norm_f))
         local = " on another rank" if here_finite else ""

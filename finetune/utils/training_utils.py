@@ -559,8 +559,13 @@ class Trainer:
             self.grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip)
         else:  # no clipping, but the guard still needs the norm
             self.grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
-        self.stop_agreed = self.guard.check(self.state.global_step + 1, self.step_loss, self.grad_norm,
-                                            stop=self.stopper.requested)
+        if self.device.type == "cuda" and self.dist.world_size == 1:  # no host sync: see check_later
+            self.optimizer.found_inf = self.guard.check_later(self.state.global_step + 1, self.step_loss,
+                                                              self.grad_norm)  # the fused AdamW skips a bad step
+            self.stop_agreed = self.stopper.requested
+        else:
+            self.stop_agreed = self.guard.check(self.state.global_step + 1, self.step_loss, self.grad_norm,
+                                                stop=self.stopper.requested)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -590,6 +595,7 @@ class Trainer:
 
     def log_window(self) -> None:
         """One metrics.jsonl "train" record: the window's mean losses over all ranks, throughput, loader wait."""
+        self.guard.settle()  # a non-finite step raises before it is logged or saved
         seconds = max(time.perf_counter() - self.window_start, 1e-9)
         totals = self.window.reduce(extra=[self.window_data_wait])
         record = totals.means()
@@ -677,6 +683,7 @@ class Trainer:
 
         `mid_epoch`: also store the epoch's running training loss (all ranks' sums) so a resumed epoch reports the
         same mean as an uninterrupted one."""
+        self.guard.settle()
         if mid_epoch:
             totals = self.epoch_sums.reduce()
             self.state.epoch_loss_sum, self.state.epoch_windows = totals.sums["loss"], totals.windows
