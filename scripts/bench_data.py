@@ -41,9 +41,6 @@ START_NS = int(np.datetime64("2020-01-01T00:00", "ns").astype(np.int64))  # firs
 QLIB_LOOKBACK, QLIB_PREDICT = 90, 10
 
 
-# ---------------------------------------------------------------------------------------------------- baselines
-
-
 class PandasIlocWindows:
     """The baseline of both pipelines: one pandas DataFrame per series (FEATURES + TIME_FEATURES columns), an `.iloc`
     slice and numpy normalisation by the lookback's statistics per sample."""
@@ -76,9 +73,6 @@ def rate(fn, seconds: float, per_call: int = 1) -> float:
         fn()
         n += 1
     return n * per_call / (time.perf_counter() - start)
-
-
-# ---------------------------------------------------------------------------------------------------- csv
 
 
 def csv_bench(args: argparse.Namespace) -> None:
@@ -176,9 +170,6 @@ def data_wait_share(loader, steps: int, device) -> tuple[float, float]:
     return waited / total, total / steps
 
 
-# ---------------------------------------------------------------------------------------------------- qlib
-
-
 def stacked_frame(symbols: int, days: int, seed: int = 0) -> pd.DataFrame:
     """Qlib-like D.features output: index (instrument, datetime), columns $open ... $vwap."""
     rng = np.random.default_rng(seed)
@@ -237,9 +228,6 @@ def qlib_bench(args: argparse.Namespace) -> None:
     base = rows[0][1]
     for name, value in rows:
         print(f"  {name:38s} {value:12,.0f}   {value / base:6.1f}x")
-
-
-# ---------------------------------------------------------------------------------------------------- store
 
 
 class PeakMemory:
