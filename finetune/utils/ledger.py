@@ -66,8 +66,6 @@ def stage_status(folder: str | Path) -> Status:
 
 
 @dataclass(frozen=True)
-
-
 class RunPlan:
     """What rank 0 decided to do with the stage folder (broadcast to every rank)."""
 
