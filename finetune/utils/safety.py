@@ -111,7 +111,7 @@ class RunLock:
         self.enabled = enabled
         self.key = key
         self._log = log or _log.warning
-        self._lock = filelock.FileLock(self.path)
+        self._lock = filelock.FileLock(self.path, on_acquired=self._write_holder)
         self._created_folder = False
         self.took_over: LockHolder | None = None  # the previous holder when a stale lock was taken over
 
@@ -131,6 +131,9 @@ class RunLock:
             self._lock.acquire(timeout=0)
         except filelock.Timeout:
             raise RunLockedError(self.folder, read_holder(self.path), self.key) from None
+        return self
+
+    def _write_holder(self, fd: int) -> None:
         previous = read_holder(self.path)
         if previous.pid is not None:
             # The kernel released the old holder's lock, so it is no longer running (or closed the file).
@@ -138,8 +141,8 @@ class RunLock:
             self._log(f"{self.path}: taking over the stale lock of {previous.describe()} (no longer running)")
         started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": started, "argv": " ".join(sys.argv)}
-        self.path.write_text(json.dumps(info) + "\n", encoding="utf-8")
-        return self
+        os.ftruncate(fd, 0)  # written through the lock's own descriptor, as soon as the lock is taken
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
 
     def release(self) -> None:
         """Remove the lock file and drop the lock (idempotent; safe to call when never acquired)."""
