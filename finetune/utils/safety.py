@@ -37,6 +37,7 @@ import torch
 
 from finetune.utils.checkpoint import DivergenceError
 from model.errors import EXIT_STOPPED, RefusedError, UserError
+from model.fileio import read_json_object
 
 FAULT_ENV = "KRONOS_FAULT_EXIT_AFTER_STEP"
 FAULT_RANK_ENV = "KRONOS_FAULT_RANK"
@@ -86,10 +87,8 @@ class RunLockedError(RefusedError, ValueError):
 def read_holder(path: str | Path) -> LockHolder:
     """Parse a lock file's JSON; an empty/garbled file gives a holder with pid None (still a valid description)."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8") or "{}")
-    except (OSError, ValueError):
-        data = {}
-    if not isinstance(data, dict):
+        data = read_json_object(path)
+    except (OSError, ValueError):  # DataError is a ValueError
         data = {}
     pid = data.get("pid")
     return LockHolder(pid=pid if isinstance(pid, int) else None, host=str(data.get("host", "")),
