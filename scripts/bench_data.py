@@ -76,9 +76,12 @@ def rate(fn, seconds: float, per_call: int = 1) -> float:
 
 
 def csv_bench(args: argparse.Namespace) -> None:
+    """The CSV store + WindowDataset against pandas .iloc per sample, and the data-wait share of a train step."""
     import torch
+    from torch.utils.data import DataLoader
 
     from finetune.synthetic import generate_ohlcv, write_csv_folder
+    from finetune.utils.windows import EpochSampler, make_loader
     from finetune_csv.config import DataConfig
     from finetune_csv.prepare import prepare_data
     from finetune_csv.splits import build_dataset
@@ -102,25 +105,19 @@ def csv_bench(args: argparse.Namespace) -> None:
             frames.append(f)
         baseline = PandasIlocWindows(frames, args.lookback, args.predict, cfg.clip)
         assert len(baseline) == len(ours), (len(baseline), len(ours))
-        time_loaders(args, ours, baseline, load_s, build_s)  # while the store is still mapped
 
+        def base_loader(seed: int) -> DataLoader:
+            return DataLoader(baseline, batch_size=args.batch, shuffle=True,
+                              generator=torch.Generator().manual_seed(seed))
 
-def time_loaders(args: argparse.Namespace, ours, baseline: PandasIlocWindows, load_s: float, build_s: float) -> None:
-    """Time both loaders and the data-wait share of a train step; print the table."""
-    import torch
-    from torch.utils.data import DataLoader
-
-    from finetune.utils.windows import EpochSampler, make_loader
-
-    def base_loader(seed: int) -> DataLoader:
-        return DataLoader(baseline, batch_size=args.batch, shuffle=True, generator=torch.Generator().manual_seed(seed))
-
-    sampler = EpochSampler(len(ours), shuffle=True, seed=0)
-    ours_sps = samples_per_second(make_loader(ours, sampler, args.batch, epoch=0, seed=0), args.batches)
-    base_sps = samples_per_second(base_loader(0), max(5, args.batches // 6))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    ours_wait, ours_step = data_wait_share(make_loader(ours, sampler, args.batch, epoch=1, seed=0), args.steps, device)
-    base_wait, base_step = data_wait_share(base_loader(1), args.steps, device)
+        # Timed while the store is still mapped.
+        sampler = EpochSampler(len(ours), shuffle=True, seed=0)
+        ours_sps = samples_per_second(make_loader(ours, sampler, args.batch, epoch=0, seed=0), args.batches)
+        base_sps = samples_per_second(base_loader(0), max(5, args.batches // 6))
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        ours_wait, ours_step = data_wait_share(make_loader(ours, sampler, args.batch, epoch=1, seed=0), args.steps,
+                                               device)
+        base_wait, base_step = data_wait_share(base_loader(1), args.steps, device)
     print(f"data: {args.series} series x {args.bars} bars (5min), {len(ours)} training windows of "
           f"{args.lookback}+{args.predict}; prepare the store (parse+check CSVs) {load_s:.2f} s, "
           f"split + dataset {build_s:.2f} s")
