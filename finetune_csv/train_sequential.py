@@ -24,22 +24,28 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
+import torch
 
 import finetune_csv.config as csv_config
+from finetune.evaluation.forecast_scores import crps_ensemble
 from finetune.utils.cli_args import add_config_args, add_run_flags, parse_config_args, run_overrides
 from finetune.utils.config_utils import STAGES
 from finetune.utils.distributed import DistInfo, barrier
 from finetune.utils.errors import setup_logging
 from finetune.utils.ledger import plan_stages, stage_resume, stage_status
-from finetune.utils.stages import make_crps_val_metric, run_stages
+from finetune.utils.stages import run_stages
 from finetune.utils.training_utils import TrainResult
-from finetune.utils.windows import HeldOutWindows, PanelSegments, held_out_windows
+from finetune.utils.validate import ValMetric
+from finetune.utils.windows import HeldOutWindows, PanelSegments, held_out_windows, sample_paths, spread_evenly
 from finetune_csv.config import CsvFinetuneConfig, best_dir
 from finetune_csv.prepare import PreparedData, data_summary_from_store, prepare_data
 from finetune_csv.sources import list_sources
 from finetune_csv.splits import build_dataset
+from model import KronosPredictor, KronosTokenizer
 from model.errors import ConfigError, DataError
+from model.features import CLOSE
 
 log = logging.getLogger("finetune_csv")
 
@@ -83,6 +89,44 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
     list_sources(cfg.data.path if frames is None else frames)  # a wrong data path, before any model loads
     results, data_info = run_stages(pipe, pipe.plan, stage_resume(pipe, pipe.plan), rebuild_changed=skip_existing)
     return results, pipe.plan, data_info
+
+
+def make_crps_val_metric(cfg: CsvFinetuneConfig, val_windows: HeldOutWindows, tokenizer: KronosTokenizer,
+                         max_windows: int = 64) -> ValMetric:  # 64: ranks epochs, cheap next to an epoch
+    """`training.select_by: crps`: `metric(model, stage)` over a fixed, evenly spread subsample of `max_windows`
+    validation windows, sampled with the (frozen) tokenizer the predictor trains with (`cfg`: data.lookback /
+    predict / clip, forecast sampling). For the predictor stage it returns {"score": mean CRPS of the close in
+    returns from the last context close, "crps", "mae" (of the sample median), "windows", "samples"}; for the
+    tokenizer stage (no forecast to score) None."""
+    if len(val_windows) == 0:
+        raise DataError("the validation split has no window to score: lower data.lookback / data.predict or raise "
+                        "data.val_ratio, or select checkpoints by loss (training.select_by: loss)")
+    windows = val_windows.subset(spread_evenly(len(val_windows), max_windows))
+    x_stamps, y_stamps = windows.stamps()  # (W, L, 5), (W, P, 5)
+    last = windows.context[:, -1, CLOSE]  # (W,)
+    obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, P)
+    f = cfg.forecast
+
+    def metric(model: torch.nn.Module, stage: object) -> dict | None:
+        if getattr(stage, "name", stage) != "predictor":
+            return None
+        module = getattr(model, "module", model)  # DDP-wrapped or not
+        device = next(module.parameters()).device
+        was_training = module.training
+        predictor = KronosPredictor.from_models(module, tokenizer, device=str(device), clip=cfg.data.clip,
+                                                max_context=cfg.data.lookback + cfg.data.predict)
+        try:  # interruptible=False: the loop stops after its own checkpoint, not in here
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, cfg.data.predict, f,
+                                     f.batch_size, interruptible=False)  # (W, S, P, 6), seeded with forecast.seed
+        finally:
+            module.train(was_training)
+        ens = np.moveaxis(paths[..., CLOSE] / last[:, None, None] - 1.0, 1, -1)  # (W, P, S)
+        crps = float(crps_ensemble(obs, ens).mean())
+        mae = float(np.abs(np.median(ens, axis=-1) - obs).mean())
+        return {"score": crps, "crps": crps, "mae": mae, "windows": len(windows), "samples": int(ens.shape[-1])}
+
+    return metric
 
 
 class CsvPipeline:

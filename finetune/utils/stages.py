@@ -21,15 +21,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 import model.predictor as forecaster
-from finetune.evaluation.forecast_scores import crps_ensemble
 from finetune.utils import adapters
-from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.config_utils import STAGES, config_to_dict
 from finetune.utils.distributed import DistInfo, distributed_context, seeded_init
 from finetune.utils.factory import build_predictor, build_tokenizer
@@ -37,14 +33,12 @@ from finetune.utils.ledger import NOT_IN_RUN, SKIP_EXISTING, stage_status
 from finetune.utils.safety import GracefulStop, raise_if_stop_requested
 from finetune.utils.training_utils import TrainResult, train_predictor, train_tokenizer
 from finetune.utils.validate import ValMetric
-from finetune.utils.windows import HeldOutWindows, sample_paths, spread_evenly
+from finetune.utils.windows import HeldOutWindows, sample_paths
 from model import KronosTokenizer
-from model.errors import DataError
 from model.features import CLOSE
-from model.hub import weights_fingerprint
+from model.hub import load_pretrained, weights_fingerprint
 
 log = logging.getLogger(__name__)
-DEFAULT_MAX_WINDOWS = 64  # windows scored per validation pass: enough to rank epochs, cheap next to an epoch
 
 
 class Pipeline(Protocol):
@@ -165,9 +159,8 @@ def calibrate(best: Path, windows: HeldOutWindows, sampling: Any, max_context: i
     if len(windows) == 0:
         log.warning("no calibration: the validation split has no %d-bar window (raise data.val_ratio)", max_context)
         return None
-    model, tokenizer, _ = forecaster.load_trained_pair(best)
-    predictor = forecaster.KronosPredictor(model, tokenizer, device=forecaster.default_device(),
-                                           max_context=max_context, clip=clip)
+    model, tokenizer, _ = forecaster.load_trained_pair(best)  # not from_pretrained: it warns "never calibrated"
+    predictor = forecaster.KronosPredictor.from_models(model, tokenizer, max_context=max_context, clip=clip)
     x_stamps, y_stamps = windows.stamps()
     predict = windows.actual.shape[1]
     paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, predict, sampling,
@@ -182,42 +175,3 @@ def calibrate(best: Path, windows: HeldOutWindows, sampling: Any, max_context: i
     log.info("calibration of the bands fitted on %d validation windows -> %s", len(windows),
              best / forecaster.PREDICTOR_INFO_NAME)
     return calibration
-
-
-def make_crps_val_metric(cfg: Any, val_windows: HeldOutWindows, tokenizer: KronosTokenizer,
-                         max_windows: int = DEFAULT_MAX_WINDOWS) -> ValMetric:
-    """`training.select_by: crps`: `metric(model, stage)` over a fixed, evenly spread subsample of `max_windows`
-    validation windows, sampled with the (frozen) tokenizer the predictor trains with (`cfg`: data.lookback /
-    predict / clip, forecast sampling). For the predictor stage it returns {"score": mean CRPS of the close in
-    returns from the last context close, "crps", "mae" (of the sample median), "windows", "samples"}; for the
-    tokenizer stage (no forecast to score) None."""
-    if len(val_windows) == 0:
-        raise DataError("the validation split has no window to score: lower data.lookback / data.predict or raise "
-                        "data.val_ratio, or select checkpoints by loss (training.select_by: loss)")
-    windows = val_windows.subset(spread_evenly(len(val_windows), max_windows))
-    x_stamps, y_stamps = windows.stamps()  # (W, L, 5), (W, P, 5)
-    last = windows.context[:, -1, CLOSE]  # (W,)
-    obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, P)
-    f = cfg.forecast
-
-    def metric(model: nn.Module, stage: Any) -> dict | None:
-        if getattr(stage, "name", stage) != "predictor":
-            return None
-        module = getattr(model, "module", model)  # DDP-wrapped or not
-        device = next(module.parameters()).device
-        was_training = module.training
-        predictor = forecaster.KronosPredictor(module, tokenizer, device=str(device),
-                                               max_context=cfg.data.lookback + cfg.data.predict, clip=cfg.data.clip)
-        devices = [device] if device.type == "cuda" else []
-        try:
-            with torch.random.fork_rng(devices=devices):  # the loop stops after its own checkpoint, not in here
-                paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, cfg.data.predict, f,
-                                     f.batch_size, interruptible=False)  # (W, S, P, 6), seeded with forecast.seed
-        finally:
-            module.train(was_training)
-        ens = np.moveaxis(paths[..., CLOSE] / last[:, None, None] - 1.0, 1, -1)  # (W, P, S)
-        crps = float(crps_ensemble(obs, ens).mean())
-        mae = float(np.abs(np.median(ens, axis=-1) - obs).mean())
-        return {"score": crps, "crps": crps, "mae": mae, "windows": len(windows), "samples": int(ens.shape[-1])}
-
-    return metric
