@@ -251,9 +251,7 @@ def load(yaml_path: str | os.PathLike | None = None, overrides: list[str] | tupl
     return cfg
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # checks (pure: settings only)
-
 
 def parse_range(value: Any, key: str, problems: Problems) -> tuple[pd.Timestamp, pd.Timestamp] | None:
     """(start, end) of a `[start, end]` setting with start <= end, or None after recording the problem."""
@@ -349,9 +347,7 @@ def _check_backtest(cfg: QlibConfig, p: Problems) -> None:
     p.check(0 < b.quantile <= 0.5, "backtest.quantile", f"must be in (0, 0.5], got {b.quantile}")
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # file checks shared by the entry points (they add to the same Problems as the settings checks)
-
 
 def check_model_folder(path: str | None, key: str, problems: Problems, *, hub_ok: bool) -> None:
     """Record a problem for `key` unless `path` is a model folder with config.json (or, with `hub_ok`, a bare

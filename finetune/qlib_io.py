@@ -30,9 +30,7 @@ from model.errors import DataError
 QLIB_FIELDS = ["$open", "$high", "$low", "$close", "$volume", "$vwap"]
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # checks that need the Qlib folder (before anything is loaded)
-
 
 def check_qlib_folder(cfg: QlibConfig, problems: Problems, need_benchmark: bool = True) -> None:
     """Record a problem, naming the setting, for a Qlib folder that lacks what the pipeline reads:
@@ -86,9 +84,7 @@ def check_ranges_in_calendar(cfg: QlibConfig, calendar: pd.DatetimeIndex, proble
                        f"calendar ({first}..{last}); move it inside the data")
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # pure conversions (unit-tested without Qlib)
-
 
 def load_range(calendar: pd.DatetimeIndex, begin: str, end: str, lookback: int, predict: int
                ) -> tuple[pd.Timestamp, pd.Timestamp]:
@@ -198,10 +194,6 @@ def frame_to_panel(frame: pd.DataFrame, amount_source: str, min_bars: int, calen
     panel = SeriesPanel(np.ascontiguousarray(features.astype(np.float32).T), wallclock_stamps(when), offsets,
                         np.asarray(names, dtype=str), when)
     return panel, report
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Qlib
 
 
 def init_qlib(cfg: QlibConfig) -> None:

@@ -293,11 +293,9 @@ def targets_main(args: argparse.Namespace, device: torch.device) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.safety:
-        safety_main(args)
-        return
+        return safety_main(args)
     if args.modes:
-        modes_main(args)
-        return
+        return modes_main(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.targets:
         return targets_main(args, device)

@@ -74,10 +74,6 @@ class Problems:
             raise ConfigError(self.items, self.title)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# loading
-
-
 def read_yaml(yaml_path: str | Path | None) -> dict[str, Any]:
     """The mapping in a YAML settings file ({} for None or an empty file); PathError / ConfigError otherwise."""
     if yaml_path is None:
@@ -431,10 +427,6 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# templates
-
-
 def _resolve_templates(cfg: Any, problems: Problems) -> None:
     """Replace `{name}` / `{a.b}` in string fields by the values of other fields (repeated until stable)."""
     for _ in range(10):  # chains like a -> b -> c resolve in a few passes; more means a cycle
@@ -485,10 +477,6 @@ def _lookup(root: Any, section: Any, name: str) -> tuple[bool, Any]:
             if not dataclasses.is_dataclass(obj):
                 return True, obj
     return False, None
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# export
 
 
 def config_to_dict(cfg: Any, strict: bool = False) -> Any:
@@ -608,7 +596,6 @@ class TrainingConfig:
     trainable: list[str] = field(default_factory=list)
     """freeze: parameter-name prefixes that train, e.g. [head, transformer.1, embedding]; the rest is frozen.
     [] = the heads and the last transformer block."""
-
 
 
 def validate_training_config(cfg: TrainingConfig, problems: Problems, prefix: str = "training") -> None:

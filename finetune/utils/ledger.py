@@ -66,8 +66,6 @@ def stage_status(folder: str | Path) -> Status:
 
 
 @dataclass(frozen=True)
-
-
 class RunPlan:
     """What rank 0 decided to do with the stage folder (broadcast to every rank)."""
 
@@ -402,9 +400,7 @@ def stage_resume(pipe: Any, plan: Mapping[str, str | None]) -> dict[str, str]:
     return resume
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # Records of file artifacts: `<file>.record.json` = {"sha256": of the file's bytes, "inputs": what made it}.
-
 
 def folder_sha256(folder: Path) -> str:
     """sha256 over the relative paths and bytes of every file under `folder` (a saved model, say)."""

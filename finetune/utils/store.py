@@ -187,9 +187,7 @@ class FeatureMajorWriter:
                 f.close()
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # The prepared store: one writer, one reader
-
 
 class StoreError(DataError):
     """A store that cannot be written, opened or trusted; the message names the file and what to do."""

@@ -95,7 +95,6 @@ class LoopState:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
-
 def should_save_checkpoint(step: int, every: int) -> bool:
     """Write last.pt after optimizer step `step` (mid-epoch)? Every `every` steps; 0 disables."""
     return every > 0 and step > 0 and step % every == 0
@@ -292,7 +291,6 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, scheduler: Any, saved: d
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
-
 
 
 log = logging.getLogger(__name__)
