@@ -27,12 +27,12 @@ from finetune.evaluation.forecast_scores import (
     interval_coverage,
     score_forecasts,
 )
+from finetune.evaluation.held_out import HeldOutWindows, held_out_windows, sample_paths
 from finetune.evaluation.statistics import bootstrap_ci
 from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.errors import setup_logging
 from finetune.utils.plots import Panel, plot_panels, stamp_text
 from finetune.utils.safety import LOCK_NAME, GracefulStop, read_holder, stage_status
-from finetune.utils.windows import HeldOutWindows, held_out_windows, sample_paths
 from finetune_csv.config import CsvFinetuneConfig, best_dir, load
 from finetune_csv.prepare import prepare_data
 from finetune_csv.train_sequential import CsvPipeline

@@ -27,14 +27,15 @@ from pathlib import Path
 import pandas as pd
 
 import finetune_csv.config as csv_config
+from finetune.evaluation.held_out import HeldOutWindows, held_out_windows
 from finetune.utils.cli_args import add_config_args, add_run_flags, parse_config_args, run_overrides
-from finetune.utils.config_utils import STAGES
 from finetune.utils.distributed import DistInfo, barrier
 from finetune.utils.errors import setup_logging
 from finetune.utils.safety import stage_status
+from finetune.utils.schema import STAGES
 from finetune.utils.stages import make_crps_val_metric, plan_stages, run_stages, stage_resume
 from finetune.utils.training_utils import TrainResult
-from finetune.utils.windows import HeldOutWindows, PanelSegments, held_out_windows
+from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir
 from finetune_csv.prepare import PreparedData, data_summary_from_store, prepare_data
 from finetune_csv.sources import list_sources

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from finetune.evaluation.statistics import bootstrap_ci
 from finetune.synthetic import generate_ohlcv, write_csv_folder
-from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import DistInfo
+from finetune.utils.schema import TrainingConfig
 from finetune.utils.training_utils import evaluate_predictor
 from finetune.utils.windows import WindowDataset
 from finetune_csv import train_sequential

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from finetune.synthetic import generate_mix
-from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import distributed_context, seed_everything
 from finetune.utils.errors import setup_logging
 from finetune.utils.metrics import git_commit
+from finetune.utils.schema import TrainingConfig
 from finetune.utils.training_utils import train_predictor, train_tokenizer
 from finetune.utils.windows import SeriesArrays, WindowDataset
 from model import Kronos, KronosTokenizer

@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 
 import model.predictor as predictor_module
+from finetune.evaluation.held_out import held_out_windows
 from finetune.utils.stages import calibrate
-from finetune.utils.windows import held_out_windows
 from finetune_csv import forecast
 from finetune_csv.config import load
 from finetune_csv.prepare import prepare_data

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from finetune.evaluation.forecast_scores import ScoreSettings, score_forecasts
+from finetune.evaluation.held_out import held_out_windows, sample_paths
 from finetune.utils.stages import make_crps_val_metric
-from finetune.utils.windows import held_out_windows, sample_paths
 from finetune_csv.config import CsvFinetuneConfig
 from model import KronosPredictor
 from model.features import CLOSE

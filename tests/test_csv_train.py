@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from finetune.synthetic import generate_ohlcv, write_csv_folder
-from finetune.utils.config_utils import STAGES
+from finetune.utils.schema import STAGES
 from finetune.utils.stages import plan_stages
 from finetune_csv import train_sequential
 from finetune_csv.config import load

@@ -28,8 +28,9 @@ from typing import Any, TypedDict
 import numpy as np
 import torch
 
-from finetune.utils.config_utils import Problems, TrainingConfig, config_to_dict, plain, stage_key
+from finetune.utils.config_utils import Problems, config_to_dict, plain
 from finetune.utils.errors import classify
+from finetune.utils.schema import TrainingConfig, stage_key
 from model.errors import EXIT_PATH, ConfigError, DataError, PathError, UserError
 from model.fileio import atomic_write
 

@@ -28,14 +28,15 @@ from torch.utils.data import Dataset
 
 import model.predictor as forecaster
 from finetune.evaluation.forecast_scores import crps_ensemble
+from finetune.evaluation.held_out import HeldOutWindows, sample_paths, spread_evenly
 from finetune.utils import adapters
 from finetune.utils.checkpoint import load_pretrained
-from finetune.utils.config_utils import STAGES, config_to_dict
+from finetune.utils.config_utils import config_to_dict
 from finetune.utils.distributed import DistInfo, distributed_context, seeded_init
 from finetune.utils.factory import build_predictor, build_tokenizer
 from finetune.utils.safety import GracefulStop, raise_if_stop_requested, stage_status
+from finetune.utils.schema import STAGES
 from finetune.utils.training_utils import TrainResult, ValMetric, train_predictor, train_tokenizer
-from finetune.utils.windows import HeldOutWindows, sample_paths, spread_evenly
 from model import KronosTokenizer
 from model.errors import DataError
 from model.features import CLOSE

@@ -61,7 +61,7 @@ from finetune.utils.checkpoint import (
     rng_state,
     set_rng_state,
 )
-from finetune.utils.config_utils import Problems, TrainingConfig, config_to_dict, plain, validate_training_config
+from finetune.utils.config_utils import Problems, config_to_dict, plain
 from finetune.utils.distributed import (
     DistInfo,
     all_gather_object,
@@ -86,6 +86,7 @@ from finetune.utils.safety import (
     plan_run,
     remove_outputs,
 )
+from finetune.utils.schema import TrainingConfig, validate_training_config
 from finetune.utils.windows import EpochSampler, batches_per_epoch, make_loader, seed_worker
 from model.errors import DataError
 from model.hub import weights_fingerprint
