@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import torch
 
 from finetune.evaluation.forecast_scores import (
     ScoreSettings,
@@ -34,8 +33,8 @@ from finetune.utils.errors import setup_logging
 from finetune.utils.plots import Panel, plot_panels, stamp_text
 from finetune.utils.safety import LOCK_NAME, GracefulStop, read_holder, stage_status
 from finetune_csv.config import CsvFinetuneConfig, best_dir, load
+from finetune_csv.pipeline import CsvPipeline
 from finetune_csv.prepare import prepare_data
-from finetune_csv.train_sequential import CsvPipeline
 from model import Kronos, KronosPredictor, KronosTokenizer
 from model.calendar import TradingCalendar
 from model.errors import ConfigError, DataError, PathError
@@ -97,8 +96,8 @@ def make_predictor(predictor_src, tokenizer_src, cfg: CsvFinetuneConfig) -> Kron
     tokenizer = tokenizer_src if isinstance(tokenizer_src, KronosTokenizer) else \
         KronosTokenizer.from_pretrained(tokenizer_src)
     model = predictor_src if isinstance(predictor_src, Kronos) else Kronos.from_pretrained(predictor_src)
-    return KronosPredictor(model, tokenizer, device="cuda:0" if torch.cuda.is_available() else "cpu",
-                           max_context=cfg.data.lookback + cfg.data.predict, clip=cfg.data.clip, use_cache=True)
+    return KronosPredictor.from_pretrained(model, tokenizer=tokenizer, max_context=cfg.data.lookback + cfg.data.predict,
+                                           clip=cfg.data.clip)
 
 
 def warn_if_unfinished(stage_dir: Path) -> None:

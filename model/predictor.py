@@ -337,18 +337,20 @@ class KronosPredictor:
 
     # ----------------------------------------------------------- loading
     @classmethod
-    def from_pretrained(cls, folder_or_id: str | os.PathLike, *, tokenizer: str | os.PathLike | KronosTokenizer |
-                        None = None, device: str | None = None, max_context: int | None = None,
+    def from_pretrained(cls, folder_or_id: str | os.PathLike | Kronos, *,
+                        tokenizer: str | os.PathLike | KronosTokenizer | None = None, device: str | None = None, max_context: int | None = None,
                         lookback: int | None = None, clip: float | None = None, use_cache: bool = True,
                         **hub_kwargs: Any) -> KronosPredictor:
         """Load a predictor folder (e.g. a finetuned run's best_model/) or Hub id with `load_trained_pair`, and its
         window and calibration; max_context, lookback and clip default to kronos_predictor.json's (else 512,
-        max_context, 5). For the published pair pass e.g. tokenizer="NeoQuasar/Kronos-Tokenizer-base"."""
+        max_context, 5). For the published pair pass e.g. tokenizer="NeoQuasar/Kronos-Tokenizer-base". A Kronos in
+        memory (the model being trained) takes a loaded `tokenizer` and the window passed here (no folder to read)."""
         allowed = {"cache_dir", "revision", "token", "local_files_only", "force_download"}
         unknown = sorted(set(hub_kwargs) - allowed)
         if unknown:
             raise TypeError(f"unexpected arguments {unknown}; Hub options are {sorted(allowed)}")
-        model, tokenizer, info = load_trained_pair(folder_or_id, tokenizer, **hub_kwargs)
+        model, tokenizer, info = (folder_or_id, tokenizer, {}) if isinstance(folder_or_id, Kronos) else \
+            load_trained_pair(folder_or_id, tokenizer, **hub_kwargs)
         return cls(model, tokenizer, device=device,
                    max_context=max_context if max_context is not None else info.get("max_context",
                                                                                     DEFAULT_MAX_CONTEXT),

@@ -21,14 +21,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 import model.predictor as forecaster
-from finetune.evaluation.forecast_scores import crps_ensemble
-from finetune.evaluation.held_out import HeldOutWindows, sample_paths, spread_evenly
 from finetune.utils import adapters
 from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.config_utils import config_to_dict
@@ -38,13 +34,10 @@ from finetune.utils.safety import GracefulStop, raise_if_stop_requested, stage_s
 from finetune.utils.schema import STAGES
 from finetune.utils.training_utils import TrainResult, ValMetric, train_predictor, train_tokenizer
 from model import KronosTokenizer
-from model.errors import DataError
-from model.features import CLOSE
 from model.hub import weights_fingerprint
 
 log = logging.getLogger(__name__)
 NOT_IN_RUN = "not this run's stage"
-DEFAULT_MAX_WINDOWS = 64  # windows scored per validation pass: enough to rank epochs, cheap next to an epoch
 
 
 class Pipeline(Protocol):
@@ -63,7 +56,7 @@ class Pipeline(Protocol):
 
     def val_metric(self, select_by: str, tokenizer: nn.Module) -> ValMetric | None: ...  # None for 'loss'
 
-    def calibration_windows(self) -> HeldOutWindows | None: ...  # validation windows of the bands; None: none
+    def calibrate(self, best: Path) -> dict | None: ...  # fit the bands of the predictor in best; None: none
 
 
 def plan_stages(pipe: Pipeline, stages: Sequence[str], skip: Mapping[str, str], skip_existing: bool
@@ -181,76 +174,4 @@ def calibrate_if_due(pipe: Pipeline, trained: bool) -> dict | None:
     best = folder / "best_model"
     if stage_status(folder) != "finished" or not (trained or "calibration" not in forecaster.read_predictor_info(best)):
         return None
-    windows = pipe.calibration_windows()
-    if windows is None:
-        return None
-    raise_if_stop_requested("before calibrating the predictor's bands")
-    d = pipe.cfg.data
-    return calibrate(best, windows, pipe.cfg.forecast, d.lookback + d.predict, d.clip)
-
-
-def calibrate(best: Path, windows: HeldOutWindows, sampling: Any, max_context: int, clip: float) -> dict | None:
-    """Fit the conformal calibration of the bands of the predictor in `best` (loaded with the tokenizer it was
-    trained with) on held-out VALIDATION `windows` and store it in its kronos_predictor.json: the test windows stay
-    untouched, so the coverage a forecast reports after calibration is out of sample. `sampling`: temperature,
-    top_k, top_p, sample_count, seed, batch_size. Returns the calibration (None when there is no window or no
-    positive price to calibrate in)."""
-    if len(windows) == 0:
-        log.warning("no calibration: the validation split has no %d-bar window (raise data.val_ratio)", max_context)
-        return None
-    model, tokenizer, _ = forecaster.load_trained_pair(best)
-    predictor = forecaster.KronosPredictor(model, tokenizer, device=forecaster.default_device(),
-                                           max_context=max_context, clip=clip)
-    x_stamps, y_stamps = windows.stamps()
-    predict = windows.actual.shape[1]
-    paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, predict, sampling,
-                         sampling.batch_size)  # (W, S, P, 6) raw samples
-    try:
-        calibration = forecaster.fit_calibration(paths[..., CLOSE], windows.actual[..., CLOSE],
-                                                 windows.context[:, -1, CLOSE])
-    except ValueError as exc:  # e.g. a price <= 0: no log returns to calibrate in
-        log.warning("no calibration of the bands: %s", exc)
-        return None
-    forecaster.write_calibration(best, calibration)
-    log.info("calibration of the bands fitted on %d validation windows -> %s", len(windows),
-             best / forecaster.PREDICTOR_INFO_NAME)
-    return calibration
-
-
-def make_crps_val_metric(cfg: Any, val_windows: HeldOutWindows, tokenizer: KronosTokenizer,
-                         max_windows: int = DEFAULT_MAX_WINDOWS) -> ValMetric:
-    """`training.select_by: crps`: `metric(model, stage)` over a fixed, evenly spread subsample of `max_windows`
-    validation windows, sampled with the (frozen) tokenizer the predictor trains with (`cfg`: data.lookback /
-    predict / clip, forecast sampling). For the predictor stage it returns {"score": mean CRPS of the close in
-    returns from the last context close, "crps", "mae" (of the sample median), "windows", "samples"}; for the
-    tokenizer stage (no forecast to score) None."""
-    if len(val_windows) == 0:
-        raise DataError("the validation split has no window to score: lower data.lookback / data.predict or raise "
-                        "data.val_ratio, or select checkpoints by loss (training.select_by: loss)")
-    windows = val_windows.subset(spread_evenly(len(val_windows), max_windows))
-    x_stamps, y_stamps = windows.stamps()  # (W, L, 5), (W, P, 5)
-    last = windows.context[:, -1, CLOSE]  # (W,)
-    obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, P)
-    f = cfg.forecast
-
-    def metric(model: nn.Module, stage: Any) -> dict | None:
-        if getattr(stage, "name", stage) != "predictor":
-            return None
-        module = getattr(model, "module", model)  # DDP-wrapped or not
-        device = next(module.parameters()).device
-        was_training = module.training
-        predictor = forecaster.KronosPredictor(module, tokenizer, device=str(device),
-                                               max_context=cfg.data.lookback + cfg.data.predict, clip=cfg.data.clip)
-        devices = [device] if device.type == "cuda" else []
-        try:
-            with torch.random.fork_rng(devices=devices):  # the loop stops after its own checkpoint, not in here
-                paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, cfg.data.predict, f,
-                                     f.batch_size, interruptible=False)  # (W, S, P, 6), seeded with forecast.seed
-        finally:
-            module.train(was_training)
-        ens = np.moveaxis(paths[..., CLOSE] / last[:, None, None] - 1.0, 1, -1)  # (W, P, S)
-        crps = float(crps_ensemble(obs, ens).mean())
-        mae = float(np.abs(np.median(ens, axis=-1) - obs).mean())
-        return {"score": crps, "crps": crps, "mae": mae, "windows": len(windows), "samples": int(ens.shape[-1])}
-
-    return metric
+    return pipe.calibrate(best)
