@@ -338,8 +338,9 @@ class KronosPredictor:
     # ----------------------------------------------------------- loading
     @classmethod
     def from_pretrained(cls, folder_or_id: str | os.PathLike | Kronos, *,
-                        tokenizer: str | os.PathLike | KronosTokenizer | None = None, device: str | None = None, max_context: int | None = None,
-                        lookback: int | None = None, clip: float | None = None, use_cache: bool = True,
+                        tokenizer: str | os.PathLike | KronosTokenizer | None = None, device: str | None = None,
+                        max_context: int | None = None, lookback: int | None = None, clip: float | None = None,
+                        use_cache: bool = True,
                         **hub_kwargs: Any) -> KronosPredictor:
         """Load a predictor folder (e.g. a finetuned run's best_model/) or Hub id with `load_trained_pair`, and its
         window and calibration; max_context, lookback and clip default to kronos_predictor.json's (else 512,

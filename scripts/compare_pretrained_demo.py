@@ -41,6 +41,7 @@ from finetune_csv.prepare import prepare_data
 from finetune_csv.splits import build_dataset
 from model import Kronos, KronosTokenizer
 from model.errors import DataError
+from model.predictor import load_trained_pair
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 20  # windows per bootstrap block: 20 windows x stride 4 = 80 rows, one window length
@@ -115,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = runs["finetuned"]["config"]
     test_set = build_dataset(prepare_data(cfg.data, cfg.store_dir).splits["test"], cfg.data)  # the run's store
     tokenizer = KronosTokenizer.from_pretrained(tok_src)
-    models = {"zero_shot": pre_pred, "finetuned": Kronos.from_pretrained(runs["finetuned"]["predictor_dir"]),
-              "scratch": Kronos.from_pretrained(runs["scratch"]["predictor_dir"])}
+    # load_trained_pair refuses a run whose recorded tokenizer fingerprint differs from the shared tokenizer's
+    models = {"zero_shot": pre_pred, **{name: load_trained_pair(runs[name]["predictor_dir"], tokenizer)[0]
+                                        for name in ("finetuned", "scratch")}}
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     losses, result = {}, {"test_windows": len(test_set), "block": BLOCK, "bootstrap": N_BOOT, "models": {}}
     for name, model in models.items():
