@@ -21,7 +21,8 @@ from finetune.utils.cli_args import add_run_flags, parse_config_args, run_overri
 from finetune.utils.config_utils import get_dotted
 from finetune.utils.distributed import DistInfo, require_torchrun
 from finetune.utils.errors import setup_logging
-from finetune.utils.stages import plan_stages, run_stages
+from finetune.utils.ledger import plan_stages
+from finetune.utils.stages import run_stages
 
 TOKENIZER_KEY = "paths.finetuned_tokenizer_path"
 

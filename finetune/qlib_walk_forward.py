@@ -40,9 +40,12 @@ from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.cli_args import parse_config_args
 from finetune.utils.config_utils import Problems, config_to_dict, dump_config
 from finetune.utils.errors import require_extra, setup_logging
+from finetune.utils.ledger import check_record, folder_sha256, write_record
 from finetune.utils.plots import pyplot, save_figure
 from model import Kronos, KronosTokenizer
 from model.errors import ConfigError, UserError
+from model.fileio import atomic_write
+from model.hub import weights_fingerprint
 from model.predictor import load_trained_pair
 
 log = logging.getLogger("finetune.qlib")
@@ -126,11 +129,21 @@ def train_period(c: QlibConfig, folder: Path, nproc: int) -> None:
 
 
 def period_signals(c: QlibConfig, folder: Path, zero: tuple, device: str) -> pd.DataFrame:
-    """Signals of the period's test days, columns <signal>/<candidate>; cached in signals.csv while newer than
-    the finetuned predictor."""
-    cache, model_dir = folder / "signals.csv", Path(c.paths.finetuned_predictor_path)
-    if cache.is_file() and cache.stat().st_mtime > model_dir.stat().st_mtime:
+    """Signals of the period's test days, columns <signal>/<candidate>; kept in signals.csv (written atomically)
+    while the ledger finds it current: its bytes as recorded, made from these models and settings."""
+    cache = folder / "signals.csv"
+    inputs = {"predictor": folder_sha256(Path(c.paths.finetuned_predictor_path)),
+              "zero_shot": [weights_fingerprint(m) for m in zero], "config": dump_config(c)}
+    if check_record(cache, inputs) == "reuse":
         return pd.read_csv(cache, parse_dates=["datetime"]).set_index(["datetime", "instrument"])
+    table = forecast_signals(c, zero, device)
+    atomic_write(cache, lambda p: table.reset_index().to_csv(p, index=False))
+    write_record(cache, inputs)
+    return table
+
+
+def forecast_signals(c: QlibConfig, zero: tuple, device: str) -> pd.DataFrame:
+    """Both candidates' signals over the period's test days, columns <signal>/<candidate>."""
     d = c.data
     predictor, tokenizer, _ = load_trained_pair(c.paths.finetuned_predictor_path, c.paths.finetuned_tokenizer_path)
     tuned = (tokenizer, predictor)
@@ -141,7 +154,6 @@ def period_signals(c: QlibConfig, folder: Path, zero: tuple, device: str) -> pd.
                           load_split(split_path(d.dataset_path, "test")), calendar_ns, first)
     table = pd.concat(frames, axis=1)
     table.columns = [f"{s}/{cand}" for cand, s in table.columns]
-    table.reset_index().to_csv(cache, index=False)
     return table
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import socket
 import sys
@@ -27,14 +28,17 @@ from finetune.evaluation.forecast_scores import (
     score_forecasts,
 )
 from finetune.evaluation.held_out import HeldOutWindows, held_out_windows, sample_paths
-from finetune.evaluation.statistics import bootstrap_ci
+from finetune.evaluation.statistics import session_test
+from finetune.utils.checkpoint import prepare_folder
 from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.errors import setup_logging
+from finetune.utils.ledger import other_data_key, stage_status
 from finetune.utils.plots import Panel, plot_panels, stamp_text
-from finetune.utils.safety import LOCK_NAME, GracefulStop, read_holder, stage_status
+from finetune.utils.safety import LOCK_NAME, GracefulStop, read_holder
 from finetune_csv.config import CsvFinetuneConfig, best_dir, load
 from finetune_csv.pipeline import CsvPipeline
 from finetune_csv.prepare import prepare_data
+from finetune_csv.sources import list_sources, source_fingerprint
 from model import Kronos, KronosPredictor, KronosTokenizer
 from model.calendar import TradingCalendar
 from model.errors import ConfigError, DataError, PathError
@@ -146,10 +150,25 @@ def finetuned_predictor(cfg: CsvFinetuneConfig) -> tuple[KronosPredictor, dict |
                            f"{predictor_dir / PREDICTOR_INFO_NAME} covers {horizons} horizons; set data.predict "
                            f"<= {horizons}, or --set forecast.calibrate=false for the raw bands"],
                           "Invalid forecast configuration")
-    if cfg.forecast.calibrate and calibration is None:
+    if cfg.forecast.calibrate and calibration is None and stage_status(cfg.predictor_dir) == "finished":
+        log.warning("the predictor in %s finished but its bands were never calibrated (the run stopped before "
+                    "calibrating): these bands are the raw samples'; run `kronos finetune` again with this config to "
+                    "calibrate it", predictor_dir)
+    elif cfg.forecast.calibrate and calibration is None:
         log.info("no calibration stored in %s: the bands are the raw samples' (train with forecast.calibrate: true "
                  "to fit one)", predictor_dir / PREDICTOR_INFO_NAME)
     return make_predictor(model, tokenizer, cfg), calibration
+
+
+def run_folders(cfg: CsvFinetuneConfig, out_dir: Path | None, name: str) -> tuple[Path, Path]:
+    """(data store, output folder) of a forecast: the run's (`out_dir` or <base_dir>/<name>) on the data the run was
+    trained on; on other data (the ledger compares the files' sha256) folders keyed by that data beside them."""
+    out_dir = Path(out_dir) if out_dir is not None else cfg.base_dir / name
+    files = list_sources(cfg.data.path)
+    key = other_data_key(cfg.predictor_dir, [source_fingerprint(f) for f in files])
+    if key is None:
+        return cfg.store_dir, out_dir
+    return cfg.store_dir.with_name(f"{cfg.store_dir.name}_data_{key}"), out_dir / f"data_{key}"
 
 
 def finish_paths(paths: np.ndarray, calibration: dict | None, last: np.ndarray, repair: bool) -> np.ndarray:
@@ -208,19 +227,33 @@ def _window_crps(paths: np.ndarray, windows: HeldOutWindows) -> tuple[np.ndarray
 
 def paired_difference(candidate: np.ndarray, zero_shot: np.ndarray, windows: HeldOutWindows,
                       settings: ScoreSettings) -> dict:
-    """Candidate (finetuned, ensemble) - zero-shot CRPS and MAE per window (same windows), each with a bootstrap CI
-    over blocks of window dates (windows of all series on one date move together); < 0 = candidate better.
-    `candidate`, `zero_shot`: sample paths (W, S, P, 6)."""
+    """Candidate (finetuned, ensemble) - zero-shot CRPS and MAE per window (same windows), each with the HAC-t interval
+    of `session_test` (windows of all series on one date or trading session are one observation; too few
+    independent blocks: no interval); < 0 = candidate better. `candidate`, `zero_shot`: sample paths (W, S, P, 6)."""
     crps_f, mae_f = _window_crps(candidate, windows)
     crps_z, mae_z = _window_crps(zero_shot, windows)
     out = {"crps": crps_f.mean() - crps_z.mean(), "mae": mae_f.mean() - mae_z.mean(),
            "windows_finetuned_better_crps": float((crps_f < crps_z).mean())}
-    if settings.n_boot > 0:
-        n, dates = len(windows), windows.dates()
-        boot = lambda d: bootstrap_ci(lambda i: d[i].mean(), n, settings.n_boot, settings.block, settings.seed,
-                                      settings.level, dates, settings.min_block)
-        out["bootstrap"] = {"crps": boot(crps_f - crps_z), "mae": boot(mae_f - mae_z)}
+    test = lambda d, what: session_test(d, pd.to_datetime(windows.dates()), settings.min_block - 1, what=what)
+    out["test"] = {"crps": test(crps_f - crps_z, "CRPS - zero-shot"), "mae": test(mae_f - mae_z, "MAE - zero-shot")}
     return out
+
+
+def ranking(metrics: dict) -> str:
+    """The verdict line: every scored forecaster ranked by mean CRPS, the best named with its interval against the
+    runner-up it was compared with (the finetuned model against each baseline and zero-shot)."""
+    ft = metrics["finetuned"]
+    crps = {k: (metrics.get(k) or {}).get("model", ft.get(k, {})).get("overall", {}).get("crps") for k in
+            ("finetuned", "zero_shot", "ensemble", "persistence", "empirical", "seasonal_naive")}
+    order = sorted((k for k in crps if crps[k] is not None), key=crps.get)
+    tests = {frozenset(("finetuned", k)): t for k, t in (ft.get("versus") or {}).items()}
+    tests |= {frozenset((k, "zero_shot")): metrics[f"{k}_vs_zero_shot"]["test"]["crps"]
+              for k in ("finetuned", "ensemble") if metrics.get(f"{k}_vs_zero_shot")}
+    best = order[0]  # its interval: against the next in the ranking that it was compared with (signs as printed)
+    rival = next((o for o in order[1:] if frozenset((best, o)) in tests), None)
+    name = lambda k: k.replace("_", "-")  # noqa: E731
+    vs = f"; against {name(rival)}: {tests[frozenset((best, rival))]['reason']}" if rival else ""
+    return f"best by CRPS: {name(best)} (" + " < ".join(f"{name(k)} {crps[k]:.5f}" for k in order) + ")" + vs
 
 
 def forecast_table(names: list[str], stamps: list[pd.DatetimeIndex], paths: np.ndarray,
@@ -248,7 +281,9 @@ def format_report(metrics: dict) -> str:
     the calibration's coverage and the share of invalid sampled candles."""
     s = metrics["finetuned"]["setup"]
     lines = [f"held-out forecast: {s['windows']} windows (every non-overlapping test window) x {s['horizon']} "
-             f"candles, {s['series']} series, {s['samples']} samples; close, returns vs the last context close",
+             f"candles, {s['series']} series ({', '.join(metrics['series'])}), {s['samples']} samples; close, returns "
+             "vs the last context close" + (f"; no test window: {', '.join(metrics['series_without_test_windows'])}"
+                                            if metrics.get("series_without_test_windows") else ""),
              f"{'':15}{'MAE':>9}{'MASE':>7}{'CRPS':>9}{'WQL':>7}{'cov50':>7}{'cov80':>7}{'dir':>7}"]
     num = lambda v, fmt: format(v, fmt) if v is not None else "-".rjust(int(fmt.split(".")[0]))
     rows = [(name.replace("_", "-"), metrics[name]["model"]) for name in ("finetuned", "zero_shot", "ensemble")
@@ -265,21 +300,25 @@ def format_report(metrics: dict) -> str:
                      f"{num(o.get('direction_accuracy'), '7.3f')}")
     d = metrics["finetuned"]["direction"]
     lines.append(f"dir = sign of the {d['horizon']}-bar move; coin 0.500, majority class {d['majority_class']:.3f}")
-    ci = lambda c: f"{c['estimate']:+.5f} [{c['low']:+.5f}, {c['high']:+.5f}]"
-    boot = metrics["finetuned"].get("bootstrap") or {}
-    for name in ("persistence", "empirical"):
-        if f"crps_minus_{name}" in boot:
-            c = boot[f"crps_minus_{name}"]
-            lines.append(f"CRPS finetuned - {name + ':':13}{ci(c)} (95% CI, blocks of {c['block']} {c['unit']})")
+    for name, test in (metrics["finetuned"].get("versus") or {}).items():
+        lines.append(f"finetuned vs {name}: {test['reason']}")
     for name in ("finetuned", "ensemble"):
         diff = metrics.get(f"{name}_vs_zero_shot")
-        if diff and diff.get("bootstrap"):
-            lines.append(f"CRPS {name} - zero-shot: {ci(diff['bootstrap']['crps'])} (95% CI; < 0 = better than "
-                         f"zero-shot on average; better on {diff['windows_finetuned_better_crps']:.0%} of windows)")
+        if diff:
+            lines.append(f"{name} vs zero-shot: {diff['test']['crps']['reason']} (< 0 = better; better on "
+                         f"{diff['windows_finetuned_better_crps']:.0%} of windows)")
+    lines.append(ranking(metrics))
     cal = metrics.get("calibration")
     if cal:
-        lines.append(f"calibrated bands (fitted on validation windows): coverage 50% {cal['cov50_raw']:.2f} -> "
-                     f"{cal['cov50_calibrated']:.2f}, 80% {cal['cov80_raw']:.2f} -> {cal['cov80_calibrated']:.2f}")
+        lines.append(f"calibrated bands (fitted on {cal['fitted_on_windows']} validation windows), held-out coverage "
+                     f"raw -> calibrated: 50% {cal['cov50_raw']:.2f} -> {cal['cov50_calibrated']:.2f}, 80% "
+                     f"{cal['cov80_raw']:.2f} -> {cal['cov80_calibrated']:.2f} (nominal 0.50 / 0.80, sampling error "
+                     f"+-{cal['sampling_error_50']:.2f} / +-{cal['sampling_error_80']:.2f})")
+        off = [f"{p}% ({cal[f'cov{p}_calibrated']:.2f})" for p in (50, 80)
+               if abs(cal[f"cov{p}_calibrated"] - p / 100) > cal[f"sampling_error_{p}"]]
+        if off:
+            lines.append(f"calibrated coverage off nominal by more than sampling error at {', '.join(off)}: the "
+                         "stored calibration does not fit this data; refit it, or set forecast.calibrate: false")
     v = metrics["candle_violations"]
     lines.append(f"invalid sampled candles: {v['any']:.1%} (high below the body {v['high_below_body']:.1%}, low above "
                  f"it {v['low_above_body']:.1%}); " + ("repaired (forecast.repair_candles: true)"
@@ -308,7 +347,7 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
     last = windows.context[:, -1, CLOSE]  # (W,)
     score = lambda paths: score_forecasts(paths[..., CLOSE], windows.actual[..., CLOSE], last,
                                           windows.context[..., CLOSE], np.asarray(windows.names), settings,
-                                          history, windows.dates())
+                                          history, pd.to_datetime(windows.dates()).to_numpy())
     raw = sample(finetuned)  # (W, S, P, 6)
     paths = finish_paths(raw, calibration, last, f.repair_candles)
     metrics = {"windows": len(windows), "horizon": horizon, "series": sorted(set(windows.names)),
@@ -324,6 +363,8 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
         metrics["calibration"] = {"cov50_raw": cover(raw, 0.5), "cov80_raw": cover(raw, 0.8),
                                   "cov50_calibrated": cover(paths, 0.5), "cov80_calibrated": cover(paths, 0.8),
                                   "method": calibration.get("method"), "fitted_on_windows": calibration.get("windows")}
+        n = len(np.unique(pd.to_datetime(windows.dates()).normalize()))  # sessions: windows in one move together
+        metrics["calibration"] |= {f"sampling_error_{p}": 2 * math.sqrt(p / 100 * (1 - p / 100) / n) for p in (50, 80)}
     if zero_shot is not None:
         zs_paths = finish_paths(sample(zero_shot), None, last, f.repair_candles)
         ens_paths = ensemble_paths(paths, zs_paths, f.ensemble_weight)
@@ -345,28 +386,31 @@ def _panels(names: list[str], past_ts, past_close, future_ts, paths, actual=None
 
 def write_outputs(cfg: CsvFinetuneConfig, out_dir: Path, table: pd.DataFrame, png: str, names: list[str], past_ts,
                   context: np.ndarray, future_ts, paths: np.ndarray, actual: np.ndarray | None = None) -> None:
-    """forecast.csv and the plot `png` of the last min(lookback, 3 x predict) context bars (W, L, 6) and the paths."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """forecast.csv and the plot `png` of the last min(lookback, 3 x predict) context bars (W, L, 6) and the paths;
+    what a killed write left there (.*.tmp) is removed first."""
+    prepare_folder(out_dir, log=log.warning)
     atomic_write(out_dir / "forecast.csv", lambda p: table.to_csv(p, index=False))
     tail = min(cfg.data.lookback, 3 * cfg.data.predict)
     plot_panels(_panels(names, [ts[-tail:] for ts in past_ts], context[:, -tail:, CLOSE], future_ts, paths, actual),
                 out_dir / png)
 
 
-def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> dict:
-    """Score every held-out test window (and the zero-shot model); write metrics.json, forecast.csv and the plot."""
+def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: tuple[Path, Path] | None = None) -> dict:
+    """Score every held-out test window (and the zero-shot model); write metrics.json, forecast.csv and the plot
+    (`folders`: `run_folders`' answer, when the caller asked already)."""
     if cfg.data.test_ratio <= 0:
         raise ConfigError(["data.test_ratio: is 0, so there is no held-out test split to forecast; set it > 0 (and "
                            "retrain, since the ratios move the split boundaries)"], "Invalid forecast configuration")
     finetuned, calibration = finetuned_predictor(cfg)
-    data = prepare_data(cfg.data, cfg.store_dir)  # the store training made (re-prepared if the files changed)
+    store_dir, out_dir = folders or run_folders(cfg, out_dir, "forecast")
+    data = prepare_data(cfg.data, store_dir)  # the store training made (re-prepared if the files changed)
     windows = held_out_windows(data.splits["test"], cfg.data.lookback, cfg.data.predict,
                                cfg.forecast.window_stride, cfg.forecast.max_windows,
                                history=cfg.forecast.empirical_window + 1)  # + 1: n returns need n + 1 closes
     metrics, paths = evaluate_held_out(cfg, finetuned, windows, zero_shot_predictor(cfg), _season(cfg, data.panel),
                                        calibration)
+    metrics["series_without_test_windows"] = sorted(set(data.panel.names) - set(windows.names))
 
-    out_dir = Path(out_dir) if out_dir is not None else cfg.base_dir / "forecast"
     write_outputs(cfg, out_dir, forecast_table(windows.names, windows.y_timestamps, paths, windows.actual),
                   "forecast_vs_actual.png", windows.names, windows.x_timestamps, windows.context,
                   windows.y_timestamps, paths, windows.actual)
@@ -374,10 +418,12 @@ def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> dict:
     return metrics
 
 
-def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> pd.DataFrame:
+def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: tuple[Path, Path] | None = None
+               ) -> pd.DataFrame:
     """Forecast the `data.predict` candles after each series' last row; write forecast.csv and forecast.png."""
     finetuned, calibration = finetuned_predictor(cfg)
-    panel = prepare_data(cfg.data, cfg.store_dir, with_splits=False).panel  # whole series, no split needed
+    store_dir, out_dir = folders or run_folders(cfg, out_dir, "future")
+    panel = prepare_data(cfg.data, store_dir, with_splits=False).panel  # whole series, no split needed
     lookback, predict = cfg.data.lookback, cfg.data.predict
     short = [name for name, n in zip(panel.names, panel.lengths().tolist()) if n < lookback]
     if short:
@@ -402,7 +448,7 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None) -> pd.DataFr
              " (kept; forecast.repair_candles: true repairs them)")
     paths = finish_paths(paths, calibration, context[:, -1, CLOSE], cfg.forecast.repair_candles)
     table = forecast_table(names, future_ts, paths).drop(columns="window")
-    write_outputs(cfg, Path(out_dir) if out_dir is not None else cfg.base_dir / "future", table, "forecast.png",
+    write_outputs(cfg, out_dir, table, "forecast.png",
                   names, past_ts, context, future_ts, paths)
     return table
 
@@ -415,17 +461,18 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     cfg = load(args.config, args.set)
     with GracefulStop():  # SIGTERM while sampling: exit 75 before the next batch, nothing half-written
+        folders = run_folders(cfg, None, "future" if args.future else "forecast")
         if args.future:
-            table = run_future(cfg)
+            table = run_future(cfg, folders=folders)
         else:
-            metrics = run_forecast(cfg)
+            metrics = run_forecast(cfg, folders=folders)
     if args.future:
         print(f"future forecast: {table['series'].nunique()} series x {cfg.data.predict} candles, from "
               f"{table['timestamps'].min()} to {table['timestamps'].max()}")
-        print(f"written: {cfg.base_dir / 'future'}/{{forecast.csv, forecast.png}}")
+        print(f"written: {folders[1]}/{{forecast.csv, forecast.png}}")
         return 0
     print(format_report(metrics))
-    print(f"written: {cfg.base_dir / 'forecast'}/{{metrics.json, forecast.csv, forecast_vs_actual.png}}")
+    print(f"written: {folders[1]}/{{metrics.json, forecast.csv, forecast_vs_actual.png}}")
     return 0
 
 

@@ -20,9 +20,10 @@ import model.predictor as forecaster
 from finetune.evaluation.forecast_scores import crps_ensemble
 from finetune.evaluation.held_out import HeldOutWindows, held_out_windows, sample_paths, spread_evenly
 from finetune.utils.distributed import DistInfo, barrier
-from finetune.utils.safety import raise_if_stop_requested, stage_status
+from finetune.utils.ledger import stage_status
+from finetune.utils.safety import raise_if_stop_requested
 from finetune.utils.schema import STAGES
-from finetune.utils.training_utils import ValMetric
+from finetune.utils.validate import ValMetric
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir
 from finetune_csv.prepare import PreparedData, data_summary_from_store, prepare_data

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import tempfile
 import time
 import warnings as warnings_module
 from collections.abc import Callable, Mapping, Sequence
@@ -28,38 +29,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+import finetune.utils.store as store
+import finetune_csv.sources as csv_sources
+import finetune_csv.timestamps as stamps
 from finetune.utils.config_utils import Problems
 from finetune.utils.plots import stamp_text
-from finetune.utils.store import (
-    MANIFEST,
-    SeriesPanel,
-    StoreError,
-    StoreWriter,
-    open_store,
-    read_manifest,
-    verify_store,
-)
 from finetune.utils.windows import PanelSegments, wallclock_stamps
 from finetune_csv.config import DataConfig, check_data_settings
-from finetune_csv.sources import (
-    FLOAT32_MAX,
-    Frame,
-    SourceProblems,
-    SourceReader,
-    Sources,
-    file_series,
-    list_sources,
-    source_fingerprint,
-)
 from finetune_csv.splits import split_data
-from finetune_csv.timestamps import (
-    CandleDataError,
-    MixedFrequencyWarning,
-    check_frequencies,
-    check_tz_consistency,
-    infer_frequency,
-    listed,
-)
 from model.features import FEATURES, candle_faults, fill_amount
 from model.fileio import atomic_dir, write_json
 
@@ -113,9 +90,9 @@ class StoreInfo:
     reused: bool  # True when an existing store matched (no parsing was done).
     reason: str  # Why it was reused or (re-)prepared, for the log.
 
-    def open(self) -> SeriesPanel:
+    def open(self) -> store.SeriesPanel:
         """The store as a SeriesPanel of read-only memory maps."""
-        return open_store(self.path)
+        return store.open_store(self.path)
 
 
 @dataclass(frozen=True)
@@ -124,7 +101,7 @@ class PreparedData:
 
     store: StoreInfo  # The store folder, its manifest and whether it was reused (and why).
     # All series, features float32 (6, N) and stamps int64 (N, 5) as read-only np.memmap (shared page cache).
-    panel: SeriesPanel
+    panel: store.SeriesPanel
     splits: dict[str, PanelSegments]  # train / val (/ test): per-series column ranges of `panel`.
     # How the splits were cut: {"mode": by_date | per_series, "train_end", "val_end" (by_date)}.
     split: dict[str, Any] = field(default_factory=dict)
@@ -191,7 +168,7 @@ def data_summary_from_store(data: PreparedData, cfg: DataConfig) -> dict:
 # Reuse or prepare the store (ensure_store, check_store, prepare_store)
 
 
-def check_store(store_dir: str | Path, sources: Sequence[Path | Frame], settings: StoreSettings,
+def check_store(store_dir: str | Path, sources: Sequence[Path | csv_sources.Frame], settings: StoreSettings,
                 verify: bool = True) -> tuple[bool, str, dict | None]:
     """(reusable, reason, refreshed manifest or None): whether the store at `store_dir` was prepared from `sources`
     with `settings` and is intact. With `verify` (the main process) every source's content is hashed (a CSV edited
@@ -201,21 +178,21 @@ def check_store(store_dir: str | Path, sources: Sequence[Path | Frame], settings
     if not Path(store_dir).exists():
         return False, "first run: no store yet", None
     try:
-        manifest = read_manifest(store_dir)
-    except StoreError as e:
+        manifest = store.read_manifest(store_dir)
+    except store.StoreError as e:
         return False, str(e), None
     old, new = manifest["settings"], settings.as_dict()
     for key in new:
         if old.get(key) != new[key]:
             return False, f"setting data.{key} changed from {old.get(key)!r} to {new[key]!r}", None
     recorded = {s["path"]: s for s in manifest["sources"]}
-    current = {source_fingerprint(f, with_hash=False)["path"]: f for f in sources}
+    current = {csv_sources.source_fingerprint(f, with_hash=False)["path"]: f for f in sources}
     added, removed = sorted(set(current) - set(recorded)), sorted(set(recorded) - set(current))
     if added or removed:
         return False, f"input files changed (added {added}, removed {removed})", None
     touched = 0
     for path, source in current.items():
-        was, now = recorded[path], source_fingerprint(source, with_hash=verify)
+        was, now = recorded[path], csv_sources.source_fingerprint(source, with_hash=verify)
         if now["bytes"] != was["bytes"]:
             return False, f"{path} changed ({was['bytes']} -> {now['bytes']} bytes)", None
         if verify and now["sha256"] != was["sha256"]:
@@ -227,15 +204,15 @@ def check_store(store_dir: str | Path, sources: Sequence[Path | Frame], settings
             touched += 1
     if verify:
         try:
-            verify_store(store_dir, manifest)
-            open_store(store_dir)  # shapes and offsets agree with the manifest
-        except StoreError as e:
+            store.verify_store(store_dir, manifest)
+            store.open_store(store_dir)  # shapes and offsets agree with the manifest
+        except store.StoreError as e:
             return False, str(e), None
     reason = "inputs and settings unchanged" + (f" ({touched} file(s) touched, content identical)" if touched else "")
     return True, reason, (manifest if touched else None)
 
 
-def ensure_store(sources: Sources, store_dir: str | Path,
+def ensure_store(sources: csv_sources.Sources, store_dir: str | Path,
                  settings: StoreSettings | None = None, *, dist: Any = None,
                  barrier: Callable[[], None] | None = None, block_rows: int = 1 << 20) -> StoreInfo:
     """Reuse the store at `store_dir` if it matches the inputs and settings, else (re-)prepare it; log why.
@@ -252,23 +229,23 @@ def ensure_store(sources: Sources, store_dir: str | Path,
     store_dir = Path(store_dir)
     if not is_main:
         wait()
-        files = list_sources(sources)
+        files = csv_sources.list_sources(sources)
         ok, reason, _ = check_store(store_dir, files, settings, verify=False)
         if not ok:
-            raise StoreError(f"the main process did not leave a matching data store in {store_dir} ({reason}); "
-                             "see its error")
-        return StoreInfo(store_dir, read_manifest(store_dir), reused=True, reason="prepared by the main process")
+            raise store.StoreError(f"the main process did not leave a matching data store in {store_dir} ({reason}); "
+                                   "see its error")
+        return StoreInfo(store_dir, store.read_manifest(store_dir), reused=True, reason="prepared by the main process")
     error: Exception | None = None
     info: StoreInfo | None = None
     try:
         settings.validate()
-        files = list_sources(sources)
+        files = csv_sources.list_sources(sources)
         ok, reason, refreshed = check_store(store_dir, files, settings)
         if ok:
             if refreshed is not None:
-                write_json(store_dir / MANIFEST, refreshed)
+                write_json(store_dir / store.MANIFEST, refreshed)
             log.info("data store %s: reusing it (%s)", store_dir, reason)
-            info = StoreInfo(store_dir, refreshed or read_manifest(store_dir), reused=True, reason=reason)
+            info = StoreInfo(store_dir, refreshed or store.read_manifest(store_dir), reused=True, reason=reason)
         else:
             # A first run is no news (info); a store that exists but cannot be reused is (warning, with why).
             log.log(logging.WARNING if store_dir.exists() else logging.INFO, "data store %s: preparing it (%s)",
@@ -283,62 +260,70 @@ def ensure_store(sources: Sources, store_dir: str | Path,
     return info
 
 
-def prepare_store(sources: Sources, out_dir: str | Path,
+def prepare_store(sources: csv_sources.Sources, out_dir: str | Path,
                   settings: StoreSettings | None = None, *, block_rows: int = 1 << 20) -> StoreInfo:
     """Parse, check and clean every input file into a store at `out_dir`, replacing an older store there (a
     non-empty folder that is not a store is refused). `block_rows`: rows parsed at a time (~100 bytes a row)."""
     settings = settings or StoreSettings()
     settings.validate()
-    files = list_sources(sources)
+    files = csv_sources.list_sources(sources)
     out_dir = Path(out_dir)
     _refuse_foreign_folder(out_dir)
     t0 = time.perf_counter()
-    fingerprints = [source_fingerprint(f) for f in files]  # before reading: a later edit is then noticed
     # Built beside out_dir and swapped in whole; processes that still map an older store's files keep reading
-    # them (unlinked files live until unmapped).
-    with atomic_dir(out_dir) as tmp:
+    # them (unlinked files live until unmapped). Each file is parsed from a snapshot of the bytes it was hashed
+    # from: the store never records the sha256 of other content than it holds.
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_dir(out_dir) as tmp, tempfile.TemporaryDirectory(prefix=".sources-", dir=out_dir.parent) as snap:
+        snaps = [(f, csv_sources.source_fingerprint(f)) if isinstance(f, csv_sources.Frame) else
+                 store.snapshot_file(f, Path(snap, str(i))) for i, f in enumerate(files)]
+        fingerprints = [fp for _, fp in snaps]
         tmp.rmdir()  # the StoreWriter makes its folder itself
-        manifest = _build(files, StoreWriter(tmp, len(FEATURES)), settings, block_rows,
-                          {"settings": settings.as_dict(), "sources": fingerprints,
-                           "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        manifest = _build([(copy, f) for (copy, _), f in zip(snaps, files)], store.StoreWriter(tmp, len(FEATURES)),
+                          settings, block_rows, {"settings": settings.as_dict(), "sources": fingerprints,
+                                                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         log.info("data store %s: %d series, %d rows prepared in %.1f s", out_dir, manifest["n_series"],
                  manifest["n_rows"], time.perf_counter() - t0)
         _refuse_foreign_folder(out_dir)  # still a store (or nothing) now that it is replaced
     return StoreInfo(out_dir, manifest, reused=False, reason="prepared")
 
 
-def _build(sources: list[Path | Frame], writer: StoreWriter, settings: StoreSettings, block_rows: int,
-           extra: dict[str, Any]) -> dict:
-    """Read, check and clean every source into `writer` (one series at a time); the manifest it writes.
-    Every problem of every source is collected first; then one StoreError lists them and nothing is kept."""
+def _build(sources: list[tuple[Path | csv_sources.Frame, Path | csv_sources.Frame]], writer: store.StoreWriter,
+           settings: StoreSettings, block_rows: int, extra: dict[str, Any]) -> dict:
+    """Read, check and clean every source (its snapshot, its user-facing path) into `writer` (one series at a time);
+    the manifest it writes. Every problem of every source is collected first; then one StoreError lists them and
+    nothing is kept. Messages name the user's file, not its snapshot."""
     problems: list[str] = []
     warnings: list[str] = []
     series: list[dict] = []
     aware: dict[str, bool] = {}  # source name -> stamps carry a UTC offset
     freqs: dict[str, pd.Timedelta] = {}  # series name -> inferred bar length
     try:
-        for source in sources:
+        for source, original in sources:
+            named = lambda texts, a=str(source), b=str(original): [t.replace(a, b) for t in texts]  # noqa: E731
             try:
-                reader = SourceReader(source, settings.as_dict()["columns"], settings.symbol_column,
-                                      settings.timestamp_format, block_rows, timezone=settings.timezone)
-                for name, ts, values, lines in file_series(reader, writer.path, block_rows):
+                reader = csv_sources.SourceReader(source, settings.as_dict()["columns"], settings.symbol_column,
+                                                  settings.timestamp_format, block_rows, timezone=settings.timezone)
+                reader.label = reader.label.replace(str(source), str(original))
+                for name, ts, values, lines in csv_sources.file_series(reader, writer.path, block_rows):
                     where = reader.label if name == reader.name else f"{reader.label} (series {name})"
                     bad, notes = candle_problems(values, lines, reader.columns, where, reader.unit, settings)
-                    problems.extend(bad)
+                    problems.extend(named(bad))
                     try:
                         ts, values, cleaning = clean_series(ts, values, lines, reader.present, settings.nan_policy,
                                                             where, reader.unit)
-                    except SourceProblems as e:
-                        problems.extend(e.problems)
+                    except csv_sources.SourceProblems as e:
+                        problems.extend(named(e.problems))
                         continue
+                    notes, cleaning = named(notes), named(cleaning)
                     for note in notes + cleaning:
                         log.warning(note)
                     warnings.extend(notes + cleaning)
                     if reader.tz_aware is not None:
                         aware[reader.name] = reader.tz_aware
                     if len(ts) >= 2:
-                        freqs[name] = infer_frequency(ts.view("datetime64[ns]"), source=where)
-                    if (np.abs(values) > FLOAT32_MAX).any():  # a derived amount (volume * price) can overflow
+                        freqs[name] = stamps.infer_frequency(ts.view("datetime64[ns]"), source=where)
+                    if (np.abs(values) > csv_sources.FLOAT32_MAX).any():  # a derived amount can overflow
                         problems.append(f"{where}: the derived amount (volume * mean price) exceeds float32's range "
                                         "(+-3.4e38); rescale the volume or price columns, or give an amount column")
                     if problems:
@@ -347,16 +332,16 @@ def _build(sources: list[Path | Frame], writer: StoreWriter, settings: StoreSett
                     series.append({"name": name, "source": reader.label, "rows": len(ts),
                                    "start": str(pd.Timestamp(ts[0])) if len(ts) else None,
                                    "end": str(pd.Timestamp(ts[-1])) if len(ts) else None})
-            except SourceProblems as e:
-                problems.extend(e.problems)
+            except csv_sources.SourceProblems as e:
+                problems.extend(named(e.problems))
         problems.extend(_cross_file_checks(aware, freqs, settings, warnings))
         if problems:
             shown = problems[:_MAX_PROBLEMS_SHOWN]
             more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
-            raise StoreError(f"the input data has problems ({len(problems)}):\n"
-                             + "\n".join(f"  - {p}" for p in shown) + more)
+            raise store.StoreError(f"the input data has problems ({len(problems)}):\n"
+                                   + "\n".join(f"  - {p}" for p in shown) + more)
         if not sum(s["rows"] for s in series):
-            raise StoreError("no rows left after cleaning (data.nan_policy: drop removed every row)")
+            raise store.StoreError("no rows left after cleaning (data.nan_policy: drop removed every row)")
         return writer.finish(list(FEATURES), series=series, warnings=warnings, **extra)
     finally:
         writer.close()
@@ -368,26 +353,27 @@ def _cross_file_checks(aware: dict[str, bool], freqs: dict[str, pd.Timedelta], s
     warnings to `warnings_out`."""
     problems = []
     try:
-        check_tz_consistency(aware)
-    except CandleDataError as e:
+        stamps.check_tz_consistency(aware)
+    except stamps.CandleDataError as e:
         problems.append(str(e))
     with warnings_module.catch_warnings(record=True) as caught:
-        warnings_module.simplefilter("always", MixedFrequencyWarning)
+        warnings_module.simplefilter("always", stamps.MixedFrequencyWarning)
         try:
-            check_frequencies(freqs, settings.frequency)
-        except CandleDataError as e:
+            stamps.check_frequencies(freqs, settings.frequency)
+        except stamps.CandleDataError as e:
             problems.append(str(e))
     for w in caught:
-        if issubclass(w.category, MixedFrequencyWarning):
+        if issubclass(w.category, stamps.MixedFrequencyWarning):
             log.warning("%s", w.message)
             warnings_out.append(str(w.message))
     return problems
 
 
 def _refuse_foreign_folder(out_dir: Path) -> None:
-    if out_dir.exists() and not (out_dir / MANIFEST).exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise StoreError(f"{out_dir} exists and is not a prepared data store; it is left untouched. Choose another "
-                         "store folder (data.store_dir) or remove it")
+    if out_dir.exists() and not (out_dir / store.MANIFEST).exists() and (
+            not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise store.StoreError(f"{out_dir} exists and is not a prepared data store; it is left untouched. Choose "
+                               "another store folder (data.store_dir) or remove it")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -401,7 +387,7 @@ def candle_problems(values: np.ndarray, lines: np.ndarray, columns: Mapping[str,
     data.bad_candles: warn; a volume column zero throughout is an error unless data.allow_zero_volume."""
     problems, notes = [], []
     for f, bad, rule in candle_faults(values):
-        column, at = f"column '{columns[f]}' (data.columns.{f})", f"{unit} {listed(lines[bad])}"
+        column, at = f"column '{columns[f]}' (data.columns.{f})", f"{unit} {stamps.listed(lines[bad])}"
         if rule.startswith("<= 0"):
             problems.append(f"{where}: {column} has {int(bad.sum())} price(s) <= 0 at {at}; prices must be positive "
                             "(fix or remove these rows)")
@@ -431,21 +417,22 @@ def clean_series(ts: np.ndarray, values: np.ndarray, lines: np.ndarray, present:
     same = np.flatnonzero(np.diff(ts) == 0)
     if same.size:
         first = ts[same[0]]
-        raise SourceProblems([(f"{where}: {same.size} duplicate timestamp(s), first {pd.Timestamp(first)} at {unit} "
-                               f"{listed(lines[ts == first])}; remove the duplicates (or set data.symbol_column "
-                               "if the file holds several series)")])
+        raise csv_sources.SourceProblems([(
+            f"{where}: {same.size} duplicate timestamp(s), first {pd.Timestamp(first)} at {unit} "
+            f"{stamps.listed(lines[ts == first])}; remove the duplicates (or set data.symbol_column "
+            "if the file holds several series)")])
     cols = [i for i, p in enumerate(present) if p]
     nan = np.isnan(values[:, cols])  # (n, n_present)
     if nan.any():
         if nan_policy == "error":
-            details = [f"column {FEATURES[c]} at {unit} {listed(lines[nan[:, j]])}"
+            details = [f"column {FEATURES[c]} at {unit} {stamps.listed(lines[nan[:, j]])}"
                        for j, c in enumerate(cols) if nan[:, j].any()]
-            raise SourceProblems([f"{where}: missing values in " + "; ".join(details) +
+            raise csv_sources.SourceProblems([f"{where}: missing values in " + "; ".join(details) +
                                   " (data.nan_policy: error; set it to ffill or drop to repair them)"])
         if nan_policy == "ffill":
             if nan[0].any():
                 which = ", ".join(FEATURES[c] for j, c in enumerate(cols) if nan[0, j])
-                raise SourceProblems([(f"{where}: missing value(s) in the first row ({which}) cannot be "
+                raise csv_sources.SourceProblems([(f"{where}: missing value(s) in the first row ({which}) cannot be "
                                        "forward-filled (data.nan_policy: ffill); fix or drop that row")])
             notes.append(f"{where}: forward-filling {int(nan.sum())} missing value(s) (data.nan_policy: ffill)")
             values = values.copy()

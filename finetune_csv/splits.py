@@ -169,6 +169,11 @@ def split_data(panel: SeriesPanel, cfg: DataConfig) -> tuple[dict[str, PanelSegm
             f"a series needs at least {min_rows_needed(cfg) + cfg.predict} rows); move the boundaries "
             "(data.train_end, data.val_end or the ratios), add data, lower data.lookback / data.predict, or set "
             "data.split: per_series")
+    for name, seg in splits.items():  # a series left out of one split is named, never dropped silently
+        none = ~((seg.stop - seg.start >= window) & (seg.stop > seg.first_target))  # (S,)
+        if none.any():
+            log.warning("data.split: by_date: %s %s no %s window (boundaries %s / %s)", ", ".join(np.asarray(
+                panel.names)[none]), "has" if none.sum() == 1 else "have", name, how["train_end"], how["val_end"])
     return splits, how
 
 

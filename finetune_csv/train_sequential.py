@@ -27,8 +27,9 @@ import pandas as pd
 import finetune_csv.config as csv_config
 from finetune.utils.cli_args import add_config_args, add_run_flags, parse_config_args, run_overrides
 from finetune.utils.errors import setup_logging
+from finetune.utils.ledger import plan_stages, stage_resume
 from finetune.utils.schema import STAGES
-from finetune.utils.stages import plan_stages, run_stages, stage_resume
+from finetune.utils.stages import run_stages
 from finetune.utils.training_utils import TrainResult
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig
@@ -75,7 +76,7 @@ def run_finetune(cfg: CsvFinetuneConfig, *, skip_tokenizer: bool = False, skip_p
         skip["predictor"] = "--skip-basemodel"
     pipe.plan = plan_stages(pipe, STAGES, skip, skip_existing)
     list_sources(cfg.data.path if frames is None else frames)  # a wrong data path, before any model loads
-    results, data_info = run_stages(pipe, pipe.plan, stage_resume(pipe, pipe.plan))
+    results, data_info = run_stages(pipe, pipe.plan, stage_resume(pipe, pipe.plan), rebuild_changed=skip_existing)
     return results, pipe.plan, data_info
 
 

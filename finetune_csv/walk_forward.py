@@ -17,7 +17,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -29,10 +28,11 @@ import pandas as pd
 import finetune_csv.config as csv_config
 from finetune.evaluation.forecast_scores import ScoreSettings, empirical_samples, persistence_samples, window_scores
 from finetune.evaluation.held_out import held_out_windows, sample_paths
-from finetune.evaluation.statistics import paired_test
+from finetune.evaluation.statistics import session_test
 from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.config_utils import config_to_dict
 from finetune.utils.errors import setup_logging
+from finetune.utils.ledger import reuse_fold
 from finetune.utils.plots import pyplot, save_figure, stamp_text
 from finetune.utils.safety import GracefulStop, RunLock
 from finetune.utils.windows import PanelSegments
@@ -40,8 +40,8 @@ from finetune_csv.config import CsvFinetuneConfig, best_dir
 from finetune_csv.forecast import CLOSE, ensemble_paths, make_predictor
 from finetune_csv.prepare import prepare_data
 from finetune_csv.train_sequential import run_finetune
-from model.errors import ConfigError, DataError, RefusedError
-from model.fileio import atomic_write, read_json_object, write_json
+from model.errors import ConfigError, DataError
+from model.fileio import atomic_write, write_json
 from model.predictor import apply_calibration, load_trained_pair, read_predictor_info
 
 log = logging.getLogger("finetune_csv.walk_forward")
@@ -82,8 +82,9 @@ def make_folds(panel, lookback: int, predict: int, folds: int, test_bars: int, p
         end = t0 - purge  # (S,) one past the last validation target: `purge` of the series' own bars before t0
         v0 = end - np.maximum(predict, np.round(end * val_ratio).astype(np.int64))  # first validation target
         stop = v0 - purge  # one past the last training target
-        # A series without a training window before the block or a test window in it sits this fold out.
-        on = (stop >= lookback + predict) & (t0 >= lookback) & (t1 - t0 >= predict) & (c1 > test_bars)
+        # A series with a training window before the block trains; without a test window in it, it is not scored.
+        trains = (stop >= lookback + predict) & (c1 > test_bars)  # (S,)
+        on = trains & (t0 >= lookback) & (t1 - t0 >= predict)
         if not on.any():
             raise DataError(f"fold {k} of walk_forward.folds={folds} blocks of walk_forward.test_bars={test_bars} "
                             f"(+ embargo {embargo}, purge {purge}) leaves no series with a training window of "
@@ -91,16 +92,20 @@ def make_folds(panel, lookback: int, predict: int, folds: int, test_bars: int, p
                             f"test window (the longest series has {int(lengths.max())} rows); lower "
                             "walk_forward.folds / test_bars / data.lookback")
         if not on.all():
-            log.info("fold %d: %s sit it out (no training window before %s or no test window in it)", k,
-                     ", ".join(panel.names[s] for s in np.flatnonzero(~on)[:10]), stamp_text(int(calendar[c0])))
+            log.info("fold %d: %s not scored (no training window before %s or no test window in it; trained on: "
+                     "%s)", k, ", ".join(panel.names[s] for s in np.flatnonzero(~on)),
+                     stamp_text(int(calendar[c0])), ", ".join(panel.names[s] for s in np.flatnonzero(trains & ~on))
+                     or "none of them")
         scored |= on
-        cut = first + np.where(on, np.stack([stop, v0 - lookback, v0, end, t0 - lookback, t0, t1]), 0)  # (7, S)
+        cut = first + np.concatenate([np.where(trains, np.stack([stop, v0 - lookback, v0, end]), 0),
+                                      np.where(on, np.stack([t0 - lookback, t0, t1]), 0)])  # (7, S)
         out.append(Fold(k, PanelSegments(panel, first, first, cut[0]), PanelSegments(panel, *cut[1:4]),
                         PanelSegments(panel, *cut[4:])))
     if not scored.all():  # the blocks follow the latest series: a verdict on fewer series than the user gave
-        log.warning("walk-forward: %s are in no fold (the test blocks are the last %d x %d bars of the calendar, "
-                    "after their data ends): the verdict covers %d of %d series; cut every series to a common end "
-                    "date to compare them all", ", ".join(panel.names[s] for s in np.flatnonzero(~scored)[:10]),
+        log.warning("walk-forward: %s are scored in no fold, only trained on (the test blocks are the last %d x %d "
+                    "bars of the calendar, after their data ends): the verdict covers %d of %d series; cut every "
+                    "series to a common end date to compare them all",
+                    ", ".join(panel.names[s] for s in np.flatnonzero(~scored)[:10]),
                     folds, test_bars, int(scored.sum()), len(scored))
     return out
 
@@ -148,7 +153,8 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) 
 
 def paired_from_windows(frame: pd.DataFrame) -> dict:
     """paired.finetuned_vs_zero_shot from windows.csv rows (the verdict's windows): {"crps": ..., "mae": ...}, each
-    `paired_test` on the finetuned - zero_shot differences (windows are non-overlapping: no known lag) with each
+    `session_test` (intraday windows: one date per trading session) on the finetuned - zero_shot differences
+    (windows are non-overlapping: no known lag) with each
     fold's own mean and interval and the share of folds finetuning won."""
     keys = ["fold", "series", "window_start"]
     wide = frame[frame.candidate == "finetuned"].merge(frame[frame.candidate == "zero_shot"], on=keys,
@@ -156,13 +162,26 @@ def paired_from_windows(frame: pd.DataFrame) -> dict:
     out = {}
     for s in ("crps", "mae"):
         wide["d"] = wide[f"{s}_f"] - wide[f"{s}_z"]
-        test = paired_test(wide["d"], wide["window_start"], what=f"finetuned - zero_shot {s.upper()}")
-        test["per_fold"] = [{"fold": int(k), **{x: paired_test(g["d"], g["window_start"])[x] for x in
+        test = session_test(wide["d"], wide["window_start"], what=f"finetuned - zero_shot {s.upper()}")
+        test["per_fold"] = [{"fold": int(k), **{x: session_test(g["d"], g["window_start"])[x] for x in
                                                 ("mean", "ci_low", "ci_high", "windows")}}
                             for k, g in wide.groupby("fold")]
         test["share_folds_won"] = float(np.mean([r["mean"] < 0 for r in test["per_fold"]]))
         out[s] = test
     return out
+
+
+def best_candidate(frame: pd.DataFrame) -> dict:
+    """Every candidate ranked by mean CRPS over the windows all of them scored; the best with the `session_test`
+    interval of its CRPS minus the runner-up's (< 0 = the best is ahead)."""
+    wide = frame.pivot_table(index=["fold", "series", "window_start"], columns="candidate", values="crps").dropna()
+    ranking = wide.mean().sort_values()
+    best, rival = ranking.index[0], ranking.index[1]
+    test = session_test(wide[best] - wide[rival], wide.index.get_level_values("window_start"),
+                        what=f"CRPS {best} - {rival}")
+    return {"candidate": best, "ranking": {k: float(v) for k, v in ranking.items()}, "runner_up": rival,
+            "test": test, "line": f"best by CRPS: {best} (" + " < ".join(f"{k} {v:.5f}" for k, v in ranking.items())
+            + f"); against {rival}: {test['reason']}"}
 
 
 def _fingerprint(cfg: CsvFinetuneConfig, fold: Fold, manifest: dict) -> str:
@@ -202,21 +221,11 @@ def run_walk_forward(cfg: CsvFinetuneConfig, overwrite: bool = False, report_onl
         started, trained, rows, meta = time.monotonic(), 0, [], []
         for fold in folds:
             folder = out / f"fold_{fold.index}"
-            fp, done = _fingerprint(cfg, fold, data.store.manifest), folder / "fold.json"
-            info = read_json_object(done) if done.is_file() else None
-            finished = info is not None and info["fingerprint"] == fp
-            if report_only and not finished:
-                raise RefusedError(f"--report-only: {folder} holds no fold finished with these settings and data; "
-                                   "run without --report-only (with --overwrite to redo folds of other settings)")
-            if info is not None and not finished and not overwrite:
-                raise RefusedError(f"{folder} holds a finished fold made with other settings or data; pass "
-                                   "--overwrite to redo every fold, or choose another paths.base_dir")
-            if finished and (report_only or not overwrite):
-                log.info("fold %d of 0..%d: finished before (%s), skipped", fold.index, len(folds) - 1, done)
+            fp = _fingerprint(cfg, fold, data.store.manifest)
+            info = reuse_fold(folder, fp, report_only, overwrite)  # the ledger: current, or refused, or None
+            if info is not None:
+                log.info("fold %d of 0..%d: finished before (%s), skipped", fold.index, len(folds) - 1, folder)
             else:
-                if overwrite and folder.exists():
-                    log.warning("--overwrite: replacing %s", folder)
-                    shutil.rmtree(folder)
                 info = _run_fold(cfg, fold, folder, fp)
                 trained += 1
                 left = (time.monotonic() - started) / trained * (len(folds) - 1 - fold.index)
@@ -237,7 +246,9 @@ def _run_fold(cfg: CsvFinetuneConfig, fold: Fold, folder: Path, fp: str) -> dict
     fold_cfg = dataclasses.replace(cfg, paths=dataclasses.replace(cfg.paths, base_dir=str(folder)),
                                    data=dataclasses.replace(cfg.data, store_dir=str(cfg.store_dir)),
                                    training=dataclasses.replace(cfg.training, overwrite=False))
-    _, plan, info = run_finetune(fold_cfg, skip_existing=True, splits={"train": fold.train, "val": fold.val})
+    # --skip-existing: a finished stage is reused while current for this fold's data and settings, else retrained.
+    results, plan, info = run_finetune(fold_cfg, skip_existing=True, splits={"train": fold.train, "val": fold.val})
+    reused = {r.stage: "reused" if r.skipped else "trained" for r in results}
     t1 = time.monotonic()
     frame = score_fold(cfg, fold_cfg, fold)
     atomic_write(folder / "windows.csv", lambda p: frame.to_csv(p, index=False))
@@ -246,7 +257,7 @@ def _run_fold(cfg: CsvFinetuneConfig, fold: Fold, folder: Path, fp: str) -> dict
         "fold": fold.index, **dates, "fingerprint": fp,
         "windows": {"train": info["splits"]["train"]["windows"], "val": info["splits"]["val"]["windows"],
                     "test": int((frame.candidate == "finetuned").sum())},
-        "trained": ", ".join(f"{s} {'trained' if why is None else f'skipped ({why})'}" for s, why in plan.items()),
+        "trained": ", ".join(f"{s} {reused.get(s) or f'skipped ({why})'}" for s, why in plan.items()),
         "scores": {c: {s: float(g[s].mean()) for s in SCORES} for c, g in frame.groupby("candidate", sort=False)},
         "seconds": {"train": round(t1 - t0, 1), "score": round(time.monotonic() - t1, 1)}}
     write_json(folder / "fold.json", record)
@@ -276,6 +287,7 @@ def _report(cfg: CsvFinetuneConfig, out: Path, frame: pd.DataFrame, meta: list[d
         paired = paired_from_windows(used)
         report["paired"] = {"finetuned_vs_zero_shot": paired}
         report["verdict"], report["verdict_reason"] = paired["crps"]["verdict"], paired["crps"]["reason"]
+        report["best"] = best_candidate(used)
     report["seconds"] = {k: round(sum(r["seconds"][k] for r in meta), 1) for k in ("train", "score")}
     out_frame = frame.assign(window_start=frame["window_start"].astype(str))
     atomic_write(out / "windows.csv", lambda p: out_frame.to_csv(p, index=False))
@@ -327,16 +339,14 @@ def format_table(report: dict) -> str:
         for r in p["crps"]["per_fold"]:
             meta = report["folds"][r["fold"]]
             lines.append(f"fold {r['fold']} {meta['test_start']} .. {meta['test_end']}: CRPS diff {r['mean']:+.5f} "
-                         f"[{r['ci_low']:+.5f}, {r['ci_high']:+.5f}] ({r['windows']} windows)")
-        for key in ("crps", "mae"):
-            c = p[key]
-            lines.append(f"{key.upper():4} finetuned - zero_shot {c['mean']:+.5f} [{c['ci_low']:+.5f}, "
-                         f"{c['ci_high']:+.5f}] (95% HAC t, {c['blocks']} blocks of {c['block']} dates); DM "
-                         f"{c['dm_stat']:+.2f}, p {c['p_value']:.3g}; finetuning won {c['share_folds_won']:.0%} "
-                         "of folds")
+                         f"({r['windows']} windows)")
+        for key in ("crps", "mae"):  # the one interval rule: no interval printed below MIN_BLOCKS blocks
+            lines.append(f"{p[key]['reason']}; finetuning won {p[key]['share_folds_won']:.0%} of folds")
     if report["excluded_folds"]:
         lines.append(f"folds {report['excluded_folds']} start before model.pretraining_cutoff: not in the verdict")
     lines.append(f"verdict: {report['verdict']} ({report['verdict_reason']})")
+    if report.get("best"):
+        lines.append(report["best"]["line"])
     return "\n".join(lines)
 
 

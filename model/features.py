@@ -125,7 +125,7 @@ def fill_amount(volume: np.ndarray, open_: np.ndarray, high: np.ndarray, low: np
 
 def to_datetime_index(timestamps, name: str = "timestamps") -> pd.DatetimeIndex:
     """Series / Index / list of datetimes -> DatetimeIndex; strings or numbers are rejected (ambiguous)."""
-    values = pd.Index(timestamps)
+    values = timestamps if isinstance(timestamps, pd.DatetimeIndex) else pd.Index(timestamps)
     if not isinstance(values, pd.DatetimeIndex):
         raise DataError(f"{name} must be datetimes (datetime64 Series/Index or pd.Timestamp values), got dtype "
                          f"{values.dtype}; convert with pd.to_datetime first")
@@ -143,11 +143,24 @@ def check_increasing(timestamps: pd.DatetimeIndex, name: str = "timestamps") -> 
                         f"position {i - 1} ({timestamps[i - 1]})")
 
 
+def time_features(timestamps) -> np.ndarray:
+    """T datetimes -> (T, 5) int64 in TIME_FEATURES order (minute, hour, weekday Monday=0, day, month), read on the
+    stamps' own wall clock. Integer arithmetic on the nanoseconds: pandas' five field accessors cost ~60x more,
+    which a forecast of hundreds of series pays on the host for every series."""
+    ts = to_datetime_index(timestamps)
+    wall = ts.tz_localize(None) if ts.tz is not None else ts
+    ns = wall.asi8 if wall.unit == "ns" else wall.as_unit("ns").asi8  # wall-clock ns since 1970
+    minutes = ns // 60_000_000_000
+    days = minutes // 1440
+    date = days.astype("datetime64[D]")
+    month_start = date.astype("datetime64[M]")
+    return np.stack([minutes % 60, minutes // 60 % 24, (days + 3) % 7,  # 1970-01-01 was a Thursday (3)
+                     (date - month_start).astype(np.int64) + 1, month_start.astype(np.int64) % 12 + 1], axis=1)
+
+
 def calc_time_stamps(timestamps) -> pd.DataFrame:
     """T datetimes -> a (T, 5) DataFrame of ints, columns TIME_FEATURES (weekday: Monday=0)."""
-    ts = to_datetime_index(timestamps)
-    return pd.DataFrame({"minute": ts.minute, "hour": ts.hour, "weekday": ts.day_of_week, "day": ts.day,
-                         "month": ts.month})
+    return pd.DataFrame(time_features(timestamps), columns=list(TIME_FEATURES))
 
 
 def candle_faults(values: np.ndarray) -> list[tuple[str, np.ndarray, str]]:
@@ -171,14 +184,20 @@ def candle_matrix(df: pd.DataFrame, name: str = "df") -> np.ndarray:
         raise DataError(f"{name} must be a pandas DataFrame, got {type(df).__name__}")
     if len(df) == 0:
         raise DataError(f"{name} is empty: at least one candle of context is needed")
-    mapping = resolve_columns(df.columns, {"timestamps": None}, where=name)
+    names = [str(c) for c in df.columns]
+    mapping = resolve_columns(names, {"timestamps": None}, where=name)
     present = [c for c in FEATURES if mapping[c] is not None]
-    frame = df.set_axis([str(c) for c in df.columns], axis=1)[[mapping[c] for c in present]]
-    non_numeric = [mapping[c] for c, d in zip(present, frame.dtypes)
-                   if not pd.api.types.is_numeric_dtype(d) or pd.api.types.is_bool_dtype(d)]
-    if non_numeric:
-        raise DataError(f"{name} has non-numeric columns {non_numeric}; convert them to numbers")
-    x = frame.to_numpy(dtype=np.float64)
+    where = [names.index(mapping[c]) for c in present]  # column positions (names are unique: resolve_columns)
+    # One block copy when every column is an int or a float (the usual frame: ~25x faster than selecting by name
+    # and reading dtypes, which a forecast of hundreds of series pays per series); else column by column.
+    x = df.to_numpy()
+    if x.dtype.kind not in "iuf":
+        non_numeric = [names[j] for j in where if not pd.api.types.is_numeric_dtype(df.dtypes.iloc[j])
+                       or pd.api.types.is_bool_dtype(df.dtypes.iloc[j])]
+        if non_numeric:
+            raise DataError(f"{name} has non-numeric columns {non_numeric}; convert them to numbers")
+        x = df.iloc[:, where]
+    x = np.asarray(x[:, where] if isinstance(x, np.ndarray) else x, dtype=np.float64)
     at = lambda r: f"row {r}" + ("" if isinstance(df.index, pd.RangeIndex) else f" ({df.index[r]})")
     bad = ~np.isfinite(x)
     if bad.any():

@@ -101,16 +101,20 @@ class _StaticStep:
 
     def capture(self, model: Kronos) -> None:
         """Record `step` as one CUDA graph: warm-up runs on a side stream first (allocator, lazy kernels), as
-        capture requires. The buffers it touches are the graph's static inputs and outputs."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
+        capture requires. The buffers it touches are the graph's static inputs and outputs. Warm-up and capture
+        draw from the device's generator; its state is put back afterwards, so a seeded first call (which
+        captures) draws the same paths as a later one (which only replays)."""
+        device = self.s1.device
+        with torch.random.fork_rng(devices=[device], device_type=device.type):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.step(model)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 self.step(model)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.step(model)
         self.graph = graph
 
     def run(self, model: Kronos) -> None:

@@ -10,7 +10,9 @@ calibrated sample paths.
   trained with and `tokenizer_config.json` its config: `load_trained_pair`, which every door loads through,
   refuses any other tokenizer.
 - Calibration (`fit_calibration`, `apply_calibration`, `write_calibration`): split-conformal margins per horizon in
-  log-return space, applied to the sample paths so that the mean, quantiles and CRPS all use the same draws.
+  units of the model's own band half-widths ("space": "band"; the model's spread follows each window's realised
+  volatility, so the margins travel across series and regimes; old absolute "log_return" files still load),
+  applied to the sample paths so that the mean, quantiles and CRPS all use the same draws.
 """
 
 from __future__ import annotations
@@ -34,13 +36,13 @@ from model.features import (
     FEATURES,
     PRICE_FEATURES,
     ColumnError,
-    calc_time_stamps,
     candle_matrix,
     check_increasing,
     denormalize,
     normalize,
     quantile_column,
     resolve_columns,
+    time_features,
     to_datetime_index,
 )
 from model.fileio import read_json_object, write_json
@@ -59,6 +61,8 @@ MIN_QUANTILE_SAMPLES = 20  # fewer paths give quantiles that are noise (one path
 MIN_CONTEXT = 2  # rows of context a forecast needs: one row has no spread to normalise by (a flat forecast)
 SHORT_CONTEXT = 16  # fewer rows than this (and than lookback) are forecast with a warning, said once
 MAX_MARGIN = 5.0  # |calibration margin| in log-return units (x148 in price): beyond it a file is not a calibration
+MIN_KEEP = 0.1  # a calibration keeps at least this share of each path's distance from the median: no zero-width band
+SHRINK_WINDOWS = 20  # a fit on W windows keeps W / (W + 20) of its margins: few windows shrink toward no change
 CALIBRATION_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)  # central band levels with a margin
 
 
@@ -184,16 +188,18 @@ def load_trained_pair(folder_or_id: str | os.PathLike, tokenizer: str | os.PathL
 def fit_calibration(samples: np.ndarray, outcomes: np.ndarray, last: np.ndarray) -> dict[str, Any]:
     """Split-conformal margins of the sampled bands, per horizon, in log-return space: `samples (W, S, H)` close
     paths of W validation windows, `outcomes (W, H)` realised closes, `last (W,)` last context closes ->
-    {"method": "conformal", "space": "log_return", "levels", "margins": [[H floats] per level], "windows": W}.
+    {"method": "conformal", "space": "band", "levels", "margins": [[H floats] per level], "windows": W}.
 
-    Construction (conformalised quantile bands): with r = log(path / last) and y = log(outcome / last), the raw
-    central band of level c at horizon h is [lo, hi] = the (1-c)/2 and (1+c)/2 quantiles of r over the S paths. Its
-    score in a window is max(lo - y, y - hi) (> 0 when y falls outside), and the margin M_c,h is the
+    Construction (conformalised quantile bands, scores relative to the band): with r = log(path / last) and
+    y = log(outcome / last), the raw central band of level c at horizon h is [lo, hi] = the (1-c)/2 and (1+c)/2
+    quantiles of r over the S paths, m their median. Its score in a window is max((lo - y) / (m - lo),
+    (y - hi) / (hi - m)) (> 0 when y falls outside; in half-widths, so a window of 5x the volatility, whose
+    model band is 5x wider, scores the same), and the margin M_c,h is the
     ceil((W + 1) c)-th smallest score over the W windows (the largest when that rank exceeds W, which weakens the
     guarantee at high levels with few windows). [lo - M, hi + M] then covers a new outcome with probability >= c
     provided the new window is exchangeable with the validation windows; serial dependence between windows (they
     overlap in time, series move together) weakens this to an approximate guarantee. A negative margin narrows a
-    band that was too wide.
+    band that was too wide. The margins are then shrunk by W / (W + SHRINK_WINDOWS) toward 0 (no change).
     """
     samples, outcomes, last = (np.asarray(a, dtype=np.float64) for a in (samples, outcomes, last))
     if samples.ndim != 3 or outcomes.shape != (samples.shape[0], samples.shape[2]) or last.shape != samples.shape[:1]:
@@ -209,10 +215,12 @@ def fit_calibration(samples: np.ndarray, outcomes: np.ndarray, last: np.ndarray)
     w = len(y)
     margins = []
     for c in CALIBRATION_LEVELS:
-        lo, hi = np.quantile(r, [(1 - c) / 2, (1 + c) / 2], axis=1)  # (W, H) each
-        scores = np.sort(np.maximum(lo - y, y - hi), axis=0)          # (W, H)
-        margins.append(scores[min(w, math.ceil((w + 1) * c)) - 1].tolist())
-    return {"method": "conformal", "space": "log_return", "levels": list(CALIBRATION_LEVELS), "margins": margins,
+        lo, med, hi = np.quantile(r, [(1 - c) / 2, 0.5, (1 + c) / 2], axis=1)  # (W, H) each
+        scores = np.sort(np.maximum((lo - y) / np.maximum(med - lo, 1e-12), (y - hi) / np.maximum(hi - med, 1e-12)),
+                         axis=0)  # (W, H)
+        m = scores[min(w, math.ceil((w + 1) * c)) - 1] * w / (w + SHRINK_WINDOWS)
+        margins.append(np.clip(m, MIN_KEEP - 1, MAX_MARGIN).tolist())
+    return {"method": "conformal", "space": "band", "levels": list(CALIBRATION_LEVELS), "margins": margins,
             "windows": w}
 
 
@@ -243,8 +251,9 @@ def calibration_shift(calibration: dict[str, Any], close: np.ndarray, last: np.n
     margin = np.stack([np.interp(central[..., j], np.r_[0.0, levels], np.r_[0.0, margins[:, j]])
                        for j in range(h)], axis=-1)
     side = np.sign(r - med)
-    moved = r + side * margin
-    moved = np.where(side > 0, np.maximum(moved, med), np.minimum(moved, med))  # a path never crosses the median
+    moved = r + (side * margin if calibration["space"] == "log_return" else (r - med) * margin)
+    floor = med + MIN_KEEP * (r - med)  # a path never crosses the median, nor comes closer than MIN_KEEP of its way
+    moved = np.where(side > 0, np.maximum(moved, floor), np.minimum(moved, floor))
     shift = np.where(side == 0, 0.0, moved - r)
     return np.where(np.isfinite(shift), shift, 0.0)
 
@@ -252,7 +261,7 @@ def calibration_shift(calibration: dict[str, Any], close: np.ndarray, last: np.n
 def calibration_margins(calibration: Any, where: str) -> tuple[np.ndarray, np.ndarray]:
     """A calibration dict checked -> (levels (L,), margins (L, H)); DataError naming `where` otherwise."""
     ok = (isinstance(calibration, dict) and calibration.get("method") == "conformal"
-          and calibration.get("space") == "log_return")
+          and calibration.get("space") in ("band", "log_return"))
     try:
         levels = np.asarray(calibration["levels"], dtype=np.float64)
         margins = np.asarray(calibration["margins"], dtype=np.float64)
@@ -261,10 +270,12 @@ def calibration_margins(calibration: Any, where: str) -> tuple[np.ndarray, np.nd
     ok = ok and levels.ndim == 1 and margins.ndim == 2 and len(margins) == len(levels) > 0 and margins.shape[1] > 0
     if not (ok and (np.diff(levels) > 0).all() and 0 < levels[0] and levels[-1] < 1):
         raise DataError(f"{where}: not a calibration as fit_calibration writes it ({{'method': 'conformal', 'space': "
-                        "'log_return', 'levels': increasing in (0, 1), 'margins': [[finite per horizon] per level]}})")
-    bad = ~(np.abs(margins) <= MAX_MARGIN)  # NaN too
+                        "'band', 'levels': increasing in (0, 1), 'margins': [[finite per horizon] per level]}})")
+    low = MIN_KEEP - 1 if calibration["space"] == "band" else -MAX_MARGIN  # band: >= -0.9 keeps a band's width
+    bad = ~((margins >= low) & (margins <= MAX_MARGIN))  # NaN too
     if bad.any():
-        raise DataError(f"{where}: calibration margins must be finite log returns within +-{MAX_MARGIN:g}; "
+        raise DataError(f"{where}: calibration margins must be finite and within [{low:g}, {MAX_MARGIN:g}] "
+                        f"({calibration['space']} units; below {MIN_KEEP - 1:g} a band would collapse); "
                         f"margins[{np.argwhere(bad)[0][0]}] holds {margins[bad][0]!r}; refit the calibration, or "
                         "forecast with calibrated=False (the CLI: --set forecast.calibrate=false)")
     return levels, margins
@@ -350,8 +361,16 @@ class KronosPredictor:
         unknown = sorted(set(hub_kwargs) - allowed)
         if unknown:
             raise TypeError(f"unexpected arguments {unknown}; Hub options are {sorted(allowed)}")
-        model, tokenizer, info = (folder_or_id, tokenizer, {}) if isinstance(folder_or_id, Kronos) else \
+        in_memory = isinstance(folder_or_id, Kronos)
+        model, tokenizer, info = (folder_or_id, tokenizer, {}) if in_memory else \
             load_trained_pair(folder_or_id, tokenizer, **hub_kwargs)
+        run = None if in_memory else Path(folder_or_id) / "run_info.json"  # a finetuned best_model/: its settings
+        wanted = run is not None and run.is_file() and \
+            (read_json_object(run).get("config") or {}).get("forecast", {}).get("calibrate")
+        if wanted is True and not info.get("calibration"):
+            log.warning("%s was trained with forecast.calibrate: true but holds no calibration (its run stopped "
+                        "before calibrating): its bands are the raw samples', too narrow; run `kronos finetune` "
+                        "again with its config to calibrate it", folder_or_id)
         return cls(model, tokenizer, device=device,
                    max_context=max_context if max_context is not None else info.get("max_context",
                                                                                     DEFAULT_MAX_CONTEXT),
@@ -578,20 +597,19 @@ class KronosPredictor:
                 self._cut_said = True
             x, x_idx = np.ascontiguousarray(x[-self.lookback:]), x_idx[-self.lookback:]
         return {"x": x, "y_index": y_idx, "last_close": float(x[-1, CLOSE]),
-                "x_stamp": calc_time_stamps(x_idx).to_numpy(np.float32),
-                "y_stamp": calc_time_stamps(y_idx).to_numpy(np.float32)}
+                "x_stamp": time_features(x_idx).astype(np.float32), "y_stamp": time_features(y_idx).astype(np.float32)}
 
     @staticmethod
     def _result(p: dict[str, Any], samples: np.ndarray, mean: np.ndarray, return_samples: bool,
                 quantiles: Sequence[float] | None, calibration: dict[str, Any] | None) -> pd.DataFrame | Forecast:
         """`sample_windows`' paths (S, pred_len, 6) and mean (pred_len, 6) of one series -> the mean DataFrame, or a
         Forecast, calibrated when `calibration` is given."""
-        cols, y_idx = list(FEATURES), p["y_index"]
+        cols, y_idx = pd.Index(FEATURES), p["y_index"]  # an Index: a list would be re-validated per series
         if calibration is not None:
             shift = calibration_shift(calibration, samples[..., CLOSE], np.float64(p["last_close"]))  # (S, pred_len)
             samples[..., :len(PRICE_FEATURES)] *= np.exp(shift)[..., None]  # volume and amount stay as drawn
             mean = samples.mean(axis=0)
-        mean_df = pd.DataFrame(mean, columns=cols, index=y_idx)
+        mean_df = pd.DataFrame(mean, columns=cols, index=y_idx, copy=False)
         if not (return_samples or quantiles):
             return mean_df
         qs = {q: pd.DataFrame(np.quantile(samples, q, axis=0), columns=cols, index=y_idx) for q in (quantiles or [])}

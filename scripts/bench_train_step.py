@@ -77,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
     p.add_argument("--safety", action="store_true", help="time the run-safety overheads instead (see above)")
     p.add_argument("--modes", nargs="+", choices=["full", "lora", "freeze"], help="compare finetune modes (see above)")
+    p.add_argument("--targets", action="store_true", help="only the engine with its defaults (amp auto, compile "
+                   "auto) at the issue's shapes, MFU = 6N FLOPs per token against --peak (gpu_check.sh)")
+    p.add_argument("--peak", type=float, default=790e12, help="FLOP/s for --targets' MFU (790e12: the bf16 matrix "
+                   "rate measured on an H100/H200)")
     return p.parse_args(argv)
 
 
@@ -128,7 +132,7 @@ def plain_step_ms(name: str, args: argparse.Namespace, device: torch.device) -> 
 
 
 def engine_step_ms(name: str, args: argparse.Namespace, device: torch.device, amp: str, mode: str = "full",
-                   extra: dict | None = None, compile: bool = False) -> Timing:
+                   extra: dict | None = None, compile: bool | str = False, log_every: int = 1) -> Timing:
     """Per optimizer step of the real loop (one epoch of warmup + steps batches; metrics.jsonl; the compile, if
     any, happens in the first warmup step). `extra` (a dict) receives the run's parameter counts and its
     checkpoint's size."""
@@ -136,7 +140,7 @@ def engine_step_ms(name: str, args: argparse.Namespace, device: torch.device, am
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
     train_set = make_dataset(args.batch * (args.warmup + args.steps), args.seq)
     val_set = make_dataset(1, args.seq, seed=1)
-    cfg = TrainingConfig(epochs=1, batch_size=args.batch, lr=1e-5, num_workers=0, log_every_steps=1, amp=amp,
+    cfg = TrainingConfig(epochs=1, batch_size=args.batch, lr=1e-5, num_workers=0, log_every_steps=log_every, amp=amp,
                          compile=compile, progress_bar=False, resume="never", seed=0, finetune_mode=mode,
                          trainable=["head", "transformer.7"])
     tok = KronosTokenizer(**TOKENIZER_BASE)
@@ -150,12 +154,13 @@ def engine_step_ms(name: str, args: argparse.Namespace, device: torch.device, am
             info = json.loads((Path(out) / "run_info.json").read_text())
             extra.update(trainable=info["trainable_parameters"], total=info["total_parameters"],
                          ckpt_mb=(Path(out) / "checkpoints" / "last.pt").stat().st_size / 2**20)
-    # Each record covers one step (log_every_steps=1), measured on the host; the logging all-reduce/.item()
-    # synchronises CUDA, so the time is the step's real cost.
-    timed = records[args.warmup :]
-    best = min(timed, key=lambda r: r["seconds"])
-    return Timing(1000 * best["seconds"], 1000 * statistics.median(r["seconds"] for r in timed),
-                  best["tokens_per_s"], best.get("mfu"))
+    # Each record covers `log_every` steps (the epoch's last maybe fewer), measured on the host; the logging
+    # all-reduce/.item() synchronises CUDA, so the time is the steps' real cost. log_every > 1: every record after
+    # the first (which holds the compile), as the engine's default (10) logs, with no host sync between its steps.
+    prev = [0] + [r["step"] for r in records[:-1]]
+    timed = [(r["seconds"] / (r["step"] - p), r) for r, p in zip(records, prev)][args.warmup if log_every == 1 else 1:]
+    best_s, best = min(timed, key=lambda t: t[0])
+    return Timing(1000 * best_s, 1000 * statistics.median(t[0] for t in timed), best["tokens_per_s"], best.get("mfu"))
 
 
 # the models of configs/csv_demo.yaml
@@ -266,6 +271,25 @@ def modes_main(args: argparse.Namespace) -> None:
         args.json.write_text(json.dumps(rows, indent=2))
 
 
+def targets_main(args: argparse.Namespace, device: torch.device) -> None:
+    """The issue's train-step targets: the engine as a user runs it (amp auto, compile auto), tokens/s of the
+    fastest step and MFU = tokens/s x 6N / peak (N: the predictor's parameters, nanoGPT's estimate without the
+    attention term), beside the MFU the engine logs (its own peak table and FLOPs count)."""
+    rows = []
+    for name in [m for m in args.models if m != "tokenizer-base"]:
+        shape = argparse.Namespace(**{**vars(args), "batch": args.batch or GPU_SHAPES[name][0],
+                                      "seq": args.seq or GPU_SHAPES[name][1], "steps": max(args.steps, 40)})
+        n = sum(p.numel() for p in Kronos(**PREDICTORS[name]).parameters())
+        t = engine_step_ms(name, shape, device, "auto", compile="auto", log_every=10)  # the default logging
+        rows.append({"model": name, "batch": shape.batch, "seq": shape.seq, "parameters": n, **t.__dict__,
+                     "mfu_at_peak": t.tokens_per_s * 6 * n / args.peak, "peak": args.peak})
+        print(f"{name} {shape.batch} x {shape.seq}: {t.ms:.1f} ms/step (median {t.median_ms:.1f}), "
+              f"{t.tokens_per_s:,.0f} tokens/s, MFU {100 * rows[-1]['mfu_at_peak']:.1f}% of {args.peak / 1e12:.0f} "
+              f"TFLOP/s (the log's: {'-' if t.mfu is None else f'{100 * t.mfu:.1f}%'})", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.safety:
@@ -275,6 +299,8 @@ def main(argv: list[str] | None = None) -> None:
         modes_main(args)
         return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.targets:
+        return targets_main(args, device)
     # No torch.set_float32_matmul_precision here: every fp32 column is what training.amp=none trains (TF32 off).
     columns = {"plain fp32": None, "engine fp32": ("none", False)}
     if device.type == "cuda":

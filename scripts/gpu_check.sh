@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
-# One GPU check (issue 23): what this repository promises on a GPU, run on a machine with one NVIDIA GPU and
-# nothing downloaded, in at most 8 minutes (each step's time limit is cut to what is left of them):
+# One GPU check (issues 23, 27, 34): what this repository promises on a GPU, on a machine with one NVIDIA GPU and
+# nothing downloaded, in at most 8 minutes (each step's limit is cut to what is left of them):
 #
-#   bash scripts/gpu_check.sh
+#   bash scripts/gpu_check.sh            # the check (8 minutes)
+#   bash scripts/gpu_check.sh --suite    # then, in a second call: the whole suite beside the GPU (-m "not cuda")
 #
-#   1. one environment line: GPU, driver, torch, CUDA, NCCL, python,
-#   2. the `cuda` tests (tests/test_cuda.py: kill / SIGTERM / torchrun restart then resume on cuda equal to the
-#      uninterrupted run, bf16 training of both CSV stages, forecast cuda vs CPU, LoRA, calibration),
-#   3. the Qlib demo trainers (configs/qlib_demo.yaml) under torchrun --standalone --nproc_per_node=1 with
-#      DIST_BACKEND=nccl, on the splits in $QLIB_PROCESSED (a folder finetune/qlib_data_preprocess.py wrote with that
-#      config; the raw Qlib data is not needed), else built here when pyqlib is installed, else SKIP,
-#      To make such a folder where pyqlib is installed (3 MB; carry it to the GPU machine):
+#   1. one environment line: GPU, driver, torch, CUDA, NCCL, python; the packages the steps need,
+#   2. the `cuda` tests (tests/test_cuda.py, 4 xdist workers on the one GPU: kill / SIGTERM / torchrun restart then
+#      resume equal to the uninterrupted run, default-settings resume within two uninterrupted runs' distance and
+#      exact with training.deterministic, seeded sampling repeating on the first call, bf16 both CSV stages,
+#      forecast cuda vs CPU, LoRA, calibration, a NaN batch never applied by the sync-free guard; and
+#      tests/test_model_decode.py's CUDA-graph decode tests),
+#   3. the speed targets: bench_train_step.py --targets (Kronos-small 64 x 512, Kronos-base 32 x 512, engine
+#      defaults, MFU against 790 TFLOP/s) and bench_generation.py --full (the four forecast workloads: eager, static,
+#      graph, identical greedy output) and --host,
+#   4. the CSV demo on the GPU (`kronos finetune`, `kronos forecast`, configs/csv_demo.yaml),
+#   5. the Qlib demo trainers under torchrun --standalone --nproc_per_node=1 with DIST_BACKEND=nccl, on the splits in
+#      $QLIB_PROCESSED (a folder finetune/qlib_data_preprocess.py wrote with configs/qlib_demo.yaml; 3 MB: build it
+#      where pyqlib is installed and carry it), else built here when pyqlib is installed, else SKIP:
 #        python scripts/build_qlib_data.py --synthetic 20 --out data/generated/qlib_demo
 #        python finetune/qlib_data_preprocess.py --config configs/qlib_demo.yaml  # -> data/generated/qlib_demo_processed
-#   4. the CSV demo on the GPU: synthetic candles, `kronos finetune`, `kronos forecast` (configs/csv_demo.yaml),
-#   5. the benchmarks: scripts/bench_train_step.py and scripts/bench_generation.py with their defaults.
-# Then one table (step, status, seconds); the exit status is 1 when any step failed. Logs and outputs go to
-# $GPU_CHECK_OUT (default: a new temporary folder). Python: .venv/bin/python when there is one, else python3 with
-# this checkout on PYTHONPATH (nothing installed). Without a GPU it says so and exits 0.
+# Then one table (step, status, seconds) and summary.json (every step's status and seconds, every benchmark
+# figure, the hardware, each failed test with its traceback); exit 1 when any step failed. Everything goes to
+# $GPU_CHECK_OUT, else $OUT/gpu_check (the device tool's folder that comes back), else a new temporary folder.
+# Python: .venv/bin/python when there is one, else python3 with this checkout on PYTHONPATH (nothing installed).
+# Without a GPU it says so and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
@@ -33,13 +40,15 @@ if ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/de
   exit 0
 fi
 
-WORK="${GPU_CHECK_OUT:-$(mktemp -d -t kronos-gpu-check.XXXXXX)}"
-mkdir -p "$WORK/logs"
+WORK="${GPU_CHECK_OUT:-${OUT:+$OUT/gpu_check}}"
+WORK="${WORK:-$(mktemp -d -t kronos-gpu-check.XXXXXX)}"
+mkdir -p "$WORK/logs" "$WORK/results"
 BUDGET_S=480
-names=() statuses=() seconds=()
+names=() statuses=() seconds=() logs=()
+log=""
 
-record() {  # record NAME STATUS SECONDS
-  names+=("$1") statuses+=("$2") seconds+=("$3")
+record() {  # record NAME STATUS SECONDS (the step's log: $log)
+  names+=("$1") statuses+=("$2") seconds+=("$3") logs+=("$log")
   echo "[gpu-check] $1: $2 ($3 s)"
 }
 
@@ -49,6 +58,7 @@ step() {  # step NAME MAX_SECONDS COMMAND...: run it (log: $WORK/logs/<n>.log) u
   local left=$(( BUDGET_S - SECONDS ))
   (( left < limit )) && limit=$left
   if (( limit < 10 )); then
+    log=""
     record "$name" "FAIL (out of time)" 0
     return 1
   fi
@@ -94,54 +104,96 @@ missing = [m for m in ('yaml', 'safetensors', 'huggingface_hub', 'tqdm', 'matplo
                        'peft', 'pytest') if u.find_spec(m) is None]
 sys.exit('missing: ' + ', '.join(missing) if missing else 0)"
 
+summarize() {  # the table, then summary.json: steps, benchmark figures, hardware, failed tests with tracebacks
+  echo
+  echo "GPU check: $env_line"
+  printf '%-44s %-40s %8s\n' step status seconds
+  failed=0
+  for i in "${!names[@]}"; do
+    printf '%-44s %-40s %8s\n' "${names[$i]}" "${statuses[$i]}" "${seconds[$i]}"
+    [[ ${statuses[$i]} == FAIL* ]] && failed=1
+  done
+  printf '%-44s %-40s %8s\n' total "" "$SECONDS"
+  for i in "${!names[@]}"; do
+    printf '%s\t%s\t%s\t%s\n' "${names[$i]}" "${statuses[$i]}" "${seconds[$i]}" "${logs[$i]}"
+  done >"$WORK/steps.tsv"
+  ENV_LINE="$env_line" TOTAL_S=$SECONDS BUDGET=$BUDGET_S "$PY" - "$WORK" <<'EOF' || failed=1
+import json, os, sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+work = Path(sys.argv[1])
+steps = [dict(zip(("step", "status", "seconds", "log"), line.split("\t")))
+         for line in (work / "steps.tsv").read_text().splitlines() if line]
+for s in steps:
+    s["seconds"] = int(s["seconds"])
+failures = []
+for xml in sorted((work / "results").glob("*.xml")):
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        for bad in [*case.iter("failure"), *case.iter("error")]:
+            failures.append({"suite": xml.stem, "test": f"{case.get('classname')}::{case.get('name')}",
+                             "message": (bad.get("message") or "")[:500], "traceback": (bad.text or "")[-4000:]})
+bench = {p.stem: json.loads(p.read_text()) for p in sorted((work / "results").glob("bench_*.json"))}
+summary = {"hardware": os.environ["ENV_LINE"], "total_seconds": int(os.environ["TOTAL_S"]),
+           "budget_seconds": int(os.environ["BUDGET"]), "steps": steps, "benchmarks": bench,
+           "failed_tests": failures}
+(work / "summary.json").write_text(json.dumps(summary, indent=2))
+for f in failures:
+    print(f"\nFAILED {f['test']} ({f['suite']}): {f['message']}\n{f['traceback'][-1500:]}")
+print(f"\nsummary: {work / 'summary.json'}")
+EOF
+  echo "logs and outputs: $WORK"
+  exit $failed
+}
+
+if [ "${1:-}" = "--suite" ]; then  # the suite beside the GPU: every test not marked cuda must ignore it
+  BUDGET_S=570
+  step "suite -m 'not cuda' (-n 8)" 570 "$PY" -m pytest -q -p no:cacheprovider -m "not cuda" -n 8 --dist loadgroup \
+    --junitxml="$WORK/results/suite.xml" -rf
+  summarize
+fi
+
 # 2. the cuda tests; a skipped one (no peft, a GPU pytest cannot see) is a failure here
-if step "cuda tests (pytest -m cuda)" 300 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py \
+if step "cuda tests (pytest -m cuda, -n 4)" 200 "$PY" -m pytest -v -p no:cacheprovider -m cuda -n 4 --dist load \
+  --junitxml="$WORK/results/cuda_tests.xml" -rfs --durations=0 tests/test_cuda.py tests/test_model_decode.py \
   && grep -Eq "[0-9]+ skipped" "$log"; then
   statuses[-1]="FAIL (skipped: $(grep -Eo "[0-9]+ skipped" "$log"))"
 fi
 
-# 3. the Qlib demo trainers under torchrun + NCCL
+# 3. the speed targets (train step with the engine's defaults; the four forecast workloads; the host side)
+step "bench_train_step.py --targets" 110 "$PY" scripts/bench_train_step.py --targets \
+  --json "$WORK/results/bench_train_step.json" && tail -n 3 "$log"
+step "bench_generation.py --full" 80 "$PY" scripts/bench_generation.py --full --repeats 3 \
+  --json "$WORK/results/bench_generation.json" && tail -n 8 "$log"
+step "bench_generation.py --host" 30 "$PY" scripts/bench_generation.py --host \
+  --json "$WORK/results/bench_host.json" && tail -n 1 "$log"
+
+# 4. the CSV demo on the GPU (the engine trains on cuda:0 when CUDA is available)
+csv=(--config configs/csv_demo.yaml --set "data.path=$WORK/csv_demo_5min" --set "paths.base_dir=$WORK/csv_demo")
+step "csv demo data" 30 "$PY" scripts/make_synthetic_data.py --out "$WORK/csv_demo_5min" --n-series 4 --n-bars 3000 \
+  --freq 5min --seed 0 \
+  && step "csv demo: kronos finetune" 90 "$PY" -m finetune.cli finetune "${csv[@]}" \
+  && step "csv demo: kronos forecast" 60 "$PY" -m finetune.cli forecast "${csv[@]}"
+
+# 5. the Qlib demo trainers under torchrun + NCCL
 qlib=()
 if [ -n "${QLIB_PROCESSED:-}" ]; then
   # the splits' manifest records the Qlib folder they came from; the trainers only compare it
   raw=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1] + '/manifest.json'))['settings']['qlib_data_path'])" \
     "$QLIB_PROCESSED") && qlib=(--set "data.dataset_path=$QLIB_PROCESSED" --set "data.qlib_data_path=$raw")
-  [ ${#qlib[@]} -eq 0 ] && record "qlib splits (QLIB_PROCESSED=$QLIB_PROCESSED)" "FAIL (no manifest.json)" 0
+  [ ${#qlib[@]} -eq 0 ] && log="" && record "qlib splits (QLIB_PROCESSED=$QLIB_PROCESSED)" "FAIL (no manifest.json)" 0
 elif "$PY" -c "import qlib" 2>/dev/null; then
-  step "qlib splits (synthetic, built here)" 120 bash -c "'$PY' scripts/build_qlib_data.py --synthetic 20 \
+  step "qlib splits (synthetic, built here)" 60 bash -c "'$PY' scripts/build_qlib_data.py --synthetic 20 \
     --out '$WORK/qlib_raw' && '$PY' finetune/qlib_data_preprocess.py --config configs/qlib_demo.yaml \
     --set data.qlib_data_path='$WORK/qlib_raw' --set data.dataset_path='$WORK/qlib_processed'" \
     && qlib=(--set "data.dataset_path=$WORK/qlib_processed" --set "data.qlib_data_path=$WORK/qlib_raw")
 else
-  record "qlib demo trainers" "SKIP (no pyqlib, no QLIB_PROCESSED)" 0
+  log="" && record "qlib demo trainers" "SKIP (no pyqlib, no QLIB_PROCESSED)" 0
 fi
 if [ ${#qlib[@]} -gt 0 ]; then
   for stage in tokenizer predictor; do
-    DIST_BACKEND=nccl step "qlib $stage (torchrun, 1 rank, nccl)" 150 "$PY" -m torch.distributed.run --standalone \
+    DIST_BACKEND=nccl step "qlib $stage (torchrun, 1 rank, nccl)" 60 "$PY" -m torch.distributed.run --standalone \
       --nproc_per_node=1 "finetune/train_$stage.py" --config configs/qlib_demo.yaml "${qlib[@]}" \
       --set "paths.save_path=$WORK/qlib_demo" || break
   done
 fi
-
-# 4. the CSV demo on the GPU (the engine trains on cuda:0 when CUDA is available)
-csv=(--config configs/csv_demo.yaml --set "data.path=$WORK/csv_demo_5min" --set "paths.base_dir=$WORK/csv_demo")
-step "csv demo data" 60 "$PY" scripts/make_synthetic_data.py --out "$WORK/csv_demo_5min" --n-series 4 --n-bars 3000 \
-  --freq 5min --seed 0 \
-  && step "csv demo: kronos finetune" 150 "$PY" -m finetune.cli finetune "${csv[@]}" \
-  && step "csv demo: kronos forecast" 120 "$PY" -m finetune.cli forecast "${csv[@]}"
-
-# 5. the benchmarks (their own defaults; they pick the GPU when there is one)
-step "bench_train_step.py" 120 "$PY" scripts/bench_train_step.py && tail -n 20 "$log"
-step "bench_generation.py" 90 "$PY" scripts/bench_generation.py && tail -n 20 "$log"
-
-echo
-echo "GPU check: $env_line"
-printf '%-44s %-40s %8s\n' step status seconds
-failed=0
-for i in "${!names[@]}"; do
-  printf '%-44s %-40s %8s\n' "${names[$i]}" "${statuses[$i]}" "${seconds[$i]}"
-  [[ ${statuses[$i]} == FAIL* ]] && failed=1
-done
-printf '%-44s %-40s %8s\n' total "" "$SECONDS"
-echo "logs and outputs: $WORK"
-exit $failed
+summarize

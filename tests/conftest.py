@@ -1,6 +1,7 @@
 """Shared fixtures: tiny Kronos models (one implementation: tests/model_factory.py), logging isolation; under
 pytest-xdist (scripts/test.sh) the tests that time signals against a running job share one worker; `cpu_env` for
-child processes that must run on the CPU; the `cuda` tests skip without a GPU."""
+child processes that must run on the CPU; the `cuda` tests skip without a GPU, and every other test runs as on a
+machine without one (`hide_cuda`)."""
 from __future__ import annotations
 
 import logging
@@ -34,6 +35,22 @@ def pytest_collection_modifyitems(config, items):
             for item in items:
                 if item.get_closest_marker("cuda"):
                     item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)"))
+
+
+@pytest.fixture(autouse=True)
+def hide_cuda(request, monkeypatch):
+    """Every test not marked `cuda` runs as on a CPU-only machine, also beside a GPU: its result and time are the CPU
+    machine's, and the `cuda` tests are the only GPU users. Children inherit CUDA_VISIBLE_DEVICES=""; in-process,
+    torch may already have seen the GPU, so its two queries the code asks are patched."""
+    if request.node.get_closest_marker("cuda"):
+        yield
+        return
+    import torch
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    yield
 
 
 @pytest.fixture

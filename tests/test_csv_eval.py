@@ -101,9 +101,18 @@ def test_metrics_json_holds_scores_baselines_intervals_and_the_zero_shot_compari
     assert zs["setup"]["windows"] == ft["setup"]["windows"]
     diff = on_disk["finetuned_vs_zero_shot"]
     assert diff["crps"] == pytest.approx(ft["model"]["overall"]["crps"] - zs["model"]["overall"]["crps"])
-    assert diff["bootstrap"]["crps"]["low"] <= diff["crps"] <= diff["bootstrap"]["crps"]["high"]
+    test = diff["test"]["crps"]  # the one interval rule: HAC-t over sessions (5-minute bars: few), no interval
+    assert test["windows"] == ft["setup"]["windows"] and test["verdict"] == "no_evidence"
+    assert "no 95% interval: only" in test["reason"]
     report = forecast.format_report(metrics)
-    assert "zero-shot" in report and "finetuned - zero-shot" in report and len(report.splitlines()) <= 16
+    assert "finetuned vs zero-shot: CRPS - zero-shot" in report and len(report.splitlines()) <= 18
+    crps = {k: on_disk[k]["model"]["overall"]["crps"] for k in ("finetuned", "zero_shot", "ensemble") if on_disk[k]}
+    crps |= {k: ft[k]["overall"]["crps"] for k in ("persistence", "empirical", "seasonal_naive") if k in ft}
+    best = min(crps, key=crps.get)  # the verdict line names the best of all, models and baselines
+    assert f"best by CRPS: {best.replace('_', '-')}" in report
+    assert on_disk["series_without_test_windows"] == [] and "(SH600000.csv, SH600001.csv)" in report
+    metrics["series_without_test_windows"] = ["NVDA.csv"]  # a date split that left NVDA without a test window
+    assert "no test window: NVDA.csv" in forecast.format_report(metrics).splitlines()[0]
 
 
 def test_the_same_seed_gives_the_same_scores(tmp_path):

@@ -81,7 +81,7 @@ def test_calibration_margins_that_are_no_calibration_are_refused_at_load(tmp_pat
     info_path = _calibrate(config, [[0.01] * 6, [0.02] * 5 + [margin]])
     assert run_main(forecast.main, ["--config", str(config), "--future"]) == EXIT_DATA
     err = capsys.readouterr().err
-    assert f"{info_path}: calibration margins must be finite log returns within +-5" in err
+    assert f"{info_path}: calibration margins must be finite and within [-5, 5] (log_return units" in err
     assert "Traceback" not in err and not (load(config).base_dir / "future").exists()
 
 

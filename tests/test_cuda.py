@@ -76,6 +76,14 @@ def test_a_checkpoint_loaded_for_another_device_restores_the_rng_streams_exactly
     assert draws() == expected
 
 
+@pytest.mark.skipif(subprocess.run("nvidia-smi -L", shell=True, capture_output=True).returncode == 0,
+                    reason="a GPU machine: gpu_check.sh runs its check there")
+def test_gpu_check_without_a_gpu_says_so_and_exits_0(tmp_path):
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "GPU_CHECK_OUT": str(tmp_path)})
+    assert run.returncode == 0 and run.stdout.strip() == "no GPU: nothing to check", run.stderr
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # on a GPU
 
@@ -169,6 +177,47 @@ def test_bf16_training_of_both_csv_stages_on_cuda_then_forecast(tmp_path):
     assert forecast.returncode == 0, forecast.stderr[-3000:]
 
 
+def _finetune_on_cuda(root: Path, *settings: str, kill_after: int | None = None) -> dict[str, torch.Tensor]:
+    """`kronos finetune` (both CSV stages, 3 epochs, a checkpoint every step) on cuda:0 in `root`; with `kill_after`
+    the process dies after that optimizer step (no handler runs) and `--resume` finishes it. -> best predictor."""
+    from safetensors.torch import load_file
+
+    from tests.test_csv_train import SCRIPT, make_run
+
+    config = make_run(root, n_bars=480)
+    cmd = [sys.executable, str(SCRIPT), "--config", str(config), "--set", "training.epochs=3",
+           "--set", "training.save_every_steps=1", *[a for s in settings for a in ("--set", s)]]
+    if kill_after is not None:
+        killed = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                                env=cuda_env(KRONOS_FAULT_EXIT_AFTER_STEP=str(kill_after)))
+        assert killed.returncode == 17, killed.stderr[-3000:]
+        cmd = [*cmd, "--resume"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cuda_env())
+    assert run.returncode == 0, run.stderr[-3000:]
+    return load_file(root / "out" / "tiny" / "basemodel" / "best_model" / "model.safetensors")
+
+
+def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_resume_with_the_default_settings_is_as_close_as_two_uninterrupted_runs_and_exact_when_deterministic(
+        tmp_path):
+    """Default settings (amp auto = bf16, compile auto = on): GPU kernels may differ run to run, so a resumed run is
+    held to the distance between two uninterrupted runs (x2: both are draws of the same spread). With
+    training.deterministic: true the resumed run equals the uninterrupted one exactly."""
+    whole = [_finetune_on_cuda(tmp_path / f"whole{i}") for i in range(2)]
+    resumed = _finetune_on_cuda(tmp_path / "resumed", kill_after=4)
+    two_runs, resume = _distance(*whole), _distance(whole[0], resumed)
+    print(f"default settings: two uninterrupted runs differ by {two_runs:.3g}, resumed vs uninterrupted {resume:.3g}")
+    assert resume <= 2 * two_runs + 1e-6
+    exact = [_finetune_on_cuda(tmp_path / "det_whole", "training.deterministic=true"),
+             _finetune_on_cuda(tmp_path / "det_resumed", "training.deterministic=true", kill_after=4)]
+    assert _distance(*exact) == 0.0
+
+
 @pytest.fixture
 def fp32_matmuls():
     """Full fp32 matmuls (no TF32) for a comparison with the CPU; the previous setting restored after."""
@@ -243,8 +292,82 @@ def test_a_stored_calibration_widens_the_price_bands_on_cuda(tmp_path):
     np.testing.assert_array_equal(runs[True].samples[..., 4:], runs[False].samples[..., 4:])  # volume as drawn
 
 
+@pytest.mark.cuda
+def test_seeded_sampling_repeats_on_cuda_on_the_first_call_as_on_later_ones():
+    """The first graph call captures (warm-up steps draw random numbers), later ones replay: one seed must still give
+    one set of paths on every call, for the graph and the eager decode. The graph replays the static step's kernels
+    on the same generator state, so graph and static draw the same paths (eager samples another way: multinomial)."""
+    from model import KronosPredictor
+    from tests.model_factory import tiny_models
+    from tests.test_model_predictor import candles
+
+    tok, pred = tiny_models(seed=1)
+    df, x_ts, y_ts = candles(40)
+    paths = {}
+    for decode in ("graph", "static", "eager"):
+        p = KronosPredictor(pred, tok, device="cuda:0", decode=decode)
+        calls = []
+        for _ in range(3):  # the first call of a fresh predictor captures its graph
+            torch.manual_seed(0)
+            calls.append(p.predict(df, x_ts, y_ts[:6], 6, T=1.0, top_p=0.9, sample_count=4, verbose=False,
+                                   return_samples=True).samples)
+        for later in calls[1:]:
+            np.testing.assert_array_equal(later, calls[0], err_msg=decode)
+        paths[decode] = calls[0]
+    np.testing.assert_allclose(paths["graph"], paths["static"], rtol=1e-5)
+
+
 if __name__ == "__main__":  # python tests/test_cuda.py <script.py> <args>: run the script deterministically
     torch.use_deterministic_algorithms(True, warn_only=True)
     sys.argv = sys.argv[1:]
     sys.path[0] = str(Path(sys.argv[0]).resolve().parent)  # as `python <script.py>` would have it
     runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+def test_the_deferred_guard_skips_a_non_finite_step_in_the_fused_adamw_and_raises_at_the_next_read():
+    """The guard of one CUDA process (`check_later`), on CPU tensors: a non-finite step is not applied (the fused
+    AdamW's found_inf) and its DivergenceError comes when the verdict is read."""
+    from finetune.utils.checkpoint import DivergenceError
+    from finetune.utils.safety import NonFiniteGuard
+
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([w], lr=0.1, fused=True)
+    guard = NonFiniteGuard(amp=False)
+
+    def step(n: int, grad: list[float]) -> None:
+        w.grad = torch.tensor(grad)
+        opt.found_inf = guard.check_later(n, w.grad.sum(), torch.linalg.vector_norm(w.grad))
+        opt.step()
+
+    step(1, [1.0, 1.0, 1.0])
+    moved = w.detach().clone()
+    assert not torch.equal(moved, torch.ones(3))
+    step(2, [float("nan"), 1.0, 1.0])
+    assert torch.equal(w.detach(), moved) and opt.state[w]["step"].item() == 1  # step 2 not applied
+    with pytest.raises(DivergenceError, match=r"training diverged at step 2 \(loss nan, gradient norm nan\); "
+                                              r"nothing of this step was applied"):
+        guard.settle()
+    guard.settle()  # read once
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("log_every, save_every", [(1, 1), (100, 2)])
+def test_a_nan_batch_on_cuda_is_never_applied_logged_or_saved(tmp_path, log_every, save_every):
+    """Engine on cuda:0, one process (the guard without a host sync): step 3's batch is NaN -> DivergenceError
+    naming step 3, read at step 3's log (log_every 1) or at step 4's update (log_every 100); the model and the last
+    checkpoint hold step 2's weights."""
+    from finetune.utils.checkpoint import DivergenceError
+    from finetune.utils.distributed import DistInfo
+    from finetune.utils.training_utils import train_tokenizer
+    from tests.engine_dist_worker import tiny_datasets, tiny_tokenizer
+    from tests.test_safety_engine import CFG, Poisoned
+
+    train_set, val_set = tiny_datasets()
+    tok = tiny_tokenizer()
+    cuda = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cuda:0"))
+    cfg = replace(CFG, save_every_steps=save_every, log_every_steps=log_every)
+    with pytest.raises(DivergenceError, match=r"training diverged at step 3 .*nothing of this step was applied"):
+        train_tokenizer(tok, Poisoned(train_set, 3, "nan"), val_set, cfg, tmp_path, cuda)
+    saved = load_checkpoint(tmp_path / "checkpoints/last.pt")
+    assert saved["loop"]["global_step"] == 2
+    assert all(torch.equal(v.cpu(), saved["model"][k].cpu()) for k, v in tok.state_dict().items())

@@ -17,7 +17,8 @@ from finetune.utils.distributed import DistInfo, seed_everything, seeded_init
 from finetune.utils.errors import setup_logging
 from finetune.utils.safety import FAULT_ENV, maybe_die_after_step
 from finetune.utils.schema import TrainingConfig
-from finetune.utils.training_utils import LossSums, TokenizerStage, Trainer
+from finetune.utils.training_utils import TokenizerStage, Trainer
+from finetune.utils.validate import LossSums
 from tests.engine_dist_worker import tiny_datasets, tiny_tokenizer
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -111,11 +112,12 @@ def test_logging_other_ranks_only_warn_and_only_rank_zero_writes_the_file(tmp_pa
 def test_engine_progress_lines_go_through_logging(tmp_path, caplog):
     train_set, val_set = tiny_datasets()
     cfg = TrainingConfig(epochs=1, batch_size=4, max_train_samples=8, num_workers=0, progress_bar=False)
-    with caplog.at_level(logging.INFO, logger="finetune.utils.training_utils"):
+    with caplog.at_level(logging.INFO, logger="finetune.utils"):
         Trainer(TokenizerStage(tiny_tokenizer()), train_set, val_set, cfg, tmp_path, CPU).fit()
         Trainer(TokenizerStage(tiny_tokenizer()), train_set, val_set, replace(cfg, resume="auto"), tmp_path,
                 CPU).fit()
-    messages = [r.getMessage() for r in caplog.records if r.name == "finetune.utils.training_utils"]
+    messages = [r.getMessage() for r in caplog.records
+                if r.name in ("finetune.utils.training_utils", "finetune.utils.ledger")]
     assert any(m.startswith("[tokenizer] epoch 1/1  train ") for m in messages)
     assert any(m.startswith("[tokenizer] starting model  val ") for m in messages)
     assert any(m.endswith("already holds a finished run; skipping it (--overwrite or training.overwrite=true "

@@ -21,10 +21,10 @@ from finetune.utils.training_utils import (
     TokenizerStage,
     one_cycle_pct_start,
     predictor_loss,
-    resolve_precision,
     tokenizer_loss,
     train_tokenizer,
 )
+from finetune.utils.validate import Precision, resolve_precision
 from tests.engine_dist_worker import tiny_datasets, tiny_predictor, tiny_tokenizer
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -88,7 +88,7 @@ def test_a_failing_compile_warns_once_and_trains_exactly_like_eager(tmp_path, mo
         return first_call
 
     monkeypatch.setattr(torch, "compile", broken_compile)
-    with caplog.at_level(logging.WARNING, logger="finetune.utils.training_utils"):
+    with caplog.at_level(logging.WARNING, logger="finetune.utils"):
         result = train_tokenizer(tiny_tokenizer(dropout=0.1), train_set, val_set, replace(cfg, compile=True),
                                  tmp_path / "c", CPU)
     warned = [r.getMessage() for r in caplog.records
@@ -146,10 +146,10 @@ def test_a_ten_step_stage_with_pct_start_0_1_trains_with_one_warm_up_step(tmp_pa
 
 
 def test_train_records_and_the_epoch_line_carry_tokens_per_s_and_mfu_when_the_peak_is_known(tmp_path, monkeypatch):
-    import finetune.utils.training_utils as engine
+    import finetune.utils.validate as validation
 
     peak = 1e9  # a pretend device peak, so MFU is reported on this CPU
-    monkeypatch.setattr(engine, "resolve_precision", lambda amp, device: engine.Precision(None, False, peak, "fp32"))
+    monkeypatch.setattr(validation, "resolve_precision", lambda amp, device: Precision(None, False, peak, "fp32"))
     train_set, val_set = tiny_datasets()
     tok = tiny_tokenizer()
     result = train_tokenizer(tok, train_set, val_set, CFG, tmp_path, CPU)
@@ -162,3 +162,28 @@ def test_train_records_and_the_epoch_line_carry_tokens_per_s_and_mfu_when_the_pe
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * flops / peak)
     epoch_line = [line for line in (tmp_path / "train.log").read_text().splitlines() if "epoch 1/1" in line]
     assert len(epoch_line) == 1 and "tokens/s  MFU " in epoch_line[0]
+
+
+def test_training_deterministic_runs_the_stage_under_deterministic_kernels_and_says_so(tmp_path, monkeypatch,
+                                                                                       caplog):
+    """training.deterministic: true turns on torch's deterministic algorithms for the stage (a kernel without a
+    deterministic version would raise, not silently differ), turns compile 'auto' off, says so in the log, and puts
+    the process's setting back afterwards; the default leaves them off and says that too."""
+    seen = []
+    real_step = torch.optim.AdamW.step
+
+    def step(self, *a, **k):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    train_set, val_set = tiny_datasets()
+    with caplog.at_level(logging.INFO):
+        for on in (True, False):
+            train_tokenizer(tiny_tokenizer(), train_set, val_set, replace(CFG, deterministic=on), tmp_path / str(on),
+                            CPU)
+    assert seen[:3] == [True] * 3 and seen[3:] == [False] * 3
+    assert not torch.are_deterministic_algorithms_enabled()
+    text = caplog.text
+    assert "training.deterministic: on: torch.use_deterministic_algorithms" in text
+    assert "training.deterministic: off" in text

@@ -57,7 +57,7 @@ def test_empirical_baseline_is_scored_beside_persistence_with_intervals():
     obs = realised / last[:, None] - 1
     expected = crps_ensemble(obs, np.moveaxis(emp / last[:, None, None] - 1, 1, -1)).mean()
     assert out["empirical"]["overall"]["crps"] == pytest.approx(expected)
-    ci = out["bootstrap"]["crps_minus_empirical"]
-    assert ci["estimate"] == pytest.approx(out["model"]["overall"]["crps"] - expected)
-    assert ci["low"] <= ci["estimate"] <= ci["high"] and ci["unit"] == "dates"
+    versus = out["versus"]["empirical"]
+    assert versus["mean"] == pytest.approx(out["model"]["overall"]["crps"] - expected)
+    assert versus["dates"] == w
     assert "crps_vs_empirical" in out["skill"] and "crps_vs_persistence" in out["skill"]

@@ -127,8 +127,9 @@ def test_score_forecasts_by_hand_and_strict_json():
     assert 0.3 < out["model"]["overall"]["coverage_80"] <= 1 and len(out["model"]["per_horizon"]["coverage_50"]) == 4
     assert set(out["model"]["overall"]["pinball"]) == {"0.1", "0.2", "0.3", "0.4", "0.5", "0.6", "0.7", "0.8", "0.9"}
     assert out["seasonal_naive"]["overall"]["mase"] > 0 and "crps_fair" in out["model"]["overall"]
-    boot = out["bootstrap"]["crps_minus_persistence"]
-    assert boot["low"] <= boot["estimate"] <= boot["high"] and boot["block"] == 4
+    versus = out["versus"]["persistence"]  # the one interval rule: statistics.paired_test
+    assert versus["mean"] == pytest.approx(out["model"]["overall"]["crps"] - out["persistence"]["overall"]["crps"])
+    assert versus["windows"] == 40 and "CRPS model - persistence" in versus["reason"]
     assert out["skill"]["crps_vs_persistence"] == pytest.approx(
         1 - out["model"]["overall"]["crps"] / out["persistence"]["overall"]["crps"])
 

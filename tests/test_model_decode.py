@@ -65,7 +65,7 @@ def test_race_sampler_draws_the_filtered_softmax(top_k, top_p, temperature):
     assert (freq[expected == 0] == 0).all()  # filtered tokens are never drawn
 
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA graph is only taken on CUDA")
+CUDA = pytest.mark.cuda  # skipped without a GPU (tests/conftest.py); the only tests that see one
 
 
 @pytest.mark.parametrize("device, decode", [("cpu", "static"), pytest.param("cuda", "graph", marks=CUDA)])

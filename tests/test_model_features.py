@@ -86,3 +86,17 @@ def test_candle_faults_name_each_broken_rule_and_its_rows():
                    ("low", "<= 0 (prices must be positive)"): [False, True, False, False],
                    ("high", "below max(open, close)"): [True, False, False, False],
                    ("low", "above min(open, close)"): [False, False, True, False]}
+
+
+def test_time_features_equal_pandas_field_accessors_on_any_clock_era_and_unit():
+    """The integer arithmetic of `time_features` (what every forecast computes per series) reads the same minute,
+    hour, weekday, day and month as pandas' accessors: before 1970, after 2038, tz-aware (each zone's own wall
+    clock) and in second resolution."""
+    from model.features import time_features
+
+    rng = np.random.default_rng(0)
+    utc = pd.DatetimeIndex(rng.integers(-2 * 10**18, 4 * 10**18, 5000)).tz_localize("UTC")
+    for idx in (utc.tz_localize(None), utc.tz_convert("Asia/Shanghai"), utc.tz_convert("America/New_York"),
+                pd.date_range("1900-01-01", periods=500, freq="37h").as_unit("s")):
+        expected = np.stack([idx.minute, idx.hour, idx.day_of_week, idx.day, idx.month], axis=1)
+        np.testing.assert_array_equal(time_features(idx), expected)

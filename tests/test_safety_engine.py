@@ -17,13 +17,13 @@ import torch
 import finetune.utils.checkpoint as checkpoint_store
 from finetune.utils.checkpoint import CheckpointWriteError, DivergenceError, load_checkpoint
 from finetune.utils.distributed import DistInfo
+from finetune.utils.ledger import stage_status
 from finetune.utils.safety import (
     STOPPED_EXIT_CODE,
     RunLock,
     RunLockedError,
     StageFolderError,
     TrainingStopped,
-    stage_status,
 )
 from finetune.utils.schema import TrainingConfig
 from finetune.utils.training_utils import TokenizerStage, Trainer, restore_optimizer, train_predictor, train_tokenizer
@@ -97,7 +97,7 @@ def test_sigterm_saves_and_stops_and_the_rerun_resumes_to_the_same_weights(tmp_p
                                                r"training\.overwrite=true"):
         train_tokenizer(tok, train_set, val_set, replace(CFG, resume="never"), tmp_path, CPU, data_info=DATA)
 
-    with caplog.at_level(logging.INFO, logger="finetune.utils.training_utils"):
+    with caplog.at_level(logging.INFO, logger="finetune.utils"):
         result = train_tokenizer(tiny_tokenizer(seed=5), train_set, val_set, CFG, tmp_path, CPU, data_info=DATA)
     assert any("holds an unfinished run: resuming it" in r.getMessage() for r in caplog.records)
     whole_weights, whole = uninterrupted
@@ -119,7 +119,7 @@ def test_finished_run_is_skipped_overwrite_replaces_it_and_required_needs_a_chec
     first = train_tokenizer(tiny_tokenizer(), train_set, val_set, replace(CFG, epochs=1), tmp_path, CPU)
     assert stage_status(tmp_path) == "finished" and first.global_step == 4
     (tmp_path / "notes.txt").write_text("mine")
-    with caplog.at_level(logging.INFO, logger="finetune.utils.training_utils"):
+    with caplog.at_level(logging.INFO, logger="finetune.utils"):
         again = train_tokenizer(tiny_tokenizer(), train_set, val_set, replace(CFG, overwrite=True), tmp_path, CPU)
     line = next(r.getMessage() for r in caplog.records if "overwrite" in r.getMessage())
     assert "replacing the finished run" in line and "checkpoints, best_model, metrics.jsonl" in line
@@ -172,7 +172,7 @@ def test_nan_batch_stops_before_the_update_and_a_resume_may_lower_the_lr(tmp_pat
         train_tokenizer(tiny_tokenizer(dropout=0.1), train_set, val_set, cfg, tmp_path, CPU)
 
     lower = replace(cfg, lr=5e-4, weight_decay=0.05, clip_grad_norm=1.0)
-    with caplog.at_level(logging.INFO, logger="finetune.utils.training_utils"):
+    with caplog.at_level(logging.INFO, logger="finetune.utils"):
         result = train_tokenizer(tok, train_set, val_set, lower, tmp_path, CPU)
     changed = next(r.getMessage() for r in caplog.records if "settings changed" in r.getMessage())
     assert "training.lr: 0.001 -> 0.0005" in changed and "training.weight_decay: 0.1 -> 0.05" in changed
@@ -303,7 +303,7 @@ def test_epoch_zero_is_validated_and_a_metric_can_keep_the_starting_model(tmp_pa
 
     with pytest.raises(ConfigError, match=r"training\.select_by: 'crps' needs a forecast metric"):
         Trainer(TokenizerStage(tok), train_set, val_set, replace(CFG, select_by="crps"), tmp_path, CPU)
-    with caplog.at_level(logging.INFO, logger="finetune.utils.training_utils"):
+    with caplog.at_level(logging.INFO, logger="finetune.utils"):
         result = Trainer(TokenizerStage(tok), train_set, val_set, replace(CFG, select_by="crps"), tmp_path, CPU,
                          val_metric=worse_every_epoch).fit()
     assert [h["epoch"] for h in result.history] == [0, 1, 2]
@@ -356,7 +356,7 @@ class HandlerProbe:
 
 
 def test_loader_workers_ignore_sigint_and_keep_their_seeding():
-    from finetune.utils.training_utils import quiet_loader
+    from finetune.utils.validate import quiet_loader
     from finetune.utils.windows import EpochSampler, make_loader
 
     # A pytest started in the background (`cmd &`) inherits SIGINT ignored: start from Python's own handler.

@@ -53,7 +53,7 @@ def test_a_real_effect_says_helps_and_too_few_blocks_say_why():
     # 3 folds x 7 windows: 21 dates, blocks of 3 -> 7 independent blocks, below MIN_BLOCKS: no interval is claimed
     few = paired_test(effect[:21 * 5], dates[:21 * 5])
     assert few["blocks"] == 7 < MIN_BLOCKS and few["verdict"] == "no_evidence"
-    assert "only 7 independent blocks: too few for a 95% interval" in few["reason"]
+    assert "no 95% interval: only 7 independent blocks" in few["reason"]
 
 
 def test_series_at_one_date_are_one_observation():

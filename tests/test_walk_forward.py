@@ -74,9 +74,12 @@ def test_folds_are_date_ranges_shared_by_all_series_and_purged_on_each(purge, em
             assert when[fold.test.first_target[on]].min() > prev_last
         prev_last = when[fold.test.stop[on] - 1].max()
         assert wf.fold_dates(fold)["test_start"] == str(pd.Timestamp(block[0]))
-    # s2 ends before the last two blocks: present in fold 0 only, absent (no rows at all) from folds 1 and 2
+    # s2 ends before the last two blocks: scored in fold 0 only, yet still trained on (all its rows but the
+    # purged validation tail, every one before the block) in folds 1 and 2 -- never dropped silently
     assert [bool(f.test.stop[2] > f.test.first_target[2]) for f in folds] == [True, False, False]
-    assert all(f.train.stop[2] == f.train.start[2] for f in folds[1:])
+    for f in folds[1:]:
+        assert f.train.stop[2] - f.train.start[2] >= lookback + predict and f.val.stop[2] <= p.offsets[3]
+        assert when[f.val.stop[2] - 1] < calendar[len(calendar) - (2 - f.index) * (12 + embargo) - 12]
 
 
 def test_a_series_that_ends_before_every_test_block_is_named_in_a_warning(caplog):
@@ -85,7 +88,8 @@ def test_a_series_that_ends_before_every_test_block_is_named_in_a_warning(caplog
     with caplog.at_level("WARNING", logger=wf.log.name):
         folds = wf.make_folds(p, 16, 4, folds=3, test_bars=12, purge=4, embargo=0, val_ratio=0.2)
     assert all(f.test.stop[1] == f.test.first_target[1] for f in folds)
-    assert "s1 are in no fold" in caplog.text and "the verdict covers 1 of 2 series" in caplog.text
+    assert "s1 are scored in no fold, only trained on" in caplog.text and "the verdict covers 1 of 2" in caplog.text
+    assert all(f.train.stop[1] - f.train.start[1] >= 20 for f in folds)  # s1 still trains in every fold
     caplog.clear()
     with caplog.at_level("WARNING", logger=wf.log.name):  # ends 30 hours early: in fold 0, no warning
         wf.make_folds(panel([300, 260], ["2024-03-01 00:00", "2024-02-28 18:00"]), 16, 4, folds=3, test_bars=12,
@@ -107,7 +111,7 @@ def test_too_short_series_and_a_purge_below_predict_are_named(tmp_path):
 def windows_frame(effect: float, n_folds: int = 4, n_series: int = 3, n_windows: int = 20, seed: int = 0):
     """windows.csv rows of finetuned and zero_shot: `effect` + noise as the CRPS difference per window."""
     rng = np.random.default_rng(seed)
-    rows = pd.DataFrame([(k, f"s{s}", pd.Timestamp("2024-01-01") + pd.Timedelta(hours=k * n_windows + i))
+    rows = pd.DataFrame([(k, f"s{s}", pd.Timestamp("2024-01-01") + pd.Timedelta(days=k * n_windows + i))
                          for k in range(n_folds) for s in range(n_series) for i in range(n_windows)],
                         columns=["fold", "series", "window_start"])
     diff = effect + 0.002 * rng.standard_normal(len(rows))
@@ -165,13 +169,14 @@ def test_report_and_windows_csv_agree_and_a_rerun_skips_finished_folds(run_confi
     assert len(rows) == rows[["fold", "series", "window_start", "candidate"]].drop_duplicates().shape[0]
     wide = rows.pivot_table(index=["fold", "series", "window_start"], columns="candidate", values=["crps", "mae"])
     crps = report["paired"]["finetuned_vs_zero_shot"]["crps"]
-    # the verdict's mean is over dates of the series' mean at each date (fold 1 has one series fewer)
-    by_date = (wide["crps"]["finetuned"] - wide["crps"]["zero_shot"]).groupby("window_start").mean()
-    assert crps["mean"] == pytest.approx(by_date.mean(), abs=1e-12) and crps["dates"] == 4
+    # the verdict's mean is over trading sessions of the mean of the windows in each (fold 1 has one series fewer)
+    diff = wide["crps"]["finetuned"] - wide["crps"]["zero_shot"]
+    by_session = diff.groupby(diff.index.get_level_values("window_start").normalize()).mean()
+    assert crps["mean"] == pytest.approx(by_session.mean(), abs=1e-12) and crps["dates"] == len(by_session)
     assert crps["windows"] == 10
     again = wf.paired_from_windows(rows[rows.in_verdict])
     assert again["crps"]["verdict"] == report["verdict"] == "no_evidence"
-    assert "only 2 independent blocks: too few for a 95% interval" in report["verdict_reason"]  # 4 dates
+    assert "no 95% interval: only" in report["verdict_reason"]  # 5-minute bars: the test windows span 1-2 sessions
     assert again["crps"]["ci_low"] == pytest.approx(crps["ci_low"])
     assert "verdict:" in capsys.readouterr().out
 
@@ -295,3 +300,15 @@ def test_sigkill_at_chosen_moments_of_a_walk_forward_then_rerun_gives_the_uninte
     assert [f["scores"] for f in got["folds"]] == [f["scores"] for f in expected["folds"]]
     assert all("calibrated" in f["scores"] for f in got["folds"])
     assert (out / "windows.csv").read_bytes() == (tmp_path / "ref/wf/walk_forward/windows.csv").read_bytes()
+
+
+def test_an_empirical_baseline_that_beats_the_models_is_named_best_in_the_verdict_line():
+    frame, _ = windows_frame(0.0)
+    rows = frame[frame.candidate == "zero_shot"]
+    frame = pd.concat([frame, rows.assign(candidate="empirical", crps=0.006), rows.assign(candidate="persistence",
+                                                                                          crps=0.02)])
+    best = wf.best_candidate(frame)
+    assert best["candidate"] == "empirical" and best["runner_up"] in ("zero_shot", "finetuned")
+    assert list(best["ranking"])[0] == "empirical" and list(best["ranking"])[-1] == "persistence"
+    assert best["test"]["verdict"] == "helps" and best["test"]["ci_high"] < 0  # 80 dates: an interval, below 0
+    assert best["line"].startswith("best by CRPS: empirical") and "95% interval [" in best["line"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from finetune.evaluation.statistics import bootstrap_ci
+from finetune.evaluation.statistics import bootstrap_ci, paired_test, session_test
 from model.errors import DataError
 from model.fileio import strict_json
 
@@ -312,26 +312,26 @@ def score_forecasts(samples, realised, last_close, context=None, series=None,
                                 if base.get(k) else None for k in ("mae", "crps", "mase") if k in base})
     result["bootstrap"] = (_bootstrap(by_name, codes, n_series, settings, dates) if settings.n_boot > 0
                            else None)
+    # Paired differences get the one interval rule of every report (statistics.paired_test, sessions as dates).
+    when = np.arange(n_windows) if dates is None else np.asarray(dates)
+    test = session_test if np.issubdtype(when.dtype, np.datetime64) else paired_test
+    result["versus"] = {name: test(by_name["model"]["crps"].mean(axis=1) - by_name[name]["crps"].mean(axis=1),
+                                   when, settings.min_block - 1, what=f"CRPS model - {name}")
+                        for name in by_name if name != "model"}
     result["per_series"] = _per_series(by_name["model"], names, codes)
     return strict_json(result)
 
 
 def _bootstrap(by_name: dict, codes: np.ndarray, n_series: int, settings: ScoreSettings,
                dates: np.ndarray | None = None) -> dict:
-    """CIs over windows (or date blocks) of the model's headline numbers and paired differences to each baseline."""
+    """CIs over windows (or date blocks) of the model's headline numbers."""
     model = by_name["model"]
     n = len(codes)
     stats = {"mae": lambda i: model["abs_err"][i].mean(), "crps": lambda i: model["crps"][i].mean(),
              "direction_accuracy": lambda i: model["direction_hit"][i].mean()}
-    for name in [b for b in ("persistence", "empirical") if b in by_name]:
-        naive = by_name[name]
-        stats[f"crps_minus_{name}"] = lambda i, b=naive: (model["crps"][i] - b["crps"][i]).mean()
-        stats[f"mae_minus_{name}"] = lambda i, b=naive: (model["abs_err"][i] - b["abs_err"][i]).mean()
-        if model["scaled"] is not None:
-            scaled_m, scaled_b = model["scaled"].mean(axis=1), naive["scaled"].mean(axis=1)  # (W,)
-            stats["mase"] = lambda i, m=scaled_m: _series_mean(m, codes, n_series, i)
-            stats[f"mase_minus_{name}"] = lambda i, m=scaled_m, b=scaled_b: (_series_mean(m, codes, n_series, i)
-                                                                              - _series_mean(b, codes, n_series, i))
+    if model["scaled"] is not None:  # paired differences to the baselines: "versus" (statistics.paired_test)
+        scaled = model["scaled"].mean(axis=1)  # (W,)
+        stats["mase"] = lambda i: _series_mean(scaled, codes, n_series, i)
     return {k: bootstrap_ci(f, n, settings.n_boot, settings.block, settings.seed, settings.level, dates,
                             settings.min_block) for k, f in stats.items()}
 

@@ -12,6 +12,7 @@ date are one observation); the T date means, in time order over the pooled test 
   normal (with few dates the normal rejects too often: heavy tails, a noisy long-run variance). The interval is
   mean +- t(B - 1) se; `helps` / `hurts` when it excludes 0, i.e. the DM test rejects.
 - Below MIN_BLOCKS blocks no interval is claimed: `no_evidence`, and the reason says so.
+- Intraday windows: the dates are trading sessions (`session_test`); windows of one session are not independent.
 Rejected: the (fold, series)-block bootstrap it replaces (1 series x 3 folds = 3 blocks, the interval is the range of
 the fold means: 26% false helps / hurts on null data), and the moving-block bootstrap of the date means, which
 alone said helps / hurts 11-14% of the time on the null designs of tests/test_statistics.py (MA(4) differences,
@@ -43,6 +44,15 @@ def hac_variance(x: np.ndarray, lag: int, flat: int = 0) -> float:
     for j in range(1, min(lag, n - 1) + 1):
         var += 2.0 * min(1.0, 1.0 - (j - flat) / (lag - flat + 1)) * float(dev[j:] @ dev[:-j]) / n
     return max(var, 0.0)
+
+
+def prewhitened_variance(x: np.ndarray, lag: int, flat: int = 0) -> float:
+    """`hac_variance` of `x (T,)` after AR(1) prewhitening (Andrews & Monahan 1992), recoloured by 1 / (1 - rho)^2:
+    the Bartlett taper alone misses a persistent dependence at short samples (AR(1) 0.3 differences, 72 dates:
+    8.3% false helps / hurts at 5%, 5-6% prewhitened); rho clipped to [-0.9, 0.9] as they advise."""
+    dev = np.asarray(x, dtype=np.float64) - np.mean(x)
+    rho = float(np.clip(dev[1:] @ dev[:-1] / (dev[:-1] @ dev[:-1]), -0.9, 0.9)) if dev.any() else 0.0
+    return hac_variance(dev[1:] - rho * dev[:-1], lag, flat) / (1.0 - rho) ** 2
 
 
 def newey_west_tstat(x, lag: int) -> dict[str, float]:
@@ -121,6 +131,16 @@ def bootstrap_ci(statistic: Callable[[np.ndarray], float], n: int, n_boot: int =
             "unit": "dates" if dates is not None else "windows"}
 
 
+def session_test(diff, times, lag: int = 0, **kw) -> dict:
+    """`paired_test` of `diff (W,)` over the trading sessions of the window times `times (W,)` (datetimes or int64
+    ns, in the series' own wall clock): one date per session. `lag`: the known dependence in windows, kept only when
+    no session holds two window times (daily or longer bars); intraday windows of one session are averaged."""
+    stamps = pd.DatetimeIndex(pd.to_datetime(np.asarray(times)))
+    sessions = stamps.normalize()
+    intraday = sessions.nunique() < stamps.nunique()
+    return paired_test(diff, sessions.asi8, 0 if intraday else lag, **kw)
+
+
 def paired_test(diff, dates, lag: int = 0, level: float = 0.95, what: str = "difference",
                 higher_is_better: bool = False) -> dict:
     """The verdict of the module docstring on paired differences `diff (W,)` at `dates (W,)` (sortable; < 0 = the
@@ -132,7 +152,7 @@ def paired_test(diff, dates, lag: int = 0, level: float = 0.95, what: str = "dif
     n_dates, mean = len(x), float(x.mean()) if len(x) else math.nan
     flat, lag = int(lag), max(2 * int(lag), int(4 * (n_dates / 100) ** (2 / 9)))
     blocks = n_dates // (lag + 1)
-    lrv = hac_variance(x, lag, flat) if n_dates > 1 else 0.0
+    lrv = prewhitened_variance(x, lag, flat) if n_dates > 2 else 0.0
     se, df = math.sqrt(lrv / max(n_dates, 1)), max(blocks - 1, 1)
     dm = mean / se if se > 0 else math.nan
     half = float(sps.t.ppf(0.5 + level / 2, df)) * se
@@ -143,10 +163,12 @@ def paired_test(diff, dates, lag: int = 0, level: float = 0.95, what: str = "dif
            "dates": n_dates, "lag": lag, "block": lag + 1, "blocks": blocks,
            "windows_needed": None if needed is None else int(math.ceil(needed))}
     span = (f"{what} {mean:+.3g}, {level:.0%} interval [{out['ci_low']:+.3g}, {out['ci_high']:+.3g}] over "
-            f"{len(frame)} windows on {n_dates} dates ({blocks} independent blocks of {lag + 1} dates)")
+            f"{len(frame)} windows on {n_dates} dates or sessions ({blocks} independent blocks of {lag + 1} dates)")
     if blocks < MIN_BLOCKS or not se > 0:
-        out["verdict"], why = "no_evidence", f"only {blocks} independent blocks: too few for a {level:.0%} interval " \
-                                             f"(at least {MIN_BLOCKS} needed: more test windows or folds)"
+        out["verdict"] = "no_evidence"  # ci_low / ci_high stay in the record for plots; no text prints them
+        span = f"{what} {mean:+.3g} over {len(frame)} windows on {n_dates} dates or sessions"
+        why = (f"no {level:.0%} interval: only {blocks} independent blocks of {lag + 1} (at least {MIN_BLOCKS} "
+               "needed: more test windows, sessions or folds)")
     elif out["ci_high"] < 0 or out["ci_low"] > 0:
         below = out["ci_high"] < 0
         out["verdict"], why = "helps" if below != higher_is_better else "hurts", \

@@ -1,8 +1,7 @@
 """Checkpoints, in one place: what a resumable checkpoint holds (`Checkpoint`, format `CHECKPOINT_FORMAT`), writing
 it (atomic step files with rotation, `last.pt` = the newest, never non-finite weights, a full disk named with the
-bytes needed), reading it back (`load_latest` falls back to the previous file when the newest is broken), whether
-a run may resume from it (`check_resume_compatible`, `check_data` with the data and frozen-weights fingerprints),
-and loading a published-format model with errors naming the setting (`load_pretrained`).
+bytes needed), reading it back (`load_latest` falls back to the previous file when the newest is broken), loading a
+published-format model with errors naming the setting (`load_pretrained`). Whether to resume: the ledger's.
 
 Only rank 0 calls the writers; the training loop puts a `barrier()` after them before any rank reads. Writes go to
 a temporary name in the same folder and are moved into place with `os.replace`, so a process killed mid-write
@@ -12,8 +11,6 @@ leaves the previous checkpoint intact, never half a file.
 from __future__ import annotations
 
 import errno
-import hashlib
-import json
 import logging
 import os
 import pickle
@@ -28,10 +25,8 @@ from typing import Any, TypedDict
 import numpy as np
 import torch
 
-from finetune.utils.config_utils import Problems, config_to_dict, plain
 from finetune.utils.errors import classify
-from finetune.utils.schema import TrainingConfig, stage_key
-from model.errors import EXIT_PATH, ConfigError, DataError, PathError, UserError
+from model.errors import EXIT_PATH, DataError, PathError, UserError
 from model.fileio import atomic_write
 
 CHECKPOINT_FORMAT = "kronos-finetune/last-v1"
@@ -502,106 +497,3 @@ def assert_finite_state_dict(state_dict: Any, what: str) -> None:
         raise NonFiniteWeightsError(
             f"refusing to write {what}: tensor '{name}' holds {n_nan + n_inf} non-finite value(s) ({kinds}) of "
             f"{t.numel()} ({n_bad_tensors} tensor(s) affected); nothing was written, the previous checkpoint is kept")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# resume compatibility and fingerprints
-
-
-# Settings a checkpoint cannot be resumed with if changed: they fix the data order, the step count or shapes.
-RESUME_KEYS = ("epochs", "batch_size", "accumulation_steps", "seed", "max_train_samples", "finetune_mode",
-               "lora_rank", "lora_alpha", "lora_targets", "trainable")
-# Optimisation settings a resume may change (e.g. a lower lr after a divergence); each change is reported.
-CHANGEABLE_KEYS = ("lr", "pct_start", "div_factor", "final_div_factor", "betas", "weight_decay", "clip_grad_norm",
-                   "amp", "compile", "patience", "min_delta", "teacher_forcing", "max_val_samples", "select_by",
-                   "lora_dropout")
-
-
-def check_resume_compatible(saved: Checkpoint, cfg: TrainingConfig, world_size: int, stage: str,
-                            model_args: dict[str, Any], path: Path, *, run_config: dict[str, Any] | None = None,
-                            finished: bool = False) -> list[str]:
-    """Raise one ConfigError listing every setting that cannot differ from the checkpoint `saved` (loaded from
-    `path`); return 'key: old -> new' for each changeable optimisation setting that did change. `model_args` are
-    this run's, already `plain()`; with the pipeline's resolved `run_config`, a setting its `<stage>_training:`
-    section sets is named by that key (`predictor_training.epochs`), else `training.<name>`. `finished`: `saved`
-    is the final checkpoint of a finished run that a re-run would otherwise skip."""
-    title = (f"{path.parent.parent} holds a finished {stage} run made with other settings; nothing was trained"
-             if finished else f"Cannot resume from {path}")
-    problems = Problems(title)
-    if saved.get("stage") != stage:
-        problems.add("training.resume", f"the checkpoint is from the {saved.get('stage')} stage, not {stage}")
-    for key in sorted(set(model_args) | set(saved.get("model_args", {}))):
-        if saved.get("model_args", {}).get(key) != model_args.get(key):
-            problems.add(f"model.{key}", f"the checkpoint's model has {saved['model_args'].get(key)!r}, "
-                                         f"this one {model_args.get(key)!r}")
-    old = saved.get("training_config", {})
-    for key in RESUME_KEYS:
-        new_value = config_to_dict(getattr(cfg, key))
-        if key in old and old[key] != new_value:
-            problems.add(stage_key(run_config, stage, key),
-                         f"the checkpoint was made with {old[key]!r}, the config now says {new_value!r}")
-    if saved.get("world_size") != world_size:
-        problems.add("(torchrun --nproc_per_node)",
-                     f"the checkpoint was made with {saved.get('world_size')} processes, now {world_size}")
-    if problems:
-        problems.add("training.overwrite", "set it to true (--overwrite) to train this stage again from the start "
-                                           "with the new settings, or use a new output folder")
-    problems.raise_if_any()
-    changed = []
-    for key in CHANGEABLE_KEYS:
-        new_value = plain(getattr(cfg, key))
-        if key in old and plain(old[key]) != new_value:
-            changed.append(f"{stage_key(run_config, stage, key)}: {old[key]!r} -> {new_value!r}")
-    return changed
-
-
-def data_fingerprint(data_info: dict[str, Any] | None) -> str | None:
-    """sha256 of `data_info` as canonical JSON (None without data_info)."""
-    if data_info is None:
-        return None
-    canonical = json.dumps(data_info, sort_keys=True, default=str, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(obj, dict):
-        out: dict[str, Any] = {}
-        for k, v in obj.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    if isinstance(obj, list):
-        out = {}
-        for i, v in enumerate(obj):
-            out.update(_flatten(v, f"{prefix}[{i}]"))
-        return out or {prefix: []}
-    return {prefix: obj}
-
-
-def describe_changes(old: dict[str, Any] | None, new: dict[str, Any] | None, limit: int = 8) -> list[str]:
-    """'key: old -> new' for each differing leaf of two nested dicts (data_info), at most `limit` plus a count."""
-    a, b = _flatten(old or {}), _flatten(new or {})
-    diffs = [f"{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}" for k in sorted(set(a) | set(b))
-             if a.get(k, "(absent)") != b.get(k, "(absent)")]
-    return diffs[:limit] + ([f"... and {len(diffs) - limit} more"] if len(diffs) > limit else [])
-
-
-def check_data(saved: dict, data_info: dict[str, Any] | None, frozen_fp: str | None, accept: bool,
-               path: Path) -> list[str]:
-    """Compare the checkpoint's data fingerprint and frozen-model hash with this run's.
-
-    Returns the changes found (empty when none, or when the checkpoint predates fingerprints); raises a
-    ConfigError naming them unless `accept` (training.accept_changed_data)."""
-    changes = []
-    old_fp = saved.get("data_fingerprint")
-    if old_fp is not None and old_fp != data_fingerprint(data_info):
-        diff = describe_changes(saved.get("data_info"), data_info) or ["(the data description differs)"]
-        changes.append("the training data changed: " + "; ".join(diff))
-    old_frozen = saved.get("frozen_fingerprint")
-    if old_frozen is not None and old_frozen != frozen_fp:
-        changes.append(f"the frozen tokenizer's weights changed (or, in lora / freeze, the base predictor's; sha256 "
-                       f"{old_frozen[:12]} -> {str(frozen_fp)[:12]})")
-    if changes and not accept:
-        raise ConfigError([f"training.accept_changed_data: {c}; set it to true to resume anyway (recorded in "
-                           "run_info.json), or training.overwrite=true to start over" for c in changes],
-                          title=f"Cannot resume from {path}")
-    return changes

@@ -1,8 +1,6 @@
 """Run safety, in one place; each decision is a small function of its inputs.
 
 - `RunLock`: one run per output folder (an OS-level lock rank 0 holds for the whole run; stale locks taken over).
-- Stage folder rules: `stage_status` (empty / unfinished / finished) and `plan_run` (fresh, resume, skip,
-  overwrite or refuse, from training.resume / training.overwrite); `remove_outputs` under the lock.
 - Interrupts: `GracefulStop` (SIGTERM / first Ctrl-C: finish the step, save, `TrainingStopped`, exit 75; a second
   Ctrl-C quits at once); workers ignore SIGINT. The outermost `GracefulStop` holds the handlers for the whole run
   (a nested one shares its request), and `raise_if_stop_requested` is the safe point outside the training loop:
@@ -22,7 +20,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import signal
 import socket
 import statistics
@@ -34,11 +31,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-from finetune.utils.checkpoint import LAST_NAME, DivergenceError, list_checkpoints
+from finetune.utils.checkpoint import DivergenceError
 from model.errors import EXIT_STOPPED, RefusedError, UserError
 
 FAULT_ENV = "KRONOS_FAULT_EXIT_AFTER_STEP"
@@ -233,120 +230,8 @@ class RunLock:
         self.release()
 
 
-RUN_OUTPUTS = ("checkpoints", "best_model", "metrics.jsonl", "loss_curve.png", "run_info.json", "tensorboard")
-"""What a run writes into its stage folder (what training.overwrite deletes); nothing else is touched."""
-
-Status = Literal["empty", "unfinished", "finished"]
-
-
 class StageFolderError(RefusedError, ValueError):
     """The stage folder's content and training.resume / training.overwrite disagree (a user decision is needed)."""
-
-
-def _read_run_info(folder: Path) -> dict[str, Any]:
-    try:
-        data = json.loads((folder / "run_info.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _has_checkpoint(folder: Path) -> bool:
-    ckpt = folder / "checkpoints"
-    return bool(list_checkpoints(ckpt)) or (ckpt / LAST_NAME).is_file()
-
-
-def stage_status(folder: str | Path) -> Status:
-    """"finished" when run_info.json records a finished run, "unfinished" when the folder holds any run output
-    (a checkpoint, best_model/, metrics.jsonl, run_info.json), else "empty" (also for a missing folder)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return "empty"
-    info = _read_run_info(folder)
-    if (info.get("result") or {}).get("finished") is True and _has_checkpoint(folder):
-        return "finished"
-    if _has_checkpoint(folder) or any((folder / name).exists() for name in RUN_OUTPUTS):
-        return "unfinished"
-    return "empty"
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """What rank 0 decided to do with the stage folder (broadcast to every rank)."""
-
-    # fresh = train from the start; resume = continue from `checkpoint_dir`/`checkpoint`; skip = finished.
-    action: Literal["fresh", "resume", "skip"]
-    # An explicit checkpoint file to resume from (training.resume=<path>), else None (use the newest).
-    checkpoint: str | None = None
-    # The folder whose newest usable checkpoint is resumed (or read back when skipping).
-    checkpoint_dir: str | None = None
-    message: str = ""  # The one line to log about the decision ('' = nothing to say).
-    remove: tuple[str, ...] = ()  # Old outputs to delete before training (training.overwrite).
-
-
-def plan_run(folder: str | Path, resume: str, overwrite: bool, stage: str) -> RunPlan:
-    """The `RunPlan` for the stage folder `folder` given training.resume ('auto', 'never', 'required' or a path to
-    a checkpoint file / run folder) and training.overwrite (pure, reads only); `StageFolderError` when the settings
-    contradict the folder's content."""
-    folder = Path(folder)
-    status = stage_status(folder)
-    key = (resume or "never").strip()
-    mode = key.lower()
-    present = [name for name in RUN_OUTPUTS if (folder / name).exists()]
-    if overwrite:
-        if status == "empty":
-            return RunPlan("fresh")
-        return RunPlan("fresh", remove=tuple(present),
-                       message=f"[{stage}] training.overwrite=true: replacing the {status} run in {folder} "
-                               f"(deleting {', '.join(present)})")
-    if mode in ("never", "no", "false", "none", ""):
-        if status != "empty":
-            raise StageFolderError(
-                f"training.resume=never but {folder} already holds a{'' if status == 'unfinished' else ' finished'} "
-                f"{stage} run ({', '.join(present)}); set training.overwrite=true (--overwrite) to replace it, "
-                "training.resume=auto to continue it, or use another output folder")
-        return RunPlan("fresh")
-    if mode in ("auto", "required"):
-        if status == "finished":
-            return RunPlan("skip", checkpoint_dir=str(folder / "checkpoints"),
-                           message=f"[{stage}] {folder} already holds a finished run; skipping it "
-                                   "(--overwrite or training.overwrite=true trains it again)")
-        if _has_checkpoint(folder):
-            return RunPlan("resume", checkpoint_dir=str(folder / "checkpoints"),
-                           message=f"[{stage}] {folder} holds an unfinished run: resuming it "
-                                   "(--overwrite starts over instead)")
-        if mode == "required":
-            raise StageFolderError(f"training.resume=required but {folder} holds no checkpoint to resume; "
-                                   "set training.resume=auto to start a new run")
-        if status == "unfinished":
-            return RunPlan("fresh", remove=tuple(present),
-                           message=f"[{stage}] {folder} holds outputs of a run killed before its first checkpoint "
-                                   f"({', '.join(present)}); starting over")
-        return RunPlan("fresh")
-    path = Path(key)
-    if path.is_dir():
-        path = path / "checkpoints" / LAST_NAME if (path / "checkpoints").is_dir() else path / LAST_NAME
-    if not path.is_file():
-        raise StageFolderError(f"training.resume: checkpoint {key} not found "
-                               "(use 'auto', 'never', 'required' or a checkpoint file / run folder)")
-    if status != "empty" and path.parent.resolve() != (folder / "checkpoints").resolve():
-        raise StageFolderError(f"training.resume={key} resumes another run, but {folder} already holds a {status} "
-                               f"run ({', '.join(present)}); set training.overwrite=true (--overwrite) to replace "
-                               "it, or use another output folder")
-    return RunPlan("resume", checkpoint=str(path), message=f"[{stage}] resuming from {path}")
-
-
-def remove_outputs(folder: str | Path, names: tuple[str, ...]) -> None:
-    """Delete the run outputs `names` (from RUN_OUTPUTS) in `folder`; call it only while holding the run lock."""
-    folder = Path(folder)
-    for name in names:
-        if name not in RUN_OUTPUTS:
-            raise ValueError(f"{name} is not a run output")
-        p = folder / name
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        else:
-            p.unlink(missing_ok=True)
 
 
 FORWARD_GRACE_S = 0.3
@@ -560,6 +445,7 @@ class NonFiniteGuard:
         self.amp, self.dist, self.data_extremes = amp, dist, data_extremes
         self.history: deque[StepStats] = deque(maxlen=window)
         self.keys = keys
+        self.pending: tuple[int, torch.Tensor, Any, bool] | None = None  # `check_later`'s step, not yet read
 
     def check(self, step: int, loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None,
               stop: bool = False) -> bool:
@@ -567,11 +453,41 @@ class NonFiniteGuard:
         rank's loss or gradient norm is non-finite. `stop`: this rank's stop request (`GracefulStop.requested`);
         returns whether any rank asked to stop (agreed in the same all-reduce)."""
         finite, stop_any = check_step(loss, grad_norm, self.dist, stop)
-        loss_f = float(loss)
-        norm_f = None if grad_norm is None else float(grad_norm)
+        self._verdict(step, finite, float(loss), None if grad_norm is None else float(grad_norm))
+        return stop_any
+
+    def check_later(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> torch.Tensor:
+        """`check` for one process without waiting for the device: reads the previous step's verdict (`settle`),
+        queues this step's flag, loss and norm for the host, and returns the flag as a float32 0-d tensor (1.0 =
+        non-finite) for a fused optimizer's `found_inf`, which then skips the step on the device (as GradScaler
+        does). The step's DivergenceError comes at the next `check_later` or `settle`: call `settle` before
+        anything is saved or logged."""
+        self.settle()
+        bad = _all_finite_flag([loss, grad_norm]).float()
+        norm = bad * 0 if grad_norm is None else grad_norm.detach().float()
+        host = torch.stack([bad, loss.detach().float(), norm]).to("cpu", non_blocking=True)  # (3,), pinned on CUDA
+        event = None
+        if bad.is_cuda:  # the copy is done when this event is: no wait for work queued after it
+            event = torch.cuda.Event()
+            event.record()
+        self.pending = (step, host, event, grad_norm is not None)
+        return bad
+
+    def settle(self) -> None:
+        """Read `check_later`'s pending verdict (raises DivergenceError for a non-finite step)."""
+        if self.pending is None:
+            return
+        step, host, event, has_norm = self.pending
+        self.pending = None
+        if event is not None:
+            event.synchronize()
+        bad, loss_f, norm_f = host.tolist()
+        self._verdict(step, not bad, loss_f, norm_f if has_norm else None)
+
+    def _verdict(self, step: int, finite: bool, loss_f: float, norm_f: float | None) -> None:
         if finite:
             self.history.append(StepStats(step, loss_f, norm_f))
-            return stop_any
+            return
         text = diagnose(self.history, self.amp, step, loss_f, norm_f, data_extremes=self.data_extremes, **self.keys)
         here_finite = math.isfinite(loss_f) and (norm_f is None or math.isfinite(norm_f))
         local = " on another rank" if here_finite else ""

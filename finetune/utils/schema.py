@@ -52,6 +52,10 @@ class TrainingConfig:
     """torch.compile the training loss (forward + backward) once per stage: 'auto' = on with CUDA, off on CPU;
     true / false. An epoch's ragged last micro-batch runs eagerly (static shapes); a compile that fails at the first
     step logs one warning and training goes on eagerly."""
+    deterministic: bool = False
+    """true: deterministic kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8, cuDNN
+    deterministic, no cuDNN benchmark) and training.compile 'auto' runs eagerly, so on a GPU a resumed run equals the
+    uninterrupted one bit for bit; slower. false: a GPU's atomics may differ run to run (on CPU both are exact)."""
     seed: int = 100
     """Base seed; each process uses seed + rank; data order depends on (seed, epoch) only."""
     num_workers: int = 2

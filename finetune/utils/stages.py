@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,14 +30,15 @@ from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.config_utils import config_to_dict
 from finetune.utils.distributed import DistInfo, distributed_context, seeded_init
 from finetune.utils.factory import build_predictor, build_tokenizer
-from finetune.utils.safety import GracefulStop, raise_if_stop_requested, stage_status
+from finetune.utils.ledger import NOT_IN_RUN, SKIP_EXISTING, stage_status
+from finetune.utils.safety import GracefulStop, raise_if_stop_requested
 from finetune.utils.schema import STAGES
-from finetune.utils.training_utils import TrainResult, ValMetric, train_predictor, train_tokenizer
+from finetune.utils.training_utils import TrainResult, train_predictor, train_tokenizer
+from finetune.utils.validate import ValMetric
 from model import KronosTokenizer
 from model.hub import weights_fingerprint
 
 log = logging.getLogger(__name__)
-NOT_IN_RUN = "not this run's stage"
 
 
 class Pipeline(Protocol):
@@ -59,49 +60,15 @@ class Pipeline(Protocol):
     def calibrate(self, best: Path) -> dict | None: ...  # fit the bands of the predictor in best; None: none
 
 
-def plan_stages(pipe: Pipeline, stages: Sequence[str], skip: Mapping[str, str], skip_existing: bool
-                ) -> dict[str, str | None]:
-    """For each of STAGES, None if it trains, else why not: not in `stages`, `skip[stage]` (the flag that skipped
-    it), 0 epochs, a finetune mode that keeps the tokenizer frozen (when the predictor follows it in this run),
-    --skip-existing on a finished stage."""
-    plan: dict[str, str | None] = {}
-    mode = pipe.cfg.training.finetune_mode
-    for stage in STAGES:
-        if stage not in stages:
-            plan[stage] = NOT_IN_RUN
-        elif stage in skip:
-            plan[stage] = skip[stage]
-        elif pipe.cfg.stage_training(stage).epochs == 0:
-            plan[stage] = f"{stage}_training.epochs is 0"
-        elif stage == "tokenizer" and "predictor" in stages and not adapters.MODES[mode].trains_tokenizer:
-            plan[stage] = f"training.finetune_mode is {mode} (the tokenizer stays frozen)"
-        elif skip_existing and stage_status(pipe.stage_dir(stage)) == "finished":
-            plan[stage] = f"--skip-existing and {pipe.stage_dir(stage)} holds a finished run"
-        else:
-            plan[stage] = None
-    return plan
-
-
-def stage_resume(pipe: Pipeline, plan: Mapping[str, str | None]) -> dict[str, str]:
-    """Each stage's training.resume. --resume (required) insists on resuming the RUN: when some stage that trains
-    has a run in its folder, a stage with an empty folder starts fresh (e.g. the predictor after a kill in the
-    tokenizer stage) instead of failing; with nothing anywhere to resume, it stays an error."""
-    status = {stage: stage_status(pipe.stage_dir(stage)) for stage in STAGES if plan[stage] is None}
-    resume = {stage: pipe.cfg.stage_training(stage).resume for stage in STAGES}
-    if any(s != "empty" for s in status.values()):
-        for stage, s in status.items():
-            if s == "empty" and resume[stage].strip().lower() == "required":
-                resume[stage] = "auto"
-    return resume
-
-
-def run_stages(pipe: Pipeline, plan: Mapping[str, str | None], resume: Mapping[str, str] | None = None
-               ) -> tuple[list[TrainResult], dict[str, Any]]:
+def run_stages(pipe: Pipeline, plan: Mapping[str, str | None], resume: Mapping[str, str] | None = None,
+               rebuild_changed: bool = False) -> tuple[list[TrainResult], dict[str, Any]]:
     """Train the stages `plan` leaves in (None), in order, then calibrate the predictor; returns (the results of
     the stages that ran, the data_info). Raises TrainingStopped (exit 75) at the first safe point after a stop
     signal, and every settings or model error before `pipe.datasets` writes anything."""
     cfg, m, d = pipe.cfg, pipe.cfg.model, pipe.cfg.data
     resume = resume or {}
+    # --skip-existing (`rebuild_changed`): a stage is reused or resumed while current, else trained again.
+    plan = {s: None if (why or "").startswith(SKIP_EXISTING) else why for s, why in plan.items()}
     training = {s: dataclasses.replace(cfg.stage_training(s), **({"resume": resume[s]} if s in resume else {}))
                 for s in STAGES}
     # The tokenizer has no forecast to score: it is always selected by its validation loss.
@@ -124,7 +91,7 @@ def run_stages(pipe: Pipeline, plan: Mapping[str, str | None], resume: Mapping[s
         if plan["tokenizer"] is None:
             results.append(train_tokenizer(tokenizer, train_set, val_set, training["tokenizer"],
                                            pipe.stage_dir("tokenizer"), dist, output_key=pipe.output_key("tokenizer"),
-                                           **common))
+                                           rebuild_changed=rebuild_changed, **common))
             raise_if_stop_requested("after the tokenizer stage", dist)
         if plan["predictor"] is None:
             if trained_tokenizer:  # the best tokenizer epoch on disk (not the last one in memory)
@@ -137,7 +104,8 @@ def run_stages(pipe: Pipeline, plan: Mapping[str, str | None], resume: Mapping[s
             results.append(train_predictor(predictor, tokenizer, train_set, val_set, training["predictor"],
                                            pipe.stage_dir("predictor"), dist, forecast_info=forecast_info,
                                            val_metric=pipe.val_metric(training["predictor"].select_by, tokenizer),
-                                           output_key=pipe.output_key("predictor"), **common))
+                                           output_key=pipe.output_key("predictor"),
+                                           rebuild_changed=rebuild_changed, **common))
             raise_if_stop_requested("after the predictor stage", dist)
         if dist.is_main:
             calibrate_if_due(pipe, any(r.stage == "predictor" and not r.skipped for r in results))

@@ -225,6 +225,22 @@ def file_fingerprint(path: str | Path, with_hash: bool = True) -> dict:
             "sha256": sha256_file(p) if with_hash else None}
 
 
+def snapshot_file(path: str | Path, folder: Path, chunk_bytes: int = 1 << 20) -> tuple[Path, dict]:
+    """Copy `path` into the new `folder` (same name) while hashing the bytes copied: (the copy, its
+    `file_fingerprint` of exactly the copy's bytes: one read, so a file replaced or edited meanwhile cannot give a
+    hash of other bytes than those parsed from the copy)."""
+    p, h, size = Path(path), hashlib.sha256(), 0
+    folder.mkdir()
+    with open(p, "rb") as src, open(folder / p.name, "wb") as dst:
+        mtime_ns = os.fstat(src.fileno()).st_mtime_ns
+        while chunk := src.read(chunk_bytes):
+            h.update(chunk)
+            dst.write(chunk)
+            size += len(chunk)
+    fingerprint = {"path": str(p.resolve()), "bytes": size, "mtime_ns": mtime_ns, "sha256": h.hexdigest()}
+    return folder / p.name, fingerprint
+
+
 class StoreWriter:
     """Write a store into the new folder `path`: `append` series in order, then `finish` (offsets, names, checksums,
     manifest). The arrays grow on disk (a block at a time), so a data set larger than memory can be written."""

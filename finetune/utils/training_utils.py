@@ -3,25 +3,15 @@
     train_tokenizer(tokenizer, train_set, val_set, cfg, out_dir, dist, run_config=..., data_info=...)
     train_predictor(predictor, tokenizer, train_set, val_set, cfg, out_dir, dist, ..., forecast_info=...)
 
-Contents, in order:
-- `TrainResult` (what a run returns) and `LoopState` (what it remembers; last.pt's "loop" entry).
-- `LossSums`: the one accumulator (log window, epoch training loss, validation), all-reduced once per record.
-- Pure decisions: early stopping, when to log / checkpoint, how an epoch splits into optimizer steps.
-- The two stages: `tokenizer_loss` / `predictor_loss`, `TokenizerStage` / `PredictorStage` (loss, default clip,
-  loss parts, how the best model is saved, the frozen weights' fingerprint).
-- Resume steps: `on_main` (rank 0 decides, every rank gets the answer or the error), `load_for_resume` (rank 0
-  deserialises once), `restore_optimizer` (moments kept, this run's lr schedule), `rng_fork`.
-- Data loading (`train_sampler`, `val_sampler`, workers that ignore Ctrl-C), `resolve_precision` (training.amp, TF32,
-  the peak behind MFU, autocast), `forward_flops_per_token`, `evaluate` (validation).
-- `Trainer`: all state declared in `__init__`, `state_dict()` / `load_state_dict()` = a checkpoint's content;
-  `fit()` = take the folder (lock, plan), resume or validate the starting model (epoch 0), `train_epoch` ->
-  `train_step` -> `forward_backward_step` / `optimizer_step`, `end_epoch` (validate, keep the best model, early
-  stopping, checkpoint), `finish` (plot, run_info.json).
-- Entry points `train_tokenizer`, `train_predictor`, `evaluate_predictor`.
+Contents: `TrainResult`, `LoopState` (last.pt's "loop" entry); the pure step decisions; the two stages (loss,
+default clip, loss parts, how the best model is saved, the frozen weights' fingerprint); `restore_optimizer`;
+`Trainer`: all state declared in `__init__`, `state_dict()` / `load_state_dict()` = a checkpoint's content, `fit()`
+the table of contents; the entry points `train_tokenizer`, `train_predictor`, `evaluate_predictor`.
 
-Checkpoints are finetune/utils/checkpoint.py's, run safety finetune/utils/safety.py's. `data_info` goes into
-run_info.json and its fingerprint into every checkpoint: a resume with other data is refused unless
-training.accept_changed_data, so pipelines put in it what defines their data (file sha256s, splits, window).
+The ledger (finetune/utils/ledger.py) decides what the stage folder's content means (fresh, resume, reuse, rebuild
+or refuse), the Validator (validate.py) validates and selects, checkpoint.py writes, safety.py keeps the run safe.
+`data_info` goes into run_info.json and its fingerprint into every checkpoint, so pipelines put in it what defines
+their data (file sha256s, splits, window).
 """
 
 from __future__ import annotations
@@ -32,10 +22,10 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,52 +35,17 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import finetune.utils.checkpoint as checkpoint_store
-from finetune.utils import adapters
-from finetune.utils.checkpoint import (
-    CHECKPOINT_FORMAT,
-    Checkpoint,
-    DivergenceError,
-    assert_finite_state_dict,
-    check_data,
-    check_format,
-    check_resume_compatible,
-    data_fingerprint,
-    last_checkpoint_path,
-    load_checkpoint,
-    load_latest,
-    rng_state,
-    set_rng_state,
-)
+from finetune.utils import adapters, ledger, validate
 from finetune.utils.config_utils import Problems, config_to_dict, plain
-from finetune.utils.distributed import (
-    DistInfo,
-    all_gather_object,
-    all_reduce_sum,
-    barrier,
-    no_sync,
-    seed_everything,
-    wrap_model,
-)
+from finetune.utils.distributed import DistInfo, all_gather_object, barrier, no_sync, seed_everything, wrap_model
 from finetune.utils.errors import stage_log
 from finetune.utils.metrics import MetricsLogger, read_metrics, write_run_info
 from finetune.utils.plots import loss_plot_title, plot_loss_curves
-from finetune.utils.safety import (
-    GracefulStop,
-    NonFiniteGuard,
-    RunLock,
-    RunPlan,
-    StageFolderError,
-    TrainingStopped,
-    ignore_interrupts_in_worker,
-    maybe_die_after_step,
-    plan_run,
-    remove_outputs,
-)
+from finetune.utils.safety import GracefulStop, NonFiniteGuard, RunLock, TrainingStopped, maybe_die_after_step
 from finetune.utils.schema import TrainingConfig, validate_training_config
-from finetune.utils.windows import EpochSampler, batches_per_epoch, make_loader, seed_worker
+from finetune.utils.windows import EpochSampler, batches_per_epoch, make_loader
 from model.errors import DataError
 from model.hub import weights_fingerprint
-from model.layers import MultiHeadAttentionWithRoPE, MultiHeadCrossAttentionWithRoPE
 from model.predictor import PREDICTOR_INFO_NAME, TOKENIZER_CONFIG_NAME, TOKENIZER_SUBDIR, predictor_info
 
 
@@ -140,71 +95,6 @@ class LoopState:
     # One entry per validation, epoch 0 (the starting model) first (train and validation loss, lr, seconds).
     history: list[dict[str, Any]] = field(default_factory=list)
 
-
-@dataclass(frozen=True)
-class ReducedSums:
-    """All ranks' totals of a `LossSums`, on the host."""
-
-    sums: dict[str, float]  # "loss" and each part name -> sum over windows of value * windows in its batch.
-    windows: int  # Windows added on all ranks.
-    extra: tuple[float, ...] = ()  # The `extra` numbers passed to `reduce`, summed over ranks.
-
-    def mean(self, name: str) -> float:
-        """Window-weighted mean of `name` ("loss" or a part); NaN when no window was added."""
-        return self.sums[name] / self.windows if self.windows > 0 else math.nan
-
-    def means(self, prefix: str = "") -> dict[str, float]:
-        """{prefix + name: mean} for "loss" and every part."""
-        return {f"{prefix}{name}": self.mean(name) for name in self.sums}
-
-
-class LossSums:
-    """Per-rank running sums of loss * n, part * n and n, on the training `device` (no host sync per batch).
-    `loss_sum` / `windows` start a resumed epoch where it was interrupted (give them on one rank only: `reduce`
-    sums over ranks)."""
-
-    def __init__(self, part_names: Sequence[str], device: torch.device, loss_sum: float = 0.0, windows: int = 0):
-        self.names = ("loss", *part_names)
-        # (1 + n_parts + 1,) float64: loss, parts..., windows
-        self.totals = torch.zeros(len(self.names) + 1, dtype=torch.float64, device=device)
-        self.totals[0] = loss_sum
-        self.totals[-1] = windows
-
-    def add(self, loss: torch.Tensor, parts: dict[str, torch.Tensor], n: int) -> None:
-        """Add a batch of `n` windows whose mean loss is `loss` (scalar) and mean parts `parts` (scalars)."""
-        values = torch.stack([loss.detach().double(), *[parts[k].detach().double() for k in self.names[1:]]])
-        self.totals[:-1] += values * n
-        self.totals[-1] += n
-
-    def reduce(self, extra: Sequence[float] = ()) -> ReducedSums:
-        """Sum over all ranks (one all-reduce, `extra` host numbers included); the running sums are unchanged."""
-        extra_t = torch.tensor(list(extra), dtype=torch.float64, device=self.totals.device)
-        totals = all_reduce_sum(torch.cat([self.totals, extra_t])).tolist()
-        k = len(self.names)
-        return ReducedSums(sums=dict(zip(self.names, totals[:k])), windows=int(totals[k]),
-                           extra=tuple(totals[k + 1:]))
-
-
-@dataclass(frozen=True)
-class EarlyStopping:
-    """Early-stopping state after one validation."""
-
-    best: float  # Best validation loss so far.
-    bad_epochs: int  # Validations in a row without improvement.
-    improved: bool  # This validation beat the best (save the model).
-    stop: bool  # Patience is used up: stop training.
-
-
-def update_early_stopping(best: float, bad_epochs: int, val_loss: float, patience: int,
-                          min_delta: float = 0.0) -> EarlyStopping:
-    """Fold one validation loss into the early-stopping state; `patience=0` never stops. NaN never improves."""
-    improved = math.isfinite(val_loss) and val_loss < best - min_delta
-    if improved:
-        best, bad_epochs = val_loss, 0
-    else:
-        bad_epochs += 1
-    stop = patience > 0 and bad_epochs >= patience
-    return EarlyStopping(best=best, bad_epochs=bad_epochs, improved=improved, stop=stop)
 
 
 def should_save_checkpoint(step: int, every: int) -> bool:
@@ -335,7 +225,8 @@ class TokenizerStage(Stage):
 
     def flops_per_token(self, seq):
         tok = self.model  # the decoder runs twice (from the s1 bits alone and from the full code)
-        return 3 * (forward_flops_per_token([tok], seq) + forward_flops_per_token([tok.decoder, tok.head], seq))
+        flops = validate.forward_flops_per_token
+        return 3 * (flops([tok], seq) + flops([tok.decoder, tok.head], seq))
 
 
 class PredictorStage(Stage):
@@ -374,53 +265,12 @@ class PredictorStage(Stage):
     def flops_per_token(self, seq):
         # The predictor trains on seq - 1 positions of each window; the frozen tokenizer encodes all seq (forward).
         tok = self.tokenizer
-        return (3 * forward_flops_per_token([self.model], seq - 1) * (seq - 1) / seq
-                + forward_flops_per_token([tok.embed, tok.encoder, tok.quant_embed], seq))
+        return (3 * validate.forward_flops_per_token([self.model], seq - 1) * (seq - 1) / seq
+                + validate.forward_flops_per_token([tok.embed, tok.encoder, tok.quant_embed], seq))
 
     def frozen_fingerprint(self):
         base = self.adapter.base_fingerprint  # lora / freeze: the predictor's frozen weights count too
         return weights_fingerprint(self.tokenizer) + (f"+{base}" if base else "")
-
-
-T = TypeVar("T")
-
-
-def on_main(fn: Callable[[], T], dist: DistInfo) -> T:
-    """Run `fn` on rank 0 and hand its value to every rank; a ValueError/OSError it raises is raised on every rank
-    (the original on rank 0, a `StageFolderError` with the same message elsewhere), so all ranks exit cleanly."""
-    value, error = None, None
-    if dist.is_main:
-        try:
-            value = fn()
-        except (ValueError, OSError) as e:
-            error = e
-    shared = all_gather_object((value, None if error is None else str(error)))[0]
-    if error is not None:
-        raise error
-    if shared[1] is not None:
-        raise StageFolderError(shared[1])
-    return shared[0]
-
-
-def load_for_resume(plan: RunPlan, dist: DistInfo, log: Callable[[str], None]) -> tuple[Path, Checkpoint] | None:
-    """The checkpoint `plan` resumes (or reads back, when skipping): an explicit file, else the newest usable one
-    in `plan.checkpoint_dir` (a corrupt newest is reported by path and the previous one used). None: nothing.
-
-    Rank 0 deserialises the file once while choosing it and keeps that copy; the other ranks load the chosen path."""
-    found: tuple[Path, Checkpoint] | None = None
-
-    def pick() -> str | None:
-        nonlocal found
-        if plan.checkpoint is not None:  # an unusable explicit file is an error, not a silent fresh start
-            found = Path(plan.checkpoint), load_checkpoint(plan.checkpoint, map_location=dist.device)
-        else:
-            found = load_latest(plan.checkpoint_dir, map_location=dist.device, validate=check_format, log=log)
-        return None if found is None else str(found[0])
-
-    path = on_main(pick, dist)
-    if path is None:
-        return None
-    return found if dist.is_main else (Path(path), load_checkpoint(path, map_location=dist.device))
 
 
 def restore_optimizer(optimizer: torch.optim.Optimizer, scheduler: Any, saved: dict) -> None:
@@ -445,129 +295,14 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, scheduler: Any, saved: d
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
-@contextlib.contextmanager
-def rng_fork() -> Iterator[None]:
-    """Run a block without moving this process's random streams (python, numpy, torch): epoch-0 validation and
-    forecast metrics must not change the training's dropout / sampling."""
-    saved = rng_state()
-    try:
-        yield
-    finally:
-        set_rng_state(saved)
-
 
 log = logging.getLogger(__name__)
-
-# (model, stage) -> {"score": lower is better, other named values...}; called on every rank after validation.
-ValMetric = Callable[[nn.Module, Stage], dict[str, float]]
-
-
-def _worker_init(worker_id: int) -> None:
-    """DataLoader workers: reproducible seeds, and Ctrl-C left to the training process (graceful stop)."""
-    seed_worker(worker_id)
-    ignore_interrupts_in_worker(worker_id)
-
-
-def quiet_loader(loader):
-    """The loader with workers that ignore SIGINT (make_loader's seeding kept)."""
-    if loader.num_workers > 0:
-        loader.worker_init_fn = _worker_init
-    return loader
 
 
 def train_sampler(dataset: Dataset, cfg: TrainingConfig, dist: DistInfo) -> EpochSampler:
     """Shuffled per (seed, epoch), capped at max_train_samples, equal share per rank (the remainder dropped)."""
     return EpochSampler(len(dataset), shuffle=True, seed=cfg.seed, max_samples=cfg.max_train_samples,
                         rank=dist.rank, world_size=dist.world_size, drop_remainder=True)
-
-
-def val_sampler(dataset: Dataset, cfg: TrainingConfig, dist: DistInfo) -> EpochSampler:
-    """Ordered, nothing dropped or duplicated (an exact loss); a capped run draws a seeded subset per epoch."""
-    return EpochSampler(len(dataset), shuffle=False, seed=cfg.seed + 1, max_samples=cfg.max_val_samples,
-                        rank=dist.rank, world_size=dist.world_size, drop_remainder=False)
-
-
-# Dense peak FLOP/s (no sparsity) of one GPU by the precision its matmuls run in (bf16, tf32, fp32), from NVIDIA's
-# datasheets (SXM parts unless named); the first name part found in torch.cuda.get_device_name() is used.
-PEAK_FLOPS = {"H100 PCIe": (756e12, 378e12, 51e12), "H100": (989e12, 495e12, 67e12), "H200": (989e12, 495e12, 67e12),
-              "A100": (312e12, 156e12, 19.5e12), "L40S": (362e12, 183e12, 91.6e12)}
-
-
-@dataclass(frozen=True)
-class Precision:
-    """What training.amp resolves to on the training device."""
-
-    autocast_dtype: torch.dtype | None  # bf16 autocast, or None: float32
-    tf32: bool  # float32 matmuls run in TF32 (CUDA)
-    peak_flops: float | None  # the device's peak at this precision; None: no MFU (CPU, or a GPU not in PEAK_FLOPS)
-    text: str  # the log's line: which precision, why, and whether MFU is reported
-
-    def autocast(self) -> torch.autocast:
-        """bf16 autocast on CUDA when it applies; a no-op otherwise."""
-        return torch.autocast("cuda", dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
-
-
-def resolve_precision(amp: str, device: torch.device) -> Precision:
-    """training.amp on `device`: 'auto' = bf16 autocast where the GPU supports it, else float32, with TF32 matmuls
-    for what stays float32 (e.g. the predictor stage's frozen tokenizer); 'none' float32 (TF32 off); 'bf16' bf16
-    autocast; float32 on CPU."""
-    if device.type != "cuda":
-        return Precision(None, False, None, f"float32 (training.amp={amp}: no CUDA device); tokens/s, no MFU on CPU")
-    name = torch.cuda.get_device_name(device)
-    bf16 = amp == "bf16" or (amp == "auto" and torch.cuda.is_bf16_supported())
-    why = f"training.amp={amp}" + (f": {name} {'supports' if bf16 else 'lacks'} bf16" if amp == "auto" else "")
-    peak = next((p[0 if bf16 else 1 if amp == "auto" else 2] for part, p in PEAK_FLOPS.items() if part in name), None)
-    text = ("bf16 autocast" if bf16 else "float32") + (", TF32 matmuls for what stays float32" if amp == "auto" else "")
-    text += f" ({why}); " + (f"MFU against {peak / 1e12:.0f} TFLOP/s per device" if peak else
-                             f"no MFU: {name}'s peak FLOP/s is not known")
-    return Precision(torch.bfloat16 if bf16 else None, amp == "auto", peak, text)
-
-
-@contextlib.contextmanager
-def tf32_matmuls(on: bool) -> Iterator[None]:
-    """float32 matmuls in TF32 inside the block when `on` (the process's setting is restored afterwards)."""
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high" if on else before)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
-
-
-def forward_flops_per_token(modules: Sequence[nn.Module], seq: int) -> float:
-    """Forward FLOPs per token of `modules` on windows of `seq` tokens, counted as nanoGPT's estimate_mfu does: 2 per
-    nn.Linear weight (a multiply-add) + 4 * d_model * seq per attention layer (q @ k^T and softmax @ v, the causal
-    half not subtracted); lookups, norms and element-wise ops are left out. A training step costs 3x (backward: input
-    and weight gradients), i.e. 6 * N + 12 * L * d_model * seq, also for frozen weights (lora / freeze: too high)."""
-    found = [m for module in modules for m in module.modules()]
-    weights = sum(m.weight.numel() for m in found if isinstance(m, nn.Linear))
-    attention = sum(m.d_model for m in found
-                    if isinstance(m, (MultiHeadAttentionWithRoPE, MultiHeadCrossAttentionWithRoPE)))
-    return 2 * weights + 4 * attention * seq
-
-
-@torch.no_grad()
-def evaluate(stage: Stage, wrapped: nn.Module, dataset: Dataset, sampler: EpochSampler, cfg: TrainingConfig,
-             dist: DistInfo, epoch: int) -> dict[str, float]:
-    """Validation loss of `stage` over every window `sampler` deals (all ranks), in eval mode.
-
-    Returns {"val_loss", "val_<part>" for each of stage.part_names, "val_windows"}: window-weighted means over all
-    ranks (sums and counts all-reduced, not batch means). A rank with no window still joins the all-reduce."""
-    was_training = stage.model.training
-    stage.model.eval()
-    loader = quiet_loader(make_loader(dataset, sampler, cfg.batch_size, epoch=epoch, seed=cfg.seed + 1,
-                                      num_workers=cfg.num_workers, pin_memory=dist.device.type == "cuda"))
-    sums = LossSums(stage.part_names, dist.device)
-    precision = resolve_precision(cfg.amp, dist.device)
-    for x, stamp in loader:
-        # x (B, T, F), stamp (B, T, 5)
-        x, stamp = x.to(dist.device, non_blocking=True), stamp.to(dist.device, non_blocking=True)
-        with precision.autocast():
-            loss, parts = stage.loss(wrapped, x, stamp, training=False)
-        sums.add(loss, parts, x.shape[0])
-    totals = sums.reduce()
-    stage.model.train(was_training)
-    return {**totals.means(prefix="val_"), "val_windows": totals.windows}
 
 
 class Trainer:
@@ -589,8 +324,8 @@ class Trainer:
 
     def __init__(self, stage: Stage, train_set: Dataset, val_set: Dataset, cfg: TrainingConfig, out: Path,
                  dist: DistInfo, run_config: dict[str, Any] | None = None, data_info: dict[str, Any] | None = None,
-                 val_metric: ValMetric | None = None, data_extremes: str | None = None,
-                 output_key: str = "training.output_dir"):
+                 val_metric: validate.ValMetric | None = None, data_extremes: str | None = None,
+                 output_key: str = "training.output_dir", rebuild_changed: bool = False):
         problems = Problems()
         validate_training_config(cfg, problems)
         problems.check(cfg.select_by == "loss" or val_metric is not None, "training.select_by",
@@ -602,17 +337,16 @@ class Trainer:
 
         self.stage, self.cfg, self.out, self.dist = stage, cfg, Path(out), dist
         self.model, self.device = stage.model, dist.device
-        self.train_set, self.val_set = train_set, val_set
+        self.train_set = train_set
         self.run_config = run_config if run_config is not None else {"training": config_to_dict(cfg)}
         self.data_info = data_info
-        self.val_metric = val_metric
         self.frozen_fp = stage.frozen_fingerprint()  # the predictor's tokenizer weights (None for the tokenizer)
-        self.best_dir, self.ckpt_path = self.out / "best_model", last_checkpoint_path(self.out)
+        self.best_dir, self.ckpt_path = self.out / "best_model", checkpoint_store.last_checkpoint_path(self.out)
         self.output_key = output_key  # the pipeline's setting naming `out`, quoted when the disk is full
+        self.rebuild_changed = rebuild_changed  # a finished run whose inputs changed is retrained, not refused
 
         # Data: the samplers fix the order from (seed, epoch); the loaders are rebuilt every epoch.
         self.train_sampler = train_sampler(train_set, cfg, dist)
-        self.val_sampler = val_sampler(val_set, cfg, dist)
         samples_per_rank = self.train_sampler.samples_per_rank()
         if samples_per_rank < 1:
             raise DataError(f"{stage.name}: {len(train_set)} training windows cannot be split over "
@@ -632,9 +366,11 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.OneCycleLR(
             self.optimizer, max_lr=cfg.lr, total_steps=total, pct_start=one_cycle_pct_start(cfg.pct_start, total),
             div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor, cycle_momentum=False)
-        self.precision = resolve_precision(cfg.amp, self.device)  # said in the log (bf16 on CPU: float32)
+        self.precision = validate.resolve_precision(cfg.amp, self.device)  # said in the log (bf16 on CPU: float32)
+        self.validator = validate.Validator(stage, val_set, cfg, dist, self.precision, val_metric)
         # training.compile: the loss of full micro-batches is compiled at the first one (see forward_backward_step).
-        self.compile = self.device.type == "cuda" if cfg.compile == "auto" else bool(cfg.compile)
+        self.compile = (self.device.type == "cuda" and not cfg.deterministic if cfg.compile == "auto"
+                        else bool(cfg.compile))
         self.compiled_loss: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] | None = None
 
         # Run safety: one run per folder (rank 0 holds the lock), signals -> graceful stop, non-finite guard.
@@ -645,7 +381,7 @@ class Trainer:
                                     data_extremes=data_extremes)
         self.stop_agreed = False  # some rank received SIGTERM/SIGINT: stop after this step
         self.step_loss = torch.zeros((), device=self.device)  # the current optimizer step's loss (weighted mean)
-        self.plan = RunPlan("fresh")
+        self.plan = ledger.RunPlan("fresh")
 
         # Run state: replaced by the checkpoint's in resume(); updated by the steps.
         self.state = LoopState()
@@ -655,8 +391,8 @@ class Trainer:
         self.run_extra: dict[str, Any] = {}  # stage, world size, resumed_from: added to every run_info.json
         self.bar = tqdm(disable=True)  # this epoch's progress bar (rank 0 with training.progress_bar)
         self.epoch_start = time.perf_counter()
-        self.epoch_sums = LossSums(stage.part_names, self.device)  # the epoch's training loss so far
-        self.window = LossSums(stage.part_names, self.device)  # training loss since the last log record
+        self.epoch_sums = validate.LossSums(stage.part_names, self.device)  # the epoch's training loss so far
+        self.window = validate.LossSums(stage.part_names, self.device)  # training loss since the last log record
         self.window_start = time.perf_counter()
         self.window_data_wait = 0.0  # seconds this rank waited for the loader in the window
         self.window_len = 0  # T of the last batch: tokens/s = windows/s * T
@@ -670,11 +406,15 @@ class Trainer:
         Raises TrainingStopped after saving on SIGTERM/SIGINT, DivergenceError on a non-finite step (nothing of it
         applied, the last checkpoint kept), RunLockedError / StageFolderError / ConfigError on every rank when the
         folder or settings refuse the run."""
-        with GracefulStop() as self.stopper, tf32_matmuls(self.precision.tf32):
+        with (GracefulStop() as self.stopper, validate.tf32_matmuls(self.precision.tf32),
+              validate.deterministic_kernels(self.cfg.deterministic) as self.determinism):
             try:
-                self.take_folder()
-                if self.plan.action == "skip":
-                    return self.read_finished()
+                self.plan = ledger.open_stage(self, self.rebuild_changed)  # fresh, resume, reuse or refuse
+                if self.plan.action == "skip":  # a finished run, current for these inputs: read back, not retrained
+                    self.resume_path = self.plan.path
+                    self.load_state_dict(self.plan.saved)
+                    plot = self.out / "loss_curve.png"
+                    return self.result(plot if plot.exists() else None, skipped=True)
                 # Everything this run logs (rank 0) also goes to <stage>/train.log, appended across resumes.
                 with stage_log(self.out / "train.log", rank=self.dist.rank, stage=self.stage.name,
                                resumed_from=self.plan.checkpoint or self.plan.checkpoint_dir):
@@ -695,75 +435,21 @@ class Trainer:
                 self.logger.close()
                 self.lock.release()
 
-    def take_folder(self) -> None:
-        """Rank 0 locks the stage folder, decides what to do with what it holds, deletes replaced outputs and
-        leftovers of killed writes (under the lock); every rank gets the decision or the same error."""
-
-        def decide() -> RunPlan:
-            self.lock.acquire()
-            plan = plan_run(self.out, self.cfg.resume, self.cfg.overwrite, self.stage.name)
-            if plan.message and plan.action != "skip":  # a skip is announced once its settings are checked
-                log.info("%s", plan.message)
-            remove_outputs(self.out, plan.remove)
-            checkpoint_store.prepare_folder(self.out, log=log.warning)
-            checkpoint_store.prepare_folder(self.ckpt_path.parent, log=log.warning)
-            return plan
-
-        self.plan = on_main(decide, self.dist)
-
-    def read_finished(self) -> TrainResult:
-        """A finished run is not retrained: its final checkpoint's weights go into the model, its result is returned."""
-        found = load_for_resume(self.plan, self.dist, log.warning)
-        if found is None:
-            raise DataError(f"{self.out}: run_info.json says finished but no checkpoint is left")
-        self.resume_path, saved = found
-        # A finished run made with other epochs / batch / model settings is not "this" run: say so, not skip.
-        check_resume_compatible(saved, self.cfg, self.dist.world_size, self.stage.name, self.model_args(),
-                                self.resume_path, run_config=self.run_config, finished=True)
-        self.check_still_holds(saved)
-        if self.dist.is_main:
-            log.info("%s", self.plan.message)
-        self.load_state_dict(saved)
-        plot = self.out / "loss_curve.png"
-        return self.result(plot if plot.exists() else None, skipped=True)
-
-    def check_still_holds(self, saved: dict) -> None:
-        """A finished run is reused only if what it was trained on still holds: the same data and, for the
-        predictor, the same frozen tokenizer (its weights' sha256). Otherwise refuse (StageFolderError, exit 5)
-        naming what changed: retraining would replace a finished model, which only --overwrite may do."""
-        if self.data_info is None:  # the caller describes no data this time: only the frozen model is compared
-            saved = {**saved, "data_fingerprint": None}
-        changes = check_data(saved, self.data_info, self.frozen_fp, True, self.resume_path)
-        if not changes:
-            return
-        if self.cfg.accept_changed_data:
-            for text in changes:
-                log.warning("[%s] training.accept_changed_data=true: keeping the finished run although %s",
-                            self.stage.name, text)
-            return
-        raise StageFolderError(
-            f"[{self.stage.name}] {self.out} holds a finished run, but {'; '.join(changes)}; set "
-            "training.overwrite=true (--overwrite) to retrain it on what the run now uses, or "
-            "training.accept_changed_data=true to keep it as it is")
-
     def resume(self) -> None:
-        """Load the newest usable checkpoint when the plan says resume, then wrap the model for DDP (broadcasts rank
-        0's weights). A resume may change optimisation settings (each named in one line) but not the data order,
-        shapes, data or frozen tokenizer (unless training.accept_changed_data)."""
-        found = load_for_resume(self.plan, self.dist, log.warning) if self.plan.action == "resume" else None
-        if found is not None:
-            self.resume_path, saved = found
-            changed = check_resume_compatible(saved, self.cfg, self.dist.world_size, self.stage.name,
-                                              self.model_args(), self.resume_path, run_config=self.run_config)
-            accepted = check_data(saved, self.data_info, self.frozen_fp, self.cfg.accept_changed_data,
-                                  self.resume_path)
-            self.load_state_dict(saved)
-            self.run_extra = {"changed_on_resume": changed, "accepted_changed_data": accepted}
+        """Load the checkpoint the ledger chose to resume, then wrap the model for DDP (broadcasts rank 0's
+        weights)."""
+        plan = self.plan
+        if plan.saved is not None:
+            self.resume_path = plan.path
+            self.load_state_dict(plan.saved)
+            self.run_extra = {"changed_on_resume": list(plan.changed),
+                             "accepted_changed_data": list(plan.accepted)}
             if self.dist.is_main:
                 log.info("[%s] resuming from %s at step %d", self.stage.name, self.resume_path, self.state.global_step)
-                if changed:
-                    log.info("[%s] settings changed since the checkpoint: %s", self.stage.name, "; ".join(changed))
-                for text in accepted:
+                if plan.changed:
+                    log.info("[%s] settings changed since the checkpoint: %s", self.stage.name,
+                             "; ".join(plan.changed))
+                for text in plan.accepted:
                     log.warning("[%s] training.accept_changed_data=true: %s", self.stage.name, text)
         self.wrapped = wrap_model(self.model, self.dist)
 
@@ -786,14 +472,14 @@ class Trainer:
             n, total = self.run_extra["trainable_parameters"], self.run_extra["total_parameters"]
             log.info("[%s] finetune_mode=%s: %d of %d parameters train (%.2f%%)", self.stage.name,
                      cfg.finetune_mode, n, total, 100 * n / max(total, 1))
-            log.info("[%s] precision: %s; training.compile=%s: %s", self.stage.name, self.precision.text,
-                     cfg.compile, "compiled" if self.compile else "eager")
+            log.info("[%s] precision: %s; training.compile=%s: %s; training.deterministic: %s", self.stage.name,
+                     self.precision.text, cfg.compile, "compiled" if self.compile else "eager", self.determinism)
 
     def validate_start(self) -> None:
         """Epoch 0: validate the starting model before the first step; it is best_model/ until an epoch beats it.
         The random streams are restored afterwards, so training is the same as without this validation."""
         self.epoch_start = time.perf_counter()
-        with rng_fork():
+        with validate.rng_fork():
             self.validate_and_select(epoch=0, train_loss=None)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -802,13 +488,13 @@ class Trainer:
         cfg, state = self.cfg, self.state
         self.epoch_start = time.perf_counter()
         self.model.train()
-        loader = quiet_loader(make_loader(
+        loader = validate.quiet_loader(make_loader(
             self.train_set, self.train_sampler, cfg.batch_size, epoch=state.epoch, seed=cfg.seed,
             skip_batches=state.step_in_epoch * cfg.accumulation_steps, num_workers=cfg.num_workers,
             pin_memory=self.device.type == "cuda"))
         # After a resume rank 0 carries the (all ranks') sum of the part of the epoch done before the interruption.
         carried = (state.epoch_loss_sum, state.epoch_windows) if self.dist.is_main else (0.0, 0)
-        self.epoch_sums = LossSums(self.stage.part_names, self.device, *carried)
+        self.epoch_sums = validate.LossSums(self.stage.part_names, self.device, *carried)
         self.epoch_tokens, self.epoch_train_s = 0, 0.0
         self.reset_window()
         show_bar = self.dist.is_main and cfg.progress_bar
@@ -846,7 +532,7 @@ class Trainer:
         A failing compile logs one warning and that step runs eagerly, its random streams put back."""
         compiled = self.compile and x.shape[0] == self.cfg.batch_size
         if compiled and self.compiled_loss is None:  # the run's first full micro-batch: a step's first, no gradient
-            saved = rng_state()
+            saved = checkpoint_store.rng_state()
             try:
                 torch.compiler.reset()  # a fresh cache per stage (many stages in one process: no recompile limit)
                 self.compiled_loss = torch.compile(self.stage.loss, dynamic=False)
@@ -856,7 +542,7 @@ class Trainer:
                             self.stage.name, type(e).__name__, (str(e).strip().splitlines() or [""])[0][:300])
                 self.compile, self.compiled_loss, compiled = False, None, False
                 self.optimizer.zero_grad(set_to_none=True)
-                set_rng_state(saved)
+                checkpoint_store.set_rng_state(saved)
         loss_fn = self.compiled_loss if compiled else self.stage.loss
         with contextlib.nullcontext() if sync else no_sync(self.wrapped):
             with self.precision.autocast():
@@ -874,8 +560,13 @@ class Trainer:
             self.grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip)
         else:  # no clipping, but the guard still needs the norm
             self.grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
-        self.stop_agreed = self.guard.check(self.state.global_step + 1, self.step_loss, self.grad_norm,
-                                            stop=self.stopper.requested)
+        if self.device.type == "cuda" and self.dist.world_size == 1:  # no host sync: see check_later
+            self.optimizer.found_inf = self.guard.check_later(self.state.global_step + 1, self.step_loss,
+                                                              self.grad_norm)  # the fused AdamW skips a bad step
+            self.stop_agreed = self.stopper.requested
+        else:
+            self.stop_agreed = self.guard.check(self.state.global_step + 1, self.step_loss, self.grad_norm,
+                                                stop=self.stopper.requested)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -899,12 +590,13 @@ class Trainer:
 
     def reset_window(self) -> None:
         """Start a new log window (sums, clock, loader wait)."""
-        self.window = LossSums(self.stage.part_names, self.device)
+        self.window = validate.LossSums(self.stage.part_names, self.device)
         self.window_start = time.perf_counter()
         self.window_data_wait = 0.0
 
     def log_window(self) -> None:
         """One metrics.jsonl "train" record: the window's mean losses over all ranks, throughput, loader wait."""
+        self.guard.settle()  # a non-finite step raises before it is logged or saved
         seconds = max(time.perf_counter() - self.window_start, 1e-9)
         totals = self.window.reduce(extra=[self.window_data_wait])
         record = totals.means()
@@ -920,8 +612,9 @@ class Trainer:
         if self.grad_norm is not None:
             record["grad_norm"] = float(self.grad_norm)
         if not math.isfinite(record["loss"]):
-            raise DivergenceError(f"{self.stage.name}: training loss is {record['loss']} at step "
-                                  f"{self.state.global_step}; lower training.lr or set training.amp=none")
+            raise checkpoint_store.DivergenceError(f"{self.stage.name}: training loss is {record['loss']} at step "
+                                                   f"{self.state.global_step}; lower training.lr or set "
+                                                   "training.amp=none")
         self.logger.log({"kind": "train", **record})
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
         self.reset_window()
@@ -941,34 +634,25 @@ class Trainer:
     def validate_and_select(self, epoch: int, train_loss: float | None) -> bool:
         """Validate after `epoch` (0 = the starting model), save best_model/ when the score improved, log the
         record; returns the early-stopping decision."""
-        state, cfg, stage, dist = self.state, self.cfg, self.stage, self.dist
-        # The sampler's epoch (a fresh subset per epoch under max_val_samples): epoch 0 shares epoch 1's.
-        val = evaluate(stage, self.wrapped, self.val_set, self.val_sampler, cfg, dist, max(epoch - 1, 0))
-        score = val["val_loss"]
-        if self.val_metric is not None:
-            with rng_fork():  # a sampled forecast metric must not move the training's random streams
-                metric = self.val_metric(self.model, stage)
-            val.update({f"metric_{k}": float(v) for k, v in metric.items()})
-            if cfg.select_by != "loss":
-                score = float(metric["score"])
-        decision = update_early_stopping(state.best_score, state.bad_epochs, score, cfg.patience, cfg.min_delta)
-        if decision.improved:
-            state.best_epoch, state.best_val_loss = epoch, val["val_loss"]
+        state, cfg, dist = self.state, self.cfg, self.dist
+        sel = self.validator.validate_and_select(self.wrapped, epoch, state.best_score, state.bad_epochs)
+        if sel.improved:
+            state.best_epoch, state.best_val_loss = epoch, sel.values["val_loss"]
             if dist.is_main:
-                self.save_best(epoch, val["val_loss"])
+                self.save_best(epoch, state.best_val_loss)
             barrier()
-        state.best_score, state.bad_epochs = decision.best, (0 if epoch == 0 else decision.bad_epochs)
-        entry = {"epoch": epoch, "step": state.global_step, "train_loss": train_loss, **val, "score": score,
+        state.best_score, state.bad_epochs = sel.best, sel.bad_epochs
+        entry = {"epoch": epoch, "step": state.global_step, "train_loss": train_loss, **sel.values,
                  "lr": self.scheduler.get_last_lr()[0], "seconds": time.perf_counter() - self.epoch_start}
         state.history.append(entry)
         self.logger.log({"kind": "val", **entry, "best_val_loss": state.best_val_loss, "best_score": state.best_score,
-                         "improved": decision.improved})
+                         "improved": sel.improved})
         if dist.is_main:
             what = "starting model" if epoch == 0 else f"epoch {epoch}/{cfg.epochs}  train {train_loss:.4f}"
-            log.info("[%s] %s  val %.4f%s  best %.4f%s%s", stage.name, what, val["val_loss"],
-                     f"  {cfg.select_by} {score:.4f}" if cfg.select_by != "loss" else "", state.best_score,
-                     "  (saved)" if decision.improved else "", self.throughput() if epoch > 0 else "")
-        return decision.stop and epoch > 0
+            log.info("[%s] %s  val %.4f%s  best %.4f%s%s", self.stage.name, what, entry["val_loss"],
+                     f"  {cfg.select_by} {entry['score']:.4f}" if cfg.select_by != "loss" else "", state.best_score,
+                     "  (saved)" if sel.improved else "", self.throughput() if epoch > 0 else "")
+        return sel.stop
 
     def mfu(self, tokens_per_s: float) -> float:
         """Model FLOPs utilisation of all ranks' devices at `tokens_per_s` (candles per second, all ranks)."""
@@ -984,7 +668,7 @@ class Trainer:
     def save_best(self, epoch: int, val_loss: float) -> None:
         """best_model/ in the published format plus its run_info.json (rank 0); never non-finite weights, and a
         full disk is reported with the folder, free space and bytes needed."""
-        assert_finite_state_dict(self.model.state_dict(), str(self.best_dir))
+        checkpoint_store.assert_finite_state_dict(self.model.state_dict(), str(self.best_dir))
         try:
             self.stage.save_best(self.best_dir)
             write_run_info(self.best_dir, self.run_config, self.data_info,
@@ -1000,6 +684,7 @@ class Trainer:
 
         `mid_epoch`: also store the epoch's running training loss (all ranks' sums) so a resumed epoch reports the
         same mean as an uninterrupted one."""
+        self.guard.settle()
         if mid_epoch:
             totals = self.epoch_sums.reduce()
             self.state.epoch_loss_sum, self.state.epoch_windows = totals.sums["loss"], totals.windows
@@ -1007,24 +692,25 @@ class Trainer:
                               log=log.warning, write=self.dist.is_main)
         barrier()
 
-    def state_dict(self) -> Checkpoint:
+    def state_dict(self) -> checkpoint_store.Checkpoint:
         """Everything a resumed run needs, as the checkpoint holds it; every rank calls it (gathers RNG states)."""
-        rngs = all_gather_object(rng_state())  # every rank resumes its own random stream
-        return {"format": CHECKPOINT_FORMAT, "stage": self.stage.name,
+        rngs = all_gather_object(checkpoint_store.rng_state())  # every rank resumes its own random stream
+        return {"format": checkpoint_store.CHECKPOINT_FORMAT, "stage": self.stage.name,
                 "model": self.stage.adapter.checkpoint_state(),  # lora / freeze: what trains only
                 "model_args": self.model_args(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "grad_scaler": None, "loop": dataclasses.asdict(self.state),
                 "rng": rngs, "world_size": self.dist.world_size, "training_config": config_to_dict(self.cfg),
                 "run_config": plain(self.run_config), "data_info": plain(self.data_info),
-                "data_fingerprint": data_fingerprint(plain(self.data_info)), "frozen_fingerprint": self.frozen_fp}
+                "data_fingerprint": ledger.data_fingerprint(plain(self.data_info)),
+                "frozen_fingerprint": self.frozen_fp}
 
-    def load_state_dict(self, saved: Checkpoint) -> None:
+    def load_state_dict(self, saved: checkpoint_store.Checkpoint) -> None:
         """Continue from `saved` (checked by `resume` / `read_finished`): weights, optimizer moments and step (with
         this run's optimisation settings), the loop's counters and history, this rank's random streams."""
         self.stage.adapter.load_checkpoint_state(saved["model"], self.resume_path)
         restore_optimizer(self.optimizer, self.scheduler, saved)
         self.state = LoopState(**saved["loop"])
-        set_rng_state(saved["rng"][self.dist.rank])
+        checkpoint_store.set_rng_state(saved["rng"][self.dist.rank])
 
     def model_args(self) -> dict[str, Any]:
         """The model's constructor arguments as plain data (checkpoint's "model_args")."""
@@ -1095,4 +781,5 @@ def evaluate_predictor(predictor: nn.Module, tokenizer: nn.Module, dataset: Data
     """Causal, teacher-forced predictor loss averaged over validation windows (all ranks)."""
     tokenizer.to(dist.device).eval()
     stage = PredictorStage(predictor.to(dist.device), tokenizer, True)
-    return evaluate(stage, predictor, dataset, val_sampler(dataset, cfg, dist), cfg, dist, epoch)
+    return validate.evaluate(stage, predictor, dataset, validate.val_sampler(dataset, cfg, dist), cfg, dist, epoch,
+                             validate.resolve_precision(cfg.amp, dist.device))

@@ -1,0 +1,275 @@
+"""Validation of one stage (after torchtitan's components/validate.py): `Validator.validate_and_select` = the
+validation loss, the pipeline's forecast metric, best-model selection and early stopping, as one `Selection`. Also
+what training shares with it: `LossSums`, `resolve_precision` (resolved once per run by the Trainer), `rng_fork`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from finetune.utils.checkpoint import rng_state, set_rng_state
+from finetune.utils.distributed import DistInfo, all_reduce_sum
+from finetune.utils.safety import ignore_interrupts_in_worker
+from finetune.utils.schema import TrainingConfig
+from finetune.utils.windows import EpochSampler, make_loader, seed_worker
+from model.layers import MultiHeadAttentionWithRoPE, MultiHeadCrossAttentionWithRoPE
+
+# (model, stage) -> {"score": lower is better, other named values...}; called on every rank after validation.
+ValMetric = Callable[[nn.Module, Any], dict[str, float]]
+
+
+@dataclass(frozen=True)
+
+
+class ReducedSums:
+    """All ranks' totals of a `LossSums`, on the host."""
+
+    sums: dict[str, float]  # "loss" and each part name -> sum over windows of value * windows in its batch.
+    windows: int  # Windows added on all ranks.
+    extra: tuple[float, ...] = ()  # The `extra` numbers passed to `reduce`, summed over ranks.
+
+    def mean(self, name: str) -> float:
+        """Window-weighted mean of `name` ("loss" or a part); NaN when no window was added."""
+        return self.sums[name] / self.windows if self.windows > 0 else math.nan
+
+    def means(self, prefix: str = "") -> dict[str, float]:
+        """{prefix + name: mean} for "loss" and every part."""
+        return {f"{prefix}{name}": self.mean(name) for name in self.sums}
+
+
+class LossSums:
+    """Per-rank running sums of loss * n, part * n and n, on the training `device` (no host sync per batch).
+    `loss_sum` / `windows` start a resumed epoch where it was interrupted (give them on one rank only: `reduce`
+    sums over ranks)."""
+
+    def __init__(self, part_names: Sequence[str], device: torch.device, loss_sum: float = 0.0, windows: int = 0):
+        self.names = ("loss", *part_names)
+        # (1 + n_parts + 1,) float64: loss, parts..., windows
+        self.totals = torch.zeros(len(self.names) + 1, dtype=torch.float64, device=device)
+        self.totals[0] = loss_sum
+        self.totals[-1] = windows
+
+    def add(self, loss: torch.Tensor, parts: dict[str, torch.Tensor], n: int) -> None:
+        """Add a batch of `n` windows whose mean loss is `loss` (scalar) and mean parts `parts` (scalars)."""
+        values = torch.stack([loss.detach().double(), *[parts[k].detach().double() for k in self.names[1:]]])
+        self.totals[:-1] += values * n
+        self.totals[-1] += n
+
+    def reduce(self, extra: Sequence[float] = ()) -> ReducedSums:
+        """Sum over all ranks (one all-reduce, `extra` host numbers included); the running sums are unchanged."""
+        extra_t = torch.tensor(list(extra), dtype=torch.float64, device=self.totals.device)
+        totals = all_reduce_sum(torch.cat([self.totals, extra_t])).tolist()
+        k = len(self.names)
+        return ReducedSums(sums=dict(zip(self.names, totals[:k])), windows=int(totals[k]),
+                           extra=tuple(totals[k + 1:]))
+
+
+@dataclass(frozen=True)
+
+
+class EarlyStopping:
+    """Early-stopping state after one validation."""
+
+    best: float  # Best validation loss so far.
+    bad_epochs: int  # Validations in a row without improvement.
+    improved: bool  # This validation beat the best (save the model).
+    stop: bool  # Patience is used up: stop training.
+
+
+def update_early_stopping(best: float, bad_epochs: int, val_loss: float, patience: int,
+                          min_delta: float = 0.0) -> EarlyStopping:
+    """Fold one validation loss into the early-stopping state; `patience=0` never stops. NaN never improves."""
+    improved = math.isfinite(val_loss) and val_loss < best - min_delta
+    if improved:
+        best, bad_epochs = val_loss, 0
+    else:
+        bad_epochs += 1
+    stop = patience > 0 and bad_epochs >= patience
+    return EarlyStopping(best=best, bad_epochs=bad_epochs, improved=improved, stop=stop)
+
+
+@contextlib.contextmanager
+
+
+def rng_fork() -> Iterator[None]:
+    """Run a block without moving this process's random streams (python, numpy, torch): epoch-0 validation and
+    forecast metrics must not change the training's dropout / sampling."""
+    saved = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(saved)
+
+
+def _worker_init(worker_id: int) -> None:
+    """DataLoader workers: reproducible seeds, and Ctrl-C left to the training process (graceful stop)."""
+    seed_worker(worker_id)
+    ignore_interrupts_in_worker(worker_id)
+
+
+def quiet_loader(loader):
+    """The loader with workers that ignore SIGINT (make_loader's seeding kept)."""
+    if loader.num_workers > 0:
+        loader.worker_init_fn = _worker_init
+    return loader
+
+
+def val_sampler(dataset: Dataset, cfg: TrainingConfig, dist: DistInfo) -> EpochSampler:
+    """Ordered, nothing dropped or duplicated (an exact loss); a capped run draws a seeded subset per epoch."""
+    return EpochSampler(len(dataset), shuffle=False, seed=cfg.seed + 1, max_samples=cfg.max_val_samples,
+                        rank=dist.rank, world_size=dist.world_size, drop_remainder=False)
+
+
+# datasheets (SXM parts unless named); the first name part found in torch.cuda.get_device_name() is used.
+PEAK_FLOPS = {"H100 PCIe": (756e12, 378e12, 51e12), "H100": (989e12, 495e12, 67e12), "H200": (989e12, 495e12, 67e12),
+              "A100": (312e12, 156e12, 19.5e12), "L40S": (362e12, 183e12, 91.6e12)}
+
+
+@dataclass(frozen=True)
+
+
+class Precision:
+    """What training.amp resolves to on the training device."""
+
+    autocast_dtype: torch.dtype | None  # bf16 autocast, or None: float32
+    tf32: bool  # float32 matmuls run in TF32 (CUDA)
+    peak_flops: float | None  # the device's peak at this precision; None: no MFU (CPU, or a GPU not in PEAK_FLOPS)
+    text: str  # the log's line: which precision, why, and whether MFU is reported
+
+    def autocast(self) -> torch.autocast:
+        """bf16 autocast on CUDA when it applies; a no-op otherwise."""
+        return torch.autocast("cuda", dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+
+
+def resolve_precision(amp: str, device: torch.device) -> Precision:
+    """training.amp on `device`: 'auto' = bf16 autocast where the GPU supports it, else float32, with TF32 matmuls
+    for what stays float32 (e.g. the predictor stage's frozen tokenizer); 'none' float32 (TF32 off); 'bf16' bf16
+    autocast; float32 on CPU."""
+    if device.type != "cuda":
+        return Precision(None, False, None, f"float32 (training.amp={amp}: no CUDA device); tokens/s, no MFU on CPU")
+    name = torch.cuda.get_device_name(device)
+    bf16 = amp == "bf16" or (amp == "auto" and torch.cuda.is_bf16_supported())
+    why = f"training.amp={amp}" + (f": {name} {'supports' if bf16 else 'lacks'} bf16" if amp == "auto" else "")
+    peak = next((p[0 if bf16 else 1 if amp == "auto" else 2] for part, p in PEAK_FLOPS.items() if part in name), None)
+    text = ("bf16 autocast" if bf16 else "float32") + (", TF32 matmuls for what stays float32" if amp == "auto" else "")
+    text += f" ({why}); " + (f"MFU against {peak / 1e12:.0f} TFLOP/s per device" if peak else
+                             f"no MFU: {name}'s peak FLOP/s is not known")
+    return Precision(torch.bfloat16 if bf16 else None, amp == "auto", peak, text)
+
+
+@contextlib.contextmanager
+
+
+def tf32_matmuls(on: bool) -> Iterator[None]:
+    """float32 matmuls in TF32 inside the block when `on` (the process's setting is restored afterwards)."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if on else before)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@contextlib.contextmanager
+def deterministic_kernels(on: bool) -> Iterator[str]:
+    """training.deterministic: inside the block torch picks deterministic kernels (and errors on an op that has
+    none); yields the log's words. cuBLAS reads CUBLAS_WORKSPACE_CONFIG when its handle is made: set it first."""
+    if not on:
+        yield "off (GPU kernels may differ run to run)"
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+              torch.backends.cudnn.benchmark)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield ("on: torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG="
+               f"{os.environ['CUBLAS_WORKSPACE_CONFIG']}, cuDNN deterministic, compile 'auto' eager")
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1], before[2]
+
+
+def forward_flops_per_token(modules: Sequence[nn.Module], seq: int) -> float:
+    """Forward FLOPs per token of `modules` on windows of `seq` tokens, counted as nanoGPT's estimate_mfu does: 2 per
+    nn.Linear weight (a multiply-add) + 4 * d_model * seq per attention layer (q @ k^T and softmax @ v, the causal
+    half not subtracted); lookups, norms and element-wise ops are left out. A training step costs 3x (backward: input
+    and weight gradients), i.e. 6 * N + 12 * L * d_model * seq, also for frozen weights (lora / freeze: too high)."""
+    found = [m for module in modules for m in module.modules()]
+    weights = sum(m.weight.numel() for m in found if isinstance(m, nn.Linear))
+    attention = sum(m.d_model for m in found
+                    if isinstance(m, (MultiHeadAttentionWithRoPE, MultiHeadCrossAttentionWithRoPE)))
+    return 2 * weights + 4 * attention * seq
+
+
+@torch.no_grad()
+def evaluate(stage: Any, wrapped: nn.Module, dataset: Dataset, sampler: EpochSampler, cfg: TrainingConfig,
+             dist: DistInfo, epoch: int, precision: Precision) -> dict[str, float]:
+    """Validation loss of `stage` over every window `sampler` deals (all ranks), in eval mode.
+
+    Returns {"val_loss", "val_<part>" for each of stage.part_names, "val_windows"}: window-weighted means over all
+    ranks (sums and counts all-reduced, not batch means). A rank with no window still joins the all-reduce."""
+    was_training = stage.model.training
+    stage.model.eval()
+    loader = quiet_loader(make_loader(dataset, sampler, cfg.batch_size, epoch=epoch, seed=cfg.seed + 1,
+                                      num_workers=cfg.num_workers, pin_memory=dist.device.type == "cuda"))
+    sums = LossSums(stage.part_names, dist.device)
+    for x, stamp in loader:
+        # x (B, T, F), stamp (B, T, 5)
+        x, stamp = x.to(dist.device, non_blocking=True), stamp.to(dist.device, non_blocking=True)
+        with precision.autocast():
+            loss, parts = stage.loss(wrapped, x, stamp, training=False)
+        sums.add(loss, parts, x.shape[0])
+    totals = sums.reduce()
+    stage.model.train(was_training)
+    return {**totals.means(prefix="val_"), "val_windows": totals.windows}
+
+
+@dataclass(frozen=True)
+
+
+class Selection(EarlyStopping):
+    """One validation's record: the early-stopping state after it (`improved`: this model becomes best_model/; no
+    stop, and no bad epoch counted, after the starting model's) and what it measured (`values`: val_loss,
+    val_<part>, val_windows, metric_<name> with a forecast metric, score: what training.select_by compares)."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+
+
+class Validator:
+    """Validates one stage: `stage` (its model, loss and part names), `val_set`, the loop settings `cfg`
+    (batch_size, seed, max_val_samples, patience, min_delta, select_by), the run's `precision` and the pipeline's
+    forecast metric (None: select by the validation loss)."""
+
+    def __init__(self, stage: Any, val_set: Dataset, cfg: TrainingConfig, dist: DistInfo, precision: Precision,
+                 val_metric: ValMetric | None = None):
+        self.stage, self.val_set, self.cfg, self.dist = stage, val_set, cfg, dist
+        self.precision, self.val_metric = precision, val_metric
+        self.sampler = val_sampler(val_set, cfg, dist)
+
+    def validate_and_select(self, wrapped: nn.Module, epoch: int, best_score: float, bad_epochs: int) -> Selection:
+        """Validate after `epoch` (0 = the starting model) through `wrapped` (the model or its DDP wrapper) and
+        decide against the best score so far and the early-stopping count."""
+        cfg = self.cfg
+        # The sampler's epoch (a fresh subset per epoch under max_val_samples): epoch 0 shares epoch 1's.
+        values = evaluate(self.stage, wrapped, self.val_set, self.sampler, cfg, self.dist, max(epoch - 1, 0),
+                          self.precision)
+        score = values["val_loss"]
+        if self.val_metric is not None:
+            with rng_fork():  # a sampled forecast metric must not move the training's random streams
+                metric = self.val_metric(self.stage.model, self.stage)
+            values.update({f"metric_{k}": float(v) for k, v in metric.items()})
+            if cfg.select_by != "loss":
+                score = float(metric["score"])
+        decision = update_early_stopping(best_score, bad_epochs, score, cfg.patience, cfg.min_delta)
+        return Selection(decision.best, 0 if epoch == 0 else decision.bad_epochs, decision.improved,
+                         decision.stop and epoch > 0, {**values, "score": score})
