@@ -117,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     test_set = build_dataset(prepare_data(cfg.data, cfg.store_dir).splits["test"], cfg.data)  # the run's store
     tokenizer = KronosTokenizer.from_pretrained(tok_src)
     # load_trained_pair refuses a run whose recorded tokenizer fingerprint differs from the shared tokenizer's
-    models = {"zero_shot": pre_pred, **{name: load_trained_pair(runs[name]["predictor_dir"], tokenizer)[0]
-                                        for name in ("finetuned", "scratch")}}
+    models = {name: load_trained_pair(src, tokenizer)[0] for name, src in (  # the fingerprint check of each pair
+        ("zero_shot", pred_src), ("finetuned", runs["finetuned"]["predictor_dir"]),
+        ("scratch", runs["scratch"]["predictor_dir"]))}
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     losses, result = {}, {"test_windows": len(test_set), "block": BLOCK, "bootstrap": N_BOOT, "models": {}}
     for name, model in models.items():
