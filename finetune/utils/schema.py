@@ -1,9 +1,5 @@
-"""The settings sections both pipelines share (filled by finetune/utils/config_utils.py; loads no torch).
-
-`TrainingConfig` (the loop's settings) and its validation, `StageConfig` (`tokenizer_training:` /
-`predictor_training:`) and `StagedConfig` (the base of both pipelines' settings), `SamplingConfig` (`forecast:`
-sampling), `ModelConfig` (`model:`).
-"""
+"""The settings sections both pipelines share, filled by config_utils.py (no torch): `TrainingConfig` and its checks,
+`StageConfig` / `StagedConfig` (`<stage>_training:` over `training:`), `SamplingConfig` (`forecast:`), `ModelConfig`."""
 
 from __future__ import annotations
 
