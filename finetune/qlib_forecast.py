@@ -92,8 +92,7 @@ def kronos_forecaster(tokenizer, predictor, cfg, device: str) -> Forecaster:
     from model import KronosPredictor
 
     d, f = cfg.data, cfg.forecast
-    kp = KronosPredictor.from_pretrained(predictor, tokenizer=tokenizer, device=device, max_context=d.max_context,
-                                         clip=d.clip)
+    kp = KronosPredictor.from_models(predictor, tokenizer, device=device, max_context=d.max_context, clip=d.clip)
 
     def forecast(x: np.ndarray, x_stamp: np.ndarray, y_stamp: np.ndarray) -> np.ndarray:
         _, mean = kp.sample_windows(x, x_stamp, y_stamp, d.predict, T=f.temperature, top_k=f.top_k, top_p=f.top_p,

@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
 
 from finetune.config import QlibConfig, check_model_folder, cli_parser, load
 from finetune.dataset import check_processed, load_split, read_manifest, split_path
@@ -45,16 +44,14 @@ from finetune.qlib_forecast import (
     signal_horizon,
 )
 from finetune.qlib_io import benchmark_label, check_qlib_folder, init_qlib, range_bounds
-from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.cli_args import parse_config_args
 from finetune.utils.config_utils import config_to_dict
 from finetune.utils.errors import require_extra, setup_logging
 from finetune.utils.plots import plot_cumulative
 from finetune.utils.store import SeriesPanel
-from model import Kronos, KronosTokenizer
 from model.errors import DataError
 from model.fileio import write_json
-from model.predictor import load_trained_pair
+from model.predictor import default_device, load_pretrained_pair, load_trained_pair
 
 
 def backtest_period(calendar: pd.DatetimeIndex, start: pd.Timestamp,
@@ -270,8 +267,7 @@ def zero_shot_models(cfg: QlibConfig) -> tuple[Any, Any] | None:
         log.info("zero-shot baseline skipped: model.pretrained_tokenizer / pretrained_predictor not both configured")
         return None
     try:
-        return (load_pretrained(KronosTokenizer, tok, "model.pretrained_tokenizer"),
-                load_pretrained(Kronos, pred, "model.pretrained_predictor"))
+        return load_pretrained_pair(pred, tok)[::-1]  # (tokenizer, predictor), as kronos_forecaster takes them
     except Exception as e:  # noqa: BLE001  (an unreachable hub or a bad folder only drops this baseline)
         log.warning("zero-shot baseline skipped: cannot load %s / %s (%s)", tok, pred, str(e).splitlines()[0][:200])
         return None
@@ -393,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     require_extra("qlib")  # named before any work (the qlib imports below are lazy)
     cfg = load(args.config, args.set)
     check_inputs(cfg)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device or default_device()
     d, f = cfg.data, cfg.forecast
 
     split = load_split(split_path(d.dataset_path, "test"))  # memory-mapped

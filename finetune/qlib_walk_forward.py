@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
 
 from finetune.config import QlibConfig, check_model_folder, cli_parser, load
 from finetune.dataset import SPLITS, check_processed, load_split, read_manifest, split_path
@@ -36,17 +35,15 @@ from finetune.qlib_data_preprocess import first_signal_day, preprocess
 from finetune.qlib_forecast import kronos_forecaster, signal_horizon
 from finetune.qlib_io import benchmark_label, check_qlib_folder, init_qlib, read_calendar
 from finetune.qlib_test import backtest_period, forecast_all, score_signal, write_results
-from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.cli_args import parse_config_args
 from finetune.utils.config_utils import Problems, config_to_dict, dump_config
 from finetune.utils.errors import require_extra, setup_logging
 from finetune.utils.ledger import check_record, folder_sha256, write_record
 from finetune.utils.plots import pyplot, save_figure
-from model import Kronos, KronosTokenizer
 from model.errors import ConfigError, UserError
 from model.fileio import atomic_write
 from model.hub import weights_fingerprint
-from model.predictor import load_trained_pair
+from model.predictor import default_device, load_pretrained_pair, load_trained_pair
 
 log = logging.getLogger("finetune.qlib")
 CANDIDATES = ("finetuned", "zero_shot")
@@ -244,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     require_extra("qlib")  # named before any work (the qlib imports are lazy)
     cfg = load(args.config, args.set)
     check_inputs(cfg)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device or default_device()
     w, d = cfg.walk_forward, cfg.data
     init_qlib(cfg)
     calendar = read_calendar(cfg)
@@ -252,8 +249,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     periods = walk_forward_periods(calendar, d.dataset_begin_time, span[0], span[1], w.period_months,
                                    w.val_months, w.purge or d.predict)
     root = Path(cfg.paths.save_path).expanduser() / "walk_forward"
-    zero = (load_pretrained(KronosTokenizer, cfg.model.pretrained_tokenizer, "model.pretrained_tokenizer"),
-            load_pretrained(Kronos, cfg.model.pretrained_predictor, "model.pretrained_predictor"))
+    # (tokenizer, predictor): the order the period folders record their fingerprints in
+    zero = load_pretrained_pair(cfg.model.pretrained_predictor, cfg.model.pretrained_tokenizer)[::-1]
     frames, started = [], time.monotonic()
     for p in periods:
         folder = root / f"period_{p.k}"

@@ -45,7 +45,13 @@ from model.errors import ConfigError, DataError, PathError
 from model.features import CLOSE, FEATURES, PRICE_FEATURES, calc_time_stamps
 from model.fileio import atomic_write, write_json
 from model.hub import weights_fingerprint
-from model.predictor import PREDICTOR_INFO_NAME, load_trained_pair, read_predictor_info, tokenizer_source
+from model.predictor import (
+    PREDICTOR_INFO_NAME,
+    load_pretrained_pair,
+    load_trained_pair,
+    read_predictor_info,
+    tokenizer_source,
+)
 
 
 def candle_violations(open_: np.ndarray, high: np.ndarray, low: np.ndarray, close: np.ndarray,
@@ -95,13 +101,10 @@ log = logging.getLogger("finetune_csv.forecast")
 TABLE_QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)  # quantile columns of forecast.csv (the plot's bands + median)
 
 
-def make_predictor(predictor_src, tokenizer_src, cfg: CsvFinetuneConfig) -> KronosPredictor:
+def make_predictor(model: Kronos, tokenizer: KronosTokenizer, cfg: CsvFinetuneConfig) -> KronosPredictor:
     """A KronosPredictor over a lookback + predict window (the sequence length the predictor was trained on)."""
-    tokenizer = tokenizer_src if isinstance(tokenizer_src, KronosTokenizer) else \
-        KronosTokenizer.from_pretrained(tokenizer_src)
-    model = predictor_src if isinstance(predictor_src, Kronos) else Kronos.from_pretrained(predictor_src)
-    return KronosPredictor.from_pretrained(model, tokenizer=tokenizer, max_context=cfg.data.lookback + cfg.data.predict,
-                                           clip=cfg.data.clip)
+    return KronosPredictor.from_models(model, tokenizer, max_context=cfg.data.lookback + cfg.data.predict,
+                                       clip=cfg.data.clip)
 
 
 def warn_if_unfinished(stage_dir: Path) -> None:
@@ -193,7 +196,7 @@ def zero_shot_predictor(cfg: CsvFinetuneConfig) -> KronosPredictor | None:
         return None
     tokenizer_src = m.pretrained_tokenizer or CsvPipeline(cfg).tokenizer_source()[0]
     try:
-        return make_predictor(m.pretrained_predictor, tokenizer_src, cfg)
+        return make_predictor(*load_pretrained_pair(m.pretrained_predictor, tokenizer_src), cfg)
     except Exception as exc:  # noqa: BLE001 - any load failure (network, files, shapes) only skips the comparison
         log.warning("zero-shot comparison skipped: cannot load model.pretrained_predictor=%s with tokenizer %s (%s)",
                     m.pretrained_predictor, tokenizer_src, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
-from torch import nn
 
 import model.predictor as forecaster
 from finetune.evaluation.forecast_scores import crps_ensemble
@@ -33,9 +32,6 @@ from model.errors import ConfigError, DataError
 from model.features import CLOSE
 
 log = logging.getLogger("finetune_csv")
-
-DEFAULT_MAX_WINDOWS = 64  # windows scored per validation pass: enough to rank epochs, cheap next to an epoch
-
 
 class CsvPipeline:
     """The CSV pipeline's side of the stage runner (finetune/utils/stages.py): its data store, splits and
@@ -135,7 +131,8 @@ def calibrate(best: Path, windows: HeldOutWindows, sampling: Any, max_context: i
     if len(windows) == 0:
         log.warning("no calibration: the validation split has no %d-bar window (raise data.val_ratio)", max_context)
         return None
-    predictor = forecaster.KronosPredictor.from_pretrained(best, max_context=max_context, clip=clip)
+    model, tokenizer, _ = forecaster.load_trained_pair(best)  # not from_pretrained: it warns "never calibrated"
+    predictor = forecaster.KronosPredictor.from_models(model, tokenizer, max_context=max_context, clip=clip)
     x_stamps, y_stamps = windows.stamps()
     predict = windows.actual.shape[1]
     paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, predict, sampling,
@@ -152,8 +149,8 @@ def calibrate(best: Path, windows: HeldOutWindows, sampling: Any, max_context: i
     return calibration
 
 
-def make_crps_val_metric(cfg: Any, val_windows: HeldOutWindows, tokenizer: KronosTokenizer,
-                         max_windows: int = DEFAULT_MAX_WINDOWS) -> ValMetric:
+def make_crps_val_metric(cfg: CsvFinetuneConfig, val_windows: HeldOutWindows, tokenizer: KronosTokenizer,
+                         max_windows: int = 64) -> ValMetric:  # 64: ranks epochs, cheap next to an epoch
     """`training.select_by: crps`: `metric(model, stage)` over a fixed, evenly spread subsample of `max_windows`
     validation windows, sampled with the (frozen) tokenizer the predictor trains with (`cfg`: data.lookback /
     predict / clip, forecast sampling). For the predictor stage it returns {"score": mean CRPS of the close in
@@ -168,18 +165,16 @@ def make_crps_val_metric(cfg: Any, val_windows: HeldOutWindows, tokenizer: Krono
     obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, P)
     f = cfg.forecast
 
-    def metric(model: nn.Module, stage: Any) -> dict | None:
+    def metric(model: torch.nn.Module, stage: object) -> dict | None:
         if getattr(stage, "name", stage) != "predictor":
             return None
         module = getattr(model, "module", model)  # DDP-wrapped or not
         device = next(module.parameters()).device
         was_training = module.training
-        predictor = forecaster.KronosPredictor.from_pretrained(
-            module, tokenizer=tokenizer, device=str(device), max_context=cfg.data.lookback + cfg.data.predict,
-            clip=cfg.data.clip)
-        devices = [device] if device.type == "cuda" else []
-        try:
-            with torch.random.fork_rng(devices=devices):  # the loop stops after its own checkpoint, not in here
+        predictor = forecaster.KronosPredictor.from_models(module, tokenizer, device=str(device), clip=cfg.data.clip,
+                                                max_context=cfg.data.lookback + cfg.data.predict)
+        try:  # interruptible=False: the loop stops after its own checkpoint, not in here
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, cfg.data.predict, f,
                                      f.batch_size, interruptible=False)  # (W, S, P, 6), seeded with forecast.seed
         finally:

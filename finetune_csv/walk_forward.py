@@ -42,7 +42,7 @@ from finetune_csv.prepare import prepare_data
 from finetune_csv.train_sequential import run_finetune
 from model.errors import ConfigError, DataError
 from model.fileio import atomic_write, write_json
-from model.predictor import apply_calibration, load_trained_pair, read_predictor_info
+from model.predictor import apply_calibration, load_pretrained_pair, load_trained_pair, read_predictor_info
 
 log = logging.getLogger("finetune_csv.walk_forward")
 SCORES = ("crps", "mae", "cov50", "cov80", "direction")  # windows.csv score columns (returns vs the last close)
@@ -128,10 +128,10 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) 
     x_stamps, y_stamps = windows.stamps()
     last = windows.context[:, -1, CLOSE]  # (W,)
     obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, H)
-    sample = lambda src, tok, c: sample_paths(make_predictor(src, tok, c), windows.context, x_stamps, y_stamps,
-                                              d.predict, f, f.batch_size)[..., CLOSE]  # (W, S, H) closes
-    paths = {"zero_shot": sample(m.pretrained_predictor, m.pretrained_tokenizer, cfg),
-             "finetuned": sample(*load_trained_pair(best_dir(fold_cfg.predictor_dir))[:2], fold_cfg),
+    sample = lambda pair, c: sample_paths(make_predictor(*pair, c), windows.context, x_stamps, y_stamps,
+                                          d.predict, f, f.batch_size)[..., CLOSE]  # (W, S, H) closes
+    paths = {"zero_shot": sample(load_pretrained_pair(m.pretrained_predictor, m.pretrained_tokenizer), cfg),
+             "finetuned": sample(load_trained_pair(best_dir(fold_cfg.predictor_dir))[:2], fold_cfg),
              "persistence": persistence_samples(last, d.predict)}
     if "empirical" in candidates:
         paths["empirical"] = empirical_samples(windows.history, d.predict, windows.history.shape[1])

@@ -116,6 +116,17 @@ def read_config(model_dir: Path, cls: type, max_parameters: float = DEFAULT_MAX_
     return kwargs
 
 
+def load_pretrained(cls: Any, source: str | os.PathLike, key: str) -> Any:
+    """`cls.from_pretrained(source)` (a published-format folder or Hub id), failing with a PathError (nothing found)
+    or DataError (found but unreadable) that names the setting `key` to change."""
+    try:
+        return cls.from_pretrained(source)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:  # PathError is a FileNotFoundError
+        kind = PathError if isinstance(e, FileNotFoundError) else DataError
+        raise kind(f"{key}: cannot load {cls.__name__} from '{source}': {e}\n  set {key} to a folder with "
+                   "config.json + model.safetensors (or a Hub id)") from e
+
+
 class PretrainedMixin:
     """`from_pretrained` / `save_pretrained` / `push_to_hub` for an nn.Module whose constructor kwargs are recorded
     in `self.config`. A subclass sets `config_class` (a `model.config` dataclass with `.problems()`)."""

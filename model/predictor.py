@@ -47,7 +47,7 @@ from model.features import (
 )
 from model.fileio import read_json_object, write_json
 from model.generation import generate_tokens
-from model.hub import is_hub_id, resolve_model_dir, weights_fingerprint
+from model.hub import is_hub_id, load_pretrained, resolve_model_dir, weights_fingerprint
 from model.kronos import Kronos
 from model.tokenizer import KronosTokenizer
 
@@ -142,6 +142,13 @@ def write_calibration(best_model_dir: str | os.PathLike, calibration: dict[str, 
     info = read_predictor_info(folder)
     info["calibration"] = calibration
     return write_json(folder / PREDICTOR_INFO_NAME, info)
+
+
+def load_pretrained_pair(predictor: str | os.PathLike, tokenizer: str | os.PathLike) -> tuple[Kronos, KronosTokenizer]:
+    """(predictor, tokenizer) of a published (zero-shot) pair, e.g. NeoQuasar/Kronos-small with Kronos-Tokenizer-base:
+    the one way every door loads one; a failure names the model.pretrained_* setting to change."""
+    return (load_pretrained(Kronos, predictor, "model.pretrained_predictor"),
+            load_pretrained(KronosTokenizer, tokenizer, "model.pretrained_tokenizer"))
 
 
 def load_trained_pair(folder_or_id: str | os.PathLike, tokenizer: str | os.PathLike | KronosTokenizer | None = None,
@@ -348,35 +355,37 @@ class KronosPredictor:
 
     # ----------------------------------------------------------- loading
     @classmethod
-    def from_pretrained(cls, folder_or_id: str | os.PathLike | Kronos, *,
-                        tokenizer: str | os.PathLike | KronosTokenizer | None = None, device: str | None = None,
-                        max_context: int | None = None, lookback: int | None = None, clip: float | None = None,
-                        use_cache: bool = True,
+    def from_pretrained(cls, folder_or_id: str | os.PathLike, *, tokenizer: str | os.PathLike | KronosTokenizer |
+                        None = None, device: str | None = None, max_context: int | None = None,
+                        lookback: int | None = None, clip: float | None = None, use_cache: bool = True,
                         **hub_kwargs: Any) -> KronosPredictor:
         """Load a predictor folder (e.g. a finetuned run's best_model/) or Hub id with `load_trained_pair`, and its
         window and calibration; max_context, lookback and clip default to kronos_predictor.json's (else 512,
-        max_context, 5). For the published pair pass e.g. tokenizer="NeoQuasar/Kronos-Tokenizer-base". A Kronos in
-        memory (the model being trained) takes a loaded `tokenizer` and the window passed here (no folder to read)."""
+        max_context, 5). For the published pair pass e.g. tokenizer="NeoQuasar/Kronos-Tokenizer-base"."""
         allowed = {"cache_dir", "revision", "token", "local_files_only", "force_download"}
         unknown = sorted(set(hub_kwargs) - allowed)
         if unknown:
             raise TypeError(f"unexpected arguments {unknown}; Hub options are {sorted(allowed)}")
-        in_memory = isinstance(folder_or_id, Kronos)
-        model, tokenizer, info = (folder_or_id, tokenizer, {}) if in_memory else \
-            load_trained_pair(folder_or_id, tokenizer, **hub_kwargs)
-        run = None if in_memory else Path(folder_or_id) / "run_info.json"  # a finetuned best_model/: its settings
-        wanted = run is not None and run.is_file() and \
-            (read_json_object(run).get("config") or {}).get("forecast", {}).get("calibrate")
+        model, tokenizer, info = load_trained_pair(folder_or_id, tokenizer, **hub_kwargs)
+        run = Path(folder_or_id) / "run_info.json"  # a finetuned run's best_model/ records the settings it ran with
+        wanted = run.is_file() and (read_json_object(run).get("config") or {}).get("forecast", {}).get("calibrate")
         if wanted is True and not info.get("calibration"):
             log.warning("%s was trained with forecast.calibrate: true but holds no calibration (its run stopped "
                         "before calibrating): its bands are the raw samples', too narrow; run `kronos finetune` "
                         "again with its config to calibrate it", folder_or_id)
-        return cls(model, tokenizer, device=device,
-                   max_context=max_context if max_context is not None else info.get("max_context",
-                                                                                    DEFAULT_MAX_CONTEXT),
-                   clip=clip if clip is not None else info.get("clip", 5), use_cache=use_cache,
-                   lookback=lookback if lookback is not None else info.get("lookback"),
-                   calibration=info.get("calibration"))
+        return cls.from_models(model, tokenizer, info, device=device, max_context=max_context, lookback=lookback,
+                               clip=clip, use_cache=use_cache)
+
+    @classmethod
+    def from_models(cls, model: Kronos, tokenizer: KronosTokenizer, info: dict[str, Any] | None = None, *,
+                    device: str | None = None, max_context: int | None = None, lookback: int | None = None,
+                    clip: float | None = None, use_cache: bool = True) -> KronosPredictor:
+        """A forecaster over an in-memory pair (a `load_trained_pair` result, or a model being trained): max_context,
+        lookback, clip and calibration default to `info` (its kronos_predictor.json), else 512, max_context, 5."""
+        pick = lambda given, key, default=None: (info or {}).get(key, default) if given is None else given
+        return cls(model, tokenizer, device=device, use_cache=use_cache, calibration=pick(None, "calibration"),
+                   max_context=pick(max_context, "max_context", DEFAULT_MAX_CONTEXT), clip=pick(clip, "clip", 5),
+                   lookback=pick(lookback, "lookback"))
 
     # ------------------------------------------------------------ public
     def predict(self, df: pd.DataFrame, x_timestamp: Any, y_timestamp: Any, pred_len: int, T: float = 1.0,

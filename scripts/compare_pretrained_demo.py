@@ -41,7 +41,7 @@ from finetune_csv.prepare import prepare_data
 from finetune_csv.splits import build_dataset
 from model import Kronos, KronosTokenizer
 from model.errors import DataError
-from model.predictor import load_trained_pair
+from model.predictor import load_pretrained_pair, load_trained_pair
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 20  # windows per bootstrap block: 20 windows x stride 4 = 80 rows, one window length
@@ -103,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     data = work / "data"
     write_csv_folder(generate_ohlcv(4, 3000, "5min", seed=0), data)  # = scripts/demo.sh's market
     tok_src, pred_src = ckpt / "tokenizer", ckpt / "predictor"
-    pre_pred = Kronos.from_pretrained(pred_src)
-    arch = {k: pre_pred.config[k] for k in ("n_layers", "d_model", "n_heads", "ff_dim", "ffn_dropout_p",
-                                            "attn_dropout_p", "resid_dropout_p", "token_dropout_p", "learn_te")}
+    zero, tokenizer = load_pretrained_pair(pred_src, tok_src)
+    arch = {k: zero.config[k] for k in ("n_layers", "d_model", "n_heads", "ff_dim", "ffn_dropout_p",
+                                        "attn_dropout_p", "resid_dropout_p", "token_dropout_p", "learn_te")}
     common = [f"model.pretrained_tokenizer={tok_src}", *args.set]
     runs = {
         "finetuned": train(args.config, data, work / "finetuned", [*common, f"model.pretrained_predictor={pred_src}"]),
@@ -115,11 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     cfg = runs["finetuned"]["config"]
     test_set = build_dataset(prepare_data(cfg.data, cfg.store_dir).splits["test"], cfg.data)  # the run's store
-    tokenizer = KronosTokenizer.from_pretrained(tok_src)
-    # load_trained_pair refuses a run whose recorded tokenizer fingerprint differs from the shared tokenizer's
-    models = {name: load_trained_pair(src, tokenizer)[0] for name, src in (  # the fingerprint check of each pair
-        ("zero_shot", pred_src), ("finetuned", runs["finetuned"]["predictor_dir"]),
-        ("scratch", runs["scratch"]["predictor_dir"]))}
+    # load_trained_pair: each trained predictor must record this tokenizer's fingerprint
+    models = {"zero_shot": zero, **{k: load_trained_pair(r["predictor_dir"], tokenizer)[0] for k, r in runs.items()}}
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     losses, result = {}, {"test_windows": len(test_set), "block": BLOCK, "bootstrap": N_BOOT, "models": {}}
     for name, model in models.items():

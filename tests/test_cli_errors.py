@@ -117,8 +117,8 @@ def test_user_error_subclasses_keep_builtin_types():
 
 
 def test_failed_model_load_naming_the_key_is_a_path_error(tmp_path):
-    from finetune.utils.checkpoint import load_pretrained
     from model import KronosTokenizer
+    from model.hub import load_pretrained
 
     exc = _raised(load_pretrained, KronosTokenizer, str(tmp_path / "missing"), "model.pretrained_tokenizer")
     assert "model.pretrained_tokenizer" in str(exc)

@@ -1,4 +1,4 @@
-"""The CRPS validation metric for checkpoint selection (finetune/utils/stages.py), on tiny untrained models."""
+"""The CRPS validation metric for checkpoint selection (finetune_csv/train_sequential.py), on tiny untrained models."""
 
 from __future__ import annotations
 

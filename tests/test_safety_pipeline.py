@@ -10,7 +10,7 @@ import pytest
 import finetune_csv.config as csv_config
 from finetune.utils.ledger import plan_stages
 from finetune.utils.schema import STAGES
-from finetune_csv.train_sequential import CsvPipeline
+from finetune_csv.pipeline import CsvPipeline
 from tests.model_factory import tiny_tokenizer
 
 

@@ -1,7 +1,7 @@
 """Checkpoints, in one place: what a resumable checkpoint holds (`Checkpoint`, format `CHECKPOINT_FORMAT`), writing
 it (atomic step files with rotation, `last.pt` = the newest, never non-finite weights, a full disk named with the
-bytes needed), reading it back (`load_latest` falls back to the previous file when the newest is broken), loading a
-published-format model with errors naming the setting (`load_pretrained`). Whether to resume: the ledger's.
+bytes needed), reading it back (`load_latest` falls back to the previous file when the newest is broken).
+Loading a published-format model: model/hub.py's `load_pretrained`. Whether to resume: the ledger's.
 
 Only rank 0 calls the writers; the training loop puts a `barrier()` after them before any rank reads. Writes go to
 a temporary name in the same folder and are moved into place with `os.replace`, so a process killed mid-write
@@ -25,8 +25,7 @@ from typing import Any, TypedDict
 import numpy as np
 import torch
 
-from finetune.utils.errors import classify
-from model.errors import EXIT_PATH, DataError, PathError, UserError
+from model.errors import DataError, UserError
 from model.fileio import atomic_write
 
 CHECKPOINT_FORMAT = "kronos-finetune/last-v1"
@@ -97,17 +96,6 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"].cpu())
     if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
-
-
-def load_pretrained(cls: Any, source: str | Path, key: str) -> Any:
-    """`cls.from_pretrained(source)` (a published-format folder or Hub id), failing with a PathError (nothing found)
-    or DataError (found but unreadable) that names the YAML key to change."""
-    try:
-        return cls.from_pretrained(source)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
-        kind = PathError if classify(e)[0] == EXIT_PATH else DataError  # a Hub lookup error counts as not found
-        raise kind(f"{key}: cannot load {cls.__name__} from '{source}': {e}\n  set {key} to a folder with "
-                         "config.json + model.safetensors (or a Hub id)") from e
 
 
 def check_token_sizes(tokenizer: Any, predictor: Any, keys: str) -> None:

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from finetune.utils.checkpoint import check_token_sizes, load_pretrained
+from finetune.utils.checkpoint import check_token_sizes
 from finetune.utils.config_utils import Problems
 from model import Kronos, KronosTokenizer
 from model.config import KronosConfig, KronosTokenizerConfig
+from model.hub import load_pretrained
 
 
 def build_tokenizer(pretrained: str | None, arch: KronosTokenizerConfig, key: str = "model") -> KronosTokenizer:

@@ -26,7 +26,6 @@ from torch.utils.data import Dataset
 
 import model.predictor as forecaster
 from finetune.utils import adapters
-from finetune.utils.checkpoint import load_pretrained
 from finetune.utils.config_utils import config_to_dict
 from finetune.utils.distributed import DistInfo, distributed_context, seeded_init
 from finetune.utils.factory import build_predictor, build_tokenizer
@@ -36,7 +35,7 @@ from finetune.utils.schema import STAGES
 from finetune.utils.training_utils import TrainResult, train_predictor, train_tokenizer
 from finetune.utils.validate import ValMetric
 from model import KronosTokenizer
-from model.hub import weights_fingerprint
+from model.hub import load_pretrained, weights_fingerprint
 
 log = logging.getLogger(__name__)
 
