@@ -130,11 +130,15 @@ def _dispatch(argv: list[str]) -> int:
         return 2
     _check_ready(name, COMMANDS[name], args)
     entry = resolve(name)
-    saved, sys.argv[0] = sys.argv[0], f"kronos {name}"  # argparse names the program after sys.argv[0]
+    from finetune.utils.distributed import use_chosen_threads  # torch loads only for a command that runs
+
+    use_chosen_threads()
+    # argparse names the program after sys.argv[0]; the lock and logs quote sys.argv ("kronos finetune --config x")
+    saved, sys.argv = sys.argv, [f"kronos {name}", *args]
     try:
         result = entry(list(args))
     finally:
-        sys.argv[0] = saved
+        sys.argv = saved
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
 

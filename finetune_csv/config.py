@@ -71,6 +71,9 @@ class DataConfig:
     """Column mapping: the name in your CSV of each field."""
     symbol_column: str | None = None
     """Column whose values split a file into several series (e.g. a ticker column); null = one series per file."""
+    adjust: Literal["none", "adj_close"] = "none"
+    """adj_close: scale open/high/low by 'Adj Close' / close and train on the adjusted candles (a Yahoo export
+    adjusts only its 'Adj Close' for splits and dividends); none: the prices as they are."""
     timestamp_format: str | None = None
     """strftime format of the timestamps (e.g. '%Y/%m/%d %H:%M'); null = let pandas infer it."""
     lookback: int = 512

@@ -69,11 +69,13 @@ def candle_violations(open_: np.ndarray, high: np.ndarray, low: np.ndarray, clos
 
 
 def repair_candles(paths: np.ndarray) -> np.ndarray:
-    """Valid candles from sampled ones (..., 6): high = max(open, high, close), low = min(open, low, close)."""
+    """Valid candles from sampled ones (..., 6): high = max(open, high, close), low = min(open, low, close), volume
+    and amount at least 0."""
     o, h, l, c = (paths[..., FEATURES.index(k)] for k in ("open", "high", "low", "close"))
     out = paths.copy()
     out[..., FEATURES.index("high")] = np.maximum(np.maximum(o, h), c)
     out[..., FEATURES.index("low")] = np.minimum(np.minimum(o, l), c)
+    out[..., 4:] = np.maximum(out[..., 4:], 0.0)
     return out
 
 
@@ -324,9 +326,9 @@ def format_report(metrics: dict) -> str:
                          "stored calibration does not fit this data; refit it, or set forecast.calibrate: false")
     v = metrics["candle_violations"]
     lines.append(f"invalid sampled candles: {v['any']:.1%} (high below the body {v['high_below_body']:.1%}, low above "
-                 f"it {v['low_above_body']:.1%}); " + ("repaired (forecast.repair_candles: true)"
-                                                       if metrics["candles_repaired"] else
-                                                       "kept as sampled (forecast.repair_candles: true repairs them)"))
+                 f"it {v['low_above_body']:.1%}, negative volume {v['negative_volume']:.1%}); "
+                 + ("repaired (forecast.repair_candles: true)" if metrics["candles_repaired"] else
+                    "kept as sampled (forecast.repair_candles: true repairs them)"))
     return "\n".join(lines)
 
 

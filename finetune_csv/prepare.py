@@ -58,6 +58,7 @@ class StoreSettings:
     columns: Mapping[str, str | None] = field(default_factory=_default_columns)
     symbol_column: str | None = None
     timestamp_format: str | None = None
+    adjust: str = "none"
     nan_policy: str = "error"
     timezone: str | None = None
     frequency: str | None = None
@@ -303,11 +304,16 @@ def _build(sources: list[tuple[Path | csv_sources.Frame, Path | csv_sources.Fram
             named = lambda texts, a=str(source), b=str(original): [t.replace(a, b) for t in texts]  # noqa: E731
             try:
                 reader = csv_sources.SourceReader(source, settings.as_dict()["columns"], settings.symbol_column,
-                                                  settings.timestamp_format, block_rows, timezone=settings.timezone)
+                                                  settings.timestamp_format, block_rows, timezone=settings.timezone,
+                                                  adjust=settings.adjust)
                 reader.label = reader.label.replace(str(source), str(original))
                 for name, ts, values, lines in csv_sources.file_series(reader, writer.path, block_rows):
                     where = reader.label if name == reader.name else f"{reader.label} (series {name})"
                     bad, notes = candle_problems(values, lines, reader.columns, where, reader.unit, settings)
+                    if bad and reader.adj_close and settings.adjust == "none":  # e.g. close: 'Adj Close' alone
+                        bad.append(f"{where}: has an '{reader.adj_close}' column: if only it is adjusted for splits "
+                                   "and dividends, set data.adjust: adj_close (open/high/low scaled to it) and map "
+                                   "data.columns.close to the unadjusted close")
                     problems.extend(named(bad))
                     try:
                         ts, values, cleaning = clean_series(ts, values, lines, reader.present, settings.nan_policy,

@@ -28,7 +28,15 @@ import pyarrow.parquet as pq
 
 from finetune.utils.store import StoreError, file_fingerprint
 from finetune_csv.timestamps import OFFSET_RE, SHOWN, CandleDataError, parse_timestamps
-from model.features import COLUMN_ALIASES, FEATURES, ColumnError, resolve_columns
+from model.features import (
+    COLUMN_ALIASES,
+    FEATURES,
+    ColumnError,
+    adj_close_column,
+    adjust_prices,
+    resolve_columns,
+    timestamp_parts,
+)
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # 3.4028235e+38
 
@@ -159,7 +167,8 @@ class SourceReader:
     its rows in parsed blocks of `block_rows`. SourceProblems when it cannot be read or a column is missing."""
 
     def __init__(self, path: str | Path | Frame, columns: Mapping[str, str | None], symbol_column: str | None = None,
-                 timestamp_format: str | None = None, block_rows: int = 1 << 20, timezone: str | None = None):
+                 timestamp_format: str | None = None, block_rows: int = 1 << 20, timezone: str | None = None,
+                 adjust: str = "none"):
         self._table = path.table() if isinstance(path, Frame) else None  # a DataFrame from Python, as Arrow
         self.path = None if isinstance(path, Frame) else Path(path)
         self.name = path.name if isinstance(path, Frame) else self.path.name  # series name; symbols append to it
@@ -180,8 +189,23 @@ class SourceReader:
         header = self._parquet_header() if self.is_parquet else self._csv_header()
         self._unnamed_hint: str | None = None
         columns = self._adopt_unnamed_index(header, dict(columns))
+        self.adj_close = adj_close_column(header)  # named by a candle refusal as data.adjust: adj_close
+        self.adjust = adjust
+        if adjust == "adj_close" and (self.adj_close is None or columns.get("close") == self.adj_close):
+            raise SourceProblems([f"{self.label}: data.adjust: adj_close needs an 'Adj Close' column beside the "
+                                  f"close (columns: {header[:12]}); map data.columns.close to the unadjusted close"])
+        try:
+            self._ts_parts = timestamp_parts(header, columns.get("timestamps", "timestamps"))
+        except ColumnError as e:
+            raise SourceProblems([f"{self.label}: {e} (data.columns.timestamps)"]) from None
+        if self._ts_parts:  # resolved as the date column; read as the parts joined by a space ('Date+Time')
+            columns["timestamps"] = self._ts_parts[0]
+            log.info("%s: timestamps are the columns %s joined (data.columns.timestamps: %s)", self.name,
+                     self._ts_parts, "+".join(self._ts_parts))
         try:
             self.columns = _resolve_columns(header, columns, symbol_column, self.label)
+            if self._ts_parts:
+                self.columns["timestamps"] = "+".join(self._ts_parts)
         except SourceProblems as e:
             if self._unnamed_hint is not None:  # e.g. a to_csv index of numbers: say what the unnamed column is
                 e.problems[:] = [p + (f"; the first column has no header (read as '{self._unnamed_hint}'): if it "
@@ -270,9 +294,14 @@ class SourceReader:
         self._header = row
         return row
 
+    @property
+    def _joined(self) -> str | None:
+        return "+".join(self._ts_parts) if self._ts_parts else None
+
     def _wanted(self) -> list[str]:
         """The source columns read: the mapped ones and the symbol column, each once."""
-        return list(dict.fromkeys([c for c in self.columns.values() if c is not None]
+        return list(dict.fromkeys([c for c in self.columns.values() if c is not None and c != self._joined]
+                                  + (self._ts_parts or []) + ([self.adj_close] if self.adjust == "adj_close" else [])
                                   + ([self.symbol_column] if self.symbol_column else [])))
 
     def _csv_batches(self) -> Iterator[pa.RecordBatch]:
@@ -312,12 +341,18 @@ class SourceReader:
     # ------------------------------------------------------------------------------------------------------------
     def _parse(self, batch: pa.RecordBatch, lines: np.ndarray) -> ParsedBlock:
         n = batch.num_rows
-        ts = self._parse_timestamps(batch.column(self.columns["timestamps"]), lines)
+        if self._ts_parts:  # (n,) text '<date> <time>'
+            stamps = pc.binary_join_element_wise(*[pc.cast(batch.column(c), pa.string()) for c in self._ts_parts], " ")
+        else:
+            stamps = batch.column(self.columns["timestamps"])
+        ts = self._parse_timestamps(stamps, lines)
         values = np.zeros((n, len(FEATURES)), dtype=np.float64)  # (n, 6)
         for i, f in enumerate(FEATURES):
             col = self.columns.get(f)
             if col is not None:
                 values[:, i] = self._parse_numbers(batch.column(col), col, lines)
+        if self.adjust == "adj_close":
+            values = adjust_prices(values, self._parse_numbers(batch.column(self.adj_close), self.adj_close, lines))
         if not any(m.startswith((f"{self.label} line", f"{self.label} row")) for m in self._messages):
             try:  # the first out-of-range value of the file is reported (one message per file)
                 check_float32_range(values, [self.columns.get(f) or f for f in FEATURES], self.label,
@@ -387,7 +422,7 @@ class SourceReader:
         text = pc.utf8_trim_whitespace(col)
         if self.timestamp_format is None:
             try:
-                ns = self._ns(pc.cast(text, pa.timestamp("ns")), lines, name)  # ISO 8601, naive
+                ns = self._iso_ns(text, lines, name)
                 self._note_aware(False, lines)
                 return ns
             except pa.ArrowInvalid:
@@ -397,6 +432,20 @@ class SourceReader:
             return self._timestamps_with_offsets(text.to_numpy(zero_copy_only=False), lines)
         self._note_aware(False, lines)
         return self._timestamps_pandas(text.to_numpy(zero_copy_only=False), lines, name)
+
+    def _iso_ns(self, text: pa.Array, lines: np.ndarray, name: str) -> np.ndarray:
+        """ISO 8601 naive text -> (n,) int64 ns; ArrowInvalid when not ISO. Parsed at microseconds first (straight to
+        ns a year 2300 wraps to 1715) so times outside 1677-2262 are named; nanosecond digits parse as ns."""
+        try:
+            us = pc.cast(text, pa.timestamp("us"))
+        except pa.ArrowInvalid:  # e.g. nanosecond digits: too fine for us, so within 1677-2262 is not checked
+            return self._ns(pc.cast(text, pa.timestamp("ns")), lines, name)
+        ints = pc.fill_null(us.cast(pa.int64()), 0).to_numpy(zero_copy_only=False)  # (n,) microseconds
+        outside = (ints < pd.Timestamp.min.value // 1000) | (ints > pd.Timestamp.max.value // 1000)
+        if outside.any():
+            self._issue("ts_range", name, lines[outside], [repr(v.as_py()) for v in text.filter(outside)[:3]])
+            us = pc.if_else(pa.array(outside), pa.scalar(0, us.type), us)
+        return self._ns(pc.cast(us, pa.timestamp("ns")), lines, name)
 
     def _note_aware(self, aware: bool, lines: np.ndarray) -> None:
         """Record whether the stamps carry an offset; a file switching between blocks is a problem."""
@@ -489,8 +538,8 @@ _ISSUE_TEXT = {
               "{examples} (format {fmt}; set data.timestamp_format)",
     "ts_type": "{file}: column '{column}' (data.columns.timestamps) holds {examples}, not timestamps or text; "
                "store the column as timestamps or strings",
-    "ts_range": "{file}: column '{column}' (data.columns.timestamps) has times outside 1677-2262, which nanosecond "
-                "timestamps cannot hold (first block at {where})",
+    "ts_range": "{file}: column '{column}' (data.columns.timestamps) has {n} time(s) outside 1677-2262, which "
+                "nanosecond timestamps cannot hold, at {where}: {examples}",
     "ts_mixed": "{file}: column '{column}' (data.columns.timestamps) cannot be parsed as one series of times near "
                 "{where} ({examples}); use one time zone and format (data.timestamp_format)",
     "symbol_empty": "{file}: column '{symbol}' (data.symbol_column) is empty at {where}",

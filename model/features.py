@@ -69,11 +69,51 @@ def resolve_columns(names: Sequence[str], explicit: Mapping[str, str | None] | N
         f = missing[0]
         also = f" (or one of {list(COLUMN_ALIASES[f])})" if f in COLUMN_ALIASES else ""
         unused = [n for n in names if n not in set(out.values())]
-        raise ColumnError(f"{where}: no {f!r} column{also}, in any case{_did_you_mean(f, unused)}; columns: {shown}")
+        last = next((n for n in unused if n.strip().lower() in ("last", "last price")), None) if f == "close" else None
+        hint = f"; {last!r} may be the close: map close to it" if last else _did_you_mean(f, unused)
+        raise ColumnError(f"{where}: no {f!r} column{also}, in any case{hint}; columns: {shown}")
     bad = [f for f in PRICE_FEATURES if out[f] is None]
     if bad:
         raise ColumnError(f"{where}: the price columns {bad} cannot be mapped to None: they are required")
     return out
+
+
+ADJUST = ("none", "adj_close")  # data.adjust / predict_df(adjust=): how prices are adjusted for splits and dividends
+ADJ_CLOSE_NAMES = ("adj close", "adj_close", "adjclose", "adjusted close", "adj. close")
+
+
+def adjust_prices(values: np.ndarray, adj_close: np.ndarray) -> np.ndarray:
+    """`values (n, >= 4)` open, high, low, close with open/high/low scaled by adj_close / close and close set to
+    adj_close (a Yahoo-style export adjusts only its 'Adj Close'; scaling keeps every candle's shape)."""
+    out = np.array(values, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.asarray(adj_close, dtype=np.float64) / out[:, 3]  # (n,)
+    out[:, :3] *= ratio[:, None]
+    out[:, 3] = adj_close
+    return out
+
+
+def adj_close_column(names: Sequence[str]) -> str | None:
+    """The column holding adjusted closes ('Adj Close', any case and spelling of ADJ_CLOSE_NAMES), or None."""
+    return next((str(n) for n in names if str(n).strip().lower() in ADJ_CLOSE_NAMES), None)
+
+
+def timestamp_parts(names: Sequence[str], wanted: str | None = "timestamps") -> list[str] | None:
+    """The [date, time] columns whose text joined by a space is the timestamp (the common intraday export), or None:
+    `wanted` 'Date+Time' names them; with `wanted` left at 'timestamps', a header with a 'date' and a 'time' column
+    (any case) and no other timestamp column is read so. ColumnError when a named part is not a column."""
+    names = [str(n) for n in names]
+    if wanted and "+" in wanted and wanted not in names:
+        parts = [p.strip() for p in wanted.split("+")]
+        missing = [p for p in parts if p not in names]
+        if missing:
+            raise ColumnError(f"the timestamp {wanted!r} joins the columns {parts}, but {missing} are not columns"
+                              f"{_did_you_mean(missing[0], names)}")
+        return parts
+    lowered = {n.strip().lower(): n for n in names}
+    if wanted != "timestamps" or {"timestamps", "timestamp", "datetime", "dt", "trade_date"} & set(lowered):
+        return None
+    return [lowered["date"], lowered["time"]] if "date" in lowered and "time" in lowered else None
 
 
 def _did_you_mean(name: str, names: Sequence[str]) -> str:
@@ -131,6 +171,13 @@ def to_datetime_index(timestamps, name: str = "timestamps") -> pd.DatetimeIndex:
                          f"{values.dtype}; convert with pd.to_datetime first")
     if values.hasnans:
         raise DataError(f"{name} contains missing values (NaT)")
+    try:  # pandas 3 holds later years (datetime64[us]); the nanosecond time features would wrap
+        values.as_unit("ns")
+    except pd.errors.OutOfBoundsDatetime:
+        naive = values.tz_localize(None) if values.tz is not None else values
+        outside = np.flatnonzero((naive < pd.Timestamp.min) | (naive > pd.Timestamp.max))
+        raise DataError(f"{name}: {len(outside)} timestamp(s) outside 1677-2262 (what datetime64[ns] holds), first "
+                        f"{values[outside[0]]} at position {outside[0]}") from None
     return values
 
 
@@ -199,11 +246,12 @@ def candle_matrix(df: pd.DataFrame, name: str = "df") -> np.ndarray:
         x = df.iloc[:, where]
     x = np.asarray(x[:, where] if isinstance(x, np.ndarray) else x, dtype=np.float64)
     at = lambda r: f"row {r}" + ("" if isinstance(df.index, pd.RangeIndex) else f" ({df.index[r]})")
-    bad = ~np.isfinite(x)
+    bad = ~(np.abs(x) <= np.finfo(np.float32).max)  # NaN, inf, and what the model's float32 turns into inf
     if bad.any():
         rows, cols = np.nonzero(bad)
         raise DataError(f"{name} has {int(bad.sum())} NaN/inf values, first in column {mapping[present[cols[0]]]!r} "
-                        f"at {at(int(rows[0]))}; fill or drop them before forecasting")
+                        f"at {at(int(rows[0]))} ({x[rows[0], cols[0]]:.6g}; float32 holds up to +-3.4e38); fill, "
+                        "drop or rescale them before forecasting")
     for f, rows, rule in candle_faults(x):
         r = int(np.flatnonzero(rows)[0])
         raise DataError(f"{name}: column {mapping[f]!r} is {rule} in {int(rows.sum())} candle(s), first at {at(r)}; "

@@ -24,6 +24,17 @@ from model.errors import DataError
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 
+def disk_full(exc: BaseException) -> bool:
+    """Whether `exc` (or an exception it was raised from) is a full disk, quota or file size limit: an OSError with
+    one of DISK_FULL_ERRNOS, or numpy's short write ('1 requested and 0 written'), which carries no errno."""
+    while exc is not None:
+        if isinstance(exc, OSError) and (exc.errno in DISK_FULL_ERRNOS or exc.errno is None
+                                         and " requested and " in str(exc) and str(exc).endswith(" written")):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def _umask() -> int:
     """The process umask (reading it means setting it; set it straight back)."""
     mask = os.umask(0)

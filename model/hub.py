@@ -152,7 +152,16 @@ class PretrainedMixin:
         if not weights.is_file():
             raise PathError(f"{weights} not found")
         model = cls(**kwargs)
-        model.load_state_dict(load_file(str(weights), device=str(map_location)), strict=True)
+        try:
+            state = load_file(str(weights), device=str(map_location))
+        except Exception as e:  # safetensors' own error (a Rust panic type for some damage): the file is damaged
+            raise DataError(f"{weights}: not a readable safetensors file ({type(e).__name__}: {str(e)[:120]}); "
+                            "copy or download the model again") from None
+        bad = next((k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+        if bad is not None:
+            raise DataError(f"{weights}: the weight {bad!r} holds NaN/inf; the model is damaged (copy or train it "
+                            "again)")
+        model.load_state_dict(state, strict=True)
         return model
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> Path:

@@ -32,10 +32,13 @@ import torch
 from model.calendar import TradingCalendar
 from model.errors import DataError, PathError, TokenizerMismatchError
 from model.features import (
+    ADJUST,
     CLOSE,
     FEATURES,
     PRICE_FEATURES,
     ColumnError,
+    adj_close_column,
+    adjust_prices,
     candle_matrix,
     check_increasing,
     denormalize,
@@ -43,6 +46,7 @@ from model.features import (
     quantile_column,
     resolve_columns,
     time_features,
+    timestamp_parts,
     to_datetime_index,
 )
 from model.fileio import read_json_object, write_json
@@ -57,6 +61,7 @@ PREDICTOR_INFO_NAME = "kronos_predictor.json"
 TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
 TOKENIZER_SUBDIR = "tokenizer"  # a self-contained best_model/ carries its tokenizer here
 DEFAULT_MAX_CONTEXT = 512  # the window of the published Kronos-small / Kronos-base
+FORWARD_BUDGET = 1 << 26  # floats of one forward pass of predict_df's default batch (256 MB in float32)
 MIN_QUANTILE_SAMPLES = 20  # fewer paths give quantiles that are noise (one path: every quantile is that path)
 MIN_CONTEXT = 2  # rows of context a forecast needs: one row has no spread to normalise by (a flat forecast)
 SHORT_CONTEXT = 16  # fewer rows than this (and than lookback) are forecast with a warning, said once
@@ -443,13 +448,16 @@ class KronosPredictor:
                    freq: str | None = None, calendar: TradingCalendar | None = None, future: Any = None,
                    quantiles: Sequence[float] = (), T: float = 1.0, top_k: int | None = 0,
                    top_p: float | None = 0.9, sample_count: int = MIN_QUANTILE_SAMPLES, verbose: bool = False,
-                   calibrated: bool = True, batch_size: int | None = None) -> pd.DataFrame:
+                   calibrated: bool = True, batch_size: int | None = None, adjust: str = "none") -> pd.DataFrame:
         """Forecast every series of a long frame (one row per candle), in the style of Chronos' `predict_df`.
 
         Columns are found by `model.features.resolve_columns` (timestamps may be a DatetimeIndex); rows are sorted
         by timestamp within each series; series may differ in length.
         id_column: None = a column named "id" (any case) when there is one, else the frame is one series.
-        timestamp_column, columns: explicit names ({"close": "Adj Close", ...}: canonical -> yours); they win.
+        timestamp_column, columns: explicit names ({"close": "Close", ...}: canonical -> yours); they win. Separate
+            'Date' and 'Time' columns are joined into the timestamp (named 'Date+Time'; or timestamp_column="D+T").
+        adjust: "adj_close" scales open/high/low by the 'Adj Close' column / close (a Yahoo export adjusts only
+            'Adj Close'); "none" takes the prices as they are.
         The forecast's timestamps follow each series' trading calendar (`model.calendar.TradingCalendar`, learned
         from its history on its own wall clock: business days for daily stock bars, the session or 24/5 week of
         intraday bars), or `calendar` for every series; freq: a pandas frequency instead of the bar spacing,
@@ -459,7 +467,8 @@ class KronosPredictor:
         sample_count: sample paths (default MIN_QUANTILE_SAMPLES: the mean of one path reads like a point forecast
             but is one draw); the rest as in `predict`.
         batch_size: series forecast together (x sample_count sequences per forward pass); only their candles and
-            paths are held at once. None = all series in one batch.
+            paths are held at once. None = `default_batch_size(sample_count, prediction_length)`: as many series as
+            keep one forward pass near FORWARD_BUDGET floats (its activations and logits), at least 1.
         Returns prediction_length rows per series (in order of first appearance): the id column (when there is
         one), the timestamps (your column's name, else "timestamps"), FEATURES (the mean), the quantile columns.
         """
@@ -479,19 +488,35 @@ class KronosPredictor:
         if timestamp_column is not None:
             explicit["timestamps"] = timestamp_column
         rest = [c for c in names if c != id_column]
+        flat = df.set_axis(names, axis=1)
+        parts = timestamp_parts(rest, explicit.get("timestamps", "timestamps"))  # e.g. ['Date', 'Time']
+        if parts:  # their text joined by a space is the timestamp, named 'Date+Time' in the output
+            rest = [c for c in rest if c not in parts]
+            explicit["timestamps"] = None
         try:
             mapping = resolve_columns(rest, explicit, where=where)
         except ColumnError:
             if "timestamps" in explicit or not isinstance(df.index, pd.DatetimeIndex):
                 raise
             mapping = resolve_columns(rest, {**explicit, "timestamps": None}, where=where)
-        flat = df.set_axis(names, axis=1)
-        stamps = df.index if mapping["timestamps"] is None else flat[mapping["timestamps"]]
+        ts_name = "+".join(parts) if parts else mapping["timestamps"]
+        stamps = (flat[parts].astype(str).agg(" ".join, axis=1) if parts else
+                  df.index if mapping["timestamps"] is None else flat[mapping["timestamps"]])
         if not pd.api.types.is_datetime64_any_dtype(stamps):
-            raise ColumnError(f"{where}: column {mapping['timestamps']!r} must hold datetimes (dtype {stamps.dtype}); "
-                              "convert it with pd.to_datetime first")
-        stamps = pd.DatetimeIndex(stamps)
+            try:  # text dates, as the CLI reads them
+                stamps = pd.to_datetime(stamps)
+            except (ValueError, TypeError, OverflowError) as e:
+                raise ColumnError(f"{where}: column {ts_name!r} holds values that are not datetimes ({e}); convert "
+                                  "it with pd.to_datetime(..., format=...) first") from None
+        stamps = to_datetime_index(stamps, f"{where}: column {ts_name or 'timestamps'!r}")
         candles = pd.DataFrame({c: flat[n].to_numpy() for c, n in mapping.items() if n and c != "timestamps"})
+        adj = adj_close_column(rest)
+        if adjust not in ADJUST or (adjust == "adj_close" and adj in (None, mapping["close"])):
+            raise DataError(f"{where}: adjust={adjust!r} must be one of {list(ADJUST)}, and adj_close needs an 'Adj "
+                            "Close' column beside the unadjusted close (map close to it)")
+        if adjust == "adj_close":
+            prices = list(PRICE_FEATURES)
+            candles[prices] = adjust_prices(candles[prices].to_numpy(np.float64), flat[adj].to_numpy(np.float64))
         keys = flat[id_column].to_numpy() if id_column else np.zeros(len(df), dtype=np.int64)
         if pd.isna(keys).any():
             raise DataError(f"column {id_column!r} has missing ids; every row must belong to a series")
@@ -510,11 +535,12 @@ class KronosPredictor:
                 y = cal.after(stamps[rows][-1], prediction_length, freq, label)
             series.append((sid, rows, y))
         quantiles = list(quantiles)
-        ts_name = mapping["timestamps"] or "timestamps"
+        ts_name = ts_name or "timestamps"
         name = (lambda sid: f"series {sid!r}") if id_column else (lambda sid: "df")
         frame = lambda rows: candles.iloc[rows].set_axis(stamps[rows])  # messages name a bad row by its time
         check_batch_size(batch_size)
-        step = batch_size or len(series)
+        batch_size = batch_size or self.default_batch_size(sample_count, prediction_length)
+        step = batch_size
         if step < len(series):  # every series' candles checked before the first batch is forecast
             for sid, rows, _ in series:
                 candle_matrix(frame(rows), name(sid))
@@ -530,6 +556,14 @@ class KronosPredictor:
                 head = pd.DataFrame({**({id_column: [sid] * prediction_length} if id_column else {}), ts_name: y})
                 out.append(pd.concat([head, table.reset_index(drop=True)], axis=1))
         return pd.concat(out, ignore_index=True)
+
+    def default_batch_size(self, sample_count: int, pred_len: int) -> int:
+        """Series per forward pass keeping its floats near FORWARD_BUDGET: each series is sample_count sequences of
+        max_context + pred_len tokens, each holding the layers' activations (~4 d_model per layer) and the logits of
+        both token halves (2^s1_bits + 2^s2_bits)."""
+        m = self.model
+        per_token = 4 * m.d_model * m.n_layers + 2 ** m.s1_bits + 2 ** m.s2_bits
+        return max(1, FORWARD_BUDGET // (sample_count * (self.max_context + pred_len) * per_token))
 
     def sample_windows(self, context: np.ndarray, x_stamp: np.ndarray, y_stamp: np.ndarray, pred_len: int, *,
                        T: float = 1.0, top_k: int | None = 0, top_p: float | None = 0.9, sample_count: int = 1,
@@ -550,6 +584,9 @@ class KronosPredictor:
                                   pred_len, T, top_k, top_p, sample_count, verbose)  # (B, S, P, 6) normalised
             samples[lo:lo + step] = denormalize(paths, mu[:, None], sd[:, None])
             mean[lo:lo + step] = denormalize(paths.mean(axis=1), mu, sd)
+        still = ~np.asarray(context)[..., 4:].any(axis=1)  # (W, 2) volume / amount zero in the whole context
+        samples[..., 4:] = np.where(still[:, None, None, :], 0.0, samples[..., 4:])  # e.g. an index: no volume
+        mean[..., 4:] = np.where(still[:, None, :], 0.0, mean[..., 4:])
         return samples, mean
 
     @torch.inference_mode()

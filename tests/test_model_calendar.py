@@ -194,5 +194,5 @@ def test_the_same_instants_in_utc_and_shanghai_are_read_on_their_own_clocks(pred
     assert str(b["Date"].dt.tz) == "Asia/Shanghai" and (a["Date"] == b["Date"]).all()  # same instants stamped
     assert not np.allclose(a["close"], b["close"])  # different clock-time features: different forecasts, by design
     mixed = pd.concat([utc.assign(id="U"), local.assign(id="S")], ignore_index=True)
-    with pytest.raises(DataError, match="column 'Date' must hold datetimes"):  # two zones in one column
+    with pytest.raises(DataError, match="column 'Date' holds values that are not datetimes"):  # two zones in one column
         predictor.predict_df(mixed, prediction_length=3)

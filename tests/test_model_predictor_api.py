@@ -77,7 +77,7 @@ def test_predict_df_quantile_columns_and_freq():
 
 @pytest.mark.parametrize("case, message", [
     ("no id", "strictly increasing"),  # without an id column the frame is one series: A and B interleave
-    ("string timestamps", "must hold datetimes"),
+    ("text timestamps", "not datetimes"),
     ("one row", r"series 'B' has 1 row\(s\): too few to learn its trading calendar"),
     ("bad freq", "not a pandas frequency"),
     ("nan id", "missing ids"),
@@ -87,8 +87,8 @@ def test_predict_df_errors(case, message):
     df, kw = _long_frame(), {}
     if case == "no id":
         df = df.drop(columns="id")
-    elif case == "string timestamps":
-        df["timestamps"] = df["timestamps"].astype(str)
+    elif case == "text timestamps":
+        df["timestamps"] = "not a date"
     elif case == "one row":
         df = df.drop(index=range(31, len(df)))
     elif case == "bad freq":

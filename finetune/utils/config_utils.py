@@ -20,7 +20,7 @@ import re
 import reprlib
 import types
 import typing
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
@@ -360,19 +360,46 @@ def _show(value: Any) -> str:
 
 MAX_CONFIG_BYTES = 1 << 20  # a larger settings file (1 MiB) is refused before parsing: configs are a few KiB
 MAX_YAML_ALIASES = 100  # aliases (`*name`) allowed in one file; a "billion laughs" file nests thousands of them
+MAX_YAML_DEPTH = 32  # nested mappings/lists; the settings nest 3 deep, and 10,000 would exhaust Python's stack
 
 
 class _BoundedLoader(yaml.SafeLoader):
-    """The pure-Python safe loader (the C one composes in C), counting aliases; stops past MAX_YAML_ALIASES."""
+    """The pure-Python safe loader (the C one composes in C), counting aliases (past MAX_YAML_ALIASES) and depth
+    (past MAX_YAML_DEPTH), refusing duplicate keys and integers beyond 64 bits: one ConfigError line each."""
+
+    def _refuse(self, node: Any, problem: str) -> None:
+        raise ConfigError([f"{self.name} line {node.start_mark.line + 1}: {problem}"])
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:  # a key written twice: the last one would silently win
+            key = self.construct_object(key_node)
+            if isinstance(key, Hashable) and key in seen:  # (the base class names an unhashable key)
+                self._refuse(key_node, f"the key {key!r} appears twice in one mapping; keep one")
+            seen.add(key if isinstance(key, Hashable) else id(key))
+        return super().construct_mapping(node, deep)
+
+    def construct_yaml_int(self, node: Any) -> int:
+        value = super().construct_yaml_int(node)
+        if abs(value) >= 2**63:  # no setting takes one; torch and numpy would overflow on it
+            self._refuse(node, f"the integer {node.value[:24]} is beyond 64 bits; no setting takes such a number")
+        return value
 
     def compose_node(self, parent: Any, index: Any) -> Any:
+        self._depth = getattr(self, "_depth", 0) + 1
+        if self._depth > MAX_YAML_DEPTH:
+            self._refuse(self.peek_event(), f"nested more than {MAX_YAML_DEPTH} levels deep; settings nest a few")
         if self.check_event(yaml.AliasEvent):
             self._aliases = getattr(self, "_aliases", 0) + 1
             if self._aliases > MAX_YAML_ALIASES:
-                mark = self.peek_event().start_mark
-                raise ConfigError([f"{self.name}: more than {MAX_YAML_ALIASES} YAML aliases (*name), the last at "
-                                   f"line {mark.line + 1}; a settings file needs few; write the values out"])
-        return super().compose_node(parent, index)
+                self._refuse(self.peek_event(), f"more than {MAX_YAML_ALIASES} YAML aliases (*name); a settings "
+                             "file needs few; write the values out")
+        node = super().compose_node(parent, index)
+        self._depth -= 1
+        return node
+
+
+_BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_yaml_int)
 
 
 def _load_bounded(path: Path) -> Any:
@@ -380,12 +407,14 @@ def _load_bounded(path: Path) -> Any:
     size = path.stat().st_size
     if size > MAX_CONFIG_BYTES:
         raise ConfigError([f"{path}: {size} bytes is too large for a settings file (at most {MAX_CONFIG_BYTES})"])
+    if b"\0" in path.read_bytes():
+        raise ConfigError([f"{path}: a binary file, not a YAML settings file (it holds NUL bytes)"])
     with open(path, encoding="utf-8") as f:
         loader = _BoundedLoader(f)
         loader.name = str(path)
         try:
             return loader.get_single_data()
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
             raise ConfigError([f"{path}: not valid YAML ({e})"]) from None
         finally:
             loader.dispose()

@@ -40,7 +40,7 @@ from model.errors import (
     MissingExtraError,
     UserError,
 )
-from model.fileio import DISK_FULL_ERRNOS
+from model.fileio import disk_full
 
 _DEBUG_FLAG = "--debug"
 _DEBUG_HINT = f"(add {_DEBUG_FLAG} or set KRONOS_DEBUG=1 to see the traceback)"
@@ -70,7 +70,7 @@ def classify(exc: BaseException) -> tuple[int, bool]:
         return EXIT_PATH, True
     if _is_hub_error(exc):
         return EXIT_PATH, True
-    if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:  # the machine's state, not a bug: no traceback
+    if disk_full(exc):  # the machine's state, not a bug: no traceback
         return EXIT_DATA, True
     return EXIT_BUG, False
 
@@ -232,7 +232,10 @@ def stage_log(log_file: str | Path, *, rank: int | None = None, resumed_from: st
     now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     how = f"resumed from {resumed_from}" if resumed_from is not None else "fresh start"
     where = f"{stage} " if stage else ""
-    handler.stream.write(f"===== {now} {where}run ({how}); command: {shlex.join(sys.argv)} =====\n")
+    from finetune.utils.distributed import use_chosen_threads  # torch: loaded by then
+
+    handler.stream.write(f"===== {now} {where}run ({how}); command: {shlex.join(sys.argv)}; "
+                         f"{use_chosen_threads()} =====\n")
     handler.flush()
     previous_level = root.level
     if root.level == logging.NOTSET or root.level > level:

@@ -27,6 +27,7 @@ fingerprint of the project (`file_fingerprint`, sources and arrays alike) lives 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -39,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from model.errors import DataError
-from model.fileio import DISK_FULL_ERRNOS
+from model.fileio import disk_full
 
 N_STAMP_COLUMNS = 5  # minute, hour, weekday, day of month, month
 FORMAT = "kronos-series-store"
@@ -200,10 +201,11 @@ def _disk_space_named(folder: Path):
     try:
         yield
     except OSError as e:
-        if e.errno not in DISK_FULL_ERRNOS:
+        if not disk_full(e):
             raise
         free = shutil.disk_usage(folder.parent).free if folder.parent.exists() else None
-        raise StoreError(f"cannot write the data store in {folder.parent}: {os.strerror(e.errno).lower()} "
+        reason = os.strerror(e.errno or errno.ENOSPC).lower()  # numpy's short write has no errno
+        raise StoreError(f"cannot write the data store in {folder.parent}: {reason} "
                          f"({'unknown' if free is None else f'{free / 2**30:.1f} GiB'} free); free some space there, "
                          "or set the store folder (data.store_dir / data.dataset_path) on a larger disk") from None
 
