@@ -27,15 +27,13 @@ from typing import Any, Literal
 import pandas as pd
 
 from finetune.utils.cli_args import add_config_args
-from finetune.utils.config_utils import (
+from finetune.utils.config_utils import Problems, load_config, parse_date
+from finetune.utils.schema import (
     ModelConfig,
-    Problems,
     SamplingConfig,
     StageConfig,
     StagedConfig,
     TrainingConfig,
-    load_config,
-    parse_date,
     warn_shadowed_overrides,
 )
 

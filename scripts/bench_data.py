@@ -298,8 +298,9 @@ def worker(data: str, store: str, lookback: int, predict: int, batch: int) -> No
 
     from finetune.utils.distributed import barrier, distributed_context
     from finetune.utils.training_utils import tokenizer_loss
-    from finetune.utils.windows import EpochSampler, split_panel
+    from finetune.utils.windows import EpochSampler
     from finetune_csv.prepare import ensure_store
+    from finetune_csv.splits import split_panel
     from model import KronosTokenizer
 
     torch.set_num_threads(1)

@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import DistInfo
 from finetune.utils.metrics import read_metrics
+from finetune.utils.schema import TrainingConfig
 from finetune.utils.training_utils import (
     PREDICTOR_CLIP,
     TOKENIZER_CLIP,

@@ -22,9 +22,10 @@ import pandas as pd
 
 import finetune.utils.checkpoint as checkpoint_store
 from finetune.utils import adapters
-from finetune.utils.config_utils import STAGES, Problems, TrainingConfig, config_to_dict, plain, stage_key
+from finetune.utils.config_utils import Problems, config_to_dict, plain
 from finetune.utils.distributed import DistInfo, all_gather_object
 from finetune.utils.safety import StageFolderError
+from finetune.utils.schema import STAGES, TrainingConfig, stage_key
 from model.errors import ConfigError, DataError, RefusedError
 from model.fileio import read_json_object, write_json
 

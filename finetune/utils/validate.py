@@ -17,9 +17,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from finetune.utils.checkpoint import rng_state, set_rng_state
-from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import DistInfo, all_reduce_sum
 from finetune.utils.safety import ignore_interrupts_in_worker
+from finetune.utils.schema import TrainingConfig
 from finetune.utils.windows import EpochSampler, make_loader, seed_worker
 from model.layers import MultiHeadAttentionWithRoPE, MultiHeadCrossAttentionWithRoPE
 
