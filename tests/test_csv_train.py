@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from finetune.synthetic import generate_ohlcv, write_csv_folder
-from finetune.utils.ledger import plan_stages
+from finetune.utils.ledger import plan_stages, stage_status
 from finetune.utils.schema import STAGES
 from finetune_csv import train_sequential
 from finetune_csv.config import load
@@ -230,7 +230,7 @@ def test_resume_continues_after_a_crash(tmp_path):
     assert (stage / "checkpoints" / "last.pt").is_file()
     # best_model/ holds the starting model (epoch 0 is validated first); the stage is unfinished, not done
     assert json.loads((stage / "best_model" / "run_info.json").read_text())["epoch"] == 0
-    assert train_sequential.stage_status(stage) == "unfinished"
+    assert stage_status(stage) == "unfinished"
 
     second = run(args + ["--resume"])
     assert second.returncode == 0, second.stderr[-2000:]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import finetune.utils.stages as stages
+import finetune_csv.pipeline as pipeline
 from finetune.utils.errors import run_main
 from finetune.utils.ledger import check_record, plan_run, write_record
 from finetune_csv import walk_forward as wf
@@ -44,13 +45,13 @@ def test_a_file_record_reuses_only_current_intact_bytes(tmp_path, caplog):
 
 def _stop_before_calibration(monkeypatch, config: Path) -> None:
     """Run until the predictor finished, then SIGTERM as its calibration starts (exit 75, nothing calibrated)."""
-    sample = stages.sample_paths
+    sample = pipeline.sample_paths
 
     def signal_then_sample(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
         return sample(*args, **kwargs)
 
-    monkeypatch.setattr(stages, "sample_paths", signal_then_sample)
+    monkeypatch.setattr(pipeline, "sample_paths", signal_then_sample)
     assert run(config) == 75
     monkeypatch.undo()
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import finetune.utils.stages as stages
+import finetune_csv.pipeline as pipeline
 from finetune.utils.errors import run_main
 from finetune.utils.safety import STOPPED_EXIT_CODE, GracefulStop
 from finetune_csv import train_sequential
@@ -85,13 +86,13 @@ def test_sigterm_after_the_tokenizer_stage_stops_before_the_predictor_and_the_re
 def test_sigterm_while_calibrating_stops_and_the_rerun_calibrates(tmp_path, uninterrupted, monkeypatch, capsys,
                                                                   one_thread):
     config = make_run(tmp_path)
-    sample = stages.sample_paths  # the calibration's sampling (the first batch's safe point comes next)
+    sample = pipeline.sample_paths  # the calibration's sampling (the first batch's safe point comes next)
 
     def signal_then_sample(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
         return sample(*args, **kwargs)
 
-    monkeypatch.setattr(stages, "sample_paths", signal_then_sample)
+    monkeypatch.setattr(pipeline, "sample_paths", signal_then_sample)
     assert run(config) == STOPPED_EXIT_CODE
     assert "stopped on SIGTERM while sampling forecasts; run the same command again" in capsys.readouterr().err
     info = tmp_path / "out/tiny/basemodel/best_model/kronos_predictor.json"

@@ -220,6 +220,7 @@ def test_sigterm_after_a_predictor_while_scoring_or_calibrating_ends_with_the_un
     import signal
 
     import finetune.utils.stages as stages
+    import finetune_csv.pipeline as pipeline
     from finetune.utils.errors import run_main
 
     reference = tmp_path / "reference.yaml"
@@ -241,7 +242,7 @@ def test_sigterm_after_a_predictor_while_scoring_or_calibrating_ends_with_the_un
         monkeypatch.setattr(module, name, wrapped)
 
     for module, name, before, said in ((stages, "train_predictor", False, "after the predictor stage"),
-                                       (stages, "sample_paths", True, "while sampling forecasts"),  # calibrating
+                                       (pipeline, "sample_paths", True, "while sampling forecasts"),  # calibrating
                                        (wf, "sample_paths", True, "while sampling forecasts")):  # scoring
         signal_after(module, name, before)
         assert run_main(wf.main, ["--config", str(run_config)]) == 75, name
