@@ -453,8 +453,7 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: tup
              " (kept; forecast.repair_candles: true repairs them)")
     paths = finish_paths(paths, calibration, context[:, -1, CLOSE], cfg.forecast.repair_candles)
     table = forecast_table(names, future_ts, paths).drop(columns="window")
-    write_outputs(cfg, out_dir, table, "forecast.png",
-                  names, past_ts, context, future_ts, paths)
+    write_outputs(cfg, out_dir, table, "forecast.png", names, past_ts, context, future_ts, paths)
     return table
 
 

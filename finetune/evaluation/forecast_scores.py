@@ -310,8 +310,7 @@ def score_forecasts(samples, realised, last_close, context=None, series=None,
         base = result[baseline]["overall"]
         result["skill"].update({f"{k}_vs_{baseline}": 1.0 - result["model"]["overall"][k] / base[k]
                                 if base.get(k) else None for k in ("mae", "crps", "mase") if k in base})
-    result["bootstrap"] = (_bootstrap(by_name, codes, n_series, settings, dates) if settings.n_boot > 0
-                           else None)
+    result["bootstrap"] = (_bootstrap(by_name, codes, n_series, settings, dates) if settings.n_boot > 0 else None)
     # Paired differences get the one interval rule of every report (statistics.paired_test, sessions as dates).
     when = np.arange(n_windows) if dates is None else np.asarray(dates)
     test = session_test if np.issubdtype(when.dtype, np.datetime64) else paired_test

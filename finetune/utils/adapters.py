@@ -153,8 +153,7 @@ class PartialAdapter(Adapter):
 
         super().__init__(model)
         trainable = set(self.trainable_names())
-        self.base_fingerprint = weights_fingerprint({k: v for k, v in model.state_dict().items()
-                                                     if k not in trainable})
+        self.base_fingerprint = weights_fingerprint({k: v for k, v in model.state_dict().items() if k not in trainable})
 
     def checkpoint_state(self) -> dict[str, Any]:
         return {name: p.detach() for name, p in self.model.named_parameters() if p.requires_grad}

@@ -441,13 +441,11 @@ class Trainer:
         if plan.saved is not None:
             self.resume_path = plan.path
             self.load_state_dict(plan.saved)
-            self.run_extra = {"changed_on_resume": list(plan.changed),
-                             "accepted_changed_data": list(plan.accepted)}
+            self.run_extra = {"changed_on_resume": list(plan.changed), "accepted_changed_data": list(plan.accepted)}
             if self.dist.is_main:
                 log.info("[%s] resuming from %s at step %d", self.stage.name, self.resume_path, self.state.global_step)
                 if plan.changed:
-                    log.info("[%s] settings changed since the checkpoint: %s", self.stage.name,
-                             "; ".join(plan.changed))
+                    log.info("[%s] settings changed since the checkpoint: %s", self.stage.name, "; ".join(plan.changed))
                 for text in plan.accepted:
                     log.warning("[%s] training.accept_changed_data=true: %s", self.stage.name, text)
         self.wrapped = wrap_model(self.model, self.dist)

@@ -69,8 +69,7 @@ class LossSums:
         extra_t = torch.tensor(list(extra), dtype=torch.float64, device=self.totals.device)
         totals = all_reduce_sum(torch.cat([self.totals, extra_t])).tolist()
         k = len(self.names)
-        return ReducedSums(sums=dict(zip(self.names, totals[:k])), windows=int(totals[k]),
-                           extra=tuple(totals[k + 1:]))
+        return ReducedSums(sums=dict(zip(self.names, totals[:k])), windows=int(totals[k]), extra=tuple(totals[k + 1:]))
 
 
 @dataclass(frozen=True)

@@ -56,8 +56,7 @@ class PanelSegments:
 
     def dataset(self, lookback: int, predict: int, *, stride: int = 1, clip: float = 5.0) -> WindowDataset:
         """The split's windows: the shared WindowDataset reading the panel (memory map) inside these ranges."""
-        return WindowDataset(self.panel, lookback, predict, stride=stride, clip=clip,
-                             ranges=(self.start, self.stop))
+        return WindowDataset(self.panel, lookback, predict, stride=stride, clip=clip, ranges=(self.start, self.stop))
 
 
 def split_bounds(n_rows: int, train_ratio: float, val_ratio: float) -> tuple[int, int]:
