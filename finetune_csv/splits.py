@@ -26,6 +26,7 @@ from finetune_csv.config import DataConfig
 
 log = logging.getLogger(__name__)
 
+
 def split_row_counts(n_rows: int, cfg: DataConfig) -> dict[str, int]:
     """Rows of each split of a series of `n_rows` (context excluded): {"train", "val", "test"}."""
     train_end, val_end = split_bounds(n_rows, cfg.train_ratio, cfg.val_ratio)

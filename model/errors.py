@@ -34,7 +34,6 @@ OPTIONAL_MODULES = {"qlib": "qlib", "tensorboard": "tensorboard"}
 PACKAGE_NAME = "kronos-finetune"
 
 
-
 class UserError(Exception):
     """A mistake the user can fix; shown as one `error: ...` message without a traceback. Base of the others."""
 

@@ -1,12 +1,5 @@
-"""The training engine both pipelines call: one module, read top to bottom.
-
-    train_tokenizer(tokenizer, train_set, val_set, cfg, out_dir, dist, run_config=..., data_info=...)
-    train_predictor(predictor, tokenizer, train_set, val_set, cfg, out_dir, dist, ..., forecast_info=...)
-
-Contents: `TrainResult`, `LoopState` (last.pt's "loop" entry); the pure step decisions; the two stages (loss,
-default clip, loss parts, how the best model is saved, the frozen weights' fingerprint); `restore_optimizer`;
-`Trainer`: all state declared in `__init__`, `state_dict()` / `load_state_dict()` = a checkpoint's content, `fit()`
-the table of contents; the entry points `train_tokenizer`, `train_predictor`, `evaluate_predictor`.
+"""The training engine both pipelines call (`train_tokenizer`, `train_predictor`): one module, read top to bottom.
+`Trainer` declares all its state in `__init__`; `state_dict()` / `load_state_dict()` = a checkpoint's content.
 
 The ledger (finetune/utils/ledger.py) decides what the stage folder's content means (fresh, resume, reuse, rebuild
 or refuse), the Validator (validate.py) validates and selects, checkpoint.py writes, safety.py keeps the run safe.
@@ -93,7 +86,6 @@ class LoopState:
     finished: bool = False  # No epoch left to train.
     # One entry per validation, epoch 0 (the starting model) first (train and validation loss, lr, seconds).
     history: list[dict[str, Any]] = field(default_factory=list)
-
 
 
 def should_save_checkpoint(step: int, every: int) -> bool:
@@ -292,7 +284,6 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, scheduler: Any, saved: d
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
-
 
 
 log = logging.getLogger(__name__)
