@@ -1,10 +1,6 @@
 """Forecast with a finetuned CSV run: score every held-out test window, or forecast past the end of the data.
 
     kronos forecast --config configs/csv_demo.yaml [--future] [--set forecast.sample_count=50]
-
-Also here: the consistency of generated candles (in metrics.json; the forecast scores live in finetune.evaluation).
-`--future` stamps the bars after each series' end by its trading calendar (`model.calendar`; forecast.calendar lists
-the trading dates when holidays matter).
 """
 
 from __future__ import annotations

@@ -3,9 +3,6 @@
 A candle has FEATURES = open, high, low, close, volume, amount (in that order); its calendar stamp has
 TIME_FEATURES = minute, hour, weekday (Monday=0), day of month, month. Normalisation is a per-feature z-score with
 the population std, `(x - mean) / (std + 1e-5)`, clipped to [-clip, clip]; `denormalize` undoes it.
-
-Also here, for every door that reads a user's frame: `resolve_columns` (which column is which candle field) and
-`quantile_column` (the one naming of quantile columns, `close_q10`). Torch-free: config readers import this module.
 """
 from __future__ import annotations
 

@@ -10,10 +10,6 @@ The plain ("nrg") estimator averages |X_i - X_j| over all S^2 pairs (i = j inclu
 unbiased for the CRPS of the distribution the samples come from and matters for small ensembles
 (`scoringrules.crps_ensemble(..., estimator="fair")`). The pair sum uses the sorted-sample identity
 sum_{i,j} |x_i - x_j| = 2 sum_i (2 i - S - 1) x_(i) (i = 1..S), O(S log S) instead of O(S^2).
-
-Also here (the bootstrap intervals come from finetune.evaluation.statistics):
-- Naive forecasts in the model's sample layout, so the same scoring functions rate them.
-- Score a probabilistic forecast run (CSV pipeline): one nested, strict-JSON dict for metrics.json.
 """
 
 from __future__ import annotations

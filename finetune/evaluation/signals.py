@@ -9,10 +9,6 @@ store or suspended there (NaN $close) makes the label NaN rather than reaching o
 
     labels = forward_labels("csi300", "2024-01-01", "2024-06-30", deal_price="close", horizons=5)
     # DataFrame, index (datetime, instrument), columns label_1..label_5
-
-Also here:
-- Cross-sectional signal analysis: IC / RankIC with Newey-West t-statistics, long-short and quantile-group returns,
-- Baseline cross-sectional signals from the same Qlib store as the model's scores.
 """
 
 from __future__ import annotations

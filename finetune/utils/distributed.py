@@ -10,9 +10,6 @@ before the predictor stage or was skipped because it had already finished. So th
 torch with `seed + rank` as the first thing of every run, and nothing else sets the global streams.
 Model initialisation happens earlier, in the entry point; `seeded_init` gives it the same weights on every run
 without touching the global streams (under DDP, rank 0's weights are broadcast, so one seed for all ranks is right).
-
-Also here:
-- One code path for a single process and for `torchrun` (N processes).
 """
 
 from __future__ import annotations

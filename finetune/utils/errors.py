@@ -6,9 +6,6 @@ Every entry point ends with `sys.exit(run_main(main))`; `kronos <command>` (fine
 
 The error classes and their exit codes are `model.errors` (the model package raises them too); anything else
 escaping `main` is a bug, however it was raised.
-
-Also here: one logging setup for every entry point and the engine (rank 0 speaks, the other ranks only warn) and
-the per-stage train.log.
 """
 
 from __future__ import annotations

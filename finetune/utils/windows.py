@@ -11,12 +11,6 @@ batch reads B windows from the map (`WindowDataset(panel, ranges=(start, stop))`
 
 `split_panel_by_date` cuts every series at the same dates instead (from `date_bounds`: ratios over the union of
 the timestamps), so no series' test period lies inside another's training or validation period.
-
-Also here:
-- The order in which an epoch reads its windows, produced chunk by chunk: a pure function of (seed, epoch).
-- The one sliding-window dataset both pipelines train on, and the epoch-aware distributed sampler that feeds it.
-- Held-out windows (`held_out_windows`: a split's windows as arrays, with their bar times) and their sampled
-  forecasts (`sample_paths`), which checkpoint selection, calibration, the forecast and the walk-forward score.
 """
 
 from __future__ import annotations
