@@ -251,7 +251,6 @@ def load(yaml_path: str | os.PathLike | None = None, overrides: list[str] | tupl
     return cfg
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # checks (pure: settings only)
 
 
@@ -349,7 +348,6 @@ def _check_backtest(cfg: QlibConfig, p: Problems) -> None:
     p.check(0 < b.quantile <= 0.5, "backtest.quantile", f"must be in (0, 0.5], got {b.quantile}")
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # file checks shared by the entry points (they add to the same Problems as the settings checks)
 
 

@@ -30,7 +30,6 @@ from model.errors import DataError
 QLIB_FIELDS = ["$open", "$high", "$low", "$close", "$volume", "$vwap"]
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # checks that need the Qlib folder (before anything is loaded)
 
 
@@ -86,7 +85,6 @@ def check_ranges_in_calendar(cfg: QlibConfig, calendar: pd.DatetimeIndex, proble
                        f"calendar ({first}..{last}); move it inside the data")
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # pure conversions (unit-tested without Qlib)
 
 
@@ -200,7 +198,6 @@ def frame_to_panel(frame: pd.DataFrame, amount_source: str, min_bars: int, calen
     return panel, report
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Qlib
 
 

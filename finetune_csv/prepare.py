@@ -165,7 +165,6 @@ def data_summary_from_store(data: PreparedData, cfg: DataConfig) -> dict:
     }
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Reuse or prepare the store (ensure_store, check_store, prepare_store)
 
 
@@ -382,7 +381,6 @@ def _refuse_foreign_folder(out_dir: Path) -> None:
                                "another store folder (data.store_dir) or remove it")
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # The rules of one series: candle checks, cleaning
 
 

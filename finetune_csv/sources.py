@@ -214,7 +214,6 @@ class SourceReader:
                                       if "timestamps" in p else "") for p in e.problems]
             raise
 
-    # ------------------------------------------------------------------------------------------------------------
     @property
     def present(self) -> tuple[bool, ...]:
         """Per feature: whether the file has that column."""
@@ -247,7 +246,6 @@ class SourceReader:
         if self.n_rows == 0:
             raise SourceProblems([f"{self.label}: the file has a header but no rows"])
 
-    # ------------------------------------------------------------------------------------------------------------
     def _adopt_unnamed_index(self, header: list[str], columns: dict[str, str | None]) -> dict[str, str | None]:
         """Take an unnamed first column (DataFrame.to_csv's index: 'Unnamed: 0'; Parquet: '__index_level_0__') as
         the timestamps when the configured timestamps column is missing and its first value reads as a date."""
@@ -338,7 +336,6 @@ class SourceReader:
         except (pa.ArrowInvalid, OSError) as e:
             raise SourceProblems([f"{self.path}: not a readable Parquet file ({e})"]) from None
 
-    # ------------------------------------------------------------------------------------------------------------
     def _parse(self, batch: pa.RecordBatch, lines: np.ndarray) -> ParsedBlock:
         n = batch.num_rows
         if self._ts_parts:  # (n,) text '<date> <time>'

@@ -187,7 +187,6 @@ class FeatureMajorWriter:
                 f.close()
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # The prepared store: one writer, one reader
 
 

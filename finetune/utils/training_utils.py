@@ -389,7 +389,6 @@ class Trainer:
         self.epoch_tokens, self.epoch_train_s = 0, 0.0  # all ranks' candles trained this epoch, and the seconds
         self.grad_norm: torch.Tensor | None = None  # of the last optimizer step (None without clipping)
 
-    # ------------------------------------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
         """Take the folder, decide (resume / skip / overwrite), train the remaining epochs, write the final outputs.
 
@@ -470,7 +469,6 @@ class Trainer:
         with validate.rng_fork():
             self.validate_and_select(epoch=0, train_loss=None)
 
-    # ------------------------------------------------------------------------------------------------------------
     def train_epoch(self) -> None:
         """The epoch's optimizer steps (or the rest of them, after a mid-epoch resume)."""
         cfg, state = self.cfg, self.state
@@ -607,7 +605,6 @@ class Trainer:
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
         self.reset_window()
 
-    # ------------------------------------------------------------------------------------------------------------
     def end_epoch(self) -> None:
         """Validate, keep the best model, update early stopping, write the checkpoint."""
         state, cfg = self.state, self.cfg
@@ -704,7 +701,6 @@ class Trainer:
         """The model's constructor arguments as plain data (checkpoint's "model_args")."""
         return plain(dict(getattr(self.model, "config", {}) or {}))
 
-    # ------------------------------------------------------------------------------------------------------------
     def finish(self) -> TrainResult:
         """Loss plot and final run_info.json with "finished": true (rank 0), then the result."""
         state = self.state

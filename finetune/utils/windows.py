@@ -153,7 +153,6 @@ class EpochOrder:
         self.blocked = self.n > exact_limit and (shuffle or self.m < self.n)
         self.n_blocks = -(-self.n // int(block_size))
 
-    # ------------------------------------------------------------------------------------------------------------
     def chunks(self) -> Iterator[np.ndarray]:
         """The epoch's order in consecutive pieces; their concatenation has `total` entries."""
         if not self.blocked:
@@ -182,7 +181,6 @@ class EpochOrder:
             yield make()[first::w][skip:]
             skip = 0
 
-    # ------------------------------------------------------------------------------------------------------------
     def _exact(self) -> np.ndarray:
         if self.shuffle or self.m < self.n:
             chosen = np.arange(self.n, dtype=self.dtype)
