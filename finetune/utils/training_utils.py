@@ -298,13 +298,10 @@ def train_sampler(dataset: Dataset, cfg: TrainingConfig, dist: DistInfo) -> Epoc
 class Trainer:
     """One training run of one stage. Build it, call `fit()` once.
 
-    Parameters
-    ----------
     stage: what is trained and how its loss is computed (`TokenizerStage` / `PredictorStage`).
     train_set, val_set: datasets of (x (T, F) float32, x_stamp (T, 5) int64) items.
     cfg: loop settings (validated here: a ConfigError lists every problem).
     out: the stage's output folder (written by rank 0 only).
-    dist: from `distributed_context()`.
     run_config, data_info: stored in run_info.json and the checkpoint; data_info's fingerprint guards a resume
         (what it must hold: training_utils.py).
     val_metric: optional forecast metric (model, stage) -> {"score", ...}, run after each validation; with
