@@ -36,13 +36,7 @@ from finetune.evaluation.signals import (
     plot_ic_decay,
 )
 from finetune.qlib_data_preprocess import first_signal_day
-from finetune.qlib_forecast import (
-    Forecaster,
-    forecast_frame,
-    forecast_window_ends,
-    kronos_forecaster,
-    signal_horizon,
-)
+from finetune.qlib_forecast import Forecaster, forecast_frame, forecast_window_ends, kronos_forecaster, signal_horizon
 from finetune.qlib_io import benchmark_label, check_qlib_folder, init_qlib, range_bounds
 from finetune.utils.cli_args import parse_config_args
 from finetune.utils.config_utils import config_to_dict
