@@ -76,12 +76,8 @@ def forecast_dates(calendar_ns: np.ndarray, after_ns: np.ndarray, n: int, freq: 
 def signals_from_closes(pred_close: np.ndarray, last_close: np.ndarray) -> dict[str, np.ndarray]:
     """Predicted closes (W, P) and the last observed close (W,) -> predicted returns per signal, each (W,)."""
     base = last_close[:, None]
-    return {
-        "last": pred_close[:, -1] / last_close - 1.0,
-        "mean": pred_close.mean(axis=1) / last_close - 1.0,
-        "max": (pred_close / base).max(axis=1) - 1.0,
-        "min": (pred_close / base).min(axis=1) - 1.0,
-    }
+    return {"last": pred_close[:, -1] / last_close - 1.0, "mean": pred_close.mean(axis=1) / last_close - 1.0,
+            "max": (pred_close / base).max(axis=1) - 1.0, "min": (pred_close / base).min(axis=1) - 1.0}
 
 
 def kronos_forecaster(tokenizer, predictor, cfg, device: str) -> Forecaster:

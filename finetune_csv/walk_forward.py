@@ -273,12 +273,10 @@ def _report(cfg: CsvFinetuneConfig, out: Path, frame: pd.DataFrame, meta: list[d
     folds = [{**{k: v for k, v in r.items() if k != "fingerprint"}, "purge": purge, "embargo": w.embargo,
               "before_pretraining_cutoff": r["fold"] in excluded} for r in meta]
     report = {"settings": {"folds": w.folds, "test_bars": test_bars, "purge": purge, "embargo": w.embargo,
-                           "candidates": list(w.candidates), "lookback": cfg.data.lookback,
-                           "predict": cfg.data.predict, "samples": f.sample_count,
-                           "pretraining_cutoff": cfg.model.pretraining_cutoff},
+                           "candidates": list(w.candidates), "lookback": cfg.data.lookback, "predict": cfg.data.predict,
+                           "samples": f.sample_count, "pretraining_cutoff": cfg.model.pretraining_cutoff},
               "folds": folds, "excluded_folds": sorted(excluded),
-              "scores": {c: {s: float(g[s].mean()) for s in SCORES}
-                         for c, g in used.groupby("candidate", sort=False)}}
+              "scores": {c: {s: float(g[s].mean()) for s in SCORES} for c, g in used.groupby("candidate", sort=False)}}
     if used.empty:
         report.update(paired=None, verdict="no_evidence",
                       verdict_reason="every test block starts before model.pretraining_cutoff")

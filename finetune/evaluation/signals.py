@@ -124,13 +124,10 @@ def analyse_signal(pred: pd.Series, labels: pd.DataFrame, quantile: float = 0.2,
         ls, avg = calc_long_short_return(p, y, quantile=quantile)
         excess = _long_excess(p, y, quantile)
         groups = quantile_group_returns(p, y, n_groups).mean()
-        out[str(col)] = {
-            "horizon": horizon, "days": int(ic.notna().sum()),
-            "ic": _ic_stats(ic, horizon), "rank_ic": _ic_stats(ric, horizon),
-            "long_short": _mean_t(ls, horizon), "long_average": {"mean": float(avg.mean())},
-            "excess_return": _mean_t(excess, horizon),
-            "group_means": [float(groups.get(g, math.nan)) for g in range(1, n_groups + 1)],
-        }
+        out[str(col)] = {"horizon": horizon, "days": int(ic.notna().sum()), "ic": _ic_stats(ic, horizon),
+                         "rank_ic": _ic_stats(ric, horizon), "long_short": _mean_t(ls, horizon),
+                         "long_average": {"mean": float(avg.mean())}, "excess_return": _mean_t(excess, horizon),
+                         "group_means": [float(groups.get(g, math.nan)) for g in range(1, n_groups + 1)]}
     return out
 
 

@@ -482,8 +482,7 @@ class Trainer:
         self.reset_window()
         show_bar = self.dist.is_main and cfg.progress_bar
         self.bar = tqdm(total=self.steps_per_epoch, initial=state.step_in_epoch, disable=not show_bar,
-                        desc=f"{self.stage.name} epoch {state.epoch + 1}/{cfg.epochs}", dynamic_ncols=True,
-                        leave=False)
+                        desc=f"{self.stage.name} epoch {state.epoch + 1}/{cfg.epochs}", dynamic_ncols=True, leave=False)
         with logging_redirect_tqdm() if show_bar else contextlib.nullcontext():  # log lines above the bar
             batches = iter(loader)
             while state.step_in_epoch < self.steps_per_epoch:

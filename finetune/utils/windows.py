@@ -422,9 +422,8 @@ class EpochSampler(Sampler[int]):
     def order(self, epoch: int | None = None) -> EpochOrder:
         """The epoch's order (an `EpochOrder`)."""
         return EpochOrder(self.num_samples, self.seed, self.epoch if epoch is None else epoch, shuffle=self.shuffle,
-                          max_samples=self.max_samples, world_size=self.world_size,
-                          drop_remainder=self.drop_remainder, exact_limit=self.exact_limit,
-                          block_size=self.block_size)
+                          max_samples=self.max_samples, world_size=self.world_size, drop_remainder=self.drop_remainder,
+                          exact_limit=self.exact_limit, block_size=self.block_size)
 
     def epoch_indices(self, epoch: int | None = None) -> np.ndarray:
         """The windows chosen for `epoch` (all ranks), in the order they are dealt out (materialised: for tests
