@@ -212,9 +212,8 @@ def check_store(store_dir: str | Path, sources: Sequence[Path | csv_sources.Fram
     return True, reason, (manifest if touched else None)
 
 
-def ensure_store(sources: csv_sources.Sources, store_dir: str | Path,
-                 settings: StoreSettings | None = None, *, dist: Any = None,
-                 barrier: Callable[[], None] | None = None, block_rows: int = 1 << 20) -> StoreInfo:
+def ensure_store(sources: csv_sources.Sources, store_dir: str | Path, settings: StoreSettings | None = None, *,
+                 dist: Any = None, barrier: Callable[[], None] | None = None, block_rows: int = 1 << 20) -> StoreInfo:
     """Reuse the store at `store_dir` if it matches the inputs and settings, else (re-)prepare it; log why.
 
     With several processes: only the process whose `dist.is_main` is true checks and prepares; every process
