@@ -222,7 +222,6 @@ class CsvFinetuneConfig(StagedConfig):
 
     @property
     def tokenizer_dir(self) -> Path:
-        """Output folder of the tokenizer stage."""
         return self.base_dir / "tokenizer"
 
     @property

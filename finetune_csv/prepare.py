@@ -76,7 +76,6 @@ class StoreSettings:
                                                                                      **self.columns}}
 
     def validate(self) -> None:
-        """Raise ConfigError (a ValueError) listing every bad setting."""
         p = Problems("Invalid data store settings")
         check_data_settings(self.as_dict(), p)
         p.raise_if_any()

@@ -311,7 +311,6 @@ class Forecast:
 
 
 def default_device() -> str:
-    """cuda:0, else mps, else cpu."""
     if torch.cuda.is_available():
         return "cuda:0"
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():

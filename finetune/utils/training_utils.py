@@ -719,7 +719,6 @@ class Trainer:
         return self.result(plot_path if plot_path is not None and plot_path.exists() else None)
 
     def result(self, plot_path: Path | None, skipped: bool = False) -> TrainResult:
-        """The TrainResult of the loop state."""
         state = self.state
         return TrainResult(
             stage=self.stage.name, best_val_loss=state.best_val_loss, best_epoch=state.best_epoch,

@@ -42,7 +42,6 @@ class ReducedSums:
         return self.sums[name] / self.windows if self.windows > 0 else math.nan
 
     def means(self, prefix: str = "") -> dict[str, float]:
-        """{prefix + name: mean} for "loss" and every part."""
         return {f"{prefix}{name}": self.mean(name) for name in self.sums}
 
 
