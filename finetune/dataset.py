@@ -12,8 +12,7 @@ finetune/utils/store.py, so every rank memory-maps it with `open_store` and shar
 
 `load_split` returns a split as a `SeriesPanel` of read-only memory maps and `save_split` writes one. Training hands
 the panel to the shared `WindowDataset` as it is (windows never cross two series; normalised with lookback-only
-statistics); which windows an epoch uses, on which rank, is the engine's `EpochSampler`'s business.
-"""
+statistics); which windows an epoch uses, on which rank, is the engine's `EpochSampler`'s business."""
 
 from __future__ import annotations
 

@@ -9,8 +9,7 @@ against the last observed close c_t:
     last = close[t+P] / c_t - 1     mean = mean(close[t+1..t+P]) / c_t - 1
     max  = max(close[t+1..t+P]) / c_t - 1     min = min(...) / c_t - 1
 Each signal forecasts a horizon (`signal_horizon`): last / max / min the P-day move, mean about half of it; the
-report scores it against the trade label of that horizon (and every horizon 1..P in the decay table).
-"""
+report scores it against the trade label of that horizon (and every horizon 1..P in the decay table)."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ engine's stage runner (finetune/utils/stages.py).
 
 Each script only says which stage it trains and which model folders it reads (`StageSpec`); settings and input
 checks run before the process group starts, then the stage runner trains that one stage. The trainers require
-torchrun, as the original's do.
-"""
+torchrun, as the original's do."""
 
 from __future__ import annotations
 

@@ -8,8 +8,7 @@
 The frames go, as they are, through exactly what `finetune_csv/train_sequential.py` does (`run_finetune`: the data
 store with every check, the tokenizer stage, the predictor stage); a data error names the frame and column
 (`frame 'AAPL': column 'close' ...`). Nothing here calls `sys.exit` or parses a command line; a user mistake raises
-a UserError / ValueError whose message names the setting to change.
-"""
+a UserError / ValueError whose message names the setting to change."""
 
 from __future__ import annotations
 

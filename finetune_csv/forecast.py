@@ -1,7 +1,6 @@
 """Forecast with a finetuned CSV run: score every held-out test window, or forecast past the end of the data.
 
-    kronos forecast --config configs/csv_demo.yaml [--future] [--set forecast.sample_count=50]
-"""
+    kronos forecast --config configs/csv_demo.yaml [--future] [--set forecast.sample_count=50]"""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ project's settings (finetune_csv/config.py `load` calls `translate_original`).
 
 `RULES` says how each original key carries over (renamed, converted, not needed, or unsupported with what to do
 instead); `translate` is pure; `translate_original` also logs the mapping once and refuses original keys mixed into
-this project's format. A `pre_trained: false` reads the original model folder's config.json for its architecture.
-"""
+this project's format. A `pre_trained: false` reads the original model folder's config.json for its architecture."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@
 
 Every error is a StoreError / CandleDataError (DataError) naming the source (file, or `frame 'AAPL'`), column,
 line and the setting to change; all problems of all sources are collected into one message; a failed preparation
-leaves nothing behind.
-"""
+leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -219,8 +218,7 @@ def ensure_store(sources: csv_sources.Sources, store_dir: str | Path, settings: 
     then calls `barrier()` (so the others wait for the store) and opens it. A process that is not main verifies
     cheaply (settings, file sizes and mtimes) that the store on disk is the one for its inputs, so a failure on
     the main rank becomes a clear error there instead of training on a stale store. For a store on node-local
-    disk pass an object whose `is_main` is `local_rank == 0`.
-    """
+    disk pass an object whose `is_main` is `local_rank == 0`."""
     settings = settings or StoreSettings()
     is_main = True if dist is None else bool(dist.is_main)
     wait = barrier or (lambda: None)

@@ -12,8 +12,7 @@ loss_curve.png and run_info.json (see finetune/utils/training_utils.py).
 
 `run_finetune(cfg, ...)` is the whole run as a function (this script's `main`, the Python API in
 finetune_csv/api.py and the walk-forward call it): the CSV data side (`CsvPipeline`) handed to the engine's stage
-runner (finetune/utils/stages.py), which also calibrates the bands and honours SIGTERM between the stages.
-"""
+runner (finetune/utils/stages.py), which also calibrates the bands and honours SIGTERM between the stages."""
 
 from __future__ import annotations
 

@@ -7,8 +7,7 @@
 (`run_finetune`), `score_fold` scores every non-overlapping test window of every candidate as `kronos forecast` does,
 and the verdict (finetune/evaluation/statistics.py) reads the paired finetuned - zero_shot CRPS. Method, outputs and
 what the interval means: README "Does finetuning pay?". fold.json is written last and atomically: a re-run skips
-folds finished with the same settings.
-"""
+folds finished with the same settings."""
 
 from __future__ import annotations
 

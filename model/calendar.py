@@ -10,8 +10,7 @@ history is read in its own zone, never converted; the stamps it makes carry that
 - daily bars: the weekdays that trade (business days for a stock, every day for crypto), at the last bar's time.
 - longer bars (weekly, monthly): the pandas frequency of the last bars, else their median spacing.
 `dates` (trading dates, e.g. a holiday calendar) restricts the days. `after(last, n, freq)` stamps n bars; with a
-pandas `freq` the bars are at that frequency, keeping those that start inside a learned bar of their weekday.
-"""
+pandas `freq` the bars are at that frequency, keeping those that start inside a learned bar of their weekday."""
 from __future__ import annotations
 
 import warnings

@@ -8,8 +8,7 @@ The expressions run through `D.features`, so `Ref` moves along the market calend
 store or suspended there (NaN $close) makes the label NaN rather than reaching over the gap.
 
     labels = forward_labels("csi300", "2024-01-01", "2024-06-30", deal_price="close", horizons=5)
-    # DataFrame, index (datetime, instrument), columns label_1..label_5
-"""
+    # DataFrame, index (datetime, instrument), columns label_1..label_5"""
 
 from __future__ import annotations
 

@@ -23,8 +23,7 @@ format: for lora the adapters merged into the weights (W + alpha / r * B @ A), s
 `KronosPredictor.from_pretrained`, `kronos forecast` and `push_to_hub` need nothing new, and the adapter alone in
 peft's format under `best_model/adapter/` (`PeftModel.from_pretrained(base_model, "best_model/adapter")`).
 After training the in-memory model is plain again (lora: merged, freeze: requires_grad restored). The config
-modules read `MODES` and must load no torch: torch is imported where a model is touched.
-"""
+modules read `MODES` and must load no torch: torch is imported where a model is touched."""
 
 from __future__ import annotations
 

@@ -9,8 +9,7 @@ Why the engine and not the entry point: a stage's random stream (dropout, sample
 before the predictor stage or was skipped because it had already finished. So the trainer seeds python, numpy and
 torch with `seed + rank` as the first thing of every run, and nothing else sets the global streams.
 Model initialisation happens earlier, in the entry point; `seeded_init` gives it the same weights on every run
-without touching the global streams (under DDP, rank 0's weights are broadcast, so one seed for all ranks is right).
-"""
+without touching the global streams (under DDP, rank 0's weights are broadcast, so one seed for all ranks is right)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ Every entry point ends with `sys.exit(run_main(main))`; `kronos <command>` (fine
 `--debug` on the command line or `KRONOS_DEBUG=1` adds the traceback to user errors too.
 
 The error classes and their exit codes are `model.errors` (the model package raises them too); anything else
-escaping `main` is a bug, however it was raised.
-"""
+escaping `main` is a bug, however it was raised."""
 
 from __future__ import annotations
 

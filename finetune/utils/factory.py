@@ -10,8 +10,7 @@
     predictor = build_predictor(cfg.model.pretrained_predictor, cfg.model.predictor_arch, tokenizer, "model")
 
 A pretrained folder or hub id wins over the architecture, which is then ignored (and not checked). Every failure
-is a ValueError naming the YAML keys to change.
-"""
+is a ValueError naming the YAML keys to change."""
 from __future__ import annotations
 
 from dataclasses import asdict

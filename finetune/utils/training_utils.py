@@ -4,8 +4,7 @@
 The ledger (finetune/utils/ledger.py) decides what the stage folder's content means (fresh, resume, reuse, rebuild
 or refuse), the Validator (validate.py) validates and selects, checkpoint.py writes, safety.py keeps the run safe.
 `data_info` goes into run_info.json and its fingerprint into every checkpoint, so pipelines put in it what defines
-their data (file sha256s, splits, window).
-"""
+their data (file sha256s, splits, window)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Validation of one stage (after torchtitan's components/validate.py): `Validator.validate_and_select` = the
 validation loss, the pipeline's forecast metric, best-model selection and early stopping, as one `Selection`. Also
-what training shares with it: `LossSums`, `resolve_precision` (resolved once per run by the Trainer), `rng_fork`.
-"""
+what training shares with it: `LossSums`, `resolve_precision` (resolved once per run by the Trainer), `rng_fork`."""
 
 from __future__ import annotations
 

@@ -10,8 +10,7 @@ window crosses into another series. With a memory-mapped panel nothing is copied
 batch reads B windows from the map (`WindowDataset(panel, ranges=(start, stop))`).
 
 `split_panel_by_date` cuts every series at the same dates instead (from `date_bounds`: ratios over the union of
-the timestamps), so no series' test period lies inside another's training or validation period.
-"""
+the timestamps), so no series' test period lies inside another's training or validation period."""
 
 from __future__ import annotations
 
