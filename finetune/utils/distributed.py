@@ -127,10 +127,8 @@ def resolve_backend(requested: str | None, cuda_available: bool) -> str:
 @contextlib.contextmanager
 def distributed_context(timeout_s: float = 1800.0, backend: str | None = None) -> Iterator[DistInfo]:
     """Set up this process (process group if launched by torchrun, device) and tear it down on exit.
-
-    Args:
-        timeout_s: how long a collective may wait for the other ranks before the job fails instead of hanging.
-        backend: overrides DIST_BACKEND (None: read the environment).
+    timeout_s: how long a collective may wait for the other ranks before the job fails instead of hanging.
+    backend: overrides DIST_BACKEND (None: read the environment).
     Yields a `DistInfo`. The process group is destroyed here, and only here, whether the body succeeds or raises."""
     cuda = torch.cuda.is_available()
     if not launched_by_torchrun():
