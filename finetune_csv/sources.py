@@ -221,13 +221,10 @@ class SourceReader:
     @property
     def problems(self) -> list[str]:
         """Every problem found so far, one message per (column, kind)."""
-        out = []
-        for (kind, column), issue in self._issues.items():
-            out.append(_ISSUE_TEXT[kind].format(file=self.label, column=column, field=self._field_of(column),
-                                                n=issue.count, where=f"{self.unit} {issue.where()}",
-                                                examples=", ".join(issue.examples), fmt=self._fmt_text(),
-                                                symbol=self.symbol_column))
-        return out + self._messages
+        return [_ISSUE_TEXT[kind].format(file=self.label, column=column, field=self._field_of(column), n=issue.count,
+                                         where=f"{self.unit} {issue.where()}", examples=", ".join(issue.examples),
+                                         fmt=self._fmt_text(), symbol=self.symbol_column)
+                for (kind, column), issue in self._issues.items()] + self._messages
 
     def blocks(self) -> Iterator[ParsedBlock]:
         """Parsed blocks in file order; cells with problems are recorded in `problems` (their values are NaN/0)."""
