@@ -26,15 +26,13 @@ from typing import Any, Literal
 import pandas as pd
 
 from finetune.utils.cli_args import add_config_args
-from finetune.utils.config_utils import (
+from finetune.utils.config_utils import Problems, load_config, parse_date
+from finetune.utils.schema import (
     ModelConfig,
-    Problems,
     SamplingConfig,
     StageConfig,
     StagedConfig,
     TrainingConfig,
-    load_config,
-    parse_date,
     warn_shadowed_overrides,
 )
 
@@ -252,7 +250,6 @@ def load(yaml_path: str | os.PathLike | None = None, overrides: list[str] | tupl
 
 # checks (pure: settings only)
 
-
 def parse_range(value: Any, key: str, problems: Problems) -> tuple[pd.Timestamp, pd.Timestamp] | None:
     """(start, end) of a `[start, end]` setting with start <= end, or None after recording the problem."""
     if not isinstance(value, (list, tuple)) or len(value) != 2:
@@ -348,7 +345,6 @@ def _check_backtest(cfg: QlibConfig, p: Problems) -> None:
 
 
 # file checks shared by the entry points (they add to the same Problems as the settings checks)
-
 
 def check_model_folder(path: str | None, key: str, problems: Problems, *, hub_ok: bool) -> None:
     """Record a problem for `key` unless `path` is a model folder with config.json (or, with `hub_ok`, a bare

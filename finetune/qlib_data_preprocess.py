@@ -61,9 +61,7 @@ from model.fileio import write_json
 log = logging.getLogger("finetune.qlib")
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # pure steps (unit-tested without Qlib)
-
 
 @dataclass
 class SplitRule:
@@ -215,10 +213,6 @@ def write_splits(folder: str | Path, splits: dict[str, SeriesPanel], manifest: d
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# entry point
 
 
 def preprocess(cfg: QlibConfig) -> dict[str, Any]:

@@ -31,7 +31,6 @@ QLIB_FIELDS = ["$open", "$high", "$low", "$close", "$volume", "$vwap"]
 
 # checks that need the Qlib folder (before anything is loaded)
 
-
 def check_qlib_folder(cfg: QlibConfig, problems: Problems, need_benchmark: bool = True) -> None:
     """Record a problem, naming the setting, for a Qlib folder that lacks what the pipeline reads:
     the calendar, the universe's instrument list, and the benchmark's close prices."""
@@ -85,7 +84,6 @@ def check_ranges_in_calendar(cfg: QlibConfig, calendar: pd.DatetimeIndex, proble
 
 
 # pure conversions (unit-tested without Qlib)
-
 
 def load_range(calendar: pd.DatetimeIndex, begin: str, end: str, lookback: int, predict: int
                ) -> tuple[pd.Timestamp, pd.Timestamp]:
@@ -195,9 +193,6 @@ def frame_to_panel(frame: pd.DataFrame, amount_source: str, min_bars: int, calen
     panel = SeriesPanel(np.ascontiguousarray(features.astype(np.float32).T), wallclock_stamps(when), offsets,
                         np.asarray(names, dtype=str), when)
     return panel, report
-
-
-# Qlib
 
 
 def init_qlib(cfg: QlibConfig) -> None:

@@ -61,7 +61,7 @@ class QlibPipeline:
 
         return make_ic_val_metric(self.cfg, self.val_set.panel, tokenizer)
 
-    def calibration_windows(self) -> None:
+    def calibrate(self, best: Path) -> None:  # the Qlib forecast reports no bands to calibrate
         return None
 
 

@@ -31,10 +31,12 @@ from finetune.evaluation.signals import (
     BaselineSettings,
     analyse_signal,
     baseline_signals,
+    daily_ic,
     forward_labels,
     ic_decay,
     plot_ic_decay,
 )
+from finetune.evaluation.statistics import paired_test
 from finetune.qlib_data_preprocess import first_signal_day
 from finetune.qlib_forecast import Forecaster, forecast_frame, forecast_window_ends, kronos_forecaster, signal_horizon
 from finetune.qlib_io import benchmark_label, check_qlib_folder, init_qlib, range_bounds
@@ -197,6 +199,26 @@ def summary_table(results: dict[str, dict], t_ok: bool = True) -> pd.DataFrame:
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
+def best_signal(signals: dict[str, pd.Series], labels: pd.DataFrame, results: dict[str, dict],
+                baselines: list[str]) -> dict:
+    """Every signal ranked by headline IC (best first) and the best's `paired_test` (the walk-forward's interval rule,
+    higher is better) of its daily IC minus the runner-up's, each at its own label horizon; `line` for the console."""
+    ic = {n: r["headline"]["IC"] for n, r in results.items() if np.isfinite(r["headline"]["IC"])}
+    order = sorted(ic, key=ic.get, reverse=True)
+    if len(order) < 2:  # nothing to compare (e.g. every IC undefined on a tiny universe)
+        return {"signal": order[0] if order else None, "ranking": ic, "line": "best by IC: fewer than 2 signals "
+                "with a defined IC, no ranking"}
+    best, rival = order[0], order[1]
+    daily = {n: daily_ic(signals[n], labels[f"label_{results[n]['horizon']}"])[0] for n in (best, rival)}
+    diff = (daily[best] - daily[rival]).dropna()  # (days,) both defined
+    lag = max(results[best]["horizon"], results[rival]["horizon"]) - 1  # overlapping h-day labels
+    test = paired_test(diff.to_numpy(), diff.index, lag, higher_is_better=True, what=f"daily IC {best} - {rival}")
+    advice = f"; the {best} baseline beats every model here: use it, or finetune more" if best in baselines else ""
+    return {"signal": best, "ranking": {n: ic[n] for n in order}, "runner_up": rival, "test": test,
+            "line": f"best by IC: {best} (" + " > ".join(f"{n} {ic[n]:+.4f}" for n in order)
+            + f"); against {rival}: {test['reason']}{advice}"}
+
+
 def seed_spread(per_seed: list[dict]) -> dict:
     """Mean and std (ddof=1) over seeds of the headline IC / RankIC and the annualised excess return with cost."""
     def stats(values: list[float]) -> dict[str, float]:
@@ -353,11 +375,19 @@ def evaluate(cfg: QlibConfig, forecasters: dict[str, Forecaster], split: SeriesP
     decay_table = pd.concat(decay, names=["signal", "horizon"])
     signals_table = pd.DataFrame(signals).join(labels).reset_index()
 
-    report = {"summary": table.to_dict(orient="index"), "signals": results, "seed_spread": spread,
-              "forecast_days": [str(first_day.date()), str(pd.Timestamp(index.get_level_values(0).max()).date())],
-              "backtest_period": [str(bt_start.date()), str(bt_end.date())], "benchmark": benchmark_label(cfg),
-              "warnings": warnings_, "label": f"{b.deal_price}(t+1+h) / {b.deal_price}(t+1) - 1, h = 1..{d.predict}",
-              "forecasts": len(index), "instruments": len(instruments)}
+    report = {
+        "summary": table.to_dict(orient="index"),
+        "signals": results,
+        "seed_spread": spread,
+        "forecast_days": [str(first_day.date()), str(pd.Timestamp(index.get_level_values(0).max()).date())],
+        "backtest_period": [str(bt_start.date()), str(bt_end.date())],
+        "benchmark": benchmark_label(cfg),
+        "warnings": warnings_,
+        "label": f"{b.deal_price}(t+1+h) / {b.deal_price}(t+1) - 1, h = 1..{d.predict}",
+        "forecasts": len(index),
+        "instruments": len(instruments),
+        "best": best_signal(signals, labels, results, list(base.columns) if b.baselines else []),
+    }
     files = {
         "summary.csv": table.rename_axis("signal"),
         "signals.csv": signals_table,
@@ -407,6 +437,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for s, sp in report["seed_spread"].items():
         print(f"{s}: over {sp['seeds']} seeds IC {sp['IC']['mean']:.4f} +- {sp['IC']['std']:.4f}, excess_ann "
               f"{sp['excess_return_with_cost_ann']['mean']:.4f} +- {sp['excess_return_with_cost_ann']['std']:.4f}")
+    print(report["best"]["line"])
     for w in report["warnings"]:
         print(f"warning: {w}")
     print(f"\nresults in {out}")

@@ -194,7 +194,6 @@ def write_csv_folder(frames: dict[str, pd.DataFrame], out_dir: str | os.PathLike
     return paths
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # A broad mix of markets, for pretraining a small starting model (scripts/make_pretrained_demo.py).
 #
 # Deliberately unlike the demo market above (5-minute bars in two Asian sessions with a lunch break, Gaussian

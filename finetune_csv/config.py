@@ -15,16 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from finetune.utils.config_utils import (
+from finetune.utils.config_utils import Problems, build_config, parse_date, read_yaml
+from finetune.utils.schema import (
     ModelConfig,
-    Problems,
     SamplingConfig,
     StageConfig,
     StagedConfig,
     TrainingConfig,
-    build_config,
-    parse_date,
-    read_yaml,
     warn_shadowed_overrides,
 )
 from finetune_csv.original_config import translate_original

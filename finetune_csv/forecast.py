@@ -22,6 +22,7 @@ from finetune.evaluation.forecast_scores import (
     interval_coverage,
     score_forecasts,
 )
+from finetune.evaluation.held_out import HeldOutWindows, held_out_windows, sample_paths
 from finetune.evaluation.statistics import session_test
 from finetune.utils.checkpoint import prepare_folder
 from finetune.utils.cli_args import add_config_args, parse_config_args
@@ -29,11 +30,10 @@ from finetune.utils.errors import setup_logging
 from finetune.utils.ledger import other_data_key, stage_status
 from finetune.utils.plots import Panel, plot_panels, stamp_text
 from finetune.utils.safety import LOCK_NAME, GracefulStop, read_holder
-from finetune.utils.windows import HeldOutWindows, held_out_windows, sample_paths
 from finetune_csv.config import CsvFinetuneConfig, best_dir, load
+from finetune_csv.pipeline import CsvPipeline
 from finetune_csv.prepare import prepare_data
 from finetune_csv.sources import list_sources, source_fingerprint
-from finetune_csv.train_sequential import CsvPipeline
 from model import Kronos, KronosPredictor, KronosTokenizer
 from model.calendar import TradingCalendar
 from model.errors import ConfigError, DataError, PathError

@@ -165,7 +165,6 @@ def data_summary_from_store(data: PreparedData, cfg: DataConfig) -> dict:
 
 # Reuse or prepare the store (ensure_store, check_store, prepare_store)
 
-
 def check_store(store_dir: str | Path, sources: Sequence[Path | csv_sources.Frame], settings: StoreSettings,
                 verify: bool = True) -> tuple[bool, str, dict | None]:
     """(reusable, reason, refreshed manifest or None): whether the store at `store_dir` was prepared from `sources`
@@ -378,7 +377,6 @@ def _refuse_foreign_folder(out_dir: Path) -> None:
 
 
 # The rules of one series: candle checks, cleaning
-
 
 def candle_problems(values: np.ndarray, lines: np.ndarray, columns: Mapping[str, str | None], where: str,
                     unit: str, settings: StoreSettings) -> tuple[list[str], list[str]]:

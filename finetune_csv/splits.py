@@ -13,18 +13,88 @@ import pandas as pd
 from finetune.utils.config_utils import Problems
 from finetune.utils.plots import stamp_text
 from finetune.utils.store import SeriesPanel, StoreError
-from finetune.utils.windows import (
-    PanelSegments,
-    WindowDataset,
-    date_bounds,
-    split_bounds,
-    split_panel,
-    split_panel_by_date,
-)
+from finetune.utils.windows import PanelSegments, WindowDataset
 from finetune_csv.config import DataConfig
+from model.errors import DataError
 
 log = logging.getLogger(__name__)
 
+
+def split_bounds(n_rows: int, train_ratio: float, val_ratio: float) -> tuple[int, int]:
+    """Row indices (train_end, val_end) of a series of n_rows (the CSV pipeline's rounding)."""
+    train_end = int(n_rows * train_ratio)
+    val_end = int(round(n_rows * (train_ratio + val_ratio), 9))  # round(): 0.7 + 0.2 must not lose a row
+    return train_end, val_end
+
+
+def split_panel(panel: SeriesPanel, train_ratio: float, val_ratio: float, test_ratio: float, lookback: int,
+                predict: int) -> dict[str, PanelSegments]:
+    """Cut every series by time into train / val / (test when test_ratio > 0) index ranges; DataError naming each
+    series too short for one window per split (train needs lookback + predict rows, val and test predict rows)."""
+    lengths = panel.lengths()
+    offsets = np.asarray(panel.offsets, dtype=np.int64)
+    bounds = np.array([split_bounds(int(n), train_ratio, val_ratio) for n in lengths], dtype=np.int64).reshape(-1, 2)
+    train_end, val_end = bounds[:, 0], bounds[:, 1]
+    short = (train_end < lookback + predict) | (val_end - train_end < predict)
+    if test_ratio > 0:
+        short |= lengths - val_end < predict
+    if short.any():
+        listed = [f"{panel.names[i]}: {int(lengths[i])} rows" for i in np.flatnonzero(short)[:10]]
+        more = f" (+{int(short.sum()) - 10} more)" if short.sum() > 10 else ""
+        raise DataError(f"{int(short.sum())} series too short for one window per split with data.lookback="
+                        f"{lookback}, data.predict={predict} and ratios {train_ratio}/{val_ratio}/{test_ratio}: "
+                        f"{', '.join(listed)}{more}; lower data.lookback / data.predict, change the ratios, or "
+                        "remove these series")
+    first = offsets[:-1]
+    out = {"train": PanelSegments(panel, first, first, first + train_end),
+           "val": PanelSegments(panel, first + train_end - lookback, first + train_end, first + val_end)}
+    if test_ratio > 0:
+        out["test"] = PanelSegments(panel, first + val_end - lookback, first + val_end, first + lengths)
+    return out
+
+
+def date_bounds(panel: SeriesPanel, train_ratio: float, val_ratio: float, test: bool) -> tuple[int, int | None]:
+    """(train_end, val_end or None) in ns: dates that put the ratios of ALL candles (every series pooled) before,
+    between and after them, so every series is cut at the same dates and each split holds about its share of the
+    data. (Ratios of the distinct dates instead would hand the held-out splits to whichever series runs longest: on
+    daily US data from 1986-2025, a test of only the one stock still listed in 2021.) val_end is None without a
+    test split."""
+    pooled = np.sort(np.asarray(panel.datetimes))  # (N,) int64 ns, one entry per candle
+    train_end, val_end = split_bounds(len(pooled), train_ratio, val_ratio)
+    last = len(pooled) - 1
+    return int(pooled[min(train_end, last)]), (int(pooled[min(val_end, last)]) if test else None)
+
+
+def split_panel_by_date(panel: SeriesPanel, train_end: int, val_end: int | None, lookback: int,
+                        predict: int) -> dict[str, PanelSegments]:
+    """Cut every series at the same dates (ns): train = bars before `train_end`, val = bars from `train_end` (to
+    `val_end`), test = bars from `val_end` (only when `val_end` is given).
+
+    Purge: a split's own rows stop `predict` bars before the next split begins, so the last training window's
+    targets end `predict` bars before the first validation target (the same between val and test). Val/test ranges
+    start up to `lookback` bars before their first own row (context), never before the series' first bar. A series
+    without bars in a split gets an empty range there (no window); the caller checks that each split has windows."""
+    if panel.datetimes is None:
+        raise ValueError("a date split needs the bar datetimes (SeriesPanel.datetimes)")
+    when = np.asarray(panel.datetimes)
+    offsets = np.asarray(panel.offsets, dtype=np.int64)
+    first, last = offsets[:-1], offsets[1:]
+
+    def cut(t: int) -> np.ndarray:  # (S,) first column of each series at or after t (bars are sorted in time)
+        return np.array([o + np.searchsorted(when[o:e], t) for o, e in zip(first.tolist(), last.tolist())],
+                        dtype=np.int64).reshape(-1)
+
+    b1 = cut(train_end)
+    b2 = last if val_end is None else cut(val_end)
+
+    def held_out(begin: np.ndarray, end: np.ndarray) -> PanelSegments:
+        return PanelSegments(panel, np.maximum(first, begin - lookback), begin, np.maximum(begin, end))
+
+    out = {"train": PanelSegments(panel, first, first, np.maximum(first, b1 - predict)),
+           "val": held_out(b1, b2 - predict if val_end is not None else b2)}
+    if val_end is not None:
+        out["test"] = held_out(b2, last)
+    return out
 
 def split_row_counts(n_rows: int, cfg: DataConfig) -> dict[str, int]:
     """Rows of each split of a series of `n_rows` (context excluded): {"train", "val", "test"}."""

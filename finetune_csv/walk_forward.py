@@ -26,6 +26,7 @@ import pandas as pd
 
 import finetune_csv.config as csv_config
 from finetune.evaluation.forecast_scores import ScoreSettings, empirical_samples, persistence_samples, window_scores
+from finetune.evaluation.held_out import held_out_windows, sample_paths
 from finetune.evaluation.statistics import session_test
 from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.config_utils import config_to_dict
@@ -33,7 +34,7 @@ from finetune.utils.errors import setup_logging
 from finetune.utils.ledger import reuse_fold
 from finetune.utils.plots import pyplot, save_figure, stamp_text
 from finetune.utils.safety import GracefulStop, RunLock
-from finetune.utils.windows import PanelSegments, held_out_windows, sample_paths
+from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir
 from finetune_csv.forecast import CLOSE, ensemble_paths, make_predictor
 from finetune_csv.prepare import prepare_data

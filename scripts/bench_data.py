@@ -41,9 +41,6 @@ START_NS = int(np.datetime64("2020-01-01T00:00", "ns").astype(np.int64))  # firs
 QLIB_LOOKBACK, QLIB_PREDICT = 90, 10
 
 
-# ---------------------------------------------------------------------------------------------------- baselines
-
-
 class PandasIlocWindows:
     """The baseline of both pipelines: one pandas DataFrame per series (FEATURES + TIME_FEATURES columns), an `.iloc`
     slice and numpy normalisation by the lookback's statistics per sample."""
@@ -78,13 +75,13 @@ def rate(fn, seconds: float, per_call: int = 1) -> float:
     return n * per_call / (time.perf_counter() - start)
 
 
-# ---------------------------------------------------------------------------------------------------- csv
-
-
 def csv_bench(args: argparse.Namespace) -> None:
+    """The CSV store + WindowDataset against pandas .iloc per sample, and the data-wait share of a train step."""
     import torch
+    from torch.utils.data import DataLoader
 
     from finetune.synthetic import generate_ohlcv, write_csv_folder
+    from finetune.utils.windows import EpochSampler, make_loader
     from finetune_csv.config import DataConfig
     from finetune_csv.prepare import prepare_data
     from finetune_csv.splits import build_dataset
@@ -108,25 +105,19 @@ def csv_bench(args: argparse.Namespace) -> None:
             frames.append(f)
         baseline = PandasIlocWindows(frames, args.lookback, args.predict, cfg.clip)
         assert len(baseline) == len(ours), (len(baseline), len(ours))
-        time_loaders(args, ours, baseline, load_s, build_s)  # while the store is still mapped
 
+        def base_loader(seed: int) -> DataLoader:
+            return DataLoader(baseline, batch_size=args.batch, shuffle=True,
+                              generator=torch.Generator().manual_seed(seed))
 
-def time_loaders(args: argparse.Namespace, ours, baseline: PandasIlocWindows, load_s: float, build_s: float) -> None:
-    """Time both loaders and the data-wait share of a train step; print the table."""
-    import torch
-    from torch.utils.data import DataLoader
-
-    from finetune.utils.windows import EpochSampler, make_loader
-
-    def base_loader(seed: int) -> DataLoader:
-        return DataLoader(baseline, batch_size=args.batch, shuffle=True, generator=torch.Generator().manual_seed(seed))
-
-    sampler = EpochSampler(len(ours), shuffle=True, seed=0)
-    ours_sps = samples_per_second(make_loader(ours, sampler, args.batch, epoch=0, seed=0), args.batches)
-    base_sps = samples_per_second(base_loader(0), max(5, args.batches // 6))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    ours_wait, ours_step = data_wait_share(make_loader(ours, sampler, args.batch, epoch=1, seed=0), args.steps, device)
-    base_wait, base_step = data_wait_share(base_loader(1), args.steps, device)
+        # Timed while the store is still mapped.
+        sampler = EpochSampler(len(ours), shuffle=True, seed=0)
+        ours_sps = samples_per_second(make_loader(ours, sampler, args.batch, epoch=0, seed=0), args.batches)
+        base_sps = samples_per_second(base_loader(0), max(5, args.batches // 6))
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        ours_wait, ours_step = data_wait_share(make_loader(ours, sampler, args.batch, epoch=1, seed=0), args.steps,
+                                               device)
+        base_wait, base_step = data_wait_share(base_loader(1), args.steps, device)
     print(f"data: {args.series} series x {args.bars} bars (5min), {len(ours)} training windows of "
           f"{args.lookback}+{args.predict}; prepare the store (parse+check CSVs) {load_s:.2f} s, "
           f"split + dataset {build_s:.2f} s")
@@ -174,9 +165,6 @@ def data_wait_share(loader, steps: int, device) -> tuple[float, float]:
             waited += t1 - t0
             total += t2 - t0
     return waited / total, total / steps
-
-
-# ---------------------------------------------------------------------------------------------------- qlib
 
 
 def stacked_frame(symbols: int, days: int, seed: int = 0) -> pd.DataFrame:
@@ -237,9 +225,6 @@ def qlib_bench(args: argparse.Namespace) -> None:
     base = rows[0][1]
     for name, value in rows:
         print(f"  {name:38s} {value:12,.0f}   {value / base:6.1f}x")
-
-
-# ---------------------------------------------------------------------------------------------------- store
 
 
 class PeakMemory:
@@ -313,8 +298,9 @@ def worker(data: str, store: str, lookback: int, predict: int, batch: int) -> No
 
     from finetune.utils.distributed import barrier, distributed_context
     from finetune.utils.training_utils import tokenizer_loss
-    from finetune.utils.windows import EpochSampler, split_panel
+    from finetune.utils.windows import EpochSampler
     from finetune_csv.prepare import ensure_store
+    from finetune_csv.splits import split_panel
     from model import KronosTokenizer
 
     torch.set_num_threads(1)

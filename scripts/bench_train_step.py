@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import DistInfo
 from finetune.utils.metrics import read_metrics
+from finetune.utils.schema import TrainingConfig
 from finetune.utils.training_utils import (
     PREDICTOR_CLIP,
     TOKENIZER_CLIP,
@@ -293,11 +293,9 @@ def targets_main(args: argparse.Namespace, device: torch.device) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.safety:
-        safety_main(args)
-        return
+        return safety_main(args)
     if args.modes:
-        modes_main(args)
-        return
+        return modes_main(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.targets:
         return targets_main(args, device)

@@ -30,12 +30,13 @@ import torch.nn.functional as F
 
 from finetune.evaluation.statistics import bootstrap_ci
 from finetune.synthetic import generate_ohlcv, write_csv_folder
-from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import DistInfo
+from finetune.utils.schema import TrainingConfig
 from finetune.utils.training_utils import evaluate_predictor
 from finetune.utils.windows import WindowDataset
 from finetune_csv import train_sequential
 from finetune_csv.config import load
+from finetune_csv.pipeline import CsvPipeline
 from finetune_csv.prepare import prepare_data
 from finetune_csv.splits import build_dataset
 from model import Kronos, KronosTokenizer
@@ -92,7 +93,7 @@ def train(config: str, data: Path, out: Path, extra: list[str]) -> dict:
         raise DataError(f"training into {out} failed with exit code {rc}")
     cfg = load(config, sets)
     return {"seconds": time.perf_counter() - t0, "predictor_dir": str(cfg.predictor_dir / "best_model"),
-            "tokenizer_source": train_sequential.CsvPipeline(cfg).tokenizer_source()[0], "config": cfg}
+            "tokenizer_source": CsvPipeline(cfg).tokenizer_source()[0], "config": cfg}
 
 
 def main(argv: list[str] | None = None) -> int:

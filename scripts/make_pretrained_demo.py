@@ -25,16 +25,18 @@ import numpy as np
 import torch
 
 from finetune.synthetic import generate_mix
-from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import distributed_context, seed_everything
 from finetune.utils.errors import setup_logging
 from finetune.utils.metrics import git_commit
+from finetune.utils.schema import TrainingConfig
 from finetune.utils.training_utils import train_predictor, train_tokenizer
 from finetune.utils.windows import SeriesArrays, WindowDataset
 from model import Kronos, KronosTokenizer
 from model.errors import DataError
 from model.features import FEATURES, calc_time_stamps
 from model.fileio import atomic_dir, write_json
+from model.hub import weights_fingerprint
+from model.predictor import PREDICTOR_INFO_NAME, predictor_info
 
 REPO = Path(__file__).resolve().parents[1]
 # The demo's shapes (configs/csv_demo.yaml), so that the demo can start from this checkpoint unchanged.
@@ -135,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
             (tmp / name).mkdir()
             for f in ("config.json", "model.safetensors"):
                 shutil.copy2(src / f, tmp / name / f)
+        # The window, clip (WindowDataset's default 5.0) and tokenizer beside it: from_pretrained needs nothing else.
+        write_json(tmp / "predictor" / PREDICTOR_INFO_NAME, predictor_info(
+            tmp / "predictor", max_context=LOOKBACK + PREDICT, lookback=LOOKBACK, tokenizer=tmp / "tokenizer",
+            tokenizer_sha256=weights_fingerprint(tokenizer), clip=5.0))
         summary = {
             "command": "OMP_NUM_THREADS=1 python scripts/make_pretrained_demo.py " + " ".join(argv or sys.argv[1:]),
             "git_commit": "unknown" if git is None else git["commit"] + ("-dirty" if git["dirty"] else ""),

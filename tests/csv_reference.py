@@ -17,10 +17,9 @@ import pandas as pd
 
 from finetune.utils.config_utils import Problems
 from finetune.utils.store import file_fingerprint
-from finetune.utils.windows import split_bounds
 from finetune_csv.config import DataConfig
 from finetune_csv.sources import check_float32_range
-from finetune_csv.splits import too_short_problems
+from finetune_csv.splits import split_bounds, too_short_problems
 from finetune_csv.timestamps import (
     OFFSET_RE,
     CandleDataError,

@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from finetune.utils.distributed import barrier, distributed_context
-from finetune.utils.windows import EpochSampler, split_panel
+from finetune.utils.windows import EpochSampler
 from finetune_csv.prepare import StoreSettings, ensure_store
+from finetune_csv.splits import split_panel
 
 LOOKBACK, PREDICT = 8, 4
 

@@ -21,9 +21,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from finetune.utils.config_utils import TrainingConfig, load_config
+from finetune.utils.config_utils import load_config
 from finetune.utils.distributed import distributed_context, seed_everything
 from finetune.utils.safety import TrainingStopped
+from finetune.utils.schema import TrainingConfig
 from finetune.utils.training_utils import train_predictor, train_tokenizer
 from finetune.utils.windows import SeriesArrays, WindowDataset
 

@@ -17,8 +17,9 @@ import torch
 
 from finetune.utils import adapters
 from finetune.utils.checkpoint import load_checkpoint
-from finetune.utils.config_utils import TrainingConfig, load_config
+from finetune.utils.config_utils import load_config
 from finetune.utils.distributed import DistInfo
+from finetune.utils.schema import TrainingConfig
 from finetune.utils.training_utils import train_predictor, train_tokenizer
 from model import Kronos, KronosPredictor
 from model.errors import ConfigError, MissingExtraError

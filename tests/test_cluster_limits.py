@@ -12,8 +12,9 @@ from safetensors import SafetensorError
 
 import finetune.utils.checkpoint as checkpoint_store
 import model.hub
-from finetune.utils.config_utils import MAX_YAML_ALIASES, TrainingConfig, load_config
+from finetune.utils.config_utils import MAX_YAML_ALIASES, load_config
 from finetune.utils.errors import run_main
+from finetune.utils.schema import TrainingConfig
 from finetune_csv import train_sequential
 from model.errors import ConfigError
 from tests.test_csv_train import make_run

@@ -16,6 +16,7 @@ from finetune.utils.errors import run_main
 from finetune.utils.ledger import stage_resume, stage_status
 from finetune_csv import train_sequential
 from finetune_csv.config import load
+from finetune_csv.pipeline import CsvPipeline
 from model import KronosTokenizer
 from model.hub import weights_fingerprint
 from tests.model_factory import tiny_tokenizer
@@ -68,10 +69,10 @@ def test_accept_changed_data_keeps_the_finished_predictor_with_a_warning(tmp_pat
 def test_resume_with_nothing_anywhere_to_resume_is_still_an_error(tmp_path):
     cfg = load(make_run(tmp_path), ["training.resume=required"])
     plan = {"tokenizer": None, "predictor": None}
-    assert stage_resume(train_sequential.CsvPipeline(cfg), plan) == {"tokenizer": "required", "predictor": "required"}
+    assert stage_resume(CsvPipeline(cfg), plan) == {"tokenizer": "required", "predictor": "required"}
     (cfg.tokenizer_dir / "checkpoints").mkdir(parents=True)
     (cfg.tokenizer_dir / "checkpoints" / "step-00000001.pt").write_bytes(b"x")
-    assert stage_resume(train_sequential.CsvPipeline(cfg), plan) == {"tokenizer": "required", "predictor": "auto"}
+    assert stage_resume(CsvPipeline(cfg), plan) == {"tokenizer": "required", "predictor": "auto"}
 
 
 @pytest.mark.parametrize("flags", [["--resume"], ["--skip-existing", "--resume"]])

@@ -16,7 +16,7 @@ def test_every_config_has_a_known_pipeline_prefix_and_parses():
 
 def test_both_pipelines_share_keys_and_defaults_for_the_same_concepts():
     from finetune.config import QlibConfig
-    from finetune.utils.config_utils import SamplingConfig
+    from finetune.utils.schema import SamplingConfig
     from finetune_csv.config import CsvFinetuneConfig
 
     qlib, csv = QlibConfig(), CsvFinetuneConfig()

@@ -10,10 +10,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from finetune.utils.windows import split_bounds
 from finetune_csv.config import ColumnsConfig, DataConfig
 from finetune_csv.prepare import data_summary_from_store, prepare_data
-from finetune_csv.splits import build_dataset, min_rows_needed, split_is_usable
+from finetune_csv.splits import build_dataset, min_rows_needed, split_bounds, split_is_usable
 from tests.csv_reference import candles, data_summary, load_series, reference_dataset, split_series, window_starts
 
 

@@ -25,7 +25,7 @@ data: {{path: {data}, lookback: 24, predict: 6, train_ratio: 0.6, val_ratio: 0.2
        split: per_series}}
 model: {{pretrained_tokenizer: {tok}, pretrained_predictor: {pred}}}
 paths: {{exp_name: ev, base_dir: "{out}/out/{{exp_name}}"}}
-forecast: {{sample_count: 8, bootstrap_samples: 50, seed: 1{extra}}}
+forecast: {{{forecast}}}
 """
 
 
@@ -45,7 +45,11 @@ def make_run(root: Path, n_bars=(300, 251), zero_shot: str | None = "same", extr
     elif zero_shot is not None:
         start_pred = zero_shot
     config = root / "ev.yaml"
-    config.write_text(YAML.format(data=root / "data", out=root, tok=start_tok, pred=start_pred, extra=extra))
+    # `extra` (", key: value, ...") overrides the forecast defaults: a YAML mapping may not repeat a key
+    settings = {"sample_count": "8", "bootstrap_samples": "50", "seed": "1"}
+    settings.update(kv.split(": ", 1) for kv in (p.strip() for p in extra.split(", ")) if kv)
+    forecast_yaml = ", ".join(f"{k}: {v}" for k, v in settings.items())
+    config.write_text(YAML.format(data=root / "data", out=root, tok=start_tok, pred=start_pred, forecast=forecast_yaml))
     return config
 
 

@@ -12,10 +12,10 @@ import pandas as pd
 import pytest
 
 import model.predictor as predictor_module
-from finetune.utils.stages import calibrate
-from finetune.utils.windows import held_out_windows
+from finetune.evaluation.held_out import held_out_windows
 from finetune_csv import forecast
 from finetune_csv.config import load
+from finetune_csv.pipeline import calibrate
 from finetune_csv.prepare import prepare_data
 from model import KronosTokenizer
 from model.errors import UserError

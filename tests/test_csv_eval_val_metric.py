@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from finetune.evaluation.forecast_scores import ScoreSettings, score_forecasts
-from finetune.utils.windows import held_out_windows, sample_paths
+from finetune.evaluation.held_out import held_out_windows, sample_paths
 from finetune_csv.config import CsvFinetuneConfig
-from finetune_csv.train_sequential import make_crps_val_metric
+from finetune_csv.pipeline import make_crps_val_metric
 from model import KronosPredictor
 from model.features import CLOSE
 from tests.csv_reference import one_series_split

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from finetune.utils.windows import held_out_windows, sample_paths, spread_evenly
+from finetune.evaluation.held_out import held_out_windows, sample_paths, spread_evenly
 from finetune_csv.forecast import candle_violations
 from tests.csv_reference import one_series_split
 

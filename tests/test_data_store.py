@@ -15,9 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from finetune.utils.store import SeriesPanel, StoreError, npy_header, open_store
-from finetune.utils.windows import SeriesArrays, WindowDataset, split_panel, wallclock_stamps
+from finetune.utils.windows import SeriesArrays, WindowDataset, wallclock_stamps
 from finetune_csv.config import ColumnsConfig, DataConfig
 from finetune_csv.prepare import StoreSettings, ensure_store, prepare_store
+from finetune_csv.splits import split_panel
 from model.features import calc_time_stamps
 from tests.conftest import cpu_env
 from tests.csv_reference import candles, load_series, split_series

@@ -11,14 +11,8 @@ import pytest
 import yaml
 
 from finetune.utils.cli_args import add_config_args, parse_config_args
-from finetune.utils.config_utils import (
-    Problems,
-    TrainingConfig,
-    config_to_dict,
-    dump_config,
-    load_config,
-    validate_training_config,
-)
+from finetune.utils.config_utils import Problems, config_to_dict, dump_config, load_config
+from finetune.utils.schema import TrainingConfig, validate_training_config
 from model.errors import ConfigError
 
 

@@ -9,12 +9,7 @@ import torch
 from torch.utils.data import Dataset
 
 from finetune.utils.store import SeriesPanel
-from finetune.utils.windows import (
-    EpochSampler,
-    SeriesArrays,
-    WindowDataset,
-    make_loader,
-)
+from finetune.utils.windows import EpochSampler, SeriesArrays, WindowDataset, make_loader
 from tests.engine_dist_worker import random_walk_series
 
 LOOKBACK, PREDICT = 6, 2

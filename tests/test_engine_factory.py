@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from finetune.utils.config_utils import ModelConfig, Problems
+from finetune.utils.config_utils import Problems
 from finetune.utils.factory import build_predictor, build_tokenizer
+from finetune.utils.schema import ModelConfig
 from model import Kronos, KronosTokenizer
 from model.config import KronosConfig, KronosTokenizerConfig
 from model.errors import PathError

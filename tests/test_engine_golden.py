@@ -14,9 +14,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import DistInfo
 from finetune.utils.metrics import read_metrics
+from finetune.utils.schema import TrainingConfig
 from finetune.utils.training_utils import train_predictor, train_tokenizer
 from tests.engine_dist_worker import tiny_datasets, tiny_predictor, tiny_tokenizer
 

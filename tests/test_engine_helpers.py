@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import DistInfo, seed_everything, seeded_init
 from finetune.utils.errors import setup_logging
 from finetune.utils.safety import FAULT_ENV, maybe_die_after_step
+from finetune.utils.schema import TrainingConfig
 from finetune.utils.training_utils import TokenizerStage, Trainer
 from finetune.utils.validate import LossSums
 from tests.engine_dist_worker import tiny_datasets, tiny_tokenizer

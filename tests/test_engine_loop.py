@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from finetune.utils.checkpoint import load_checkpoint
-from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import DistInfo
 from finetune.utils.metrics import read_metrics
 from finetune.utils.safety import FAULT_ENV
+from finetune.utils.schema import TrainingConfig
 from finetune.utils.training_utils import (
     evaluate_predictor,
     predictor_loss,

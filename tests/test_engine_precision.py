@@ -13,9 +13,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from finetune.utils.checkpoint import load_checkpoint
-from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import DistInfo
 from finetune.utils.metrics import read_metrics
+from finetune.utils.schema import TrainingConfig
 from finetune.utils.training_utils import (
     PredictorStage,
     TokenizerStage,

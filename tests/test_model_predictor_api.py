@@ -185,3 +185,4 @@ def test_mismatched_pair_is_rejected():
     tok, pred = tiny_models(seed=1, s1_bits=5, s2_bits=5)
     with pytest.raises(ValueError, match="s1/s2 bits 4/4 but the predictor expects 5/5"):
         KronosPredictor(pred, tok, device="cpu")
+

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from finetune.utils.config_utils import tracker_problems
 from finetune.utils.metrics import MetricsLogger, TrackerUnavailable, default_mlflow_uri, flatten_params, read_metrics
+from finetune.utils.schema import tracker_problems
 from model.errors import ConfigError
 
 CONFIG = {"training": {"lr": 2e-4, "epochs": 3, "betas": [0.9, 0.95]}, "model": {"pretrained": "NeoQuasar/x"}}

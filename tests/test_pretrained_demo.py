@@ -18,7 +18,7 @@ from finetune.utils.checkpoint import check_token_sizes
 from finetune.utils.training_utils import predictor_loss
 from finetune.utils.windows import SeriesArrays, WindowDataset
 from finetune_csv.config import load
-from model import Kronos, KronosTokenizer
+from model import Kronos, KronosPredictor, KronosTokenizer
 from model.features import calc_time_stamps
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,3 +103,12 @@ def test_block_bootstrap_interval():
     values = rng.normal(0.3, 1.0, 100)
     lo, hi = ci(values)
     assert lo < values.mean() < hi and 0.2 < hi - lo < 0.8  # ~ 4 x 1/sqrt(100)
+
+
+@pytest.mark.slow
+def test_the_built_checkpoint_loads_as_a_forecaster_with_its_window(tmp_path):
+    main = runpy.run_path(str(REPO / "scripts" / "make_pretrained_demo.py"))["main"]
+    main(["--out", str(tmp_path / "ck"), "--work", str(tmp_path / "w"), "--n-series", "12", "--n-bars", "300",
+          "--stride", "64", "--tokenizer-epochs", "1", "--predictor-epochs", "1", "--batch-size", "16"])
+    predictor = KronosPredictor.from_pretrained(tmp_path / "ck" / "predictor", device="cpu")  # tokenizer recorded
+    assert (predictor.max_context, predictor.lookback, predictor.clip) == (64 + 16, 64, 5.0)  # LOOKBACK, PREDICT

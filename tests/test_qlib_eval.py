@@ -184,6 +184,8 @@ def test_report_perfect_foresight_first_day_and_strict_json(tmp_path, data):
     assert math.isfinite(report["summary"]["last@seed0"]["t_IC"])
     assert report["benchmark"] == "SH000300 (substitute: equal-weighted index of 6 symbols)"
     assert report["summary"]["last@seed0"]["turnover"] > 0 and report["summary"]["last@seed0"]["cost_ann"] > 0
+    ic = {n: r["IC"] for n, r in report["summary"].items() if math.isfinite(r["IC"])}
+    assert report["best"]["signal"] == max(ic, key=ic.get) and report["best"]["line"].startswith("best by IC: ")
     out = write_results(tmp_path / "out", {"report.json": report, **files})
     json.loads((out / "report.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-strict {c}"))
     written = {p.name for p in out.iterdir()}

@@ -16,7 +16,6 @@ import torch
 
 import finetune.utils.checkpoint as checkpoint_store
 from finetune.utils.checkpoint import CheckpointWriteError, DivergenceError, load_checkpoint
-from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import DistInfo
 from finetune.utils.ledger import stage_status
 from finetune.utils.safety import (
@@ -26,6 +25,7 @@ from finetune.utils.safety import (
     StageFolderError,
     TrainingStopped,
 )
+from finetune.utils.schema import TrainingConfig
 from finetune.utils.training_utils import TokenizerStage, Trainer, restore_optimizer, train_predictor, train_tokenizer
 from model.errors import ConfigError
 from tests.engine_dist_worker import tiny_datasets, tiny_predictor, tiny_tokenizer

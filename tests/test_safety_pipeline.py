@@ -8,9 +8,9 @@ import json
 import pytest
 
 import finetune_csv.config as csv_config
-from finetune.utils.config_utils import STAGES
 from finetune.utils.ledger import plan_stages
-from finetune_csv.train_sequential import CsvPipeline
+from finetune.utils.schema import STAGES
+from finetune_csv.pipeline import CsvPipeline
 from tests.model_factory import tiny_tokenizer
 
 

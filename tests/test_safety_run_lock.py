@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-import finetune.utils.safety as run_lock
 from finetune.utils.safety import LOCK_NAME, RunLock, RunLockedError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,20 +86,3 @@ def test_disabled_lock_is_a_no_op_and_an_unused_new_folder_is_removed(tmp_path):
         (tmp_path / "kept" / "metrics.jsonl").write_text("{}\n")
     assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["metrics.jsonl"]
 
-
-def test_fallback_without_flock_checks_the_recorded_pid(tmp_path, monkeypatch):
-    monkeypatch.setattr(run_lock, "fcntl", None)
-    host = socket.gethostname()
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": host, "started": "x"}))
-    lines: list[str] = []
-    with RunLock(tmp_path, log=lines.append) as lock:
-        assert lock.took_over.pid == dead.pid and len(lines) == 1
-        with pytest.raises(RunLockedError, match=f"pid {os.getpid()}"):
-            RunLock(tmp_path).acquire()
-    assert not (tmp_path / LOCK_NAME).exists()
-    # A lock file from another host cannot be checked: treated as held.
-    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": 1, "host": "elsewhere", "started": "x"}))
-    with pytest.raises(RunLockedError, match="host elsewhere"):
-        RunLock(tmp_path).acquire()

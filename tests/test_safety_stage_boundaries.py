@@ -103,9 +103,9 @@ def test_sigterm_while_calibrating_stops_and_the_rerun_calibrates(tmp_path, unin
 
 KILLED_BEFORE_CALIBRATION = textwrap.dedent("""
     import os, sys
-    import finetune.utils.stages as stages
+    import finetune_csv.pipeline as pipeline
     from finetune_csv import train_sequential
-    stages.calibrate = lambda *args, **kwargs: os._exit(137)   # killed once the predictor finished
+    pipeline.calibrate = lambda *args, **kwargs: os._exit(137)   # killed once the predictor finished
     train_sequential.main(["--config", sys.argv[1]])
 """)
 

@@ -85,9 +85,7 @@ class _HelpConfigAction(argparse.Action):
         parser.exit(0)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # self-documenting settings: every key's type, default and docstring (the string literal under each field)
-
 
 @dataclass(frozen=True)
 class KeyDoc:

@@ -22,9 +22,10 @@ import pandas as pd
 
 import finetune.utils.checkpoint as checkpoint_store
 from finetune.utils import adapters
-from finetune.utils.config_utils import STAGES, Problems, TrainingConfig, config_to_dict, plain, stage_key
+from finetune.utils.config_utils import Problems, config_to_dict, plain
 from finetune.utils.distributed import DistInfo, all_gather_object
 from finetune.utils.safety import StageFolderError
+from finetune.utils.schema import STAGES, TrainingConfig, stage_key
 from model.errors import ConfigError, DataError, RefusedError
 from model.fileio import read_json_object, write_json
 
@@ -66,8 +67,6 @@ def stage_status(folder: str | Path) -> Status:
 
 
 @dataclass(frozen=True)
-
-
 class RunPlan:
     """What rank 0 decided to do with the stage folder (broadcast to every rank)."""
 
@@ -402,9 +401,7 @@ def stage_resume(pipe: Any, plan: Mapping[str, str | None]) -> dict[str, str]:
     return resume
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # Records of file artifacts: `<file>.record.json` = {"sha256": of the file's bytes, "inputs": what made it}.
-
 
 def folder_sha256(folder: Path) -> str:
     """sha256 over the relative paths and bytes of every file under `folder` (a saved model, say)."""

@@ -28,7 +28,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from finetune.utils.config_utils import tracker_problems
+from finetune.utils.schema import tracker_problems
 from model.errors import ConfigError
 from model.fileio import write_json
 

@@ -60,10 +60,6 @@ def save_figure(fig, png: str | Path, **savefig: Any) -> Path:
     return png
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# loss curve of a training stage
-
-
 def loss_plot_title(stage: str, source: str | None) -> str:
     """"<stage>: finetuned from <source>" (source = the pretrained model's id or path) or "<stage>: trained from
     scratch" (source None)."""
@@ -170,10 +166,6 @@ def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# forecast paths
-
-
 BANDS = ((0.10, 0.90, 0.18), (0.25, 0.75, 0.35))  # (low quantile, high quantile, fill alpha)
 
 
@@ -218,10 +210,6 @@ def plot_panels(panels: list[Panel], png: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # outside the data
     return save_figure(fig, png)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Qlib backtest
 
 
 def plot_cumulative(daily: dict[str, pd.DataFrame], benchmark: str, path: Path) -> Path:

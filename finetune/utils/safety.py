@@ -1,6 +1,6 @@
 """Run safety, in one place; each decision is a small function of its inputs.
 
-- `RunLock`: one run per output folder (an OS-level lock rank 0 holds for the whole run; stale locks taken over).
+- `RunLock`: one run per output folder (a `filelock` lock rank 0 holds for the whole run; stale locks taken over).
 - Interrupts: `GracefulStop` (SIGTERM / first Ctrl-C: finish the step, save, `TrainingStopped`, exit 75; a second
   Ctrl-C quits at once); workers ignore SIGINT. The outermost `GracefulStop` holds the handlers for the whole run
   (a nested one shares its request), and `raise_if_stop_requested` is the safe point outside the training loop:
@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import datetime
-import errno
 import json
 import logging
 import math
@@ -33,10 +32,12 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, NamedTuple
 
+import filelock
 import torch
 
 from finetune.utils.checkpoint import DivergenceError
 from model.errors import EXIT_STOPPED, RefusedError, UserError
+from model.fileio import read_json_object
 
 FAULT_ENV = "KRONOS_FAULT_EXIT_AFTER_STEP"
 FAULT_RANK_ENV = "KRONOS_FAULT_RANK"
@@ -51,12 +52,6 @@ def maybe_die_after_step(step: int, rank: int) -> None:
     only_rank = os.environ.get(FAULT_RANK_ENV)
     if only_rank is None or int(only_rank) == rank:
         os._exit(int(os.environ.get(FAULT_EXIT_CODE_ENV, "17")))
-
-
-try:  # POSIX only; Windows falls back to exclusive create + pid check
-    import fcntl
-except ImportError:  # pragma: no cover - not on Linux/macOS
-    fcntl = None  # type: ignore[assignment]
 
 
 LOCK_NAME = "run.lock"
@@ -92,31 +87,21 @@ class RunLockedError(RefusedError, ValueError):
 def read_holder(path: str | Path) -> LockHolder:
     """Parse a lock file's JSON; an empty/garbled file gives a holder with pid None (still a valid description)."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8") or "{}")
-    except (OSError, ValueError):
-        data = {}
-    if not isinstance(data, dict):
+        data = read_json_object(path)
+    except (OSError, ValueError):  # DataError is a ValueError
         data = {}
     pid = data.get("pid")
     return LockHolder(pid=pid if isinstance(pid, int) else None, host=str(data.get("host", "")),
                       started=str(data.get("started", "")), argv=str(data.get("argv", "")))
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
 class RunLock:
     """Exclusive lock on an output `folder` (created if missing, removed on release if the run left it empty), held
     from `acquire()` (or `with`) until `release()`. `enabled=False` makes every method a no-op, so all ranks run
     the same code (`enabled=dist.is_main`); `key` is the setting naming the folder, quoted in the error; `log`
-    (default: this module's logger at WARNING) gets the stale-lock takeover line."""
+    (default: this module's logger at WARNING) gets the stale-lock takeover line. The OS lock is `filelock`'s
+    (the kernel drops it when the holder dies); the file also records the holder, for the error and the takeover
+    line."""
 
     def __init__(self, folder: str | Path, *, enabled: bool = True, key: str = "training.output_dir",
                  log: Callable[[str], None] | None = None):
@@ -125,15 +110,14 @@ class RunLock:
         self.enabled = enabled
         self.key = key
         self._log = log or _log.warning
-        self._fd: int | None = None
-        self._mode: str | None = None  # "flock" or "exclusive"
+        self._lock = filelock.FileLock(self.path, on_acquired=self._write_holder)
         self._created_folder = False
         self.took_over: LockHolder | None = None  # the previous holder when a stale lock was taken over
 
     @property
     def held(self) -> bool:
         """True between a successful `acquire()` and `release()`."""
-        return self._mode is not None
+        return self._lock.is_locked
 
     def acquire(self) -> RunLock:
         """Take the lock or raise `RunLockedError` at once (never waits). Returns self."""
@@ -142,80 +126,32 @@ class RunLock:
         if not self.folder.exists():
             self.folder.mkdir(parents=True, exist_ok=True)
             self._created_folder = True
-        if fcntl is not None:
-            try:
-                self._acquire_flock()
-                return self
-            except OSError as e:
-                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                    raise
-                self._log(f"{self.path}: the filesystem does not support flock ({e.strerror}); "
-                          "using an exclusive lock file with a pid check instead")
-        self._acquire_exclusive()
+        try:
+            self._lock.acquire(timeout=0)
+        except filelock.Timeout:
+            raise RunLockedError(self.folder, read_holder(self.path), self.key) from None
         return self
 
-    def _acquire_flock(self) -> None:
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise RunLockedError(self.folder, read_holder(self.path), self.key) from None
-            except BaseException:
-                os.close(fd)
-                raise
-            try:
-                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)  # the previous holder removed the file between our open and our lock: lock the new one
+    def _write_holder(self, fd: int) -> None:
         previous = read_holder(self.path)
         if previous.pid is not None:
             # The kernel released the old holder's lock, so it is no longer running (or closed the file).
             self.took_over = previous
             self._log(f"{self.path}: taking over the stale lock of {previous.describe()} (no longer running)")
-        self._write_holder(fd)
-        self._fd, self._mode = fd, "flock"
-
-    def _acquire_exclusive(self) -> None:
-        for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            except FileExistsError:
-                holder = read_holder(self.path)
-                stale = holder.host == socket.gethostname() and holder.pid is not None and not _pid_alive(holder.pid)
-                if not stale:
-                    raise RunLockedError(self.folder, holder, self.key) from None
-                self.took_over = holder
-                self._log(f"{self.path}: taking over the stale lock of {holder.describe()} (no longer running)")
-                self.path.unlink(missing_ok=True)
-                continue
-            self._write_holder(fd)
-            self._fd, self._mode = fd, "exclusive"
-            return
-        raise RunLockedError(self.folder, read_holder(self.path), self.key)
-
-    def _write_holder(self, fd: int) -> None:
         started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": started, "argv": " ".join(sys.argv)}
-        data = (json.dumps(info) + "\n").encode()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, data, 0)
-        os.fsync(fd)
+        os.ftruncate(fd, 0)  # written through the lock's own descriptor, as soon as the lock is taken
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
 
     def release(self) -> None:
         """Remove the lock file and drop the lock (idempotent; safe to call when never acquired)."""
         if not self.held:
             return
-        fd, self._fd, self._mode = self._fd, None, None
         try:
             # Unlink while still locked, so a waiter that opened the old file re-checks the inode and retries.
             self.path.unlink(missing_ok=True)
         finally:
-            os.close(fd)  # closing the last descriptor drops the flock
+            self._lock.release()
         if self._created_folder:
             try:
                 self.folder.rmdir()  # only succeeds if the run wrote nothing: leave no empty folder behind

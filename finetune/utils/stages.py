@@ -25,16 +25,15 @@ from torch.utils.data import Dataset
 
 import model.predictor as forecaster
 from finetune.utils import adapters
-from finetune.utils.config_utils import STAGES, config_to_dict
+from finetune.utils.config_utils import config_to_dict
 from finetune.utils.distributed import DistInfo, distributed_context, seeded_init
 from finetune.utils.factory import build_predictor, build_tokenizer
 from finetune.utils.ledger import NOT_IN_RUN, SKIP_EXISTING, stage_status
 from finetune.utils.safety import GracefulStop, raise_if_stop_requested
+from finetune.utils.schema import STAGES
 from finetune.utils.training_utils import TrainResult, train_predictor, train_tokenizer
 from finetune.utils.validate import ValMetric
-from finetune.utils.windows import HeldOutWindows, sample_paths
 from model import KronosTokenizer
-from model.features import CLOSE
 from model.hub import load_pretrained, weights_fingerprint
 
 log = logging.getLogger(__name__)
@@ -56,7 +55,7 @@ class Pipeline(Protocol):
 
     def val_metric(self, select_by: str, tokenizer: nn.Module) -> ValMetric | None: ...  # None for 'loss'
 
-    def calibration_windows(self) -> HeldOutWindows | None: ...  # validation windows of the bands; None: none
+    def calibrate(self, best: Path) -> dict | None: ...  # fit the bands of the predictor in best; None: none
 
 
 def run_stages(pipe: Pipeline, plan: Mapping[str, str | None], resume: Mapping[str, str] | None = None,
@@ -141,36 +140,4 @@ def calibrate_if_due(pipe: Pipeline, trained: bool) -> dict | None:
     best = folder / "best_model"
     if stage_status(folder) != "finished" or not (trained or "calibration" not in forecaster.read_predictor_info(best)):
         return None
-    windows = pipe.calibration_windows()
-    if windows is None:
-        return None
-    raise_if_stop_requested("before calibrating the predictor's bands")
-    d = pipe.cfg.data
-    return calibrate(best, windows, pipe.cfg.forecast, d.lookback + d.predict, d.clip)
-
-
-def calibrate(best: Path, windows: HeldOutWindows, sampling: Any, max_context: int, clip: float) -> dict | None:
-    """Fit the conformal calibration of the bands of the predictor in `best` (loaded with the tokenizer it was
-    trained with) on held-out VALIDATION `windows` and store it in its kronos_predictor.json: the test windows stay
-    untouched, so the coverage a forecast reports after calibration is out of sample. `sampling`: temperature,
-    top_k, top_p, sample_count, seed, batch_size. Returns the calibration (None when there is no window or no
-    positive price to calibrate in)."""
-    if len(windows) == 0:
-        log.warning("no calibration: the validation split has no %d-bar window (raise data.val_ratio)", max_context)
-        return None
-    model, tokenizer, _ = forecaster.load_trained_pair(best)  # not from_pretrained: it warns "never calibrated"
-    predictor = forecaster.KronosPredictor.from_models(model, tokenizer, max_context=max_context, clip=clip)
-    x_stamps, y_stamps = windows.stamps()
-    predict = windows.actual.shape[1]
-    paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, predict, sampling,
-                         sampling.batch_size)  # (W, S, P, 6) raw samples
-    try:
-        calibration = forecaster.fit_calibration(paths[..., CLOSE], windows.actual[..., CLOSE],
-                                                 windows.context[:, -1, CLOSE])
-    except ValueError as exc:  # e.g. a price <= 0: no log returns to calibrate in
-        log.warning("no calibration of the bands: %s", exc)
-        return None
-    forecaster.write_calibration(best, calibration)
-    log.info("calibration of the bands fitted on %d validation windows -> %s", len(windows),
-             best / forecaster.PREDICTOR_INFO_NAME)
-    return calibration
+    return pipe.calibrate(best)

@@ -188,7 +188,6 @@ class FeatureMajorWriter:
 
 # The prepared store: one writer, one reader
 
-
 class StoreError(DataError):
     """A store that cannot be written, opened or trusted; the message names the file and what to do."""
 

@@ -28,12 +28,13 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 import finetune.utils.checkpoint as checkpoint_store
 from finetune.utils import adapters, ledger, validate
-from finetune.utils.config_utils import Problems, TrainingConfig, config_to_dict, plain, validate_training_config
+from finetune.utils.config_utils import Problems, config_to_dict, plain
 from finetune.utils.distributed import DistInfo, all_gather_object, barrier, no_sync, seed_everything, wrap_model
 from finetune.utils.errors import stage_log
 from finetune.utils.metrics import MetricsLogger, read_metrics, write_run_info
 from finetune.utils.plots import loss_plot_title, plot_loss_curves
 from finetune.utils.safety import GracefulStop, NonFiniteGuard, RunLock, TrainingStopped, maybe_die_after_step
+from finetune.utils.schema import TrainingConfig, validate_training_config
 from finetune.utils.windows import EpochSampler, batches_per_epoch, make_loader
 from model.errors import DataError
 from model.hub import weights_fingerprint

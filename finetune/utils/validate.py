@@ -16,9 +16,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from finetune.utils.checkpoint import rng_state, set_rng_state
-from finetune.utils.config_utils import TrainingConfig
 from finetune.utils.distributed import DistInfo, all_reduce_sum
 from finetune.utils.safety import ignore_interrupts_in_worker
+from finetune.utils.schema import TrainingConfig
 from finetune.utils.windows import EpochSampler, make_loader, seed_worker
 from model.layers import MultiHeadAttentionWithRoPE, MultiHeadCrossAttentionWithRoPE
 
@@ -27,8 +27,6 @@ ValMetric = Callable[[nn.Module, Any], dict[str, float]]
 
 
 @dataclass(frozen=True)
-
-
 class ReducedSums:
     """All ranks' totals of a `LossSums`, on the host."""
 
@@ -71,8 +69,6 @@ class LossSums:
 
 
 @dataclass(frozen=True)
-
-
 class EarlyStopping:
     """Early-stopping state after one validation."""
 
@@ -95,8 +91,6 @@ def update_early_stopping(best: float, bad_epochs: int, val_loss: float, patienc
 
 
 @contextlib.contextmanager
-
-
 def rng_fork() -> Iterator[None]:
     """Run a block without moving this process's random streams (python, numpy, torch): epoch-0 validation and
     forecast metrics must not change the training's dropout / sampling."""
@@ -132,8 +126,6 @@ PEAK_FLOPS = {"H100 PCIe": (756e12, 378e12, 51e12), "H100": (989e12, 495e12, 67e
 
 
 @dataclass(frozen=True)
-
-
 class Precision:
     """What training.amp resolves to on the training device."""
 
@@ -164,8 +156,6 @@ def resolve_precision(amp: str, device: torch.device) -> Precision:
 
 
 @contextlib.contextmanager
-
-
 def tf32_matmuls(on: bool) -> Iterator[None]:
     """float32 matmuls in TF32 inside the block when `on` (the process's setting is restored afterwards)."""
     before = torch.get_float32_matmul_precision()
@@ -232,8 +222,6 @@ def evaluate(stage: Any, wrapped: nn.Module, dataset: Dataset, sampler: EpochSam
 
 
 @dataclass(frozen=True)
-
-
 class Selection(EarlyStopping):
     """One validation's record: the early-stopping state after it (`improved`: this model becomes best_model/; no
     stop, and no bad epoch counted, after the starting model's) and what it measured (`values`: val_loss,

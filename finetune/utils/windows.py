@@ -1,16 +1,13 @@
-"""Per-series time splits of a `SeriesPanel` as index ranges (no copies), read by the shared `WindowDataset`.
+"""The one sliding-window dataset both pipelines train on, over index ranges of a `SeriesPanel` (no copies).
 
-    splits = split_panel(panel, train_ratio=0.9, val_ratio=0.1, test_ratio=0.0, lookback=512, predict=48)
-    train = splits["train"].dataset(lookback=512, predict=48, stride=1, clip=5.0)   # a WindowDataset
+    train = PanelSegments(panel, start, first_target, stop).dataset(lookback=512, predict=48, stride=1, clip=5.0)
     x, x_stamp = train.get_batch(indices)    # (B, W, F) float32 normalised, (B, W, 5) int64
 
-A split of series s is the column range [start, stop) of the panel; for val/test `start` lies `lookback` rows
-before the split's first own row (`first_target`), so the split's first window predicts its first row, and no
-window crosses into another series. With a memory-mapped panel nothing is copied until a batch is gathered: a
-batch reads B windows from the map (`WindowDataset(panel, ranges=(start, stop))`).
-
-`split_panel_by_date` cuts every series at the same dates instead (from `date_bounds`: ratios over the union of
-the timestamps), so no series' test period lies inside another's training or validation period."""
+A split of series s is the column range [start, stop) of the panel (cut by the pipeline: finetune_csv/splits.py);
+for val/test `start` lies `lookback` rows before the split's first own row (`first_target`), so the split's first
+window predicts its first row, and no window crosses into another series. With a memory-mapped panel nothing is
+copied until a batch is gathered: a batch reads B windows from the map (`WindowDataset(panel, ranges=(start, stop))`).
+The order in which an epoch reads its windows is a pure function of (seed, epoch), produced chunk by chunk."""
 
 from __future__ import annotations
 
@@ -18,19 +15,13 @@ import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
-import pandas as pd
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
-from finetune.utils.safety import raise_if_stop_requested
 from finetune.utils.store import N_STAMP_COLUMNS, SeriesPanel
 from model.errors import DataError
-from model.features import CLOSE, calc_time_stamps
-
-SPLITS = ("train", "val", "test")
 
 
 @dataclass(frozen=True)
@@ -50,83 +41,6 @@ class PanelSegments:
     def dataset(self, lookback: int, predict: int, *, stride: int = 1, clip: float = 5.0) -> WindowDataset:
         """The split's windows: the shared WindowDataset reading the panel (memory map) inside these ranges."""
         return WindowDataset(self.panel, lookback, predict, stride=stride, clip=clip, ranges=(self.start, self.stop))
-
-
-def split_bounds(n_rows: int, train_ratio: float, val_ratio: float) -> tuple[int, int]:
-    """Row indices (train_end, val_end) of a series of n_rows (the CSV pipeline's rounding)."""
-    train_end = int(n_rows * train_ratio)
-    val_end = int(round(n_rows * (train_ratio + val_ratio), 9))  # round(): 0.7 + 0.2 must not lose a row
-    return train_end, val_end
-
-
-def split_panel(panel: SeriesPanel, train_ratio: float, val_ratio: float, test_ratio: float, lookback: int,
-                predict: int) -> dict[str, PanelSegments]:
-    """Cut every series by time into train / val / (test when test_ratio > 0) index ranges; DataError naming each
-    series too short for one window per split (train needs lookback + predict rows, val and test predict rows)."""
-    lengths = panel.lengths()
-    offsets = np.asarray(panel.offsets, dtype=np.int64)
-    bounds = np.array([split_bounds(int(n), train_ratio, val_ratio) for n in lengths], dtype=np.int64).reshape(-1, 2)
-    train_end, val_end = bounds[:, 0], bounds[:, 1]
-    short = (train_end < lookback + predict) | (val_end - train_end < predict)
-    if test_ratio > 0:
-        short |= lengths - val_end < predict
-    if short.any():
-        listed = [f"{panel.names[i]}: {int(lengths[i])} rows" for i in np.flatnonzero(short)[:10]]
-        more = f" (+{int(short.sum()) - 10} more)" if short.sum() > 10 else ""
-        raise DataError(f"{int(short.sum())} series too short for one window per split with data.lookback="
-                        f"{lookback}, data.predict={predict} and ratios {train_ratio}/{val_ratio}/{test_ratio}: "
-                        f"{', '.join(listed)}{more}; lower data.lookback / data.predict, change the ratios, or "
-                        "remove these series")
-    first = offsets[:-1]
-    out = {"train": PanelSegments(panel, first, first, first + train_end),
-           "val": PanelSegments(panel, first + train_end - lookback, first + train_end, first + val_end)}
-    if test_ratio > 0:
-        out["test"] = PanelSegments(panel, first + val_end - lookback, first + val_end, first + lengths)
-    return out
-
-
-def date_bounds(panel: SeriesPanel, train_ratio: float, val_ratio: float, test: bool) -> tuple[int, int | None]:
-    """(train_end, val_end or None) in ns: dates that put the ratios of ALL candles (every series pooled) before,
-    between and after them, so every series is cut at the same dates and each split holds about its share of the
-    data. (Ratios of the distinct dates instead would hand the held-out splits to whichever series runs longest: on
-    daily US data from 1986-2025, a test of only the one stock still listed in 2021.) val_end is None without a
-    test split."""
-    pooled = np.sort(np.asarray(panel.datetimes))  # (N,) int64 ns, one entry per candle
-    train_end, val_end = split_bounds(len(pooled), train_ratio, val_ratio)
-    last = len(pooled) - 1
-    return int(pooled[min(train_end, last)]), (int(pooled[min(val_end, last)]) if test else None)
-
-
-def split_panel_by_date(panel: SeriesPanel, train_end: int, val_end: int | None, lookback: int,
-                        predict: int) -> dict[str, PanelSegments]:
-    """Cut every series at the same dates (ns): train = bars before `train_end`, val = bars from `train_end` (to
-    `val_end`), test = bars from `val_end` (only when `val_end` is given).
-
-    Purge: a split's own rows stop `predict` bars before the next split begins, so the last training window's
-    targets end `predict` bars before the first validation target (the same between val and test). Val/test ranges
-    start up to `lookback` bars before their first own row (context), never before the series' first bar. A series
-    without bars in a split gets an empty range there (no window); the caller checks that each split has windows."""
-    if panel.datetimes is None:
-        raise ValueError("a date split needs the bar datetimes (SeriesPanel.datetimes)")
-    when = np.asarray(panel.datetimes)
-    offsets = np.asarray(panel.offsets, dtype=np.int64)
-    first, last = offsets[:-1], offsets[1:]
-
-    def cut(t: int) -> np.ndarray:  # (S,) first column of each series at or after t (bars are sorted in time)
-        return np.array([o + np.searchsorted(when[o:e], t) for o, e in zip(first.tolist(), last.tolist())],
-                        dtype=np.int64).reshape(-1)
-
-    b1 = cut(train_end)
-    b2 = last if val_end is None else cut(val_end)
-
-    def held_out(begin: np.ndarray, end: np.ndarray) -> PanelSegments:
-        return PanelSegments(panel, np.maximum(first, begin - lookback), begin, np.maximum(begin, end))
-
-    out = {"train": PanelSegments(panel, first, first, np.maximum(first, b1 - predict)),
-           "val": held_out(b1, b2 - predict if val_end is not None else b2)}
-    if val_end is not None:
-        out["test"] = held_out(b2, last)
-    return out
 
 
 EXACT_LIMIT = 1 << 24  # windows up to which the original full permutation is used
@@ -495,102 +409,3 @@ def make_loader(dataset: Dataset, sampler: EpochSampler, batch_size: int, *, epo
 def batches_per_epoch(samples: int, batch_size: int) -> int:
     """Number of (possibly partial) batches for `samples` windows."""
     return math.ceil(samples / batch_size) if samples > 0 else 0
-
-
-@dataclass
-class HeldOutWindows:
-    """N windows: context candles and the candles that really followed."""
-
-    names: list[str]  # (N,) series of each window; the windows of one series are contiguous and in time order.
-    context: np.ndarray  # (N, lookback, 6) float64 context candles (columns FEATURES).
-    x_timestamps: list[pd.DatetimeIndex]  # N context time indexes (lookback each).
-    y_timestamps: list[pd.DatetimeIndex]  # N forecast time indexes (predict each).
-    actual: np.ndarray  # (N, predict, 6) float64 the candles that really followed.
-    # (N, T) float64 closes ending at each window's last context bar, T <= `held_out_windows(history=)`: the series' own
-    # earlier bars, beyond the lookback (the `empirical` baseline's paths); None when not asked for.
-    history: np.ndarray | None = None
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-    def stamps(self) -> tuple[np.ndarray, np.ndarray]:
-        """Calendar stamps of the contexts (N, lookback, 5) and of the forecast bars (N, predict, 5), int64."""
-        as_array = lambda ts: calc_time_stamps(ts).to_numpy(np.int64)  # (T, 5)
-        return (np.stack([as_array(ts) for ts in self.x_timestamps]),
-                np.stack([as_array(ts) for ts in self.y_timestamps]))
-
-    def subset(self, idx: np.ndarray) -> HeldOutWindows:
-        """The windows at positions `idx` (in that order)."""
-        idx = np.asarray(idx, dtype=np.int64)
-        return HeldOutWindows([self.names[i] for i in idx], self.context[idx], [self.x_timestamps[i] for i in idx],
-                              [self.y_timestamps[i] for i in idx], self.actual[idx],
-                              None if self.history is None else self.history[idx])
-
-    def dates(self) -> np.ndarray:
-        """(N,) int64 ns time of each window's last context bar: windows of different series on one date match."""
-        return np.array([ts[-1].value for ts in self.x_timestamps], dtype=np.int64)
-
-
-def spread_evenly(n_available: int, n_wanted: int) -> np.ndarray:
-    """Indices of min(n_wanted, n_available) items spread evenly over range(n_available), first and last included."""
-    if n_available < 1:
-        return np.zeros(0, dtype=np.int64)
-    k = min(n_wanted, n_available)
-    return np.unique(np.round(np.linspace(0, n_available - 1, k)).astype(np.int64))
-
-
-def held_out_windows(segments: PanelSegments, lookback: int, predict: int, stride: int | None = None,
-                     max_windows: int | None = None, history: int = 0) -> HeldOutWindows:
-    """Every window of each series' range of a split (its panel with datetimes), starts `stride` rows apart (None =
-    predict: non-overlapping), series in panel order and windows in time order; only the windows' columns are read.
-
-    max_windows: optional cap per series (evenly spread, first and last included).
-    history: also cut the closes of the `history` bars ending at each window's last context bar, from the whole
-        series (earlier splits included); fewer (the same for all windows) when a series starts later."""
-    panel = segments.panel
-    if panel.datetimes is None:
-        raise ValueError("held-out windows need the bar times: this panel has no datetimes")
-    stride = predict if stride is None else stride
-    window = lookback + predict
-    names, columns, series_first = [], [], []
-    for s, (lo, hi) in enumerate(zip(segments.start.tolist(), segments.stop.tolist())):
-        starts = np.arange(0, hi - lo - window + 1, stride, dtype=np.int64)
-        if max_windows is not None:
-            starts = starts[spread_evenly(len(starts), max_windows)]
-        names += [panel.names[s]] * len(starts)
-        columns.append(lo + starts)
-        series_first.append(np.full(len(starts), int(panel.offsets[s]), dtype=np.int64))
-    first = np.concatenate(columns) if columns else np.zeros(0, dtype=np.int64)  # (N,) window start columns
-    past = None
-    if history > 0:
-        ends = first + lookback  # (N,) one past each window's last context column
-        n_bars = int(min(history, (ends - np.concatenate(series_first)).min(initial=history)))
-        past = np.asarray(panel.features[CLOSE][ends[:, None] - n_bars + np.arange(n_bars)], dtype=np.float64)
-    cols = first[:, None] + np.arange(window, dtype=np.int64)  # (N, W) panel columns of each window
-    values = np.moveaxis(np.asarray(panel.features[:, cols], dtype=np.float64), 0, -1)  # (N, W, 6)
-    when = np.asarray(panel.datetimes)[cols]  # (N, W) int64 ns, naive wall-clock time
-    as_index = lambda ns: pd.DatetimeIndex(ns.astype("datetime64[ns]"))
-    return HeldOutWindows(names, values[:, :lookback].copy(), [as_index(w[:lookback]) for w in when],
-                          [as_index(w[lookback:]) for w in when], values[:, lookback:].copy(), past)
-
-
-def sample_paths(predictor: Any, context: np.ndarray, x_stamps: np.ndarray, y_stamps: np.ndarray,
-                 predict: int, sampling: Any, batch: int = 32, *, interruptible: bool = True) -> np.ndarray:
-    """Sampled future candles (N, S, P, 6) float64 of every window, in price units, from context (N, L, 6) and
-    stamps x (N, L, 5), y (N, P, 5); `sampling` has temperature, top_k, top_p, sample_count and seed.
-
-    `predictor.sample_windows` (a `model.KronosPredictor`: each window normalised on its own, as predict_batch
-    does), `batch` windows per forward pass; `torch.manual_seed(sampling.seed)` is set once before the first batch.
-    `interruptible`: a stop request (SIGTERM) ends the sampling before each batch with `TrainingStopped` (False
-    inside the training loop's validation, which stops after its own checkpoint)."""
-    torch.manual_seed(sampling.seed)
-    out = []
-    for lo in range(0, len(context), batch):
-        if interruptible:
-            raise_if_stop_requested("while sampling forecasts")
-        part = slice(lo, lo + batch)
-        samples, _ = predictor.sample_windows(context[part], x_stamps[part], y_stamps[part], predict,
-                                              T=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                                              sample_count=sampling.sample_count)  # (B, S, P, 6) price units
-        out.append(samples)
-    return np.concatenate(out).astype(np.float64) if out else np.zeros((0, sampling.sample_count, predict, 6))

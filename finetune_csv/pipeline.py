@@ -1,0 +1,187 @@
+"""The CSV pipeline's side of the engine's stage runner (finetune/utils/stages.py): `CsvPipeline` (its data store,
+splits and windows, the predictor's tokenizer), and what only this pipeline scores with: the CRPS checkpoint metric
+(`make_crps_val_metric`, as the IC metric lives in the Qlib pipeline) and the conformal calibration of the bands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+import model.predictor as forecaster
+from finetune.evaluation.forecast_scores import crps_ensemble
+from finetune.evaluation.held_out import HeldOutWindows, held_out_windows, sample_paths, spread_evenly
+from finetune.utils.distributed import DistInfo, barrier
+from finetune.utils.ledger import stage_status
+from finetune.utils.safety import raise_if_stop_requested
+from finetune.utils.schema import STAGES
+from finetune.utils.validate import ValMetric
+from finetune.utils.windows import PanelSegments
+from finetune_csv.config import CsvFinetuneConfig, best_dir
+from finetune_csv.prepare import PreparedData, data_summary_from_store, prepare_data
+from finetune_csv.splits import build_dataset
+from model import KronosTokenizer
+from model.errors import ConfigError, DataError
+from model.features import CLOSE
+
+log = logging.getLogger("finetune_csv")
+
+class CsvPipeline:
+    """The CSV pipeline's side of the stage runner (finetune/utils/stages.py): its data store, splits and
+    windows, the tokenizer its predictor trains with, the CRPS metric and the calibration of the bands."""
+
+    def __init__(self, cfg: CsvFinetuneConfig, frames: Mapping[str, pd.DataFrame] | None = None,
+                 splits: dict[str, PanelSegments] | None = None):
+        self.cfg, self.frames, self.splits = cfg, frames, splits
+        self.plan: dict[str, str | None] = {}
+        self.data: PreparedData | None = None  # once `datasets` prepared it
+
+    def stage_dir(self, stage: str) -> Path:
+        return self.cfg.tokenizer_dir if stage == "tokenizer" else self.cfg.predictor_dir
+
+    def output_key(self, stage: str) -> str:
+        return "paths.base_dir"
+
+    def datasets(self, dist: DistInfo) -> tuple:
+        """Rank 0 parses and checks every file into the store (or reuses it), the others wait; every rank maps it
+        read-only (one page-cache copy per machine); the splits are index ranges, nothing is copied."""
+        cfg = self.cfg
+        data = prepare_data(cfg.data, cfg.store_dir, dist=dist, barrier=barrier, frames=self.frames,
+                            with_splits=self.splits is None)
+        if self.splits is not None:
+            data = dataclasses.replace(data, splits={k: dataclasses.replace(v, panel=data.panel)
+                                                     for k, v in self.splits.items()})
+        self.data = data
+        data_info = data_summary_from_store(data, cfg.data)
+        if dist.is_main:
+            log.info("%s", describe(cfg, data_info, self.plan, dist, data))
+        return build_dataset(data.splits["train"], cfg.data), build_dataset(data.splits["val"], cfg.data), data_info
+
+    def tokenizer_source(self) -> tuple[str, str]:
+        """The finetuned tokenizer once it exists, else `model.pretrained_tokenizer` (the tokenizer stage never ran,
+        e.g. --skip-tokenizer); also what `kronos forecast` compares with. An interrupted tokenizer stage and a
+        from-scratch tokenizer never trained are errors, not a silent half-trained or random one."""
+        cfg = self.cfg
+        folder, finetuned = Path(cfg.tokenizer_dir), best_dir(cfg.tokenizer_dir)
+        if stage_status(folder) == "unfinished" and any(
+                (folder / name).exists() for name in ("checkpoints", "run_info.json", "metrics.jsonl")):
+            raise DataError(f"the tokenizer stage in {folder} is unfinished: run it to the end first (drop "
+                            "--skip-tokenizer; it resumes where it stopped) or use another paths.base_dir")
+        if (finetuned / "config.json").is_file():  # a finished stage's model, or one placed there by hand
+            return str(finetuned), "paths.base_dir"
+        if cfg.model.pretrained_tokenizer is not None:
+            return cfg.model.pretrained_tokenizer, "model.pretrained_tokenizer"
+        raise ConfigError([f"model.pretrained_tokenizer: is null and there is no trained tokenizer in {finetuned}: "
+                           "train the tokenizer first (drop --skip-tokenizer) or set model.pretrained_tokenizer"])
+
+    def val_metric(self, select_by: str, tokenizer):
+        """select_by crps: sampled forecasts of the validation split's non-overlapping windows."""
+        if select_by != "crps":
+            return None
+        d = self.cfg.data
+        return make_crps_val_metric(self.cfg, held_out_windows(self.data.splits["val"], d.lookback, d.predict),
+                                    tokenizer)
+
+    def calibrate(self, best: Path) -> dict | None:
+        """forecast.calibrate: conformal bands of the predictor in `best` fitted on the validation windows."""
+        d, f = self.cfg.data, self.cfg.forecast
+        if not f.calibrate:
+            return None
+        windows = held_out_windows(self.data.splits["val"], d.lookback, d.predict, f.window_stride)
+        raise_if_stop_requested("before calibrating the predictor's bands")
+        return calibrate(best, windows, f, d.lookback + d.predict, d.clip)
+
+
+def describe(cfg: CsvFinetuneConfig, data_info: dict, plan: dict[str, str | None], dist: DistInfo,
+             data: PreparedData) -> str:
+    """The run at a glance: data (and whether its store was prepared or reused), splits, stages, processes."""
+    splits = data_info["splits"]
+    lines = [f"{len(data_info['series'])} series from {len(data_info['files'])} file(s) under {cfg.data.path}; "
+             f"windows of {cfg.data.lookback} + {cfg.data.predict} candles, stride {cfg.data.stride}"]
+    how = data_info.get("split") or {}
+    if how.get("mode") == "by_date":
+        lines.append(f"  split by date (data.split: by_date): validation from {how['train_end']}"
+                     + (f", test from {how['val_end']}" if how.get("val_end") else "")
+                     + f"; training targets end data.predict = {cfg.data.predict} bars before each boundary")
+    elif how:
+        lines.append("  split per series (data.split: per_series): each series by its own row ratios")
+    lines.append(f"  data store {data.store.path} ({'reused: ' if data.store.reused else 'prepared: '}"
+                 f"{data.store.reason})")
+    for name, s in splits.items():
+        lines.append(f"  {name:<5} {s['rows']:>9,} rows {s['windows']:>9,} windows  {s['start']} .. {s['end']}")
+    for stage in STAGES:
+        lines.append(f"  {stage}: " + ("train" if plan[stage] is None else f"skipped ({plan[stage]})"))
+    lines.append(f"  {dist.world_size} process(es) on {dist.device}; outputs in {cfg.base_dir}")
+    return "\n".join(lines)
+
+
+def calibrate(best: Path, windows: HeldOutWindows, sampling: Any, max_context: int, clip: float) -> dict | None:
+    """Fit the conformal calibration of the bands of the predictor in `best` (loaded with the tokenizer it was
+    trained with) on held-out VALIDATION `windows` and store it in its kronos_predictor.json: the test windows stay
+    untouched, so the coverage a forecast reports after calibration is out of sample. `sampling`: temperature,
+    top_k, top_p, sample_count, seed, batch_size. Returns the calibration (None when there is no window or no
+    positive price to calibrate in)."""
+    if len(windows) == 0:
+        log.warning("no calibration: the validation split has no %d-bar window (raise data.val_ratio)", max_context)
+        return None
+    model, tokenizer, _ = forecaster.load_trained_pair(best)  # not from_pretrained: it warns "never calibrated"
+    predictor = forecaster.KronosPredictor.from_models(model, tokenizer, max_context=max_context, clip=clip)
+    x_stamps, y_stamps = windows.stamps()
+    predict = windows.actual.shape[1]
+    paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, predict, sampling,
+                         sampling.batch_size)  # (W, S, P, 6) raw samples
+    try:
+        calibration = forecaster.fit_calibration(paths[..., CLOSE], windows.actual[..., CLOSE],
+                                                 windows.context[:, -1, CLOSE])
+    except ValueError as exc:  # e.g. a price <= 0: no log returns to calibrate in
+        log.warning("no calibration of the bands: %s", exc)
+        return None
+    forecaster.write_calibration(best, calibration)
+    log.info("calibration of the bands fitted on %d validation windows -> %s", len(windows),
+             best / forecaster.PREDICTOR_INFO_NAME)
+    return calibration
+
+
+def make_crps_val_metric(cfg: CsvFinetuneConfig, val_windows: HeldOutWindows, tokenizer: KronosTokenizer,
+                         max_windows: int = 64) -> ValMetric:  # 64: ranks epochs, cheap next to an epoch
+    """`training.select_by: crps`: `metric(model, stage)` over a fixed, evenly spread subsample of `max_windows`
+    validation windows, sampled with the (frozen) tokenizer the predictor trains with (`cfg`: data.lookback /
+    predict / clip, forecast sampling). For the predictor stage it returns {"score": mean CRPS of the close in
+    returns from the last context close, "crps", "mae" (of the sample median), "windows", "samples"}; for the
+    tokenizer stage (no forecast to score) None."""
+    if len(val_windows) == 0:
+        raise DataError("the validation split has no window to score: lower data.lookback / data.predict or raise "
+                        "data.val_ratio, or select checkpoints by loss (training.select_by: loss)")
+    windows = val_windows.subset(spread_evenly(len(val_windows), max_windows))
+    x_stamps, y_stamps = windows.stamps()  # (W, L, 5), (W, P, 5)
+    last = windows.context[:, -1, CLOSE]  # (W,)
+    obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, P)
+    f = cfg.forecast
+
+    def metric(model: torch.nn.Module, stage: object) -> dict | None:
+        if getattr(stage, "name", stage) != "predictor":
+            return None
+        module = getattr(model, "module", model)  # DDP-wrapped or not
+        device = next(module.parameters()).device
+        was_training = module.training
+        predictor = forecaster.KronosPredictor.from_models(module, tokenizer, device=str(device), clip=cfg.data.clip,
+                                                max_context=cfg.data.lookback + cfg.data.predict)
+        try:  # interruptible=False: the loop stops after its own checkpoint, not in here
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, cfg.data.predict, f,
+                                     f.batch_size, interruptible=False)  # (W, S, P, 6), seeded with forecast.seed
+        finally:
+            module.train(was_training)
+        ens = np.moveaxis(paths[..., CLOSE] / last[:, None, None] - 1.0, 1, -1)  # (W, P, S)
+        crps = float(crps_ensemble(obs, ens).mean())
+        mae = float(np.abs(np.median(ens, axis=-1) - obs).mean())
+        return {"score": crps, "crps": crps, "mae": mae, "windows": len(windows), "samples": int(ens.shape[-1])}
+
+    return metric
