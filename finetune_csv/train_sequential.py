@@ -1,8 +1,5 @@
 """Finetune Kronos on your own CSV candles: the tokenizer first, then the predictor on the finetuned tokenizer's tokens.
 
-    python finetune_csv/train_sequential.py --config configs/csv_demo.yaml [--set training.epochs=3 ...]
-    DIST_BACKEND=nccl torchrun --standalone --nproc_per_node=8 finetune_csv/train_sequential.py --config ...
-
 The same command runs on one GPU/CPU or, under torchrun, with DistributedDataParallel (DIST_BACKEND: nccl on
 GPUs, gloo on CPU). Settings are checked before anything is written; the data is parsed and checked once into the
 prepared store (data.store_dir, default <paths.base_dir>/data_store: rank 0 prepares or reuses it, the other ranks

@@ -1,8 +1,5 @@
 """Does finetuning pay on your market? A purged, expanding-window walk-forward with a three-word verdict.
 
-    kronos walk-forward --config configs/csv_demo_walk_forward.yaml [--set walk_forward.folds=3] [--overwrite]
-    kronos walk-forward --config ... --report-only     # report.json, windows.csv and plot from the finished folds
-
 `make_folds` cuts K test blocks on one calendar, fold k finetunes the starting models on what precedes its block
 (`run_finetune`), `score_fold` scores every non-overlapping test window of every candidate as `kronos forecast` does,
 and the verdict (finetune/evaluation/statistics.py) reads the paired finetuned - zero_shot CRPS. Method, outputs and
