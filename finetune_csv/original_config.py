@@ -55,10 +55,6 @@ def _base_path(value: Any, raw: Mapping[str, Any]) -> Outcome:
     return [("paths.base_dir", f"{str(value).rstrip('/')}/{{exp_name}}")]
 
 
-def _base_save_path(value: Any, raw: Mapping[str, Any]) -> Outcome:
-    return [("paths.base_dir", value)] if value else []  # empty = derived from base_path/exp_name (as here)
-
-
 def _stage_switch(stage: str) -> Callable[[Any, Mapping[str, Any]], Outcome]:
     return lambda value, raw: [] if value else [(f"{stage}_training.epochs", 0)]  # 0 epochs = the stage is skipped
 
@@ -140,7 +136,8 @@ RULES: dict[str, Rule] = {
     "model_paths.pretrained_predictor": Rule("model.pretrained_predictor"),
     "model_paths.exp_name": Rule("paths.exp_name"),
     "model_paths.base_path": Rule("paths.base_dir", "as <base_path>/{exp_name}", convert=_base_path),
-    "model_paths.base_save_path": Rule("paths.base_dir", convert=_base_save_path),
+    # An empty base_save_path = derived from base_path/exp_name (as here).
+    "model_paths.base_save_path": Rule("paths.base_dir", convert=lambda v, raw: [("paths.base_dir", v)] if v else []),
     "model_paths.finetuned_tokenizer": Rule(None, "derived: <paths.base_dir>/tokenizer/best_model",
                                             convert=_finetuned_tokenizer),
     "model_paths.tokenizer_save_name": Rule(None, "the stage folders are fixed: tokenizer/ and basemodel/",
