@@ -26,28 +26,17 @@ from model.errors import DataError
 DEAL_PRICES = ("close", "open", "vwap")
 
 
-def _price_field(deal_price: str) -> str:
-    name = deal_price.lstrip("$").lower()
-    if name not in DEAL_PRICES:
-        raise DataError(f"deal_price={deal_price!r} is not supported; choose one of {list(DEAL_PRICES)} "
-                         "(backtest.deal_price)")
-    return f"${name}"
-
-
 def label_expression(deal_price: str = "close", horizon: int = 1) -> str:
     """Qlib expression of the `horizon`-day (>= 1) return of a position entered at t+1 at `deal_price` ("close",
     "open" or "vwap"; a leading "$" is accepted), e.g. "Ref($close, -2) / Ref($close, -1) - 1" for close, h = 1."""
     if not isinstance(horizon, int) or horizon < 1:
         raise DataError(f"horizon={horizon!r} must be an integer >= 1")
-    field = _price_field(deal_price)
+    name = deal_price.lstrip("$").lower()
+    if name not in DEAL_PRICES:
+        raise DataError(f"deal_price={deal_price!r} is not supported; choose one of {list(DEAL_PRICES)} "
+                        "(backtest.deal_price)")
+    field = f"${name}"
     return f"Ref({field}, -{horizon + 1}) / Ref({field}, -1) - 1"
-
-
-def _horizons(horizons: int | Sequence[int]) -> list[int]:
-    hs = list(range(1, horizons + 1)) if isinstance(horizons, int) else [int(h) for h in horizons]
-    if not hs or min(hs) < 1:
-        raise DataError(f"horizons={horizons!r}: need at least one horizon, each >= 1")
-    return hs
 
 
 def forward_labels(instruments, start_time, end_time, deal_price: str = "close",
@@ -56,9 +45,11 @@ def forward_labels(instruments, start_time, end_time, deal_price: str = "close",
     or a list of symbols) from the initialised Qlib provider: index (datetime, instrument) over the label dates
     `start_time`..`end_time` (Qlib reads the later days the expressions need by itself), columns label_<h> for
     `horizons` (P -> 1..P, or a list); NaN where a needed day is missing, suspended or beyond the store's end."""
+    hs = list(range(1, horizons + 1)) if isinstance(horizons, int) else [int(h) for h in horizons]
+    if not hs or min(hs) < 1:
+        raise DataError(f"horizons={horizons!r}: need at least one horizon, each >= 1")
     from qlib.data import D  # Qlib only where labels are computed; the package itself does not need it
 
-    hs = _horizons(horizons)
     if isinstance(instruments, str):
         instruments = D.instruments(instruments)
     exprs = [label_expression(deal_price, h) for h in hs]
