@@ -187,3 +187,37 @@ def test_training_deterministic_runs_the_stage_under_deterministic_kernels_and_s
     text = caplog.text
     assert "training.deterministic: on: torch.use_deterministic_algorithms" in text
     assert "training.deterministic: off" in text
+
+
+def test_a_resume_uses_the_intra_op_threads_of_the_run_it_continues(tmp_path, monkeypatch, caplog):
+    """CPU sums are split by thread, and the engine picks its threads from the machine's load: a resume on another
+    count would continue with other rounding. The checkpoint records the count; the resume takes it (and says so)
+    unless OMP_NUM_THREADS is set."""
+    import finetune.utils.training_utils as tu
+
+    class Killed(Exception):
+        pass
+
+    def die(step, rank):
+        if step == 2:
+            raise Killed
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    train_set, val_set = tiny_datasets()
+    cfg = replace(CFG, save_every_steps=1)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        monkeypatch.setattr(tu, "maybe_die_after_step", die)
+        with pytest.raises(Killed):
+            train_tokenizer(tiny_tokenizer(), train_set, val_set, cfg, tmp_path, CPU)
+        monkeypatch.undo()
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        torch.set_num_threads(2)
+        with caplog.at_level(logging.INFO):
+            result = train_tokenizer(tiny_tokenizer(), train_set, val_set, replace(cfg, resume="required"), tmp_path,
+                                     CPU)
+        assert result.global_step == 3 and torch.get_num_threads() == 1
+        assert "1 intra-op threads, as the run being resumed used" in caplog.text
+    finally:
+        torch.set_num_threads(before)

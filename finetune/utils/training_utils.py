@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -683,7 +684,7 @@ class Trainer:
                 "rng": rngs, "world_size": self.dist.world_size, "training_config": config_to_dict(self.cfg),
                 "run_config": plain(self.run_config), "data_info": plain(self.data_info),
                 "data_fingerprint": ledger.data_fingerprint(plain(self.data_info)),
-                "frozen_fingerprint": self.frozen_fp}
+                "frozen_fingerprint": self.frozen_fp, "threads": torch.get_num_threads()}
 
     def load_state_dict(self, saved: checkpoint_store.Checkpoint) -> None:
         """Continue from `saved` (checked by `resume` / `read_finished`): weights, optimizer moments and step (with
@@ -692,6 +693,11 @@ class Trainer:
         restore_optimizer(self.optimizer, self.scheduler, saved)
         self.state = LoopState(**saved["loop"])
         checkpoint_store.set_rng_state(saved["rng"][self.dist.rank])
+        # CPU reductions split their sums by thread: the saved run's count continues its exact arithmetic (the
+        # engine picks threads from the machine's load, which may differ now); OMP_NUM_THREADS still wins.
+        if saved.get("threads") not in (None, torch.get_num_threads()) and not os.environ.get("OMP_NUM_THREADS"):
+            log.info("[%s] %d intra-op threads, as the run being resumed used", self.stage.name, saved["threads"])
+            torch.set_num_threads(saved["threads"])
 
     def model_args(self) -> dict[str, Any]:
         """The model's constructor arguments as plain data (checkpoint's "model_args")."""
