@@ -13,8 +13,7 @@ sampling keys of forecast:) have the same names and defaults there; the shipped 
     cfg = load("configs/qlib_csi300.yaml", ["data.instrument=csi800", "backtest.benchmark=SH000906"])
 
 Every YAML key is a field below; `--set section.key=value` overrides it. `load` raises one ConfigError (a
-ValueError) listing every problem by its YAML key; the entry points add their file checks (`check_inputs`).
-"""
+ValueError) listing every problem by its YAML key; the entry points add their file checks (`check_inputs`)."""
 
 from __future__ import annotations
 

@@ -3,10 +3,8 @@
 `qlib_data_preprocess.py` writes, in `data.dataset_path`, one prepared data store per split (the layout of
 finetune/utils/store.py, so every rank memory-maps it with `open_store` and shares one page-cache copy):
 
-    train/, val/, test/          each: features_t.npy float32 (6, N) feature-major open, high, low, close, volume,
-                                 amount; stamps.npy int64 (N, 5); datetimes.npy int64 (N,) ns; offsets.npy int64
-                                 (S + 1,); names.json (S instrument codes; one code may own several series: the
-                                 pieces of its history cut at data gaps or between membership spells); manifest.json
+    train/, val/, test/          each a store; its names.json holds S instrument codes (one code may own several
+                                 series: the pieces of its history cut at data gaps or between membership spells)
     manifest.json                settings the splits were made with, date ranges, counts, dropped instruments, the
                                  market calendar (ns) of the load range, and `content_sha256`: the splits' identity
                                  (a hash of their arrays' sha256s), so the folder may move between folders and
@@ -14,8 +12,7 @@ finetune/utils/store.py, so every rank memory-maps it with `open_store` and shar
 
 `load_split` returns a split as a `SeriesPanel` of read-only memory maps and `save_split` writes one. Training hands
 the panel to the shared `WindowDataset` as it is (windows never cross two series; normalised with lookback-only
-statistics); which windows an epoch uses, on which rank, is the engine's `EpochSampler`'s business.
-"""
+statistics); which windows an epoch uses, on which rank, is the engine's `EpochSampler`'s business."""
 
 from __future__ import annotations
 

@@ -9,8 +9,7 @@ against the last observed close c_t:
     last = close[t+P] / c_t - 1     mean = mean(close[t+1..t+P]) / c_t - 1
     max  = max(close[t+1..t+P]) / c_t - 1     min = min(...) / c_t - 1
 Each signal forecasts a horizon (`signal_horizon`): last / max / min the P-day move, mean about half of it; the
-report scores it against the trade label of that horizon (and every horizon 1..P in the decay table).
-"""
+report scores it against the trade label of that horizon (and every horizon 1..P in the decay table)."""
 
 from __future__ import annotations
 
@@ -76,12 +75,8 @@ def forecast_dates(calendar_ns: np.ndarray, after_ns: np.ndarray, n: int, freq: 
 def signals_from_closes(pred_close: np.ndarray, last_close: np.ndarray) -> dict[str, np.ndarray]:
     """Predicted closes (W, P) and the last observed close (W,) -> predicted returns per signal, each (W,)."""
     base = last_close[:, None]
-    return {
-        "last": pred_close[:, -1] / last_close - 1.0,
-        "mean": pred_close.mean(axis=1) / last_close - 1.0,
-        "max": (pred_close / base).max(axis=1) - 1.0,
-        "min": (pred_close / base).min(axis=1) - 1.0,
-    }
+    return {"last": pred_close[:, -1] / last_close - 1.0, "mean": pred_close.mean(axis=1) / last_close - 1.0,
+            "max": (pred_close / base).max(axis=1) - 1.0, "min": (pred_close / base).min(axis=1) - 1.0}
 
 
 def kronos_forecaster(tokenizer, predictor, cfg, device: str) -> Forecaster:

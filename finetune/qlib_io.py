@@ -6,8 +6,7 @@ Qlib's fields map to the model's features (model.features.FEATURES) as
     open, high, low, close = $open, $high, $low, $close
     volume                 = $volume
     amount                 = volume * mean(open, high, low, close)   (data.amount_source: ohlc_mean, the original's)
-                           = volume * $vwap                          (data.amount_source: vwap)
-"""
+                           = volume * $vwap                          (data.amount_source: vwap)"""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """What the two Qlib trainer scripts share: the command line, the checks, torchrun, and the Qlib data side of the
 engine's stage runner (finetune/utils/stages.py).
 
-    finetune/train_tokenizer.py  -> run_stage(TOKENIZER, argv)
-    finetune/train_predictor.py  -> run_stage(PREDICTOR, argv)
-
-Each script only says which stage it trains and which model folders it reads (`StageSpec`); settings and input
-checks run before the process group starts, then the stage runner trains that one stage. The trainers require
-torchrun, as the original's do.
-"""
+Each script (finetune/train_tokenizer.py, finetune/train_predictor.py) only says which stage it trains and which
+model folders it reads (`StageSpec`) and calls `run_stage`; settings and input checks run before the process group
+starts, then the stage runner trains that one stage. The trainers require torchrun, as the original's do."""
 
 from __future__ import annotations
 

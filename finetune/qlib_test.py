@@ -38,13 +38,7 @@ from finetune.evaluation.signals import (
 )
 from finetune.evaluation.statistics import paired_test
 from finetune.qlib_data_preprocess import first_signal_day
-from finetune.qlib_forecast import (
-    Forecaster,
-    forecast_frame,
-    forecast_window_ends,
-    kronos_forecaster,
-    signal_horizon,
-)
+from finetune.qlib_forecast import Forecaster, forecast_frame, forecast_window_ends, kronos_forecaster, signal_horizon
 from finetune.qlib_io import benchmark_label, check_qlib_folder, init_qlib, range_bounds
 from finetune.utils.cli_args import parse_config_args
 from finetune.utils.config_utils import config_to_dict
@@ -381,19 +375,12 @@ def evaluate(cfg: QlibConfig, forecasters: dict[str, Forecaster], split: SeriesP
     decay_table = pd.concat(decay, names=["signal", "horizon"])
     signals_table = pd.DataFrame(signals).join(labels).reset_index()
 
-    report = {
-        "summary": table.to_dict(orient="index"),
-        "signals": results,
-        "seed_spread": spread,
-        "forecast_days": [str(first_day.date()), str(pd.Timestamp(index.get_level_values(0).max()).date())],
-        "backtest_period": [str(bt_start.date()), str(bt_end.date())],
-        "benchmark": benchmark_label(cfg),
-        "warnings": warnings_,
-        "label": f"{b.deal_price}(t+1+h) / {b.deal_price}(t+1) - 1, h = 1..{d.predict}",
-        "forecasts": len(index),
-        "instruments": len(instruments),
-        "best": best_signal(signals, labels, results, list(base.columns) if b.baselines else []),
-    }
+    report = {"summary": table.to_dict(orient="index"), "signals": results, "seed_spread": spread,
+              "forecast_days": [str(first_day.date()), str(pd.Timestamp(index.get_level_values(0).max()).date())],
+              "backtest_period": [str(bt_start.date()), str(bt_end.date())], "benchmark": benchmark_label(cfg),
+              "warnings": warnings_, "label": f"{b.deal_price}(t+1+h) / {b.deal_price}(t+1) - 1, h = 1..{d.predict}",
+              "forecasts": len(index), "instruments": len(instruments),
+              "best": best_signal(signals, labels, results, list(base.columns) if b.baselines else [])}
     files = {
         "summary.csv": table.rename_axis("signal"),
         "signals.csv": signals_table,

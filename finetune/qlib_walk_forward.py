@@ -158,8 +158,7 @@ def ic_row(pred: pd.Series, label: pd.Series, horizon: int) -> tuple[dict[str, f
     """{IC, t_IC (Newey-West, lag h - 1), RankIC, t_RankIC, days} and the daily IC series."""
     ic, ric = daily_ic(pred, label)
     t = lambda x: newey_west_tstat(x.to_numpy(), horizon - 1)["t"]  # noqa: E731
-    return {"IC": float(ic.mean()), "t_IC": t(ic), "RankIC": float(ric.mean()), "t_RankIC": t(ric),
-            "days": len(ic)}, ic
+    return {"IC": float(ic.mean()), "t_IC": t(ic), "RankIC": float(ric.mean()), "t_RankIC": t(ric), "days": len(ic)}, ic
 
 
 def score(cfg: QlibConfig, periods: list[Period], signals: pd.DataFrame, calendar: pd.DatetimeIndex) -> dict:

@@ -1,7 +1,6 @@
 """Finetune Kronos on your own candles (CSV or Parquet files, or DataFrames from Python).
 
-    from finetune_csv import finetune        # finetune_csv/api.py
-"""
+    from finetune_csv import finetune        # finetune_csv/api.py"""
 
 from __future__ import annotations
 

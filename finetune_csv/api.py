@@ -1,15 +1,9 @@
 """Finetune Kronos from Python: the CSV pipeline's checks and engine as one call, for notebooks and scripts.
 
-    from finetune_csv import finetune
-    result = finetune(df, output_dir="outputs/my_run", lookback=256, predict=24, epochs=3)
-    result.predictor_dir          # best_model/ folder of the finetuned predictor (KronosPredictor-ready)
-    result.metrics["predictor"]   # {"best_val_loss": ..., "best_epoch": ..., "epochs": ..., "steps": ...}
-
 The frames go, as they are, through exactly what `finetune_csv/train_sequential.py` does (`run_finetune`: the data
 store with every check, the tokenizer stage, the predictor stage); a data error names the frame and column
 (`frame 'AAPL': column 'close' ...`). Nothing here calls `sys.exit` or parses a command line; a user mistake raises
-a UserError / ValueError whose message names the setting to change.
-"""
+a UserError / ValueError whose message names the setting to change."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ A YAML file in configs/ fills `CsvFinetuneConfig`; `--set training.epochs=3`-sty
 the YAML key to change, before any data is read or any folder is created. The sections shared with the Qlib
 pipeline (model:, training:, the stage sections, the sampling keys of forecast:) are finetune/utils/config_utils.py's.
 Also here: where the stages keep their models and which tokenizer the predictor stage reads. A YAML file written
-for the ORIGINAL Kronos `finetune_csv` is translated by `load` (finetune_csv/original_config.py).
-"""
+for the ORIGINAL Kronos `finetune_csv` is translated by `load` (finetune_csv/original_config.py)."""
 
 from __future__ import annotations
 
@@ -219,7 +218,6 @@ class CsvFinetuneConfig(StagedConfig):
 
     @property
     def tokenizer_dir(self) -> Path:
-        """Output folder of the tokenizer stage."""
         return self.base_dir / "tokenizer"
 
     @property

@@ -1,11 +1,6 @@
 """Forecast with a finetuned CSV run: score every held-out test window, or forecast past the end of the data.
 
-    kronos forecast --config configs/csv_demo.yaml [--future] [--set forecast.sample_count=50]
-
-Also here: the consistency of generated candles (in metrics.json; the forecast scores live in finetune.evaluation).
-`--future` stamps the bars after each series' end by its trading calendar (`model.calendar`; forecast.calendar lists
-the trading dates when holidays matter).
-"""
+    kronos forecast --config configs/csv_demo.yaml [--future] [--set forecast.sample_count=50]"""
 
 from __future__ import annotations
 
@@ -343,8 +338,7 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
     x_stamps, y_stamps = windows.stamps()
     sample = lambda p: sample_paths(p, windows.context, x_stamps, y_stamps, horizon, f, f.batch_size)
     settings = ScoreSettings(season=season, n_boot=f.bootstrap_samples, block=f.bootstrap_block, seed=f.seed,
-                             min_block=-(-horizon // (f.window_stride or horizon)),
-                             empirical_window=f.empirical_window)
+                             min_block=-(-horizon // (f.window_stride or horizon)), empirical_window=f.empirical_window)
     history = windows.history
     if history is None or history.shape[1] < horizon + 2:
         log.info("no empirical baseline: fewer than %d bars of history before some test window", horizon + 2)
@@ -384,9 +378,8 @@ def _panels(names: list[str], past_ts, past_close, future_ts, paths, actual=None
     """One panel per series (its first window), at most `max_panels`."""
     firsts = [names.index(n) for n in dict.fromkeys(names)][:max_panels]
     text = lambda i, k: stamp_text(future_ts[i][k], past_ts[i].append(future_ts[i]), "%Y-%m-%d %H:%M")
-    return [Panel(f"{names[i]}: close from {text(i, 0)} to {text(i, -1)}", past_ts[i], past_close[i],
-                  future_ts[i], paths[i, :, :, CLOSE], None if actual is None else actual[i, :, CLOSE])
-            for i in firsts]
+    return [Panel(f"{names[i]}: close from {text(i, 0)} to {text(i, -1)}", past_ts[i], past_close[i], future_ts[i],
+                  paths[i, :, :, CLOSE], None if actual is None else actual[i, :, CLOSE]) for i in firsts]
 
 
 def write_outputs(cfg: CsvFinetuneConfig, out_dir: Path, table: pd.DataFrame, png: str, names: list[str], past_ts,
@@ -453,8 +446,7 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: tup
              " (kept; forecast.repair_candles: true repairs them)")
     paths = finish_paths(paths, calibration, context[:, -1, CLOSE], cfg.forecast.repair_candles)
     table = forecast_table(names, future_ts, paths).drop(columns="window")
-    write_outputs(cfg, out_dir, table, "forecast.png",
-                  names, past_ts, context, future_ts, paths)
+    write_outputs(cfg, out_dir, table, "forecast.png", names, past_ts, context, future_ts, paths)
     return table
 
 

@@ -3,8 +3,7 @@ project's settings (finetune_csv/config.py `load` calls `translate_original`).
 
 `RULES` says how each original key carries over (renamed, converted, not needed, or unsupported with what to do
 instead); `translate` is pure; `translate_original` also logs the mapping once and refuses original keys mixed into
-this project's format. A `pre_trained: false` reads the original model folder's config.json for its architecture.
-"""
+this project's format. A `pre_trained: false` reads the original model folder's config.json for its architecture."""
 
 from __future__ import annotations
 
@@ -54,10 +53,6 @@ def _base_path(value: Any, raw: Mapping[str, Any]) -> Outcome:
     if get_dotted(raw, "model_paths.base_save_path"):  # an explicit base_save_path wins in the original too
         return []
     return [("paths.base_dir", f"{str(value).rstrip('/')}/{{exp_name}}")]
-
-
-def _base_save_path(value: Any, raw: Mapping[str, Any]) -> Outcome:
-    return [("paths.base_dir", value)] if value else []  # empty = derived from base_path/exp_name (as here)
 
 
 def _stage_switch(stage: str) -> Callable[[Any, Mapping[str, Any]], Outcome]:
@@ -141,7 +136,8 @@ RULES: dict[str, Rule] = {
     "model_paths.pretrained_predictor": Rule("model.pretrained_predictor"),
     "model_paths.exp_name": Rule("paths.exp_name"),
     "model_paths.base_path": Rule("paths.base_dir", "as <base_path>/{exp_name}", convert=_base_path),
-    "model_paths.base_save_path": Rule("paths.base_dir", convert=_base_save_path),
+    # An empty base_save_path = derived from base_path/exp_name (as here).
+    "model_paths.base_save_path": Rule("paths.base_dir", convert=lambda v, raw: [("paths.base_dir", v)] if v else []),
     "model_paths.finetuned_tokenizer": Rule(None, "derived: <paths.base_dir>/tokenizer/best_model",
                                             convert=_finetuned_tokenizer),
     "model_paths.tokenizer_save_name": Rule(None, "the stage folders are fixed: tokenizer/ and basemodel/",

@@ -1,7 +1,6 @@
 """The CSV pipeline's side of the engine's stage runner (finetune/utils/stages.py): `CsvPipeline` (its data store,
 splits and windows, the predictor's tokenizer), and what only this pipeline scores with: the CRPS checkpoint metric
-(`make_crps_val_metric`, as the IC metric lives in the Qlib pipeline) and the conformal calibration of the bands.
-"""
+(`make_crps_val_metric`, as the IC metric lives in the Qlib pipeline) and the conformal calibration of the bands."""
 
 from __future__ import annotations
 

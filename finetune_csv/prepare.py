@@ -11,8 +11,7 @@
 
 Every error is a StoreError / CandleDataError (DataError) naming the source (file, or `frame 'AAPL'`), column,
 line and the setting to change; all problems of all sources are collected into one message; a failed preparation
-leaves nothing behind.
-"""
+leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -76,7 +75,6 @@ class StoreSettings:
                                                                                      **self.columns}}
 
     def validate(self) -> None:
-        """Raise ConfigError (a ValueError) listing every bad setting."""
         p = Problems("Invalid data store settings")
         check_data_settings(self.as_dict(), p)
         p.raise_if_any()
@@ -211,17 +209,15 @@ def check_store(store_dir: str | Path, sources: Sequence[Path | csv_sources.Fram
     return True, reason, (manifest if touched else None)
 
 
-def ensure_store(sources: csv_sources.Sources, store_dir: str | Path,
-                 settings: StoreSettings | None = None, *, dist: Any = None,
-                 barrier: Callable[[], None] | None = None, block_rows: int = 1 << 20) -> StoreInfo:
+def ensure_store(sources: csv_sources.Sources, store_dir: str | Path, settings: StoreSettings | None = None, *,
+                 dist: Any = None, barrier: Callable[[], None] | None = None, block_rows: int = 1 << 20) -> StoreInfo:
     """Reuse the store at `store_dir` if it matches the inputs and settings, else (re-)prepare it; log why.
 
     With several processes: only the process whose `dist.is_main` is true checks and prepares; every process
     then calls `barrier()` (so the others wait for the store) and opens it. A process that is not main verifies
     cheaply (settings, file sizes and mtimes) that the store on disk is the one for its inputs, so a failure on
     the main rank becomes a clear error there instead of training on a stale store. For a store on node-local
-    disk pass an object whose `is_main` is `local_rank == 0`.
-    """
+    disk pass an object whose `is_main` is `local_rank == 0`."""
     settings = settings or StoreSettings()
     is_main = True if dist is None else bool(dist.is_main)
     wait = barrier or (lambda: None)

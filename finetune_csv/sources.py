@@ -4,8 +4,7 @@ in blocks -> one series at a time (a file, or one per symbol of data.symbol_colu
 `list_sources` turns data.path into sources; `SourceReader` resolves the column mapping (data.columns) against a
 source's header (model.features.resolve_columns), parses its rows in blocks of numbers and local wall-clock stamps
 (finetune_csv/timestamps.py) and records every bad cell by column, line and the setting to change; `file_series`
-yields its series. Values beyond float32's finite range are an error.
-"""
+yields its series. Values beyond float32's finite range are an error."""
 
 from __future__ import annotations
 
@@ -214,7 +213,6 @@ class SourceReader:
                                       if "timestamps" in p else "") for p in e.problems]
             raise
 
-    # ------------------------------------------------------------------------------------------------------------
     @property
     def present(self) -> tuple[bool, ...]:
         """Per feature: whether the file has that column."""
@@ -223,13 +221,10 @@ class SourceReader:
     @property
     def problems(self) -> list[str]:
         """Every problem found so far, one message per (column, kind)."""
-        out = []
-        for (kind, column), issue in self._issues.items():
-            out.append(_ISSUE_TEXT[kind].format(file=self.label, column=column, field=self._field_of(column),
-                                                n=issue.count, where=f"{self.unit} {issue.where()}",
-                                                examples=", ".join(issue.examples), fmt=self._fmt_text(),
-                                                symbol=self.symbol_column))
-        return out + self._messages
+        return [_ISSUE_TEXT[kind].format(file=self.label, column=column, field=self._field_of(column), n=issue.count,
+                                         where=f"{self.unit} {issue.where()}", examples=", ".join(issue.examples),
+                                         fmt=self._fmt_text(), symbol=self.symbol_column)
+                for (kind, column), issue in self._issues.items()] + self._messages
 
     def blocks(self) -> Iterator[ParsedBlock]:
         """Parsed blocks in file order; cells with problems are recorded in `problems` (their values are NaN/0)."""
@@ -247,7 +242,6 @@ class SourceReader:
         if self.n_rows == 0:
             raise SourceProblems([f"{self.label}: the file has a header but no rows"])
 
-    # ------------------------------------------------------------------------------------------------------------
     def _adopt_unnamed_index(self, header: list[str], columns: dict[str, str | None]) -> dict[str, str | None]:
         """Take an unnamed first column (DataFrame.to_csv's index: 'Unnamed: 0'; Parquet: '__index_level_0__') as
         the timestamps when the configured timestamps column is missing and its first value reads as a date."""
@@ -338,7 +332,6 @@ class SourceReader:
         except (pa.ArrowInvalid, OSError) as e:
             raise SourceProblems([f"{self.path}: not a readable Parquet file ({e})"]) from None
 
-    # ------------------------------------------------------------------------------------------------------------
     def _parse(self, batch: pa.RecordBatch, lines: np.ndarray) -> ParsedBlock:
         n = batch.num_rows
         if self._ts_parts:  # (n,) text '<date> <time>'

@@ -1,7 +1,6 @@
 """Cutting the prepared panel into train / val (/ test) by data.split: by_date (every series cut at the same dates:
 data.train_end / data.val_end, or the ratios of all candles) or per_series (each series by its own rows), as index
-ranges (no copies); the length rules a series must meet; and the windows a split yields (`build_dataset`).
-"""
+ranges (no copies); the length rules a series must meet; and the windows a split yields (`build_dataset`)."""
 
 from __future__ import annotations
 
@@ -208,6 +207,5 @@ def build_dataset(segments: PanelSegments, cfg: DataConfig) -> WindowDataset:
     """All windows of `lookback + predict` rows, `stride` apart, inside each series' range (never across series).
 
     Val/test ranges start `lookback` rows before their split (see `split_panel`), so every window of a split predicts
-    rows of its own split. Normalisation uses each window's lookback rows only.
-    """
+    rows of its own split. Normalisation uses each window's lookback rows only."""
     return segments.dataset(cfg.lookback, cfg.predict, stride=cfg.stride, clip=cfg.clip)

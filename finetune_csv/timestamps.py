@@ -6,8 +6,7 @@ The model's time features describe the exchange's LOCAL wall-clock time. Stamps 
 state; stamps without one are local already. All stamps of the data carry an offset or none does.
 Bar length: the median spacing of a file's sorted stamps; odd files are a warning (an error with data.frequency).
 `timezone_problem` / `frequency_problem` check the two settings for the config's up-front validation (no torch,
-no file read).
-"""
+no file read)."""
 
 from __future__ import annotations
 

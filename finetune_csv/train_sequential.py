@@ -1,8 +1,5 @@
 """Finetune Kronos on your own CSV candles: the tokenizer first, then the predictor on the finetuned tokenizer's tokens.
 
-    python finetune_csv/train_sequential.py --config configs/csv_demo.yaml [--set training.epochs=3 ...]
-    DIST_BACKEND=nccl torchrun --standalone --nproc_per_node=8 finetune_csv/train_sequential.py --config ...
-
 The same command runs on one GPU/CPU or, under torchrun, with DistributedDataParallel (DIST_BACKEND: nccl on
 GPUs, gloo on CPU). Settings are checked before anything is written; the data is parsed and checked once into the
 prepared store (data.store_dir, default <paths.base_dir>/data_store: rank 0 prepares or reuses it, the other ranks
@@ -12,8 +9,7 @@ loss_curve.png and run_info.json (see finetune/utils/training_utils.py).
 
 `run_finetune(cfg, ...)` is the whole run as a function (this script's `main`, the Python API in
 finetune_csv/api.py and the walk-forward call it): the CSV data side (`CsvPipeline`) handed to the engine's stage
-runner (finetune/utils/stages.py), which also calibrates the bands and honours SIGTERM between the stages.
-"""
+runner (finetune/utils/stages.py), which also calibrates the bands and honours SIGTERM between the stages."""
 
 from __future__ import annotations
 

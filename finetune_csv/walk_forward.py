@@ -1,14 +1,10 @@
 """Does finetuning pay on your market? A purged, expanding-window walk-forward with a three-word verdict.
 
-    kronos walk-forward --config configs/csv_demo_walk_forward.yaml [--set walk_forward.folds=3] [--overwrite]
-    kronos walk-forward --config ... --report-only     # report.json, windows.csv and plot from the finished folds
-
 `make_folds` cuts K test blocks on one calendar, fold k finetunes the starting models on what precedes its block
 (`run_finetune`), `score_fold` scores every non-overlapping test window of every candidate as `kronos forecast` does,
 and the verdict (finetune/evaluation/statistics.py) reads the paired finetuned - zero_shot CRPS. Method, outputs and
 what the interval means: README "Does finetuning pay?". fold.json is written last and atomically: a re-run skips
-folds finished with the same settings.
-"""
+folds finished with the same settings."""
 
 from __future__ import annotations
 
@@ -274,12 +270,10 @@ def _report(cfg: CsvFinetuneConfig, out: Path, frame: pd.DataFrame, meta: list[d
     folds = [{**{k: v for k, v in r.items() if k != "fingerprint"}, "purge": purge, "embargo": w.embargo,
               "before_pretraining_cutoff": r["fold"] in excluded} for r in meta]
     report = {"settings": {"folds": w.folds, "test_bars": test_bars, "purge": purge, "embargo": w.embargo,
-                           "candidates": list(w.candidates), "lookback": cfg.data.lookback,
-                           "predict": cfg.data.predict, "samples": f.sample_count,
-                           "pretraining_cutoff": cfg.model.pretraining_cutoff},
+                           "candidates": list(w.candidates), "lookback": cfg.data.lookback, "predict": cfg.data.predict,
+                           "samples": f.sample_count, "pretraining_cutoff": cfg.model.pretraining_cutoff},
               "folds": folds, "excluded_folds": sorted(excluded),
-              "scores": {c: {s: float(g[s].mean()) for s in SCORES}
-                         for c, g in used.groupby("candidate", sort=False)}}
+              "scores": {c: {s: float(g[s].mean()) for s in SCORES} for c, g in used.groupby("candidate", sort=False)}}
     if used.empty:
         report.update(paired=None, verdict="no_evidence",
                       verdict_reason="every test block starts before model.pretraining_cutoff")

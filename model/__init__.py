@@ -1,8 +1,7 @@
 """Kronos model package: tokenizer, predictor and forecaster, compatible with the published checkpoints.
 
 The public names below load on first access (PEP 562), so `import model.config` / `import model.features` (what
-config readers need) does not import torch; `from model import KronosPredictor` works as usual.
-"""
+config readers need) does not import torch; `from model import KronosPredictor` works as usual."""
 from __future__ import annotations
 
 import importlib

@@ -5,14 +5,12 @@ after its end are stamped at times that occur (those stamps also feed the model'
 history is read in its own zone, never converted; the stamps it makes carry that zone):
 - intraday bars: the bar times of each weekday. A weekday trades when it has bars in at least half of the weeks; a
   time counts when it occurs on at least half of that weekday's dates (the first and last, partial, dates aside).
-  So a stock session with its lunch break, an FX week (Sunday ~21:00 to Friday ~21:00) and a crypto market (every
-  hour of every day) are each what they are. A history shorter than a week also trades Monday-Friday, at the times
-  its days share; one without a whole day in it continues at its bar spacing.
+  A history shorter than a week also trades Monday-Friday, at the times its days share; one without a whole day in
+  it continues at its bar spacing.
 - daily bars: the weekdays that trade (business days for a stock, every day for crypto), at the last bar's time.
 - longer bars (weekly, monthly): the pandas frequency of the last bars, else their median spacing.
 `dates` (trading dates, e.g. a holiday calendar) restricts the days. `after(last, n, freq)` stamps n bars; with a
-pandas `freq` the bars are at that frequency, keeping those that start inside a learned bar of their weekday.
-"""
+pandas `freq` the bars are at that frequency, keeping those that start inside a learned bar of their weekday."""
 from __future__ import annotations
 
 import warnings

@@ -2,8 +2,7 @@
 one field per constructor argument (the published `config.json` keys), the published checkpoints' values as defaults,
 e.g. `KronosTokenizer(**asdict(KronosTokenizerConfig(d_model=32)))`. `problems(prefix)` lists every value that the
 constructor would reject or that cannot be allocated sanely, so configs and untrusted `config.json` files are checked
-before any tensor exists.
-"""
+before any tensor exists."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields

@@ -12,8 +12,7 @@ same classes, and `finetune.utils.errors.run_main` turns them into one `error: .
     5    RefusedError: the run would overwrite or lose earlier work (also FileExistsError)
     6    MissingExtraError: an optional dependency is missing (also ModuleNotFoundError of `OPTIONAL_MODULES`)
     75   TrainingStopped: stopped on SIGTERM / first Ctrl-C after saving; the same command resumes
-    130  KeyboardInterrupt (a second Ctrl-C)
-"""
+    130  KeyboardInterrupt (a second Ctrl-C)"""
 
 from __future__ import annotations
 
@@ -32,7 +31,6 @@ EXIT_INTERRUPTED = 130
 # Top-level module -> the extra of this package that installs it.
 OPTIONAL_MODULES = {"qlib": "qlib", "tensorboard": "tensorboard"}
 PACKAGE_NAME = "kronos-finetune"
-
 
 
 class UserError(Exception):

@@ -2,11 +2,7 @@
 
 A candle has FEATURES = open, high, low, close, volume, amount (in that order); its calendar stamp has
 TIME_FEATURES = minute, hour, weekday (Monday=0), day of month, month. Normalisation is a per-feature z-score with
-the population std, `(x - mean) / (std + 1e-5)`, clipped to [-clip, clip]; `denormalize` undoes it.
-
-Also here, for every door that reads a user's frame: `resolve_columns` (which column is which candle field) and
-`quantile_column` (the one naming of quantile columns, `close_q10`). Torch-free: config readers import this module.
-"""
+the population std, `(x - mean) / (std + 1e-5)`, clipped to [-clip, clip]; `denormalize` undoes it."""
 from __future__ import annotations
 
 import difflib
@@ -38,8 +34,7 @@ def resolve_columns(names: Sequence[str], explicit: Mapping[str, str | None] | N
     """{canonical: the user's column or None} for every CANDLE_COLUMNS field, out of the column `names`: `explicit`
     mappings win (None = "not a column": volume/amount absent, timestamps from a DatetimeIndex); any
     other field matches its own name in any case, else one of COLUMN_ALIASES. ColumnError naming `where` (with a
-    close match) for a missing required column, two columns matching one field, or an explicit non-column.
-    """
+    close match) for a missing required column, two columns matching one field, or an explicit non-column."""
     names = [str(n) for n in names]
     explicit = dict(explicit or {})
     shown = names[:12] + ([f"... {len(names) - 12} more"] if len(names) > 12 else [])  # bounded message length

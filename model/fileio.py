@@ -2,8 +2,7 @@
 
 `atomic_write(target, write_fn)` writes a file, `atomic_dir(target)` builds a folder, `write_json(path, data)` writes
 strict JSON. On failure nothing is left behind; a full disk is reported with the file, the free space and the bytes
-written so far.
-"""
+written so far."""
 from __future__ import annotations
 
 import contextlib

@@ -4,8 +4,7 @@ graph records once and replays per token) and a plain full-recompute path.
 Both paths compute the same thing: at every step the predictor sees the last `min(len, max_context)` tokens with
 positions restarting at 0 inside that window. While the sequence fits in `max_context` nothing before the new token
 changes, so the cached path runs the trunk on one token per step. Once the window slides, every hidden state in it
-changes (the dropped token no longer influences anything), so both paths recompute the window.
-"""
+changes (the dropped token no longer influences anything), so both paths recompute the window."""
 from __future__ import annotations
 
 import warnings
@@ -188,8 +187,7 @@ def generate_tokens(model: Kronos, s1_ctx: torch.Tensor, s2_ctx: torch.Tensor, s
     encoded once per series) without the graph; "graph" records and replays it on CUDA, and falls back to "eager"
     with one warning when capture fails; `graphs` keeps the recorded steps between calls (a KronosPredictor holds
     one; None = record afresh). Greedy tokens agree across all of them; sampled paths have the same
-    distribution (not the same draws: "static" and "graph" race instead of torch.multinomial).
-    """
+    distribution (not the same draws: "static" and "graph" race instead of torch.multinomial)."""
     sampling = (temperature, top_k, top_p)
     check_temperature(temperature)  # before a graph capture, which would take the error for a failed capture
     if use_cache and decode in ("static", "graph"):

@@ -2,8 +2,7 @@
 
 `config.json` holds the constructor's keyword arguments; `model.safetensors` the state dict. A local path that does
 not exist is an error (it never silently turns into a Hub lookup); only a bare `owner/name` id goes to the Hub,
-through huggingface_hub's `snapshot_download` (cache, revision, token, offline mode as huggingface_hub defines them).
-"""
+through huggingface_hub's `snapshot_download` (cache, revision, token, offline mode as huggingface_hub defines them)."""
 from __future__ import annotations
 
 import hashlib

@@ -1,8 +1,7 @@
 """Kronos: the decoder-only predictor over (s1, s2) token pairs.
 
 A trunk of causal transformer blocks predicts the next coarse token s1; a dependency layer (cross-attention from the
-s1 embedding to the trunk's hidden states) then predicts the fine token s2 given that s1.
-"""
+s1 embedding to the trunk's hidden states) then predicts the fine token s2 given that s1."""
 from __future__ import annotations
 
 import torch

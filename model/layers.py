@@ -2,8 +2,7 @@
 predictor's cross-attention) with an optional key/value cache, the pre-norm transformer block, and the predictor's
 input embeddings (hierarchical token embedding, calendar embedding).
 
-Module and parameter names are the published checkpoints' state-dict keys; do not rename them.
-"""
+Module and parameter names are the published checkpoints' state-dict keys; do not rename them."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ calibrated sample paths.
 - Calibration (`fit_calibration`, `apply_calibration`, `write_calibration`): split-conformal margins per horizon in
   units of the model's own band half-widths ("space": "band"; the model's spread follows each window's realised
   volatility, so the margins travel across series and regimes; old absolute "log_return" files still load),
-  applied to the sample paths so that the mean, quantiles and CRPS all use the same draws.
-"""
+  applied to the sample paths so that the mean, quantiles and CRPS all use the same draws."""
 
 from __future__ import annotations
 
@@ -211,8 +210,7 @@ def fit_calibration(samples: np.ndarray, outcomes: np.ndarray, last: np.ndarray)
     guarantee at high levels with few windows). [lo - M, hi + M] then covers a new outcome with probability >= c
     provided the new window is exchangeable with the validation windows; serial dependence between windows (they
     overlap in time, series move together) weakens this to an approximate guarantee. A negative margin narrows a
-    band that was too wide. The margins are then shrunk by W / (W + SHRINK_WINDOWS) toward 0 (no change).
-    """
+    band that was too wide. The margins are then shrunk by W / (W + SHRINK_WINDOWS) toward 0 (no change)."""
     samples, outcomes, last = (np.asarray(a, dtype=np.float64) for a in (samples, outcomes, last))
     if samples.ndim != 3 or outcomes.shape != (samples.shape[0], samples.shape[2]) or last.shape != samples.shape[:1]:
         raise DataError(f"fit_calibration needs samples (W, S, H), outcomes (W, H), last (W,); got "
@@ -311,7 +309,6 @@ class Forecast:
 
 
 def default_device() -> str:
-    """cuda:0, else mps, else cpu."""
     if torch.cuda.is_available():
         return "cuda:0"
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
@@ -330,8 +327,7 @@ class KronosPredictor:
         predictor), and those rows alone give the normalisation statistics, as in training. None = max_context.
         A lookback above max_context normalises over more rows than the window sees (the original Kronos code
         normalised over the whole history passed: lookback >= len(df) reproduces it).
-    calibration: a `fit_calibration` result, applied to the sample paths unless a call passes calibrated=False.
-    """
+    calibration: a `fit_calibration` result, applied to the sample paths unless a call passes calibrated=False."""
 
     def __init__(self, model: Kronos, tokenizer: KronosTokenizer, device: str | None = None,
                  max_context: int = DEFAULT_MAX_CONTEXT, clip: float = 5, use_cache: bool = True,
@@ -405,8 +401,7 @@ class KronosPredictor:
         sample_count: paths averaged into the mean; at least MIN_QUANTILE_SAMPLES when quantiles are asked.
         calibrated: apply the predictor's calibration (when it has one) to the paths; False = the raw model draws.
         Returns the mean, a (pred_len, 6) DataFrame of FEATURES indexed by y_timestamp; with return_samples or
-        quantiles a `Forecast` instead.
-        """
+        quantiles a `Forecast` instead."""
         return self.predict_batch([df], [x_timestamp], [y_timestamp], pred_len, T, top_k, top_p, sample_count,
                                   verbose, return_samples, quantiles, calibrated)[0]
 
@@ -470,8 +465,7 @@ class KronosPredictor:
             paths are held at once. None = `default_batch_size(sample_count, prediction_length)`: as many series as
             keep one forward pass near FORWARD_BUDGET floats (its activations and logits), at least 1.
         Returns prediction_length rows per series (in order of first appearance): the id column (when there is
-        one), the timestamps (your column's name, else "timestamps"), FEATURES (the mean), the quantile columns.
-        """
+        one), the timestamps (your column's name, else "timestamps"), FEATURES (the mean), the quantile columns."""
         where = "predict_df's df"
         self._check_options(prediction_length, sample_count, quantiles, None, "prediction_length")
         if not isinstance(df, pd.DataFrame):

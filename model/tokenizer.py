@@ -3,8 +3,7 @@
 A causal transformer encoder maps each normalised candle to a D-dimensional latent (D = s1_bits + s2_bits); BSQ
 L2-normalises it and snaps every coordinate to +-1/sqrt(D); the first s1_bits coordinates are the coarse token, the
 last s2_bits the fine token; a decoder reconstructs the candle from the code (from the coarse bits alone too, the
-second training target). Read top-down: id <-> bits helpers, the quantiser and its loss, `KronosTokenizer`.
-"""
+second training target). Read top-down: id <-> bits helpers, the quantiser and its loss, `KronosTokenizer`."""
 
 from __future__ import annotations
 

@@ -9,12 +9,7 @@ The plain ("nrg") estimator averages |X_i - X_j| over all S^2 pairs (i = j inclu
 `properscoring.crps_ensemble` does; the fair estimator averages over the S (S - 1) pairs with i != j, which is
 unbiased for the CRPS of the distribution the samples come from and matters for small ensembles
 (`scoringrules.crps_ensemble(..., estimator="fair")`). The pair sum uses the sorted-sample identity
-sum_{i,j} |x_i - x_j| = 2 sum_i (2 i - S - 1) x_(i) (i = 1..S), O(S log S) instead of O(S^2).
-
-Also here (the bootstrap intervals come from finetune.evaluation.statistics):
-- Naive forecasts in the model's sample layout, so the same scoring functions rate them.
-- Score a probabilistic forecast run (CSV pipeline): one nested, strict-JSON dict for metrics.json.
-"""
+sum_{i,j} |x_i - x_j| = 2 sum_i (2 i - S - 1) x_(i) (i = 1..S), O(S log S) instead of O(S^2)."""
 
 from __future__ import annotations
 
@@ -109,8 +104,7 @@ def empirical_samples(history: np.ndarray, horizon: int, window: int = 250) -> n
     sample[k, h] = last * close[t_k + h] / close[t_k] for h = 1..H. It has the spread of recent returns and no
     view on their direction, so a model must beat it to claim its bands carry information.
     `history (W, T)`: NaN-free closes ending at the last context bar, T >= H + 1. Returns `(W, S, H)` with
-    S = min(window, T - 1) - H + 1 paths.
-    """
+    S = min(window, T - 1) - H + 1 paths."""
     history = np.asarray(history, dtype=np.float64)
     if history.ndim != 2 or history.shape[1] < horizon + 1:
         raise DataError(f"history of shape {history.shape} is shorter than horizon + 1 = {horizon + 1} bars")
@@ -269,8 +263,7 @@ def score_forecasts(samples, realised, last_close, context=None, series=None,
     `settings.empirical_window` bars); dates (W,) window dates: the intervals then resample blocks of dates across
     series (`date_block_indices`).
     Returns a strict-JSON dict: "setup", "model", "persistence", ["empirical"], ["seasonal_naive"], "direction",
-    "skill" (1 - model / baseline for MAE, CRPS, MASE), "bootstrap" (CIs), "per_series" (list of rows).
-    """
+    "skill" (1 - model / baseline for MAE, CRPS, MASE), "bootstrap" (CIs), "per_series" (list of rows)."""
     settings = settings or ScoreSettings()
     samples, realised, last_close, context, series = _check_inputs(samples, realised, last_close, context, series)
     n_windows, n_samples, horizon = samples.shape
@@ -310,8 +303,7 @@ def score_forecasts(samples, realised, last_close, context=None, series=None,
         base = result[baseline]["overall"]
         result["skill"].update({f"{k}_vs_{baseline}": 1.0 - result["model"]["overall"][k] / base[k]
                                 if base.get(k) else None for k in ("mae", "crps", "mase") if k in base})
-    result["bootstrap"] = (_bootstrap(by_name, codes, n_series, settings, dates) if settings.n_boot > 0
-                           else None)
+    result["bootstrap"] = (_bootstrap(by_name, codes, n_series, settings, dates) if settings.n_boot > 0 else None)
     # Paired differences get the one interval rule of every report (statistics.paired_test, sessions as dates).
     when = np.arange(n_windows) if dates is None else np.asarray(dates)
     test = session_test if np.issubdtype(when.dtype, np.datetime64) else paired_test

@@ -1,8 +1,7 @@
 """Held-out windows of a split (`held_out_windows`: its windows as arrays, with their bar times) and their sampled
 forecasts (`sample_paths`), which checkpoint selection, calibration, the forecast and the walk-forward score.
 
-The evaluation package may import the engine's generic helpers (finetune/utils); the engine never imports it.
-"""
+The evaluation package may import the engine's generic helpers (finetune/utils); the engine never imports it."""
 
 from __future__ import annotations
 

@@ -8,12 +8,7 @@ The expressions run through `D.features`, so `Ref` moves along the market calend
 store or suspended there (NaN $close) makes the label NaN rather than reaching over the gap.
 
     labels = forward_labels("csi300", "2024-01-01", "2024-06-30", deal_price="close", horizons=5)
-    # DataFrame, index (datetime, instrument), columns label_1..label_5
-
-Also here:
-- Cross-sectional signal analysis: IC / RankIC with Newey-West t-statistics, long-short and quantile-group returns,
-- Baseline cross-sectional signals from the same Qlib store as the model's scores.
-"""
+    # DataFrame, index (datetime, instrument), columns label_1..label_5"""
 
 from __future__ import annotations
 
@@ -31,28 +26,17 @@ from model.errors import DataError
 DEAL_PRICES = ("close", "open", "vwap")
 
 
-def _price_field(deal_price: str) -> str:
-    name = deal_price.lstrip("$").lower()
-    if name not in DEAL_PRICES:
-        raise DataError(f"deal_price={deal_price!r} is not supported; choose one of {list(DEAL_PRICES)} "
-                         "(backtest.deal_price)")
-    return f"${name}"
-
-
 def label_expression(deal_price: str = "close", horizon: int = 1) -> str:
     """Qlib expression of the `horizon`-day (>= 1) return of a position entered at t+1 at `deal_price` ("close",
     "open" or "vwap"; a leading "$" is accepted), e.g. "Ref($close, -2) / Ref($close, -1) - 1" for close, h = 1."""
     if not isinstance(horizon, int) or horizon < 1:
         raise DataError(f"horizon={horizon!r} must be an integer >= 1")
-    field = _price_field(deal_price)
+    name = deal_price.lstrip("$").lower()
+    if name not in DEAL_PRICES:
+        raise DataError(f"deal_price={deal_price!r} is not supported; choose one of {list(DEAL_PRICES)} "
+                        "(backtest.deal_price)")
+    field = f"${name}"
     return f"Ref({field}, -{horizon + 1}) / Ref({field}, -1) - 1"
-
-
-def _horizons(horizons: int | Sequence[int]) -> list[int]:
-    hs = list(range(1, horizons + 1)) if isinstance(horizons, int) else [int(h) for h in horizons]
-    if not hs or min(hs) < 1:
-        raise DataError(f"horizons={horizons!r}: need at least one horizon, each >= 1")
-    return hs
 
 
 def forward_labels(instruments, start_time, end_time, deal_price: str = "close",
@@ -61,9 +45,11 @@ def forward_labels(instruments, start_time, end_time, deal_price: str = "close",
     or a list of symbols) from the initialised Qlib provider: index (datetime, instrument) over the label dates
     `start_time`..`end_time` (Qlib reads the later days the expressions need by itself), columns label_<h> for
     `horizons` (P -> 1..P, or a list); NaN where a needed day is missing, suspended or beyond the store's end."""
+    hs = list(range(1, horizons + 1)) if isinstance(horizons, int) else [int(h) for h in horizons]
+    if not hs or min(hs) < 1:
+        raise DataError(f"horizons={horizons!r}: need at least one horizon, each >= 1")
     from qlib.data import D  # Qlib only where labels are computed; the package itself does not need it
 
-    hs = _horizons(horizons)
     if isinstance(instruments, str):
         instruments = D.instruments(instruments)
     exprs = [label_expression(deal_price, h) for h in hs]
@@ -128,13 +114,10 @@ def analyse_signal(pred: pd.Series, labels: pd.DataFrame, quantile: float = 0.2,
         ls, avg = calc_long_short_return(p, y, quantile=quantile)
         excess = _long_excess(p, y, quantile)
         groups = quantile_group_returns(p, y, n_groups).mean()
-        out[str(col)] = {
-            "horizon": horizon, "days": int(ic.notna().sum()),
-            "ic": _ic_stats(ic, horizon), "rank_ic": _ic_stats(ric, horizon),
-            "long_short": _mean_t(ls, horizon), "long_average": {"mean": float(avg.mean())},
-            "excess_return": _mean_t(excess, horizon),
-            "group_means": [float(groups.get(g, math.nan)) for g in range(1, n_groups + 1)],
-        }
+        out[str(col)] = {"horizon": horizon, "days": int(ic.notna().sum()), "ic": _ic_stats(ic, horizon),
+                         "rank_ic": _ic_stats(ric, horizon), "long_short": _mean_t(ls, horizon),
+                         "long_average": {"mean": float(avg.mean())}, "excess_return": _mean_t(excess, horizon),
+                         "group_means": [float(groups.get(g, math.nan)) for g in range(1, n_groups + 1)]}
     return out
 
 

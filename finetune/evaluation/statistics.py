@@ -17,8 +17,7 @@ Rejected: the (fold, series)-block bootstrap it replaces (1 series x 3 folds = 3
 the fold means: 26% false helps / hurts on null data), and the moving-block bootstrap of the date means, which
 alone said helps / hurts 11-14% of the time on the null designs of tests/test_statistics.py (MA(4) differences,
 t(4) tails, clustered volatility, series correlated 0.5), where this verdict says so 4-6% of the time. The interval
-is about the mean difference over these test dates for these fold models, not over finetuning runs in general.
-"""
+is about the mean difference over these test dates for these fold models, not over finetuning runs in general."""
 
 from __future__ import annotations
 

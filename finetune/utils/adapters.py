@@ -23,8 +23,7 @@ format: for lora the adapters merged into the weights (W + alpha / r * B @ A), s
 `KronosPredictor.from_pretrained`, `kronos forecast` and `push_to_hub` need nothing new, and the adapter alone in
 peft's format under `best_model/adapter/` (`PeftModel.from_pretrained(base_model, "best_model/adapter")`).
 After training the in-memory model is plain again (lora: merged, freeze: requires_grad restored). The config
-modules read `MODES` and must load no torch: torch is imported where a model is touched.
-"""
+modules read `MODES` and must load no torch: torch is imported where a model is touched."""
 
 from __future__ import annotations
 
@@ -153,8 +152,7 @@ class PartialAdapter(Adapter):
 
         super().__init__(model)
         trainable = set(self.trainable_names())
-        self.base_fingerprint = weights_fingerprint({k: v for k, v in model.state_dict().items()
-                                                     if k not in trainable})
+        self.base_fingerprint = weights_fingerprint({k: v for k, v in model.state_dict().items() if k not in trainable})
 
     def checkpoint_state(self) -> dict[str, Any]:
         return {name: p.detach() for name, p in self.model.named_parameters() if p.requires_grad}

@@ -9,11 +9,7 @@ Why the engine and not the entry point: a stage's random stream (dropout, sample
 before the predictor stage or was skipped because it had already finished. So the trainer seeds python, numpy and
 torch with `seed + rank` as the first thing of every run, and nothing else sets the global streams.
 Model initialisation happens earlier, in the entry point; `seeded_init` gives it the same weights on every run
-without touching the global streams (under DDP, rank 0's weights are broadcast, so one seed for all ranks is right).
-
-Also here:
-- One code path for a single process and for `torchrun` (N processes).
-"""
+without touching the global streams (under DDP, rank 0's weights are broadcast, so one seed for all ranks is right)."""
 
 from __future__ import annotations
 
@@ -131,10 +127,8 @@ def resolve_backend(requested: str | None, cuda_available: bool) -> str:
 @contextlib.contextmanager
 def distributed_context(timeout_s: float = 1800.0, backend: str | None = None) -> Iterator[DistInfo]:
     """Set up this process (process group if launched by torchrun, device) and tear it down on exit.
-
-    Args:
-        timeout_s: how long a collective may wait for the other ranks before the job fails instead of hanging.
-        backend: overrides DIST_BACKEND (None: read the environment).
+    timeout_s: how long a collective may wait for the other ranks before the job fails instead of hanging.
+    backend: overrides DIST_BACKEND (None: read the environment).
     Yields a `DistInfo`. The process group is destroyed here, and only here, whether the body succeeds or raises."""
     cuda = torch.cuda.is_available()
     if not launched_by_torchrun():

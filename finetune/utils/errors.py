@@ -5,11 +5,7 @@ Every entry point ends with `sys.exit(run_main(main))`; `kronos <command>` (fine
 `--debug` on the command line or `KRONOS_DEBUG=1` adds the traceback to user errors too.
 
 The error classes and their exit codes are `model.errors` (the model package raises them too); anything else
-escaping `main` is a bug, however it was raised.
-
-Also here: one logging setup for every entry point and the engine (rank 0 speaks, the other ranks only warn) and
-the per-stage train.log.
-"""
+escaping `main` is a bug, however it was raised."""
 
 from __future__ import annotations
 
@@ -68,20 +64,14 @@ def classify(exc: BaseException) -> tuple[int, bool]:
         return EXIT_REFUSED, True
     if isinstance(exc, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)):
         return EXIT_PATH, True
-    if _is_hub_error(exc):
+    hub = sys.modules.get("huggingface_hub.errors") or sys.modules.get("huggingface_hub.utils")
+    hub_kinds = tuple(getattr(hub, n) for n in ("HfHubHTTPError", "LocalEntryNotFoundError", "OfflineModeIsEnabled",
+                                                "RepositoryNotFoundError", "RevisionNotFoundError") if hasattr(hub, n))
+    if hub_kinds and isinstance(exc, hub_kinds):
         return EXIT_PATH, True
     if disk_full(exc):  # the machine's state, not a bug: no traceback
         return EXIT_DATA, True
     return EXIT_BUG, False
-
-
-def _is_hub_error(exc: BaseException) -> bool:
-    mod = sys.modules.get("huggingface_hub.errors") or sys.modules.get("huggingface_hub.utils")
-    if mod is None:
-        return False
-    kinds = tuple(getattr(mod, n) for n in ("HfHubHTTPError", "LocalEntryNotFoundError", "OfflineModeIsEnabled",
-                                            "RepositoryNotFoundError", "RevisionNotFoundError") if hasattr(mod, n))
-    return bool(kinds) and isinstance(exc, kinds)
 
 
 def format_error(exc: BaseException, code: int) -> str:
@@ -102,42 +92,19 @@ def format_error(exc: BaseException, code: int) -> str:
     return prefix + text.strip()
 
 
-def _split_debug(argv: Sequence[str]) -> tuple[list[str], bool]:
-    """Remove `--debug` (before any `--`) from `argv`; returns (rest, found)."""
-    rest, found, passthrough = [], False, False
-    for arg in argv:
-        if arg == "--":
-            passthrough = True
-        if arg == _DEBUG_FLAG and not passthrough:
-            found = True
-            continue
-        rest.append(arg)
-    return rest, found
-
-
-def debug_enabled() -> bool:
-    """True when KRONOS_DEBUG is set to something other than '', '0' or 'false'."""
-    return os.environ.get("KRONOS_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
-
-
-def _quit_on_next_interrupt() -> None:
-    """The process is on its way out after a Ctrl-C or a graceful stop: one more Ctrl-C ends it at once with one
-    line, not with a KeyboardInterrupt traceback from wherever the exit happens to be (cleanup, atexit, threads)."""
-
-    def quit_now(signum: int, frame: Any) -> None:
-        os.write(2, b"error: interrupted again; quitting now\n")
-        os._exit(EXIT_INTERRUPTED)
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, quit_now)
+def _quit_now(signum: int, frame: Any) -> None:
+    os.write(2, b"error: interrupted again; quitting now\n")
+    os._exit(EXIT_INTERRUPTED)
 
 
 def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> int:
     """Run `main(argv)` (default argv: `sys.argv[1:]`, less `--debug`, which turns tracebacks on) and return the
     process exit code (`EXIT_*`; an int that `main` returns is passed through), reporting failures as described
     above."""
-    args, debug_flag = _split_debug(sys.argv[1:] if argv is None else argv)
-    debug = debug_flag or debug_enabled()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)  # `--debug` after `--` belongs to the command
+    args = [a for i, a in enumerate(argv) if a != _DEBUG_FLAG or i > cut]
+    debug = len(args) < len(argv) or os.environ.get("KRONOS_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
     try:
         result = main(args)
     except SystemExit as exc:  # argparse (--help, usage errors) and scripts' own `SystemExit("...")`
@@ -148,8 +115,10 @@ def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None
         return EXIT_DATA
     except BaseException as exc:  # noqa: BLE001 - this IS the top-level handler
         code, is_user = classify(exc)
-        if code in (EXIT_INTERRUPTED, EXIT_STOPPED):
-            _quit_on_next_interrupt()
+        if code in (EXIT_INTERRUPTED, EXIT_STOPPED) and threading.current_thread() is threading.main_thread():
+            # On the way out: one more Ctrl-C ends the process at once with one line, not a KeyboardInterrupt
+            # traceback from wherever the exit happens to be (cleanup, atexit, threads).
+            signal.signal(signal.SIGINT, _quit_now)
         sys.stderr.flush()
         if is_user:
             print(format_error(exc, code), file=sys.stderr)

@@ -6,12 +6,8 @@
       tokenizer_arch: {d_model: 32, ...}                      # model.config.KronosTokenizerConfig
       predictor_arch: {n_layers: 2, ...}                      # model.config.KronosConfig (bits null = the tokenizer's)
 
-    tokenizer = build_tokenizer(cfg.model.pretrained_tokenizer, cfg.model.tokenizer_arch, "model")
-    predictor = build_predictor(cfg.model.pretrained_predictor, cfg.model.predictor_arch, tokenizer, "model")
-
 A pretrained folder or hub id wins over the architecture, which is then ignored (and not checked). Every failure
-is a ValueError naming the YAML keys to change.
-"""
+is a ValueError naming the YAML keys to change."""
 from __future__ import annotations
 
 from dataclasses import asdict

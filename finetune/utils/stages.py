@@ -10,8 +10,7 @@ weights on every run (`seeded_init`); kronos_predictor.json records the window, 
 sha256 and the clip; a finished predictor lacking its calibration gets it on the next run. One stop request covers
 the whole run (the `GracefulStop` entered here), and each boundary (data ready, a stage done, a batch of sampled
 forecasts) is a safe point: `TrainingStopped` (exit 75) once the work so far is on disk, and the same command then
-ends with exactly the uninterrupted run's outputs.
-"""
+ends with exactly the uninterrupted run's outputs."""
 
 from __future__ import annotations
 

@@ -21,8 +21,7 @@ memory-map (`open_store`); a folder of
 
 The sha256 of every array file is recorded when it is written, so damage after the fact (a flipped byte, a
 truncated or swapped file) is found by `verify_store` instead of training on it silently. The one file
-fingerprint of the project (`file_fingerprint`, sources and arrays alike) lives here too.
-"""
+fingerprint of the project (`file_fingerprint`, sources and arrays alike) lives here too."""
 
 from __future__ import annotations
 

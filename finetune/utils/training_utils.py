@@ -1,18 +1,10 @@
-"""The training engine both pipelines call: one module, read top to bottom.
-
-    train_tokenizer(tokenizer, train_set, val_set, cfg, out_dir, dist, run_config=..., data_info=...)
-    train_predictor(predictor, tokenizer, train_set, val_set, cfg, out_dir, dist, ..., forecast_info=...)
-
-Contents: `TrainResult`, `LoopState` (last.pt's "loop" entry); the pure step decisions; the two stages (loss,
-default clip, loss parts, how the best model is saved, the frozen weights' fingerprint); `restore_optimizer`;
-`Trainer`: all state declared in `__init__`, `state_dict()` / `load_state_dict()` = a checkpoint's content, `fit()`
-the table of contents; the entry points `train_tokenizer`, `train_predictor`, `evaluate_predictor`.
+"""The training engine both pipelines call (`train_tokenizer`, `train_predictor`): one module, read top to bottom.
+`Trainer` declares all its state in `__init__`; `state_dict()` / `load_state_dict()` = a checkpoint's content.
 
 The ledger (finetune/utils/ledger.py) decides what the stage folder's content means (fresh, resume, reuse, rebuild
 or refuse), the Validator (validate.py) validates and selects, checkpoint.py writes, safety.py keeps the run safe.
 `data_info` goes into run_info.json and its fingerprint into every checkpoint, so pipelines put in it what defines
-their data (file sha256s, splits, window).
-"""
+their data (file sha256s, splits, window)."""
 
 from __future__ import annotations
 
@@ -307,13 +299,10 @@ def train_sampler(dataset: Dataset, cfg: TrainingConfig, dist: DistInfo) -> Epoc
 class Trainer:
     """One training run of one stage. Build it, call `fit()` once.
 
-    Parameters
-    ----------
     stage: what is trained and how its loss is computed (`TokenizerStage` / `PredictorStage`).
     train_set, val_set: datasets of (x (T, F) float32, x_stamp (T, 5) int64) items.
     cfg: loop settings (validated here: a ConfigError lists every problem).
     out: the stage's output folder (written by rank 0 only).
-    dist: from `distributed_context()`.
     run_config, data_info: stored in run_info.json and the checkpoint; data_info's fingerprint guards a resume
         (what it must hold: training_utils.py).
     val_metric: optional forecast metric (model, stage) -> {"score", ...}, run after each validation; with
@@ -398,7 +387,6 @@ class Trainer:
         self.epoch_tokens, self.epoch_train_s = 0, 0.0  # all ranks' candles trained this epoch, and the seconds
         self.grad_norm: torch.Tensor | None = None  # of the last optimizer step (None without clipping)
 
-    # ------------------------------------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
         """Take the folder, decide (resume / skip / overwrite), train the remaining epochs, write the final outputs.
 
@@ -441,13 +429,11 @@ class Trainer:
         if plan.saved is not None:
             self.resume_path = plan.path
             self.load_state_dict(plan.saved)
-            self.run_extra = {"changed_on_resume": list(plan.changed),
-                             "accepted_changed_data": list(plan.accepted)}
+            self.run_extra = {"changed_on_resume": list(plan.changed), "accepted_changed_data": list(plan.accepted)}
             if self.dist.is_main:
                 log.info("[%s] resuming from %s at step %d", self.stage.name, self.resume_path, self.state.global_step)
                 if plan.changed:
-                    log.info("[%s] settings changed since the checkpoint: %s", self.stage.name,
-                             "; ".join(plan.changed))
+                    log.info("[%s] settings changed since the checkpoint: %s", self.stage.name, "; ".join(plan.changed))
                 for text in plan.accepted:
                     log.warning("[%s] training.accept_changed_data=true: %s", self.stage.name, text)
         self.wrapped = wrap_model(self.model, self.dist)
@@ -481,7 +467,6 @@ class Trainer:
         with validate.rng_fork():
             self.validate_and_select(epoch=0, train_loss=None)
 
-    # ------------------------------------------------------------------------------------------------------------
     def train_epoch(self) -> None:
         """The epoch's optimizer steps (or the rest of them, after a mid-epoch resume)."""
         cfg, state = self.cfg, self.state
@@ -498,8 +483,7 @@ class Trainer:
         self.reset_window()
         show_bar = self.dist.is_main and cfg.progress_bar
         self.bar = tqdm(total=self.steps_per_epoch, initial=state.step_in_epoch, disable=not show_bar,
-                        desc=f"{self.stage.name} epoch {state.epoch + 1}/{cfg.epochs}", dynamic_ncols=True,
-                        leave=False)
+                        desc=f"{self.stage.name} epoch {state.epoch + 1}/{cfg.epochs}", dynamic_ncols=True, leave=False)
         with logging_redirect_tqdm() if show_bar else contextlib.nullcontext():  # log lines above the bar
             batches = iter(loader)
             while state.step_in_epoch < self.steps_per_epoch:
@@ -618,7 +602,6 @@ class Trainer:
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}")
         self.reset_window()
 
-    # ------------------------------------------------------------------------------------------------------------
     def end_epoch(self) -> None:
         """Validate, keep the best model, update early stopping, write the checkpoint."""
         state, cfg = self.state, self.cfg
@@ -720,7 +703,6 @@ class Trainer:
         """The model's constructor arguments as plain data (checkpoint's "model_args")."""
         return plain(dict(getattr(self.model, "config", {}) or {}))
 
-    # ------------------------------------------------------------------------------------------------------------
     def finish(self) -> TrainResult:
         """Loss plot and final run_info.json with "finished": true (rank 0), then the result."""
         state = self.state
@@ -743,7 +725,6 @@ class Trainer:
         return self.result(plot_path if plot_path is not None and plot_path.exists() else None)
 
     def result(self, plot_path: Path | None, skipped: bool = False) -> TrainResult:
-        """The TrainResult of the loop state."""
         state = self.state
         return TrainResult(
             stage=self.stage.name, best_val_loss=state.best_val_loss, best_epoch=state.best_epoch,

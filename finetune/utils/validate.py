@@ -1,7 +1,6 @@
 """Validation of one stage (after torchtitan's components/validate.py): `Validator.validate_and_select` = the
 validation loss, the pipeline's forecast metric, best-model selection and early stopping, as one `Selection`. Also
-what training shares with it: `LossSums`, `resolve_precision` (resolved once per run by the Trainer), `rng_fork`.
-"""
+what training shares with it: `LossSums`, `resolve_precision` (resolved once per run by the Trainer), `rng_fork`."""
 
 from __future__ import annotations
 
@@ -40,7 +39,6 @@ class ReducedSums:
         return self.sums[name] / self.windows if self.windows > 0 else math.nan
 
     def means(self, prefix: str = "") -> dict[str, float]:
-        """{prefix + name: mean} for "loss" and every part."""
         return {f"{prefix}{name}": self.mean(name) for name in self.sums}
 
 
@@ -67,8 +65,7 @@ class LossSums:
         extra_t = torch.tensor(list(extra), dtype=torch.float64, device=self.totals.device)
         totals = all_reduce_sum(torch.cat([self.totals, extra_t])).tolist()
         k = len(self.names)
-        return ReducedSums(sums=dict(zip(self.names, totals[:k])), windows=int(totals[k]),
-                           extra=tuple(totals[k + 1:]))
+        return ReducedSums(sums=dict(zip(self.names, totals[:k])), windows=int(totals[k]), extra=tuple(totals[k + 1:]))
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,7 @@ A split of series s is the column range [start, stop) of the panel (cut by the p
 for val/test `start` lies `lookback` rows before the split's first own row (`first_target`), so the split's first
 window predicts its first row, and no window crosses into another series. With a memory-mapped panel nothing is
 copied until a batch is gathered: a batch reads B windows from the map (`WindowDataset(panel, ranges=(start, stop))`).
-
-Also here: the order in which an epoch reads its windows, produced chunk by chunk (a pure function of (seed,
-epoch)), and the epoch-aware distributed sampler that feeds the dataset.
-"""
+The order in which an epoch reads its windows is a pure function of (seed, epoch), produced chunk by chunk."""
 
 from __future__ import annotations
 
@@ -43,8 +40,7 @@ class PanelSegments:
 
     def dataset(self, lookback: int, predict: int, *, stride: int = 1, clip: float = 5.0) -> WindowDataset:
         """The split's windows: the shared WindowDataset reading the panel (memory map) inside these ranges."""
-        return WindowDataset(self.panel, lookback, predict, stride=stride, clip=clip,
-                             ranges=(self.start, self.stop))
+        return WindowDataset(self.panel, lookback, predict, stride=stride, clip=clip, ranges=(self.start, self.stop))
 
 
 EXACT_LIMIT = 1 << 24  # windows up to which the original full permutation is used
@@ -70,7 +66,6 @@ class EpochOrder:
         self.blocked = self.n > exact_limit and (shuffle or self.m < self.n)
         self.n_blocks = -(-self.n // int(block_size))
 
-    # ------------------------------------------------------------------------------------------------------------
     def chunks(self) -> Iterator[np.ndarray]:
         """The epoch's order in consecutive pieces; their concatenation has `total` entries."""
         if not self.blocked:
@@ -99,7 +94,6 @@ class EpochOrder:
             yield make()[first::w][skip:]
             skip = 0
 
-    # ------------------------------------------------------------------------------------------------------------
     def _exact(self) -> np.ndarray:
         if self.shuffle or self.m < self.n:
             chosen = np.arange(self.n, dtype=self.dtype)
@@ -341,9 +335,8 @@ class EpochSampler(Sampler[int]):
     def order(self, epoch: int | None = None) -> EpochOrder:
         """The epoch's order (an `EpochOrder`)."""
         return EpochOrder(self.num_samples, self.seed, self.epoch if epoch is None else epoch, shuffle=self.shuffle,
-                          max_samples=self.max_samples, world_size=self.world_size,
-                          drop_remainder=self.drop_remainder, exact_limit=self.exact_limit,
-                          block_size=self.block_size)
+                          max_samples=self.max_samples, world_size=self.world_size, drop_remainder=self.drop_remainder,
+                          exact_limit=self.exact_limit, block_size=self.block_size)
 
     def epoch_indices(self, epoch: int | None = None) -> np.ndarray:
         """The windows chosen for `epoch` (all ranks), in the order they are dealt out (materialised: for tests
