@@ -299,8 +299,7 @@ def _build(sources: list[tuple[Path | csv_sources.Frame, Path | csv_sources.Fram
             try:
                 reader = csv_sources.SourceReader(source, settings.as_dict()["columns"], settings.symbol_column,
                                                   settings.timestamp_format, block_rows, timezone=settings.timezone,
-                                                  adjust=settings.adjust)
-                reader.label = reader.label.replace(str(source), str(original))
+                                                  adjust=settings.adjust, shown_as=original)
                 for name, ts, values, lines in csv_sources.file_series(reader, writer.path, block_rows):
                     where = reader.label if name == reader.name else f"{reader.label} (series {name})"
                     bad, notes = candle_problems(values, lines, reader.columns, where, reader.unit, settings)

@@ -167,11 +167,13 @@ class SourceReader:
 
     def __init__(self, path: str | Path | Frame, columns: Mapping[str, str | None], symbol_column: str | None = None,
                  timestamp_format: str | None = None, block_rows: int = 1 << 20, timezone: str | None = None,
-                 adjust: str = "none"):
+                 adjust: str = "none", shown_as: str | Path | Frame | None = None):
         self._table = path.table() if isinstance(path, Frame) else None  # a DataFrame from Python, as Arrow
         self.path = None if isinstance(path, Frame) else Path(path)
         self.name = path.name if isinstance(path, Frame) else self.path.name  # series name; symbols append to it
-        self.label = f"frame '{path.name}'" if isinstance(path, Frame) else str(self.path)  # or `frame 'AAPL'`
+        # What every message and log line calls it: `frame 'AAPL'`, or the file: `shown_as` when `path` is the
+        # store's snapshot of the user's file.
+        self.label = f"frame '{path.name}'" if isinstance(path, Frame) else str(shown_as or self.path)
         self.symbol_column = symbol_column
         self.timestamp_format = timestamp_format
         self.timezone = timezone

@@ -78,13 +78,13 @@ ADJ_CLOSE_NAMES = ("adj close", "adj_close", "adjclose", "adjusted close", "adj.
 
 
 def adjust_prices(values: np.ndarray, adj_close: np.ndarray) -> np.ndarray:
-    """`values (n, >= 4)` open, high, low, close with open/high/low scaled by adj_close / close and close set to
-    adj_close (a Yahoo-style export adjusts only its 'Adj Close'; scaling keeps every candle's shape)."""
+    """`values (n, >= 4)` open, high, low, close all scaled by adj_close / close (a Yahoo-style export adjusts only
+    its 'Adj Close'; one factor per row keeps every candle's shape). The close is scaled too rather than replaced by
+    adj_close: a low equal to the close must stay equal, not land an ulp above it and be refused as a bad candle."""
     out = np.array(values, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.asarray(adj_close, dtype=np.float64) / out[:, 3]  # (n,)
-    out[:, :3] *= ratio[:, None]
-    out[:, 3] = adj_close
+    out[:, :4] *= ratio[:, None]
     return out
 
 

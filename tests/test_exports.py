@@ -251,3 +251,28 @@ def test_predict_df_on_256_series_keeps_its_peak_memory_bounded_by_the_default_b
     assert batch < 256
     assert growth["default"] < 700, growth  # MB: ~380 measured with batches of 40 series
     assert growth["all"] > 2.5 * growth["default"], growth
+
+
+def test_adjusted_candles_keep_a_low_equal_to_the_close_equal():
+    """Real Yahoo rows (AAPL 2000-12-14, 2013-02-28; IBM 2002-12-13) whose low or high equals the close: replacing the
+    close by Adj Close while scaling the low put the low an ulp above the close, and the file was refused as bad
+    candles. One factor for all four prices keeps every rule the raw candle kept."""
+    from model.features import adjust_prices, candle_faults
+
+    raw = np.array([[15.03, 15.25, 14.44, 14.44], [444.05, 447.87, 441.4, 441.4], [79.25, 80.0, 78.27, 80.0]])
+    adj = np.array([0.92787062983701, 57.562728311726, 59.710383930683])
+    out = adjust_prices(raw, adj)
+    assert candle_faults(out) == []
+    np.testing.assert_allclose(out[:, 3], adj, rtol=1e-15)
+
+
+def test_store_log_lines_name_the_users_file_not_its_snapshot(tmp_path, caplog):
+    """The store parses a snapshot of each file (the bytes it hashed); what it logs must still name the user's file."""
+    import logging
+
+    from finetune_csv.prepare import StoreSettings, prepare_store
+
+    _yahoo_csv(tmp_path / "orcl.csv")
+    with caplog.at_level(logging.INFO):
+        prepare_store(tmp_path / "orcl.csv", tmp_path / "s", StoreSettings(adjust="adj_close"))
+    assert f"{tmp_path / 'orcl.csv'}: no 'amount' column" in caplog.text and ".sources-" not in caplog.text
