@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from model.errors import DataError, UserError
-from model.fileio import atomic_write
+from model.fileio import DISK_FULL_ERRNOS, atomic_write
 
 CHECKPOINT_FORMAT = "kronos-finetune/last-v1"
 LAST_NAME = "last.pt"
@@ -113,7 +113,6 @@ _MODEL_TMP_RE = re.compile(r"^\.(?P<name>.+)\.(old|[a-z0-9_]{8})$")
 _MODEL_FILES = {"config.json", "model.safetensors", "tokenizer_config.json", "kronos_predictor.json",
                 "run_info.json", "adapter"}  # adapter/: lora
 _OLD_MODEL_RE = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}\.old$")  # model.fileio.atomic_dir's old folder
-_SPACE_ERRNOS = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
 # Rust's io::Error as SafetensorError prints it: `IoError(Os { code: 28, kind: StorageFull, ... })`.
 _RUST_SPACE_RE = re.compile(r"StorageFull|FileTooLarge|QuotaExceeded|(os error|code:) (28|27|122)\b")
 _OVERHEAD = 64 * 1024  # zip headers + pickled structure beyond the raw tensor bytes
@@ -189,7 +188,7 @@ def is_space_error(e: BaseException) -> bool:
     """True when `e` (or what it wraps) is a disk-full / file-too-large / quota error."""
     code = _errno_in_chain(e)
     if code is not None:
-        return code in _SPACE_ERRNOS
+        return code in DISK_FULL_ERRNOS
     if _RUST_SPACE_RE.search(str(e)):  # safetensors' SafetensorError wraps Rust's io::Error as text only
         return True
     # torch's C++ zip writer reports a failed write as RuntimeError("[enforce fail at inline_container.cc...] ...
