@@ -167,7 +167,8 @@ def to_datetime_index(timestamps, name: str = "timestamps") -> pd.DatetimeIndex:
     if values.hasnans:
         raise DataError(f"{name} contains missing values (NaT)")
     try:  # pandas 3 holds later years (datetime64[us]); the nanosecond time features would wrap
-        values.as_unit("ns")
+        if values.unit != "ns":  # nanoseconds are in range by construction (the usual case: no copy per series)
+            values.as_unit("ns")
     except pd.errors.OutOfBoundsDatetime:
         naive = values.tz_localize(None) if values.tz is not None else values
         outside = np.flatnonzero((naive < pd.Timestamp.min) | (naive > pd.Timestamp.max))
