@@ -302,11 +302,8 @@ def _build(sources: list[tuple[Path | csv_sources.Frame, Path | csv_sources.Fram
                                                   adjust=settings.adjust, shown_as=original)
                 for name, ts, values, lines in csv_sources.file_series(reader, writer.path, block_rows):
                     where = reader.label if name == reader.name else f"{reader.label} (series {name})"
-                    bad, notes = candle_problems(values, lines, reader.columns, where, reader.unit, settings)
-                    if bad and reader.adj_close and settings.adjust == "none":  # e.g. close: 'Adj Close' alone
-                        bad.append(f"{where}: has an '{reader.adj_close}' column: if only it is adjusted for splits "
-                                   "and dividends, set data.adjust: adj_close (open/high/low scaled to it) and map "
-                                   "data.columns.close to the unadjusted close")
+                    bad, notes = candle_problems(values, lines, reader.columns, where, reader.unit, settings,
+                                                 reader.adj_close)
                     problems.extend(named(bad))
                     try:
                         ts, values, cleaning = clean_series(ts, values, lines, reader.present, settings.nan_policy,
@@ -378,19 +375,23 @@ def _refuse_foreign_folder(out_dir: Path) -> None:
 # The rules of one series: candle checks, cleaning
 
 def candle_problems(values: np.ndarray, lines: np.ndarray, columns: Mapping[str, str | None], where: str,
-                    unit: str, settings: StoreSettings) -> tuple[list[str], list[str]]:
+                    unit: str, settings: StoreSettings, adj_close: str | None = None) -> tuple[list[str], list[str]]:
     """The candle rules (`model.features.candle_faults`) of one series, `values (n, 6)` open..amount, `lines (n,)`:
     (problems, warnings). A price <= 0 is an error; a broken high / low rule is an error, or a warning with
-    data.bad_candles: warn; a volume column zero throughout is an error unless data.allow_zero_volume."""
+    data.bad_candles: warn; a volume column zero throughout is an error unless data.allow_zero_volume. In a file with
+    an unused `adj_close` column the likely cause is a close adjusted alone: the fix named is data.adjust, never
+    training on the broken candles."""
     problems, notes = [], []
+    fix = ("fix the file, or set data.bad_candles: warn to train on them" if adj_close is None or settings.adjust !=
+           "none" else f"the file has an '{adj_close}' column: if only it is adjusted for splits and dividends, set "
+           "data.adjust: adj_close (all four prices scaled to it) and map data.columns.close to the unadjusted close")
     for f, bad, rule in candle_faults(values):
         column, at = f"column '{columns[f]}' (data.columns.{f})", f"{unit} {stamps.listed(lines[bad])}"
         if rule.startswith("<= 0"):
             problems.append(f"{where}: {column} has {int(bad.sum())} price(s) <= 0 at {at}; prices must be positive "
                             "(fix or remove these rows)")
         elif settings.bad_candles == "error":
-            problems.append(f"{where}: {column} is {rule} in {int(bad.sum())} candle(s) at {at}; fix the file, or set "
-                            "data.bad_candles: warn to train on them")
+            problems.append(f"{where}: {column} is {rule} in {int(bad.sum())} candle(s) at {at}; {fix}")
         else:
             notes.append(f"{where}: {column} is {rule} in {int(bad.sum())} candle(s) at {at} (data.bad_candles: warn)")
     if columns.get("volume") is not None and len(values) and not np.nan_to_num(values[:, 4]).any() \

@@ -105,8 +105,9 @@ def test_adjust_scales_open_high_low_by_adj_close(tmp_path):
     from finetune_csv.prepare import StoreSettings, prepare_store
 
     price = _yahoo_csv(tmp_path / "orcl.csv")
-    with pytest.raises(StoreError, match="set data.adjust: adj_close"):
+    with pytest.raises(StoreError, match="set data.adjust: adj_close") as refused:
         prepare_store(tmp_path / "orcl.csv", tmp_path / "s0", StoreSettings(columns={"close": "Adj Close"}))
+    assert "bad_candles: warn" not in str(refused.value)  # training on the broken candles is not the fix here
     prepare_store(tmp_path / "orcl.csv", tmp_path / "s1", StoreSettings(adjust="adj_close"))
     ohlc = np.asarray(open_store(tmp_path / "s1").features[:4], dtype=np.float64)  # (4, N)
     np.testing.assert_allclose(ohlc, np.stack([price / 2, (price + 2) / 2, (price - 2) / 2, (price + 1) / 2]),
