@@ -8,7 +8,7 @@ import contextlib
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -69,17 +69,19 @@ class LossSums:
 
 
 @dataclass(frozen=True)
-class EarlyStopping:
-    """Early-stopping state after one validation."""
+class Selection:
+    """One validation's record: the early-stopping state after it and what it measured (`values`: val_loss,
+    val_<part>, val_windows, metric_<name> with a forecast metric, score: what training.select_by compares)."""
 
-    best: float  # Best validation loss so far.
+    best: float  # Best score so far.
     bad_epochs: int  # Validations in a row without improvement.
-    improved: bool  # This validation beat the best (save the model).
+    improved: bool  # This validation beat the best (save the model: it becomes best_model/).
     stop: bool  # Patience is used up: stop training.
+    values: dict[str, Any] = field(default_factory=dict)
 
 
 def update_early_stopping(best: float, bad_epochs: int, val_loss: float, patience: int,
-                          min_delta: float = 0.0) -> EarlyStopping:
+                          min_delta: float = 0.0) -> Selection:
     """Fold one validation loss into the early-stopping state; `patience=0` never stops. NaN never improves."""
     improved = math.isfinite(val_loss) and val_loss < best - min_delta
     if improved:
@@ -87,7 +89,7 @@ def update_early_stopping(best: float, bad_epochs: int, val_loss: float, patienc
     else:
         bad_epochs += 1
     stop = patience > 0 and bad_epochs >= patience
-    return EarlyStopping(best=best, bad_epochs=bad_epochs, improved=improved, stop=stop)
+    return Selection(best=best, bad_epochs=bad_epochs, improved=improved, stop=stop)
 
 
 @contextlib.contextmanager
@@ -221,15 +223,6 @@ def evaluate(stage: Any, wrapped: nn.Module, dataset: Dataset, sampler: EpochSam
     return {**totals.means(prefix="val_"), "val_windows": totals.windows}
 
 
-@dataclass(frozen=True)
-class Selection(EarlyStopping):
-    """One validation's record: the early-stopping state after it (`improved`: this model becomes best_model/; no
-    stop, and no bad epoch counted, after the starting model's) and what it measured (`values`: val_loss,
-    val_<part>, val_windows, metric_<name> with a forecast metric, score: what training.select_by compares)."""
-
-    values: dict[str, Any] = field(default_factory=dict)
-
-
 class Validator:
     """Validates one stage: `stage` (its model, loss and part names), `val_set`, the loop settings `cfg`
     (batch_size, seed, max_val_samples, patience, min_delta, select_by), the run's `precision` and the pipeline's
@@ -256,5 +249,6 @@ class Validator:
             if cfg.select_by != "loss":
                 score = float(metric["score"])
         decision = update_early_stopping(best_score, bad_epochs, score, cfg.patience, cfg.min_delta)
-        return Selection(decision.best, 0 if epoch == 0 else decision.bad_epochs, decision.improved,
-                         decision.stop and epoch > 0, {**values, "score": score})
+        # No stop, and no bad epoch counted, after the starting model's validation.
+        return replace(decision, bad_epochs=0 if epoch == 0 else decision.bad_epochs, stop=decision.stop and epoch > 0,
+                       values={**values, "score": score})
