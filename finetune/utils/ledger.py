@@ -24,6 +24,7 @@ import finetune.utils.checkpoint as checkpoint_store
 from finetune.utils import adapters
 from finetune.utils.config_utils import Problems, config_to_dict, plain
 from finetune.utils.distributed import DistInfo, all_gather_object
+from finetune.utils.metrics import flatten_params
 from finetune.utils.safety import StageFolderError
 from finetune.utils.schema import STAGES, TrainingConfig, stage_key
 from model.errors import ConfigError, DataError, RefusedError
@@ -205,23 +206,9 @@ def data_fingerprint(data_info: dict[str, Any] | None) -> str | None:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(obj, dict):
-        out: dict[str, Any] = {}
-        for k, v in obj.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    if isinstance(obj, list):
-        out = {}
-        for i, v in enumerate(obj):
-            out.update(_flatten(v, f"{prefix}[{i}]"))
-        return out or {prefix: []}
-    return {prefix: obj}
-
-
 def describe_changes(old: dict[str, Any] | None, new: dict[str, Any] | None, limit: int = 8) -> list[str]:
     """'key: old -> new' for each differing leaf of two nested dicts (data_info), at most `limit` plus a count."""
-    a, b = _flatten(old or {}), _flatten(new or {})
+    a, b = flatten_params(old or {}, lists=True), flatten_params(new or {}, lists=True)
     diffs = [f"{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}" for k in sorted(set(a) | set(b))
              if a.get(k, "(absent)") != b.get(k, "(absent)")]
     return diffs[:limit] + ([f"... and {len(diffs) - limit} more"] if len(diffs) > limit else [])

@@ -40,16 +40,16 @@ class TrackerUnavailable(ConfigError):
     """A tracker is enabled in the config but its package is not installed."""
 
 
-def flatten_params(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested config dict -> {"training.lr": 2e-4, ...} (lists and other leaves kept as they are)."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        if isinstance(v, Mapping):
-            out.update(flatten_params(v, key))
-        else:
-            out[key] = v
-    return out
+def flatten_params(d: Any, prefix: str = "", lists: bool = False) -> dict[str, Any]:
+    """Nested config dict -> {"training.lr": 2e-4, ...}: lists and other leaves kept as they are, or with `lists`
+    each list item under its own key (`a.b[0]`; an empty list stays a leaf)."""
+    if isinstance(d, Mapping):
+        items = [(f"{prefix}.{k}" if prefix else str(k), v) for k, v in d.items()]
+    elif lists and isinstance(d, list) and d:
+        items = [(f"{prefix}[{i}]", v) for i, v in enumerate(d)]
+    else:
+        return {prefix: d}
+    return {key: leaf for k, v in items for key, leaf in flatten_params(v, k, lists).items()}
 
 
 def default_mlflow_uri(folder: str | Path) -> str:
