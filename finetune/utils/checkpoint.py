@@ -145,17 +145,7 @@ def list_checkpoints(folder: str | Path) -> list[tuple[int, Path]]:
 
 def estimate_bytes(state: Any) -> int:
     """Bytes `torch.save(state)` needs, estimated from the tensors' sizes (plus a small fixed overhead)."""
-    total = 0
-    stack = [state]
-    while stack:
-        obj = stack.pop()
-        if isinstance(obj, torch.Tensor):
-            total += obj.numel() * obj.element_size()
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-    return total + _OVERHEAD
+    return sum(t.numel() * t.element_size() for _, t in _tensors(state)) + _OVERHEAD
 
 
 def _human(n: float) -> str:
@@ -447,24 +437,23 @@ class NonFiniteWeightsError(DivergenceError):
     """A state dict about to be written holds NaN/inf; nothing was written."""
 
 
-def _float_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """(dotted name, tensor) of every floating tensor inside nested dicts/lists, in insertion order."""
+def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(dotted name, tensor) of every tensor inside nested dicts/lists, in insertion order."""
     if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point() or obj.is_complex():
-            yield prefix or "<tensor>", obj
+        yield prefix or "<tensor>", obj
     elif isinstance(obj, Mapping):
         for k, v in obj.items():
-            yield from _float_tensors(v, f"{prefix}.{k}" if prefix else str(k))
+            yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            yield from _float_tensors(v, f"{prefix}[{i}]" if prefix else f"[{i}]")
+            yield from _tensors(v, f"{prefix}[{i}]" if prefix else f"[{i}]")
 
 
 def assert_finite_state_dict(state_dict: Any, what: str) -> None:
     """Raise `NonFiniteWeightsError` naming the first tensor of `state_dict` (a model state dict or a whole
     checkpoint: nested dicts/lists are searched) that holds NaN/inf; call it before writing `what` (e.g.
     "checkpoints/step-00000123.pt", named in the message)."""
-    named = list(_float_tensors(state_dict))
+    named = [(name, t) for name, t in _tensors(state_dict) if t.is_floating_point() or t.is_complex()]
     if not named:
         return
     # One 0-d flag per tensor, copied to the CPU in one go per device (not one sync per tensor).
