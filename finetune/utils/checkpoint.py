@@ -10,6 +10,7 @@ leaves the previous checkpoint intact, never half a file.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -208,16 +209,12 @@ def space_error(path: str | Path, needed: int, cause: BaseException | None = Non
 
 
 def _fsync_dir(folder: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # some filesystems do not fsync folders; the rename itself is still atomic
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems do not fsync folders; the rename itself is still atomic
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _save_to(state: Any, tmp: str) -> None:
@@ -259,14 +256,13 @@ def _point_last(path: Path, needed: int) -> Path:
     return last
 
 
-def save(state: Any, folder: str | Path, step: int, *, keep: int = 2, check_finite: bool = True,
-         log: Callable[[str], None] | None = None, write: bool = True) -> Path | None:
+def save(state: Any, folder: str | Path, step: int, *, keep: int = 2, log: Callable[[str], None] | None = None,
+         write: bool = True) -> Path | None:
     """Write `state` (tensors on any device; or an object, e.g. the trainer, whose state_dict() gives them: every
     rank calls it then, as state_dict() may gather, and only `write` (rank 0) writes, the others get None) as
     `<folder>/step-XXXXXXXX.pt` atomically, point `last.pt` at it and return its path; older step files beyond the
-    newest `keep` are deleted once the new one is in place.
-    `check_finite` refuses (NonFiniteWeightsError) a state with NaN/inf tensors; `log` (default: this module's
-    logger) gets the line about deleted later-step files."""
+    newest `keep` are deleted once the new one is in place. A state with NaN/inf tensors is refused
+    (NonFiniteWeightsError); `log` (default: this module's logger) gets the line about deleted later-step files."""
     if keep < 1:
         raise ValueError(f"checkpoint keep must be >= 1, got {keep}")
     if not isinstance(state, dict):  # a stateful object (torchtitan's Stateful protocol: importing it costs seconds)
@@ -276,8 +272,7 @@ def save(state: Any, folder: str | Path, step: int, *, keep: int = 2, check_fini
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step-{int(step):08d}.pt"  # 8 digits, more when the step needs them: names sort by step
-    if check_finite:
-        assert_finite_state_dict(state, str(path))
+    assert_finite_state_dict(state, str(path))
     needed = estimate_bytes(state)
     free = _free_bytes(folder)
     if free is not None and free < needed:
