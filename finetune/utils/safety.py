@@ -36,6 +36,7 @@ import filelock
 import torch
 
 from finetune.utils.checkpoint import DivergenceError
+from finetune.utils.distributed import all_reduce_sum
 from model.errors import EXIT_STOPPED, RefusedError, UserError
 from model.fileio import read_json_object
 
@@ -303,20 +304,14 @@ def _all_finite_flag(values: Sequence[torch.Tensor | float | None]) -> torch.Ten
 
 def check_step(loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None, dist: Any = None,
                stop: bool = False) -> tuple[bool, bool]:
-    """(loss and grad_norm finite on EVERY rank, any rank asked to stop): one all-reduce MAX of two ints per
+    """(loss and grad_norm finite on EVERY rank, any rank asked to stop): one all-reduce sum of two 0/1 ints per
     optimizer step carries both flags (no collective in a single process).
 
     `loss`: a 0-d tensor or float; `grad_norm`: what `clip_grad_norm_` returned, or None; `stop`: this rank's
     `GracefulStop.requested`; `dist`: the run's `DistInfo` (its device holds the flags; nccl needs the GPU)."""
-    import torch.distributed as tdist
-
     bad = _all_finite_flag([loss, grad_norm])
     flags = torch.stack([bad, torch.tensor(1 if stop else 0, dtype=torch.int32, device=bad.device)])  # (2,)
-    if tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
-        device = getattr(dist, "device", None) or bad.device
-        flags = flags.to(device)
-        tdist.all_reduce(flags, op=tdist.ReduceOp.MAX)
-    bad_any, stop_any = flags.tolist()
+    bad_any, stop_any = all_reduce_sum(flags.to(getattr(dist, "device", None) or bad.device)).tolist()
     return not bad_any, bool(stop_any)
 
 
@@ -325,11 +320,10 @@ def _fmt(x: float | None) -> str:
 
 
 def diagnose(history: Sequence[StepStats], amp: bool, step: int, loss: float, grad_norm: float | None = None, *,
-             data_extremes: str | None = None, lr_key: str = "training.lr", amp_key: str = "training.amp",
-             clip_key: str = "training.clip_grad_norm") -> str:
+             data_extremes: str | None = None, lr_key: str = "training.lr") -> str:
     """The most likely reason the optimizer step `step` (1-based) went non-finite, as one sentence starting "most
-    likely a data value", "... the learning rate" or "... bf16" that names the setting to change (`*_key`: the
-    stage's own keys where it overrides them). `history`: the recent FINITE steps, oldest first; `loss` /
+    likely a data value", "... the learning rate" or "... bf16" that names the setting to change (`lr_key`: the
+    stage's own key where it overrides it). `history`: the recent FINITE steps, oldest first; `loss` /
     `grad_norm` (None when not computed) the failing step's; `data_extremes` what the data check flagged (e.g.
     "volume up to 3.1e+38 in a.csv")."""
     if data_extremes:
@@ -339,7 +333,7 @@ def diagnose(history: Sequence[StepStats], amp: bool, step: int, loss: float, gr
     if loss_bad and len(history) < EARLY_STEPS:
         return (f"most likely a data value: the loss was non-finite in the forward pass at step {step}, before "
                 f"{EARLY_STEPS} finite steps (the weights are still the pretrained ones), so an input window holds "
-                "a NaN/inf or extreme value; check the data" + (f" (or turn off bf16 with {amp_key}=none)" if amp
+                "a NaN/inf or extreme value; check the data" + (" (or turn off bf16 with training.amp=none)" if amp
                                                                  else ""))
     recent = list(history)[-20:]
     losses = [h.loss for h in recent]
@@ -364,23 +358,21 @@ def diagnose(history: Sequence[StepStats], amp: bool, step: int, loss: float, gr
         if grad_only:
             evidence.append("the loss was finite but the gradient overflowed")
         return (f"most likely the learning rate: {' and '.join(evidence)} before step {step}; lower {lr_key} "
-                f"(or set {clip_key})")
+                "(or set training.clip_grad_norm)")
     if amp:
         return (f"most likely bf16: the loss was stable (about {_fmt(last)}) and turned non-finite at step {step} "
-                f"with mixed precision on; set {amp_key}=none")
+                f"with mixed precision on; set training.amp=none")
     return (f"most likely a data value: the loss was stable (about {_fmt(last)}) and turned non-finite at once at "
             f"step {step}, which points at one bad batch (a NaN/inf or extreme candle); check the data")
 
 
 class NonFiniteGuard:
     """Per-run state of the guard: remembers the last `window` finite steps and raises `DivergenceError` on a bad
-    one, with `diagnose`'s sentence (`amp`, `data_extremes` and the setting names in `keys` feed it)."""
+    one, with `diagnose`'s sentence (`amp` and `data_extremes` feed it)."""
 
-    def __init__(self, *, amp: bool, dist: Any = None, data_extremes: str | None = None, window: int = 50,
-                 **keys: str):
+    def __init__(self, *, amp: bool, dist: Any = None, data_extremes: str | None = None, window: int = 50):
         self.amp, self.dist, self.data_extremes = amp, dist, data_extremes
         self.history: deque[StepStats] = deque(maxlen=window)
-        self.keys = keys
         self.pending: tuple[int, torch.Tensor, Any, bool] | None = None  # `check_later`'s step, not yet read
 
     def check(self, step: int, loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None,
@@ -424,7 +416,7 @@ class NonFiniteGuard:
         if finite:
             self.history.append(StepStats(step, loss_f, norm_f))
             return
-        text = diagnose(self.history, self.amp, step, loss_f, norm_f, data_extremes=self.data_extremes, **self.keys)
+        text = diagnose(self.history, self.amp, step, loss_f, norm_f, data_extremes=self.data_extremes)
         here_finite = math.isfinite(loss_f) and (norm_f is None or math.isfinite(norm_f))
         local = " on another rank" if here_finite else ""
         cause = text.split(":", 1)[0].removeprefix("most likely ")
