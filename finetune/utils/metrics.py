@@ -233,13 +233,10 @@ def library_versions() -> dict[str, str | None]:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             out[name] = None
-    try:
-        import torch
+    import torch  # a dependency of the engine (imported here only to keep this module's import light)
 
-        out["torch"] = torch.__version__
-        out["cuda"] = torch.version.cuda if torch.cuda.is_available() else None
-    except ImportError:
-        pass
+    out["torch"] = torch.__version__
+    out["cuda"] = torch.version.cuda if torch.cuda.is_available() else None
     return out
 
 
