@@ -56,11 +56,6 @@ class Checkpoint(TypedDict):
     threads: int  # torch's intra-op threads (a resume uses as many: CPU sums depend on it); absent before
 
 
-def last_checkpoint_path(output_dir: str | Path) -> Path:
-    """Where the loop keeps its resumable checkpoint: `<output_dir>/checkpoints/last.pt`."""
-    return Path(output_dir) / "checkpoints" / LAST_NAME
-
-
 def check_format(state: dict) -> None:
     """A `load_latest` validate hook: the dict must be a training checkpoint of this format (ValueError if not)."""
     if state.get("format") != CHECKPOINT_FORMAT:

@@ -305,15 +305,11 @@ class MetricsLogger:
 
     def log_params(self, params: dict[str, Any]) -> None:
         """Send the resolved config to the trackers (the JSON log keeps it in run_info.json instead)."""
-        if not self.enabled:
-            return
         for tracker in self.trackers:
             tracker.log_params(params)
 
     def log_artifacts(self, *paths: str | Path | None) -> None:
         """Attach finished files (loss_curve.png, run_info.json) to the tracker runs; None / missing are skipped."""
-        if not self.enabled:
-            return
         files = [Path(p) for p in paths if p is not None and Path(p).exists()]
         for tracker in self.trackers:
             tracker.log_artifacts(files)

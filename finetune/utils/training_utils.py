@@ -329,7 +329,8 @@ class Trainer:
         self.run_config = run_config if run_config is not None else {"training": config_to_dict(cfg)}
         self.data_info = data_info
         self.frozen_fp = stage.frozen_fingerprint()  # the predictor's tokenizer weights (None for the tokenizer)
-        self.best_dir, self.ckpt_path = self.out / "best_model", checkpoint_store.last_checkpoint_path(self.out)
+        self.best_dir = self.out / "best_model"
+        self.ckpt_path = self.out / "checkpoints" / checkpoint_store.LAST_NAME  # the newest resumable checkpoint
         self.output_key = output_key  # the pipeline's setting naming `out`, quoted when the disk is full
         self.rebuild_changed = rebuild_changed  # a finished run whose inputs changed is retrained, not refused
 
