@@ -18,10 +18,11 @@ from typing import Any, Literal
 from finetune.utils.config_utils import Problems, build_config, parse_date, read_yaml
 from finetune.utils.schema import (
     ModelConfig,
+    PipelineConfig,
     SamplingConfig,
     StageConfig,
-    StagedConfig,
     TrainingConfig,
+    WindowSettings,
     warn_shadowed_overrides,
 )
 from finetune_csv.original_config import translate_original
@@ -54,7 +55,7 @@ class ColumnsConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(WindowSettings):
     """Where the candles come from and how they are cut into windows (finetune_csv/prepare.py applies it).
 
     Each field's docstring gives its policy; the README's Data / Splits / Checks paragraphs tell the whole story.
@@ -186,7 +187,7 @@ class WalkForwardConfig:
 
 
 @dataclass
-class CsvFinetuneConfig(StagedConfig):
+class CsvFinetuneConfig(PipelineConfig):
     """Everything the CSV pipeline needs; one YAML file fills it."""
 
     data: DataConfig = field(default_factory=DataConfig)
