@@ -291,9 +291,8 @@ def check_data_settings(d: Mapping[str, Any], p: Problems) -> None:
 def _check_data(d: DataConfig, p: Problems) -> None:
     p.check(bool(d.path), "data.path", "is empty: set it to a CSV/Parquet file or a folder of them")
     check_data_settings({**vars(d), "columns": vars(d.columns)}, p)
-    for name in ("lookback", "predict", "stride"):
-        p.check(getattr(d, name) >= 1, f"data.{name}", f"must be >= 1 (got {getattr(d, name)})")
-    p.check(d.clip > 0, "data.clip", f"must be > 0 (got {d.clip})")
+    d.check_window(p)
+    p.check(d.stride >= 1, "data.stride", f"must be >= 1 (got {d.stride})")
     p.check(0 < d.train_ratio < 1, "data.train_ratio", f"must be in (0, 1) (got {d.train_ratio})")
     p.check(0 < d.val_ratio < 1, "data.val_ratio",
             f"must be in (0, 1): the validation split selects the best checkpoint (got {d.val_ratio})")

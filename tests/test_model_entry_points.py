@@ -4,6 +4,7 @@ import pytest
 
 import finetune.config as qlib_config
 import finetune_csv.config as csv_config
+from finetune.utils.config_utils import Problems
 from model import KronosPredictor
 from model.config import Window
 from model.errors import DataError, PathError
@@ -36,6 +37,10 @@ def test_both_pipelines_settings_give_the_engine_one_window():
     assert csv.data.window == Window(64, 16, 4.0) and csv.data.window.size == 80
     assert qlib.data.window.size == qlib.data.lookback + qlib.data.predict == 100
     assert Window(64, 16, 4.0).info() == {"max_context": 80, "lookback": 64, "clip": 4.0}  # kronos_predictor.json
+    for data in (csv.data, qlib.data):  # one bar has no spread to normalise by: both pipelines refuse it alike
+        data.lookback, data.clip, problems = 1, 0, Problems()
+        data.check_window(problems)
+        assert [p.split(":")[0] for p in problems.items] == ["data.lookback", "data.clip"]
 
 
 def test_load_pretrained_pair_loads_both_and_names_the_setting_that_failed(tmp_path):

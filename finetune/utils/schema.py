@@ -182,6 +182,13 @@ class WindowSettings:
     def window(self) -> Window:
         return Window(self.lookback, self.predict, self.clip)
 
+    def check_window(self, problems: Problems) -> None:
+        """The window's rules, one set for both pipelines."""
+        problems.check(self.lookback >= 2, "data.lookback",
+                       f"must be >= 2 (a window is normalised by the std of its lookback bars), got {self.lookback}")
+        problems.check(self.predict >= 1, "data.predict", f"must be >= 1, got {self.predict}")
+        problems.check(self.clip > 0, "data.clip", f"must be > 0, got {self.clip}")
+
 
 class PipelineConfig:
     """Base of both pipelines' settings (`QlibConfig`, `CsvFinetuneConfig`): the sections the engine reads. Each
