@@ -26,7 +26,7 @@ from finetune.utils.config_utils import Problems, config_to_dict, plain
 from finetune.utils.distributed import DistInfo, all_gather_object
 from finetune.utils.metrics import flatten_params
 from finetune.utils.safety import StageFolderError
-from finetune.utils.schema import STAGES, TrainingConfig, stage_key
+from finetune.utils.schema import STAGES, stage_key
 from model.errors import ConfigError, DataError, RefusedError
 from model.fileio import read_json_object, write_json
 
@@ -160,14 +160,14 @@ CHANGEABLE_KEYS = ("lr", "pct_start", "div_factor", "final_div_factor", "betas",
                    "lora_dropout")
 
 
-def check_resume_compatible(saved: checkpoint_store.Checkpoint, cfg: TrainingConfig, world_size: int, stage: str,
-                            model_args: dict[str, Any], path: Path, *, run_config: dict[str, Any] | None = None,
-                            finished: bool = False) -> list[str]:
-    """Raise one ConfigError listing every setting that cannot differ from the checkpoint `saved` (loaded from
-    `path`); return 'key: old -> new' for each changeable optimisation setting that did change. `model_args` are
-    this run's, already `plain()`; with the pipeline's resolved `run_config`, a setting its `<stage>_training:`
-    section sets is named by that key (`predictor_training.epochs`), else `training.<name>`. `finished`: `saved`
-    is the final checkpoint of a finished run that a re-run would otherwise skip."""
+def check_resume_compatible(saved: checkpoint_store.Checkpoint, t: Any, path: Path, finished: bool = False
+                            ) -> list[str]:
+    """Raise one ConfigError listing every setting of the Trainer `t` (its cfg, world size, stage, model_args())
+    that cannot differ from the checkpoint `saved` (loaded from `path`); return 'key: old -> new' for each
+    changeable optimisation setting that did change. With the pipeline's resolved `t.run_config`, a setting its
+    `<stage>_training:` section sets is named by that key (`predictor_training.epochs`), else `training.<name>`.
+    `finished`: `saved` is the final checkpoint of a finished run that a re-run would otherwise skip."""
+    cfg, stage, model_args, run_config = t.cfg, t.stage.name, t.model_args(), t.run_config
     title = (f"{path.parent.parent} holds a finished {stage} run made with other settings; nothing was trained"
              if finished else f"Cannot resume from {path}")
     problems = Problems(title)
@@ -183,9 +183,9 @@ def check_resume_compatible(saved: checkpoint_store.Checkpoint, cfg: TrainingCon
         if key in old and old[key] != new_value:
             problems.add(stage_key(run_config, stage, key),
                          f"the checkpoint was made with {old[key]!r}, the config now says {new_value!r}")
-    if saved.get("world_size") != world_size:
+    if saved.get("world_size") != t.dist.world_size:
         problems.add("(torchrun --nproc_per_node)",
-                     f"the checkpoint was made with {saved.get('world_size')} processes, now {world_size}")
+                     f"the checkpoint was made with {saved.get('world_size')} processes, now {t.dist.world_size}")
     if problems:
         problems.add("training.overwrite", "set it to true (--overwrite) to train this stage again from the start "
                                            "with the new settings, or use a new output folder")
@@ -302,8 +302,7 @@ def open_stage(t: Any, rebuild_changed: bool = False) -> RunPlan:
     path, saved = found
     changes = finished_changes(t, saved, path, rebuild_changed) if rebuild_changed or plan.action == "skip" else []
     if not changes and plan.action == "resume":
-        changed = check_resume_compatible(saved, t.cfg, t.dist.world_size, t.stage.name, t.model_args(), path,
-                                          run_config=t.run_config)
+        changed = check_resume_compatible(saved, t, path)
         accepted = check_data(saved, t.data_info, t.frozen_fp, t.cfg.accept_changed_data, path)
         return dataclasses.replace(plan, path=path, saved=saved, changed=tuple(changed), accepted=tuple(accepted))
     if not changes:
@@ -326,28 +325,23 @@ def finished_changes(t: Any, saved: checkpoint_store.Checkpoint, path: Path, reb
     settings a resume may change), data and frozen weights. Without `rebuild_changed` a change refuses the run
     (reused only under training.accept_changed_data, with a warning), so the list is then empty."""
     if not rebuild_changed:  # a finished run made with other epochs / batch / model settings is not "this" run
-        check_resume_compatible(saved, t.cfg, t.dist.world_size, t.stage.name, t.model_args(), path,
-                                run_config=t.run_config, finished=True)
+        check_resume_compatible(saved, t, path, finished=True)
     if t.data_info is None:  # the caller describes no data this time: only the frozen model is compared
         saved = {**saved, "data_fingerprint": None}
     changes = check_data(saved, t.data_info, t.frozen_fp, True, path)
     if rebuild_changed:
         try:
-            changes += check_resume_compatible(saved, t.cfg, t.dist.world_size, t.stage.name, t.model_args(), path,
-                                               run_config=t.run_config)
+            changes += check_resume_compatible(saved, t, path)
         except ConfigError as e:
             changes += [str(p) for p in e.problems[:-1]]  # the last one advises --overwrite
         return changes
-    if changes and t.cfg.accept_changed_data:
-        for text in changes:
-            log.warning("[%s] training.accept_changed_data=true: keeping the finished run although %s",
-                        t.stage.name, text)
-        return []
-    if changes:
+    if changes and not t.cfg.accept_changed_data:
         raise StageFolderError(
             f"[{t.stage.name}] {t.out} holds a finished run, but {'; '.join(changes)}; set "
             "training.overwrite=true (--overwrite) to retrain it on what the run now uses, or "
             "training.accept_changed_data=true to keep it as it is")
+    for text in changes:
+        log.warning("[%s] training.accept_changed_data=true: keeping the finished run although %s", t.stage.name, text)
     return []
 
 
