@@ -93,7 +93,7 @@ def build_config(cls: type[T], raw: Mapping[str, Any], overrides: Iterable[str] 
     value} are applied after the overrides, typed as they are."""
     raw = dict(raw)
     problems = Problems(f"Invalid configuration from {source or '<defaults>'}")
-    for key, value in _parse_overrides(overrides, problems):
+    for key, value in parse_overrides(overrides, problems, keep_text=True):
         set_dotted(raw, key, value, problems)
     for key, value in (values or {}).items():  # typed values from Python (the CSV API): no text round trip
         set_dotted(raw, key, value, problems)
@@ -178,14 +178,10 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _parse_overrides(overrides: Iterable[str], problems: Problems) -> list[tuple[str, _Override]]:
-    """`parse_overrides`, keeping each value's raw text for `str` fields."""
-    return [(key, _Override(item.partition("=")[2].strip(), value)) for item in overrides or ()
-            for key, value in parse_overrides([item], problems)]
-
-
-def parse_overrides(overrides: Iterable[str], problems: Problems | None = None) -> list[tuple[str, Any]]:
-    """Parse `["training.epochs=3", ...]` into `[("training.epochs", 3), ...]` (values as YAML scalars)."""
+def parse_overrides(overrides: Iterable[str], problems: Problems | None = None, keep_text: bool = False
+                    ) -> list[tuple[str, Any]]:
+    """Parse `["training.epochs=3", ...]` into `[("training.epochs", 3), ...]` (values as YAML scalars);
+    `keep_text`: each value an `_Override` that also keeps its raw text, for `str` fields."""
     own = problems is None
     problems = Problems("Invalid --set override") if own else problems
     parsed = []
@@ -201,7 +197,7 @@ def parse_overrides(overrides: Iterable[str], problems: Problems | None = None) 
             value = text  # not YAML: keep the raw string, type checking will complain if a string is wrong here
         if not isinstance(value, str) and _TEMPLATE.search(text):
             value = text  # `{exp_name}/x` is a template, not a YAML flow mapping
-        parsed.append((key, value))
+        parsed.append((key, _Override(text.strip(), value) if keep_text else value))
     if own:
         problems.raise_if_any()
     return parsed
