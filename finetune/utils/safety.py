@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -202,14 +202,13 @@ def _write_line(text: str) -> None:
 
 
 class GracefulStop:
-    """Context manager installing the two-stage handlers of `signals` (main thread only); `enabled=False` makes it a
-    no-op (e.g. for library use inside another program's loop). Entered while another one is active, it gives back
-    that one: a run's stages share the run's stop request, which outlives each stage's loop."""
+    """Context manager installing the two-stage handlers of SIGTERM and SIGINT (main thread only); `enabled=False`
+    makes it a no-op (e.g. for library use inside another program's loop). Entered while another one is active, it
+    gives back that one: a run's stages share the run's stop request, which outlives each stage's loop."""
 
     active: GracefulStop | None = None  # the outermost entered instance (its handlers are installed), None outside any
 
-    def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT), *, enabled: bool = True):
-        self.signals = tuple(signals)
+    def __init__(self, *, enabled: bool = True):
         self.enabled = enabled
         self.signal_name: str | None = None
         """Name of the first signal received ('SIGTERM' / 'SIGINT'), None while none arrived."""
@@ -239,7 +238,7 @@ class GracefulStop:
             return self  # signal.signal only works in the main thread; nothing to install elsewhere
         if GracefulStop.active is not None:
             return GracefulStop.active
-        for sig in self.signals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
         GracefulStop.active = self
         return self

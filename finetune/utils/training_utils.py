@@ -154,10 +154,8 @@ def predictor_loss(model: nn.Module, tokenizer: nn.Module, x: torch.Tensor, x_st
         s1, s2 = tokenizer.encode(x, half=True)  # (B, T) int64 each
     s1_in, s2_in, stamp_in = s1[:, :-1], s2[:, :-1], x_stamp[:, :-1]  # (B, T-1)
     s1_target, s2_target = s1[:, 1:], s2[:, 1:]  # (B, T-1)
-    kwargs = {"use_teacher_forcing": teacher_forcing, "s1_targets": s1_target}
-    if causal_dep is not None:
-        kwargs["causal_dep"] = causal_dep
-    s1_logits, s2_logits = model(s1_in, s2_in, stamp_in, **kwargs)  # (B, T-1, 2^s1_bits), (B, T-1, 2^s2_bits)
+    s1_logits, s2_logits = model(s1_in, s2_in, stamp_in, use_teacher_forcing=teacher_forcing, s1_targets=s1_target,
+                                 causal_dep=causal_dep)  # (B, T-1, 2^s1_bits), (B, T-1, 2^s2_bits)
     if head is None:
         head = getattr(model, "module", model).head
     loss, s1_loss, s2_loss = head.compute_loss(s1_logits.float(), s2_logits.float(), s1_target, s2_target)
