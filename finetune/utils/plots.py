@@ -98,7 +98,9 @@ def loss_curve_figure(records: Iterable[dict[str, Any]], title: str = "", best_e
     if train:
         steps, losses = zip(*train)
         ax.plot(steps, losses, color="C0", alpha=0.3, linewidth=0.8, label="train loss (raw)")
-        ax.plot(steps, _ema(losses, smoothing), color="C0", linewidth=1.5, label="train loss (smoothed)")
+        # pandas' adjust=True weighting is TensorBoard's debiased EMA (the first points are not pulled toward 0)
+        ema = pd.Series(losses).ewm(alpha=1 - smoothing).mean()
+        ax.plot(steps, ema, color="C0", linewidth=1.5, label="train loss (smoothed)")
     if val:
         ax.plot(*zip(*val), "o-", color="C1", linewidth=1.5, label="validation loss (per epoch)")
     best = best_val_record(records, best_epoch)
@@ -150,16 +152,6 @@ def plot_loss_curves(records: Iterable[dict[str, Any]], png_path: str | Path, ti
     fig = loss_curve_figure(records, title=title, best_epoch=best_epoch)
     Path(png_path).parent.mkdir(parents=True, exist_ok=True)
     return atomic_write(png_path, lambda p: fig.savefig(p, format="png"))
-
-
-def _ema(values: Iterable[float], weight: float) -> list[float]:
-    """Debiased exponential moving average (the first points are not pulled toward 0)."""
-    out, avg, norm = [], 0.0, 0.0
-    for v in values:
-        avg = weight * avg + (1 - weight) * v
-        norm = weight * norm + (1 - weight)
-        out.append(avg / norm if norm > 0 else v)
-    return out
 
 
 def _finite(v: Any) -> bool:
