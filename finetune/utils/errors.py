@@ -10,6 +10,7 @@ escaping `main` is a bug, however it was raised."""
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.util
 import logging
 import os
@@ -140,22 +141,14 @@ _DATEFMT = "%H:%M:%S"
 _FILE_DATEFMT = "%Y-%m-%d %H:%M:%S"  # a train.log spans runs on different days
 
 
-class RankFilter(logging.Filter):
-    """Pass every record on rank 0; only WARNING and above on the other ranks (prefixed with the rank)."""
-
-    def __init__(self, rank: int):
-        super().__init__()
-        self.rank = rank
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if self.rank == 0:
-            return True
-        if record.levelno < logging.WARNING:
-            return False
-        if not getattr(record, "_rank_tagged", False):
-            record.msg = f"[rank {self.rank}] {record.msg}"
-            record._rank_tagged = True
-        return True
+def _other_rank_filter(rank: int, record: logging.LogRecord) -> bool:
+    """The log filter of a rank other than 0: only WARNING and above pass, prefixed with the rank."""
+    if record.levelno < logging.WARNING:
+        return False
+    if not getattr(record, "_rank_tagged", False):
+        record.msg = f"[rank {rank}] {record.msg}"
+        record._rank_tagged = True
+    return True
 
 
 def setup_logging(rank: int | None = None, log_file: str | Path | None = None, level: int = logging.INFO) -> None:
@@ -173,7 +166,8 @@ def setup_logging(rank: int | None = None, log_file: str | Path | None = None, l
         handlers.append(logging.FileHandler(log_file, encoding="utf-8"))
     for handler in handlers:
         handler.setFormatter(logging.Formatter(_FORMAT, datefmt=_DATEFMT))
-        handler.addFilter(RankFilter(rank))
+        if rank != 0:  # rank 0 shows every record
+            handler.addFilter(functools.partial(_other_rank_filter, rank))
         handler._kronos_setup = True  # marks the handlers a later call may replace
         root.addHandler(handler)
     root.setLevel(level)

@@ -41,9 +41,10 @@ RUN_OUTPUTS = ("checkpoints", "best_model", "metrics.jsonl", "loss_curve.png", "
 Status = Literal["empty", "unfinished", "finished"]
 
 
-def _read_run_info(folder: Path) -> dict[str, Any]:
+def _read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`; {} when it is missing or unreadable."""
     try:
-        return read_json_object(folder / "run_info.json")
+        return read_json_object(path)
     except (OSError, ValueError):
         return {}
 
@@ -59,7 +60,7 @@ def stage_status(folder: str | Path) -> Status:
     folder = Path(folder)
     if not folder.is_dir():
         return "empty"
-    info = _read_run_info(folder)
+    info = _read_json(folder / "run_info.json")
     if (info.get("result") or {}).get("finished") is True and _has_checkpoint(folder):
         return "finished"
     if _has_checkpoint(folder) or any((folder / name).exists() for name in RUN_OUTPUTS):
@@ -406,10 +407,7 @@ def check_record(path: Path, inputs: Mapping[str, Any]) -> Literal["reuse", "reb
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
     except OSError:
         return "rebuild"  # not there yet
-    try:
-        record = read_json_object(path.with_name(path.name + ".record.json"))
-    except (OSError, ValueError):
-        record = {}
+    record = _read_json(path.with_name(path.name + ".record.json"))
     changed = describe_changes(record.get("inputs"), plain(dict(inputs)))
     why = ("it has no record of what made it (an older version wrote it)" if not record else
            "its bytes are not the ones recorded (damaged or edited)" if record.get("sha256") != digest else
@@ -463,7 +461,7 @@ def other_data_key(stage_dir: Path, files: Sequence[dict]) -> str | None:
     """Is a forecast's data (`files`: fingerprints with "path" and "sha256") the data the run in `stage_dir` was
     trained on? None when it is (or the run recorded none), else a short key of this other data: its outputs then
     go beside the run's, never over them (the log says so)."""
-    recorded = (_read_run_info(Path(stage_dir)).get("data") or {}).get("files")
+    recorded = (_read_json(Path(stage_dir) / "run_info.json").get("data") or {}).get("files")
     ours = sorted((f["path"], f["sha256"]) for f in files)
     if not recorded or sorted((f["path"], f["sha256"]) for f in recorded) == ours:
         return None
