@@ -78,7 +78,6 @@ class DistInfo:
     world_size: int  # Number of processes in the job (1 without torchrun).
     local_rank: int  # Rank on this machine; picks the GPU (cuda:local_rank).
     device: torch.device  # Device this process trains on.
-    backend: str | None = None  # Process-group backend ('nccl' / 'gloo'), None when no group was created.
 
     @property
     def is_main(self) -> bool:
@@ -133,7 +132,7 @@ def distributed_context(timeout_s: float = 1800.0, backend: str | None = None) -
     cuda = torch.cuda.is_available()
     if not launched_by_torchrun():
         device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-        yield DistInfo(rank=0, world_size=1, local_rank=0, device=device, backend=None)
+        yield DistInfo(rank=0, world_size=1, local_rank=0, device=device)
         return
 
     rank = int(os.environ["RANK"])
@@ -154,7 +153,7 @@ def distributed_context(timeout_s: float = 1800.0, backend: str | None = None) -
                                  store=attempt_store(rank, world_size, timeout_s))
         barrier()  # every rank is here at once: connects nccl too, so the deadline covers the whole setup
     try:
-        yield DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=chosen)
+        yield DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
     finally:
         if tdist.is_initialized():
             tdist.destroy_process_group()

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from model.errors import DataError
-from model.fileio import disk_full
+from model.fileio import disk_full, write_json
 
 N_STAMP_COLUMNS = 5  # minute, hour, weekday, day of month, month
 FORMAT = "kronos-series-store"
@@ -270,9 +270,7 @@ class StoreWriter:
             manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "n_rows": int(sum(self.lengths)),
                         "n_series": len(self.names), "features": list(features),
                         "checksums": {f: sha256_file(self.path / f) for f in ARRAY_FILES}, **extra}
-            tmp = self.path / f".{MANIFEST}.tmp"
-            tmp.write_text(json.dumps(manifest, indent=2, allow_nan=False), encoding="utf-8")
-            os.replace(tmp, self.path / MANIFEST)
+            write_json(self.path / MANIFEST, manifest)  # atomically: a folder with a manifest is a complete store
         return manifest
 
     def close(self) -> None:
