@@ -218,12 +218,13 @@ def _save_to(state: Any, tmp: str) -> None:
         torch.save(state, f)
 
 
-def _write_file(state: Any, path: Path, needed: int) -> None:
-    """torch.save through the project's one atomic writer (temporary file, fsync, rename; nothing left behind on
-    failure); a full disk becomes CheckpointWriteError with the bytes this checkpoint needs."""
+@contextlib.contextmanager
+def full_disk_named(path: Path, needed: int) -> Iterator[None]:
+    """A full disk (or file-size limit) in the block becomes the CheckpointWriteError of writing `needed` bytes
+    to `path`."""
     try:
-        atomic_write(path, lambda tmp: _save_to(state, tmp))
-    except BaseException as e:
+        yield
+    except BaseException as e:  # OSError, or safetensors' SafetensorError (not an OSError) on a full disk
         if is_space_error(e):
             raise space_error(path, needed, e) from e
         raise
@@ -233,21 +234,20 @@ def _point_last(path: Path, needed: int) -> Path:
     """Make `last.pt` the newest checkpoint: a hard link to `path` (atomic via a temporary link), else a copy."""
     last = path.parent / LAST_NAME
     tmp = path.parent / f".{LAST_NAME}.{secrets.token_hex(4)}.tmp"
-    try:
+    with full_disk_named(last, needed):
         try:
-            os.link(path, tmp)
-        except OSError as e:
-            if is_space_error(e):
-                raise
-            shutil.copyfile(path, tmp)  # no hard links here (some network/FUSE filesystems)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-        os.replace(tmp, last)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if is_space_error(e):
-            raise space_error(last, needed, e) from e
-        raise
+            try:
+                os.link(path, tmp)
+            except OSError as e:
+                if is_space_error(e):
+                    raise
+                shutil.copyfile(path, tmp)  # no hard links here (some network/FUSE filesystems)
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+            os.replace(tmp, last)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
     return last
 
 
@@ -272,7 +272,8 @@ def save(state: Any, folder: str | Path, step: int, *, keep: int = 2, log: Calla
     free = _free_bytes(folder)
     if free is not None and free < needed:
         raise space_error(path, needed, None)
-    _write_file(state, path, needed)
+    with full_disk_named(path, needed):  # torch.save through the project's one atomic writer
+        atomic_write(path, lambda tmp: _save_to(state, tmp))
     _fsync_dir(folder)
     _point_last(path, needed)
     _fsync_dir(folder)

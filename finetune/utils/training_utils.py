@@ -649,16 +649,13 @@ class Trainer:
     def save_best(self, epoch: int, val_loss: float) -> None:
         """best_model/ in the published format plus its run_info.json (rank 0); never non-finite weights, and a
         full disk is reported with the folder, free space and bytes needed."""
-        checkpoint_store.assert_finite_state_dict(self.model.state_dict(), str(self.best_dir))
-        try:
+        state = self.model.state_dict()
+        checkpoint_store.assert_finite_state_dict(state, str(self.best_dir))
+        needed = checkpoint_store.estimate_bytes(state)
+        with checkpoint_store.full_disk_named(self.best_dir / "model.safetensors", needed):
             self.stage.save_best(self.best_dir)
             write_run_info(self.best_dir, self.run_config, self.data_info,
                            {**self.run_extra, "epoch": epoch, "val_loss": val_loss})
-        except Exception as e:  # OSError, or safetensors' SafetensorError (not an OSError) on a full disk
-            if checkpoint_store.is_space_error(e):
-                needed = checkpoint_store.estimate_bytes(self.model.state_dict())
-                raise checkpoint_store.space_error(self.best_dir / "model.safetensors", needed, e) from e
-            raise
 
     def save_last(self, mid_epoch: bool = False) -> None:
         """Write checkpoints/last.pt (rank 0; every rank's RNG state included), then wait for all ranks.
