@@ -145,8 +145,7 @@ class GrowingNpy:
         return self.path
 
     def close(self) -> None:
-        if not self._f.closed:
-            self._f.close()
+        self._f.close()  # a no-op once closed
 
 
 class FeatureMajorWriter:
@@ -170,8 +169,7 @@ class FeatureMajorWriter:
 
     def finish(self) -> Path:
         """Concatenate the per-feature parts behind the header into features_t.npy; remove the parts."""
-        for f in self._files:
-            f.close()
+        self.close()
         with open(self.path, "wb") as out:
             out.write(npy_header(np.float32, (self.n_features, self.rows)))
             for part in self._parts:
@@ -182,8 +180,7 @@ class FeatureMajorWriter:
 
     def close(self) -> None:
         for f in self._files:
-            if not f.closed:
-                f.close()
+            f.close()  # a no-op once closed
 
 
 # The prepared store: one writer, one reader
