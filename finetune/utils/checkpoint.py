@@ -145,11 +145,11 @@ def estimate_bytes(state: Any) -> int:
 
 
 def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n} B"  # unreachable
+    return f"{n:.1f} TiB"
 
 
 def _free_bytes(folder: Path) -> int | None:

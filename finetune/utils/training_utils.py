@@ -288,12 +288,6 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, scheduler: Any, saved: d
 log = logging.getLogger(__name__)
 
 
-def train_sampler(dataset: Dataset, cfg: TrainingConfig, dist: DistInfo) -> EpochSampler:
-    """Shuffled per (seed, epoch), capped at max_train_samples, equal share per rank (the remainder dropped)."""
-    return EpochSampler(len(dataset), shuffle=True, seed=cfg.seed, max_samples=cfg.max_train_samples,
-                        rank=dist.rank, world_size=dist.world_size, drop_remainder=True)
-
-
 class Trainer:
     """One training run of one stage. Build it, call `fit()` once.
 
@@ -332,8 +326,11 @@ class Trainer:
         self.output_key = output_key  # the pipeline's setting naming `out`, quoted when the disk is full
         self.rebuild_changed = rebuild_changed  # a finished run whose inputs changed is retrained, not refused
 
-        # Data: the samplers fix the order from (seed, epoch); the loaders are rebuilt every epoch.
-        self.train_sampler = train_sampler(train_set, cfg, dist)
+        # Data: the samplers fix the order from (seed, epoch); the loaders are rebuilt every epoch. Training windows
+        # are shuffled, capped at max_train_samples, an equal share per rank (the remainder dropped).
+        self.train_sampler = EpochSampler(len(train_set), shuffle=True, seed=cfg.seed,
+                                          max_samples=cfg.max_train_samples, rank=dist.rank,
+                                          world_size=dist.world_size, drop_remainder=True)
         samples_per_rank = self.train_sampler.samples_per_rank()
         if samples_per_rank < 1:
             raise DataError(f"{stage.name}: {len(train_set)} training windows cannot be split over "
