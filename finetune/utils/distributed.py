@@ -203,11 +203,8 @@ def _active() -> bool:
 
 def barrier() -> None:
     """Wait for every rank (no-op in a single process); used before ranks read what rank 0 wrote."""
-    if _active() and tdist.get_world_size() > 1:
-        if tdist.get_backend() == "nccl":
-            tdist.barrier(device_ids=[torch.cuda.current_device()])
-        else:
-            tdist.barrier()
+    if _active() and tdist.get_world_size() > 1:  # nccl: on this rank's GPU
+        tdist.barrier(device_ids=[torch.cuda.current_device()] if tdist.get_backend() == "nccl" else None)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

@@ -291,12 +291,10 @@ def _all_finite_flag(values: Sequence[torch.Tensor | float | None]) -> torch.Ten
     """0-d int32 tensor: 1 when some value is non-finite, else 0 (stays on the values' device: no sync here)."""
     device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
     bad = torch.zeros((), dtype=torch.int32, device=device)
-    for v in values:
-        if v is None:
-            continue
+    for v in values:  # None: not computed
         if isinstance(v, torch.Tensor):
             bad = bad | (~torch.isfinite(v.detach())).any().to(device=device, dtype=torch.int32)
-        elif not math.isfinite(float(v)):
+        elif v is not None and not math.isfinite(float(v)):
             bad = bad | 1
     return bad
 
