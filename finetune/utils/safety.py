@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -154,10 +155,8 @@ class RunLock:
         finally:
             self._lock.release()
         if self._created_folder:
-            try:
+            with contextlib.suppress(OSError):
                 self.folder.rmdir()  # only succeeds if the run wrote nothing: leave no empty folder behind
-            except OSError:
-                pass
 
     def __enter__(self) -> RunLock:
         return self.acquire()
@@ -195,10 +194,8 @@ class TrainingStopped(UserError):
 
 
 def _write_line(text: str) -> None:
-    try:
+    with contextlib.suppress(OSError):  # stderr closed: nothing useful to do in a signal handler
         os.write(2, (text.rstrip("\n") + "\n").encode())
-    except OSError:  # stderr closed: nothing useful to do in a signal handler
-        pass
 
 
 class GracefulStop:
