@@ -16,7 +16,6 @@ from finetune.utils.store import SeriesPanel, StoreError
 from finetune.utils.windows import PanelSegments, WindowDataset
 from finetune_csv.config import DataConfig
 from model.config import Window
-from model.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -30,23 +29,13 @@ def split_bounds(n_rows: int, train_ratio: float, val_ratio: float) -> tuple[int
 
 def split_panel(panel: SeriesPanel, train_ratio: float, val_ratio: float, test_ratio: float,
                 window: Window) -> dict[str, PanelSegments]:
-    """Cut every series by time into train / val / (test when test_ratio > 0) index ranges; DataError naming each
-    series too short for one window per split (train needs lookback + predict rows, val and test predict rows)."""
-    lookback, predict = window.lookback, window.predict
+    """Cut every series by time into train / val / (test when test_ratio > 0) index ranges. The lengths are the
+    caller's to check first (`too_short_problems`: train needs lookback + predict rows, val and test predict rows)."""
+    lookback = window.lookback
     lengths = panel.lengths()
     offsets = np.asarray(panel.offsets, dtype=np.int64)
     bounds = np.array([split_bounds(int(n), train_ratio, val_ratio) for n in lengths], dtype=np.int64).reshape(-1, 2)
     train_end, val_end = bounds[:, 0], bounds[:, 1]
-    short = (train_end < window.size) | (val_end - train_end < predict)
-    if test_ratio > 0:
-        short |= lengths - val_end < predict
-    if short.any():
-        listed = [f"{panel.names[i]}: {int(lengths[i])} rows" for i in np.flatnonzero(short)[:10]]
-        more = f" (+{int(short.sum()) - 10} more)" if short.sum() > 10 else ""
-        raise DataError(f"{int(short.sum())} series too short for one window per split with data.lookback="
-                        f"{lookback}, data.predict={predict} and ratios {train_ratio}/{val_ratio}/{test_ratio}: "
-                        f"{', '.join(listed)}{more}; lower data.lookback / data.predict, change the ratios, or "
-                        "remove these series")
     first = offsets[:-1]
     out = {"train": PanelSegments(panel, first, first, first + train_end),
            "val": PanelSegments(panel, first + train_end - lookback, first + train_end, first + val_end)}
