@@ -347,10 +347,7 @@ class EpochSampler(Sampler[int]):
 
     def samples_per_rank(self) -> int:
         """Windows this rank reads in a full epoch (equal on all ranks when drop_remainder=True)."""
-        m = self.num_samples if self.max_samples is None else min(self.max_samples, self.num_samples)
-        if self.drop_remainder:
-            return m // self.world_size
-        return len(range(self.rank, m, self.world_size))
+        return len(range(self.rank, self.order().total, self.world_size))  # total: m, or m - m % W when dropping
 
     def __iter__(self) -> Iterator[int]:
         # Python ints a chunk at a time: a list of this rank's whole share would cost ~36 bytes a window
@@ -384,24 +381,18 @@ def seed_worker(worker_id: int) -> None:
 
 
 def make_loader(dataset: Dataset, sampler: EpochSampler, batch_size: int, *, epoch: int, seed: int,
-                skip_batches: int = 0, num_workers: int = 0, pin_memory: bool = False,
-                prefetch_factor: int | None = None) -> DataLoader:
+                skip_batches: int = 0, num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
     """The DataLoader for one epoch: `sampler.set_epoch(epoch, skip_batches * batch_size)`, batches of
     `batch_size` (last one may be smaller), every worker seeded reproducibly from (seed, epoch, rank, worker id)."""
     sampler.set_epoch(epoch, skip=skip_batches * batch_size)
-    kwargs = {}
-    if num_workers > 0:
-        kwargs["worker_init_fn"] = seed_worker
-        if prefetch_factor is not None:
-            kwargs["prefetch_factor"] = prefetch_factor
     # The loader hands the dataset whole index lists (batch_size=None + a BatchSampler): WindowDataset gathers a
     # batch with one vectorised fancy-index instead of B item fetches that collate would then stack again.
     batches = BatchSampler(sampler, batch_size, drop_last=False)
+    common = dict(num_workers=num_workers, pin_memory=pin_memory, generator=epoch_generator(seed, epoch, sampler.rank),
+                  worker_init_fn=seed_worker if num_workers > 0 else None)
     if not hasattr(dataset, "get_batch"):  # any other map-style dataset: item fetches + default collation
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                          pin_memory=pin_memory, generator=epoch_generator(seed, epoch, sampler.rank), **kwargs)
-    return DataLoader(dataset, batch_size=None, sampler=batches, num_workers=num_workers, pin_memory=pin_memory,
-                      generator=epoch_generator(seed, epoch, sampler.rank), **kwargs)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **common)
+    return DataLoader(dataset, batch_size=None, sampler=batches, **common)
 
 
 def batches_per_epoch(samples: int, batch_size: int) -> int:
