@@ -434,11 +434,7 @@ def clean_series(ts: np.ndarray, values: np.ndarray, lines: np.ndarray, present:
                                        "forward-filled (data.nan_policy: ffill); fix or drop that row")])
             notes.append(f"{where}: forward-filling {int(nan.sum())} missing value(s) (data.nan_policy: ffill)")
             values = values.copy()
-            idx = np.arange(len(ts))
-            for j, c in enumerate(cols):
-                if nan[:, j].any():
-                    last = np.maximum.accumulate(np.where(nan[:, j], 0, idx))  # last valid row at or before each
-                    values[:, c] = values[last, c]
+            values[:, cols] = pd.DataFrame(values[:, cols]).ffill().to_numpy()  # row 0 has no NaN (checked above)
         else:
             rows = nan.any(axis=1)
             notes.append(f"{where}: dropping {int(rows.sum())} row(s) with missing values (data.nan_policy: drop)")
