@@ -17,12 +17,11 @@ import pandas as pd
 
 from finetune.evaluation.forecast_scores import (
     ScoreSettings,
-    crps_ensemble,
     infer_season,
     interval_coverage,
     score_forecasts,
 )
-from finetune.evaluation.held_out import HeldOutWindows, held_out_windows, sample_paths
+from finetune.evaluation.held_out import HeldOutWindows, held_out_windows, sample_paths, window_crps_mae
 from finetune.evaluation.statistics import session_test
 from finetune.utils.checkpoint import prepare_folder
 from finetune.utils.cli_args import add_config_args, parse_config_args
@@ -212,21 +211,13 @@ def _season(cfg: CsvFinetuneConfig, panel) -> dict[str, int] | None:
     return seasons
 
 
-def _window_crps(paths: np.ndarray, windows: HeldOutWindows) -> tuple[np.ndarray, np.ndarray]:
-    """Per-window mean CRPS and MAE of the median (W,) of the close, in returns from the last context close."""
-    last = windows.context[:, -1, CLOSE]  # (W,)
-    obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, H)
-    ens = np.moveaxis(paths[..., CLOSE] / last[:, None, None] - 1.0, 1, -1)  # (W, H, S)
-    return crps_ensemble(obs, ens).mean(axis=1), np.abs(np.median(ens, axis=-1) - obs).mean(axis=1)
-
-
 def paired_difference(candidate: np.ndarray, zero_shot: np.ndarray, windows: HeldOutWindows,
                       settings: ScoreSettings) -> dict:
     """Candidate (finetuned, ensemble) - zero-shot CRPS and MAE per window (same windows), each with the HAC-t interval
     of `session_test` (windows of all series on one date or trading session are one observation; too few
     independent blocks: no interval); < 0 = candidate better. `candidate`, `zero_shot`: sample paths (W, S, P, 6)."""
-    crps_f, mae_f = _window_crps(candidate, windows)
-    crps_z, mae_z = _window_crps(zero_shot, windows)
+    crps_f, mae_f = window_crps_mae(candidate, windows)
+    crps_z, mae_z = window_crps_mae(zero_shot, windows)
     out = {"crps": crps_f.mean() - crps_z.mean(), "mae": mae_f.mean() - mae_z.mean(),
            "windows_finetuned_better_crps": float((crps_f < crps_z).mean())}
     test = lambda d, what: session_test(d, pd.to_datetime(windows.dates()), settings.min_block - 1, what=what)

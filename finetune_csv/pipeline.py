@@ -10,13 +10,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 import torch
 
 import model.predictor as forecaster
-from finetune.evaluation.forecast_scores import crps_ensemble
-from finetune.evaluation.held_out import HeldOutWindows, held_out_windows, sample_paths, spread_evenly
+from finetune.evaluation.held_out import HeldOutWindows, held_out_windows, sample_paths, spread_evenly, window_crps_mae
 from finetune.utils.distributed import DistInfo, barrier
 from finetune.utils.ledger import stage_status
 from finetune.utils.safety import raise_if_stop_requested
@@ -160,8 +158,6 @@ def make_crps_val_metric(cfg: CsvFinetuneConfig, val_windows: HeldOutWindows, to
                         "data.val_ratio, or select checkpoints by loss (training.select_by: loss)")
     windows = val_windows.subset(spread_evenly(len(val_windows), max_windows))
     x_stamps, y_stamps = windows.stamps()  # (W, L, 5), (W, P, 5)
-    last = windows.context[:, -1, CLOSE]  # (W,)
-    obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, P)
     f = cfg.forecast
 
     def metric(model: torch.nn.Module, stage: object) -> dict | None:
@@ -178,9 +174,7 @@ def make_crps_val_metric(cfg: CsvFinetuneConfig, val_windows: HeldOutWindows, to
                                      f.batch_size, interruptible=False)  # (W, S, P, 6), seeded with forecast.seed
         finally:
             module.train(was_training)
-        ens = np.moveaxis(paths[..., CLOSE] / last[:, None, None] - 1.0, 1, -1)  # (W, P, S)
-        crps = float(crps_ensemble(obs, ens).mean())
-        mae = float(np.abs(np.median(ens, axis=-1) - obs).mean())
-        return {"score": crps, "crps": crps, "mae": mae, "windows": len(windows), "samples": int(ens.shape[-1])}
+        crps, mae = (float(v.mean()) for v in window_crps_mae(paths, windows))  # every window has P horizons
+        return {"score": crps, "crps": crps, "mae": mae, "windows": len(windows), "samples": int(paths.shape[1])}
 
     return metric

@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from finetune.evaluation.forecast_scores import crps_ensemble
 from finetune.utils.safety import raise_if_stop_requested
 from finetune.utils.windows import PanelSegments
 from model.config import Window
@@ -116,3 +117,12 @@ def sample_paths(predictor: Any, context: np.ndarray, x_stamps: np.ndarray, y_st
                                               sample_count=sampling.sample_count)  # (B, S, P, 6) price units
         out.append(samples)
     return np.concatenate(out).astype(np.float64) if out else np.zeros((0, sampling.sample_count, predict, 6))
+
+
+def window_crps_mae(paths: np.ndarray, windows: HeldOutWindows) -> tuple[np.ndarray, np.ndarray]:
+    """Per-window mean CRPS and MAE of the sample median (W,) of the close, in returns from the last context close;
+    `paths`: the windows' sampled candles (W, S, P, 6)."""
+    last = windows.context[:, -1, CLOSE]  # (W,)
+    obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, P)
+    ens = np.moveaxis(paths[..., CLOSE] / last[:, None, None] - 1.0, 1, -1)  # (W, P, S)
+    return crps_ensemble(obs, ens).mean(axis=1), np.abs(np.median(ens, axis=-1) - obs).mean(axis=1)
