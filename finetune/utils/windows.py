@@ -73,10 +73,10 @@ class EpochOrder:
             yield self._exact()[: self.total]
             return
         if not self.shuffle:  # a capped, sorted subset: materialise the m chosen windows (m is the cap)
-            chosen = np.concatenate(list(self._blocked(self.m)))
+            chosen = np.concatenate([make() for _, make in self._blocked_lazy(self.m)])
             yield np.sort(chosen)[: self.total]
             return
-        yield from self._blocked(self.total)
+        yield from (make() for _, make in self._blocked_lazy(self.total))
 
     def rank_chunks(self, rank: int, skip: int = 0) -> Iterator[np.ndarray]:
         """Rank `rank`'s windows (positions rank, rank + W, ... of the order), after skipping its first `skip`."""
@@ -120,10 +120,6 @@ class EpochOrder:
                 return members[:take]
 
             yield take, make
-
-    def _blocked(self, limit: int) -> Iterator[np.ndarray]:
-        for _, make in self._blocked_lazy(limit):
-            yield make()
 
 
 _NS_PER_DAY = 86_400_000_000_000
@@ -339,11 +335,11 @@ class EpochSampler(Sampler[int]):
     def epoch_indices(self, epoch: int | None = None) -> np.ndarray:
         """The windows chosen for `epoch` (all ranks), in the order they are dealt out (materialised: for tests
         and small data; iterating the sampler streams the order instead)."""
-        return _joined(self.order(epoch).chunks())
+        return np.concatenate(list(self.order(epoch).chunks()) or [np.zeros(0, dtype=np.int64)])
 
     def rank_indices(self, epoch: int | None = None) -> np.ndarray:
         """This rank's windows for `epoch`, before skipping (materialised, see `epoch_indices`)."""
-        return _joined(self.order(epoch).rank_chunks(self.rank))
+        return np.concatenate(list(self.order(epoch).rank_chunks(self.rank)) or [np.zeros(0, dtype=np.int64)])
 
     def samples_per_rank(self) -> int:
         """Windows this rank reads in a full epoch (equal on all ranks when drop_remainder=True)."""
@@ -358,11 +354,6 @@ class EpochSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return max(0, self.samples_per_rank() - self.skip)
-
-
-def _joined(chunks) -> np.ndarray:
-    parts = list(chunks)
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def epoch_generator(seed: int, epoch: int, rank: int = 0) -> torch.Generator:
