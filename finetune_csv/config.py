@@ -321,14 +321,11 @@ def _check_paths(paths: PathsConfig, p: Problems) -> None:
 
 def _check_forecast(f: ForecastConfig, p: Problems) -> None:
     f.check(p, "forecast")
-    p.check(f.window_stride is None or f.window_stride >= 1, "forecast.window_stride",
-            f"must be >= 1 or null (= data.predict) (got {f.window_stride})")
-    p.check(f.max_windows is None or f.max_windows >= 1, "forecast.max_windows",
-            f"must be >= 1 or null (= every window) (got {f.max_windows})")
-    p.check(f.season is None or f.season >= 1, "forecast.season", f"must be >= 1 or null (got {f.season})")
+    for name, null in (("window_stride", " (= data.predict)"), ("max_windows", " (= every window)"), ("season", ""),
+                       ("bootstrap_block", "")):
+        value = getattr(f, name)
+        p.check(value is None or value >= 1, f"forecast.{name}", f"must be >= 1 or null{null} (got {value})")
     p.check(f.bootstrap_samples >= 0, "forecast.bootstrap_samples", f"must be >= 0 (got {f.bootstrap_samples})")
-    p.check(f.bootstrap_block is None or f.bootstrap_block >= 1, "forecast.bootstrap_block",
-            f"must be >= 1 or null (got {f.bootstrap_block})")
     p.check(f.empirical_window >= 2, "forecast.empirical_window", f"must be >= 2 (got {f.empirical_window})")
     p.check(0 <= f.ensemble_weight <= 1, "forecast.ensemble_weight", f"must be in [0, 1] (got {f.ensemble_weight})")
     p.check(f.batch_size >= 1, "forecast.batch_size", f"must be >= 1 (got {f.batch_size})")

@@ -214,15 +214,12 @@ class PipelineConfig:
         choices = " or ".join(f"'{name}' ({meaning})" for name, meaning in select_by.items())
         problems.check(self.training.select_by in select_by, "training.select_by",
                        f"must be {choices}, got {self.training.select_by!r}")
+        rules = (("epochs", lambda v: v >= min_epochs, f">= {min_epochs}"), ("lr", lambda v: v > 0, "> 0"),
+                 ("batch_size", lambda v: v >= 1, ">= 1"), ("clip_grad_norm", lambda v: v >= 0, ">= 0"))
         for k in ("tokenizer_training", "predictor_training"):
-            s = getattr(self, k)
-            problems.check(s.epochs is None or s.epochs >= min_epochs, f"{k}.epochs",
-                           f"must be >= {min_epochs} or null, got {s.epochs}")
-            problems.check(s.lr is None or s.lr > 0, f"{k}.lr", f"must be > 0 or null, got {s.lr}")
-            problems.check(s.batch_size is None or s.batch_size >= 1, f"{k}.batch_size",
-                           f"must be >= 1 or null, got {s.batch_size}")
-            problems.check(s.clip_grad_norm is None or s.clip_grad_norm >= 0, f"{k}.clip_grad_norm",
-                           f"must be >= 0 or null, got {s.clip_grad_norm}")
+            for name, ok, bound in rules:
+                v = getattr(getattr(self, k), name)
+                problems.check(v is None or ok(v), f"{k}.{name}", f"must be {bound} or null, got {v}")
 
 
 def stage_key(run_config: Mapping[str, Any] | None, stage: str, name: str) -> str:
