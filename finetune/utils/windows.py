@@ -35,10 +35,6 @@ class PanelSegments:
     first_target: np.ndarray
     stop: np.ndarray  # One past the split's last column, per series.
 
-    def lengths(self) -> np.ndarray:
-        """Readable rows per series (context included), int64 (S,)."""
-        return self.stop - self.start
-
     def dataset(self, window: Window, *, stride: int = 1) -> WindowDataset:
         """The split's windows: the shared WindowDataset reading the panel (memory map) inside these ranges."""
         return WindowDataset(self.panel, window, stride=stride, ranges=(self.start, self.stop))
