@@ -29,14 +29,16 @@ from finetune.utils.errors import setup_logging
 from finetune.utils.ledger import other_data_key, stage_status
 from finetune.utils.plots import Panel, plot_panels, stamp_text
 from finetune.utils.safety import LOCK_NAME, GracefulStop, read_holder
+from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir, load
 from finetune_csv.pipeline import CsvPipeline
 from finetune_csv.prepare import prepare_data
 from finetune_csv.sources import list_sources, source_fingerprint
 from model import KronosPredictor, KronosTokenizer
 from model.calendar import TradingCalendar
+from model.config import Window
 from model.errors import ConfigError, DataError, PathError
-from model.features import CLOSE, FEATURES, PRICE_FEATURES, calc_time_stamps
+from model.features import CLOSE, FEATURES, PRICE_FEATURES
 from model.fileio import atomic_write, write_json
 from model.hub import weights_fingerprint
 from model.predictor import (
@@ -414,17 +416,14 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: tup
         raise DataError(f"series shorter than data.lookback={lookback} rows cannot be forecast: {short}; lower "
                         "data.lookback or remove them")
     trading_dates = read_calendar(cfg.forecast.calendar) if cfg.forecast.calendar else None
-    names = list(panel.names)
     ends = np.asarray(panel.offsets[1:], dtype=np.int64)  # (S,) one past each series' last column
-    cols = ends[:, None] - lookback + np.arange(lookback, dtype=np.int64)  # (S, L) the last lookback columns
+    # One window per series: its last `lookback` bars, no known bar after them; the forecast bars' times come next.
+    last = held_out_windows(PanelSegments(panel, ends - lookback, ends - lookback, ends), Window(lookback, 0), 1)
     when = lambda s: pd.DatetimeIndex(np.asarray(panel.datetimes[panel.rows(s)]).astype("datetime64[ns]"))
-    past_ts = [when(s)[-lookback:] for s in range(len(names))]
-    future_ts = [TradingCalendar.learn(when(s), trading_dates, f"series {name!r}").after(when(s)[-1], predict,
-                                                                                          name=f"series {name!r}")
-                 for s, name in enumerate(names)]
-    context = np.moveaxis(np.asarray(panel.features[:, cols], dtype=np.float64), 0, -1)  # (S, L, 6)
-    as_stamps = lambda stamps: np.stack([calc_time_stamps(ts).to_numpy(np.int64) for ts in stamps])
-    paths = sample_paths(finetuned, context, as_stamps(past_ts), as_stamps(future_ts), predict, cfg.forecast,
+    last.y_timestamps = [TradingCalendar.learn(when(s), trading_dates, f"series {name!r}").after(
+        when(s)[-1], predict, name=f"series {name!r}") for s, name in enumerate(last.names)]
+    names, past_ts, context, future_ts = last.names, last.x_timestamps, last.context, last.y_timestamps
+    paths = sample_paths(finetuned, context, *last.stamps(), predict, cfg.forecast,
                          cfg.forecast.batch_size)  # (N, S, P, 6)
     violations = candle_violations(*(paths[..., FEATURES.index(c)] for c in ("open", "high", "low", "close", "volume")))
     log.info("invalid sampled candles: %.1f%%%s", 100 * violations["any"],
