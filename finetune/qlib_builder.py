@@ -152,17 +152,10 @@ def _clean_daily_table(df: pd.DataFrame, symbol: str,
     out = pd.DataFrame({"timestamps": stamps})
     for col in REQUIRED_COLUMNS[1:]:
         out[col] = pd.to_numeric(df[col], errors="coerce").astype("float64")
-        bad = (out[col].isna() & df[col].notna()).to_numpy()
-        if bad.any():
-            errs.append(f"column {col!r} has non-numeric values at {_rows(bad)}")
-    for col in PRICE_COLUMNS:
-        bad = (out[col] <= 0).to_numpy()
-        if bad.any():
-            errs.append(f"column {col!r} is <= 0 at {_rows(bad)}")
-    for col in ("volume", "amount"):
-        bad = (out[col] < 0).to_numpy()
-        if bad.any():
-            errs.append(f"column {col!r} is negative at {_rows(bad)}")
+    checks = ([(c, out[c].isna() & df[c].notna(), "has non-numeric values") for c in REQUIRED_COLUMNS[1:]]
+              + [(c, out[c] <= 0, "is <= 0") for c in PRICE_COLUMNS]
+              + [(c, out[c] < 0, "is negative") for c in ("volume", "amount")])
+    errs += [f"column {col!r} {what} at {_rows(bad.to_numpy())}" for col, bad, what in checks if bad.any()]
     if errs:
         return None, errs
     return out.sort_values("timestamps", kind="stable").reset_index(drop=True), []
