@@ -29,10 +29,11 @@ from finetune.utils.cli_args import add_config_args
 from finetune.utils.config_utils import Problems, load_config, parse_date
 from finetune.utils.schema import (
     ModelConfig,
+    PipelineConfig,
     SamplingConfig,
     StageConfig,
-    StagedConfig,
     TrainingConfig,
+    WindowSettings,
     warn_shadowed_overrides,
 )
 
@@ -45,7 +46,7 @@ DEFAULT_BENCHMARKS = {"csi300": "SH000300", "csi500": "SH000905", "csi800": "SH0
 
 
 @dataclass
-class DataConfig:
+class DataConfig(WindowSettings):
     """Where the Qlib data is, which instruments and dates, and how windows are cut (`data:` in YAML)."""
 
     qlib_data_path: str = "~/.qlib/qlib_data/cn_data"
@@ -196,7 +197,7 @@ class WalkForwardConfig:
 
 
 @dataclass
-class QlibConfig(StagedConfig):
+class QlibConfig(PipelineConfig):
     """Every setting of the Qlib pipeline."""
 
     data: DataConfig = field(default_factory=DataConfig)
@@ -268,13 +269,11 @@ def _check_data(d: DataConfig, p: Problems) -> None:
     p.check(bool(str(d.qlib_data_path).strip()), "data.qlib_data_path", "is empty; set it to your Qlib data folder")
     p.check(bool(d.instrument.strip()), "data.instrument", "is empty; name a universe such as csi300")
     p.check(bool(d.freq.strip()), "data.freq", "is empty; use 'day' for daily bars")
-    p.check(d.lookback >= 2, "data.lookback", f"must be >= 2 (the std needs 2 bars), got {d.lookback}")
-    p.check(d.predict >= 1, "data.predict", f"must be >= 1, got {d.predict}")
+    d.check_window(p)
     p.check(d.max_context >= 3, "data.max_context", f"must be >= 3 (2 bars of context, the fewest a forecast "
             f"normalises over, + 1 forecast), got {d.max_context}; the published models use 512")
-    p.check(d.lookback + d.predict <= d.max_context or d.max_context < 3, "data.lookback", f"lookback + predict = "
-            f"{d.lookback + d.predict} does not fit in data.max_context = {d.max_context}; shorten the windows")
-    p.check(d.clip > 0, "data.clip", f"must be > 0, got {d.clip}")
+    p.check(d.window.size <= d.max_context or d.max_context < 3, "data.lookback", f"lookback + predict = "
+            f"{d.window.size} does not fit in data.max_context = {d.max_context}; shorten the windows")
     p.check(d.max_gap_days >= 0, "data.max_gap_days", f"must be >= 0, got {d.max_gap_days}")
     p.check(bool(str(d.dataset_path).strip()), "data.dataset_path", "is empty; name a folder for the splits")
 

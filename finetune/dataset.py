@@ -129,14 +129,14 @@ def build_window_dataset(split: SeriesPanel, cfg: QlibConfig, name: str) -> Wind
         raise DataError(f"data.{name}_time_range: the {name} split holds no instrument; widen the range and "
                         "preprocess again")
     try:
-        ds = WindowDataset(split, d.lookback, d.predict, clip=d.clip)
+        ds = WindowDataset(split, d.window)
     except ValueError as e:
         raise DataError(f"data.{name}_time_range: the {name} split has no window ({e})") from None
     if ds.short_series:
         shown = ", ".join(f"{n} ({rows} bars)" for n, rows in ds.short_series[:10])
         more = f" and {len(ds.short_series) - 10} more" if len(ds.short_series) > 10 else ""
         log.info("[%s] %d instrument(s) shorter than one window of %d bars give no window: %s%s",
-                 name, len(ds.short_series), ds.window, shown, more)
+                 name, len(ds.short_series), d.window.size, shown, more)
     log.info("[%s] %d instruments, %d bars, %d windows", name, split.n_series, split.n_rows, len(ds))
     return ds
 

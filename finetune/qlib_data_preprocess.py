@@ -79,14 +79,13 @@ def split_rules(cfg: QlibConfig, calendar: pd.DatetimeIndex | None = None) -> li
     """The three split rules of the module docstring, from the settings; with `calendar`, the test targets start
     on the last trading day before test_time_range (else on its first day)."""
     d = cfg.data
-    window = d.lookback + d.predict
     (tr0, tr1), (va0, va1), (te0, te1) = (range_bounds(r) for r in (d.train_time_range, d.val_time_range,
                                                                      d.test_time_range))
     if calendar is not None:
         te0 = first_signal_day(calendar, te0)
     return [
-        SplitRule("train", tr0, tr1, before=d.lookback, context_in_range=True, min_bars=window),
-        SplitRule("val", va0, va1, before=d.lookback, context_in_range=False, min_bars=window),
+        SplitRule("train", tr0, tr1, before=d.lookback, context_in_range=True, min_bars=d.window.size),
+        SplitRule("val", va0, va1, before=d.lookback, context_in_range=False, min_bars=d.window.size),
         # a test forecast at bar t needs lookback bars ending at t
         SplitRule("test", te0, te1, before=d.lookback - 1, context_in_range=False, min_bars=d.lookback),
     ]

@@ -18,10 +18,11 @@ from typing import Any, Literal
 from finetune.utils.config_utils import Problems, build_config, parse_date, read_yaml
 from finetune.utils.schema import (
     ModelConfig,
+    PipelineConfig,
     SamplingConfig,
     StageConfig,
-    StagedConfig,
     TrainingConfig,
+    WindowSettings,
     warn_shadowed_overrides,
 )
 from finetune_csv.original_config import translate_original
@@ -54,7 +55,7 @@ class ColumnsConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(WindowSettings):
     """Where the candles come from and how they are cut into windows (finetune_csv/prepare.py applies it).
 
     Each field's docstring gives its policy; the README's Data / Splits / Checks paragraphs tell the whole story.
@@ -186,7 +187,7 @@ class WalkForwardConfig:
 
 
 @dataclass
-class CsvFinetuneConfig(StagedConfig):
+class CsvFinetuneConfig(PipelineConfig):
     """Everything the CSV pipeline needs; one YAML file fills it."""
 
     data: DataConfig = field(default_factory=DataConfig)
@@ -290,9 +291,8 @@ def check_data_settings(d: Mapping[str, Any], p: Problems) -> None:
 def _check_data(d: DataConfig, p: Problems) -> None:
     p.check(bool(d.path), "data.path", "is empty: set it to a CSV/Parquet file or a folder of them")
     check_data_settings({**vars(d), "columns": vars(d.columns)}, p)
-    for name in ("lookback", "predict", "stride"):
-        p.check(getattr(d, name) >= 1, f"data.{name}", f"must be >= 1 (got {getattr(d, name)})")
-    p.check(d.clip > 0, "data.clip", f"must be > 0 (got {d.clip})")
+    d.check_window(p)
+    p.check(d.stride >= 1, "data.stride", f"must be >= 1 (got {d.stride})")
     p.check(0 < d.train_ratio < 1, "data.train_ratio", f"must be in (0, 1) (got {d.train_ratio})")
     p.check(0 < d.val_ratio < 1, "data.val_ratio",
             f"must be in (0, 1): the validation split selects the best checkpoint (got {d.val_ratio})")

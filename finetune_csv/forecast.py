@@ -34,7 +34,7 @@ from finetune_csv.config import CsvFinetuneConfig, best_dir, load
 from finetune_csv.pipeline import CsvPipeline
 from finetune_csv.prepare import prepare_data
 from finetune_csv.sources import list_sources, source_fingerprint
-from model import Kronos, KronosPredictor, KronosTokenizer
+from model import KronosPredictor, KronosTokenizer
 from model.calendar import TradingCalendar
 from model.errors import ConfigError, DataError, PathError
 from model.features import CLOSE, FEATURES, PRICE_FEATURES, calc_time_stamps
@@ -98,12 +98,6 @@ log = logging.getLogger("finetune_csv.forecast")
 TABLE_QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)  # quantile columns of forecast.csv (the plot's bands + median)
 
 
-def make_predictor(model: Kronos, tokenizer: KronosTokenizer, cfg: CsvFinetuneConfig) -> KronosPredictor:
-    """A KronosPredictor over a lookback + predict window (the sequence length the predictor was trained on)."""
-    return KronosPredictor.from_models(model, tokenizer, max_context=cfg.data.lookback + cfg.data.predict,
-                                       clip=cfg.data.clip)
-
-
 def warn_if_unfinished(stage_dir: Path) -> None:
     """One warning when the predictor stage is running (its run.lock is held) or did not finish: its best model so
     far is what gets forecast, and may change."""
@@ -157,7 +151,7 @@ def finetuned_predictor(cfg: CsvFinetuneConfig) -> tuple[KronosPredictor, dict |
     elif cfg.forecast.calibrate and calibration is None:
         log.info("no calibration stored in %s: the bands are the raw samples' (train with forecast.calibrate: true "
                  "to fit one)", predictor_dir / PREDICTOR_INFO_NAME)
-    return make_predictor(model, tokenizer, cfg), calibration
+    return KronosPredictor.from_models(model, tokenizer, window=cfg.data.window), calibration
 
 
 def run_folders(cfg: CsvFinetuneConfig, out_dir: Path | None, name: str) -> tuple[Path, Path]:
@@ -193,7 +187,8 @@ def zero_shot_predictor(cfg: CsvFinetuneConfig) -> KronosPredictor | None:
         return None
     tokenizer_src = m.pretrained_tokenizer or CsvPipeline(cfg).tokenizer_source()[0]
     try:
-        return make_predictor(*load_pretrained_pair(m.pretrained_predictor, tokenizer_src), cfg)
+        return KronosPredictor.from_models(*load_pretrained_pair(m.pretrained_predictor, tokenizer_src),
+                                           window=cfg.data.window)
     except Exception as exc:  # noqa: BLE001 - any load failure (network, files, shapes) only skips the comparison
         log.warning("zero-shot comparison skipped: cannot load model.pretrained_predictor=%s with tokenizer %s (%s)",
                     m.pretrained_predictor, tokenizer_src, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
@@ -402,8 +397,8 @@ def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: t
     finetuned, calibration = finetuned_predictor(cfg)
     store_dir, out_dir = folders or run_folders(cfg, out_dir, "forecast")
     data = prepare_data(cfg.data, store_dir)  # the store training made (re-prepared if the files changed)
-    windows = held_out_windows(data.splits["test"], cfg.data.lookback, cfg.data.predict,
-                               cfg.forecast.window_stride, cfg.forecast.max_windows,
+    windows = held_out_windows(data.splits["test"], cfg.data.window, cfg.forecast.window_stride,
+                               cfg.forecast.max_windows,
                                history=cfg.forecast.empirical_window + 1)  # + 1: n returns need n + 1 closes
     metrics, paths = evaluate_held_out(cfg, finetuned, windows, zero_shot_predictor(cfg), _season(cfg, data.panel),
                                        calibration)

@@ -27,6 +27,7 @@ from finetune_csv.config import CsvFinetuneConfig, best_dir
 from finetune_csv.prepare import PreparedData, data_summary_from_store, prepare_data
 from finetune_csv.splits import build_dataset
 from model import KronosTokenizer
+from model.config import Window
 from model.errors import ConfigError, DataError
 from model.features import CLOSE
 
@@ -84,8 +85,7 @@ class CsvPipeline:
         """select_by crps: sampled forecasts of the validation split's non-overlapping windows."""
         if select_by != "crps":
             return None
-        d = self.cfg.data
-        return make_crps_val_metric(self.cfg, held_out_windows(self.data.splits["val"], d.lookback, d.predict),
+        return make_crps_val_metric(self.cfg, held_out_windows(self.data.splits["val"], self.cfg.data.window),
                                     tokenizer)
 
     def calibrate(self, best: Path) -> dict | None:
@@ -93,9 +93,9 @@ class CsvPipeline:
         d, f = self.cfg.data, self.cfg.forecast
         if not f.calibrate:
             return None
-        windows = held_out_windows(self.data.splits["val"], d.lookback, d.predict, f.window_stride)
+        windows = held_out_windows(self.data.splits["val"], d.window, f.window_stride)
         raise_if_stop_requested("before calibrating the predictor's bands")
-        return calibrate(best, windows, f, d.lookback + d.predict, d.clip)
+        return calibrate(best, windows, f, d.window)
 
 
 def describe(cfg: CsvFinetuneConfig, data_info: dict, plan: dict[str, str | None], dist: DistInfo,
@@ -121,17 +121,17 @@ def describe(cfg: CsvFinetuneConfig, data_info: dict, plan: dict[str, str | None
     return "\n".join(lines)
 
 
-def calibrate(best: Path, windows: HeldOutWindows, sampling: Any, max_context: int, clip: float) -> dict | None:
+def calibrate(best: Path, windows: HeldOutWindows, sampling: Any, window: Window) -> dict | None:
     """Fit the conformal calibration of the bands of the predictor in `best` (loaded with the tokenizer it was
     trained with) on held-out VALIDATION `windows` and store it in its kronos_predictor.json: the test windows stay
     untouched, so the coverage a forecast reports after calibration is out of sample. `sampling`: temperature,
     top_k, top_p, sample_count, seed, batch_size. Returns the calibration (None when there is no window or no
     positive price to calibrate in)."""
     if len(windows) == 0:
-        log.warning("no calibration: the validation split has no %d-bar window (raise data.val_ratio)", max_context)
+        log.warning("no calibration: the validation split has no %d-bar window (raise data.val_ratio)", window.size)
         return None
     model, tokenizer, _ = forecaster.load_trained_pair(best)  # not from_pretrained: it warns "never calibrated"
-    predictor = forecaster.KronosPredictor.from_models(model, tokenizer, max_context=max_context, clip=clip)
+    predictor = forecaster.KronosPredictor.from_models(model, tokenizer, window=window)
     x_stamps, y_stamps = windows.stamps()
     predict = windows.actual.shape[1]
     paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, predict, sampling,
@@ -170,8 +170,8 @@ def make_crps_val_metric(cfg: CsvFinetuneConfig, val_windows: HeldOutWindows, to
         module = getattr(model, "module", model)  # DDP-wrapped or not
         device = next(module.parameters()).device
         was_training = module.training
-        predictor = forecaster.KronosPredictor.from_models(module, tokenizer, device=str(device), clip=cfg.data.clip,
-                                                max_context=cfg.data.lookback + cfg.data.predict)
+        predictor = forecaster.KronosPredictor.from_models(module, tokenizer, device=str(device),
+                                                           window=cfg.data.window)
         try:  # interruptible=False: the loop stops after its own checkpoint, not in here
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, cfg.data.predict, f,

@@ -140,7 +140,7 @@ def data_summary_from_store(data: PreparedData, cfg: DataConfig) -> dict:
     windows and date ranges per split (same keys as the pandas reference's `data_summary`), plus the store folder.
     The same data gives the same summary whether the store was prepared or reused (a resume compares them)."""
     manifest = data.store.manifest
-    window = cfg.lookback + cfg.predict
+    window = cfg.window.size
     when = data.panel.datetimes
     per_split = {}
     for name, seg in data.splits.items():

@@ -15,6 +15,7 @@ from finetune.utils.plots import stamp_text
 from finetune.utils.store import SeriesPanel, StoreError
 from finetune.utils.windows import PanelSegments, WindowDataset
 from finetune_csv.config import DataConfig
+from model.config import Window
 from model.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -27,15 +28,16 @@ def split_bounds(n_rows: int, train_ratio: float, val_ratio: float) -> tuple[int
     return train_end, val_end
 
 
-def split_panel(panel: SeriesPanel, train_ratio: float, val_ratio: float, test_ratio: float, lookback: int,
-                predict: int) -> dict[str, PanelSegments]:
+def split_panel(panel: SeriesPanel, train_ratio: float, val_ratio: float, test_ratio: float,
+                window: Window) -> dict[str, PanelSegments]:
     """Cut every series by time into train / val / (test when test_ratio > 0) index ranges; DataError naming each
     series too short for one window per split (train needs lookback + predict rows, val and test predict rows)."""
+    lookback, predict = window.lookback, window.predict
     lengths = panel.lengths()
     offsets = np.asarray(panel.offsets, dtype=np.int64)
     bounds = np.array([split_bounds(int(n), train_ratio, val_ratio) for n in lengths], dtype=np.int64).reshape(-1, 2)
     train_end, val_end = bounds[:, 0], bounds[:, 1]
-    short = (train_end < lookback + predict) | (val_end - train_end < predict)
+    short = (train_end < window.size) | (val_end - train_end < predict)
     if test_ratio > 0:
         short |= lengths - val_end < predict
     if short.any():
@@ -65,8 +67,8 @@ def date_bounds(panel: SeriesPanel, train_ratio: float, val_ratio: float, test: 
     return int(pooled[min(train_end, last)]), (int(pooled[min(val_end, last)]) if test else None)
 
 
-def split_panel_by_date(panel: SeriesPanel, train_end: int, val_end: int | None, lookback: int,
-                        predict: int) -> dict[str, PanelSegments]:
+def split_panel_by_date(panel: SeriesPanel, train_end: int, val_end: int | None,
+                        window: Window) -> dict[str, PanelSegments]:
     """Cut every series at the same dates (ns): train = bars before `train_end`, val = bars from `train_end` (to
     `val_end`), test = bars from `val_end` (only when `val_end` is given).
 
@@ -88,10 +90,10 @@ def split_panel_by_date(panel: SeriesPanel, train_end: int, val_end: int | None,
     b2 = last if val_end is None else cut(val_end)
 
     def held_out(begin: np.ndarray, end: np.ndarray) -> PanelSegments:
-        return PanelSegments(panel, np.maximum(first, begin - lookback), begin, np.maximum(begin, end))
+        return PanelSegments(panel, np.maximum(first, begin - window.lookback), begin, np.maximum(begin, end))
 
-    out = {"train": PanelSegments(panel, first, first, np.maximum(first, b1 - predict)),
-           "val": held_out(b1, b2 - predict if val_end is not None else b2)}
+    out = {"train": PanelSegments(panel, first, first, np.maximum(first, b1 - window.predict)),
+           "val": held_out(b1, b2 - window.predict if val_end is not None else b2)}
     if val_end is not None:
         out["test"] = held_out(b2, last)
     return out
@@ -106,12 +108,12 @@ def split_is_usable(n_rows: int, cfg: DataConfig) -> bool:
     """Whether a series of n_rows gives at least one window in train, in val, and in test when test_ratio > 0."""
     counts = split_row_counts(n_rows, cfg)
     test_ok = cfg.test_ratio == 0 or counts["test"] >= cfg.predict
-    return counts["train"] >= cfg.lookback + cfg.predict and counts["val"] >= cfg.predict and test_ok
+    return counts["train"] >= cfg.window.size and counts["val"] >= cfg.predict and test_ok
 
 
 def min_rows_needed(cfg: DataConfig) -> int:
     """Smallest series length that gives every split at least one window (see `split_is_usable`)."""
-    n = cfg.lookback + cfg.predict
+    n = cfg.window.size
     while not split_is_usable(n, cfg):
         n += 1
     return n
@@ -145,7 +147,7 @@ def split_data(panel: SeriesPanel, cfg: DataConfig) -> tuple[dict[str, PanelSegm
     mode = cfg.split or ("by_date" if cfg.train_end or series_overlap(panel) else "per_series")
     if mode == "per_series":
         too_short_problems([(name, int(n)) for name, n in zip(panel.names, panel.lengths())], cfg).raise_if_any()
-        splits = split_panel(panel, cfg.train_ratio, cfg.val_ratio, cfg.test_ratio, cfg.lookback, cfg.predict)
+        splits = split_panel(panel, cfg.train_ratio, cfg.val_ratio, cfg.test_ratio, cfg.window)
         _warn_overlapping_periods(splits)
         return splits, {"mode": mode}
     if cfg.train_end is not None:
@@ -155,10 +157,10 @@ def split_data(panel: SeriesPanel, cfg: DataConfig) -> tuple[dict[str, PanelSegm
     else:
         train_end, val_end = date_bounds(panel, cfg.train_ratio, cfg.val_ratio, cfg.test_ratio > 0)
         source = f"ratios {cfg.train_ratio}/{cfg.val_ratio}/{cfg.test_ratio} of all candles"
-    splits = split_panel_by_date(panel, train_end, val_end, cfg.lookback, cfg.predict)
+    splits = split_panel_by_date(panel, train_end, val_end, cfg.window)
     how = {"mode": mode, "train_end": stamp_text(train_end),
            "val_end": None if val_end is None else stamp_text(val_end)}
-    window = cfg.lookback + cfg.predict
+    window = cfg.window.size
     empty = [name for name, seg in splits.items()
              if not (seg.stop - seg.start >= window).any() or not (seg.stop > seg.first_target).any()]
     if empty:
@@ -204,8 +206,8 @@ def _warn_overlapping_periods(splits: dict[str, PanelSegments]) -> None:
 
 
 def build_dataset(segments: PanelSegments, cfg: DataConfig) -> WindowDataset:
-    """All windows of `lookback + predict` rows, `stride` apart, inside each series' range (never across series).
+    """All windows of `data.window.size` rows, `stride` apart, inside each series' range (never across series).
 
     Val/test ranges start `lookback` rows before their split (see `split_panel`), so every window of a split predicts
     rows of its own split. Normalisation uses each window's lookback rows only."""
-    return segments.dataset(cfg.lookback, cfg.predict, stride=cfg.stride, clip=cfg.clip)
+    return segments.dataset(cfg.window, stride=cfg.stride)

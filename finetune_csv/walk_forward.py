@@ -33,9 +33,11 @@ from finetune.utils.plots import pyplot, save_figure, stamp_text
 from finetune.utils.safety import GracefulStop, RunLock
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir
-from finetune_csv.forecast import CLOSE, ensemble_paths, make_predictor
+from finetune_csv.forecast import CLOSE, ensemble_paths
 from finetune_csv.prepare import prepare_data
 from finetune_csv.train_sequential import run_finetune
+from model import KronosPredictor
+from model.config import Window
 from model.errors import ConfigError, DataError
 from model.fileio import atomic_write, write_json
 from model.predictor import apply_calibration, load_pretrained_pair, load_trained_pair, read_predictor_info
@@ -61,10 +63,11 @@ def fold_sizes(cfg: CsvFinetuneConfig, lengths: np.ndarray) -> tuple[int, int]:
     return test_bars, (w.purge if w.purge is not None else predict)
 
 
-def make_folds(panel, lookback: int, predict: int, folds: int, test_bars: int, purge: int, embargo: int,
+def make_folds(panel, window: Window, folds: int, test_bars: int, purge: int, embargo: int,
                val_ratio: float) -> list[Fold]:
     """The K folds of `panel` (a SeriesPanel with datetimes) on one calendar, oldest first; DataError when a fold
     is left without a series."""
+    lookback, predict = window.lookback, window.predict
     offsets = np.asarray(panel.offsets, dtype=np.int64)
     first, lengths = offsets[:-1], np.diff(offsets)
     when = np.asarray(panel.datetimes)  # (N,) int64 ns
@@ -79,12 +82,12 @@ def make_folds(panel, lookback: int, predict: int, folds: int, test_bars: int, p
         v0 = end - np.maximum(predict, np.round(end * val_ratio).astype(np.int64))  # first validation target
         stop = v0 - purge  # one past the last training target
         # A series with a training window before the block trains; without a test window in it, it is not scored.
-        trains = (stop >= lookback + predict) & (c1 > test_bars)  # (S,)
+        trains = (stop >= window.size) & (c1 > test_bars)  # (S,)
         on = trains & (t0 >= lookback) & (t1 - t0 >= predict)
         if not on.any():
             raise DataError(f"fold {k} of walk_forward.folds={folds} blocks of walk_forward.test_bars={test_bars} "
                             f"(+ embargo {embargo}, purge {purge}) leaves no series with a training window of "
-                            f"data.lookback + data.predict = {lookback + predict} rows, a validation block and a "
+                            f"data.lookback + data.predict = {window.size} rows, a validation block and a "
                             f"test window (the longest series has {int(lengths.max())} rows); lower "
                             "walk_forward.folds / test_bars / data.lookback")
         if not on.all():
@@ -120,12 +123,12 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) 
     d, f, m, candidates = cfg.data, cfg.forecast, cfg.model, cfg.walk_forward.candidates
     # The empirical baseline's trailing closes (the last context bar included): n returns need n + 1 closes.
     history = f.empirical_window + 1 if "empirical" in candidates else 0
-    windows = held_out_windows(fold.test, d.lookback, d.predict, history=history)
+    windows = held_out_windows(fold.test, d.window, history=history)
     x_stamps, y_stamps = windows.stamps()
     last = windows.context[:, -1, CLOSE]  # (W,)
     obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, H)
-    sample = lambda pair, c: sample_paths(make_predictor(*pair, c), windows.context, x_stamps, y_stamps,
-                                          d.predict, f, f.batch_size)[..., CLOSE]  # (W, S, H) closes
+    sample = lambda pair, c: sample_paths(KronosPredictor.from_models(*pair, window=c.data.window), windows.context,
+                                          x_stamps, y_stamps, d.predict, f, f.batch_size)[..., CLOSE]  # (W, S, H)
     paths = {"zero_shot": sample(load_pretrained_pair(m.pretrained_predictor, m.pretrained_tokenizer), cfg),
              "finetuned": sample(load_trained_pair(best_dir(fold_cfg.predictor_dir))[:2], fold_cfg),
              "persistence": persistence_samples(last, d.predict)}
@@ -213,7 +216,7 @@ def run_walk_forward(cfg: CsvFinetuneConfig, overwrite: bool = False, report_onl
     with GracefulStop(), RunLock(out, key="paths.base_dir"):
         data = prepare_data(d, cfg.store_dir, with_splits=False)
         test_bars, purge = fold_sizes(cfg, data.panel.lengths())
-        folds = make_folds(data.panel, d.lookback, d.predict, w.folds, test_bars, purge, w.embargo, d.val_ratio)
+        folds = make_folds(data.panel, d.window, w.folds, test_bars, purge, w.embargo, d.val_ratio)
         started, trained, rows, meta = time.monotonic(), 0, [], []
         for fold in folds:
             folder = out / f"fold_{fold.index}"

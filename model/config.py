@@ -23,6 +23,25 @@ def block_parameters(d_model: int, ff_dim: int) -> int:
     return 2 * d_model + 4 * (d_model * d_model + d_model) + 3 * d_model * ff_dim
 
 
+@dataclass(frozen=True)
+class Window:
+    """One sample of the sequence a predictor trains and forecasts on: `lookback` bars of context, then `predict`
+    bars to forecast; the features are normalised over the lookback and clipped to [-clip, clip]. `size` is the
+    predictor's context (kronos_predictor.json's max_context). Both pipelines' `data:` sections give one (`window`)."""
+
+    lookback: int
+    predict: int
+    clip: float = 5.0
+
+    @property
+    def size(self) -> int:
+        return self.lookback + self.predict
+
+    def info(self) -> dict[str, Any]:
+        """The window as kronos_predictor.json records it."""
+        return {"max_context": self.size, "lookback": self.lookback, "clip": self.clip}
+
+
 @dataclass
 class KronosTokenizerConfig:
     """`KronosTokenizer` constructor arguments (defaults: the published Kronos-Tokenizer-base)."""

@@ -29,6 +29,7 @@ import pandas as pd
 import torch
 
 from model.calendar import TradingCalendar
+from model.config import Window
 from model.errors import DataError, PathError, TokenizerMismatchError
 from model.features import (
     ADJUST,
@@ -380,10 +381,12 @@ class KronosPredictor:
     @classmethod
     def from_models(cls, model: Kronos, tokenizer: KronosTokenizer, info: dict[str, Any] | None = None, *,
                     device: str | None = None, max_context: int | None = None, lookback: int | None = None,
-                    clip: float | None = None, use_cache: bool = True) -> KronosPredictor:
+                    clip: float | None = None, use_cache: bool = True, window: Window | None = None) -> KronosPredictor:
         """A forecaster over an in-memory pair (a `load_trained_pair` result, or a model being trained): max_context,
-        lookback, clip and calibration default to `info` (its kronos_predictor.json), else 512, max_context, 5."""
-        pick = lambda given, key, default=None: (info or {}).get(key, default) if given is None else given
+        lookback, clip and calibration default to `info` (its kronos_predictor.json), else 512, max_context, 5;
+        `window` (the one the pair trains on) gives max_context, lookback and clip at once."""
+        info = {**(info or {}), **(window.info() if window is not None else {})}
+        pick = lambda given, key, default=None: info.get(key, default) if given is None else given
         return cls(model, tokenizer, device=device, use_cache=use_cache, calibration=pick(None, "calibration"),
                    max_context=pick(max_context, "max_context", DEFAULT_MAX_CONTEXT), clip=pick(clip, "clip", 5),
                    lookback=pick(lookback, "lookback"))

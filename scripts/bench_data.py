@@ -302,6 +302,9 @@ def worker(data: str, store: str, lookback: int, predict: int, batch: int) -> No
     from finetune_csv.prepare import ensure_store
     from finetune_csv.splits import split_panel
     from model import KronosTokenizer
+    from model.config import Window
+
+    window = Window(lookback, predict)
 
     torch.set_num_threads(1)
     out: dict = {}
@@ -311,7 +314,7 @@ def worker(data: str, store: str, lookback: int, predict: int, batch: int) -> No
         panel = info.open()
         t_store = time.time() - t0
         anon_store = mem.sample()["RssAnon"]
-        train = split_panel(panel, 0.9, 0.1, 0.0, lookback, predict)["train"].dataset(lookback, predict)
+        train = split_panel(panel, 0.9, 0.1, 0.0, window)["train"].dataset(window)
         sampler = EpochSampler(len(train), shuffle=True, seed=0, rank=dist.rank, world_size=dist.world_size)
         sampler.set_epoch(0)
         order = iter(sampler)

@@ -42,7 +42,7 @@ from finetune.utils.training_utils import (
 )
 from finetune.utils.windows import SeriesArrays, WindowDataset
 from model import Kronos, KronosTokenizer
-from model.config import KronosConfig, KronosTokenizerConfig
+from model.config import KronosConfig, KronosTokenizerConfig, Window
 
 TOKENIZER_BASE = asdict(KronosTokenizerConfig())  # the published Kronos-Tokenizer-base
 PREDICTORS = {
@@ -93,7 +93,7 @@ def make_dataset(n_windows: int, seq: int, seed: int = 0) -> WindowDataset:
     feats = np.stack([close, close * 1.001, close * 0.999, close, vol, vol * close], 1).astype(np.float32)
     t = np.arange(n)
     stamps = np.stack([t % 60, (t // 60) % 24, t % 7, 1 + t % 28, 1 + t % 12], 1).astype(np.int64)
-    return WindowDataset([SeriesArrays(feats, stamps, "bench")], seq - 1, 1)
+    return WindowDataset([SeriesArrays(feats, stamps, "bench")], Window(seq - 1, 1))
 
 
 def plain_step_ms(name: str, args: argparse.Namespace, device: torch.device) -> Timing:

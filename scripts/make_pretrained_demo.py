@@ -32,6 +32,7 @@ from finetune.utils.schema import TrainingConfig
 from finetune.utils.training_utils import train_predictor, train_tokenizer
 from finetune.utils.windows import SeriesArrays, WindowDataset
 from model import Kronos, KronosTokenizer
+from model.config import Window
 from model.errors import DataError
 from model.features import FEATURES, calc_time_stamps
 from model.fileio import atomic_dir, write_json
@@ -78,8 +79,8 @@ def mix_datasets(n_series: int, n_bars: int, seed: int, stride: int) -> tuple[Wi
         stamps = calc_time_stamps(s.frame["timestamps"]).to_numpy(dtype=np.int64)  # (n_bars, 5)
         train.append(SeriesArrays(feats[:cut], stamps[:cut], s.name))
         val.append(SeriesArrays(feats[cut - LOOKBACK:], stamps[cut - LOOKBACK:], s.name))
-    train_set = WindowDataset(train, LOOKBACK, PREDICT, stride=stride)
-    val_set = WindowDataset(val, LOOKBACK, PREDICT, stride=stride)
+    train_set = WindowDataset(train, Window(LOOKBACK, PREDICT), stride=stride)
+    val_set = WindowDataset(val, Window(LOOKBACK, PREDICT), stride=stride)
     counts: dict[str, int] = {}
     for s in mix:
         for key in (s.freq, s.session, s.dynamics):

@@ -387,7 +387,7 @@ def reference_dataset(segments: list[Segment], cfg: DataConfig):
     arrays = [SeriesArrays(features=s.values.astype(np.float32),
                            stamps=calc_time_stamps(s.timestamps).to_numpy(dtype=np.int64), name=s.series.name)
               for s in segments]
-    return WindowDataset(arrays, cfg.lookback, cfg.predict, stride=cfg.stride, clip=cfg.clip)
+    return WindowDataset(arrays, cfg.window, stride=cfg.stride)
 
 
 def reference_held_out_windows(segments: list[Segment], lookback: int, predict: int, stride: int | None = None,

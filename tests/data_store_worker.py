@@ -18,6 +18,7 @@ from finetune.utils.distributed import barrier, distributed_context
 from finetune.utils.windows import EpochSampler
 from finetune_csv.prepare import StoreSettings, ensure_store
 from finetune_csv.splits import split_panel
+from model.config import Window
 
 LOOKBACK, PREDICT = 8, 4
 
@@ -31,7 +32,7 @@ def main(csv_dir: str, store_dir: str, out_dir: str) -> None:
             (out / f"rank{dist.rank}.err").write_text(str(e))
             return
         panel = info.open()
-        train = split_panel(panel, 0.6, 0.2, 0.2, LOOKBACK, PREDICT)["train"].dataset(LOOKBACK, PREDICT)
+        train = split_panel(panel, 0.6, 0.2, 0.2, Window(LOOKBACK, PREDICT))["train"].dataset(Window(LOOKBACK, PREDICT))
         sampler = EpochSampler(len(train), shuffle=True, seed=3, rank=dist.rank, world_size=dist.world_size)
         indices = np.concatenate([sampler.rank_indices(epoch) for epoch in (0, 1)])
         x, stamp = train.get_batch(indices)

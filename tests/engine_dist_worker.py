@@ -27,6 +27,7 @@ from finetune.utils.safety import TrainingStopped
 from finetune.utils.schema import TrainingConfig
 from finetune.utils.training_utils import train_predictor, train_tokenizer
 from finetune.utils.windows import SeriesArrays, WindowDataset
+from model.config import Window
 
 try:  # imported by the tests as tests.engine_dist_worker, or run as a script (tests/ is then on sys.path)
     from tests import model_factory
@@ -62,8 +63,8 @@ def random_walk_series(
 
 
 def tiny_datasets(n_train_rows: int = 40, n_val_rows: int = 14) -> tuple[WindowDataset, WindowDataset]:
-    train = WindowDataset(random_walk_series(2, n_train_rows, seed=0), LOOKBACK, PREDICT)
-    val = WindowDataset(random_walk_series(1, n_val_rows, seed=1), LOOKBACK, PREDICT)
+    train = WindowDataset(random_walk_series(2, n_train_rows, seed=0), Window(LOOKBACK, PREDICT))
+    val = WindowDataset(random_walk_series(1, n_val_rows, seed=1), Window(LOOKBACK, PREDICT))
     return train, val
 
 

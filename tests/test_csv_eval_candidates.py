@@ -18,6 +18,7 @@ from finetune_csv.config import load
 from finetune_csv.pipeline import calibrate
 from finetune_csv.prepare import prepare_data
 from model import KronosTokenizer
+from model.config import Window
 from model.errors import UserError
 from model.fileio import write_json
 from model.hub import weights_fingerprint
@@ -91,8 +92,9 @@ def test_calibration_is_fitted_on_validation_windows_and_coverage_reported_befor
     fake_calibration(monkeypatch, seen)
     cfg = load(make_run(tmp_path, zero_shot=None))
     best = record_tokenizer(cfg, tmp_path / "start/tokenizer")
-    val = held_out_windows(prepare_data(cfg.data, cfg.store_dir).splits["val"], 24, 6, cfg.forecast.window_stride)
-    calibrate(best, val, cfg.forecast, 30, cfg.data.clip)
+    val = held_out_windows(prepare_data(cfg.data, cfg.store_dir).splits["val"], Window(24, 6),
+                           cfg.forecast.window_stride)
+    calibrate(best, val, cfg.forecast, Window(24, 6, cfg.data.clip))
     # Validation windows only: 10 + 8 of them, the first realised closes are rows 180.. of the longer series.
     assert seen["samples"].shape == (18, 8, 6)
     frames = [pd.read_csv(p) for p in sorted((tmp_path / "data").glob("*.csv"))]

@@ -12,6 +12,7 @@ from finetune.evaluation.held_out import held_out_windows, sample_paths
 from finetune_csv.config import CsvFinetuneConfig
 from finetune_csv.pipeline import make_crps_val_metric
 from model import KronosPredictor
+from model.config import Window
 from model.features import CLOSE
 from tests.csv_reference import one_series_split
 from tests.model_factory import tiny_models, tiny_predictor
@@ -23,7 +24,8 @@ def make_windows(n: int = 160, lookback: int = 16, predict: int = 4):
     values = np.column_stack([close, close * 1.01, close * 0.99, close, rng.uniform(1, 2, n) * 1e3,
                               rng.uniform(1, 2, n) * 5e4])  # (n, 6)
     ts = pd.date_range("2024-01-02 09:30", periods=n, freq="5min")
-    return held_out_windows(one_series_split(values, ts, start=0, first_target=lookback, stop=n), lookback, predict)
+    return held_out_windows(one_series_split(values, ts, start=0, first_target=lookback, stop=n),
+                            Window(lookback, predict))
 
 
 def make_cfg() -> CsvFinetuneConfig:

@@ -8,6 +8,7 @@ import pytest
 
 from finetune.evaluation.held_out import held_out_windows, sample_paths, spread_evenly
 from finetune_csv.forecast import candle_violations
+from model.config import Window
 from tests.csv_reference import one_series_split
 
 
@@ -39,7 +40,7 @@ def make_segment(n: int = 60, first_target: int = 30):
 
 def test_held_out_windows_do_not_overlap_and_follow_their_context():
     seg = make_segment()
-    w = held_out_windows(seg, lookback=8, predict=4, stride=None)
+    w = held_out_windows(seg, Window(8, 4), stride=None)
     assert len(w.names) == 30 // 4  # 30 test rows -> 7 non-overlapping horizons of 4
     first_rows = [int(a[0, 0]) // 6 for a in w.actual]
     assert first_rows == list(range(30, 58, 4))
@@ -49,7 +50,7 @@ def test_held_out_windows_do_not_overlap_and_follow_their_context():
 
 
 def test_held_out_windows_can_be_capped_per_series():
-    w = held_out_windows(make_segment(), lookback=8, predict=4, max_windows=2)
+    w = held_out_windows(make_segment(), Window(8, 4), max_windows=2)
     assert [int(a[0, 0]) // 6 for a in w.actual] == [30, 54]
 
 
@@ -68,7 +69,7 @@ def test_the_sample_mean_equals_predict_batch_on_dataframes():
     values[:, 1], values[:, 2] = values[:, :4].max(axis=1), values[:, :4].min(axis=1)  # valid candles
     ts = pd.date_range("2024-01-02 09:30", periods=80, freq="5min")
     seg = one_series_split(values, ts, start=40, first_target=48, stop=80)
-    w = held_out_windows(seg, lookback=8, predict=4, max_windows=5)
+    w = held_out_windows(seg, Window(8, 4), max_windows=5)
     kp = KronosPredictor(pred, tok, device="cpu", max_context=12, clip=5)
     f = SimpleNamespace(seed=3, temperature=1.0, top_k=0, top_p=0.9, sample_count=2)
     x_stamps, y_stamps = w.stamps()
@@ -98,7 +99,7 @@ def test_windows_from_the_store_equal_the_pandas_reference_windows(tmp_path, spl
     write_csv_folder(frames, tmp_path / "data")
     cfg = DataConfig(path=str(tmp_path / "data"), lookback=12, predict=5, train_ratio=0.6, val_ratio=0.2,
                      test_ratio=0.2, split="per_series")  # the reference cuts each series by its own rows
-    ours = held_out_windows(prepare_data(cfg, tmp_path / "store").splits[split], 12, 5, stride, cap)
+    ours = held_out_windows(prepare_data(cfg, tmp_path / "store").splits[split], Window(12, 5), stride, cap)
     ref = reference_held_out_windows(split_series(load_series(cfg), cfg)[split], 12, 5, stride, cap)
     assert len(ours) == len(ref["names"]) > 3 and ours.names == ref["names"]  # same windows, same order
     # The store holds float32 (what training reads): the same numbers as the reference rounded to float32.

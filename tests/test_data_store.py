@@ -19,6 +19,7 @@ from finetune.utils.windows import SeriesArrays, WindowDataset, wallclock_stamps
 from finetune_csv.config import ColumnsConfig, DataConfig
 from finetune_csv.prepare import StoreSettings, ensure_store, prepare_store
 from finetune_csv.splits import split_panel
+from model.config import Window
 from model.features import calc_time_stamps
 from tests.conftest import cpu_env
 from tests.csv_reference import candles, load_series, split_series
@@ -198,12 +199,12 @@ def test_mapped_windows_equal_in_memory_windows_bit_for_bit(tmp_path):
     prepare_store(cfg.path, tmp_path / "store", StoreSettings.from_data_config(cfg))
     panel = open_store(tmp_path / "store")
     assert isinstance(panel.features, np.memmap) and isinstance(panel.stamps, np.memmap)
-    mapped = split_panel(panel, cfg.train_ratio, cfg.val_ratio, cfg.test_ratio, cfg.lookback, cfg.predict)
+    mapped = split_panel(panel, cfg.train_ratio, cfg.val_ratio, cfg.test_ratio, cfg.window)
     for name, segments in split_series(load_series(cfg), cfg).items():
         ref = WindowDataset([SeriesArrays(s.values.astype(np.float32),
                                           calc_time_stamps(s.timestamps).to_numpy(dtype=np.int64))
-                             for s in segments], cfg.lookback, cfg.predict, stride=cfg.stride, clip=cfg.clip)
-        ours = mapped[name].dataset(cfg.lookback, cfg.predict, stride=cfg.stride, clip=cfg.clip)
+                             for s in segments], cfg.window, stride=cfg.stride)
+        ours = mapped[name].dataset(cfg.window, stride=cfg.stride)
         assert isinstance(ours.features_t, np.memmap)  # the shared WindowDataset reads the map, no copy
         assert len(ours) == len(ref)
         idx = np.random.default_rng(0).permutation(len(ref))
@@ -256,7 +257,7 @@ def test_two_ranks_share_one_store_and_read_disjoint_windows(tmp_path):
         assert not set(a) & set(b) and len(set(a) | set(b)) == n - n % 2
     # what each rank read equals a single-process read of the same windows
     panel = open_store(tmp_path / "store")
-    train = split_panel(panel, 0.6, 0.2, 0.2, 8, 4)["train"].dataset(8, 4)
+    train = split_panel(panel, 0.6, 0.2, 0.2, Window(8, 4))["train"].dataset(Window(8, 4))
     for r in (r0, r1):
         assert np.array_equal(train.get_batch(r["indices"])[0].numpy(), r["x"])
 

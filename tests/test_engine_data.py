@@ -10,6 +10,7 @@ from torch.utils.data import Dataset
 
 from finetune.utils.store import SeriesPanel
 from finetune.utils.windows import EpochSampler, SeriesArrays, WindowDataset, make_loader
+from model.config import Window
 from tests.engine_dist_worker import random_walk_series
 
 LOOKBACK, PREDICT = 6, 2
@@ -23,7 +24,7 @@ def window_starts(dataset: WindowDataset) -> np.ndarray:
 def test_windows_never_cross_series_and_respect_stride():
     series = random_walk_series(n_series=3, n_rows=20, id_stamps=True)
     series[1] = SeriesArrays(series[1].features[:9], series[1].stamps[:9], "short")  # 9 rows: 2 windows of 8
-    ds = WindowDataset(series, LOOKBACK, PREDICT, stride=3)
+    ds = WindowDataset(series, Window(LOOKBACK, PREDICT), stride=3)
     # Series 0 rows 0..19 -> starts 0,3,6,9,12; series 1 rows 20..28 -> start 20; series 2 rows 40..59.
     assert window_starts(ds).tolist() == [0, 3, 6, 9, 12, 20, 40, 43, 46, 49, 52]
     for i in range(len(ds)):
@@ -36,7 +37,7 @@ def test_windows_never_cross_series_and_respect_stride():
 
 def test_item_matches_a_per_sample_pandas_reference():
     series = random_walk_series(n_series=2, n_rows=30)
-    ds = WindowDataset(series, LOOKBACK, PREDICT, clip=5.0)
+    ds = WindowDataset(series, Window(LOOKBACK, PREDICT, 5.0))
     frames = [pd.DataFrame(s.features) for s in series]
     for i in [0, 7, len(ds) - 1]:
         s, start = (int(v) for v in ds.locate(i))
@@ -54,15 +55,15 @@ def test_future_rows_do_not_leak_into_the_normalisation():
     series = random_walk_series(n_series=1, n_rows=LOOKBACK + PREDICT)
     changed = series[0].features.copy()
     changed[LOOKBACK:] *= 50  # a huge move in the predicted part
-    a = WindowDataset(series, LOOKBACK, PREDICT, clip=1e9)[0][0]
-    b = WindowDataset([SeriesArrays(changed, series[0].stamps)], LOOKBACK, PREDICT, clip=1e9)[0][0]
+    a = WindowDataset(series, Window(LOOKBACK, PREDICT, 1e9))[0][0]
+    b = WindowDataset([SeriesArrays(changed, series[0].stamps)], Window(LOOKBACK, PREDICT, 1e9))[0][0]
     torch.testing.assert_close(a[:LOOKBACK], b[:LOOKBACK])
     assert not torch.allclose(a[LOOKBACK:], b[LOOKBACK:])
-    assert WindowDataset(series, LOOKBACK, PREDICT, clip=2.0)[0][0].abs().max() <= 2.0
+    assert WindowDataset(series, Window(LOOKBACK, PREDICT, 2.0))[0][0].abs().max() <= 2.0
 
 
 def test_batched_fetch_equals_single_items():
-    ds = WindowDataset(random_walk_series(2, 25), LOOKBACK, PREDICT)
+    ds = WindowDataset(random_walk_series(2, 25), Window(LOOKBACK, PREDICT))
     x, stamp = ds.get_batch([3, 0, 20])
     for row, i in enumerate([3, 0, 20]):
         torch.testing.assert_close(x[row], ds[i][0])
@@ -72,12 +73,12 @@ def test_batched_fetch_equals_single_items():
 def test_short_series_are_reported_and_bad_input_raises():
     series = random_walk_series(n_series=2, n_rows=20)
     tiny = SeriesArrays(series[0].features[:5], series[0].stamps[:5], "TINY")
-    ds = WindowDataset([series[0], tiny], LOOKBACK, PREDICT)
+    ds = WindowDataset([series[0], tiny], Window(LOOKBACK, PREDICT))
     assert ds.short_series == [("TINY", 5)]
     with pytest.raises(ValueError, match="lookback \\+ predict = 8 rows.*longest series: 5 rows"):
-        WindowDataset([tiny], LOOKBACK, PREDICT)
+        WindowDataset([tiny], Window(LOOKBACK, PREDICT))
     with pytest.raises(ValueError, match="stamps must be"):
-        WindowDataset([(series[0].features, series[0].stamps[:, :4])], LOOKBACK, PREDICT)
+        WindowDataset([(series[0].features, series[0].stamps[:, :4])], Window(LOOKBACK, PREDICT))
 
 
 def collect(dataset, sampler_kwargs, world_size, epoch, num_workers, batch_size=3):
@@ -93,13 +94,13 @@ def collect(dataset, sampler_kwargs, world_size, epoch, num_workers, batch_size=
 
 
 def test_every_window_once_per_epoch_across_two_ranks_and_two_workers():
-    ds = WindowDataset(random_walk_series(3, 17, id_stamps=True), LOOKBACK, PREDICT)  # 3 * 10 = 30 windows
+    ds = WindowDataset(random_walk_series(3, 17, id_stamps=True), Window(LOOKBACK, PREDICT))  # 3 * 10 = 30 windows
     all_starts = sorted(window_starts(ds).tolist())
     # Validation policy: nothing dropped, nothing duplicated (ranks get 15 and 15 here; uneven sizes are allowed).
     val = collect(ds, dict(shuffle=False, drop_remainder=False), world_size=2, epoch=0, num_workers=2)
     assert sorted(val[0] + val[1]) == all_starts
     # Training policy: shuffled, equal share per rank, each chosen window exactly once.
-    ds31 = WindowDataset(random_walk_series(1, 38, id_stamps=True), LOOKBACK, PREDICT)  # 31 windows
+    ds31 = WindowDataset(random_walk_series(1, 38, id_stamps=True), Window(LOOKBACK, PREDICT))  # 31 windows
     train = collect(ds31, dict(shuffle=True, drop_remainder=True), world_size=2, epoch=3, num_workers=2)
     merged = train[0] + train[1]
     assert len(train[0]) == len(train[1]) == 15
@@ -154,7 +155,7 @@ def test_each_worker_gets_a_distinct_reproducible_seed():
 
 def test_a_memmapped_panel_is_read_in_place_and_gives_the_windows_of_the_array_path(tmp_path):
     series = random_walk_series(n_series=3, n_rows=25, seed=4)
-    from_arrays = WindowDataset(series, LOOKBACK, PREDICT, stride=2, clip=3.0)
+    from_arrays = WindowDataset(series, Window(LOOKBACK, PREDICT, 3.0), stride=2)
     panel = SeriesPanel.from_series([s.features for s in series], [s.stamps for s in series],
                                     [s.name for s in series])
     # the panel on disk, opened read-only as every rank of a prepared data store would
@@ -164,7 +165,7 @@ def test_a_memmapped_panel_is_read_in_place_and_gives_the_windows_of_the_array_p
     feats.flush(), stamps.flush()
     mapped = SeriesPanel(np.load(tmp_path / "f.npy", mmap_mode="r"), np.load(tmp_path / "s.npy", mmap_mode="r"),
                          panel.offsets, panel.names)
-    ds = WindowDataset(mapped, LOOKBACK, PREDICT, stride=2, clip=3.0)
+    ds = WindowDataset(mapped, Window(LOOKBACK, PREDICT, 3.0), stride=2)
     assert isinstance(ds.features_t, np.memmap) and isinstance(ds.stamps, np.memmap)  # no copy in memory
     assert ds.features_t is mapped.features and ds.stamps is mapped.stamps
     assert len(ds) == len(from_arrays) and ds.names == from_arrays.names
@@ -177,9 +178,9 @@ def test_a_panel_of_another_dtype_is_converted_once_and_the_list_constructor_equ
     series = random_walk_series(n_series=2, n_rows=20)
     panel = SeriesPanel.from_series([s.features for s in series], [s.stamps for s in series], ["a", "b"])
     as_f64 = SeriesPanel(panel.features.astype(np.float64), panel.stamps, panel.offsets, panel.names)
-    ds = WindowDataset(as_f64, LOOKBACK, PREDICT)
+    ds = WindowDataset(as_f64, Window(LOOKBACK, PREDICT))
     assert ds.features_t.dtype == np.float32 and ds.features_t.flags.c_contiguous
-    a, b = WindowDataset(series, LOOKBACK, PREDICT), WindowDataset(panel, LOOKBACK, PREDICT)
+    a, b = WindowDataset(series, Window(LOOKBACK, PREDICT)), WindowDataset(panel, Window(LOOKBACK, PREDICT))
     assert torch.equal(a[len(a) - 1][0], b[len(b) - 1][0]) and torch.equal(ds[3][0], b[3][0])
 
 

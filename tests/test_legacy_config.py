@@ -160,7 +160,7 @@ def test_problems_are_reported_with_the_new_keys_and_the_original_file(tmp_path)
     with pytest.raises(ConfigError) as err:
         csv_config.load(path)
     assert str(path) in str(err.value).splitlines()[0] and "original Kronos format" in str(err.value)
-    assert any(p.startswith("data.lookback: must be >= 1") for p in err.value.problems)
+    assert any(p.startswith("data.lookback: must be >= 2") for p in err.value.problems)
 
 
 def test_original_keys_mixed_into_the_new_format_are_named(tmp_path):

@@ -3,6 +3,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from model.config import Window
 from model.features import (
     CLOSE,
     FEATURES,
@@ -29,7 +30,7 @@ def test_normalize_is_bit_identical_to_window_dataset_get_batch():
     feats = (100 * np.exp(np.cumsum(rng.normal(0, 0.02, (n, 6)), axis=0))).astype(np.float32)
     feats[:, 4:] *= 1e4  # volume/amount on another scale
     stamps = np.zeros((n, 5), dtype=np.int64)
-    ds = WindowDataset([SeriesArrays(feats, stamps, "A")], lookback, predict, clip=5)
+    ds = WindowDataset([SeriesArrays(feats, stamps, "A")], Window(lookback, predict, 5))
     idx = np.arange(len(ds))
     x_ref, _ = ds.get_batch(idx)                                           # (B, W, F)
     block = np.stack([feats[i:i + lookback + predict].T for i in idx])     # (B, F, W)

@@ -19,6 +19,7 @@ from finetune.utils.training_utils import predictor_loss
 from finetune.utils.windows import SeriesArrays, WindowDataset
 from finetune_csv.config import load
 from model import Kronos, KronosPredictor, KronosTokenizer
+from model.config import Window
 from model.features import calc_time_stamps
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,7 +38,7 @@ def demo_windows():
     df = generate_ohlcv(1, 2000, "5min", seed=0)["SH600000"]
     arrays = SeriesArrays(df[FEATURES].to_numpy(np.float32),
                           calc_time_stamps(df["timestamps"]).to_numpy(np.int64), "demo")
-    ds = WindowDataset([arrays], 64, 16, stride=120)
+    ds = WindowDataset([arrays], Window(64, 16), stride=120)
     return ds.get_batch(np.arange(16))
 
 

@@ -13,6 +13,7 @@ from finetune.synthetic import generate_ohlcv, write_csv_folder
 from finetune.utils.store import SeriesPanel
 from finetune_csv import walk_forward as wf
 from finetune_csv.config import load
+from model.config import Window
 from model.errors import ConfigError, RefusedError
 from tests import model_factory
 
@@ -54,7 +55,8 @@ def test_folds_are_date_ranges_shared_by_all_series_and_purged_on_each(purge, em
     lookback, predict = 16, 4
     # s1 is shorter and s2 ends (is delisted) 30 hours before the others: uneven lengths AND end dates
     p = panel([300, 220, 260], ["2024-03-01 00:00", "2024-03-01 00:00", "2024-02-28 18:00"])
-    folds = wf.make_folds(p, lookback, predict, folds=3, test_bars=12, purge=purge, embargo=embargo, val_ratio=0.2)
+    folds = wf.make_folds(p, Window(lookback, predict), folds=3, test_bars=12, purge=purge, embargo=embargo,
+                          val_ratio=0.2)
     when = np.asarray(p.datetimes)
     calendar = np.unique(when)
     prev_last = None
@@ -86,20 +88,21 @@ def test_a_series_that_ends_before_every_test_block_is_named_in_a_warning(caplog
     # s1 ends (is delisted) 100 hours before the others: the 3 blocks of 12 bars follow s0, s1 is in no fold
     p = panel([300, 260], ["2024-03-01 00:00", "2024-02-26 20:00"])
     with caplog.at_level("WARNING", logger=wf.log.name):
-        folds = wf.make_folds(p, 16, 4, folds=3, test_bars=12, purge=4, embargo=0, val_ratio=0.2)
+        folds = wf.make_folds(p, Window(16, 4), folds=3, test_bars=12, purge=4, embargo=0, val_ratio=0.2)
     assert all(f.test.stop[1] == f.test.first_target[1] for f in folds)
     assert "s1 are scored in no fold, only trained on" in caplog.text and "the verdict covers 1 of 2" in caplog.text
     assert all(f.train.stop[1] - f.train.start[1] >= 20 for f in folds)  # s1 still trains in every fold
     caplog.clear()
     with caplog.at_level("WARNING", logger=wf.log.name):  # ends 30 hours early: in fold 0, no warning
-        wf.make_folds(panel([300, 260], ["2024-03-01 00:00", "2024-02-28 18:00"]), 16, 4, folds=3, test_bars=12,
+        wf.make_folds(panel([300, 260], ["2024-03-01 00:00", "2024-02-28 18:00"]), Window(16, 4), folds=3, test_bars=12,
                       purge=4, embargo=0, val_ratio=0.2)
     assert "in no fold" not in caplog.text
 
 
 def test_too_short_series_and_a_purge_below_predict_are_named(tmp_path):
     with pytest.raises(ValueError, match="walk_forward.folds"):
-        wf.make_folds(panel([60], ["2024-03-01"]), 16, 4, folds=4, test_bars=12, purge=4, embargo=0, val_ratio=0.2)
+        wf.make_folds(panel([60], ["2024-03-01"]), Window(16, 4), folds=4, test_bars=12, purge=4, embargo=0,
+                      val_ratio=0.2)
     config = tmp_path / "c.yaml"
     config.write_text(YAML.format(data=tmp_path, models=tmp_path, out=tmp_path))
     with pytest.raises(ConfigError, match="walk_forward.purge"):

@@ -14,6 +14,7 @@ import torch
 
 from finetune.utils.safety import raise_if_stop_requested
 from finetune.utils.windows import PanelSegments
+from model.config import Window
 from model.features import CLOSE, calc_time_stamps
 
 
@@ -59,10 +60,11 @@ def spread_evenly(n_available: int, n_wanted: int) -> np.ndarray:
     return np.unique(np.round(np.linspace(0, n_available - 1, k)).astype(np.int64))
 
 
-def held_out_windows(segments: PanelSegments, lookback: int, predict: int, stride: int | None = None,
+def held_out_windows(segments: PanelSegments, window: Window, stride: int | None = None,
                      max_windows: int | None = None, history: int = 0) -> HeldOutWindows:
-    """Every window of each series' range of a split (its panel with datetimes), starts `stride` rows apart (None =
-    predict: non-overlapping), series in panel order and windows in time order; only the windows' columns are read.
+    """Every `window` of each series' range of a split (its panel with datetimes), starts `stride` rows apart (None
+    = window.predict: non-overlapping), series in panel order and windows in time order; only the windows' columns
+    are read.
 
     max_windows: optional cap per series (evenly spread, first and last included).
     history: also cut the closes of the `history` bars ending at each window's last context bar, from the whole
@@ -70,11 +72,11 @@ def held_out_windows(segments: PanelSegments, lookback: int, predict: int, strid
     panel = segments.panel
     if panel.datetimes is None:
         raise ValueError("held-out windows need the bar times: this panel has no datetimes")
-    stride = predict if stride is None else stride
-    window = lookback + predict
+    lookback = window.lookback
+    stride = window.predict if stride is None else stride
     names, columns, series_first = [], [], []
     for s, (lo, hi) in enumerate(zip(segments.start.tolist(), segments.stop.tolist())):
-        starts = np.arange(0, hi - lo - window + 1, stride, dtype=np.int64)
+        starts = np.arange(0, hi - lo - window.size + 1, stride, dtype=np.int64)
         if max_windows is not None:
             starts = starts[spread_evenly(len(starts), max_windows)]
         names += [panel.names[s]] * len(starts)
@@ -86,7 +88,7 @@ def held_out_windows(segments: PanelSegments, lookback: int, predict: int, strid
         ends = first + lookback  # (N,) one past each window's last context column
         n_bars = int(min(history, (ends - np.concatenate(series_first)).min(initial=history)))
         past = np.asarray(panel.features[CLOSE][ends[:, None] - n_bars + np.arange(n_bars)], dtype=np.float64)
-    cols = first[:, None] + np.arange(window, dtype=np.int64)  # (N, W) panel columns of each window
+    cols = first[:, None] + np.arange(window.size, dtype=np.int64)  # (N, W) panel columns of each window
     values = np.moveaxis(np.asarray(panel.features[:, cols], dtype=np.float64), 0, -1)  # (N, W, 6)
     when = np.asarray(panel.datetimes)[cols]  # (N, W) int64 ns, naive wall-clock time
     as_index = lambda ns: pd.DatetimeIndex(ns.astype("datetime64[ns]"))

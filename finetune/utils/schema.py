@@ -1,5 +1,7 @@
-"""The settings sections both pipelines share, filled by config_utils.py (no torch): `TrainingConfig` and its checks,
-`StageConfig` / `StagedConfig` (`<stage>_training:` over `training:`), `SamplingConfig` (`forecast:`), `ModelConfig`."""
+"""The settings both pipelines share, filled by config_utils.py (no torch): `PipelineConfig`, the typed contract
+between the engine and a pipeline (what the stage runner reads of `Pipeline.cfg`), and its sections: `WindowSettings`
+(`data:`'s window), `ModelConfig`, `TrainingConfig` and its checks, `StageConfig` (`<stage>_training:` over
+`training:`); `SamplingConfig` (`forecast:`)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Any, Literal
 
 from finetune.utils.adapters import mode_problems
 from finetune.utils.config_utils import Problems, parse_date
-from model.config import KronosConfig, KronosTokenizerConfig
+from model.config import KronosConfig, KronosTokenizerConfig, Window
 from model.features import FEATURES
 
 
@@ -168,9 +170,35 @@ class StageConfig:
     """Gradient-norm clip; null = training.clip_grad_norm, whose null means 2.0 (tokenizer) / 3.0 (predictor)."""
 
 
-class StagedConfig:
-    """Base of both pipelines' settings, which hold `training:` and the `tokenizer_training:` / `predictor_training:`
-    StageConfig sections."""
+class WindowSettings:
+    """Base of both pipelines' `data:` sections, which declare `lookback`, `predict` and `clip` (each with its own
+    defaults: Qlib daily 90 / 10, CSV 512 / 48)."""
+
+    lookback: int
+    predict: int
+    clip: float
+
+    @property
+    def window(self) -> Window:
+        return Window(self.lookback, self.predict, self.clip)
+
+    def check_window(self, problems: Problems) -> None:
+        """The window's rules, one set for both pipelines."""
+        problems.check(self.lookback >= 2, "data.lookback",
+                       f"must be >= 2 (a window is normalised by the std of its lookback bars), got {self.lookback}")
+        problems.check(self.predict >= 1, "data.predict", f"must be >= 1, got {self.predict}")
+        problems.check(self.clip > 0, "data.clip", f"must be > 0, got {self.clip}")
+
+
+class PipelineConfig:
+    """Base of both pipelines' settings (`QlibConfig`, `CsvFinetuneConfig`): the sections the engine reads. Each
+    pipeline's dataclass declares them with its own defaults and subclasses, and adds its own sections."""
+
+    data: WindowSettings
+    model: ModelConfig
+    training: TrainingConfig
+    tokenizer_training: StageConfig
+    predictor_training: StageConfig
 
     def stage_training(self, stage: Literal["tokenizer", "predictor"]) -> TrainingConfig:
         """`training` with the stage's non-null overrides applied: what the engine runs that stage with."""

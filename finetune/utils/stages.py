@@ -30,7 +30,7 @@ from finetune.utils.distributed import DistInfo, distributed_context, seeded_ini
 from finetune.utils.factory import build_predictor, build_tokenizer
 from finetune.utils.ledger import NOT_IN_RUN, SKIP_EXISTING, stage_status
 from finetune.utils.safety import GracefulStop, raise_if_stop_requested
-from finetune.utils.schema import STAGES
+from finetune.utils.schema import STAGES, PipelineConfig
 from finetune.utils.training_utils import TrainResult, train_predictor, train_tokenizer
 from finetune.utils.validate import ValMetric
 from model import KronosTokenizer
@@ -40,10 +40,10 @@ log = logging.getLogger(__name__)
 
 
 class Pipeline(Protocol):
-    """A pipeline's data side: all the stage runner asks of it. `cfg`: its settings (`model`, `data.lookback /
-    predict / clip`, `training`, `stage_training(stage)`, `forecast`: sampling and batch_size)."""
+    """A pipeline's data side: all the stage runner asks of it. `cfg`: its settings, of which the engine reads the
+    shared sections (`PipelineConfig`: data.window, model, training and the stage sections)."""
 
-    cfg: Any
+    cfg: PipelineConfig
 
     def stage_dir(self, stage: str) -> Path: ...  # the stage's output folder
 
@@ -96,9 +96,8 @@ def run_stages(pipe: Pipeline, plan: Mapping[str, str | None], resume: Mapping[s
                 tokenizer, predictor = _predictor_pair(pipe, training["predictor"].seed)
             # What forecasting needs beside the weights (kronos_predictor.json): the window, the tokenizer (its
             # weights' sha256 pins the pair) and the clip.
-            forecast_info = {"max_context": d.lookback + d.predict, "lookback": d.lookback,
-                             "tokenizer": pipe.tokenizer_source()[0],
-                             "tokenizer_sha256": weights_fingerprint(tokenizer), "clip": d.clip}
+            forecast_info = {**d.window.info(), "tokenizer": pipe.tokenizer_source()[0],
+                             "tokenizer_sha256": weights_fingerprint(tokenizer)}
             results.append(train_predictor(predictor, tokenizer, train_set, val_set, training["predictor"],
                                            pipe.stage_dir("predictor"), dist, forecast_info=forecast_info,
                                            val_metric=pipe.val_metric(training["predictor"].select_by, tokenizer),

@@ -1,6 +1,6 @@
 """The one sliding-window dataset both pipelines train on, over index ranges of a `SeriesPanel` (no copies).
 
-    train = PanelSegments(panel, start, first_target, stop).dataset(lookback=512, predict=48, stride=1, clip=5.0)
+    train = PanelSegments(panel, start, first_target, stop).dataset(Window(lookback=512, predict=48, clip=5.0))
     x, x_stamp = train.get_batch(indices)    # (B, W, F) float32 normalised, (B, W, 5) int64
 
 A split of series s is the column range [start, stop) of the panel (cut by the pipeline: finetune_csv/splits.py);
@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
 from finetune.utils.store import N_STAMP_COLUMNS, SeriesPanel
+from model.config import Window
 from model.errors import DataError
 
 
@@ -38,9 +39,9 @@ class PanelSegments:
         """Readable rows per series (context included), int64 (S,)."""
         return self.stop - self.start
 
-    def dataset(self, lookback: int, predict: int, *, stride: int = 1, clip: float = 5.0) -> WindowDataset:
+    def dataset(self, window: Window, *, stride: int = 1) -> WindowDataset:
         """The split's windows: the shared WindowDataset reading the panel (memory map) inside these ranges."""
-        return WindowDataset(self.panel, lookback, predict, stride=stride, clip=clip, ranges=(self.start, self.stop))
+        return WindowDataset(self.panel, window, stride=stride, ranges=(self.start, self.stop))
 
 
 EXACT_LIMIT = 1 << 24  # windows up to which the original full permutation is used
@@ -184,7 +185,7 @@ def _as_block(array: np.ndarray, dtype: type) -> np.ndarray:
 
 
 class WindowDataset(Dataset):
-    """All windows of length `lookback + predict` (every `stride` rows) inside each series of a `SeriesPanel`.
+    """All windows of `window.size` rows (every `stride` rows) inside each series of a `SeriesPanel`.
 
     data: a `SeriesPanel` (used as it is: an np.memmap panel stays memory-mapped), or `SeriesArrays` /
         `(features, stamps)` pairs, concatenated into a panel once. The normalisation uses the lookback rows only.
@@ -193,16 +194,11 @@ class WindowDataset(Dataset):
     Series shorter than a window give no windows and are listed in `short_series` (name, rows); a dataset with no
     window at all raises DataError."""
 
-    def __init__(self, data: SeriesPanel | Sequence[SeriesArrays | tuple[np.ndarray, np.ndarray]], lookback: int,
-                 predict: int, *, stride: int = 1, clip: float = 5.0,
-                 ranges: tuple[np.ndarray, np.ndarray] | None = None):
-        if lookback < 1 or predict < 0 or stride < 1:
-            raise ValueError(f"need lookback >= 1, predict >= 0, stride >= 1; got {lookback}, {predict}, {stride}")
-        self.lookback = int(lookback)
-        self.predict = int(predict)
-        self.window = self.lookback + self.predict
-        self.stride = int(stride)
-        self.clip = float(clip)
+    def __init__(self, data: SeriesPanel | Sequence[SeriesArrays | tuple[np.ndarray, np.ndarray]], window: Window,
+                 *, stride: int = 1, ranges: tuple[np.ndarray, np.ndarray] | None = None):
+        if window.lookback < 1 or window.predict < 0 or stride < 1:
+            raise ValueError(f"need lookback >= 1, predict >= 0, stride >= 1; got {window}, stride {stride}")
+        self.window, self.stride = window, int(stride)
 
         panel = data if isinstance(data, SeriesPanel) else panel_from_series(data)
         if panel.n_series == 0:
@@ -219,12 +215,13 @@ class WindowDataset(Dataset):
                     or (stop > offsets[1:]).any() or (stop < start).any():
                 raise ValueError("ranges must give, per series, a column range inside that series")
             lengths, self.row_offsets = stop - start, start
-        counts = np.where(lengths >= self.window, (lengths - self.window) // self.stride + 1, 0)
+        w = window.size
+        counts = np.where(lengths >= w, (lengths - w) // self.stride + 1, 0)
         self.windows_per_series = counts.astype(np.int64)
         self.cum_windows = np.cumsum(self.windows_per_series)  # cum_windows[s] = windows in series 0..s
         self.short_series = [(self.names[i], int(lengths[i])) for i in np.flatnonzero(counts == 0)]
         if self.cum_windows[-1] == 0:
-            raise DataError(f"no series has enough rows for one window of lookback + predict = {self.window} rows "
+            raise DataError(f"no series has enough rows for one window of lookback + predict = {w} rows "
                             f"(longest series: {int(lengths.max())} rows); lower the lookback/predict window or add "
                             "data")
         # The panel's blocks as they are (one copy only if the dtype or layout is not the engine's): cheap to share
@@ -234,7 +231,7 @@ class WindowDataset(Dataset):
         self.stamps = _as_block(panel.stamps, np.int64)  # (sum N, 5)
         # Read-only window views indexed by a window's first global row, without copying:
         # (sum N - W + 1, F, W) and (sum N - W + 1, W, 5). Gathering B windows copies B contiguous blocks.
-        n_rows, f, w = self.stamps.shape[0], self.features_t.shape[0], self.window
+        n_rows, f = self.stamps.shape[0], self.features_t.shape[0]
         self._feature_windows = np.lib.stride_tricks.as_strided(
             self.features_t, (n_rows - w + 1, f, w), (self.features_t.strides[1], self.features_t.strides[0],
                                                        self.features_t.strides[1]), writeable=False)
@@ -271,13 +268,14 @@ class WindowDataset(Dataset):
         `(x - mean) / (std + 1e-5)`, then clipped to [-clip, clip]."""
         starts = self.starts(np.asarray(indices, dtype=np.int64))
         x = self._feature_windows[starts]  # (B, F, W) copy
-        past = x[:, :, : self.lookback]
+        lookback = self.window.lookback
+        past = x[:, :, :lookback]
         mean = past.mean(axis=2, keepdims=True)  # (B, F, 1)
         centred = past - mean
-        std = np.sqrt(np.einsum("bfw,bfw->bf", centred, centred) / self.lookback)[:, :, None]  # (B, F, 1)
+        std = np.sqrt(np.einsum("bfw,bfw->bf", centred, centred) / lookback)[:, :, None]  # (B, F, 1)
         x -= mean
         x /= std + 1e-5
-        np.clip(x, -self.clip, self.clip, out=x)
+        np.clip(x, -self.window.clip, self.window.clip, out=x)
         x = np.ascontiguousarray(x.transpose(0, 2, 1))  # (B, W, F)
         return torch.from_numpy(x), torch.from_numpy(self._stamp_windows[starts])
 
