@@ -165,13 +165,9 @@ def generate_ohlcv(n_series: int = 8, n_bars: int | None = None, freq: str = "5m
     volume = np.maximum(volume, 0.0)
     amount = volume * (high + low + close) / 3.0  # typical price
 
-    frames = {}
-    for s in range(S):
-        frames[f"SH{600000 + s:06d}"] = pd.DataFrame({
-            "timestamps": stamps, "open": open_[:, s], "high": high[:, s], "low": low[:, s],
-            "close": close[:, s], "volume": volume[:, s], "amount": amount[:, s],
-        })
-    return frames
+    return {f"SH{600000 + s:06d}": pd.DataFrame({"timestamps": stamps, "open": open_[:, s], "high": high[:, s],
+                                                 "low": low[:, s], "close": close[:, s], "volume": volume[:, s],
+                                                 "amount": amount[:, s]}) for s in range(S)}
 
 
 def write_csv_folder(frames: dict[str, pd.DataFrame], out_dir: str | os.PathLike) -> list[Path]:
