@@ -129,7 +129,7 @@ def analyse_signal(pred: pd.Series, labels: pd.DataFrame, quantile: float = 0.2,
 
 def _ic_stats(ic: pd.Series, horizon: int) -> dict[str, float]:
     """mean, std, ICIR = mean / std (as Qlib's SigAnaRecord) and the Newey-West t-statistic with lag h - 1."""
-    ic = ic.dropna()
+    ic = ic.dropna().sort_index()
     std = float(ic.std()) if len(ic) > 1 else math.nan
     return {**_mean_t(ic, horizon), "std": std, "icir": float(ic.mean()) / std if std > 0 else math.nan}
 
