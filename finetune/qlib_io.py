@@ -31,7 +31,7 @@ QLIB_FIELDS = ["$open", "$high", "$low", "$close", "$volume", "$vwap"]
 
 # checks that need the Qlib folder (before anything is loaded)
 
-def check_qlib_folder(cfg: QlibConfig, problems: Problems, need_benchmark: bool = True) -> None:
+def check_qlib_folder(cfg: QlibConfig, problems: Problems) -> None:
     """Record a problem, naming the setting, for a Qlib folder that lacks what the pipeline reads:
     the calendar, the universe's instrument list, and the benchmark's close prices."""
     d = cfg.data
@@ -51,7 +51,7 @@ def check_qlib_folder(cfg: QlibConfig, problems: Problems, need_benchmark: bool 
         problems.add("data.instrument", f"unknown universe {d.instrument!r}: {universe} not found (available: "
                      f"{known or 'none'})")
     bench = cfg.benchmark
-    if need_benchmark and bench:
+    if bench:
         bench_close = root / "features" / bench.lower() / f"close.{d.freq}.bin"
         if not bench_close.is_file():
             problems.add("backtest.benchmark", f"{bench!r} is not in the data ({bench_close} not found); pick an "
