@@ -150,12 +150,12 @@ def risk(returns: pd.Series, freq: str) -> dict[str, float]:
     return {k: float(v) for k, v in table["risk"].items()}
 
 
-def score_signal(cfg, pred: pd.Series, labels: pd.DataFrame, horizon: int, start: pd.Timestamp, end: pd.Timestamp,
-                 backtest: bool = True) -> tuple[dict, pd.DataFrame | None]:
+def score_signal(cfg, pred: pd.Series, labels: pd.DataFrame, horizon: int, start: pd.Timestamp,
+                 end: pd.Timestamp) -> tuple[dict, pd.DataFrame]:
     """Analysis of `pred` against every trade label (label_1..label_P), the headline at `horizon` (the one the
     signal forecasts) and the backtest over start..end: ({"horizon", "analysis" (per label), "decay", "headline":
     {IC, RankIC, ICIR, RankICIR, IC_t_nw, long_short}, "backtest": {excess_return_with_cost, ..., turnover_mean,
-    holdings_mean}}, daily frame with columns return, cost, bench, turnover, held, or None)."""
+    holdings_mean}}, daily frame with columns return, cost, bench, turnover, held)."""
     pred = pred.dropna()
     analysis = analyse_signal(pred, labels, quantile=cfg.backtest.quantile)
     head = analysis[f"label_{horizon}"]
@@ -163,8 +163,6 @@ def score_signal(cfg, pred: pd.Series, labels: pd.DataFrame, horizon: int, start
            "headline": {"IC": head["ic"]["mean"], "ICIR": head["ic"]["icir"], "IC_t_nw": head["ic"]["t_nw"],
                         "RankIC": head["rank_ic"]["mean"], "RankICIR": head["rank_ic"]["icir"],
                         "long_short": head["long_short"]["mean"], "days": head["days"]}}
-    if not backtest:
-        return out, None
     report, holdings = run_backtest(cfg, pred.sort_index(), start, end)
     held = pd.Series({d: len(v) for d, v in holdings.items()}, dtype=int).reindex(report.index).fillna(0).astype(int)
     excess = report["return"] - report["bench"]
