@@ -346,10 +346,7 @@ def evaluate(cfg: QlibConfig, forecasters: dict[str, Forecaster], split: SeriesP
     labels = forward_labels(instruments, first_day, end, deal_price=b.deal_price, horizons=d.predict, freq=d.freq)
     labels = labels.reindex(index)
 
-    signals: dict[str, pd.Series] = {}
-    for name, frame in frames.items():
-        for s in b.signals:
-            signals[s if len(frames) == 1 else f"{s}@{name}"] = frame[s]
+    signals = {s if len(frames) == 1 else f"{s}@{name}": frame[s] for name, frame in frames.items() for s in b.signals}
     if b.baselines:
         base = baseline_signals(instruments, first_day, end, BaselineSettings(b.momentum_window, b.reversal_window),
                                 freq=d.freq).reindex(index)  # only member stock-days, as the model's
