@@ -326,8 +326,7 @@ def build_qlib_provider(frames: dict[str, pd.DataFrame], out_dir: str | os.PathL
     out = Path(out_dir)
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} already exists and is not empty; pass overwrite=True (--overwrite) to replace it")
-    upper = {s.upper(): s for s in frames}
-    if len(upper) != len(frames):
+    if len({s.upper() for s in frames}) != len(frames):
         raise DataError("symbols differ only by case: " + ", ".join(sorted(frames)))
     clean = validate_daily_frames({s.upper(): df for s, df in frames.items()}, columns)
     derived = sorted(s.upper() for s, df in frames.items()
