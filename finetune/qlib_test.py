@@ -39,7 +39,7 @@ from finetune.evaluation.signals import (
 from finetune.evaluation.statistics import paired_test
 from finetune.qlib_data_preprocess import first_signal_day
 from finetune.qlib_forecast import Forecaster, forecast_frame, forecast_window_ends, kronos_forecaster, signal_horizon
-from finetune.qlib_io import benchmark_label, check_qlib_folder, init_qlib, range_bounds
+from finetune.qlib_io import benchmark_label, check_qlib_folder, init_qlib, range_bounds, read_calendar
 from finetune.utils.cli_args import parse_config_args
 from finetune.utils.config_utils import config_to_dict
 from finetune.utils.errors import require_extra, setup_logging
@@ -400,9 +400,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     split = load_split(split_path(d.dataset_path, "test"))  # memory-mapped
     calendar_ns = np.asarray(read_manifest(d.dataset_path)["calendar_ns"], dtype=np.int64)
     init_qlib(cfg)
-    from qlib.data import D
-
-    calendar = pd.DatetimeIndex(D.calendar(freq=d.freq))
+    calendar = read_calendar(cfg)
     # The pair as trained: a tokenizer at paths.finetuned_tokenizer_path other than the predictor's is refused.
     predictor, tokenizer, _ = load_trained_pair(cfg.paths.finetuned_predictor_path, cfg.paths.finetuned_tokenizer_path)
     # Labels carry the seed value; zero-shot always samples with forecast.seed, whatever forecast.seeds lists.
