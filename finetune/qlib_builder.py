@@ -296,13 +296,11 @@ def _write_provider(root: Path, tables: dict[str, pd.DataFrame], universe: str, 
 
     spans = {s: (t.index.min(), t.index.max()) for s, t in tables.items()}
     (root / "instruments").mkdir()
-    lines = [f"{s}\t{spans[s][0]:%Y-%m-%d}\t{spans[s][1]:%Y-%m-%d}\n" for s in sorted(tables)]
-    (root / "instruments" / "all.txt").write_text("".join(lines))
-    if membership is None:
-        lines = [f"{s}\t{spans[s][0]:%Y-%m-%d}\t{spans[s][1]:%Y-%m-%d}\n" for s in sorted(universe_symbols)]
-    else:
-        lines = [f"{r.symbol}\t{r.start:%Y-%m-%d}\t{r.end:%Y-%m-%d}\n" for r in membership.itertuples()]
-    (root / "instruments" / f"{universe.lower()}.txt").write_text("".join(lines))
+    members = ([(s, *spans[s]) for s in sorted(universe_symbols)] if membership is None
+               else membership[list(MEMBERSHIP_COLUMNS)].itertuples(index=False))
+    for name, rows in (("all", [(s, *spans[s]) for s in sorted(tables)]), (universe.lower(), members)):
+        lines = (f"{s}\t{a:%Y-%m-%d}\t{b:%Y-%m-%d}\n" for s, a, b in rows)  # symbol, first day, last day
+        (root / "instruments" / f"{name}.txt").write_text("".join(lines))
 
     position = pd.Series(np.arange(len(calendar)), index=calendar)
     for symbol, table in tables.items():
