@@ -262,14 +262,9 @@ def load_membership(source: str | os.PathLike | pd.DataFrame, symbols: set[str],
         raise DataError(f"{where} has no rows")
     out = pd.DataFrame({"symbol": raw["symbol"].astype(str).str.strip().str.upper(),
                         "start": _parse_dates(raw["start"]), "end": _parse_dates(raw["end"])})
-    problems = []
-    for col in ("start", "end"):
-        bad = out[col].isna().to_numpy()
-        if bad.any():
-            problems.append(f"unparseable {col} at {_rows(bad)}")
-    reversed_ = (out["start"] > out["end"]).to_numpy()
-    if reversed_.any():
-        problems.append(f"start after end at {_rows(reversed_)}")
+    checks = [(out[c].isna(), f"unparseable {c}") for c in ("start", "end")] + [
+        (out["start"] > out["end"], "start after end")]
+    problems = [f"{what} at {_rows(bad.to_numpy())}" for bad, what in checks if bad.any()]
     unknown = sorted(set(out["symbol"]) - symbols - {benchmark})
     if unknown:
         problems.append(f"symbols without data: {unknown[:5]}{' ...' if len(unknown) > 5 else ''} "
