@@ -152,17 +152,10 @@ def _clean_daily_table(df: pd.DataFrame, symbol: str,
     out = pd.DataFrame({"timestamps": stamps})
     for col in REQUIRED_COLUMNS[1:]:
         out[col] = pd.to_numeric(df[col], errors="coerce").astype("float64")
-        bad = (out[col].isna() & df[col].notna()).to_numpy()
-        if bad.any():
-            errs.append(f"column {col!r} has non-numeric values at {_rows(bad)}")
-    for col in PRICE_COLUMNS:
-        bad = (out[col] <= 0).to_numpy()
-        if bad.any():
-            errs.append(f"column {col!r} is <= 0 at {_rows(bad)}")
-    for col in ("volume", "amount"):
-        bad = (out[col] < 0).to_numpy()
-        if bad.any():
-            errs.append(f"column {col!r} is negative at {_rows(bad)}")
+    checks = ([(c, out[c].isna() & df[c].notna(), "has non-numeric values") for c in REQUIRED_COLUMNS[1:]]
+              + [(c, out[c] <= 0, "is <= 0") for c in PRICE_COLUMNS]
+              + [(c, out[c] < 0, "is negative") for c in ("volume", "amount")])
+    errs += [f"column {col!r} {what} at {_rows(bad.to_numpy())}" for col, bad, what in checks if bad.any()]
     if errs:
         return None, errs
     return out.sort_values("timestamps", kind="stable").reset_index(drop=True), []
@@ -269,14 +262,9 @@ def load_membership(source: str | os.PathLike | pd.DataFrame, symbols: set[str],
         raise DataError(f"{where} has no rows")
     out = pd.DataFrame({"symbol": raw["symbol"].astype(str).str.strip().str.upper(),
                         "start": _parse_dates(raw["start"]), "end": _parse_dates(raw["end"])})
-    problems = []
-    for col in ("start", "end"):
-        bad = out[col].isna().to_numpy()
-        if bad.any():
-            problems.append(f"unparseable {col} at {_rows(bad)}")
-    reversed_ = (out["start"] > out["end"]).to_numpy()
-    if reversed_.any():
-        problems.append(f"start after end at {_rows(reversed_)}")
+    checks = [(out[c].isna(), f"unparseable {c}") for c in ("start", "end")] + [
+        (out["start"] > out["end"], "start after end")]
+    problems = [f"{what} at {_rows(bad.to_numpy())}" for bad, what in checks if bad.any()]
     unknown = sorted(set(out["symbol"]) - symbols - {benchmark})
     if unknown:
         problems.append(f"symbols without data: {unknown[:5]}{' ...' if len(unknown) > 5 else ''} "
@@ -303,13 +291,11 @@ def _write_provider(root: Path, tables: dict[str, pd.DataFrame], universe: str, 
 
     spans = {s: (t.index.min(), t.index.max()) for s, t in tables.items()}
     (root / "instruments").mkdir()
-    lines = [f"{s}\t{spans[s][0]:%Y-%m-%d}\t{spans[s][1]:%Y-%m-%d}\n" for s in sorted(tables)]
-    (root / "instruments" / "all.txt").write_text("".join(lines))
-    if membership is None:
-        lines = [f"{s}\t{spans[s][0]:%Y-%m-%d}\t{spans[s][1]:%Y-%m-%d}\n" for s in sorted(universe_symbols)]
-    else:
-        lines = [f"{r.symbol}\t{r.start:%Y-%m-%d}\t{r.end:%Y-%m-%d}\n" for r in membership.itertuples()]
-    (root / "instruments" / f"{universe.lower()}.txt").write_text("".join(lines))
+    members = ([(s, *spans[s]) for s in sorted(universe_symbols)] if membership is None
+               else membership[list(MEMBERSHIP_COLUMNS)].itertuples(index=False))
+    for name, rows in (("all", [(s, *spans[s]) for s in sorted(tables)]), (universe.lower(), members)):
+        lines = (f"{s}\t{a:%Y-%m-%d}\t{b:%Y-%m-%d}\n" for s, a, b in rows)  # symbol, first day, last day
+        (root / "instruments" / f"{name}.txt").write_text("".join(lines))
 
     position = pd.Series(np.arange(len(calendar)), index=calendar)
     for symbol, table in tables.items():
@@ -333,8 +319,7 @@ def build_qlib_provider(frames: dict[str, pd.DataFrame], out_dir: str | os.PathL
     out = Path(out_dir)
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} already exists and is not empty; pass overwrite=True (--overwrite) to replace it")
-    upper = {s.upper(): s for s in frames}
-    if len(upper) != len(frames):
+    if len({s.upper() for s in frames}) != len(frames):
         raise DataError("symbols differ only by case: " + ", ".join(sorted(frames)))
     clean = validate_daily_frames({s.upper(): df for s, df in frames.items()}, columns)
     derived = sorted(s.upper() for s, df in frames.items()

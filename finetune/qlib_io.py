@@ -31,7 +31,7 @@ QLIB_FIELDS = ["$open", "$high", "$low", "$close", "$volume", "$vwap"]
 
 # checks that need the Qlib folder (before anything is loaded)
 
-def check_qlib_folder(cfg: QlibConfig, problems: Problems, need_benchmark: bool = True) -> None:
+def check_qlib_folder(cfg: QlibConfig, problems: Problems) -> None:
     """Record a problem, naming the setting, for a Qlib folder that lacks what the pipeline reads:
     the calendar, the universe's instrument list, and the benchmark's close prices."""
     d = cfg.data
@@ -51,7 +51,7 @@ def check_qlib_folder(cfg: QlibConfig, problems: Problems, need_benchmark: bool 
         problems.add("data.instrument", f"unknown universe {d.instrument!r}: {universe} not found (available: "
                      f"{known or 'none'})")
     bench = cfg.benchmark
-    if need_benchmark and bench:
+    if bench:
         bench_close = root / "features" / bench.lower() / f"close.{d.freq}.bin"
         if not bench_close.is_file():
             problems.add("backtest.benchmark", f"{bench!r} is not in the data ({bench_close} not found); pick an "
@@ -161,10 +161,11 @@ def frame_to_panel(frame: pd.DataFrame, amount_source: str, min_bars: int, calen
         amount = volume * (o + h + l + c) / 4.0
     features = np.stack([o, h, l, c, volume, amount], axis=1)  # (N, 6) float64 in FEATURES order until checked
     ok = np.isfinite(features).all(axis=1)
-    report = FrameReport()
-    if not ok.all():
-        codes, counts = np.unique(inst[~ok], return_counts=True)
-        report.nan_rows = {str(level_names[c]): int(k) for c, k in zip(codes, counts)}
+
+    def per_instrument(codes: np.ndarray) -> dict[str, int]:  # {instrument: how many of `codes` (N',) are its}
+        return {str(level_names[c]): int(k) for c, k in zip(*np.unique(codes, return_counts=True))}
+
+    report = FrameReport(nan_rows=per_instrument(inst[~ok]))
     inst, when, features = inst[ok], when[ok], features[ok]
 
     # Series boundaries: the rows are sorted by instrument, so each one is a contiguous run; with a calendar, a run
@@ -173,9 +174,7 @@ def frame_to_panel(frame: pd.DataFrame, amount_source: str, min_bars: int, calen
     if calendar is not None and max_gap_days is not None and len(inst):
         position = np.searchsorted(datetimes_ns(calendar), when)  # (N,) calendar index of each bar
         cut = np.r_[False, (np.diff(position) > max_gap_days + 1) & ~new[1:]]
-        if cut.any():
-            codes, counts = np.unique(inst[cut], return_counts=True)
-            report.gaps = {str(level_names[c]): int(k) for c, k in zip(codes, counts)}
+        report.gaps = per_instrument(inst[cut])
         new = new | cut
     starts = np.flatnonzero(new) if len(inst) else np.zeros(0, np.int64)
     offsets = np.r_[starts, len(inst)].astype(np.int64)
@@ -185,8 +184,7 @@ def frame_to_panel(frame: pd.DataFrame, amount_source: str, min_bars: int, calen
     for n, k in zip(names[~keep], lengths[~keep]):
         report.short[str(n)] = report.short.get(str(n), 0) + int(k)
     if not keep.all():
-        rows = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in np.flatnonzero(keep)]
-                              or [np.zeros(0, np.int64)])
+        rows = np.repeat(keep, lengths)  # (N,) bool: the bars of the series kept
         inst, when, features = inst[rows], when[rows], features[rows]
         offsets = np.r_[0, np.cumsum(lengths[keep])].astype(np.int64)
         names = names[keep]

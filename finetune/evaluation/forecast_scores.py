@@ -243,13 +243,11 @@ def _summarise(scores: dict, obs_ret: np.ndarray, scaled: np.ndarray | None, cod
     overall = {"mae": scores["abs_err"].mean(), "crps": scores["crps"].mean(),
                "wql": weighted_quantile_loss(obs_ret, scores["quantiles"], settings.quantiles),
                "pinball": {f"{q:g}": v for q, v in zip(settings.quantiles, scores["pinball"].mean(axis=(0, 1)))}}
-    if "crps_fair" in scores:
-        per_h["crps_fair"], overall["crps_fair"] = scores["crps_fair"].mean(axis=0), scores["crps_fair"].mean()
+    for key in [k for k in scores if k == "crps_fair" or k.startswith("coverage_")]:  # when `window_scores` has it
+        per_h[key], overall[key] = scores[key].mean(axis=0), scores[key].mean()
     if scaled is not None:
         per_h["mase"] = np.array([_series_mean(scaled[:, h], codes, n_series, all_w) for h in range(scaled.shape[1])])
         overall["mase"] = _series_mean(scaled.mean(axis=1), codes, n_series, all_w)
-    for key in [k for k in scores if k.startswith("coverage_")]:
-        per_h[key], overall[key] = scores[key].mean(axis=0), scores[key].mean()
     overall["direction_accuracy"] = scores["direction_hit"].mean() if direction else None
     return {"per_horizon": {k: v.tolist() for k, v in per_h.items()}, "overall": overall}
 

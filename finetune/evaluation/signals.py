@@ -48,13 +48,19 @@ def forward_labels(instruments, start_time, end_time, deal_price: str = "close",
     hs = list(range(1, horizons + 1)) if isinstance(horizons, int) else [int(h) for h in horizons]
     if not hs or min(hs) < 1:
         raise DataError(f"horizons={horizons!r}: need at least one horizon, each >= 1")
-    from qlib.data import D  # Qlib only where labels are computed; the package itself does not need it
+    exprs = {f"label_{h}": label_expression(deal_price, h) for h in hs}
+    return _qlib_features(instruments, exprs, start_time, end_time, freq)
+
+
+def _qlib_features(instruments, exprs: dict[str, str], start_time, end_time, freq: str) -> pd.DataFrame:
+    """{column: Qlib expression} of `instruments` (market name, instruments config or list of symbols) from the
+    initialised Qlib provider, as a frame indexed by (datetime, instrument)."""
+    from qlib.data import D  # Qlib only where it is used; the package itself does not need it
 
     if isinstance(instruments, str):
         instruments = D.instruments(instruments)
-    exprs = [label_expression(deal_price, h) for h in hs]
-    frame = D.features(instruments, exprs, start_time=start_time, end_time=end_time, freq=freq)
-    frame.columns = [f"label_{h}" for h in hs]
+    frame = D.features(instruments, list(exprs.values()), start_time=start_time, end_time=end_time, freq=freq)
+    frame.columns = list(exprs)
     return frame.swaplevel().sort_index() if frame.index.names[0] == "instrument" else frame.sort_index()
 
 
@@ -125,8 +131,7 @@ def _ic_stats(ic: pd.Series, horizon: int) -> dict[str, float]:
     """mean, std, ICIR = mean / std (as Qlib's SigAnaRecord) and the Newey-West t-statistic with lag h - 1."""
     ic = ic.dropna().sort_index()
     std = float(ic.std()) if len(ic) > 1 else math.nan
-    return {"mean": float(ic.mean()), "std": std, "icir": float(ic.mean()) / std if std > 0 else math.nan,
-            "t_nw": newey_west_tstat(ic.to_numpy(), horizon - 1)["t"]}
+    return {**_mean_t(ic, horizon), "std": std, "icir": float(ic.mean()) / std if std > 0 else math.nan}
 
 
 def _mean_t(r: pd.Series, horizon: int) -> dict[str, float]:
@@ -192,11 +197,4 @@ def baseline_signals(instruments, start_time, end_time, settings: BaselineSettin
     """Baseline scores (columns momentum, reversal; index (datetime, instrument)) of `instruments` (market name,
     Qlib instruments config or list of symbols) on the score dates `start_time`..`end_time`, from the initialised
     Qlib provider (it reads the look-back days before `start_time` by itself)."""
-    from qlib.data import D
-
-    exprs = baseline_expressions(settings)
-    if isinstance(instruments, str):
-        instruments = D.instruments(instruments)
-    frame = D.features(instruments, list(exprs.values()), start_time=start_time, end_time=end_time, freq=freq)
-    frame.columns = list(exprs)
-    return frame.swaplevel().sort_index()
+    return _qlib_features(instruments, baseline_expressions(settings), start_time, end_time, freq)

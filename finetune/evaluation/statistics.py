@@ -81,17 +81,15 @@ def resample_indices(n: int, n_boot: int, block: int = 1, seed: int = 0) -> np.n
     return idx[:, :n]
 
 
-def date_block_indices(dates: np.ndarray, n_boot: int, block: int | None = None, seed: int = 0,
-                       min_block: int = 1) -> list[np.ndarray]:
+def date_block_indices(dates: np.ndarray, n_boot: int, block: int, seed: int = 0) -> list[np.ndarray]:
     """Moving-block bootstrap over the sorted unique window dates; every window on a drawn date comes along (windows
-    of correlated series at a date are one observation; neighbouring dates are dependent, hence blocks).
-    `dates (n,)`: any sortable key per window; block None = `default_block(D, min_block)` for D unique dates.
+    of correlated series at a date are one observation; neighbouring dates are dependent, hence blocks of `block`
+    dates, `default_block` in `bootstrap_ci`). `dates (n,)`: any sortable key per window.
     Returns n_boot index arrays into the n windows (their lengths vary with the windows per date)."""
     unique, inverse = np.unique(np.asarray(dates), return_inverse=True)
     order = np.argsort(inverse, kind="stable")  # windows grouped by date
     counts = np.bincount(inverse, minlength=len(unique))  # (D,)
     first = np.concatenate([[0], np.cumsum(counts)[:-1]])  # (D,) position of each date's group in `order`
-    block = default_block(len(unique), min_block) if block is None else block
     out = []
     for row in resample_indices(len(unique), n_boot, block, seed):  # (D,) drawn date positions
         size = counts[row]
