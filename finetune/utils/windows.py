@@ -154,19 +154,17 @@ class SeriesArrays:
 def panel_from_series(series: Sequence[SeriesArrays | tuple[np.ndarray, np.ndarray]]) -> SeriesPanel:
     """`SeriesArrays` or `(features (N_s, F), stamps (N_s, 5))` pairs -> one `SeriesPanel` (one copy), after checking
     every series' shapes."""
-    items = [s if isinstance(s, SeriesArrays) else SeriesArrays(s[0], s[1], f"series {i}")
-             for i, s in enumerate(series)]
+    items = [s if isinstance(s, SeriesArrays) else SeriesArrays(s[0], s[1]) for s in series]
     if not items:
         raise ValueError("WindowDataset got no series")
+    names = [s.name or f"series {i}" for i, s in enumerate(items)]
     n_features = items[0].features.shape[1] if items[0].features.ndim == 2 else -1
-    for i, s in enumerate(items):
-        name = s.name or f"series {i}"
+    for name, s in zip(names, items):
         if s.features.ndim != 2 or s.features.shape[1] != n_features:
             raise ValueError(f"{name}: features must be (N, {n_features}), got {s.features.shape}")
         if s.stamps.shape != (s.features.shape[0], N_STAMP_COLUMNS):
             raise ValueError(f"{name}: stamps must be ({s.features.shape[0]}, 5), got {s.stamps.shape}")
-    return SeriesPanel.from_series([s.features for s in items], [s.stamps for s in items],
-                                   [s.name or f"series {i}" for i, s in enumerate(items)])
+    return SeriesPanel.from_series([s.features for s in items], [s.stamps for s in items], names)
 
 
 def _as_block(array: np.ndarray, dtype: type) -> np.ndarray:
@@ -197,16 +195,13 @@ class WindowDataset(Dataset):
             raise ValueError("WindowDataset got no series")
         self.panel = panel
         self.names = [str(n) or f"series {i}" for i, n in enumerate(panel.names)]
-        if ranges is None:
-            lengths = panel.lengths().astype(np.int64)
-            self.row_offsets = np.asarray(panel.offsets[:-1], dtype=np.int64)  # first row of each series
-        else:
-            start, stop = (np.asarray(r, dtype=np.int64) for r in ranges)
-            offsets = np.asarray(panel.offsets, dtype=np.int64)
-            if start.shape != (panel.n_series,) or stop.shape != start.shape or (start < offsets[:-1]).any() \
-                    or (stop > offsets[1:]).any() or (stop < start).any():
-                raise ValueError("ranges must give, per series, a column range inside that series")
-            lengths, self.row_offsets = stop - start, start
+        offsets = np.asarray(panel.offsets, dtype=np.int64)
+        # no ranges: every series whole, from its first column
+        start, stop = (np.asarray(r, dtype=np.int64) for r in (ranges or (offsets[:-1], offsets[1:])))
+        if start.shape != (panel.n_series,) or stop.shape != start.shape or (start < offsets[:-1]).any() \
+                or (stop > offsets[1:]).any() or (stop < start).any():
+            raise ValueError("ranges must give, per series, a column range inside that series")
+        lengths, self.row_offsets = stop - start, start  # (S,) rows readable, first panel column of each series
         w = window.size
         counts = np.where(lengths >= w, (lengths - w) // self.stride + 1, 0)
         self.windows_per_series = counts.astype(np.int64)
