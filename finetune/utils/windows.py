@@ -46,22 +46,20 @@ _SALT = 0x4B524F4E  # separates the in-block seeds from the block-order seed
 
 
 class EpochOrder:
-    """The windows chosen for one epoch, all ranks, as consecutive chunks (int32/int64 arrays), a pure function of
-    (n, seed, epoch) and the options: shuffle False = ascending (a capped subset is drawn at random, then sorted);
-    only the first m = min(max_samples, n) windows of the order; m - m % world_size of them when drop_remainder.
-    Up to `exact_limit` windows the order is one full permutation, above it blocks of `block_size` are shuffled."""
+    """The windows an `EpochSampler` chooses for one epoch, all ranks, as consecutive chunks (int32/int64 arrays), a
+    pure function of (n, seed, epoch) and its options: shuffle False = ascending (a capped subset is drawn at random,
+    then sorted); only the first m = min(max_samples, n) windows of the order; m - m % world_size of them when
+    drop_remainder. Up to `exact_limit` windows the order is one full permutation, above it blocks of `block_size`
+    are shuffled."""
 
-    def __init__(self, n: int, seed: int, epoch: int, *, shuffle: bool = True, max_samples: int | None = None,
-                 world_size: int = 1, drop_remainder: bool = True, exact_limit: int = EXACT_LIMIT,
-                 block_size: int = BLOCK_SIZE):
-        self.n, self.seed, self.epoch = int(n), int(seed), int(epoch)
-        self.shuffle = shuffle
-        self.m = self.n if max_samples is None else min(int(max_samples), self.n)
-        self.world_size = int(world_size)
-        self.total = self.m - self.m % self.world_size if drop_remainder else self.m
+    def __init__(self, s: EpochSampler, epoch: int):
+        self.n, self.seed, self.epoch, self.shuffle = s.num_samples, s.seed, int(epoch), s.shuffle
+        self.m = self.n if s.max_samples is None else min(int(s.max_samples), self.n)
+        self.world_size = int(s.world_size)
+        self.total = self.m - self.m % self.world_size if s.drop_remainder else self.m
         self.dtype = np.int32 if self.n < 2**31 else np.int64
-        self.blocked = self.n > exact_limit and (shuffle or self.m < self.n)
-        self.n_blocks = -(-self.n // int(block_size))
+        self.blocked = self.n > s.exact_limit and (self.shuffle or self.m < self.n)
+        self.n_blocks = -(-self.n // int(s.block_size))
 
     def chunks(self) -> Iterator[np.ndarray]:
         """The epoch's order in consecutive pieces; their concatenation has `total` entries."""
@@ -319,9 +317,7 @@ class EpochSampler(Sampler[int]):
 
     def order(self, epoch: int | None = None) -> EpochOrder:
         """The epoch's order (an `EpochOrder`)."""
-        return EpochOrder(self.num_samples, self.seed, self.epoch if epoch is None else epoch, shuffle=self.shuffle,
-                          max_samples=self.max_samples, world_size=self.world_size, drop_remainder=self.drop_remainder,
-                          exact_limit=self.exact_limit, block_size=self.block_size)
+        return EpochOrder(self, self.epoch if epoch is None else epoch)
 
     def epoch_indices(self, epoch: int | None = None) -> np.ndarray:
         """The windows chosen for `epoch` (all ranks), in the order they are dealt out (materialised: for tests
