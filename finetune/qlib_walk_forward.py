@@ -143,11 +143,10 @@ def forecast_signals(c: QlibConfig, zero: tuple, device: str) -> pd.DataFrame:
     """Both candidates' signals over the period's test days, columns <signal>/<candidate>."""
     d = c.data
     predictor, tokenizer, _ = load_trained_pair(c.paths.finetuned_predictor_path, c.paths.finetuned_tokenizer_path)
-    tuned = (tokenizer, predictor)
     make = lambda tok, pred: kronos_forecaster(tok, pred, c, device)  # noqa: E731
     calendar_ns = np.asarray(read_manifest(d.dataset_path)["calendar_ns"], dtype=np.int64)
     first = first_signal_day(pd.DatetimeIndex(calendar_ns.astype("datetime64[ns]")), pd.Timestamp(d.test_time_range[0]))
-    frames = forecast_all(c, {"finetuned": make(*tuned), "zero_shot": make(*zero)}, None,
+    frames = forecast_all(c, {"finetuned": make(tokenizer, predictor), "zero_shot": make(*zero)}, None,
                           load_split(split_path(d.dataset_path, "test")), calendar_ns, first)
     table = pd.concat(frames, axis=1)
     table.columns = [f"{s}/{cand}" for cand, s in table.columns]

@@ -43,6 +43,7 @@ from model.fileio import atomic_write, write_json
 from model.hub import weights_fingerprint
 from model.predictor import (
     PREDICTOR_INFO_NAME,
+    apply_calibration,
     load_pretrained_pair,
     load_trained_pair,
     read_predictor_info,
@@ -170,8 +171,6 @@ def finish_paths(paths: np.ndarray, calibration: dict | None, last: np.ndarray, 
     """Sampled paths (W, S, P, 6) as the forecast reports them: calibrated (the prices of each candle scaled by
     its calibrated / raw close, so candles keep their shape) and, with `repair`, made valid candles."""
     if calibration is not None:
-        from model.predictor import apply_calibration
-
         close = paths[..., CLOSE]  # (W, S, P)
         ratio = apply_calibration(calibration, close, last) / close
         paths = paths.copy()

@@ -54,9 +54,8 @@ class HeldOutWindows:
 
 
 def spread_evenly(n_available: int, n_wanted: int) -> np.ndarray:
-    """Indices of min(n_wanted, n_available) items spread evenly over range(n_available), first and last included."""
-    if n_available < 1:
-        return np.zeros(0, dtype=np.int64)
+    """Indices of min(n_wanted, n_available) items spread evenly over range(n_available), first and last included
+    (none of none: linspace of 0 points is empty)."""
     k = min(n_wanted, n_available)
     return np.unique(np.round(np.linspace(0, n_available - 1, k)).astype(np.int64))
 
