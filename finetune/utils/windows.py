@@ -343,14 +343,6 @@ class EpochSampler(Sampler[int]):
         return max(0, self.samples_per_rank() - self.skip)
 
 
-def epoch_generator(seed: int, epoch: int, rank: int = 0) -> torch.Generator:
-    """A torch.Generator seeded from (seed, epoch, rank); DataLoader draws its workers' base seed from it."""
-    mixed = np.random.SeedSequence([int(seed), int(epoch), int(rank)]).generate_state(1, dtype=np.uint64)[0]
-    g = torch.Generator()
-    g.manual_seed(int(mixed) & 0x7FFF_FFFF_FFFF_FFFF)
-    return g
-
-
 def seed_worker(worker_id: int) -> None:
     """DataLoader worker_init_fn: seed numpy and python from the worker's torch seed (base seed + worker id)."""
     s = torch.initial_seed() % 2**32
@@ -366,8 +358,10 @@ def make_loader(dataset: Dataset, sampler: EpochSampler, batch_size: int, *, epo
     # The loader hands the dataset whole index lists (batch_size=None + a BatchSampler): WindowDataset gathers a
     # batch with one vectorised fancy-index instead of B item fetches that collate would then stack again.
     batches = BatchSampler(sampler, batch_size, drop_last=False)
-    common = dict(num_workers=num_workers, pin_memory=pin_memory, generator=epoch_generator(seed, epoch, sampler.rank),
-                  worker_init_fn=seed_worker if num_workers > 0 else None)
+    # The DataLoader draws its workers' base seed from this generator, seeded from (seed, epoch, rank).
+    mixed = np.random.SeedSequence([int(seed), int(epoch), int(sampler.rank)]).generate_state(1, dtype=np.uint64)[0]
+    common = dict(num_workers=num_workers, pin_memory=pin_memory, generator=torch.Generator().manual_seed(
+        int(mixed) & 0x7FFF_FFFF_FFFF_FFFF), worker_init_fn=seed_worker if num_workers > 0 else None)
     if not hasattr(dataset, "get_batch"):  # any other map-style dataset: item fetches + default collation
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **common)
     return DataLoader(dataset, batch_size=None, sampler=batches, **common)
