@@ -98,12 +98,6 @@ def first_signal_day(calendar: pd.DatetimeIndex, test_start: pd.Timestamp) -> pd
     return pd.Timestamp(before[-1]) if len(before) else test_start
 
 
-def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
-    """[(first, last)] inclusive index ranges of the True runs of a bool array."""
-    edges = np.diff(np.r_[0, mask.astype(np.int8), 0])
-    return list(zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1) - 1))
-
-
 def cut_split(panel: SeriesPanel, rule: SplitRule, member: np.ndarray | None = None
               ) -> tuple[SeriesPanel, dict[str, int]]:
     """The pieces of `panel` that `rule` selects; returns (split, dropped: name -> usable bars of dropped pieces).
@@ -121,7 +115,8 @@ def cut_split(panel: SeriesPanel, rule: SplitRule, member: np.ndarray | None = N
         in_range = (when >= lo_ns) & (when <= hi_ns)
         target = in_range & (np.asarray(member[first:last]) if member is not None else True)
         floor = int(np.argmax(in_range)) if rule.context_in_range and in_range.any() else 0
-        for a, b in _runs(target):
+        edges = np.diff(np.r_[0, target.astype(np.int8), 0])  # +1 at a run of targets' first bar, -1 past its last
+        for a, b in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1) - 1):  # each run, inclusive
             a0 = max(floor, a - rule.before)
             if b + 1 - a0 < rule.min_bars:
                 name = str(panel.names[s])

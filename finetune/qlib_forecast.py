@@ -54,20 +54,17 @@ def context_rows(ends: np.ndarray, lookback: int) -> np.ndarray:
     return ends[:, None] - (lookback - 1) + np.arange(lookback)
 
 
-def extend_calendar(calendar_ns: np.ndarray, extra: int, freq: str) -> np.ndarray:
-    """The calendar plus `extra` dates after its end (business days for daily bars, else the last bar spacing)."""
-    last = pd.Timestamp(int(calendar_ns[-1]))
-    if freq.lower() in ("day", "1d", "d"):
-        more = pd.bdate_range(last + pd.Timedelta(1, "D"), periods=extra)
-    else:
-        step = int(calendar_ns[-1] - calendar_ns[-2]) if len(calendar_ns) > 1 else 60_000_000_000
-        more = pd.DatetimeIndex([last + pd.Timedelta(step * (i + 1), "ns") for i in range(extra)])
-    return np.r_[calendar_ns, more.as_unit("ns").asi8].astype(np.int64)
-
-
 def forecast_dates(calendar_ns: np.ndarray, after_ns: np.ndarray, n: int, freq: str) -> np.ndarray:
-    """(W, n) int64 ns: the `n` trading days after each of `after_ns` (W,)."""
-    cal = extend_calendar(np.asarray(calendar_ns, dtype=np.int64), n, freq)
+    """(W, n) int64 ns: the `n` trading days after each of `after_ns` (W,); past the calendar's end, business days
+    for daily bars, else the last bar spacing."""
+    cal = np.asarray(calendar_ns, dtype=np.int64)
+    last = pd.Timestamp(int(cal[-1]))
+    if freq.lower() in ("day", "1d", "d"):
+        more = pd.bdate_range(last + pd.Timedelta(1, "D"), periods=n)
+    else:
+        step = int(cal[-1] - cal[-2]) if len(cal) > 1 else 60_000_000_000
+        more = pd.DatetimeIndex([last + pd.Timedelta(step * (i + 1), "ns") for i in range(n)])
+    cal = np.r_[cal, more.as_unit("ns").asi8].astype(np.int64)
     first = np.searchsorted(cal, after_ns, side="right")  # (W,) first calendar day after each context
     return cal[first[:, None] + np.arange(n)]
 

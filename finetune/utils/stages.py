@@ -106,17 +106,11 @@ def run_stages(pipe: Pipeline, plan: Mapping[str, str | None], resume: Mapping[s
             raise_if_stop_requested("after the predictor stage", dist)
         if dist.is_main:
             calibrate_if_due(pipe, any(r.stage == "predictor" and not r.skipped for r in results))
-            log.info("%s", summarize(results, plan))
+            done = [f"  {r.stage}: best val loss {r.best_val_loss:.4f} (epoch {r.best_epoch}), {r.global_step} steps "
+                    f"-> {r.best_model_dir}" for r in results]
+            skipped = [f"  {s}: skipped ({why})" for s, why in plan.items() if why not in (None, NOT_IN_RUN)]
+            log.info("%s", "\n".join(["done.", *done, *skipped]))
     return results, data_info
-
-
-def summarize(results: list[TrainResult], plan: Mapping[str, str | None]) -> str:
-    lines = ["done."]
-    for r in results:
-        lines.append(f"  {r.stage}: best val loss {r.best_val_loss:.4f} (epoch {r.best_epoch}), "
-                     f"{r.global_step} steps -> {r.best_model_dir}")
-    return "\n".join(lines + [f"  {stage}: skipped ({why})" for stage, why in plan.items()
-                               if why not in (None, NOT_IN_RUN)])
 
 
 def _predictor_pair(pipe: Pipeline, seed: int, tokenizer: KronosTokenizer | None = None) -> tuple[Any, Any]:
