@@ -340,8 +340,7 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
                "window_stride": f.window_stride or horizon, "finetuned": score(paths),
                "zero_shot": None, "finetuned_vs_zero_shot": None, "ensemble": None, "ensemble_vs_zero_shot": None,
                "calibration": None, "candles_repaired": f.repair_candles,
-               "candle_violations": candle_violations(*(raw[..., FEATURES.index(c)] for c in
-                                                        ("open", "high", "low", "close", "volume")))}
+               "candle_violations": candle_violations(*np.moveaxis(raw[..., :5], -1, 0))}  # open .. volume
     if calibration is not None:  # coverage of the close before / after, on the test windows (out of sample)
         obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, P)
         cover = lambda p, level: float(interval_coverage(obs, np.moveaxis(p[..., CLOSE] / last[:, None, None] - 1,
@@ -424,7 +423,7 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: tup
     names, past_ts, context, future_ts = last.names, last.x_timestamps, last.context, last.y_timestamps
     paths = sample_paths(finetuned, context, *last.stamps(), predict, cfg.forecast,
                          cfg.forecast.batch_size)  # (N, S, P, 6)
-    violations = candle_violations(*(paths[..., FEATURES.index(c)] for c in ("open", "high", "low", "close", "volume")))
+    violations = candle_violations(*np.moveaxis(paths[..., :5], -1, 0))  # open .. volume
     log.info("invalid sampled candles: %.1f%%%s", 100 * violations["any"],
              " (repaired: forecast.repair_candles)" if cfg.forecast.repair_candles else
              " (kept; forecast.repair_candles: true repairs them)")

@@ -56,13 +56,6 @@ class Fold:
     test: PanelSegments
 
 
-def fold_sizes(cfg: CsvFinetuneConfig, lengths: np.ndarray) -> tuple[int, int]:
-    """(test_bars, purge): the settings, or their defaults (10% of the shortest series in whole windows; predict)."""
-    w, predict = cfg.walk_forward, cfg.data.predict
-    test_bars = w.test_bars or max(predict, int(0.1 * int(lengths.min())) // predict * predict)
-    return test_bars, (w.purge if w.purge is not None else predict)
-
-
 def make_folds(panel, window: Window, folds: int, test_bars: int, purge: int, embargo: int,
                val_ratio: float) -> list[Fold]:
     """The K folds of `panel` (a SeriesPanel with datetimes) on one calendar, oldest first; DataError when a fold
@@ -215,7 +208,9 @@ def run_walk_forward(cfg: CsvFinetuneConfig, overwrite: bool = False, report_onl
     # safe point with exit 75, and the re-run skips the finished folds.
     with GracefulStop(), RunLock(out, key="paths.base_dir"):
         data = prepare_data(d, cfg.store_dir, with_splits=False)
-        test_bars, purge = fold_sizes(cfg, data.panel.lengths())
+        # The settings, or their defaults: 10% of the shortest series in whole windows; data.predict.
+        test_bars = w.test_bars or max(d.predict, int(0.1 * int(data.panel.lengths().min())) // d.predict * d.predict)
+        purge = w.purge if w.purge is not None else d.predict
         folds = make_folds(data.panel, d.window, w.folds, test_bars, purge, w.embargo, d.val_ratio)
         started, trained, rows, meta = time.monotonic(), 0, [], []
         for fold in folds:

@@ -105,7 +105,13 @@ def run_stages(pipe: Pipeline, plan: Mapping[str, str | None], resume: Mapping[s
                                            rebuild_changed=rebuild_changed, **common))
             raise_if_stop_requested("after the predictor stage", dist)
         if dist.is_main:
-            calibrate_if_due(pipe, any(r.stage == "predictor" and not r.skipped for r in results))
+            # Calibrate the finished predictor's bands when this run trained it or its kronos_predictor.json lacks a
+            # calibration (a run stopped between the two).
+            trained = any(r.stage == "predictor" and not r.skipped for r in results)
+            folder = pipe.stage_dir("predictor")
+            if stage_status(folder) == "finished" and (
+                    trained or "calibration" not in forecaster.read_predictor_info(folder / "best_model")):
+                pipe.calibrate(folder / "best_model")
             done = [f"  {r.stage}: best val loss {r.best_val_loss:.4f} (epoch {r.best_epoch}), {r.global_step} steps "
                     f"-> {r.best_model_dir}" for r in results]
             skipped = [f"  {s}: skipped ({why})" for s, why in plan.items() if why not in (None, NOT_IN_RUN)]
@@ -124,13 +130,3 @@ def _predictor_pair(pipe: Pipeline, seed: int, tokenizer: KronosTokenizer | None
     with seeded_init(seed):
         predictor = build_predictor(m.pretrained_predictor, m.predictor_arch, tokenizer, "model", tokenizer_key=key)
     return tokenizer, predictor
-
-
-def calibrate_if_due(pipe: Pipeline, trained: bool) -> dict | None:
-    """Calibrate the finished predictor's bands when this run trained it or its kronos_predictor.json lacks a
-    calibration (a run stopped between the two); None when the pipeline has no calibration windows."""
-    folder = pipe.stage_dir("predictor")
-    best = folder / "best_model"
-    if stage_status(folder) != "finished" or not (trained or "calibration" not in forecaster.read_predictor_info(best)):
-        return None
-    return pipe.calibrate(best)
