@@ -140,15 +140,13 @@ def data_summary_from_store(data: PreparedData, cfg: DataConfig) -> dict:
     windows and date ranges per split (same keys as the pandas reference's `data_summary`), plus the store folder.
     The same data gives the same summary whether the store was prepared or reused (a resume compares them)."""
     manifest = data.store.manifest
-    window = cfg.window.size
     when = data.panel.datetimes
     per_split = {}
-    for name, seg in data.splits.items():
-        n = seg.stop - seg.start
-        windows = np.where(n >= window, (n - window) // cfg.stride + 1, 0)
+    for name, seg in data.splits.items():  # split_data made sure each split has a window
         own = seg.stop > seg.first_target  # (S,) series with rows of their own in this split (by_date: not all)
         per_split[name] = {"rows": int((seg.stop - seg.first_target).sum()),
-                           "context_rows": int((seg.first_target - seg.start).sum()), "windows": int(windows.sum()),
+                           "context_rows": int((seg.first_target - seg.start).sum()),
+                           "windows": len(seg.dataset(cfg.window, stride=cfg.stride)),
                            "start": stamp_text(int(np.min(when[seg.first_target[own]]))),
                            "end": stamp_text(int(np.max(when[seg.stop[own] - 1])))}
     return {
