@@ -153,13 +153,6 @@ def forecast_signals(c: QlibConfig, zero: tuple, device: str) -> pd.DataFrame:
     return table
 
 
-def ic_row(pred: pd.Series, label: pd.Series, horizon: int) -> tuple[dict[str, float], pd.Series]:
-    """{IC, t_IC (Newey-West, lag h - 1), RankIC, t_RankIC, days} and the daily IC series."""
-    ic, ric = daily_ic(pred, label)
-    t = lambda x: newey_west_tstat(x.to_numpy(), horizon - 1)["t"]  # noqa: E731
-    return {"IC": float(ic.mean()), "t_IC": t(ic), "RankIC": float(ric.mean()), "t_RankIC": t(ric), "days": len(ic)}, ic
-
-
 def score(cfg: QlibConfig, periods: list[Period], signals: pd.DataFrame, calendar: pd.DatetimeIndex) -> dict:
     """Per-period and overall IC of both candidates, the verdict, and the backtest over the whole span."""
     w, d = cfg.walk_forward, cfg.data
@@ -167,6 +160,7 @@ def score(cfg: QlibConfig, periods: list[Period], signals: pd.DataFrame, calenda
     first, last = signals.index.get_level_values("datetime").min(), periods[-1].test[1]
     instruments = sorted(set(signals.index.get_level_values("instrument")))
     label = forward_labels(instruments, first, last, cfg.backtest.deal_price, [h], d.freq).reindex(signals.index)
+    t = lambda x: newey_west_tstat(x.to_numpy(), h - 1)["t"]  # noqa: E731 - daily IC's t, Newey-West lag h - 1
     rows, daily = [], {}
     for p in [*periods, None]:
         when = signals.index.get_level_values("datetime")
@@ -177,8 +171,9 @@ def score(cfg: QlibConfig, periods: list[Period], signals: pd.DataFrame, calenda
         lo, hi = (first, last) if p is None else signal_days(calendar, periods, p.k)
         keep = (when >= lo) & (when <= hi)
         for cand in CANDIDATES:
-            stats, ic = ic_row(signals.loc[keep, f"{w.signal}/{cand}"], label.loc[keep, f"label_{h}"], h)
-            rows[-1].update({f"{k}_{cand}": v for k, v in stats.items()})
+            ic, ric = daily_ic(signals.loc[keep, f"{w.signal}/{cand}"], label.loc[keep, f"label_{h}"])
+            rows[-1].update({f"IC_{cand}": float(ic.mean()), f"t_IC_{cand}": t(ic), f"RankIC_{cand}": float(ric.mean()),
+                             f"t_RankIC_{cand}": t(ric), f"days_{cand}": len(ic)})
             daily[cand] = ic
     table = pd.DataFrame(rows).set_index("period")
     table["IC_diff"] = table["IC_finetuned"] - table["IC_zero_shot"]
