@@ -37,9 +37,8 @@ class HeldOutWindows:
 
     def stamps(self) -> tuple[np.ndarray, np.ndarray]:
         """Calendar stamps of the contexts (N, lookback, 5) and of the forecast bars (N, predict, 5), int64."""
-        as_array = lambda ts: calc_time_stamps(ts).to_numpy(np.int64)  # (T, 5)
-        return (np.stack([as_array(ts) for ts in self.x_timestamps]),
-                np.stack([as_array(ts) for ts in self.y_timestamps]))
+        return tuple(np.stack([calc_time_stamps(t).to_numpy(np.int64) for t in index])  # (N, T, 5)
+                     for index in (self.x_timestamps, self.y_timestamps))
 
     def subset(self, idx: np.ndarray) -> HeldOutWindows:
         """The windows at positions `idx` (in that order)."""

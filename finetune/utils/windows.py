@@ -305,10 +305,9 @@ class EpochSampler(Sampler[int]):
         self.rank = rank
         self.world_size = world_size
         self.drop_remainder = drop_remainder
-        self.epoch = 0
-        self.skip = 0
-        self.exact_limit = EXACT_LIMIT  # see EpochOrder (tests lower both to reach the blocked order)
-        self.block_size = BLOCK_SIZE
+        self.epoch = self.skip = 0
+        # see EpochOrder (tests lower both to reach the blocked order)
+        self.exact_limit, self.block_size = EXACT_LIMIT, BLOCK_SIZE
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         """Select the epoch (changes the order/subset) and how many of this rank's windows to skip (resume)."""
