@@ -383,3 +383,18 @@ def test_rank0_deserialises_a_resumed_checkpoint_once(tmp_path, monkeypatch):
     explicit = replace(cfg, epochs=1, resume=str(tmp_path / "a" / "checkpoints" / "last.pt"))
     train_tokenizer(tiny_tokenizer(), train_set, val_set, explicit, tmp_path / "b", CPU)  # an explicit file
     assert len(calls) == 1
+
+
+def test_a_divergence_names_the_stage_section_that_sets_the_lr(tmp_path):
+    # tokenizer_training.lr / clip_grad_norm shadow training.*: lowering training.lr would change nothing.
+    train_set, val_set = tiny_datasets()
+    run_config = {"training": {"lr": 1e-3}, "tokenizer_training": {"lr": 1e-3, "clip_grad_norm": 2.0}}
+    for config, lr_key, clip_key in ((run_config, "tokenizer_training.lr", "tokenizer_training.clip_grad_norm"),
+                                     (None, "training.lr", "training.clip_grad_norm")):
+        trainer = Trainer(TokenizerStage(tiny_tokenizer()), train_set, val_set, CFG, tmp_path, CPU,
+                          run_config=config)
+        for step, loss in enumerate([1.0] * 10 + [5.0] * 4, start=1):  # the loss grew 5x, then turned NaN
+            trainer.guard.check(step, torch.tensor(loss), torch.tensor(1.0))
+        with pytest.raises(DivergenceError, match=rf"most likely the learning rate: .*lower {lr_key} "
+                                                  rf"\(or set {clip_key}\)"):
+            trainer.guard.check(15, torch.tensor(float("nan")), torch.tensor(1.0))

@@ -314,12 +314,13 @@ def _fmt(x: float | None) -> str:
 
 
 def diagnose(history: Sequence[StepStats], amp: bool, step: int, loss: float, grad_norm: float | None = None, *,
-             data_extremes: str | None = None, lr_key: str = "training.lr") -> str:
+             data_extremes: str | None = None, lr_key: str = "training.lr",
+             clip_key: str = "training.clip_grad_norm") -> str:
     """The most likely reason the optimizer step `step` (1-based) went non-finite, as one sentence starting "most
-    likely a data value", "... the learning rate" or "... bf16" that names the setting to change (`lr_key`: the
-    stage's own key where it overrides it). `history`: the recent FINITE steps, oldest first; `loss` /
-    `grad_norm` (None when not computed) the failing step's; `data_extremes` what the data check flagged (e.g.
-    "volume up to 3.1e+38 in a.csv")."""
+    likely a data value", "... the learning rate" or "... bf16" that names the setting to change (`lr_key`,
+    `clip_key`: the stage section's keys where it sets them, as they shadow `training:`'s). `history`: the recent
+    FINITE steps, oldest first; `loss` / `grad_norm` (None when not computed) the failing step's; `data_extremes`
+    what the data check flagged (e.g. "volume up to 3.1e+38 in a.csv")."""
     if data_extremes:
         return (f"most likely a data value: the data check reported extreme values ({data_extremes}); "
                 "correct or remove them in the data")
@@ -352,7 +353,7 @@ def diagnose(history: Sequence[StepStats], amp: bool, step: int, loss: float, gr
         if grad_only:
             evidence.append("the loss was finite but the gradient overflowed")
         return (f"most likely the learning rate: {' and '.join(evidence)} before step {step}; lower {lr_key} "
-                "(or set training.clip_grad_norm)")
+                f"(or set {clip_key})")
     if amp:
         return (f"most likely bf16: the loss was stable (about {_fmt(last)}) and turned non-finite at step {step} "
                 f"with mixed precision on; set training.amp=none")
@@ -362,10 +363,12 @@ def diagnose(history: Sequence[StepStats], amp: bool, step: int, loss: float, gr
 
 class NonFiniteGuard:
     """Per-run state of the guard: remembers the last `window` finite steps and raises `DivergenceError` on a bad
-    one, with `diagnose`'s sentence (`amp` and `data_extremes` feed it)."""
+    one, with `diagnose`'s sentence (`amp`, `data_extremes` and the setting names `keys`, e.g. {"lr_key":
+    "predictor_training.lr"}, feed it)."""
 
-    def __init__(self, *, amp: bool, dist: Any = None, data_extremes: str | None = None, window: int = 50):
-        self.amp, self.dist, self.data_extremes = amp, dist, data_extremes
+    def __init__(self, *, amp: bool, dist: Any = None, data_extremes: str | None = None, window: int = 50,
+                 keys: dict[str, str] | None = None):
+        self.amp, self.dist, self.data_extremes, self.keys = amp, dist, data_extremes, keys or {}
         self.history: deque[StepStats] = deque(maxlen=window)
         self.pending: tuple[int, torch.Tensor, Any, bool] | None = None  # `check_later`'s step, not yet read
 
@@ -410,7 +413,7 @@ class NonFiniteGuard:
         if finite:
             self.history.append(StepStats(step, loss_f, norm_f))
             return
-        text = diagnose(self.history, self.amp, step, loss_f, norm_f, data_extremes=self.data_extremes)
+        text = diagnose(self.history, self.amp, step, loss_f, norm_f, data_extremes=self.data_extremes, **self.keys)
         here_finite = math.isfinite(loss_f) and (norm_f is None or math.isfinite(norm_f))
         local = " on another rank" if here_finite else ""
         cause = text.split(":", 1)[0].removeprefix("most likely ")

@@ -35,7 +35,7 @@ from finetune.utils.errors import stage_log
 from finetune.utils.metrics import MetricsLogger, read_metrics, write_run_info
 from finetune.utils.plots import loss_plot_title, plot_loss_curves
 from finetune.utils.safety import GracefulStop, NonFiniteGuard, RunLock, TrainingStopped, maybe_die_after_step
-from finetune.utils.schema import TrainingConfig, validate_training_config
+from finetune.utils.schema import TrainingConfig, stage_key, validate_training_config
 from finetune.utils.windows import EpochSampler, batches_per_epoch, make_loader
 from model.errors import DataError
 from model.hub import weights_fingerprint
@@ -361,8 +361,11 @@ class Trainer:
         self.lock = RunLock(self.out, enabled=dist.is_main, key="the stage's output folder (output_dir)",
                             log=log.warning)
         self.stopper = GracefulStop(enabled=False)  # the real one is entered in fit()
+        # A divergence names the keys that set this stage's lr / clip (a stage section shadows `training:`).
         self.guard = NonFiniteGuard(amp=self.precision.autocast_dtype is not None, dist=dist,
-                                    data_extremes=data_extremes)
+                                    data_extremes=data_extremes,
+                                    keys={"lr_key": stage_key(self.run_config, stage.name, "lr"),
+                                          "clip_key": stage_key(self.run_config, stage.name, "clip_grad_norm")})
         self.stop_agreed = False  # some rank received SIGTERM/SIGINT: stop after this step
         self.step_loss = torch.zeros((), device=self.device)  # the current optimizer step's loss (weighted mean)
         self.plan = ledger.RunPlan("fresh")
