@@ -206,8 +206,11 @@ def _disk_space_named(folder: Path):
 
 def sha256_file(path: str | Path) -> str:
     """Hex sha256 of a file, read in chunks (about 1.2 GB/s: a large file never sits in memory whole)."""
+    h = hashlib.sha256()  # not hashlib.file_digest: Python 3.11+, and the project supports 3.10
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def file_fingerprint(path: str | Path, with_hash: bool = True) -> dict:
