@@ -27,6 +27,8 @@ from finetune.utils.safety import (
 )
 from finetune.utils.schema import TrainingConfig
 from finetune.utils.training_utils import TokenizerStage, Trainer, restore_optimizer, train_predictor, train_tokenizer
+from finetune.utils.windows import WindowDataset
+from model.config import Window
 from model.errors import ConfigError
 from tests.engine_dist_worker import tiny_datasets, tiny_predictor, tiny_tokenizer
 
@@ -43,6 +45,7 @@ class Poisoned:
 
     def __init__(self, inner, at: int, action: str):
         self.inner, self.at, self.action, self.calls = inner, at, action, 0
+        self.window = inner.window  # the windows are the inner dataset's
 
     def __len__(self):
         return len(self.inner)
@@ -398,3 +401,19 @@ def test_a_divergence_names_the_stage_section_that_sets_the_lr(tmp_path):
         with pytest.raises(DivergenceError, match=rf"most likely the learning rate: .*lower {lr_key} "
                                                   rf"\(or set {clip_key}\)"):
             trainer.guard.check(15, torch.tensor(float("nan")), torch.tensor(1.0))
+
+
+def test_windows_cut_or_normalised_otherwise_are_refused_by_name_on_resume_and_on_a_finished_run(tmp_path):
+    # A new clip keeps every row and window count (data_info is the same): only the recorded window tells.
+    train_set, val_set = tiny_datasets()
+    clipped = WindowDataset(train_set.panel, Window(train_set.window.lookback, train_set.window.predict, 3.0))
+    cfg = replace(CFG, save_every_steps=1)
+    with pytest.raises(DivergenceError):  # an unfinished run, stopped at step 3
+        train_tokenizer(tiny_tokenizer(), Poisoned(train_set, 3, "nan"), val_set, cfg, tmp_path / "a", CPU)
+    with pytest.raises(ConfigError, match=r"data\.clip: the checkpoint's windows were made with 5\.0, the config now "
+                                          r"says 3\.0"):
+        train_tokenizer(tiny_tokenizer(), clipped, val_set, cfg, tmp_path / "a", CPU)
+    train_tokenizer(tiny_tokenizer(), train_set, val_set, CFG, tmp_path / "b", CPU)  # finished
+    with pytest.raises(ConfigError, match=r"holds a finished tokenizer run made with other settings(.|\n)*data\.clip"):
+        train_tokenizer(tiny_tokenizer(), clipped, val_set, CFG, tmp_path / "b", CPU)
+    assert train_tokenizer(tiny_tokenizer(), train_set, val_set, CFG, tmp_path / "b", CPU).skipped  # same window

@@ -54,6 +54,7 @@ class Checkpoint(TypedDict):
     data_fingerprint: str | None
     frozen_fingerprint: str | None  # `weights_fingerprint` of the frozen tokenizer (predictor stage)
     threads: int  # torch's intra-op threads (a resume uses as many: CPU sums depend on it); absent before
+    window: dict[str, Any] | None  # the training windows' lookback, predict, clip (data.*); absent before
 
 
 def check_format(state: dict) -> None:

@@ -163,10 +163,11 @@ CHANGEABLE_KEYS = ("lr", "pct_start", "div_factor", "final_div_factor", "betas",
 
 def check_resume_compatible(saved: checkpoint_store.Checkpoint, t: Any, path: Path, finished: bool = False
                             ) -> list[str]:
-    """Raise one ConfigError listing every setting of the Trainer `t` (its cfg, world size, stage, model_args())
-    that cannot differ from the checkpoint `saved` (loaded from `path`); return 'key: old -> new' for each
-    changeable optimisation setting that did change. With the pipeline's resolved `t.run_config`, a setting its
-    `<stage>_training:` section sets is named by that key (`predictor_training.epochs`), else `training.<name>`.
+    """Raise one ConfigError listing every setting of the Trainer `t` (its cfg, world size, stage, model_args(), its
+    windows' lookback / predict / clip) that cannot differ from the checkpoint `saved` (loaded from `path`); return
+    'key: old -> new' for each changeable optimisation setting that did change. With the pipeline's resolved
+    `t.run_config`, a setting its `<stage>_training:` section sets is named by that key (`predictor_training.epochs`),
+    else `training.<name>`.
     `finished`: `saved` is the final checkpoint of a finished run that a re-run would otherwise skip."""
     cfg, stage, model_args, run_config = t.cfg, t.stage.name, t.model_args(), t.run_config
     title = (f"{path.parent.parent} holds a finished {stage} run made with other settings; nothing was trained"
@@ -184,6 +185,10 @@ def check_resume_compatible(saved: checkpoint_store.Checkpoint, t: Any, path: Pa
         if key in old and old[key] != new_value:
             problems.add(stage_key(run_config, stage, key),
                          f"the checkpoint was made with {old[key]!r}, the config now says {new_value!r}")
+    window = t.data_window() or {}  # how the windows are cut and normalised: not in data_info (the same rows)
+    for key, was in (saved.get("window") or {}).items():  # absent from checkpoints written before it was recorded
+        problems.check(window.get(key, was) == was, f"data.{key}",
+                       f"the checkpoint's windows were made with {was!r}, the config now says {window.get(key)!r}")
     if saved.get("world_size") != t.dist.world_size:
         problems.add("(torchrun --nproc_per_node)",
                      f"the checkpoint was made with {saved.get('world_size')} processes, now {t.dist.world_size}")

@@ -680,7 +680,12 @@ class Trainer:
                 "rng": rngs, "world_size": self.dist.world_size, "training_config": config_to_dict(self.cfg),
                 "run_config": plain(self.run_config), "data_info": plain(self.data_info),
                 "data_fingerprint": ledger.data_fingerprint(plain(self.data_info)),
-                "frozen_fingerprint": self.frozen_fp, "threads": torch.get_num_threads()}
+                "frozen_fingerprint": self.frozen_fp, "threads": torch.get_num_threads(), "window": self.data_window()}
+
+    def data_window(self) -> dict[str, Any] | None:
+        """The training windows' `Window` as a dict (lookback, predict, clip), None for a dataset without one."""
+        window = getattr(self.train_set, "window", None)
+        return dataclasses.asdict(window) if window is not None else None
 
     def load_state_dict(self, saved: checkpoint_store.Checkpoint) -> None:
         """Continue from `saved` (checked by `resume` / `read_finished`): weights, optimizer moments and step (with
