@@ -139,6 +139,11 @@ def finetuned_predictor(cfg: CsvFinetuneConfig) -> tuple[KronosPredictor, dict |
             weights_fingerprint(KronosTokenizer.from_pretrained(current)) != weights_fingerprint(tokenizer):
         log.warning("the predictor in %s was trained with tokenizer %s, not with this run's %s: forecasting with the "
                     "former (retrain the predictor to use the latter)", predictor_dir, recorded, current)
+    # The windows this forecast cuts must be the ones the predictor learned on (kronos_predictor.json records them).
+    wrong = [f"data.{k}: is {getattr(cfg.data, k)!r} but the predictor in {predictor_dir} was trained with {v!r}; set "
+             "it back, or retrain" for k, v in info.items() if k in ("lookback", "clip") and getattr(cfg.data, k) != v]
+    if wrong:
+        raise ConfigError(wrong, "Invalid forecast configuration")
     calibration = info.get("calibration") if cfg.forecast.calibrate else None
     horizons = len(calibration["margins"][0]) if calibration is not None else cfg.data.predict
     if horizons < cfg.data.predict:  # said before any sampling

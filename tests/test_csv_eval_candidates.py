@@ -19,7 +19,7 @@ from finetune_csv.pipeline import calibrate
 from finetune_csv.prepare import prepare_data
 from model import KronosTokenizer
 from model.config import Window
-from model.errors import UserError
+from model.errors import ConfigError, UserError
 from model.fileio import write_json
 from model.hub import weights_fingerprint
 from model.predictor import predictor_info
@@ -133,6 +133,18 @@ def test_a_tokenizer_other_than_the_one_the_predictor_was_trained_with_is_refuse
         forecast.run_forecast(cfg)
     assert not (cfg.base_dir / "forecast").exists()
     record_tokenizer(cfg, tmp_path / "start/tokenizer")
+    assert forecast.run_forecast(cfg)["windows"] == 18
+
+
+def test_a_forecast_cutting_other_windows_than_the_predictor_learned_on_is_refused_by_name(tmp_path):
+    cfg = load(make_run(tmp_path, zero_shot=None))
+    best = record_tokenizer(cfg, tmp_path / "start/tokenizer")
+    info = json.loads((best / "kronos_predictor.json").read_text())
+    write_json(best / "kronos_predictor.json", {**info, "lookback": 24, "clip": 3.0})  # trained with clip 3
+    with pytest.raises(ConfigError, match=r"data\.clip: is 5\.0 but the predictor in .* was trained with 3\.0"):
+        forecast.run_forecast(cfg)
+    assert not (cfg.base_dir / "forecast").exists()
+    write_json(best / "kronos_predictor.json", {**info, "lookback": 24, "clip": 5.0})
     assert forecast.run_forecast(cfg)["windows"] == 18
 
 
