@@ -15,6 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from finetune.utils.checkpoint import load_checkpoint
 from finetune.utils.distributed import DistInfo
 from finetune.utils.metrics import read_metrics
+from finetune.utils.precision import Precision, resolve_precision
 from finetune.utils.schema import TrainingConfig
 from finetune.utils.training_utils import (
     PredictorStage,
@@ -24,7 +25,6 @@ from finetune.utils.training_utils import (
     tokenizer_loss,
     train_tokenizer,
 )
-from finetune.utils.validate import Precision, resolve_precision
 from tests.engine_dist_worker import tiny_datasets, tiny_predictor, tiny_tokenizer
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -146,10 +146,10 @@ def test_a_ten_step_stage_with_pct_start_0_1_trains_with_one_warm_up_step(tmp_pa
 
 
 def test_train_records_and_the_epoch_line_carry_tokens_per_s_and_mfu_when_the_peak_is_known(tmp_path, monkeypatch):
-    import finetune.utils.validate as validation
+    import finetune.utils.training_utils as engine
 
     peak = 1e9  # a pretend device peak, so MFU is reported on this CPU
-    monkeypatch.setattr(validation, "resolve_precision", lambda amp, device: Precision(None, False, peak, "fp32"))
+    monkeypatch.setattr(engine, "resolve_precision", lambda amp, device: Precision(None, False, peak, "fp32"))
     train_set, val_set = tiny_datasets()
     tok = tiny_tokenizer()
     result = train_tokenizer(tok, train_set, val_set, CFG, tmp_path, CPU)

@@ -222,7 +222,7 @@ def _build(cls: type, raw: Any, prefix: str, problems: Problems) -> Any:
     for name, f in fields.items():
         key = _join(prefix, name)
         if name in raw:
-            kwargs[name] = _convert(raw[name], hints[name], key, problems)
+            kwargs[name] = convert(raw[name], hints[name], key, problems)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             if dataclasses.is_dataclass(hints[name]):
                 kwargs[name] = _build(hints[name], {}, key, problems)
@@ -236,8 +236,9 @@ def _build(cls: type, raw: Any, prefix: str, problems: Problems) -> Any:
         return None  # a missing or half-converted value broke the constructor: the caller raises the problems
 
 
-def _convert(value: Any, tp: Any, key: str, problems: Problems) -> Any:
-    """Check/convert one YAML value against the annotation `tp` (int, float, bool, str, Optional, list, ...)."""
+def convert(value: Any, tp: Any, key: str, problems: Problems) -> Any:
+    """Check/convert one YAML value against the annotation `tp` (int, float, bool, str, Optional, list, Literal...):
+    the loader's check, also of a setting given in code (schema.validate_training_config)."""
     value = _resolve_override(value, tp)
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -250,10 +251,10 @@ def _convert(value: Any, tp: Any, key: str, problems: Problems) -> Any:
             return None
         non_none = [a for a in args if a is not type(None)]
         if len(non_none) == 1:
-            return _convert(value, non_none[0], key, problems)
+            return convert(value, non_none[0], key, problems)
         for a in non_none:  # first alternative that accepts the value without problems
             trial = Problems()
-            out = _convert(value, a, key, trial)
+            out = convert(value, a, key, trial)
             if not trial:
                 return out
         problems.add(key, f"expected {type_name(tp)}, got {_show(value)}")
@@ -271,16 +272,16 @@ def _convert(value: Any, tp: Any, key: str, problems: Problems) -> Any:
             if len(value) != len(args):
                 problems.add(key, f"expected {len(args)} values ({type_name(tp)}), got {len(value)}")
                 return tuple(value)
-            return tuple(_convert(v, a, f"{key}[{i}]", problems) for i, (v, a) in enumerate(zip(value, args)))
+            return tuple(convert(v, a, f"{key}[{i}]", problems) for i, (v, a) in enumerate(zip(value, args)))
         item_tp = args[0] if args else Any
-        out = [_convert(v, item_tp, f"{key}[{i}]", problems) for i, v in enumerate(value)]
+        out = [convert(v, item_tp, f"{key}[{i}]", problems) for i, v in enumerate(value)]
         return tuple(out) if (origin is tuple or tp is tuple) else out
     if origin in (dict, Mapping) or tp is dict:
         if not isinstance(value, Mapping):
             problems.add(key, f"expected a mapping, got {_show(value)}")
             return value
         vt = args[1] if len(args) == 2 else Any
-        return {k: _convert(v, vt, f"{key}.{k}", problems) for k, v in value.items()}
+        return {k: convert(v, vt, f"{key}.{k}", problems) for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
             problems.add(key, f"expected bool (true/false), got {_show(value)}")

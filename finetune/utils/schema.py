@@ -8,12 +8,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from finetune.utils.adapters import mode_problems
-from finetune.utils.config_utils import Problems, parse_date
+from finetune.utils.config_utils import Problems, convert, parse_date
 from model.config import KronosConfig, KronosTokenizerConfig, Window
 from model.features import FEATURES
 
@@ -134,9 +135,9 @@ def validate_training_config(cfg: TrainingConfig, problems: Problems, prefix: st
     problems.check(0 < cfg.pct_start < 1, k("pct_start"), f"must be in (0, 1), got {cfg.pct_start}")
     problems.check(cfg.clip_grad_norm is None or cfg.clip_grad_norm >= 0, k("clip_grad_norm"),
                    f"must be >= 0 or null, got {cfg.clip_grad_norm}")
-    problems.check(cfg.amp in ("auto", "none", "bf16"), k("amp"), f"must be 'auto', 'none' or 'bf16', got {cfg.amp!r}")
-    problems.check(cfg.compile is True or cfg.compile is False or cfg.compile == "auto", k("compile"),
-                   f"must be 'auto', true or false, got {cfg.compile!r}")
+    hints = typing.get_type_hints(TrainingConfig)
+    for name in ("amp", "compile"):  # their choices are their annotations; a config built in code is checked too
+        convert(getattr(cfg, name), hints[name], k(name), problems)
     for name in ("max_train_samples", "max_val_samples"):
         v = getattr(cfg, name)
         problems.check(v is None or v >= 1, k(name), f"must be >= 1 or null (all windows), got {v}")

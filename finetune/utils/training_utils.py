@@ -34,6 +34,7 @@ from finetune.utils.distributed import DistInfo, all_gather_object, barrier, no_
 from finetune.utils.errors import stage_log
 from finetune.utils.metrics import MetricsLogger, read_metrics, write_run_info
 from finetune.utils.plots import loss_plot_title, plot_loss_curves
+from finetune.utils.precision import forward_flops_per_token, resolve_precision
 from finetune.utils.safety import GracefulStop, NonFiniteGuard, RunLock, TrainingStopped, maybe_die_after_step
 from finetune.utils.schema import TrainingConfig, stage_key, validate_training_config
 from finetune.utils.windows import EpochSampler, batches_per_epoch, make_loader
@@ -215,7 +216,7 @@ class TokenizerStage(Stage):
 
     def flops_per_token(self, seq):
         tok = self.model  # the decoder runs twice (from the s1 bits alone and from the full code)
-        flops = validate.forward_flops_per_token
+        flops = forward_flops_per_token
         return 3 * (flops([tok], seq) + flops([tok.decoder, tok.head], seq))
 
 
@@ -255,8 +256,8 @@ class PredictorStage(Stage):
     def flops_per_token(self, seq):
         # The predictor trains on seq - 1 positions of each window; the frozen tokenizer encodes all seq (forward).
         tok = self.tokenizer
-        return (3 * validate.forward_flops_per_token([self.model], seq - 1) * (seq - 1) / seq
-                + validate.forward_flops_per_token([tok.embed, tok.encoder, tok.quant_embed], seq))
+        return (3 * forward_flops_per_token([self.model], seq - 1) * (seq - 1) / seq
+                + forward_flops_per_token([tok.embed, tok.encoder, tok.quant_embed], seq))
 
     def frozen_fingerprint(self):
         base = self.adapter.base_fingerprint  # lora / freeze: the predictor's frozen weights count too
@@ -350,7 +351,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.OneCycleLR(
             self.optimizer, max_lr=cfg.lr, total_steps=total, pct_start=one_cycle_pct_start(cfg.pct_start, total),
             div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor, cycle_momentum=False)
-        self.precision = validate.resolve_precision(cfg.amp, self.device)  # said in the log (bf16 on CPU: float32)
+        self.precision = resolve_precision(cfg.amp, self.device)  # said in the log (bf16 on CPU: float32)
         self.validator = validate.Validator(stage, val_set, cfg, dist, self.precision, val_metric)
         # training.compile: the loss of full micro-batches is compiled at the first one (see forward_backward_step).
         self.compile = (self.device.type == "cuda" and not cfg.deterministic if cfg.compile == "auto"
@@ -392,8 +393,7 @@ class Trainer:
         Raises TrainingStopped after saving on SIGTERM/SIGINT, DivergenceError on a non-finite step (nothing of it
         applied, the last checkpoint kept), RunLockedError / StageFolderError / ConfigError on every rank when the
         folder or settings refuse the run."""
-        with (GracefulStop() as self.stopper, validate.tf32_matmuls(self.precision.tf32),
-              validate.deterministic_kernels(self.cfg.deterministic) as self.determinism):
+        with GracefulStop() as self.stopper, self.precision.kernels(self.cfg.deterministic) as self.determinism:
             try:
                 self.plan = ledger.open_stage(self, self.rebuild_changed)  # fresh, resume, reuse or refuse
                 if self.plan.action == "skip":  # a finished run, current for these inputs: read back, not retrained
@@ -768,4 +768,4 @@ def evaluate_predictor(predictor: nn.Module, tokenizer: nn.Module, dataset: Data
     tokenizer.to(dist.device).eval()
     stage = PredictorStage(predictor.to(dist.device), tokenizer, True)
     return validate.evaluate(stage, predictor, dataset, validate.val_sampler(dataset, cfg, dist), cfg, dist, epoch,
-                             validate.resolve_precision(cfg.amp, dist.device))
+                             resolve_precision(cfg.amp, dist.device))

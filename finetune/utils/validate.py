@@ -1,12 +1,11 @@
 """Validation of one stage (after torchtitan's components/validate.py): `Validator.validate_and_select` = the
 validation loss, the pipeline's forecast metric, best-model selection and early stopping, as one `Selection`. Also
-what training shares with it: `LossSums`, `resolve_precision` (resolved once per run by the Trainer), `rng_fork`."""
+what training shares with it: `LossSums`, `rng_fork`, the loaders' SIGINT-quiet workers."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -17,10 +16,10 @@ from torch.utils.data import Dataset
 
 from finetune.utils.checkpoint import rng_state, set_rng_state
 from finetune.utils.distributed import DistInfo, all_reduce_sum
+from finetune.utils.precision import Precision
 from finetune.utils.safety import ignore_interrupts_in_worker
 from finetune.utils.schema import TrainingConfig
 from finetune.utils.windows import EpochSampler, make_loader, seed_worker
-from model.layers import MultiHeadAttentionWithRoPE, MultiHeadCrossAttentionWithRoPE
 
 # (model, stage) -> {"score": lower is better, other named values...}; called on every rank after validation.
 ValMetric = Callable[[nn.Module, Any], dict[str, float]]
@@ -120,84 +119,6 @@ def val_sampler(dataset: Dataset, cfg: TrainingConfig, dist: DistInfo) -> EpochS
     """Ordered, nothing dropped or duplicated (an exact loss); a capped run draws a seeded subset per epoch."""
     return EpochSampler(len(dataset), shuffle=False, seed=cfg.seed + 1, max_samples=cfg.max_val_samples,
                         rank=dist.rank, world_size=dist.world_size, drop_remainder=False)
-
-
-# datasheets (SXM parts unless named); the first name part found in torch.cuda.get_device_name() is used.
-PEAK_FLOPS = {"H100 PCIe": (756e12, 378e12, 51e12), "H100": (989e12, 495e12, 67e12), "H200": (989e12, 495e12, 67e12),
-              "A100": (312e12, 156e12, 19.5e12), "L40S": (362e12, 183e12, 91.6e12)}
-
-
-@dataclass(frozen=True)
-class Precision:
-    """What training.amp resolves to on the training device."""
-
-    autocast_dtype: torch.dtype | None  # bf16 autocast, or None: float32
-    tf32: bool  # float32 matmuls run in TF32 (CUDA)
-    peak_flops: float | None  # the device's peak at this precision; None: no MFU (CPU, or a GPU not in PEAK_FLOPS)
-    text: str  # the log's line: which precision, why, and whether MFU is reported
-
-    def autocast(self) -> torch.autocast:
-        """bf16 autocast on CUDA when it applies; a no-op otherwise."""
-        return torch.autocast("cuda", dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
-
-
-def resolve_precision(amp: str, device: torch.device) -> Precision:
-    """training.amp on `device`: 'auto' = bf16 autocast where the GPU supports it, else float32, with TF32 matmuls
-    for what stays float32 (e.g. the predictor stage's frozen tokenizer); 'none' float32 (TF32 off); 'bf16' bf16
-    autocast; float32 on CPU."""
-    if device.type != "cuda":
-        return Precision(None, False, None, f"float32 (training.amp={amp}: no CUDA device); tokens/s, no MFU on CPU")
-    name = torch.cuda.get_device_name(device)
-    bf16 = amp == "bf16" or (amp == "auto" and torch.cuda.is_bf16_supported())
-    why = f"training.amp={amp}" + (f": {name} {'supports' if bf16 else 'lacks'} bf16" if amp == "auto" else "")
-    peak = next((p[0 if bf16 else 1 if amp == "auto" else 2] for part, p in PEAK_FLOPS.items() if part in name), None)
-    text = ("bf16 autocast" if bf16 else "float32") + (", TF32 matmuls for what stays float32" if amp == "auto" else "")
-    text += f" ({why}); " + (f"MFU against {peak / 1e12:.0f} TFLOP/s per device" if peak else
-                             f"no MFU: {name}'s peak FLOP/s is not known")
-    return Precision(torch.bfloat16 if bf16 else None, amp == "auto", peak, text)
-
-
-@contextlib.contextmanager
-def tf32_matmuls(on: bool) -> Iterator[None]:
-    """float32 matmuls in TF32 inside the block when `on` (the process's setting is restored afterwards)."""
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high" if on else before)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
-
-
-@contextlib.contextmanager
-def deterministic_kernels(on: bool) -> Iterator[str]:
-    """training.deterministic: inside the block torch picks deterministic kernels (and errors on an op that has
-    none); yields the log's words. cuBLAS reads CUBLAS_WORKSPACE_CONFIG when its handle is made: set it first."""
-    if not on:
-        yield "off (GPU kernels may differ run to run)"
-        return
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
-              torch.backends.cudnn.benchmark)
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    try:
-        yield ("on: torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG="
-               f"{os.environ['CUBLAS_WORKSPACE_CONFIG']}, cuDNN deterministic, compile 'auto' eager")
-    finally:
-        torch.use_deterministic_algorithms(before[0])
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1], before[2]
-
-
-def forward_flops_per_token(modules: Sequence[nn.Module], seq: int) -> float:
-    """Forward FLOPs per token of `modules` on windows of `seq` tokens, counted as nanoGPT's estimate_mfu does: 2 per
-    nn.Linear weight (a multiply-add) + 4 * d_model * seq per attention layer (q @ k^T and softmax @ v, the causal
-    half not subtracted); lookups, norms and element-wise ops are left out. A training step costs 3x (backward: input
-    and weight gradients), i.e. 6 * N + 12 * L * d_model * seq, also for frozen weights (lora / freeze: too high)."""
-    found = [m for module in modules for m in module.modules()]
-    weights = sum(m.weight.numel() for m in found if isinstance(m, nn.Linear))
-    attention = sum(m.d_model for m in found
-                    if isinstance(m, (MultiHeadAttentionWithRoPE, MultiHeadCrossAttentionWithRoPE)))
-    return 2 * weights + 4 * attention * seq
 
 
 @torch.no_grad()
