@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import KronosConfig
+from model.errors import DataError
 from model.hub import PretrainedMixin
 from model.layers import (
     HierarchicalEmbedding,
@@ -103,6 +104,14 @@ class Kronos(nn.Module, PretrainedMixin):
         self.dep_layer = DependencyAwareLayer(d_model)
         self.head = DualHead(s1_bits, s2_bits, d_model)
         self.apply(self._init_weights)
+
+    def check_tokenizer(self, tokenizer: nn.Module, keys: str = "") -> None:
+        """A DataError unless `tokenizer` makes this predictor's tokens (the same s1/s2 bits: else its ids index out
+        of the vocabularies); `keys` names the settings that chose the pair."""
+        if (tokenizer.s1_bits, tokenizer.s2_bits) != (self.s1_bits, self.s2_bits):
+            raise DataError(f"{keys}{': ' if keys else ''}the tokenizer has s1/s2 bits {tokenizer.s1_bits}/"
+                            f"{tokenizer.s2_bits} but the predictor expects {self.s1_bits}/{self.s2_bits}; use a "
+                            "matching pair")
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

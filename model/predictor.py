@@ -335,9 +335,7 @@ class KronosPredictor:
                  lookback: int | None = None, calibration: dict[str, Any] | None = None, decode: str = "auto"):
         if decode not in ("auto", "eager", "static", "graph"):
             raise DataError(f"decode must be 'auto', 'eager', 'static' or 'graph', got {decode!r}")
-        if (tokenizer.s1_bits, tokenizer.s2_bits) != (model.s1_bits, model.s2_bits):
-            raise DataError(f"the tokenizer has s1/s2 bits {tokenizer.s1_bits}/{tokenizer.s2_bits} but the "
-                            f"predictor expects {model.s1_bits}/{model.s2_bits}; use a matching pair")
+        model.check_tokenizer(tokenizer)
         for name, value in (("max_context", max_context), ("lookback", lookback)):
             if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
                 raise DataError(f"{name} must be an integer >= 1, got {value!r}")

@@ -1,4 +1,4 @@
-"""finetune/utils/factory.py: the one model factory of both pipelines (pretrained or from scratch, paired bits)."""
+"""finetune/utils/stages.py's model factory of both pipelines (pretrained or from scratch, paired bits)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from finetune.utils.config_utils import Problems
-from finetune.utils.factory import build_predictor, build_tokenizer
 from finetune.utils.schema import ModelConfig
+from finetune.utils.stages import build_predictor, build_tokenizer
 from model import Kronos, KronosTokenizer
 from model.config import KronosConfig, KronosTokenizerConfig
 from model.errors import PathError

@@ -14,7 +14,6 @@ import torch
 from safetensors.torch import load_file
 
 from finetune.synthetic import generate_ohlcv
-from finetune.utils.checkpoint import check_token_sizes
 from finetune.utils.training_utils import predictor_loss
 from finetune.utils.windows import SeriesArrays, WindowDataset
 from finetune_csv.config import load
@@ -56,7 +55,7 @@ def test_published_format_small_and_finite():
 
 def test_pair_loads_and_token_sizes_match(pair):
     tokenizer, predictor = pair
-    check_token_sizes(tokenizer, predictor, "checkpoints/demo-pretrained")  # raises on a mismatch
+    predictor.check_tokenizer(tokenizer, "checkpoints/demo-pretrained")  # raises on a mismatch
     assert (tokenizer.s1_bits, tokenizer.s2_bits) == (predictor.s1_bits, predictor.s2_bits)
     info = json.loads((CKPT / "training_info.json").read_text())
     assert info["predictor"]["best_val_loss"] < math.log(2**predictor.s1_bits)  # learnt something

@@ -96,14 +96,6 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
-def check_token_sizes(tokenizer: Any, predictor: Any, keys: str) -> None:
-    """The predictor's vocabularies must match the tokenizer's sub-token bits (else ids index out of range);
-    `keys` names the settings that chose the pair."""
-    if (tokenizer.s1_bits, tokenizer.s2_bits) != (predictor.s1_bits, predictor.s2_bits):
-        raise DataError(f"{keys}: the tokenizer has s1/s2 bits {tokenizer.s1_bits}/{tokenizer.s2_bits} but the "
-                        f"predictor expects {predictor.s1_bits}/{predictor.s2_bits}; use a matching pair")
-
-
 _STEP_RE = re.compile(r"^step-(\d{8,})\.pt$")
 # best_model/'s temporary folders (atomic_dir): tempfile.mkdtemp(prefix=".<name>.") adds 8 chars; ".<name>.old".
 _MODEL_TMP_RE = re.compile(r"^\.(?P<name>.+)\.(old|[a-z0-9_]{8})$")

@@ -1,5 +1,7 @@
 """The stage runner both pipelines call: which stages run, their models checked before any data is written, the
 tokenizer stage, the predictor stage on the tokenizer it produced, the calibration of the predictor's bands.
+The models come from `model:` (`build_tokenizer` / `build_predictor`): a pretrained folder or hub id wins over the
+`*_arch` architecture, which is then ignored (and not checked); every failure names the YAML keys to change.
 
     plan = plan_stages(pipeline, STAGES, skip={"tokenizer": "--skip-tokenizer"}, skip_existing=False)
     results, data_info = run_stages(pipeline, plan, resume=stage_resume(pipeline, plan))
@@ -25,15 +27,15 @@ from torch.utils.data import Dataset
 
 import model.predictor as forecaster
 from finetune.utils import adapters
-from finetune.utils.config_utils import config_to_dict
+from finetune.utils.config_utils import Problems, config_to_dict
 from finetune.utils.distributed import DistInfo, distributed_context, seeded_init
-from finetune.utils.factory import build_predictor, build_tokenizer
 from finetune.utils.ledger import NOT_IN_RUN, SKIP_EXISTING, stage_status
 from finetune.utils.safety import GracefulStop, raise_if_stop_requested
 from finetune.utils.schema import STAGES, PipelineConfig
 from finetune.utils.training_utils import TrainResult, train_predictor, train_tokenizer
 from finetune.utils.validate import ValMetric
-from model import KronosTokenizer
+from model import Kronos, KronosTokenizer
+from model.config import KronosConfig, KronosTokenizerConfig
 from model.hub import load_pretrained, weights_fingerprint
 
 log = logging.getLogger(__name__)
@@ -130,3 +132,41 @@ def _predictor_pair(pipe: Pipeline, seed: int, tokenizer: KronosTokenizer | None
     with seeded_init(seed):
         predictor = build_predictor(m.pretrained_predictor, m.predictor_arch, tokenizer, "model", tokenizer_key=key)
     return tokenizer, predictor
+
+
+def build_tokenizer(pretrained: str | None, arch: KronosTokenizerConfig, key: str = "model") -> KronosTokenizer:
+    """The tokenizer to finetune: `pretrained` loaded (folder or hub id), or with None a fresh one built from `arch`;
+    errors name `{key}.pretrained_tokenizer` / `{key}.tokenizer_arch`."""
+    if pretrained is not None:
+        return load_pretrained(KronosTokenizer, pretrained, f"{key}.pretrained_tokenizer")
+    problems = Problems(f"Invalid {key}.tokenizer_arch")
+    for k, message in arch.problems(f"{key}.tokenizer_arch"):
+        problems.add(k, message)
+    problems.raise_if_any()
+    return KronosTokenizer(**dataclasses.asdict(arch))
+
+
+def build_predictor(pretrained: str | None, arch: KronosConfig, tokenizer: KronosTokenizer, key: str = "model",
+                    *, tokenizer_key: str | None = None) -> Kronos:
+    """The predictor to finetune, reading the tokens of `tokenizer`: `pretrained` loaded, or with None a fresh one
+    built from `arch` (its s1_bits / s2_bits None = the tokenizer's). Its vocabularies (2^s1_bits, 2^s2_bits) match
+    the tokenizer's; a mismatch is a ValueError naming the keys that chose the pair (`tokenizer_key`: the setting
+    the tokenizer came from, default `{key}.pretrained_tokenizer / {key}.tokenizer_arch`)."""
+    tokenizer_key = tokenizer_key or f"{key}.pretrained_tokenizer / {key}.tokenizer_arch"
+    if pretrained is not None:
+        predictor = load_pretrained(Kronos, pretrained, f"{key}.pretrained_predictor")
+        predictor.check_tokenizer(tokenizer, f"{tokenizer_key} / {key}.pretrained_predictor")
+        return predictor
+    problems = Problems(f"Invalid {key}.predictor_arch")
+    for k, message in arch.problems(f"{key}.predictor_arch"):
+        problems.add(k, message)
+    args = dataclasses.asdict(arch)
+    for bits in ("s1_bits", "s2_bits"):
+        have = getattr(tokenizer, bits)
+        if args[bits] is None:
+            args[bits] = have
+        problems.check(args[bits] == have, f"{key}.predictor_arch.{bits}",
+                       f"is {args[bits]} but the tokenizer ({tokenizer_key}) has {bits} = {have}; set it to null "
+                       "(= the tokenizer's) or to the same value")
+    problems.raise_if_any()
+    return Kronos(**args)
