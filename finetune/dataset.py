@@ -12,7 +12,12 @@ finetune/utils/store.py, so every rank memory-maps it with `open_store` and shar
 
 `load_split` returns a split as a `SeriesPanel` of read-only memory maps and `save_split` writes one. Training hands
 the panel to the shared `WindowDataset` as it is (windows never cross two series; normalised with lookback-only
-statistics); which windows an epoch uses, on which rank, is the engine's `EpochSampler`'s business."""
+statistics); which windows an epoch uses, on which rank, is the engine's `EpochSampler`'s business.
+
+`QlibPipeline` is this data side of the engine's stage runner (finetune/utils/stages.py). The two trainer scripts
+(finetune/train_tokenizer.py, finetune/train_predictor.py) only say which stage they train and which model folders
+they read (`StageSpec`) and call `run_stage`: settings and input checks run before the process group starts, then
+the stage runner trains that one stage. The trainers require torchrun, as the original's do."""
 
 from __future__ import annotations
 
@@ -20,12 +25,20 @@ import hashlib
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from finetune.config import QlibConfig
+import numpy as np
+
+from finetune.config import QlibConfig, check_model_folder, cli_parser, load
 from finetune.qlib_io import date_range
-from finetune.utils.config_utils import Problems
+from finetune.utils.cli_args import add_run_flags, parse_config_args, run_overrides
+from finetune.utils.config_utils import Problems, get_dotted
+from finetune.utils.distributed import DistInfo, require_torchrun
+from finetune.utils.errors import setup_logging
+from finetune.utils.ledger import plan_stages
+from finetune.utils.stages import run_stages
 from finetune.utils.store import SeriesPanel, StoreError, open_store, write_panel
 from finetune.utils.windows import WindowDataset
 from model.errors import DataError
@@ -155,3 +168,69 @@ def build_train_val_datasets(cfg: QlibConfig) -> tuple[WindowDataset, WindowData
         info["splits"][name] = {"instruments": split.n_series, "rows": split.n_rows, "windows": len(sets[name]),
                                 "start": dates[0] if dates else None, "end": dates[1] if dates else None}
     return sets["train"], sets["val"], info
+
+
+TOKENIZER_KEY = "paths.finetuned_tokenizer_path"
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One Qlib training stage: its name, script, and the model folders it reads."""
+
+    stage: Literal["tokenizer", "predictor"]  # Engine stage; also the per-stage config section `<stage>_training`.
+    script: str  # The script path, for the torchrun hint.
+    # (dotted config key of a model folder/hub id the stage reads, whether a Hub id is allowed).
+    model_folders: tuple[tuple[str, bool], ...]
+
+
+class QlibPipeline:
+    """The Qlib pipeline's side of the stage runner: the processed splits, the finetuned tokenizer the predictor
+    trains with, and selection by validation RankIC (`training.select_by: ic`); no calibration."""
+
+    def __init__(self, cfg: QlibConfig):
+        self.cfg = cfg
+        self.val_set = None
+
+    def stage_dir(self, stage: str) -> Path:
+        return Path(getattr(self.cfg.paths, f"{stage}_dir"))
+
+    def output_key(self, stage: str) -> str:
+        return f"paths.{stage}_dir"
+
+    def datasets(self, dist: DistInfo) -> tuple:
+        train_set, self.val_set, data_info = build_train_val_datasets(self.cfg)
+        return train_set, self.val_set, data_info
+
+    def tokenizer_source(self) -> tuple[str, str]:
+        return self.cfg.paths.finetuned_tokenizer_path, TOKENIZER_KEY
+
+    def val_metric(self, select_by: str, tokenizer):
+        if select_by != "ic":
+            return None
+        from finetune.qlib_forecast import make_ic_val_metric  # choose the checkpoint by validation RankIC
+
+        calendar_ns = np.asarray(read_manifest(self.cfg.data.dataset_path)["calendar_ns"], dtype=np.int64)
+        return make_ic_val_metric(self.cfg, self.val_set.panel, tokenizer, calendar_ns)
+
+    def calibrate(self, best: Path) -> None:  # the Qlib forecast reports no bands to calibrate
+        return None
+
+
+def check_inputs(spec: StageSpec, cfg: QlibConfig) -> None:
+    """Every settings and input-file problem of the stage, raised as one ConfigError before anything starts."""
+    problems = cfg.problems()
+    check_processed(cfg, ("train", "val"), problems)
+    for key, hub_ok in spec.model_folders:
+        check_model_folder(get_dotted(cfg, key), key, problems, hub_ok=hub_ok)
+    problems.raise_if_any()
+
+
+def run_stage(spec: StageSpec, argv: list[str] | None = None, doc: str = "") -> None:
+    """Parse, check every input before the process group starts, then train `spec.stage` under torchrun."""
+    setup_logging()  # rank 0 reports; the other ranks only warn (torchrun sets RANK before the process starts)
+    args = parse_config_args(add_run_flags(cli_parser(doc or spec.script)), argv)
+    require_torchrun(spec.script, args=f"--config {args.config}")
+    cfg = load(args.config, list(args.set) + run_overrides(args))
+    check_inputs(spec, cfg)
+    pipe = QlibPipeline(cfg)
+    run_stages(pipe, plan_stages(pipe, (spec.stage,), {}, skip_existing=False))

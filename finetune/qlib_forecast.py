@@ -140,19 +140,16 @@ def panel_labels(split: SeriesPanel, ends: np.ndarray, calendar_ns: np.ndarray, 
     return out
 
 
-def make_ic_val_metric(cfg, val_panel: SeriesPanel, tokenizer, *, max_days: int = 20, device: str | None = None,
-                       calendar_ns: np.ndarray | None = None) -> Callable:
+def make_ic_val_metric(cfg, val_panel: SeriesPanel, tokenizer, calendar_ns: np.ndarray, *, max_days: int = 20,
+                       device: str | None = None) -> Callable:
     """Checkpoint selection by IC (`training.select_by: ic`): a callable(model, stage) -> {"score", ...} that forecasts
     up to `max_days` evenly spaced validation days (every member stock on them) with `model` and `tokenizer` and
     scores the daily RankIC of the `last` signal against the P-day trade label (backtest.deal_price) computed on the
-    market calendar (default: the processed manifest's `calendar_ns`): {"score": -mean RankIC (lower is better,
+    market calendar `calendar_ns` (the processed manifest's): {"score": -mean RankIC (lower is better,
     like a loss), "rank_ic", "ic", "days"}. A call costs max_days x stocks x sample_count sequences."""
-    from finetune.dataset import read_manifest
     from finetune.evaluation.signals import analyse_signal
 
     d, f = cfg.data, cfg.forecast
-    if calendar_ns is None:
-        calendar_ns = np.asarray(read_manifest(d.dataset_path)["calendar_ns"], dtype=np.int64)
     start, end = (t.value for t in range_bounds(d.val_time_range))  # the end date inclusive
     ends = forecast_window_ends(val_panel, start, end, d.lookback)
     price_row = {"open": 0, "close": CLOSE}.get(cfg.backtest.deal_price, CLOSE)

@@ -11,7 +11,7 @@ run_info.json. `training.select_by: ic` keeps the epoch with the best validation
 
 from __future__ import annotations
 
-from finetune.qlib_stage import TOKENIZER_KEY, StageSpec, run_stage
+from finetune.dataset import TOKENIZER_KEY, StageSpec, run_stage
 
 SPEC = StageSpec("predictor", "finetune/train_predictor.py",
                  ((TOKENIZER_KEY, False), ("model.pretrained_predictor", True)))

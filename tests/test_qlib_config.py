@@ -6,7 +6,7 @@ import pytest
 
 from finetune import qlib_test, train_predictor, train_tokenizer
 from finetune.config import QlibConfig, check_model_folder, load
-from finetune.qlib_stage import check_inputs
+from finetune.dataset import check_inputs
 from finetune.utils.config_utils import Problems, load_config
 from model.errors import ConfigError, UserError
 

@@ -213,7 +213,8 @@ def test_ic_val_metric_scores_minus_rank_ic_of_validation_forecasts(tmp_path, da
     cfg = prepared(tmp_path, "val", data)
     val = load_split(split_path(cfg.data.dataset_path, "val"))
     tokenizer, predictor = tiny_models()
-    metric = qf.make_ic_val_metric(cfg, val, tokenizer, max_days=4, device="cpu")
+    calendar_ns = np.asarray(read_manifest(cfg.data.dataset_path)["calendar_ns"], dtype=np.int64)
+    metric = qf.make_ic_val_metric(cfg, val, tokenizer, calendar_ns, max_days=4, device="cpu")
     predictor.train()
     first = metric(predictor, "predictor")
     assert predictor.training  # the model is handed back in the mode it came in

@@ -6,7 +6,7 @@ The models come from `model:` (`build_tokenizer` / `build_predictor`): a pretrai
     plan = plan_stages(pipeline, STAGES, skip={"tokenizer": "--skip-tokenizer"}, skip_existing=False)
     results, data_info = run_stages(pipeline, plan, resume=stage_resume(pipeline, plan))
 
-A pipeline writes its data side only, a `Pipeline` (finetune_csv/train_sequential.py, finetune/qlib_stage.py).
+A pipeline writes its data side only, a `Pipeline` (finetune_csv/train_sequential.py, finetune/dataset.py).
 The rest is here, once: the tokenizer is selected by its validation loss; a from-scratch model starts from the same
 weights on every run (`seeded_init`); kronos_predictor.json records the window, the tokenizer and its weights'
 sha256 and the clip; a finished predictor lacking its calibration gets it on the next run. One stop request covers
