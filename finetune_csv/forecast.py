@@ -38,7 +38,7 @@ from model import KronosPredictor, KronosTokenizer
 from model.calendar import TradingCalendar
 from model.config import Window
 from model.errors import ConfigError, DataError, PathError
-from model.features import CLOSE, FEATURES, PRICE_FEATURES
+from model.features import CLOSE, FEATURES, PRICE_FEATURES, quantile_column
 from model.fileio import atomic_write, write_json
 from model.hub import weights_fingerprint
 from model.predictor import (
@@ -261,7 +261,7 @@ def forecast_table(names: list[str], stamps: list[pd.DatetimeIndex], paths: np.n
         for j, f in enumerate(FEATURES):
             part[f"pred_{f}"] = mean[i, :, j]
             for k, q in enumerate(TABLE_QUANTILES):
-                part[f"{f}_q{q * 100:g}"] = quant[k, i, :, j]
+                part[quantile_column(f, q)] = quant[k, i, :, j]
             if actual is not None:
                 part[f"actual_{f}"] = actual[i, :, j]
         parts.append(part)

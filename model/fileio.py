@@ -11,6 +11,7 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -23,14 +24,31 @@ from model.errors import DataError
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 
-def disk_full(exc: BaseException) -> bool:
-    """Whether `exc` (or an exception it was raised from) is a full disk, quota or file size limit: an OSError with
-    one of DISK_FULL_ERRNOS, or numpy's short write ('1 requested and 0 written'), which carries no errno."""
-    while exc is not None:
-        if isinstance(exc, OSError) and (exc.errno in DISK_FULL_ERRNOS or exc.errno is None
-                                         and " requested and " in str(exc) and str(exc).endswith(" written")):
-            return True
+# Rust's io::Error as safetensors' SafetensorError prints it (no errno): `IoError(Os { code: 28, kind: StorageFull..`.
+_RUST_FULL = re.compile(r"StorageFull|FileTooLarge|QuotaExceeded|(os error|code:) (28|27|122)\b")
+
+
+def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """`exc`, then the exceptions it was raised from or while handling (torch and numpy wrap the writer's OSError)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
         exc = exc.__cause__ or exc.__context__
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether `exc` is a full disk, quota or file size limit: the first OSError with an errno in its chain has one
+    of DISK_FULL_ERRNOS; before it, the text may say so without an errno: numpy's short write ('1 requested and 0
+    written'), safetensors' Rust io::Error, torch's zip writer (a RuntimeError, sometimes without the OSError)."""
+    for e in exception_chain(exc):
+        if isinstance(e, OSError) and e.errno is not None:
+            return e.errno in DISK_FULL_ERRNOS
+        text = str(e)
+        if (isinstance(e, OSError) and " requested and " in text and text.endswith(" written")
+                or _RUST_FULL.search(text)
+                or isinstance(e, RuntimeError) and ("inline_container" in text or "PytorchStreamWriter" in text)):
+            return True
     return False
 
 
@@ -66,10 +84,10 @@ def atomic_write(target: str | os.PathLike, write_fn: Callable[[str], Any]) -> P
     except BaseException as exc:
         written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
         Path(tmp).unlink(missing_ok=True)
-        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
-            raise OSError(exc.errno, f"no space left to write {target}: {_free_text(target.parent)} free on that "
-                                     f"filesystem, {written} bytes written before the failure; free some space or "
-                                     "write elsewhere") from None
+        if isinstance(exc, OSError) and disk_full(exc):
+            raise OSError(exc.errno or errno.ENOSPC, f"no space left to write {target}: {_free_text(target.parent)} "
+                          f"free on that filesystem, {written} bytes written before the failure; free some space or "
+                          "write elsewhere") from None
         raise
     return target
 

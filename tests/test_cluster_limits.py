@@ -17,6 +17,7 @@ from finetune.utils.errors import run_main
 from finetune.utils.schema import TrainingConfig
 from finetune_csv import train_sequential
 from model.errors import ConfigError
+from model.fileio import disk_full
 from tests.test_csv_train import make_run
 
 RUST_ENOSPC = 'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
@@ -114,8 +115,8 @@ def test_space_error_names_the_key_it_is_given(tmp_path):
 
 
 def test_safetensors_disk_full_text_counts_as_a_space_error():
-    assert checkpoint_store.is_space_error(SafetensorError(RUST_ENOSPC))
-    assert not checkpoint_store.is_space_error(SafetensorError("Error while serializing: bad dtype"))
+    assert disk_full(SafetensorError(RUST_ENOSPC))
+    assert not disk_full(SafetensorError("Error while serializing: bad dtype"))
 
 
 # ------------------------------------------------------------------------------------------ line numbers

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from model.errors import DataError, UserError
-from model.fileio import DISK_FULL_ERRNOS, atomic_write
+from model.fileio import atomic_write, disk_full, exception_chain
 
 CHECKPOINT_FORMAT = "kronos-finetune/last-v1"
 LAST_NAME = "last.pt"
@@ -102,8 +102,6 @@ _MODEL_TMP_RE = re.compile(r"^\.(?P<name>.+)\.(old|[a-z0-9_]{8})$")
 _MODEL_FILES = {"config.json", "model.safetensors", "tokenizer_config.json", "kronos_predictor.json",
                 "run_info.json", "adapter"}  # adapter/: lora
 _OLD_MODEL_RE = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}\.old$")  # model.fileio.atomic_dir's old folder
-# Rust's io::Error as SafetensorError prints it: `IoError(Os { code: 28, kind: StorageFull, ... })`.
-_RUST_SPACE_RE = re.compile(r"StorageFull|FileTooLarge|QuotaExceeded|(os error|code:) (28|27|122)\b")
 _OVERHEAD = 64 * 1024  # zip headers + pickled structure beyond the raw tensor bytes
 _log = logging.getLogger(__name__)
 
@@ -152,29 +150,6 @@ def _free_bytes(folder: Path) -> int | None:
         return None
 
 
-def _errno_in_chain(e: BaseException) -> int | None:
-    """The errno of the first OSError in `e`'s cause/context chain (torch wraps the writer's OSError)."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno is not None:
-            return e.errno
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def is_space_error(e: BaseException) -> bool:
-    """True when `e` (or what it wraps) is a disk-full / file-too-large / quota error."""
-    code = _errno_in_chain(e)
-    if code is not None:
-        return code in DISK_FULL_ERRNOS
-    if _RUST_SPACE_RE.search(str(e)):  # safetensors' SafetensorError wraps Rust's io::Error as text only
-        return True
-    # torch's C++ zip writer reports a failed write as RuntimeError("[enforce fail at inline_container.cc...] ...
-    # file write failed" / "unexpected pos ..."), sometimes without the OSError behind it.
-    return isinstance(e, RuntimeError) and ("inline_container" in str(e) or "PytorchStreamWriter" in str(e))
-
-
 def space_error(path: str | Path, needed: int, cause: BaseException | None = None,
                 key: str = "training.output_dir") -> CheckpointWriteError:
     """The `CheckpointWriteError` for a failed write of about `needed` bytes to `path` (names free space and the
@@ -182,7 +157,7 @@ def space_error(path: str | Path, needed: int, cause: BaseException | None = Non
     path = Path(path)
     free = _free_bytes(path.parent)
     free_text = _human(free) if free is not None else "unknown"
-    code = _errno_in_chain(cause) if cause is not None else None
+    code = next((e.errno for e in exception_chain(cause) if isinstance(e, OSError) and e.errno is not None), None)
     if code is not None:
         reason = os.strerror(code).lower()
     elif cause is not None:
@@ -218,7 +193,7 @@ def full_disk_named(path: Path, needed: int) -> Iterator[None]:
     try:
         yield
     except BaseException as e:  # OSError, or safetensors' SafetensorError (not an OSError) on a full disk
-        if is_space_error(e):
+        if disk_full(e):
             raise space_error(path, needed, e) from e
         raise
 
@@ -232,7 +207,7 @@ def _point_last(path: Path, needed: int) -> Path:
             try:
                 os.link(path, tmp)
             except OSError as e:
-                if is_space_error(e):
+                if disk_full(e):
                     raise
                 shutil.copyfile(path, tmp)  # no hard links here (some network/FUSE filesystems)
                 with open(tmp, "rb+") as f:
