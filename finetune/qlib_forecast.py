@@ -142,7 +142,7 @@ def panel_labels(split: SeriesPanel, ends: np.ndarray, calendar_ns: np.ndarray, 
 
 def make_ic_val_metric(cfg, val_panel: SeriesPanel, tokenizer, calendar_ns: np.ndarray, *, max_days: int = 20,
                        device: str | None = None) -> Callable:
-    """Checkpoint selection by IC (`training.select_by: ic`): a callable(model, stage) -> {"score", ...} that forecasts
+    """Checkpoint selection by IC (`training.select_by: ic`): a callable(model) -> {"score", ...} that forecasts
     up to `max_days` evenly spaced validation days (every member stock on them) with `model` and `tokenizer` and
     scores the daily RankIC of the `last` signal against the P-day trade label (backtest.deal_price) computed on the
     market calendar `calendar_ns` (the processed manifest's): {"score": -mean RankIC (lower is better,
@@ -163,7 +163,7 @@ def make_ic_val_metric(cfg, val_panel: SeriesPanel, tokenizer, calendar_ns: np.n
     if len(ends) == 0:
         raise ConfigError(["data.val_time_range: no validation day has a forecast and a finite label; widen the range"])
 
-    def metric(model, stage: str = "predictor") -> dict:
+    def metric(model) -> dict:
         was_training = model.training
         forecaster = kronos_forecaster(tokenizer, model, cfg, device or str(next(model.parameters()).device))
         try:

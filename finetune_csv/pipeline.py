@@ -148,11 +148,10 @@ def calibrate(best: Path, windows: HeldOutWindows, sampling: Any, window: Window
 
 def make_crps_val_metric(cfg: CsvFinetuneConfig, val_windows: HeldOutWindows, tokenizer: KronosTokenizer,
                          max_windows: int = 64) -> ValMetric:  # 64: ranks epochs, cheap next to an epoch
-    """`training.select_by: crps`: `metric(model, stage)` over a fixed, evenly spread subsample of `max_windows`
+    """`training.select_by: crps`: `metric(predictor)` over a fixed, evenly spread subsample of `max_windows`
     validation windows, sampled with the (frozen) tokenizer the predictor trains with (`cfg`: data.lookback /
-    predict / clip, forecast sampling). For the predictor stage it returns {"score": mean CRPS of the close in
-    returns from the last context close, "crps", "mae" (of the sample median), "windows", "samples"}; for the
-    tokenizer stage (no forecast to score) None."""
+    predict / clip, forecast sampling): {"score": mean CRPS of the close in returns from the last context close,
+    "crps", "mae" (of the sample median), "windows", "samples"}; the Validator forks the random streams around it."""
     if len(val_windows) == 0:
         raise DataError("the validation split has no window to score: lower data.lookback / data.predict or raise "
                         "data.val_ratio, or select checkpoints by loss (training.select_by: loss)")
@@ -160,18 +159,15 @@ def make_crps_val_metric(cfg: CsvFinetuneConfig, val_windows: HeldOutWindows, to
     x_stamps, y_stamps = windows.stamps()  # (W, L, 5), (W, P, 5)
     f = cfg.forecast
 
-    def metric(model: torch.nn.Module, stage: object) -> dict | None:
-        if getattr(stage, "name", stage) != "predictor":
-            return None
+    def metric(model: torch.nn.Module) -> dict:
         module = getattr(model, "module", model)  # DDP-wrapped or not
         device = next(module.parameters()).device
         was_training = module.training
         predictor = forecaster.KronosPredictor.from_models(module, tokenizer, device=str(device),
                                                            window=cfg.data.window)
         try:  # interruptible=False: the loop stops after its own checkpoint, not in here
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, cfg.data.predict, f,
-                                     f.batch_size, interruptible=False)  # (W, S, P, 6), seeded with forecast.seed
+            paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, cfg.data.predict, f, f.batch_size,
+                                 interruptible=False)  # (W, S, P, 6), seeded with forecast.seed
         finally:
             module.train(was_training)
         crps, mae = (float(v.mean()) for v in window_crps_mae(paths, windows))  # every window has P horizons

@@ -15,10 +15,11 @@ import torch
 
 from finetune.utils.distributed import DistInfo, seed_everything, seeded_init
 from finetune.utils.errors import setup_logging
+from finetune.utils.precision import resolve_precision
 from finetune.utils.safety import FAULT_ENV, maybe_die_after_step
 from finetune.utils.schema import TrainingConfig
 from finetune.utils.training_utils import TokenizerStage, Trainer
-from finetune.utils.validate import LossSums
+from finetune.utils.validate import LossSums, Validator
 from tests.engine_dist_worker import tiny_datasets, tiny_tokenizer
 
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -42,6 +43,21 @@ def test_loss_sums_carry_a_resumed_epoch_and_report_nan_without_windows():
     assert carried.reduce().mean("loss") == pytest.approx(9.0 / 4)
     with pytest.raises(KeyError):
         carried.add(torch.tensor(1.0), {"other": torch.tensor(0.0)}, n=1)
+
+
+def test_a_sampled_forecast_metric_leaves_the_training_random_streams_where_they_were():
+    _, val_set = tiny_datasets()
+    cfg = TrainingConfig(batch_size=4, num_workers=0, select_by="draws")
+    draws = lambda model: {"score": float(torch.rand(()) + np.random.rand() + random.random())}  # noqa: E731
+    validator = Validator(TokenizerStage(tiny_tokenizer()), val_set, cfg, CPU, resolve_precision("none", CPU.device),
+                          draws)
+    seed_everything(5, 0)
+    expected = (torch.rand(2), np.random.rand(2), random.random())
+    seed_everything(5, 0)
+    sel = validator.validate_and_select(validator.stage.model, 1, math.inf, 0)
+    assert 0 < sel.values["score"] == sel.values["metric_score"] < 3  # it drew, and selected by its score
+    got = (torch.rand(2), np.random.rand(2), random.random())
+    assert torch.equal(got[0], expected[0]) and np.array_equal(got[1], expected[1]) and got[2] == expected[2]
 
 
 def test_seeded_init_gives_the_same_weights_and_leaves_the_global_streams_alone():

@@ -216,10 +216,10 @@ def test_ic_val_metric_scores_minus_rank_ic_of_validation_forecasts(tmp_path, da
     calendar_ns = np.asarray(read_manifest(cfg.data.dataset_path)["calendar_ns"], dtype=np.int64)
     metric = qf.make_ic_val_metric(cfg, val, tokenizer, calendar_ns, max_days=4, device="cpu")
     predictor.train()
-    first = metric(predictor, "predictor")
+    first = metric(predictor)
     assert predictor.training  # the model is handed back in the mode it came in
     assert first["days"] == 4 and math.isfinite(first["rank_ic"]) and first["score"] == pytest.approx(-first["rank_ic"])
-    assert metric(predictor, "predictor") == first  # seeded: the same model scores the same
+    assert metric(predictor) == first  # seeded: the same model scores the same
 
 
 def random_forecaster(x, x_stamp, y_stamp):

@@ -298,7 +298,7 @@ class Trainer:
     out: the stage's output folder (written by rank 0 only).
     run_config, data_info: stored in run_info.json and the checkpoint; data_info's fingerprint guards a resume
         (what it must hold: training_utils.py).
-    val_metric: optional forecast metric (model, stage) -> {"score", ...}, run after each validation; with
+    val_metric: optional forecast metric (model) -> {"score", ...}, run after each validation; with
         training.select_by = its name, its "score" (lower is better) picks best_model/ instead of val_loss.
     data_extremes: what the data check flagged (for the divergence diagnosis), or None.
     output_key: the pipeline's setting that names `out` (e.g. `paths.base_dir`), quoted when the disk is full."""

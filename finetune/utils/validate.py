@@ -21,8 +21,9 @@ from finetune.utils.safety import ignore_interrupts_in_worker
 from finetune.utils.schema import TrainingConfig
 from finetune.utils.windows import EpochSampler, make_loader, seed_worker
 
-# (model, stage) -> {"score": lower is better, other named values...}; called on every rank after validation.
-ValMetric = Callable[[nn.Module, Any], dict[str, float]]
+# the predictor -> {"score": lower is better, other named values...}; called on every rank after validation, its
+# random draws forked off the training's (rng_fork).
+ValMetric = Callable[[nn.Module], dict[str, float]]
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ class Validator:
         score = values["val_loss"]
         if self.val_metric is not None:
             with rng_fork():  # a sampled forecast metric must not move the training's random streams
-                metric = self.val_metric(self.stage.model, self.stage)
+                metric = self.val_metric(self.stage.model)
             values.update({f"metric_{k}": float(v) for k, v in metric.items()})
             if cfg.select_by != "loss":
                 score = float(metric["score"])
