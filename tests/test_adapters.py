@@ -39,7 +39,7 @@ def train(tmp_path: Path, cfg: TrainingConfig, pred: Kronos | None = None):
     pred = pred if pred is not None else tiny_predictor()
     start = {k: v.clone() for k, v in pred.state_dict().items()}
     result = train_predictor(pred, tiny_tokenizer(), train_set, val_set, cfg, tmp_path, CPU,
-                             forecast_info={"max_context": 10, "tokenizer": "tok", "clip": 5.0})
+                             forecast_info={"max_context": 10, "clip": 5.0})
     return pred, start, result
 
 

@@ -44,7 +44,6 @@ class Checkpoint(TypedDict):
     model_args: dict[str, Any]  # its constructor arguments (a resume with other shapes is refused)
     optimizer: dict[str, Any]  # AdamW state_dict (moments, step counts)
     scheduler: dict[str, Any]  # OneCycleLR state_dict (last_epoch = optimizer steps done)
-    grad_scaler: None  # bf16 autocast needs no loss scaling
     loop: dict[str, Any]  # dataclasses.asdict(training_utils.LoopState)
     rng: list[dict[str, Any]]  # `rng_state()` of every rank, by rank
     world_size: int

@@ -96,10 +96,9 @@ def run_stages(pipe: Pipeline, plan: Mapping[str, str | None], resume: Mapping[s
         if plan["predictor"] is None:
             if trained_tokenizer:  # the best tokenizer epoch on disk (not the last one in memory)
                 tokenizer, predictor = _predictor_pair(pipe, training["predictor"].seed)
-            # What forecasting needs beside the weights (kronos_predictor.json): the window, the tokenizer (its
-            # weights' sha256 pins the pair) and the clip.
-            forecast_info = {**d.window.info(), "tokenizer": pipe.tokenizer_source()[0],
-                             "tokenizer_sha256": weights_fingerprint(tokenizer)}
+            # What forecasting needs beside the weights (kronos_predictor.json): the window and the clip; the
+            # tokenizer is copied inside best_model/, its weights' sha256 pins the pair.
+            forecast_info = {**d.window.info(), "tokenizer_sha256": weights_fingerprint(tokenizer)}
             results.append(train_predictor(predictor, tokenizer, train_set, val_set, training["predictor"],
                                            pipe.stage_dir("predictor"), dist, forecast_info=forecast_info,
                                            val_metric=pipe.val_metric(training["predictor"].select_by, tokenizer),

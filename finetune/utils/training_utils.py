@@ -233,7 +233,7 @@ class PredictorStage(Stage):
         self.adapter = adapter or adapters.Adapter(predictor)
         self.tokenizer = tokenizer
         self.teacher_forcing = teacher_forcing
-        self.forecast_info = forecast_info  # max_context / tokenizer / clip for KronosPredictor.from_pretrained
+        self.forecast_info = forecast_info  # max_context / lookback / clip / tokenizer_sha256 (predictor_info)
 
     def loss(self, wrapped, x, stamp, training):
         # Validation is always teacher-forced and causal: the s2 head at position t must not see later positions.
@@ -248,8 +248,7 @@ class PredictorStage(Stage):
         if self.forecast_info is not None:  # so that KronosPredictor.from_pretrained(best_model/) needs nothing else
             # Self-contained: the frozen tokenizer is copied inside (tokenizer/), so the folder still loads after a
             # move, a copy to another machine, or a later change of the tokenizer stage.
-            info = {k: v for k, v in self.forecast_info.items() if k != "tokenizer"}
-            extra[PREDICTOR_INFO_NAME] = {**predictor_info(folder, **info), "tokenizer": TOKENIZER_SUBDIR}
+            extra[PREDICTOR_INFO_NAME] = {**predictor_info(folder, **self.forecast_info), "tokenizer": TOKENIZER_SUBDIR}
             models[TOKENIZER_SUBDIR] = self.tokenizer
         self.adapter.save_best(folder, extra, models)  # lora: merged, plus the adapter alone under adapter/
 
@@ -676,7 +675,7 @@ class Trainer:
         return {"format": checkpoint_store.CHECKPOINT_FORMAT, "stage": self.stage.name,
                 "model": self.stage.adapter.checkpoint_state(),  # lora / freeze: what trains only
                 "model_args": self.model_args(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "grad_scaler": None, "loop": dataclasses.asdict(self.state),
+                "scheduler": self.scheduler.state_dict(), "loop": dataclasses.asdict(self.state),
                 "rng": rngs, "world_size": self.dist.world_size, "training_config": config_to_dict(self.cfg),
                 "run_config": plain(self.run_config), "data_info": plain(self.data_info),
                 "data_fingerprint": ledger.data_fingerprint(plain(self.data_info)),
@@ -750,7 +749,7 @@ def train_predictor(predictor: nn.Module, tokenizer: nn.Module, train_set: Datas
     """Finetune the Kronos predictor on tokens of the frozen `tokenizer`; the best epoch is saved with
     save_pretrained plus the tokenizer's config (tokenizer_config.json). Arguments as in `train_tokenizer`;
     clip_grad_norm defaults to 3.0; `cfg.teacher_forcing` picks the s2 conditioning used in training.
-    `forecast_info` ({"max_context", "tokenizer", "clip"}, see model.predictor) is written beside the best
+    `forecast_info` (`model.predictor.predictor_info`'s arguments but the tokenizer) is written beside the best
     model as kronos_predictor.json, so `KronosPredictor.from_pretrained(best_model/)` loads the whole forecaster."""
     tokenizer.to(dist.device).eval().requires_grad_(False)
     adapter = adapters.prepare(predictor, cfg, "predictor")  # training.finetune_mode: what trains
