@@ -201,10 +201,10 @@ def qlib_fields(df: pd.DataFrame) -> pd.DataFrame:
     return t[list(FIELDS)]
 
 
-def equal_weight_index(tables: dict[str, pd.DataFrame], base: float = INDEX_BASE) -> pd.DataFrame:
+def equal_weight_index(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     """Equal-weighted index of `tables` (each from `qlib_fields`), as Qlib fields indexed by date.
 
-    close_t = close_{t-1} * (1 + mean of the constituents' close-to-close returns on day t), starting at `base` on
+    close_t = close_{t-1} * (1 + mean of the constituents' close-to-close returns on day t), starting at INDEX_BASE on
     the first day; open/high/low_t = close_t * mean of the constituents' open/high/low / close that day (so
     high >= max(open, close) and low <= min(open, close) hold for the index too); volume and amount are sums;
     vwap is the index's typical price (high + low + close) / 3.
@@ -217,7 +217,7 @@ def equal_weight_index(tables: dict[str, pd.DataFrame], base: float = INDEX_BASE
     daily_ret.iloc[0] = 0.0
     traded = close.notna().any(axis=1)
     idx = pd.DataFrame(index=close.index[traded])
-    idx["close"] = base * (1.0 + daily_ret[traded]).cumprod()
+    idx["close"] = INDEX_BASE * (1.0 + daily_ret[traded]).cumprod()
     for field in ("open", "high", "low"):
         idx[field] = idx["close"] * (panel(field) / close).mean(axis=1, skipna=True)[traded]
     idx["volume"] = panel("volume").sum(axis=1, min_count=1)[traded]

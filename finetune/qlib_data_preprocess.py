@@ -168,12 +168,12 @@ def make_splits(panel: SeriesPanel, cfg: QlibConfig, member: np.ndarray | None =
     return splits, report
 
 
-def _note_disjoint_histories(panel: SeriesPanel, test: SeriesPanel, max_gap_days: int = 30) -> None:
-    """Warn when the instruments' histories do not overlap in time: a stretch with no bar of any instrument (the
-    calendar jumps), or a test split never holding two instruments on one day (no cross-section: the IC is blank,
-    the top-k backtest holds one stock)."""
+def _note_disjoint_histories(panel: SeriesPanel, test: SeriesPanel) -> None:
+    """Warn when the instruments' histories do not overlap in time: a stretch of over 30 days with no bar of any
+    instrument (the calendar jumps), or a test split never holding two instruments on one day (no cross-section:
+    the IC is blank, the top-k backtest holds one stock)."""
     days = np.unique(np.asarray(panel.datetimes).astype("datetime64[ns]").astype("datetime64[D]"))
-    if len(days) > 1 and (gap := np.diff(days).astype(np.int64)).max() > max_gap_days:
+    if len(days) > 1 and (gap := np.diff(days).astype(np.int64)).max() > 30:
         i = int(gap.argmax())
         log.warning("no instrument has a bar from %s to %s (%d days): the histories do not overlap in time, so "
                     "the splits by date hold different instruments; choose a universe whose members trade together",

@@ -162,14 +162,14 @@ def _show_default(value: Any) -> str:
     return "(required)" if value is dataclasses.MISSING else json.dumps(value, default=repr)
 
 
-def format_config_help(cls: type, title: str | None = None, width: int = 118) -> str:
+def format_config_help(cls: type) -> str:
     """The listing `--help-config` prints: sections as headers, then `key: type = default` and its docstring."""
-    lines = [title or f"Settings of {cls.__name__} (YAML keys; override any with --set KEY=VALUE):"]
+    lines = [f"Settings of {cls.__name__} (YAML keys; override any with --set KEY=VALUE):"]
     for item in describe_config(cls):
         if isinstance(item, SectionDoc):
             lines += ["", f"{item.key}:" + (f"  # {item.doc}" if item.doc else "")]
             continue
         lines.append(f"  {item.key}: {item.type} = {_show_default(item.default)}")
         if item.doc:
-            lines += textwrap.wrap(item.doc, width=width, initial_indent="      ", subsequent_indent="      ")
+            lines += textwrap.wrap(item.doc, width=118, initial_indent="      ", subsequent_indent="      ")
     return "\n".join(lines)

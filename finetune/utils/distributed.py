@@ -124,10 +124,10 @@ def resolve_backend(requested: str | None, cuda_available: bool) -> str:
 
 
 @contextlib.contextmanager
-def distributed_context(timeout_s: float = 1800.0, backend: str | None = None) -> Iterator[DistInfo]:
+def distributed_context(timeout_s: float = 1800.0) -> Iterator[DistInfo]:
     """Set up this process (process group if launched by torchrun, device) and tear it down on exit.
     timeout_s: how long a collective may wait for the other ranks before the job fails instead of hanging.
-    backend: overrides DIST_BACKEND (None: read the environment).
+    The backend is DIST_BACKEND's (resolve_backend).
     Yields a `DistInfo`. The process group is destroyed here, and only here, whether the body succeeds or raises."""
     cuda = torch.cuda.is_available()
     if not launched_by_torchrun():
@@ -138,7 +138,7 @@ def distributed_context(timeout_s: float = 1800.0, backend: str | None = None) -
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    chosen = resolve_backend(backend if backend is not None else os.environ.get("DIST_BACKEND"), cuda)
+    chosen = resolve_backend(os.environ.get("DIST_BACKEND"), cuda)
     if cuda:
         if local_rank >= torch.cuda.device_count():
             raise DataError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPU(s) are visible; "

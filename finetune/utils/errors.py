@@ -151,10 +151,10 @@ def _other_rank_filter(rank: int, record: logging.LogRecord) -> bool:
     return True
 
 
-def setup_logging(rank: int | None = None, log_file: str | Path | None = None, level: int = logging.INFO) -> None:
+def setup_logging(rank: int | None = None, log_file: str | Path | None = None) -> None:
     """Configure the root logger once per process (calling again replaces the handlers it installed before).
     `rank` None = torchrun's RANK (0 without torchrun); `log_file` also gets the records, on rank 0 only (ranks
-    never interleave in one file); `level` is the lowest level shown on rank 0."""
+    never interleave in one file); rank 0 shows INFO and above."""
     rank = int(os.environ.get("RANK", "0")) if rank is None else int(rank)
     root = logging.getLogger()
     for handler in [h for h in root.handlers if getattr(h, "_kronos_setup", False)]:
@@ -170,14 +170,14 @@ def setup_logging(rank: int | None = None, log_file: str | Path | None = None, l
             handler.addFilter(functools.partial(_other_rank_filter, rank))
         handler._kronos_setup = True  # marks the handlers a later call may replace
         root.addHandler(handler)
-    root.setLevel(level)
+    root.setLevel(logging.INFO)
     logging.captureWarnings(True)  # warnings.warn(...) goes through the same handlers and filter
 
 
 @contextmanager
 def stage_log(log_file: str | Path, *, rank: int | None = None, resumed_from: str | Path | None = None,
-              stage: str | None = None, level: int = logging.INFO) -> Iterator[logging.Handler | None]:
-    """For the `with` block, append every log record of rank 0 at `level` and above to `log_file` (normally `<stage
+              stage: str | None = None) -> Iterator[logging.Handler | None]:
+    """For the `with` block, append every log record of rank 0 at INFO and above to `log_file` (normally `<stage
     folder>/train.log`; never truncated) after a header line naming the `stage`, the checkpoint it `resumed_from`
     (None = a fresh start) and the command; on exit, success or failure, detach it and restore the root level.
     Yields the handler, or None when nothing was added (another rank, or a handler for the same file is already
@@ -191,7 +191,7 @@ def stage_log(log_file: str | Path, *, rank: int | None = None, resumed_from: st
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, mode="a", encoding="utf-8")
     handler.setFormatter(logging.Formatter(_FORMAT, datefmt=_FILE_DATEFMT))
-    handler.setLevel(level)
+    handler.setLevel(logging.INFO)
     now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     how = f"resumed from {resumed_from}" if resumed_from is not None else "fresh start"
     where = f"{stage} " if stage else ""
@@ -201,8 +201,8 @@ def stage_log(log_file: str | Path, *, rank: int | None = None, resumed_from: st
                          f"{use_chosen_threads()} =====\n")
     handler.flush()
     previous_level = root.level
-    if root.level == logging.NOTSET or root.level > level:
-        root.setLevel(level)
+    if root.level == logging.NOTSET or root.level > logging.INFO:
+        root.setLevel(logging.INFO)
     root.addHandler(handler)
     try:
         yield handler

@@ -762,9 +762,9 @@ def train_predictor(predictor: nn.Module, tokenizer: nn.Module, train_set: Datas
 
 @torch.no_grad()
 def evaluate_predictor(predictor: nn.Module, tokenizer: nn.Module, dataset: Dataset, cfg: TrainingConfig,
-                       dist: DistInfo, epoch: int = 0) -> dict[str, float]:
+                       dist: DistInfo) -> dict[str, float]:
     """Causal, teacher-forced predictor loss averaged over validation windows (all ranks)."""
     tokenizer.to(dist.device).eval()
     stage = PredictorStage(predictor.to(dist.device), tokenizer, True)
-    return validate.evaluate(stage, predictor, dataset, validate.val_sampler(dataset, cfg, dist), cfg, dist, epoch,
+    return validate.evaluate(stage, predictor, dataset, validate.val_sampler(dataset, cfg, dist), cfg, dist, 0,
                              resolve_precision(cfg.amp, dist.device))
