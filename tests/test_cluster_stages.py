@@ -75,6 +75,7 @@ def test_resume_with_nothing_anywhere_to_resume_is_still_an_error(tmp_path):
     assert stage_resume(CsvPipeline(cfg), plan) == {"tokenizer": "required", "predictor": "auto"}
 
 
+@pytest.mark.slow  # two CSV runs in subprocesses, about 50 s per flag set
 @pytest.mark.parametrize("flags", [["--resume"], ["--skip-existing", "--resume"]])
 def test_resume_after_a_kill_in_the_tokenizer_stage_finishes_both_stages(tmp_path, flags):
     config = make_run(tmp_path)

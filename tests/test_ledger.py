@@ -85,6 +85,7 @@ def _report(root: Path) -> tuple[dict, bytes]:
         (out / "windows.csv").read_bytes()
 
 
+@pytest.mark.slow  # two walk-forward runs
 def test_a_walk_forward_stopped_after_fold_0_then_run_on_cut_data_retrains_fold_0(
         run_config, tmp_path, monkeypatch, caplog, one_thread):  # noqa: F811
     """Issue 30 item 1: the fold-0 predictor trained on the longer data must not be reused once the data is cut (its

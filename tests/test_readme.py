@@ -35,6 +35,7 @@ def kronos(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
                           text=True, timeout=900)
 
 
+@pytest.mark.slow  # every `kronos` line of the install block in a subprocess
 def test_install_block_installs_the_package_and_its_kronos_lines_work(tmp_path):
     commands = shell_commands(readme_block("install"))
     assert ["pip", "install", "."] in commands  # what tests/test_packaging.py does in a fresh venv

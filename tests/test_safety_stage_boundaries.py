@@ -66,6 +66,7 @@ def sigterm_after(monkeypatch, name: str) -> None:
     monkeypatch.setattr(stages, name, then_signal)
 
 
+@pytest.mark.slow  # a stopped run and its rerun, after the uninterrupted one (the module fixture)
 def test_sigterm_after_the_tokenizer_stage_stops_before_the_predictor_and_the_rerun_finishes_it(
         tmp_path, uninterrupted, monkeypatch, capsys, one_thread):
     config = make_run(tmp_path)
@@ -83,6 +84,7 @@ def test_sigterm_after_the_tokenizer_stage_stops_before_the_predictor_and_the_re
     assert outputs(tmp_path) == uninterrupted
 
 
+@pytest.mark.slow
 def test_sigterm_while_calibrating_stops_and_the_rerun_calibrates(tmp_path, uninterrupted, monkeypatch, capsys,
                                                                   one_thread):
     config = make_run(tmp_path)
@@ -126,6 +128,7 @@ def test_a_kill_between_the_finished_predictor_and_its_calibration_is_calibrated
     assert outputs(tmp_path) == uninterrupted
 
 
+@pytest.mark.slow
 def test_sigterm_while_kronos_forecast_samples_stops_with_75_and_writes_nothing(tmp_path, monkeypatch, capsys,
                                                                                one_thread):
     from finetune_csv import forecast
