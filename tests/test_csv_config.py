@@ -61,7 +61,10 @@ def test_architecture_is_only_checked_when_training_from_scratch():
     cfg = CsvFinetuneConfig()
     cfg.data.path = "x.csv"
     cfg.model.tokenizer_arch.s2_bits = 4  # ignored: a pretrained tokenizer is used
-    validate(cfg)
+    validate(cfg)  # no error
+    cfg.model.pretrained_tokenizer = None  # from scratch: the architecture is checked
+    with pytest.raises(ValueError, match=r"model\.tokenizer_arch\.s2_bits: must equal s1_bits"):
+        validate(cfg)
 
 
 def test_ratios_must_sum_to_one():

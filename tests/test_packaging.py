@@ -76,9 +76,10 @@ def test_extras_and_torch_requirement():
     assert torch.specifier.contains(md.version("torch")) and torch.specifier.contains("99.0+cu999") and not torch.url
 
 
-def test_console_script_points_at_the_cli():
+def test_console_script_points_at_the_cli(capsys):
     module, _, attr = PROJECT["scripts"]["kronos"].partition(":")
-    assert callable(getattr(importlib.import_module(module), attr))
+    assert getattr(importlib.import_module(module), attr)(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: kronos ")
 
 
 def test_every_package_is_included():

@@ -58,7 +58,8 @@ def prepared(tmp_path, name, data, membership=None, **backtest):
     return cfg
 
 
-def test_signals(cfg, forecaster=momentum_forecaster):
+def signal_frame(cfg, forecaster=momentum_forecaster):
+    """The test split's signals of `forecaster`, indexed by (datetime, instrument)."""
     split = load_split(split_path(cfg.data.dataset_path, "test"))
     cal = np.asarray(read_manifest(cfg.data.dataset_path)["calendar_ns"], dtype=np.int64)
     init_qlib(cfg)
@@ -70,8 +71,6 @@ def test_signals(cfg, forecaster=momentum_forecaster):
     del D
     return frame.set_index(["datetime", "instrument"]).sort_index()
 
-
-test_signals.__test__ = False  # a helper, not a test
 
 
 def qf_first(cfg):
@@ -92,7 +91,7 @@ def test_store_is_memory_mapped_and_first_signal_day_precedes_the_test(tmp_path,
     cfg = prepared(tmp_path, "a", data)
     split = load_split(split_path(cfg.data.dataset_path, "test"))
     assert isinstance(split.features, np.memmap)
-    signals = test_signals(cfg)
+    signals = signal_frame(cfg)
     first = signals.index.get_level_values("datetime").min()
     assert first < pd.Timestamp(TEST[0]) and first == qf_first(cfg)
 
@@ -106,8 +105,8 @@ def test_poisoned_future_leaves_earlier_signals_unchanged(tmp_path, data):
         for c in ("open", "high", "low", "close"):
             df.loc[after, c] = df.loc[after, c] * 3.0
         bad[s] = df
-    clean = test_signals(prepared(tmp_path, "clean", data))
-    poisoned = test_signals(prepared(tmp_path, "poisoned", bad))
+    clean = signal_frame(prepared(tmp_path, "clean", data))
+    poisoned = signal_frame(prepared(tmp_path, "poisoned", bad))
     before = clean.index.get_level_values("datetime") < poison_day
     pd.testing.assert_frame_equal(clean[before], poisoned.loc[clean.index[before]])
     assert not np.allclose(clean[~before]["last"], poisoned.loc[clean.index[~before], "last"])
@@ -121,8 +120,8 @@ def test_leave_and_rejoin_and_late_joiner(tmp_path, data):
     gap = gap[~gap.symbol.isin([s0, s1])]
     gap = pd.concat([gap, pd.DataFrame({"symbol": [s0, s0, s1], "start": ["2021-06-01", "2022-05-02", "2022-05-02"],
                                         "end": ["2022-04-15", "2022-06-30", "2022-06-30"]})])
-    a = test_signals(prepared(tmp_path, "full", data, membership=full))
-    b = test_signals(prepared(tmp_path, "gap", data, membership=gap))
+    a = signal_frame(prepared(tmp_path, "full", data, membership=full))
+    b = signal_frame(prepared(tmp_path, "gap", data, membership=gap))
     # the leaver/re-joiner: no signal while out, identical signals after re-entry
     day_b = b.xs(s0, level="instrument").index
     out = (day_b > pd.Timestamp("2022-04-15")) & (day_b < pd.Timestamp("2022-05-02"))
@@ -147,7 +146,7 @@ def test_a_long_suspension_cuts_the_series_and_is_nan_in_the_store(tmp_path, dat
 
     close = D.features([name], ["$close"], "2022-04-11", "2022-04-22")["$close"]
     assert close.isna().all()
-    signals = test_signals(cfg).xs(name, level="instrument")
+    signals = signal_frame(cfg).xs(name, level="instrument")
     # no signal during the stretch, and none for the lookback days after it (the context never spans the gap)
     assert not ((signals.index >= "2022-04-11") & (signals.index <= "2022-04-22")).any()
     resume = signals.loc["2022-04-23":].index.min()
