@@ -359,14 +359,13 @@ class HandlerProbe:
 
 
 def test_loader_workers_ignore_sigint_and_keep_their_seeding():
-    from finetune.utils.validate import quiet_loader
     from finetune.utils.windows import EpochSampler, make_loader
 
     # A pytest started in the background (`cmd &`) inherits SIGINT ignored: start from Python's own handler.
     inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        loader = quiet_loader(make_loader(HandlerProbe(), EpochSampler(4, shuffle=False, seed=0), 2, epoch=0, seed=0,
-                                          num_workers=1))
+        loader = make_loader(HandlerProbe(), EpochSampler(4, shuffle=False, seed=0), 2, epoch=0, seed=0,
+                             num_workers=1)
         assert [int(b) for b in loader] == [1, 1]  # Ctrl-C reaches the training process only (graceful stop)
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the main process is untouched
     finally:

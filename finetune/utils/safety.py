@@ -263,14 +263,6 @@ def raise_if_stop_requested(where: str, dist: Any = None) -> None:
                               where=where)
 
 
-def ignore_interrupts_in_worker(worker_id: int) -> None:
-    """DataLoader `worker_init_fn`: workers ignore SIGINT and SIGTERM, so a Ctrl-C or a scheduler's group SIGTERM
-    (Slurm, torchrun's agent) stops the run gracefully instead of killing the loader under the save. A worker still
-    ends with its training process (the loader shuts it down; torch's watchdog ends it if the parent dies)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
 EARLY_STEPS = 3  # a non-finite loss within this many finite steps of the start points at the data, not the optimisation
 LOSS_GROWTH = 2.0  # the loss counts as having grown when its last value is this many times the window's early median
 GRAD_EXPLOSION = 10.0  # the gradient norm counts as exploding when its last is this many times the window's median

@@ -470,10 +470,9 @@ class Trainer:
         cfg, state = self.cfg, self.state
         self.epoch_start = time.perf_counter()
         self.model.train()
-        loader = validate.quiet_loader(make_loader(
-            self.train_set, self.train_sampler, cfg.batch_size, epoch=state.epoch, seed=cfg.seed,
-            skip_batches=state.step_in_epoch * cfg.accumulation_steps, num_workers=cfg.num_workers,
-            pin_memory=self.device.type == "cuda"))
+        loader = make_loader(self.train_set, self.train_sampler, cfg.batch_size, epoch=state.epoch, seed=cfg.seed,
+                             skip_batches=state.step_in_epoch * cfg.accumulation_steps, num_workers=cfg.num_workers,
+                             pin_memory=self.device.type == "cuda")
         # After a resume rank 0 carries the (all ranks') sum of the part of the epoch done before the interruption.
         carried = (state.epoch_loss_sum, state.epoch_windows) if self.dist.is_main else (0.0, 0)
         self.epoch_sums = validate.LossSums(self.stage.part_names, self.device, *carried)

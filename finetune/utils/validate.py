@@ -1,6 +1,6 @@
 """Validation of one stage (after torchtitan's components/validate.py): `Validator.validate_and_select` = the
 validation loss, the pipeline's forecast metric, best-model selection and early stopping, as one `Selection`. Also
-what training shares with it: `LossSums`, `rng_fork`, the loaders' SIGINT-quiet workers."""
+what training shares with it: `LossSums`, `rng_fork`."""
 
 from __future__ import annotations
 
@@ -17,9 +17,8 @@ from torch.utils.data import Dataset
 from finetune.utils.checkpoint import rng_state, set_rng_state
 from finetune.utils.distributed import DistInfo, all_reduce_sum
 from finetune.utils.precision import Precision
-from finetune.utils.safety import ignore_interrupts_in_worker
 from finetune.utils.schema import TrainingConfig
-from finetune.utils.windows import EpochSampler, make_loader, seed_worker
+from finetune.utils.windows import EpochSampler, make_loader
 
 # the predictor -> {"score": lower is better, other named values...}; called on every rank after validation, its
 # random draws forked off the training's (rng_fork).
@@ -103,19 +102,6 @@ def rng_fork() -> Iterator[None]:
         set_rng_state(saved)
 
 
-def _worker_init(worker_id: int) -> None:
-    """DataLoader workers: reproducible seeds, and Ctrl-C left to the training process (graceful stop)."""
-    seed_worker(worker_id)
-    ignore_interrupts_in_worker(worker_id)
-
-
-def quiet_loader(loader):
-    """The loader with workers that ignore SIGINT (make_loader's seeding kept)."""
-    if loader.num_workers > 0:
-        loader.worker_init_fn = _worker_init
-    return loader
-
-
 def val_sampler(dataset: Dataset, cfg: TrainingConfig, dist: DistInfo) -> EpochSampler:
     """Ordered, nothing dropped or duplicated (an exact loss); a capped run draws a seeded subset per epoch."""
     return EpochSampler(len(dataset), shuffle=False, seed=cfg.seed + 1, max_samples=cfg.max_val_samples,
@@ -131,8 +117,8 @@ def evaluate(stage: Any, wrapped: nn.Module, dataset: Dataset, sampler: EpochSam
     ranks (sums and counts all-reduced, not batch means). A rank with no window still joins the all-reduce."""
     was_training = stage.model.training
     stage.model.eval()
-    loader = quiet_loader(make_loader(dataset, sampler, cfg.batch_size, epoch=epoch, seed=cfg.seed + 1,
-                                      num_workers=cfg.num_workers, pin_memory=dist.device.type == "cuda"))
+    loader = make_loader(dataset, sampler, cfg.batch_size, epoch=epoch, seed=cfg.seed + 1, num_workers=cfg.num_workers,
+                         pin_memory=dist.device.type == "cuda")
     sums = LossSums(stage.part_names, dist.device)
     for x, stamp in loader:
         # x (B, T, F), stamp (B, T, 5)

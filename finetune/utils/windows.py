@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import random
+import signal
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -342,17 +343,23 @@ class EpochSampler(Sampler[int]):
         return max(0, self.samples_per_rank() - self.skip)
 
 
-def seed_worker(worker_id: int) -> None:
-    """DataLoader worker_init_fn: seed numpy and python from the worker's torch seed (base seed + worker id)."""
+def init_worker(worker_id: int) -> None:
+    """DataLoader worker_init_fn: seed numpy and python from the worker's torch seed (base seed + worker id); ignore
+    SIGINT and SIGTERM, so a Ctrl-C or a scheduler's group SIGTERM (Slurm, torchrun's agent) stops the run gracefully
+    instead of killing the loader under the save (a worker still ends with its training process: the loader shuts
+    it down, torch's watchdog ends it if the parent dies)."""
     s = torch.initial_seed() % 2**32
     np.random.seed(s)
     random.seed(s)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def make_loader(dataset: Dataset, sampler: EpochSampler, batch_size: int, *, epoch: int, seed: int,
                 skip_batches: int = 0, num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
     """The DataLoader for one epoch: `sampler.set_epoch(epoch, skip_batches * batch_size)`, batches of
-    `batch_size` (last one may be smaller), every worker seeded reproducibly from (seed, epoch, rank, worker id)."""
+    `batch_size` (last one may be smaller), every worker seeded reproducibly from (seed, epoch, rank, worker id)
+    and deaf to Ctrl-C (`init_worker`)."""
     sampler.set_epoch(epoch, skip=skip_batches * batch_size)
     # The loader hands the dataset whole index lists (batch_size=None + a BatchSampler): WindowDataset gathers a
     # batch with one vectorised fancy-index instead of B item fetches that collate would then stack again.
@@ -360,7 +367,7 @@ def make_loader(dataset: Dataset, sampler: EpochSampler, batch_size: int, *, epo
     # The DataLoader draws its workers' base seed from this generator, seeded from (seed, epoch, rank).
     mixed = np.random.SeedSequence([int(seed), int(epoch), int(sampler.rank)]).generate_state(1, dtype=np.uint64)[0]
     common = dict(num_workers=num_workers, pin_memory=pin_memory, generator=torch.Generator().manual_seed(
-        int(mixed) & 0x7FFF_FFFF_FFFF_FFFF), worker_init_fn=seed_worker if num_workers > 0 else None)
+        int(mixed) & 0x7FFF_FFFF_FFFF_FFFF), worker_init_fn=init_worker if num_workers > 0 else None)
     if not hasattr(dataset, "get_batch"):  # any other map-style dataset: item fetches + default collation
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **common)
     return DataLoader(dataset, batch_size=None, sampler=batches, **common)
