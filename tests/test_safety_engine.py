@@ -300,7 +300,7 @@ def test_epoch_zero_is_validated_and_a_metric_can_keep_the_starting_model(tmp_pa
     start = weights(tok)
     calls = []
 
-    def worse_every_epoch(model, stage):  # the starting model scores best
+    def worse_every_epoch(model):  # the starting model scores best
         calls.append(model.training)
         return {"score": float(len(calls)), "crps": 10.0 + len(calls)}
 
