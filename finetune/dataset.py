@@ -36,10 +36,10 @@ from finetune.qlib_io import date_range
 from finetune.utils.cli_args import add_run_flags, parse_config_args, run_overrides
 from finetune.utils.config_utils import Problems, get_dotted
 from finetune.utils.distributed import DistInfo, require_torchrun
-from finetune.utils.errors import setup_logging
+from finetune.utils.errors import StoreError, setup_logging
 from finetune.utils.ledger import plan_stages
 from finetune.utils.stages import run_stages
-from finetune.utils.store import SeriesPanel, StoreError, open_store, write_panel
+from finetune.utils.store import SeriesPanel, open_store, write_panel
 from finetune.utils.windows import WindowDataset
 from model.errors import DataError
 from model.features import FEATURES

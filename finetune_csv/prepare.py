@@ -32,6 +32,7 @@ import finetune.utils.store as store
 import finetune_csv.sources as csv_sources
 import finetune_csv.timestamps as stamps
 from finetune.utils.config_utils import Problems
+from finetune.utils.errors import StoreError
 from finetune.utils.plots import stamp_text
 from finetune.utils.windows import PanelSegments, wallclock_stamps
 from finetune_csv.config import DataConfig, check_data_settings
@@ -174,7 +175,7 @@ def check_store(store_dir: str | Path, sources: Sequence[Path | csv_sources.Fram
         return False, "first run: no store yet", None
     try:
         manifest = store.read_manifest(store_dir)
-    except store.StoreError as e:
+    except StoreError as e:
         return False, str(e), None
     old, new = manifest["settings"], settings.as_dict()
     for key in new:
@@ -201,7 +202,7 @@ def check_store(store_dir: str | Path, sources: Sequence[Path | csv_sources.Fram
         try:
             store.verify_store(store_dir, manifest)
             store.open_store(store_dir)  # shapes and offsets agree with the manifest
-        except store.StoreError as e:
+        except StoreError as e:
             return False, str(e), None
     reason = "inputs and settings unchanged" + (f" ({touched} file(s) touched, content identical)" if touched else "")
     return True, reason, (manifest if touched else None)
@@ -225,7 +226,7 @@ def ensure_store(sources: csv_sources.Sources, store_dir: str | Path, settings: 
         files = csv_sources.list_sources(sources)
         ok, reason, _ = check_store(store_dir, files, settings, verify=False)
         if not ok:
-            raise store.StoreError(f"the main process did not leave a matching data store in {store_dir} ({reason}); "
+            raise StoreError(f"the main process did not leave a matching data store in {store_dir} ({reason}); "
                                    "see its error")
         return StoreInfo(store_dir, store.read_manifest(store_dir), reused=True, reason="prepared by the main process")
     error: Exception | None = None
@@ -332,10 +333,10 @@ def _build(sources: list[tuple[Path | csv_sources.Frame, Path | csv_sources.Fram
         if problems:
             shown = problems[:_MAX_PROBLEMS_SHOWN]
             more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
-            raise store.StoreError(f"the input data has problems ({len(problems)}):\n"
+            raise StoreError(f"the input data has problems ({len(problems)}):\n"
                                    + "\n".join(f"  - {p}" for p in shown) + more)
         if not sum(s["rows"] for s in series):
-            raise store.StoreError("no rows left after cleaning (data.nan_policy: drop removed every row)")
+            raise StoreError("no rows left after cleaning (data.nan_policy: drop removed every row)")
         return writer.finish(list(FEATURES), series=series, warnings=warnings, **extra)
     finally:
         writer.close()
@@ -366,7 +367,7 @@ def _cross_file_checks(aware: dict[str, bool], freqs: dict[str, pd.Timedelta], s
 def _refuse_foreign_folder(out_dir: Path) -> None:
     if out_dir.exists() and not (out_dir / store.MANIFEST).exists() and (
             not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise store.StoreError(f"{out_dir} exists and is not a prepared data store; it is left untouched. Choose "
+        raise StoreError(f"{out_dir} exists and is not a prepared data store; it is left untouched. Choose "
                                "another store folder (data.store_dir) or remove it")
 
 

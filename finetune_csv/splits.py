@@ -11,8 +11,9 @@ import numpy as np
 import pandas as pd
 
 from finetune.utils.config_utils import Problems
+from finetune.utils.errors import StoreError
 from finetune.utils.plots import stamp_text
-from finetune.utils.store import SeriesPanel, StoreError
+from finetune.utils.store import SeriesPanel
 from finetune.utils.windows import PanelSegments, WindowDataset
 from finetune_csv.config import DataConfig
 from model.config import Window

@@ -1,8 +1,9 @@
 """The error classes of the project: an exception's class says whether it is the user's mistake, and its exit code.
 
 Every user-facing error subclasses `UserError` and carries `exit_code`; anything else escaping an entry point is a
-bug. They live in the model package so that `model/` stands alone; the training engine and the pipelines raise the
-same classes, and `finetune.utils.errors.run_main` turns them into one `error: ...` line and the exit code.
+bug. These live in the model package so that `model/` stands alone; the training engine and the pipelines raise the
+same classes. The engine's own subclasses (checkpoint, divergence, run lock, stop, store) are in
+finetune/utils/errors.py, whose `run_main` turns every one into one `error: ...` line and the exit code.
 
     0    success
     1    a bug: any other exception (traceback printed; please report it)

@@ -23,7 +23,7 @@ import torch
 
 from finetune.utils.config_utils import load_config
 from finetune.utils.distributed import distributed_context, seed_everything
-from finetune.utils.safety import TrainingStopped
+from finetune.utils.errors import TrainingStopped
 from finetune.utils.schema import TrainingConfig
 from finetune.utils.training_utils import train_predictor, train_tokenizer
 from finetune.utils.windows import SeriesArrays, WindowDataset

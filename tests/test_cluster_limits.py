@@ -109,9 +109,10 @@ def test_full_disk_in_the_csv_pipeline_is_one_line_naming_paths_base_dir(tmp_pat
 
 def test_space_error_names_the_key_it_is_given(tmp_path):
     e = checkpoint_store.space_error(tmp_path / "x.pt", 10 << 20, OSError(errno.ENOSPC, "full"))
+    named = checkpoint_store.space_error(tmp_path / "x.pt", 10 << 20, OSError(errno.ENOSPC, "full"), "k")
     assert "training.output_dir" in str(e)
-    assert "paths.tokenizer_dir" in str(e.with_key("paths.tokenizer_dir"))
-    assert str(tmp_path / "x.pt") in str(e.with_key("k")) and "10.0 MiB needed" in str(e.with_key("k"))
+    assert "set k to a folder" in str(named) and "training.output_dir" not in str(named)
+    assert str(tmp_path / "x.pt") in str(named) and "10.0 MiB needed" in str(named) and named.needed == 10 << 20
 
 
 def test_safetensors_disk_full_text_counts_as_a_space_error():

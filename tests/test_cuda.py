@@ -327,7 +327,7 @@ if __name__ == "__main__":  # python tests/test_cuda.py <script.py> <args>: run 
 def test_the_deferred_guard_skips_a_non_finite_step_in_the_fused_adamw_and_raises_at_the_next_read():
     """The guard of one CUDA process (`check_later`), on CPU tensors: a non-finite step is not applied (the fused
     AdamW's found_inf) and its DivergenceError comes when the verdict is read."""
-    from finetune.utils.checkpoint import DivergenceError
+    from finetune.utils.errors import DivergenceError
     from finetune.utils.safety import NonFiniteGuard
 
     w = torch.nn.Parameter(torch.ones(3))
@@ -356,8 +356,8 @@ def test_a_nan_batch_on_cuda_is_never_applied_logged_or_saved(tmp_path, log_ever
     """Engine on cuda:0, one process (the guard without a host sync): step 3's batch is NaN -> DivergenceError
     naming step 3, read at step 3's log (log_every 1) or at step 4's update (log_every 100); the model and the last
     checkpoint hold step 2's weights."""
-    from finetune.utils.checkpoint import DivergenceError
     from finetune.utils.distributed import DistInfo
+    from finetune.utils.errors import DivergenceError
     from finetune.utils.training_utils import train_tokenizer
     from tests.engine_dist_worker import tiny_datasets, tiny_tokenizer
     from tests.test_safety_engine import CFG, Poisoned

@@ -10,7 +10,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from finetune.utils.store import StoreError, open_store
+from finetune.utils.errors import StoreError
+from finetune.utils.store import open_store
 from finetune_csv.config import DataConfig
 from finetune_csv.prepare import StoreSettings, ensure_store, prepare_data, prepare_store
 from tests.csv_reference import candles

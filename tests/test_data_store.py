@@ -14,7 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from finetune.utils.store import SeriesPanel, StoreError, npy_header, open_store
+from finetune.utils.errors import StoreError
+from finetune.utils.store import SeriesPanel, npy_header, open_store
 from finetune.utils.windows import SeriesArrays, WindowDataset, wallclock_stamps
 from finetune_csv.config import ColumnsConfig, DataConfig
 from finetune_csv.prepare import StoreSettings, ensure_store, prepare_store

@@ -123,8 +123,8 @@ def test_seed_plus_rank_and_rng_state_round_trip():
 
 
 def test_resume_setting(tmp_path):
+    from finetune.utils.errors import StageFolderError
     from finetune.utils.ledger import plan_run
-    from finetune.utils.safety import StageFolderError
 
     assert plan_run(tmp_path, "auto", False, "tokenizer").action == "fresh"
     assert plan_run(tmp_path, "never", False, "tokenizer").action == "fresh"

@@ -101,7 +101,8 @@ def _yahoo_csv(path, rows=30):
 
 
 def test_adjust_scales_open_high_low_by_adj_close(tmp_path):
-    from finetune.utils.store import StoreError, open_store
+    from finetune.utils.errors import StoreError
+    from finetune.utils.store import open_store
     from finetune_csv.prepare import StoreSettings, prepare_store
 
     price = _yahoo_csv(tmp_path / "orcl.csv")
@@ -166,8 +167,7 @@ def test_zero_volume_markets_get_zero_volume_forecasts_and_repair_clips_volume(t
 
 def test_numpys_short_write_while_writing_the_store_is_the_disk_full_line(tmp_path, monkeypatch):
     from finetune.utils import store as store_module
-    from finetune.utils.errors import classify
-    from finetune.utils.store import StoreError
+    from finetune.utils.errors import StoreError, classify
     from finetune_csv.prepare import prepare_store
 
     (tmp_path / "a.csv").write_text("timestamps,open,high,low,close\n2024-01-02,1,1,1,1\n2024-01-03,1,1,1,1\n")

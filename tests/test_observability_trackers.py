@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from finetune.utils.metrics import MetricsLogger, TrackerUnavailable, default_mlflow_uri, flatten_params, read_metrics
+from finetune.utils.errors import TrackerUnavailable
+from finetune.utils.metrics import MetricsLogger, default_mlflow_uri, flatten_params, read_metrics
 from finetune.utils.schema import tracker_problems
 from model.errors import ConfigError
 

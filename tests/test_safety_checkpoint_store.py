@@ -15,17 +15,8 @@ import pytest
 import torch
 
 from finetune.utils import checkpoint as store
-from finetune.utils.checkpoint import (
-    LAST_NAME,
-    CheckpointError,
-    CheckpointWriteError,
-    NonFiniteWeightsError,
-    list_checkpoints,
-    load_latest,
-    prepare_folder,
-    remove_orphans,
-    save,
-)
+from finetune.utils.checkpoint import LAST_NAME, list_checkpoints, load_latest, prepare_folder, remove_orphans, save
+from finetune.utils.errors import CheckpointError, CheckpointWriteError, NonFiniteWeightsError
 
 
 def state(step: int) -> dict:

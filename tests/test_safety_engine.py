@@ -15,16 +15,17 @@ import pytest
 import torch
 
 import finetune.utils.checkpoint as checkpoint_store
-from finetune.utils.checkpoint import CheckpointWriteError, DivergenceError, load_checkpoint
+from finetune.utils.checkpoint import load_checkpoint
 from finetune.utils.distributed import DistInfo
-from finetune.utils.ledger import stage_status
-from finetune.utils.safety import (
-    STOPPED_EXIT_CODE,
-    RunLock,
+from finetune.utils.errors import (
+    CheckpointWriteError,
+    DivergenceError,
     RunLockedError,
     StageFolderError,
     TrainingStopped,
 )
+from finetune.utils.ledger import stage_status
+from finetune.utils.safety import STOPPED_EXIT_CODE, RunLock
 from finetune.utils.schema import TrainingConfig
 from finetune.utils.training_utils import TokenizerStage, Trainer, restore_optimizer, train_predictor, train_tokenizer
 from finetune.utils.windows import WindowDataset

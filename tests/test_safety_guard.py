@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.utils.checkpoint import DivergenceError, NonFiniteWeightsError, assert_finite_state_dict
+from finetune.utils.checkpoint import assert_finite_state_dict
+from finetune.utils.errors import DivergenceError, NonFiniteWeightsError
 from finetune.utils.safety import NonFiniteGuard, StepStats, check_step, diagnose
 from tests.conftest import cpu_env
 
@@ -119,7 +120,8 @@ def test_assert_finite_state_dict_names_the_first_bad_tensor():
 
 CHECK = textwrap.dedent("""
     import sys, torch, torch.distributed as tdist
-    from finetune.utils.safety import NonFiniteGuard, DivergenceError
+    from finetune.utils.safety import NonFiniteGuard
+    from finetune.utils.errors import DivergenceError
     rank = int(sys.argv[2])
     tdist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=rank, world_size=2)
     guard = NonFiniteGuard(amp=False)

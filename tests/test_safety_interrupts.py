@@ -12,13 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune.utils.safety import (
-    STOPPED_EXIT_CODE,
-    GracefulStop,
-    TrainingStopped,
-    check_step,
-    raise_if_stop_requested,
-)
+from finetune.utils.errors import TrainingStopped
+from finetune.utils.safety import STOPPED_EXIT_CODE, GracefulStop, check_step, raise_if_stop_requested
 from tests.conftest import cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LOOP = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from finetune.utils.safety import GracefulStop, TrainingStopped, check_step
+    from finetune.utils.safety import GracefulStop, check_step
+    from finetune.utils.errors import TrainingStopped
     out, save_seconds = Path(sys.argv[1]), float(sys.argv[2])
     log = open(out / "steps.log", "w", buffering=1)
     try:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune.utils.safety import LOCK_NAME, RunLock, RunLockedError
+from finetune.utils.errors import RunLockedError
+from finetune.utils.safety import LOCK_NAME, RunLock
 
 ROOT = Path(__file__).resolve().parents[1]
 HOLDER = """

@@ -26,7 +26,7 @@ from typing import Any, TypedDict
 import numpy as np
 import torch
 
-from model.errors import DataError, UserError
+from finetune.utils.errors import CheckpointError, CheckpointWriteError, NonFiniteWeightsError
 from model.fileio import atomic_write, disk_full, exception_chain
 
 CHECKPOINT_FORMAT = "kronos-finetune/last-v1"
@@ -105,21 +105,6 @@ _OVERHEAD = 64 * 1024  # zip headers + pickled structure beyond the raw tensor b
 _log = logging.getLogger(__name__)
 
 
-class CheckpointError(DataError):
-    """No checkpoint in a folder could be loaded; the message lists each file and why."""
-
-
-class CheckpointWriteError(UserError, OSError):
-    """A checkpoint could not be written for lack of space (or a file-size limit); names file, free and needed."""
-
-    def __str__(self) -> str:  # the message alone, without OSError's "[Errno 28] ...: 'path'" decoration
-        return str(self.strerror)
-
-    def with_key(self, key: str) -> CheckpointWriteError:
-        """The same error naming `key` (the pipeline's output-folder setting) as the setting to change."""
-        return space_error(self.filename, getattr(self, "needed", 0), self.__cause__, key)
-
-
 def list_checkpoints(folder: str | Path) -> list[tuple[int, Path]]:
     """The step files in `folder` as (step, path), newest (highest step) first; [] when there are none."""
     folder = Path(folder)
@@ -166,7 +151,7 @@ def space_error(path: str | Path, needed: int, cause: BaseException | None = Non
     error = CheckpointWriteError(
         errno.ENOSPC, f"cannot write checkpoint {path}: {reason}; {free_text} free on that disk, about "
         f"{_human(needed)} needed. Free some space or set {key} to a folder on a larger disk", str(path))
-    error.needed = needed  # so a caller that knows the pipeline's settings key can say it (with_key)
+    error.needed = needed  # so a caller that knows the pipeline's settings key can name it (space_error again)
     return error
 
 
@@ -380,19 +365,6 @@ def prepare_folder(folder: str | Path, log: Callable[[str], None] | None = None)
     """Open a checkpoint (or stage) folder for writing: create it and `remove_orphans`; rank 0, under the run lock."""
     Path(folder).mkdir(parents=True, exist_ok=True)
     return remove_orphans(folder, log=log)
-
-
-class DivergenceError(DataError):
-    """Training produced a non-finite loss or gradient; the message names the most likely cause and the fix."""
-
-    def __init__(self, message: str, step: int | None = None, cause: str | None = None):
-        super().__init__(message)
-        self.step = step
-        self.cause = cause  # "data" | "lr" | "bf16" | None
-
-
-class NonFiniteWeightsError(DivergenceError):
-    """A state dict about to be written holds NaN/inf; nothing was written."""
 
 
 def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:

@@ -4,8 +4,8 @@ Every entry point ends with `sys.exit(run_main(main))`; `kronos <command>` (fine
 `run_main` prints a user error as ONE line on stderr, `error: ...`, without a traceback; a bug keeps its traceback.
 `--debug` on the command line or `KRONOS_DEBUG=1` adds the traceback to user errors too.
 
-The error classes and their exit codes are `model.errors` (the model package raises them too); anything else
-escaping `main` is a bug, however it was raised."""
+The error classes: those every layer raises, with their exit codes, are `model.errors` (the model package raises
+them too); the engine's own are here, below. Anything else escaping `main` is a bug, however it was raised."""
 
 from __future__ import annotations
 
@@ -34,10 +34,77 @@ from model.errors import (
     EXIT_REFUSED,
     EXIT_STOPPED,
     OPTIONAL_MODULES,
+    ConfigError,
+    DataError,
     MissingExtraError,
+    RefusedError,
     UserError,
 )
 from model.fileio import disk_full
+
+
+class CheckpointError(DataError):
+    """No checkpoint in a folder could be loaded; the message lists each file and why."""
+
+
+class CheckpointWriteError(UserError, OSError):
+    """A checkpoint could not be written for lack of space (or a file-size limit); names file, free and needed
+    (`checkpoint.space_error` builds it; `.needed`: the bytes)."""
+
+    def __str__(self) -> str:  # the message alone, without OSError's "[Errno 28] ...: 'path'" decoration
+        return str(self.strerror)
+
+
+class DivergenceError(DataError):
+    """Training produced a non-finite loss or gradient; the message names the most likely cause and the fix."""
+
+    def __init__(self, message: str, step: int | None = None, cause: str | None = None):
+        super().__init__(message)
+        self.step = step
+        self.cause = cause  # "data" | "lr" | "bf16" | None
+
+
+class NonFiniteWeightsError(DivergenceError):
+    """A state dict about to be written holds NaN/inf; nothing was written."""
+
+
+class RunLockedError(RefusedError, ValueError):
+    """Another live run holds the output folder's lock (a user mistake: two runs into one folder)."""
+
+    def __init__(self, folder: Path, holder: Any, key: str):  # holder: safety.LockHolder
+        self.folder = folder
+        self.holder = holder
+        super().__init__(f"{key}: another run is already writing into {folder}: {holder.describe()}.\n"
+                         f"  Wait for it to finish, stop it, or set {key} to a different folder.")
+
+
+class StageFolderError(RefusedError, ValueError):
+    """The stage folder's content and training.resume / training.overwrite disagree (a user decision is needed)."""
+
+
+class TrainingStopped(UserError):
+    """Raised by the loop after it saved on a stop request; the entry point prints `str(e)` and exits with
+    `exit_code` (75: the same command resumes)."""
+
+    exit_code = EXIT_STOPPED
+
+    def __init__(self, signal_name: str, checkpoint: str | Path | None = None, step: int | None = None,
+                 where: str | None = None):
+        self.signal_name = signal_name
+        self.checkpoint = Path(checkpoint) if checkpoint is not None else None
+        self.step = step
+        at = f" at step {step}" if step is not None else f" {where}" if where else ""
+        saved = f"; saved {self.checkpoint}" if self.checkpoint is not None else ""
+        super().__init__(f"stopped on {signal_name}{at}{saved}; run the same command again to resume from there")
+
+
+class StoreError(DataError):
+    """A store that cannot be written, opened or trusted; the message names the file and what to do."""
+
+
+class TrackerUnavailable(ConfigError):
+    """A tracker is enabled in the config but its package is not installed."""
+
 
 _DEBUG_FLAG = "--debug"
 _DEBUG_HINT = f"(add {_DEBUG_FLAG} or set KRONOS_DEBUG=1 to see the traceback)"

@@ -24,8 +24,8 @@ import finetune.utils.checkpoint as checkpoint_store
 from finetune.utils import adapters
 from finetune.utils.config_utils import Problems, config_to_dict, plain
 from finetune.utils.distributed import DistInfo, all_gather_object
+from finetune.utils.errors import StageFolderError
 from finetune.utils.metrics import flatten_params
-from finetune.utils.safety import StageFolderError
 from finetune.utils.schema import STAGES, stage_key
 from model.errors import ConfigError, DataError, RefusedError
 from model.fileio import read_json_object, write_json

@@ -28,16 +28,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from finetune.utils.errors import TrackerUnavailable
 from finetune.utils.schema import tracker_problems
-from model.errors import ConfigError
 from model.fileio import write_json
 
 _MLFLOW_PARAM_CHARS = 6000  # MLflow rejects longer parameter values
 _MLFLOW_BATCH = 100  # params per log_batch call (MLflow's limit; metrics allow 1000)
-
-
-class TrackerUnavailable(ConfigError):
-    """A tracker is enabled in the config but its package is not installed."""
 
 
 def flatten_params(d: Any, prefix: str = "", lists: bool = False) -> dict[str, Any]:

@@ -36,9 +36,9 @@ from typing import Any, NamedTuple
 import filelock
 import torch
 
-from finetune.utils.checkpoint import DivergenceError
 from finetune.utils.distributed import all_reduce_sum
-from model.errors import EXIT_STOPPED, RefusedError, UserError
+from finetune.utils.errors import DivergenceError, RunLockedError, TrainingStopped
+from model.errors import EXIT_STOPPED
 from model.fileio import read_json_object
 
 FAULT_ENV = "KRONOS_FAULT_EXIT_AFTER_STEP"
@@ -74,16 +74,6 @@ class LockHolder:
         who = f"pid {self.pid}" if self.pid is not None else "an unknown process"
         text = f"{who} on host {self.host or '?'} (started {self.started or '?'})"
         return f"{text}: {self.argv}" if self.argv else text
-
-
-class RunLockedError(RefusedError, ValueError):
-    """Another live run holds the output folder's lock (a user mistake: two runs into one folder)."""
-
-    def __init__(self, folder: Path, holder: LockHolder, key: str):
-        self.folder = folder
-        self.holder = holder
-        super().__init__(f"{key}: another run is already writing into {folder}: {holder.describe()}.\n"
-                         f"  Wait for it to finish, stop it, or set {key} to a different folder.")
 
 
 def read_holder(path: str | Path) -> LockHolder:
@@ -166,31 +156,11 @@ class RunLock:
         self.release()
 
 
-class StageFolderError(RefusedError, ValueError):
-    """The stage folder's content and training.resume / training.overwrite disagree (a user decision is needed)."""
-
-
 FORWARD_GRACE_S = 0.3
 """A second signal this soon after the first counts as the same request forwarded by a launcher, not a user's
 second Ctrl-C."""
 
 STOPPED_EXIT_CODE = EXIT_STOPPED  # a run that stopped on a signal after saving (EX_TEMPFAIL: resume it later)
-
-
-class TrainingStopped(UserError):
-    """Raised by the loop after it saved on a stop request; the entry point prints `str(e)` and exits with
-    `exit_code`."""
-
-    exit_code = STOPPED_EXIT_CODE
-
-    def __init__(self, signal_name: str, checkpoint: str | Path | None = None, step: int | None = None,
-                 where: str | None = None):
-        self.signal_name = signal_name
-        self.checkpoint = Path(checkpoint) if checkpoint is not None else None
-        self.step = step
-        at = f" at step {step}" if step is not None else f" {where}" if where else ""
-        saved = f"; saved {self.checkpoint}" if self.checkpoint is not None else ""
-        super().__init__(f"stopped on {signal_name}{at}{saved}; run the same command again to resume from there")
 
 
 def _write_line(text: str) -> None:

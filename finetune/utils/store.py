@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from model.errors import DataError
+from finetune.utils.errors import StoreError
 from model.fileio import disk_full, write_json
 
 N_STAMP_COLUMNS = 5  # minute, hour, weekday, day of month, month
@@ -184,10 +184,6 @@ class FeatureMajorWriter:
 
 
 # The prepared store: one writer, one reader
-
-class StoreError(DataError):
-    """A store that cannot be written, opened or trusted; the message names the file and what to do."""
-
 
 @contextlib.contextmanager
 def _disk_space_named(folder: Path):

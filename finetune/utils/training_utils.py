@@ -31,11 +31,11 @@ import finetune.utils.checkpoint as checkpoint_store
 from finetune.utils import adapters, ledger, validate
 from finetune.utils.config_utils import Problems, config_to_dict, plain
 from finetune.utils.distributed import DistInfo, all_gather_object, barrier, no_sync, seed_everything, wrap_model
-from finetune.utils.errors import stage_log
+from finetune.utils.errors import CheckpointWriteError, DivergenceError, TrainingStopped, stage_log
 from finetune.utils.metrics import MetricsLogger, read_metrics, write_run_info
 from finetune.utils.plots import loss_plot_title, plot_loss_curves
 from finetune.utils.precision import forward_flops_per_token, resolve_precision
-from finetune.utils.safety import GracefulStop, NonFiniteGuard, RunLock, TrainingStopped, maybe_die_after_step
+from finetune.utils.safety import GracefulStop, NonFiniteGuard, RunLock, maybe_die_after_step
 from finetune.utils.schema import TrainingConfig, stage_key, validate_training_config
 from finetune.utils.windows import EpochSampler, batches_per_epoch, make_loader
 from model.errors import DataError
@@ -413,8 +413,8 @@ class Trainer:
                     return self.finish()  # closes the trackers after handing them the final files
             except BaseException as e:
                 self.logger.close(failed=True)  # an MLflow run is marked FAILED, metrics.jsonl is flushed
-                if isinstance(e, checkpoint_store.CheckpointWriteError):  # name the pipeline's output setting
-                    raise e.with_key(self.output_key) from None
+                if isinstance(e, CheckpointWriteError):  # name the pipeline's output setting
+                    raise checkpoint_store.space_error(e.filename, e.needed, e.__cause__, self.output_key) from None
                 raise
             finally:
                 self.logger.close()
@@ -592,7 +592,7 @@ class Trainer:
         if self.grad_norm is not None:
             record["grad_norm"] = float(self.grad_norm)
         if not math.isfinite(record["loss"]):
-            raise checkpoint_store.DivergenceError(f"{self.stage.name}: training loss is {record['loss']} at step "
+            raise DivergenceError(f"{self.stage.name}: training loss is {record['loss']} at step "
                                                    f"{self.state.global_step}; lower training.lr or set "
                                                    "training.amp=none")
         self.logger.log({"kind": "train", **record})
