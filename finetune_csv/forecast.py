@@ -41,9 +41,9 @@ from model.errors import ConfigError, DataError, PathError
 from model.features import CLOSE, FEATURES, PRICE_FEATURES
 from model.fileio import atomic_write, write_json
 from model.hub import weights_fingerprint
+from model.calibration import apply_calibration
 from model.predictor import (
     PREDICTOR_INFO_NAME,
-    apply_calibration,
     load_pretrained_pair,
     load_trained_pair,
     read_predictor_info,

@@ -40,7 +40,8 @@ from model import KronosPredictor
 from model.config import Window
 from model.errors import ConfigError, DataError
 from model.fileio import atomic_write, write_json
-from model.predictor import apply_calibration, load_pretrained_pair, load_trained_pair, read_predictor_info
+from model.calibration import apply_calibration
+from model.predictor import load_pretrained_pair, load_trained_pair, read_predictor_info
 
 log = logging.getLogger("finetune_csv.walk_forward")
 SCORES = ("crps", "mae", "cov50", "cov80", "direction")  # windows.csv score columns (returns vs the last close)

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-import model.predictor as predictor_module
+import model.calibration as calibration_module
 from finetune.evaluation.held_out import held_out_windows
 from finetune_csv import forecast
 from finetune_csv.config import load
@@ -66,7 +66,7 @@ def test_repair_candles_makes_every_sampled_candle_valid_and_says_so(tmp_path):
 
 
 def fake_calibration(monkeypatch, seen: dict, widen: float = 50.0):
-    """Stand-ins of PLAN interface 4 in model.predictor (same signatures and file format): a band widened by
+    """Stand-ins of model.calibration's functions (same signatures and file format): a band widened by
     `widen` around the median."""
     def fit(samples, outcomes, last):
         seen.update(samples=samples, outcomes=outcomes, last=last)
@@ -74,8 +74,7 @@ def fake_calibration(monkeypatch, seen: dict, widen: float = 50.0):
         return {"method": "conformal", "space": "log_return", "levels": [0.5, 0.8], "margins": [[0.1] * h] * 2,
                 "windows": len(samples)}
 
-    def write(folder, calibration):
-        path = folder / "kronos_predictor.json"
+    def write(path, calibration):
         info = json.loads(path.read_text()) if path.is_file() else {}
         path.write_text(json.dumps({**info, "calibration": calibration}))
 
@@ -84,7 +83,7 @@ def fake_calibration(monkeypatch, seen: dict, widen: float = 50.0):
         return np.maximum(med + widen * (samples - med), 1e-3)
 
     for name, fn in (("fit_calibration", fit), ("write_calibration", write), ("apply_calibration", apply)):
-        monkeypatch.setattr(predictor_module, name, fn, raising=False)
+        monkeypatch.setattr(calibration_module, name, fn)
 
 
 def test_calibration_is_fitted_on_validation_windows_and_coverage_reported_before_and_after(tmp_path, monkeypatch):

@@ -11,13 +11,8 @@ import torch
 from model import Kronos, KronosPredictor, KronosTokenizer
 from model.errors import DataError
 from model.fileio import write_json
-from model.predictor import (
-    PREDICTOR_INFO_NAME,
-    apply_calibration,
-    fit_calibration,
-    predictor_info,
-    write_calibration,
-)
+from model.calibration import apply_calibration, fit_calibration, write_calibration
+from model.predictor import PREDICTOR_INFO_NAME, predictor_info
 from tests.model_factory import tiny_models
 from tests.test_model_predictor import candles
 
@@ -77,7 +72,7 @@ def _folder(tmp_path, calibration):
     pred.save_pretrained(folder)
     tok.save_pretrained(folder / "tokenizer")
     write_json(folder / PREDICTOR_INFO_NAME, predictor_info(folder, max_context=40, tokenizer=folder / "tokenizer"))
-    write_calibration(folder, calibration)
+    write_calibration(folder / PREDICTOR_INFO_NAME, calibration)
     return folder
 
 
