@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from model import Kronos, KronosPredictor, KronosTokenizer
+from model.calibration import apply_calibration, fit_calibration, write_calibration
 from model.errors import DataError
 from model.fileio import write_json
-from model.calibration import apply_calibration, fit_calibration, write_calibration
 from model.predictor import PREDICTOR_INFO_NAME, predictor_info
 from tests.model_factory import tiny_models
 from tests.test_model_predictor import candles
