@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     models = {"zero_shot": zero, **{k: load_trained_pair(r["predictor_dir"], tokenizer)[0] for k, r in runs.items()}}
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     times = np.asarray(test_set.panel.datetimes)[test_set.starts(np.arange(len(test_set))) + cfg.data.window.size - 1]
-    sessions = int(np.unique(times.astype("datetime64[D]")).size)
+    sessions = int(np.unique(times.astype("datetime64[ns]").astype("datetime64[D]")).size)
     losses, result = {}, {"test_windows": len(test_set), "sessions": sessions, "models": {}}
     for name, model in models.items():
         for run in runs.values():

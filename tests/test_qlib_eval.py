@@ -269,5 +269,5 @@ def test_no_position_is_held_after_an_instruments_last_bar(tmp_path, data):
     small = pd.MultiIndex.from_product([days, ["A", "B", "C"]], names=["datetime", "instrument"])
     warned = universe_warnings(small, {ended: last_day})
     assert "no t-statistic" in warned[0] and f"{ended} (2022-05-13)" in warned[1]
-    head = {"IC": 0.1, "ICIR": 1.0, "IC_t_nw": 3.0, "RankIC": 0.1, "RankICIR": 1.0, "days": 50}
+    head = {"IC": 0.1, "ICIR": 1.0, "IC_t": 3.0, "RankIC": 0.1, "RankICIR": 1.0, "days": 50}
     assert math.isnan(summary_table({"last": {"horizon": 1, "headline": head}}, t_ok=False).loc["last", "t_IC"])

@@ -94,12 +94,13 @@ def coverage_test(covered: np.ndarray, dates, level: float, lag: int = 0) -> dic
     W windows at `dates (W,)` (datetimes: sessions are the unit, `session_test`): the interval rule on each window's
     share covered minus `level`, so dependence across horizons, windows of one session and overlapping windows
     (`lag` = q) widens the error bar; the binomial error over sessions it replaces flagged correct bands 11-17% of
-    the time under clustered volatility and 43-46% with overlapping windows. Verdict "helps" / "hurts" (covers
-    less / more than nominal) = off nominal; "no_evidence" = consistent with nominal, or too few sessions to tell."""
+    the time under clustered volatility and 43-46% with overlapping windows. Verdict "under" / "over" (its interval
+    below / above 0: off nominal) or "no_evidence" (consistent with nominal, or too few sessions to tell)."""
     when = np.asarray(dates)
     test = session_test if np.issubdtype(when.dtype, np.datetime64) else paired_test
-    return test(np.asarray(covered, dtype=np.float64).mean(axis=1) - level, when, lag,
-                what=f"{level:.0%} band coverage - nominal")
+    out = test(np.asarray(covered, dtype=np.float64).mean(axis=1) - level, when, lag,
+               what=f"{level:.0%} band coverage - nominal")
+    return out | {"verdict": {"helps": "under", "hurts": "over"}.get(out["verdict"], "no_evidence")}
 
 
 DAYS_PER_WEEK = 5  # trading days: the season of daily bars

@@ -10,8 +10,9 @@ values, in time order (q = the known MA(q) dependence of overlapping targets, 0 
   mean-adjusted estimator's bias to first order, solved for rho; clipped to [-0.9, 0.97]), then a HAC variance of
   the residuals (bandwidth L = max(2 q, floor(4 (T/100)^(2/9))), weights 1 up to q and Bartlett's taper beyond),
   recoloured by 1 / (1 - rho)^2.
-- Critical value: Student's t with df = B (1 - r) / (1 + r) - 1 (at least 1): B = floor(T / (L + 1)) blocks of the
-  bandwidth, shrunk by the effective-sample factor of the dependence the prewhitening estimated beyond what MA(q)
+- Critical value: Student's t with df = B (1 - r) / (1 + r) - 1 (at least 1): B = min(floor(T / (L + 1)),
+  T / sum_{|l|<=L} w_l^2) blocks of the bandwidth (the second, Satterthwaite's count, is smaller with flat weights),
+  shrunk by the effective-sample factor of the dependence the prewhitening estimated beyond what MA(q)
   alone implies (r = (rho - a) / (1 - a) in [0, 1], a = q / (q + 1)): strong persistence widens the interval.
 - An interval needs floor(T / (q + 1)) >= MIN_BLOCKS non-overlapping stretches: a rule in T alone, so a longer test
   span never loses an interval a shorter one had (the former bandwidth-based count gave 24-27 dates an interval and
@@ -67,7 +68,8 @@ def mean_interval(x: np.ndarray, flat: int = 0, level: float = 0.95) -> dict[str
     se = np.sqrt(hac_variance(dev[:, 1:] - rho[:, None] * dev[:, :-1], lag, flat) / (1 - rho) ** 2 / n)
     a = flat / (flat + 1)  # lag-1 correlation of MA(flat) overlap alone: not counted twice
     r = np.clip((rho - a) / (1 - a), 0.0, 1.0)
-    blocks = n // (lag + 1)
+    taper = np.minimum(1.0, 1.0 - (np.arange(1, lag + 1) - flat) / (lag - flat + 1))  # (lag,) the HAC weights
+    blocks = min(n // (lag + 1), n / (1 + 2 * (taper**2).sum()))  # flat weights are noisier than Bartlett's
     df = np.maximum(blocks * (1 - r) / (1 + r) - 1, 1.0)
     return {"mean": x.mean(axis=1), "se": se, "df": df, "half": sps.t.ppf(0.5 + level / 2, df) * se, "rho": rho,
             "lag": lag, "blocks": blocks, "has_interval": (n // (flat + 1) >= MIN_BLOCKS) & (se > 0)}
