@@ -18,7 +18,7 @@ values, in time order (q = the known MA(q) dependence of overlapping targets, 0 
   span never loses an interval a shorter one had (the former bandwidth-based count gave 24-27 dates an interval and
   took it from 28-31).
 Simulated null false-positive rates of "the 95% interval excludes 0" (docs/evaluation.md, tests/test_statistics.py):
-at most 6.2% in every design from 24 to 200 dates (iid, t(3) tails, GARCH, uneven windows per session, a session
+at most 5.9% in every design from 24 to 200 dates (iid, t(3) tails, GARCH, uneven windows per session, a session
 factor, AR(1) 0.6 and 0.9, MA(4) overlap with and without GARCH); the plain prewhitening it replaces (rho not
 bias-corrected, t(B - 1)) gave 26% at AR(1) 0.9 and 24 dates. The interval is about the mean over these test dates
 for these models, not over finetuning runs in general."""
