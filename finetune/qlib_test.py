@@ -206,14 +206,14 @@ def best_signal(signals: dict[str, pd.Series], labels: pd.DataFrame, results: di
     lag h - 1) of its daily IC minus the runner-up's; `line` for the console."""
     h = max(r["horizon"] for r in results.values())
     entries: dict[str, list[str]] = {}
-    for name in results:
+    for name in [n for n, r in results.items() if np.isfinite(r["headline"]["IC"])]:
         entries.setdefault(name.split("@seed")[0], []).append(name)
-    daily = pd.DataFrame({e: pd.concat([daily_ic(signals[m], labels[f"label_{h}"])[0] for m in members], axis=1)
-                          .mean(axis=1) for e, members in entries.items()}).dropna(axis=1, how="all").dropna()
-    ic = daily.mean().sort_values(ascending=False)  # (entries,)
-    if len(ic) < 2 or daily.empty:  # nothing to compare (e.g. every IC undefined on a tiny universe)
-        return {"signal": ic.index[0] if len(ic) else None, "horizon": h, "ranking": ic.to_dict(),
+    if len(entries) < 2:  # nothing to compare (e.g. every IC undefined on a tiny universe)
+        return {"signal": next(iter(entries), None), "horizon": h, "ranking": {},
                 "line": "best by IC: fewer than 2 signals with a defined IC, no ranking"}
+    daily = pd.DataFrame({e: pd.concat([daily_ic(signals[m], labels[f"label_{h}"])[0] for m in members], axis=1)
+                          .mean(axis=1) for e, members in entries.items()}).dropna()  # (days, entries)
+    ic = daily.mean().sort_values(ascending=False)  # (entries,)
     best, rival = ic.index[0], ic.index[1]
     diff = daily[best] - daily[rival]  # (days,)
     test = paired_test(diff.to_numpy(), diff.index, h - 1, higher_is_better=True, what=f"daily IC {best} - {rival}")

@@ -40,10 +40,9 @@ def test_crps_matches_reference_packages_and_brute_force():
                                scoringrules.crps_ensemble(obs, ens, estimator="fair"), rtol=1e-12)
     assert crps_ensemble(obs, ens)[1, 2] == pytest.approx(_brute_crps(obs[1, 2], ens[1, 2], False), rel=1e-12)
     assert crps_ensemble(obs, ens, fair=True)[0, 0] == pytest.approx(_brute_crps(obs[0, 0], ens[0, 0], True))
-    # A one-member ensemble is a point forecast: CRPS = absolute error; the fair variant needs two members.
-    np.testing.assert_allclose(crps_ensemble(np.array([1.0, 2.0]), np.array([[1.5], [0.0]])), [0.5, 2.0])
-    with pytest.raises(ValueError, match="at least 2 samples"):
-        crps_ensemble(np.array([1.0]), np.array([[1.5]]), fair=True)
+    # A one-member ensemble is a point forecast: CRPS = absolute error, by either estimator.
+    for fair in (False, True):
+        np.testing.assert_allclose(crps_ensemble(np.array([1.0, 2.0]), np.array([[1.5], [0.0]]), fair=fair), [0.5, 2])
     with pytest.raises(ValueError, match="obs shape"):
         crps_ensemble(obs, ens[:3])
 
