@@ -3,6 +3,7 @@ issue 39, point 3), and the paired verdict built on it."""
 
 from __future__ import annotations
 
+import json
 import numpy as np
 import pandas as pd
 import pytest
@@ -91,6 +92,7 @@ def test_a_real_effect_says_helps_and_too_few_dates_say_why():
     assert paired_test(-effect, dates, higher_is_better=True)["verdict"] == "helps"
     few = paired_test(effect[:15 * 5], dates[:15 * 5])  # 15 dates < MIN_BLOCKS: no interval, and no bounds to plot
     assert few["verdict"] == "no_evidence" and few["ci_low"] is None and few["ci_high"] is None
+    assert json.loads(json.dumps(few, allow_nan=False))["dm_stat"] is None  # strict JSON for metrics.json
     assert f"no 95% interval: only 15 non-overlapping stretches of 1 dates (at least {MIN_BLOCKS}" in few["reason"]
 
 

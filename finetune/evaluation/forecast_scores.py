@@ -340,7 +340,7 @@ def _intervals(model: dict, dates: np.ndarray | None, settings: ScoreSettings) -
     test = session_test if np.issubdtype(when.dtype, np.datetime64) else paired_test
     out = {}
     for key, v in values.items():
-        t = test(v, when, settings.min_block - 1, settings.level, what=key)
+        t = test(v, when, settings.min_block - 1, level=settings.level, what=key)
         out[key] = {"estimate": t["mean"], "low": t["ci_low"], "high": t["ci_high"], "level": settings.level,
                     "dates": t["dates"], "reason": t["reason"]}
     return out

@@ -88,14 +88,14 @@ def mean_test(x, lag: int = 0, level: float = 0.95) -> dict[str, float]:
     ok, mean, nan = bool(r["has_interval"]), float(r["mean"]) if len(values) else math.nan, math.nan
     p = float(2 * sps.t.sf(abs(mean) / r["se"], r["df"])) if ok else nan
     return {"mean": mean, "se": float(r["se"]), "df": float(r["df"]), "p_value": p,
-            "t": float(np.sign(mean) * sps.norm.isf(p / 2)) if ok else nan, "n": len(values),
+            "t": float(np.sign(mean) * sps.norm.isf(max(p / 2, 1e-300))) if ok else nan, "n": len(values),
             "ci_low": mean - r["half"] if ok else nan, "ci_high": mean + r["half"] if ok else nan}
 
 
 def session_test(diff, times, lag: int = 0, **kw) -> dict:
     """`paired_test` of `diff (W,)` over the trading sessions of the window times `times (W,)` (datetimes or int64
     ns, in the series' own wall clock): one date per session. `lag`: the known dependence in windows, kept only when
-    no session holds two window times (daily or longer bars); intraday windows of one session are averaged."""
+    no session holds two window times (daily or longer bars); intraday windows of one session form one value."""
     stamps = pd.DatetimeIndex(pd.to_datetime(np.asarray(times)))
     sessions = stamps.normalize()
     intraday = sessions.nunique() < stamps.nunique()
@@ -106,8 +106,8 @@ def paired_test(diff, dates, lag: int = 0, level: float = 0.95, what: str = "dif
                 higher_is_better: bool = False) -> dict:
     """The verdict of the module docstring on paired differences `diff (W,)` at `dates (W,)` (sortable; < 0 = the
     first better unless `higher_is_better`); `lag`: the known dependence q; `what` names the difference. Returns
-    mean (over windows), ci_low / ci_high (None without an interval), dm_stat, df, p_value, windows, dates, lag (the
-    bandwidth), rho, blocks, windows_needed (for 80% power at this difference), verdict, reason."""
+    mean (over windows), ci_low / ci_high, dm_stat and p_value (None without an interval), df, windows, dates, lag
+    (the bandwidth), rho, blocks, windows_needed (for 80% power at this difference), verdict, reason."""
     frame = pd.DataFrame({"d": np.asarray(diff, dtype=np.float64), "when": np.asarray(dates)}).dropna()
     sums = frame.groupby("when")["d"].sum().sort_index().to_numpy()  # (T,) date totals, time order
     n_dates, n_win = len(sums), len(frame)
@@ -138,4 +138,4 @@ def paired_test(diff, dates, lag: int = 0, level: float = 0.95, what: str = "dif
             if needed:
                 why += f"; about {out['windows_needed']} windows would detect a difference this size (80% power)"
     out["reason"] = f"{span}: {why}"
-    return out
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in out.items()}  # strict JSON
