@@ -4,6 +4,7 @@ issue 39, point 3), and the paired verdict built on it."""
 from __future__ import annotations
 
 import json
+
 import numpy as np
 import pandas as pd
 import pytest
