@@ -135,7 +135,7 @@ def test_correct_bands_are_flagged_about_5_percent_under_clustered_volatility_an
     hits = correct_band_hits(rng, 2000, 250)
     r = mean_interval(hits.mean(axis=2) - 0.8, flat=4)  # what coverage_test computes, vectorised over runs
     flagged = (r["has_interval"] & (np.abs(r["mean"]) > r["half"])).mean()
-    assert 0.02 <= flagged <= 0.07  # the binomial error over sessions flagged 43-46% with overlapping windows
+    assert 0.04 <= flagged <= 0.07  # the binomial error over sessions flagged 43-46% with overlapping windows
 
 
 def test_the_coverage_check_flags_wrong_bands_and_passes_correct_ones():

@@ -54,7 +54,7 @@ def test_the_rule_holds_at_most_7_percent_in_every_null_design_2000_runs():
     rates = false_positive_rates(2000, (24, 28, 32, 48, 100, 200))
     worst = max(rates, key=rates.get)
     assert rates[worst] <= 0.07, (worst, rates[worst])
-    assert min(rates[k] for k in rates if k[0] in ("iid", "garch", "t3")) >= 0.03  # not silent either
+    assert min(rates[k] for k in rates if k[0] in ("iid", "garch", "t3")) >= 0.02  # not silent either
 
 
 def test_the_rule_holds_on_the_null_designs_fast():
