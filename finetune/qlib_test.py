@@ -43,7 +43,7 @@ from finetune.qlib_io import benchmark_label, check_qlib_folder, init_qlib, rang
 from finetune.utils.cli_args import parse_config_args
 from finetune.utils.config_utils import config_to_dict
 from finetune.utils.errors import require_extra, setup_logging
-from finetune.utils.plots import plot_cumulative
+from finetune.utils.plots import pyplot, save_figure
 from finetune.utils.store import SeriesPanel
 from model.errors import DataError
 from model.fileio import write_json
@@ -154,13 +154,13 @@ def score_signal(cfg, pred: pd.Series, labels: pd.DataFrame, horizon: int, start
                  end: pd.Timestamp) -> tuple[dict, pd.DataFrame]:
     """Analysis of `pred` against every trade label (label_1..label_P), the headline at `horizon` (the one the
     signal forecasts) and the backtest over start..end: ({"horizon", "analysis" (per label), "decay", "headline":
-    {IC, RankIC, ICIR, RankICIR, IC_t_nw, long_short}, "backtest": {excess_return_with_cost, ..., turnover_mean,
+    {IC, RankIC, ICIR, RankICIR, IC_t, long_short}, "backtest": {excess_return_with_cost, ..., turnover_mean,
     holdings_mean}}, daily frame with columns return, cost, bench, turnover, held)."""
     pred = pred.dropna()
     analysis = analyse_signal(pred, labels, quantile=cfg.backtest.quantile)
     head = analysis[f"label_{horizon}"]
     out = {"horizon": horizon, "analysis": analysis, "decay": ic_decay(analysis).to_dict(orient="index"),
-           "headline": {"IC": head["ic"]["mean"], "ICIR": head["ic"]["icir"], "IC_t_nw": head["ic"]["t_nw"],
+           "headline": {"IC": head["ic"]["mean"], "ICIR": head["ic"]["icir"], "IC_t": head["ic"]["t"],
                         "RankIC": head["rank_ic"]["mean"], "RankICIR": head["rank_ic"]["icir"],
                         "long_short": head["long_short"]["mean"], "days": head["days"]}}
     report, holdings = run_backtest(cfg, pred.sort_index(), start, end)
@@ -182,7 +182,8 @@ def score_signal(cfg, pred: pd.Series, labels: pd.DataFrame, horizon: int, start
 
 
 def summary_table(results: dict[str, dict], t_ok: bool = True) -> pd.DataFrame:
-    """signal x {h, days, IC, t(IC) (Newey-West, lag h-1: overlapping h-day labels; NaN unless `t_ok`), RankIC,
+    """signal x {h, days, IC, t(IC) (`statistics.mean_test`, lag h-1: overlapping h-day labels; NaN unless `t_ok` and
+    where the interval rule claims no interval), RankIC,
     ICIR, excess ann. (with cost), information ratio of the excess, max drawdown, mean daily turnover, annualised
     cost}; one row per signal and seed (the spread over seeds goes to report.json)."""
     rows = {}
@@ -190,7 +191,7 @@ def summary_table(results: dict[str, dict], t_ok: bool = True) -> pd.DataFrame:
         bt = r.get("backtest", {})
         ex, head = bt.get("excess_return_with_cost", {}), r["headline"]
         rows[name] = {"h": r["horizon"], "days": head.get("days", math.nan), "IC": head["IC"],
-                      "t_IC": head.get("IC_t_nw", math.nan) if t_ok else math.nan, "RankIC": head["RankIC"],
+                      "t_IC": head.get("IC_t", math.nan) if t_ok else math.nan, "RankIC": head["RankIC"],
                       "ICIR": head["ICIR"], "excess_ann": ex.get("annualized_return", math.nan),
                       "IR": ex.get("information_ratio", math.nan), "max_dd": ex.get("max_drawdown", math.nan),
                       "turnover": bt.get("turnover_mean", math.nan), "cost_ann": bt.get("cost_ann", math.nan)}
@@ -199,22 +200,62 @@ def summary_table(results: dict[str, dict], t_ok: bool = True) -> pd.DataFrame:
 
 def best_signal(signals: dict[str, pd.Series], labels: pd.DataFrame, results: dict[str, dict],
                 baselines: list[str]) -> dict:
-    """Every signal ranked by headline IC (best first) and the best's `paired_test` (the walk-forward's interval rule,
-    higher is better) of its daily IC minus the runner-up's, each at its own label horizon; `line` for the console."""
-    ic = {n: r["headline"]["IC"] for n, r in results.items() if np.isfinite(r["headline"]["IC"])}
-    order = sorted(ic, key=ic.get, reverse=True)
-    if len(order) < 2:  # nothing to compare (e.g. every IC undefined on a tiny universe)
-        return {"signal": order[0] if order else None, "ranking": ic, "line": "best by IC: fewer than 2 signals "
-                "with a defined IC, no ranking"}
-    best, rival = order[0], order[1]
-    daily = {n: daily_ic(signals[n], labels[f"label_{results[n]['horizon']}"])[0] for n in (best, rival)}
-    diff = (daily[best] - daily[rival]).dropna()  # (days,) both defined
-    lag = max(results[best]["horizon"], results[rival]["horizon"]) - 1  # overlapping h-day labels
-    test = paired_test(diff.to_numpy(), diff.index, lag, higher_is_better=True, what=f"daily IC {best} - {rival}")
+    """Every signal ranked by mean daily IC at one label horizon h (the longest any signal forecasts, so a Kronos
+    signal and the baselines answer the same question), seeds of one model as one entry (their daily IC averaged:
+    "last@seed0", "last@seed1" -> "last"), over the days every entry has; the best's `paired_test` (higher is better,
+    lag h - 1) of its daily IC minus the runner-up's; `line` for the console."""
+    h = max(r["horizon"] for r in results.values())
+    entries: dict[str, list[str]] = {}
+    for name in [n for n, r in results.items() if np.isfinite(r["headline"]["IC"])]:
+        entries.setdefault(name.split("@seed")[0], []).append(name)
+    if len(entries) < 2:  # nothing to compare (e.g. every IC undefined on a tiny universe)
+        return {"signal": next(iter(entries), None), "horizon": h, "ranking": {},
+                "line": "best by IC: fewer than 2 signals with a defined IC, no ranking"}
+    daily = pd.DataFrame({e: pd.concat([daily_ic(signals[m], labels[f"label_{h}"])[0] for m in members], axis=1)
+                          .mean(axis=1) for e, members in entries.items()}).dropna()  # (days, entries)
+    ic = daily.mean().sort_values(ascending=False)  # (entries,)
+    best, rival = ic.index[0], ic.index[1]
+    diff = daily[best] - daily[rival]  # (days,)
+    test = paired_test(diff.to_numpy(), diff.index, h - 1, higher_is_better=True, what=f"daily IC {best} - {rival}")
     advice = f"; the {best} baseline beats every model here: use it, or finetune more" if best in baselines else ""
-    return {"signal": best, "ranking": {n: ic[n] for n in order}, "runner_up": rival, "test": test,
-            "line": f"best by IC: {best} (" + " > ".join(f"{n} {ic[n]:+.4f}" for n in order)
-            + f"); against {rival}: {test['reason']}{advice}"}
+    seeds = {e: len(m) for e, m in entries.items() if len(m) > 1}
+    return {"signal": best, "horizon": h, "ranking": ic.to_dict(), "runner_up": rival, "test": test, "seeds": seeds,
+            "line": f"best by IC at h={h}: {best} (" + " > ".join(f"{n} {v:+.4f}" for n, v in ic.items())
+            + (f"; seeds averaged: {seeds}" if seeds else "") + f"); against {rival}: {test['reason']}{advice}"}
+
+
+def plot_cumulative(daily: dict[str, pd.DataFrame], benchmark: str, path: Path) -> Path:
+    """Cumulative return with cost per signal vs the benchmark, and cumulative excess return with cost. One colour
+    per signal kind (last, mean, ..., momentum); the finetuned seeds are thin lines of that colour, zero-shot is
+    dashed, baselines dotted; the legend sits outside the axes."""
+    plt = pyplot()
+    kinds = list(dict.fromkeys(name.split("@")[0] for name in daily))
+    colour = {k: plt.get_cmap("tab10")(i % 10) for i, k in enumerate(kinds)}
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    labelled, bench = set(), None
+    for name, frame in daily.items():
+        kind, _, who = name.partition("@")
+        group = ("zero-shot" if who == "zeroshot" else "baseline" if kind in ("momentum", "reversal")
+                 else "finetuned" + (" (one line per seed)" if who.startswith("seed") else ""))
+        style = {"zero-shot": "--", "baseline": ":"}.get(group, "-")
+        label = f"{kind} {group}" if (kind, group) not in labelled else None
+        labelled.add((kind, group))
+        width = 0.9 if who.startswith("seed") else 1.6
+        net = frame["return"] - frame["cost"]
+        top.plot(frame.index, net.cumsum(), style, color=colour[kind], lw=width, label=label)
+        bottom.plot(frame.index, (net - frame["bench"]).cumsum(), style, color=colour[kind], lw=width)
+        bench = frame["bench"]
+    if bench is not None:
+        top.plot(bench.index, bench.cumsum(), "k-", lw=2.2, alpha=0.6, label=f"benchmark {benchmark}")
+        period = f"{bench.index[0]:%Y-%m-%d}..{bench.index[-1]:%Y-%m-%d}"
+        top.set_title(f"Cumulative return with cost, {period}")
+    top.set(ylabel="cumulative return")
+    bottom.set(title="Cumulative excess return over the benchmark, with cost", ylabel="cumulative excess return")
+    for ax in (top, bottom):
+        ax.grid(True, alpha=0.3)
+    fig.autofmt_xdate()
+    fig.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
+    return save_figure(fig, path, dpi=110, bbox_inches="tight")
 
 
 def seed_spread(per_seed: list[dict]) -> dict:
@@ -417,7 +458,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     table[["h", "days"]] = table[["h", "days"]].astype(int)
     print(f"\n--- signals {report['forecast_days'][0]}..{report['forecast_days'][1]}, backtest "
           f"{report['backtest_period'][0]}..{report['backtest_period'][1]} vs {report['benchmark']} ---")
-    print("(IC at the horizon h each signal forecasts, t_IC Newey-West; excess_ann, IR, max_dd with cost; turnover "
+    print("(IC at the horizon h each signal forecasts, t_IC the interval rule's on the normal scale (- where it has "
+          "none); excess_ann, IR, max_dd with cost; turnover "
           "mean daily, cost_ann annualised cost)")
     print(table.to_string(float_format=lambda v: f"{v:.4f}", na_rep="-"))
     for s, sp in report["seed_spread"].items():

@@ -30,7 +30,7 @@ import pandas as pd
 from finetune.config import QlibConfig, check_model_folder, cli_parser, load
 from finetune.dataset import SPLITS, check_processed, load_split, read_manifest, split_path
 from finetune.evaluation.signals import daily_ic, forward_labels
-from finetune.evaluation.statistics import newey_west_tstat, paired_test
+from finetune.evaluation.statistics import mean_test, paired_test
 from finetune.qlib_data_preprocess import first_signal_day, preprocess
 from finetune.qlib_forecast import kronos_forecaster, signal_horizon
 from finetune.qlib_io import benchmark_label, check_qlib_folder, init_qlib, read_calendar
@@ -160,7 +160,7 @@ def score(cfg: QlibConfig, periods: list[Period], signals: pd.DataFrame, calenda
     first, last = signals.index.get_level_values("datetime").min(), periods[-1].test[1]
     instruments = sorted(set(signals.index.get_level_values("instrument")))
     label = forward_labels(instruments, first, last, cfg.backtest.deal_price, [h], d.freq).reindex(signals.index)
-    t = lambda x: newey_west_tstat(x.to_numpy(), h - 1)["t"]  # noqa: E731 - daily IC's t, Newey-West lag h - 1
+    t = lambda x: mean_test(x.to_numpy(), h - 1)["t"]  # noqa: E731 - daily IC's t (the interval rule), lag h - 1
     rows, daily = [], {}
     for p in [*periods, None]:
         when = signals.index.get_level_values("datetime")
@@ -190,7 +190,8 @@ def score(cfg: QlibConfig, periods: list[Period], signals: pd.DataFrame, calenda
 
 
 def plot(result: dict, periods: list[Period], path: Path) -> None:
-    """Per-period mean daily IC of both candidates (+- 2 Newey-West standard errors) and the cumulative daily IC
+    """Per-period mean daily IC of both candidates (+- 2 standard errors on the
+    interval rule's normal scale, none where the rule claims no interval) and the cumulative daily IC
     difference over the span, period boundaries marked; legends outside the axes."""
     plt = pyplot()
     table = result["table"].drop(index="all")
@@ -202,14 +203,15 @@ def plot(result: dict, periods: list[Period], path: Path) -> None:
                 label=cand.replace("_", "-"))
     top.axhline(0, color="k", lw=0.8)
     top.set_xticks(x, [f"{a}..{b}" for a, b in zip(table["test_start"], table["test_end"])], fontsize=8)
-    top.set(ylabel="mean daily IC", title="IC per test period (bars: +-2 Newey-West s.e.)")
+    top.set(ylabel="mean daily IC", title="IC per test period (bars: +-2 s.e., none where no interval)")
     diff = result["diff"]
     bottom.plot(diff.index, diff.cumsum(), color="tab:blue", label="finetuned - zero-shot")
     for p in periods[1:]:
         bottom.axvline(p.test[0], color="k", ls=":", lw=0.8)
     v = result["verdict"]
     bottom.set(ylabel="cumulative daily IC difference",
-               title=f"Verdict: {v['verdict']} (mean {v['mean']:+.4f}, 95% [{v['ci_low']:+.4f}, {v['ci_high']:+.4f}])")
+               title=f"Verdict: {v['verdict']} (mean {v['mean']:+.4f}" + (
+                   f", 95% [{v['ci_low']:+.4f}, {v['ci_high']:+.4f}])" if v["ci_low"] is not None else ")"))
     for ax in (top, bottom):
         ax.grid(True, alpha=0.3)
         ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
@@ -272,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cols = ["test_start", "test_end", "days_finetuned", "IC_finetuned", "t_IC_finetuned", "IC_zero_shot",
             "t_IC_zero_shot", "IC_diff"]
     print(f"\n--- walk-forward: {len(periods)} periods, signal {w.signal} at h={result['horizon']} (daily IC, "
-          f"t Newey-West), backtest {result['backtest_period'][0]}..{result['backtest_period'][1]} vs "
+          f"t: statistics.mean_test), backtest {result['backtest_period'][0]}..{result['backtest_period'][1]} vs "
           f"{report['benchmark']} ---")
     print(table[cols].rename(columns=lambda s: s.replace("_finetuned", "_ft").replace("_zero_shot", "_zs"))
           .to_string(float_format=lambda x: f"{x:.4f}"))

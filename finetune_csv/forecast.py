@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import socket
 import sys
@@ -17,6 +16,7 @@ import pandas as pd
 
 from finetune.evaluation.forecast_scores import (
     ScoreSettings,
+    coverage_test,
     infer_season,
     interval_coverage,
     score_forecasts,
@@ -36,6 +36,7 @@ from finetune_csv.prepare import prepare_data
 from finetune_csv.sources import list_sources, source_fingerprint
 from model import KronosPredictor, KronosTokenizer
 from model.calendar import TradingCalendar
+from model.calibration import apply_calibration
 from model.config import Window
 from model.errors import ConfigError, DataError, PathError
 from model.features import CLOSE, FEATURES, PRICE_FEATURES, quantile_column
@@ -43,7 +44,6 @@ from model.fileio import atomic_write, write_json
 from model.hub import weights_fingerprint
 from model.predictor import (
     PREDICTOR_INFO_NAME,
-    apply_calibration,
     load_pretrained_pair,
     load_trained_pair,
     read_predictor_info,
@@ -235,8 +235,9 @@ def ranking(metrics: dict) -> str:
     """The verdict line: every scored forecaster ranked by mean CRPS, the best named with its interval against the
     runner-up it was compared with (the finetuned model against each baseline and zero-shot)."""
     ft = metrics["finetuned"]
-    crps = {k: (metrics.get(k) or {}).get("model", ft.get(k, {})).get("overall", {}).get("crps") for k in
-            ("finetuned", "zero_shot", "ensemble", "persistence", "empirical", "seasonal_naive")}
+    overall = {k: (metrics.get(k) or {}).get("model", ft.get(k, {})).get("overall", {}) for k in
+               ("finetuned", "zero_shot", "ensemble", "persistence", "empirical", "seasonal_naive")}
+    crps = {k: o.get("crps") for k, o in overall.items()}  # the fair CRPS: no penalty for drawing fewer samples
     order = sorted((k for k in crps if crps[k] is not None), key=crps.get)
     tests = {frozenset(("finetuned", k)): t for k, t in (ft.get("versus") or {}).items()}
     tests |= {frozenset((k, "zero_shot")): metrics[f"{k}_vs_zero_shot"]["test"]["crps"]
@@ -245,7 +246,8 @@ def ranking(metrics: dict) -> str:
     rival = next((o for o in order[1:] if frozenset((best, o)) in tests), None)
     name = lambda k: k.replace("_", "-")  # noqa: E731
     vs = f"; against {name(rival)}: {tests[frozenset((best, rival))]['reason']}" if rival else ""
-    return f"best by CRPS: {name(best)} (" + " < ".join(f"{name(k)} {crps[k]:.5f}" for k in order) + ")" + vs
+    return f"best by CRPS: {name(best)} (" + " < ".join(f"{name(k)} {crps[k]:.5f} [S={overall[k].get('samples')}]"
+                                                         for k in order) + ")" + vs
 
 
 def forecast_table(names: list[str], stamps: list[pd.DatetimeIndex], paths: np.ndarray,
@@ -304,12 +306,13 @@ def format_report(metrics: dict) -> str:
     if cal:
         lines.append(f"calibrated bands (fitted on {cal['fitted_on_windows']} validation windows), held-out coverage "
                      f"raw -> calibrated: 50% {cal['cov50_raw']:.2f} -> {cal['cov50_calibrated']:.2f}, 80% "
-                     f"{cal['cov80_raw']:.2f} -> {cal['cov80_calibrated']:.2f} (nominal 0.50 / 0.80, sampling error "
-                     f"+-{cal['sampling_error_50']:.2f} / +-{cal['sampling_error_80']:.2f})")
-        off = [f"{p}% ({cal[f'cov{p}_calibrated']:.2f})" for p in (50, 80)
-               if abs(cal[f"cov{p}_calibrated"] - p / 100) > cal[f"sampling_error_{p}"]]
+                     f"{cal['cov80_raw']:.2f} -> {cal['cov80_calibrated']:.2f} (nominal 0.50 / 0.80)"
+                     + (f"; too few validation windows for the {cal['too_few_windows']} bands"
+                        if cal.get("too_few_windows") else ""))
+        lines += [cal[f"test_{p}"]["reason"] for p in (50, 80)]
+        off = [f"{p}%" for p in (50, 80) if cal[f"test_{p}"]["verdict"] != "no_evidence"]
         if off:
-            lines.append(f"calibrated coverage off nominal by more than sampling error at {', '.join(off)}: the "
+            lines.append(f"calibrated coverage off nominal at {', '.join(off)} (its interval excludes 0): the "
                          "stored calibration does not fit this data; refit it, or set forecast.calibrate: false")
     v = metrics["candle_violations"]
     lines.append(f"invalid sampled candles: {v['any']:.1%} (high below the body {v['high_below_body']:.1%}, low above "
@@ -348,13 +351,15 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
                "candle_violations": candle_violations(*np.moveaxis(raw[..., :5], -1, 0))}  # open .. volume
     if calibration is not None:  # coverage of the close before / after, on the test windows (out of sample)
         obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, P)
-        cover = lambda p, level: float(interval_coverage(obs, np.moveaxis(p[..., CLOSE] / last[:, None, None] - 1,
-                                                                          1, -1), level).mean())
-        metrics["calibration"] = {"cov50_raw": cover(raw, 0.5), "cov80_raw": cover(raw, 0.8),
-                                  "cov50_calibrated": cover(paths, 0.5), "cov80_calibrated": cover(paths, 0.8),
-                                  "method": calibration.get("method"), "fitted_on_windows": calibration.get("windows")}
-        n = len(np.unique(pd.to_datetime(windows.dates()).normalize()))  # sessions: windows in one move together
-        metrics["calibration"] |= {f"sampling_error_{p}": 2 * math.sqrt(p / 100 * (1 - p / 100) / n) for p in (50, 80)}
+        cover = lambda p, level: interval_coverage(obs, np.moveaxis(p[..., CLOSE] / last[:, None, None] - 1, 1, -1),
+                                                   level)  # (W, P)
+        metrics["calibration"] = {"cov50_raw": cover(raw, 0.5).mean(), "cov80_raw": cover(raw, 0.8).mean(),
+                                  "cov50_calibrated": cover(paths, 0.5).mean(),
+                                  "cov80_calibrated": cover(paths, 0.8).mean(), "method": calibration.get("method"),
+                                  "fitted_on_windows": calibration.get("windows"),
+                                  "too_few_windows": calibration.get("too_few_windows", [])}
+        metrics["calibration"] |= {f"test_{p}": coverage_test(cover(paths, p / 100), pd.to_datetime(windows.dates()),
+                                                              p / 100, settings.min_block - 1) for p in (50, 80)}
     if zero_shot is not None:
         zs_paths = finish_paths(sample(zero_shot), None, last, f.repair_candles)
         ens_paths = ensemble_paths(paths, zs_paths, f.ensemble_weight)

@@ -13,6 +13,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+import model.calibration as conformal
 import model.predictor as forecaster
 from finetune.evaluation.held_out import HeldOutWindows, held_out_windows, sample_paths, spread_evenly, window_crps_mae
 from finetune.utils.distributed import DistInfo, barrier
@@ -135,12 +136,12 @@ def calibrate(best: Path, windows: HeldOutWindows, sampling: Any, window: Window
     paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, predict, sampling,
                          sampling.batch_size)  # (W, S, P, 6) raw samples
     try:
-        calibration = forecaster.fit_calibration(paths[..., CLOSE], windows.actual[..., CLOSE],
-                                                 windows.context[:, -1, CLOSE])
+        calibration = conformal.fit_calibration(paths[..., CLOSE], windows.actual[..., CLOSE],
+                                                windows.context[:, -1, CLOSE])
     except ValueError as exc:  # e.g. a price <= 0: no log returns to calibrate in
         log.warning("no calibration of the bands: %s", exc)
         return None
-    forecaster.write_calibration(best, calibration)
+    conformal.write_calibration(best / forecaster.PREDICTOR_INFO_NAME, calibration)
     log.info("calibration of the bands fitted on %d validation windows -> %s", len(windows),
              best / forecaster.PREDICTOR_INFO_NAME)
     return calibration

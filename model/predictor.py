@@ -1,5 +1,4 @@
-"""Forecasting with a Kronos pair: `KronosPredictor`, the file that travels with a finetuned predictor, and
-calibrated sample paths.
+"""Forecasting with a Kronos pair: `KronosPredictor` and the file that travels with a finetuned predictor.
 
 - `KronosPredictor`: DataFrames in, forecasts out (`predict`, `predict_batch`, the long-format `predict_df`). Every
   door cuts the history to the context the model was trained for (`lookback`) and normalises over exactly those rows.
@@ -9,15 +8,12 @@ calibrated sample paths.
   the folder is self-contained); "tokenizer_sha256" fingerprints the weights of the tokenizer the predictor was
   trained with and `tokenizer_config.json` its config: `load_trained_pair`, which every door loads through,
   refuses any other tokenizer.
-- Calibration (`fit_calibration`, `apply_calibration`, `write_calibration`): split-conformal margins per horizon in
-  units of the model's own band half-widths ("space": "band"; the model's spread follows each window's realised
-  volatility, so the margins travel across series and regimes; old absolute "log_return" files still load),
-  applied to the sample paths so that the mean, quantiles and CRPS all use the same draws."""
+- Calibration: `model.calibration` fits it and writes it into kronos_predictor.json; `KronosPredictor` applies it
+  to the sample paths, so that the mean, quantiles and CRPS all use the same draws."""
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +25,7 @@ import pandas as pd
 import torch
 
 from model.calendar import TradingCalendar
+from model.calibration import calibration_margins, calibration_shift
 from model.config import Window
 from model.errors import DataError, PathError, TokenizerMismatchError
 from model.features import (
@@ -49,7 +46,7 @@ from model.features import (
     timestamp_parts,
     to_datetime_index,
 )
-from model.fileio import read_json_object, write_json
+from model.fileio import read_json_object
 from model.generation import generate_tokens
 from model.hub import is_hub_id, load_pretrained, resolve_model_dir, weights_fingerprint
 from model.kronos import Kronos
@@ -65,10 +62,6 @@ FORWARD_BUDGET = 1 << 26  # floats of one forward pass of predict_df's default b
 MIN_QUANTILE_SAMPLES = 20  # fewer paths give quantiles that are noise (one path: every quantile is that path)
 MIN_CONTEXT = 2  # rows of context a forecast needs: one row has no spread to normalise by (a flat forecast)
 SHORT_CONTEXT = 16  # fewer rows than this (and than lookback) are forecast with a warning, said once
-MAX_MARGIN = 5.0  # |calibration margin| in log-return units (x148 in price): beyond it a file is not a calibration
-MIN_KEEP = 0.1  # a calibration keeps at least this share of each path's distance from the median: no zero-width band
-SHRINK_WINDOWS = 20  # a fit on W windows keeps W / (W + 20) of its margins: few windows shrink toward no change
-CALIBRATION_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)  # central band levels with a margin
 
 
 # ------------------------------------------------------------------------------------- kronos_predictor.json
@@ -140,15 +133,6 @@ def tokenizer_source(folder: Path, info: dict[str, Any]) -> str | None:
                     f"set \"tokenizer\": \"{TOKENIZER_SUBDIR}\" there, or pass tokenizer= to from_pretrained")
 
 
-def write_calibration(best_model_dir: str | os.PathLike, calibration: dict[str, Any]) -> Path:
-    """Add (or replace) "calibration" in `best_model_dir`'s kronos_predictor.json, atomically; returns its path."""
-    calibration_margins(calibration, "calibration")
-    folder = Path(best_model_dir)
-    info = read_predictor_info(folder)
-    info["calibration"] = calibration
-    return write_json(folder / PREDICTOR_INFO_NAME, info)
-
-
 def load_pretrained_pair(predictor: str | os.PathLike, tokenizer: str | os.PathLike) -> tuple[Kronos, KronosTokenizer]:
     """(predictor, tokenizer) of a published (zero-shot) pair, e.g. NeoQuasar/Kronos-small with Kronos-Tokenizer-base:
     the one way every door loads one; a failure names the model.pretrained_* setting to change."""
@@ -194,102 +178,6 @@ def load_trained_pair(folder_or_id: str | os.PathLike, tokenizer: str | os.PathL
             f"({PREDICTOR_INFO_NAME}), but {given} has sha256 {now[:12]}: refusing the swapped pair; load it with "
             f"the tokenizer it records (tokenizer=None) or retrain the predictor on this tokenizer")
     return model, loaded, info
-
-
-# ------------------------------------------------------------------------------------------------- calibration
-def fit_calibration(samples: np.ndarray, outcomes: np.ndarray, last: np.ndarray) -> dict[str, Any]:
-    """Split-conformal margins of the sampled bands, per horizon, in log-return space: `samples (W, S, H)` close
-    paths of W validation windows, `outcomes (W, H)` realised closes, `last (W,)` last context closes ->
-    {"method": "conformal", "space": "band", "levels", "margins": [[H floats] per level], "windows": W}.
-
-    Construction (conformalised quantile bands, scores relative to the band): with r = log(path / last) and
-    y = log(outcome / last), the raw central band of level c at horizon h is [lo, hi] = the (1-c)/2 and (1+c)/2
-    quantiles of r over the S paths, m their median. Its score in a window is max((lo - y) / (m - lo),
-    (y - hi) / (hi - m)) (> 0 when y falls outside; in half-widths, so a window of 5x the volatility, whose
-    model band is 5x wider, scores the same), and the margin M_c,h is the
-    ceil((W + 1) c)-th smallest score over the W windows (the largest when that rank exceeds W, which weakens the
-    guarantee at high levels with few windows). [lo - M, hi + M] then covers a new outcome with probability >= c
-    provided the new window is exchangeable with the validation windows; serial dependence between windows (they
-    overlap in time, series move together) weakens this to an approximate guarantee. A negative margin narrows a
-    band that was too wide. The margins are then shrunk by W / (W + SHRINK_WINDOWS) toward 0 (no change)."""
-    samples, outcomes, last = (np.asarray(a, dtype=np.float64) for a in (samples, outcomes, last))
-    if samples.ndim != 3 or outcomes.shape != (samples.shape[0], samples.shape[2]) or last.shape != samples.shape[:1]:
-        raise DataError(f"fit_calibration needs samples (W, S, H), outcomes (W, H), last (W,); got "
-                        f"{samples.shape}, {outcomes.shape}, {last.shape}")
-    for name, a in (("samples", samples), ("outcomes", outcomes), ("last", last)):
-        if not (np.isfinite(a).all() and (a > 0).all()):
-            raise DataError(f"fit_calibration: {name} must be finite positive prices (log returns)")
-    if samples.shape[0] < 1:
-        raise DataError("fit_calibration needs at least one window")
-    r = np.log(samples / last[:, None, None])  # (W, S, H)
-    y = np.log(outcomes / last[:, None])       # (W, H)
-    w = len(y)
-    margins = []
-    for c in CALIBRATION_LEVELS:
-        lo, med, hi = np.quantile(r, [(1 - c) / 2, 0.5, (1 + c) / 2], axis=1)  # (W, H) each
-        scores = np.sort(np.maximum((lo - y) / np.maximum(med - lo, 1e-12), (y - hi) / np.maximum(hi - med, 1e-12)),
-                         axis=0)  # (W, H)
-        m = scores[min(w, math.ceil((w + 1) * c)) - 1] * w / (w + SHRINK_WINDOWS)
-        margins.append(np.clip(m, MIN_KEEP - 1, MAX_MARGIN).tolist())
-    return {"method": "conformal", "space": "band", "levels": list(CALIBRATION_LEVELS), "margins": margins,
-            "windows": w}
-
-
-def apply_calibration(calibration: dict[str, Any], samples: np.ndarray, last: np.ndarray) -> np.ndarray:
-    """Calibrated close paths: samples (..., S, H) with last (...) the last context close -> same shape. Each
-    path's log return is moved away from (margin > 0) or toward (margin < 0) the per-horizon median of the S paths by
-    the margin of its own central level: a path of rank k has quantile level p = (k + 0.5) / S and central level
-    c = |2p - 1|; its margin is interpolated between the stored levels (from 0 at c = 0, the last level's beyond it).
-    The quantile q of the result therefore approximates the calibrated band edge of level |2q - 1|. A path never
-    crosses the median; a horizon where a price is not positive is left as it is."""
-    return np.asarray(samples) * np.exp(calibration_shift(calibration, samples, last))
-
-
-def calibration_shift(calibration: dict[str, Any], close: np.ndarray, last: np.ndarray) -> np.ndarray:
-    """The log-return change `apply_calibration` makes: close (..., S, H), last (...) -> (..., S, H) (multiply
-    any price of the path by its exp)."""
-    levels, margins = calibration_margins(calibration, "calibration")  # (L,), (L, H_cal)
-    close = np.asarray(close, dtype=np.float64)
-    s, h = close.shape[-2:]
-    if h > margins.shape[1]:
-        raise DataError(f"the calibration covers {margins.shape[1]} horizons but {h} are forecast; forecast at most "
-                        f"{margins.shape[1]} steps or pass calibrated=False")
-    with np.errstate(divide="ignore", invalid="ignore"):
-        r = np.log(close / np.asarray(last, dtype=np.float64)[..., None, None])  # (..., S, H)
-    med = np.median(r, axis=-2, keepdims=True)
-    rank = np.argsort(np.argsort(r, axis=-2, kind="stable"), axis=-2, kind="stable")
-    central = np.abs(2 * (rank + 0.5) / s - 1)  # (..., S, H)
-    margin = np.stack([np.interp(central[..., j], np.r_[0.0, levels], np.r_[0.0, margins[:, j]])
-                       for j in range(h)], axis=-1)
-    side = np.sign(r - med)
-    moved = r + (side * margin if calibration["space"] == "log_return" else (r - med) * margin)
-    floor = med + MIN_KEEP * (r - med)  # a path never crosses the median, nor comes closer than MIN_KEEP of its way
-    moved = np.where(side > 0, np.maximum(moved, floor), np.minimum(moved, floor))
-    shift = np.where(side == 0, 0.0, moved - r)
-    return np.where(np.isfinite(shift), shift, 0.0)
-
-
-def calibration_margins(calibration: Any, where: str) -> tuple[np.ndarray, np.ndarray]:
-    """A calibration dict checked -> (levels (L,), margins (L, H)); DataError naming `where` otherwise."""
-    ok = (isinstance(calibration, dict) and calibration.get("method") == "conformal"
-          and calibration.get("space") in ("band", "log_return"))
-    try:
-        levels = np.asarray(calibration["levels"], dtype=np.float64)
-        margins = np.asarray(calibration["margins"], dtype=np.float64)
-    except (KeyError, TypeError, ValueError):
-        ok = False
-    ok = ok and levels.ndim == 1 and margins.ndim == 2 and len(margins) == len(levels) > 0 and margins.shape[1] > 0
-    if not (ok and (np.diff(levels) > 0).all() and 0 < levels[0] and levels[-1] < 1):
-        raise DataError(f"{where}: not a calibration as fit_calibration writes it ({{'method': 'conformal', 'space': "
-                        "'band', 'levels': increasing in (0, 1), 'margins': [[finite per horizon] per level]}})")
-    low = MIN_KEEP - 1 if calibration["space"] == "band" else -MAX_MARGIN  # band: >= -0.9 keeps a band's width
-    bad = ~((margins >= low) & (margins <= MAX_MARGIN))  # NaN too
-    if bad.any():
-        raise DataError(f"{where}: calibration margins must be finite and within [{low:g}, {MAX_MARGIN:g}] "
-                        f"({calibration['space']} units; below {MIN_KEEP - 1:g} a band would collapse); "
-                        f"margins[{np.argwhere(bad)[0][0]}] holds {margins[bad][0]!r}; refit the calibration, or "
-                        "forecast with calibrated=False (the CLI: --set forecast.calibrate=false)")
-    return levels, margins
 
 
 # --------------------------------------------------------------------------------------------- the predictor

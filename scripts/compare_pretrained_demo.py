@@ -12,8 +12,8 @@ with the same (pretrained, frozen) tokenizer, so their losses are on the same to
                    at --scratch-lr (default 2e-3: the from-scratch demo's rate).
 
 The score is the engine's validation loss (teacher-forced, causal cross-entropy, mean of s1 and s2), per window;
-95% intervals come from a moving-block bootstrap over test windows (finetune.evaluation.statistics.bootstrap_ci,
-blocks of BLOCK consecutive windows), and the differences are paired (same windows).
+95% intervals follow the project's one interval rule (finetune.evaluation.statistics.session_test: windows of one
+trading session are one observation; too few sessions, no interval), and the differences are paired (same windows).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from finetune.evaluation.statistics import bootstrap_ci
+from finetune.evaluation.statistics import session_test
 from finetune.synthetic import generate_ohlcv, write_csv_folder
 from finetune.utils.distributed import DistInfo
 from finetune.utils.schema import TrainingConfig
@@ -44,8 +44,6 @@ from model.errors import DataError
 from model.predictor import load_pretrained_pair, load_trained_pair
 
 REPO = Path(__file__).resolve().parents[1]
-BLOCK = 20  # windows per bootstrap block: 20 windows x stride 4 = 80 rows, one window length
-N_BOOT = 2000
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -78,10 +76,11 @@ def window_losses(predictor: Kronos, tokenizer: KronosTokenizer, dataset: Window
     return np.concatenate(out)
 
 
-def mean_ci95(values: np.ndarray) -> list[float]:
-    """95% interval of the mean of `values (n,)` over test windows, resampling blocks of BLOCK windows."""
-    ci = bootstrap_ci(lambda i: values[i].mean(), len(values), N_BOOT, block=BLOCK)
-    return [ci["low"], ci["high"]]
+def mean_ci95(values: np.ndarray, times: np.ndarray) -> list[float] | None:
+    """95% interval of the mean of `values (n,)` over test windows at `times (n,)` (each window's last bar), by the
+    interval rule over trading sessions; None where the rule claims no interval."""
+    test = session_test(values, times)
+    return None if test["ci_low"] is None else [test["ci_low"], test["ci_high"]]
 
 
 def train(config: str, data: Path, out: Path, extra: list[str]) -> dict:
@@ -118,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     # load_trained_pair: each trained predictor must record this tokenizer's fingerprint
     models = {"zero_shot": zero, **{k: load_trained_pair(r["predictor_dir"], tokenizer)[0] for k, r in runs.items()}}
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    losses, result = {}, {"test_windows": len(test_set), "block": BLOCK, "bootstrap": N_BOOT, "models": {}}
+    times = np.asarray(test_set.panel.datetimes)[test_set.starts(np.arange(len(test_set))) + cfg.data.window.size - 1]
+    sessions = int(np.unique(times.astype("datetime64[ns]").astype("datetime64[D]")).size)
+    losses, result = {}, {"test_windows": len(test_set), "sessions": sessions, "models": {}}
     for name, model in models.items():
         for run in runs.values():
             assert Path(run["tokenizer_source"]).resolve() == tok_src.resolve(), "all must share the tokenizer"
@@ -127,12 +128,12 @@ def main(argv: list[str] | None = None) -> int:
                                     dist)["val_loss"]
         if not np.isclose(engine, losses[name].mean(), rtol=1e-4):
             raise AssertionError(f"{name}: per-window mean {losses[name].mean()} != engine loss {engine}")
-        result["models"][name] = {"test_loss": float(losses[name].mean()), "ci95": mean_ci95(losses[name])}
+        result["models"][name] = {"test_loss": float(losses[name].mean()), "ci95": mean_ci95(losses[name], times)}
         if name in runs:
             result["models"][name]["train_seconds"] = round(runs[name]["seconds"], 1)
     for a, b in (("finetuned", "zero_shot"), ("finetuned", "scratch"), ("zero_shot", "scratch")):
         d = losses[a] - losses[b]
-        result[f"{a}_minus_{b}"] = {"mean": float(d.mean()), "ci95": mean_ci95(d)}
+        result[f"{a}_minus_{b}"] = {"mean": float(d.mean()), "ci95": mean_ci95(d, times)}
     result["config"] = str(args.config)
     result["overrides"] = args.set
     result["scratch_lr"] = args.scratch_lr
@@ -143,14 +144,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def format_table(r: dict) -> str:
-    lines = [(f"test split of the demo market, {r['test_windows']} windows; loss = (CE s1 + CE s2) / 2, 95% block "
-              "bootstrap intervals"), "| predictor | test loss | 95% interval | training |", "|---|---|---|---|"]
+    ci = lambda c: f"[{c[0]:+.4f}, {c[1]:+.4f}]" if c else "none (too few sessions)"  # noqa: E731
+    lines = [(f"test split of the demo market, {r['test_windows']} windows in {r['sessions']} trading sessions; loss = "
+              "(CE s1 + CE s2) / 2, 95% intervals by the interval rule"),
+             "| predictor | test loss | 95% interval | training |", "|---|---|---|---|"]
     for name, m in r["models"].items():
         secs = f"{m['train_seconds']:.0f} s" if "train_seconds" in m else "none"
-        lines.append(f"| {name} | {m['test_loss']:.4f} | [{m['ci95'][0]:.4f}, {m['ci95'][1]:.4f}] | {secs} |")
+        lines.append(f"| {name} | {m['test_loss']:.4f} | {ci(m['ci95'])} | {secs} |")
     for key in ("finetuned_minus_zero_shot", "finetuned_minus_scratch", "zero_shot_minus_scratch"):
-        d = r[key]
-        lines.append(f"{key.replace('_minus_', ' - ')}: {d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]")
+        lines.append(f"{key.replace('_minus_', ' - ')}: {r[key]['mean']:+.4f} {ci(r[key]['ci95'])}")
     return "\n".join(lines)
 
 

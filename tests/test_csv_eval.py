@@ -98,8 +98,9 @@ def test_metrics_json_holds_scores_baselines_intervals_and_the_zero_shot_compari
     assert len(ft["model"]["per_horizon"]["mae"]) == 6 and len(ft["per_series"]) == 2
     assert ft["persistence"]["overall"]["coverage_80"] == 0.0  # a point forecast covers nothing
     assert ft["seasonal_naive"]["overall"]["mae"] is not None and ft["setup"]["season"] == 12
-    ci = ft["bootstrap"]["crps"]
-    assert ci["low"] <= ci["estimate"] <= ci["high"] and ci["n_boot"] == 50
+    ci = ft["intervals"]["crps"]  # the interval rule over few 5-minute sessions: no interval, and the reason
+    assert ci["estimate"] == pytest.approx(ft["model"]["overall"]["crps"]) and ci["low"] is None
+    assert "no 95% interval" in ci["reason"]
     # Zero-shot: another predictor on the same windows -> other scores, and a paired difference that adds up.
     zs = on_disk["zero_shot"]
     assert zs["setup"]["windows"] == ft["setup"]["windows"]

@@ -18,7 +18,6 @@ from finetune.evaluation.forecast_scores import (
     seasonal_naive_samples,
     weighted_quantile_loss,
 )
-from finetune.evaluation.statistics import bootstrap_ci, resample_indices
 from model.fileio import strict_json
 
 
@@ -41,10 +40,9 @@ def test_crps_matches_reference_packages_and_brute_force():
                                scoringrules.crps_ensemble(obs, ens, estimator="fair"), rtol=1e-12)
     assert crps_ensemble(obs, ens)[1, 2] == pytest.approx(_brute_crps(obs[1, 2], ens[1, 2], False), rel=1e-12)
     assert crps_ensemble(obs, ens, fair=True)[0, 0] == pytest.approx(_brute_crps(obs[0, 0], ens[0, 0], True))
-    # A one-member ensemble is a point forecast: CRPS = absolute error; the fair variant needs two members.
-    np.testing.assert_allclose(crps_ensemble(np.array([1.0, 2.0]), np.array([[1.5], [0.0]])), [0.5, 2.0])
-    with pytest.raises(ValueError, match="at least 2 samples"):
-        crps_ensemble(np.array([1.0]), np.array([[1.5]]), fair=True)
+    # A one-member ensemble is a point forecast: CRPS = absolute error, by either estimator.
+    for fair in (False, True):
+        np.testing.assert_allclose(crps_ensemble(np.array([1.0, 2.0]), np.array([[1.5], [0.0]]), fair=fair), [0.5, 2])
     with pytest.raises(ValueError, match="obs shape"):
         crps_ensemble(obs, ens[:3])
 
@@ -80,19 +78,6 @@ def test_baselines_and_season():
         infer_season(pd.date_range("2024-01-01", periods=10, freq="W"))
 
 
-def test_bootstrap_is_seeded_and_blocks_are_consecutive():
-    idx = resample_indices(10, 6, block=3, seed=1)
-    assert idx.shape == (6, 10) and idx.min() >= 0 and idx.max() <= 9
-    np.testing.assert_array_equal(np.diff(idx[:, :3], axis=1), 1)  # first block: 3 consecutive windows
-    np.testing.assert_array_equal(idx, resample_indices(10, 6, block=3, seed=1))
-    assert not np.array_equal(idx, resample_indices(10, 6, block=3, seed=2))
-    values = np.random.default_rng(0).normal(1.0, 1.0, size=400)
-    ci = bootstrap_ci(lambda i: values[i].mean(), 400, n_boot=500, seed=0)
-    assert ci["low"] < ci["estimate"] < ci["high"] and ci["estimate"] == pytest.approx(values.mean())
-    se = values.std() / np.sqrt(400)  # the 95% interval is about +-1.96 standard errors wide
-    assert ci["high"] - ci["low"] == pytest.approx(2 * 1.96 * se, rel=0.2)
-
-
 def _run(seed=0, w=40, s=30, h=4, level=(100.0, 1.0)):
     """Two series (prices ~100 and ~1) of random-walk windows with a calibrated forecaster."""
     rng = np.random.default_rng(seed)
@@ -126,7 +111,7 @@ def test_score_forecasts_by_hand_and_strict_json():
     assert out["persistence"]["overall"]["direction_accuracy"] is None
     assert 0.3 < out["model"]["overall"]["coverage_80"] <= 1 and len(out["model"]["per_horizon"]["coverage_50"]) == 4
     assert set(out["model"]["overall"]["pinball"]) == {"0.1", "0.2", "0.3", "0.4", "0.5", "0.6", "0.7", "0.8", "0.9"}
-    assert out["seasonal_naive"]["overall"]["mase"] > 0 and "crps_fair" in out["model"]["overall"]
+    assert out["seasonal_naive"]["overall"]["mase"] > 0 and "crps_plain" in out["model"]["overall"]
     versus = out["versus"]["persistence"]  # the one interval rule: statistics.paired_test
     assert versus["mean"] == pytest.approx(out["model"]["overall"]["crps"] - out["persistence"]["overall"]["crps"])
     assert versus["windows"] == 40 and "CRPS model - persistence" in versus["reason"]
@@ -143,7 +128,7 @@ def test_scores_do_not_depend_on_price_level_and_perfect_forecast_scores_zero():
     perfect = score_forecasts(np.repeat(realised[:, None], 3, axis=1), realised, last, context, series,
                               ScoreSettings(n_boot=0))
     assert perfect["model"]["overall"]["mae"] == 0 and perfect["model"]["overall"]["crps"] == pytest.approx(0)
-    assert perfect["model"]["overall"]["direction_accuracy"] == 1.0 and perfect["bootstrap"] is None
+    assert perfect["model"]["overall"]["direction_accuracy"] == 1.0 and perfect["intervals"] is None
 
 
 def test_flat_series_and_bad_inputs():

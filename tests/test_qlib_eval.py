@@ -12,6 +12,8 @@ import pytest
 import torch
 import yaml
 
+from finetune.evaluation.statistics import MIN_BLOCKS
+
 pytest.importorskip("qlib")
 from finetune import qlib_forecast as qf
 from finetune.config import load
@@ -180,11 +182,14 @@ def test_report_perfect_foresight_first_day_and_strict_json(tmp_path, data):
     assert report["signals"]["last@seed0"]["horizon"] == 3
     # 6 stocks: warned as too few for a cross-sectional IC (t still shown from 5 up); the substitute index is named
     assert any("only 6 instruments per forecast day" in w for w in report["warnings"])
-    assert math.isfinite(report["summary"]["last@seed0"]["t_IC"])
+    head = report["summary"]["last@seed0"]  # the rule's t: none on a span shorter than 16 stretches of h days
+    assert math.isfinite(head["t_IC"]) == (head["days"] // 3 >= MIN_BLOCKS)
     assert report["benchmark"] == "SH000300 (substitute: equal-weighted index of 6 symbols)"
     assert report["summary"]["last@seed0"]["turnover"] > 0 and report["summary"]["last@seed0"]["cost_ann"] > 0
-    ic = {n: r["IC"] for n, r in report["summary"].items() if math.isfinite(r["IC"])}
-    assert report["best"]["signal"] == max(ic, key=ic.get) and report["best"]["line"].startswith("best by IC: ")
+    best = report["best"]  # every signal at h = 3, the two seeds of each model as one entry
+    assert best["horizon"] == 3 and best["line"].startswith("best by IC at h=3: ")
+    assert {"last", "mean", "momentum"} <= set(best["ranking"]) and "last@seed0" not in best["ranking"]
+    assert best["signal"] == max(best["ranking"], key=best["ranking"].get)
     out = write_results(tmp_path / "out", {"report.json": report, **files})
     json.loads((out / "report.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-strict {c}"))
     written = {p.name for p in out.iterdir()}
@@ -269,5 +274,5 @@ def test_no_position_is_held_after_an_instruments_last_bar(tmp_path, data):
     small = pd.MultiIndex.from_product([days, ["A", "B", "C"]], names=["datetime", "instrument"])
     warned = universe_warnings(small, {ended: last_day})
     assert "no t-statistic" in warned[0] and f"{ended} (2022-05-13)" in warned[1]
-    head = {"IC": 0.1, "ICIR": 1.0, "IC_t_nw": 3.0, "RankIC": 0.1, "RankICIR": 1.0, "days": 50}
+    head = {"IC": 0.1, "ICIR": 1.0, "IC_t": 3.0, "RankIC": 0.1, "RankICIR": 1.0, "days": 50}
     assert math.isnan(summary_table({"last": {"horizon": 1, "headline": head}}, t_ok=False).loc["last", "t_IC"])

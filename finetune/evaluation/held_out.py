@@ -118,9 +118,9 @@ def sample_paths(predictor: Any, context: np.ndarray, x_stamps: np.ndarray, y_st
 
 
 def window_crps_mae(paths: np.ndarray, windows: HeldOutWindows) -> tuple[np.ndarray, np.ndarray]:
-    """Per-window mean CRPS and MAE of the sample median (W,) of the close, in returns from the last context close;
-    `paths`: the windows' sampled candles (W, S, P, 6)."""
+    """Per-window mean (fair) CRPS and MAE of the sample median (W,) of the close, in returns from the last context
+    close; `paths`: the windows' sampled candles (W, S, P, 6)."""
     last = windows.context[:, -1, CLOSE]  # (W,)
     obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, P)
     ens = np.moveaxis(paths[..., CLOSE] / last[:, None, None] - 1.0, 1, -1)  # (W, P, S)
-    return crps_ensemble(obs, ens).mean(axis=1), np.abs(np.median(ens, axis=-1) - obs).mean(axis=1)
+    return crps_ensemble(obs, ens, fair=True).mean(axis=1), np.abs(np.median(ens, axis=-1) - obs).mean(axis=1)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from finetune.evaluation.statistics import newey_west_tstat
+from finetune.evaluation.statistics import mean_test
 from finetune.utils.plots import pyplot, save_figure
 from model.errors import DataError
 
@@ -105,9 +105,10 @@ def _long_excess(pred: pd.Series, label: pd.Series, quantile: float) -> pd.Serie
 def analyse_signal(pred: pd.Series, labels: pd.DataFrame, quantile: float = 0.2, n_groups: int = 5) -> dict:
     """IC, RankIC, long-short (`quantile` of the stocks in each leg), long excess and `n_groups` quantile-group
     returns of `pred` (indexed by (datetime, instrument)) for every label_<h> column of `labels`:
-    {"label_<h>": {"horizon", "days", "ic": {mean, std, icir, t_nw}, "rank_ic": {...}, "long_short": {mean, t_nw},
-    "long_average": {mean}, "excess_return": {mean, t_nw}, "group_means": [n_groups means]}}; returns are h-day
-    returns per day of the score (not annualised)."""
+    {"label_<h>": {"horizon", "days", "ic": {mean, std, icir, t}, "rank_ic": {...}, "long_short": {mean, t},
+    "long_average": {mean}, "excess_return": {mean, t}, "group_means": [n_groups means]}}; returns are h-day
+    returns per day of the score (not annualised); t is `statistics.mean_test`'s (lag h - 1, normal scale, NaN where
+    the interval rule claims no interval)."""
     from qlib.contrib.eva.alpha import calc_ic, calc_long_short_return
 
     out = {}
@@ -128,7 +129,7 @@ def analyse_signal(pred: pd.Series, labels: pd.DataFrame, quantile: float = 0.2,
 
 
 def _ic_stats(ic: pd.Series, horizon: int) -> dict[str, float]:
-    """mean, std, ICIR = mean / std (as Qlib's SigAnaRecord) and the Newey-West t-statistic with lag h - 1."""
+    """mean, std, ICIR = mean / std (as Qlib's SigAnaRecord) and `mean_test`'s t with lag h - 1."""
     ic = ic.dropna().sort_index()
     std = float(ic.std()) if len(ic) > 1 else math.nan
     return {**_mean_t(ic, horizon), "std": std, "icir": float(ic.mean()) / std if std > 0 else math.nan}
@@ -136,12 +137,12 @@ def _ic_stats(ic: pd.Series, horizon: int) -> dict[str, float]:
 
 def _mean_t(r: pd.Series, horizon: int) -> dict[str, float]:
     r = r.dropna().sort_index()
-    return {"mean": float(r.mean()), "t_nw": newey_west_tstat(r.to_numpy(), horizon - 1)["t"]}
+    return {"mean": float(r.mean()), "t": mean_test(r.to_numpy(), horizon - 1)["t"]}
 
 
 def ic_decay(analysis: dict) -> pd.DataFrame:
-    """Table (horizons, [ic, rank_ic, ic_t_nw, long_short]) from an `analyse_signal` result, by horizon."""
-    rows = {v["horizon"]: {"ic": v["ic"]["mean"], "rank_ic": v["rank_ic"]["mean"], "ic_t_nw": v["ic"]["t_nw"],
+    """Table (horizons, [ic, rank_ic, ic_t, long_short]) from an `analyse_signal` result, by horizon."""
+    rows = {v["horizon"]: {"ic": v["ic"]["mean"], "rank_ic": v["rank_ic"]["mean"], "ic_t": v["ic"]["t"],
                            "long_short": v["long_short"]["mean"]} for v in analysis.values()}
     table = pd.DataFrame.from_dict(rows, orient="index").sort_index()
     table.index.name = "horizon"

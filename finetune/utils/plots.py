@@ -3,8 +3,7 @@ text that labels them and the reports.
 
 - the loss curve of a training stage (`plot_loss_curves`, called by the training loop);
 - sampled forecast paths against the realised closes (`plot_panels`, the CSV forecast);
-- the Qlib backtest's cumulative returns (`plot_cumulative`);
-- `save_figure`, the one way a pyplot figure reaches disk (the walk-forward and signal plots use it too).
+- `save_figure`, the one way a pyplot figure reaches disk (the pipelines' own plots use it too).
 
 matplotlib is imported inside the functions: a run without it still trains (no loss_curve.png, a warning).
 """
@@ -202,37 +201,3 @@ def plot_panels(panels: list[Panel], png: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # outside the data
     return save_figure(fig, png)
-
-
-def plot_cumulative(daily: dict[str, pd.DataFrame], benchmark: str, path: Path) -> Path:
-    """Cumulative return with cost per signal vs the benchmark, and cumulative excess return with cost. One colour
-    per signal kind (last, mean, ..., momentum); the finetuned seeds are thin lines of that colour, zero-shot is
-    dashed, baselines dotted; the legend sits outside the axes."""
-    plt = pyplot()
-    kinds = list(dict.fromkeys(name.split("@")[0] for name in daily))
-    colour = {k: plt.get_cmap("tab10")(i % 10) for i, k in enumerate(kinds)}
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
-    labelled, bench = set(), None
-    for name, frame in daily.items():
-        kind, _, who = name.partition("@")
-        group = ("zero-shot" if who == "zeroshot" else "baseline" if kind in ("momentum", "reversal")
-                 else "finetuned" + (" (one line per seed)" if who.startswith("seed") else ""))
-        style = {"zero-shot": "--", "baseline": ":"}.get(group, "-")
-        label = f"{kind} {group}" if (kind, group) not in labelled else None
-        labelled.add((kind, group))
-        width = 0.9 if who.startswith("seed") else 1.6
-        net = frame["return"] - frame["cost"]
-        top.plot(frame.index, net.cumsum(), style, color=colour[kind], lw=width, label=label)
-        bottom.plot(frame.index, (net - frame["bench"]).cumsum(), style, color=colour[kind], lw=width)
-        bench = frame["bench"]
-    if bench is not None:
-        top.plot(bench.index, bench.cumsum(), "k-", lw=2.2, alpha=0.6, label=f"benchmark {benchmark}")
-        period = f"{bench.index[0]:%Y-%m-%d}..{bench.index[-1]:%Y-%m-%d}"
-        top.set_title(f"Cumulative return with cost, {period}")
-    top.set(ylabel="cumulative return")
-    bottom.set(title="Cumulative excess return over the benchmark, with cost", ylabel="cumulative excess return")
-    for ax in (top, bottom):
-        ax.grid(True, alpha=0.3)
-    fig.autofmt_xdate()
-    fig.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
-    return save_figure(fig, path, dpi=110, bbox_inches="tight")
