@@ -2,7 +2,9 @@
 
 A candle has FEATURES = open, high, low, close, volume, amount (in that order); its calendar stamp has
 TIME_FEATURES = minute, hour, weekday (Monday=0), day of month, month. Normalisation is a per-feature z-score with
-the population std, `(x - mean) / (std + 1e-5)`, clipped to [-clip, clip]; `denormalize` undoes it."""
+the population std, `(x - mean) / (std + eps)`, clipped to [-clip, clip]; `denormalize` undoes it. eps is the
+original's 1e-5 for a feature whose window mean is >= 1 in magnitude and 1e-5 x |mean| below it (`std_eps`): an
+absolute 1e-5 outweighs the std of a price near 3e-5 and flattened its window (docs/differences_from_original.md)."""
 from __future__ import annotations
 
 import difflib
@@ -17,7 +19,7 @@ FEATURES: tuple[str, ...] = ("open", "high", "low", "close", "volume", "amount")
 PRICE_FEATURES: tuple[str, ...] = FEATURES[:4]
 TIME_FEATURES: tuple[str, ...] = ("minute", "hour", "weekday", "day", "month")
 CLOSE: int = FEATURES.index("close")
-STD_EPS = 1e-5  # added to the std before dividing (a constant series normalises to 0, not NaN)
+STD_EPS = 1e-5  # added to the std before dividing (a constant series normalises to 0, not NaN), see std_eps
 CANDLE_COLUMNS: tuple[str, ...] = ("timestamps", *FEATURES)
 REQUIRED_COLUMNS: tuple[str, ...] = ("timestamps", *PRICE_FEATURES)
 COLUMN_ALIASES: dict[str, tuple[str, ...]] = {"timestamps": ("timestamp", "date", "datetime", "time", "dt",
@@ -142,14 +144,22 @@ def normalize(x: np.ndarray, clip: float, *, axis: int = 0,
     sq = np.einsum("...w,...w->...", moved, moved)
     std = np.expand_dims(np.sqrt(sq / n), axis)
     out = x - mean
-    out /= std + STD_EPS
+    out /= std + std_eps(mean)
     np.clip(out, -clip, clip, out=out)
     return out, mean, std
 
 
+def std_eps(mean: np.ndarray) -> np.ndarray:
+    """The epsilon added to each feature's std, same shape and dtype as `mean`: STD_EPS where |mean| >= 1 (or 0: an
+    all-zero volume), STD_EPS * |mean| below, so that multiplying a series by any power of ten scales its eps with
+    it (a relative 1e-5, far below any market's spread) while prices >= 1 keep the original's exact numbers."""
+    m = np.abs(mean)
+    return STD_EPS * np.where((m > 0) & (m < 1), m, 1).astype(m.dtype, copy=False)
+
+
 def denormalize(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
-    """Inverse of `normalize` (before clipping): `x * (std + 1e-5) + mean`, broadcasting mean/std as returned."""
-    return x * (std + STD_EPS) + mean
+    """Inverse of `normalize` (before clipping): `x * (std + std_eps(mean)) + mean`, mean/std as returned."""
+    return x * (std + std_eps(mean)) + mean
 
 
 def fill_amount(volume: np.ndarray, open_: np.ndarray, high: np.ndarray, low: np.ndarray,
