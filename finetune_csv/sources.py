@@ -30,9 +30,11 @@ from finetune_csv.timestamps import OFFSET_RE, SHOWN, CandleDataError, parse_tim
 from model.features import (
     COLUMN_ALIASES,
     FEATURES,
+    FLOAT32_RULE,
     ColumnError,
     adj_close_column,
     adjust_prices,
+    float32_lost,
     resolve_columns,
     timestamp_parts,
 )
@@ -654,20 +656,20 @@ def file_series(reader: SourceReader, scratch: Path, block_rows: int) -> Iterato
 
 
 class Float32RangeError(CandleDataError):
-    """A value outside float32's finite range."""
+    """A value float32 does not keep (`model.features.float32_lost`), or an infinite one."""
 
 
 def check_float32_range(array: Any, columns: Sequence[str], source: str, first_row: int = 1) -> None:
-    """Raise `Float32RangeError` at the first value (row-major) of `array (N, C)` or `(N,)` with |x| > float32's max
-    (inf included; NaN not); `first_row` is the file line of row 0."""
+    """Raise `Float32RangeError` at the first value (row-major) of `array (N, C)` or `(N,)` that float32 does not keep:
+    inf, beyond +-3.4e38, or nonzero below 1.2e-38 (NaN is the missing-value policy's); `first_row` is the file line
+    of row 0."""
     a = np.asarray(array)
     if a.ndim == 1:
         a = a.reshape(-1, 1)  # (N, 1)
     if a.dtype.kind in "iub" or a.size == 0:
         return  # integers up to int64/uint64 are far below 3.4e38
     a = a.astype(np.float64, copy=False)
-    with np.errstate(invalid="ignore"):
-        bad = np.abs(a) > FLOAT32_MAX  # (N, C) bool; NaN compares False
+    bad = float32_lost(a) | np.isinf(a)  # (N, C) bool
     if not bad.any():
         return
     row = int(np.argmax(bad.any(axis=1)))
@@ -676,6 +678,5 @@ def check_float32_range(array: Any, columns: Sequence[str], source: str, first_r
     more = f" ({total} such values in this file)" if total > 1 else ""
     name = columns[col] if col < len(columns) else f"#{col}"
     raise Float32RangeError(
-        f"{source} line {first_row + row}, column '{name}': value {a[row, col]:.6g} is outside float32's finite "
-        f"range (+-{FLOAT32_MAX:.7g}){more}; the model computes in float32, so correct or remove it in the file "
-        "(or rescale that column)")
+        f"{source} line {first_row + row}, column '{name}': value {a[row, col]:.6g} is a value {FLOAT32_RULE}{more}; "
+        "correct or remove it in the file, or rescale that column (e.g. quote the prices in a smaller unit)")

@@ -227,12 +227,26 @@ def candle_faults(values: np.ndarray) -> list[tuple[str, np.ndarray, str]]:
     return [(f, bad, rule) for f, bad, rule in rules if bad.any()]
 
 
+F32 = np.finfo(np.float32)
+FLOAT32_RULE = (f"float32 cannot hold (the model's numbers: beyond +-{F32.max:.4g} they become inf, nonzero below "
+                f"{F32.tiny:.4g} in magnitude 0 or lose their digits)")
+
+
+def float32_lost(x: np.ndarray) -> np.ndarray:
+    """(same shape) bool: the finite values of `x` that the cast to float32 does not keep: beyond its range, or
+    nonzero below its smallest normal number (a price of 1e-46 would be trained on as 0). The one float32 rule of
+    every door, checked on the float64 values before the cast; NaN/inf are each door's own policy."""
+    a = np.abs(np.asarray(x, dtype=np.float64))
+    with np.errstate(invalid="ignore"):
+        return np.isfinite(a) & ((a > F32.max) | ((a > 0) & (a < F32.tiny)))
+
+
 def candle_matrix(df: pd.DataFrame, name: str = "df") -> np.ndarray:
     """DataFrame with open/high/low/close (+ optional volume/amount; any case, the `resolve_columns` aliases) -> float32
     (T, 6) in FEATURES order. Missing `volume` -> volume and amount are 0; missing `amount` -> `fill_amount` (volume
     * mean(OHLC)). Raises DataError naming `name`, the column and the first row (with its index label when the index
-    is not a RangeIndex, e.g. the timestamps) for a missing column, non-numeric data, NaN/inf or a broken
-    `candle_faults` rule."""
+    is not a RangeIndex, e.g. the timestamps) for a missing column, non-numeric data, NaN/inf, a value float32 does
+    not keep (`float32_lost`) or a broken `candle_faults` rule."""
     if not isinstance(df, pd.DataFrame):
         raise DataError(f"{name} must be a pandas DataFrame, got {type(df).__name__}")
     if len(df) == 0:
@@ -252,12 +266,12 @@ def candle_matrix(df: pd.DataFrame, name: str = "df") -> np.ndarray:
         x = df.iloc[:, where]
     x = np.asarray(x[:, where] if isinstance(x, np.ndarray) else x, dtype=np.float64)
     at = lambda r: f"row {r}" + ("" if isinstance(df.index, pd.RangeIndex) else f" ({df.index[r]})")
-    bad = ~(np.abs(x) <= np.finfo(np.float32).max)  # NaN, inf, and what the model's float32 turns into inf
-    if bad.any():
-        rows, cols = np.nonzero(bad)
-        raise DataError(f"{name} has {int(bad.sum())} NaN/inf values, first in column {mapping[present[cols[0]]]!r} "
-                        f"at {at(int(rows[0]))} ({x[rows[0], cols[0]]:.6g}; float32 holds up to +-3.4e38); fill, "
-                        "drop or rescale them before forecasting")
+    for bad, what in ((~np.isfinite(x), "NaN/inf"), (float32_lost(x), FLOAT32_RULE)):
+        if bad.any():
+            rows, cols = np.nonzero(bad)
+            raise DataError(f"{name} has {int(bad.sum())} value(s) {what}, first in column "
+                            f"{mapping[present[cols[0]]]!r} at {at(int(rows[0]))} ({x[rows[0], cols[0]]:.6g}); "
+                            "fill, drop or rescale them before forecasting")
     for f, rows, rule in candle_faults(x):
         r = int(np.flatnonzero(rows)[0])
         raise DataError(f"{name}: column {mapping[f]!r} is {rule} in {int(rows.sum())} candle(s), first at {at(r)}; "

@@ -167,7 +167,7 @@ def test_predict_df_takes_your_calendar_or_your_timestamps(predictor):
 
 @pytest.mark.parametrize("change, message", [
     (lambda f: f.assign(Close=np.where(f.index == 70, np.nan, f.Close)),
-     r"series 'B' has 1 NaN/inf values, first in column 'close' at row 20 \(2024-01-30"),
+     r"series 'B' has 1 value\(s\) NaN/inf, first in column 'close' at row 20 \(2024-01-30"),
     (lambda f: f.assign(Low=np.where(f.index == 55, -1.0, f.Low)),
      r"series 'B': column 'low' is <= 0 .* first at row 5 \(2024-01-09"),
     (lambda f: f.drop(columns="High"), r"no 'high' column, in any case; columns: \['Open', 'Low'"),
