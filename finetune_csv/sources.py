@@ -29,7 +29,6 @@ import pyarrow.parquet as pq
 
 from finetune.utils.store import StoreError, file_fingerprint
 from finetune_csv.timestamps import OFFSET_RE, SHOWN, CandleDataError, parse_timestamps
-from model.frames import epoch_unit
 from model.features import (
     COLUMN_ALIASES,
     FEATURES,
@@ -41,6 +40,7 @@ from model.features import (
     resolve_columns,
     timestamp_parts,
 )
+from model.frames import epoch_unit
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # 3.4028235e+38
 
