@@ -63,6 +63,7 @@ SHORT_CONTEXT = 16  # fewer rows than this (and than lookback) are forecast with
 MAX_MARGIN = 5.0  # |calibration margin| in log-return units (x148 in price): beyond it a file is not a calibration
 MIN_KEEP = 0.1  # a calibration keeps at least this share of each path's distance from the median: no zero-width band
 SHRINK_WINDOWS = 20  # a fit on W windows keeps W / (W + 20) of its margins: few windows shrink toward no change
+CALIBRATION_FAILED = "calibration_failed"  # kronos_predictor.json: why a run could not calibrate, and what to do
 NONPOSITIVE = "nonpositive_samples"  # attrs key of a forecast's count of sampled prices <= 0
 CALIBRATION_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)  # central band levels with a margin
 
@@ -367,10 +368,13 @@ class KronosPredictor:
         model, tokenizer, info = load_trained_pair(folder_or_id, tokenizer, **hub_kwargs)
         run = Path(folder_or_id) / "run_info.json"  # a finetuned run's best_model/ records the settings it ran with
         wanted = run.is_file() and (read_json_object(run).get("config") or {}).get("forecast", {}).get("calibrate")
+        failed = info.get(CALIBRATION_FAILED)
         if wanted is True and not info.get("calibration"):
-            log.warning("%s was trained with forecast.calibrate: true but holds no calibration (its run stopped "
-                        "before calibrating): its bands are the raw samples', too narrow; run `kronos finetune` "
-                        "again with its config to calibrate it", folder_or_id)
+            log.warning("%s was trained with forecast.calibrate: true but holds no calibration (%s): its bands are "
+                        "the raw samples', too narrow; %s", folder_or_id,
+                        *((f"{failed['reason']}, in series {failed['series'][:5]}", failed["advice"]) if failed else
+                          ("its run stopped before calibrating", "run `kronos finetune` again with its config to "
+                           "calibrate it")))
         return cls.from_models(model, tokenizer, info, device=device, max_context=max_context, lookback=lookback,
                                clip=clip, use_cache=use_cache)
 
