@@ -164,6 +164,10 @@ class ForecastConfig(SamplingConfig):
     calendar: str | None = None
     """Trading days of --future forecasts: null = each series' trading calendar learned from its history
     (model.calendar); a CSV file whose first column lists the trading dates (e.g. the exchange's sessions)."""
+    holidays: str | None = None
+    """Holidays skipped by --future forecasts: a market of the `holidays` package (NYSE, XNYS, ...) or a country
+    (US, GB, ...); needs the `calendars` extra. null = none: business-day forecasts say once that holidays are not
+    skipped."""
     batch_size: int = 32
     """Windows per generation call (x sample_count sequences in memory at once)."""
 

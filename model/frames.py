@@ -87,7 +87,7 @@ class FrameSeries:
 def read_frame(df: pd.DataFrame, prediction_length: int, *, id_column: str | None = None,
                timestamp_column: str | None = None, columns: Mapping[str, str | None] | None = None,
                freq: str | None = None, calendar: TradingCalendar | None = None, future: Any = None,
-               adjust: str = "none", timestamp_unit: str | None = None) -> FrameSeries:
+               adjust: str = "none", timestamp_unit: str | None = None, holidays: str | None = None) -> FrameSeries:
     """The series of `df` and their forecast stamps, as `KronosPredictor.predict_df` documents its arguments."""
     where = "predict_df's df"
     if not isinstance(df, pd.DataFrame):
@@ -147,7 +147,7 @@ def read_frame(df: pd.DataFrame, prediction_length: int, *, id_column: str | Non
                 raise DataError(f"future has no timestamps for {label}; give every series its own")
             y = to_datetime_index(y, f"the future timestamps of {label}")
         else:
-            cal = calendar or TradingCalendar.learn(stamps[rows], name=label)
+            cal = calendar or TradingCalendar.learn(stamps[rows], name=label, holidays=holidays)
             y = cal.after(stamps[rows][-1], prediction_length, freq, label)
         series.append((sid, rows, y))
     return FrameSeries(candles, stamps, series, id_column, ts_name or "timestamps")

@@ -452,7 +452,8 @@ class KronosPredictor:
                    quantiles: Sequence[float] = (), T: float = 1.0, top_k: int | None = 0,
                    top_p: float | None = 0.9, sample_count: int = MIN_QUANTILE_SAMPLES, verbose: bool = False,
                    calibrated: bool = True, batch_size: int | None = None, adjust: str = "none",
-                   seed: int | None = 0, timestamp_unit: str | None = None) -> pd.DataFrame:
+                   seed: int | None = 0, timestamp_unit: str | None = None,
+                   holidays: str | None = None) -> pd.DataFrame:
         """Forecast every series of a long frame (one row per candle), in the style of Chronos' `predict_df`.
 
         Columns are found by `model.features.resolve_columns` (timestamps may be a DatetimeIndex; their zone is kept;
@@ -465,7 +466,8 @@ class KronosPredictor:
             'Adj Close'); "none" takes the prices as they are.
         The forecast's timestamps follow each series' trading calendar (`model.calendar.TradingCalendar`, learned
         from its history on its own wall clock: business days for daily stock bars, the session or 24/5 week of
-        intraday bars), or `calendar` for every series; freq: a pandas frequency instead of the bar spacing,
+        intraday bars; `holidays`: a holiday calendar skipped, e.g. 'NYSE', see `model.calendar.holiday_calendar`),
+        or `calendar` for every series; freq: a pandas frequency instead of the bar spacing,
         keeping the bars that start while the market trades; future: the timestamps themselves, one sequence for
         every series or {id: sequence}, used as they are.
         quantiles: levels in [0, 1] added as `<feature>_q<percent>` columns (close_q10, close_q90).
@@ -483,7 +485,7 @@ class KronosPredictor:
         self._check_options(prediction_length, sample_count, quantiles, None, "prediction_length")
         fs = read_frame(df, prediction_length, id_column=id_column, timestamp_column=timestamp_column,
                         columns=columns, freq=freq, calendar=calendar, future=future, adjust=adjust,
-                        timestamp_unit=timestamp_unit)
+                        timestamp_unit=timestamp_unit, holidays=holidays)
         quantiles = list(quantiles)
         check_batch_size(batch_size)
         step = batch_size or self.default_batch_size(sample_count, prediction_length)
