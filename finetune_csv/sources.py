@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -297,7 +298,9 @@ class SourceReader:
             return columns
         first = self._first_value(header[0])
         try:
-            ok = first is not None and not pd.isna(pd.to_datetime(first, format=self.timestamp_format))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                ok = first is not None and not pd.isna(pd.to_datetime(first, format=self.timestamp_format))
         except (ValueError, TypeError, OverflowError):
             ok = False
         if ok:
@@ -541,7 +544,9 @@ class SourceReader:
     def _timestamps_pandas(self, text: np.ndarray, lines: np.ndarray, name: str) -> np.ndarray:
         s = pd.Series(text, dtype=object)
         try:
-            ts = pd.to_datetime(s, format=self._format(text), errors="coerce")
+            with warnings.catch_warnings():  # "could not infer format": the problem recorded below says more
+                warnings.simplefilter("ignore", UserWarning)
+                ts = pd.to_datetime(s, format=self._format(text), errors="coerce")
         except (ValueError, TypeError) as e:  # e.g. mixed time zones
             self._issue("ts_mixed", name, lines[:1], [str(e)[:120]])
             return np.zeros(len(text), dtype=np.int64)
@@ -635,7 +640,8 @@ def _resolve_columns(header: list[str], wanted: Mapping[str, str | None], symbol
     if symbol_column is not None and symbol_column not in header:
         close = difflib.get_close_matches(symbol_column, header, n=1, cutoff=0.6)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        problems.append(f"{source}: symbol column '{symbol_column}' (data.symbol_column) not found{hint}")
+        problems.append(f"{source}: symbol column '{symbol_column}' (data.symbol_column) not found{hint}; columns: "
+                        f"{header[:12]}{' ...' if len(header) > 12 else ''}")
     if problems:
         raise SourceProblems(problems)
     if columns["volume"] is None and columns["amount"] is not None:

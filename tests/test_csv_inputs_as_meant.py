@@ -55,3 +55,26 @@ def test_folder_entries_that_are_not_readable_files_are_named(tmp_path):
     os.mkfifo(folder / "pipe.csv")
     with pytest.raises(StoreError, match=r"not readable regular files .*\['gone.csv', 'pipe.csv'\]"):
         prepare_data(data_cfg(folder), tmp_path / "store")
+
+
+def test_a_missing_symbol_column_lists_the_columns_and_the_close_match(tmp_path):
+    path = tmp_path / "m.csv"
+    candles(60, ticker="AAA").to_csv(path, index=False)
+    with pytest.raises(ValueError, match=r"symbol column 'tickers' \(data.symbol_column\) not found; did you mean "
+                                         r"'ticker'\?; columns: \['timestamps', 'open', .*'ticker'\]"):
+        prepare_data(data_cfg(path, symbol_column="tickers"), tmp_path / "store")
+
+
+def test_predict_df_on_several_series_without_an_id_names_the_column_to_pass(tiny_pair, recwarn):
+    from model import KronosPredictor
+    from model.errors import DataError
+
+    frame = pd.concat([candles(40, symbol="A"), candles(40, symbol="B")])
+    frame["timestamps"] = frame["timestamps"].astype(str).str.replace(" ", "T") + "Z?"  # unreadable text stamps
+    predictor = KronosPredictor(tiny_pair[1], tiny_pair[0], device="cpu", max_context=64)
+    with pytest.raises(DataError, match=r"not datetimes"):
+        predictor.predict_df(frame, prediction_length=2, top_k=1)
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]  # no pandas warning before the error
+    with pytest.raises(DataError, match=r"strictly increasing.*id_column='symbol'"):
+        predictor.predict_df(candles(40, symbol="A").pipe(lambda f: pd.concat([f, f.assign(symbol="B")])),
+                             prediction_length=2, top_k=1)
