@@ -179,5 +179,5 @@ class TradingCalendar:
             on = stamps.day_of_week == d
             i = np.searchsorted(times, tod[on], side="right") - 1  # the learned bar starting last before it
             ok[on] = (i >= 0) & (tod[on] < times[np.maximum(i, 0)] + self.step.value)
-        closed = np.array([d in self.holidays for d in date]) if self.holidays is not None else False
+        closed = np.array([d in self.holidays for d in date], bool) if self.holidays is not None else np.zeros_like(ok)
         return ok & (date.isin(self.dates) if self.dates is not None else True) & ~closed
