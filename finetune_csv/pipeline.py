@@ -141,23 +141,21 @@ def calibrate(best: Path, windows: HeldOutWindows, sampling: Any, window: Window
                          sampling.batch_size)  # (W, S, P, 6) raw samples
     ok = (paths[..., CLOSE] > 0).all(axis=(1, 2))  # (W,) the data's own prices are positive (the candle rules)
     excluded = dict(Counter(n for n, good in zip(windows.names, ok) if not good))
-    info = forecaster.read_predictor_info(best)
+    info = {k: v for k, v in forecaster.read_predictor_info(best).items() if k not in (FAILED_KEY, "calibration")}
+    write_json(best / forecaster.PREDICTOR_INFO_NAME, info)  # an earlier verdict or calibration no longer holds
     if not ok.any():
         failed = {"reason": f"every validation window has sampled closes <= 0 ({len(windows)} windows)",
                   "series": sorted(excluded), "advice": "forecast.calibrate: false forecasts with the raw bands; "
                   "a series whose sampled paths cross zero is priced near zero next to its moves: check its prices"}
         log.warning("no calibration of the bands: %s, in series %s; %s", failed["reason"],
                     ", ".join(failed["series"][:5]), failed["advice"])
-        kept = {k: v for k, v in info.items() if k != "calibration"}  # one of other weights would be stale
-        write_json(best / forecaster.PREDICTOR_INFO_NAME, {**kept, FAILED_KEY: failed})
+        write_json(best / forecaster.PREDICTOR_INFO_NAME, {**info, FAILED_KEY: failed})
         return None
     if excluded:
         log.warning("calibration: %d of %d validation windows left out, their sampled closes reach <= 0 (series: "
                     "%s)", int((~ok).sum()), len(windows), ", ".join(f"{k} ({v})" for k, v in excluded.items()))
     calibration = forecaster.fit_calibration(paths[ok][..., CLOSE], windows.actual[ok][..., CLOSE],
                                              windows.context[ok][:, -1, CLOSE])
-    if FAILED_KEY in info:  # an earlier run's verdict no longer holds
-        write_json(best / forecaster.PREDICTOR_INFO_NAME, {k: v for k, v in info.items() if k != FAILED_KEY})
     forecaster.write_calibration(best, {**calibration, **({"excluded": excluded} if excluded else {})})
     log.info("calibration of the bands fitted on %d validation windows -> %s", int(ok.sum()),
              best / forecaster.PREDICTOR_INFO_NAME)

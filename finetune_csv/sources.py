@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 from finetune.utils.store import StoreError, file_fingerprint
 from finetune_csv.timestamps import OFFSET_RE, SHOWN, CandleDataError, parse_timestamps
 from model.features import (
+    CANDLE_COLUMNS,
     COLUMN_ALIASES,
     FEATURES,
     FLOAT32_RULE,
@@ -142,24 +143,21 @@ def list_sources(sources: Sources) -> list[Path | Frame]:
 
 
 def read_table(path: Path, label: str) -> pa.Table:
-    """A Feather file, or a JSON file of records or of an exchange's candle arrays ([[ms, open, high, low, close,
-    volume, ...], ...]: the first six fields, named so; prices may be text), as Arrow; SourceProblems otherwise."""
+    """A Feather file, or a JSON file of an exchange's candle arrays ([[ms, open, high, low, close, volume, ...], ...]:
+    the first six fields, prices as numbers or text), as Arrow; SourceProblems otherwise."""
     try:
         if path.suffix.lower() != ".json":
             return feather.read_table(path)
         rows = json.loads(path.read_text(encoding="utf-8"))
-        if isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows):
-            return pa.Table.from_pylist(rows)
         if not (isinstance(rows, list) and rows and all(isinstance(r, list) and len(r) >= 6 for r in rows)):
-            raise ValueError("expected a non-empty array of records or of [time, open, high, low, close, volume, ...]")
-        return pa.table({n: _arrow_column(list(c)) for n, c in
-                         zip(("timestamps", "open", "high", "low", "close", "volume"), zip(*(r[:6] for r in rows)))})
+            raise ValueError("expected a non-empty array of [time, open, high, low, close, volume, ...] arrays")
+        return pa.table({n: _arrow_column(list(c)) for n, c in zip(CANDLE_COLUMNS[:6], zip(*(r[:6] for r in rows)))})
     except (pa.ArrowException, ValueError, OSError, TypeError) as e:
         raise SourceProblems([f"{label}: not a readable {path.suffix} table of candles ({e})"]) from None
 
 
 def _arrow_column(values: list) -> pa.Array:
-    """JSON values as one Arrow column: numbers as numbers, else every value as text (parsed like a CSV cell)."""
+    """JSON values as one Arrow column: numbers as numbers, else all as text (read like a CSV's cells)."""
     try:
         return pa.array(values)
     except (pa.ArrowInvalid, pa.ArrowTypeError):
@@ -727,23 +725,14 @@ class Float32RangeError(CandleDataError):
 
 
 def check_float32_range(array: Any, columns: Sequence[str], source: str, first_row: int = 1) -> None:
-    """Raise `Float32RangeError` at the first value (row-major) of `array (N, C)` or `(N,)` that float32 does not keep:
-    inf, beyond +-3.4e38, or nonzero below 1.2e-38 (NaN is the missing-value policy's); `first_row` is the file line
-    of row 0."""
-    a = np.asarray(array)
-    if a.ndim == 1:
-        a = a.reshape(-1, 1)  # (N, 1)
-    if a.dtype.kind in "iub" or a.size == 0:
-        return  # integers up to int64/uint64 are far below 3.4e38
-    a = a.astype(np.float64, copy=False)
-    bad = float32_lost(a) | np.isinf(a)  # (N, C) bool
-    if not bad.any():
-        return
-    row = int(np.argmax(bad.any(axis=1)))
-    col = int(np.argmax(bad[row]))
-    total = int(bad.sum())
-    more = f" ({total} such values in this file)" if total > 1 else ""
-    name = columns[col] if col < len(columns) else f"#{col}"
-    raise Float32RangeError(
-        f"{source} line {first_row + row}, column '{name}': value {a[row, col]:.6g} is a value {FLOAT32_RULE}{more}; "
-        "correct or remove it in the file, or rescale that column (e.g. quote the prices in a smaller unit)")
+    """Raise `Float32RangeError` at the first value (row-major) of `array (N, C)` or `(N,)` that float32 does not keep
+    (`float32_lost`) or that is infinite (NaN is the missing-value policy's); `first_row` is the file line of row 0."""
+    a = np.asarray(array, dtype=np.float64).reshape(len(array), -1)  # (N, C)
+    bad = float32_lost(a) | np.isinf(a)
+    if bad.any():
+        row, col = np.argwhere(bad)[0]
+        more = f" ({int(bad.sum())} such values in this file)" if bad.sum() > 1 else ""
+        raise Float32RangeError(
+            f"{source} line {first_row + row}, column '{columns[col]}': value {a[row, col]:.6g} is a value "
+            f"{FLOAT32_RULE}{more}; correct or remove it in the file, or rescale that column (e.g. quote the prices "
+            "in a smaller unit)")

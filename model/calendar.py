@@ -40,10 +40,10 @@ def holiday_calendar(name: str):
         import holidays  # the `calendars` extra: only a forecast that names a holiday calendar needs it
     except ModuleNotFoundError:
         raise MissingExtraError.for_module("holidays", f"the holiday calendar {name!r}") from None
-    if name in holidays.list_supported_financial():
-        return holidays.financial_holidays(name)
-    if name in holidays.list_supported_countries():
-        return holidays.country_holidays(name)
+    for listed, make in ((holidays.list_supported_financial(), holidays.financial_holidays),
+                         (holidays.list_supported_countries(), holidays.country_holidays)):
+        if name in listed:
+            return make(name)
     raise DataError(f"holidays={name!r} is neither a market of holidays.list_supported_financial() (e.g. 'NYSE', "
                     "'XNYS') nor a country of holidays.list_supported_countries() (e.g. 'US', 'GB')")
 

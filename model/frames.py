@@ -1,9 +1,6 @@
-"""A user's long frame of candles read as series (`read_frame`, what `KronosPredictor.predict_df` forecasts), and the
-one reading of a timestamp cell every door shares (`read_stamps`; the CSV pipeline's `epoch_unit` too).
-
-Integer stamps are epoch times: their unit is `unit` when given (predict_df's timestamp_unit=, the CLI's
-data.timestamp_unit), else read from their magnitude (`epoch_unit`: seconds ~1e9, ms ~1e12, us ~1e15, ns ~1e18 for
-the dates 1973-2262); an integer below 1e8 (a date written 20240102, or 1970-1973 in seconds) is not taken for one."""
+"""A user's long frame of candles read as series (`read_frame`: what `KronosPredictor.predict_df` forecasts), and
+the reading of timestamp cells both doors share: integers are epoch times in the unit given (predict_df's
+timestamp_unit=, data.timestamp_unit), else in the one their magnitude implies (`epoch_unit`)."""
 from __future__ import annotations
 
 import warnings
@@ -35,7 +32,7 @@ ID_HINTS = ("symbol", "ticker", "code", "instrument", "asset", "pair", "name", "
 
 def epoch_unit(values: np.ndarray, unit: str | None = None, where: str = "timestamps") -> str | None:
     """The epoch unit of integer stamps `values (N,)`: `unit` checked, else the one their median magnitude implies
-    (a factor 1000 apart each), else None when they are too small to be epoch times (EPOCH_MIN)."""
+    (1973-2262 is ~1e9 in s, 1e12 ms, 1e15 us, 1e18 ns), else None below EPOCH_MIN (a date such as 20240102)."""
     if unit is not None:
         if unit not in EPOCH_UNITS:
             raise DataError(f"{where}: timestamp unit {unit!r} must be one of {list(EPOCH_UNITS)}")
@@ -50,15 +47,12 @@ def read_stamps(values: Any, where: str, unit: str | None = None) -> pd.Datetime
     s = values if isinstance(values, pd.DatetimeIndex) else pd.Series(values)
     if not pd.api.types.is_datetime64_any_dtype(s):
         ints = pd.api.types.is_integer_dtype(s) or (pd.api.types.is_float_dtype(s) and np.all(np.mod(s, 1) == 0))
+        unit = epoch_unit(np.asarray(s), unit, where) if ints else None
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
-                if ints and (u := epoch_unit(np.asarray(s), unit, where)) is not None:
-                    s = pd.to_datetime(np.asarray(s, dtype=np.int64), unit=u)
-                elif ints:
-                    s = pd.to_datetime(pd.Series(s).astype(str), format="%Y%m%d")
-                else:
-                    s = pd.to_datetime(s)
+                s = (pd.to_datetime(np.asarray(s, dtype=np.int64), unit=unit) if unit else
+                     pd.to_datetime(s.astype(str), format="%Y%m%d") if ints else pd.to_datetime(s))
         except (ValueError, TypeError, OverflowError) as e:
             raise ColumnError(f"{where} holds values that are not datetimes ({e}); convert them with "
                               "pd.to_datetime(..., format=...), or give the epoch unit (timestamp_unit=)") from None
@@ -76,7 +70,7 @@ class FrameSeries:
     id_column: str | None
     ts_name: str
 
-    def name(self, sid: Any) -> str:
+    def name(self, sid: Any) -> str:  # what messages call a series
         return f"series {sid!r}" if self.id_column else "df"
 
     def frame(self, rows: np.ndarray) -> pd.DataFrame:

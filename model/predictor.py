@@ -368,13 +368,12 @@ class KronosPredictor:
         model, tokenizer, info = load_trained_pair(folder_or_id, tokenizer, **hub_kwargs)
         run = Path(folder_or_id) / "run_info.json"  # a finetuned run's best_model/ records the settings it ran with
         wanted = run.is_file() and (read_json_object(run).get("config") or {}).get("forecast", {}).get("calibrate")
-        failed = info.get(CALIBRATION_FAILED)
+        failed = info.get(CALIBRATION_FAILED) or {"reason": "its run stopped before calibrating", "series": [],
+                                                  "advice": "run `kronos finetune` again with its config"}
         if wanted is True and not info.get("calibration"):
-            log.warning("%s was trained with forecast.calibrate: true but holds no calibration (%s): its bands are "
-                        "the raw samples', too narrow; %s", folder_or_id,
-                        *((f"{failed['reason']}, in series {failed['series'][:5]}", failed["advice"]) if failed else
-                          ("its run stopped before calibrating", "run `kronos finetune` again with its config to "
-                           "calibrate it")))
+            log.warning("%s was trained with forecast.calibrate: true but holds no calibration (%s %s): its bands are "
+                        "the raw samples', too narrow; %s", folder_or_id, failed["reason"], failed["series"][:5],
+                        failed["advice"])
         return cls.from_models(model, tokenizer, info, device=device, max_context=max_context, lookback=lookback,
                                clip=clip, use_cache=use_cache)
 
