@@ -355,8 +355,9 @@ def test_values_float32_does_not_keep_name_file_column_and_line(tmp_path, suffix
     frame.to_csv(path, index=False) if suffix == ".csv" else frame.to_parquet(path, index=False)
     where = "line 9" if suffix == ".csv" else "row 8"
     with pytest.raises(ValueError, match=rf"a{suffix} {where}, column '{column}': value {value:.6g} is a value "
-                                         "float32 cannot hold".replace("+", "\\+")):
+                                         "float32 cannot hold".replace("+", "\\+")) as err:
         prepare(data_cfg(path), tmp_path)
+    assert err.value.exit_code == 3  # the CLI's exit code for bad data
     if suffix == ".csv":
         with pytest.raises(ValueError, match=rf"a.csv line 9, column '{column}'"):
             load_series(data_cfg(path))
