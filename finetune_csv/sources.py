@@ -454,7 +454,8 @@ class SourceReader:
             self._issue("ts_range", name, lines[:1])
             return np.zeros(len(col), dtype=np.int64)
         text = pc.utf8_trim_whitespace(col) if pa.types.is_string(t) or pa.types.is_large_string(t) else None
-        if pa.types.is_integer(t) or (text is not None and self.timestamp_format is None
+        if pa.types.is_integer(t) or (text is not None and self.timestamp_format is None and len(text)  # digits only:
+                                      and str(text[0]).lstrip("-").isdigit()  # the first, then all (cheap on ISO)
                                       and pc.all(pc.match_substring_regex(text, r"^-?\d+$")).as_py()):
             ints = pc.cast(col if text is None else text, pa.int64()).to_numpy(zero_copy_only=False)  # (n,)
             unit = epoch_unit(ints, self.timestamp_unit, f"{self.label}: data.timestamp_unit")
