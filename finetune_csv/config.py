@@ -76,6 +76,9 @@ class DataConfig(WindowSettings):
     adjusts only its 'Adj Close' for splits and dividends); none: the prices as they are."""
     timestamp_format: str | None = None
     """strftime format of the timestamps (e.g. '%Y/%m/%d %H:%M'); null = let pandas infer it."""
+    timestamp_unit: Literal["s", "ms", "us", "ns"] | None = None
+    """Unit of integer (epoch, UTC) timestamps such as an exchange's 1714521600000; null = read from their magnitude
+    (1e9 s, 1e12 ms, 1e15 us, 1e18 ns); integers below 1e8 are dates such as 20240102."""
     lookback: int = 512
     """Context candles per window (the tokenizer/predictor input)."""
     predict: int = 48
@@ -161,6 +164,10 @@ class ForecastConfig(SamplingConfig):
     calendar: str | None = None
     """Trading days of --future forecasts: null = each series' trading calendar learned from its history
     (model.calendar); a CSV file whose first column lists the trading dates (e.g. the exchange's sessions)."""
+    holidays: str | None = None
+    """Holidays skipped by --future forecasts: a market of the `holidays` package (NYSE, XNYS, ...) or a country
+    (US, GB, ...); needs the `calendars` extra. null = none: business-day forecasts say once that holidays are not
+    skipped."""
     batch_size: int = 32
     """Windows per generation call (x sample_count sequences in memory at once)."""
 

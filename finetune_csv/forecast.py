@@ -428,8 +428,8 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: tup
     # One window per series: its last `lookback` bars, no known bar after them; the forecast bars' times come next.
     last = held_out_windows(PanelSegments(panel, ends - lookback, ends - lookback, ends), Window(lookback, 0), 1)
     when = lambda s: pd.DatetimeIndex(np.asarray(panel.datetimes[panel.rows(s)]).astype("datetime64[ns]"))
-    last.y_timestamps = [TradingCalendar.learn(when(s), trading_dates, f"series {name!r}").after(
-        when(s)[-1], predict, name=f"series {name!r}") for s, name in enumerate(last.names)]
+    last.y_timestamps = [TradingCalendar.learn(when(s), trading_dates, f"series {name!r}", cfg.forecast.holidays)
+                         .after(when(s)[-1], predict, name=f"series {name!r}") for s, name in enumerate(last.names)]
     names, past_ts, context, future_ts = last.names, last.x_timestamps, last.context, last.y_timestamps
     paths = sample_paths(finetuned, context, *last.stamps(), predict, cfg.forecast,
                          cfg.forecast.batch_size)  # (N, S, P, 6)

@@ -58,6 +58,7 @@ class StoreSettings:
     columns: Mapping[str, str | None] = field(default_factory=_default_columns)
     symbol_column: str | None = None
     timestamp_format: str | None = None
+    timestamp_unit: str | None = None
     adjust: str = "none"
     nan_policy: str = "error"
     timezone: str | None = None
@@ -298,7 +299,8 @@ def _build(sources: list[tuple[Path | csv_sources.Frame, Path | csv_sources.Fram
             try:
                 reader = csv_sources.SourceReader(source, settings.as_dict()["columns"], settings.symbol_column,
                                                   settings.timestamp_format, block_rows, timezone=settings.timezone,
-                                                  adjust=settings.adjust, shown_as=original)
+                                                  adjust=settings.adjust, shown_as=original,
+                                                  timestamp_unit=settings.timestamp_unit)
                 for name, ts, values, lines in csv_sources.file_series(reader, writer.path, block_rows):
                     where = reader.label if name == reader.name else f"{reader.label} (series {name})"
                     bad, notes = candle_problems(values, lines, reader.columns, where, reader.unit, settings,

@@ -13,6 +13,8 @@ import difflib
 import hashlib
 import json
 import logging
+import os
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,20 +25,25 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
+import pyarrow.feather as feather
 import pyarrow.parquet as pq
 
 from finetune.utils.errors import StoreError
 from finetune.utils.store import file_fingerprint
 from finetune_csv.timestamps import OFFSET_RE, SHOWN, CandleDataError, parse_timestamps
 from model.features import (
+    CANDLE_COLUMNS,
     COLUMN_ALIASES,
     FEATURES,
+    FLOAT32_RULE,
     ColumnError,
     adj_close_column,
     adjust_prices,
+    float32_lost,
     resolve_columns,
     timestamp_parts,
 )
+from model.frames import epoch_unit
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # 3.4028235e+38
 
@@ -45,6 +52,8 @@ log = logging.getLogger(__name__)
 MISSING_SPELLINGS = ("", "nan", "NaN", "NA", "N/A", "null", "None")
 CSV_SUFFIXES = (".csv",)
 PARQUET_SUFFIXES = (".parquet", ".pq")
+TABLE_SUFFIXES = (".feather", ".arrow", ".json")  # read whole into Arrow: Feather, exchange JSON [[ms, o, h, l, c, v]]
+SUFFIXES = CSV_SUFFIXES + PARQUET_SUFFIXES + TABLE_SUFFIXES
 _MISSING = pa.array(MISSING_SPELLINGS, pa.string())
 
 
@@ -89,8 +98,9 @@ Sources = str | Path | Sequence[str | Path] | Mapping[str, pd.DataFrame]
 
 
 def list_sources(sources: Sources) -> list[Path | Frame]:
-    """Input files: a .csv/.parquet file, a folder (its .csv/.parquet/.pq files, sorted by name), or a list of them;
-    or {name: DataFrame} from Python (one Frame each, in the mapping's order)."""
+    """Input files: a file of SUFFIXES, a folder (its files of SUFFIXES, sorted by name; an entry that is not a
+    readable regular file, e.g. a dangling link or a FIFO, is an error naming it), or a list of them; or
+    {name: DataFrame} from Python (one Frame each, in the mapping's order)."""
     if isinstance(sources, Mapping):
         bad = [str(k) for k, v in sources.items() if not isinstance(v, pd.DataFrame)]
         if not sources or bad:
@@ -98,7 +108,7 @@ def list_sources(sources: Sources) -> list[Path | Frame]:
         return [Frame(str(k), v) for k, v in sources.items()]
     if isinstance(sources, (str, Path)):
         sources = [sources]
-    suffixes = CSV_SUFFIXES + PARQUET_SUFFIXES
+    suffixes, kinds = SUFFIXES, "a .csv, .parquet, .feather or .json"
     out: list[Path] = []
     for src in sources:
         if isinstance(src, Frame):  # already listed (prepare_store called by ensure_store)
@@ -107,24 +117,52 @@ def list_sources(sources: Sources) -> list[Path | Frame]:
         p = Path(src)
         if p.is_file():
             if p.suffix.lower() not in suffixes:
-                raise StoreError(f"data.path: {p} is not a .csv or .parquet file")
+                raise StoreError(f"data.path: {p} is not {kinds} file")
             out.append(p)
         elif p.is_dir():
+            odd = sorted(f.name for f in p.iterdir() if not f.name.startswith(".") and not f.is_dir()
+                         and not (f.is_file() and os.access(f, os.R_OK)))
+            if odd:
+                raise StoreError(f"data.path: {p} holds entries that are not readable regular files (a dangling "
+                                 f"link, a FIFO, no read permission): {odd[:5]}; remove or fix them")
             files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in suffixes)
             others = sorted(f.name for f in p.iterdir() if f.is_file() and f.suffix.lower() not in suffixes
                             and not f.name.startswith("."))
             if others:
-                log.info("ignoring %d file(s) in %s that are not .csv/.parquet: %s", len(others), p,
+                log.info("ignoring %d file(s) in %s that are not %s files: %s", len(others), p, suffixes,
                          ", ".join(others[:5]) + (" ..." if len(others) > 5 else ""))
             if not files:
-                raise StoreError(f"data.path: the folder {p} holds no .csv or .parquet file")
+                raise StoreError(f"data.path: the folder {p} holds no {kinds.removeprefix('a ')} file")
             out.extend(files)
         else:
-            raise StoreError(f"data.path: {p} does not exist (give a file or a folder of CSV/Parquet files)")
+            raise StoreError(f"data.path: {p} does not exist or is not a regular file (give a file or a folder of "
+                             "CSV/Parquet/Feather/JSON files)")
     names = [f.name for f in out]
     if len(set(names)) != len(names):
         raise StoreError(f"data.path: two input files share a name (series are named by file): {sorted(names)}")
     return out
+
+
+def read_table(path: Path, label: str) -> pa.Table:
+    """A Feather file, or a JSON file of an exchange's candle arrays ([[ms, open, high, low, close, volume, ...], ...]:
+    the first six fields, prices as numbers or text), as Arrow; SourceProblems otherwise."""
+    try:
+        if path.suffix.lower() != ".json":
+            return feather.read_table(path)
+        rows = json.loads(path.read_text(encoding="utf-8"))
+        if not (isinstance(rows, list) and rows and all(isinstance(r, list) and len(r) >= 6 for r in rows)):
+            raise ValueError("expected a non-empty array of [time, open, high, low, close, volume, ...] arrays")
+        return pa.table({n: _arrow_column(list(c)) for n, c in zip(CANDLE_COLUMNS[:6], zip(*(r[:6] for r in rows)))})
+    except (pa.ArrowException, ValueError, OSError, TypeError) as e:
+        raise SourceProblems([f"{label}: not a readable {path.suffix} table of candles ({e})"]) from None
+
+
+def _arrow_column(values: list) -> pa.Array:
+    """JSON values as one Arrow column: numbers as numbers, else all as text (read like a CSV's cells)."""
+    try:
+        return pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return pa.array([None if v is None else str(v) for v in values])
 
 
 def source_fingerprint(source: Path | Frame, with_hash: bool = True) -> dict[str, Any]:
@@ -168,8 +206,10 @@ class SourceReader:
 
     def __init__(self, path: str | Path | Frame, columns: Mapping[str, str | None], symbol_column: str | None = None,
                  timestamp_format: str | None = None, block_rows: int = 1 << 20, timezone: str | None = None,
-                 adjust: str = "none", shown_as: str | Path | Frame | None = None):
+                 adjust: str = "none", shown_as: str | Path | Frame | None = None, timestamp_unit: str | None = None):
         self._table = path.table() if isinstance(path, Frame) else None  # a DataFrame from Python, as Arrow
+        if not isinstance(path, Frame) and Path(path).suffix.lower() in TABLE_SUFFIXES:
+            self._table = read_table(Path(path), str(shown_as or path))
         self.path = None if isinstance(path, Frame) else Path(path)
         self.name = path.name if isinstance(path, Frame) else self.path.name  # series name; symbols append to it
         # What every message and log line calls it: `frame 'AAPL'`, or the file: `shown_as` when `path` is the
@@ -177,6 +217,7 @@ class SourceReader:
         self.label = f"frame '{path.name}'" if isinstance(path, Frame) else str(shown_as or self.path)
         self.symbol_column = symbol_column
         self.timestamp_format = timestamp_format
+        self.timestamp_unit = timestamp_unit  # data.timestamp_unit: integers are epoch times in it (None: magnitude)
         self.timezone = timezone
         self.tz_aware: bool | None = None  # whether the stamps carry a UTC offset (known after the first block)
         self._messages: list[str] = []  # whole-message problems (candle checks), beside the per-cell issues
@@ -256,7 +297,9 @@ class SourceReader:
             return columns
         first = self._first_value(header[0])
         try:
-            ok = first is not None and not pd.isna(pd.to_datetime(first, format=self.timestamp_format))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                ok = first is not None and not pd.isna(pd.to_datetime(first, format=self.timestamp_format))
         except (ValueError, TypeError, OverflowError):
             ok = False
         if ok:
@@ -411,10 +454,18 @@ class SourceReader:
         except pa.ArrowInvalid:
             self._issue("ts_range", name, lines[:1])
             return np.zeros(len(col), dtype=np.int64)
-        if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
+        text = pc.utf8_trim_whitespace(col) if pa.types.is_string(t) or pa.types.is_large_string(t) else None
+        if pa.types.is_integer(t) or (text is not None and self.timestamp_format is None and len(text)  # digits only:
+                                      and str(text[0]).lstrip("-").isdigit()  # the first, then all (cheap on ISO)
+                                      and pc.all(pc.match_substring_regex(text, r"^-?\d+$")).as_py()):
+            ints = pc.cast(col if text is None else text, pa.int64()).to_numpy(zero_copy_only=False)  # (n,)
+            unit = epoch_unit(ints, self.timestamp_unit, f"{self.label}: data.timestamp_unit")
+            if unit is not None:
+                return self._epoch_ns(ints, unit, lines, name)
+            text = pc.cast(col, pa.string()) if text is None else text  # e.g. 20240102: a date, read as text
+        if text is None:
             self._issue("ts_type", name, lines[:1], [str(t)])
             return np.zeros(len(col), dtype=np.int64)
-        text = pc.utf8_trim_whitespace(col)
         if self.timestamp_format is None:
             try:
                 ns = self._iso_ns(text, lines, name)
@@ -441,6 +492,20 @@ class SourceReader:
             self._issue("ts_range", name, lines[outside], [repr(v.as_py()) for v in text.filter(outside)[:3]])
             us = pc.if_else(pa.array(outside), pa.scalar(0, us.type), us)
         return self._ns(pc.cast(us, pa.timestamp("ns")), lines, name)
+
+    def _epoch_ns(self, ints: np.ndarray, unit: str, lines: np.ndarray, name: str) -> np.ndarray:
+        """Epoch integers (UTC instants) -> naive wall-clock ns in data.timezone (else UTC); a file of them counts as
+        one whose stamps carry an offset."""
+        try:
+            utc = pd.to_datetime(ints, unit=unit, utc=True).as_unit("ns")
+        except (OverflowError, pd.errors.OutOfBoundsDatetime, ValueError):
+            self._issue("ts_range", name, lines[:1], [f"{ints[0]} ({unit}; data.timestamp_unit)"])
+            return np.zeros(len(ints), dtype=np.int64)
+        if self.tz_aware is None:
+            log.info("%s: integer timestamps read as epoch %s (UTC; data.timestamp_unit sets the unit)", self.label,
+                     unit)
+        self._note_aware(True, lines)
+        return (utc.tz_convert(self.timezone) if self.timezone else utc).tz_localize(None).asi8.copy()
 
     def _note_aware(self, aware: bool, lines: np.ndarray) -> None:
         """Record whether the stamps carry an offset; a file switching between blocks is a problem."""
@@ -479,7 +544,9 @@ class SourceReader:
     def _timestamps_pandas(self, text: np.ndarray, lines: np.ndarray, name: str) -> np.ndarray:
         s = pd.Series(text, dtype=object)
         try:
-            ts = pd.to_datetime(s, format=self._format(text), errors="coerce")
+            with warnings.catch_warnings():  # "could not infer format": the problem recorded below says more
+                warnings.simplefilter("ignore", UserWarning)
+                ts = pd.to_datetime(s, format=self._format(text), errors="coerce")
         except (ValueError, TypeError) as e:  # e.g. mixed time zones
             self._issue("ts_mixed", name, lines[:1], [str(e)[:120]])
             return np.zeros(len(text), dtype=np.int64)
@@ -521,7 +588,7 @@ _ISSUE_TEXT = {
     "inf": "{file}: column '{column}' (data.columns.{field}) has {n} infinite value(s) at {where}",
     "numeric_type": "{file}: column '{column}' (data.columns.{field}) holds {examples}, not numbers",
     "ts_bad": "{file}: column '{column}' (data.columns.timestamps) has {n} unparseable timestamp(s) at {where}, e.g. "
-              "{examples} (format {fmt}; set data.timestamp_format)",
+              "{examples} (format {fmt}; set data.timestamp_format, or data.timestamp_unit for epoch integers)",
     "ts_type": "{file}: column '{column}' (data.columns.timestamps) holds {examples}, not timestamps or text; "
                "store the column as timestamps or strings",
     "ts_range": "{file}: column '{column}' (data.columns.timestamps) has {n} time(s) outside 1677-2262, which "
@@ -573,7 +640,8 @@ def _resolve_columns(header: list[str], wanted: Mapping[str, str | None], symbol
     if symbol_column is not None and symbol_column not in header:
         close = difflib.get_close_matches(symbol_column, header, n=1, cutoff=0.6)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        problems.append(f"{source}: symbol column '{symbol_column}' (data.symbol_column) not found{hint}")
+        problems.append(f"{source}: symbol column '{symbol_column}' (data.symbol_column) not found{hint}; columns: "
+                        f"{header[:12]}{' ...' if len(header) > 12 else ''}")
     if problems:
         raise SourceProblems(problems)
     if columns["volume"] is None and columns["amount"] is not None:
@@ -655,28 +723,18 @@ def file_series(reader: SourceReader, scratch: Path, block_rows: int) -> Iterato
 
 
 class Float32RangeError(CandleDataError):
-    """A value outside float32's finite range."""
+    """A value float32 does not keep (`model.features.float32_lost`), or an infinite one."""
 
 
 def check_float32_range(array: Any, columns: Sequence[str], source: str, first_row: int = 1) -> None:
-    """Raise `Float32RangeError` at the first value (row-major) of `array (N, C)` or `(N,)` with |x| > float32's max
-    (inf included; NaN not); `first_row` is the file line of row 0."""
-    a = np.asarray(array)
-    if a.ndim == 1:
-        a = a.reshape(-1, 1)  # (N, 1)
-    if a.dtype.kind in "iub" or a.size == 0:
-        return  # integers up to int64/uint64 are far below 3.4e38
-    a = a.astype(np.float64, copy=False)
-    with np.errstate(invalid="ignore"):
-        bad = np.abs(a) > FLOAT32_MAX  # (N, C) bool; NaN compares False
-    if not bad.any():
-        return
-    row = int(np.argmax(bad.any(axis=1)))
-    col = int(np.argmax(bad[row]))
-    total = int(bad.sum())
-    more = f" ({total} such values in this file)" if total > 1 else ""
-    name = columns[col] if col < len(columns) else f"#{col}"
-    raise Float32RangeError(
-        f"{source} line {first_row + row}, column '{name}': value {a[row, col]:.6g} is outside float32's finite "
-        f"range (+-{FLOAT32_MAX:.7g}){more}; the model computes in float32, so correct or remove it in the file "
-        "(or rescale that column)")
+    """Raise `Float32RangeError` at the first value (row-major) of `array (N, C)` or `(N,)` that float32 does not keep
+    (`float32_lost`) or that is infinite (NaN is the missing-value policy's); `first_row` is the file line of row 0."""
+    a = np.asarray(array, dtype=np.float64).reshape(len(array), -1)  # (N, C)
+    bad = float32_lost(a) | np.isinf(a)
+    if bad.any():
+        row, col = np.argwhere(bad)[0]
+        more = f" ({int(bad.sum())} such values in this file)" if bad.sum() > 1 else ""
+        raise Float32RangeError(
+            f"{source} line {first_row + row}, column '{columns[col]}': value {a[row, col]:.6g} is a value "
+            f"{FLOAT32_RULE}{more}; correct or remove it in the file, or rescale that column (e.g. quote the prices "
+            "in a smaller unit)")

@@ -9,8 +9,11 @@ history is read in its own zone, never converted; the stamps it makes carry that
   it continues at its bar spacing.
 - daily bars: the weekdays that trade (business days for a stock, every day for crypto), at the last bar's time.
 - longer bars (weekly, monthly): the pandas frequency of the last bars, else their median spacing.
-`dates` (trading dates, e.g. a holiday calendar) restricts the days. `after(last, n, freq)` stamps n bars; with a
-pandas `freq` the bars are at that frequency, keeping those that start inside a learned bar of their weekday."""
+`dates` (trading dates) restricts the days; `holidays` names a holiday calendar of the `holidays` package (the
+`calendars` extra) whose days are skipped: a market such as 'NYSE' or 'XNYS' (`holidays.list_supported_financial()`)
+or a country such as 'US'. Business-day bars forecast with neither warn once (`HolidaysNotSkipped`) that holidays
+are forecast as trading days. `after(last, n, freq)` stamps n bars; with a pandas `freq` the bars are at that
+frequency, keeping those that start inside a learned bar of their weekday."""
 from __future__ import annotations
 
 import warnings
@@ -19,11 +22,30 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from model.errors import DataError
+from model.errors import DataError, MissingExtraError
 from model.features import to_datetime_index
 
 RECENT_WEEKS = 8  # the history that defines the calendar (a market changes its hours; DST moves UTC sessions)
 DAY, WEEK = pd.Timedelta(days=1), pd.Timedelta(days=7)
+
+
+class HolidaysNotSkipped(UserWarning):
+    """Business-day forecasts made without a holiday calendar: a holiday is stamped as a trading day."""
+
+
+def holiday_calendar(name: str):
+    """The `holidays` package's calendar `name` (a market, else a country): a date-keyed mapping that fills its
+    years as they are asked for. MissingExtraError naming the extra when the package is absent."""
+    try:
+        import holidays  # the `calendars` extra: only a forecast that names a holiday calendar needs it
+    except ModuleNotFoundError:
+        raise MissingExtraError.for_module("holidays", f"the holiday calendar {name!r}") from None
+    for listed, make in ((holidays.list_supported_financial(), holidays.financial_holidays),
+                         (holidays.list_supported_countries(), holidays.country_holidays)):
+        if name in listed:
+            return make(name)
+    raise DataError(f"holidays={name!r} is neither a market of holidays.list_supported_financial() (e.g. 'NYSE', "
+                    "'XNYS') nor a country of holidays.list_supported_countries() (e.g. 'US', 'GB')")
 
 
 @dataclass(frozen=True)
@@ -36,10 +58,13 @@ class TradingCalendar:
     offset: pd.DateOffset | None = None  # bars longer than a day: their pandas frequency
     dates: pd.DatetimeIndex | None = None  # the trading dates (midnight), None = every date of a trading weekday
     tz: object = None  # the zone of the history's stamps (None = naive)
+    holidays: object = None  # the days it does not trade (`holiday_calendar`), None = none known
 
     @classmethod
-    def learn(cls, history, dates=None, name: str = "the series") -> TradingCalendar:
-        """The calendar of one series from its timestamps (T >= 2, increasing); `dates`: its trading dates."""
+    def learn(cls, history, dates=None, name: str = "the series", holidays: str | None = None) -> TradingCalendar:
+        """The calendar of one series from its timestamps (T >= 2, increasing); `dates`: its trading dates;
+        `holidays`: a `holiday_calendar` name."""
+        closed = None if holidays is None else holiday_calendar(holidays)
         ts = to_datetime_index(history, f"the timestamps of {name}")
         if len(ts) < 2:
             raise DataError(f"{name} has {len(ts)} row(s): too few to learn its trading calendar; pass freq= or "
@@ -54,7 +79,7 @@ class TradingCalendar:
                 warnings.simplefilter("ignore")
                 freq = pd.infer_freq(wall[-5:]) if len(wall) >= 3 else None
             offset = pd.tseries.frequencies.to_offset(freq or step)
-            return cls(step, {}, np.zeros(0, np.int64), offset, days, ts.tz)
+            return cls(step, {}, np.zeros(0, np.int64), offset, days, ts.tz, closed)
         date = recent.normalize()
         tod = (recent - date).asi8  # time of day, ns
         unique = date.unique()
@@ -75,14 +100,19 @@ class TradingCalendar:
             typical = np.array([tod[-1]])
             times = {d: typical for d in traded}
         elif len(unique) < 3:  # no whole day seen: its session is unknown, the bars continue at their spacing
-            return cls(step, {}, np.zeros(0, np.int64), pd.tseries.frequencies.to_offset(step), days, ts.tz)
+            return cls(step, {}, np.zeros(0, np.int64), pd.tseries.frequencies.to_offset(step), days, ts.tz, closed)
         else:
             typical = common(np.ones(len(tod), bool))
             times = {d: (common(date.day_of_week == d) if d in counts else typical) for d in traded}
         if not any(len(t) for t in times.values()):
             raise DataError(f"{name}: no time of day recurs in its bars, so they follow no trading calendar; pass "
                             "freq= or the future timestamps")
-        return cls(step, times, typical, None, days, ts.tz)
+        if step >= DAY / 2 and sorted(times) == list(range(5)) and days is None and closed is None:
+            warnings.warn("daily bars on business days are forecast onto every weekday, holidays included: no holiday "
+                          "calendar is set; name one with holidays='NYSE' (predict_df, TradingCalendar.learn) or "
+                          "forecast.holidays: NYSE (pip install 'kronos-finetune[calendars]'), or list the trading "
+                          "dates (forecast.calendar)", HolidaysNotSkipped, stacklevel=2)
+        return cls(step, times, typical, None, days, ts.tz, closed)
 
     def after(self, last, n: int, freq: str | None = None, name: str = "the series") -> pd.DatetimeIndex:
         """The `n` bar timestamps after `last` (ascending, in the calendar's zone), at `freq` when given."""
@@ -133,6 +163,7 @@ class TradingCalendar:
                 times = self.times.get(day.weekday(), self.typical) if day in self.dates else ()
             else:
                 times = self.times.get(day.weekday(), ())
+            times = () if self.holidays is not None and day in self.holidays else times
             out.extend(t for t in (day + pd.Timedelta(int(x)) for x in times) if t > wall)
             day += DAY
         return out[:n]
@@ -148,4 +179,5 @@ class TradingCalendar:
             on = stamps.day_of_week == d
             i = np.searchsorted(times, tod[on], side="right") - 1  # the learned bar starting last before it
             ok[on] = (i >= 0) & (tod[on] < times[np.maximum(i, 0)] + self.step.value)
-        return ok & (date.isin(self.dates) if self.dates is not None else True)
+        closed = np.array([d in self.holidays for d in date], bool) if self.holidays is not None else np.zeros_like(ok)
+        return ok & (date.isin(self.dates) if self.dates is not None else True) & ~closed

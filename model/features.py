@@ -2,7 +2,9 @@
 
 A candle has FEATURES = open, high, low, close, volume, amount (in that order); its calendar stamp has
 TIME_FEATURES = minute, hour, weekday (Monday=0), day of month, month. Normalisation is a per-feature z-score with
-the population std, `(x - mean) / (std + 1e-5)`, clipped to [-clip, clip]; `denormalize` undoes it."""
+the population std, `(x - mean) / (std + eps)`, clipped to [-clip, clip]; `denormalize` undoes it. eps is the
+original's 1e-5 for a feature whose window mean is >= 1 in magnitude and 1e-5 x |mean| below it (`std_eps`): an
+absolute 1e-5 outweighs the std of a price near 3e-5 and flattened its window (docs/differences_from_original.md)."""
 from __future__ import annotations
 
 import difflib
@@ -17,7 +19,7 @@ FEATURES: tuple[str, ...] = ("open", "high", "low", "close", "volume", "amount")
 PRICE_FEATURES: tuple[str, ...] = FEATURES[:4]
 TIME_FEATURES: tuple[str, ...] = ("minute", "hour", "weekday", "day", "month")
 CLOSE: int = FEATURES.index("close")
-STD_EPS = 1e-5  # added to the std before dividing (a constant series normalises to 0, not NaN)
+STD_EPS = 1e-5  # added to the std before dividing (a constant series normalises to 0, not NaN), see std_eps
 CANDLE_COLUMNS: tuple[str, ...] = ("timestamps", *FEATURES)
 REQUIRED_COLUMNS: tuple[str, ...] = ("timestamps", *PRICE_FEATURES)
 COLUMN_ALIASES: dict[str, tuple[str, ...]] = {"timestamps": ("timestamp", "date", "datetime", "time", "dt",
@@ -142,14 +144,22 @@ def normalize(x: np.ndarray, clip: float, *, axis: int = 0,
     sq = np.einsum("...w,...w->...", moved, moved)
     std = np.expand_dims(np.sqrt(sq / n), axis)
     out = x - mean
-    out /= std + STD_EPS
+    out /= std + std_eps(mean)
     np.clip(out, -clip, clip, out=out)
     return out, mean, std
 
 
+def std_eps(mean: np.ndarray) -> np.ndarray:
+    """The epsilon added to each feature's std, same shape and dtype as `mean`: STD_EPS where |mean| >= 1 (or 0: an
+    all-zero volume), STD_EPS * |mean| below, so that multiplying a series by any power of ten scales its eps with
+    it (a relative 1e-5, far below any market's spread) while prices >= 1 keep the original's exact numbers."""
+    m = np.abs(mean)
+    return STD_EPS * np.where((m > 0) & (m < 1), m, 1).astype(m.dtype, copy=False)
+
+
 def denormalize(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
-    """Inverse of `normalize` (before clipping): `x * (std + 1e-5) + mean`, broadcasting mean/std as returned."""
-    return x * (std + STD_EPS) + mean
+    """Inverse of `normalize` (before clipping): `x * (std + std_eps(mean)) + mean`, mean/std as returned."""
+    return x * (std + std_eps(mean)) + mean
 
 
 def fill_amount(volume: np.ndarray, open_: np.ndarray, high: np.ndarray, low: np.ndarray,
@@ -217,12 +227,26 @@ def candle_faults(values: np.ndarray) -> list[tuple[str, np.ndarray, str]]:
     return [(f, bad, rule) for f, bad, rule in rules if bad.any()]
 
 
+F32 = np.finfo(np.float32)
+FLOAT32_RULE = (f"float32 cannot hold (the model's numbers: beyond +-{F32.max:.4g} they become inf, nonzero below "
+                f"{F32.tiny:.4g} in magnitude 0 or lose their digits)")
+
+
+def float32_lost(x: np.ndarray) -> np.ndarray:
+    """(same shape) bool: the finite values of `x` that the cast to float32 does not keep: beyond its range, or
+    nonzero below its smallest normal number (a price of 1e-46 would be trained on as 0). The one float32 rule of
+    every door, checked on the float64 values before the cast; NaN/inf are each door's own policy."""
+    a = np.abs(np.asarray(x, dtype=np.float64))
+    with np.errstate(invalid="ignore"):
+        return np.isfinite(a) & ((a > F32.max) | ((a > 0) & (a < F32.tiny)))
+
+
 def candle_matrix(df: pd.DataFrame, name: str = "df") -> np.ndarray:
     """DataFrame with open/high/low/close (+ optional volume/amount; any case, the `resolve_columns` aliases) -> float32
     (T, 6) in FEATURES order. Missing `volume` -> volume and amount are 0; missing `amount` -> `fill_amount` (volume
     * mean(OHLC)). Raises DataError naming `name`, the column and the first row (with its index label when the index
-    is not a RangeIndex, e.g. the timestamps) for a missing column, non-numeric data, NaN/inf or a broken
-    `candle_faults` rule."""
+    is not a RangeIndex, e.g. the timestamps) for a missing column, non-numeric data, NaN/inf, a value float32 does
+    not keep (`float32_lost`) or a broken `candle_faults` rule."""
     if not isinstance(df, pd.DataFrame):
         raise DataError(f"{name} must be a pandas DataFrame, got {type(df).__name__}")
     if len(df) == 0:
@@ -242,12 +266,12 @@ def candle_matrix(df: pd.DataFrame, name: str = "df") -> np.ndarray:
         x = df.iloc[:, where]
     x = np.asarray(x[:, where] if isinstance(x, np.ndarray) else x, dtype=np.float64)
     at = lambda r: f"row {r}" + ("" if isinstance(df.index, pd.RangeIndex) else f" ({df.index[r]})")
-    bad = ~(np.abs(x) <= np.finfo(np.float32).max)  # NaN, inf, and what the model's float32 turns into inf
-    if bad.any():
-        rows, cols = np.nonzero(bad)
-        raise DataError(f"{name} has {int(bad.sum())} NaN/inf values, first in column {mapping[present[cols[0]]]!r} "
-                        f"at {at(int(rows[0]))} ({x[rows[0], cols[0]]:.6g}; float32 holds up to +-3.4e38); fill, "
-                        "drop or rescale them before forecasting")
+    for bad, what in ((~np.isfinite(x), "NaN/inf"), (float32_lost(x), FLOAT32_RULE)):
+        if bad.any():
+            rows, cols = np.nonzero(bad)
+            raise DataError(f"{name} has {int(bad.sum())} value(s) {what}, first in column "
+                            f"{mapping[present[cols[0]]]!r} at {at(int(rows[0]))} ({x[rows[0], cols[0]]:.6g}); "
+                            "fill, drop or rescale them before forecasting")
     for f, rows, rule in candle_faults(x):
         r = int(np.flatnonzero(rows)[0])
         raise DataError(f"{name}: column {mapping[f]!r} is {rule} in {int(rows.sum())} candle(s), first at {at(r)}; "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,24 +29,19 @@ from model.calibration import calibration_margins, calibration_shift
 from model.config import Window
 from model.errors import DataError, PathError, TokenizerMismatchError
 from model.features import (
-    ADJUST,
     CLOSE,
     FEATURES,
     PRICE_FEATURES,
-    ColumnError,
-    adj_close_column,
-    adjust_prices,
     candle_matrix,
     check_increasing,
     denormalize,
     normalize,
     quantile_column,
-    resolve_columns,
     time_features,
-    timestamp_parts,
     to_datetime_index,
 )
 from model.fileio import read_json_object
+from model.frames import read_frame
 from model.generation import generate_tokens
 from model.hub import is_hub_id, load_pretrained, resolve_model_dir, weights_fingerprint
 from model.kronos import Kronos
@@ -62,6 +57,8 @@ FORWARD_BUDGET = 1 << 26  # floats of one forward pass of predict_df's default b
 MIN_QUANTILE_SAMPLES = 20  # fewer paths give quantiles that are noise (one path: every quantile is that path)
 MIN_CONTEXT = 2  # rows of context a forecast needs: one row has no spread to normalise by (a flat forecast)
 SHORT_CONTEXT = 16  # fewer rows than this (and than lookback) are forecast with a warning, said once
+CALIBRATION_FAILED = "calibration_failed"  # kronos_predictor.json: why a run could not calibrate, and what to do
+NONPOSITIVE = "nonpositive_samples"  # attrs key of a forecast's count of sampled prices <= 0
 
 
 # ------------------------------------------------------------------------------------- kronos_predictor.json
@@ -257,10 +254,12 @@ class KronosPredictor:
         model, tokenizer, info = load_trained_pair(folder_or_id, tokenizer, **hub_kwargs)
         run = Path(folder_or_id) / "run_info.json"  # a finetuned run's best_model/ records the settings it ran with
         wanted = run.is_file() and (read_json_object(run).get("config") or {}).get("forecast", {}).get("calibrate")
+        failed = info.get(CALIBRATION_FAILED) or {"reason": "its run stopped before calibrating", "series": [],
+                                                  "advice": "run `kronos finetune` again with its config"}
         if wanted is True and not info.get("calibration"):
-            log.warning("%s was trained with forecast.calibrate: true but holds no calibration (its run stopped "
-                        "before calibrating): its bands are the raw samples', too narrow; run `kronos finetune` "
-                        "again with its config to calibrate it", folder_or_id)
+            log.warning("%s was trained with forecast.calibrate: true but holds no calibration (%s %s): its bands are "
+                        "the raw samples', too narrow; %s", folder_or_id, failed["reason"], failed["series"][:5],
+                        failed["advice"])
         return cls.from_models(model, tokenizer, info, device=device, max_context=max_context, lookback=lookback,
                                clip=clip, use_cache=use_cache)
 
@@ -325,6 +324,11 @@ class KronosPredictor:
                 sample_count=sample_count, batch_size=batch_size, verbose=verbose)  # (G, S, P, 6), (G, P, 6)
             for j, i in enumerate(members):
                 results[i] = self._result(prepared[i], samples[j], mean[j], return_samples, quantiles, calibration)
+        frames = [r.mean if isinstance(r, Forecast) else r for r in results]
+        bad = [f"{name}: {n}" for name, f in zip(names, frames) if (n := f.attrs[NONPOSITIVE])]
+        if bad:
+            log.warning("sampled prices <= 0 (of %d per series; kept as drawn, counted in the mean's "
+                        "attrs[%r]): %s", sample_count * pred_len * len(PRICE_FEATURES), NONPOSITIVE, ", ".join(bad))
         return results
 
     def predict_df(self, df: pd.DataFrame, *, prediction_length: int, id_column: str | None = None,
@@ -332,11 +336,14 @@ class KronosPredictor:
                    freq: str | None = None, calendar: TradingCalendar | None = None, future: Any = None,
                    quantiles: Sequence[float] = (), T: float = 1.0, top_k: int | None = 0,
                    top_p: float | None = 0.9, sample_count: int = MIN_QUANTILE_SAMPLES, verbose: bool = False,
-                   calibrated: bool = True, batch_size: int | None = None, adjust: str = "none") -> pd.DataFrame:
+                   calibrated: bool = True, batch_size: int | None = None, adjust: str = "none",
+                   seed: int | None = 0, timestamp_unit: str | None = None,
+                   holidays: str | None = None) -> pd.DataFrame:
         """Forecast every series of a long frame (one row per candle), in the style of Chronos' `predict_df`.
 
-        Columns are found by `model.features.resolve_columns` (timestamps may be a DatetimeIndex); rows are sorted
-        by timestamp within each series; series may differ in length.
+        Columns are found by `model.features.resolve_columns` (timestamps may be a DatetimeIndex; their zone is kept;
+        integers are epoch times in `timestamp_unit` 's'/'ms'/'us'/'ns', None = read from their magnitude:
+        `model.frames.read_stamps`); rows are sorted by timestamp within each series; series may differ in length.
         id_column: None = a column named "id" (any case) when there is one, else the frame is one series.
         timestamp_column, columns: explicit names ({"close": "Close", ...}: canonical -> yours); they win. Separate
             'Date' and 'Time' columns are joined into the timestamp (named 'Date+Time'; or timestamp_column="D+T").
@@ -344,101 +351,54 @@ class KronosPredictor:
             'Adj Close'); "none" takes the prices as they are.
         The forecast's timestamps follow each series' trading calendar (`model.calendar.TradingCalendar`, learned
         from its history on its own wall clock: business days for daily stock bars, the session or 24/5 week of
-        intraday bars), or `calendar` for every series; freq: a pandas frequency instead of the bar spacing,
+        intraday bars; `holidays`: a holiday calendar skipped, e.g. 'NYSE', see `model.calendar.holiday_calendar`),
+        or `calendar` for every series; freq: a pandas frequency instead of the bar spacing,
         keeping the bars that start while the market trades; future: the timestamps themselves, one sequence for
         every series or {id: sequence}, used as they are.
         quantiles: levels in [0, 1] added as `<feature>_q<percent>` columns (close_q10, close_q90).
         sample_count: sample paths (default MIN_QUANTILE_SAMPLES: the mean of one path reads like a point forecast
-            but is one draw); the rest as in `predict`.
+            but is one draw); the rest as in `predict`. T, top_k, top_p, sample_count and seed default to the
+            forecast settings' (`kronos forecast --future`: with batch_size=forecast.batch_size, the same draws).
+        seed: torch's seed, set once before the first batch on a fork of the RNG (the caller's stays as it was);
+            None = draw from the RNG as it is.
         batch_size: series forecast together (x sample_count sequences per forward pass); only their candles and
             paths are held at once. None = `default_batch_size(sample_count, prediction_length)`: as many series as
             keep one forward pass near FORWARD_BUDGET floats (its activations and logits), at least 1.
         Returns prediction_length rows per series (in order of first appearance): the id column (when there is
-        one), the timestamps (your column's name, else "timestamps"), FEATURES (the mean), the quantile columns."""
-        where = "predict_df's df"
+        one), the timestamps (your column's name, else "timestamps"), FEATURES (the mean), the quantile columns;
+        `.attrs["nonpositive_samples"]`: {series id: sampled prices <= 0} of the series that have any (warned)."""
         self._check_options(prediction_length, sample_count, quantiles, None, "prediction_length")
-        if not isinstance(df, pd.DataFrame):
-            raise DataError(f"df must be a pandas DataFrame, got {type(df).__name__}")
-        if len(df) == 0:
-            raise DataError("df is empty: no series to forecast")
-        names = [str(c) for c in df.columns]
-        if id_column is None:
-            id_column = next((c for c in names if c.lower() == "id"), None)
-        elif str(id_column) not in names:
-            raise ColumnError(f"{where} has no id column {id_column!r}; pass id_column= one of {names[:12]}, or None "
-                              "for a frame of one series")
-        explicit = dict(columns or {})
-        if timestamp_column is not None:
-            explicit["timestamps"] = timestamp_column
-        rest = [c for c in names if c != id_column]
-        flat = df.set_axis(names, axis=1)
-        parts = timestamp_parts(rest, explicit.get("timestamps", "timestamps"))  # e.g. ['Date', 'Time']
-        if parts:  # their text joined by a space is the timestamp, named 'Date+Time' in the output
-            rest = [c for c in rest if c not in parts]
-            explicit["timestamps"] = None
-        try:
-            mapping = resolve_columns(rest, explicit, where=where)
-        except ColumnError:
-            if "timestamps" in explicit or not isinstance(df.index, pd.DatetimeIndex):
-                raise
-            mapping = resolve_columns(rest, {**explicit, "timestamps": None}, where=where)
-        ts_name = "+".join(parts) if parts else mapping["timestamps"]
-        stamps = (flat[parts].astype(str).agg(" ".join, axis=1) if parts else
-                  df.index if mapping["timestamps"] is None else flat[mapping["timestamps"]])
-        if not pd.api.types.is_datetime64_any_dtype(stamps):
-            try:  # text dates, as the CLI reads them
-                stamps = pd.to_datetime(stamps)
-            except (ValueError, TypeError, OverflowError) as e:
-                raise ColumnError(f"{where}: column {ts_name!r} holds values that are not datetimes ({e}); convert "
-                                  "it with pd.to_datetime(..., format=...) first") from None
-        stamps = to_datetime_index(stamps, f"{where}: column {ts_name or 'timestamps'!r}")
-        candles = pd.DataFrame({c: flat[n].to_numpy() for c, n in mapping.items() if n and c != "timestamps"})
-        adj = adj_close_column(rest)
-        if adjust not in ADJUST or (adjust == "adj_close" and adj in (None, mapping["close"])):
-            raise DataError(f"{where}: adjust={adjust!r} must be one of {list(ADJUST)}, and adj_close needs an 'Adj "
-                            "Close' column beside the unadjusted close (map close to it)")
-        if adjust == "adj_close":
-            prices = list(PRICE_FEATURES)
-            candles[prices] = adjust_prices(candles[prices].to_numpy(np.float64), flat[adj].to_numpy(np.float64))
-        keys = flat[id_column].to_numpy() if id_column else np.zeros(len(df), dtype=np.int64)
-        if pd.isna(keys).any():
-            raise DataError(f"column {id_column!r} has missing ids; every row must belong to a series")
-        series = []  # (id, row numbers sorted by time, forecast timestamps): all checked before any forecast
-        for sid, rows in pd.Series(np.arange(len(df))).groupby(keys, sort=False):
-            rows = rows.to_numpy()[np.argsort(stamps[rows.to_numpy()].asi8, kind="stable")]
-            label = f"series {sid!r}" if id_column else "the series (no id column)"
-            check_increasing(stamps[rows], f"the timestamps of {label}")  # duplicates: e.g. two series, no id
-            if future is not None:
-                y = future.get(sid) if isinstance(future, Mapping) else future
-                if y is None:
-                    raise DataError(f"future has no timestamps for {label}; give every series its own")
-                y = to_datetime_index(y, f"the future timestamps of {label}")
-            else:
-                cal = calendar or TradingCalendar.learn(stamps[rows], name=label)
-                y = cal.after(stamps[rows][-1], prediction_length, freq, label)
-            series.append((sid, rows, y))
+        fs = read_frame(df, prediction_length, id_column=id_column, timestamp_column=timestamp_column,
+                        columns=columns, freq=freq, calendar=calendar, future=future, adjust=adjust,
+                        timestamp_unit=timestamp_unit, holidays=holidays)
         quantiles = list(quantiles)
-        ts_name = ts_name or "timestamps"
-        name = (lambda sid: f"series {sid!r}") if id_column else (lambda sid: "df")
-        frame = lambda rows: candles.iloc[rows].set_axis(stamps[rows])  # messages name a bad row by its time
         check_batch_size(batch_size)
-        batch_size = batch_size or self.default_batch_size(sample_count, prediction_length)
-        step = batch_size
-        if step < len(series):  # every series' candles checked before the first batch is forecast
-            for sid, rows, _ in series:
-                candle_matrix(frame(rows), name(sid))
-        out = []
-        for lo in range(0, len(series), step):  # the candles of one batch of series at a time
-            part = series[lo:lo + step]
-            results = self.predict_batch([frame(rows) for _, rows, _ in part], [stamps[rows] for _, rows, _ in part],
-                                         [y for _, _, y in part], prediction_length, T, top_k, top_p, sample_count,
-                                         verbose, False, quantiles or None, calibrated, batch_size,
-                                         series_names=[name(sid) for sid, _, _ in part])
-            for (sid, _, y), res in zip(part, results):
-                table = res.table() if quantiles else res
-                head = pd.DataFrame({**({id_column: [sid] * prediction_length} if id_column else {}), ts_name: y})
-                out.append(pd.concat([head, table.reset_index(drop=True)], axis=1))
-        return pd.concat(out, ignore_index=True)
+        step = batch_size or self.default_batch_size(sample_count, prediction_length)
+        if step < len(fs.series):  # every series' candles checked before the first batch is forecast
+            for sid, rows, _ in fs.series:
+                candle_matrix(fs.frame(rows), fs.name(sid))
+        out, nonpositive = [], {}
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [],
+                                   enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)  # once, before the first batch: the draws of `kronos forecast --future`
+            for lo in range(0, len(fs.series), step):  # the candles of one batch of series at a time
+                part = fs.series[lo:lo + step]
+                results = self.predict_batch([fs.frame(rows) for _, rows, _ in part],
+                                             [fs.stamps[rows] for _, rows, _ in part], [y for _, _, y in part],
+                                             prediction_length, T, top_k, top_p, sample_count, verbose, False,
+                                             quantiles or None, calibrated, step,
+                                             series_names=[fs.name(sid) for sid, _, _ in part])
+                for (sid, _, y), res in zip(part, results):
+                    table = res.table() if quantiles else res
+                    n = (res.mean if quantiles else res).attrs.get(NONPOSITIVE, 0)
+                    nonpositive.update({sid: n} if n else {})
+                    head = pd.DataFrame({**({fs.id_column: [sid] * prediction_length} if fs.id_column else {}),
+                                         fs.ts_name: y})
+                    out.append(pd.concat([head, table.reset_index(drop=True)], axis=1))
+        result = pd.concat(out, ignore_index=True)
+        result.attrs[NONPOSITIVE] = nonpositive
+        return result
 
     def default_batch_size(self, sample_count: int, pred_len: int) -> int:
         """Series per forward pass keeping its floats near FORWARD_BUDGET: each series is sample_count sequences of
@@ -532,13 +492,14 @@ class KronosPredictor:
     def _result(p: dict[str, Any], samples: np.ndarray, mean: np.ndarray, return_samples: bool,
                 quantiles: Sequence[float] | None, calibration: dict[str, Any] | None) -> pd.DataFrame | Forecast:
         """`sample_windows`' paths (S, pred_len, 6) and mean (pred_len, 6) of one series -> the mean DataFrame, or a
-        Forecast, calibrated when `calibration` is given."""
+        Forecast, calibrated when `calibration` is given; the mean's attrs[NONPOSITIVE]: its sampled prices <= 0."""
         cols, y_idx = pd.Index(FEATURES), p["y_index"]  # an Index: a list would be re-validated per series
         if calibration is not None:
             shift = calibration_shift(calibration, samples[..., CLOSE], np.float64(p["last_close"]))  # (S, pred_len)
             samples[..., :len(PRICE_FEATURES)] *= np.exp(shift)[..., None]  # volume and amount stay as drawn
             mean = samples.mean(axis=0)
         mean_df = pd.DataFrame(mean, columns=cols, index=y_idx, copy=False)
+        mean_df.attrs[NONPOSITIVE] = int((samples[..., :len(PRICE_FEATURES)] <= 0).sum())  # never silent
         if not (return_samples or quantiles):
             return mean_df
         qs = {q: pd.DataFrame(np.quantile(samples, q, axis=0), columns=cols, index=y_idx) for q in (quantiles or [])}

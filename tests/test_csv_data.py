@@ -347,16 +347,19 @@ def test_a_file_of_another_bar_length_is_named_in_a_warning_or_an_error(tmp_path
 
 
 @pytest.mark.parametrize("suffix", [".csv", ".parquet"])
-def test_values_beyond_float32_name_file_column_and_line(tmp_path, suffix):
+@pytest.mark.parametrize("column, value", [("volume", 1e39), ("close", 1e-46)])  # inf / 0 after the cast
+def test_values_float32_does_not_keep_name_file_column_and_line(tmp_path, suffix, column, value):
     frame = candles(60)
-    frame.loc[7, "volume"] = 1e39
+    frame.loc[7, column] = value
     path = tmp_path / f"a{suffix}"
     frame.to_csv(path, index=False) if suffix == ".csv" else frame.to_parquet(path, index=False)
     where = "line 9" if suffix == ".csv" else "row 8"
-    with pytest.raises(ValueError, match=rf"a{suffix} {where}, column 'volume': value 1e\+39 is outside float32"):
+    with pytest.raises(ValueError, match=rf"a{suffix} {where}, column '{column}': value {value:.6g} is a value "
+                                         "float32 cannot hold".replace("+", "\\+")) as err:
         prepare(data_cfg(path), tmp_path)
+    assert err.value.exit_code == 3  # the CLI's exit code for bad data
     if suffix == ".csv":
-        with pytest.raises(ValueError, match=r"a.csv line 9, column 'volume'"):
+        with pytest.raises(ValueError, match=rf"a.csv line 9, column '{column}'"):
             load_series(data_cfg(path))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -167,7 +169,7 @@ def test_predict_df_takes_your_calendar_or_your_timestamps(predictor):
 
 @pytest.mark.parametrize("change, message", [
     (lambda f: f.assign(Close=np.where(f.index == 70, np.nan, f.Close)),
-     r"series 'B' has 1 NaN/inf values, first in column 'close' at row 20 \(2024-01-30"),
+     r"series 'B' has 1 value\(s\) NaN/inf, first in column 'close' at row 20 \(2024-01-30"),
     (lambda f: f.assign(Low=np.where(f.index == 55, -1.0, f.Low)),
      r"series 'B': column 'low' is <= 0 .* first at row 5 \(2024-01-09"),
     (lambda f: f.drop(columns="High"), r"no 'high' column, in any case; columns: \['Open', 'Low'"),
@@ -196,3 +198,20 @@ def test_the_same_instants_in_utc_and_shanghai_are_read_on_their_own_clocks(pred
     mixed = pd.concat([utc.assign(id="U"), local.assign(id="S")], ignore_index=True)
     with pytest.raises(DataError, match="column 'Date' holds values that are not datetimes"):  # two zones in one column
         predictor.predict_df(mixed, prediction_length=3)
+
+
+def test_thanksgiving_is_skipped_with_a_holiday_calendar_or_said_not_to_be(predictor):
+    pytest.importorskip("holidays")
+    from model.calendar import HolidaysNotSkipped
+
+    days = pd.bdate_range(end="2019-11-27", periods=60)  # daily US history ending the day before Thanksgiving
+    frame = pd.DataFrame({"Date": days, "Open": 100.0, "High": 101.0, "Low": 99.0, "Close": 100.0})
+    with pytest.warns(HolidaysNotSkipped, match="holidays included.*holidays='NYSE'"):
+        plain = predictor.predict_df(frame, prediction_length=2, top_k=1)
+    assert list(plain["Date"]) == [pd.Timestamp("2019-11-28"), pd.Timestamp("2019-11-29")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HolidaysNotSkipped)
+        named = predictor.predict_df(frame, prediction_length=2, top_k=1, holidays="NYSE")
+    assert list(named["Date"]) == [pd.Timestamp("2019-11-29"), pd.Timestamp("2019-12-02")]
+    with pytest.raises(DataError, match="neither a market.*nor a country"):
+        predictor.predict_df(frame, prediction_length=2, top_k=1, holidays="Atlantis")

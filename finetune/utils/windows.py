@@ -24,6 +24,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 from finetune.utils.store import N_STAMP_COLUMNS, SeriesPanel
 from model.config import Window
 from model.errors import DataError
+from model.features import normalize
 
 
 @dataclass(frozen=True)
@@ -250,18 +251,10 @@ class WindowDataset(Dataset):
     def get_batch(self, indices: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Windows `indices` as one batch, vectorised: x (B, W, F) float32, x_stamp (B, W, 5) int64.
 
-        x is normalised with the mean and population std (ddof=0, as at inference) of its lookback rows only,
-        `(x - mean) / (std + 1e-5)`, then clipped to [-clip, clip]."""
+        x is normalised by `model.features.normalize` (the forecasters' own) over its lookback rows only."""
         starts = self.starts(np.asarray(indices, dtype=np.int64))
-        x = self._feature_windows[starts]  # (B, F, W) copy
-        lookback = self.window.lookback
-        past = x[:, :, :lookback]
-        mean = past.mean(axis=2, keepdims=True)  # (B, F, 1)
-        centred = past - mean
-        std = np.sqrt(np.einsum("bfw,bfw->bf", centred, centred) / lookback)[:, :, None]  # (B, F, 1)
-        x -= mean
-        x /= std + 1e-5
-        np.clip(x, -self.window.clip, self.window.clip, out=x)
+        x, _, _ = normalize(self._feature_windows[starts], self.window.clip, axis=2,
+                            stats_len=self.window.lookback)  # (B, F, W)
         x = np.ascontiguousarray(x.transpose(0, 2, 1))  # (B, W, F)
         return torch.from_numpy(x), torch.from_numpy(self._stamp_windows[starts])
 

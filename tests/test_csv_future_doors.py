@@ -1,0 +1,48 @@
+"""`kronos forecast --future` and `predict_df` (issue 38): the same relative bands for a tiny-priced series and the
+same series x1e6, and the same numbers from both doors with the forecast settings' sampling defaults."""
+import numpy as np
+import pandas as pd
+import pytest
+
+from finetune_csv import forecast
+from finetune_csv.config import load
+from tests.test_csv_eval import make_run
+
+QS = ("10", "50", "90")
+
+
+def rescale(path, factor: float) -> None:
+    frame = pd.read_csv(path)
+    prices = [c for c in frame.columns if c.lower() in ("open", "high", "low", "close", "amount")]
+    frame[prices] *= factor
+    frame.to_csv(path, index=False)
+
+
+def relative(table: pd.DataFrame, data) -> np.ndarray:
+    """(series, steps, 3): the close quantiles / each series' last close."""
+    out = []
+    for name, part in table.groupby("series", sort=True):
+        last = pd.read_csv(data / name)["close"].iloc[-1]
+        out.append(part[[f"close_q{q}" for q in QS]].to_numpy() / last)
+    return np.stack(out)
+
+
+@pytest.mark.slow
+def test_future_forecasts_agree_across_price_units_and_with_predict_df(tmp_path):
+    cfg = load(make_run(tmp_path, zero_shot=None, extra="sample_count: 40, calibrate: false"))
+    data = tmp_path / "data"
+    tiny = sorted(data.glob("*.csv"))[0]
+    rescale(tiny, 3e-7)  # ~3e-5: an altcoin quoted in BTC
+    first = relative(forecast.run_future(cfg), data)
+    rescale(tiny, 1e6)
+    second = forecast.run_future(cfg)
+    np.testing.assert_allclose(relative(second, data), first, rtol=0.01)
+
+    frame = pd.concat([pd.read_csv(f).assign(id=f.name) for f in sorted(data.glob("*.csv"))])
+    predictor, _ = forecast.finetuned_predictor(cfg)
+    f = cfg.forecast
+    long = predictor.predict_df(frame, prediction_length=cfg.data.predict, quantiles=[0.1, 0.5, 0.9],
+                                sample_count=f.sample_count, seed=f.seed, batch_size=f.batch_size)
+    assert list(long["timestamps"].astype(str)) == list(second["timestamps"].astype(str))
+    for q in QS:
+        np.testing.assert_allclose(long[f"close_q{q}"], second[f"close_q{q}"], rtol=1e-5)
