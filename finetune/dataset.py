@@ -26,6 +26,7 @@ from typing import Any
 from finetune.config import QlibConfig
 from finetune.qlib_io import date_range
 from finetune.utils.config_utils import Problems
+from finetune.utils.fingerprint import tree_sha256
 from finetune.utils.store import SeriesPanel, StoreError, open_store, write_panel
 from finetune.utils.windows import WindowDataset
 from model.errors import DataError
@@ -85,7 +86,10 @@ def manifest_settings(cfg: QlibConfig) -> dict[str, Any]:
     """The settings recorded in manifest.json that the splits depend on (compared by `check_processed`): changing
     any of them after preprocessing means preprocessing again."""
     d = cfg.data
-    return {"qlib_data_path": str(Path(os.path.expanduser(d.qlib_data_path)).resolve()),
+    source = Path(os.path.expanduser(d.qlib_data_path)).resolve()
+    # The source's content at this frequency (calendar, universes, feature files): rebuilt in place, it is noticed.
+    content = tree_sha256(source, lambda name: not name.startswith("features/") or name.endswith(f".{d.freq}.bin"))
+    return {"qlib_data_path": str(source), "qlib_data_content": content,
             **{k: getattr(d, k) for k in ("instrument", "freq", "lookback", "predict", "amount_source")},
             **{k: list(getattr(d, k)) for k in ("train_time_range", "val_time_range", "test_time_range")},
             "max_gap_days": d.max_gap_days, "features": list(FEATURES)}
@@ -116,7 +120,10 @@ def check_processed(cfg: QlibConfig, splits: tuple[str, ...], problems: Problems
         return
     made_with = manifest.get("settings", {})
     for key, now in manifest_settings(cfg).items():
-        if key != "qlib_data_path" and key in made_with and made_with[key] != now:  # the source may move
+        if key == "qlib_data_content" and made_with.get(key, now) != now:
+            problems.add("data.qlib_data_path", f"its content changed since the splits in {folder} were made from it "
+                         f"(sha256 {made_with[key][:12]} -> {now[:12]}: the store was rebuilt or edited); {fix}")
+        elif key not in ("qlib_data_path", "qlib_data_content") and key in made_with and made_with[key] != now:
             problems.add(f"data.{key}", f"is {now!r} but the splits in {folder} were made with {made_with[key]!r}; "
                          f"{fix}")
 

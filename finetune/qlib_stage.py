@@ -17,8 +17,7 @@ from finetune.utils.cli_args import add_run_flags, parse_config_args, run_overri
 from finetune.utils.config_utils import get_dotted
 from finetune.utils.distributed import DistInfo, require_torchrun
 from finetune.utils.errors import setup_logging
-from finetune.utils.ledger import plan_stages
-from finetune.utils.stages import run_stages
+from finetune.utils.stages import plan_stages, run_stages
 
 TOKENIZER_KEY = "paths.finetuned_tokenizer_path"
 
@@ -77,9 +76,13 @@ def check_inputs(spec: StageSpec, cfg: QlibConfig) -> None:
 def run_stage(spec: StageSpec, argv: list[str] | None = None, doc: str = "") -> None:
     """Parse, check every input before the process group starts, then train `spec.stage` under torchrun."""
     setup_logging()  # rank 0 reports; the other ranks only warn (torchrun sets RANK before the process starts)
-    args = parse_config_args(add_run_flags(cli_parser(doc or spec.script)), argv)
+    parser = add_run_flags(cli_parser(doc or spec.script))
+    parser.add_argument("--skip-existing", action="store_true",
+                        help="reuse a finished stage while it is current, else train it again (the walk-forward's "
+                             "periods); without it a finished stage that is not current is refused by name")
+    args = parse_config_args(parser, argv)
     require_torchrun(spec.script, args=f"--config {args.config}")
     cfg = load(args.config, list(args.set) + run_overrides(args))
     check_inputs(spec, cfg)
     pipe = QlibPipeline(cfg)
-    run_stages(pipe, plan_stages(pipe, (spec.stage,), {}, skip_existing=False))
+    run_stages(pipe, plan_stages(pipe, (spec.stage,), {}, args.skip_existing), rebuild_changed=args.skip_existing)

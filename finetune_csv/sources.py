@@ -25,7 +25,8 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
-from finetune.utils.store import StoreError, file_fingerprint
+from finetune.utils.fingerprint import file_fingerprint
+from finetune.utils.store import StoreError
 from finetune_csv.timestamps import OFFSET_RE, SHOWN, CandleDataError, parse_timestamps
 from model.features import (
     COLUMN_ALIASES,
