@@ -248,6 +248,7 @@ def test_every_training_setting_has_a_resume_class():
     assert RESUME_CLASS["deterministic"] == "may_change" and RESUME_CLASS["num_workers"] == "irrelevant"
 
 
+@pytest.mark.slow
 def test_a_changed_optimisation_setting_is_named_with_and_without_skip_existing(tmp_path, caplog):
     """Issue 44 cause 2: a finished run made with another weight decay is not current: a plain run refuses it by
     name (nothing deleted), --skip-existing (rebuild_changed) retrains it by name; both end as a fresh run would."""
@@ -317,6 +318,7 @@ def test_a_moved_identical_data_folder_is_the_same_data(tmp_path, caplog, one_th
     assert outputs(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_a_qlib_source_rebuilt_in_place_is_noticed(tmp_path):
     """Issue 44 cause 5: a new market written to the same qlib_data_path: the splits made from the old one are
     named as stale (the walk-forward then preprocesses again) instead of being scored against the new labels."""
