@@ -16,8 +16,6 @@ statistics); which windows an epoch uses, on which rank, is the engine's `EpochS
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 from pathlib import Path
@@ -26,7 +24,7 @@ from typing import Any
 from finetune.config import QlibConfig
 from finetune.qlib_io import date_range
 from finetune.utils.config_utils import Problems
-from finetune.utils.fingerprint import tree_sha256
+from finetune.utils.fingerprint import digest, tree_sha256
 from finetune.utils.store import SeriesPanel, StoreError, open_store, write_panel
 from finetune.utils.windows import WindowDataset
 from model.errors import DataError
@@ -75,7 +73,7 @@ def content_sha256(dataset_path: str | Path) -> str:
     `checksums`, which `load_split` verifies against the arrays). Same content, same hash, wherever it lies."""
     sums = {s: read_manifest(split_path(dataset_path, s)).get("checksums") for s in SPLITS
             if (split_path(dataset_path, s) / MANIFEST_NAME).is_file()}
-    return hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()
+    return digest(sums)
 
 
 def read_manifest(dataset_path: str | Path) -> dict[str, Any]:

@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from finetune.config import QlibConfig, check_model_folder, cli_parser, load
-from finetune.dataset import SPLITS, check_processed, load_split, read_manifest, split_path
+from finetune.dataset import SPLITS, check_processed, content_sha256, load_split, read_manifest, split_path
 from finetune.evaluation.signals import daily_ic, forward_labels
 from finetune.evaluation.statistics import newey_west_tstat, paired_test
 from finetune.qlib_data_preprocess import first_signal_day, preprocess
@@ -38,7 +38,7 @@ from finetune.qlib_test import backtest_period, forecast_all, score_signal, writ
 from finetune.utils.cli_args import parse_config_args
 from finetune.utils.config_utils import Problems, config_to_dict, dump_config
 from finetune.utils.errors import require_extra, setup_logging
-from finetune.utils.fingerprint import tree_sha256
+from finetune.utils.fingerprint import forecast_settings, training_settings, tree_sha256
 from finetune.utils.ledger import check_record, write_record
 from finetune.utils.plots import pyplot, save_figure
 from model.errors import ConfigError, UserError
@@ -132,7 +132,8 @@ def period_signals(c: QlibConfig, folder: Path, zero: tuple, device: str) -> pd.
     while the ledger finds it current: its bytes as recorded, made from these models and settings."""
     cache = folder / "signals.csv"
     inputs = {"predictor": tree_sha256(c.paths.finetuned_predictor_path),
-              "zero_shot": [weights_fingerprint(m) for m in zero], "config": dump_config(c)}
+              "zero_shot": [weights_fingerprint(m) for m in zero], "settings": training_settings(c),
+              "forecast": forecast_settings(c), "data": content_sha256(c.data.dataset_path)}
     if check_record(cache, inputs) == "reuse":
         return pd.read_csv(cache, parse_dates=["datetime"]).set_index(["datetime", "instrument"])
     table = forecast_signals(c, zero, device)

@@ -48,7 +48,7 @@ def file_fingerprint(path: str | Path, with_hash: bool = True) -> dict:
 
 def digest(value: Any) -> str:
     """sha256 of `value` (plain data) as canonical JSON: equal values, equal digests."""
-    text = json.dumps(plain(value), sort_keys=True, default=str, separators=(",", ":"))
+    text = json.dumps(plain(value), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
