@@ -175,26 +175,30 @@ def best_candidate(frame: pd.DataFrame) -> dict:
             + f"); against {rival}: {test['reason']}"}
 
 
-def _fingerprint(cfg: CsvFinetuneConfig, fold: Fold, manifest: dict) -> str:
-    """What a fold's results depend on (finetune/utils/fingerprint.py): the training, forecast and walk-forward
-    settings, its index ranges, the data files' content and the starting models' content (never their paths)."""
+def _fingerprint(cfg: CsvFinetuneConfig, fold: Fold, manifest: dict) -> dict[str, str | None]:
+    """What a fold's results depend on (finetune/utils/fingerprint.py), part by part so a change is named: the
+    training, forecast and walk-forward settings, its index ranges, the data files' and the starting models' content
+    (never their paths)."""
     ranges = [getattr(getattr(fold, s), a).tolist() for s in ("train", "val", "test")
               for a in ("start", "first_target", "stop")]
-    files = [f.get("sha256") for f in manifest.get("sources", [])]
-    models = [model_fingerprint(cfg.model.pretrained_tokenizer), model_fingerprint(cfg.model.pretrained_predictor)]
-    return digest([training_settings(cfg), forecast_settings(cfg), config_to_dict(cfg.walk_forward), ranges, files,
-                   models])[:16]
+    parts = {"settings": [training_settings(cfg), forecast_settings(cfg), config_to_dict(cfg.walk_forward)],
+             "ranges": ranges, "data": [f.get("sha256") for f in manifest.get("sources", [])]}
+    models = {f"model.{k}": model_fingerprint(getattr(cfg.model, k)) for k in ("pretrained_tokenizer",
+                                                                               "pretrained_predictor")}
+    return {**{k: digest(v)[:16] for k, v in parts.items()}, **models}
 
 
-def _reuse_fold(folder: Path, fingerprint: str, report_only: bool, overwrite: bool) -> dict | None:
+def _reuse_fold(folder: Path, fingerprint: dict, report_only: bool, overwrite: bool) -> dict | None:
     """The fold in `folder`: its fold.json record when it is current (made with `fingerprint`, and its windows.csv
     the bytes it recorded), else None: score it again (after deleting the folder under `overwrite`). Refused
     (RefusedError): a fold of other settings or data without `overwrite`, and under `report_only` any fold that is
     not current."""
     done, rows = folder / "fold.json", folder / "windows.csv"
     info = read_json_object(done) if done.is_file() else None
-    other = info is not None and info.get("fingerprint") != fingerprint
-    why = "it holds no finished fold" if info is None else "its fold was made with other settings or data" if other \
+    old = (info or {}).get("fingerprint")  # a string in a fold.json of an older version
+    other = "" if info is None or old == fingerprint else ", ".join(
+        k for k in fingerprint if isinstance(old, dict) and old.get(k) != fingerprint[k]) or "settings or data"
+    why = "it holds no finished fold" if info is None else f"its fold was made with other {other}" if other \
         else None if rows.is_file() and sha256_file(rows) == info.get("windows_sha256") else \
         "its windows.csv is not the one fold.json recorded (damaged, edited, or written before it was hashed)"
     if why is None and (report_only or not overwrite):
@@ -203,7 +207,7 @@ def _reuse_fold(folder: Path, fingerprint: str, report_only: bool, overwrite: bo
         raise RefusedError(f"--report-only: {folder} holds no fold finished with these settings and data ({why}); "
                            "run without --report-only (with --overwrite to redo folds of other settings)")
     if other and not overwrite:
-        raise RefusedError(f"{folder} holds a finished fold made with other settings or data; pass "
+        raise RefusedError(f"{folder} holds a finished fold made with other {other}; pass "
                            "--overwrite to redo every fold, or choose another paths.base_dir")
     if overwrite and folder.exists():
         log.warning("--overwrite: replacing %s", folder)
@@ -254,7 +258,7 @@ def run_walk_forward(cfg: CsvFinetuneConfig, overwrite: bool = False, report_onl
         return _report(cfg, out, pd.concat(rows, ignore_index=True), meta, test_bars, purge)
 
 
-def _run_fold(cfg: CsvFinetuneConfig, fold: Fold, folder: Path, fp: str) -> dict:
+def _run_fold(cfg: CsvFinetuneConfig, fold: Fold, folder: Path, fp: dict) -> dict:
     """Finetune (resuming an interrupted stage) and score one fold; write its windows.csv, then fold.json."""
     t0 = time.monotonic()
     # The fold's run: its own stage folders under `folder`, the run's data store, finished stages kept.
