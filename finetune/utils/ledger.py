@@ -205,14 +205,18 @@ def setting_changes(saved: checkpoint_store.Checkpoint, inputs: StageInputs
 
 
 def input_changes(saved: checkpoint_store.Checkpoint, inputs: StageInputs, compare_data: bool = True) -> list[str]:
-    """What changed among the inputs that are not settings: the data (`data_info` without its paths: a moved but
-    identical folder is the same data), the frozen model, the starting weights. Empty when none did, or when the
-    checkpoint predates what it would compare."""
+    """What changed among the inputs that are not loop settings: the data (`data_info` without its paths: a moved
+    but identical folder is the same data) and the `data:` settings, the frozen model, the starting weights. Empty
+    when none did, or when the checkpoint predates what it would compare."""
     changes = []
     if compare_data and saved.get("data_fingerprint") is not None \
             and data_fingerprint(saved.get("data_info")) != data_fingerprint(inputs.data_info):
         diff = describe_changes(without_places(saved.get("data_info")), without_places(inputs.data_info))
         changes.append("the training data changed: " + "; ".join(diff or ["(the data description differs)"]))
+    # How the data is read (column mapping, adjustment, candle rules): the same files may give other values.
+    old_data, new_data = (without_places((c or {}).get("data")) for c in (saved.get("run_config"), inputs.run_config))
+    if compare_data and old_data and new_data and old_data != new_data:
+        changes.append("the data settings changed: " + "; ".join(describe_changes(old_data, new_data)))
     old_frozen = saved.get("frozen_fingerprint")
     if old_frozen is not None and old_frozen != inputs.frozen:
         changes.append(f"the frozen tokenizer's weights changed (or, in lora / freeze, the base predictor's; sha256 "
