@@ -341,3 +341,21 @@ def test_a_qlib_source_rebuilt_in_place_is_noticed(tmp_path):
     build_qlib_provider(market(4), tmp_path / "qlib", universe="csi300", benchmark="SH000300", overwrite=True)
     check_processed(cfg, ("train", "val", "test"), problems)
     assert len(problems.items) == 1 and problems.items[0].startswith("data.qlib_data_path: its content changed")
+
+
+def test_a_fold_names_the_changed_part_and_a_windows_csv_edit_keeping_count_and_means_is_caught(tmp_path, caplog):
+    """Issue 44 causes 1 and 4 in the CSV walk-forward: fold.json's fingerprint part by part (a new starting model is
+    named), windows.csv checked by its bytes (two CRPS values swapped keep the count and every mean)."""
+    from model.fileio import write_json
+
+    folder = tmp_path / "fold_0"
+    folder.mkdir()
+    (folder / "windows.csv").write_text("candidate,crps\nfinetuned,0.1\nfinetuned,0.2\n")
+    fp = {"settings": "s", "ranges": "r", "data": "d", "model.pretrained_predictor": "a"}
+    write_json(folder / "fold.json", {"fingerprint": fp, "windows_sha256": wf.sha256_file(folder / "windows.csv")})
+    assert wf._reuse_fold(folder, fp, report_only=False, overwrite=False)["fingerprint"] == fp
+    with pytest.raises(RefusedError, match=r"made with other model\.pretrained_predictor; pass --overwrite"):
+        wf._reuse_fold(folder, {**fp, "model.pretrained_predictor": "b"}, report_only=False, overwrite=False)
+    (folder / "windows.csv").write_text("candidate,crps\nfinetuned,0.2\nfinetuned,0.1\n")
+    assert wf._reuse_fold(folder, fp, report_only=False, overwrite=False) is None
+    assert "windows.csv is not the one fold.json recorded" in caplog.text
