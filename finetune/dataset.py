@@ -85,8 +85,10 @@ def manifest_settings(cfg: QlibConfig) -> dict[str, Any]:
     any of them after preprocessing means preprocessing again."""
     d = cfg.data
     source = Path(os.path.expanduser(d.qlib_data_path)).resolve()
-    # The source's content at this frequency (calendar, universes, feature files): rebuilt in place, it is noticed.
-    content = tree_sha256(source, lambda name: not name.startswith("features/") or name.endswith(f".{d.freq}.bin"))
+    # The source's content at this frequency (calendar, universes, feature files): rebuilt in place, it is noticed
+    # (None once it is gone: the splits alone are then what the trainers read).
+    content = tree_sha256(source, lambda name: not name.startswith("features/") or name.endswith(f".{d.freq}.bin")) \
+        if source.is_dir() else None
     return {"qlib_data_path": str(source), "qlib_data_content": content,
             **{k: getattr(d, k) for k in ("instrument", "freq", "lookback", "predict", "amount_source")},
             **{k: list(getattr(d, k)) for k in ("train_time_range", "val_time_range", "test_time_range")},
@@ -118,7 +120,7 @@ def check_processed(cfg: QlibConfig, splits: tuple[str, ...], problems: Problems
         return
     made_with = manifest.get("settings", {})
     for key, now in manifest_settings(cfg).items():
-        if key == "qlib_data_content" and made_with.get(key, now) != now:
+        if key == "qlib_data_content" and None not in (made_with.get(key), now) and made_with[key] != now:
             problems.add("data.qlib_data_path", f"its content changed since the splits in {folder} were made from it "
                          f"(sha256 {made_with[key][:12]} -> {now[:12]}: the store was rebuilt or edited); {fix}")
         elif key not in ("qlib_data_path", "qlib_data_content") and key in made_with and made_with[key] != now:
