@@ -87,8 +87,9 @@ def manifest_settings(cfg: QlibConfig) -> dict[str, Any]:
     source = Path(os.path.expanduser(d.qlib_data_path)).resolve()
     # The source's content at this frequency (calendar, universes, feature files): rebuilt in place, it is noticed
     # (None once it is gone: the splits alone are then what the trainers read).
-    content = tree_sha256(source, lambda name: not name.startswith("features/") or name.endswith(f".{d.freq}.bin")) \
-        if source.is_dir() else None
+    qlib_files = lambda name: name.startswith(("calendars/", "instruments/")) or (  # noqa: E731
+        name.startswith("features/") and name.endswith(f".{d.freq}.bin"))
+    content = tree_sha256(source, qlib_files) if source.is_dir() else None
     return {"qlib_data_path": str(source), "qlib_data_content": content,
             **{k: getattr(d, k) for k in ("instrument", "freq", "lookback", "predict", "amount_source")},
             **{k: list(getattr(d, k)) for k in ("train_time_range", "val_time_range", "test_time_range")},
