@@ -21,8 +21,6 @@ the stage runner trains that one stage. The trainers require torchrun, as the or
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -37,8 +35,8 @@ from finetune.utils.cli_args import add_run_flags, parse_config_args, run_overri
 from finetune.utils.config_utils import Problems, get_dotted
 from finetune.utils.distributed import DistInfo, require_torchrun
 from finetune.utils.errors import StoreError, setup_logging
-from finetune.utils.ledger import plan_stages
-from finetune.utils.stages import run_stages
+from finetune.utils.fingerprint import digest, tree_sha256
+from finetune.utils.stages import plan_stages, run_stages
 from finetune.utils.store import SeriesPanel, open_store, write_panel
 from finetune.utils.windows import WindowDataset
 from model.errors import DataError
@@ -87,7 +85,7 @@ def content_sha256(dataset_path: str | Path) -> str:
     `checksums`, which `load_split` verifies against the arrays). Same content, same hash, wherever it lies."""
     sums = {s: read_manifest(split_path(dataset_path, s)).get("checksums") for s in SPLITS
             if (split_path(dataset_path, s) / MANIFEST_NAME).is_file()}
-    return hashlib.sha256(json.dumps(sums, sort_keys=True).encode()).hexdigest()
+    return digest(sums)
 
 
 def read_manifest(dataset_path: str | Path) -> dict[str, Any]:
@@ -98,7 +96,13 @@ def manifest_settings(cfg: QlibConfig) -> dict[str, Any]:
     """The settings recorded in manifest.json that the splits depend on (compared by `check_processed`): changing
     any of them after preprocessing means preprocessing again."""
     d = cfg.data
-    return {"qlib_data_path": str(Path(os.path.expanduser(d.qlib_data_path)).resolve()),
+    source = Path(os.path.expanduser(d.qlib_data_path)).resolve()
+    # The source's content at this frequency (calendar, universes, feature files): rebuilt in place, it is noticed
+    # (None once it is gone: the splits alone are then what the trainers read).
+    qlib_files = lambda name: name.startswith(("calendars/", "instruments/")) or (  # noqa: E731
+        name.startswith("features/") and name.endswith(f".{d.freq}.bin"))
+    content = tree_sha256(source, qlib_files) if source.is_dir() else None
+    return {"qlib_data_path": str(source), "qlib_data_content": content,
             **{k: getattr(d, k) for k in ("instrument", "freq", "lookback", "predict", "amount_source")},
             **{k: list(getattr(d, k)) for k in ("train_time_range", "val_time_range", "test_time_range")},
             "max_gap_days": d.max_gap_days, "features": list(FEATURES)}
@@ -129,7 +133,10 @@ def check_processed(cfg: QlibConfig, splits: tuple[str, ...], problems: Problems
         return
     made_with = manifest.get("settings", {})
     for key, now in manifest_settings(cfg).items():
-        if key != "qlib_data_path" and key in made_with and made_with[key] != now:  # the source may move
+        if key == "qlib_data_content" and None not in (made_with.get(key), now) and made_with[key] != now:
+            problems.add("data.qlib_data_path", f"its content changed since the splits in {folder} were made from it "
+                         f"(sha256 {made_with[key][:12]} -> {now[:12]}: the store was rebuilt or edited); {fix}")
+        elif key not in ("qlib_data_path", "qlib_data_content") and key in made_with and made_with[key] != now:
             problems.add(f"data.{key}", f"is {now!r} but the splits in {folder} were made with {made_with[key]!r}; "
                          f"{fix}")
 
@@ -228,9 +235,13 @@ def check_inputs(spec: StageSpec, cfg: QlibConfig) -> None:
 def run_stage(spec: StageSpec, argv: list[str] | None = None, doc: str = "") -> None:
     """Parse, check every input before the process group starts, then train `spec.stage` under torchrun."""
     setup_logging()  # rank 0 reports; the other ranks only warn (torchrun sets RANK before the process starts)
-    args = parse_config_args(add_run_flags(cli_parser(doc or spec.script)), argv)
+    parser = add_run_flags(cli_parser(doc or spec.script))
+    parser.add_argument("--skip-existing", action="store_true",
+                        help="reuse a finished stage while it is current, else train it again (the walk-forward's "
+                             "periods); without it a finished stage that is not current is refused by name")
+    args = parse_config_args(parser, argv)
     require_torchrun(spec.script, args=f"--config {args.config}")
     cfg = load(args.config, list(args.set) + run_overrides(args))
     check_inputs(spec, cfg)
     pipe = QlibPipeline(cfg)
-    run_stages(pipe, plan_stages(pipe, (spec.stage,), {}, skip_existing=False))
+    run_stages(pipe, plan_stages(pipe, (spec.stage,), {}, args.skip_existing), rebuild_changed=args.skip_existing)

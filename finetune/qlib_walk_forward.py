@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from finetune.config import QlibConfig, check_model_folder, cli_parser, load
-from finetune.dataset import SPLITS, check_processed, load_split, read_manifest, split_path
+from finetune.dataset import SPLITS, check_processed, content_sha256, load_split, read_manifest, split_path
 from finetune.evaluation.signals import daily_ic, forward_labels
 from finetune.evaluation.statistics import mean_test, paired_test
 from finetune.qlib_data_preprocess import first_signal_day, preprocess
@@ -38,7 +38,8 @@ from finetune.qlib_test import backtest_period, forecast_all, score_signal, writ
 from finetune.utils.cli_args import parse_config_args
 from finetune.utils.config_utils import Problems, config_to_dict, dump_config
 from finetune.utils.errors import require_extra, setup_logging
-from finetune.utils.ledger import check_record, folder_sha256, write_record
+from finetune.utils.fingerprint import forecast_settings, training_settings, tree_sha256
+from finetune.utils.ledger import check_record, write_record
 from finetune.utils.plots import pyplot, save_figure
 from model.errors import ConfigError, UserError
 from model.fileio import atomic_write
@@ -108,7 +109,8 @@ def period_config(cfg: QlibConfig, p: Period, folder: Path) -> QlibConfig:
 
 
 def train_period(c: QlibConfig, folder: Path, nproc: int) -> None:
-    """Preprocess (unless done with these settings) and run both trainers under torchrun (a finished stage skips)."""
+    """Preprocess (unless done with these settings and source) and run both trainers under torchrun (a finished
+    stage is reused while current, else trained again: --skip-existing)."""
     problems = Problems()
     check_processed(c, SPLITS, problems)
     if problems:
@@ -118,7 +120,7 @@ def train_period(c: QlibConfig, folder: Path, nproc: int) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     for module in ("finetune.train_tokenizer", "finetune.train_predictor"):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", module, "--config", str(folder / "config.yaml")]
+               "-m", module, "--config", str(folder / "config.yaml"), "--skip-existing"]
         with open(folder / "train.log", "a", encoding="utf-8") as out:
             rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
         if rc != 0:
@@ -129,8 +131,9 @@ def period_signals(c: QlibConfig, folder: Path, zero: tuple, device: str) -> pd.
     """Signals of the period's test days, columns <signal>/<candidate>; kept in signals.csv (written atomically)
     while the ledger finds it current: its bytes as recorded, made from these models and settings."""
     cache = folder / "signals.csv"
-    inputs = {"predictor": folder_sha256(Path(c.paths.finetuned_predictor_path)),
-              "zero_shot": [weights_fingerprint(m) for m in zero], "config": dump_config(c)}
+    inputs = {"predictor": tree_sha256(c.paths.finetuned_predictor_path),
+              "zero_shot": [weights_fingerprint(m) for m in zero], "settings": training_settings(c),
+              "forecast": forecast_settings(c), "data": content_sha256(c.data.dataset_path)}
     if check_record(cache, inputs) == "reuse":
         return pd.read_csv(cache, parse_dates=["datetime"]).set_index(["datetime", "instrument"])
     table = forecast_signals(c, zero, device)

@@ -140,8 +140,8 @@ def finetuned_predictor(cfg: CsvFinetuneConfig) -> tuple[KronosPredictor, dict |
         log.warning("the predictor in %s was trained with tokenizer %s, not with this run's %s: forecasting with the "
                     "former (retrain the predictor to use the latter)", predictor_dir, recorded, current)
     # The windows this forecast cuts must be the ones the predictor learned on (kronos_predictor.json records them).
-    wrong = [f"data.{k}: is {getattr(cfg.data, k)!r} but the predictor in {predictor_dir} was trained with {v!r}; set "
-             "it back, or retrain" for k, v in info.items() if k in ("lookback", "clip") and getattr(cfg.data, k) != v]
+    wrong = [f"{k}: is {now!r} but the predictor in {predictor_dir} was trained with {was!r}; set it back, or retrain"
+             for k, was, now in cfg.data.window.differences(Window.from_saved(info), ("lookback", "clip"))]
     if wrong:
         raise ConfigError(wrong, "Invalid forecast configuration")
     calibration = info.get("calibration") if cfg.forecast.calibrate else None

@@ -29,7 +29,7 @@ import pyarrow.feather as feather
 import pyarrow.parquet as pq
 
 from finetune.utils.errors import StoreError
-from finetune.utils.store import file_fingerprint
+from finetune.utils.fingerprint import file_fingerprint
 from finetune_csv.timestamps import OFFSET_RE, SHOWN, CandleDataError, parse_timestamps
 from model.features import (
     CANDLE_COLUMNS,

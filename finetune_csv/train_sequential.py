@@ -23,9 +23,8 @@ import pandas as pd
 import finetune_csv.config as csv_config
 from finetune.utils.cli_args import add_config_args, add_run_flags, parse_config_args, run_overrides
 from finetune.utils.errors import setup_logging
-from finetune.utils.ledger import plan_stages, stage_resume
 from finetune.utils.schema import STAGES
-from finetune.utils.stages import run_stages
+from finetune.utils.stages import plan_stages, run_stages, stage_resume
 from finetune.utils.training_utils import TrainResult
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
-import json
 import logging
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from finetune.evaluation.statistics import session_test
 from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.config_utils import config_to_dict
 from finetune.utils.errors import setup_logging
-from finetune.utils.ledger import reuse_fold
+from finetune.utils.fingerprint import digest, forecast_settings, model_fingerprint, sha256_file, training_settings
 from finetune.utils.plots import pyplot, save_figure, stamp_text
 from finetune.utils.safety import GracefulStop, RunLock
 from finetune.utils.windows import PanelSegments
@@ -39,8 +38,8 @@ from finetune_csv.train_sequential import run_finetune
 from model import KronosPredictor
 from model.calibration import apply_calibration
 from model.config import Window
-from model.errors import ConfigError, DataError
-from model.fileio import atomic_write, write_json
+from model.errors import ConfigError, DataError, RefusedError
+from model.fileio import atomic_write, read_json_object, write_json
 from model.predictor import load_pretrained_pair, load_trained_pair, read_predictor_info
 
 log = logging.getLogger("finetune_csv.walk_forward")
@@ -177,20 +176,46 @@ def best_candidate(frame: pd.DataFrame) -> dict:
             + f"); against {rival}: {test['reason']}"}
 
 
-def _fingerprint(cfg: CsvFinetuneConfig, fold: Fold, manifest: dict) -> str:
-    """What a fold's results depend on: settings (not paths / run flags), its index ranges and the data files."""
-    settings = config_to_dict(cfg)
-    settings.pop("paths")
-    settings["training"].pop("overwrite")
-    settings["training"].pop("resume")
-    settings["model"].pop("pretraining_cutoff")  # decides which folds the verdict reads, not a fold's scores
-    for key in ("bootstrap_samples", "bootstrap_block"):
-        settings["forecast"].pop(key)
+def _fingerprint(cfg: CsvFinetuneConfig, fold: Fold, manifest: dict) -> dict[str, str | None]:
+    """What a fold's results depend on (finetune/utils/fingerprint.py), part by part so a change is named: the
+    training, forecast and walk-forward settings, its index ranges, the data files' and the starting models' content
+    (never their paths)."""
     ranges = [getattr(getattr(fold, s), a).tolist() for s in ("train", "val", "test")
               for a in ("start", "first_target", "stop")]
-    files = [f.get("sha256") for f in manifest.get("sources", [])]
-    text = json.dumps([settings, ranges, files], sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    parts = {"settings": [training_settings(cfg), forecast_settings(cfg), config_to_dict(cfg.walk_forward)],
+             "ranges": ranges, "data": [f.get("sha256") for f in manifest.get("sources", [])]}
+    models = {f"model.{k}": model_fingerprint(getattr(cfg.model, k)) for k in ("pretrained_tokenizer",
+                                                                               "pretrained_predictor")}
+    return {**{k: digest(v)[:16] for k, v in parts.items()}, **models}
+
+
+def _reuse_fold(folder: Path, fingerprint: dict, report_only: bool, overwrite: bool) -> dict | None:
+    """The fold in `folder`: its fold.json record when it is current (made with `fingerprint`, and its windows.csv
+    the bytes it recorded), else None: score it again (after deleting the folder under `overwrite`). Refused
+    (RefusedError): a fold of other settings or data without `overwrite`, and under `report_only` any fold that is
+    not current."""
+    done, rows = folder / "fold.json", folder / "windows.csv"
+    info = read_json_object(done) if done.is_file() else None
+    old = (info or {}).get("fingerprint")  # a string in a fold.json of an older version
+    other = "" if info is None or old == fingerprint else ", ".join(
+        k for k in fingerprint if isinstance(old, dict) and old.get(k) != fingerprint[k]) or "settings or data"
+    why = "it holds no finished fold" if info is None else f"its fold was made with other {other}" if other \
+        else None if rows.is_file() and sha256_file(rows) == info.get("windows_sha256") else \
+        "its windows.csv is not the one fold.json recorded (damaged, edited, or written before it was hashed)"
+    if why is None and (report_only or not overwrite):
+        return info
+    if report_only:
+        raise RefusedError(f"--report-only: {folder} holds no fold finished with these settings and data ({why}); "
+                           "run without --report-only (with --overwrite to redo folds of other settings)")
+    if other and not overwrite:
+        raise RefusedError(f"{folder} holds a finished fold made with other {other}; pass "
+                           "--overwrite to redo every fold, or choose another paths.base_dir")
+    if overwrite and folder.exists():
+        log.warning("--overwrite: replacing %s", folder)
+        shutil.rmtree(folder)
+    elif info is not None:
+        log.warning("%s: %s; scoring the fold again", folder, why)
+    return None
 
 
 def run_walk_forward(cfg: CsvFinetuneConfig, overwrite: bool = False, report_only: bool = False) -> dict:
@@ -217,7 +242,7 @@ def run_walk_forward(cfg: CsvFinetuneConfig, overwrite: bool = False, report_onl
         for fold in folds:
             folder = out / f"fold_{fold.index}"
             fp = _fingerprint(cfg, fold, data.store.manifest)
-            info = reuse_fold(folder, fp, report_only, overwrite)  # the ledger: current, or refused, or None
+            info = _reuse_fold(folder, fp, report_only, overwrite)  # current, or refused, or None
             if info is not None:
                 log.info("fold %d of 0..%d: finished before (%s), skipped", fold.index, len(folds) - 1, folder)
             else:
@@ -234,7 +259,7 @@ def run_walk_forward(cfg: CsvFinetuneConfig, overwrite: bool = False, report_onl
         return _report(cfg, out, pd.concat(rows, ignore_index=True), meta, test_bars, purge)
 
 
-def _run_fold(cfg: CsvFinetuneConfig, fold: Fold, folder: Path, fp: str) -> dict:
+def _run_fold(cfg: CsvFinetuneConfig, fold: Fold, folder: Path, fp: dict) -> dict:
     """Finetune (resuming an interrupted stage) and score one fold; write its windows.csv, then fold.json."""
     t0 = time.monotonic()
     # The fold's run: its own stage folders under `folder`, the run's data store, finished stages kept.
@@ -249,7 +274,7 @@ def _run_fold(cfg: CsvFinetuneConfig, fold: Fold, folder: Path, fp: str) -> dict
     atomic_write(folder / "windows.csv", lambda p: frame.to_csv(p, index=False))
     dates = fold_dates(fold)
     record = {
-        "fold": fold.index, **dates, "fingerprint": fp,
+        "fold": fold.index, **dates, "fingerprint": fp, "windows_sha256": sha256_file(folder / "windows.csv"),
         "windows": {"train": info["splits"]["train"]["windows"], "val": info["splits"]["val"]["windows"],
                     "test": int((frame.candidate == "finetuned").sum())},
         "trained": ", ".join(f"{s} {reused.get(s) or f'skipped ({why})'}" for s, why in plan.items()),
@@ -266,8 +291,8 @@ def _report(cfg: CsvFinetuneConfig, out: Path, frame: pd.DataFrame, meta: list[d
     excluded = {r["fold"] for r in meta if cutoff is not None and pd.Timestamp(r["test_start"]) < cutoff}
     frame["in_verdict"] = ~frame["fold"].isin(excluded)
     used = frame[frame.in_verdict]
-    folds = [{**{k: v for k, v in r.items() if k != "fingerprint"}, "purge": purge, "embargo": w.embargo,
-              "before_pretraining_cutoff": r["fold"] in excluded} for r in meta]
+    folds = [{**{k: v for k, v in r.items() if k not in ("fingerprint", "windows_sha256")}, "purge": purge,
+              "embargo": w.embargo, "before_pretraining_cutoff": r["fold"] in excluded} for r in meta]
     report = {"settings": {"folds": w.folds, "test_bars": test_bars, "purge": purge, "embargo": w.embargo,
                            "candidates": list(w.candidates), "lookback": cfg.data.lookback, "predict": cfg.data.predict,
                            "samples": f.sample_count, "pretraining_cutoff": cfg.model.pretraining_cutoff},

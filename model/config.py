@@ -5,6 +5,7 @@ constructor would reject or that cannot be allocated sanely, so configs and untr
 before any tensor exists."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -38,8 +39,28 @@ class Window:
         return self.lookback + self.predict
 
     def info(self) -> dict[str, Any]:
-        """The window as kronos_predictor.json records it."""
+        """The one saved form of a window: kronos_predictor.json's keys, a checkpoint's "window"."""
         return {"max_context": self.size, "lookback": self.lookback, "clip": self.clip}
+
+    @classmethod
+    def from_saved(cls, saved: Mapping[str, Any] | None) -> Window | None:
+        """The window a file records: `info()`'s form, or a checkpoint's older {lookback, predict, clip}; None when it
+        records none. A missing clip is the default one (files written before it was recorded)."""
+        saved = saved or {}
+        if "lookback" not in saved or not ("predict" in saved or "max_context" in saved):
+            return None
+        predict = saved["predict"] if "predict" in saved else saved["max_context"] - saved["lookback"]
+        return cls(int(saved["lookback"]), int(predict), float(saved.get("clip", cls.clip)))
+
+    def differences(self, recorded: Window | None, keys: tuple[str, ...] = ("lookback", "predict", "clip")
+                    ) -> list[tuple[str, Any, Any]]:
+        """(setting, recorded, now) for each of `keys` where `recorded` (what a model was trained on) differs from
+        this window: the one compatibility check (a resume and a finished run compare all three; a forecast may
+        use another horizon, so it compares lookback and clip)."""
+        if recorded is None:
+            return []
+        return [(f"data.{k}", getattr(recorded, k), getattr(self, k)) for k in keys
+                if getattr(recorded, k) != getattr(self, k)]
 
 
 @dataclass

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from finetune.utils.config_utils import Problems
-from finetune.utils.store import file_fingerprint
+from finetune.utils.fingerprint import file_fingerprint
 from finetune_csv.config import DataConfig
 from finetune_csv.sources import check_float32_range
 from finetune_csv.splits import split_bounds, too_short_problems

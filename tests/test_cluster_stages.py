@@ -13,7 +13,8 @@ import pytest
 
 from finetune.utils.checkpoint import load_latest
 from finetune.utils.errors import run_main
-from finetune.utils.ledger import stage_resume, stage_status
+from finetune.utils.ledger import stage_status
+from finetune.utils.stages import stage_resume
 from finetune_csv import train_sequential
 from finetune_csv.config import load
 from finetune_csv.pipeline import CsvPipeline

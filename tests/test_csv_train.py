@@ -20,8 +20,9 @@ import torch
 import yaml
 
 from finetune.synthetic import generate_ohlcv, write_csv_folder
-from finetune.utils.ledger import plan_stages, stage_status
+from finetune.utils.ledger import stage_status
 from finetune.utils.schema import STAGES
+from finetune.utils.stages import plan_stages
 from finetune_csv import train_sequential
 from finetune_csv.config import load
 from finetune_csv.forecast import run_forecast

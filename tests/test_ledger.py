@@ -117,7 +117,7 @@ def test_report_only_refuses_a_cut_windows_csv_and_a_rerun_rescores_it(run_confi
     rows = tmp_path / "out/wf/walk_forward/fold_0/windows.csv"
     lines = rows.read_text().splitlines(keepends=True)
     rows.write_text("".join(lines[: len(lines) // 2]))
-    with pytest.raises(RefusedError, match=r"--report-only: .*fold_0 .*windows.csv does not hold"):
+    with pytest.raises(RefusedError, match=r"--report-only: .*fold_0 .*windows.csv is not the one fold.json recorded"):
         wf.main(["--config", str(run_config), "--report-only"])
     assert run_main(wf.main, ["--config", str(run_config)]) == 0
     assert _report(tmp_path / "out") == expected
@@ -236,3 +236,127 @@ def test_forecasts_after_a_stop_before_calibration_say_so_and_other_data_goes_be
     beside = [p for p in (out / "forecast").iterdir() if p.is_dir() and p.name.startswith("data_")]
     assert len(beside) == 1 and (beside[0] / "metrics.json").is_file()
     assert f"written: {beside[0]}/" in capsys.readouterr().out
+
+
+# ---- issue 44: every input in the fingerprint, one rule for every path
+def test_every_training_setting_has_a_resume_class():
+    """A setting added to TrainingConfig without a class would be compared by nobody (issue 40 item 5)."""
+    from dataclasses import fields
+
+    from finetune.utils.schema import RESUME_CLASS, TrainingConfig
+
+    assert set(RESUME_CLASS) == {f.name for f in fields(TrainingConfig)}
+    assert RESUME_CLASS["deterministic"] == "may_change" and RESUME_CLASS["num_workers"] == "irrelevant"
+
+
+@pytest.mark.slow
+def test_a_changed_optimisation_setting_is_named_with_and_without_skip_existing(tmp_path, caplog):
+    """Issue 44 cause 2: a finished run made with another weight decay is not current: a plain run refuses it by
+    name (nothing deleted), --skip-existing (rebuild_changed) retrains it by name; both end as a fresh run would."""
+    from dataclasses import replace
+
+    from finetune.utils.training_utils import train_tokenizer
+    from model.errors import ConfigError
+    from tests.test_safety_engine import CFG, CPU, tiny_datasets, tiny_tokenizer
+
+    train_set, val_set = tiny_datasets()
+    cfg = replace(CFG, epochs=1)
+    first = train_tokenizer(tiny_tokenizer(), train_set, val_set, cfg, tmp_path / "a", CPU)
+    weights = (first.best_model_dir / "model.safetensors").read_bytes()
+    changed = replace(cfg, weight_decay=0.05)
+    with pytest.raises(ConfigError, match=r"training\.weight_decay: the run was made with 0\.1, the config now says "
+                                          r"0\.05"):
+        train_tokenizer(tiny_tokenizer(), train_set, val_set, changed, tmp_path / "a", CPU)
+    assert (first.best_model_dir / "model.safetensors").read_bytes() == weights  # kept
+    again = train_tokenizer(tiny_tokenizer(), train_set, val_set, changed, tmp_path / "a", CPU, rebuild_changed=True)
+    assert not again.skipped and "no longer current (training.weight_decay: 0.1 -> 0.05)" in caplog.text
+    fresh = train_tokenizer(tiny_tokenizer(), train_set, val_set, changed, tmp_path / "b", CPU)
+    assert (again.best_model_dir / "model.safetensors").read_bytes() == \
+        (fresh.best_model_dir / "model.safetensors").read_bytes() != weights
+    assert train_tokenizer(tiny_tokenizer(), train_set, val_set, changed, tmp_path / "a", CPU).skipped  # current
+
+
+@pytest.mark.slow
+def test_changed_starting_weights_in_place_or_elsewhere_are_named_never_reused(tmp_path, capsys, one_thread):
+    """Issue 44 cause 1: model.pretrained_predictor overwritten in place, then pointed at other weights: a plain run
+    refuses the finished predictor naming the start (its weights kept), --skip-existing retrains it, as a fresh run
+    on the new start would."""
+    from tests.model_factory import tiny_predictor, tiny_tokenizer
+
+    tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    tiny_predictor().save_pretrained(tmp_path / "pred")
+    common = ["--set", f"model.pretrained_tokenizer={tmp_path / 'tok'}", "--set", "tokenizer_training.epochs=0"]
+    start = ["--set", f"model.pretrained_predictor={tmp_path / 'pred'}"]
+    config = make_run(tmp_path)
+    assert run(config, *common, *start) == 0
+    best = tmp_path / "out/tiny/basemodel/best_model/model.safetensors"
+    old = best.read_bytes()
+    tiny_predictor(seed=7).save_pretrained(tmp_path / "pred")  # overwritten in place
+    capsys.readouterr()
+    assert run(config, *common, *start) == 5
+    err = capsys.readouterr().err
+    assert "the starting weights changed (model.pretrained_predictor" in err and best.read_bytes() == old
+    assert run(config, *common, *start, "--skip-existing") == 0
+    assert "no longer current (the starting weights changed" in capsys.readouterr().err
+    fresh = make_run(tmp_path / "fresh")
+    assert run(fresh, *common, *start) == 0
+    assert best.read_bytes() == (tmp_path / "fresh/out/tiny/basemodel/best_model/model.safetensors").read_bytes()
+    tiny_predictor().save_pretrained(tmp_path / "elsewhere")  # pointed at other (the first) weights
+    assert run(config, *common, "--set", f"model.pretrained_predictor={tmp_path / 'elsewhere'}") == 5
+    assert "the starting weights changed (model.pretrained_predictor" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_moved_identical_data_folder_is_the_same_data(tmp_path, caplog, one_thread):
+    """Issue 44: fingerprints hold content, not resolved paths: the finished run is reused after the folder moved."""
+    config = make_run(tmp_path)
+    assert run(config) == 0
+    before = outputs(tmp_path)
+    (tmp_path / "data").rename(tmp_path / "moved")
+    caplog.clear()
+    assert run(config, "--set", f"data.path={tmp_path / 'moved'}") == 0
+    assert caplog.text.count("already holds a finished run; skipping it") == 2
+    assert outputs(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_a_qlib_source_rebuilt_in_place_is_noticed(tmp_path):
+    """Issue 44 cause 5: a new market written to the same qlib_data_path: the splits made from the old one are
+    named as stale (the walk-forward then preprocesses again) instead of being scored against the new labels."""
+    pytest.importorskip("qlib")
+    from finetune.config import load as load_qlib
+    from finetune.dataset import check_processed
+    from finetune.qlib_builder import build_qlib_provider
+    from finetune.qlib_data_preprocess import preprocess
+    from finetune.synthetic import generate_ohlcv
+    from finetune.utils.config_utils import Problems
+    from tests.test_qlib_pipeline import tiny_config
+
+    market = lambda seed: generate_ohlcv(4, None, "1D", start="2021-01-04", end="2022-06-30", seed=seed)  # noqa: E731
+    build_qlib_provider(market(3), tmp_path / "qlib", universe="csi300", benchmark="SH000300")
+    cfg = load_qlib(tiny_config(tmp_path))
+    preprocess(cfg)
+    problems = Problems()
+    check_processed(cfg, ("train", "val", "test"), problems)
+    assert not problems
+    build_qlib_provider(market(4), tmp_path / "qlib", universe="csi300", benchmark="SH000300", overwrite=True)
+    check_processed(cfg, ("train", "val", "test"), problems)
+    assert len(problems.items) == 1 and problems.items[0].startswith("data.qlib_data_path: its content changed")
+
+
+def test_a_fold_names_the_changed_part_and_a_windows_csv_edit_keeping_count_and_means_is_caught(tmp_path, caplog):
+    """Issue 44 causes 1 and 4 in the CSV walk-forward: fold.json's fingerprint part by part (a new starting model is
+    named), windows.csv checked by its bytes (two CRPS values swapped keep the count and every mean)."""
+    from model.fileio import write_json
+
+    folder = tmp_path / "fold_0"
+    folder.mkdir()
+    (folder / "windows.csv").write_text("candidate,crps\nfinetuned,0.1\nfinetuned,0.2\n")
+    fp = {"settings": "s", "ranges": "r", "data": "d", "model.pretrained_predictor": "a"}
+    write_json(folder / "fold.json", {"fingerprint": fp, "windows_sha256": wf.sha256_file(folder / "windows.csv")})
+    assert wf._reuse_fold(folder, fp, report_only=False, overwrite=False)["fingerprint"] == fp
+    with pytest.raises(RefusedError, match=r"made with other model\.pretrained_predictor; pass --overwrite"):
+        wf._reuse_fold(folder, {**fp, "model.pretrained_predictor": "b"}, report_only=False, overwrite=False)
+    (folder / "windows.csv").write_text("candidate,crps\nfinetuned,0.2\nfinetuned,0.1\n")
+    assert wf._reuse_fold(folder, fp, report_only=False, overwrite=False) is None
+    assert "windows.csv is not the one fold.json recorded" in caplog.text

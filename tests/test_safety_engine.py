@@ -46,7 +46,6 @@ class Poisoned:
 
     def __init__(self, inner, at: int, action: str):
         self.inner, self.at, self.action, self.calls = inner, at, action, 0
-        self.window = inner.window  # the windows are the inner dataset's
 
     def __len__(self):
         return len(self.inner)
@@ -102,7 +101,7 @@ def test_sigterm_saves_and_stops_and_the_rerun_resumes_to_the_same_weights(tmp_p
         train_tokenizer(tok, train_set, val_set, replace(CFG, resume="never"), tmp_path, CPU, data_info=DATA)
 
     with caplog.at_level(logging.INFO, logger="finetune.utils"):
-        result = train_tokenizer(tiny_tokenizer(seed=5), train_set, val_set, CFG, tmp_path, CPU, data_info=DATA)
+        result = train_tokenizer(tiny_tokenizer(), train_set, val_set, CFG, tmp_path, CPU, data_info=DATA)
     assert any("holds an unfinished run: resuming it" in r.getMessage() for r in caplog.records)
     whole_weights, whole = uninterrupted
     assert result.resumed_from == tmp_path / "checkpoints/step-00000003.pt" and result.global_step == 8
@@ -177,7 +176,7 @@ def test_nan_batch_stops_before_the_update_and_a_resume_may_lower_the_lr(tmp_pat
 
     lower = replace(cfg, lr=5e-4, weight_decay=0.05, clip_grad_norm=1.0)
     with caplog.at_level(logging.INFO, logger="finetune.utils"):
-        result = train_tokenizer(tok, train_set, val_set, lower, tmp_path, CPU)
+        result = train_tokenizer(tiny_tokenizer(), train_set, val_set, lower, tmp_path, CPU)
     changed = next(r.getMessage() for r in caplog.records if "settings changed" in r.getMessage())
     assert "training.lr: 0.001 -> 0.0005" in changed and "training.weight_decay: 0.1 -> 0.05" in changed
     assert "training.clip_grad_norm: None -> 1.0" in changed
@@ -404,16 +403,20 @@ def test_a_divergence_names_the_stage_section_that_sets_the_lr(tmp_path):
 
 
 def test_windows_cut_or_normalised_otherwise_are_refused_by_name_on_resume_and_on_a_finished_run(tmp_path):
-    # A new clip keeps every row and window count (data_info is the same): only the recorded window tells.
+    # A new clip keeps every row and window count (data_info is the same): only the recorded window tells. The
+    # window is given to the Trainer, so a dataset wrapper (Poisoned has no `window`) keeps the guard.
     train_set, val_set = tiny_datasets()
-    clipped = WindowDataset(train_set.panel, Window(train_set.window.lookback, train_set.window.predict, 3.0))
+    window = train_set.window
+    clipped = WindowDataset(train_set.panel, Window(window.lookback, window.predict, 3.0))
     cfg = replace(CFG, save_every_steps=1)
     with pytest.raises(DivergenceError):  # an unfinished run, stopped at step 3
-        train_tokenizer(tiny_tokenizer(), Poisoned(train_set, 3, "nan"), val_set, cfg, tmp_path / "a", CPU)
+        train_tokenizer(tiny_tokenizer(), Poisoned(train_set, 3, "nan"), val_set, cfg, tmp_path / "a", CPU,
+                        window=window)
     with pytest.raises(ConfigError, match=r"data\.clip: the checkpoint's windows were made with 5\.0, the config now "
                                           r"says 3\.0"):
-        train_tokenizer(tiny_tokenizer(), clipped, val_set, cfg, tmp_path / "a", CPU)
-    train_tokenizer(tiny_tokenizer(), train_set, val_set, CFG, tmp_path / "b", CPU)  # finished
+        train_tokenizer(tiny_tokenizer(), Poisoned(clipped, 0, "nan"), val_set, cfg, tmp_path / "a", CPU,
+                        window=clipped.window)
+    train_tokenizer(tiny_tokenizer(), train_set, val_set, CFG, tmp_path / "b", CPU, window=window)  # finished
     with pytest.raises(ConfigError, match=r"holds a finished tokenizer run made with other settings(.|\n)*data\.clip"):
-        train_tokenizer(tiny_tokenizer(), clipped, val_set, CFG, tmp_path / "b", CPU)
-    assert train_tokenizer(tiny_tokenizer(), train_set, val_set, CFG, tmp_path / "b", CPU).skipped  # same window
+        train_tokenizer(tiny_tokenizer(), clipped, val_set, CFG, tmp_path / "b", CPU, window=clipped.window)
+    assert train_tokenizer(tiny_tokenizer(), train_set, val_set, CFG, tmp_path / "b", CPU, window=window).skipped

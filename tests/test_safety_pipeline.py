@@ -8,8 +8,8 @@ import json
 import pytest
 
 import finetune_csv.config as csv_config
-from finetune.utils.ledger import plan_stages
 from finetune.utils.schema import STAGES
+from finetune.utils.stages import plan_stages
 from finetune_csv.pipeline import CsvPipeline
 from tests.model_factory import tiny_tokenizer
 

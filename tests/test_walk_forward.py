@@ -206,7 +206,7 @@ def test_report_and_windows_csv_agree_and_a_rerun_skips_finished_folds(run_confi
     assert not pd.read_csv(out / "windows.csv").query("fold == 0").in_verdict.any()
 
     # other settings are refused without --overwrite, and redone with it
-    with pytest.raises(RefusedError, match="--overwrite"):
+    with pytest.raises(RefusedError, match="made with other settings; pass --overwrite"):  # named part by part
         wf.main(["--config", str(run_config), "--set", "forecast.sample_count=3"])
     for flags in (["--report-only"], ["--report-only", "--overwrite"]):  # it never reports (or redoes) such folds
         with pytest.raises(RefusedError, match="--report-only: .* no fold finished with these settings"):

@@ -52,6 +52,7 @@ class Checkpoint(TypedDict):
     data_info: dict[str, Any] | None  # what defines the data, and its `data_fingerprint`
     data_fingerprint: str | None
     frozen_fingerprint: str | None  # `weights_fingerprint` of the frozen tokenizer (predictor stage)
+    start_fingerprint: str | None  # `weights_fingerprint` of the model before its first step; absent before
     threads: int  # torch's intra-op threads (a resume uses as many: CPU sums depend on it); absent before
     window: dict[str, Any] | None  # the training windows' lookback, predict, clip (data.*); absent before
 

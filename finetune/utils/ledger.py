@@ -1,15 +1,13 @@
 """The ledger: every reuse decision, in one place (after DVC's dvc.lock and torchtitan's checkpointer). "Is this
 artifact current for these inputs?": reuse; rebuild (the log says which input changed); refuse (damaged, or a change
-only the user may accept). Asked of it: a stage folder (`open_stage`: fresh / resume / reuse / rebuild / refuse),
-which stages run (`plan_stages`, `stage_resume`), a walk-forward fold (`reuse_fold`), a forecast's data
-(`other_data_key`), a file such as Qlib's signals.csv (`check_record` against its `write_record`).
+only the user may accept). Asked of it: a stage folder (`open_stage`: fresh / resume / reuse / rebuild / refuse,
+from the Trainer's `StageInputs`), a forecast's data (`other_data_key`), a file such as Qlib's signals.csv
+(`check_record` against its `write_record`). What it compares is fingerprinted by finetune/utils/fingerprint.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -17,23 +15,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-import numpy as np
-import pandas as pd
-
 import finetune.utils.checkpoint as checkpoint_store
-from finetune.utils import adapters
 from finetune.utils.config_utils import Problems, config_to_dict, plain
 from finetune.utils.distributed import DistInfo, all_gather_object
 from finetune.utils.errors import StageFolderError
+from finetune.utils.fingerprint import data_fingerprint, digest, sha256_file, without_places
 from finetune.utils.metrics import flatten_params
-from finetune.utils.schema import STAGES, stage_key
-from model.errors import ConfigError, DataError, RefusedError
+from finetune.utils.schema import RESUME_CLASS, TrainingConfig, stage_key
+from model.config import Window
+from model.errors import ConfigError, DataError
 from model.fileio import read_json_object, write_json
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-NOT_IN_RUN = "not this run's stage"
-SKIP_EXISTING = "--skip-existing"  # a plan entry starting so: the finished stage is reused while current
 
 RUN_OUTPUTS = ("checkpoints", "best_model", "metrics.jsonl", "loss_curve.png", "run_info.json", "tensorboard")
 """What a run writes into its stage folder (what training.overwrite deletes); nothing else is touched."""
@@ -152,64 +146,86 @@ def remove_outputs(folder: str | Path, names: tuple[str, ...]) -> None:
         else:
             p.unlink(missing_ok=True)
 
-# Settings a checkpoint cannot be resumed with if changed: they fix the data order, the step count or shapes.
-RESUME_KEYS = ("epochs", "batch_size", "accumulation_steps", "seed", "max_train_samples", "finetune_mode",
-               "lora_rank", "lora_alpha", "lora_targets", "trainable")
-# Optimisation settings a resume may change (e.g. a lower lr after a divergence); each change is reported.
-CHANGEABLE_KEYS = ("lr", "pct_start", "div_factor", "final_div_factor", "betas", "weight_decay", "clip_grad_norm",
-                   "amp", "compile", "patience", "min_delta", "teacher_forcing", "max_val_samples", "select_by",
-                   "lora_dropout")
+@dataclass(frozen=True)
+class StageInputs:
+    """What a stage's run is made from, as the Trainer gives it: what each checkpoint records (`record`) and what
+    the ledger compares with it. Fingerprints are `finetune/utils/fingerprint.py`'s (content, not place)."""
+
+    stage: str
+    out: Path  # the stage's output folder
+    cfg: TrainingConfig  # the stage's resolved loop settings
+    run_config: dict[str, Any]  # the pipeline's resolved config (names a setting by the key that sets it)
+    model_args: dict[str, Any]  # the trained model's constructor arguments
+    world_size: int
+    window: Window | None = None  # how the windows are cut and normalised (not in data_info: the same rows)
+    data_info: dict[str, Any] | None = None  # what defines the data
+    frozen: str | None = None  # weights_fingerprint of the frozen model the loss depends on (predictor: tokenizer)
+    start: str | None = None  # weights_fingerprint of the model before its first step (model.pretrained_<stage>)
+
+    def record(self) -> dict[str, Any]:
+        """The checkpoint's entries that describe these inputs."""
+        return {"stage": self.stage, "model_args": self.model_args, "world_size": self.world_size,
+                "training_config": config_to_dict(self.cfg), "run_config": plain(self.run_config),
+                "data_info": plain(self.data_info), "data_fingerprint": data_fingerprint(plain(self.data_info)),
+                "frozen_fingerprint": self.frozen, "start_fingerprint": self.start,
+                "window": None if self.window is None else self.window.info()}
+
+    def key(self, name: str) -> str:
+        return stage_key(self.run_config, self.stage, name)
 
 
-def check_resume_compatible(saved: checkpoint_store.Checkpoint, t: Any, path: Path, finished: bool = False
-                            ) -> list[str]:
-    """Raise one ConfigError listing every setting of the Trainer `t` (its cfg, world size, stage, model_args(), its
-    windows' lookback / predict / clip) that cannot differ from the checkpoint `saved` (loaded from `path`); return
-    'key: old -> new' for each changeable optimisation setting that did change. With the pipeline's resolved
-    `t.run_config`, a setting its `<stage>_training:` section sets is named by that key (`predictor_training.epochs`),
-    else `training.<name>`.
-    `finished`: `saved` is the final checkpoint of a finished run that a re-run would otherwise skip."""
-    cfg, stage, model_args, run_config = t.cfg, t.stage.name, t.model_args(), t.run_config
-    title = (f"{path.parent.parent} holds a finished {stage} run made with other settings; nothing was trained"
-             if finished else f"Cannot resume from {path}")
-    problems = Problems(title)
+def setting_changes(saved: checkpoint_store.Checkpoint, inputs: StageInputs
+                    ) -> tuple[Problems, list[tuple[str, Any, Any]]]:
+    """What differs between the settings `saved` was made with and `inputs`': (one problem per setting a resume
+    cannot change: schema.RESUME_CLASS "match", the model, the windows, the stage, the world size; (key, old, new)
+    for each "may_change" setting that changed). A setting the checkpoint lacks (an older file) is not compared."""
+    problems, changed, stage = Problems(), [], inputs.stage
     if saved.get("stage") != stage:
         problems.add("training.resume", f"the checkpoint is from the {saved.get('stage')} stage, not {stage}")
-    for key in sorted(set(model_args) | set(saved.get("model_args", {}))):
-        if saved.get("model_args", {}).get(key) != model_args.get(key):
-            problems.add(f"model.{key}", f"the checkpoint's model has {saved['model_args'].get(key)!r}, "
-                                         f"this one {model_args.get(key)!r}")
+    old_args, new_args = saved.get("model_args", {}), inputs.model_args
+    for key in sorted(set(new_args) | set(old_args)):
+        problems.check(old_args.get(key) == new_args.get(key), f"model.{key}",
+                       f"the checkpoint's model has {old_args.get(key)!r}, this one {new_args.get(key)!r}")
     old = saved.get("training_config", {})
-    for key in RESUME_KEYS:
-        new_value = config_to_dict(getattr(cfg, key))
-        if key in old and old[key] != new_value:
-            problems.add(stage_key(run_config, stage, key),
-                         f"the checkpoint was made with {old[key]!r}, the config now says {new_value!r}")
-    window = t.data_window() or {}  # how the windows are cut and normalised: not in data_info (the same rows)
-    for key, was in (saved.get("window") or {}).items():  # absent from checkpoints written before it was recorded
-        problems.check(window.get(key, was) == was, f"data.{key}",
-                       f"the checkpoint's windows were made with {was!r}, the config now says {window.get(key)!r}")
-    if saved.get("world_size") != t.dist.world_size:
+    for key, kind in RESUME_CLASS.items():
+        now = config_to_dict(getattr(inputs.cfg, key))
+        if kind == "irrelevant" or key not in old or plain(old[key]) == plain(now):
+            continue
+        if kind == "match":
+            problems.add(inputs.key(key), f"the checkpoint was made with {old[key]!r}, the config now says {now!r}")
+        else:
+            changed.append((inputs.key(key), old[key], now))
+    if inputs.window is not None:
+        for key, was, now in inputs.window.differences(Window.from_saved(saved.get("window"))):
+            problems.add(key, f"the checkpoint's windows were made with {was!r}, the config now says {now!r}")
+    if saved.get("world_size") != inputs.world_size:
         problems.add("(torchrun --nproc_per_node)",
-                     f"the checkpoint was made with {saved.get('world_size')} processes, now {t.dist.world_size}")
-    if problems:
-        problems.add("training.overwrite", "set it to true (--overwrite) to train this stage again from the start "
-                                           "with the new settings, or use a new output folder")
-    problems.raise_if_any()
-    changed = []
-    for key in CHANGEABLE_KEYS:
-        new_value = plain(getattr(cfg, key))
-        if key in old and plain(old[key]) != new_value:
-            changed.append(f"{stage_key(run_config, stage, key)}: {old[key]!r} -> {new_value!r}")
-    return changed
+                     f"the checkpoint was made with {saved.get('world_size')} processes, now {inputs.world_size}")
+    return problems, changed
 
 
-def data_fingerprint(data_info: dict[str, Any] | None) -> str | None:
-    """sha256 of `data_info` as canonical JSON (None without data_info)."""
-    if data_info is None:
-        return None
-    canonical = json.dumps(data_info, sort_keys=True, default=str, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
+def input_changes(saved: checkpoint_store.Checkpoint, inputs: StageInputs, compare_data: bool = True) -> list[str]:
+    """What changed among the inputs that are not loop settings: the data (`data_info` without its paths: a moved
+    but identical folder is the same data) and the `data:` settings, the frozen model, the starting weights. Empty
+    when none did, or when the checkpoint predates what it would compare."""
+    changes = []
+    if compare_data and saved.get("data_fingerprint") is not None \
+            and data_fingerprint(saved.get("data_info")) != data_fingerprint(inputs.data_info):
+        diff = describe_changes(without_places(saved.get("data_info")), without_places(inputs.data_info))
+        changes.append("the training data changed: " + "; ".join(diff or ["(the data description differs)"]))
+    # How the data is read (column mapping, adjustment, candle rules): the same files may give other values.
+    old_data, new_data = (without_places((c or {}).get("data")) for c in (saved.get("run_config"), inputs.run_config))
+    if compare_data and old_data and new_data and old_data != new_data:
+        changes.append("the data settings changed: " + "; ".join(describe_changes(old_data, new_data)))
+    old_frozen = saved.get("frozen_fingerprint")
+    if old_frozen is not None and old_frozen != inputs.frozen:
+        changes.append(f"the frozen tokenizer's weights changed (or, in lora / freeze, the base predictor's; sha256 "
+                       f"{old_frozen[:12]} -> {str(inputs.frozen)[:12]})")
+    old_start = saved.get("start_fingerprint")
+    if old_start is not None and old_start != inputs.start:
+        changes.append(f"the starting weights changed (model.pretrained_{inputs.stage} or its content; sha256 "
+                       f"{old_start[:12]} -> {str(inputs.start)[:12]})")
+    return changes
 
 
 def describe_changes(old: dict[str, Any] | None, new: dict[str, Any] | None, limit: int = 8) -> list[str]:
@@ -218,28 +234,6 @@ def describe_changes(old: dict[str, Any] | None, new: dict[str, Any] | None, lim
     diffs = [f"{k}: {a.get(k, '(absent)')!r} -> {b.get(k, '(absent)')!r}" for k in sorted(set(a) | set(b))
              if a.get(k, "(absent)") != b.get(k, "(absent)")]
     return diffs[:limit] + ([f"... and {len(diffs) - limit} more"] if len(diffs) > limit else [])
-
-
-def check_data(saved: dict, data_info: dict[str, Any] | None, frozen_fp: str | None, accept: bool,
-               path: Path) -> list[str]:
-    """Compare the checkpoint's data fingerprint and frozen-model hash with this run's.
-
-    Returns the changes found (empty when none, or when the checkpoint predates fingerprints); raises a
-    ConfigError naming them unless `accept` (training.accept_changed_data)."""
-    changes = []
-    old_fp = saved.get("data_fingerprint")
-    if old_fp is not None and old_fp != data_fingerprint(data_info):
-        diff = describe_changes(saved.get("data_info"), data_info) or ["(the data description differs)"]
-        changes.append("the training data changed: " + "; ".join(diff))
-    old_frozen = saved.get("frozen_fingerprint")
-    if old_frozen is not None and old_frozen != frozen_fp:
-        changes.append(f"the frozen tokenizer's weights changed (or, in lora / freeze, the base predictor's; sha256 "
-                       f"{old_frozen[:12]} -> {str(frozen_fp)[:12]})")
-    if changes and not accept:
-        raise ConfigError([f"training.accept_changed_data: {c}; set it to true to resume anyway (recorded in "
-                           "run_info.json), or training.overwrite=true to start over" for c in changes],
-                          title=f"Cannot resume from {path}")
-    return changes
 
 
 def on_main(fn: Callable[[], T], dist: DistInfo) -> T:
@@ -282,126 +276,82 @@ def load_for_resume(plan: RunPlan, dist: DistInfo, log: Callable[[str], None]
     return found if dist.is_main else (Path(path), checkpoint_store.load_checkpoint(path, map_location=dist.device))
 
 
-def open_stage(t: Any, rebuild_changed: bool = False) -> RunPlan:
-    """Take the Trainer `t`'s stage folder (rank 0 locks it, deletes replaced outputs and leftovers of killed
-    writes) and decide, on every rank: fresh, resume (the checkpoint checked: settings that cannot change, data,
-    frozen weights), or a finished run reused only while it is current. A run whose settings, data or frozen
-    tokenizer changed is trained again with one warning naming the change when `rebuild_changed` (--skip-existing,
-    walk-forward folds), else refused (StageFolderError / ConfigError, exit 5)."""
+def open_stage(inputs: StageInputs, lock: Any, dist: DistInfo, rebuild_changed: bool = False) -> RunPlan:
+    """Take the stage folder `inputs.out` (rank 0 takes `lock`, deletes replaced outputs and leftovers of killed
+    writes) and decide, on every rank: fresh, resume, or a finished run reused. The one rule for every path: a
+    checkpoint is current while every setting, the data, the frozen and the starting weights are the ones it was
+    made with. A resume continues with changed "may_change" settings (named); a run that is not current is trained
+    again with one warning naming what changed when `rebuild_changed` (--skip-existing, walk-forward folds and
+    periods), else refused naming it (StageFolderError / ConfigError), so a plain run never reuses it silently and
+    never deletes it unasked. training.accept_changed_data keeps it although its data or weights changed."""
+    cfg, out, stage = inputs.cfg, inputs.out, inputs.stage
 
     def decide() -> RunPlan:
-        t.lock.acquire()
-        plan = plan_run(t.out, t.cfg.resume, t.cfg.overwrite, t.stage.name)
+        lock.acquire()
+        plan = plan_run(out, cfg.resume, cfg.overwrite, stage)
         if plan.message and plan.action != "skip":  # a skip is announced once its inputs are checked
             log.info("%s", plan.message)
-        remove_outputs(t.out, plan.remove)
-        checkpoint_store.prepare_folder(t.out, log=log.warning)
-        checkpoint_store.prepare_folder(t.out / "checkpoints", log=log.warning)
+        remove_outputs(out, plan.remove)
+        checkpoint_store.prepare_folder(out, log=log.warning)
+        checkpoint_store.prepare_folder(out / "checkpoints", log=log.warning)
         return plan
 
-    plan = on_main(decide, t.dist)
-    found = load_for_resume(plan, t.dist, log.warning) if plan.action != "fresh" else None
+    plan = on_main(decide, dist)
+    found = load_for_resume(plan, dist, log.warning) if plan.action != "fresh" else None
     if found is None and plan.action == "skip":
-        raise DataError(f"{t.out}: run_info.json says finished but no checkpoint is left")
+        raise DataError(f"{out}: run_info.json says finished but no checkpoint is left")
     if found is None:
         return plan
     path, saved = found
-    changes = finished_changes(t, saved, path, rebuild_changed) if rebuild_changed or plan.action == "skip" else []
-    if not changes and plan.action == "resume":
-        changed = check_resume_compatible(saved, t, path)
-        accepted = check_data(saved, t.data_info, t.frozen_fp, t.cfg.accept_changed_data, path)
-        return dataclasses.replace(plan, path=path, saved=saved, changed=tuple(changed), accepted=tuple(accepted))
-    if not changes:
-        if t.dist.is_main:
+    finished = plan.action == "skip"
+    problems, changed = setting_changes(saved, inputs)
+    # A finished run was not asked for data: it is compared only when this run describes its data.
+    inputs_changed = input_changes(saved, inputs, compare_data=not finished or inputs.data_info is not None)
+    if rebuild_changed and (problems or changed or inputs_changed):
+        def rebuild() -> RunPlan:
+            what = "; ".join(problems.items + [f"{k}: {a!r} -> {b!r}" for k, a, b in changed] + inputs_changed)
+            log.warning("[%s] %s holds a%s run that is no longer current (%s): training it again", stage, out,
+                        " finished" if finished else "n unfinished", what)
+            remove_outputs(out, tuple(n for n in RUN_OUTPUTS if (out / n).exists()))
+            checkpoint_store.prepare_folder(out / "checkpoints")
+            return RunPlan("fresh")
+
+        return on_main(rebuild, dist)
+    if finished:  # every setting that shapes the weights must be the one the run was made with
+        for key, was, now in changed:
+            problems.add(key, f"the run was made with {was!r}, the config now says {now!r}")
+    if problems:
+        problems.title = (f"{out} holds a finished {stage} run made with other settings; nothing was trained"
+                          if finished else f"Cannot resume from {path}")
+        problems.add("training.overwrite", "set it to true (--overwrite) to train this stage again from the start "
+                                           "with the new settings, or use a new output folder")
+        problems.raise_if_any()
+    if inputs_changed and not cfg.accept_changed_data:
+        if finished:
+            raise StageFolderError(
+                f"[{stage}] {out} holds a finished run, but {'; '.join(inputs_changed)}; set training.overwrite=true "
+                "(--overwrite) to retrain it on what the run now uses, or training.accept_changed_data=true to keep "
+                "it as it is")
+        raise ConfigError([f"training.accept_changed_data: {c}; set it to true to resume anyway (recorded in "
+                           "run_info.json), or training.overwrite=true to start over" for c in inputs_changed],
+                          title=f"Cannot resume from {path}")
+    if finished:
+        if dist.is_main:
+            for text in inputs_changed:
+                log.warning("[%s] training.accept_changed_data=true: keeping the finished run although %s", stage,
+                            text)
             log.info("%s", plan.message)
         return dataclasses.replace(plan, path=path, saved=saved)
-
-    def rebuild() -> RunPlan:
-        log.warning("[%s] %s holds a%s run that is no longer current (%s): training it again", t.stage.name, t.out,
-                    " finished" if plan.action == "skip" else "n unfinished", "; ".join(changes))
-        remove_outputs(t.out, tuple(n for n in RUN_OUTPUTS if (t.out / n).exists()))
-        checkpoint_store.prepare_folder(t.out / "checkpoints")
-        return RunPlan("fresh")
-
-    return on_main(rebuild, t.dist)
-
-
-def finished_changes(t: Any, saved: checkpoint_store.Checkpoint, path: Path, rebuild_changed: bool) -> list[str]:
-    """What changed since the finished run in `saved` was made: its settings (every one, also the optimisation
-    settings a resume may change), data and frozen weights. Without `rebuild_changed` a change refuses the run
-    (reused only under training.accept_changed_data, with a warning), so the list is then empty."""
-    if not rebuild_changed:  # a finished run made with other epochs / batch / model settings is not "this" run
-        check_resume_compatible(saved, t, path, finished=True)
-    if t.data_info is None:  # the caller describes no data this time: only the frozen model is compared
-        saved = {**saved, "data_fingerprint": None}
-    changes = check_data(saved, t.data_info, t.frozen_fp, True, path)
-    if rebuild_changed:
-        try:
-            changes += check_resume_compatible(saved, t, path)
-        except ConfigError as e:
-            changes += [str(p) for p in e.problems[:-1]]  # the last one advises --overwrite
-        return changes
-    if changes and not t.cfg.accept_changed_data:
-        raise StageFolderError(
-            f"[{t.stage.name}] {t.out} holds a finished run, but {'; '.join(changes)}; set "
-            "training.overwrite=true (--overwrite) to retrain it on what the run now uses, or "
-            "training.accept_changed_data=true to keep it as it is")
-    for text in changes:
-        log.warning("[%s] training.accept_changed_data=true: keeping the finished run although %s", t.stage.name, text)
-    return []
-
-
-def plan_stages(pipe: Any, stages: Sequence[str], skip: Mapping[str, str], skip_existing: bool
-                ) -> dict[str, str | None]:
-    """For each of STAGES, None if it trains, else why not: not in `stages`, `skip[stage]` (the flag that skipped
-    it), 0 epochs, a finetune mode that keeps the tokenizer frozen (when the predictor follows it in this run),
-    --skip-existing on a finished stage (`SKIP_EXISTING`: reused by `open_stage` while current, else
-    retrained)."""
-    plan: dict[str, str | None] = {}
-    mode = pipe.cfg.training.finetune_mode
-    for stage in STAGES:
-        if stage not in stages:
-            plan[stage] = NOT_IN_RUN
-        elif stage in skip:
-            plan[stage] = skip[stage]
-        elif pipe.cfg.stage_training(stage).epochs == 0:
-            plan[stage] = f"{stage}_training.epochs is 0"
-        elif stage == "tokenizer" and "predictor" in stages and not adapters.MODES[mode].trains_tokenizer:
-            plan[stage] = f"training.finetune_mode is {mode} (the tokenizer stays frozen)"
-        elif skip_existing and stage_status(pipe.stage_dir(stage)) == "finished":
-            plan[stage] = f"{SKIP_EXISTING} and {pipe.stage_dir(stage)} holds a finished run"
-        else:
-            plan[stage] = None
-    return plan
-
-
-def stage_resume(pipe: Any, plan: Mapping[str, str | None]) -> dict[str, str]:
-    """Each stage's training.resume. --resume (required) insists on resuming the RUN: when some stage that trains
-    has a run in its folder, a stage with an empty folder starts fresh (e.g. the predictor after a kill in the
-    tokenizer stage) instead of failing; with nothing anywhere to resume, it stays an error."""
-    status = {stage: stage_status(pipe.stage_dir(stage)) for stage in STAGES if plan[stage] is None}
-    resume = {stage: pipe.cfg.stage_training(stage).resume for stage in STAGES}
-    if any(s != "empty" for s in status.values()):
-        for stage, s in status.items():
-            if s == "empty" and resume[stage].strip().lower() == "required":
-                resume[stage] = "auto"
-    return resume
+    return dataclasses.replace(plan, path=path, saved=saved, accepted=tuple(inputs_changed),
+                               changed=tuple(f"{k}: {a!r} -> {b!r}" for k, a, b in changed))
 
 
 # Records of file artifacts: `<file>.record.json` = {"sha256": of the file's bytes, "inputs": what made it}.
 
-def folder_sha256(folder: Path) -> str:
-    """sha256 over the relative paths and bytes of every file under `folder` (a saved model, say)."""
-    digest = hashlib.sha256()
-    for p in sorted(q for q in folder.rglob("*") if q.is_file()):
-        digest.update(str(p.relative_to(folder)).encode() + b"\0" + p.read_bytes())
-    return digest.hexdigest()
-
-
 def write_record(path: Path, inputs: Mapping[str, Any]) -> None:
     """Record beside the complete file `path` (<name>.record.json, atomically) its sha256 and what made it
     (`inputs`: hashes of upstream artifacts, settings)."""
-    record = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "inputs": plain(dict(inputs))}
+    record = {"sha256": sha256_file(path), "inputs": plain(dict(inputs))}
     write_json(path.with_name(path.name + ".record.json"), record)
 
 
@@ -409,7 +359,7 @@ def check_record(path: Path, inputs: Mapping[str, Any]) -> Literal["reuse", "reb
     """Is the file `path` current for `inputs`? "reuse" when its bytes and inputs are the recorded ones; else
     "rebuild", logged with why: missing, no record, damaged (a kill mid-write, an edit), made from other inputs."""
     try:
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        digest = sha256_file(path)
     except OSError:
         return "rebuild"  # not there yet
     record = _read_json(path.with_name(path.name + ".record.json"))
@@ -422,56 +372,16 @@ def check_record(path: Path, inputs: Mapping[str, Any]) -> Literal["reuse", "reb
     return "rebuild" if why else "reuse"
 
 
-def reuse_fold(folder: Path, fingerprint: str, report_only: bool, overwrite: bool) -> dict | None:
-    """A walk-forward fold in `folder`: its fold.json record when it is current (made with `fingerprint`, and its
-    windows.csv still the rows it recorded: the count and each candidate's mean score), else None: score it again
-    (after deleting the folder under `overwrite`). Refused (RefusedError): a fold of other settings or data without
-    `overwrite`, and under `report_only` any fold that is not current."""
-    done, rows = folder / "fold.json", folder / "windows.csv"
-    info = read_json_object(done) if done.is_file() else None
-    why = "it holds no finished fold" if info is None else (
-        "its fold was made with other settings or data" if info.get("fingerprint") != fingerprint else
-        _windows_damage(rows, info))
-    if why is None and (report_only or not overwrite):
-        return info
-    if report_only:
-        raise RefusedError(f"--report-only: {folder} holds no fold finished with these settings and data ({why}); "
-                           "run without --report-only (with --overwrite to redo folds of other settings)")
-    if info is not None and info.get("fingerprint") != fingerprint and not overwrite:
-        raise RefusedError(f"{folder} holds a finished fold made with other settings or data; pass "
-                           "--overwrite to redo every fold, or choose another paths.base_dir")
-    if overwrite and folder.exists():
-        log.warning("--overwrite: replacing %s", folder)
-        shutil.rmtree(folder)
-    elif info is not None:
-        log.warning("%s: %s; scoring the fold again", folder, why)
-    return None
-
-
-def _windows_damage(rows: Path, info: dict) -> str | None:
-    """Why the fold's windows.csv is not the one its fold.json describes (None: it is): cut, edited, unreadable."""
-    try:
-        frame = pd.read_csv(rows)
-        for candidate, scores in info.get("scores", {}).items():
-            got = frame[frame["candidate"] == candidate]
-            if len(got) != info["windows"]["test"] or not all(
-                    np.isclose(got[s].mean(), v, rtol=1e-9, atol=0, equal_nan=True) for s, v in scores.items()):
-                return f"its windows.csv does not hold the {candidate} rows fold.json recorded (damaged or edited)"
-    except (OSError, ValueError, KeyError) as e:
-        return f"its windows.csv is unreadable ({type(e).__name__}: {e})"
-    return None
-
-
 def other_data_key(stage_dir: Path, files: Sequence[dict]) -> str | None:
-    """Is a forecast's data (`files`: fingerprints with "path" and "sha256") the data the run in `stage_dir` was
-    trained on? None when it is (or the run recorded none), else a short key of this other data: its outputs then
-    go beside the run's, never over them (the log says so)."""
+    """Is a forecast's data (`files`: `file_fingerprint`s) the data the run in `stage_dir` was trained on (the same
+    file names and bytes, wherever they lie)? None when it is (or the run recorded none), else a short key of this
+    other data: its outputs then go beside the run's, never over them (the log says so)."""
     recorded = (_read_json(Path(stage_dir) / "run_info.json").get("data") or {}).get("files")
-    ours = sorted((f["path"], f["sha256"]) for f in files)
-    if not recorded or sorted((f["path"], f["sha256"]) for f in recorded) == ours:
+    content = lambda fs: sorted((Path(f["path"]).name, f["sha256"]) for f in fs)  # noqa: E731
+    if not recorded or content(recorded) == content(files):
         return None
-    key = hashlib.sha256(json.dumps(ours).encode()).hexdigest()[:12]
+    key = digest(content(files))[:12]
     log.warning("forecasting other data than the run in %s was trained on (%d file(s) recorded, %d given, or other "
                 "content): its outputs go to folders keyed data_%s, the run's own are kept; set data.path to the "
-                "run's files to score the run itself", stage_dir, len(recorded), len(ours), key)
+                "run's files to score the run itself", stage_dir, len(recorded), len(files), key)
     return key

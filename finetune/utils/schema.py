@@ -120,6 +120,22 @@ class TrainingConfig:
 
 
 
+# What a changed training setting means for a checkpoint (the ledger's rule; tests/test_ledger.py fails for a setting
+# without a class). "match": a resume is refused (it fixes the data order, the step count or shapes); "may_change":
+# a resume continues with the new value and says so; "irrelevant": it does not change the trained weights (where and
+# how the run reports, how the loader runs). A finished run is current only while every "match" and "may_change"
+# setting is the one it was made with.
+RESUME_CLASS: dict[str, Literal["match", "may_change", "irrelevant"]] = {
+    **dict.fromkeys(("epochs", "batch_size", "accumulation_steps", "seed", "max_train_samples", "finetune_mode",
+                     "lora_rank", "lora_alpha", "lora_targets", "trainable"), "match"),
+    **dict.fromkeys(("lr", "pct_start", "div_factor", "final_div_factor", "betas", "weight_decay", "clip_grad_norm",
+                     "amp", "compile", "deterministic", "patience", "min_delta", "teacher_forcing", "max_val_samples",
+                     "select_by", "lora_dropout"), "may_change"),
+    **dict.fromkeys(("num_workers", "log_every_steps", "save_every_steps", "resume", "overwrite", "keep_checkpoints",
+                     "accept_changed_data", "dist_timeout_s", "progress_bar", "tensorboard", "mlflow",
+                     "mlflow_tracking_uri", "mlflow_experiment", "comet", "comet_project"), "irrelevant")}
+
+
 def validate_training_config(cfg: TrainingConfig, problems: Problems, prefix: str = "training") -> None:
     """Add every problem of `cfg` to `problems`, each named by its YAML key (`prefix.field`)."""
     k = (lambda name: f"{prefix}.{name}" if prefix else name)

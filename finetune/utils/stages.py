@@ -1,7 +1,8 @@
-"""The stage runner both pipelines call: which stages run, their models checked before any data is written, the
-tokenizer stage, the predictor stage on the tokenizer it produced, the calibration of the predictor's bands.
-The models come from `model:` (`build_tokenizer` / `build_predictor`): a pretrained folder or hub id wins over the
-`*_arch` architecture, which is then ignored (and not checked); every failure names the YAML keys to change.
+"""The stage runner both pipelines call: which stages run (`plan_stages`, `stage_resume`), their models checked
+before any data is written, the tokenizer stage, the predictor stage on the tokenizer it produced, the calibration
+of the predictor's bands. The models come from `model:` (`build_tokenizer` / `build_predictor`): a pretrained
+folder or hub id wins over the `*_arch` architecture, which is then ignored (and not checked); every failure names
+the YAML keys to change.
 
     plan = plan_stages(pipeline, STAGES, skip={"tokenizer": "--skip-tokenizer"}, skip_existing=False)
     results, data_info = run_stages(pipeline, plan, resume=stage_resume(pipeline, plan))
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,7 +30,7 @@ import model.predictor as forecaster
 from finetune.utils import adapters
 from finetune.utils.config_utils import Problems, config_to_dict
 from finetune.utils.distributed import DistInfo, distributed_context, seeded_init
-from finetune.utils.ledger import NOT_IN_RUN, SKIP_EXISTING, stage_status
+from finetune.utils.ledger import stage_status
 from finetune.utils.safety import GracefulStop, raise_if_stop_requested
 from finetune.utils.schema import STAGES, PipelineConfig
 from finetune.utils.training_utils import TrainResult, train_predictor, train_tokenizer
@@ -39,6 +40,8 @@ from model.config import KronosConfig, KronosTokenizerConfig
 from model.hub import load_pretrained, weights_fingerprint
 
 log = logging.getLogger(__name__)
+NOT_IN_RUN = "not this run's stage"
+SKIP_EXISTING = "--skip-existing"  # a plan entry starting so: the finished stage is reused while current
 
 
 class Pipeline(Protocol):
@@ -87,7 +90,7 @@ def run_stages(pipe: Pipeline, plan: Mapping[str, str | None], resume: Mapping[s
             adapters.MODES[training["predictor"].finetune_mode].check(predictor, training["predictor"])
         train_set, val_set, data_info = pipe.datasets(dist)
         raise_if_stop_requested("before training", dist)
-        common = dict(run_config=config_to_dict(cfg), data_info=data_info)
+        common = dict(run_config=config_to_dict(cfg), data_info=data_info, window=d.window)
         if plan["tokenizer"] is None:
             results.append(train_tokenizer(tokenizer, train_set, val_set, training["tokenizer"],
                                            pipe.stage_dir("tokenizer"), dist, output_key=pipe.output_key("tokenizer"),
@@ -118,6 +121,42 @@ def run_stages(pipe: Pipeline, plan: Mapping[str, str | None], resume: Mapping[s
             skipped = [f"  {s}: skipped ({why})" for s, why in plan.items() if why not in (None, NOT_IN_RUN)]
             log.info("%s", "\n".join(["done.", *done, *skipped]))
     return results, data_info
+
+
+def plan_stages(pipe: Pipeline, stages: Sequence[str], skip: Mapping[str, str], skip_existing: bool
+                ) -> dict[str, str | None]:
+    """For each of STAGES, None if it trains, else why not: not in `stages`, `skip[stage]` (the flag that skipped
+    it), 0 epochs, a finetune mode that keeps the tokenizer frozen (when the predictor follows it in this run),
+    --skip-existing on a finished stage (`SKIP_EXISTING`: reused by the ledger while current, else retrained)."""
+    plan: dict[str, str | None] = {}
+    mode = pipe.cfg.training.finetune_mode
+    for stage in STAGES:
+        if stage not in stages:
+            plan[stage] = NOT_IN_RUN
+        elif stage in skip:
+            plan[stage] = skip[stage]
+        elif pipe.cfg.stage_training(stage).epochs == 0:
+            plan[stage] = f"{stage}_training.epochs is 0"
+        elif stage == "tokenizer" and "predictor" in stages and not adapters.MODES[mode].trains_tokenizer:
+            plan[stage] = f"training.finetune_mode is {mode} (the tokenizer stays frozen)"
+        elif skip_existing and stage_status(pipe.stage_dir(stage)) == "finished":
+            plan[stage] = f"{SKIP_EXISTING} and {pipe.stage_dir(stage)} holds a finished run"
+        else:
+            plan[stage] = None
+    return plan
+
+
+def stage_resume(pipe: Pipeline, plan: Mapping[str, str | None]) -> dict[str, str]:
+    """Each stage's training.resume. --resume (required) insists on resuming the RUN: when some stage that trains
+    has a run in its folder, a stage with an empty folder starts fresh (e.g. the predictor after a kill in the
+    tokenizer stage) instead of failing; with nothing anywhere to resume, it stays an error."""
+    status = {stage: stage_status(pipe.stage_dir(stage)) for stage in STAGES if plan[stage] is None}
+    resume = {stage: pipe.cfg.stage_training(stage).resume for stage in STAGES}
+    if any(s != "empty" for s in status.values()):
+        for stage, s in status.items():
+            if s == "empty" and resume[stage].strip().lower() == "required":
+                resume[stage] = "auto"
+    return resume
 
 
 def _predictor_pair(pipe: Pipeline, seed: int, tokenizer: KronosTokenizer | None = None) -> tuple[Any, Any]:

@@ -21,7 +21,7 @@ memory-map (`open_store`); a folder of
 
 The sha256 of every array file is recorded when it is written, so damage after the fact (a flipped byte, a
 truncated or swapped file) is found by `verify_store` instead of training on it silently. The one file
-fingerprint of the project (`file_fingerprint`, sources and arrays alike) lives here too."""
+fingerprint of the project is finetune/utils/fingerprint.py's (`file_fingerprint`, sources and arrays alike)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from finetune.utils.errors import StoreError
+from finetune.utils.fingerprint import sha256_file
 from model.fileio import disk_full, write_json
 
 N_STAMP_COLUMNS = 5  # minute, hour, weekday, day of month, month
@@ -198,23 +199,6 @@ def _disk_space_named(folder: Path):
         raise StoreError(f"cannot write the data store in {folder.parent}: {reason} "
                          f"({'unknown' if free is None else f'{free / 2**30:.1f} GiB'} free); free some space there, "
                          "or set the store folder (data.store_dir / data.dataset_path) on a larger disk") from None
-
-
-def sha256_file(path: str | Path) -> str:
-    """Hex sha256 of a file, read in chunks (about 1.2 GB/s: a large file never sits in memory whole)."""
-    h = hashlib.sha256()  # not hashlib.file_digest: Python 3.11+, and the project supports 3.10
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def file_fingerprint(path: str | Path, with_hash: bool = True) -> dict:
-    """{"path" (resolved), "bytes", "mtime_ns", "sha256" (None without `with_hash`)} of one file."""
-    p = Path(path)
-    st = p.stat()
-    return {"path": str(p.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "sha256": sha256_file(p) if with_hash else None}
 
 
 def snapshot_file(path: str | Path, folder: Path, chunk_bytes: int = 1 << 20) -> tuple[Path, dict]:

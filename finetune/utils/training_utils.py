@@ -38,6 +38,7 @@ from finetune.utils.precision import forward_flops_per_token, resolve_precision
 from finetune.utils.safety import GracefulStop, NonFiniteGuard, RunLock, maybe_die_after_step
 from finetune.utils.schema import TrainingConfig, stage_key, validate_training_config
 from finetune.utils.windows import EpochSampler, batches_per_epoch, make_loader
+from model.config import Window
 from model.errors import DataError
 from model.hub import weights_fingerprint
 from model.predictor import PREDICTOR_INFO_NAME, TOKENIZER_CONFIG_NAME, TOKENIZER_SUBDIR, predictor_info
@@ -300,12 +301,15 @@ class Trainer:
     val_metric: optional forecast metric (model) -> {"score", ...}, run after each validation; with
         training.select_by = its name, its "score" (lower is better) picks best_model/ instead of val_loss.
     data_extremes: what the data check flagged (for the divergence diagnosis), or None.
-    output_key: the pipeline's setting that names `out` (e.g. `paths.base_dir`), quoted when the disk is full."""
+    output_key: the pipeline's setting that names `out` (e.g. `paths.base_dir`), quoted when the disk is full.
+    window: the `Window` the training windows were cut with (a resume or a finished run on another is refused);
+    start: `weights_fingerprint` of the model before training (train_tokenizer / train_predictor take it)."""
 
     def __init__(self, stage: Stage, train_set: Dataset, val_set: Dataset, cfg: TrainingConfig, out: Path,
                  dist: DistInfo, run_config: dict[str, Any] | None = None, data_info: dict[str, Any] | None = None,
                  val_metric: validate.ValMetric | None = None, data_extremes: str | None = None,
-                 output_key: str = "training.output_dir", rebuild_changed: bool = False):
+                 output_key: str = "training.output_dir", rebuild_changed: bool = False, window: Window | None = None,
+                 start: str | None = None):
         problems = Problems()
         validate_training_config(cfg, problems)
         problems.check(cfg.select_by == "loss" or val_metric is not None, "training.select_by",
@@ -320,7 +324,9 @@ class Trainer:
         self.train_set = train_set
         self.run_config = run_config if run_config is not None else {"training": config_to_dict(cfg)}
         self.data_info = data_info
-        self.frozen_fp = stage.frozen_fingerprint()  # the predictor's tokenizer weights (None for the tokenizer)
+        # What the ledger compares with a checkpoint: given, never read off the dataset (a wrapper would hide it).
+        self.inputs = ledger.StageInputs(stage.name, self.out, cfg, self.run_config, self.model_args(),
+                                         dist.world_size, window, data_info, stage.frozen_fingerprint(), start)
         self.best_dir = self.out / "best_model"
         self.ckpt_path = self.out / "checkpoints" / checkpoint_store.LAST_NAME  # the newest resumable checkpoint
         self.output_key = output_key  # the pipeline's setting naming `out`, quoted when the disk is full
@@ -394,7 +400,7 @@ class Trainer:
         folder or settings refuse the run."""
         with GracefulStop() as self.stopper, self.precision.kernels(self.cfg.deterministic) as self.determinism:
             try:
-                self.plan = ledger.open_stage(self, self.rebuild_changed)  # fresh, resume, reuse or refuse
+                self.plan = ledger.open_stage(self.inputs, self.lock, self.dist, self.rebuild_changed)
                 if self.plan.action == "skip":  # a finished run, current for these inputs: read back, not retrained
                     self.resume_path = self.plan.path
                     self.load_state_dict(self.plan.saved)
@@ -445,7 +451,7 @@ class Trainer:
             comet_project=cfg.comet_project, run_name=f"{self.out.name}-{self.stage.name}",
             resume_step=self.state.global_step if self.resume_path is not None else None)
         self.run_extra = {"stage": self.stage.name, "world_size": self.dist.world_size, "select_by": cfg.select_by,
-                          "frozen_fingerprint": self.frozen_fp,  # the predictor's tokenizer (sha256 of weights)
+                          "frozen_fingerprint": self.inputs.frozen,  # the predictor's tokenizer (sha256 of weights)
                           **self.stage.adapter.counts(),
                           "resumed_from": str(self.resume_path) if self.resume_path else None,
                           **{k: v for k, v in self.run_extra.items() if v}}
@@ -671,19 +677,10 @@ class Trainer:
     def state_dict(self) -> checkpoint_store.Checkpoint:
         """Everything a resumed run needs, as the checkpoint holds it; every rank calls it (gathers RNG states)."""
         rngs = all_gather_object(checkpoint_store.rng_state())  # every rank resumes its own random stream
-        return {"format": checkpoint_store.CHECKPOINT_FORMAT, "stage": self.stage.name,
+        return {"format": checkpoint_store.CHECKPOINT_FORMAT, **self.inputs.record(),
                 "model": self.stage.adapter.checkpoint_state(),  # lora / freeze: what trains only
-                "model_args": self.model_args(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "loop": dataclasses.asdict(self.state),
-                "rng": rngs, "world_size": self.dist.world_size, "training_config": config_to_dict(self.cfg),
-                "run_config": plain(self.run_config), "data_info": plain(self.data_info),
-                "data_fingerprint": ledger.data_fingerprint(plain(self.data_info)),
-                "frozen_fingerprint": self.frozen_fp, "threads": torch.get_num_threads(), "window": self.data_window()}
-
-    def data_window(self) -> dict[str, Any] | None:
-        """The training windows' `Window` as a dict (lookback, predict, clip), None for a dataset without one."""
-        window = getattr(self.train_set, "window", None)
-        return dataclasses.asdict(window) if window is not None else None
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "loop": dataclasses.asdict(self.state), "rng": rngs, "threads": torch.get_num_threads()}
 
     def load_state_dict(self, saved: checkpoint_store.Checkpoint) -> None:
         """Continue from `saved` (checked by `resume` / `read_finished`): weights, optimizer moments and step (with
@@ -738,6 +735,7 @@ def train_tokenizer(tokenizer: nn.Module, train_set: Dataset, val_set: Dataset, 
     """Finetune the BSQ tokenizer (trained in place on `dist.device`) on x (B, T, F) windows; the best epoch is saved
     with save_pretrained. The arguments are `Trainer`'s (`output_dir` its `out`; `options`: run_config, data_info,
     val_metric, data_extremes, output_key); clip_grad_norm defaults to 2.0."""
+    options.setdefault("start", weights_fingerprint(tokenizer))  # the starting weights, before anything trains
     stage = TokenizerStage(tokenizer, adapters.prepare(tokenizer, cfg, "tokenizer"))  # lora / freeze: refused
     return Trainer(stage, train_set, val_set, cfg, Path(output_dir), dist, **options).fit()
 
@@ -751,6 +749,7 @@ def train_predictor(predictor: nn.Module, tokenizer: nn.Module, train_set: Datas
     `forecast_info` (`model.predictor.predictor_info`'s arguments but the tokenizer) is written beside the best
     model as kronos_predictor.json, so `KronosPredictor.from_pretrained(best_model/)` loads the whole forecaster."""
     tokenizer.to(dist.device).eval().requires_grad_(False)
+    options.setdefault("start", weights_fingerprint(predictor))  # before an adapter adds (random) weights
     adapter = adapters.prepare(predictor, cfg, "predictor")  # training.finetune_mode: what trains
     stage = PredictorStage(predictor, tokenizer, cfg.teacher_forcing, forecast_info, adapter)
     try:
