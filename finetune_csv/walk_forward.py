@@ -39,7 +39,7 @@ from finetune_csv.train_sequential import run_finetune
 from model import KronosPredictor
 from model.config import Window
 from model.errors import ConfigError, DataError
-from model.fileio import atomic_write, write_json
+from model.fileio import atomic_write, sha256_file, write_json
 from model.predictor import apply_calibration, load_pretrained_pair, load_trained_pair, read_predictor_info
 
 log = logging.getLogger("finetune_csv.walk_forward")
@@ -248,7 +248,7 @@ def _run_fold(cfg: CsvFinetuneConfig, fold: Fold, folder: Path, fp: str) -> dict
     atomic_write(folder / "windows.csv", lambda p: frame.to_csv(p, index=False))
     dates = fold_dates(fold)
     record = {
-        "fold": fold.index, **dates, "fingerprint": fp,
+        "fold": fold.index, **dates, "fingerprint": fp, "windows_sha256": sha256_file(folder / "windows.csv"),
         "windows": {"train": info["splits"]["train"]["windows"], "val": info["splits"]["val"]["windows"],
                     "test": int((frame.candidate == "finetuned").sum())},
         "trained": ", ".join(f"{s} {reused.get(s) or f'skipped ({why})'}" for s, why in plan.items()),

@@ -49,7 +49,7 @@ from model.features import (
     timestamp_parts,
     to_datetime_index,
 )
-from model.fileio import read_json_object, write_json
+from model.fileio import check_seal, read_json_object, seal, write_json
 from model.generation import generate_tokens
 from model.hub import is_hub_id, load_pretrained, resolve_model_dir, weights_fingerprint
 from model.kronos import Kronos
@@ -144,9 +144,12 @@ def write_calibration(best_model_dir: str | os.PathLike, calibration: dict[str, 
     """Add (or replace) "calibration" in `best_model_dir`'s kronos_predictor.json, atomically; returns its path."""
     calibration_margins(calibration, "calibration")
     folder = Path(best_model_dir)
+    check_seal(folder)  # re-sealed below: only a folder still as written may be
     info = read_predictor_info(folder)
     info["calibration"] = calibration
-    return write_json(folder / PREDICTOR_INFO_NAME, info)
+    path = write_json(folder / PREDICTOR_INFO_NAME, info)
+    seal(folder)
+    return path
 
 
 def load_pretrained_pair(predictor: str | os.PathLike, tokenizer: str | os.PathLike) -> tuple[Kronos, KronosTokenizer]:

@@ -28,7 +28,7 @@ from finetune.utils.metrics import flatten_params
 from finetune.utils.safety import StageFolderError
 from finetune.utils.schema import STAGES, stage_key
 from model.errors import ConfigError, DataError, RefusedError
-from model.fileio import read_json_object, write_json
+from model.fileio import read_json_object, sha256_file, write_json
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -451,6 +451,8 @@ def reuse_fold(folder: Path, fingerprint: str, report_only: bool, overwrite: boo
 def _windows_damage(rows: Path, info: dict) -> str | None:
     """Why the fold's windows.csv is not the one its fold.json describes (None: it is): cut, edited, unreadable."""
     try:
+        if info.get("windows_sha256") not in (None, sha256_file(rows)):  # by content: count and means miss a swap
+            return "its windows.csv is not the file fold.json recorded (its sha256 differs: damaged or edited)"
         frame = pd.read_csv(rows)
         for candidate, scores in info.get("scores", {}).items():
             got = frame[frame["candidate"] == candidate]

@@ -38,6 +38,7 @@ from finetune.utils.safety import GracefulStop, NonFiniteGuard, RunLock, Trainin
 from finetune.utils.schema import TrainingConfig, stage_key, validate_training_config
 from finetune.utils.windows import EpochSampler, batches_per_epoch, make_loader
 from model.errors import DataError
+from model.fileio import check_seal
 from model.hub import weights_fingerprint
 from model.predictor import PREDICTOR_INFO_NAME, TOKENIZER_CONFIG_NAME, TOKENIZER_SUBDIR, predictor_info
 
@@ -397,6 +398,7 @@ class Trainer:
             try:
                 self.plan = ledger.open_stage(self, self.rebuild_changed)  # fresh, resume, reuse or refuse
                 if self.plan.action == "skip":  # a finished run, current for these inputs: read back, not retrained
+                    check_seal(self.out / "best_model", "set training.overwrite=true to train it again")
                     self.resume_path = self.plan.path
                     self.load_state_dict(self.plan.saved)
                     plot = self.out / "loss_curve.png"
