@@ -27,7 +27,7 @@ from finetune_csv import forecast
 from finetune_csv.config import load
 from finetune_csv.splits import min_rows_needed
 from model.errors import EXIT_CONFIG, EXIT_PATH, EXIT_REFUSED, DataError, PathError
-from model.fileio import SEAL_NAME, check_seal, seal, sha256_file
+from model.fileio import check_seal, seal, sha256_file
 from model.predictor import load_trained_pair, predictor_info, write_calibration
 from tests.model_factory import tiny_models
 from tests.test_csv_eval import make_run as make_eval_run

@@ -38,7 +38,7 @@ from finetune.utils.safety import GracefulStop, NonFiniteGuard, RunLock, Trainin
 from finetune.utils.schema import TrainingConfig, stage_key, validate_training_config
 from finetune.utils.windows import EpochSampler, batches_per_epoch, make_loader
 from model.errors import DataError
-from model.fileio import check_seal
+from model.fileio import check_seal, seal
 from model.hub import weights_fingerprint
 from model.predictor import PREDICTOR_INFO_NAME, TOKENIZER_CONFIG_NAME, TOKENIZER_SUBDIR, predictor_info
 
@@ -658,6 +658,7 @@ class Trainer:
             self.stage.save_best(self.best_dir)
             write_run_info(self.best_dir, self.run_config, self.data_info,
                            {**self.run_extra, "epoch": epoch, "val_loss": val_loss})
+            seal(self.best_dir)  # with its run_info.json (checked where a model is loaded: from_pretrained)
 
     def save_last(self, mid_epoch: bool = False) -> None:
         """Write checkpoints/last.pt (rank 0; every rank's RNG state included), then wait for all ranks.
