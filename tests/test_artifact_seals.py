@@ -26,7 +26,7 @@ from finetune.utils.safety import GracefulStop, RunLock, TrainingStopped
 from finetune_csv import forecast
 from finetune_csv.config import load
 from finetune_csv.splits import min_rows_needed
-from model.errors import EXIT_CONFIG, EXIT_PATH, EXIT_REFUSED, DataError, PathError
+from model.errors import EXIT_CONFIG, EXIT_DATA, EXIT_PATH, EXIT_REFUSED, DataError, PathError
 from model.fileio import check_seal, seal, sha256_file
 from model.predictor import load_trained_pair, predictor_info, write_calibration
 from tests.model_factory import tiny_models
@@ -233,3 +233,22 @@ def test_the_qlib_walk_forward_passes_a_sigterm_to_the_period_trainer_and_stops(
     with GracefulStop(), pytest.raises(TrainingStopped, match="stopped on SIGTERM while training period_0"):
         qwf.train_period(None, tmp_path / "period_0", 1)
     assert time.monotonic() - t0 < 20  # the trainer got the signal; not its 30 s sleep
+
+
+@pytest.mark.slow
+def test_a_finished_run_with_a_doubled_best_model_weight_is_refused_by_finetune_and_forecast(tmp_path, capsys,
+                                                                                            one_thread):
+    from tests.test_csv_train import make_run
+    from tests.test_safety_stage_boundaries import run
+
+    config = make_run(tmp_path)
+    assert run(config) == 0
+    best = tmp_path / "out" / "tiny" / "basemodel" / "best_model"
+    weights = load_file(best / "model.safetensors")
+    name = next(iter(weights))
+    save_file({**weights, name: weights[name] * 2}, best / "model.safetensors")
+    capsys.readouterr()
+    assert run(config) == EXIT_DATA  # would skip the finished stage: refuses instead, naming the file
+    assert run_main(forecast.main, ["--config", str(config)]) == EXIT_DATA
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert "Traceback" not in "".join(err) and len(err) == 2 and all(f"{best / 'model.safetensors'} is not the file written there" in e for e in err)
