@@ -116,7 +116,7 @@ def test_report_only_refuses_a_cut_windows_csv_and_a_rerun_rescores_it(run_confi
     rows = tmp_path / "out/wf/walk_forward/fold_0/windows.csv"
     lines = rows.read_text().splitlines(keepends=True)
     rows.write_text("".join(lines[: len(lines) // 2]))
-    with pytest.raises(RefusedError, match=r"--report-only: .*fold_0 .*windows.csv does not hold"):
+    with pytest.raises(RefusedError, match=r"--report-only: .*fold_0 .*windows.csv is not the file fold.json recorded"):
         wf.main(["--config", str(run_config), "--report-only"])
     assert run_main(wf.main, ["--config", str(run_config)]) == 0
     assert _report(tmp_path / "out") == expected
