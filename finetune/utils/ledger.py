@@ -1,8 +1,8 @@
 """The ledger: every reuse decision, in one place (after DVC's dvc.lock and torchtitan's checkpointer). "Is this
 artifact current for these inputs?": reuse; rebuild (the log says which input changed); refuse (damaged, or a change
 only the user may accept). Asked of it: a stage folder (`open_stage`: fresh / resume / reuse / rebuild / refuse),
-which stages run (`plan_stages`, `stage_resume`), a walk-forward fold (`reuse_fold`), a forecast's data
-(`other_data_key`), a file such as Qlib's signals.csv (`check_record` against its `write_record`).
+which stages run (`plan_stages`, `stage_resume`), a walk-forward fold (`reuse_fold`), a file such as Qlib's
+signals.csv (`check_record` against its `write_record`).
 """
 
 from __future__ import annotations
@@ -463,17 +463,3 @@ def _windows_damage(rows: Path, info: dict) -> str | None:
         return f"its windows.csv is unreadable ({type(e).__name__}: {e})"
     return None
 
-
-def other_data_key(stage_dir: Path, files: Sequence[dict]) -> str | None:
-    """Is a forecast's data (`files`: fingerprints with "path" and "sha256") the data the run in `stage_dir` was
-    trained on? None when it is (or the run recorded none), else a short key of this other data: its outputs then
-    go beside the run's, never over them (the log says so)."""
-    recorded = (_read_json(Path(stage_dir) / "run_info.json").get("data") or {}).get("files")
-    ours = sorted((f["path"], f["sha256"]) for f in files)
-    if not recorded or sorted((f["path"], f["sha256"]) for f in recorded) == ours:
-        return None
-    key = hashlib.sha256(json.dumps(ours).encode()).hexdigest()[:12]
-    log.warning("forecasting other data than the run in %s was trained on (%d file(s) recorded, %d given, or other "
-                "content): its outputs go to folders keyed data_%s, the run's own are kept; set data.path to the "
-                "run's files to score the run itself", stage_dir, len(recorded), len(ours), key)
-    return key
