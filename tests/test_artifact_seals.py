@@ -138,7 +138,9 @@ def test_a_future_forecast_is_written_whole_and_a_kill_mid_write_keeps_the_previ
     assert run_main(forecast.main, ["--config", str(config), "--future", "--set", "forecast.seed=5"]) == 130
     assert {p.name: p.read_bytes() for p in future.iterdir()} == before  # the previous complete set
     monkeypatch.undo()
-    # New bars arrive: future/ (the stable path) holds the new forecast, and its forecast.json names the new data.
+    (future.parent / ".future.k1ll3d.tmp").mkdir()  # what a SIGKILL mid-build leaves beside the folder
+    (future.parent / ".future.k1ll3d.tmp" / "forecast.csv").write_text("half")
+    # The data changes (cut by 6 bars here): future/, the stable path, holds the new forecast; forecast.json says so.
     for csv in (tmp_path / "data").glob("*.csv"):
         frame = pd.read_csv(csv)
         frame.iloc[:-6].to_csv(csv, index=False)
@@ -251,4 +253,5 @@ def test_a_finished_run_with_a_doubled_best_model_weight_is_refused_by_finetune_
     assert run(config) == EXIT_DATA  # would skip the finished stage: refuses instead, naming the file
     assert run_main(forecast.main, ["--config", str(config)]) == EXIT_DATA
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
-    assert "Traceback" not in "".join(err) and len(err) == 2 and all(f"{best / 'model.safetensors'} is not the file written there" in e for e in err)
+    named = f"{best / 'model.safetensors'} is not the file written there"
+    assert "Traceback" not in "".join(err) and len(err) == 2 and all(named in e for e in err)
