@@ -181,9 +181,11 @@ def run_folders(cfg: CsvFinetuneConfig, out_dir: Path | None, name: str) -> tupl
     run = read_json_object(info) if info.is_file() else {}
     files = [{"path": str(f["path"]), "sha256": f["sha256"]} for f in map(source_fingerprint,
                                                                           list_sources(cfg.data.path))]
-    made, now = (run.get("config") or {}).get("data") or {}, config_to_dict(cfg.data)
+    flat = lambda d: {f"{k}.{s}" if s else k: x for k, v in d.items()  # noqa: E731 - data.columns.<field>
+                      for s, x in (v.items() if isinstance(v, dict) else [("", v)])}
+    made, now = flat((run.get("config") or {}).get("data") or {}), flat(config_to_dict(cfg.data))
     keys = [f.name for f in dataclasses.fields(StoreSettings)] + list(SPLIT_KEYS if name != "future" else ())
-    changed = [k for k in keys if k in made and made[k] != now[k]]
+    changed = [k for k in now if k.split(".")[0] in keys and k in made and made[k] != now[k]]
     differs = [f"data.{k}: {made[k]!r} -> {now[k]!r}" for k in changed]
     recorded = sorted(f["sha256"] for f in (run.get("data") or {}).get("files") or [])
     ours = sorted(f["sha256"] for f in files)

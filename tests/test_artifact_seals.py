@@ -170,6 +170,15 @@ def test_a_forecast_on_other_split_ratios_writes_beside_the_run_and_says_what_di
     differs = json.loads((beside / "forecast.json").read_text())["differs_from_run"]
     assert differs == ["data.train_ratio: 0.6 -> 0.5", "data.val_ratio: 0.2 -> 0.3"]
     assert "data.train_ratio: 0.6 -> 0.5" in caplog.text and "beside the run's own outputs" in caplog.text
+    # Another column mapping: the run's data store is never re-prepared in place; its own store goes beside it.
+    store = {p: p.read_bytes() for p in cfg.store_dir.rglob("*") if p.is_file()}
+    assert run_main(forecast.main, ["--config", str(config), "--set", "data.columns.amount=null"]) == 0
+    assert {p: p.read_bytes() for p in store} == store and {p.name: p.read_bytes() for p in own.iterdir()} == kept
+    (other,) = [p for p in cfg.base_dir.iterdir() if p.name.startswith("data_store_")]
+    (made,) = [json.loads((p / "forecast.json").read_text()) for p in cfg.base_dir.iterdir()
+               if p.name.startswith("forecast_") and p != beside]
+    assert made["differs_from_run"] == ["data.columns.amount: 'amount' -> None"]
+    assert made["data"]["store"] == str(other)
 
 
 @pytest.mark.parametrize("setting, message", [
