@@ -112,7 +112,7 @@ def check_seal(folder: str | os.PathLike, fix: str = "write it again") -> None:
         if not path.is_file() or sha256_file(path) != digest:
             why = "is missing" if not path.is_file() else "is not the file written there (damaged or edited)"
             raise DataError(f"{path} {why}: its sha256 differs from {folder / SEAL_NAME}; refusing to use {folder}; "
-                            f"{fix}")
+                            f"{fix} (an edit of your own: delete {SEAL_NAME} to accept the folder as it is)")
 
 
 @contextlib.contextmanager
