@@ -14,9 +14,11 @@ forecast with the finetuned and the pretrained (zero-shot) pair; the verdict is 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -41,6 +43,7 @@ from finetune.utils.errors import require_extra, setup_logging
 from finetune.utils.fingerprint import forecast_settings, training_settings, tree_sha256
 from finetune.utils.ledger import check_record, write_record
 from finetune.utils.plots import pyplot, save_figure
+from finetune.utils.safety import GracefulStop, raise_if_stop_requested
 from model.errors import ConfigError, UserError
 from model.fileio import atomic_write
 from model.hub import weights_fingerprint
@@ -122,8 +125,14 @@ def train_period(c: QlibConfig, folder: Path, nproc: int) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "-m", module, "--config", str(folder / "config.yaml"), "--skip-existing"]
         with open(folder / "train.log", "a", encoding="utf-8") as out:
-            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
-        if rc != 0:
+            proc, stopping = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env), False
+            while proc.poll() is None:  # our stop request (SIGTERM, Ctrl-C) is passed on: the trainer saves, stops
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=0.5)
+                if not stopping and GracefulStop.active is not None and GracefulStop.active.requested:
+                    stopping = proc.send_signal(signal.SIGTERM) or True
+        raise_if_stop_requested(f"while training {folder.name} (its checkpoint is kept)")
+        if (rc := proc.returncode) != 0:
             raise UserError(f"walk-forward: {module} failed (exit {rc}) for {folder.name}; see {folder / 'train.log'}")
 
 
@@ -232,6 +241,11 @@ def check_inputs(cfg: QlibConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    with GracefulStop():  # SIGTERM / first Ctrl-C: the period's trainer saves and stops, then exit 75 (as a trainer)
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> dict[str, Any]:
     setup_logging()
     parser = cli_parser(__doc__)
     parser.add_argument("--device", default=None, help="forecast on cuda, cpu, ... (default: cuda if available)")
@@ -251,6 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     zero = load_pretrained_pair(cfg.model.pretrained_predictor, cfg.model.pretrained_tokenizer)[::-1]
     frames, started = [], time.monotonic()
     for p in periods:
+        raise_if_stop_requested(f"before period {p.k}")
         folder = root / f"period_{p.k}"
         folder.mkdir(parents=True, exist_ok=True)
         c = period_config(cfg, p, folder)

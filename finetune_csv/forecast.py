@@ -5,10 +5,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import glob
+import hashlib
+import json
 import logging
 import os
+import shutil
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,16 +30,16 @@ from finetune.evaluation.forecast_scores import (
 )
 from finetune.evaluation.held_out import HeldOutWindows, held_out_windows, sample_paths, window_crps_mae
 from finetune.evaluation.statistics import session_test
-from finetune.utils.checkpoint import prepare_folder
 from finetune.utils.cli_args import add_config_args, parse_config_args
+from finetune.utils.config_utils import config_to_dict
 from finetune.utils.errors import setup_logging
-from finetune.utils.ledger import other_data_key, stage_status
+from finetune.utils.ledger import stage_status
 from finetune.utils.plots import Panel, plot_panels, stamp_text
-from finetune.utils.safety import LOCK_NAME, GracefulStop, read_holder
+from finetune.utils.safety import LOCK_NAME, GracefulStop, RunLock, read_holder
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir, load
 from finetune_csv.pipeline import CsvPipeline
-from finetune_csv.prepare import prepare_data
+from finetune_csv.prepare import StoreSettings, prepare_data
 from finetune_csv.sources import list_sources, source_fingerprint
 from model import KronosPredictor, KronosTokenizer
 from model.calendar import TradingCalendar
@@ -40,7 +47,7 @@ from model.calibration import apply_calibration
 from model.config import Window
 from model.errors import ConfigError, DataError, PathError
 from model.features import CLOSE, FEATURES, PRICE_FEATURES, quantile_column
-from model.fileio import atomic_write, write_json
+from model.fileio import atomic_dir, read_json_object, write_json
 from model.hub import weights_fingerprint
 from model.predictor import (
     PREDICTOR_INFO_NAME,
@@ -161,15 +168,55 @@ def finetuned_predictor(cfg: CsvFinetuneConfig) -> tuple[KronosPredictor, dict |
     return KronosPredictor.from_models(model, tokenizer, window=cfg.data.window), calibration
 
 
-def run_folders(cfg: CsvFinetuneConfig, out_dir: Path | None, name: str) -> tuple[Path, Path]:
-    """(data store, output folder) of a forecast: the run's (`out_dir` or <base_dir>/<name>) on the data the run was
-    trained on; on other data (the ledger compares the files' sha256) folders keyed by that data beside them."""
+SPLIT_KEYS = ("train_ratio", "val_ratio", "test_ratio", "split", "train_end", "val_end")
+
+
+def run_folders(cfg: CsvFinetuneConfig, out_dir: Path | None, name: str) -> tuple[Path, Path, dict]:
+    """(data store, output folder, provenance) of a forecast: the run's (`out_dir` or <base_dir>/<name>) with the
+    data and the data.* settings the run was trained with (its run_info.json: files by sha256, columns, split);
+    otherwise folders keyed by what differs beside them, never over the run's own (the log says what differs). A
+    `future` forecast of new bars on the run's settings stays in <name>/: the newest forecast is always there."""
     out_dir = Path(out_dir) if out_dir is not None else cfg.base_dir / name
-    files = list_sources(cfg.data.path)
-    key = other_data_key(cfg.predictor_dir, [source_fingerprint(f) for f in files])
-    if key is None:
-        return cfg.store_dir, out_dir
-    return cfg.store_dir.with_name(f"{cfg.store_dir.name}_data_{key}"), out_dir / f"data_{key}"
+    info = cfg.predictor_dir / "run_info.json"
+    run = read_json_object(info) if info.is_file() else {}
+    files = [{"path": str(f["path"]), "sha256": f["sha256"]} for f in map(source_fingerprint,
+                                                                          list_sources(cfg.data.path))]
+    flat = lambda d: {f"{k}.{s}" if s else k: x for k, v in d.items()  # noqa: E731 - data.columns.<field>
+                      for s, x in (v.items() if isinstance(v, dict) else [("", v)])}
+    made, now = flat((run.get("config") or {}).get("data") or {}), flat(config_to_dict(cfg.data))
+    keys = [f.name for f in dataclasses.fields(StoreSettings)] + list(SPLIT_KEYS if name != "future" else ())
+    changed = [k for k in now if k.split(".")[0] in keys and k in made and made[k] != now[k]]
+    differs = [f"data.{k}: {made[k]!r} -> {now[k]!r}" for k in changed]
+    recorded = sorted(f["sha256"] for f in (run.get("data") or {}).get("files") or [])
+    ours = sorted(f["sha256"] for f in files)
+    new_data = bool(recorded) and recorded != ours
+    key = hashlib.sha256(json.dumps([differs, ours if name != "future" else []]).encode()).hexdigest()[:12]
+    if new_data or set(changed) - set(SPLIT_KEYS):  # never re-prepare the run's own store in place
+        store_dir = cfg.store_dir.with_name(f"{cfg.store_dir.name}_{key}")
+    else:
+        store_dir = cfg.store_dir
+    if new_data:
+        differs.append(f"data files: {len(files)} file(s) whose content is not that of the {len(recorded)} the run "
+                       "was trained on")
+    beside = bool(changed) or (new_data and name != "future")  # new bars are what a future forecast is for
+    out_dir = out_dir.with_name(f"{out_dir.name}_{key}") if beside else out_dir
+    if differs:
+        log.warning("forecasting with other data or settings than the run in %s was trained with (%s): writing %s%s",
+                    cfg.predictor_dir, "; ".join(differs), out_dir, ", beside the run's own outputs" if beside else "")
+    return store_dir, out_dir, {"data": {"files": files, "store": str(store_dir)}, "differs_from_run": differs}
+
+
+def check_memory(cfg: CsvFinetuneConfig, windows: int, copies: int) -> None:
+    """Refuse, before sampling, a forecast.sample_count whose paths cannot fit in memory: `copies` arrays of
+    (windows, S, predict, 6) float64, plus one batch's contexts repeated S times."""
+    f, d = cfg.forecast, cfg.data
+    needed = 48 * f.sample_count * (copies * windows * d.predict + min(f.batch_size, windows) * d.window.size)
+    sysconf = getattr(os, "sysconf", None)  # POSIX; elsewhere the allocation itself fails
+    total = sysconf("SC_PHYS_PAGES") * sysconf("SC_PAGE_SIZE") if sysconf else None
+    if total is not None and needed > total:
+        raise ConfigError([f"forecast.sample_count: {f.sample_count} sample paths of {windows} window(s) need about "
+                           f"{needed / 2**30:.1f} GiB, more than this machine's {total / 2**30:.1f} GiB of memory; "
+                           "lower it (or forecast.max_windows)"], "Invalid forecast configuration")
 
 
 def finish_paths(paths: np.ndarray, calibration: dict | None, last: np.ndarray, repair: bool) -> np.ndarray:
@@ -378,45 +425,72 @@ def _panels(names: list[str], past_ts, past_close, future_ts, paths, actual=None
                   paths[i, :, :, CLOSE], None if actual is None else actual[i, :, CLOSE]) for i in firsts]
 
 
-def write_outputs(cfg: CsvFinetuneConfig, out_dir: Path, table: pd.DataFrame, png: str, names: list[str], past_ts,
+@contextlib.contextmanager
+def output_folder(out_dir: Path) -> Iterator[None]:
+    """Hold the lock of a forecast's output folder (`.<name>.lock` beside it: the folder itself is swapped whole);
+    what a killed forecast left beside it (`.<name>.*.tmp`) is removed first."""
+    with RunLock(out_dir.parent, name=f".{out_dir.name}.lock", key="paths.base_dir"):
+        for p in out_dir.parent.glob(f".{glob.escape(out_dir.name)}.*.tmp"):
+            shutil.rmtree(p, ignore_errors=True)
+        yield
+
+
+def write_outputs(cfg: CsvFinetuneConfig, out_dir: Path, files: dict, png: str, names: list[str], past_ts,
                   context: np.ndarray, future_ts, paths: np.ndarray, actual: np.ndarray | None = None) -> None:
-    """forecast.csv and the plot `png` of the last min(lookback, 3 x predict) context bars (W, L, 6) and the paths;
-    what a killed write left there (.*.tmp) is removed first."""
-    prepare_folder(out_dir, log=log.warning)
-    atomic_write(out_dir / "forecast.csv", lambda p: table.to_csv(p, index=False))
+    """The whole folder, swapped in at once with its SHA256SUMS (no reader or kill sees one forecast's file beside
+    another's): `files` (forecast.csv: a table, *.json: data) and the plot `png` of the last min(lookback, 3 x
+    predict) context bars (W, L, 6) and the paths."""
     tail = min(cfg.data.lookback, 3 * cfg.data.predict)
-    plot_panels(_panels(names, [ts[-tail:] for ts in past_ts], context[:, -tail:, CLOSE], future_ts, paths, actual),
-                out_dir / png)
+    with atomic_dir(out_dir, sealed=True) as tmp:
+        for name, data in files.items():
+            _ = data.to_csv(tmp / name, index=False) if name.endswith(".csv") else write_json(tmp / name, data)
+        plot_panels(_panels(names, [ts[-tail:] for ts in past_ts], context[:, -tail:, CLOSE], future_ts, paths,
+                            actual), tmp / png)
 
 
-def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: tuple[Path, Path] | None = None) -> dict:
-    """Score every held-out test window (and the zero-shot model); write metrics.json, forecast.csv and the plot
-    (`folders`: `run_folders`' answer, when the caller asked already)."""
+def provenance(cfg: CsvFinetuneConfig, command: str, predictor: KronosPredictor, made: dict) -> dict:
+    """forecast.json: what made the forecast (the models' weight hashes, the data files' sha256, every setting)."""
+    return {"command": command, "written": pd.Timestamp.now(tz="UTC").isoformat(timespec="seconds"),
+            "model": {"folder": str(best_dir(cfg.predictor_dir)), "predictor_sha256": weights_fingerprint(
+                predictor.model), "tokenizer_sha256": weights_fingerprint(predictor.tokenizer)}, **made,
+            "settings": config_to_dict(cfg)}
+
+
+def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: tuple | None = None) -> dict:
+    """Score every held-out test window (and the zero-shot model); write metrics.json, forecast.csv, forecast.json
+    and the plot (`folders`: `run_folders`' answer, when the caller asked already)."""
     if cfg.data.test_ratio <= 0:
         raise ConfigError(["data.test_ratio: is 0, so there is no held-out test split to forecast; set it > 0 (and "
                            "retrain, since the ratios move the split boundaries)"], "Invalid forecast configuration")
     finetuned, calibration = finetuned_predictor(cfg)
-    store_dir, out_dir = folders or run_folders(cfg, out_dir, "forecast")
-    data = prepare_data(cfg.data, store_dir)  # the store training made (re-prepared if the files changed)
-    windows = held_out_windows(data.splits["test"], cfg.data.window, cfg.forecast.window_stride,
-                               cfg.forecast.max_windows,
-                               history=cfg.forecast.empirical_window + 1)  # + 1: n returns need n + 1 closes
-    metrics, paths = evaluate_held_out(cfg, finetuned, windows, zero_shot_predictor(cfg), _season(cfg, data.panel),
-                                       calibration)
-    metrics["series_without_test_windows"] = sorted(set(data.panel.names) - set(windows.names))
-
-    write_outputs(cfg, out_dir, forecast_table(windows.names, windows.y_timestamps, paths, windows.actual),
-                  "forecast_vs_actual.png", windows.names, windows.x_timestamps, windows.context,
-                  windows.y_timestamps, paths, windows.actual)
-    write_json(out_dir / "metrics.json", metrics)
+    store_dir, out_dir, made = folders or run_folders(cfg, out_dir, "forecast")
+    with output_folder(out_dir):
+        data = prepare_data(cfg.data, store_dir)  # the store training made (re-prepared if the files changed)
+        windows = held_out_windows(data.splits["test"], cfg.data.window, cfg.forecast.window_stride,
+                                   cfg.forecast.max_windows,
+                                   history=cfg.forecast.empirical_window + 1)  # + 1: n returns need n + 1 closes
+        check_memory(cfg, len(windows), 6)  # raw, reported, zero-shot and ensemble paths, and their scoring
+        metrics, paths = evaluate_held_out(cfg, finetuned, windows, zero_shot_predictor(cfg),
+                                           _season(cfg, data.panel), calibration)
+        metrics["series_without_test_windows"] = sorted(set(data.panel.names) - set(windows.names))
+        files = {"forecast.csv": forecast_table(windows.names, windows.y_timestamps, paths, windows.actual),
+                 "metrics.json": metrics, "forecast.json": provenance(cfg, "forecast", finetuned, made)}
+        write_outputs(cfg, out_dir, files, "forecast_vs_actual.png", windows.names, windows.x_timestamps,
+                      windows.context, windows.y_timestamps, paths, windows.actual)
     return metrics
 
 
-def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: tuple[Path, Path] | None = None
-               ) -> pd.DataFrame:
-    """Forecast the `data.predict` candles after each series' last row; write forecast.csv and forecast.png."""
+def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: tuple | None = None) -> pd.DataFrame:
+    """Forecast the `data.predict` candles after each series' last row; write forecast.csv, forecast.json and
+    forecast.png."""
     finetuned, calibration = finetuned_predictor(cfg)
-    store_dir, out_dir = folders or run_folders(cfg, out_dir, "future")
+    store_dir, out_dir, made = folders or run_folders(cfg, out_dir, "future")
+    with output_folder(out_dir):
+        return _future(cfg, finetuned, calibration, store_dir, out_dir, made)
+
+
+def _future(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, calibration: dict | None, store_dir: Path,
+            out_dir: Path, made: dict) -> pd.DataFrame:
     panel = prepare_data(cfg.data, store_dir, with_splits=False).panel  # whole series, no split needed
     lookback, predict = cfg.data.lookback, cfg.data.predict
     short = [name for name, n in zip(panel.names, panel.lengths().tolist()) if n < lookback]
@@ -431,6 +505,7 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: tup
     last.y_timestamps = [TradingCalendar.learn(when(s), trading_dates, f"series {name!r}", cfg.forecast.holidays)
                          .after(when(s)[-1], predict, name=f"series {name!r}") for s, name in enumerate(last.names)]
     names, past_ts, context, future_ts = last.names, last.x_timestamps, last.context, last.y_timestamps
+    check_memory(cfg, len(names), 3)
     paths = sample_paths(finetuned, context, *last.stamps(), predict, cfg.forecast,
                          cfg.forecast.batch_size)  # (N, S, P, 6)
     violations = candle_violations(*np.moveaxis(paths[..., :5], -1, 0))  # open .. volume
@@ -439,7 +514,8 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: tup
              " (kept; forecast.repair_candles: true repairs them)")
     paths = finish_paths(paths, calibration, context[:, -1, CLOSE], cfg.forecast.repair_candles)
     table = forecast_table(names, future_ts, paths).drop(columns="window")
-    write_outputs(cfg, out_dir, table, "forecast.png", names, past_ts, context, future_ts, paths)
+    write_outputs(cfg, out_dir, {"forecast.csv": table, "forecast.json": provenance(cfg, "future", finetuned, made)},
+                  "forecast.png", names, past_ts, context, future_ts, paths)
     return table
 
 
@@ -459,10 +535,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.future:
         print(f"future forecast: {table['series'].nunique()} series x {cfg.data.predict} candles, from "
               f"{table['timestamps'].min()} to {table['timestamps'].max()}")
-        print(f"written: {folders[1]}/{{forecast.csv, forecast.png}}")
+        print(f"written: {folders[1]}/{{forecast.csv, forecast.json, forecast.png}}")
         return 0
     print(format_report(metrics))
-    print(f"written: {folders[1]}/{{metrics.json, forecast.csv, forecast_vs_actual.png}}")
+    print(f"written: {folders[1]}/{{metrics.json, forecast.csv, forecast.json, forecast_vs_actual.png}}")
     return 0
 
 

@@ -30,7 +30,7 @@ from model import KronosTokenizer
 from model.config import Window
 from model.errors import ConfigError, DataError
 from model.features import CLOSE
-from model.fileio import write_json
+from model.fileio import check_seal, seal, write_json
 from model.predictor import CALIBRATION_FAILED as FAILED_KEY
 
 log = logging.getLogger("finetune_csv")
@@ -142,8 +142,10 @@ def calibrate(best: Path, windows: HeldOutWindows, sampling: Any, window: Window
                          sampling.batch_size)  # (W, S, P, 6) raw samples
     ok = (paths[..., CLOSE] > 0).all(axis=(1, 2))  # (W,) the data's own prices are positive (the candle rules)
     excluded = dict(Counter(n for n, good in zip(windows.names, ok) if not good))
+    check_seal(best)  # the folder is re-sealed after each write below
     info = {k: v for k, v in forecaster.read_predictor_info(best).items() if k not in (FAILED_KEY, "calibration")}
     write_json(best / forecaster.PREDICTOR_INFO_NAME, info)  # an earlier verdict or calibration no longer holds
+    seal(best)
     if not ok.any():
         failed = {"reason": f"every validation window has sampled closes <= 0 ({len(windows)} windows)",
                   "series": sorted(excluded), "advice": "forecast.calibrate: false forecasts with the raw bands; "
@@ -151,6 +153,7 @@ def calibrate(best: Path, windows: HeldOutWindows, sampling: Any, window: Window
         log.warning("no calibration of the bands: %s, in series %s; %s", failed["reason"],
                     ", ".join(failed["series"][:5]), failed["advice"])
         write_json(best / forecaster.PREDICTOR_INFO_NAME, {**info, FAILED_KEY: failed})
+        seal(best)
         return None
     if excluded:
         log.warning("calibration: %d of %d validation windows left out, their sampled closes reach <= 0 (series: "

@@ -103,7 +103,8 @@ def split_is_usable(n_rows: int, cfg: DataConfig) -> bool:
 
 def min_rows_needed(cfg: DataConfig) -> int:
     """Smallest series length that gives every split at least one window (see `split_is_usable`)."""
-    n = cfg.window.size
+    # int(n * train_ratio) >= size needs n >= size / train_ratio: start just below it, not one row at a time from size
+    n = max(cfg.window.size, int(cfg.window.size / cfg.train_ratio) - 1)
     while not split_is_usable(n, cfg):
         n += 1
     return n

@@ -27,7 +27,7 @@ from finetune.evaluation.statistics import session_test
 from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.config_utils import config_to_dict
 from finetune.utils.errors import setup_logging
-from finetune.utils.fingerprint import digest, forecast_settings, model_fingerprint, sha256_file, training_settings
+from finetune.utils.fingerprint import digest, forecast_settings, model_fingerprint, training_settings
 from finetune.utils.plots import pyplot, save_figure, stamp_text
 from finetune.utils.safety import GracefulStop, RunLock
 from finetune.utils.windows import PanelSegments
@@ -39,7 +39,7 @@ from model import KronosPredictor
 from model.calibration import apply_calibration
 from model.config import Window
 from model.errors import ConfigError, DataError, RefusedError
-from model.fileio import atomic_write, read_json_object, write_json
+from model.fileio import atomic_write, read_json_object, sha256_file, write_json
 from model.predictor import load_pretrained_pair, load_trained_pair, read_predictor_info
 
 log = logging.getLogger("finetune_csv.walk_forward")

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from model.errors import DataError
-from model.fileio import read_json_object, write_json
+from model.fileio import check_seal, read_json_object, seal, write_json
 
 MAX_MARGIN = 5.0  # |calibration margin| in log-return units (x148 in price): beyond it a file is not a calibration
 MIN_KEEP = 0.1  # a calibration keeps at least this share of each path's distance from the median: no zero-width band
@@ -125,8 +125,11 @@ def calibration_margins(calibration: Any, where: str) -> tuple[np.ndarray, np.nd
 
 def write_calibration(info_path: str | os.PathLike, calibration: dict[str, Any]) -> Path:
     """Add (or replace) "calibration" in the predictor's kronos_predictor.json at `info_path` (created when absent),
-    atomically, keeping its other keys; returns its path."""
+    atomically, keeping its other keys, and re-seal its folder (SHA256SUMS); returns its path."""
     calibration_margins(calibration, "calibration")
     path = Path(info_path)
+    check_seal(path.parent)  # re-sealed below: only a folder still as written may be
     info = read_json_object(path) if path.is_file() else {}
-    return write_json(path, {**info, "calibration": calibration})
+    write_json(path, {**info, "calibration": calibration})
+    seal(path.parent)
+    return path

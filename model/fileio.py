@@ -2,12 +2,15 @@
 
 `atomic_write(target, write_fn)` writes a file, `atomic_dir(target)` builds a folder, `write_json(path, data)` writes
 strict JSON. On failure nothing is left behind; a full disk is reported with the file, the free space and the bytes
-written so far."""
+written so far. An artifact folder is sealed where it is written (`seal`: SHA256SUMS, the sha256 of every file in it,
+`sha256sum -c` reads it) and checked where it is read (`check_seal`): an edit within range, a flipped bit, a doubled
+weight in a still-valid safetensors file are all refused naming the file."""
 from __future__ import annotations
 
 import contextlib
 import datetime
 import errno
+import hashlib
 import json
 import math
 import os
@@ -92,10 +95,48 @@ def atomic_write(target: str | os.PathLike, write_fn: Callable[[str], Any]) -> P
     return target
 
 
+SEAL_NAME = "SHA256SUMS"
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def seal(folder: str | os.PathLike) -> Path:
+    """Write `folder`'s SHA256SUMS (atomically): one `<sha256>  <relative path>` line per file below it."""
+    folder = Path(folder)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != SEAL_NAME and not p.name.startswith("."))
+    text = "".join(f"{sha256_file(p)}  {p.relative_to(folder).as_posix()}\n" for p in files)
+    return atomic_write(folder / SEAL_NAME, lambda t: Path(t).write_text(text, encoding="utf-8"))
+
+
+def check_seal(folder: str | os.PathLike, fix: str = "write it again") -> None:
+    """A DataError naming the first file of `folder` whose bytes are not the ones its SHA256SUMS recorded when it
+    was written (damaged or edited) or that is missing; `fix` says what to do. No SHA256SUMS (an older version
+    wrote the folder, or a Hub download): nothing to check."""
+    folder = Path(folder)
+    try:
+        lines = (folder / SEAL_NAME).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return
+    for line in lines:
+        digest, _, name = line.partition("  ")
+        path = folder / name
+        if not path.is_file() or sha256_file(path) != digest:
+            why = "is missing" if not path.is_file() else "is not the file written there (damaged or edited)"
+            raise DataError(f"{path} {why}: its sha256 differs from {folder / SEAL_NAME}; refusing to use {folder}; "
+                            f"{fix} (an edit of your own: delete {SEAL_NAME} to accept the folder as it is)")
+
+
 @contextlib.contextmanager
-def atomic_dir(target: str | os.PathLike, *, overwrite: bool = True) -> Iterator[Path]:
-    """Yield a temporary folder beside `target` to build; on success swap it into place (an existing target is
-    replaced only then; overwrite=False refuses one up front), on failure remove it."""
+def atomic_dir(target: str | os.PathLike, *, overwrite: bool = True, sealed: bool = False) -> Iterator[Path]:
+    """Yield a temporary folder beside `target` to build; on success (`sealed`: with its SHA256SUMS) swap it into
+    place (an existing target is replaced only then; overwrite=False refuses one up front), on failure remove it."""
     target = Path(target)
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target} already exists; choose another folder or remove it")
@@ -103,6 +144,8 @@ def atomic_dir(target: str | os.PathLike, *, overwrite: bool = True) -> Iterator
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
     try:
         yield tmp
+        if sealed:
+            seal(tmp)
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes owner-only folders
         if target.exists() and _exchange(tmp, target):
             shutil.rmtree(tmp, ignore_errors=True)  # now the old folder; a kill here leaves a `.tmp` (removable)

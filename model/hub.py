@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from model.config import DEFAULT_MAX_PARAMETERS
 from model.errors import DataError, PathError
-from model.fileio import atomic_write, read_json_object, write_json
+from model.fileio import atomic_write, check_seal, read_json_object, write_json
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -146,6 +146,7 @@ class PretrainedMixin:
         allocated) and load `model.safetensors` strictly (published keys/shapes). The model is in training mode."""
         model_dir = resolve_model_dir(path_or_id, cache_dir=cache_dir, revision=revision, token=token,
                                       local_files_only=local_files_only, force_download=force_download)
+        check_seal(model_dir, "train it again (training.overwrite=true) or copy the model again")
         kwargs = read_config(model_dir, cls, max_parameters)
         weights = model_dir / WEIGHTS_NAME
         if not weights.is_file():

@@ -64,6 +64,7 @@ forecast: {{max_windows: 2}}
 """
 
 STAGE_FILES = {"best_model/config.json", "best_model/model.safetensors", "best_model/run_info.json",
+               "best_model/SHA256SUMS",
                "checkpoints/last.pt", "metrics.jsonl", "loss_curve.png", "run_info.json", "train.log"}
 EXPECTED_FILES = ({f"tokenizer/{f}" for f in STAGE_FILES} | {f"basemodel/{f}" for f in STAGE_FILES}
                   | {"basemodel/best_model/tokenizer_config.json", "basemodel/best_model/kronos_predictor.json"}
@@ -148,7 +149,8 @@ def test_forecast_scores_the_held_out_split_and_writes_its_files(trained):
     assert metrics["windows"] == 4 and metrics["horizon"] == 4  # 2 series x forecast.max_windows=2
     model = metrics["finetuned"]["model"]["overall"]
     assert 0.0 <= model["direction_accuracy"] <= 1.0 and model["mae"] >= 0.0
-    assert files_under(base / "forecast") == {"metrics.json", "forecast.csv", "forecast_vs_actual.png"}
+    assert files_under(base / "forecast") == {"metrics.json", "forecast.csv", "forecast.json", "forecast_vs_actual.png",
+                                              "SHA256SUMS"}
     table = pd.read_csv(base / "forecast" / "forecast.csv")
     assert len(table) == 4 * 4 and {"pred_close", "actual_close", "series"} <= set(table.columns)
 

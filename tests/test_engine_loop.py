@@ -48,7 +48,7 @@ def test_tokenizer_run_writes_the_expected_files_and_resume_of_a_finished_run_is
     result = train_tokenizer(tok, train_set, val_set, FAST, tmp_path, CPU, run_config={"exp": "t"}, data_info=data_info)
 
     assert files_under(tmp_path) == {
-        "best_model/config.json", "best_model/model.safetensors", "best_model/run_info.json",
+        "best_model/config.json", "best_model/model.safetensors", "best_model/run_info.json", "best_model/SHA256SUMS",
         "checkpoints/last.pt", "checkpoints/step-00000002.pt", "checkpoints/step-00000004.pt", "metrics.jsonl",
         "loss_curve.png", "run_info.json", "train.log",
     }  # the two newest step checkpoints (training.keep_checkpoints=2); last.pt is the newest's hard link

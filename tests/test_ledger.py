@@ -231,9 +231,9 @@ def test_forecasts_after_a_stop_before_calibration_say_so_and_other_data_goes_be
     write_csv_folder(generate_ohlcv(n_series=2, n_bars=240, freq="5min", seed=9), tmp_path / "other")
     capsys.readouterr()
     assert run_main(forecast.main, ["--config", str(config), "--set", f"data.path={tmp_path / 'other'}"]) == 0
-    assert "forecasting other data than the run" in caplog.text
+    assert "forecasting with other data or settings than the run" in caplog.text
     assert {p: p.read_bytes() for p in kept} == kept  # the run's forecast and data store untouched
-    beside = [p for p in (out / "forecast").iterdir() if p.is_dir() and p.name.startswith("data_")]
+    beside = [p for p in out.iterdir() if p.is_dir() and p.name.startswith("forecast_")]
     assert len(beside) == 1 and (beside[0] / "metrics.json").is_file()
     assert f"written: {beside[0]}/" in capsys.readouterr().out
 

@@ -127,7 +127,7 @@ class Adapter:
     def save_best(self, folder: Path, extra_json: dict[str, Any], extra_models: dict[str, Any] | None = None) -> None:
         """best_model/ in the published format plus `extra_json` files and `extra_models` subfolders (and what the
         mode adds, `save_extra`), swapped in whole (atomic_dir): a reader never sees a mix of old and new files."""
-        with atomic_dir(folder) as tmp:
+        with atomic_dir(folder, sealed=True) as tmp:  # SHA256SUMS: from_pretrained refuses a damaged file
             self.published_model().save_pretrained(str(tmp))
             for name, data in extra_json.items():
                 write_json(tmp / name, data)

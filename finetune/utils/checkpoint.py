@@ -1,6 +1,7 @@
 """Checkpoints, in one place: what a resumable checkpoint holds (`Checkpoint`, format `CHECKPOINT_FORMAT`), writing
 it (atomic step files with rotation, `last.pt` = the newest, never non-finite weights, a full disk named with the
-bytes needed), reading it back (`load_latest` falls back to the previous file when the newest is broken).
+bytes needed), reading it back (`load_latest` falls back to the previous file when the newest is broken, its zip
+CRC-32s checked: torch.load does not).
 Loading a published-format model: model/hub.py's `load_pretrained`. Whether to resume: the ledger's.
 
 Only rank 0 calls the writers; the training loop puts a `barrier()` after them before any rank reads. Writes go to
@@ -19,6 +20,7 @@ import random
 import re
 import secrets
 import shutil
+import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypedDict
@@ -27,7 +29,7 @@ import numpy as np
 import torch
 
 from finetune.utils.errors import CheckpointError, CheckpointWriteError, NonFiniteWeightsError
-from model.fileio import atomic_write, disk_full, exception_chain
+from model.fileio import SEAL_NAME, atomic_write, disk_full, exception_chain
 
 CHECKPOINT_FORMAT = "kronos-finetune/last-v1"
 LAST_NAME = "last.pt"
@@ -100,7 +102,7 @@ _STEP_RE = re.compile(r"^step-(\d{8,})\.pt$")
 # best_model/'s temporary folders (atomic_dir): tempfile.mkdtemp(prefix=".<name>.") adds 8 chars; ".<name>.old".
 _MODEL_TMP_RE = re.compile(r"^\.(?P<name>.+)\.(old|[a-z0-9_]{8})$")
 _MODEL_FILES = {"config.json", "model.safetensors", "tokenizer_config.json", "kronos_predictor.json",
-                "run_info.json", "adapter"}  # adapter/: lora
+                "run_info.json", "adapter", "tokenizer", SEAL_NAME}  # adapter/: lora; tokenizer/: its copy
 _OLD_MODEL_RE = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}\.old$")  # model.fileio.atomic_dir's old folder
 _OVERHEAD = 64 * 1024  # zip headers + pickled structure beyond the raw tensor bytes
 _log = logging.getLogger(__name__)
@@ -249,6 +251,13 @@ def _unreadable_reason(path: Path, map_location: Any, validate: Callable[[dict],
         return f"cannot be read ({e.strerror})", None
     if size == 0:
         return "empty file (0 bytes): the write that made it was interrupted", None
+    try:  # torch.load skips the zip's CRC-32s: a flipped bit inside a tensor would load silently
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except Exception:  # noqa: BLE001 - not a zip (garbage, a legacy file): torch.load below says what it is
+        bad = None
+    if bad is not None:
+        return f"damaged: its record {bad} fails its CRC-32 check (a flipped bit or a partial overwrite)", None
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:

@@ -13,9 +13,11 @@ The sections both pipelines share are in finetune/utils/schema.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import difflib
+import math
 import re
 import reprlib
 import types
@@ -289,17 +291,18 @@ def convert(value: Any, tp: Any, key: str, problems: Problems) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             problems.add(key, f"expected int, got {_show(value)}")
+        elif _SEED.search(key) and not 0 <= value < 2**32:  # numpy's and torch's seeds: one rule for every seed
+            problems.add(key, f"must be a seed in [0, 2**32 - 1], got {value}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string: accept it when clearly a number
+            with contextlib.suppress(ValueError):
+                value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            # YAML 1.1 reads `1e-4` (no dot) as a string: accept it when it is clearly a number.
-            if isinstance(value, str):
-                try:
-                    return float(value)
-                except ValueError:
-                    pass
             problems.add(key, f"expected float, got {_show(value)}")
             return value
+        if not math.isfinite(value):  # inf / nan: no setting means them (a rate, a ratio, a clip)
+            problems.add(key, f"must be a finite number, got {value}")
         return float(value)
     if tp is str:
         if isinstance(value, datetime.date):  # YAML reads an unquoted 2024-07-01 as a date: keep it as ISO text
@@ -317,6 +320,7 @@ def convert(value: Any, tp: Any, key: str, problems: Problems) -> Any:
     return value  # an annotation we do not check (e.g. a custom class): trust the pipeline's validate()
 
 
+_SEED = re.compile(r"(^|\.)seeds?(\[\d+\])?$")
 _SHORT = reprlib.Repr()
 # At most ~5 items per level and 3 levels: the text stays short (and cheap) even for a value built from thousands
 # of YAML aliases, which a full repr would expand to gigabytes before it could be cut.

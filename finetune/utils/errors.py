@@ -10,6 +10,7 @@ them too); the engine's own are here, below. Anything else escaping `main` is a 
 from __future__ import annotations
 
 import datetime
+import errno
 import functools
 import importlib.util
 import logging
@@ -130,7 +131,8 @@ def classify(exc: BaseException) -> tuple[int, bool]:
         return EXIT_MISSING_EXTRA, True
     if isinstance(exc, FileExistsError):
         return EXIT_REFUSED, True
-    if isinstance(exc, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)):
+    if isinstance(exc, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)) or \
+            isinstance(exc, OSError) and exc.errno == errno.EROFS:  # a read-only output filesystem
         return EXIT_PATH, True
     hub = sys.modules.get("huggingface_hub.errors") or sys.modules.get("huggingface_hub.utils")
     hub_kinds = tuple(getattr(hub, n) for n in ("HfHubHTTPError", "LocalEntryNotFoundError", "OfflineModeIsEnabled",

@@ -22,20 +22,13 @@ from typing import Any
 
 from finetune.utils.config_utils import config_to_dict, plain
 from finetune.utils.schema import RESUME_CLASS
+from model.fileio import sha256_file
 
 PLACE_KEYS = frozenset({"path", "store_dir", "qlib_data_path", "dataset_path"})  # where, not what
 FORECAST_REPORT_ONLY = ("bootstrap_samples", "bootstrap_block")  # change the report's intervals, not a forecast
 
 _cache: dict[tuple, str] = {}  # (file, size, mtime_ns, ctime_ns, inode) -> sha256: one read per file and process
 
-
-def sha256_file(path: str | Path) -> str:
-    """Hex sha256 of a file, read in chunks (about 1.2 GB/s: a large file never sits in memory whole)."""
-    h = hashlib.sha256()  # not hashlib.file_digest: Python 3.11+, and the project supports 3.10
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def file_fingerprint(path: str | Path, with_hash: bool = True) -> dict:

@@ -1,8 +1,8 @@
 """The ledger: every reuse decision, in one place (after DVC's dvc.lock and torchtitan's checkpointer). "Is this
 artifact current for these inputs?": reuse; rebuild (the log says which input changed); refuse (damaged, or a change
 only the user may accept). Asked of it: a stage folder (`open_stage`: fresh / resume / reuse / rebuild / refuse,
-from the Trainer's `StageInputs`), a forecast's data (`other_data_key`), a file such as Qlib's signals.csv
-(`check_record` against its `write_record`). What it compares is fingerprinted by finetune/utils/fingerprint.py.
+from the Trainer's `StageInputs`), a file such as Qlib's signals.csv (`check_record` against its `write_record`).
+What it compares is fingerprinted by finetune/utils/fingerprint.py.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -19,12 +19,12 @@ import finetune.utils.checkpoint as checkpoint_store
 from finetune.utils.config_utils import Problems, config_to_dict, plain
 from finetune.utils.distributed import DistInfo, all_gather_object
 from finetune.utils.errors import StageFolderError
-from finetune.utils.fingerprint import data_fingerprint, digest, sha256_file, without_places
+from finetune.utils.fingerprint import data_fingerprint, without_places
 from finetune.utils.metrics import flatten_params
 from finetune.utils.schema import RESUME_CLASS, TrainingConfig, stage_key
 from model.config import Window
 from model.errors import ConfigError, DataError
-from model.fileio import read_json_object, write_json
+from model.fileio import read_json_object, sha256_file, write_json
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -372,16 +372,3 @@ def check_record(path: Path, inputs: Mapping[str, Any]) -> Literal["reuse", "reb
     return "rebuild" if why else "reuse"
 
 
-def other_data_key(stage_dir: Path, files: Sequence[dict]) -> str | None:
-    """Is a forecast's data (`files`: `file_fingerprint`s) the data the run in `stage_dir` was trained on (the same
-    file names and bytes, wherever they lie)? None when it is (or the run recorded none), else a short key of this
-    other data: its outputs then go beside the run's, never over them (the log says so)."""
-    recorded = (_read_json(Path(stage_dir) / "run_info.json").get("data") or {}).get("files")
-    content = lambda fs: sorted((Path(f["path"]).name, f["sha256"]) for f in fs)  # noqa: E731
-    if not recorded or content(recorded) == content(files):
-        return None
-    key = digest(content(files))[:12]
-    log.warning("forecasting other data than the run in %s was trained on (%d file(s) recorded, %d given, or other "
-                "content): its outputs go to folders keyed data_%s, the run's own are kept; set data.path to the "
-                "run's files to score the run itself", stage_dir, len(recorded), len(files), key)
-    return key

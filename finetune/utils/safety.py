@@ -38,7 +38,7 @@ import torch
 
 from finetune.utils.distributed import all_reduce_sum
 from finetune.utils.errors import DivergenceError, RunLockedError, TrainingStopped
-from model.errors import EXIT_STOPPED
+from model.errors import EXIT_STOPPED, PathError
 from model.fileio import read_json_object
 
 FAULT_ENV = "KRONOS_FAULT_EXIT_AFTER_STEP"
@@ -96,9 +96,9 @@ class RunLock:
     line."""
 
     def __init__(self, folder: str | Path, *, enabled: bool = True, key: str = "training.output_dir",
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, name: str = LOCK_NAME):
         self.folder = Path(folder)
-        self.path = self.folder / LOCK_NAME
+        self.path = self.folder / name  # `name`: the lock of something beside it, e.g. a folder swapped whole
         self.enabled = enabled
         self.key = key
         self._log = log or _log.warning
@@ -115,13 +115,16 @@ class RunLock:
         """Take the lock or raise `RunLockedError` at once (never waits). Returns self."""
         if not self.enabled or self.held:
             return self
-        if not self.folder.exists():
-            self.folder.mkdir(parents=True, exist_ok=True)
-            self._created_folder = True
         try:
+            if not self.folder.exists():
+                self.folder.mkdir(parents=True, exist_ok=True)
+                self._created_folder = True
             self._lock.acquire(timeout=0)
         except filelock.Timeout:
             raise RunLockedError(self.folder, read_holder(self.path), self.key) from None
+        except OSError as e:  # a read-only filesystem, no permission: the user's to fix, not a bug
+            raise PathError(f"{self.key}: cannot write into {self.folder} ({e.strerror or e}); set {self.key} to a "
+                            "writable folder") from None
         return self
 
     def _write_holder(self, fd: int) -> None:

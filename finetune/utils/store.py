@@ -39,8 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from finetune.utils.errors import StoreError
-from finetune.utils.fingerprint import sha256_file
-from model.fileio import disk_full, write_json
+from model.fileio import disk_full, sha256_file, write_json
 
 N_STAMP_COLUMNS = 5  # minute, hour, weekday, day of month, month
 FORMAT = "kronos-series-store"

@@ -40,6 +40,7 @@ from finetune.utils.schema import TrainingConfig, stage_key, validate_training_c
 from finetune.utils.windows import EpochSampler, batches_per_epoch, make_loader
 from model.config import Window
 from model.errors import DataError
+from model.fileio import check_seal, seal
 from model.hub import weights_fingerprint
 from model.predictor import PREDICTOR_INFO_NAME, TOKENIZER_CONFIG_NAME, TOKENIZER_SUBDIR, predictor_info
 
@@ -402,6 +403,7 @@ class Trainer:
             try:
                 self.plan = ledger.open_stage(self.inputs, self.lock, self.dist, self.rebuild_changed)
                 if self.plan.action == "skip":  # a finished run, current for these inputs: read back, not retrained
+                    check_seal(self.out / "best_model", "set training.overwrite=true to train it again")
                     self.resume_path = self.plan.path
                     self.load_state_dict(self.plan.saved)
                     plot = self.out / "loss_curve.png"
@@ -660,6 +662,7 @@ class Trainer:
             self.stage.save_best(self.best_dir)
             write_run_info(self.best_dir, self.run_config, self.data_info,
                            {**self.run_extra, "epoch": epoch, "val_loss": val_loss})
+            seal(self.best_dir)  # with its run_info.json (checked where a model is loaded: from_pretrained)
 
     def save_last(self, mid_epoch: bool = False) -> None:
         """Write checkpoints/last.pt (rank 0; every rank's RNG state included), then wait for all ranks.
