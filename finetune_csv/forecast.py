@@ -22,6 +22,7 @@ from finetune.evaluation.forecast_scores import (
     score_forecasts,
 )
 from finetune.evaluation.held_out import HeldOutWindows, held_out_windows, sample_paths, window_crps_mae
+from finetune.evaluation.report import write_report
 from finetune.evaluation.statistics import session_test
 from finetune.utils.checkpoint import prepare_folder
 from finetune.utils.cli_args import add_config_args, parse_config_args
@@ -404,6 +405,7 @@ def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: t
                   "forecast_vs_actual.png", windows.names, windows.x_timestamps, windows.context,
                   windows.y_timestamps, paths, windows.actual)
     write_json(out_dir / "metrics.json", metrics)
+    write_report(out_dir, (windows.names, windows.x_timestamps, windows.context), cfg.data.predict)
     return metrics
 
 
@@ -435,6 +437,7 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: tup
     paths = finish_paths(paths, calibration, context[:, -1, CLOSE], cfg.forecast.repair_candles)
     table = forecast_table(names, future_ts, paths).drop(columns="window")
     write_outputs(cfg, out_dir, table, "forecast.png", names, past_ts, context, future_ts, paths)
+    write_report(out_dir, (names, past_ts, context), predict)
     return table
 
 
