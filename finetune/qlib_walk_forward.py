@@ -29,6 +29,7 @@ import pandas as pd
 
 from finetune.config import QlibConfig, check_model_folder, cli_parser, load
 from finetune.dataset import SPLITS, check_processed, load_split, read_manifest, split_path
+from finetune.evaluation.report import write_report
 from finetune.evaluation.signals import daily_ic, forward_labels
 from finetune.evaluation.statistics import newey_west_tstat, paired_test
 from finetune.qlib_data_preprocess import first_signal_day, preprocess
@@ -269,6 +270,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "device": device, "config": config_to_dict(cfg)}
     write_results(root, {"report.json": report, "periods.csv": table, "signals.csv": signals.reset_index(),
                          "walk_forward.png": lambda path: plot(result, periods, path)})
+    write_report(root)
     cols = ["test_start", "test_end", "days_finetuned", "IC_finetuned", "t_IC_finetuned", "IC_zero_shot",
             "t_IC_zero_shot", "IC_diff"]
     print(f"\n--- walk-forward: {len(periods)} periods, signal {w.signal} at h={result['horizon']} (daily IC, "
