@@ -20,6 +20,7 @@ import pandas as pd
 import pytest
 
 from finetune.evaluation.report import write_report
+from finetune.synthetic import generate_ohlcv, write_csv_folder
 from finetune_csv import forecast
 from finetune_csv.config import load
 from tests.test_csv_eval import make_run
@@ -50,7 +51,10 @@ def run_dir(tmp_path_factory) -> Path:
         write_report(run)  # the page of the run's files as they are now
         return run
     root = tmp_path_factory.mktemp("run")
-    cfg = load(make_run(root, n_bars=(600, 520)))  # enough test windows for several per series
+    config = make_run(root, n_bars=(1000, 1000))
+    # daily bars: each test window on its own date, enough dates (33) for the paired tests' intervals
+    write_csv_folder(generate_ohlcv(n_series=2, n_bars=1000, freq="1D", seed=3), root / "data")
+    cfg = load(config)
     forecast.run_forecast(cfg)
     return cfg.base_dir / "forecast"
 
@@ -85,6 +89,8 @@ def test_the_page_in_chromium_shows_the_runs_numbers_offline(browser, run_dir):
     tests |= {(k, "zero_shot"): metrics[f"{k}_vs_zero_shot"]["test"]["crps"] for k in ("finetuned", "ensemble")
               if metrics.get(f"{k}_vs_zero_shot")}
     assert tests and page.locator("#differences tbody tr").count() == len(tests)
+    if not os.environ.get("KRONOS_REPORT_RUN"):  # the tiny run's differences have intervals (the demo's have none)
+        assert any("interval [" in t["reason"] for t in tests.values())
     for (a, b), t in tests.items():
         cells = page.locator(f'#differences tr[data-a="{a}"][data-b="{b}"] td').all_inner_texts()
         assert number(cells[1]) == pytest.approx(t["mean"], rel=5e-3)
