@@ -120,33 +120,30 @@ def collect(run_dir: str | Path) -> dict[str, Any]:
     run = Path(run_dir).resolve()
     metrics, report = _json(run / "metrics.json"), _json(run / "report.json")
     tune = report if run.name == "tune" and report else _json(run / "tune" / "report.json")
-    roots = [run, run.parent]
-    config = (report or {}).get("config") or {}
-    if (config.get("paths") or {}).get("save_path"):  # Qlib: the stages live under paths.save_path
-        roots.append(Path(config["paths"]["save_path"]).expanduser())
-    page: dict[str, Any] = {"run": str(run), "kind": "run", "metrics": metrics, "forecast": _windows(run),
-                            "tune": tune, "training": _training(roots)}
-    if metrics is not None:
-        page["kind"] = "forecast"
-    elif page["forecast"] is not None:
-        page["kind"] = "future"
-    if report is not None and tune is not report:
-        if "folds" in report:  # CSV walk-forward: one row per fold and window
-            page["kind"] = "walk_forward"
-            wins = _csv(run / "windows.csv")
-            page["walk_forward"] = report
-            if wins is not None and {"candidate", "window_start", "crps"} <= set(wins.columns):
-                # the cumulative CRPS by candidate, as walk_forward.png draws it
-                cum = {name: g.groupby("window_start")["crps"].mean().sort_index().cumsum()
-                       for name, g in wins[wins.get("in_verdict", True).astype(bool)].groupby("candidate", sort=False)}
-                page["walk_forward_cumulative"] = {n: {"t": s.index.tolist(), "v": strict_json(s.tolist())}
-                                                   for n, s in cum.items()}
-        elif "periods" in report:  # Qlib walk-forward
-            page["kind"], page["qlib_walk_forward"] = "qlib_walk_forward", report
-        elif "summary" in report:  # Qlib backtest
-            page["kind"], page["qlib"] = "qlib", _qlib(run, report)
-    elif tune is not None and page["kind"] == "run":
-        page["kind"] = "tune"
+    report = None if report is tune else report
+    # where the training stages are: beside a forecast's folder; inside a walk-forward's (one per fold or period);
+    # under paths.save_path for a Qlib backtest
+    roots = [run.parent]
+    page: dict[str, Any] = {"run": str(run), "kind": "tune" if tune else "run", "metrics": metrics,
+                            "forecast": _windows(run), "tune": tune}
+    if metrics is not None or page["forecast"] is not None:
+        page["kind"] = "forecast" if metrics is not None else "future"
+    elif report is not None and "folds" in report:  # CSV walk-forward
+        page["kind"], page["walk_forward"], roots = "walk_forward", report, [run]
+        wins = _csv(run / "windows.csv")
+        if wins is not None and {"candidate", "window_start", "crps"} <= set(wins.columns):
+            used = wins[wins["in_verdict"].astype(bool)] if "in_verdict" in wins.columns else wins
+            cum = {name: g.groupby("window_start")["crps"].mean().sort_index().cumsum()  # as walk_forward.png
+                   for name, g in used.groupby("candidate", sort=False)}
+            page["walk_forward_cumulative"] = {n: {"t": v.index.tolist(), "v": strict_json(v.tolist())}
+                                               for n, v in cum.items()}
+    elif report is not None and "periods" in report:  # Qlib walk-forward
+        page["kind"], page["qlib_walk_forward"], roots = "qlib_walk_forward", report, [run]
+    elif report is not None and "summary" in report:  # Qlib backtest
+        page["kind"], page["qlib"] = "qlib", _qlib(run, report)
+        roots = [Path(p).expanduser() for p in [((report.get("config") or {}).get("paths") or {}).get("save_path")]
+                 if p]
+    page["training"] = _training(roots)
     return page
 
 
