@@ -133,5 +133,7 @@ def test_the_page_in_chromium_shows_the_runs_numbers_offline(browser, run_dir):
 
     if os.environ.get("KRONOS_REPORT_SCREENSHOT"):
         page.select_option("#window-picker", options.nth(min(2, options.count() - 1)).get_attribute("value"))
-        page.screenshot(path=os.environ["KRONOS_REPORT_SCREENSHOT"], full_page=True)
+        bottom = page.locator("#forecasts").bounding_box()  # the scores and a forecast window: the README's view
+        page.screenshot(path=os.environ["KRONOS_REPORT_SCREENSHOT"], full_page=True,
+                        clip={"x": 0, "y": 0, "width": 1280, "height": bottom["y"] + bottom["height"] + 12})
     page.close()
