@@ -91,52 +91,75 @@ def test_report_on_a_folder_without_run_files_is_one_path_error(tmp_path, capsys
     assert not (tmp_path / "report.html").exists()
 
 
-def test_walk_forward_qlib_and_tune_folders_get_their_sections(tmp_path):
-    """Hand-written files in the shapes the commands write (Qlib is not installed in every test environment)."""
-    wf = tmp_path / "walk_forward"
+def other_runs(root: Path) -> dict[str, Path]:
+    """Folders of a CSV walk-forward, a Qlib backtest, a Qlib walk-forward and a tune, with hand-written files in the
+    shapes those commands write (Qlib is not installed in every test environment; kronos tune may not be merged)."""
+    wf, bt, qwf, tuned = root / "walk_forward", root / "backtest", root / "qlib_wf" / "walk_forward", root / "tuned"
     per_fold = [{"fold": k, "mean": -0.01 * k, "ci_low": -0.02, "ci_high": 0.01, "windows": 4} for k in range(2)]
-    wf_report = {"verdict": "no_evidence", "verdict_reason": "contains 0", "scores": {"finetuned": {"crps": 0.1}},
-                 "folds": [{"fold": k, "test_start": f"2024-01-0{k + 1}", "test_end": "x", "windows": {"test": 4},
-                            "scores": {}, "before_pretraining_cutoff": False} for k in range(2)],
-                 "paired": {"finetuned_vs_zero_shot": {"crps": {"per_fold": per_fold, "mean": -0.005,
-                                                                "reason": "r"}}}}
+    score = {"crps": 0.1, "mae": 0.2, "cov50": 0.5, "cov80": 0.8, "direction": 0.5}
     (wf / "fold_0" / "basemodel").mkdir(parents=True)
     (wf / "fold_0" / "basemodel" / "metrics.jsonl").write_text(
         json.dumps({"kind": "train", "step": 1, "loss": 2.0, "lr": 1e-3}) + "\n{torn")
-    (wf / "report.json").write_text(json.dumps(wf_report))
+    (wf / "report.json").write_text(json.dumps({
+        "verdict": "no_evidence", "verdict_reason": "contains 0", "scores": {"finetuned": score, "zero_shot": score},
+        "folds": [{"fold": k, "test_start": f"2024-01-0{k + 1}", "test_end": "x", "windows": {"test": 4},
+                   "scores": {"finetuned": score}, "before_pretraining_cutoff": False} for k in range(2)],
+        "paired": {"finetuned_vs_zero_shot": {"crps": {"per_fold": per_fold, "mean": -0.005, "reason": "r"}}},
+        "best": {"line": "best by CRPS: finetuned"}}))
     pd.DataFrame({"candidate": ["finetuned", "finetuned", "zero_shot"], "window_start": ["a", "b", "a"],
                   "crps": [1.0, 2.0, 5.0], "in_verdict": [True, True, True]}).to_csv(wf / "windows.csv", index=False)
-    page = report.collect(wf)
-    assert page["kind"] == "walk_forward" and page["walk_forward"] == wf_report
-    assert page["walk_forward_cumulative"]["finetuned"]["v"] == [1.0, 3.0]
-    assert page["training"][0]["name"] == "fold_0/basemodel" and page["training"][0]["train"][0]["loss"] == 2.0
 
-    bt = tmp_path / "backtest"
     bt.mkdir()
-    (bt / "report.json").write_text(json.dumps({"summary": {"mean": {"IC": 0.05}}, "benchmark": "SH000300",
-                                                "signals": {"mean": {"horizon": 1}}}))
+    (bt / "report.json").write_text(json.dumps({
+        "summary": {"mean": {"h": 1, "IC": 0.05}, "momentum": {"h": 1, "IC": 0.01}}, "benchmark": "SH000300",
+        "signals": {"mean": {"horizon": 1}, "momentum": {"horizon": 1}}, "forecast_days": ["2022-03-31", "x"],
+        "backtest_period": ["2022-04-01", "x"], "label": "close", "instruments": 4, "warnings": ["w"],
+        "best": {"line": "best by IC: mean"}}))
     days = pd.date_range("2022-04-01", periods=5, freq="B")
     rng = np.random.default_rng(0)
-    daily = pd.DataFrame({"datetime": days, "mean_return": rng.normal(0, 0.01, 5), "mean_cost": 0.001,
-                          "mean_turnover": 0.2, "bench": rng.normal(0, 0.01, 5)})
-    daily.to_csv(bt / "backtest_daily.csv", index=False)
-    signals = pd.DataFrame({"datetime": np.repeat(days, 4), "instrument": list("abcd") * 5,
-                            "mean": rng.normal(size=20), "label_1": rng.normal(size=20)})
-    signals.to_csv(bt / "signals.csv", index=False)
-    q = report.collect(bt)
-    assert q["kind"] == "qlib"
-    excess = (daily.mean_return - daily.mean_cost - daily.bench).cumsum()  # as cumulative_return.png sums it
-    assert q["qlib"]["daily"]["excess"]["mean"] == pytest.approx(excess.tolist())
-    day0 = signals[signals.datetime == days[0]]
-    assert q["qlib"]["ic_by_date"]["mean"]["ic"][0] == pytest.approx(day0["mean"].corr(day0["label_1"]))
+    pd.DataFrame({"datetime": days, "mean_return": rng.normal(0, 0.01, 5), "mean_cost": 0.001, "mean_turnover": 0.2,
+                  "momentum_return": 0.0, "momentum_cost": 0.0, "momentum_turnover": 0.1,
+                  "bench": rng.normal(0, 0.01, 5)}).to_csv(bt / "backtest_daily.csv", index=False)
+    pd.DataFrame({"datetime": np.repeat(days, 4), "instrument": list("abcd") * 5, "mean": rng.normal(size=20),
+                  "momentum": rng.normal(size=20), "label_1": rng.normal(size=20)}).to_csv(bt / "signals.csv",
+                                                                                          index=False)
+    pd.DataFrame({"signal": ["mean", "mean"], "horizon": [1, 2], "ic": [0.05, 0.03], "rank_ic": [0.04, 0.02],
+                  "ic_t_nw": [1.0, 0.5], "long_short": [0.0, 0.0]}).to_csv(bt / "ic_decay.csv", index=False)
 
-    (tmp_path / "tuned" / "tune").mkdir(parents=True)
-    tune = {"trials": [{"number": 0, "score": 0.3}], "selected": {"lr": 1e-3}, "pbo": 0.2}
-    (tmp_path / "tuned" / "tune" / "report.json").write_text(json.dumps(tune))
-    t = report.collect(tmp_path / "tuned")
-    assert t["kind"] == "tune" and t["tune"] == tune
-    html = report.render(t)
-    assert "/*PAGE_DATA*/" not in html and page_data(html)["tune"] == tune
+    qwf.mkdir(parents=True)
+    bt_stats = {"excess_return_with_cost": {"annualized_return": 0.1, "information_ratio": 1.0, "max_drawdown": -0.1},
+                "turnover_mean": 0.2, "cost_ann": 0.01}
+    (qwf / "report.json").write_text(json.dumps({
+        "verdict": "no_evidence", "reason": "r", "signal": "mean", "horizon": 1, "benchmark": "SH000300",
+        "periods": [{"period": k, "test_start": f"2022-0{k + 1}-01", "IC_finetuned": 0.01 * k, "IC_zero_shot": 0.0}
+                    for k in range(3)], "backtest": {"finetuned": bt_stats, "zero_shot": bt_stats}}))
+
+    (tuned / "tune").mkdir(parents=True)
+    (tuned / "tune" / "report.json").write_text(json.dumps(
+        {"trials": [{"number": k, "score": 0.3 - 0.01 * k, "params": {"lr": k}} for k in range(4)],
+         "selected": {"lr": 1e-3}, "inner": 0.28, "outer": 0.31, "pbo": 0.2, "verdict": "keep"}))
+    return {"walk_forward": wf, "qlib": bt, "qlib_walk_forward": qwf, "tune": tuned}
+
+
+def test_walk_forward_qlib_and_tune_folders_get_their_sections(tmp_path):
+    runs = other_runs(tmp_path)
+    for kind, folder in runs.items():
+        page = report.collect(folder)
+        assert page["kind"] == kind
+        if kind in ("walk_forward", "qlib_walk_forward", "tune"):
+            assert page[kind] == json.loads((folder / ("tune" if kind == "tune" else "") / "report.json").read_text())
+    wf = report.collect(runs["walk_forward"])
+    assert wf["walk_forward_cumulative"]["finetuned"]["v"] == [1.0, 3.0]  # by date, summed over time
+    assert [s["name"] for s in wf["training"]] == ["fold_0/basemodel"] and wf["training"][0]["train"][0]["loss"] == 2
+
+    q = report.collect(runs["qlib"])["qlib"]
+    daily = pd.read_csv(runs["qlib"] / "backtest_daily.csv")
+    excess = (daily.mean_return - daily.mean_cost - daily.bench).cumsum()  # as cumulative_return.png sums it
+    assert q["daily"]["excess"]["mean"] == pytest.approx(excess.tolist())
+    signals = pd.read_csv(runs["qlib"] / "signals.csv")
+    day0 = signals[signals.datetime == signals.datetime.min()]
+    assert q["ic_by_date"]["mean"]["ic"][0] == pytest.approx(day0["mean"].corr(day0["label_1"]))
+    assert q["decay"]["mean"]["ic"] == [0.05, 0.03]
 
 
 def test_the_template_ships_with_the_package():

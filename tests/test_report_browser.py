@@ -24,6 +24,7 @@ from finetune.synthetic import generate_ohlcv, write_csv_folder
 from finetune_csv import forecast
 from finetune_csv.config import load
 from tests.test_csv_eval import make_run
+from tests.test_report import other_runs
 
 pytestmark = pytest.mark.slow
 CHROMIUM = os.environ.get("KRONOS_CHROMIUM", "/usr/bin/chromium")
@@ -136,4 +137,30 @@ def test_the_page_in_chromium_shows_the_runs_numbers_offline(browser, run_dir):
         bottom = page.locator("#forecasts").bounding_box()  # the scores and a forecast window: the README's view
         page.screenshot(path=os.environ["KRONOS_REPORT_SCREENSHOT"], full_page=True,
                         clip={"x": 0, "y": 0, "width": 1280, "height": bottom["y"] + bottom["height"] + 12})
+    page.close()
+
+
+@pytest.mark.parametrize("kind", ["walk_forward", "qlib", "qlib_walk_forward", "tune"])
+def test_walk_forward_qlib_and_tune_pages_draw_without_errors(browser, tmp_path, kind):
+    folder = other_runs(tmp_path)[kind]
+    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    requests, errors = [], []
+    page.on("request", lambda r: requests.append(r.url))
+    page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    url = write_report(folder).resolve().as_uri()
+    page.goto(url)
+    page.wait_for_load_state("load")
+    assert requests == [url] and errors == []
+    assert page.locator(f"section#{kind.replace('_', '-')}").count() == 1
+    charts = page.locator(".js-plotly-plot .main-svg")
+    assert charts.count() >= 1
+    assert all(charts.nth(i).bounding_box()["width"] > 100 for i in range(charts.count()))
+    text = page.inner_text("main")
+    if kind in ("walk_forward", "qlib_walk_forward"):
+        assert "verdict: no_evidence" in text
+    if kind == "qlib":
+        assert "best by IC: mean" in text and "warning: w" in text
+    if kind == "tune":
+        assert "0.20000" in text and "0.31000" in text  # PBO and the outer score, from tune/report.json
     page.close()
