@@ -29,8 +29,10 @@ from model.features import FEATURES
 from model.fileio import atomic_write, strict_json
 
 TEMPLATE = Path(__file__).with_name("report_template.html")
-MAX_WINDOWS = 400  # forecast windows drawn on one page (evenly spaced beyond that): keeps the page under 8 MB
-MAX_POINTS = 2000  # training records per stage and kind (evenly spaced beyond that)
+# The page stays under 8 MB: Plotly takes 4.6 MB, the forecast windows at most WINDOW_BYTES (evenly spaced windows
+# beyond that, said on the page), the training curves at most MAX_POINTS records over all stages.
+MAX_WINDOWS, WINDOW_BYTES, MAX_POINTS = 400, 2 * 2**20, 20_000
+CURVES = ("kind", "step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "val_loss", "score")  # drawn keys
 CONTEXT_BARS = 3  # context bars drawn before a window = this many x the forecast horizon (at most the lookback)
 GENERATED = "<!--generated-->"  # the one line that differs between two builds of the same run: when it was built
 
@@ -57,8 +59,10 @@ def _thin(items: list, limit: int) -> list:
 
 
 def _columns(frame: pd.DataFrame) -> dict[str, list]:
-    """A frame as {column: values} (NaN -> null) for the page."""
-    return {c: strict_json(frame[c].tolist()) for c in frame.columns}
+    """A frame as {column: values} for the charts: floats to 7 significant digits (a chart draws no more), NaN ->
+    null."""
+    return {c: [None if v != v else float(f"{v:.7g}") for v in frame[c].tolist()] if frame[c].dtype.kind == "f"
+            else strict_json(frame[c].tolist()) for c in frame.columns}
 
 
 def write_context(run_dir: str | Path, names: list[str], timestamps: list, context: np.ndarray, horizon: int) -> None:
@@ -82,36 +86,39 @@ def _windows(run: Path) -> dict | None:
     future = "window" not in fc.columns  # --future: one window per series
     key = "series" if future else "window"
     groups = list(fc.groupby(key, sort=False))
-    shown = _thin(groups, MAX_WINDOWS)
     by_ctx = dict(list(ctx.groupby(key, sort=False))) if ctx is not None else {}  # it has both columns
-    out = []
-    for k, g in shown:
-        quantiles = [c for c in g.columns if c.startswith("close_q") or c.startswith("raw_close_q")]
+    quantiles = [c for c in fc.columns if c.startswith("close_q") or c.startswith("raw_close_q")]
+
+    def window(k, g: pd.DataFrame) -> dict:
         item = {"series": str(g["series"].iloc[0]), "window": None if future else int(k),
                 "forecast": _columns(g[["timestamps", *quantiles]])}
         if "actual_close" in g.columns:
             item["actual"] = _columns(g[["timestamps", *(f"actual_{f}" for f in ("open", "high", "low", "close"))]])
-        c = by_ctx.get(k)
-        if c is not None:
-            item["context"] = _columns(c[["timestamps", "open", "high", "low", "close"]])
-        out.append(item)
+        if k in by_ctx:
+            item["context"] = _columns(by_ctx[k][["timestamps", "open", "high", "low", "close"]])
+        return item
+
+    sample = [window(*kg) for kg in _thin(groups, 20)]  # the bytes of one window, to fit WINDOW_BYTES
+    fit = int(WINDOW_BYTES * len(sample) / len(json.dumps(sample)))
+    out = [window(*kg) for kg in _thin(groups, max(1, min(MAX_WINDOWS, fit)))]
     return {"future": future, "windows": out, "total": len(groups), "has_context": ctx is not None}
 
 
 def _training(roots: list[Path]) -> list[dict]:
     """Every training stage found one level below `roots` (or two, for walk-forward folds): its metrics.jsonl
     records (thinned), the settings it ran with (run_info.json) and the forecaster's kronos_predictor.json."""
-    stages, seen = [], set()
-    for root in roots:
+    found: dict[Path, Path] = {}  # metrics.jsonl -> the root it was found under (its name on the page)
+    for root in (r.resolve() for r in roots):
         for path in sorted([*root.glob("*/metrics.jsonl"), *root.glob("*/*/metrics.jsonl")]):
-            if path.resolve() in seen:
-                continue
-            seen.add(path.resolve())
-            records, info = read_metrics(path), _json(path.parent / "run_info.json") or {}
-            kinds = {k: strict_json(_thin([r for r in records if r.get("kind") == k], MAX_POINTS))
-                     for k in ("train", "val")}
-            stages.append({"name": str(path.parent.relative_to(root)), **kinds, "config": info.get("config"),
-                           "predictor": _json(path.parent / "best_model" / "kronos_predictor.json")})
+            found.setdefault(path.resolve(), root)
+    stages, limit = [], MAX_POINTS // max(2 * len(found), 1)  # records per stage and kind
+    for path, root in found.items():
+        records, info = read_metrics(path), _json(path.parent / "run_info.json") or {}
+        curves = {kind: strict_json(_thin([{k: v for k, v in r.items() if k in CURVES or k.startswith("metric_")}
+                                           for r in records if r.get("kind") == kind], limit))
+                  for kind in ("train", "val")}
+        stages.append({"name": str(path.parent.relative_to(root)), **curves, "config": info.get("config"),
+                       "predictor": _json(path.parent / "best_model" / "kronos_predictor.json")})
     return stages
 
 
