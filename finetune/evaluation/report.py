@@ -172,8 +172,8 @@ def _qlib(run: Path, report: dict) -> dict:
                         "turnover": {n: strict_json(daily[f"{n}_turnover"].tolist()) for n in names
                                      if f"{n}_turnover" in daily.columns}}
     signals = _csv(run / "signals.csv")
-    if signals is not None and "datetime" in signals.columns:  # daily IC / RankIC (Qlib's calc_ic: per-date Pearson,
-        out["ic_by_date"] = {}  # Spearman) of each signal at its own horizon; their means are report.json's IC
+    if signals is not None and "datetime" in signals.columns:  # daily IC / RankIC (as Qlib's calc_ic: per-date
+        out["ic_by_date"] = {}  # Pearson, Spearman) of each signal at its own horizon: no file holds them
         for name, r in report.get("signals", {}).items():
             label = f"label_{r.get('horizon')}"
             if name in signals.columns and label in signals.columns:
