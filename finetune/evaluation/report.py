@@ -8,7 +8,9 @@ is shown when present. The page reads metrics.json / report.json, forecast.csv, 
 forecast passes in, written here because no other file keeps them), windows.csv / periods.csv / backtest_daily.csv /
 ic_decay.csv, the training stages' metrics.jsonl, run_info.json and kronos_predictor.json. Those files travel into
 the page as they are (`collect`); the template (report_template.html, with the Plotly bundle inlined) draws and
-formats them, so every number on the page is one of the run's own: nothing is computed twice."""
+formats them, so every number on the page is one of the run's own: nothing is computed twice. Derived, because no
+file holds them, are only the series the commands' own PNGs draw: cumulative CRPS by candidate (walk_forward.png),
+cumulative returns (cumulative_return.png) and the daily IC / RankIC of Qlib signals."""
 
 from __future__ import annotations
 
@@ -185,18 +187,17 @@ def _qlib(run: Path, report: dict) -> dict:
     return out
 
 
-def render(page: dict[str, Any], generated: str | None = None) -> str:
+def render(page: dict[str, Any]) -> str:
     """The self-contained HTML of `page` (`collect`'s answer): the template with the Plotly bundle and the data."""
     from plotly.offline import get_plotlyjs  # imported here: only pages need the 4.6 MB bundle
 
     data = json.dumps(strict_json(page), allow_nan=False, separators=(",", ":")).replace("</", "<\\/")
-    stamp = generated or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     values = {"/*PLOTLY_JS*/": get_plotlyjs(), "/*PAGE_DATA*/null": data,
               GENERATED: f"<span id=generated>{stamp}</span>",
               "__TITLE__": html.escape(f"{page['kind'].replace('_', ' ')}: {page['run']}")}
     # one pass over the template: what is put in is never searched again (the data may hold any placeholder)
-    text = re.sub("|".join(map(re.escape, values)), lambda m: values[m.group()], TEMPLATE.read_text(encoding="utf-8"))
-    return text
+    return re.sub("|".join(map(re.escape, values)), lambda m: values[m.group()], TEMPLATE.read_text(encoding="utf-8"))
 
 
 def write_report(run_dir: str | Path, context: tuple | None = None, horizon: int | None = None) -> Path:
