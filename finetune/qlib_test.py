@@ -27,6 +27,7 @@ import pandas as pd
 
 from finetune.config import QlibConfig, check_model_folder, cli_parser, load
 from finetune.dataset import check_processed, load_split, read_manifest, split_path
+from finetune.evaluation.report import write_report
 from finetune.evaluation.signals import (
     BaselineSettings,
     analyse_signal,
@@ -453,6 +454,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report, files = evaluate(cfg, forecasters, split, calendar_ns, calendar, seeds)
     report.update(device=device, seeds=f.seed_list(), config=config_to_dict(cfg))
     out = write_results(cfg.paths.backtest_result_path, {"report.json": report, **files})
+    write_report(out)
 
     table = pd.DataFrame(report["summary"]).T
     table[["h", "days"]] = table[["h", "days"]].astype(int)

@@ -31,6 +31,7 @@ import pandas as pd
 
 from finetune.config import QlibConfig, check_model_folder, cli_parser, load
 from finetune.dataset import SPLITS, check_processed, content_sha256, load_split, read_manifest, split_path
+from finetune.evaluation.report import write_report
 from finetune.evaluation.signals import daily_ic, forward_labels
 from finetune.evaluation.statistics import mean_test, paired_test
 from finetune.qlib_data_preprocess import first_signal_day, preprocess
@@ -289,6 +290,7 @@ def _main(argv: list[str] | None) -> dict[str, Any]:
               "device": device, "config": config_to_dict(cfg)}
     write_results(root, {"report.json": report, "periods.csv": table, "signals.csv": signals.reset_index(),
                          "walk_forward.png": lambda path: plot(result, periods, path)})
+    write_report(root)
     cols = ["test_start", "test_end", "days_finetuned", "IC_finetuned", "t_IC_finetuned", "IC_zero_shot",
             "t_IC_zero_shot", "IC_diff"]
     print(f"\n--- walk-forward: {len(periods)} periods, signal {w.signal} at h={result['horizon']} (daily IC, "

@@ -29,6 +29,7 @@ from finetune.evaluation.forecast_scores import (
     score_forecasts,
 )
 from finetune.evaluation.held_out import HeldOutWindows, held_out_windows, sample_paths, window_crps_mae
+from finetune.evaluation.report import write_report
 from finetune.evaluation.statistics import session_test
 from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.config_utils import config_to_dict
@@ -438,14 +439,15 @@ def output_folder(out_dir: Path) -> Iterator[None]:
 def write_outputs(cfg: CsvFinetuneConfig, out_dir: Path, files: dict, png: str, names: list[str], past_ts,
                   context: np.ndarray, future_ts, paths: np.ndarray, actual: np.ndarray | None = None) -> None:
     """The whole folder, swapped in at once with its SHA256SUMS (no reader or kill sees one forecast's file beside
-    another's): `files` (forecast.csv: a table, *.json: data) and the plot `png` of the last min(lookback, 3 x
-    predict) context bars (W, L, 6) and the paths."""
+    another's): `files` (forecast.csv: a table, *.json: data), the plot `png` of the last min(lookback, 3 x
+    predict) context bars (W, L, 6) and the paths, and the page (report.html with its context.csv)."""
     tail = min(cfg.data.lookback, 3 * cfg.data.predict)
     with atomic_dir(out_dir, sealed=True) as tmp:
         for name, data in files.items():
             _ = data.to_csv(tmp / name, index=False) if name.endswith(".csv") else write_json(tmp / name, data)
         plot_panels(_panels(names, [ts[-tail:] for ts in past_ts], context[:, -tail:, CLOSE], future_ts, paths,
                             actual), tmp / png)
+        write_report(tmp, (names, past_ts, context), cfg.data.predict, shown=out_dir)  # report.html, context.csv
 
 
 def provenance(cfg: CsvFinetuneConfig, command: str, predictor: KronosPredictor, made: dict) -> dict:

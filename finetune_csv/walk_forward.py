@@ -23,6 +23,7 @@ import pandas as pd
 import finetune_csv.config as csv_config
 from finetune.evaluation.forecast_scores import ScoreSettings, empirical_samples, persistence_samples, window_scores
 from finetune.evaluation.held_out import held_out_windows, sample_paths
+from finetune.evaluation.report import write_report
 from finetune.evaluation.statistics import session_test
 from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.config_utils import config_to_dict
@@ -311,6 +312,7 @@ def _report(cfg: CsvFinetuneConfig, out: Path, frame: pd.DataFrame, meta: list[d
     atomic_write(out / "windows.csv", lambda p: out_frame.to_csv(p, index=False))
     plot_walk_forward(report, used, out / "walk_forward.png")
     write_json(out / "report.json", report)
+    write_report(out)
     return report
 
 

@@ -26,6 +26,7 @@ SCRIPT_OF = {  # the file each subcommand stands for (README commands)
     "qlib-train-predictor": "finetune/train_predictor.py",
     "qlib-backtest": "finetune/qlib_test.py",
     "qlib-walk-forward": "finetune/qlib_walk_forward.py",
+    "report": "finetune/evaluation/report.py",
     "build-qlib-store": "scripts/build_qlib_data.py",
     "make-synthetic": "scripts/make_synthetic_data.py",
     "benchmark": "scripts/benchmark.py",
