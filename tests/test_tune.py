@@ -1,0 +1,65 @@
+"""kronos tune (finetune/utils/tune.py + finetune_csv/walk_forward.py): selection, verdict, PBO, study, units."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from finetune.evaluation.statistics import paired_test
+from finetune.utils import tune
+
+
+def simulate(n: int, reps: int, planted: float = 0.0, seed: int = 0, inner_dates: int = 120,
+             outer_dates: int = 200) -> dict:
+    """Per-trial per-date (trial - zero_shot) scores with no effect (trial n-1 `planted` SD better), through the
+    selection and verdict code `kronos tune` runs: shares of outer / in-sample "helps", found, mean PBO."""
+    rng = np.random.default_rng(seed)
+    outer_helps = inner_helps = found = 0
+    pbos = []
+    for _ in range(reps):
+        shift = np.zeros((n, 1))
+        shift[-1] = -planted
+        inner = pd.DataFrame(rng.standard_normal((n, inner_dates)) + shift, columns=range(inner_dates))
+        outer = rng.standard_normal((n, outer_dates)) + shift
+        res = tune.in_sample(inner, paired_test)
+        inner_helps += res["optimistic"]["verdict"] == "helps"
+        outer_helps += paired_test(outer[res["selected"]], np.arange(outer_dates))["verdict"] == "helps"
+        found += res["selected"] == n - 1
+        if res["pbo"] is not None:
+            pbos.append(res["pbo"])
+    return {"outer": outer_helps / reps, "inner": inner_helps / reps, "found": found / reps,
+            "pbo": float(np.mean(pbos)) if pbos else None}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [1, 5, 20, 50])
+def test_under_the_null_the_outer_verdict_rarely_says_helps_while_in_sample_best_of_20_often_does(n):
+    got = simulate(n, reps=300, seed=n)
+    assert got["outer"] <= 0.05, got
+    if n == 20:
+        assert got["inner"] >= 0.20, got  # why the outer rule exists: the best of 20 judged on its own dates
+    if n >= 5:
+        assert 0.4 <= got["pbo"] <= 0.6, got
+
+
+@pytest.mark.slow
+def test_a_setting_planted_half_an_sd_better_is_found_and_judged_helps_with_low_pbo():
+    got = simulate(20, reps=200, planted=0.5, seed=1)
+    assert got["found"] >= 0.9 and got["outer"] >= 0.9 and got["pbo"] <= 0.2, got
+
+
+def test_expected_best_of_n_under_no_effect():
+    assert tune.expected_best_null(1) == pytest.approx(0.0, abs=1e-9)
+    assert tune.expected_best_null(2) == pytest.approx(1 / np.sqrt(np.pi), rel=1e-6)
+    assert tune.expected_best_null(20) == pytest.approx(1.8675, abs=1e-3)
+
+
+def test_unit_fingerprint_ignores_forecast_only_settings_and_nothing_else():
+    base = {"forecast": {"temperature": 1.0, "sample_count": 20, "window_stride": None}, "training": {"lr": 1e-4}}
+    fp = tune.unit_fingerprint(base, ["2024-01-01"], ["abc"])
+    assert tune.unit_fingerprint({**base, "forecast": {**base["forecast"], "temperature": 0.6, "sample_count": 4}},
+                                 ["2024-01-01"], ["abc"]) == fp
+    for other in (({**base, "training": {"lr": 2e-4}}, ["2024-01-01"], ["abc"]), (base, ["2024-01-02"], ["abc"]),
+                  (base, ["2024-01-01"], ["abd"])):
+        assert tune.unit_fingerprint(*other) != fp
