@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
 
 from finetune.evaluation.statistics import paired_test
 from finetune.utils import tune
+from finetune_csv import walk_forward as wf
+from tests.test_walk_forward import run_config  # noqa: F401 (the fixture)
 
 
 def simulate(n: int, reps: int, planted: float = 0.0, seed: int = 0, inner_dates: int = 120,
@@ -63,3 +67,49 @@ def test_unit_fingerprint_ignores_forecast_only_settings_and_nothing_else():
     for other in (({**base, "training": {"lr": 2e-4}}, ["2024-01-01"], ["abc"]), (base, ["2024-01-02"], ["abc"]),
                   (base, ["2024-01-01"], ["abd"])):
         assert tune.unit_fingerprint(*other) != fp
+
+
+TUNE = """
+tune:
+  n_trials: 3
+  inner_folds: 2
+  heartbeat_seconds: 2
+  space:
+    predictor_training.lr: {low: 1.0e-4, high: 1.0e-2, log: true}
+    forecast.temperature: {low: 0.6, high: 1.4}
+"""
+
+
+@pytest.fixture
+def tune_config(run_config):
+    run_config.write_text(run_config.read_text() + TUNE)
+    return run_config
+
+
+def trainings(out) -> list[str]:
+    path = out / "trainings.jsonl"
+    return [json.loads(line)["unit"] for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+@pytest.mark.slow
+def test_a_small_csv_study_end_to_end_writes_the_report_and_a_rerun_trains_nothing(tune_config, tmp_path, capsys):
+    assert wf.tune_main(["--config", str(tune_config)]) == 0
+    out = tmp_path / "out/wf/tune"
+    report = json.loads((out / "report.json").read_text())
+    assert report["trials"]["complete"] == 3 and report["trials"]["failed"] == 0
+    assert report["trials"]["list"][0]["defaults"] and report["trials"]["list"][0]["settings"] == {
+        "predictor_training.lr": 1e-3, "forecast.temperature": 1.0}
+    assert set(report["outer"]) == {"tuned_vs_zero_shot", "tuned_vs_default"}
+    assert report["verdict"] in ("helps", "hurts", "no_evidence") and "best by CRPS" in report["best"]["line"]
+    assert {"tuned", "default", "zero_shot", "persistence"} <= set(report["best"]["ranking"])
+    assert "verdict:" in capsys.readouterr().out
+    units = trainings(out)
+    assert len(units) == len(set(units))  # no unit trained twice
+    # units = 2 inner folds x distinct lr + 2 outer folds x (selected, default): the defaults' outer units are shared
+    # when trial 0 is selected
+    lrs = {r["settings"]["predictor_training.lr"] for r in report["trials"]["list"]}
+    assert len(units) == 2 * len(lrs) + 2 * len({1e-3, report["selected"]["settings"]["predictor_training.lr"]})
+    # a re-run (more trials would continue the study) trains and reports the same
+    assert wf.tune_main(["--config", str(tune_config)]) == 0
+    assert trainings(out) == units
+    assert json.loads((out / "report.json").read_text())["outer"] == report["outer"]

@@ -31,12 +31,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from filelock import FileLock
-from scipy import stats as sps
 
 from finetune.utils.config_utils import Problems, get_dotted
 from finetune.utils.errors import require_extra
-from finetune.utils.ledger import describe_changes
-from finetune.utils.safety import TrainingStopped
 from model.errors import ConfigError, UserError
 from model.fileio import read_json_object, write_json
 
@@ -162,6 +159,8 @@ def pbo(inner: pd.DataFrame, blocks: int = 8) -> float | None:
 
 def expected_best_null(n: int) -> float:
     """E[max of n standard normals]: how many standard errors the best of n no-effect trials beats the truth by."""
+    from scipy import stats as sps
+
     x = np.linspace(-8, 8, 4001)
     return float(np.trapezoid(x * n * sps.norm.pdf(x) * sps.norm.cdf(x) ** (n - 1), x))
 
@@ -188,17 +187,19 @@ def _optuna():
     return optuna
 
 
-def study_identity(folder: Path, identity: dict) -> str:
+def study_identity(folder: Path, identity: dict, holdout: Any) -> str:
     """The study's name for `identity` (settings outside the space, data, folds, space); a change from the last
     study in `folder` is named in the log and starts a new study: trials of two setups are never mixed."""
+    from finetune.utils.ledger import describe_changes  # (torch) not for loading settings
+
     name = "tune-" + hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:12]
     path = folder / "study.json"
     old = read_json_object(path) if path.is_file() else {}
     if old.get("name") not in (None, name):
         log.warning("tune: the setup changed since study %s (%s): starting study %s", old["name"],
                     "; ".join(describe_changes(old.get("identity"), identity)), name)
-    seen = old.get("studies", [])
-    write_json(path, {"name": name, "identity": identity, "studies": seen + [name] * (name not in seen)})
+    seen = {**old.get("studies", {}), name: holdout}  # every study of this folder: the blocks it is judged on
+    write_json(path, {"name": name, "identity": identity, "studies": seen})
     return name
 
 
@@ -246,6 +247,8 @@ def work(study: Any, tc: TuneConfig, folder: Path, given: Mapping[str, Any], def
     seeded with seed + complete trials (a resumed single worker draws what an uninterrupted one would)."""
     optuna = _optuna()
     from optuna.trial import TrialState
+
+    from finetune.utils.safety import TrainingStopped
 
     beats = folder / "heartbeats"
     beats.mkdir(parents=True, exist_ok=True)
@@ -325,14 +328,15 @@ def trial_table(study: Any) -> tuple[dict, pd.DataFrame]:
             "list": rows}, inner.reindex(sorted(inner.columns), axis=1)
 
 
-def run(folder: Path, tc: TuneConfig, identity: dict, given: Mapping[str, Any], objective: Callable,
+def run(folder: Path, tc: TuneConfig, identity: dict, holdout: Any, given: Mapping[str, Any], objective: Callable,
         worker: bool, workers: int, argv: list[str]) -> tuple[dict, pd.DataFrame, dict] | None:
     """Open (or join) the study and work until it has tc.n_trials complete trials; None for a `--worker`, else
     (trials, inner matrix, study info: name, storage, studies this holdout has judged)."""
     if worker and tc.storage and tc.storage.startswith("sqlite"):
         raise ConfigError([f"tune.storage: sqlite ({tc.storage}) cannot serve more than one worker; use the journal"
                            " file (null) or postgresql://..."], "Invalid tune: settings")
-    name = study_identity(folder, identity) if not worker else None
+    folder.mkdir(parents=True, exist_ok=True)
+    name = study_identity(folder, identity, holdout) if not worker else None
     with FileLock(str(folder / "study.lock")):
         name = name or read_json_object(folder / "study.json")["name"]
         study = open_study(folder, tc, name, workers)
@@ -355,6 +359,7 @@ def run(folder: Path, tc: TuneConfig, identity: dict, given: Mapping[str, Any], 
     if worker:
         return None
     trials, inner = trial_table(study)
+    seen = read_json_object(folder / "study.json")["studies"]
     info = {"name": name, "storage": tc.storage or str(folder / "journal.log"),
-            "studies_judged_on_this_holdout": len(read_json_object(folder / "study.json")["studies"])}
+            "studies_judged_on_this_holdout": sum(json.dumps(h) == json.dumps(holdout) for h in seen.values())}
     return trials, inner, info
