@@ -368,18 +368,14 @@ def run_tune(cfg: CsvFinetuneConfig, build, workers: int = 1, worker: bool = Fal
     """`kronos tune`: the study of finetune/utils/tune.py on inner folds before the walk-forward's blocks, then the
     selected and the given settings refit per walk-forward fold and judged there; writes tune/report.json.
     `build(values)`: the config with {dotted key: value} applied, validated (csv_config.load)."""
-    tc, w, d = cfg.tune, cfg.walk_forward, cfg.data
+    tc, d = cfg.tune, cfg.data
     tune.check_space(tc, build)
     _check(cfg)
     out = cfg.base_dir / "tune"
     with GracefulStop():
         data = prepare_data(d, cfg.store_dir, with_splits=False)
-        test_bars, purge = _blocks(cfg, data.panel)
-        judged = len(np.unique(data.panel.datetimes)) - w.folds * test_bars - (w.folds - 1) * w.embargo
         files = [f.get("sha256") for f in data.store.manifest.get("sources", [])]
-        folds = lambda c, inner: make_folds(data.panel, c.data.window, tc.inner_folds if inner else w.folds,
-                                            test_bars, purge, w.embargo, d.val_ratio,
-                                            judged - purge - w.embargo if inner else None)
+        folds = lambda c, inner: tune_folds(c, data.panel, inner)
 
         def scored(c: CsvFinetuneConfig, inner: bool) -> pd.DataFrame:
             """Every fold's windows of the trial `c`: candidates, plus `trial` (its model as it forecasts)."""
@@ -425,6 +421,16 @@ def run_tune(cfg: CsvFinetuneConfig, build, workers: int = 1, worker: bool = Fal
               "scores": {c: float(v) for c, v in wide.mean().items()}}
     write_json(out / "report.json", report)
     return report
+
+
+def tune_folds(cfg: CsvFinetuneConfig, panel, inner: bool) -> list[Fold]:
+    """The walk-forward's folds, or (`inner`) tune's: tune.inner_folds blocks of the same size ending purge + embargo
+    calendar bars before the first judged block, so no inner bar is within that of a judged target."""
+    w, d = cfg.walk_forward, cfg.data
+    test_bars, purge = _blocks(cfg, panel)
+    judged = len(np.unique(panel.datetimes)) - w.folds * test_bars - (w.folds - 1) * w.embargo  # its first bar
+    return make_folds(panel, d.window, cfg.tune.inner_folds if inner else w.folds, test_bars, purge, w.embargo,
+                      d.val_ratio, judged - purge - w.embargo if inner else None)
 
 
 def _unit(cfg: CsvFinetuneConfig, c: CsvFinetuneConfig, fold: Fold, out: Path, files: list) -> pd.DataFrame:

@@ -81,9 +81,11 @@ tune:
 
 
 @pytest.fixture
-def tune_config(run_config):
-    run_config.write_text(run_config.read_text() + TUNE)
-    return run_config
+def tune_config(request):
+    """tests/test_walk_forward.py's two-fold config with a 3-trial study of one training and one forecast key."""
+    config = request.getfixturevalue("run_config")
+    config.write_text(config.read_text() + TUNE)
+    return config
 
 
 def trainings(out) -> list[str]:
@@ -113,3 +115,28 @@ def test_a_small_csv_study_end_to_end_writes_the_report_and_a_rerun_trains_nothi
     assert wf.tune_main(["--config", str(tune_config)]) == 0
     assert trainings(out) == units
     assert json.loads((out / "report.json").read_text())["outer"] == report["outer"]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_no_inner_training_or_scoring_bar_lies_after_the_first_judged_target_minus_purge_and_embargo(seed):
+    from finetune.utils.config_utils import build_config
+    from finetune_csv.config import CsvFinetuneConfig
+    from tests.test_walk_forward import panel
+
+    rng = np.random.default_rng(seed)
+    p = panel([int(n) for n in rng.integers(260, 400, 3)], [f"2024-03-0{int(d)} 00:00" for d in rng.integers(1, 4, 3)])
+    predict = int(rng.integers(2, 6))
+    purge, embargo = predict + int(rng.integers(0, 5)), int(rng.integers(0, 6))
+    cfg = build_config(CsvFinetuneConfig, {}, values={
+        "data.lookback": 16, "data.predict": predict, "data.val_ratio": 0.2,
+        "walk_forward.folds": int(rng.integers(1, 4)), "walk_forward.test_bars": 12, "walk_forward.purge": purge,
+        "walk_forward.embargo": embargo,
+        "tune.inner_folds": int(rng.integers(1, 4))})
+    calendar = np.unique(p.datetimes)
+    first_target = min(int(np.min(np.asarray(p.datetimes)[f.test.first_target[f.test.stop > f.test.first_target]]))
+                       for f in wf.tune_folds(cfg, p, inner=False))
+    limit = calendar[np.searchsorted(calendar, first_target) - purge - embargo]  # the first bar inner may not use
+    for fold in wf.tune_folds(cfg, p, inner=True):
+        for seg in (fold.train, fold.val, fold.test):
+            used = seg.stop > seg.start
+            assert (np.asarray(p.datetimes)[seg.stop[used] - 1] < limit).all()
