@@ -140,3 +140,33 @@ def test_no_inner_training_or_scoring_bar_lies_after_the_first_judged_target_min
         for seg in (fold.train, fold.val, fold.test):
             used = seg.stop > seg.start
             assert (np.asarray(p.datetimes)[seg.stop[used] - 1] < limit).all()
+
+
+@pytest.mark.slow
+def test_forecast_only_trials_train_nothing_and_a_changed_setting_outside_the_space_starts_a_new_study(
+        tune_config, tmp_path, caplog):
+    only = ["--set", "tune.space={forecast.temperature: {low: 0.6, high: 1.4}, forecast.sample_count: {choices: [2, 6]}}"]
+    assert wf.tune_main(["--config", str(tune_config), *only]) == 0
+    out = tmp_path / "out/wf/tune"
+    first = json.loads((out / "report.json").read_text())
+    assert first["trials"]["complete"] == 3
+    assert len(trainings(out)) == 2 + 2  # trial 0 on 2 inner folds, the selected = given training on 2 outer folds
+    assert wf.tune_main(["--config", str(tune_config), *only, "--set", "predictor_training.lr=2.0e-3"]) == 0
+    second = json.loads((out / "report.json").read_text())
+    assert second["study"]["name"] != first["study"]["name"] and second["trials"]["complete"] == 3
+    assert "predictor_training.lr: 0.001 -> 0.002" in caplog.text and "starting study" in caplog.text
+    assert second["study"]["studies_judged_on_this_holdout"] == 2
+
+
+def test_every_space_problem_is_named_before_anything_runs(tune_config, tmp_path):
+    from model.errors import ConfigError
+
+    bad = "tune.space={training.lr: {low: 1.0e-3, high: 1.0e-4}, data.lookbak: {choices: [8]}, " \
+          "forecast.top_p: {low: 0.5, high: 1.5}, paths.base_dir: {choices: [x]}}"
+    with pytest.raises(ConfigError) as err:
+        wf.tune_main(["--config", str(tune_config), "--set", bad])
+    text = str(err.value)
+    for key in ("tune.space.training.lr: low < high", "tune.space.data.lookbak", "tune.space.forecast.top_p: value 1.5",
+                "tune.space.paths.base_dir"):
+        assert key in text, text
+    assert not (tmp_path / "out/wf/tune").exists()
