@@ -145,7 +145,8 @@ def test_no_inner_training_or_scoring_bar_lies_after_the_first_judged_target_min
 @pytest.mark.slow
 def test_forecast_only_trials_train_nothing_and_a_changed_setting_outside_the_space_starts_a_new_study(
         tune_config, tmp_path, caplog):
-    only = ["--set", "tune.space={forecast.temperature: {low: 0.6, high: 1.4}, forecast.sample_count: {choices: [2, 6]}}"]
+    only = ["--set", "tune.space={forecast.temperature: {low: 0.6, high: 1.4}, "
+                     "forecast.sample_count: {choices: [2, 6]}}"]
     assert wf.tune_main(["--config", str(tune_config), *only]) == 0
     out = tmp_path / "out/wf/tune"
     first = json.loads((out / "report.json").read_text())
@@ -170,3 +171,62 @@ def test_every_space_problem_is_named_before_anything_runs(tune_config, tmp_path
                 "tune.space.paths.base_dir"):
         assert key in text, text
     assert not (tmp_path / "out/wf/tune").exists()
+
+
+def _same_result(got: dict, expected: dict) -> None:
+    """The seeded result, trial numbers aside (a killed trial is re-run under a new number)."""
+    assert got["trials"]["complete"] == expected["trials"]["complete"]
+    assert got["selected"]["settings"] == expected["selected"]["settings"]
+    assert {k: v for k, v in got["inner"].items() if k != "selected"} == \
+        {k: v for k, v in expected["inner"].items() if k != "selected"}
+    assert (got["outer"], got["pbo"], got["best"]) == (expected["outer"], expected["pbo"], expected["best"])
+
+
+@pytest.mark.slow
+def test_sigkill_a_study_at_random_moments_then_rerun_trains_no_unit_twice_and_equals_the_uninterrupted_study(
+        tune_config, tmp_path):
+    import random
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import cpu_env
+
+    tune_config.write_text(tune_config.read_text().replace("n_trials: 3", "n_trials: 5"))
+    env = cpu_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    command = lambda config: [sys.executable, "-m", "finetune.cli", "tune", "--config", str(config)]
+    reference = tmp_path / "reference.yaml"
+    reference.write_text(tune_config.read_text().replace(str(tmp_path / "out"), str(tmp_path / "ref")))
+    subprocess.run(command(reference), env=env, capture_output=True, text=True, timeout=900, check=True)
+    out = tmp_path / "out/wf/tune"
+    rng, kills = random.Random(3), 0
+    while kills < 5:
+        job = subprocess.Popen(command(tune_config), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while job.poll() is None and not (out / "study.json").is_file() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.5, 8.0))
+        if job.poll() is not None:
+            break
+        job.kill()
+        kills += job.wait() == -9
+    assert kills >= 5, f"the study finished after {kills} kills"
+    final = subprocess.run(command(tune_config), env=env, capture_output=True, text=True, timeout=900)
+    assert final.returncode == 0, final.stderr[-3000:]
+    units = trainings(out)
+    assert len(units) == len(set(units))  # no finished unit trained again
+    got, expected = (json.loads((root / "wf/tune/report.json").read_text()) for root in (tmp_path / "out",
+                                                                                          tmp_path / "ref"))
+    _same_result(got, expected)
+    assert got["trials"]["failed"] >= 1  # the killed trials, re-run with their settings
+
+
+@pytest.mark.slow
+def test_three_workers_on_one_journal_complete_exactly_n_trials_and_train_no_unit_twice(tune_config, tmp_path):
+    tune_config.write_text(tune_config.read_text().replace("n_trials: 3", "n_trials: 4"))
+    assert wf.tune_main(["--config", str(tune_config), "--workers", "3"]) == 0
+    out = tmp_path / "out/wf/tune"
+    report = json.loads((out / "report.json").read_text())
+    assert report["trials"]["complete"] == 4 and report["trials"]["failed"] == 0
+    units = trainings(out)
+    assert len(units) == len(set(units))

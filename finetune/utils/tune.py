@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from contextlib import suppress
 from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
@@ -218,10 +219,8 @@ def open_study(folder: Path, tc: TuneConfig, name: str, workers: int):
 
 
 def _beat(path: Path, stop: threading.Event, every: float) -> None:
-    while True:
+    while not stop.wait(every):
         path.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
-        if stop.wait(every):
-            return
 
 
 def _stale(path: Path, every: float) -> bool:
@@ -250,7 +249,7 @@ def work(study: Any, tc: TuneConfig, folder: Path, given: Mapping[str, Any], def
 
     from finetune.utils.safety import TrainingStopped
 
-    beats = folder / "heartbeats"
+    beats, finished = folder / "heartbeats", (ValueError, optuna.exceptions.UpdateFinishedTrialError)
     beats.mkdir(parents=True, exist_ok=True)
     while True:
         with FileLock(str(folder / "study.lock")):
@@ -273,24 +272,26 @@ def work(study: Any, tc: TuneConfig, folder: Path, given: Mapping[str, Any], def
                 study.sampler = optuna.samplers.TPESampler(seed=tc.seed + done)
                 trial = study.ask()
                 params = defaults if trial.user_attrs.get("role") == "defaults" else suggest(trial, tc, given)
-                stop = threading.Event()
-                threading.Thread(target=_beat, args=(beats / f"{study.study_name}-{trial.number}", stop,
-                                                     tc.heartbeat_seconds), daemon=True).start()
+                stop, beat = threading.Event(), beats / f"{study.study_name}-{trial.number}"
+                beat.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))  # before the unlock
+                threading.Thread(target=_beat, args=(beat, stop, tc.heartbeat_seconds), daemon=True).start()
         if trial is None:  # the rest are running elsewhere: wait for them (or for their heartbeat to stop)
             time.sleep(min(tc.heartbeat_seconds, 2.0))
             continue
         try:
             scores = objective(params, trial.number)
+        except BaseException as exc:
+            stop.set()
+            with suppress(*finished):  # another worker may have failed it (and re-queued it) meanwhile
+                study.tell(trial, state=TrialState.FAIL)
+                if isinstance(exc, TrainingStopped) or not isinstance(exc, Exception):  # SIGTERM / Ctrl-C: re-run
+                    study.enqueue_trial(trial.params, user_attrs=trial.user_attrs)
+            raise
+        stop.set()
+        with suppress(*finished):  # failed by another worker as stale: its re-queued copy reuses these units
             trial.set_user_attr("scores", {str(k): float(v) for k, v in scores.items()})
             trial.set_user_attr("settings", params)
             study.tell(trial, float(np.mean(list(scores.values()))))
-        except BaseException as exc:
-            stop.set()
-            study.tell(trial, state=TrialState.FAIL)
-            if isinstance(exc, TrainingStopped) or not isinstance(exc, Exception):  # SIGTERM / Ctrl-C: re-run it
-                study.enqueue_trial(trial.params, user_attrs=trial.user_attrs)
-            raise
-        stop.set()
         progress(study)
 
 
