@@ -337,9 +337,8 @@ def run(folder: Path, tc: TuneConfig, identity: dict, holdout: Any, given: Mappi
         raise ConfigError([f"tune.storage: sqlite ({tc.storage}) cannot serve more than one worker; use the journal"
                            " file (null) or postgresql://..."], "Invalid tune: settings")
     folder.mkdir(parents=True, exist_ok=True)
-    name = study_identity(folder, identity, holdout) if not worker else None
     with FileLock(str(folder / "study.lock")):
-        name = name or read_json_object(folder / "study.json")["name"]
+        name = study_identity(folder, identity, holdout)
         study = open_study(folder, tc, name, workers)
     defaults = {k: get_dotted(given, k) for k in tc.space}
     from tqdm import tqdm
