@@ -201,11 +201,12 @@ def test_sigkill_a_study_at_random_moments_then_rerun_trains_no_unit_twice_and_e
     out = tmp_path / "out/wf/tune"
     rng, kills = random.Random(3), 0
     while kills < 5:
+        beats = lambda: len(list((out / "heartbeats").glob("*")))
+        before, deadline = beats(), time.monotonic() + 300
         job = subprocess.Popen(command(tune_config), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while job.poll() is None and not (out / "study.json").is_file() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(rng.uniform(0.5, 8.0))
+        while job.poll() is None and beats() == before and time.monotonic() < deadline:
+            time.sleep(0.05)  # until a trial runs (its heartbeat file appears), then at a random moment of it
+        time.sleep(rng.uniform(0.0, 6.0))
         if job.poll() is not None:
             break
         job.kill()

@@ -265,6 +265,7 @@ def work(study: Any, tc: TuneConfig, folder: Path, given: Mapping[str, Any], def
             trials = study.get_trials(deepcopy=False)
             done = sum(t.state == TrialState.COMPLETE for t in trials)
             running = sum(t.state == TrialState.RUNNING for t in trials)
+            errors = sum("error" in t.user_attrs for t in trials if t.state == TrialState.FAIL)
             if done >= tc.n_trials:
                 return
             trial = None
@@ -282,11 +283,17 @@ def work(study: Any, tc: TuneConfig, folder: Path, given: Mapping[str, Any], def
             scores = objective(params, trial.number)
         except BaseException as exc:
             stop.set()
+            again = isinstance(exc, TrainingStopped) or not isinstance(exc, Exception)  # SIGTERM / Ctrl-C: re-run
             with suppress(*finished):  # another worker may have failed it (and re-queued it) meanwhile
+                trial.set_user_attr("error", str(exc).splitlines()[0])
                 study.tell(trial, state=TrialState.FAIL)
-                if isinstance(exc, TrainingStopped) or not isinstance(exc, Exception):  # SIGTERM / Ctrl-C: re-run
-                    study.enqueue_trial(trial.params, user_attrs=trial.user_attrs)
-            raise
+                if again:
+                    study.enqueue_trial(trial.params, user_attrs={k: v for k, v in trial.user_attrs.items()
+                                                                  if k != "error"})
+            if again or not isinstance(exc, UserError) or errors + 1 >= tc.n_trials:
+                raise
+            log.warning("tune: trial %d failed, the study goes on: %s", trial.number, exc)  # e.g. a lookback too long
+            continue
         stop.set()
         with suppress(*finished):  # failed by another worker as stale: its re-queued copy reuses these units
             trial.set_user_attr("scores", {str(k): float(v) for k, v in scores.items()})
@@ -319,7 +326,8 @@ def trial_table(study: Any) -> tuple[dict, pd.DataFrame]:
 
     trials = study.get_trials(deepcopy=False)
     rows = [{"number": t.number, "state": t.state.name.lower(), "value": t.value,
-             "settings": t.user_attrs.get("settings", t.params), "defaults": t.user_attrs.get("role") == "defaults"}
+             "settings": t.user_attrs.get("settings", t.params), "defaults": t.user_attrs.get("role") == "defaults",
+             "error": t.user_attrs.get("error")}
             for t in trials]
     counts = {s: sum(r["state"] == s for r in rows) for s in ("complete", "pruned", "fail")}
     done = [t for t in trials if t.state == TrialState.COMPLETE]
