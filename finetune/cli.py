@@ -53,6 +53,8 @@ COMMANDS: dict[str, Command] = {
     "qlib-backtest": Command("finetune.qlib_test", "Qlib pipeline: forecast the test split, IC/RankIC and backtest"),
     "qlib-walk-forward": Command("finetune.qlib_walk_forward",
                                  "Qlib pipeline: rolling retrains over test periods, finetuned vs zero-shot verdict"),
+    "qlib-tune": Command("finetune.qlib_walk_forward", "Qlib pipeline: which finetuning settings pay? a study judged "
+                         "on the walk-forward's periods", entry="tune_main"),
     "build-qlib-store": Command("scripts/build_qlib_data.py",
                                "write a Qlib data folder from daily CSVs (or synthetic data) for the Qlib pipeline"),
     "make-synthetic": Command("scripts/make_synthetic_data.py", "write synthetic OHLCV candles, one CSV per symbol"),

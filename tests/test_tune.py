@@ -231,3 +231,46 @@ def test_three_workers_on_one_journal_complete_exactly_n_trials_and_train_no_uni
     assert report["trials"]["complete"] == 4 and report["trials"]["failed"] == 0
     units = trainings(out)
     assert len(units) == len(set(units))
+
+
+@pytest.mark.slow
+def test_a_small_qlib_study_end_to_end(tmp_path):
+    """kronos qlib-tune on tests/test_qlib_walk_forward.py's tiny store: a forecast-only space (one unit trained per
+    period, shared by both trials), 2 trials on one inner period before the 2 judged ones."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    pytest.importorskip("qlib")
+    from finetune.qlib_builder import build_qlib_provider
+    from finetune.synthetic import generate_ohlcv
+    from tests.conftest import cpu_env
+    from tests.model_factory import tiny_models
+    from tests.test_qlib_pipeline import tiny_config
+
+    frames = generate_ohlcv(6, None, "1D", start="2021-01-04", end="2022-06-30", seed=3)
+    build_qlib_provider(frames, tmp_path / "qlib", universe="csi300", benchmark="SH000300")
+    tokenizer, predictor = tiny_models()
+    tokenizer.save_pretrained(tmp_path / "pre_tok")
+    predictor.save_pretrained(tmp_path / "pre_pred")
+    cfg = yaml.safe_load(tiny_config(tmp_path).read_text())
+    cfg["model"] = {"pretrained_tokenizer": str(tmp_path / "pre_tok"),
+                    "pretrained_predictor": str(tmp_path / "pre_pred")}
+    cfg["walk_forward"] = {"test_range": ["2022-01-01", "2022-04-30"], "period_months": 2, "val_months": 2,
+                           "block_days": 5}
+    cfg["tune"] = {"n_trials": 2, "inner_folds": 1, "space": {"forecast.temperature": {"low": 0.5, "high": 1.5}}}
+    (tmp_path / "tune.yaml").write_text(yaml.safe_dump(cfg))
+    env = cpu_env(DIST_BACKEND="gloo", OMP_NUM_THREADS="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, "-m", "finetune.cli", "qlib-tune", "--config", str(tmp_path / "tune.yaml"),
+                           "--device", "cpu"], cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True,
+                          text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "models" / "tune"
+    report = json.loads((out / "report.json").read_text())
+    assert report["trials"]["complete"] == 2 and report["verdict"] in ("helps", "hurts", "no_evidence")
+    assert set(report["outer"]) == {"tuned_vs_zero_shot", "tuned_vs_default"} and "verdict: " in proc.stdout
+    assert len(list((out / "units").glob("*/finetune_predictor/best_model"))) == 3  # 1 inner + 2 judged periods
