@@ -15,6 +15,7 @@ forecast with the finetuned and the pretrained (zero-shot) pair; the verdict is 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -44,7 +45,7 @@ from finetune.utils.errors import require_extra, setup_logging
 from finetune.utils.ledger import check_record, folder_sha256, write_record
 from finetune.utils.plots import pyplot, save_figure
 from model.errors import ConfigError, UserError
-from model.fileio import atomic_write, write_json
+from model.fileio import atomic_write
 from model.hub import weights_fingerprint
 from model.predictor import default_device, load_pretrained_pair, load_trained_pair
 
@@ -289,15 +290,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def tune_main(argv: list[str] | None = None) -> int:
-    """`kronos qlib-tune`: the study of finetune/utils/tune.py on `tune.inner_folds` periods ending purge + h trading
-    days before the first judged signal, scored by the daily IC of the traded label (zero-shot - finetuned: lower is
-    better); the selected and the given settings are then refit per walk-forward period and judged there."""
+    """`kronos qlib-tune`: the study of finetune/utils/tune.py on `tune.inner_folds` periods whose labels end purge
+    days before the first judged signal, scored by the daily IC of the traded label (zero-shot - finetuned)."""
     setup_logging()
     parser = cli_parser("Which finetuning settings pay? A study judged on the walk-forward's periods (Qlib).")
     parser.add_argument("--device", default=None, help="forecast on cuda, cpu, ... (default: cuda if available)")
-    parser.add_argument("--workers", type=int, default=1, help="local worker processes (CPU threads or a GPU each)")
-    parser.add_argument("--worker", action="store_true", help="join this config's study as one more worker")
-    args = parse_config_args(parser, argv)
+    args = parse_config_args(tune.add_worker_args(parser), argv)
     require_extra("qlib")
     cfg = load(args.config, args.set)
     build = lambda values: load(args.config, [*args.set, *(f"{k}={json.dumps(v)}" for k, v in values.items())])
@@ -319,8 +317,7 @@ def tune_main(argv: list[str] | None = None) -> int:
         """Daily IC of both candidates of trial settings `c` over the signal days of periods `ps`."""
         frames = []
         for p in ps:  # a unit: trained once (forecast settings fixed to the given ones), re-forecast per forecast
-            unit = copy.deepcopy(c)
-            unit.forecast = copy.deepcopy(cfg.forecast)
+            unit = dataclasses.replace(c, forecast=cfg.forecast)  # period_config copies it
             settings = {k: v for k, v in config_to_dict(unit).items() if k not in ("paths", "tune")}
             folder = root / "units" / tune.unit_fingerprint(settings, [str(x.date()) for x in (*p.train, *p.val,
                                                             *p.test)], [str(calendar[0]), str(calendar[-1])])
@@ -345,31 +342,17 @@ def tune_main(argv: list[str] | None = None) -> int:
 
     identity = {"settings": {k: v for k, v in config_to_dict(cfg).items() if k not in ("paths", "tune")},
                 "space": tc.space, "seed": tc.seed, "inner": [str(p.test) for p in inner]}
-    sets = [x for s in args.set for x in ("--set", s)]
-    found = tune.run(root, tc, identity, [str(p.test) for p in outer], config_to_dict(cfg), objective, args.worker,
-                     args.workers, ["qlib-tune", "--config", args.config, *sets])
+    found = tune.run(root, tc, identity, [str(p.test) for p in outer], config_to_dict(cfg), objective, args,
+                     "qlib-tune", lambda x, dates, **kw: paired_test(x, dates, lag, **kw))
     if found is None:
         return 0
-    trials, matrix, study = found
-    ins = tune.in_sample(matrix, lambda x, dates, **kw: paired_test(x, dates, lag, **kw))
-    selected = next(r for r in trials["list"] if r["number"] == ins["selected"])
-    tuned, given = daily(build(selected["settings"]), outer), daily(cfg, outer)
-    test = lambda a, b, what: paired_test(*(lambda x: (x.to_numpy(), x.index))((a - b).dropna()), lag, what=what,
-                                          higher_is_better=True)
-    result = {"tuned_vs_zero_shot": test(tuned["finetuned"], tuned["zero_shot"], "daily IC tuned - zero-shot"),
-              "tuned_vs_default": test(tuned["finetuned"], given["finetuned"], "daily IC tuned - as given")}
-    ranking = {"tuned": tuned["finetuned"].mean(), "default": given["finetuned"].mean(), "zero_shot":
-               tuned["zero_shot"].mean()}
-    report = {"study": study, "trials": trials, "selected": {"trial": selected["number"],
-              "settings": selected["settings"]}, "inner": {k: v for k, v in ins.items() if k != "pbo"},
-              "outer": result, "verdict": result["tuned_vs_zero_shot"]["verdict"], "pbo": ins["pbo"],
-              "best": {"candidate": max(ranking, key=ranking.get), "ranking": ranking}}
-    write_json(root / "report.json", report)
-    print(f"qlib-tune: study {study['name']}: {trials['complete']} complete, {trials['failed']} failed trials; "
-          f"selected trial {selected['number']} {selected['settings']}; PBO {ins['pbo']}")
-    for key, r in result.items():
-        print(f"outer {key}: {r['reason']}")
-    print(f"verdict: {report['verdict']}; written: {root / 'report.json'}")
+    tuned, given = daily(build(found["selected"]["settings"]), outer), daily(cfg, outer)
+    ic = {"tuned": tuned["finetuned"], "default": given["finetuned"], "zero_shot": tuned["zero_shot"]}
+    diff = {f"tuned_vs_{k}": (ic["tuned"] - ic[k]).dropna() for k in ("zero_shot", "default")}
+    result = {k: paired_test(x.to_numpy(), x.index, lag, what=f"daily IC {k}", higher_is_better=True)
+              for k, x in diff.items()}
+    ranking = {k: float(x.mean()) for k, x in ic.items()}
+    tune.write_report(root, found, result, {"candidate": max(ranking, key=ranking.get), "ranking": ranking})
     return 0
 
 

@@ -183,7 +183,7 @@ def _settings(cfg: CsvFinetuneConfig) -> dict:
     """The settings a fold's results depend on: not paths, run flags, the verdict's fold choice or the study."""
     settings = config_to_dict(cfg)
     for section, key in (("training", "overwrite"), ("training", "resume"), ("forecast", "bootstrap_samples"),
-                         ("forecast", "bootstrap_block"), ("model", "pretraining_cutoff")):
+                         ("forecast", "bootstrap_block"), ("model", "pretraining_cutoff")):  # the cutoff: which folds
         settings[section].pop(key)
     for section in ("paths", "tune"):
         settings.pop(section)
@@ -364,10 +364,10 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def run_tune(cfg: CsvFinetuneConfig, build, workers: int = 1, worker: bool = False, argv: list[str] = ()) -> dict:
+def run_tune(cfg: CsvFinetuneConfig, build, args: argparse.Namespace) -> dict:
     """`kronos tune`: the study of finetune/utils/tune.py on inner folds before the walk-forward's blocks, then the
     selected and the given settings refit per walk-forward fold and judged there; writes tune/report.json.
-    `build(values)`: the config with {dotted key: value} applied, validated (csv_config.load)."""
+    `build(values)`: the config with {dotted key: value} applied, validated; `args`: the flags of `tune_main`."""
     tc, d = cfg.tune, cfg.data
     tune.check_space(tc, build)
     _check(cfg)
@@ -375,11 +375,10 @@ def run_tune(cfg: CsvFinetuneConfig, build, workers: int = 1, worker: bool = Fal
     with GracefulStop():
         data = prepare_data(d, cfg.store_dir, with_splits=False)
         files = [f.get("sha256") for f in data.store.manifest.get("sources", [])]
-        folds = lambda c, inner: tune_folds(c, data.panel, inner)
 
         def scored(c: CsvFinetuneConfig, inner: bool) -> pd.DataFrame:
             """Every fold's windows of the trial `c`: candidates, plus `trial` (its model as it forecasts)."""
-            frames = [_unit(cfg, c, fold, out, files) for fold in folds(c, inner)]
+            frames = [_unit(cfg, c, fold, out, files) for fold in tune_folds(c, data.panel, inner)]
             frame = pd.concat(frames, ignore_index=True)
             own = "calibrated" if c.forecast.calibrate and (frame.candidate == "calibrated").any() else "finetuned"
             return pd.concat([frame, frame[frame.candidate == own].assign(candidate="trial")], ignore_index=True)
@@ -391,36 +390,21 @@ def run_tune(cfg: CsvFinetuneConfig, build, workers: int = 1, worker: bool = Fal
                 wide.index.get_level_values("window_start").normalize()).mean()  # one value per session
             return {str(k.date()): v for k, v in diff.items()}
 
-        given = config_to_dict(cfg)
-        outside = {k: v for k, v in _settings(cfg).items() if k != "walk_forward"}
-        for key in tc.space:
-            section, _, name = key.partition(".")
-            (outside.get(section) or {}).pop(name, None)
-        identity = {"settings": outside, "space": tc.space, "inner_folds": tc.inner_folds, "seed": tc.seed,
-                    "data": files, "inner": [fold_dates(f) for f in folds(cfg, True)]}
-        holdout = [fold_dates(f) for f in folds(cfg, False)]
-        found = tune.run(out, tc, identity, holdout, given, objective, worker, workers, list(argv))
+        identity = {"settings": _settings(cfg), "space": tc.space, "inner_folds": tc.inner_folds, "seed": tc.seed,
+                    "data": files, "inner": [fold_dates(f) for f in tune_folds(cfg, data.panel, True)]}
+        holdout = [fold_dates(f) for f in tune_folds(cfg, data.panel, False)]
+        found = tune.run(out, tc, identity, holdout, config_to_dict(cfg), objective, args, "tune", paired_test)
         if found is None:
             return {}
-        trials, inner, study = found
-        ins = tune.in_sample(inner, paired_test)
-        selected = next(r for r in trials["list"] if r["number"] == ins["selected"])
-        frames = {"tuned": scored(build(selected["settings"]), False), "default": scored(cfg, False)}
+        frames = {"tuned": scored(build(found["selected"]["settings"]), False), "default": scored(cfg, False)}
     frame = pd.concat([frames["tuned"][~frames["tuned"].candidate.isin(["finetuned", "calibrated", "trial"])],
                        *(f[f.candidate == "trial"].assign(candidate=k) for k, f in frames.items())])
     wide = frame.pivot_table(index=["fold", "series", "window_start"], columns="candidate", values="crps").dropna()
     when = wide.index.get_level_values("window_start")
     outer = {f"tuned_vs_{o}": session_test(wide["tuned"] - wide[o], when, what=f"CRPS tuned - {o}")
              for o in ("zero_shot", "default")}
-    verdict = outer["tuned_vs_zero_shot"]
-    report = {"study": study, "trials": trials, "selected": {"trial": selected["number"],
-                                                             "settings": selected["settings"]},
-              "inner": {k: v for k, v in ins.items() if k != "pbo"}, "outer": outer,
-              "verdict": verdict["verdict"], "verdict_reason": verdict["reason"],
-              "pbo": ins["pbo"], "best": best_candidate(frame), "holdout": holdout,
-              "scores": {c: float(v) for c, v in wide.mean().items()}}
-    write_json(out / "report.json", report)
-    return report
+    return tune.write_report(out, found, outer, best_candidate(frame), holdout=holdout,
+                             scores={c: float(v) for c, v in wide.mean().items()})
 
 
 def tune_folds(cfg: CsvFinetuneConfig, panel, inner: bool) -> list[Fold]:
@@ -451,37 +435,13 @@ def _unit(cfg: CsvFinetuneConfig, c: CsvFinetuneConfig, fold: Fold, out: Path, f
     return pd.read_csv(rows, parse_dates=["window_start"])
 
 
-def format_tune(r: dict) -> str:
-    """The console summary of `kronos tune`."""
-    t, i, sel = r["trials"], r["inner"], r["selected"]
-    return "\n".join([
-        f"tune: study {r['study']['name']}: {t['complete']} complete, {t['pruned']} pruned, {t['failed']} failed "
-        f"trials ({r['study']['studies_judged_on_this_holdout']} studies judged on these blocks so far)",
-        f"selected trial {sel['trial']}: " + (", ".join(f"{k}={v}" for k, v in sel["settings"].items()) or "as given"),
-        f"inner (optimistic, the dates it was selected on): CRPS trial - zero_shot {i['mean']:+.5f} vs the config as "
-        f"given {i['default_mean']:+.5f}; the best of {i['trials']} no-effect trials would show "
-        f"{i['expected_best_null']:+.5f}; PBO {r['pbo'] if r['pbo'] is None else round(r['pbo'], 2)}",
-        f"outer vs zero_shot: {r['outer']['tuned_vs_zero_shot']['reason']}",
-        f"outer vs the config as given: {r['outer']['tuned_vs_default']['reason']}",
-        f"verdict: {r['verdict']}", r["best"]["line"]])
-
-
 def tune_main(argv: list[str] | None = None) -> int:
     parser = add_config_args(argparse.ArgumentParser(description="Which finetuning settings pay? (tune: settings)"),
                              csv_config.CsvFinetuneConfig, csv_config.load)
-    parser.add_argument("--workers", type=int, default=1, help="local worker processes (a share of the CPU threads "
-                        "or one GPU each)")
-    parser.add_argument("--worker", action="store_true", help="join this config's study as one more worker (a Slurm "
-                        "array task); the run without it writes the report")
-    args = parse_config_args(parser, argv)
+    args = parse_config_args(tune.add_worker_args(parser), argv)
     setup_logging()
     cfg = csv_config.load(args.config, args.set)
-    build = lambda values: csv_config.load(args.config, args.set, values=values)
-    sets = [x for s in args.set for x in ("--set", s)]
-    report = run_tune(cfg, build, args.workers, args.worker, ["tune", "--config", args.config, *sets])
-    if report:
-        print(format_tune(report))
-        print(f"written: {cfg.base_dir / 'tune' / 'report.json'}")
+    run_tune(cfg, lambda values: csv_config.load(args.config, args.set, values=values), args)
     return 0
 
 

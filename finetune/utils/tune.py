@@ -1,14 +1,8 @@
-"""`kronos tune` / `kronos qlib-tune`: the study engine, blind to the pipeline that trains and scores.
-
-A study searches `tune.space` (existing dotted settings keys) with Optuna on a journal file (or a database URL): trial
-0 is the config as given, each trial is scored on inner folds cut from the data before the walk-forward's judged
-blocks, and only the selected setting is judged on those blocks. Why: on synthetic null scores (tests/test_tune.py)
-the best of 20 settings judged on its own dates says "helps" ~40% of the time; judged on unseen dates, <= 5%.
-Diagnostics beside the verdict: PBO by combinatorially symmetric cross-validation (Bailey, Borwein, Lopez de Prado &
-Zhu 2017) over trials x inner date blocks, and the expected best of N trials under no effect.
-The pipeline passes `objective(params, trial_number) -> {date: score}` (lower = better: a finetuned - zero-shot
-difference per date); a trial's units (one trial on one fold) are the pipeline's, fingerprinted by `unit_fingerprint`.
-"""
+"""`kronos tune` / `kronos qlib-tune`: the study engine, blind to the pipeline, which passes `objective(settings,
+trial number) -> {date: score}` (lower = better) scored on inner folds before the walk-forward's judged blocks; only
+the selected setting is judged there (the best of 20 no-effect settings judged on its own dates says "helps" ~40% of
+the time: tests/test_tune.py). Optuna on a journal file with a heartbeat; trial 0 = the config as given; PBO by CSCV
+(Bailey, Borwein, Lopez de Prado & Zhu 2017); units (a trial on a fold) named by `unit_fingerprint`."""
 
 from __future__ import annotations
 
@@ -51,28 +45,23 @@ class TuneConfig:
     n_trials: int = 20
     """Complete trials of the study, trial 0 (the config as given) included."""
     space: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Dotted settings key -> {low, high[, log, step]} or {choices: [...]}; optional `when: {key: value or [values]}`
-    samples the key only when those settings (sampled or given) match, e.g. a LoRA rank when the mode is lora."""
+    """Settings key -> {low, high[, log, step]} or {choices: [...]}; `when: {key: value(s)}`: only under those."""
     inner_folds: int = 2
-    """Inner folds (test blocks of walk_forward.test_bars) cut from the data before the first judged block minus
-    purge and embargo; each trial is scored on them."""
+    """Inner folds (walk-forward test blocks / periods) before the first judged one, less purge and embargo."""
     storage: str | None = None
-    """Optuna storage: null = <paths.base_dir>/tune/journal.log (a journal file, no server); a database URL such as
-    postgresql://user@host/db for clusters (sqlite only with one worker)."""
+    """Optuna storage: null = <output folder>/tune/journal.log; postgresql://... for clusters (sqlite: one worker)."""
     seed: int = 0
     """Seed of the sampler (TPE, reseeded per trial with seed + complete trials so a resumed study draws the same)."""
     heartbeat_seconds: float = 30.0
-    """A running trial whose worker has not touched its heartbeat for 3x this (or whose local process is gone) is
-    failed and re-queued with the same settings: its finished units are reused, its interrupted unit resumed."""
+    """A running trial silent for 3x this (or whose local process is gone) is failed and re-run with its settings."""
 
 
 def check_space(tc: TuneConfig, build: Callable[[dict[str, Any]], Any]) -> None:
     """Raise one ConfigError listing every problem of `tune:`: each space entry's form, and each key and value as the
     pipeline's settings schema sees it (`build({key: value})` raises ConfigError)."""
     p = Problems("Invalid tune: settings")
-    p.check(tc.n_trials >= 1, "tune.n_trials", f"must be >= 1 (got {tc.n_trials})")
-    p.check(tc.inner_folds >= 1, "tune.inner_folds", f"must be >= 1 (got {tc.inner_folds})")
-    p.check(tc.heartbeat_seconds > 0, "tune.heartbeat_seconds", f"must be > 0 (got {tc.heartbeat_seconds})")
+    for key in ("n_trials", "inner_folds", "heartbeat_seconds"):
+        p.check(getattr(tc, key) > 0, f"tune.{key}", f"must be > 0 (got {getattr(tc, key)})")
     p.check(bool(tc.space), "tune.space", "is empty: map at least one settings key to {low, high} or {choices}")
     for key, spec in tc.space.items():
         where = f"tune.space.{key}"
@@ -106,14 +95,10 @@ def suggest(trial: Any, tc: TuneConfig, given: Mapping[str, Any]) -> dict[str, A
         now = lambda k: params[k] if k in params else get_dotted(given, k)
         if any(now(k) not in (v if isinstance(v, list) else [v]) for k, v in (spec.get("when") or {}).items()):
             continue
-        if "choices" in spec:
-            params[key] = trial.suggest_categorical(key, list(spec["choices"]))
-        elif all(isinstance(spec[b], int) and not isinstance(spec[b], bool) for b in ("low", "high")):
-            params[key] = trial.suggest_int(key, spec["low"], spec["high"], step=spec.get("step") or 1,
-                                            log=bool(spec.get("log")))
-        else:
-            params[key] = trial.suggest_float(key, spec["low"], spec["high"], step=spec.get("step"),
-                                              log=bool(spec.get("log")))
+        ints = all(type(spec.get(b)) is int for b in ("low", "high"))
+        params[key] = trial.suggest_categorical(key, list(spec["choices"])) if "choices" in spec else getattr(
+            trial, "suggest_int" if ints else "suggest_float")(key, spec["low"], spec["high"], log=bool(
+                spec.get("log")), step=spec.get("step") or (1 if ints else None))
     return params
 
 
@@ -129,11 +114,6 @@ def unit_fingerprint(settings: Mapping[str, Any], dates: Any, data: Any) -> str:
 
 
 # ---- selection and diagnostics on an inner score matrix (trials x dates, lower = better) -------------------------
-
-def select(inner: pd.DataFrame) -> int:
-    """The trial (row label) with the lowest mean score over the dates every complete trial was scored on."""
-    return int(inner.mean(axis=1).idxmin())
-
 
 def pbo(inner: pd.DataFrame, blocks: int = 8) -> float | None:
     """Probability of backtest overfitting by CSCV: the T dates (columns, time order) cut into S even blocks; for
@@ -167,9 +147,9 @@ def expected_best_null(n: int) -> float:
 
 
 def in_sample(inner: pd.DataFrame, test: Callable[..., dict]) -> dict:
-    """Selection and diagnostics on `inner` (trials x dates): the selected trial, its optimistic in-sample `test`
-    (the project's interval rule, on the dates it was selected on), trial 0's, PBO and the null expectation."""
-    sel, n = select(inner), len(inner)
+    """Selection and diagnostics on `inner` (trials x dates): the selected trial (lowest mean), its optimistic
+    in-sample `test` (the project's interval rule, on the dates it was selected on), trial 0's, PBO, the null's."""
+    sel, n = int(inner.mean(axis=1).idxmin()), len(inner)
     sd = float(inner.to_numpy().std(ddof=1)) if inner.size > 1 else 0.0
     return {"selected": sel, "trials": n, "dates": inner.shape[1], "mean": float(inner.loc[sel].mean()),
             "default_mean": float(inner.iloc[0].mean()), "pbo": pbo(inner),
@@ -188,9 +168,9 @@ def _optuna():
     return optuna
 
 
-def study_identity(folder: Path, identity: dict, holdout: Any) -> str:
-    """The study's name for `identity` (settings outside the space, data, folds, space); a change from the last
-    study in `folder` is named in the log and starts a new study: trials of two setups are never mixed."""
+def open_study(folder: Path, tc: TuneConfig, identity: dict, holdout: Any, workers: int) -> Any:
+    """The study named by `identity` (settings, data, folds, space), created or loaded; a change from the last study
+    in `folder` is named in the log and starts a new study: trials of two setups are never mixed."""
     from finetune.utils.ledger import describe_changes  # (torch) not for loading settings
 
     name = "tune-" + hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -201,41 +181,32 @@ def study_identity(folder: Path, identity: dict, holdout: Any) -> str:
                     "; ".join(describe_changes(old.get("identity"), identity)), name)
     seen = {**old.get("studies", {}), name: holdout}  # every study of this folder: the blocks it is judged on
     write_json(path, {"name": name, "identity": identity, "studies": seen})
-    return name
-
-
-def open_study(folder: Path, tc: TuneConfig, name: str, workers: int):
-    optuna = _optuna()
-    url = tc.storage
+    optuna, url = _optuna(), tc.storage
     if url and url.startswith("sqlite") and workers > 1:
         raise ConfigError([f"tune.storage: sqlite ({url}) cannot serve {workers} workers (locking); use the journal "
                            "file (null) or postgresql://..."], "Invalid tune: settings")
     if url is None:
         from optuna.storages.journal import JournalFileBackend, JournalStorage
 
-        folder.mkdir(parents=True, exist_ok=True)
         url = JournalStorage(JournalFileBackend(str(folder / "journal.log")))
     return optuna.create_study(study_name=name, storage=url, direction="minimize", load_if_exists=True)
 
 
-def _beat(path: Path, stop: threading.Event, every: float) -> None:
-    while not stop.wait(every):
+def _beat(path: Path, stop: threading.Event | None = None, every: float = 0) -> None:
+    while True:
         path.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        if stop is None or stop.wait(every):
+            return
 
 
 def _stale(path: Path, every: float) -> bool:
     """A heartbeat older than 3 beats, or one written on this host by a process that is gone."""
     try:
         info, age = json.loads(path.read_text()), time.time() - path.stat().st_mtime
-    except (OSError, ValueError):
-        return True
-    if info.get("host") == socket.gethostname():
-        try:
-            os.kill(int(info["pid"]), 0)
-        except (ProcessLookupError, ValueError):
-            return True
-        except PermissionError:
-            pass
+        if info.get("host") == socket.gethostname():
+            os.kill(int(info["pid"]), 0)  # ProcessLookupError: gone (PermissionError: alive, another user's)
+    except (OSError, ValueError) as err:
+        return not isinstance(err, PermissionError)
     return age > 3 * every
 
 
@@ -274,7 +245,7 @@ def work(study: Any, tc: TuneConfig, folder: Path, given: Mapping[str, Any], def
                 trial = study.ask()
                 params = defaults if trial.user_attrs.get("role") == "defaults" else suggest(trial, tc, given)
                 stop, beat = threading.Event(), beats / f"{study.study_name}-{trial.number}"
-                beat.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))  # before the unlock
+                _beat(beat)  # before the unlock
                 threading.Thread(target=_beat, args=(beat, stop, tc.heartbeat_seconds), daemon=True).start()
         if trial is None:  # the rest are running elsewhere: wait for them (or for their heartbeat to stop)
             time.sleep(min(tc.heartbeat_seconds, 2.0))
@@ -313,9 +284,7 @@ def spawn_workers(n: int, argv: list[str]) -> list[subprocess.Popen]:
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
         out.append(subprocess.Popen([sys.executable, "-m", "finetune.cli", *argv, "--worker"], env=env))
-    if gpus:
-        os.environ["CUDA_VISIBLE_DEVICES"] = "0"
-    else:
+    if not gpus:  # this process keeps cuda:0
         torch.set_num_threads(threads)
     return out
 
@@ -329,25 +298,33 @@ def trial_table(study: Any) -> tuple[dict, pd.DataFrame]:
              "settings": t.user_attrs.get("settings", t.params), "defaults": t.user_attrs.get("role") == "defaults",
              "error": t.user_attrs.get("error")}
             for t in trials]
-    counts = {s: sum(r["state"] == s for r in rows) for s in ("complete", "pruned", "fail")}
+    counts = {k: [r["state"] for r in rows].count(s) for k, s in (("complete", "complete"), ("pruned", "pruned"),
+                                                                  ("failed", "fail"))}
     done = [t for t in trials if t.state == TrialState.COMPLETE]
     done.sort(key=lambda t: (t.user_attrs.get("role") != "defaults", t.number))  # row 0: the config as given
     inner = pd.DataFrame({t.number: pd.Series(t.user_attrs["scores"]) for t in done}).T.dropna(axis=1)
-    return {"complete": counts["complete"], "pruned": counts["pruned"], "failed": counts["fail"],
-            "list": rows}, inner.reindex(sorted(inner.columns), axis=1)
+    return {**counts, "list": rows}, inner.reindex(sorted(inner.columns), axis=1)
+
+
+def add_worker_args(parser: Any) -> Any:
+    parser.add_argument("--workers", type=int, default=1, help="local worker processes (a share of the CPU threads "
+                        "or one GPU each)")
+    parser.add_argument("--worker", action="store_true", help="join this config's study as one more worker (e.g. a "
+                        "Slurm array task); the run without it writes the report")
+    return parser
 
 
 def run(folder: Path, tc: TuneConfig, identity: dict, holdout: Any, given: Mapping[str, Any], objective: Callable,
-        worker: bool, workers: int, argv: list[str]) -> tuple[dict, pd.DataFrame, dict] | None:
+        args: Any, command: str, test: Callable[..., dict]) -> dict | None:
     """Open (or join) the study and work until it has tc.n_trials complete trials; None for a `--worker`, else
-    (trials, inner matrix, study info: name, storage, studies this holdout has judged)."""
-    if worker and tc.storage and tc.storage.startswith("sqlite"):
-        raise ConfigError([f"tune.storage: sqlite ({tc.storage}) cannot serve more than one worker; use the journal"
-                           " file (null) or postgresql://..."], "Invalid tune: settings")
+    {trials, inner (`in_sample` with the pipeline's `test`), selected trial, study: name, storage, studies this
+    holdout has judged}. `args`: the command's parsed flags (config, set, workers, worker)."""
+    worker, workers = args.worker, args.workers
+    argv = [command, "--config", args.config, *(x for s in args.set for x in ("--set", s))]
     folder.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder / "study.lock")):
-        name = study_identity(folder, identity, holdout)
-        study = open_study(folder, tc, name, workers)
+        study = open_study(folder, tc, identity, holdout, workers + worker)
+    name = study.study_name
     defaults = {k: get_dotted(given, k) for k in tc.space}
     from tqdm import tqdm
 
@@ -367,7 +344,27 @@ def run(folder: Path, tc: TuneConfig, identity: dict, holdout: Any, given: Mappi
     if worker:
         return None
     trials, inner = trial_table(study)
-    seen = read_json_object(folder / "study.json")["studies"]
-    info = {"name": name, "storage": tc.storage or str(folder / "journal.log"),
-            "studies_judged_on_this_holdout": sum(json.dumps(h) == json.dumps(holdout) for h in seen.values())}
-    return trials, inner, info
+    seen, ins = read_json_object(folder / "study.json")["studies"].values(), in_sample(inner, test)
+    return {"study": {"name": name, "storage": tc.storage or str(folder / "journal.log"),
+                      "studies_judged_on_this_holdout": sum(json.dumps(h) == json.dumps(holdout) for h in seen)},
+            "trials": trials, "selected": next(r for r in trials["list"] if r["number"] == ins["selected"]),
+            "inner": {k: v for k, v in ins.items() if k != "pbo"}, "pbo": ins["pbo"]}
+
+
+def write_report(folder: Path, found: dict, outer: dict[str, dict], best: dict, **extra: Any) -> dict:
+    """report.json: the study's `found` with the judged comparisons `outer` (tuned_vs_zero_shot decides the verdict,
+    tuned_vs_default) and `best` (candidates ranked on the judged blocks); printed in words."""
+    v = outer["tuned_vs_zero_shot"]
+    report = {**found, "outer": outer, "verdict": v["verdict"], "verdict_reason": v["reason"], "best": best, **extra}
+    write_json(folder / "report.json", report)
+    t, i, sel = found["trials"], found["inner"], found["selected"]
+    print("\n".join([
+        f"tune: study {found['study']['name']}: {t['complete']} complete, {t['pruned']} pruned, {t['failed']} failed "
+        f"trials ({found['study']['studies_judged_on_this_holdout']} studies judged on these blocks so far)",
+        f"selected trial {sel['number']}: " + ", ".join(f"{k}={v}" for k, v in sel["settings"].items()),
+        f"inner (optimistic: the dates it was selected on): {i['mean']:+.5f}, the config as given "
+        f"{i['default_mean']:+.5f}; the best of {i['trials']} no-effect trials would show "
+        f"{i['expected_best_null']:+.5f}; PBO {found['pbo']}",
+        *(f"outer {k}: {r['reason']}" for k, r in outer.items()), f"verdict: {v['verdict']}",
+        best.get("line", f"best: {best['candidate']}"), f"written: {folder / 'report.json'}"]))
+    return report
