@@ -274,3 +274,15 @@ def test_a_small_qlib_study_end_to_end(tmp_path):
     assert report["trials"]["complete"] == 2 and report["verdict"] in ("helps", "hurts", "no_evidence")
     assert set(report["outer"]) == {"tuned_vs_zero_shot", "tuned_vs_default"} and "verdict: " in proc.stdout
     assert len(list((out / "units").glob("*/finetune_predictor/best_model"))) == 3  # 1 inner + 2 judged periods
+
+
+def test_without_optuna_tune_names_the_extra_before_any_work(tune_config, tmp_path, monkeypatch):
+    import importlib.util
+
+    from model.errors import EXIT_MISSING_EXTRA, MissingExtraError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "optuna" else real(n, *a))
+    with pytest.raises(MissingExtraError, match=r"pip install 'kronos-finetune\[tune\]'") as err:
+        wf.tune_main(["--config", str(tune_config)])
+    assert err.value.exit_code == EXIT_MISSING_EXTRA and not (tmp_path / "out").exists()

@@ -59,6 +59,7 @@ class TuneConfig:
 def check_space(tc: TuneConfig, build: Callable[[dict[str, Any]], Any]) -> None:
     """Raise one ConfigError listing every problem of `tune:`: each space entry's form, and each key and value as the
     pipeline's settings schema sees it (`build({key: value})` raises ConfigError)."""
+    require_extra("optuna")  # exit 6 with the install line, before any work
     p = Problems("Invalid tune: settings")
     for key in ("n_trials", "inner_folds", "heartbeat_seconds"):
         p.check(getattr(tc, key) > 0, f"tune.{key}", f"must be > 0 (got {getattr(tc, key)})")
