@@ -194,8 +194,9 @@ def open_study(folder: Path, tc: TuneConfig, identity: dict, holdout: Any, worke
 
 
 def _beat(path: Path, stop: threading.Event | None = None, every: float = 0) -> None:
-    while True:
-        path.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+    while True:  # written aside and renamed: a reader never sees half a file (and takes it for a dead worker)
+        path.with_suffix(".tmp").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+        os.replace(path.with_suffix(".tmp"), path)
         if stop is None or stop.wait(every):
             return
 
@@ -217,9 +218,8 @@ def work(study: Any, tc: TuneConfig, folder: Path, given: Mapping[str, Any], def
     folder: stale running trials are failed and re-queued with their settings, the next trial is drawn by a sampler
     seeded with seed + complete trials (a resumed single worker draws what an uninterrupted one would)."""
     optuna = _optuna()
-    from optuna.trial import TrialState
-
-    from finetune.utils.safety import TrainingStopped
+    TrialState = optuna.trial.TrialState
+    from finetune.utils.safety import TrainingStopped  # (torch) not when loading settings
 
     beats, finished = folder / "heartbeats", (ValueError, optuna.exceptions.UpdateFinishedTrialError)
     beats.mkdir(parents=True, exist_ok=True)
@@ -279,12 +279,9 @@ def spawn_workers(n: int, argv: list[str]) -> list[subprocess.Popen]:
     import torch
 
     gpus, threads = torch.cuda.device_count(), max(1, (os.cpu_count() or 1) // n)
-    out = []
-    for i in range(1, n):
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
-        out.append(subprocess.Popen([sys.executable, "-m", "finetune.cli", *argv, "--worker"], env=env))
+    out = [subprocess.Popen([sys.executable, "-m", "finetune.cli", *argv, "--worker"], env={
+        **os.environ, "OMP_NUM_THREADS": str(threads), **({"CUDA_VISIBLE_DEVICES": str(i % gpus)} if gpus else {})})
+        for i in range(1, n)]
     if not gpus:  # this process keeps cuda:0
         torch.set_num_threads(threads)
     return out
@@ -292,8 +289,6 @@ def spawn_workers(n: int, argv: list[str]) -> list[subprocess.Popen]:
 
 def trial_table(study: Any) -> tuple[dict, pd.DataFrame]:
     """(counts and rows of every trial, the inner matrix: complete trials x dates scored by all of them)."""
-    from optuna.trial import TrialState
-
     trials = study.get_trials(deepcopy=False)
     rows = [{"number": t.number, "state": t.state.name.lower(), "value": t.value,
              "settings": t.user_attrs.get("settings", t.params), "defaults": t.user_attrs.get("role") == "defaults",
@@ -301,7 +296,7 @@ def trial_table(study: Any) -> tuple[dict, pd.DataFrame]:
             for t in trials]
     counts = {k: [r["state"] for r in rows].count(s) for k, s in (("complete", "complete"), ("pruned", "pruned"),
                                                                   ("failed", "fail"))}
-    done = [t for t in trials if t.state == TrialState.COMPLETE]
+    done = [t for t in trials if t.state.name == "COMPLETE"]
     done.sort(key=lambda t: (t.user_attrs.get("role") != "defaults", t.number))  # row 0: the config as given
     inner = pd.DataFrame({t.number: pd.Series(t.user_attrs["scores"]) for t in done}).T.dropna(axis=1)
     return {**counts, "list": rows}, inner.reindex(sorted(inner.columns), axis=1)
@@ -325,12 +320,11 @@ def run(folder: Path, tc: TuneConfig, identity: dict, holdout: Any, given: Mappi
     folder.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder / "study.lock")):
         study = open_study(folder, tc, identity, holdout, workers + worker)
-    name = study.study_name
     defaults = {k: get_dotted(given, k) for k in tc.space}
     from tqdm import tqdm
 
     extra = spawn_workers(workers, argv) if workers > 1 else []
-    bar = tqdm(total=tc.n_trials, desc=f"tune {name}", disable=worker)
+    bar = tqdm(total=tc.n_trials, desc=f"tune {study.study_name}", disable=worker)
 
     def progress(s: Any) -> None:
         bar.n = sum(t.state.name == "COMPLETE" for t in s.get_trials(deepcopy=False))
@@ -346,7 +340,7 @@ def run(folder: Path, tc: TuneConfig, identity: dict, holdout: Any, given: Mappi
         return None
     trials, inner = trial_table(study)
     seen, ins = read_json_object(folder / "study.json")["studies"].values(), in_sample(inner, test)
-    return {"study": {"name": name, "storage": tc.storage or str(folder / "journal.log"),
+    return {"study": {"name": study.study_name, "storage": tc.storage or str(folder / "journal.log"),
                       "studies_judged_on_this_holdout": sum(json.dumps(h) == json.dumps(holdout) for h in seen)},
             "trials": trials, "selected": next(r for r in trials["list"] if r["number"] == ins["selected"]),
             "inner": {k: v for k, v in ins.items() if k != "pbo"}, "pbo": ins["pbo"]}
