@@ -33,6 +33,7 @@ class Command:
     target: str  # `package.module` (imported) or `scripts/<file>.py` (loaded from the source checkout) holding `main`.
     summary: str  # One line for `kronos --help`.
     torchrun: bool = False  # The command must be started by torchrun.
+    entry: str = "main"  # The function of `target` the command runs.
 
 
 COMMANDS: dict[str, Command] = {
@@ -41,6 +42,8 @@ COMMANDS: dict[str, Command] = {
     "forecast": Command("finetune_csv.forecast", "CSV pipeline: forecast the held-out test split and score it"),
     "walk-forward": Command("finetune_csv.walk_forward",
                             "CSV pipeline: does finetuning pay? purged walk-forward folds, paired test, verdict"),
+    "tune": Command("finetune_csv.walk_forward", "CSV pipeline: which finetuning settings pay? a study judged on the "
+                    "walk-forward's blocks", entry="tune_main"),
     "qlib-preprocess": Command("finetune.qlib_data_preprocess",
                                "Qlib pipeline: read a Qlib store and write the train/val/test splits"),
     "qlib-train-tokenizer": Command("finetune.train_tokenizer", "Qlib pipeline: finetune the tokenizer (torchrun)",
@@ -52,6 +55,8 @@ COMMANDS: dict[str, Command] = {
                                  "Qlib pipeline: rolling retrains over test periods, finetuned vs zero-shot verdict"),
     "report": Command("finetune.evaluation.report",
                       "rebuild RUN_DIR/report.html (forecasts, scores, training, folds) from a finished run's files"),
+    "qlib-tune": Command("finetune.qlib_walk_forward", "Qlib pipeline: which finetuning settings pay? a study judged "
+                         "on the walk-forward's periods", entry="tune_main"),
     "build-qlib-store": Command("scripts/build_qlib_data.py",
                                "write a Qlib data folder from daily CSVs (or synthetic data) for the Qlib pipeline"),
     "make-synthetic": Command("scripts/make_synthetic_data.py", "write synthetic OHLCV candles, one CSV per symbol"),
@@ -94,7 +99,7 @@ def resolve(name: str) -> Callable[..., Any]:
     """The `main` function behind subcommand `name` (imports its module; loads scripts/ files by path)."""
     cmd = COMMANDS[name]
     if not cmd.target.startswith("scripts/"):
-        return importlib.import_module(cmd.target).main
+        return getattr(importlib.import_module(cmd.target), cmd.entry)
     path = _ROOT / cmd.target
     if not path.is_file():
         raise PathError(f"'kronos {name}' runs {cmd.target} from the source checkout, which is not next to the "

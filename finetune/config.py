@@ -36,6 +36,7 @@ from finetune.utils.schema import (
     WindowSettings,
     warn_shadowed_overrides,
 )
+from finetune.utils.tune import TuneConfig
 
 # Signals from a forecast of `predict` closes: predicted return of the last / mean / max / min close
 # relative to the last observed close.
@@ -218,6 +219,8 @@ class QlibConfig(PipelineConfig):
     """Signals, IC and backtest."""
     walk_forward: WalkForwardConfig = field(default_factory=WalkForwardConfig)
     """Rolling retrains and the out-of-sample verdict (kronos qlib-walk-forward)."""
+    tune: TuneConfig = field(default_factory=TuneConfig)
+    """Settings search judged on the walk-forward's periods (kronos qlib-tune)."""
 
     @property
     def benchmark(self) -> str:

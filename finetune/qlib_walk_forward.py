@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import json
 import logging
 import os
 import signal
@@ -28,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from filelock import FileLock
 
 from finetune.config import QlibConfig, check_model_folder, cli_parser, load
 from finetune.dataset import SPLITS, check_processed, content_sha256, load_split, read_manifest, split_path
@@ -38,6 +41,7 @@ from finetune.qlib_data_preprocess import first_signal_day, preprocess
 from finetune.qlib_forecast import kronos_forecaster, signal_horizon
 from finetune.qlib_io import benchmark_label, check_qlib_folder, init_qlib, read_calendar
 from finetune.qlib_test import backtest_period, forecast_all, score_signal, write_results
+from finetune.utils import tune
 from finetune.utils.cli_args import parse_config_args
 from finetune.utils.config_utils import Problems, config_to_dict, dump_config
 from finetune.utils.errors import require_extra, setup_logging
@@ -305,6 +309,73 @@ def _main(argv: list[str] | None) -> dict[str, Any]:
     print(f"verdict: {v['verdict']} - {v['reason']}; finetuned better on {v['share_days_better']:.0%} of days")
     print(f"results in {root}")
     return report
+
+
+def tune_main(argv: list[str] | None = None) -> int:
+    """`kronos qlib-tune`: the study of finetune/utils/tune.py on `tune.inner_folds` periods whose labels end purge
+    days before the first judged signal, scored by the daily IC of the traded label (zero-shot - finetuned)."""
+    setup_logging()
+    parser = cli_parser("Which finetuning settings pay? A study judged on the walk-forward's periods (Qlib).")
+    parser.add_argument("--device", default=None, help="forecast on cuda, cpu, ... (default: cuda if available)")
+    args = parse_config_args(tune.add_worker_args(parser), argv)
+    require_extra("qlib")
+    cfg = load(args.config, args.set)
+    build = lambda values: load(args.config, [*args.set, *(f"{k}={json.dumps(v)}" for k, v in values.items())])
+    tune.check_space(cfg.tune, build)
+    check_inputs(cfg)
+    device, w, d, tc = args.device or default_device(), cfg.walk_forward, cfg.data, cfg.tune
+    init_qlib(cfg)
+    calendar, h, purge = read_calendar(cfg), signal_horizon(w.signal, d.predict), w.purge or d.predict
+    span, lag = w.test_range or d.test_time_range, max(h, w.block_days) - 1
+    periods = lambda a, b: walk_forward_periods(calendar, d.dataset_begin_time, a, b, w.period_months, w.val_months,
+                                                purge)
+    outer = periods(*span[:2])
+    last = calendar[calendar < first_signal_day(calendar, outer[0].test[0])][-2 - purge - h]  # its label ends before
+    inner = periods(last - pd.DateOffset(months=w.period_months * tc.inner_folds) + pd.Timedelta(days=1), last)
+    root, zero = Path(cfg.paths.save_path).expanduser() / "tune", load_pretrained_pair(
+        cfg.model.pretrained_predictor, cfg.model.pretrained_tokenizer)[::-1]
+
+    def daily(c: QlibConfig, ps: list[Period]) -> dict[str, pd.Series]:
+        """Daily IC of both candidates of trial settings `c` over the signal days of periods `ps`."""
+        frames = []
+        for p in ps:  # a unit: trained once (forecast settings fixed to the given ones), re-forecast per forecast
+            unit = dataclasses.replace(c, forecast=cfg.forecast)  # period_config copies it
+            settings = {k: v for k, v in config_to_dict(unit).items() if k not in ("paths", "tune")}
+            folder = root / "units" / tune.unit_fingerprint(settings, [str(x.date()) for x in (*p.train, *p.val,
+                                                            *p.test)], [str(calendar[0]), str(calendar[-1])])
+            folder.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(folder) + ".lock"):
+                pc = period_config(unit, p, folder)
+                train_period(pc, folder, w.nproc_per_node)
+                pc.forecast, pc.forecast.seeds = copy.deepcopy(c.forecast), None
+                init_qlib(cfg)
+                frame = period_signals(pc, folder, zero, device)
+            lo, hi = signal_days(calendar, ps, p.k)
+            frames.append(frame[(frame.index.get_level_values("datetime") >= lo)
+                                & (frame.index.get_level_values("datetime") <= hi)])
+        sig = pd.concat(frames).sort_index()
+        when, names = sig.index.get_level_values("datetime"), sorted(set(sig.index.get_level_values("instrument")))
+        label = forward_labels(names, when.min(), when.max(), cfg.backtest.deal_price, [h], d.freq).reindex(sig.index)
+        return {k: daily_ic(sig[f"{w.signal}/{k}"], label[f"label_{h}"])[0] for k in CANDIDATES}
+
+    def objective(params: dict, number: int) -> dict:
+        ic = daily(build(params), inner)
+        return {str(k.date()): float(v) for k, v in (ic["zero_shot"] - ic["finetuned"]).dropna().items()}
+
+    identity = {"settings": {k: v for k, v in config_to_dict(cfg).items() if k not in ("paths", "tune")},
+                "space": tc.space, "seed": tc.seed, "inner": [str(p.test) for p in inner]}
+    found = tune.run(root, tc, identity, [str(p.test) for p in outer], config_to_dict(cfg), objective, args,
+                     "qlib-tune", lambda x, dates, **kw: paired_test(x, dates, lag, **kw))
+    if found is None:
+        return 0
+    tuned, given = daily(build(found["selected"]["settings"]), outer), daily(cfg, outer)
+    ic = {"tuned": tuned["finetuned"], "default": given["finetuned"], "zero_shot": tuned["zero_shot"]}
+    diff = {f"tuned_vs_{k}": (ic["tuned"] - ic[k]).dropna() for k in ("zero_shot", "default")}
+    result = {k: paired_test(x.to_numpy(), x.index, lag, what=f"daily IC {k}", higher_is_better=True)
+              for k, x in diff.items()}
+    ranking = {k: float(x.mean()) for k, x in ic.items()}
+    tune.write_report(root, found, result, {"candidate": max(ranking, key=ranking.get), "ranking": ranking})
+    return 0
 
 
 if __name__ == "__main__":

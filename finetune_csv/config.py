@@ -25,6 +25,7 @@ from finetune.utils.schema import (
     WindowSettings,
     warn_shadowed_overrides,
 )
+from finetune.utils.tune import TuneConfig
 from finetune_csv.original_config import translate_original
 from finetune_csv.timestamps import frequency_problem, timezone_problem
 from model.errors import ConfigError
@@ -213,6 +214,8 @@ class CsvFinetuneConfig(PipelineConfig):
     """Held-out forecast settings."""
     walk_forward: WalkForwardConfig = field(default_factory=WalkForwardConfig)
     """Walk-forward evaluation (kronos walk-forward)."""
+    tune: TuneConfig = field(default_factory=TuneConfig)
+    """Settings search judged on the walk-forward's blocks (kronos tune)."""
 
     @property
     def base_dir(self) -> Path:

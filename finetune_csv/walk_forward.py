@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import shutil
 import sys
@@ -19,12 +20,14 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from filelock import FileLock
 
 import finetune_csv.config as csv_config
 from finetune.evaluation.forecast_scores import ScoreSettings, empirical_samples, persistence_samples, window_scores
 from finetune.evaluation.held_out import held_out_windows, sample_paths
 from finetune.evaluation.report import write_report
-from finetune.evaluation.statistics import session_test
+from finetune.evaluation.statistics import paired_test, session_test
+from finetune.utils import tune
 from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.config_utils import config_to_dict
 from finetune.utils.errors import setup_logging
@@ -58,14 +61,15 @@ class Fold:
 
 
 def make_folds(panel, window: Window, folds: int, test_bars: int, purge: int, embargo: int,
-               val_ratio: float) -> list[Fold]:
-    """The K folds of `panel` (a SeriesPanel with datetimes) on one calendar, oldest first; DataError when a fold
-    is left without a series."""
+               val_ratio: float, end: int | None = None) -> list[Fold]:
+    """The K folds of `panel` (a SeriesPanel with datetimes) on one calendar, oldest first, using its first `end`
+    calendar bars (None: all; tune's inner folds end before the judged blocks); DataError when a fold is left
+    without a series."""
     lookback, predict = window.lookback, window.predict
     offsets = np.asarray(panel.offsets, dtype=np.int64)
     first, lengths = offsets[:-1], np.diff(offsets)
     when = np.asarray(panel.datetimes)  # (N,) int64 ns
-    calendar = np.unique(when)  # (C,) every series' bar times: the test blocks are ranges of these
+    calendar = np.unique(when)[:end]  # (C,) every series' bar times: the test blocks are ranges of these
     rows = lambda t, side: np.array([np.searchsorted(when[o:o + n], t, side) for o, n in zip(first, lengths)])
     out, scored = [], np.zeros(len(lengths), dtype=bool)  # (S,) series in at least one fold
     for k in range(folds):
@@ -177,6 +181,15 @@ def best_candidate(frame: pd.DataFrame) -> dict:
             + f"); against {rival}: {test['reason']}"}
 
 
+def _settings(cfg: CsvFinetuneConfig) -> dict:
+    """The settings a fold's, a unit's or a study's results depend on (finetune/utils/fingerprint.py): training and
+    forecast settings, the walk-forward's, the starting models' content; never paths, run flags or the study."""
+    return {**training_settings(cfg), "forecast": forecast_settings(cfg),
+            "walk_forward": config_to_dict(cfg.walk_forward),
+            "start": {k: model_fingerprint(getattr(cfg.model, k)) for k in ("pretrained_tokenizer",
+                                                                            "pretrained_predictor")}}
+
+
 def _fingerprint(cfg: CsvFinetuneConfig, fold: Fold, manifest: dict) -> dict[str, str | None]:
     """What a fold's results depend on (finetune/utils/fingerprint.py), part by part so a change is named: the
     training, forecast and walk-forward settings, its index ranges, the data files' and the starting models' content
@@ -222,22 +235,14 @@ def _reuse_fold(folder: Path, fingerprint: dict, report_only: bool, overwrite: b
 def run_walk_forward(cfg: CsvFinetuneConfig, overwrite: bool = False, report_only: bool = False) -> dict:
     """Train and score every fold (skipping finished ones), then write report.json, windows.csv and the plot;
     `report_only`: only the last step, from the finished folds' windows.csv (RefusedError naming one that is not)."""
-    m, w, d = cfg.model, cfg.walk_forward, cfg.data
-    if m.pretrained_predictor is None or m.pretrained_tokenizer is None:
-        raise ConfigError(["model.pretrained_predictor / model.pretrained_tokenizer: walk-forward compares the "
-                           "finetuned model with its starting model; set both (a folder or Hub id)"],
-                          "Invalid walk-forward configuration")
-    if cfg.predictor_training.epochs == 0 or (cfg.predictor_training.epochs is None and cfg.training.epochs == 0):
-        raise ConfigError(["predictor_training.epochs: is 0, so no fold would finetune the predictor; set it >= 1"],
-                          "Invalid walk-forward configuration")
+    _check(cfg)
+    w, d = cfg.walk_forward, cfg.data
     out = cfg.base_dir / "walk_forward"
     # One stop request for the whole walk-forward: SIGTERM while a fold trains, scores or calibrates ends at the next
     # safe point with exit 75, and the re-run skips the finished folds.
     with GracefulStop(), RunLock(out, key="paths.base_dir"):
         data = prepare_data(d, cfg.store_dir, with_splits=False)
-        # The settings, or their defaults: 10% of the shortest series in whole windows; data.predict.
-        test_bars = w.test_bars or max(d.predict, int(0.1 * int(data.panel.lengths().min())) // d.predict * d.predict)
-        purge = w.purge if w.purge is not None else d.predict
+        test_bars, purge = _blocks(cfg, data.panel)
         folds = make_folds(data.panel, d.window, w.folds, test_bars, purge, w.embargo, d.val_ratio)
         started, trained, rows, meta = time.monotonic(), 0, [], []
         for fold in folds:
@@ -260,15 +265,37 @@ def run_walk_forward(cfg: CsvFinetuneConfig, overwrite: bool = False, report_onl
         return _report(cfg, out, pd.concat(rows, ignore_index=True), meta, test_bars, purge)
 
 
-def _run_fold(cfg: CsvFinetuneConfig, fold: Fold, folder: Path, fp: dict) -> dict:
-    """Finetune (resuming an interrupted stage) and score one fold; write its windows.csv, then fold.json."""
-    t0 = time.monotonic()
-    # The fold's run: its own stage folders under `folder`, the run's data store, finished stages kept.
+def _blocks(cfg: CsvFinetuneConfig, panel) -> tuple[int, int]:
+    """(test_bars, purge): the settings, or their defaults: 10% of the shortest series in whole windows; predict."""
+    w, d = cfg.walk_forward, cfg.data
+    test_bars = w.test_bars or max(d.predict, int(0.1 * int(panel.lengths().min())) // d.predict * d.predict)
+    return test_bars, w.purge if w.purge is not None else d.predict
+
+
+def _check(cfg: CsvFinetuneConfig) -> None:
+    m = cfg.model
+    if m.pretrained_predictor is None or m.pretrained_tokenizer is None:
+        raise ConfigError(["model.pretrained_predictor / model.pretrained_tokenizer: walk-forward compares the "
+                           "finetuned model with its starting model; set both (a folder or Hub id)"],
+                          "Invalid walk-forward configuration")
+    if cfg.predictor_training.epochs == 0 or (cfg.predictor_training.epochs is None and cfg.training.epochs == 0):
+        raise ConfigError(["predictor_training.epochs: is 0, so no fold would finetune the predictor; set it >= 1"],
+                          "Invalid walk-forward configuration")
+
+
+def _train_fold(cfg: CsvFinetuneConfig, fold: Fold, folder: Path) -> tuple[CsvFinetuneConfig, tuple]:
+    """(the fold's run config, `run_finetune`'s result): its own stage folders under `folder`, the run's data store;
+    --skip-existing: a finished stage is reused while current for this fold's data and settings, else retrained."""
     fold_cfg = dataclasses.replace(cfg, paths=dataclasses.replace(cfg.paths, base_dir=str(folder)),
                                    data=dataclasses.replace(cfg.data, store_dir=str(cfg.store_dir)),
                                    training=dataclasses.replace(cfg.training, overwrite=False))
-    # --skip-existing: a finished stage is reused while current for this fold's data and settings, else retrained.
-    results, plan, info = run_finetune(fold_cfg, skip_existing=True, splits={"train": fold.train, "val": fold.val})
+    return fold_cfg, run_finetune(fold_cfg, skip_existing=True, splits={"train": fold.train, "val": fold.val})
+
+
+def _run_fold(cfg: CsvFinetuneConfig, fold: Fold, folder: Path, fp: dict) -> dict:
+    """Finetune (resuming an interrupted stage) and score one fold; write its windows.csv, then fold.json."""
+    t0 = time.monotonic()
+    fold_cfg, (results, plan, info) = _train_fold(cfg, fold, folder)
     reused = {r.stage: "reused" if r.skipped else "trained" for r in results}
     t1 = time.monotonic()
     frame = score_fold(cfg, fold_cfg, fold)
@@ -369,6 +396,87 @@ def format_table(report: dict) -> str:
     if report.get("best"):
         lines.append(report["best"]["line"])
     return "\n".join(lines)
+
+
+def run_tune(cfg: CsvFinetuneConfig, build, args: argparse.Namespace) -> dict:
+    """`kronos tune`: the study of finetune/utils/tune.py on inner folds before the walk-forward's blocks, then the
+    selected and the given settings refit per walk-forward fold and judged there; writes tune/report.json.
+    `build(values)`: the config with {dotted key: value} applied, validated; `args`: the flags of `tune_main`."""
+    tc, d = cfg.tune, cfg.data
+    tune.check_space(tc, build)
+    _check(cfg)
+    out = cfg.base_dir / "tune"
+    with GracefulStop():
+        data = prepare_data(d, cfg.store_dir, with_splits=False)
+        files = [f.get("sha256") for f in data.store.manifest.get("sources", [])]
+
+        def scored(c: CsvFinetuneConfig, inner: bool) -> pd.DataFrame:
+            """Every fold's windows of the trial `c`: candidates, plus `trial` (its model as it forecasts)."""
+            frames = [_unit(cfg, c, fold, out, files) for fold in tune_folds(c, data.panel, inner)]
+            frame = pd.concat(frames, ignore_index=True)
+            own = "calibrated" if c.forecast.calibrate and (frame.candidate == "calibrated").any() else "finetuned"
+            return pd.concat([frame, frame[frame.candidate == own].assign(candidate="trial")], ignore_index=True)
+
+        def objective(params: dict, number: int) -> dict:
+            wide = scored(build(params), True).pivot_table(index=["fold", "series", "window_start"],
+                                                           columns="candidate", values="crps")
+            diff = (wide["trial"] - wide["zero_shot"]).groupby(
+                wide.index.get_level_values("window_start").normalize()).mean()  # one value per session
+            return {str(k.date()): v for k, v in diff.items()}
+
+        identity = {"settings": _settings(cfg), "space": tc.space, "inner_folds": tc.inner_folds, "seed": tc.seed,
+                    "data": files, "inner": [fold_dates(f) for f in tune_folds(cfg, data.panel, True)]}
+        holdout = [fold_dates(f) for f in tune_folds(cfg, data.panel, False)]
+        found = tune.run(out, tc, identity, holdout, config_to_dict(cfg), objective, args, "tune", paired_test)
+        if found is None:
+            return {}
+        frames = {"tuned": scored(build(found["selected"]["settings"]), False), "default": scored(cfg, False)}
+    frame = pd.concat([frames["tuned"][~frames["tuned"].candidate.isin(["finetuned", "calibrated", "trial"])],
+                       *(f[f.candidate == "trial"].assign(candidate=k) for k, f in frames.items())])
+    wide = frame.pivot_table(index=["fold", "series", "window_start"], columns="candidate", values="crps").dropna()
+    when = wide.index.get_level_values("window_start")
+    outer = {f"tuned_vs_{o}": session_test(wide["tuned"] - wide[o], when, what=f"CRPS tuned - {o}")
+             for o in ("zero_shot", "default")}
+    return tune.write_report(out, found, outer, best_candidate(frame), holdout=holdout,
+                             scores={c: float(v) for c, v in wide.mean().items()})
+
+
+def tune_folds(cfg: CsvFinetuneConfig, panel, inner: bool) -> list[Fold]:
+    """The walk-forward's folds, or (`inner`) tune's: tune.inner_folds blocks of the same size ending purge + embargo
+    calendar bars before the first judged block, so no inner bar is within that of a judged target."""
+    w, d = cfg.walk_forward, cfg.data
+    test_bars, purge = _blocks(cfg, panel)
+    judged = len(np.unique(panel.datetimes)) - w.folds * test_bars - (w.folds - 1) * w.embargo  # its first bar
+    return make_folds(panel, d.window, cfg.tune.inner_folds if inner else w.folds, test_bars, purge, w.embargo,
+                      d.val_ratio, judged - purge - w.embargo if inner else None)
+
+
+def _unit(cfg: CsvFinetuneConfig, c: CsvFinetuneConfig, fold: Fold, out: Path, files: list) -> pd.DataFrame:
+    """The windows of trial settings `c` on `fold`, trained once per unit (training settings, fold dates, data; the
+    forecast-only keys fixed to the given config's, so they never retrain) and scored once per forecast settings."""
+    unit = dataclasses.replace(c, forecast=cfg.forecast)
+    folder = out / "units" / tune.unit_fingerprint(_settings(unit), fold_dates(fold), files)
+    rows = folder / f"windows_{digest(config_to_dict(c.forecast))[:12]}.csv"  # one file per forecast settings
+    folder.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):  # another worker on the same unit: wait, then reuse its result
+        if not rows.is_file():
+            fold_cfg, (results, _, _) = _train_fold(unit, fold, folder)
+            if any(not r.skipped for r in results):  # the ledger of trainings: tests count units trained twice
+                with open(out / "trainings.jsonl", "a") as fh:
+                    fh.write(json.dumps({"unit": folder.name, "fold": fold.index}) + "\n")
+            frame = score_fold(c, fold_cfg, fold)
+            atomic_write(rows, lambda p: frame.to_csv(p, index=False))
+    return pd.read_csv(rows, parse_dates=["window_start"])
+
+
+def tune_main(argv: list[str] | None = None) -> int:
+    parser = add_config_args(argparse.ArgumentParser(description="Which finetuning settings pay? (tune: settings)"),
+                             csv_config.CsvFinetuneConfig, csv_config.load)
+    args = parse_config_args(tune.add_worker_args(parser), argv)
+    setup_logging()
+    cfg = csv_config.load(args.config, args.set)
+    run_tune(cfg, lambda values: csv_config.load(args.config, args.set, values=values), args)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

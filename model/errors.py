@@ -30,7 +30,7 @@ EXIT_STOPPED = 75  # EX_TEMPFAIL: a scheduler may requeue the job
 EXIT_INTERRUPTED = 130
 
 # Top-level module -> the extra of this package that installs it.
-OPTIONAL_MODULES = {"qlib": "qlib", "tensorboard": "tensorboard", "holidays": "calendars"}
+OPTIONAL_MODULES = {"qlib": "qlib", "tensorboard": "tensorboard", "holidays": "calendars", "optuna": "tune"}
 PACKAGE_NAME = "kronos-finetune"
 
 

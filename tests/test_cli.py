@@ -21,12 +21,14 @@ SCRIPT_OF = {  # the file each subcommand stands for (README commands)
     "finetune": "finetune_csv/train_sequential.py",
     "forecast": "finetune_csv/forecast.py",
     "walk-forward": "finetune_csv/walk_forward.py",
+    "tune": "finetune_csv/walk_forward.py",
     "qlib-preprocess": "finetune/qlib_data_preprocess.py",
     "qlib-train-tokenizer": "finetune/train_tokenizer.py",
     "qlib-train-predictor": "finetune/train_predictor.py",
     "qlib-backtest": "finetune/qlib_test.py",
     "qlib-walk-forward": "finetune/qlib_walk_forward.py",
     "report": "finetune/evaluation/report.py",
+    "qlib-tune": "finetune/qlib_walk_forward.py",
     "build-qlib-store": "scripts/build_qlib_data.py",
     "make-synthetic": "scripts/make_synthetic_data.py",
     "benchmark": "scripts/benchmark.py",
@@ -40,11 +42,11 @@ def test_every_entry_point_has_a_subcommand():
 @pytest.mark.parametrize("name", sorted(SCRIPT_OF))
 def test_subcommand_runs_the_scripts_main(name):
     main = cli.resolve(name)
-    assert main.__name__ == "main"
+    assert main.__name__ == cli.COMMANDS[name].entry
     assert Path(main.__code__.co_filename).resolve() == (ROOT / SCRIPT_OF[name]).resolve()
     target = cli.COMMANDS[name].target
     if not target.startswith("scripts/"):
-        assert main is importlib.import_module(target).main  # the very same function object
+        assert main is getattr(importlib.import_module(target), cli.COMMANDS[name].entry)  # the same function
 
 
 def test_help_lists_every_command_without_importing_torch_or_qlib(tmp_path):

@@ -33,7 +33,7 @@ OUR_PACKAGES = ("model", "finetune", "finetune_csv")
 # Imported inside try/except ImportError with a warning (training.comet): not a dependency.
 OPTIONAL_IMPORTS = {"comet_ml"}
 # Imported lazily where used, with an error naming the extra to install when missing.
-LAZY_EXTRAS = {"mlflow": "mlflow", "peft": "lora", "holidays": "calendars"}
+LAZY_EXTRAS = {"mlflow": "mlflow", "peft": "lora", "holidays": "calendars", "optuna": "tune"}
 # Modules only the Qlib pipeline imports (besides finetune/qlib_*.py).
 QLIB_ONLY = {"finetune/evaluation/signals.py"}
 # The distribution of an optional library's module when it is not installed here (no metadata to ask).
