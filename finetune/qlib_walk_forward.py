@@ -375,6 +375,7 @@ def tune_main(argv: list[str] | None = None) -> int:
               for k, x in diff.items()}
     ranking = {k: float(x.mean()) for k, x in ic.items()}
     tune.write_report(root, found, result, {"candidate": max(ranking, key=ranking.get), "ranking": ranking})
+    write_report(root)  # tune/report.html
     return 0
 
 

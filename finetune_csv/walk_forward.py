@@ -437,8 +437,10 @@ def run_tune(cfg: CsvFinetuneConfig, build, args: argparse.Namespace) -> dict:
     when = wide.index.get_level_values("window_start")
     outer = {f"tuned_vs_{o}": session_test(wide["tuned"] - wide[o], when, what=f"CRPS tuned - {o}")
              for o in ("zero_shot", "default")}
-    return tune.write_report(out, found, outer, best_candidate(frame), holdout=holdout,
-                             scores={c: float(v) for c, v in wide.mean().items()})
+    report = tune.write_report(out, found, outer, best_candidate(frame), holdout=holdout,
+                               scores={c: float(v) for c, v in wide.mean().items()})
+    write_report(out)  # tune/report.html
+    return report
 
 
 def tune_folds(cfg: CsvFinetuneConfig, panel, inner: bool) -> list[Fold]:
