@@ -126,4 +126,4 @@ def test_qlib_chain_end_to_end(tmp_path):
         assert report["signals"][s]["backtest"]["first_day_turnover"] > 0
     daily = pd.read_csv(out / "backtest_daily.csv")
     assert {"mean_return", "mean_cost", "mean_turnover", "mean_held", "last_return", "bench"} <= set(daily.columns)
-    assert "excess_ann" in proc.stdout and "best by IC: " in proc.stdout
+    assert "excess_ann" in proc.stdout and "best by IC at h=" in proc.stdout
