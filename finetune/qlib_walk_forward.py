@@ -322,6 +322,8 @@ def tune_main(argv: list[str] | None = None) -> int:
     cfg = load(args.config, args.set)
     build = lambda values: load(args.config, [*args.set, *(f"{k}={json.dumps(v)}" for k, v in values.items())])
     tune.check_space(cfg.tune, build)
+    if cfg.tune.mode == "nested":
+        raise ConfigError(["tune.mode: nested is kronos tune's (CSV) only; set tune.mode: holdout for qlib-tune"])
     check_inputs(cfg)
     device, w, d, tc = args.device or default_device(), cfg.walk_forward, cfg.data, cfg.tune
     init_qlib(cfg)

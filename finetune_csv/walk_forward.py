@@ -410,45 +410,52 @@ def run_tune(cfg: CsvFinetuneConfig, build, args: argparse.Namespace) -> dict:
         data = prepare_data(d, cfg.store_dir, with_splits=False)
         files = [f.get("sha256") for f in data.store.manifest.get("sources", [])]
 
-        def scored(c: CsvFinetuneConfig, inner: bool) -> pd.DataFrame:
-            """Every fold's windows of the trial `c`: candidates, plus `trial` (its model as it forecasts)."""
-            frames = [_unit(cfg, c, fold, out, files) for fold in tune_folds(c, data.panel, inner)]
+        def scored(c: CsvFinetuneConfig, inner: bool, k: int | None = None) -> pd.DataFrame:
+            """Every fold's windows of the trial `c` (nested: the inner folds before judged fold k, or fold k alone):
+            candidates, plus `trial` (its model as it forecasts)."""
+            folds = tune_folds(c, data.panel, inner, k or 0)
+            frames = [_unit(cfg, c, f, out, files) for f in (folds if inner or k is None else folds[k:k + 1])]
             frame = pd.concat(frames, ignore_index=True)
             own = "calibrated" if c.forecast.calibrate and (frame.candidate == "calibrated").any() else "finetuned"
             return pd.concat([frame, frame[frame.candidate == own].assign(candidate="trial")], ignore_index=True)
 
-        def objective(params: dict, number: int) -> dict:
-            wide = scored(build(params), True).pivot_table(index=["fold", "series", "window_start"],
-                                                           columns="candidate", values="crps")
+        def objective(params: dict, number: int, k: int | None = None) -> dict:
+            wide = scored(build(params), True, k).pivot_table(index=["fold", "series", "window_start"],
+                                                              columns="candidate", values="crps")
             diff = (wide["trial"] - wide["zero_shot"]).groupby(
                 wide.index.get_level_values("window_start").normalize()).mean()  # one value per session
-            return {str(k.date()): v for k, v in diff.items()}
+            return {str(d.date()): v for d, v in diff.items()}
 
-        identity = {"settings": _settings(cfg), "space": tc.space, "inner_folds": tc.inner_folds, "seed": tc.seed,
-                    "data": files, "inner": [fold_dates(f) for f in tune_folds(cfg, data.panel, True)]}
         holdout = [fold_dates(f) for f in tune_folds(cfg, data.panel, False)]
-        found = tune.run(out, tc, identity, holdout, config_to_dict(cfg), objective, args, "tune", paired_test)
-        if found is None:
+        ks = list(range(len(holdout))) if tc.mode == "nested" else [None]  # one study per judged fold, or one
+        found = [tune.run(out if k is None else out / f"fold_{k}", tc, {
+            "settings": _settings(cfg), "space": tc.space, "inner_folds": tc.inner_folds, "seed": tc.seed,
+            "data": files, "inner": [fold_dates(f) for f in tune_folds(cfg, data.panel, True, k or 0)]},
+            holdout if k is None else holdout[k:k + 1], config_to_dict(cfg), lambda p, n, k=k: objective(p, n, k),
+            args, "tune", paired_test) for k in ks]
+        if found[0] is None:
             return {}
-        frames = {"tuned": scored(build(found["selected"]["settings"]), False), "default": scored(cfg, False)}
+        frames = {"tuned": pd.concat([scored(build(f["selected"]["settings"]), False, k) for k, f in zip(ks, found)]),
+                  "default": scored(cfg, False)}
     frame = pd.concat([frames["tuned"][~frames["tuned"].candidate.isin(["finetuned", "calibrated", "trial"])],
                        *(f[f.candidate == "trial"].assign(candidate=k) for k, f in frames.items())])
     wide = frame.pivot_table(index=["fold", "series", "window_start"], columns="candidate", values="crps").dropna()
     when = wide.index.get_level_values("window_start")
     outer = {f"tuned_vs_{o}": session_test(wide["tuned"] - wide[o], when, what=f"CRPS tuned - {o}")
              for o in ("zero_shot", "default")}
-    report = tune.write_report(out, found, outer, best_candidate(frame), holdout=holdout,
-                               scores={c: float(v) for c, v in wide.mean().items()})
+    report = tune.write_report(out, found[0] if ks == [None] else tune.pool(found), outer, best_candidate(frame),
+                               holdout=holdout, scores={c: float(v) for c, v in wide.mean().items()})
     write_report(out)  # tune/report.html
     return report
 
 
-def tune_folds(cfg: CsvFinetuneConfig, panel, inner: bool) -> list[Fold]:
+def tune_folds(cfg: CsvFinetuneConfig, panel, inner: bool, before: int = 0) -> list[Fold]:
     """The walk-forward's folds, or (`inner`) tune's: tune.inner_folds blocks of the same size ending purge + embargo
-    calendar bars before the first judged block, so no inner bar is within that of a judged target."""
+    calendar bars before judged block `before` (nested mode; else the first), so no inner bar is within that of its
+    targets."""
     w, d = cfg.walk_forward, cfg.data
     test_bars, purge = _blocks(cfg, panel)
-    judged = len(np.unique(panel.datetimes)) - w.folds * test_bars - (w.folds - 1) * w.embargo  # its first bar
+    judged = len(np.unique(panel.datetimes)) - (w.folds - before) * test_bars - (w.folds - 1 - before) * w.embargo
     return make_folds(panel, d.window, cfg.tune.inner_folds if inner else w.folds, test_bars, purge, w.embargo,
                       d.val_ratio, judged - purge - w.embargo if inner else None)
 

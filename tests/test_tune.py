@@ -133,13 +133,14 @@ def test_no_inner_training_or_scoring_bar_lies_after_the_first_judged_target_min
         "walk_forward.embargo": embargo,
         "tune.inner_folds": int(rng.integers(1, 4))})
     calendar = np.unique(p.datetimes)
-    first_target = min(int(np.min(np.asarray(p.datetimes)[f.test.first_target[f.test.stop > f.test.first_target]]))
-                       for f in wf.tune_folds(cfg, p, inner=False))
-    limit = calendar[np.searchsorted(calendar, first_target) - purge - embargo]  # the first bar inner may not use
-    for fold in wf.tune_folds(cfg, p, inner=True):
-        for seg in (fold.train, fold.val, fold.test):
-            used = seg.stop > seg.start
-            assert (np.asarray(p.datetimes)[seg.stop[used] - 1] < limit).all()
+    for k, judged in enumerate(wf.tune_folds(cfg, p, inner=False)):  # nested mode: fold k's search (k = 0: holdout's)
+        first_target = int(np.min(np.asarray(p.datetimes)[judged.test.first_target[judged.test.stop
+                                                                                   > judged.test.first_target]]))
+        limit = calendar[np.searchsorted(calendar, first_target) - purge - embargo]  # the first bar inner may not use
+        for fold in wf.tune_folds(cfg, p, inner=True, before=k):
+            for seg in (fold.train, fold.val, fold.test):
+                used = seg.stop > seg.start
+                assert (np.asarray(p.datetimes)[seg.stop[used] - 1] < limit).all()
 
 
 @pytest.mark.slow
@@ -171,6 +172,51 @@ def test_every_space_problem_is_named_before_anything_runs(tune_config, tmp_path
                 "tune.space.paths.base_dir"):
         assert key in text, text
     assert not (tmp_path / "out/wf/tune").exists()
+
+
+@pytest.mark.slow
+def test_a_nested_csv_study_searches_once_per_judged_fold_and_pools_their_selections(tune_config, tmp_path):
+    assert wf.tune_main(["--config", str(tune_config), "--set", "tune.mode=nested", "--set", "tune.n_trials=2"]) == 0
+    out = tmp_path / "out/wf/tune"
+    report = json.loads((out / "report.json").read_text())
+    assert [f["fold"] for f in report["folds"]] == [0, 1] and report["trials"]["complete"] == 4
+    assert report["selected"] in [f["selected"] for f in report["folds"]]
+    assert set(report["outer"]) == {"tuned_vs_zero_shot", "tuned_vs_default"} and report["verdict"] in (
+        "helps", "hurts", "no_evidence") and {"tuned", "default", "zero_shot"} <= set(report["best"]["ranking"])
+    studies = [json.loads((out / f"fold_{k}/study.json").read_text())["identity"]["inner"] for k in (0, 1)]
+    assert studies[0][1] == studies[1][0]  # fold 1's search sees one block more, ending a block later
+    units = trainings(out)
+    assert len(units) == len(set(units))  # no unit trained twice: fold 1's search reuses fold 0's on their shared block
+    lrs = [{r["settings"]["predictor_training.lr"] for r in f["trials"]["list"]} for f in report["folds"]]
+    inner = {(json.dumps(d), lr) for dates, ls in zip(studies, lrs) for d in dates for lr in ls}
+    assert len(inner) < sum(len(d) * len(ls) for d, ls in zip(studies, lrs))
+    judged = {(k, lr) for k, f in enumerate(report["folds"]) for lr in (1e-3, f["selected"]["settings"][
+        "predictor_training.lr"])}
+    assert len(units) == len(inner) + len(judged)
+
+
+def test_an_unknown_tune_mode_is_refused_naming_the_setting(tune_config, tmp_path):
+    from model.errors import EXIT_CONFIG, ConfigError
+
+    with pytest.raises(ConfigError, match="tune.mode") as err:
+        wf.tune_main(["--config", str(tune_config), "--set", "tune.mode=nestd"])
+    assert err.value.exit_code == EXIT_CONFIG and not (tmp_path / "out/wf/tune").exists()
+
+
+def test_qlib_tune_refuses_the_nested_mode_naming_the_setting(tmp_path):
+    import yaml
+
+    pytest.importorskip("qlib")
+    from finetune.qlib_walk_forward import tune_main
+    from model.errors import EXIT_CONFIG, ConfigError
+    from tests.test_qlib_pipeline import tiny_config
+
+    cfg = yaml.safe_load(tiny_config(tmp_path).read_text())
+    cfg["tune"] = {"mode": "nested", "space": {"forecast.temperature": {"low": 0.5, "high": 1.5}}}
+    (tmp_path / "tune.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError, match="tune.mode: nested") as err:
+        tune_main(["--config", str(tmp_path / "tune.yaml")])
+    assert err.value.exit_code == EXIT_CONFIG
 
 
 def _same_result(got: dict, expected: dict) -> None:

@@ -21,7 +21,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
@@ -48,6 +48,9 @@ class TuneConfig:
     """Settings key -> {low, high[, log, step]} or {choices: [...]}; `when: {key: value(s)}`: only under those."""
     inner_folds: int = 2
     """Inner folds (walk-forward test blocks / periods) before the first judged one, less purge and embargo."""
+    mode: Literal["holdout", "nested"] = "holdout"
+    """holdout: one search before the first judged block; nested: one search per judged fold on the inner folds before
+    it, its selection judged on that fold alone (kronos tune only)."""
     storage: str | None = None
     """Optuna storage: null = <output folder>/tune/journal.log; postgresql://... for clusters (sqlite: one worker)."""
     seed: int = 0
@@ -344,6 +347,22 @@ def run(folder: Path, tc: TuneConfig, identity: dict, holdout: Any, given: Mappi
                       "studies_judged_on_this_holdout": sum(json.dumps(h) == json.dumps(holdout) for h in seen)},
             "trials": trials, "selected": next(r for r in trials["list"] if r["number"] == ins["selected"]),
             "inner": {k: v for k, v in ins.items() if k != "pbo"}, "pbo": ins["pbo"]}
+
+
+def pool(found: list[dict]) -> dict:
+    """The nested mode's studies (one per judged fold) as one: trial counts summed, inner means and PBO averaged over
+    folds, `selected` = the most frequent selection, `folds` = each fold's study, selection, inner scores, PBO."""
+    keys = [json.dumps(f["selected"]["settings"], sort_keys=True, default=str) for f in found]
+    mean, seen = lambda xs: float(np.mean(xs)) if xs else None, "studies_judged_on_this_holdout"
+    return {"study": {"name": ", ".join(f["study"]["name"] for f in found), "storage": "one per fold",
+                      seen: max(f["study"][seen] for f in found)},
+            "trials": {k: sum(f["trials"][k] for f in found) for k in ("complete", "pruned", "failed")},
+            "selected": found[max(range(len(found)), key=lambda i: keys.count(keys[i]))]["selected"],
+            "inner": {"trials": found[0]["inner"]["trials"], **{k: mean([f["inner"][k] for f in found]) for k in (
+                "mean", "default_mean", "expected_best_null")}},
+            "pbo": mean([f["pbo"] for f in found if f["pbo"] is not None]),
+            "folds": [{"fold": k, **{x: f[x] for x in ("study", "trials", "selected", "inner", "pbo")}}
+                      for k, f in enumerate(found)]}
 
 
 def write_report(folder: Path, found: dict, outer: dict[str, dict], best: dict, **extra: Any) -> dict:
