@@ -276,6 +276,10 @@ def paired_difference(candidate: np.ndarray, zero_shot: np.ndarray, windows: Hel
            "windows_finetuned_better_crps": float((crps_f < crps_z).mean())}
     test = lambda d, what: session_test(d, pd.to_datetime(windows.dates()), settings.min_block - 1, what=what)
     out["test"] = {"crps": test(crps_f - crps_z, "CRPS - zero-shot"), "mae": test(mae_f - mae_z, "MAE - zero-shot")}
+    names, d = np.asarray(windows.names), crps_f - crps_z  # per series: one group cannot carry the headline unseen
+    out["per_series"] = {n: {k: t[k] for k in ("mean", "windows", "ci_low", "ci_high", "verdict")} for n in
+                         sorted(set(names)) for t in [session_test(d[names == n], pd.to_datetime(windows.dates())[
+                             names == n], settings.min_block - 1, what="CRPS - zero-shot")]}
     return out
 
 
@@ -349,6 +353,13 @@ def format_report(metrics: dict) -> str:
         if diff:
             lines.append(f"{name} vs zero-shot: {diff['test']['crps']['reason']} (< 0 = better; better on "
                          f"{diff['windows_finetuned_better_crps']:.0%} of windows)")
+    per = (metrics.get("finetuned_vs_zero_shot") or {}).get("per_series")
+    if per:  # the series that gained most and least: whether one group carries the panel's number
+        ci = lambda r: f", [{r['ci_low']:+.3g}, {r['ci_high']:+.3g}]" if r["ci_low"] is not None else ""  # noqa: E731
+        say = lambda n: f"{n} {per[n]['mean']:+.4f} ({per[n]['windows']} windows{ci(per[n])})"  # noqa: E731
+        order = sorted(per, key=lambda n: per[n]["mean"])
+        lines.append(f"finetuned vs zero-shot by series (CRPS): better on {sum(per[n]['mean'] < 0 for n in per)} "
+                     f"of {len(per)}; most gained {say(order[0])}, least {say(order[-1])} (all: metrics.json)")
     lines.append(ranking(metrics))
     cal = metrics.get("calibration")
     if cal:
