@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import glob
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -303,19 +304,21 @@ def ranking(metrics: dict) -> str:
 
 
 def forecast_table(names: list[str], stamps: list[pd.DatetimeIndex], paths: np.ndarray,
-                   actual: np.ndarray | None = None) -> pd.DataFrame:
+                   actual: np.ndarray | None = None, raw: np.ndarray | None = None) -> pd.DataFrame:
     """Long table, one row per series (window) and forecast bar: mean `pred_<f>` and quantiles `<f>_q<percent>`
-    (PLAN interface 3, e.g. `close_q10`) of each feature over the sample paths `(W, S, P, 6)`, plus `actual_<f>`
-    when the actual candles `(W, P, 6)` are known."""
+    (PLAN interface 3, e.g. `close_q10`) of each feature over the sample paths `(W, S, P, 6)`, the same of the
+    uncalibrated paths `raw (W, S, P, 6)` as `raw_<f>_q<percent>` when given, plus `actual_<f>` when the actual
+    candles `(W, P, 6)` are known."""
     mean = paths.mean(axis=1)  # (W, P, 6)
-    quant = np.quantile(paths, TABLE_QUANTILES, axis=1)  # (Q, W, P, 6)
+    quant = {pre: np.quantile(p, TABLE_QUANTILES, axis=1) for pre, p in (("", paths), ("raw_", raw))
+             if p is not None}  # {prefix: (Q, W, P, 6)}
     parts = []
     for i, (name, ts) in enumerate(zip(names, stamps)):
         part = pd.DataFrame({"window": i, "series": name, "timestamps": ts})
         for j, f in enumerate(FEATURES):
             part[f"pred_{f}"] = mean[i, :, j]
-            for k, q in enumerate(TABLE_QUANTILES):
-                part[quantile_column(f, q)] = quant[k, i, :, j]
+            for (pre, qs), (k, q) in itertools.product(quant.items(), enumerate(TABLE_QUANTILES)):
+                part[pre + quantile_column(f, q)] = qs[k, i, :, j]
             if actual is not None:
                 part[f"actual_{f}"] = actual[i, :, j]
         parts.append(part)
@@ -383,9 +386,10 @@ def format_report(metrics: dict) -> str:
 
 def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, windows: HeldOutWindows,
                       zero_shot: KronosPredictor | None = None, season: int | dict[str, int] | None = None,
-                      calibration: dict | None = None) -> tuple[dict, np.ndarray]:
+                      calibration: dict | None = None) -> tuple[dict, np.ndarray, np.ndarray | None]:
     """Sample, score and compare; returns (metrics dict for metrics.json, finetuned paths (W, S, P, 6) as reported:
-    calibrated and, with forecast.repair_candles, repaired). `season`: of the seasonal-naive baseline (None = none);
+    calibrated and, with forecast.repair_candles, repaired; the same uncalibrated when calibrated, else None).
+    `season`: of the seasonal-naive baseline (None = none);
     `calibration`: the predictor's stored calibration (None = raw samples); `windows.history`: closes before each
     window for the `empirical` baseline (None or too short for one horizon: no empirical baseline, logged)."""
     f, horizon = cfg.forecast, cfg.data.predict
@@ -426,7 +430,7 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
         metrics["finetuned_vs_zero_shot"] = paired_difference(paths, zs_paths, windows, settings)
         metrics["ensemble_vs_zero_shot"] = paired_difference(ens_paths, zs_paths, windows, settings)
         metrics["ensemble"]["weight"] = f.ensemble_weight
-    return metrics, paths
+    return metrics, paths, None if calibration is None else finish_paths(raw, None, last, f.repair_candles)
 
 
 def _panels(names: list[str], past_ts, past_close, future_ts, paths, actual=None, max_panels: int = 4) -> list[Panel]:
@@ -483,10 +487,10 @@ def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: t
                                    cfg.forecast.max_windows,
                                    history=cfg.forecast.empirical_window + 1)  # + 1: n returns need n + 1 closes
         check_memory(cfg, len(windows), 6)  # raw, reported, zero-shot and ensemble paths, and their scoring
-        metrics, paths = evaluate_held_out(cfg, finetuned, windows, zero_shot_predictor(cfg),
+        metrics, paths, raw = evaluate_held_out(cfg, finetuned, windows, zero_shot_predictor(cfg),
                                            _season(cfg, data.panel), calibration)
         metrics["series_without_test_windows"] = sorted(set(data.panel.names) - set(windows.names))
-        files = {"forecast.csv": forecast_table(windows.names, windows.y_timestamps, paths, windows.actual),
+        files = {"forecast.csv": forecast_table(windows.names, windows.y_timestamps, paths, windows.actual, raw),
                  "metrics.json": metrics, "forecast.json": provenance(cfg, "forecast", finetuned, made)}
         write_outputs(cfg, out_dir, files, "forecast_vs_actual.png", windows.names, windows.x_timestamps,
                       windows.context, windows.y_timestamps, paths, windows.actual)
@@ -525,8 +529,9 @@ def _future(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, calibration: dic
     log.info("invalid sampled candles: %.1f%%%s", 100 * violations["any"],
              " (repaired: forecast.repair_candles)" if cfg.forecast.repair_candles else
              " (kept; forecast.repair_candles: true repairs them)")
+    raw = finish_paths(paths, None, context[:, -1, CLOSE], cfg.forecast.repair_candles) if calibration else None
     paths = finish_paths(paths, calibration, context[:, -1, CLOSE], cfg.forecast.repair_candles)
-    table = forecast_table(names, future_ts, paths).drop(columns="window")
+    table = forecast_table(names, future_ts, paths, raw=raw).drop(columns="window")
     write_outputs(cfg, out_dir, {"forecast.csv": table, "forecast.json": provenance(cfg, "future", finetuned, made)},
                   "forecast.png", names, past_ts, context, future_ts, paths)
     return table
