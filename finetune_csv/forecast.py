@@ -508,7 +508,8 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: tup
 
 def _future(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, calibration: dict | None, store_dir: Path,
             out_dir: Path, made: dict) -> pd.DataFrame:
-    panel = prepare_data(cfg.data, store_dir, with_splits=False).panel  # whole series, no split needed
+    data = prepare_data(cfg.data, store_dir, with_splits=False)  # whole series, no split needed
+    panel, zone = data.panel, data.store.manifest.get("timezone")  # the input's zone, when its stamps had one
     lookback, predict = cfg.data.lookback, cfg.data.predict
     short = [name for name, n in zip(panel.names, panel.lengths().tolist()) if n < lookback]
     if short:
@@ -532,6 +533,8 @@ def _future(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, calibration: dic
     raw = finish_paths(paths, None, context[:, -1, CLOSE], cfg.forecast.repair_candles) if calibration else None
     paths = finish_paths(paths, calibration, context[:, -1, CLOSE], cfg.forecast.repair_candles)
     table = forecast_table(names, future_ts, paths, raw=raw).drop(columns="window")
+    if zone:  # aware in, aware out (as predict_df); a wall-clock time DST skips or repeats: the later one
+        table["timestamps"] = table["timestamps"].dt.tz_localize(zone, ambiguous=False, nonexistent="shift_forward")
     write_outputs(cfg, out_dir, {"forecast.csv": table, "forecast.json": provenance(cfg, "future", finetuned, made)},
                   "forecast.png", names, past_ts, context, future_ts, paths)
     return table
