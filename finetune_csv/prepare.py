@@ -319,7 +319,7 @@ def _build(sources: list[tuple[Path | csv_sources.Frame, Path | csv_sources.Fram
                     warnings.extend(notes + cleaning)
                     if reader.tz_aware is not None:
                         aware[reader.name] = reader.tz_aware
-                        zones |= {reader.zone} if reader.tz_aware else set()
+                        zones |= {reader.zone or None} if reader.tz_aware else set()
                     if len(ts) >= 2:
                         freqs[name] = stamps.infer_frequency(ts.view("datetime64[ns]"), source=where)
                     if (np.abs(values) > csv_sources.FLOAT32_MAX).any():  # a derived amount can overflow

@@ -530,7 +530,7 @@ class SourceReader:
             return np.zeros(len(text), dtype=np.int64)
         self._note_aware(True, lines)
         utc = pc.all(pc.match_substring_regex(pa.array(text), r"([Zz]|[+-]00:?00)$")).as_py()  # offsets all zero
-        self.zone = self.timezone or ("UTC" if utc and self.zone in (None, "UTC") else None)
+        self.zone = self.timezone or ("UTC" if utc and self.zone in (None, "UTC") else "")  # "": none
         return idx.asi8.copy()
 
     def _ns(self, arr: pa.Array, lines: np.ndarray, name: str) -> np.ndarray:
