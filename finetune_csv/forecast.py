@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import glob
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -276,6 +277,10 @@ def paired_difference(candidate: np.ndarray, zero_shot: np.ndarray, windows: Hel
            "windows_finetuned_better_crps": float((crps_f < crps_z).mean())}
     test = lambda d, what: session_test(d, pd.to_datetime(windows.dates()), settings.min_block - 1, what=what)
     out["test"] = {"crps": test(crps_f - crps_z, "CRPS - zero-shot"), "mae": test(mae_f - mae_z, "MAE - zero-shot")}
+    names, d = np.asarray(windows.names), crps_f - crps_z  # per series: one group cannot carry the headline unseen
+    out["per_series"] = {n: {k: t[k] for k in ("mean", "windows", "ci_low", "ci_high", "verdict")} for n in
+                         sorted(set(names)) for t in [session_test(d[names == n], pd.to_datetime(windows.dates())[
+                             names == n], settings.min_block - 1, what="CRPS - zero-shot")]}
     return out
 
 
@@ -299,19 +304,21 @@ def ranking(metrics: dict) -> str:
 
 
 def forecast_table(names: list[str], stamps: list[pd.DatetimeIndex], paths: np.ndarray,
-                   actual: np.ndarray | None = None) -> pd.DataFrame:
+                   actual: np.ndarray | None = None, raw: np.ndarray | None = None) -> pd.DataFrame:
     """Long table, one row per series (window) and forecast bar: mean `pred_<f>` and quantiles `<f>_q<percent>`
-    (PLAN interface 3, e.g. `close_q10`) of each feature over the sample paths `(W, S, P, 6)`, plus `actual_<f>`
-    when the actual candles `(W, P, 6)` are known."""
+    (PLAN interface 3, e.g. `close_q10`) of each feature over the sample paths `(W, S, P, 6)`, the same of the
+    uncalibrated paths `raw (W, S, P, 6)` as `raw_<f>_q<percent>` when given, plus `actual_<f>` when the actual
+    candles `(W, P, 6)` are known."""
     mean = paths.mean(axis=1)  # (W, P, 6)
-    quant = np.quantile(paths, TABLE_QUANTILES, axis=1)  # (Q, W, P, 6)
+    quant = {pre: np.quantile(p, TABLE_QUANTILES, axis=1) for pre, p in (("", paths), ("raw_", raw))
+             if p is not None}  # {prefix: (Q, W, P, 6)}
     parts = []
     for i, (name, ts) in enumerate(zip(names, stamps)):
         part = pd.DataFrame({"window": i, "series": name, "timestamps": ts})
         for j, f in enumerate(FEATURES):
             part[f"pred_{f}"] = mean[i, :, j]
-            for k, q in enumerate(TABLE_QUANTILES):
-                part[quantile_column(f, q)] = quant[k, i, :, j]
+            for (pre, qs), (k, q) in itertools.product(quant.items(), enumerate(TABLE_QUANTILES)):
+                part[pre + quantile_column(f, q)] = qs[k, i, :, j]
             if actual is not None:
                 part[f"actual_{f}"] = actual[i, :, j]
         parts.append(part)
@@ -349,6 +356,13 @@ def format_report(metrics: dict) -> str:
         if diff:
             lines.append(f"{name} vs zero-shot: {diff['test']['crps']['reason']} (< 0 = better; better on "
                          f"{diff['windows_finetuned_better_crps']:.0%} of windows)")
+    per = (metrics.get("finetuned_vs_zero_shot") or {}).get("per_series")
+    if per:  # the series that gained most and least: whether one group carries the panel's number
+        ci = lambda r: f", [{r['ci_low']:+.3g}, {r['ci_high']:+.3g}]" if r["ci_low"] is not None else ""  # noqa: E731
+        say = lambda n: f"{n} {per[n]['mean']:+.4f} ({per[n]['windows']} windows{ci(per[n])})"  # noqa: E731
+        order = sorted(per, key=lambda n: per[n]["mean"])
+        lines.append(f"finetuned vs zero-shot by series (CRPS): better on {sum(per[n]['mean'] < 0 for n in per)} "
+                     f"of {len(per)}; most gained {say(order[0])}, least {say(order[-1])} (all: metrics.json)")
     lines.append(ranking(metrics))
     cal = metrics.get("calibration")
     if cal:
@@ -372,9 +386,10 @@ def format_report(metrics: dict) -> str:
 
 def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, windows: HeldOutWindows,
                       zero_shot: KronosPredictor | None = None, season: int | dict[str, int] | None = None,
-                      calibration: dict | None = None) -> tuple[dict, np.ndarray]:
+                      calibration: dict | None = None) -> tuple[dict, np.ndarray, np.ndarray | None]:
     """Sample, score and compare; returns (metrics dict for metrics.json, finetuned paths (W, S, P, 6) as reported:
-    calibrated and, with forecast.repair_candles, repaired). `season`: of the seasonal-naive baseline (None = none);
+    calibrated and, with forecast.repair_candles, repaired; the same uncalibrated when calibrated, else None).
+    `season`: of the seasonal-naive baseline (None = none);
     `calibration`: the predictor's stored calibration (None = raw samples); `windows.history`: closes before each
     window for the `empirical` baseline (None or too short for one horizon: no empirical baseline, logged)."""
     f, horizon = cfg.forecast, cfg.data.predict
@@ -415,7 +430,7 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
         metrics["finetuned_vs_zero_shot"] = paired_difference(paths, zs_paths, windows, settings)
         metrics["ensemble_vs_zero_shot"] = paired_difference(ens_paths, zs_paths, windows, settings)
         metrics["ensemble"]["weight"] = f.ensemble_weight
-    return metrics, paths
+    return metrics, paths, None if calibration is None else finish_paths(raw, None, last, f.repair_candles)
 
 
 def _panels(names: list[str], past_ts, past_close, future_ts, paths, actual=None, max_panels: int = 4) -> list[Panel]:
@@ -472,10 +487,10 @@ def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: t
                                    cfg.forecast.max_windows,
                                    history=cfg.forecast.empirical_window + 1)  # + 1: n returns need n + 1 closes
         check_memory(cfg, len(windows), 6)  # raw, reported, zero-shot and ensemble paths, and their scoring
-        metrics, paths = evaluate_held_out(cfg, finetuned, windows, zero_shot_predictor(cfg),
+        metrics, paths, raw = evaluate_held_out(cfg, finetuned, windows, zero_shot_predictor(cfg),
                                            _season(cfg, data.panel), calibration)
         metrics["series_without_test_windows"] = sorted(set(data.panel.names) - set(windows.names))
-        files = {"forecast.csv": forecast_table(windows.names, windows.y_timestamps, paths, windows.actual),
+        files = {"forecast.csv": forecast_table(windows.names, windows.y_timestamps, paths, windows.actual, raw),
                  "metrics.json": metrics, "forecast.json": provenance(cfg, "forecast", finetuned, made)}
         write_outputs(cfg, out_dir, files, "forecast_vs_actual.png", windows.names, windows.x_timestamps,
                       windows.context, windows.y_timestamps, paths, windows.actual)
@@ -493,7 +508,8 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: tup
 
 def _future(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, calibration: dict | None, store_dir: Path,
             out_dir: Path, made: dict) -> pd.DataFrame:
-    panel = prepare_data(cfg.data, store_dir, with_splits=False).panel  # whole series, no split needed
+    data = prepare_data(cfg.data, store_dir, with_splits=False)  # whole series, no split needed
+    panel, zone = data.panel, data.store.manifest.get("timezone")  # the input's zone, when its stamps had one
     lookback, predict = cfg.data.lookback, cfg.data.predict
     short = [name for name, n in zip(panel.names, panel.lengths().tolist()) if n < lookback]
     if short:
@@ -514,8 +530,11 @@ def _future(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, calibration: dic
     log.info("invalid sampled candles: %.1f%%%s", 100 * violations["any"],
              " (repaired: forecast.repair_candles)" if cfg.forecast.repair_candles else
              " (kept; forecast.repair_candles: true repairs them)")
+    raw = finish_paths(paths, None, context[:, -1, CLOSE], cfg.forecast.repair_candles) if calibration else None
     paths = finish_paths(paths, calibration, context[:, -1, CLOSE], cfg.forecast.repair_candles)
-    table = forecast_table(names, future_ts, paths).drop(columns="window")
+    table = forecast_table(names, future_ts, paths, raw=raw).drop(columns="window")
+    if zone:  # aware in, aware out (as predict_df); a wall-clock time DST skips or repeats: the later one
+        table["timestamps"] = table["timestamps"].dt.tz_localize(zone, ambiguous=False, nonexistent="shift_forward")
     write_outputs(cfg, out_dir, {"forecast.csv": table, "forecast.json": provenance(cfg, "future", finetuned, made)},
                   "forecast.png", names, past_ts, context, future_ts, paths)
     return table

@@ -117,8 +117,13 @@ def describe(cfg: CsvFinetuneConfig, data_info: dict, plan: dict[str, str | None
                  f"{data.store.reason})")
     for name, s in splits.items():
         lines.append(f"  {name:<5} {s['rows']:>9,} rows {s['windows']:>9,} windows  {s['start']} .. {s['end']}")
-    for stage in STAGES:
-        lines.append(f"  {stage}: " + ("train" if plan[stage] is None else f"skipped ({plan[stage]})"))
+    for stage in STAGES:  # a finished stage under resume auto/required is reused (the ledger), not trained
+        t, folder = cfg.stage_training(stage), cfg.tokenizer_dir if stage == "tokenizer" else cfg.predictor_dir
+        reuse = plan[stage] is None and not t.overwrite and t.resume.strip().lower() in ("auto", "required") and \
+            stage_status(folder) == "finished"
+        lines.append(f"  {stage}: " + (f"reuse the finished run in {folder} if current for these settings and data "
+                                       "(else refused, naming what changed; --overwrite trains it again)" if reuse
+                                       else "train" if plan[stage] is None else f"skipped ({plan[stage]})"))
     lines.append(f"  {dist.world_size} process(es) on {dist.device}; outputs in {cfg.base_dir}")
     return "\n".join(lines)
 

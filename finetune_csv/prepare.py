@@ -292,6 +292,7 @@ def _build(sources: list[tuple[Path | csv_sources.Frame, Path | csv_sources.Fram
     warnings: list[str] = []
     series: list[dict] = []
     aware: dict[str, bool] = {}  # source name -> stamps carry a UTC offset
+    zones: set[str | None] = set()  # the zones of the wall clocks of those that do
     freqs: dict[str, pd.Timedelta] = {}  # series name -> inferred bar length
     try:
         for source, original in sources:
@@ -318,6 +319,7 @@ def _build(sources: list[tuple[Path | csv_sources.Frame, Path | csv_sources.Fram
                     warnings.extend(notes + cleaning)
                     if reader.tz_aware is not None:
                         aware[reader.name] = reader.tz_aware
+                        zones |= {reader.zone or None} if reader.tz_aware else set()
                     if len(ts) >= 2:
                         freqs[name] = stamps.infer_frequency(ts.view("datetime64[ns]"), source=where)
                     if (np.abs(values) > csv_sources.FLOAT32_MAX).any():  # a derived amount can overflow
@@ -339,7 +341,8 @@ def _build(sources: list[tuple[Path | csv_sources.Frame, Path | csv_sources.Fram
                                    + "\n".join(f"  - {p}" for p in shown) + more)
         if not sum(s["rows"] for s in series):
             raise StoreError("no rows left after cleaning (data.nan_policy: drop removed every row)")
-        return writer.finish(list(FEATURES), series=series, warnings=warnings, **extra)
+        zone = next(iter(zones)) if len(zones) == 1 else None  # --future's stamps are aware in it
+        return writer.finish(list(FEATURES), series=series, warnings=warnings, timezone=zone, **extra)
     finally:
         writer.close()
 

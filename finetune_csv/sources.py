@@ -220,6 +220,7 @@ class SourceReader:
         self.timestamp_unit = timestamp_unit  # data.timestamp_unit: integers are epoch times in it (None: magnitude)
         self.timezone = timezone
         self.tz_aware: bool | None = None  # whether the stamps carry a UTC offset (known after the first block)
+        self.zone: str | None = None  # the zone of the stored wall clock when they do and it is one (--future's)
         self._messages: list[str] = []  # whole-message problems (candle checks), beside the per-cell issues
         self.block_rows = int(block_rows)
         self.is_parquet = self._table is not None or self.path.suffix.lower() in PARQUET_SUFFIXES
@@ -444,6 +445,7 @@ class SourceReader:
             if pa.types.is_timestamp(t):
                 self._note_aware(t.tz is not None, lines)
                 if t.tz is not None:
+                    self.zone = self.timezone or t.tz
                     if self.timezone is not None:
                         col = col.cast(pa.timestamp(t.unit, tz=self.timezone))  # same instants, the exchange's zone
                     col = pc.local_timestamp(col)  # wall-clock time in the column's zone
@@ -505,6 +507,7 @@ class SourceReader:
             log.info("%s: integer timestamps read as epoch %s (UTC; data.timestamp_unit sets the unit)", self.label,
                      unit)
         self._note_aware(True, lines)
+        self.zone = self.timezone or "UTC"
         return (utc.tz_convert(self.timezone) if self.timezone else utc).tz_localize(None).asi8.copy()
 
     def _note_aware(self, aware: bool, lines: np.ndarray) -> None:
@@ -526,6 +529,8 @@ class SourceReader:
                 self._messages.append(str(e))
             return np.zeros(len(text), dtype=np.int64)
         self._note_aware(True, lines)
+        utc = pc.all(pc.match_substring_regex(pa.array(text), r"([Zz]|[+-]00:?00)$")).as_py()  # offsets all zero
+        self.zone = self.timezone or ("UTC" if utc and self.zone in (None, "UTC") else "")  # "": none
         return idx.asi8.copy()
 
     def _ns(self, arr: pa.Array, lines: np.ndarray, name: str) -> np.ndarray:

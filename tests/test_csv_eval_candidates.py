@@ -20,7 +20,7 @@ from finetune_csv.prepare import prepare_data
 from model import KronosTokenizer
 from model.config import Window
 from model.errors import ConfigError, UserError
-from model.fileio import write_json
+from model.fileio import seal, write_json
 from model.hub import weights_fingerprint
 from model.predictor import predictor_info
 from tests.model_factory import tiny_tokenizer
@@ -77,6 +77,7 @@ def fake_calibration(monkeypatch, seen: dict, widen: float = 50.0):
     def write(path, calibration):
         info = json.loads(path.read_text()) if path.is_file() else {}
         path.write_text(json.dumps({**info, "calibration": calibration}))
+        seal(path.parent)  # as the real one re-seals the best model
 
     def apply(calibration, samples, last):
         med = np.median(samples, axis=-2, keepdims=True)
@@ -111,9 +112,16 @@ def test_calibration_is_fitted_on_validation_windows_and_coverage_reported_befor
     assert cal["test_80"]["verdict"] == "no_evidence" and "off nominal" not in report
     cal["test_80"]["verdict"] = "over"
     assert "calibrated coverage off nominal at 80% (its interval excludes 0)" in forecast.format_report(metrics)
+    # forecast.csv: the calibrated bands under their own names, the raw ones beside them (the page draws both)
+    table = pd.read_csv(cfg.base_dir / "forecast" / "forecast.csv")
+    width = lambda pre: (table[f"{pre}close_q90"] - table[f"{pre}close_q10"]).mean()  # noqa: E731
+    assert width("raw_") < width("") and {"close_q50", "raw_close_q50", "raw_high_q25"} <= set(table.columns)
+    assert "raw_close_q10" in (cfg.base_dir / "forecast" / "report.html").read_text()
+    assert {"close_q10", "raw_close_q10"} <= set(forecast.run_future(cfg, tmp_path / "future").columns)
     off = forecast.run_forecast(load(make_run(tmp_path, zero_shot=None, extra=", calibrate: false")),
                                 tmp_path / "raw")
     assert off["calibration"] is None
+    assert not [c for c in pd.read_csv(tmp_path / "raw" / "forecast.csv").columns if c.startswith("raw_")]
 
 
 def record_tokenizer(cfg, tokenizer_dir, sha256: str | None = None):

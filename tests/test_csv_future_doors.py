@@ -46,3 +46,27 @@ def test_future_forecasts_agree_across_price_units_and_with_predict_df(tmp_path)
     assert list(long["timestamps"].astype(str)) == list(second["timestamps"].astype(str))
     for q in QS:
         np.testing.assert_allclose(long[f"close_q{q}"], second[f"close_q{q}"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("zone", [None, "UTC", "America/New_York", "Asia/Shanghai"])
+def test_future_stamps_keep_the_input_time_zone(tmp_path, zone):
+    """Naive stamps in -> naive out; UTC offsets in -> aware out, in data.timezone when set (as predict_df); other
+    offsets without data.timezone name no zone: naive out (their wall clock, as read)."""
+    cfg = load(make_run(tmp_path, zero_shot=None, extra="sample_count: 2"))
+    for path in (tmp_path / "data").glob("*.csv"):
+        frame = pd.read_csv(path)
+        frame["timestamps"] = pd.to_datetime(frame["timestamps"]).dt.tz_localize("UTC" if zone else None)
+        if zone == "Asia/Shanghai":
+            frame["timestamps"] = frame["timestamps"].dt.tz_convert(zone)  # "+08:00"
+        frame.to_csv(path, index=False)  # "2024-01-02 09:30:00+00:00" with a zone
+    if zone == "America/New_York":
+        cfg.data.timezone = zone
+    table = forecast.run_future(cfg)
+    last = pd.read_csv(sorted((tmp_path / "data").glob("*.csv"))[0])["timestamps"].iloc[-1]
+    out = None if zone == "Asia/Shanghai" else zone
+    assert str(table["timestamps"].dt.tz) == str(out) and (str(last)[-6:] in ("+00:00", "+08:00")) == bool(zone)
+    first = table[table["series"] == table["series"].iloc[0]]["timestamps"].iloc[0]
+    if out or not zone:
+        assert pd.Timedelta(0) < first - pd.Timestamp(last) < pd.Timedelta(days=4)  # after the last bar
+    written = pd.read_csv(cfg.base_dir / "future" / "forecast.csv")["timestamps"]
+    assert written.str.endswith(("+00:00", "-05:00", "-04:00")).all() == bool(out)

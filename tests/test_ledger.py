@@ -316,6 +316,7 @@ def test_a_moved_identical_data_folder_is_the_same_data(tmp_path, caplog, one_th
     caplog.clear()
     assert run(config, "--set", f"data.path={tmp_path / 'moved'}") == 0
     assert caplog.text.count("already holds a finished run; skipping it") == 2
+    assert "  predictor: reuse the finished run in" in caplog.text and "predictor: train" not in caplog.text  # plan
     assert outputs(tmp_path) == before
 
 

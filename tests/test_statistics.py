@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from finetune.evaluation.statistics import MIN_BLOCKS, hac_variance, mean_interval, mean_test, paired_test
+from finetune.evaluation.statistics import MIN_BLOCKS, hac_variance, mean_interval, mean_test, paired_test, session_test
 
 
 def null_designs(rng, runs: int, n: int) -> dict[str, tuple[np.ndarray, int]]:
@@ -95,6 +95,12 @@ def test_a_real_effect_says_helps_and_too_few_dates_say_why():
     assert few["verdict"] == "no_evidence" and few["ci_low"] is None and few["ci_high"] is None
     assert json.loads(json.dumps(few, allow_nan=False))["dm_stat"] is None  # strict JSON for metrics.json
     assert f"no 95% interval: only 15 non-overlapping stretches of 1 dates (at least {MIN_BLOCKS}" in few["reason"]
+    # 5-minute windows around the clock for 10 days (a 24/7 market): one session a day, 6 more days give an interval
+    stamps = pd.date_range("2024-01-01", periods=10 * 288, freq="5min")
+    crypto = session_test(rng.standard_normal(len(stamps)), stamps)
+    assert "only 10 non-overlapping stretches of 1 dates (at least 16 needed: about 6 more dates" in crypto["reason"]
+    assert session_test(rng.standard_normal(16 * 288), pd.date_range("2024-01-01", periods=16 * 288,
+                                                                     freq="5min"))["ci_low"] is not None
 
 
 def test_the_verdict_weights_windows_as_the_ranking_does():

@@ -127,7 +127,8 @@ def paired_test(diff, dates, lag: int = 0, level: float = 0.95, what: str = "dif
     if not ok:
         out["verdict"] = "no_evidence"
         why = (f"no {level:.0%} interval: only {out['blocks']} non-overlapping stretches of {int(lag) + 1} dates "
-               f"(at least {MIN_BLOCKS} needed: more test windows, sessions or folds)" if out["blocks"] < MIN_BLOCKS
+               f"(at least {MIN_BLOCKS} needed: about {MIN_BLOCKS * (int(lag) + 1) - n_dates} more dates or sessions "
+               "of test data -- days on a 24/7 market -- or more folds)" if out["blocks"] < MIN_BLOCKS
                else f"no {level:.0%} interval: the differences do not vary")
     else:
         span += f", {level:.0%} interval [{out['ci_low']:+.3g}, {out['ci_high']:+.3g}] (t with {df:.1f} df)"
