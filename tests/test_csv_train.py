@@ -150,7 +150,7 @@ def test_forecast_scores_the_held_out_split_and_writes_its_files(trained):
     model = metrics["finetuned"]["model"]["overall"]
     assert 0.0 <= model["direction_accuracy"] <= 1.0 and model["mae"] >= 0.0
     assert files_under(base / "forecast") == {"metrics.json", "forecast.csv", "forecast.json", "forecast_vs_actual.png",
-                                              "SHA256SUMS"}
+                                              "report.html", "context.csv", "SHA256SUMS"}
     table = pd.read_csv(base / "forecast" / "forecast.csv")
     assert len(table) == 4 * 4 and {"pred_close", "actual_close", "series"} <= set(table.columns)
 
