@@ -30,7 +30,6 @@ FORECAST_REPORT_ONLY = ("bootstrap_samples", "bootstrap_block")  # change the re
 _cache: dict[tuple, str] = {}  # (file, size, mtime_ns, ctime_ns, inode) -> sha256: one read per file and process
 
 
-
 def file_fingerprint(path: str | Path, with_hash: bool = True) -> dict:
     """{"path" (resolved: where it was read), "bytes", "mtime_ns", "sha256" (None without `with_hash`)}."""
     p = Path(path)
