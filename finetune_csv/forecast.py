@@ -8,8 +8,6 @@ import argparse
 import contextlib
 import dataclasses
 import glob
-import hashlib
-import json
 import logging
 import os
 import shutil
@@ -34,6 +32,7 @@ from finetune.evaluation.statistics import session_test
 from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.config_utils import config_to_dict
 from finetune.utils.errors import setup_logging
+from finetune.utils.fingerprint import digest
 from finetune.utils.ledger import stage_status
 from finetune.utils.plots import Panel, plot_panels, stamp_text
 from finetune.utils.safety import LOCK_NAME, GracefulStop, RunLock, read_holder
@@ -191,7 +190,7 @@ def run_folders(cfg: CsvFinetuneConfig, out_dir: Path | None, name: str) -> tupl
     recorded = sorted(f["sha256"] for f in (run.get("data") or {}).get("files") or [])
     ours = sorted(f["sha256"] for f in files)
     new_data = bool(recorded) and recorded != ours
-    key = hashlib.sha256(json.dumps([differs, ours if name != "future" else []]).encode()).hexdigest()[:12]
+    key = digest([differs, ours if name != "future" else []])[:12]
     if new_data or set(changed) - set(SPLIT_KEYS):  # never re-prepare the run's own store in place
         store_dir = cfg.store_dir.with_name(f"{cfg.store_dir.name}_{key}")
     else:
@@ -488,37 +487,32 @@ def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: tup
     finetuned, calibration = finetuned_predictor(cfg)
     store_dir, out_dir, made = folders or run_folders(cfg, out_dir, "future")
     with output_folder(out_dir):
-        return _future(cfg, finetuned, calibration, store_dir, out_dir, made)
-
-
-def _future(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, calibration: dict | None, store_dir: Path,
-            out_dir: Path, made: dict) -> pd.DataFrame:
-    panel = prepare_data(cfg.data, store_dir, with_splits=False).panel  # whole series, no split needed
-    lookback, predict = cfg.data.lookback, cfg.data.predict
-    short = [name for name, n in zip(panel.names, panel.lengths().tolist()) if n < lookback]
-    if short:
-        raise DataError(f"series shorter than data.lookback={lookback} rows cannot be forecast: {short}; lower "
-                        "data.lookback or remove them")
-    trading_dates = read_calendar(cfg.forecast.calendar) if cfg.forecast.calendar else None
-    ends = np.asarray(panel.offsets[1:], dtype=np.int64)  # (S,) one past each series' last column
-    # One window per series: its last `lookback` bars, no known bar after them; the forecast bars' times come next.
-    last = held_out_windows(PanelSegments(panel, ends - lookback, ends - lookback, ends), Window(lookback, 0), 1)
-    when = lambda s: pd.DatetimeIndex(np.asarray(panel.datetimes[panel.rows(s)]).astype("datetime64[ns]"))
-    last.y_timestamps = [TradingCalendar.learn(when(s), trading_dates, f"series {name!r}", cfg.forecast.holidays)
-                         .after(when(s)[-1], predict, name=f"series {name!r}") for s, name in enumerate(last.names)]
-    names, past_ts, context, future_ts = last.names, last.x_timestamps, last.context, last.y_timestamps
-    check_memory(cfg, len(names), 3)
-    paths = sample_paths(finetuned, context, *last.stamps(), predict, cfg.forecast,
-                         cfg.forecast.batch_size)  # (N, S, P, 6)
-    violations = candle_violations(*np.moveaxis(paths[..., :5], -1, 0))  # open .. volume
-    log.info("invalid sampled candles: %.1f%%%s", 100 * violations["any"],
-             " (repaired: forecast.repair_candles)" if cfg.forecast.repair_candles else
-             " (kept; forecast.repair_candles: true repairs them)")
-    paths = finish_paths(paths, calibration, context[:, -1, CLOSE], cfg.forecast.repair_candles)
-    table = forecast_table(names, future_ts, paths).drop(columns="window")
-    write_outputs(cfg, out_dir, {"forecast.csv": table, "forecast.json": provenance(cfg, "future", finetuned, made)},
-                  "forecast.png", names, past_ts, context, future_ts, paths)
-    return table
+        panel = prepare_data(cfg.data, store_dir, with_splits=False).panel  # whole series, no split needed
+        lookback, predict = cfg.data.lookback, cfg.data.predict
+        short = [name for name, n in zip(panel.names, panel.lengths().tolist()) if n < lookback]
+        if short:
+            raise DataError(f"series shorter than data.lookback={lookback} rows cannot be forecast: {short}; lower "
+                            "data.lookback or remove them")
+        trading_dates = read_calendar(cfg.forecast.calendar) if cfg.forecast.calendar else None
+        ends = np.asarray(panel.offsets[1:], dtype=np.int64)  # (S,) one past each series' last column
+        # One window per series: its last `lookback` bars, no known bar after them; the forecast bars' times come next.
+        last = held_out_windows(PanelSegments(panel, ends - lookback, ends - lookback, ends), Window(lookback, 0), 1)
+        when = lambda s: pd.DatetimeIndex(np.asarray(panel.datetimes[panel.rows(s)]).astype("datetime64[ns]"))
+        last.y_timestamps = [TradingCalendar.learn(when(s), trading_dates, f"series {name!r}", cfg.forecast.holidays)
+                             .after(when(s)[-1], predict, name=f"series {name!r}") for s, name in enumerate(last.names)]
+        names, past_ts, context, future_ts = last.names, last.x_timestamps, last.context, last.y_timestamps
+        check_memory(cfg, len(names), 3)
+        paths = sample_paths(finetuned, context, *last.stamps(), predict, cfg.forecast,
+                             cfg.forecast.batch_size)  # (N, S, P, 6)
+        violations = candle_violations(*np.moveaxis(paths[..., :5], -1, 0))  # open .. volume
+        log.info("invalid sampled candles: %.1f%%%s", 100 * violations["any"],
+                 " (repaired: forecast.repair_candles)" if cfg.forecast.repair_candles else
+                 " (kept; forecast.repair_candles: true repairs them)")
+        paths = finish_paths(paths, calibration, context[:, -1, CLOSE], cfg.forecast.repair_candles)
+        table = forecast_table(names, future_ts, paths).drop(columns="window")
+        files = {"forecast.csv": table, "forecast.json": provenance(cfg, "future", finetuned, made)}
+        write_outputs(cfg, out_dir, files, "forecast.png", names, past_ts, context, future_ts, paths)
+        return table
 
 
 def main(argv: list[str] | None = None) -> int:
