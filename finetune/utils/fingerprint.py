@@ -2,14 +2,7 @@
 store's sources and arrays, a walk-forward's folds, a Qlib source, a forecast's data), by content, never by place:
 a file is its bytes, a model its weight and config files, the data its `data_info` without the paths in it, the
 settings the resolved values that change what is trained (so a changed code default counts). A moved but
-identical input is the same input.
-
-    digest(value)             sha256 of plain data as canonical JSON
-    file_fingerprint(path)    {"path", "bytes", "mtime_ns", "sha256"} of one file (`sha256_file`: its bytes)
-    tree_sha256(folder)       one sha256 of every file under a folder (relative names and bytes; cached by stat)
-    model_fingerprint(src)    a model folder or Hub id's tree_sha256 (None: from scratch)
-    data_fingerprint(info)    `data_info` without its paths
-    training_settings(cfg)    the settings a trained model depends on; forecast_settings(cfg): a forecast's"""
+identical input is the same input."""
 
 from __future__ import annotations
 
