@@ -10,7 +10,6 @@ Qlib's fields map to the model's features (model.features.FEATURES) as
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from finetune.utils.config_utils import Problems
 from finetune.utils.store import SeriesPanel
 from finetune.utils.windows import wallclock_stamps
 from model.errors import DataError
+from model.fileio import read_json_or_empty
 
 # Qlib expressions read for open, high, low, close, volume (+ $vwap when data.amount_source is vwap).
 QLIB_FIELDS = ["$open", "$high", "$low", "$close", "$volume", "$vwap"]
@@ -62,10 +62,7 @@ def benchmark_label(cfg: QlibConfig) -> str:
     """The benchmark's name, plus what it really is when the store builder wrote a substitute for it (an
     equal-weighted index of the universe; build_info.json in the provider folder says so)."""
     info = Path(os.path.expanduser(cfg.data.qlib_data_path)) / "build_info.json"
-    try:
-        built = json.loads(info.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return cfg.benchmark
+    built = read_json_or_empty(info)
     source = str(built.get("benchmark_source", ""))
     same = str(built.get("benchmark", "")).upper() == cfg.benchmark.upper()
     return f"{cfg.benchmark} ({source})" if same and source.startswith("substitute") else cfg.benchmark

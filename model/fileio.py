@@ -214,3 +214,11 @@ def read_json_object(path: str | os.PathLike, what: str = "a JSON object") -> di
     if not isinstance(data, dict):
         raise DataError(f"{path} must hold {what}, got {type(data).__name__}")
     return data
+
+
+def read_json_or_empty(path: str | os.PathLike) -> dict[str, Any]:
+    """`read_json_object`, or {} when the file is missing, unreadable or torn: for readers that must not fail."""
+    try:
+        return read_json_object(path)
+    except (OSError, ValueError):  # DataError is a ValueError
+        return {}

@@ -28,7 +28,7 @@ import pandas as pd
 from finetune.utils.metrics import read_metrics
 from model.errors import PathError
 from model.features import FEATURES
-from model.fileio import SEAL_NAME, atomic_write, check_seal, seal, strict_json
+from model.fileio import SEAL_NAME, atomic_write, check_seal, read_json_or_empty, seal, strict_json
 
 TEMPLATE = Path(__file__).with_name("report_template.html")
 # The page stays under 8 MB: Plotly takes 4.6 MB, the forecast windows at most WINDOW_BYTES (evenly spaced windows
@@ -39,11 +39,8 @@ CONTEXT_BARS = 3  # context bars drawn before a window = this many x the forecas
 GENERATED = "<!--generated-->"  # the one line that differs between two builds of the same run: when it was built
 
 
-def _json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None  # a torn or foreign file: the page says what it could not read instead of failing the run
+def _json(path: Path) -> dict | None:
+    return read_json_or_empty(path) or None  # a torn or foreign file: the page says what it could not read
 
 
 def _csv(path: Path) -> pd.DataFrame | None:

@@ -39,7 +39,7 @@ import torch
 from finetune.utils.distributed import all_reduce_sum
 from finetune.utils.errors import DivergenceError, RunLockedError, TrainingStopped
 from model.errors import EXIT_STOPPED, PathError
-from model.fileio import read_json_object
+from model.fileio import read_json_or_empty
 
 FAULT_ENV = "KRONOS_FAULT_EXIT_AFTER_STEP"
 FAULT_RANK_ENV = "KRONOS_FAULT_RANK"
@@ -78,10 +78,7 @@ class LockHolder:
 
 def read_holder(path: str | Path) -> LockHolder:
     """Parse a lock file's JSON; an empty/garbled file gives a holder with pid None (still a valid description)."""
-    try:
-        data = read_json_object(path)
-    except (OSError, ValueError):  # DataError is a ValueError
-        data = {}
+    data = read_json_or_empty(path)
     pid = data.get("pid")
     return LockHolder(pid=pid if isinstance(pid, int) else None, host=str(data.get("host", "")),
                       started=str(data.get("started", "")), argv=str(data.get("argv", "")))
