@@ -325,16 +325,10 @@ def load_latest(folder: str | Path, *, map_location: Any = "cpu", validate: Call
                           + "\n  Remove these files, or set training.overwrite=true to start over")
 
 
-def _only_model_files(p: Path) -> bool:
-    return p.is_dir() and all(c.name in _MODEL_FILES for c in p.iterdir())
-
-
-def _is_model_tmp_dir(p: Path) -> bool:
-    m = _MODEL_TMP_RE.match(p.name)
-    if not m or not p.is_dir():
-        return False
-    names = {c.name for c in p.iterdir()}
-    return all(n in _MODEL_FILES or (n.startswith(".") and n.endswith(".tmp")) for n in names)
+def _only_model_files(p: Path, tmp_ok: bool = False) -> bool:
+    """`p` is a folder of published-model files only (`tmp_ok`: and hidden `.tmp` files of a killed write)."""
+    tmp = lambda n: tmp_ok and n.startswith(".") and n.endswith(".tmp")  # noqa: E731
+    return p.is_dir() and all(c.name in _MODEL_FILES or tmp(c.name) for c in p.iterdir())
 
 
 def remove_orphans(folder: str | Path, log: Callable[[str], None] | None = None) -> list[Path]:
@@ -358,7 +352,7 @@ def remove_orphans(folder: str | Path, log: Callable[[str], None] | None = None)
             removed.append(p)
             continue
         orphan_tmp = p.name.startswith(".") and p.name.endswith(".tmp") and len(p.name) > len(".tmp") + 1
-        if not (orphan_tmp or _is_model_tmp_dir(p)):
+        if not (orphan_tmp or (_MODEL_TMP_RE.match(p.name) and _only_model_files(p, tmp_ok=True))):
             continue
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
