@@ -1,32 +1,6 @@
-"""Build a Qlib provider folder (daily bars) from per-symbol OHLCV(A) tables.
-
-Qlib's on-disk layout, as its `FileCalendarStorage` / `FileInstrumentStorage` / `FileFeatureStorage` read it:
-
-    calendars/day.txt                      one trading day per line, YYYY-MM-DD, ascending
-    instruments/all.txt                    SYMBOL<TAB>first day<TAB>last day, every symbol plus the benchmark
-    instruments/<universe>.txt             the same for the universe's stocks (not the benchmark); with a
-                                           membership file its rows instead (several spans per symbol allowed)
-    features/<symbol lower>/<field>.day.bin
-        little-endian float32: [index of the symbol's first day in the calendar, then one value per calendar day
-        from that first day to its last day], NaN on days the symbol has no row (suspensions)
-
-Fields written: open, high, low, close, volume, amount, vwap (= amount / volume), factor (1.0: prices are taken as
-already adjusted) and change (close / previous available close - 1). The benchmark, unless a table for it is given,
-is an equal-weighted index of the universe starting at 1000 (see `equal_weight_index`); a
-`SubstituteBenchmarkWarning` says so, since excess returns against it are not against the real index.
-
-Suspensions: a day with volume <= 0 (or missing) or a missing close is written as NaN in EVERY field, as Qlib's own
-collectors do; Qlib's exchange treats a stock as suspended exactly when $close is NaN, so a zero-volume day with a
-price would otherwise be tradable. The count per symbol is logged (INFO) and kept in build_info.json.
-
-Survivorship: by default a stock is in the universe for its whole life in the data. A membership CSV
-(`symbol,start,end`, one row per membership spell) writes the universe as it was on each day instead.
-
-    frames = load_csv_folder("data/daily_csv")                 # {"SH600000": DataFrame, ...}
-    build_qlib_provider(frames, "data/qlib_cn", universe="csi300", benchmark="SH000300")
-
-The folder is assembled in a temporary sibling and renamed into place, so a failure leaves nothing behind.
-"""
+"""Build a Qlib provider folder (daily bars) from per-symbol OHLCV(A) tables: the layout Qlib reads, its fields,
+suspensions, survivorship and the equal-weighted substitute benchmark are in docs/CONTRACTS.md, "File formats:
+Qlib provider folder". The folder is assembled in a temporary sibling and renamed into place."""
 
 from __future__ import annotations
 

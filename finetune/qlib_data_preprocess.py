@@ -2,24 +2,7 @@
 
     python finetune/qlib_data_preprocess.py --config configs/qlib_csi300.yaml [--set data.instrument=csi500]
 
-Steps: check the Qlib folder and the settings (one error listing every problem); list the universe's instruments and
-their membership spells (D.list_instruments), then read $open, $high, $low, $close, $volume, $vwap of those
-instruments over their WHOLE history in the dataset range plus lookback / predict margins (one D.features call on
-the instrument list, so no bar is hidden by the membership mask); derive vol = $volume and amt = vol * mean(open,
-high, low, close) (or vol * $vwap); drop rows with missing values (suspended days are NaN in the store) and cut an
-instrument into separate series where more than data.max_gap_days of its trading days in a row are missing (all
-logged by name); split by the configured time ranges and membership; write train/, val/, test/ (each a
-finetune_csv/prepare.py store) and manifest.json into data.dataset_path (all or nothing).
-
-Split rules (bars are each instrument's own trading days). A "target" bar lies in the split's range AND in a
-membership spell; each run of consecutive target bars becomes one series, with context bars before it:
-    train  context inside train_time_range too: every bar of every training window lies in the range, and every
-           predicted bar is a member.
-    val    `lookback` bars of context before the run (may precede val_time_range): no predicted bar is a training bar.
-    test   target days run from the last trading day BEFORE test_time_range (its score trades on the first test day)
-           to the range's end, with `lookback - 1` bars of context: one forecast per target day. A stock that joins
-           the universe mid-test is forecast from its join day on, with its prior history as context.
-"""
+The steps and the split rules: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 

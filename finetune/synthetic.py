@@ -1,16 +1,8 @@
 """Synthetic OHLCV markets: realistic enough to exercise the pipelines, deterministic by seed.
 
-Each series (symbol) is a log-price driven by GARCH(1,1) returns with occasional jumps, a per-series drift and
-volatility level, overnight gaps at the first bar of each day, a U-shaped intraday profile for both volatility and
-volume, and volume that rises with |return|. Intraday bars exist only inside the trading sessions of weekdays
-(09:30-11:30 and 13:00-15:00, bars labelled by their start time); daily bars fall on business days. Exchange holidays
-are not modelled.
-
     frames = generate_ohlcv(n_series=8, n_bars=20_000, freq="5min", seed=0)   # {"SH600000": DataFrame, ...}
-    paths = write_csv_folder(frames, "data/synthetic_5min")                   # one <symbol>.csv per series
 
-Everything is vectorised over series; the only Python loop is the GARCH variance recursion over time.
-"""
+The model of prices, sessions and volume: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 

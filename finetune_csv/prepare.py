@@ -1,17 +1,6 @@
-"""The CSV pipeline's data path, one straight line (`prepare_data`):
-
-    sources (CSV/Parquet files of data.path, or {name: DataFrame} from finetune())   finetune_csv/sources.py
-      -> columns resolved, cells parsed in blocks, checked; stamps to local time     (+ finetune_csv/timestamps.py)
-      -> one series at a time: candle checks (`candle_problems`), cleaning (data.nan_policy: `clean_series`)
-      -> StoreWriter (finetune/utils/store.py, the one store format, also the Qlib splits'): .npy + manifest
-      -> ensure_store: rank 0 reuses the store only if settings, sources' content and arrays' sha256 all match
-      -> open_store: a read-only memory-mapped SeriesPanel on every rank
-      -> split_data: train / val (/ test) index ranges, by date or per series          finetune_csv/splits.py
-      -> PanelSegments.dataset: the shared WindowDataset (finetune/utils/windows.py)
-
-Every error is a StoreError / CandleDataError (DataError) naming the source (file, or `frame 'AAPL'`), column,
-line and the setting to change; all problems of all sources are collected into one message; a failed preparation
-leaves nothing behind."""
+"""The CSV pipeline's data path, one straight line (`prepare_data`): sources -> checked, cleaned series -> the
+prepared store -> a memory-mapped panel -> splits -> the shared WindowDataset. Each step's module and the error
+rules: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 

@@ -1,18 +1,6 @@
-"""Proper scoring rules for sample ensembles (pure numpy).
-
-Shapes: an ensemble is `samples (..., S)` with S samples on the LAST axis and `obs (...)` the realised values; every
-function returns one score per observation, `(...)`, so callers average over windows / horizons as they need.
-
-CRPS of an ensemble, with X, X' independent draws from the S samples (Gneiting & Raftery 2007):
-    CRPS = E|X - y| - 1/2 E|X - X'|
-The plain ("nrg") estimator averages |X_i - X_j| over all S^2 pairs (i = j included), as
-`properscoring.crps_ensemble` does; the fair estimator averages over the S (S - 1) pairs with i != j, which is
-unbiased for the CRPS of the distribution the samples come from (`scoringrules.crps_ensemble(...,
-estimator="fair")`). Every score, ranking and verdict here uses the fair one: the plain one overstates a forecaster's
-CRPS by E|X - X'| / (2 S), about 5% at 20 samples, 0.7% for the empirical baseline's ~235 paths, so it named a
-perfect 20-sample model worse than the empirical baseline (docs/evaluation.md, "Conventions"). The pair sum
-uses the sorted-sample identity sum_{i,j} |x_i - x_j| = 2 sum_i (2 i - S - 1) x_(i) (i = 1..S), O(S log S)
-instead of O(S^2)."""
+"""Proper scoring rules for sample ensembles (pure numpy): `samples (..., S)` with S samples on the LAST axis and
+`obs (...)` give one score per observation, `(...)`. Every score uses the fair CRPS estimator; why, and the O(S log S)
+pair sum: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 

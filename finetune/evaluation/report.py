@@ -1,16 +1,5 @@
-"""report.html: one offline page per run, built only from the files the run wrote.
-
-    kronos report RUN_DIR          (rebuilds RUN_DIR/report.html; no model, no data store needed)
-
-Every command that scores or forecasts calls `write_report(out_dir)` last: `kronos forecast` (held-out and
---future), `kronos walk-forward`, `kronos qlib-backtest`, `kronos qlib-walk-forward`; `kronos tune`'s tune/report.json
-is shown when present. The page reads metrics.json / report.json, forecast.csv, context.csv (the context bars a
-forecast passes in, written here because no other file keeps them), windows.csv / periods.csv / backtest_daily.csv /
-ic_decay.csv, the training stages' metrics.jsonl, run_info.json and kronos_predictor.json. Those files travel into
-the page as they are (`collect`); the template (report_template.html, with the Plotly bundle inlined) draws and
-formats them, so every number on the page is one of the run's own: nothing is computed twice. Derived, because no
-file holds them, are only the series the commands' own PNGs draw: cumulative CRPS by candidate (walk_forward.png),
-cumulative returns (cumulative_return.png) and the daily IC / RankIC of Qlib signals."""
+"""report.html: one offline page per run, built only from the files the run wrote (`kronos report RUN_DIR`
+rebuilds it). Which commands write it and which files it reads: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 

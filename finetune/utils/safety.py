@@ -1,16 +1,6 @@
-"""Run safety, in one place; each decision is a small function of its inputs.
-
-- `RunLock`: one run per output folder (a `filelock` lock rank 0 holds for the whole run; stale locks taken over).
-- Interrupts: `GracefulStop` (SIGTERM / first Ctrl-C: finish the step, save, `TrainingStopped`, exit 75; a second
-  Ctrl-C quits at once); workers ignore SIGINT. The outermost `GracefulStop` holds the handlers for the whole run
-  (a nested one shares its request), and `raise_if_stop_requested` is the safe point outside the training loop:
-  between stages, before calibrating, before each batch of sampled forecasts (scoring, calibration, forecasting).
-- The non-finite guard: `check_step` (finite on every rank + stop agreed, one all-reduce), `diagnose` (most
-  likely cause, naming the setting), `NonFiniteGuard` (raises `DivergenceError` before the update).
-- Fault injection for the kill-loop tests (`maybe_die_after_step`):
-  KRONOS_FAULT_EXIT_AFTER_STEP=N (exit after optimizer step N and its checkpoint), KRONOS_FAULT_RANK=r (only rank r),
-  KRONOS_FAULT_EXIT_CODE=c (default 17). The exit is `os._exit`, as when the process is killed.
-"""
+"""Run safety, in one place; each decision is a small function of its inputs: `RunLock`, `GracefulStop`, the
+non-finite guard and the kill-loop tests' fault injection (KRONOS_FAULT_* variables): docs/architecture.md,
+"Formats and designs"."""
 
 from __future__ import annotations
 
