@@ -145,11 +145,6 @@ class ForecastConfig(SamplingConfig):
     """Cap of held-out windows per series (evenly spread over its test split); null = every window (the default)."""
     season: int | None = None
     """Season of the seasonal-naive baseline in bars; null = inferred (bars per day intraday, 5 for daily bars)."""
-    bootstrap_samples: int = 1000
-    """Bootstrap resamples of the confidence intervals (0 = no intervals)."""
-    bootstrap_block: int | None = None
-    """Dates per block of the bootstrap (windows of every series on one date move together); null = the larger of
-    ceil(data.predict / window stride) (windows sharing realised bars stay together) and round(dates ** (1/3))."""
     empirical_window: int = 250
     """Trailing bars whose realised data.predict-bar paths, rescaled to the last close, form the `empirical`
     baseline (taken from the whole series, beyond the lookback)."""
@@ -331,11 +326,9 @@ def _check_paths(paths: PathsConfig, p: Problems) -> None:
 
 def _check_forecast(f: ForecastConfig, p: Problems) -> None:
     f.check(p, "forecast")
-    for name, null in (("window_stride", " (= data.predict)"), ("max_windows", " (= every window)"), ("season", ""),
-                       ("bootstrap_block", "")):
+    for name, null in (("window_stride", " (= data.predict)"), ("max_windows", " (= every window)"), ("season", "")):
         value = getattr(f, name)
         p.check(value is None or value >= 1, f"forecast.{name}", f"must be >= 1 or null{null} (got {value})")
-    p.check(f.bootstrap_samples >= 0, "forecast.bootstrap_samples", f"must be >= 0 (got {f.bootstrap_samples})")
     p.check(f.empirical_window >= 2, "forecast.empirical_window", f"must be >= 2 (got {f.empirical_window})")
     p.check(0 <= f.ensemble_weight <= 1, "forecast.ensemble_weight", f"must be in [0, 1] (got {f.ensemble_weight})")
     p.check(f.batch_size >= 1, "forecast.batch_size", f"must be >= 1 (got {f.batch_size})")

@@ -157,14 +157,11 @@ class ScoreSettings:
     # Season of the seasonal-naive baseline in bars (bars per day / week), one for all series or {series: season};
     # None = no seasonal-naive baseline.
     season: int | dict[str, int] | None = None
-    n_boot: int = 1000  # 0 = no headline intervals (else the interval rule's; the bootstrap is gone).
-    block: int | None = 1  # Unused (the bootstrap's block length); the forecast config still passes it.
     # Windows closer than the horizon share realised bars: the known dependence is q = min_block - 1 dates.
     min_block: int = 1
     # Trailing bars whose H-bar paths form the `empirical` baseline (needs the history, see `score_forecasts`).
     empirical_window: int = 250
     level: float = 0.95  # Confidence level of the intervals.
-    seed: int = 0  # Unused (the bootstrap's seed); the forecast config still passes it.
 
 
 def _check_inputs(samples, realised, last_close, context, series) -> tuple:
@@ -306,7 +303,7 @@ def score_forecasts(samples, realised, last_close, context=None, series=None,
         base = result[baseline]["overall"]
         result["skill"].update({f"{k}_vs_{baseline}": 1.0 - result["model"]["overall"][k] / base[k]
                                 if base.get(k) else None for k in ("mae", "crps", "mase") if k in base})
-    result["intervals"] = _intervals(by_name["model"], dates, settings) if settings.n_boot > 0 else None
+    result["intervals"] = _intervals(by_name["model"], dates, settings)
     # Paired differences get the one interval rule of every report (statistics.paired_test, sessions as dates).
     when = np.arange(n_windows) if dates is None else np.asarray(dates)
     test = session_test if np.issubdtype(when.dtype, np.datetime64) else paired_test

@@ -18,7 +18,6 @@ from finetune.utils.schema import RESUME_CLASS
 from model.fileio import sha256_file
 
 PLACE_KEYS = frozenset({"path", "store_dir", "qlib_data_path", "dataset_path"})  # where, not what
-FORECAST_REPORT_ONLY = ("bootstrap_samples", "bootstrap_block")  # change the report's intervals, not a forecast
 
 _cache: dict[tuple, str] = {}  # (file, size, mtime_ns, ctime_ns, inode) -> sha256: one read per file and process
 
@@ -90,5 +89,5 @@ def training_settings(cfg: Any) -> dict[str, Any]:
 
 
 def forecast_settings(cfg: Any) -> dict[str, Any]:
-    """The settings a forecast of a trained model depends on (`forecast:` without what only the report uses)."""
-    return {k: v for k, v in config_to_dict(cfg)["forecast"].items() if k not in FORECAST_REPORT_ONLY}
+    """The settings a forecast of a trained model depends on (`forecast:`)."""
+    return config_to_dict(cfg)["forecast"]
