@@ -379,7 +379,8 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
     f, horizon = cfg.forecast, cfg.data.predict
     x_stamps, y_stamps = windows.stamps()
     sample = lambda p: sample_paths(p, windows.context, x_stamps, y_stamps, horizon, f, f.batch_size)
-    settings = ScoreSettings(season=season, min_block=-(-horizon // (f.window_stride or horizon)), empirical_window=f.empirical_window)
+    settings = ScoreSettings(season=season, min_block=-(-horizon // (f.window_stride or horizon)),
+                             empirical_window=f.empirical_window)
     history = windows.history
     if history is None or history.shape[1] < horizon + 2:
         log.info("no empirical baseline: fewer than %d bars of history before some test window", horizon + 2)

@@ -1,15 +1,7 @@
-"""Forecasting with a Kronos pair: `KronosPredictor` and the file that travels with a finetuned predictor.
-
-- `KronosPredictor`: DataFrames in, forecasts out (`predict`, `predict_batch`, the long-format `predict_df`). Every
-  door cuts the history to the context the model was trained for (`lookback`) and normalises over exactly those rows.
-- `kronos_predictor.json`, beside config.json + model.safetensors in a finetuned predictor folder (the engine's
-  `best_model/`): {"max_context", "lookback", "tokenizer", "tokenizer_sha256", "clip", "calibration"}, every key
-  optional. A relative "tokenizer" path is resolved against the predictor folder ("tokenizer" = a copy inside it:
-  the folder is self-contained); "tokenizer_sha256" fingerprints the weights of the tokenizer the predictor was
-  trained with and `tokenizer_config.json` its config: `load_trained_pair`, which every door loads through,
-  refuses any other tokenizer.
-- Calibration: `model.calibration` fits it and writes it into kronos_predictor.json; `KronosPredictor` applies it
-  to the sample paths, so that the mean, quantiles and CRPS all use the same draws."""
+"""Forecasting with a Kronos pair: `KronosPredictor` (DataFrames in, forecasts out: `predict`, `predict_batch`, the
+long-format `predict_df`; every door cuts the history to `lookback` rows and normalises over exactly those) and
+`kronos_predictor.json`, the file that travels with a finetuned predictor (docs/CONTRACTS.md, "File formats:
+kronos_predictor.json"; `load_trained_pair` refuses any tokenizer other than the one it records)."""
 
 from __future__ import annotations
 

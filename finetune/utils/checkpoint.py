@@ -1,13 +1,6 @@
 """Checkpoints, in one place: what a resumable checkpoint holds (`Checkpoint`, format `CHECKPOINT_FORMAT`), writing
-it (atomic step files with rotation, `last.pt` = the newest, never non-finite weights, a full disk named with the
-bytes needed), reading it back (`load_latest` falls back to the previous file when the newest is broken, its zip
-CRC-32s checked: torch.load does not).
-Loading a published-format model: model/hub.py's `load_pretrained`. Whether to resume: the ledger's.
-
-Only rank 0 calls the writers; the training loop puts a `barrier()` after them before any rank reads. Writes go to
-a temporary name in the same folder and are moved into place with `os.replace`, so a process killed mid-write
-leaves the previous checkpoint intact, never half a file.
-"""
+it atomically with rotation (rank 0 only) and reading it back (`load_latest`, falling back past a broken newest
+file). The write and read guarantees: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""The one sliding-window dataset both pipelines train on, over index ranges of a `SeriesPanel` (no copies).
-
-    train = PanelSegments(panel, start, first_target, stop).dataset(Window(lookback=512, predict=48, clip=5.0))
-    x, x_stamp = train.get_batch(indices)    # (B, W, F) float32 normalised, (B, W, 5) int64
-
-A split of series s is the column range [start, stop) of the panel (cut by the pipeline: finetune_csv/splits.py);
-for val/test `start` lies `lookback` rows before the split's first own row (`first_target`), so the split's first
-window predicts its first row, and no window crosses into another series. With a memory-mapped panel nothing is
-copied until a batch is gathered: a batch reads B windows from the map (`WindowDataset(panel, ranges=(start, stop))`).
-The order in which an epoch reads its windows is a pure function of (seed, epoch), produced chunk by chunk."""
+"""The one sliding-window dataset both pipelines train on, over index ranges of a `SeriesPanel` (no copies); an
+epoch's window order is a pure function of (seed, epoch). Splits as column ranges and an example:
+docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 
