@@ -261,21 +261,9 @@ class WindowDataset(Dataset):
 
 
 class EpochSampler(Sampler[int]):
-    """Which windows this rank reads in an epoch: a pure function of (seed, epoch, rank), so runs are reproducible.
-
-    Per epoch: (a) all windows are permuted with a generator seeded by (seed, epoch) (or kept in order when
-    `shuffle=False`; above `exact_limit` windows, 16.8M, by the blocked streaming order of `EpochOrder`);
-    (b) when `max_samples` is set and smaller than the dataset, the first `max_samples` of that permutation are used:
-    a fresh seeded subset every epoch (Qlib's n_train_iter / n_val_iter); (c) the chosen windows are dealt
-    round-robin to the ranks (`chosen[rank::world_size]`), so every chosen window is read exactly once across ranks
-    (and across DataLoader workers, which split this rank's batches).
-
-    Remainder policy: with `drop_remainder=True` (training) the last `len(chosen) % world_size` windows of the
-    epoch's order are dropped so that every rank does the same number of steps (DDP requires it; a different
-    handful is dropped each shuffled epoch). With `drop_remainder=False` (validation) nothing is dropped or
-    duplicated; ranks then differ by at most one window, and the loss is summed and counted exactly.
-
-    `set_epoch(epoch, skip=k)` starts the epoch after this rank's first k windows (mid-epoch resume)."""
+    """Which windows this rank reads in an epoch: a pure function of (seed, epoch, rank), so runs are reproducible;
+    `set_epoch(epoch, skip=k)` starts the epoch after this rank's first k windows (mid-epoch resume). The order,
+    the per-epoch subset, the dealing to ranks and the remainder policy: docs/architecture.md, "Formats and designs"."""
 
     def __init__(self, num_samples: int, *, shuffle: bool = True, seed: int = 0, max_samples: int | None = None,
                  rank: int = 0, world_size: int = 1, drop_remainder: bool = True):
