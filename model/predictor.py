@@ -331,33 +331,13 @@ class KronosPredictor:
                    calibrated: bool = True, batch_size: int | None = None, adjust: str = "none",
                    seed: int | None = 0, timestamp_unit: str | None = None,
                    holidays: str | None = None) -> pd.DataFrame:
-        """Forecast every series of a long frame (one row per candle), in the style of Chronos' `predict_df`.
-
-        Columns are found by `model.features.resolve_columns` (timestamps may be a DatetimeIndex; their zone is kept;
-        integers are epoch times in `timestamp_unit` 's'/'ms'/'us'/'ns', None = read from their magnitude:
-        `model.frames.read_stamps`); rows are sorted by timestamp within each series; series may differ in length.
-        id_column: None = a column named "id" (any case) when there is one, else the frame is one series.
-        timestamp_column, columns: explicit names ({"close": "Close", ...}: canonical -> yours); they win. Separate
-            'Date' and 'Time' columns are joined into the timestamp (named 'Date+Time'; or timestamp_column="D+T").
-        adjust: "adj_close" scales open/high/low by the 'Adj Close' column / close (a Yahoo export adjusts only
-            'Adj Close'); "none" takes the prices as they are.
-        The forecast's timestamps follow each series' trading calendar (`model.calendar.TradingCalendar`, learned
-        from its history on its own wall clock: business days for daily stock bars, the session or 24/5 week of
-        intraday bars; `holidays`: a holiday calendar skipped, e.g. 'NYSE', see `model.calendar.holiday_calendar`),
-        or `calendar` for every series; freq: a pandas frequency instead of the bar spacing,
-        keeping the bars that start while the market trades; future: the timestamps themselves, one sequence for
-        every series or {id: sequence}, used as they are.
-        quantiles: levels in [0, 1] added as `<feature>_q<percent>` columns (close_q10, close_q90).
-        sample_count: sample paths (default MIN_QUANTILE_SAMPLES: the mean of one path reads like a point forecast
-            but is one draw); the rest as in `predict`. T, top_k, top_p, sample_count and seed default to the
-            forecast settings' (`kronos forecast --future`: with batch_size=forecast.batch_size, the same draws).
-        seed: torch's seed, set once before the first batch on a fork of the RNG (the caller's stays as it was);
-            None = draw from the RNG as it is.
-        batch_size: series forecast together (x sample_count sequences per forward pass); only their candles and
-            paths are held at once. None = `default_batch_size(sample_count, prediction_length)`: as many series as
-            keep one forward pass near FORWARD_BUDGET floats (its activations and logits), at least 1.
-        Returns prediction_length rows per series (in order of first appearance): the id column (when there is
-        one), the timestamps (your column's name, else "timestamps"), FEATURES (the mean), the quantile columns;
+        """Forecast every series of a long frame (one row per candle), in the style of Chronos' `predict_df`; rows are
+        sorted by timestamp within each series, series may differ in length. Columns, ids and timestamps
+        (`model.frames.read_stamps`, `model.features.resolve_columns`), trading calendars (`calendar`, `freq`, `future`,
+        `holidays`), `adjust`, quantiles, `seed` and the draws `kronos forecast --future` shares: README "Forecasting
+        with a checkpoint". batch_size: series per forward pass (x sample_count sequences); None = `default_batch_size`.
+        Returns prediction_length rows per series (in order of first appearance): the id column (when there is one), the
+        timestamps (your column's name, else "timestamps"), FEATURES (the mean), the `<feature>_q<percent>` columns;
         `.attrs["nonpositive_samples"]`: {series id: sampled prices <= 0} of the series that have any (warned)."""
         self._check_options(prediction_length, sample_count, quantiles, None, "prediction_length")
         fs = read_frame(df, prediction_length, id_column=id_column, timestamp_column=timestamp_column,
