@@ -94,17 +94,10 @@ def _garch_innovations(z: np.ndarray, jumps: np.ndarray, alpha: np.ndarray, beta
 
 def generate_ohlcv(n_series: int = 8, n_bars: int | None = None, freq: str = "5min", start: str = "2024-01-02",
                    seed: int = 0, end: str | None = None, intraday_drift: float = 0.0) -> dict[str, pd.DataFrame]:
-    """Synthetic OHLCV(A) series, identical for the same arguments.
-
-    Returns {symbol: DataFrame} with symbols SH600000, SH600001, ... and columns `timestamps` (datetime64),
-    open, high, low, close, volume, amount (float64), one row per bar. Give exactly one of `n_bars` or `end`.
-
-    `intraday_drift` > 0 adds the walk-forward demo's market (README "Does finetuning pay?"): a predictable
-    time-of-day drift, every bar's expected return = intraday_drift x the series' bar volatility x cos(2 pi (bar of
-    the day) / bars per day), so prices rise after the open and at the close and fall mid-day, the same every day. No
-    series the demo pretrained pair saw (generate_mix) has a predictable intraday mean; a model that reads the
-    time features can learn it, so finetuning SHOULD pay here. 0 (default) = no drift, the data is unchanged.
-    """
+    """Synthetic OHLCV(A) series, identical for the same arguments: {symbol: DataFrame} with symbols SH600000,
+    SH600001, ... and columns `timestamps` (datetime64), open, high, low, close, volume, amount (float64), one row per
+    bar. Give exactly one of `n_bars` or `end`. `intraday_drift` > 0: the walk-forward demo's predictable time-of-day
+    drift (README "Does finetuning pay?"; docs/architecture.md, "Formats and designs"); 0 = the data is unchanged."""
     if n_series < 1:
         raise DataError(f"n_series={n_series} must be >= 1 (--n-series)")
     stamps = trading_timestamps(freq, start, n_bars=n_bars, end=end)
