@@ -1,12 +1,6 @@
-"""Reading a Qlib provider folder: folder checks, qlib.init, calendar, one D.features call, and the conversion of
-Qlib's stacked frame into a `SeriesPanel` (the engine's data form). Used by both Qlib entry points
-(qlib_data_preprocess.py and qlib_test.py); Qlib itself is imported only inside the functions that need it.
-
-Qlib's fields map to the model's features (model.features.FEATURES) as
-    open, high, low, close = $open, $high, $low, $close
-    volume                 = $volume
-    amount                 = volume * mean(open, high, low, close)   (data.amount_source: ohlc_mean, the original's)
-                           = volume * $vwap                          (data.amount_source: vwap)"""
+"""Reading a Qlib provider folder (folder checks, qlib.init, calendar, one D.features call) and the conversion of
+Qlib's stacked frame into a `SeriesPanel`, for both Qlib entry points; Qlib is imported only inside the functions.
+The field mapping: docs/CONTRACTS.md, "File formats: Qlib fields -> model features"."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""Inference on forecast scores: one interval rule for the mean of a dependent series (`mean_interval`, vectorised
-over simulated runs), used by every door: the paired verdict of the forecast report and both walk-forwards
-(`paired_test`, `session_test`), the Qlib IC / long-short t (`mean_test`) and metrics.json's headline intervals.
-
-The verdict (`paired_test`) weights windows equally: each date (or trading session) contributes the sum of its
-windows' differences, scaled by T / W (W windows on T dates), so the mean of the T date values is the mean over
-windows, and correlated windows at one date stay one observation. The rule on those T values (bias-corrected AR(1)
-prewhitening, a HAC variance, Student's t with df shrunk by the dependence, at least MIN_BLOCKS stretches), why it
-was chosen and its simulated null false-positive rates (at most 5.1% from 24 to 200 dates, tests/test_statistics.py):
-docs/evaluation.md, "The one interval rule". The interval is about the mean over these test dates for these models,
-not over finetuning runs in general."""
+"""Inference on forecast scores: one interval rule for the mean of a dependent series (`mean_interval`), used by
+every door (`paired_test`, `session_test`, `mean_test`, metrics.json's headline intervals). How the verdict weights
+windows: docs/architecture.md, "Formats and designs"; the rule itself: docs/evaluation.md, "The one interval rule"."""
 
 from __future__ import annotations
 
