@@ -181,8 +181,7 @@ def equal_weight_index(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     close_t = close_{t-1} * (1 + mean of the constituents' close-to-close returns on day t), starting at INDEX_BASE on
     the first day; open/high/low_t = close_t * mean of the constituents' open/high/low / close that day (so
     high >= max(open, close) and low <= min(open, close) hold for the index too); volume and amount are sums;
-    vwap is the index's typical price (high + low + close) / 3.
-    """
+    vwap is the index's typical price (high + low + close) / 3."""
     def panel(field: str) -> pd.DataFrame:  # (n_days, n_symbols), NaN where a symbol has no row
         return pd.DataFrame({s: t[field] for s, t in tables.items()}).sort_index()
 

@@ -88,8 +88,7 @@ def cut_split(panel: SeriesPanel, rule: SplitRule, member: np.ndarray | None = N
     Target bars: inside [rule.start, rule.end] and, with `member` ((N,) bool), members of the universe. Each run of
     consecutive target bars of a series becomes one piece with up to `rule.before` context bars before it (never
     before the series' first bar, nor, with `context_in_range`, before rule.start). Instruments without a target
-    bar are simply not part of the split; pieces shorter than `rule.min_bars` are dropped and returned for the log.
-    """
+    bar are simply not part of the split; pieces shorter than `rule.min_bars` are dropped and returned for the log."""
     lo_ns, hi_ns = pd.Timestamp(rule.start).value, pd.Timestamp(rule.end).value
     pieces, kept, lengths, dropped = [], [], [], {}
     for s in range(panel.n_series):

@@ -158,8 +158,7 @@ def generate_ohlcv(n_series: int = 8, n_bars: int | None = None, freq: str = "5m
 def write_csv_folder(frames: dict[str, pd.DataFrame], out_dir: str | os.PathLike) -> list[Path]:
     """Write one `<symbol>.csv` per frame (columns COLUMNS, ISO timestamps); returns the paths written, sorted.
 
-    Each file is written to a temporary name and renamed into place, so a failure leaves no half-written CSV.
-    """
+    Each file is written to a temporary name and renamed into place, so a failure leaves no half-written CSV."""
     problems = [f"{sym}: missing columns {sorted(set(COLUMNS) - set(df.columns))}"
                 for sym, df in frames.items() if not set(COLUMNS) <= set(df.columns)]
     if problems:
@@ -232,8 +231,7 @@ def generate_mix(n_series: int = 48, n_bars: int = 3000, seed: int = 0, start: s
     """A broad, deterministic mix of synthetic markets; series i has freq MIX_FREQS[i % 5] (all five appear once
     n_series >= 5), and a random calendar, dynamics, price level, volatility, volume level and intraday profile.
 
-    Returns n_series `MixSeries` of n_bars rows each; identical for the same arguments.
-    """
+    Returns n_series `MixSeries` of n_bars rows each; identical for the same arguments."""
     if n_series < 1:
         raise DataError(f"n_series={n_series} must be >= 1 (--n-series)")
     if n_bars < 2:

@@ -4,8 +4,7 @@
   `add_run_flags` / `run_overrides` (--resume, --overwrite of the training commands). The --set items themselves
   are parsed by the loader (config_utils.build_config), the same way for YAML-less runs from Python.
 - `describe_config` / `format_config_help`: every key's type, default and docstring (the string literal under each
-  dataclass field), so the settings document themselves.
-"""
+  dataclass field), so the settings document themselves."""
 
 from __future__ import annotations
 

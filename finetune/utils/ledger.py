@@ -2,8 +2,7 @@
 artifact current for these inputs?": reuse; rebuild (the log says which input changed); refuse (damaged, or a change
 only the user may accept). Asked of it: a stage folder (`open_stage`: fresh / resume / reuse / rebuild / refuse,
 from the Trainer's `StageInputs`), a file such as Qlib's signals.csv (`check_record` against its `write_record`).
-What it compares is fingerprinted by finetune/utils/fingerprint.py.
-"""
+What it compares is fingerprinted by finetune/utils/fingerprint.py."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ text that labels them and the reports.
 - sampled forecast paths against the realised closes (`plot_panels`, the CSV forecast);
 - `save_figure`, the one way a pyplot figure reaches disk (the pipelines' own plots use it too).
 
-matplotlib is imported inside the functions: a run without it still trains (no loss_curve.png, a warning).
-"""
+matplotlib is imported inside the functions: a run without it still trains (no loss_curve.png, a warning)."""
 
 from __future__ import annotations
 
