@@ -127,14 +127,12 @@ class FrameReport:
 
 def frame_to_panel(frame: pd.DataFrame, amount_source: str, min_bars: int, calendar: pd.DatetimeIndex | None = None,
                    max_gap_days: int | None = None) -> tuple[SeriesPanel, FrameReport]:
-    """Qlib's stacked frame (index instrument, datetime; columns $open ... $vwap) -> one contiguous panel.
-
-    One sort and vectorised column arithmetic; instruments become column ranges (offsets), never per-symbol frames.
-    Rows with a missing or non-finite feature (suspended days: NaN in the store) are dropped (counted per
-    instrument). With `calendar` and `max_gap_days`, an instrument is cut into separate series wherever more than
-    `max_gap_days` trading days of the calendar are missing between two of its bars (a window never joins bars
-    across such a gap). Series with fewer than `min_bars` bars are dropped (listed). The panel has datetimes (ns)
-    and names = instrument codes (one code names several series when it was cut)."""
+    """Qlib's stacked frame (index instrument, datetime; columns $open ... $vwap) -> one contiguous panel (one sort,
+    instruments become column ranges, never per-symbol frames). Rows with a missing or non-finite feature (suspended
+    days: NaN in the store) are dropped (counted per instrument). With `calendar` and `max_gap_days`, an instrument is
+    cut into separate series wherever more than `max_gap_days` trading days of the calendar are missing between two of
+    its bars (a window never joins bars across such a gap). Series with fewer than `min_bars` bars are dropped (listed).
+    The panel has datetimes (ns) and names = instrument codes (one code names several series when it was cut)."""
     missing = [c for c in QLIB_FIELDS[:5] if c not in frame.columns]
     if missing:
         raise DataError(f"the Qlib data lacks fields {missing}")

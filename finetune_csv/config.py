@@ -59,12 +59,8 @@ class ColumnsConfig:
 class DataConfig(WindowSettings):
     """Where the candles come from and how they are cut into windows (finetune_csv/prepare.py applies it).
 
-    Each field's docstring gives its policy; the README's Data / Splits / Checks paragraphs tell the whole story.
-    Nothing is skipped silently: unsorted rows are sorted with a warning; duplicate timestamps, NaN (unless
-    `nan_policy` says otherwise), bad candles and values beyond float32's range are errors naming file, column and
-    line. A validation/test window may read the `lookback` rows before its split as context; every row it predicts
-    is its split's. The time features are the exchange's local wall-clock time. The files are parsed once into the
-    prepared store (`store_dir`), reused while the files and data settings are unchanged."""
+    Each field's docstring gives its policy; the README's Data / Splits / Checks paragraphs tell the whole story
+    (nothing is skipped silently; every predicted row is its split's; parsed once into the store `store_dir`)."""
 
     path: str = ""
     """A CSV or Parquet file, or a folder of them (one series per file unless `symbol_column` is set)."""
@@ -239,8 +235,7 @@ def load(config_path: str | Path | None, overrides: Sequence[str] = (),
 
     A file in the original Kronos finetune_csv format is translated here (each mapped key logged once, see
     `original_config.translate`); `--set` items with original keys are applied before the translation, this
-    project's after it.
-    Warns about `--set training.X` overrides that a stage section shadows."""
+    project's after it. Warns about `--set training.X` overrides that a stage section shadows."""
     raw, overrides, original = translate_original(read_yaml(config_path), list(overrides or ()), config_path)
     source = None if config_path is None else str(config_path)
     try:

@@ -325,13 +325,12 @@ def _only_model_files(p: Path, tmp_ok: bool = False) -> bool:
 
 
 def remove_orphans(folder: str | Path, log: Callable[[str], None] | None = None) -> list[Path]:
-    """Delete what killed writes left in `folder` (not recursive); returns the removed paths.
+    """Delete what killed writes left in `folder` (not recursive; call it under the folder's run lock); returns them.
 
     Removed: hidden `.*.tmp` files and folders, and `.<name>.<8 chars>` / `.<name>.old` folders that hold only
     published-model files (config.json, model.safetensors, tokenizer_config.json). Nothing else is touched.
     A `.<name>.<8 chars>.old/x` model folder of a swap killed half-way is moved back to `<name>` when that is
-    missing (model.fileio.atomic_dir without renameat2), else removed.
-    Only call it while holding the folder's run lock."""
+    missing (model.fileio.atomic_dir without renameat2), else removed."""
     folder = Path(folder)
     if not folder.is_dir():
         return []

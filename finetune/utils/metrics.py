@@ -247,14 +247,10 @@ def write_run_info(folder: str | Path, config: Any, data: dict[str, Any] | None 
 
 
 class MetricsLogger:
-    """Append records to `<folder>/metrics.jsonl` and mirror their numbers to the trackers (see `open_trackers`).
-
-    enabled: False on non-main ranks: nothing is created or written.
-    tracking: `open_trackers`' backend settings (tensorboard, mlflow, mlflow_tracking_uri, ..., run_name).
-    resume_step: when resuming from the checkpoint of this optimizer step, drop records of later steps (they were
-        logged by the interrupted run and are about to be redone) instead of duplicating them; the stage's MLflow
-        run is continued.
-    A missing tracker package is a `TrackerUnavailable` before anything is written."""
+    """Append records to `<folder>/metrics.jsonl` (nothing when not `enabled`: other ranks) and mirror their numbers
+    to the trackers `tracking` names (`open_trackers`; a missing package: `TrackerUnavailable` before any write).
+    resume_step: records of later steps (the interrupted run's, about to be redone) are dropped, not duplicated;
+    the stage's MLflow run is continued."""
 
     def __init__(self, folder: str | Path, *, enabled: bool = True, resume_step: int | None = None, **tracking: Any):
         self.enabled = enabled

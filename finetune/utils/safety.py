@@ -251,10 +251,8 @@ def _all_finite_flag(values: Sequence[torch.Tensor | float | None]) -> torch.Ten
 def check_step(loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None, dist: Any = None,
                stop: bool = False) -> tuple[bool, bool]:
     """(loss and grad_norm finite on EVERY rank, any rank asked to stop): one all-reduce sum of two 0/1 ints per
-    optimizer step carries both flags (no collective in a single process).
-
-    `loss`: a 0-d tensor or float; `grad_norm`: what `clip_grad_norm_` returned, or None; `stop`: this rank's
-    `GracefulStop.requested`; `dist`: the run's `DistInfo` (its device holds the flags; nccl needs the GPU)."""
+    optimizer step carries both flags (no collective in a single process; on `dist.device`: nccl needs the GPU).
+    `grad_norm`: what `clip_grad_norm_` returned, or None; `stop`: this rank's `GracefulStop.requested`."""
     bad = _all_finite_flag([loss, grad_norm])
     flags = torch.stack([bad, torch.tensor(1 if stop else 0, dtype=torch.int32, device=bad.device)])  # (2,)
     bad_any, stop_any = all_reduce_sum(flags.to(getattr(dist, "device", None) or bad.device)).tolist()
