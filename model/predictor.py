@@ -199,12 +199,9 @@ class KronosPredictor:
 
     max_context: the predictor's window (512 for Kronos-small/base; lookback + predict for a finetuned one).
     use_cache: key/value-cached generation; False = the full-recompute generator (same tokens, slower).
-    decode: how the cached generator steps (`generate_tokens`): "auto" = "graph" (one CUDA graph per step) on CUDA,
-        else "eager"; or "eager", "static" explicitly.
-    lookback: the context rows a forecast uses: a longer history is cut to its last `lookback` rows (said once per
-        predictor), and those rows alone give the normalisation statistics, as in training. None = max_context.
-        A lookback above max_context normalises over more rows than the window sees (the original Kronos code
-        normalised over the whole history passed: lookback >= len(df) reproduces it).
+    decode: how the cached generator steps (`generate_tokens`; README "Decoding"): "auto" = "graph" on CUDA, else eager.
+    lookback: the context rows a forecast uses and normalises over (README "Context"); None = max_context; above
+        max_context it normalises over more rows than the window sees (lookback >= len(df): the original's).
     calibration: a `fit_calibration` result, applied to the sample paths unless a call passes calibrated=False."""
 
     def __init__(self, model: Kronos, tokenizer: KronosTokenizer, device: str | None = None,

@@ -295,10 +295,8 @@ class Trainer:
 
     stage: what is trained and how its loss is computed (`TokenizerStage` / `PredictorStage`).
     train_set, val_set: datasets of (x (T, F) float32, x_stamp (T, 5) int64) items.
-    cfg: loop settings (validated here: a ConfigError lists every problem).
-    out: the stage's output folder (written by rank 0 only).
-    run_config, data_info: stored in run_info.json and the checkpoint; data_info's fingerprint guards a resume
-        (what it must hold: training_utils.py).
+    cfg: loop settings (validated here: a ConfigError lists every problem); out: the stage's folder (rank 0 writes).
+    run_config, data_info: stored in run_info.json and the checkpoint; data_info's fingerprint guards a resume.
     val_metric: optional forecast metric (model) -> {"score", ...}, run after each validation; with
         training.select_by = its name, its "score" (lower is better) picks best_model/ instead of val_loss.
     data_extremes: what the data check flagged (for the divergence diagnosis), or None.
