@@ -1,10 +1,6 @@
 """Split-conformal calibration of a predictor's sampled bands: fitted on validation windows (`fit_calibration`),
-stored in kronos_predictor.json (`write_calibration`) and applied to new sample paths (`apply_calibration`; the
-predictor applies it to every forecast), so that the mean, quantiles and CRPS all use the same draws.
-
-Margins per horizon are in units of the model's own band half-widths ("space": "band"; the model's spread follows
-each window's realised volatility, so the margins travel across series and regimes; old absolute "log_return"
-files still load)."""
+stored in kronos_predictor.json (`write_calibration`) and applied to every forecast's sample paths
+(`apply_calibration`). Why the margins are in band units: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 

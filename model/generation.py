@@ -1,10 +1,6 @@
 """Autoregressive token generation for forecasting: a key/value-cached path (eager, or a static step that a CUDA
-graph records once and replays per token) and a plain full-recompute path.
-
-Both paths compute the same thing: at every step the predictor sees the last `min(len, max_context)` tokens with
-positions restarting at 0 inside that window. While the sequence fits in `max_context` nothing before the new token
-changes, so the cached path runs the trunk on one token per step. Once the window slides, every hidden state in it
-changes (the dropped token no longer influences anything), so both paths recompute the window."""
+graph records once and replays per token) and a plain full-recompute path, computing the same thing. Why the cache
+holds until the window slides: docs/architecture.md, "Formats and designs"."""
 from __future__ import annotations
 
 import warnings
