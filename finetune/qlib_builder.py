@@ -276,7 +276,7 @@ def _write_provider(root: Path, tables: dict[str, pd.DataFrame], universe: str, 
         aligned = table.reindex(calendar[first:last + 1])  # (n_days_listed, n_fields), NaN on missing days
         folder = root / "features" / symbol.lower()
         folder.mkdir(parents=True)
-        for field in FIELDS:  # little-endian float32 [index of the first day, values...] (module docstring)
+        for field in FIELDS:  # little-endian float32 [index of the first day, values...] (docs/CONTRACTS.md)
             values = np.concatenate([[float(first)], aligned[field].to_numpy(dtype=np.float64)])
             values.astype("<f4").tofile(folder / f"{field}.day.bin")
 
@@ -285,7 +285,7 @@ def build_qlib_provider(frames: dict[str, pd.DataFrame], out_dir: str | os.PathL
                         benchmark: str = "SH000300", overwrite: bool = False,
                         membership: str | os.PathLike | pd.DataFrame | None = None,
                         columns: dict[str, str | None] | None = None) -> Path:
-    """Write a Qlib 'day' provider folder for `frames` ({symbol: OHLCV(A) DataFrame}), as the module docstring
+    """Write a Qlib 'day' provider folder for `frames` ({symbol: OHLCV(A) DataFrame}), as docs/CONTRACTS.md
     describes (universe, benchmark or its substitute, suspensions, membership); returns its path. build_info.json
     records the benchmark's source and the suspended-day count per symbol."""
     _check_names(universe, benchmark)

@@ -59,7 +59,7 @@ class SplitRule:
 
 
 def split_rules(cfg: QlibConfig, calendar: pd.DatetimeIndex | None = None) -> list[SplitRule]:
-    """The three split rules of the module docstring, from the settings; with `calendar`, the test targets start
+    """The three split rules (docs/architecture.md), from the settings; with `calendar`, the test targets start
     on the last trading day before test_time_range (else on its first day)."""
     d = cfg.data
     (tr0, tr1), (va0, va1), (te0, te1) = (range_bounds(r) for r in (d.train_time_range, d.val_time_range,

@@ -88,7 +88,7 @@ def kronos_forecaster(tokenizer, predictor, cfg, device: str) -> Forecaster:
 
 def forecast_frame(split: SeriesPanel, ends: np.ndarray, calendar_ns: np.ndarray, forecaster: Forecaster, *,
                    lookback: int, predict: int, freq: str, batch: int, seed: int | None = None) -> pd.DataFrame:
-    """One row per forecast bar: datetime, instrument and the four signals (see the module docstring), for the
+    """One row per forecast bar: datetime, instrument and the four signals (docs/architecture.md), for the
     window ends `ends` (W,) of `split`, `batch` windows per forecaster call, dated by the market calendar
     `calendar_ns`. `seed` seeds torch / numpy right before the first batch (a sampling forecaster's draws then do
     not depend on what ran before it)."""

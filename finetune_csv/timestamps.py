@@ -58,7 +58,7 @@ def _offsets_as_timedelta(off: pd.Series) -> pd.Series:
 def parse_timestamps(values: Any, *, source: str, fmt: str | None = None, timezone: str | None = None,
                      first_row: int = 1) -> pd.DatetimeIndex:
     """One file's `values (N,)` (text or datetimes, naive or aware) as an (N,) naive ns DatetimeIndex of local
-    wall-clock times (the rule in the module docstring); `first_row` is the file line of values[0]."""
+    wall-clock times (the rule: docs/architecture.md); `first_row` is the file line of values[0]."""
     s = pd.Series(values).reset_index(drop=True)
     if isinstance(s.dtype, pd.DatetimeTZDtype) or pd.api.types.is_datetime64_dtype(s.dtype):
         parsed = s

@@ -111,7 +111,7 @@ def _training(roots: list[Path]) -> list[dict]:
 
 
 def collect(run_dir: str | Path) -> dict[str, Any]:
-    """Everything the page shows, read from `run_dir`'s files (see the module docstring)."""
+    """Everything the page shows, read from `run_dir`'s files (docs/architecture.md, "report.html")."""
     run = Path(run_dir).resolve()
     metrics, report = _json(run / "metrics.json"), _json(run / "report.json")
     tune = report if run.name == "tune" and report else _json(run / "tune" / "report.json")

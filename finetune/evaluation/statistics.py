@@ -84,7 +84,7 @@ def session_test(diff, times, lag: int = 0, **kw) -> dict:
 
 def paired_test(diff, dates, lag: int = 0, level: float = 0.95, what: str = "difference",
                 higher_is_better: bool = False) -> dict:
-    """The verdict of the module docstring on paired differences `diff (W,)` at `dates (W,)` (sortable; < 0 = the
+    """The verdict (docs/architecture.md) on paired differences `diff (W,)` at `dates (W,)` (sortable; < 0 = the
     first better unless `higher_is_better`); `lag`: the known dependence q; `what` names the difference. Returns
     mean (over windows), ci_low / ci_high, dm_stat and p_value (None without an interval), df, windows, dates, lag
     (the bandwidth), rho, blocks, windows_needed (for 80% power at this difference), verdict, reason."""

@@ -29,7 +29,7 @@ ARRAY_FILES = ("features_t.npy", "stamps.npy", "datetimes.npy", "offsets.npy", "
 
 @dataclass(frozen=True)
 class SeriesPanel:
-    """All series of one split as contiguous arrays (shapes in the module docstring); validated on construction."""
+    """All series of one split as contiguous arrays (shapes: docs/CONTRACTS.md); validated on construction."""
 
     features: np.ndarray
     stamps: np.ndarray
