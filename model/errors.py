@@ -1,6 +1,19 @@
 """The error classes of the project: an exception's class says whether it is the user's mistake, and its exit code.
+
 Every user-facing error subclasses `UserError` and carries `exit_code`; anything else escaping an entry point is a
-bug. The exit-code table: docs/architecture.md, "Formats and designs"."""
+bug. These live in the model package so that `model/` stands alone; the training engine and the pipelines raise the
+same classes. The engine's own subclasses (checkpoint, divergence, run lock, stop, store) are in
+finetune/utils/errors.py, whose `run_main` turns every one into one `error: ...` line and the exit code.
+
+    0    success
+    1    a bug: any other exception (traceback printed; please report it)
+    2    ConfigError: a setting is wrong (also a bad command line, from argparse)
+    3    DataError: an input or run check failed (bad CSV, too few windows, non-finite loss, ...)
+    4    PathError: a file, folder or Hub id does not exist (also FileNotFoundError & co, Hub lookup errors)
+    5    RefusedError: the run would overwrite or lose earlier work (also FileExistsError)
+    6    MissingExtraError: an optional dependency is missing (also ModuleNotFoundError of `OPTIONAL_MODULES`)
+    75   TrainingStopped: stopped on SIGTERM / first Ctrl-C after saving; the same command resumes
+    130  KeyboardInterrupt (a second Ctrl-C)"""
 
 from __future__ import annotations
 
