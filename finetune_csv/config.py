@@ -1,11 +1,6 @@
-"""Settings of the CSV finetuning pipeline: typed dataclasses filled from YAML, validated up front.
-
-A YAML file in configs/ fills `CsvFinetuneConfig`; `--set training.epochs=3`-style overrides are applied on top
-(see `load`). `validate()` checks every setting at once and raises ONE ConfigError listing each problem with
-the YAML key to change, before any data is read or any folder is created. The sections shared with the Qlib
-pipeline (model:, training:, the stage sections, the sampling keys of forecast:) are finetune/utils/config_utils.py's.
-Also here: where the stages keep their models and which tokenizer the predictor stage reads. A YAML file written
-for the ORIGINAL Kronos `finetune_csv` is translated by `load` (finetune_csv/original_config.py)."""
+"""Settings of the CSV finetuning pipeline: typed dataclasses filled from YAML (`load`, which also translates an
+original Kronos `finetune_csv` file), validated up front into ONE ConfigError naming each key. The loading rules
+and the sections shared with the Qlib pipeline: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 

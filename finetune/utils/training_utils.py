@@ -1,10 +1,6 @@
-"""The training engine both pipelines call (`train_tokenizer`, `train_predictor`): one module, read top to bottom.
-`Trainer` declares all its state in `__init__`; `state_dict()` / `load_state_dict()` = a checkpoint's content.
-
-The ledger (finetune/utils/ledger.py) decides what the stage folder's content means (fresh, resume, reuse, rebuild
-or refuse), the Validator (validate.py) validates and selects, checkpoint.py writes, safety.py keeps the run safe.
-`data_info` goes into run_info.json and its fingerprint into every checkpoint, so pipelines put in it what defines
-their data (file sha256s, splits, window)."""
+"""The training engine both pipelines call (`train_tokenizer`, `train_predictor`): one module, read top to bottom;
+`Trainer` declares all its state in `__init__`, and `state_dict()` / `load_state_dict()` are a checkpoint's content.
+Its neighbours' roles and what `data_info` must hold: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 
