@@ -1,10 +1,6 @@
-"""The command line of every entry point with settings, and the self-documenting settings behind --help-config.
-
-- `add_config_args` (--config, repeatable --set KEY=VALUE, --help-config, --print-config) and `parse_config_args`;
-  `add_run_flags` / `run_overrides` (--resume, --overwrite of the training commands). The --set items themselves
-  are parsed by the loader (config_utils.build_config), the same way for YAML-less runs from Python.
-- `describe_config` / `format_config_help`: every key's type, default and docstring (the string literal under each
-  dataclass field), so the settings document themselves."""
+"""The command line of every entry point with settings (`add_config_args`, `parse_config_args`, `add_run_flags`)
+and the self-documenting settings behind --help-config (`describe_config`, `format_config_help`); docs/architecture.md,
+"Formats and designs"."""
 
 from __future__ import annotations
 

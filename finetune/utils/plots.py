@@ -1,11 +1,6 @@
-"""Figures, written whole (to a temporary name first, then renamed: no torn PNG after a crash), and the bar-time
-text that labels them and the reports.
-
-- the loss curve of a training stage (`plot_loss_curves`, called by the training loop);
-- sampled forecast paths against the realised closes (`plot_panels`, the CSV forecast);
-- `save_figure`, the one way a pyplot figure reaches disk (the pipelines' own plots use it too).
-
-matplotlib is imported inside the functions: a run without it still trains (no loss_curve.png, a warning)."""
+"""Figures, written whole (`save_figure`: a temporary name, then renamed), the loss curve and forecast panels, and
+the bar-time text that labels them and the reports; matplotlib is imported inside the functions (a run without it
+still trains). Details: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 
