@@ -5,8 +5,7 @@
 
 `COMMANDS` is the registry of both pipelines' steps (the engine under finetune/utils/ knows neither). Each
 command's own parser has --config / --set / --help-config / --print-config (`cli_args.add_config_args`);
-errors and exit codes are `errors.run_main`'s.
-"""
+errors and exit codes are `errors.run_main`'s."""
 
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
-"""Settings of the Qlib pipeline (preprocess -> tokenizer -> predictor -> backtest), one typed dataclass per section.
-
-Defaults mirror the original Kronos Qlib finetuning (CSI 300 daily bars, lookback 90, predict 10, 2000 x 50 training
-windows per epoch, top-50 / drop-5 backtest against SH000300); its per-stage learning rates (2e-4 / 4e-5) and
-sampling (temperature 0.6, 5 paths) are set in configs/qlib_csi300.yaml, since those keys share the CSV pipeline's
-defaults (stage sections null = inherit training:, KronosPredictor's sampling defaults). The one
-deliberate change: the original's validation and test ranges start three months before the previous range ends
-(to give the first window its lookback); here the ranges do not overlap and the preprocessing prepends exactly
-`lookback` bars to the validation and test splits instead, so no forecast target is ever seen in training.
-Keys shared with the CSV pipeline (model:, data.lookback / predict / clip, training:, the stage sections, the
-sampling keys of forecast:) have the same names and defaults there; the shipped configs set the reference values.
-
-    cfg = load("configs/qlib_csi300.yaml", ["data.instrument=csi800", "backtest.benchmark=SH000906"])
-
-Every YAML key is a field below; `--set section.key=value` overrides it. `load` raises one ConfigError (a
-ValueError) listing every problem by its YAML key; the entry points add their file checks (`check_inputs`)."""
+"""Settings of the Qlib pipeline (preprocess -> tokenizer -> predictor -> backtest), one typed dataclass per section;
+`load(path, overrides)` raises one ConfigError listing every problem by its YAML key. Defaults and the one deliberate
+change from the original Kronos Qlib recipe: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 

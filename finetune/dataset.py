@@ -1,23 +1,6 @@
-"""The preprocessed Qlib splits on disk, and the training datasets built from them.
-
-`qlib_data_preprocess.py` writes, in `data.dataset_path`, one prepared data store per split (the layout of
-finetune/utils/store.py, so every rank memory-maps it with `open_store` and shares one page-cache copy):
-
-    train/, val/, test/          each a store; its names.json holds S instrument codes (one code may own several
-                                 series: the pieces of its history cut at data gaps or between membership spells)
-    manifest.json                settings the splits were made with, date ranges, counts, dropped instruments, the
-                                 market calendar (ns) of the load range, and `content_sha256`: the splits' identity
-                                 (a hash of their arrays' sha256s), so the folder may move between folders and
-                                 machines; the Qlib source path it was read from is recorded, never compared
-
-`load_split` returns a split as a `SeriesPanel` of read-only memory maps and `save_split` writes one. Training hands
-the panel to the shared `WindowDataset` as it is (windows never cross two series; normalised with lookback-only
-statistics); which windows an epoch uses, on which rank, is the engine's `EpochSampler`'s business.
-
-`QlibPipeline` is this data side of the engine's stage runner (finetune/utils/stages.py). The two trainer scripts
-(finetune/train_tokenizer.py, finetune/train_predictor.py) only say which stage they train and which model folders
-they read (`StageSpec`) and call `run_stage`: settings and input checks run before the process group starts, then
-the stage runner trains that one stage. The trainers require torchrun, as the original's do."""
+"""The preprocessed Qlib splits on disk (`load_split`, `save_split`; layout in docs/CONTRACTS.md, "File formats:
+the preprocessed Qlib splits") and `QlibPipeline`, the data side of the engine's stage runner that the two trainer
+scripts run under torchrun."""
 
 from __future__ import annotations
 

@@ -1,32 +1,6 @@
-"""Build a Qlib provider folder (daily bars) from per-symbol OHLCV(A) tables.
-
-Qlib's on-disk layout, as its `FileCalendarStorage` / `FileInstrumentStorage` / `FileFeatureStorage` read it:
-
-    calendars/day.txt                      one trading day per line, YYYY-MM-DD, ascending
-    instruments/all.txt                    SYMBOL<TAB>first day<TAB>last day, every symbol plus the benchmark
-    instruments/<universe>.txt             the same for the universe's stocks (not the benchmark); with a
-                                           membership file its rows instead (several spans per symbol allowed)
-    features/<symbol lower>/<field>.day.bin
-        little-endian float32: [index of the symbol's first day in the calendar, then one value per calendar day
-        from that first day to its last day], NaN on days the symbol has no row (suspensions)
-
-Fields written: open, high, low, close, volume, amount, vwap (= amount / volume), factor (1.0: prices are taken as
-already adjusted) and change (close / previous available close - 1). The benchmark, unless a table for it is given,
-is an equal-weighted index of the universe starting at 1000 (see `equal_weight_index`); a
-`SubstituteBenchmarkWarning` says so, since excess returns against it are not against the real index.
-
-Suspensions: a day with volume <= 0 (or missing) or a missing close is written as NaN in EVERY field, as Qlib's own
-collectors do; Qlib's exchange treats a stock as suspended exactly when $close is NaN, so a zero-volume day with a
-price would otherwise be tradable. The count per symbol is logged (INFO) and kept in build_info.json.
-
-Survivorship: by default a stock is in the universe for its whole life in the data. A membership CSV
-(`symbol,start,end`, one row per membership spell) writes the universe as it was on each day instead.
-
-    frames = load_csv_folder("data/daily_csv")                 # {"SH600000": DataFrame, ...}
-    build_qlib_provider(frames, "data/qlib_cn", universe="csi300", benchmark="SH000300")
-
-The folder is assembled in a temporary sibling and renamed into place, so a failure leaves nothing behind.
-"""
+"""Build a Qlib provider folder (daily bars) from per-symbol OHLCV(A) tables: the layout Qlib reads, its fields,
+suspensions, survivorship and the equal-weighted substitute benchmark are in docs/CONTRACTS.md, "File formats:
+Qlib provider folder". The folder is assembled in a temporary sibling and renamed into place."""
 
 from __future__ import annotations
 
@@ -207,8 +181,7 @@ def equal_weight_index(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     close_t = close_{t-1} * (1 + mean of the constituents' close-to-close returns on day t), starting at INDEX_BASE on
     the first day; open/high/low_t = close_t * mean of the constituents' open/high/low / close that day (so
     high >= max(open, close) and low <= min(open, close) hold for the index too); volume and amount are sums;
-    vwap is the index's typical price (high + low + close) / 3.
-    """
+    vwap is the index's typical price (high + low + close) / 3."""
     def panel(field: str) -> pd.DataFrame:  # (n_days, n_symbols), NaN where a symbol has no row
         return pd.DataFrame({s: t[field] for s, t in tables.items()}).sort_index()
 
@@ -303,7 +276,7 @@ def _write_provider(root: Path, tables: dict[str, pd.DataFrame], universe: str, 
         aligned = table.reindex(calendar[first:last + 1])  # (n_days_listed, n_fields), NaN on missing days
         folder = root / "features" / symbol.lower()
         folder.mkdir(parents=True)
-        for field in FIELDS:  # little-endian float32 [index of the first day, values...] (module docstring)
+        for field in FIELDS:  # little-endian float32 [index of the first day, values...] (docs/CONTRACTS.md)
             values = np.concatenate([[float(first)], aligned[field].to_numpy(dtype=np.float64)])
             values.astype("<f4").tofile(folder / f"{field}.day.bin")
 
@@ -312,7 +285,7 @@ def build_qlib_provider(frames: dict[str, pd.DataFrame], out_dir: str | os.PathL
                         benchmark: str = "SH000300", overwrite: bool = False,
                         membership: str | os.PathLike | pd.DataFrame | None = None,
                         columns: dict[str, str | None] | None = None) -> Path:
-    """Write a Qlib 'day' provider folder for `frames` ({symbol: OHLCV(A) DataFrame}), as the module docstring
+    """Write a Qlib 'day' provider folder for `frames` ({symbol: OHLCV(A) DataFrame}), as docs/CONTRACTS.md
     describes (universe, benchmark or its substitute, suspensions, membership); returns its path. build_info.json
     records the benchmark's source and the suspended-day count per symbol."""
     _check_names(universe, benchmark)

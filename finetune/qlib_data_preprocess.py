@@ -2,24 +2,7 @@
 
     python finetune/qlib_data_preprocess.py --config configs/qlib_csi300.yaml [--set data.instrument=csi500]
 
-Steps: check the Qlib folder and the settings (one error listing every problem); list the universe's instruments and
-their membership spells (D.list_instruments), then read $open, $high, $low, $close, $volume, $vwap of those
-instruments over their WHOLE history in the dataset range plus lookback / predict margins (one D.features call on
-the instrument list, so no bar is hidden by the membership mask); derive vol = $volume and amt = vol * mean(open,
-high, low, close) (or vol * $vwap); drop rows with missing values (suspended days are NaN in the store) and cut an
-instrument into separate series where more than data.max_gap_days of its trading days in a row are missing (all
-logged by name); split by the configured time ranges and membership; write train/, val/, test/ (each a
-finetune_csv/prepare.py store) and manifest.json into data.dataset_path (all or nothing).
-
-Split rules (bars are each instrument's own trading days). A "target" bar lies in the split's range AND in a
-membership spell; each run of consecutive target bars becomes one series, with context bars before it:
-    train  context inside train_time_range too: every bar of every training window lies in the range, and every
-           predicted bar is a member.
-    val    `lookback` bars of context before the run (may precede val_time_range): no predicted bar is a training bar.
-    test   target days run from the last trading day BEFORE test_time_range (its score trades on the first test day)
-           to the range's end, with `lookback - 1` bars of context: one forecast per target day. A stock that joins
-           the universe mid-test is forecast from its join day on, with its prior history as context.
-"""
+The steps and the split rules: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 
@@ -76,7 +59,7 @@ class SplitRule:
 
 
 def split_rules(cfg: QlibConfig, calendar: pd.DatetimeIndex | None = None) -> list[SplitRule]:
-    """The three split rules of the module docstring, from the settings; with `calendar`, the test targets start
+    """The three split rules (docs/architecture.md), from the settings; with `calendar`, the test targets start
     on the last trading day before test_time_range (else on its first day)."""
     d = cfg.data
     (tr0, tr1), (va0, va1), (te0, te1) = (range_bounds(r) for r in (d.train_time_range, d.val_time_range,
@@ -105,8 +88,7 @@ def cut_split(panel: SeriesPanel, rule: SplitRule, member: np.ndarray | None = N
     Target bars: inside [rule.start, rule.end] and, with `member` ((N,) bool), members of the universe. Each run of
     consecutive target bars of a series becomes one piece with up to `rule.before` context bars before it (never
     before the series' first bar, nor, with `context_in_range`, before rule.start). Instruments without a target
-    bar are simply not part of the split; pieces shorter than `rule.min_bars` are dropped and returned for the log.
-    """
+    bar are simply not part of the split; pieces shorter than `rule.min_bars` are dropped and returned for the log."""
     lo_ns, hi_ns = pd.Timestamp(rule.start).value, pd.Timestamp(rule.end).value
     pieces, kept, lengths, dropped = [], [], [], {}
     for s in range(panel.n_series):

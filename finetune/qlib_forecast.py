@@ -1,15 +1,7 @@
 """Forecasting the test (or validation) days of a Qlib split: which bars get a forecast, the contexts, the model's
-predicted closes and the signals derived from them, and the IC checkpoint-selection metric for the predictor stage.
-
-A forecast is made at bar t of a split (a store written by qlib_data_preprocess.py) when t is a target day (its
-datetime in the requested range) and the `lookback` bars ending at t lie in t's series (series never cross a data gap
-or a membership boundary's context rule, see the preprocess docstring). The forecaster sees only those bars, so a
-signal dated t depends on nothing after t. The mean sample path's closes give four signals, each a predicted return
-against the last observed close c_t:
-    last = close[t+P] / c_t - 1     mean = mean(close[t+1..t+P]) / c_t - 1
-    max  = max(close[t+1..t+P]) / c_t - 1     min = min(...) / c_t - 1
-Each signal forecasts a horizon (`signal_horizon`): last / max / min the P-day move, mean about half of it; the
-report scores it against the trade label of that horizon (and every horizon 1..P in the decay table)."""
+predicted closes, the four signals derived from them (last, mean, max, min) and the IC checkpoint-selection metric
+for the predictor stage. Which bars, and each signal's formula and horizon: docs/architecture.md, "Formats and
+designs"."""
 
 from __future__ import annotations
 
@@ -96,7 +88,7 @@ def kronos_forecaster(tokenizer, predictor, cfg, device: str) -> Forecaster:
 
 def forecast_frame(split: SeriesPanel, ends: np.ndarray, calendar_ns: np.ndarray, forecaster: Forecaster, *,
                    lookback: int, predict: int, freq: str, batch: int, seed: int | None = None) -> pd.DataFrame:
-    """One row per forecast bar: datetime, instrument and the four signals (see the module docstring), for the
+    """One row per forecast bar: datetime, instrument and the four signals (docs/architecture.md), for the
     window ends `ends` (W,) of `split`, `batch` windows per forecaster call, dated by the market calendar
     `calendar_ns`. `seed` seeds torch / numpy right before the first batch (a sampling forecaster's draws then do
     not depend on what ran before it)."""

@@ -1,16 +1,9 @@
-"""Reading a Qlib provider folder: folder checks, qlib.init, calendar, one D.features call, and the conversion of
-Qlib's stacked frame into a `SeriesPanel` (the engine's data form). Used by both Qlib entry points
-(qlib_data_preprocess.py and qlib_test.py); Qlib itself is imported only inside the functions that need it.
-
-Qlib's fields map to the model's features (model.features.FEATURES) as
-    open, high, low, close = $open, $high, $low, $close
-    volume                 = $volume
-    amount                 = volume * mean(open, high, low, close)   (data.amount_source: ohlc_mean, the original's)
-                           = volume * $vwap                          (data.amount_source: vwap)"""
+"""Reading a Qlib provider folder (folder checks, qlib.init, calendar, one D.features call) and the conversion of
+Qlib's stacked frame into a `SeriesPanel`, for both Qlib entry points; Qlib is imported only inside the functions.
+The field mapping: docs/CONTRACTS.md, "File formats: Qlib fields -> model features"."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +17,7 @@ from finetune.utils.config_utils import Problems
 from finetune.utils.store import SeriesPanel
 from finetune.utils.windows import wallclock_stamps
 from model.errors import DataError
+from model.fileio import read_json_or_empty
 
 # Qlib expressions read for open, high, low, close, volume (+ $vwap when data.amount_source is vwap).
 QLIB_FIELDS = ["$open", "$high", "$low", "$close", "$volume", "$vwap"]
@@ -62,10 +56,7 @@ def benchmark_label(cfg: QlibConfig) -> str:
     """The benchmark's name, plus what it really is when the store builder wrote a substitute for it (an
     equal-weighted index of the universe; build_info.json in the provider folder says so)."""
     info = Path(os.path.expanduser(cfg.data.qlib_data_path)) / "build_info.json"
-    try:
-        built = json.loads(info.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return cfg.benchmark
+    built = read_json_or_empty(info)
     source = str(built.get("benchmark_source", ""))
     same = str(built.get("benchmark", "")).upper() == cfg.benchmark.upper()
     return f"{cfg.benchmark} ({source})" if same and source.startswith("substitute") else cfg.benchmark
@@ -136,14 +127,12 @@ class FrameReport:
 
 def frame_to_panel(frame: pd.DataFrame, amount_source: str, min_bars: int, calendar: pd.DatetimeIndex | None = None,
                    max_gap_days: int | None = None) -> tuple[SeriesPanel, FrameReport]:
-    """Qlib's stacked frame (index instrument, datetime; columns $open ... $vwap) -> one contiguous panel.
-
-    One sort and vectorised column arithmetic; instruments become column ranges (offsets), never per-symbol frames.
-    Rows with a missing or non-finite feature (suspended days: NaN in the store) are dropped (counted per
-    instrument). With `calendar` and `max_gap_days`, an instrument is cut into separate series wherever more than
-    `max_gap_days` trading days of the calendar are missing between two of its bars (a window never joins bars
-    across such a gap). Series with fewer than `min_bars` bars are dropped (listed). The panel has datetimes (ns)
-    and names = instrument codes (one code names several series when it was cut)."""
+    """Qlib's stacked frame (index instrument, datetime; columns $open ... $vwap) -> one contiguous panel (one sort,
+    instruments become column ranges, never per-symbol frames). Rows with a missing or non-finite feature (suspended
+    days: NaN in the store) are dropped (counted per instrument). With `calendar` and `max_gap_days`, an instrument is
+    cut into separate series wherever more than `max_gap_days` trading days of the calendar are missing between two of
+    its bars (a window never joins bars across such a gap). Series with fewer than `min_bars` bars are dropped (listed).
+    The panel has datetimes (ns) and names = instrument codes (one code names several series when it was cut)."""
     missing = [c for c in QLIB_FIELDS[:5] if c not in frame.columns]
     if missing:
         raise DataError(f"the Qlib data lacks fields {missing}")

@@ -3,8 +3,7 @@ TopkDropoutStrategy backtest with positions and turnover, the short summary tabl
 
 Every number comes from Qlib's own functions where Qlib has one: labels from `D.features` expressions
 (finetune/evaluation/signals.py), IC / RankIC / long-short from `qlib.contrib.eva.alpha`
-(finetune/evaluation/signals.py), returns and drawdowns from `qlib.contrib.evaluate.risk_analysis`.
-"""
+(finetune/evaluation/signals.py), returns and drawdowns from `qlib.contrib.evaluate.risk_analysis`."""
 
 from __future__ import annotations
 

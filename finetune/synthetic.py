@@ -1,16 +1,8 @@
 """Synthetic OHLCV markets: realistic enough to exercise the pipelines, deterministic by seed.
 
-Each series (symbol) is a log-price driven by GARCH(1,1) returns with occasional jumps, a per-series drift and
-volatility level, overnight gaps at the first bar of each day, a U-shaped intraday profile for both volatility and
-volume, and volume that rises with |return|. Intraday bars exist only inside the trading sessions of weekdays
-(09:30-11:30 and 13:00-15:00, bars labelled by their start time); daily bars fall on business days. Exchange holidays
-are not modelled.
-
     frames = generate_ohlcv(n_series=8, n_bars=20_000, freq="5min", seed=0)   # {"SH600000": DataFrame, ...}
-    paths = write_csv_folder(frames, "data/synthetic_5min")                   # one <symbol>.csv per series
 
-Everything is vectorised over series; the only Python loop is the GARCH variance recursion over time.
-"""
+The model of prices, sessions and volume: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 
@@ -102,17 +94,10 @@ def _garch_innovations(z: np.ndarray, jumps: np.ndarray, alpha: np.ndarray, beta
 
 def generate_ohlcv(n_series: int = 8, n_bars: int | None = None, freq: str = "5min", start: str = "2024-01-02",
                    seed: int = 0, end: str | None = None, intraday_drift: float = 0.0) -> dict[str, pd.DataFrame]:
-    """Synthetic OHLCV(A) series, identical for the same arguments.
-
-    Returns {symbol: DataFrame} with symbols SH600000, SH600001, ... and columns `timestamps` (datetime64),
-    open, high, low, close, volume, amount (float64), one row per bar. Give exactly one of `n_bars` or `end`.
-
-    `intraday_drift` > 0 adds the walk-forward demo's market (README "Does finetuning pay?"): a predictable
-    time-of-day drift, every bar's expected return = intraday_drift x the series' bar volatility x cos(2 pi (bar of
-    the day) / bars per day), so prices rise after the open and at the close and fall mid-day, the same every day. No
-    series the demo pretrained pair saw (generate_mix) has a predictable intraday mean; a model that reads the
-    time features can learn it, so finetuning SHOULD pay here. 0 (default) = no drift, the data is unchanged.
-    """
+    """Synthetic OHLCV(A) series, identical for the same arguments: {symbol: DataFrame} with symbols SH600000,
+    SH600001, ... and columns `timestamps` (datetime64), open, high, low, close, volume, amount (float64), one row per
+    bar. Give exactly one of `n_bars` or `end`. `intraday_drift` > 0: the walk-forward demo's predictable time-of-day
+    drift (README "Does finetuning pay?"; docs/architecture.md, "Formats and designs"); 0 = the data is unchanged."""
     if n_series < 1:
         raise DataError(f"n_series={n_series} must be >= 1 (--n-series)")
     stamps = trading_timestamps(freq, start, n_bars=n_bars, end=end)
@@ -173,8 +158,7 @@ def generate_ohlcv(n_series: int = 8, n_bars: int | None = None, freq: str = "5m
 def write_csv_folder(frames: dict[str, pd.DataFrame], out_dir: str | os.PathLike) -> list[Path]:
     """Write one `<symbol>.csv` per frame (columns COLUMNS, ISO timestamps); returns the paths written, sorted.
 
-    Each file is written to a temporary name and renamed into place, so a failure leaves no half-written CSV.
-    """
+    Each file is written to a temporary name and renamed into place, so a failure leaves no half-written CSV."""
     problems = [f"{sym}: missing columns {sorted(set(COLUMNS) - set(df.columns))}"
                 for sym, df in frames.items() if not set(COLUMNS) <= set(df.columns)]
     if problems:
@@ -247,8 +231,7 @@ def generate_mix(n_series: int = 48, n_bars: int = 3000, seed: int = 0, start: s
     """A broad, deterministic mix of synthetic markets; series i has freq MIX_FREQS[i % 5] (all five appear once
     n_series >= 5), and a random calendar, dynamics, price level, volatility, volume level and intraday profile.
 
-    Returns n_series `MixSeries` of n_bars rows each; identical for the same arguments.
-    """
+    Returns n_series `MixSeries` of n_bars rows each; identical for the same arguments."""
     if n_series < 1:
         raise DataError(f"n_series={n_series} must be >= 1 (--n-series)")
     if n_bars < 2:

@@ -6,8 +6,7 @@
 
 The tokenizer comes from paths.finetuned_tokenizer_path and stays frozen. Writes paths.predictor_dir: best_model/
 (the finetuned predictor plus tokenizer_config.json), checkpoints/, metrics.jsonl, train.log, loss_curve.png,
-run_info.json. `training.select_by: ic` keeps the epoch with the best validation RankIC instead of the lowest loss.
-"""
+run_info.json. `training.select_by: ic` keeps the epoch with the best validation RankIC instead of the lowest loss."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@
 
 Writes paths.tokenizer_dir: best_model/ (the finetuned tokenizer, config.json + model.safetensors),
 checkpoints/ (rotating step-*.pt, last.pt = the newest), metrics.jsonl, train.log, loss_curve.png, run_info.json.
-A re-run resumes an unfinished stage and skips a finished one (see finetune/dataset.py).
-"""
+A re-run resumes an unfinished stage and skips a finished one (see finetune/dataset.py)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Settings of the CSV finetuning pipeline: typed dataclasses filled from YAML, validated up front.
-
-A YAML file in configs/ fills `CsvFinetuneConfig`; `--set training.epochs=3`-style overrides are applied on top
-(see `load`). `validate()` checks every setting at once and raises ONE ConfigError listing each problem with
-the YAML key to change, before any data is read or any folder is created. The sections shared with the Qlib
-pipeline (model:, training:, the stage sections, the sampling keys of forecast:) are finetune/utils/config_utils.py's.
-Also here: where the stages keep their models and which tokenizer the predictor stage reads. A YAML file written
-for the ORIGINAL Kronos `finetune_csv` is translated by `load` (finetune_csv/original_config.py)."""
+"""Settings of the CSV finetuning pipeline: typed dataclasses filled from YAML (`load`, which also translates an
+original Kronos `finetune_csv` file), validated up front into ONE ConfigError naming each key. The loading rules
+and the sections shared with the Qlib pipeline: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 
@@ -59,12 +54,8 @@ class ColumnsConfig:
 class DataConfig(WindowSettings):
     """Where the candles come from and how they are cut into windows (finetune_csv/prepare.py applies it).
 
-    Each field's docstring gives its policy; the README's Data / Splits / Checks paragraphs tell the whole story.
-    Nothing is skipped silently: unsorted rows are sorted with a warning; duplicate timestamps, NaN (unless
-    `nan_policy` says otherwise), bad candles and values beyond float32's range are errors naming file, column and
-    line. A validation/test window may read the `lookback` rows before its split as context; every row it predicts
-    is its split's. The time features are the exchange's local wall-clock time. The files are parsed once into the
-    prepared store (`store_dir`), reused while the files and data settings are unchanged."""
+    Each field's docstring gives its policy; the README's Data / Splits / Checks paragraphs tell the whole story
+    (nothing is skipped silently; every predicted row is its split's; parsed once into the store `store_dir`)."""
 
     path: str = ""
     """A CSV or Parquet file, or a folder of them (one series per file unless `symbol_column` is set)."""
@@ -145,11 +136,6 @@ class ForecastConfig(SamplingConfig):
     """Cap of held-out windows per series (evenly spread over its test split); null = every window (the default)."""
     season: int | None = None
     """Season of the seasonal-naive baseline in bars; null = inferred (bars per day intraday, 5 for daily bars)."""
-    bootstrap_samples: int = 1000
-    """Bootstrap resamples of the confidence intervals (0 = no intervals)."""
-    bootstrap_block: int | None = None
-    """Dates per block of the bootstrap (windows of every series on one date move together); null = the larger of
-    ceil(data.predict / window stride) (windows sharing realised bars stay together) and round(dates ** (1/3))."""
     empirical_window: int = 250
     """Trailing bars whose realised data.predict-bar paths, rescaled to the last close, form the `empirical`
     baseline (taken from the whole series, beyond the lookback)."""
@@ -244,8 +230,7 @@ def load(config_path: str | Path | None, overrides: Sequence[str] = (),
 
     A file in the original Kronos finetune_csv format is translated here (each mapped key logged once, see
     `original_config.translate`); `--set` items with original keys are applied before the translation, this
-    project's after it.
-    Warns about `--set training.X` overrides that a stage section shadows."""
+    project's after it. Warns about `--set training.X` overrides that a stage section shadows."""
     raw, overrides, original = translate_original(read_yaml(config_path), list(overrides or ()), config_path)
     source = None if config_path is None else str(config_path)
     try:
@@ -331,11 +316,9 @@ def _check_paths(paths: PathsConfig, p: Problems) -> None:
 
 def _check_forecast(f: ForecastConfig, p: Problems) -> None:
     f.check(p, "forecast")
-    for name, null in (("window_stride", " (= data.predict)"), ("max_windows", " (= every window)"), ("season", ""),
-                       ("bootstrap_block", "")):
+    for name, null in (("window_stride", " (= data.predict)"), ("max_windows", " (= every window)"), ("season", "")):
         value = getattr(f, name)
         p.check(value is None or value >= 1, f"forecast.{name}", f"must be >= 1 or null{null} (got {value})")
-    p.check(f.bootstrap_samples >= 0, "forecast.bootstrap_samples", f"must be >= 0 (got {f.bootstrap_samples})")
     p.check(f.empirical_window >= 2, "forecast.empirical_window", f"must be >= 2 (got {f.empirical_window})")
     p.check(0 <= f.ensemble_weight <= 1, "forecast.ensemble_weight", f"must be in [0, 1] (got {f.ensemble_weight})")
     p.check(f.batch_size >= 1, "forecast.batch_size", f"must be >= 1 (got {f.batch_size})")

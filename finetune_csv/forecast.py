@@ -8,9 +8,7 @@ import argparse
 import contextlib
 import dataclasses
 import glob
-import hashlib
 import itertools
-import json
 import logging
 import os
 import shutil
@@ -35,6 +33,7 @@ from finetune.evaluation.statistics import session_test
 from finetune.utils.cli_args import add_config_args, parse_config_args
 from finetune.utils.config_utils import config_to_dict
 from finetune.utils.errors import setup_logging
+from finetune.utils.fingerprint import digest
 from finetune.utils.ledger import stage_status
 from finetune.utils.plots import Panel, plot_panels, stamp_text
 from finetune.utils.safety import LOCK_NAME, GracefulStop, RunLock, read_holder
@@ -192,7 +191,7 @@ def run_folders(cfg: CsvFinetuneConfig, out_dir: Path | None, name: str) -> tupl
     recorded = sorted(f["sha256"] for f in (run.get("data") or {}).get("files") or [])
     ours = sorted(f["sha256"] for f in files)
     new_data = bool(recorded) and recorded != ours
-    key = hashlib.sha256(json.dumps([differs, ours if name != "future" else []]).encode()).hexdigest()[:12]
+    key = digest([differs, ours if name != "future" else []])[:12]
     if new_data or set(changed) - set(SPLIT_KEYS):  # never re-prepare the run's own store in place
         store_dir = cfg.store_dir.with_name(f"{cfg.store_dir.name}_{key}")
     else:
@@ -395,8 +394,8 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
     f, horizon = cfg.forecast, cfg.data.predict
     x_stamps, y_stamps = windows.stamps()
     sample = lambda p: sample_paths(p, windows.context, x_stamps, y_stamps, horizon, f, f.batch_size)
-    settings = ScoreSettings(season=season, n_boot=f.bootstrap_samples, block=f.bootstrap_block, seed=f.seed,
-                             min_block=-(-horizon // (f.window_stride or horizon)), empirical_window=f.empirical_window)
+    settings = ScoreSettings(season=season, min_block=-(-horizon // (f.window_stride or horizon)),
+                             empirical_window=f.empirical_window)
     history = windows.history
     if history is None or history.shape[1] < horizon + 2:
         log.info("no empirical baseline: fewer than %d bars of history before some test window", horizon + 2)

@@ -1,17 +1,6 @@
-"""The CSV pipeline's data path, one straight line (`prepare_data`):
-
-    sources (CSV/Parquet files of data.path, or {name: DataFrame} from finetune())   finetune_csv/sources.py
-      -> columns resolved, cells parsed in blocks, checked; stamps to local time     (+ finetune_csv/timestamps.py)
-      -> one series at a time: candle checks (`candle_problems`), cleaning (data.nan_policy: `clean_series`)
-      -> StoreWriter (finetune/utils/store.py, the one store format, also the Qlib splits'): .npy + manifest
-      -> ensure_store: rank 0 reuses the store only if settings, sources' content and arrays' sha256 all match
-      -> open_store: a read-only memory-mapped SeriesPanel on every rank
-      -> split_data: train / val (/ test) index ranges, by date or per series          finetune_csv/splits.py
-      -> PanelSegments.dataset: the shared WindowDataset (finetune/utils/windows.py)
-
-Every error is a StoreError / CandleDataError (DataError) naming the source (file, or `frame 'AAPL'`), column,
-line and the setting to change; all problems of all sources are collected into one message; a failed preparation
-leaves nothing behind."""
+"""The CSV pipeline's data path, one straight line (`prepare_data`): sources -> checked, cleaned series -> the
+prepared store -> a memory-mapped panel -> splits -> the shared WindowDataset. Each step's module and the error
+rules: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 
@@ -211,13 +200,9 @@ def check_store(store_dir: str | Path, sources: Sequence[Path | csv_sources.Fram
 
 def ensure_store(sources: csv_sources.Sources, store_dir: str | Path, settings: StoreSettings | None = None, *,
                  dist: Any = None, barrier: Callable[[], None] | None = None, block_rows: int = 1 << 20) -> StoreInfo:
-    """Reuse the store at `store_dir` if it matches the inputs and settings, else (re-)prepare it; log why.
-
-    With several processes: only the process whose `dist.is_main` is true checks and prepares; every process
-    then calls `barrier()` (so the others wait for the store) and opens it. A process that is not main verifies
-    cheaply (settings, file sizes and mtimes) that the store on disk is the one for its inputs, so a failure on
-    the main rank becomes a clear error there instead of training on a stale store. For a store on node-local
-    disk pass an object whose `is_main` is `local_rank == 0`."""
+    """Reuse the store at `store_dir` if it matches the inputs and settings, else (re-)prepare it; log why. Only the
+    process with `dist.is_main` (node-local disk: `local_rank == 0`) prepares; all then `barrier()` and open it, the
+    others verifying sizes and mtimes cheaply, so a failure on the main rank is an error, not a stale store."""
     settings = settings or StoreSettings()
     is_main = True if dist is None else bool(dist.is_main)
     wait = barrier or (lambda: None)

@@ -1,10 +1,6 @@
 """Reading the input: CSV/Parquet files (or DataFrames from Python) -> columns resolved -> cells parsed and checked
-in blocks -> one series at a time (a file, or one per symbol of data.symbol_column).
-
-`list_sources` turns data.path into sources; `SourceReader` resolves the column mapping (data.columns) against a
-source's header (model.features.resolve_columns), parses its rows in blocks of numbers and local wall-clock stamps
-(finetune_csv/timestamps.py) and records every bad cell by column, line and the setting to change; `file_series`
-yields its series. Values beyond float32's finite range are an error."""
+in blocks -> one series at a time (`list_sources`, `SourceReader`, `file_series`). Each step's rules:
+docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """Times of the candles: text or datetime stamps -> local wall-clock nanoseconds, zones, bar lengths, and the
-errors of the candle data (`CandleDataError` and its kinds) that every data check raises.
-
-The model's time features describe the exchange's LOCAL wall-clock time. Stamps with a UTC offset are converted to
-`data.timezone` when set (so a DST change still gives 09:30 every morning), else keep the wall-clock time they
-state; stamps without one are local already. All stamps of the data carry an offset or none does.
-Bar length: the median spacing of a file's sorted stamps; odd files are a warning (an error with data.frequency).
-`timezone_problem` / `frequency_problem` check the two settings for the config's up-front validation (no torch,
-no file read)."""
+errors of the candle data (`CandleDataError` and its kinds) that every data check raises. The zone and bar-length
+rules: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 
@@ -64,7 +58,7 @@ def _offsets_as_timedelta(off: pd.Series) -> pd.Series:
 def parse_timestamps(values: Any, *, source: str, fmt: str | None = None, timezone: str | None = None,
                      first_row: int = 1) -> pd.DatetimeIndex:
     """One file's `values (N,)` (text or datetimes, naive or aware) as an (N,) naive ns DatetimeIndex of local
-    wall-clock times (the rule in the module docstring); `first_row` is the file line of values[0]."""
+    wall-clock times (the rule: docs/architecture.md); `first_row` is the file line of values[0]."""
     s = pd.Series(values).reset_index(drop=True)
     if isinstance(s.dtype, pd.DatetimeTZDtype) or pd.api.types.is_datetime64_dtype(s.dtype):
         parsed = s

@@ -1,15 +1,7 @@
 """Finetune Kronos on your own CSV candles: the tokenizer first, then the predictor on the finetuned tokenizer's tokens.
 
-The same command runs on one GPU/CPU or, under torchrun, with DistributedDataParallel (DIST_BACKEND: nccl on
-GPUs, gloo on CPU). Settings are checked before anything is written; the data is parsed and checked once into the
-prepared store (data.store_dir, default <paths.base_dir>/data_store: rank 0 prepares or reuses it, the other ranks
-wait, every rank memory-maps it; a failed preparation leaves nothing behind). Outputs under paths.base_dir:
-tokenizer/ and basemodel/, each with best_model/ (published format), checkpoints/last.pt, metrics.jsonl,
-loss_curve.png and run_info.json (see finetune/utils/training_utils.py).
-
-`run_finetune(cfg, ...)` is the whole run as a function (this script's `main`, the Python API in
-finetune_csv/api.py and the walk-forward call it): the CSV data side (`CsvPipeline`) handed to the engine's stage
-runner (finetune/utils/stages.py), which also calibrates the bands and honours SIGTERM between the stages."""
+`run_finetune(cfg, ...)` is the whole run as a function (the CSV data side, `CsvPipeline`, handed to the engine's
+stage runner); one GPU/CPU or torchrun. Outputs and the prepared store: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
-"""The trading calendar of one series, learned from its history: the times its market trades, so that the bars
-after its end are stamped at times that occur (those stamps also feed the model's time features).
-
-`TradingCalendar.learn(history)` reads the last RECENT_WEEKS weeks on the stamps' own wall clock (a tz-aware
-history is read in its own zone, never converted; the stamps it makes carry that zone):
-- intraday bars: the bar times of each weekday. A weekday trades when it has bars in at least half of the weeks; a
-  time counts when it occurs on at least half of that weekday's dates (the first and last, partial, dates aside).
-  A history shorter than a week also trades Monday-Friday, at the times its days share; one without a whole day in
-  it continues at its bar spacing.
-- daily bars: the weekdays that trade (business days for a stock, every day for crypto), at the last bar's time.
-- longer bars (weekly, monthly): the pandas frequency of the last bars, else their median spacing.
-`dates` (trading dates) restricts the days; `holidays` names a holiday calendar of the `holidays` package (the
-`calendars` extra) whose days are skipped: a market such as 'NYSE' or 'XNYS' (`holidays.list_supported_financial()`)
-or a country such as 'US'. Business-day bars forecast with neither warn once (`HolidaysNotSkipped`) that holidays
-are forecast as trading days. `after(last, n, freq)` stamps n bars; with a pandas `freq` the bars are at that
-frequency, keeping those that start inside a learned bar of their weekday."""
+"""The trading calendar of one series, learned from its history (`TradingCalendar.learn`), so that the bars after
+its end are stamped at times that occur (those stamps also feed the model's time features). The rules for intraday,
+daily and longer bars, `dates` and `holidays`: docs/architecture.md, "Formats and designs"."""
 from __future__ import annotations
 
 import warnings

@@ -1,10 +1,6 @@
 """Split-conformal calibration of a predictor's sampled bands: fitted on validation windows (`fit_calibration`),
-stored in kronos_predictor.json (`write_calibration`) and applied to new sample paths (`apply_calibration`; the
-predictor applies it to every forecast), so that the mean, quantiles and CRPS all use the same draws.
-
-Margins per horizon are in units of the model's own band half-widths ("space": "band"; the model's spread follows
-each window's realised volatility, so the margins travel across series and regimes; old absolute "log_return"
-files still load)."""
+stored in kronos_predictor.json (`write_calibration`) and applied to every forecast's sample paths
+(`apply_calibration`). Why the margins are in band units: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 
@@ -27,21 +23,8 @@ def fit_calibration(samples: np.ndarray, outcomes: np.ndarray, last: np.ndarray)
     """Split-conformal margins of the sampled bands, per horizon, in log-return space: `samples (W, S, H)` close
     paths of W validation windows, `outcomes (W, H)` realised closes, `last (W,)` last context closes ->
     {"method": "conformal", "space": "band", "levels", "margins": [[H floats] per level], "windows": W,
-    "too_few_windows": [levels whose rank exceeds W]}.
-
-    Construction (conformalised quantile bands, scores relative to the band): with r = log(path / last) and
-    y = log(outcome / last), the raw central band of level c at horizon h is [lo, hi] = the (1-c)/2 and (1+c)/2
-    quantiles of r over the S paths, m their median. Its score in a window is max((lo - y) / (m - lo),
-    (y - hi) / (hi - m)) (> 0 when y falls outside; in half-widths, so a window of 5x the volatility, whose
-    model band is 5x wider, scores the same), and the margin M_c,h is the
-    ceil((W + 1) c)-th smallest score over the W windows: [lo - M, hi + M] then covers a new outcome with probability
-    >= c (and < c + 1 / (W + 1)) in finite samples, provided the new window is exchangeable with the validation
-    windows; serial dependence between windows (they overlap in time, series move together) weakens this to an
-    approximate guarantee. No shrinkage toward the raw band: that gives the guarantee up in the direction of the
-    model's error (half-width bands, calibrated on 10 windows: 62% coverage of the 80% band with shrinkage by
-    W / (W + 20), 80-82% without). A level whose rank exceeds W (c > W / (W + 1): 10 windows cannot calibrate a 95%
-    band) takes the largest score and is listed in "too_few_windows": its coverage is only about W / (W + 1). A
-    negative margin narrows a band that was too wide."""
+    "too_few_windows": [levels whose rank exceeds W]}. The construction, its guarantee and why no shrinkage:
+    docs/architecture.md, "Formats and designs"."""
     samples, outcomes, last = (np.asarray(a, dtype=np.float64) for a in (samples, outcomes, last))
     if samples.ndim != 3 or outcomes.shape != (samples.shape[0], samples.shape[2]) or last.shape != samples.shape[:1]:
         raise DataError(f"fit_calibration needs samples (W, S, H), outcomes (W, H), last (W,); got "

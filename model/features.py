@@ -1,10 +1,6 @@
-"""The candle contract (its one home) and the numpy feature functions every data path and the forecaster share.
-
-A candle has FEATURES = open, high, low, close, volume, amount (in that order); its calendar stamp has
-TIME_FEATURES = minute, hour, weekday (Monday=0), day of month, month. Normalisation is a per-feature z-score with
-the population std, `(x - mean) / (std + eps)`, clipped to [-clip, clip]; `denormalize` undoes it. eps is the
-original's 1e-5 for a feature whose window mean is >= 1 in magnitude and 1e-5 x |mean| below it (`std_eps`): an
-absolute 1e-5 outweighs the std of a price near 3e-5 and flattened its window (docs/differences_from_original.md)."""
+"""The candle contract (its one home) and the numpy feature functions every data path and the forecaster share:
+FEATURES, TIME_FEATURES, the clipped per-window z-score and its relative epsilon (`std_eps`). The contract and why
+the epsilon is relative: docs/CONTRACTS.md, "File formats: the candle and its normalisation"."""
 from __future__ import annotations
 
 import difflib

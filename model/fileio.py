@@ -1,10 +1,6 @@
-"""Atomic file and folder writes for the whole project: a reader sees the old version or the new one, never half.
-
-`atomic_write(target, write_fn)` writes a file, `atomic_dir(target)` builds a folder, `write_json(path, data)` writes
-strict JSON. On failure nothing is left behind; a full disk is reported with the file, the free space and the bytes
-written so far. An artifact folder is sealed where it is written (`seal`: SHA256SUMS, the sha256 of every file in it,
-`sha256sum -c` reads it) and checked where it is read (`check_seal`): an edit within range, a flipped bit, a doubled
-weight in a still-valid safetensors file are all refused naming the file."""
+"""Atomic file and folder writes for the whole project (a reader sees the old version or the new one, never half),
+strict JSON, and sealed artifact folders (`seal` / `check_seal`: SHA256SUMS). What each guarantees: docs/CONTRACTS.md,
+"File formats: atomic writes and sealed folders"."""
 from __future__ import annotations
 
 import contextlib
@@ -214,3 +210,11 @@ def read_json_object(path: str | os.PathLike, what: str = "a JSON object") -> di
     if not isinstance(data, dict):
         raise DataError(f"{path} must hold {what}, got {type(data).__name__}")
     return data
+
+
+def read_json_or_empty(path: str | os.PathLike) -> dict[str, Any]:
+    """`read_json_object`, or {} when the file is missing, unreadable or torn: for readers that must not fail."""
+    try:
+        return read_json_object(path)
+    except (OSError, ValueError):  # DataError is a ValueError
+        return {}

@@ -1,10 +1,6 @@
 """Autoregressive token generation for forecasting: a key/value-cached path (eager, or a static step that a CUDA
-graph records once and replays per token) and a plain full-recompute path.
-
-Both paths compute the same thing: at every step the predictor sees the last `min(len, max_context)` tokens with
-positions restarting at 0 inside that window. While the sequence fits in `max_context` nothing before the new token
-changes, so the cached path runs the trunk on one token per step. Once the window slides, every hidden state in it
-changes (the dropped token no longer influences anything), so both paths recompute the window."""
+graph records once and replays per token) and a plain full-recompute path, computing the same thing. Why the cache
+holds until the window slides: docs/architecture.md, "Formats and designs"."""
 from __future__ import annotations
 
 import warnings
@@ -181,13 +177,10 @@ def generate_tokens(model: Kronos, s1_ctx: torch.Tensor, s2_ctx: torch.Tensor, s
                     graphs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Continue context ids s1_ctx, s2_ctx (B, N) by `pred_len` steps, `sample_count` paths per series, with
     `stamps` (B, N + pred_len, 5) -> the full sequences (s1, s2), each (B * S, N + pred_len) int64, the S paths of
-    a series in consecutive rows. use_cache False: the published full recompute (same tokens in greedy mode).
-    decode (with the cache): "eager" grows the window one token at a time (the default); "static" runs the step a
-    CUDA graph records (a preallocated cache written at a position tensor, sampling by `race_sample`, the context
-    encoded once per series) without the graph; "graph" records and replays it on CUDA, and falls back to "eager"
-    with one warning when capture fails; `graphs` keeps the recorded steps between calls (a KronosPredictor holds
-    one; None = record afresh). Greedy tokens agree across all of them; sampled paths have the same
-    distribution (not the same draws: "static" and "graph" race instead of torch.multinomial)."""
+    a series in consecutive rows. use_cache False: the published full recompute. decode (with the cache): "eager",
+    "static" (the CUDA graph's step without the graph: preallocated cache, `race_sample`) or "graph" (falls back to
+    "eager" with one warning when capture fails); `graphs` keeps the recorded steps between calls (None = record
+    afresh). What each guarantees (same greedy tokens; same distribution, not the same draws): README "Decoding"."""
     sampling = (temperature, top_k, top_p)
     check_temperature(temperature)  # before a graph capture, which would take the error for a failed capture
     if use_cache and decode in ("static", "graph"):

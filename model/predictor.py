@@ -1,15 +1,7 @@
-"""Forecasting with a Kronos pair: `KronosPredictor` and the file that travels with a finetuned predictor.
-
-- `KronosPredictor`: DataFrames in, forecasts out (`predict`, `predict_batch`, the long-format `predict_df`). Every
-  door cuts the history to the context the model was trained for (`lookback`) and normalises over exactly those rows.
-- `kronos_predictor.json`, beside config.json + model.safetensors in a finetuned predictor folder (the engine's
-  `best_model/`): {"max_context", "lookback", "tokenizer", "tokenizer_sha256", "clip", "calibration"}, every key
-  optional. A relative "tokenizer" path is resolved against the predictor folder ("tokenizer" = a copy inside it:
-  the folder is self-contained); "tokenizer_sha256" fingerprints the weights of the tokenizer the predictor was
-  trained with and `tokenizer_config.json` its config: `load_trained_pair`, which every door loads through,
-  refuses any other tokenizer.
-- Calibration: `model.calibration` fits it and writes it into kronos_predictor.json; `KronosPredictor` applies it
-  to the sample paths, so that the mean, quantiles and CRPS all use the same draws."""
+"""Forecasting with a Kronos pair: `KronosPredictor` (DataFrames in, forecasts out: `predict`, `predict_batch`, the
+long-format `predict_df`; every door cuts the history to `lookback` rows and normalises over exactly those) and
+`kronos_predictor.json`, the file that travels with a finetuned predictor (docs/CONTRACTS.md, "File formats:
+kronos_predictor.json"; `load_trained_pair` refuses any tokenizer other than the one it records)."""
 
 from __future__ import annotations
 
@@ -207,12 +199,9 @@ class KronosPredictor:
 
     max_context: the predictor's window (512 for Kronos-small/base; lookback + predict for a finetuned one).
     use_cache: key/value-cached generation; False = the full-recompute generator (same tokens, slower).
-    decode: how the cached generator steps (`generate_tokens`): "auto" = "graph" (one CUDA graph per step) on CUDA,
-        else "eager"; or "eager", "static" explicitly.
-    lookback: the context rows a forecast uses: a longer history is cut to its last `lookback` rows (said once per
-        predictor), and those rows alone give the normalisation statistics, as in training. None = max_context.
-        A lookback above max_context normalises over more rows than the window sees (the original Kronos code
-        normalised over the whole history passed: lookback >= len(df) reproduces it).
+    decode: how the cached generator steps (`generate_tokens`; README "Decoding"): "auto" = "graph" on CUDA, else eager.
+    lookback: the context rows a forecast uses and normalises over (README "Context"); None = max_context; above
+        max_context it normalises over more rows than the window sees (lookback >= len(df): the original's).
     calibration: a `fit_calibration` result, applied to the sample paths unless a call passes calibrated=False."""
 
     def __init__(self, model: Kronos, tokenizer: KronosTokenizer, device: str | None = None,
@@ -339,33 +328,13 @@ class KronosPredictor:
                    calibrated: bool = True, batch_size: int | None = None, adjust: str = "none",
                    seed: int | None = 0, timestamp_unit: str | None = None,
                    holidays: str | None = None) -> pd.DataFrame:
-        """Forecast every series of a long frame (one row per candle), in the style of Chronos' `predict_df`.
-
-        Columns are found by `model.features.resolve_columns` (timestamps may be a DatetimeIndex; their zone is kept;
-        integers are epoch times in `timestamp_unit` 's'/'ms'/'us'/'ns', None = read from their magnitude:
-        `model.frames.read_stamps`); rows are sorted by timestamp within each series; series may differ in length.
-        id_column: None = a column named "id" (any case) when there is one, else the frame is one series.
-        timestamp_column, columns: explicit names ({"close": "Close", ...}: canonical -> yours); they win. Separate
-            'Date' and 'Time' columns are joined into the timestamp (named 'Date+Time'; or timestamp_column="D+T").
-        adjust: "adj_close" scales open/high/low by the 'Adj Close' column / close (a Yahoo export adjusts only
-            'Adj Close'); "none" takes the prices as they are.
-        The forecast's timestamps follow each series' trading calendar (`model.calendar.TradingCalendar`, learned
-        from its history on its own wall clock: business days for daily stock bars, the session or 24/5 week of
-        intraday bars; `holidays`: a holiday calendar skipped, e.g. 'NYSE', see `model.calendar.holiday_calendar`),
-        or `calendar` for every series; freq: a pandas frequency instead of the bar spacing,
-        keeping the bars that start while the market trades; future: the timestamps themselves, one sequence for
-        every series or {id: sequence}, used as they are.
-        quantiles: levels in [0, 1] added as `<feature>_q<percent>` columns (close_q10, close_q90).
-        sample_count: sample paths (default MIN_QUANTILE_SAMPLES: the mean of one path reads like a point forecast
-            but is one draw); the rest as in `predict`. T, top_k, top_p, sample_count and seed default to the
-            forecast settings' (`kronos forecast --future`: with batch_size=forecast.batch_size, the same draws).
-        seed: torch's seed, set once before the first batch on a fork of the RNG (the caller's stays as it was);
-            None = draw from the RNG as it is.
-        batch_size: series forecast together (x sample_count sequences per forward pass); only their candles and
-            paths are held at once. None = `default_batch_size(sample_count, prediction_length)`: as many series as
-            keep one forward pass near FORWARD_BUDGET floats (its activations and logits), at least 1.
-        Returns prediction_length rows per series (in order of first appearance): the id column (when there is
-        one), the timestamps (your column's name, else "timestamps"), FEATURES (the mean), the quantile columns;
+        """Forecast every series of a long frame (one row per candle), in the style of Chronos' `predict_df`; rows are
+        sorted by timestamp within each series, series may differ in length. Columns, ids and timestamps
+        (`model.frames.read_stamps`, `model.features.resolve_columns`), trading calendars (`calendar`, `freq`, `future`,
+        `holidays`), `adjust`, quantiles, `seed` and the draws `kronos forecast --future` shares: README "Forecasting
+        with a checkpoint". batch_size: series per forward pass (x sample_count sequences); None = `default_batch_size`.
+        Returns prediction_length rows per series (in order of first appearance): the id column (when there is one), the
+        timestamps (your column's name, else "timestamps"), FEATURES (the mean), the `<feature>_q<percent>` columns;
         `.attrs["nonpositive_samples"]`: {series id: sampled prices <= 0} of the series that have any (warned)."""
         self._check_options(prediction_length, sample_count, quantiles, None, "prediction_length")
         fs = read_frame(df, prediction_length, id_column=id_column, timestamp_column=timestamp_column,

@@ -58,21 +58,19 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            build(args)
+            if args.csv_dir is not None:
+                frames = load_csv_folder(args.csv_dir)
+            else:
+                frames = generate_ohlcv(args.synthetic, freq="1D", start=args.start, end=args.end, seed=args.seed)
+            out = build_qlib_provider(frames, args.out, universe=args.universe, benchmark=args.benchmark,
+                                      overwrite=args.overwrite, membership=args.membership,
+                                      columns=args.columns or None)
+            print(f"built Qlib provider {out}: {len(frames)} symbols, universe {args.universe}, benchmark "
+                  f"{args.benchmark}")
         for w in caught:
             print(f"warning: {w.message}", file=sys.stderr)
     except (ValueError, FileNotFoundError, FileExistsError) as err:  # bad input: the message, not a traceback
         raise SystemExit(f"error: {err}") from None
-
-
-def build(args: argparse.Namespace) -> None:
-    if args.csv_dir is not None:
-        frames = load_csv_folder(args.csv_dir)
-    else:
-        frames = generate_ohlcv(args.synthetic, freq="1D", start=args.start, end=args.end, seed=args.seed)
-    out = build_qlib_provider(frames, args.out, universe=args.universe, benchmark=args.benchmark,
-                              overwrite=args.overwrite, membership=args.membership, columns=args.columns or None)
-    print(f"built Qlib provider {out}: {len(frames)} symbols, universe {args.universe}, benchmark {args.benchmark}")
 
 
 if __name__ == "__main__":

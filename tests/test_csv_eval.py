@@ -46,7 +46,7 @@ def make_run(root: Path, n_bars=(300, 251), zero_shot: str | None = "same", extr
         start_pred = zero_shot
     config = root / "ev.yaml"
     # `extra` (", key: value, ...") overrides the forecast defaults: a YAML mapping may not repeat a key
-    settings = {"sample_count": "8", "bootstrap_samples": "50", "seed": "1"}
+    settings = {"sample_count": "8", "seed": "1"}
     settings.update(kv.split(": ", 1) for kv in (p.strip() for p in extra.split(", ")) if kv)
     forecast_yaml = ", ".join(f"{k}: {v}" for k, v in settings.items())
     config.write_text(YAML.format(data=root / "data", out=root, tok=start_tok, pred=start_pred, forecast=forecast_yaml))
@@ -167,11 +167,11 @@ def test_forecast_command_mistakes_exit_with_one_error_line(tmp_path, capsys, mo
 
 
 def test_bad_forecast_settings_name_their_keys(tmp_path):
-    config = make_run(tmp_path, extra=", window_stride: 0, max_windows: 0, bootstrap_block: 0, "
+    config = make_run(tmp_path, extra=", window_stride: 0, max_windows: 0, "
                                       "calendar: nowhere.csv, sample_count: 0")
     with pytest.raises(ValueError) as err:
         load(config)
-    for key in ("forecast.window_stride", "forecast.max_windows", "forecast.bootstrap_block", "forecast.calendar",
+    for key in ("forecast.window_stride", "forecast.max_windows", "forecast.calendar",
                 "forecast.sample_count"):
         assert key in str(err.value)
 

@@ -173,7 +173,7 @@ def test_the_recorded_tokenizer_is_used_even_when_the_run_now_has_another(tmp_pa
 
 
 def test_forecasting_a_running_or_unfinished_predictor_stage_warns(tmp_path, caplog):
-    cfg = load(make_run(tmp_path, zero_shot=None, extra=", bootstrap_samples: 0"))
+    cfg = load(make_run(tmp_path, zero_shot=None))
     (cfg.predictor_dir / "run.lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                                             "started": "now", "argv": "train"}))
     with caplog.at_level("WARNING", logger="finetune_csv.forecast"):

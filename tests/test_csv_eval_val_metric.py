@@ -48,7 +48,7 @@ def test_the_score_is_the_mean_crps_of_the_subsample_and_is_deterministic():
     x_st, y_st = sub.stamps()
     paths = sample_paths(kp, sub.context, x_st, y_st, 4, cfg.forecast)
     ref = score_forecasts(paths[..., CLOSE], sub.actual[..., CLOSE], sub.context[:, -1, CLOSE],
-                          settings=ScoreSettings(n_boot=0))
+                          settings=ScoreSettings())
     assert first["crps"] == pytest.approx(ref["model"]["overall"]["crps"], rel=1e-12)
     assert first["mae"] == pytest.approx(ref["model"]["overall"]["mae"], rel=1e-12)
 

@@ -92,7 +92,7 @@ def _run(seed=0, w=40, s=30, h=4, level=(100.0, 1.0)):
 
 def test_score_forecasts_by_hand_and_strict_json():
     samples, realised, last, context, series = _run()
-    out = score_forecasts(samples, realised, last, context, series, ScoreSettings(season=5, n_boot=200, block=4))
+    out = score_forecasts(samples, realised, last, context, series, ScoreSettings(season=5))
     json.dumps(out, allow_nan=False)
     obs_ret = realised / last[:, None] - 1
     # Persistence predicts a zero return: its MAE and CRPS are the mean |return|.
@@ -120,15 +120,15 @@ def test_score_forecasts_by_hand_and_strict_json():
 
 
 def test_scores_do_not_depend_on_price_level_and_perfect_forecast_scores_zero():
-    a = score_forecasts(*_run(level=(100.0, 1.0)), settings=ScoreSettings(n_boot=0))
-    b = score_forecasts(*_run(level=(5000.0, 0.1)), settings=ScoreSettings(n_boot=0))
+    a = score_forecasts(*_run(level=(100.0, 1.0)), settings=ScoreSettings())
+    b = score_forecasts(*_run(level=(5000.0, 0.1)), settings=ScoreSettings())
     for key in ("mae", "mase", "crps", "wql"):
         assert a["model"]["overall"][key] == pytest.approx(b["model"]["overall"][key])
     _, realised, last, context, series = _run()
     perfect = score_forecasts(np.repeat(realised[:, None], 3, axis=1), realised, last, context, series,
-                              ScoreSettings(n_boot=0))
+                              ScoreSettings())
     assert perfect["model"]["overall"]["mae"] == 0 and perfect["model"]["overall"]["crps"] == pytest.approx(0)
-    assert perfect["model"]["overall"]["direction_accuracy"] == 1.0 and perfect["intervals"] is None
+    assert perfect["model"]["overall"]["direction_accuracy"] == 1.0
 
 
 def test_flat_series_and_bad_inputs():
@@ -136,7 +136,7 @@ def test_flat_series_and_bad_inputs():
     context[series == "B"] = 1.0  # a flat context: no naive error, MASE undefined -> None (strict JSON)
     last = last.copy()
     last[series == "B"] = 1.0
-    out = score_forecasts(samples, realised, last, context, series, ScoreSettings(n_boot=0))
+    out = score_forecasts(samples, realised, last, context, series, ScoreSettings())
     assert out["per_series"][1]["mase"] is None and out["per_series"][0]["mase"] > 0
     assert strict_json({"x": np.float32("nan"), "y": [np.inf, np.int64(2)]}) == {"x": None, "y": [None, 2]}
     with pytest.raises(ValueError, match=r"realised must be \(windows, horizons\)"):
@@ -169,7 +169,7 @@ def test_each_series_gets_its_own_seasonal_period():
     rng = np.random.default_rng(0)
     last = np.ones(2)
     scored = score_forecasts(1 + 0.01 * rng.standard_normal((2, 4, 6)), np.ones((2, 6)), last, 1 + context / 100,
-                             np.array(["s0", "s1"]), ScoreSettings(season={"s0": 5, "s1": 24}, n_boot=0))
+                             np.array(["s0", "s1"]), ScoreSettings(season={"s0": 5, "s1": 24}))
     assert scored["setup"]["season"] == {"s0": 5, "s1": 24} and "seasonal_naive" in scored
 
 

@@ -33,7 +33,7 @@ def perfect_vs_empirical(rng, windows: int) -> dict:
     last, realised = closes[ends], closes[ends[:, None] + 1 + np.arange(HORIZON)]  # (W,), (W, H)
     draws = last[:, None, None] * np.exp(np.cumsum(rng.normal(0, SIGMA, (windows, 20, HORIZON)), axis=-1))
     dates = pd.bdate_range("2020-01-01", periods=len(closes))[ends].to_numpy()
-    return score_forecasts(draws, realised, last, history[:, -20:], None, ScoreSettings(n_boot=0),
+    return score_forecasts(draws, realised, last, history[:, -20:], None, ScoreSettings(),
                            history=history, dates=dates)
 
 

@@ -35,7 +35,7 @@ predictor_training: {{lr: 1.0e-3}}
 paths:
   exp_name: wf
   base_dir: {out}/{{exp_name}}
-forecast: {{sample_count: 4, bootstrap_samples: 200}}
+forecast: {{sample_count: 4}}
 walk_forward: {{folds: 2, test_bars: 8}}
 """
 

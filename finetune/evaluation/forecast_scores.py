@@ -1,18 +1,6 @@
-"""Proper scoring rules for sample ensembles (pure numpy).
-
-Shapes: an ensemble is `samples (..., S)` with S samples on the LAST axis and `obs (...)` the realised values; every
-function returns one score per observation, `(...)`, so callers average over windows / horizons as they need.
-
-CRPS of an ensemble, with X, X' independent draws from the S samples (Gneiting & Raftery 2007):
-    CRPS = E|X - y| - 1/2 E|X - X'|
-The plain ("nrg") estimator averages |X_i - X_j| over all S^2 pairs (i = j included), as
-`properscoring.crps_ensemble` does; the fair estimator averages over the S (S - 1) pairs with i != j, which is
-unbiased for the CRPS of the distribution the samples come from (`scoringrules.crps_ensemble(...,
-estimator="fair")`). Every score, ranking and verdict here uses the fair one: the plain one overstates a forecaster's
-CRPS by E|X - X'| / (2 S), about 5% at 20 samples, 0.7% for the empirical baseline's ~235 paths, so it named a
-perfect 20-sample model worse than the empirical baseline (docs/evaluation.md, "Conventions"). The pair sum
-uses the sorted-sample identity sum_{i,j} |x_i - x_j| = 2 sum_i (2 i - S - 1) x_(i) (i = 1..S), O(S log S)
-instead of O(S^2)."""
+"""Proper scoring rules for sample ensembles (pure numpy): `samples (..., S)` with S samples on the LAST axis and
+`obs (...)` give one score per observation, `(...)`. Every score uses the fair CRPS estimator; why, and the O(S log S)
+pair sum: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 
@@ -169,14 +157,11 @@ class ScoreSettings:
     # Season of the seasonal-naive baseline in bars (bars per day / week), one for all series or {series: season};
     # None = no seasonal-naive baseline.
     season: int | dict[str, int] | None = None
-    n_boot: int = 1000  # 0 = no headline intervals (else the interval rule's; the bootstrap is gone).
-    block: int | None = 1  # Unused (the bootstrap's block length); the forecast config still passes it.
     # Windows closer than the horizon share realised bars: the known dependence is q = min_block - 1 dates.
     min_block: int = 1
     # Trailing bars whose H-bar paths form the `empirical` baseline (needs the history, see `score_forecasts`).
     empirical_window: int = 250
     level: float = 0.95  # Confidence level of the intervals.
-    seed: int = 0  # Unused (the bootstrap's seed); the forecast config still passes it.
 
 
 def _check_inputs(samples, realised, last_close, context, series) -> tuple:
@@ -318,7 +303,7 @@ def score_forecasts(samples, realised, last_close, context=None, series=None,
         base = result[baseline]["overall"]
         result["skill"].update({f"{k}_vs_{baseline}": 1.0 - result["model"]["overall"][k] / base[k]
                                 if base.get(k) else None for k in ("mae", "crps", "mase") if k in base})
-    result["intervals"] = _intervals(by_name["model"], dates, settings) if settings.n_boot > 0 else None
+    result["intervals"] = _intervals(by_name["model"], dates, settings)
     # Paired differences get the one interval rule of every report (statistics.paired_test, sessions as dates).
     when = np.arange(n_windows) if dates is None else np.asarray(dates)
     test = session_test if np.issubdtype(when.dtype, np.datetime64) else paired_test

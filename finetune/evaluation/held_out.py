@@ -98,12 +98,9 @@ def held_out_windows(segments: PanelSegments, window: Window, stride: int | None
 def sample_paths(predictor: Any, context: np.ndarray, x_stamps: np.ndarray, y_stamps: np.ndarray,
                  predict: int, sampling: Any, batch: int = 32, *, interruptible: bool = True) -> np.ndarray:
     """Sampled future candles (N, S, P, 6) float64 of every window, in price units, from context (N, L, 6) and
-    stamps x (N, L, 5), y (N, P, 5); `sampling` has temperature, top_k, top_p, sample_count and seed.
-
-    `predictor.sample_windows` (a `model.KronosPredictor`: each window normalised on its own, as predict_batch
-    does), `batch` windows per forward pass; `torch.manual_seed(sampling.seed)` is set once before the first batch.
-    `interruptible`: a stop request (SIGTERM) ends the sampling before each batch with `TrainingStopped` (False
-    inside the training loop's validation, which stops after its own checkpoint)."""
+    stamps x (N, L, 5), y (N, P, 5) by `predictor.sample_windows`, `batch` windows per forward pass, seeded once
+    with sampling.seed before the first. `interruptible`: a stop request (SIGTERM) ends the sampling before each batch
+    with `TrainingStopped` (False inside the training loop's validation, which stops after its own checkpoint)."""
     torch.manual_seed(sampling.seed)
     out = []
     for lo in range(0, len(context), batch):

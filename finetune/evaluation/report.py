@@ -1,16 +1,5 @@
-"""report.html: one offline page per run, built only from the files the run wrote.
-
-    kronos report RUN_DIR          (rebuilds RUN_DIR/report.html; no model, no data store needed)
-
-Every command that scores or forecasts calls `write_report(out_dir)` last: `kronos forecast` (held-out and
---future), `kronos walk-forward`, `kronos qlib-backtest`, `kronos qlib-walk-forward`; `kronos tune`'s tune/report.json
-is shown when present. The page reads metrics.json / report.json, forecast.csv, context.csv (the context bars a
-forecast passes in, written here because no other file keeps them), windows.csv / periods.csv / backtest_daily.csv /
-ic_decay.csv, the training stages' metrics.jsonl, run_info.json and kronos_predictor.json. Those files travel into
-the page as they are (`collect`); the template (report_template.html, with the Plotly bundle inlined) draws and
-formats them, so every number on the page is one of the run's own: nothing is computed twice. Derived, because no
-file holds them, are only the series the commands' own PNGs draw: cumulative CRPS by candidate (walk_forward.png),
-cumulative returns (cumulative_return.png) and the daily IC / RankIC of Qlib signals."""
+"""report.html: one offline page per run, built only from the files the run wrote (`kronos report RUN_DIR`
+rebuilds it). Which commands write it and which files it reads: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 
@@ -28,7 +17,7 @@ import pandas as pd
 from finetune.utils.metrics import read_metrics
 from model.errors import PathError
 from model.features import FEATURES
-from model.fileio import SEAL_NAME, atomic_write, check_seal, seal, strict_json
+from model.fileio import SEAL_NAME, atomic_write, check_seal, read_json_or_empty, seal, strict_json
 
 TEMPLATE = Path(__file__).with_name("report_template.html")
 # The page stays under 8 MB: Plotly takes 4.6 MB, the forecast windows at most WINDOW_BYTES (evenly spaced windows
@@ -39,11 +28,8 @@ CONTEXT_BARS = 3  # context bars drawn before a window = this many x the forecas
 GENERATED = "<!--generated-->"  # the one line that differs between two builds of the same run: when it was built
 
 
-def _json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return None  # a torn or foreign file: the page says what it could not read instead of failing the run
+def _json(path: Path) -> dict | None:
+    return read_json_or_empty(path) or None  # a torn or foreign file: the page says what it could not read
 
 
 def _csv(path: Path) -> pd.DataFrame | None:
@@ -125,7 +111,7 @@ def _training(roots: list[Path]) -> list[dict]:
 
 
 def collect(run_dir: str | Path) -> dict[str, Any]:
-    """Everything the page shows, read from `run_dir`'s files (see the module docstring)."""
+    """Everything the page shows, read from `run_dir`'s files (docs/architecture.md, "report.html")."""
     run = Path(run_dir).resolve()
     metrics, report = _json(run / "metrics.json"), _json(run / "report.json")
     tune = report if run.name == "tune" and report else _json(run / "tune" / "report.json")

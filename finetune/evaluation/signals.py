@@ -1,14 +1,5 @@
-"""Forward-return labels that follow the trade, computed by Qlib on the market calendar.
-
-Qlib's `TopkDropoutStrategy` trades a score dated t on day t+1 at the deal price, so the return the position earns
-over h days is price(t+1+h) / price(t+1) - 1 (h = 1: Qlib's Alpha158 label `Ref($close, -2)/Ref($close, -1) - 1`).
-A label on close(t+1) / close(t) would mix in the overnight move that no order placed on the score can capture.
-
-The expressions run through `D.features`, so `Ref` moves along the market calendar as stored: a day missing from the
-store or suspended there (NaN $close) makes the label NaN rather than reaching over the gap.
-
-    labels = forward_labels("csi300", "2024-01-01", "2024-06-30", deal_price="close", horizons=5)
-    # DataFrame, index (datetime, instrument), columns label_1..label_5"""
+"""Forward-return labels that follow the trade (a score dated t trades on day t+1: price(t+1+h) / price(t+1) - 1),
+computed by Qlib on the market calendar. Why, and the gaps rule: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 

@@ -1,28 +1,6 @@
-"""Inference on forecast scores: one interval rule for the mean of a dependent series (`mean_interval`, vectorised
-over simulated runs), used by every door: the paired verdict of the forecast report and both walk-forwards
-(`paired_test`, `session_test`), the Qlib IC / long-short t (`mean_test`) and metrics.json's headline intervals.
-
-The verdict (`paired_test`). Windows are weighted equally, as every ranking weights them: each date (or trading
-session) contributes the sum of its windows' differences, scaled by T / W (W windows on T dates), so the mean of the
-T date values is the mean over windows, and correlated windows at one date stay one observation. The rule on those T
-values, in time order (q = the known MA(q) dependence of overlapping targets, 0 for non-overlapping windows):
-- Variance: AR(1) prewhitening with the lag-1 coefficient bias-corrected (rho = (rho_hat + 1/T) / (1 - 3/T), the
-  mean-adjusted estimator's bias to first order, solved for rho; clipped to [-0.9, 0.97]), then a HAC variance of
-  the residuals (bandwidth L = max(2 q, floor(4 (T/100)^(2/9))), weights 1 up to q and Bartlett's taper beyond),
-  divided by its expectation's shrinkage from the estimated mean, 1 - sum_{|l|<=L} w_l / (T - 1) (13% at q = 4 and
-  100 dates), and recoloured by 1 / (1 - rho)^2.
-- Critical value: Student's t with df = B (1 - r) / (1 + r) - 1 (at least 1): B = min(floor(T / (L + 1)),
-  T / sum_{|l|<=L} w_l^2) blocks of the bandwidth (the second, Satterthwaite's count, is smaller with flat weights),
-  shrunk by the effective-sample factor of the dependence the prewhitening estimated beyond what MA(q)
-  alone implies (r = (rho - a) / (1 - a) in [0, 1], a = q / (q + 1)): strong persistence widens the interval.
-- An interval needs floor(T / (q + 1)) >= MIN_BLOCKS non-overlapping stretches: a rule in T alone, so a longer test
-  span never loses an interval a shorter one had (the former bandwidth-based count gave 24-27 dates an interval and
-  took it from 28-31).
-Simulated null false-positive rates of "the 95% interval excludes 0" (docs/evaluation.md, tests/test_statistics.py):
-at most 5.1% in every design from 24 to 200 dates (iid, t(3) tails, GARCH, uneven windows per session, a session
-factor, AR(1) 0.6 and 0.9, MA(4) overlap with and without GARCH); the plain prewhitening it replaces (rho not
-bias-corrected, t(B - 1)) gave 26% at AR(1) 0.9 and 24 dates. The interval is about the mean over these test dates
-for these models, not over finetuning runs in general."""
+"""Inference on forecast scores: one interval rule for the mean of a dependent series (`mean_interval`), used by
+every door (`paired_test`, `session_test`, `mean_test`, metrics.json's headline intervals). How the verdict weights
+windows: docs/architecture.md, "Formats and designs"; the rule itself: docs/evaluation.md, "The one interval rule"."""
 
 from __future__ import annotations
 
@@ -52,7 +30,7 @@ def hac_variance(x: np.ndarray, lag: int, flat: int = 0) -> np.ndarray:
 
 
 def mean_interval(x: np.ndarray, flat: int = 0, level: float = 0.95) -> dict[str, np.ndarray]:
-    """The interval rule of the module docstring for the mean of each row of `x (R, T)` (R runs of T date values,
+    """The interval rule (docs/evaluation.md) for the mean of each row of `x (R, T)` (R runs of T date values,
     time order, finite): {"mean", "se", "df", "half" (the half-width), "rho", "lag", "blocks", "has_interval"}, arrays
     `(R,)` except the ints lag and blocks; has_interval False below MIN_BLOCKS stretches or at zero variance."""
     x = np.atleast_2d(np.asarray(x, dtype=np.float64))
@@ -106,7 +84,7 @@ def session_test(diff, times, lag: int = 0, **kw) -> dict:
 
 def paired_test(diff, dates, lag: int = 0, level: float = 0.95, what: str = "difference",
                 higher_is_better: bool = False) -> dict:
-    """The verdict of the module docstring on paired differences `diff (W,)` at `dates (W,)` (sortable; < 0 = the
+    """The verdict (docs/architecture.md) on paired differences `diff (W,)` at `dates (W,)` (sortable; < 0 = the
     first better unless `higher_is_better`); `lag`: the known dependence q; `what` names the difference. Returns
     mean (over windows), ci_low / ci_high, dm_stat and p_value (None without an interval), df, windows, dates, lag
     (the bandwidth), rho, blocks, windows_needed (for 80% power at this difference), verdict, reason."""

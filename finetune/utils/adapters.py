@@ -1,29 +1,6 @@
 """Finetune modes of the predictor stage (`training.finetune_mode`): one class each in the registry `MODES`, which
-the configuration checks, the stage runner and the trainer read (a new mode is one class here).
-
-    training:
-      finetune_mode: lora           # full | lora | freeze
-      lora_rank: 8                  # lora: B (out, r) @ A (r, in) beside each target layer, scaled alpha / r
-      lora_alpha: 16
-      lora_dropout: 0.0
-      lora_targets: [attention]     # groups (LORA_GROUPS) or module names, e.g. [attention, heads] or [q_proj, w1]
-      trainable: [head, transformer.1]   # freeze: parameter-name prefixes that train (dotted: transformer.1 is
-                                         # not transformer.10); [] (default) = the heads and the last block
-
-- full (`Adapter`): every parameter trains (the published recipe); checkpoints hold the whole state dict.
-- lora (`LoraAdapter`): `peft` injects LoRA layers in place (the base weights frozen); only the adapters train.
-- freeze (`FreezeAdapter`): parameters whose names start with one of `trainable` train (none given: `head` and the
-  last transformer block); the rest get requires_grad=False and are not in the optimizer.
-lora / freeze of the tokenizer stage is refused (`trains_tokenizer`; the CSV pipeline skips that stage instead).
-
-What a run writes: in lora / freeze, step checkpoints hold the trainable parameters only (and the optimizer state
-of those), so they are small; a resume rebuilds the base model the pipeline loaded, checks it is the same (its
-sha256 joins the frozen tokenizer's in the checkpoint), then loads them. `best_model/` is always the published
-format: for lora the adapters merged into the weights (W + alpha / r * B @ A), so
-`KronosPredictor.from_pretrained`, `kronos forecast` and `push_to_hub` need nothing new, and the adapter alone in
-peft's format under `best_model/adapter/` (`PeftModel.from_pretrained(base_model, "best_model/adapter")`).
-After training the in-memory model is plain again (lora: merged, freeze: requires_grad restored). The config
-modules read `MODES` and must load no torch: torch is imported where a model is touched."""
+the configuration checks, the stage runner and the trainer read (a new mode is one class here). The settings, what a
+run writes per mode and the published `best_model/`: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """Checkpoints, in one place: what a resumable checkpoint holds (`Checkpoint`, format `CHECKPOINT_FORMAT`), writing
-it (atomic step files with rotation, `last.pt` = the newest, never non-finite weights, a full disk named with the
-bytes needed), reading it back (`load_latest` falls back to the previous file when the newest is broken, its zip
-CRC-32s checked: torch.load does not).
-Loading a published-format model: model/hub.py's `load_pretrained`. Whether to resume: the ledger's.
-
-Only rank 0 calls the writers; the training loop puts a `barrier()` after them before any rank reads. Writes go to
-a temporary name in the same folder and are moved into place with `os.replace`, so a process killed mid-write
-leaves the previous checkpoint intact, never half a file.
-"""
+it atomically with rotation (rank 0 only) and reading it back (`load_latest`, falling back past a broken newest
+file). The write and read guarantees: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 
@@ -325,26 +318,19 @@ def load_latest(folder: str | Path, *, map_location: Any = "cpu", validate: Call
                           + "\n  Remove these files, or set training.overwrite=true to start over")
 
 
-def _only_model_files(p: Path) -> bool:
-    return p.is_dir() and all(c.name in _MODEL_FILES for c in p.iterdir())
-
-
-def _is_model_tmp_dir(p: Path) -> bool:
-    m = _MODEL_TMP_RE.match(p.name)
-    if not m or not p.is_dir():
-        return False
-    names = {c.name for c in p.iterdir()}
-    return all(n in _MODEL_FILES or (n.startswith(".") and n.endswith(".tmp")) for n in names)
+def _only_model_files(p: Path, tmp_ok: bool = False) -> bool:
+    """`p` is a folder of published-model files only (`tmp_ok`: and hidden `.tmp` files of a killed write)."""
+    tmp = lambda n: tmp_ok and n.startswith(".") and n.endswith(".tmp")  # noqa: E731
+    return p.is_dir() and all(c.name in _MODEL_FILES or tmp(c.name) for c in p.iterdir())
 
 
 def remove_orphans(folder: str | Path, log: Callable[[str], None] | None = None) -> list[Path]:
-    """Delete what killed writes left in `folder` (not recursive); returns the removed paths.
+    """Delete what killed writes left in `folder` (not recursive; call it under the folder's run lock); returns them.
 
     Removed: hidden `.*.tmp` files and folders, and `.<name>.<8 chars>` / `.<name>.old` folders that hold only
     published-model files (config.json, model.safetensors, tokenizer_config.json). Nothing else is touched.
     A `.<name>.<8 chars>.old/x` model folder of a swap killed half-way is moved back to `<name>` when that is
-    missing (model.fileio.atomic_dir without renameat2), else removed.
-    Only call it while holding the folder's run lock."""
+    missing (model.fileio.atomic_dir without renameat2), else removed."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
@@ -358,7 +344,7 @@ def remove_orphans(folder: str | Path, log: Callable[[str], None] | None = None)
             removed.append(p)
             continue
         orphan_tmp = p.name.startswith(".") and p.name.endswith(".tmp") and len(p.name) > len(".tmp") + 1
-        if not (orphan_tmp or _is_model_tmp_dir(p)):
+        if not (orphan_tmp or (_MODEL_TMP_RE.match(p.name) and _only_model_files(p, tmp_ok=True))):
             continue
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)

@@ -1,11 +1,6 @@
-"""The command line of every entry point with settings, and the self-documenting settings behind --help-config.
-
-- `add_config_args` (--config, repeatable --set KEY=VALUE, --help-config, --print-config) and `parse_config_args`;
-  `add_run_flags` / `run_overrides` (--resume, --overwrite of the training commands). The --set items themselves
-  are parsed by the loader (config_utils.build_config), the same way for YAML-less runs from Python.
-- `describe_config` / `format_config_help`: every key's type, default and docstring (the string literal under each
-  dataclass field), so the settings document themselves.
-"""
+"""The command line of every entry point with settings (`add_config_args`, `parse_config_args`, `add_run_flags`)
+and the self-documenting settings behind --help-config (`describe_config`, `format_config_help`); docs/architecture.md,
+"Formats and designs"."""
 
 from __future__ import annotations
 
@@ -27,11 +22,8 @@ from finetune.utils.config_utils import dump_config, type_name
 def add_config_args(parser: argparse.ArgumentParser, config_cls: type,
                     load_fn: Callable[[str | None, Sequence[str]], Any],
                     default_config: str | None = None) -> argparse.ArgumentParser:
-    """Add `--config`, repeatable `--set KEY=VALUE`, `--help-config` and `--print-config` to `parser`.
-
-    `config_cls` is the settings dataclass (`--help-config` lists its keys and exits, like --help); `load_fn(path,
-    overrides)` is the pipeline's loader, which `--print-config` calls (so it prints exactly what a run would use,
-    and fails the same way). Parse with `parse_config_args`."""
+    """Add `--config`, repeatable `--set KEY=VALUE`, `--help-config` (the keys of `config_cls`) and `--print-config`
+    (calls the pipeline's `load_fn(path, overrides)`: exactly what a run would use, failing the same way)."""
     parser.add_argument("--config", default=default_config, required=default_config is None,
                         help=f"YAML file with the settings (default: {default_config})" if default_config
                         else "YAML file with the settings")

@@ -1,15 +1,6 @@
-"""Settings: typed dataclasses filled from YAML and `--set a.b=value`, one ConfigError for all problems.
-
-What this module owns:
-- Loading (`load_config` = `read_yaml` + `build_config`): unknown keys (with a "did you mean"), wrong types and
-  missing values are collected and raised once as a `ConfigError` naming each YAML key, e.g.
-  `training.epochs: expected int, got 'ten'`. Pipelines add their own rules with `Problems`.
-  `--set` values are YAML scalars (`3` -> int, `null` -> None), except for a `str` field, which takes the raw text
-  (`--set "data.columns.timestamps=Unnamed: 0"`). String fields may use `{name}` / `{a.b}` templates
-  (`base_dir: outputs/{exp_name}`): a bare name is looked up in the same section first, then at the top.
-- Export: `config_to_dict` / `dump_config` (what --print-config prints and run_info.json records).
-The sections both pipelines share are in finetune/utils/schema.py.
-"""
+"""Settings: typed dataclasses filled from YAML and `--set a.b=value`, one ConfigError for all problems
+(`load_config` = `read_yaml` + `build_config`; `Problems` for a pipeline's own rules; export by `config_to_dict` /
+`dump_config`). The rules for `--set` values and `{name}` templates: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 

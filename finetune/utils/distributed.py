@@ -1,15 +1,6 @@
-"""Seeding, in one place: the engine seeds each training run; model building gets a private, seeded stream.
-
-    with seeded_init(cfg.training.seed):                 # entry point: a from-scratch model's initial weights
-        tokenizer = build_tokenizer(cfg.model)
-    result = train_tokenizer(tokenizer, ...)             # the engine calls seed_everything(seed, rank) first
-
-Why the engine and not the entry point: a stage's random stream (dropout, sampled s1 tokens) must depend on
-(seed, rank) only, not on what the process did before the stage started - e.g. whether the tokenizer stage ran
-before the predictor stage or was skipped because it had already finished. So the trainer seeds python, numpy and
-torch with `seed + rank` as the first thing of every run, and nothing else sets the global streams.
-Model initialisation happens earlier, in the entry point; `seeded_init` gives it the same weights on every run
-without touching the global streams (under DDP, rank 0's weights are broadcast, so one seed for all ranks is right)."""
+"""Seeding, in one place: the engine seeds each training run with (seed, rank) (`seed_everything`); model building
+gets a private, seeded stream (`seeded_init`). Why the engine and not the entry point: docs/architecture.md,
+"Formats and designs"."""
 
 from __future__ import annotations
 

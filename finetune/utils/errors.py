@@ -1,11 +1,6 @@
-"""User errors versus bugs: how every entry point reports a failure, and the one logging setup.
-
-Every entry point ends with `sys.exit(run_main(main))`; `kronos <command>` (finetune/cli.py) runs the same `main`.
-`run_main` prints a user error as ONE line on stderr, `error: ...`, without a traceback; a bug keeps its traceback.
-`--debug` on the command line or `KRONOS_DEBUG=1` adds the traceback to user errors too.
-
-The error classes: those every layer raises, with their exit codes, are `model.errors` (the model package raises
-them too); the engine's own are here, below. Anything else escaping `main` is a bug, however it was raised."""
+"""User errors versus bugs: how every entry point reports a failure (`run_main`: a user error is ONE `error: ...`
+line, a bug keeps its traceback; `--debug` / KRONOS_DEBUG=1 add it), the engine's own error classes and the one
+logging setup. Details: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 
@@ -122,7 +117,7 @@ def require_extra(module: str) -> None:
 
 
 def classify(exc: BaseException) -> tuple[int, bool]:
-    """(exit code, is a user error) of an exception escaping `main`; see the module docstring."""
+    """(exit code, is a user error) of an exception escaping `main` (docs/architecture.md)."""
     if isinstance(exc, KeyboardInterrupt):
         return EXIT_INTERRUPTED, True
     if isinstance(exc, UserError):

@@ -2,14 +2,7 @@
 store's sources and arrays, a walk-forward's folds, a Qlib source, a forecast's data), by content, never by place:
 a file is its bytes, a model its weight and config files, the data its `data_info` without the paths in it, the
 settings the resolved values that change what is trained (so a changed code default counts). A moved but
-identical input is the same input.
-
-    digest(value)             sha256 of plain data as canonical JSON
-    file_fingerprint(path)    {"path", "bytes", "mtime_ns", "sha256"} of one file (`sha256_file`: its bytes)
-    tree_sha256(folder)       one sha256 of every file under a folder (relative names and bytes; cached by stat)
-    model_fingerprint(src)    a model folder or Hub id's tree_sha256 (None: from scratch)
-    data_fingerprint(info)    `data_info` without its paths
-    training_settings(cfg)    the settings a trained model depends on; forecast_settings(cfg): a forecast's"""
+identical input is the same input."""
 
 from __future__ import annotations
 
@@ -25,10 +18,8 @@ from finetune.utils.schema import RESUME_CLASS
 from model.fileio import sha256_file
 
 PLACE_KEYS = frozenset({"path", "store_dir", "qlib_data_path", "dataset_path"})  # where, not what
-FORECAST_REPORT_ONLY = ("bootstrap_samples", "bootstrap_block")  # change the report's intervals, not a forecast
 
 _cache: dict[tuple, str] = {}  # (file, size, mtime_ns, ctime_ns, inode) -> sha256: one read per file and process
-
 
 
 def file_fingerprint(path: str | Path, with_hash: bool = True) -> dict:
@@ -98,5 +89,5 @@ def training_settings(cfg: Any) -> dict[str, Any]:
 
 
 def forecast_settings(cfg: Any) -> dict[str, Any]:
-    """The settings a forecast of a trained model depends on (`forecast:` without what only the report uses)."""
-    return {k: v for k, v in config_to_dict(cfg)["forecast"].items() if k not in FORECAST_REPORT_ONLY}
+    """The settings a forecast of a trained model depends on (`forecast:`)."""
+    return config_to_dict(cfg)["forecast"]

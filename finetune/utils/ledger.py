@@ -2,8 +2,7 @@
 artifact current for these inputs?": reuse; rebuild (the log says which input changed); refuse (damaged, or a change
 only the user may accept). Asked of it: a stage folder (`open_stage`: fresh / resume / reuse / rebuild / refuse,
 from the Trainer's `StageInputs`), a file such as Qlib's signals.csv (`check_record` against its `write_record`).
-What it compares is fingerprinted by finetune/utils/fingerprint.py.
-"""
+What it compares is fingerprinted by finetune/utils/fingerprint.py."""
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ from finetune.utils.metrics import flatten_params
 from finetune.utils.schema import RESUME_CLASS, TrainingConfig, stage_key
 from model.config import Window
 from model.errors import ConfigError, DataError
-from model.fileio import read_json_object, sha256_file, write_json
+from model.fileio import read_json_or_empty, sha256_file, write_json
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -33,14 +32,6 @@ RUN_OUTPUTS = ("checkpoints", "best_model", "metrics.jsonl", "loss_curve.png", "
 """What a run writes into its stage folder (what training.overwrite deletes); nothing else is touched."""
 
 Status = Literal["empty", "unfinished", "finished"]
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    """The JSON object in `path`; {} when it is missing or unreadable."""
-    try:
-        return read_json_object(path)
-    except (OSError, ValueError):
-        return {}
 
 
 def _has_checkpoint(folder: Path) -> bool:
@@ -54,7 +45,7 @@ def stage_status(folder: str | Path) -> Status:
     folder = Path(folder)
     if not folder.is_dir():
         return "empty"
-    info = _read_json(folder / "run_info.json")
+    info = read_json_or_empty(folder / "run_info.json")
     if (info.get("result") or {}).get("finished") is True and _has_checkpoint(folder):
         return "finished"
     if _has_checkpoint(folder) or any((folder / name).exists() for name in RUN_OUTPUTS):
@@ -362,7 +353,7 @@ def check_record(path: Path, inputs: Mapping[str, Any]) -> Literal["reuse", "reb
         digest = sha256_file(path)
     except OSError:
         return "rebuild"  # not there yet
-    record = _read_json(path.with_name(path.name + ".record.json"))
+    record = read_json_or_empty(path.with_name(path.name + ".record.json"))
     changed = describe_changes(record.get("inputs"), plain(dict(inputs)))
     why = ("it has no record of what made it (an older version wrote it)" if not record else
            "its bytes are not the ones recorded (damaged or edited)" if record.get("sha256") != digest else

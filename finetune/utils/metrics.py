@@ -1,18 +1,6 @@
-"""Training metrics: a JSON-lines log, the experiment trackers it mirrors to, and run_info.json.
-
-`MetricsLogger` always writes metrics.jsonl; with `training.tensorboard`, `training.mlflow` or
-`training.comet` set it also hands every record to one `Tracker` per backend built by `open_trackers`. Only rank 0
-builds trackers (the logger is disabled elsewhere), so a torchrun job makes one run per stage, not one per process.
-
-Each backend's package is imported only when it is enabled. A backend that is enabled but not installed is a
-configuration mistake: `tracker_problems` names it (for the up-front config check) and `open_trackers` raises
-`TrackerUnavailable` (a `ConfigError`) with the setting to change and the `pip install` line.
-
-MLflow works offline by default: the tracking store is `<stage folder>/mlruns/mlflow.db` (SQLite; MLflow 3 refuses
-plain-file stores) and artefacts go to `<stage folder>/mlruns/artifacts`; view them with
-    mlflow ui --backend-store-uri sqlite:///<stage folder>/mlruns/mlflow.db
-A resumed stage continues the MLflow run it started (its id is kept in `<stage folder>/mlruns/run_id`).
-"""
+"""Training metrics: a JSON-lines log (metrics.jsonl), the experiment trackers it mirrors to (rank 0 only), and
+run_info.json. Backends, their install errors and MLflow's offline store: docs/architecture.md, "Formats and
+designs"."""
 
 from __future__ import annotations
 
@@ -259,14 +247,10 @@ def write_run_info(folder: str | Path, config: Any, data: dict[str, Any] | None 
 
 
 class MetricsLogger:
-    """Append records to `<folder>/metrics.jsonl` and mirror their numbers to the trackers (see `open_trackers`).
-
-    enabled: False on non-main ranks: nothing is created or written.
-    tracking: `open_trackers`' backend settings (tensorboard, mlflow, mlflow_tracking_uri, ..., run_name).
-    resume_step: when resuming from the checkpoint of this optimizer step, drop records of later steps (they were
-        logged by the interrupted run and are about to be redone) instead of duplicating them; the stage's MLflow
-        run is continued.
-    A missing tracker package is a `TrackerUnavailable` before anything is written."""
+    """Append records to `<folder>/metrics.jsonl` (nothing when not `enabled`: other ranks) and mirror their numbers
+    to the trackers `tracking` names (`open_trackers`; a missing package: `TrackerUnavailable` before any write).
+    resume_step: records of later steps (the interrupted run's, about to be redone) are dropped, not duplicated;
+    the stage's MLflow run is continued."""
 
     def __init__(self, folder: str | Path, *, enabled: bool = True, resume_step: int | None = None, **tracking: Any):
         self.enabled = enabled

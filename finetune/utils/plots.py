@@ -1,12 +1,6 @@
-"""Figures, written whole (to a temporary name first, then renamed: no torn PNG after a crash), and the bar-time
-text that labels them and the reports.
-
-- the loss curve of a training stage (`plot_loss_curves`, called by the training loop);
-- sampled forecast paths against the realised closes (`plot_panels`, the CSV forecast);
-- `save_figure`, the one way a pyplot figure reaches disk (the pipelines' own plots use it too).
-
-matplotlib is imported inside the functions: a run without it still trains (no loss_curve.png, a warning).
-"""
+"""Figures, written whole (`save_figure`: a temporary name, then renamed), the loss curve and forecast panels, and
+the bar-time text that labels them and the reports; matplotlib is imported inside the functions (a run without it
+still trains). Details: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 
@@ -77,13 +71,9 @@ def best_val_record(records: Iterable[dict[str, Any]], best_epoch: int | None = 
 
 def loss_curve_figure(records: Iterable[dict[str, Any]], title: str = "", best_epoch: int | None = None,
                       smoothing: float = 0.9):
-    """The loss figure: losses on top, learning rate below, both against the optimizer step.
-
-    Top: train loss per logged step (raw, faint; and an exponential moving average, debiased like TensorBoard's,
-    with weight `smoothing`), validation loss per epoch (epoch 0 = the starting model, at step 0), and the best
-    epoch marked with a star (artist gid "best_epoch") labelled with its epoch and loss. Bottom: the learning rate
-    of each train record (log scale). Needs matplotlib; returns a `matplotlib.figure.Figure` (not shown anywhere).
-    best_epoch: the trainer's (which honours min_delta); None = the lowest validation loss."""
+    """The loss figure against the optimizer step: train loss (raw and a debiased EMA of weight `smoothing`),
+    validation loss per epoch (epoch 0 = the starting model) with the best epoch starred (gid "best_epoch"; None =
+    the lowest, else the trainer's, which honours min_delta); the learning rate below (log scale)."""
     # no pyplot: no global backend or figure registry involved
     from matplotlib.figure import Figure
 

@@ -1,16 +1,6 @@
-"""Run safety, in one place; each decision is a small function of its inputs.
-
-- `RunLock`: one run per output folder (a `filelock` lock rank 0 holds for the whole run; stale locks taken over).
-- Interrupts: `GracefulStop` (SIGTERM / first Ctrl-C: finish the step, save, `TrainingStopped`, exit 75; a second
-  Ctrl-C quits at once); workers ignore SIGINT. The outermost `GracefulStop` holds the handlers for the whole run
-  (a nested one shares its request), and `raise_if_stop_requested` is the safe point outside the training loop:
-  between stages, before calibrating, before each batch of sampled forecasts (scoring, calibration, forecasting).
-- The non-finite guard: `check_step` (finite on every rank + stop agreed, one all-reduce), `diagnose` (most
-  likely cause, naming the setting), `NonFiniteGuard` (raises `DivergenceError` before the update).
-- Fault injection for the kill-loop tests (`maybe_die_after_step`):
-  KRONOS_FAULT_EXIT_AFTER_STEP=N (exit after optimizer step N and its checkpoint), KRONOS_FAULT_RANK=r (only rank r),
-  KRONOS_FAULT_EXIT_CODE=c (default 17). The exit is `os._exit`, as when the process is killed.
-"""
+"""Run safety, in one place; each decision is a small function of its inputs: `RunLock`, `GracefulStop`, the
+non-finite guard and the kill-loop tests' fault injection (KRONOS_FAULT_* variables): docs/architecture.md,
+"Formats and designs"."""
 
 from __future__ import annotations
 
@@ -39,7 +29,7 @@ import torch
 from finetune.utils.distributed import all_reduce_sum
 from finetune.utils.errors import DivergenceError, RunLockedError, TrainingStopped
 from model.errors import EXIT_STOPPED, PathError
-from model.fileio import read_json_object
+from model.fileio import read_json_or_empty
 
 FAULT_ENV = "KRONOS_FAULT_EXIT_AFTER_STEP"
 FAULT_RANK_ENV = "KRONOS_FAULT_RANK"
@@ -78,10 +68,7 @@ class LockHolder:
 
 def read_holder(path: str | Path) -> LockHolder:
     """Parse a lock file's JSON; an empty/garbled file gives a holder with pid None (still a valid description)."""
-    try:
-        data = read_json_object(path)
-    except (OSError, ValueError):  # DataError is a ValueError
-        data = {}
+    data = read_json_or_empty(path)
     pid = data.get("pid")
     return LockHolder(pid=pid if isinstance(pid, int) else None, host=str(data.get("host", "")),
                       started=str(data.get("started", "")), argv=str(data.get("argv", "")))
@@ -264,10 +251,8 @@ def _all_finite_flag(values: Sequence[torch.Tensor | float | None]) -> torch.Ten
 def check_step(loss: torch.Tensor | float, grad_norm: torch.Tensor | float | None = None, dist: Any = None,
                stop: bool = False) -> tuple[bool, bool]:
     """(loss and grad_norm finite on EVERY rank, any rank asked to stop): one all-reduce sum of two 0/1 ints per
-    optimizer step carries both flags (no collective in a single process).
-
-    `loss`: a 0-d tensor or float; `grad_norm`: what `clip_grad_norm_` returned, or None; `stop`: this rank's
-    `GracefulStop.requested`; `dist`: the run's `DistInfo` (its device holds the flags; nccl needs the GPU)."""
+    optimizer step carries both flags (no collective in a single process; on `dist.device`: nccl needs the GPU).
+    `grad_norm`: what `clip_grad_norm_` returned, or None; `stop`: this rank's `GracefulStop.requested`."""
     bad = _all_finite_flag([loss, grad_norm])
     flags = torch.stack([bad, torch.tensor(1 if stop else 0, dtype=torch.int32, device=bad.device)])  # (2,)
     bad_any, stop_any = all_reduce_sum(flags.to(getattr(dist, "device", None) or bad.device)).tolist()

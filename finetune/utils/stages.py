@@ -1,19 +1,7 @@
-"""The stage runner both pipelines call: which stages run (`plan_stages`, `stage_resume`), their models checked
-before any data is written, the tokenizer stage, the predictor stage on the tokenizer it produced, the calibration
-of the predictor's bands. The models come from `model:` (`build_tokenizer` / `build_predictor`): a pretrained
-folder or hub id wins over the `*_arch` architecture, which is then ignored (and not checked); every failure names
-the YAML keys to change.
-
-    plan = plan_stages(pipeline, STAGES, skip={"tokenizer": "--skip-tokenizer"}, skip_existing=False)
-    results, data_info = run_stages(pipeline, plan, resume=stage_resume(pipeline, plan))
-
-A pipeline writes its data side only, a `Pipeline` (finetune_csv/train_sequential.py, finetune/dataset.py).
-The rest is here, once: the tokenizer is selected by its validation loss; a from-scratch model starts from the same
-weights on every run (`seeded_init`); kronos_predictor.json records the window, the tokenizer and its weights'
-sha256 and the clip; a finished predictor lacking its calibration gets it on the next run. One stop request covers
-the whole run (the `GracefulStop` entered here), and each boundary (data ready, a stage done, a batch of sampled
-forecasts) is a safe point: `TrainingStopped` (exit 75) once the work so far is on disk, and the same command then
-ends with exactly the uninterrupted run's outputs."""
+"""The stage runner both pipelines call (`plan_stages`, `stage_resume`, `run_stages`): tokenizer stage, predictor
+stage on the tokenizer it produced, calibration of the predictor's bands; a pipeline writes its data side only (a
+`Pipeline`). What it guarantees (model checks, seeding, safe points on a stop): docs/architecture.md, "Formats and
+designs"."""
 
 from __future__ import annotations
 

@@ -1,27 +1,6 @@
-"""`SeriesPanel`: many candle series stored as one contiguous block, the form every data path hands the engine.
-
-    features   float32 (F, N)   feature-major: row f holds feature f of every bar of every series, series after
-                                series, each in time order (F = 6: open, high, low, close, volume, amount)
-    stamps     int64   (N, 5)   minute, hour, weekday (Monday=0), day of month, month of each bar
-    offsets    int64   (S + 1,) the bars of series s are columns offsets[s]:offsets[s + 1]; offsets[0] = 0,
-                                offsets[-1] = N
-    names      str     (S,)     series names (symbol, file name) for messages
-    datetimes  int64   (N,)     optional: bar time as nanoseconds since 1970-01-01 (naive wall-clock time)
-
-Feature-major storage makes a window's statistics reductions over a contiguous time axis; the arrays may be
-`np.memmap`s (a prepared data store opened read-only on every rank), and nothing here copies them.
-
-Also here: the prepared store, the one on-disk form of a panel that both pipelines write (`StoreWriter`) and
-memory-map (`open_store`); a folder of
-
-    features_t.npy  stamps.npy  datetimes.npy  offsets.npy   the arrays above (.npy, datetimes required)
-    names.json                                                 the S series names
-    manifest.json   {"format", "format_version", "n_rows", "n_series", "features", "checksums": {file: sha256},
-                     ...what the writer adds (its sources, settings)}
-
-The sha256 of every array file is recorded when it is written, so damage after the fact (a flipped byte, a
-truncated or swapped file) is found by `verify_store` instead of training on it silently. The one file
-fingerprint of the project is finetune/utils/fingerprint.py's (`file_fingerprint`, sources and arrays alike)."""
+"""`SeriesPanel` (many candle series as one contiguous feature-major block, the form every data path hands the
+engine) and the prepared store, its one on-disk form (`StoreWriter`, `open_store`, `verify_store`). Arrays, shapes
+and the folder's files: docs/CONTRACTS.md, "File formats: the prepared data store and `SeriesPanel`"."""
 
 from __future__ import annotations
 
@@ -50,7 +29,7 @@ ARRAY_FILES = ("features_t.npy", "stamps.npy", "datetimes.npy", "offsets.npy", "
 
 @dataclass(frozen=True)
 class SeriesPanel:
-    """All series of one split as contiguous arrays (shapes in the module docstring); validated on construction."""
+    """All series of one split as contiguous arrays (shapes: docs/CONTRACTS.md); validated on construction."""
 
     features: np.ndarray
     stamps: np.ndarray

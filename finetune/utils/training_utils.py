@@ -1,10 +1,6 @@
-"""The training engine both pipelines call (`train_tokenizer`, `train_predictor`): one module, read top to bottom.
-`Trainer` declares all its state in `__init__`; `state_dict()` / `load_state_dict()` = a checkpoint's content.
-
-The ledger (finetune/utils/ledger.py) decides what the stage folder's content means (fresh, resume, reuse, rebuild
-or refuse), the Validator (validate.py) validates and selects, checkpoint.py writes, safety.py keeps the run safe.
-`data_info` goes into run_info.json and its fingerprint into every checkpoint, so pipelines put in it what defines
-their data (file sha256s, splits, window)."""
+"""The training engine both pipelines call (`train_tokenizer`, `train_predictor`): one module, read top to bottom;
+`Trainer` declares all its state in `__init__`, and `state_dict()` / `load_state_dict()` are a checkpoint's content.
+Its neighbours' roles and what `data_info` must hold: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 
@@ -295,10 +291,8 @@ class Trainer:
 
     stage: what is trained and how its loss is computed (`TokenizerStage` / `PredictorStage`).
     train_set, val_set: datasets of (x (T, F) float32, x_stamp (T, 5) int64) items.
-    cfg: loop settings (validated here: a ConfigError lists every problem).
-    out: the stage's output folder (written by rank 0 only).
-    run_config, data_info: stored in run_info.json and the checkpoint; data_info's fingerprint guards a resume
-        (what it must hold: training_utils.py).
+    cfg: loop settings (validated here: a ConfigError lists every problem); out: the stage's folder (rank 0 writes).
+    run_config, data_info: stored in run_info.json and the checkpoint; data_info's fingerprint guards a resume.
     val_metric: optional forecast metric (model) -> {"score", ...}, run after each validation; with
         training.select_by = its name, its "score" (lower is better) picks best_model/ instead of val_loss.
     data_extremes: what the data check flagged (for the divergence diagnosis), or None.

@@ -6,7 +6,6 @@ the time: tests/test_tune.py). Optuna on a journal file with a heartbeat; trial 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -27,8 +26,9 @@ import numpy as np
 import pandas as pd
 from filelock import FileLock
 
-from finetune.utils.config_utils import Problems, get_dotted
+from finetune.utils.config_utils import Problems, get_dotted, plain
 from finetune.utils.errors import require_extra
+from finetune.utils.fingerprint import digest
 from model.errors import ConfigError, UserError
 from model.fileio import read_json_object, write_json
 
@@ -109,12 +109,11 @@ def suggest(trial: Any, tc: TuneConfig, given: Mapping[str, Any]) -> dict[str, A
 def unit_fingerprint(settings: Mapping[str, Any], dates: Any, data: Any) -> str:
     """A unit's identity (one trial's training on one fold): the settings that change training (forecast-only keys
     removed here), the fold's dates and the data's hash."""
-    kept = json.loads(json.dumps(settings, default=str))
+    kept = plain(settings)
     for key in FORECAST_ONLY:
         section, _, name = key.partition(".")
         (kept.get(section) or {}).pop(name, None)
-    text = json.dumps([kept, dates, data], sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return digest([kept, dates, data])[:16]
 
 
 # ---- selection and diagnostics on an inner score matrix (trials x dates, lower = better) -------------------------
@@ -177,7 +176,7 @@ def open_study(folder: Path, tc: TuneConfig, identity: dict, holdout: Any, worke
     in `folder` is named in the log and starts a new study: trials of two setups are never mixed."""
     from finetune.utils.ledger import describe_changes  # (torch) not for loading settings
 
-    name = "tune-" + hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    name = "tune-" + digest(identity)[:12]
     path = folder / "study.json"
     old = read_json_object(path) if path.is_file() else {}
     if old.get("name") not in (None, name):

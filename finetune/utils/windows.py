@@ -1,13 +1,6 @@
-"""The one sliding-window dataset both pipelines train on, over index ranges of a `SeriesPanel` (no copies).
-
-    train = PanelSegments(panel, start, first_target, stop).dataset(Window(lookback=512, predict=48, clip=5.0))
-    x, x_stamp = train.get_batch(indices)    # (B, W, F) float32 normalised, (B, W, 5) int64
-
-A split of series s is the column range [start, stop) of the panel (cut by the pipeline: finetune_csv/splits.py);
-for val/test `start` lies `lookback` rows before the split's first own row (`first_target`), so the split's first
-window predicts its first row, and no window crosses into another series. With a memory-mapped panel nothing is
-copied until a batch is gathered: a batch reads B windows from the map (`WindowDataset(panel, ranges=(start, stop))`).
-The order in which an epoch reads its windows is a pure function of (seed, epoch), produced chunk by chunk."""
+"""The one sliding-window dataset both pipelines train on, over index ranges of a `SeriesPanel` (no copies); an
+epoch's window order is a pure function of (seed, epoch). Splits as column ranges and an example:
+docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 
@@ -268,21 +261,9 @@ class WindowDataset(Dataset):
 
 
 class EpochSampler(Sampler[int]):
-    """Which windows this rank reads in an epoch: a pure function of (seed, epoch, rank), so runs are reproducible.
-
-    Per epoch: (a) all windows are permuted with a generator seeded by (seed, epoch) (or kept in order when
-    `shuffle=False`; above `exact_limit` windows, 16.8M, by the blocked streaming order of `EpochOrder`);
-    (b) when `max_samples` is set and smaller than the dataset, the first `max_samples` of that permutation are used:
-    a fresh seeded subset every epoch (Qlib's n_train_iter / n_val_iter); (c) the chosen windows are dealt
-    round-robin to the ranks (`chosen[rank::world_size]`), so every chosen window is read exactly once across ranks
-    (and across DataLoader workers, which split this rank's batches).
-
-    Remainder policy: with `drop_remainder=True` (training) the last `len(chosen) % world_size` windows of the
-    epoch's order are dropped so that every rank does the same number of steps (DDP requires it; a different
-    handful is dropped each shuffled epoch). With `drop_remainder=False` (validation) nothing is dropped or
-    duplicated; ranks then differ by at most one window, and the loss is summed and counted exactly.
-
-    `set_epoch(epoch, skip=k)` starts the epoch after this rank's first k windows (mid-epoch resume)."""
+    """Which windows this rank reads in an epoch: a pure function of (seed, epoch, rank), so runs are reproducible;
+    `set_epoch(epoch, skip=k)` starts the epoch after this rank's first k windows (mid-epoch resume). The order,
+    the per-epoch subset, the dealing to ranks and the remainder policy: docs/architecture.md, "Formats and designs"."""
 
     def __init__(self, num_samples: int, *, shuffle: bool = True, seed: int = 0, max_samples: int | None = None,
                  rank: int = 0, world_size: int = 1, drop_remainder: bool = True):
