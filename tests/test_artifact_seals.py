@@ -270,3 +270,17 @@ def test_a_forecast_refuses_a_zero_shot_start_that_is_not_the_one_the_run_was_fi
     err = capsys.readouterr().err
     assert "model.pretrained_predictor: its weights are not the ones the run" in err and "Traceback" not in err
     assert not (cfg.base_dir / "forecast").exists()
+
+
+def test_a_folder_named_like_a_data_file_in_the_data_folder_is_named_not_skipped(tmp_path):
+    """Audit of issue 44 cause 7: a sub-folder `x.csv/` (as Spark writes one) was dropped without a word."""
+    from finetune.utils.errors import StoreError
+    from finetune_csv.sources import list_sources
+
+    (tmp_path / "a.csv").write_text("timestamps,open\n")
+    (tmp_path / "archive").mkdir()  # any other folder: not an input, ignored as before
+    assert list_sources(tmp_path) == [tmp_path / "a.csv"]
+    (tmp_path / "b.csv").mkdir()
+    (tmp_path / "b.csv" / "part-0000.csv").write_text("timestamps,open\n")
+    with pytest.raises(StoreError, match=r"not readable regular files .*a folder named like a data file.*\['b\.csv'\]"):
+        list_sources(tmp_path)
