@@ -240,12 +240,22 @@ def zero_shot_predictor(cfg: CsvFinetuneConfig) -> KronosPredictor | None:
         return None
     tokenizer_src = m.pretrained_tokenizer or CsvPipeline(cfg).tokenizer_source()[0]
     try:
-        return KronosPredictor.from_models(*load_pretrained_pair(m.pretrained_predictor, tokenizer_src),
-                                           window=cfg.data.window)
+        pair = load_pretrained_pair(m.pretrained_predictor, tokenizer_src)
     except Exception as exc:  # noqa: BLE001 - any load failure (network, files, shapes) only skips the comparison
         log.warning("zero-shot comparison skipped: cannot load model.pretrained_predictor=%s with tokenizer %s (%s)",
                     m.pretrained_predictor, tokenizer_src, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None
+    # The zero-shot side must be the start the run was finetuned from (overwritten in place or pointed elsewhere, the
+    # comparison would score other weights); run_info.json records it (older runs: nothing to compare).
+    for model, stage, key in ((pair[0], cfg.predictor_dir, "predictor"), (pair[1], cfg.tokenizer_dir, "tokenizer")):
+        info = stage / "run_info.json"
+        was = (read_json_object(info) if info.is_file() else {}).get("start_fingerprint")
+        if was and (key == "predictor" or m.pretrained_tokenizer) and was != weights_fingerprint(model):
+            raise DataError(f"model.pretrained_{key}: its weights are not the ones the run in {stage} was finetuned "
+                            f"from (sha256 {was[:12]} -> {weights_fingerprint(model)[:12]}), so the zero-shot "
+                            "comparison would score other weights; point it at the run's start, retrain "
+                            "(`kronos finetune --skip-existing`) or set forecast.compare_pretrained: false")
+    return KronosPredictor.from_models(*pair, window=cfg.data.window)
 
 
 def _season(cfg: CsvFinetuneConfig, panel) -> dict[str, int] | None:

@@ -116,11 +116,14 @@ def list_sources(sources: Sources) -> list[Path | Frame]:
                 raise StoreError(f"data.path: {p} is not {kinds} file")
             out.append(p)
         elif p.is_dir():
-            odd = sorted(f.name for f in p.iterdir() if not f.name.startswith(".") and not f.is_dir()
+            # A folder named like a data file (Spark writes prices.csv/ as a folder of parts) is not read either.
+            odd = sorted(f.name for f in p.iterdir() if not f.name.startswith(".")
+                         and not (f.is_dir() and f.suffix.lower() not in suffixes)
                          and not (f.is_file() and os.access(f, os.R_OK)))
             if odd:
                 raise StoreError(f"data.path: {p} holds entries that are not readable regular files (a dangling "
-                                 f"link, a FIFO, no read permission): {odd[:5]}; remove or fix them")
+                                 f"link, a FIFO, a folder named like a data file, no read permission): {odd[:5]}; "
+                                 "remove or fix them")
             files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in suffixes)
             others = sorted(f.name for f in p.iterdir() if f.is_file() and f.suffix.lower() not in suffixes
                             and not f.name.startswith("."))

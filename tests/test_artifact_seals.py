@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -250,3 +251,36 @@ def test_a_finished_run_with_a_doubled_best_model_weight_is_refused_by_finetune_
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
     named = f"{best / 'model.safetensors'} is not the file written there"
     assert "Traceback" not in "".join(err) and len(err) == 2 and all(named in e for e in err)
+
+
+def test_a_forecast_refuses_a_zero_shot_start_that_is_not_the_one_the_run_was_finetuned_from(tmp_path, capsys):
+    """Audit of issue 44 cause 1: model.pretrained_predictor overwritten in place after finetuning; the forecast
+    would score the new weights as "zero-shot" against a model finetuned from the old ones."""
+    from model.hub import weights_fingerprint
+    from tests.model_factory import tiny_predictor
+
+    config = make_eval_run(tmp_path, zero_shot="same")  # start/predictor: tiny_predictor(seed=7)
+    cfg = load(config)
+    (cfg.predictor_dir / "run_info.json").write_text(json.dumps({"start_fingerprint":
+                                                                 weights_fingerprint(tiny_predictor(seed=7))}))
+    assert run_main(forecast.main, ["--config", str(config)]) == 0  # the start it recorded: compared
+    shutil.rmtree(cfg.base_dir / "forecast")
+    tiny_predictor(seed=8).save_pretrained(tmp_path / "start" / "predictor")  # overwritten in place
+    assert run_main(forecast.main, ["--config", str(config)]) == EXIT_DATA
+    err = capsys.readouterr().err
+    assert "model.pretrained_predictor: its weights are not the ones the run" in err and "Traceback" not in err
+    assert not (cfg.base_dir / "forecast").exists()
+
+
+def test_a_folder_named_like_a_data_file_in_the_data_folder_is_named_not_skipped(tmp_path):
+    """Audit of issue 44 cause 7: a sub-folder `x.csv/` (as Spark writes one) was dropped without a word."""
+    from finetune.utils.errors import StoreError
+    from finetune_csv.sources import list_sources
+
+    (tmp_path / "a.csv").write_text("timestamps,open\n")
+    (tmp_path / "archive").mkdir()  # any other folder: not an input, ignored as before
+    assert list_sources(tmp_path) == [tmp_path / "a.csv"]
+    (tmp_path / "b.csv").mkdir()
+    (tmp_path / "b.csv" / "part-0000.csv").write_text("timestamps,open\n")
+    with pytest.raises(StoreError, match=r"not readable regular files .*a folder named like a data file.*\['b\.csv'\]"):
+        list_sources(tmp_path)

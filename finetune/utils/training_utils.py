@@ -448,6 +448,7 @@ class Trainer:
             resume_step=self.state.global_step if self.resume_path is not None else None)
         self.run_extra = {"stage": self.stage.name, "world_size": self.dist.world_size, "select_by": cfg.select_by,
                           "frozen_fingerprint": self.inputs.frozen,  # the predictor's tokenizer (sha256 of weights)
+                          "start_fingerprint": self.inputs.start,  # what a forecast's zero-shot model must be
                           **self.stage.adapter.counts(),
                           "resumed_from": str(self.resume_path) if self.resume_path else None,
                           **{k: v for k, v in self.run_extra.items() if v}}
