@@ -130,6 +130,7 @@ def record_tokenizer(cfg, tokenizer_dir, sha256: str | None = None):
     sha256 = sha256 or weights_fingerprint(KronosTokenizer.from_pretrained(tokenizer_dir))
     write_json(best / "kronos_predictor.json", predictor_info(best, max_context=30, tokenizer=tokenizer_dir,
                                                               tokenizer_sha256=sha256))
+    seal(best)  # as the stage runner does after every write into best_model/
     return best
 
 
@@ -149,10 +150,12 @@ def test_a_forecast_cutting_other_windows_than_the_predictor_learned_on_is_refus
     best = record_tokenizer(cfg, tmp_path / "start/tokenizer")
     info = json.loads((best / "kronos_predictor.json").read_text())
     write_json(best / "kronos_predictor.json", {**info, "lookback": 24, "clip": 3.0})  # trained with clip 3
+    seal(best)
     with pytest.raises(ConfigError, match=r"data\.clip: is 5\.0 but the predictor in .* was trained with 3\.0"):
         forecast.run_forecast(cfg)
     assert not (cfg.base_dir / "forecast").exists()
     write_json(best / "kronos_predictor.json", {**info, "lookback": 24, "clip": 5.0})
+    seal(best)
     assert forecast.run_forecast(cfg)["windows"] == 18
 
 

@@ -9,6 +9,7 @@ import runpy
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -96,13 +97,14 @@ def test_builder_refuses_to_overwrite_without_force(tmp_path):
     assert (tmp_path / "ck" / "mine.txt").read_text() == "user work" and not (tmp_path / "w").exists()
 
 
-def test_block_bootstrap_interval():
+def test_demo_interval_follows_the_one_rule():
     ci = runpy.run_path(str(REPO / "scripts" / "compare_pretrained_demo.py"))["mean_ci95"]
-    assert ci(np.full(100, 1.5)) == pytest.approx([1.5, 1.5])
+    days = pd.date_range("2024-01-01", periods=100, freq="D")
     rng = np.random.default_rng(0)
     values = rng.normal(0.3, 1.0, 100)
-    lo, hi = ci(values)
+    lo, hi = ci(values, days)
     assert lo < values.mean() < hi and 0.2 < hi - lo < 0.8  # ~ 4 x 1/sqrt(100)
+    assert ci(values[:6], days[:6]) is None  # 6 sessions: the rule claims no interval (the demo README's old case)
 
 
 @pytest.mark.slow
