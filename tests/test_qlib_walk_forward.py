@@ -64,9 +64,8 @@ def test_verdict_direction_and_recomputation():
     assert short["ci_low"] is None  # nothing for a plot to draw either
 
 
-@pytest.mark.slow
-def test_walk_forward_command_on_a_tiny_store(tmp_path):
-    pytest.importorskip("qlib")
+def tiny_walk_forward_config(tmp_path) -> dict:
+    """A tiny Qlib store of 6 synthetic stocks, a tiny pretrained pair and the walk-forward settings over them."""
     from finetune.qlib_builder import build_qlib_provider
     from finetune.synthetic import generate_ohlcv
     from tests.model_factory import tiny_models
@@ -82,6 +81,13 @@ def test_walk_forward_command_on_a_tiny_store(tmp_path):
                     "pretrained_predictor": str(tmp_path / "pre_pred")}
     cfg["walk_forward"] = {"test_range": ["2022-01-01", "2022-04-30"], "period_months": 2, "val_months": 2,
                            "block_days": 5}
+    return cfg
+
+
+@pytest.mark.slow
+def test_walk_forward_command_on_a_tiny_store(tmp_path):
+    pytest.importorskip("qlib")
+    cfg = tiny_walk_forward_config(tmp_path)
     (tmp_path / "wf.yaml").write_text(yaml.safe_dump(cfg))
     env = cpu_env(DIST_BACKEND="gloo", OMP_NUM_THREADS="1")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

@@ -290,22 +290,10 @@ def test_a_small_qlib_study_end_to_end(tmp_path):
     import yaml
 
     pytest.importorskip("qlib")
-    from finetune.qlib_builder import build_qlib_provider
-    from finetune.synthetic import generate_ohlcv
     from tests.conftest import cpu_env
-    from tests.model_factory import tiny_models
-    from tests.test_qlib_pipeline import tiny_config
+    from tests.test_qlib_walk_forward import tiny_walk_forward_config
 
-    frames = generate_ohlcv(6, None, "1D", start="2021-01-04", end="2022-06-30", seed=3)
-    build_qlib_provider(frames, tmp_path / "qlib", universe="csi300", benchmark="SH000300")
-    tokenizer, predictor = tiny_models()
-    tokenizer.save_pretrained(tmp_path / "pre_tok")
-    predictor.save_pretrained(tmp_path / "pre_pred")
-    cfg = yaml.safe_load(tiny_config(tmp_path).read_text())
-    cfg["model"] = {"pretrained_tokenizer": str(tmp_path / "pre_tok"),
-                    "pretrained_predictor": str(tmp_path / "pre_pred")}
-    cfg["walk_forward"] = {"test_range": ["2022-01-01", "2022-04-30"], "period_months": 2, "val_months": 2,
-                           "block_days": 5}
+    cfg = tiny_walk_forward_config(tmp_path)
     cfg["tune"] = {"n_trials": 2, "inner_folds": 1, "space": {"forecast.temperature": {"low": 0.5, "high": 1.5}}}
     (tmp_path / "tune.yaml").write_text(yaml.safe_dump(cfg))
     env = cpu_env(DIST_BACKEND="gloo", OMP_NUM_THREADS="1")
