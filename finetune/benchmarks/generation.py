@@ -12,9 +12,9 @@ Without CUDA the defaults are small (--quick: about a minute on 2 CPU cores); --
 DataFrames) for 300 DataFrames of 90 daily bars -> 10, with the model replaced by a stub that returns at once: the
 CPU stand-in of the 300-series target (issue 34: <= 100 ms on 2 cores).
 
-    python scripts/bench_generation.py                 # quick on CPU, full on CUDA
-    python scripts/bench_generation.py --full --repeats 3
-    python scripts/bench_generation.py --host          # PYTHONPATH=<another checkout> times that one's host side
+    python -m finetune.benchmarks.generation                 # quick on CPU, full on CUDA
+    python -m finetune.benchmarks.generation --full --repeats 3
+    python -m finetune.benchmarks.generation --host          # PYTHONPATH=<another checkout> times that one's host side
 """
 from __future__ import annotations
 
