@@ -30,14 +30,15 @@ ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PROJECT = PYPROJECT["project"]
 OUR_PACKAGES = ("model", "finetune", "finetune_csv")
-# Imported inside try/except ImportError with a warning (training.comet): not a dependency.
-OPTIONAL_IMPORTS = {"comet_ml"}
+# Imported only by a mode that says so: the `store` benchmark's pandas baseline reads tests/csv_reference.py, from
+# a source checkout (finetune/benchmarks/data.py documents it; --baseline-rows 0 skips it).
+OPTIONAL_IMPORTS = {"tests"}
 # Imported lazily where used, with an error naming the extra to install when missing.
-LAZY_EXTRAS = {"mlflow": "mlflow", "peft": "lora", "holidays": "calendars", "optuna": "tune"}
+LAZY_EXTRAS = {"mlflow": "mlflow", "peft": "lora", "holidays": "calendars", "optuna": "tune", "comet_ml": "comet"}
 # Modules only the Qlib pipeline imports (besides finetune/qlib_*.py).
 QLIB_ONLY = {"finetune/evaluation/signals.py"}
 # The distribution of an optional library's module when it is not installed here (no metadata to ask).
-NOT_INSTALLED_DISTS = {"qlib": "pyqlib"}
+NOT_INSTALLED_DISTS = {"qlib": "pyqlib", "comet_ml": "comet-ml"}
 
 
 def _req_set(lines: list[str]) -> set[str]:
@@ -74,6 +75,11 @@ def test_extras_and_torch_requirement():
     torch = next(packaging_req.Requirement(r) for r in PROJECT["dependencies"] if r.startswith("torch"))
     # The torch installed here, and any later CUDA build of it, satisfy the requirement: pip never swaps the build.
     assert torch.specifier.contains(md.version("torch")) and torch.specifier.contains("99.0+cu999") and not torch.url
+    # The lowest torch allowed has what the engine calls: torch.nn.utils.get_total_norm arrived in 2.6.0.
+    assert torch.specifier.contains("2.6.0") and not torch.specifier.contains("2.5.1")
+    dev = _names(extras["dev"])  # only tests compare with these CRPS references: no runtime dependency on them
+    assert {"scoringrules", "properscoring"} <= dev and not {"scoringrules", "properscoring"} & _declared()
+    assert "comet-ml" in _names(extras["comet"])  # training.comet has its extra
 
 
 def test_console_script_points_at_the_cli(capsys):
