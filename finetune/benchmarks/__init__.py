@@ -3,6 +3,7 @@ its own (`python -m finetune.benchmarks.generation --help`). Results and what ma
 
     kronos benchmark                       # all of them (several minutes on 2 CPU cores)
     kronos benchmark generation csv_data
+    kronos benchmark csv_data -- --series 2 --bars 600     # options after -- go to the one benchmark named
 """
 
 from __future__ import annotations
@@ -20,20 +21,22 @@ BENCHES = {
 
 
 def main(argv: list[str]) -> int:
-    names = argv or list(BENCHES)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    names, options = argv[:cut] or list(BENCHES), argv[cut + 1:]
     if any(n in ("-h", "--help") for n in names):
-        print(f"usage: kronos benchmark [NAME ...]\n\n{__doc__}\nNAME: {', '.join(BENCHES)} (default: all)")
+        print(f"usage: kronos benchmark [NAME ...] [-- OPTION ...]\n\n{__doc__}\nNAME: {', '.join(BENCHES)} (all)")
         return 0
     unknown = [n for n in names if n not in BENCHES]
-    if unknown:
-        print(f"unknown benchmark(s) {unknown}; choose from {list(BENCHES)}", file=sys.stderr)
+    if unknown or (options and len(names) != 1):
+        print(f"error: unknown benchmark(s) {unknown}; choose from {list(BENCHES)}" if unknown else
+              "error: options after -- are for one benchmark: name exactly one", file=sys.stderr)
         return 2
     failed = []
     for name in names:
         module, *args = BENCHES[name]
         print(f"\n=== {name} (python -m finetune.benchmarks.{' '.join(BENCHES[name])})", flush=True)
         t0 = time.perf_counter()
-        rc = subprocess.call([sys.executable, "-m", f"finetune.benchmarks.{module}", *args])
+        rc = subprocess.call([sys.executable, "-m", f"finetune.benchmarks.{module}", *args, *options])
         print(f"=== {name}: exit {rc}, {time.perf_counter() - t0:.0f} s", flush=True)
         if rc:
             failed.append(name)
