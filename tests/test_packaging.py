@@ -243,8 +243,20 @@ def test_pip_install_into_a_fresh_venv_gives_kronos_and_the_csv_pipeline(tmp_pat
     assert res.stderr.startswith("error: kronos qlib-preprocess needs the optional dependency 'qlib'")
     assert "pip install 'kronos-finetune[qlib]'" in res.stderr and "Traceback" not in res.stderr
 
-    res = _run(["kronos", "make-synthetic", "--out", "x"], work, env)  # lives in the checkout's scripts/
-    assert res.returncode == 4 and "source checkout" in res.stderr.splitlines()[0], res.stderr
+    # Every command answers --help, and the three that once ran scripts/ files of a clone run from the package.
+    listed = re.findall(r"^  ([a-z][a-z-]+)  ", _run(["kronos", "--help"], work, env).stdout, re.M)
+    assert len(listed) >= 14 and {"make-synthetic", "build-qlib-store", "benchmark"} <= set(listed)
+    for command in listed:
+        res = _run(["kronos", command, "--help"], work, env)
+        assert res.returncode == 0 and "usage: kronos" in res.stdout, (command, res.stderr[-2000:])
+    res = _run(["kronos", "make-synthetic", "--out", "synthetic", "--n-series", "2", "--n-bars", "50"], work, env)
+    assert res.returncode == 0 and sorted(os.listdir(work / "synthetic")) == ["SH600000.csv", "SH600001.csv"], res
+    res = _run(["kronos", "build-qlib-store", "--synthetic", "2", "--out", "qlib_store", "--start", "2024-01-02",
+                "--end", "2024-03-29"], work, env)
+    assert res.returncode == 0 and (work / "qlib_store" / "instruments" / "csi300.txt").is_file(), res.stderr
+    res = _run(["kronos", "benchmark", "csv_data", "--", "--series", "2", "--bars", "300", "--lookback", "16",
+                "--predict", "4", "--batch", "4", "--batches", "2", "--steps", "1"], work, env)
+    assert res.returncode == 0 and "store + WindowDataset" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]
 
     # The CSV pipeline end to end with the installed package: data, finetune (tiny, from scratch), forecast.
     gen = ("from finetune.synthetic import generate_ohlcv, write_csv_folder; "
