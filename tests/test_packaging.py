@@ -276,3 +276,11 @@ def test_pip_install_into_a_fresh_venv_gives_kronos_and_the_csv_pipeline(tmp_pat
     assert res.returncode == 0, res.stderr[-4000:]
     assert (work / "outputs/csv_scratch_tiny/forecast").is_dir()
     assert os.listdir(work / "outputs/csv_scratch_tiny/forecast")
+
+
+def test_readme_install_section_names_every_command_and_extra():
+    from finetune.cli import COMMANDS
+
+    section = (ROOT / "README.md").read_text(encoding="utf-8").split("## Install as a package", 1)[1].split("\n## ")[0]
+    assert [name for name in COMMANDS if f"`{name}`" not in section] == []
+    assert [extra for extra in PROJECT["optional-dependencies"] if f"`[{extra}]`" not in section] == []
