@@ -208,6 +208,10 @@ def test_report_perfect_foresight_first_day_and_strict_json(tmp_path, data):
     assert {p.name for p in out.iterdir()} == {"report.json", "signals.csv", "report.html", "SHA256SUMS"}
     assert json.loads((out / "report.json").read_text())["warnings"] == ["second"]
     check_seal(out, exact=True)
+    from finetune import cli
+
+    assert cli.main(["report", str(out)]) == 0  # the page rebuilt from the sealed files, the folder sealed again
+    check_seal(out, exact=True)
 
     # perfect foresight of the deal-price label: IC = 1 and the best long-short of all signals
     first = qf_first(cfg)
