@@ -22,14 +22,18 @@ BENCHES = {
 
 def main(argv: list[str]) -> int:
     cut = argv.index("--") if "--" in argv else len(argv)
-    names, options = argv[:cut] or list(BENCHES), argv[cut + 1:]
+    names, options = argv[:cut] or list(BENCHES), argv[cut + 1 :]
     if any(n in ("-h", "--help") for n in names):
         print(f"usage: kronos benchmark [NAME ...] [-- OPTION ...]\n\n{__doc__}\nNAME: {', '.join(BENCHES)} (all)")
         return 0
     unknown = [n for n in names if n not in BENCHES]
     if unknown or (options and len(names) != 1):
-        print(f"error: unknown benchmark(s) {unknown}; choose from {list(BENCHES)}" if unknown else
-              "error: options after -- are for one benchmark: name exactly one", file=sys.stderr)
+        print(
+            f"error: unknown benchmark(s) {unknown}; choose from {list(BENCHES)}"
+            if unknown
+            else "error: options after -- are for one benchmark: name exactly one",
+            file=sys.stderr,
+        )
         return 2
     failed = []
     for name in names:
@@ -41,4 +45,3 @@ def main(argv: list[str]) -> int:
         if rc:
             failed.append(name)
     return 1 if failed else 0
-
