@@ -12,24 +12,19 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.metadata
-import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from finetune.utils.errors import run_main
-from model.errors import PathError
-
-_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
 class Command:
     """One `kronos` subcommand and where its `main(argv)` lives."""
 
-    target: str  # `package.module` (imported) or `scripts/<file>.py` (loaded from the source checkout) holding `main`.
+    target: str  # `package.module` holding `main`: every command is in the installed package.
     summary: str  # One line for `kronos --help`.
     torchrun: bool = False  # The command must be started by torchrun.
     entry: str = "main"  # The function of `target` the command runs.
@@ -56,10 +51,10 @@ COMMANDS: dict[str, Command] = {
                       "rebuild RUN_DIR/report.html (forecasts, scores, training, folds) from a finished run's files"),
     "qlib-tune": Command("finetune.qlib_walk_forward", "Qlib pipeline: which finetuning settings pay? a study judged "
                          "on the walk-forward's periods", entry="tune_main"),
-    "build-qlib-store": Command("scripts/build_qlib_data.py",
+    "build-qlib-store": Command("finetune.qlib_builder",
                                "write a Qlib data folder from daily CSVs (or synthetic data) for the Qlib pipeline"),
-    "make-synthetic": Command("scripts/make_synthetic_data.py", "write synthetic OHLCV candles, one CSV per symbol"),
-    "benchmark": Command("scripts/benchmark.py", "run the benchmarks (scripts/bench_*.py) and print their tables"),
+    "make-synthetic": Command("finetune.synthetic", "write synthetic OHLCV candles, one CSV per symbol"),
+    "benchmark": Command("finetune.benchmarks", "run the benchmarks (finetune/benchmarks/) and print their tables"),
 }
 
 
@@ -95,21 +90,9 @@ def _version() -> str:
 
 
 def resolve(name: str) -> Callable[..., Any]:
-    """The `main` function behind subcommand `name` (imports its module; loads scripts/ files by path)."""
+    """The `main` function behind subcommand `name` (imports its module)."""
     cmd = COMMANDS[name]
-    if not cmd.target.startswith("scripts/"):
-        return getattr(importlib.import_module(cmd.target), cmd.entry)
-    path = _ROOT / cmd.target
-    if not path.is_file():
-        raise PathError(f"'kronos {name}' runs {cmd.target} from the source checkout, which is not next to the "
-                        f"installed package ({path} does not exist); clone the repository and `pip install -e .`")
-    module_name = f"kronos_scripts_{path.stem}"
-    if module_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        assert spec is not None and spec.loader is not None
-        module = sys.modules[module_name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[module_name].main
+    return getattr(importlib.import_module(cmd.target), cmd.entry)
 
 
 def _check_ready(name: str, cmd: Command, args: Sequence[str]) -> None:

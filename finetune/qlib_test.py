@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import glob
 import io
 import logging
 import math
@@ -44,9 +45,10 @@ from finetune.utils.cli_args import parse_config_args
 from finetune.utils.config_utils import config_to_dict
 from finetune.utils.errors import require_extra, setup_logging
 from finetune.utils.plots import pyplot, save_figure
+from finetune.utils.safety import RunLock
 from finetune.utils.store import SeriesPanel
 from model.errors import DataError
-from model.fileio import write_json
+from model.fileio import atomic_dir, write_json
 from model.predictor import default_device, load_pretrained_pair, load_trained_pair
 
 
@@ -288,6 +290,10 @@ def check_inputs(cfg: QlibConfig) -> None:
     check_model_folder(cfg.paths.finetuned_tokenizer_path, "paths.finetuned_tokenizer_path", problems, hub_ok=False)
     check_model_folder(cfg.paths.finetuned_predictor_path, "paths.finetuned_predictor_path", problems, hub_ok=False)
     check_qlib_folder(cfg, problems)
+    out = Path(cfg.paths.backtest_result_path).expanduser()  # replaced whole (`publish`): never a folder of yours
+    problems.check(not out.is_dir() or not any(out.iterdir()) or (out / "report.json").is_file(),
+                   "paths.backtest_result_path", f"{out} holds files that no backtest wrote (no report.json) and a "
+                   "backtest replaces the whole folder; choose a new or empty folder")
     problems.raise_if_any()
 
 
@@ -311,6 +317,15 @@ def write_results(folder: str | Path, files: dict[str, Any]) -> Path:
             os.replace(tmp / name, folder / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def publish(folder: Path, report: dict, files: dict[str, Any]) -> Path:
+    """The backtest's files and page swapped into `folder` whole and sealed (SHA256SUMS, as a forecast folder): no
+    reader sees one run's file beside another's, and `kronos report` refuses an edited one."""
+    with atomic_dir(folder, sealed=True) as tmp:
+        write_results(tmp, {"report.json": report, **files})
+        write_report(tmp, shown=folder)
     return folder
 
 
@@ -434,8 +449,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     require_extra("qlib")  # named before any work (the qlib imports below are lazy)
     cfg = load(args.config, args.set)
+    out = Path(cfg.paths.backtest_result_path).expanduser()
+    # One backtest per results folder (`.<name>.lock` beside it, as a forecast's), held until the summary is printed:
+    # a second run into the folder refuses at once, and no run's "results in" line names another's files.
+    with RunLock(out.parent, name=f".{out.name}.lock", key="paths.backtest_result_path"):
+        for stale in out.parent.glob(f".{glob.escape(out.name)}.*.tmp"):  # what a killed backtest left beside it
+            shutil.rmtree(stale, ignore_errors=True)
+        return backtest(cfg, args.device, out)
+
+
+def backtest(cfg: QlibConfig, device: str | None, out: Path) -> dict[str, Any]:
+    """The backtest of `main`, under the results folder's lock: forecasts, scores, the sealed folder, the summary."""
     check_inputs(cfg)
-    device = args.device or default_device()
+    device = device or default_device()
     d, f = cfg.data, cfg.forecast
 
     split = load_split(split_path(d.dataset_path, "test"))  # memory-mapped
@@ -452,8 +478,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         forecasters["zeroshot"], seeds["zeroshot"] = kronos_forecaster(*zero, cfg, device), f.seed
     report, files = evaluate(cfg, forecasters, split, calendar_ns, calendar, seeds)
     report.update(device=device, seeds=f.seed_list(), config=config_to_dict(cfg))
-    out = write_results(cfg.paths.backtest_result_path, {"report.json": report, **files})
-    write_report(out)
+    publish(out, report, files)
 
     table = pd.DataFrame(report["summary"]).T
     table[["h", "days"]] = table[["h", "days"]].astype(int)

@@ -47,7 +47,7 @@ from model.calendar import TradingCalendar
 from model.calibration import apply_calibration
 from model.config import Window
 from model.errors import ConfigError, DataError, PathError
-from model.features import CLOSE, FEATURES, PRICE_FEATURES, quantile_column
+from model.features import BODY_RULES, CLOSE, FEATURES, PRICE_FEATURES, candle_faults, quantile_column
 from model.fileio import atomic_dir, read_json_object, write_json
 from model.hub import weights_fingerprint
 from model.predictor import (
@@ -61,13 +61,14 @@ from model.predictor import (
 
 def candle_violations(open_: np.ndarray, high: np.ndarray, low: np.ndarray, close: np.ndarray,
                       volume: np.ndarray) -> dict[str, float]:
-    """Share of generated candles breaking each rule (high >= max(open, close); low <= min(open, close); volume >= 0)
-    and any of them: the tokenizer decodes each feature independently, so nothing forces a candle to respect them."""
+    """Share of generated candles breaking each wick rule of `model.features.candle_faults` (their one home: high
+    below max(open, close), low above min(open, close)) or with a negative volume, and any of them: the tokenizer
+    decodes each feature independently, so nothing forces a candle to respect them."""
     o, h, l, c, v = (np.asarray(a, dtype=np.float64).ravel() for a in (open_, high, low, close, volume))
     if not (len(o) == len(h) == len(l) == len(c) == len(v)) or len(o) == 0:
         raise ValueError("candle_violations needs equally long, non-empty open/high/low/close/volume")
-    bad_high = h < np.maximum(o, c)
-    bad_low = l > np.minimum(o, c)
+    broken = {(f, rule): rows for f, rows, rule in candle_faults(np.stack([o, h, l, c], axis=1))}
+    bad_high, bad_low = (broken.get((f, BODY_RULES[f]), np.zeros(len(o), bool)) for f in ("high", "low"))
     bad_volume = v < 0
     return {"high_below_body": float(bad_high.mean()), "low_above_body": float(bad_low.mean()),
             "negative_volume": float(bad_volume.mean()), "any": float((bad_high | bad_low | bad_volume).mean())}

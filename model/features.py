@@ -212,14 +212,16 @@ def calc_time_stamps(timestamps) -> pd.DataFrame:
     return pd.DataFrame(time_features(timestamps), columns=list(TIME_FEATURES))
 
 
+BODY_RULES = {"high": "below max(open, close)", "low": "above min(open, close)"}  # the wick rules of candle_faults
+
+
 def candle_faults(values: np.ndarray) -> list[tuple[str, np.ndarray, str]]:
     """The candle rules (their one home), on values (n, >= 4) in FEATURES order: [(field, rows (n,) bool, rule)] for
     every rule some row breaks: a price <= 0 (per price field), a high below max(open, close), a low above
     min(open, close). NaN breaks no rule (each door has its own NaN policy)."""
     o, h, lo, c = (values[:, i] for i in range(4))
     rules = [(f, values[:, i] <= 0, "<= 0 (prices must be positive)") for i, f in enumerate(PRICE_FEATURES)]
-    rules += [("high", h < np.maximum(o, c), "below max(open, close)"),
-              ("low", lo > np.minimum(o, c), "above min(open, close)")]
+    rules += [("high", h < np.maximum(o, c), BODY_RULES["high"]), ("low", lo > np.minimum(o, c), BODY_RULES["low"])]
     return [(f, bad, rule) for f, bad, rule in rules if bad.any()]
 
 

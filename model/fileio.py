@@ -111,10 +111,11 @@ def seal(folder: str | os.PathLike) -> Path:
     return atomic_write(folder / SEAL_NAME, lambda t: Path(t).write_text(text, encoding="utf-8"))
 
 
-def check_seal(folder: str | os.PathLike, fix: str = "write it again", skip: tuple[str, ...] = ()) -> None:
+def check_seal(folder: str | os.PathLike, fix: str = "write it again", skip: tuple[str, ...] = (),
+               exact: bool = False) -> None:
     """A DataError naming the first file of `folder` whose bytes are not the ones its SHA256SUMS recorded when it
-    was written (damaged or edited) or that is missing; `fix` says what to do. No SHA256SUMS (an older version
-    wrote the folder, or a Hub download): nothing to check."""
+    was written (damaged or edited) or that is missing (`exact`: or that the seal does not list, as `seal` would);
+    `fix` says what to do. No SHA256SUMS (an older version wrote the folder, or a Hub download): nothing to check."""
     folder = Path(folder)
     try:
         lines = (folder / SEAL_NAME).read_text(encoding="utf-8").splitlines()
@@ -129,6 +130,13 @@ def check_seal(folder: str | os.PathLike, fix: str = "write it again", skip: tup
             why = "is missing" if not path.is_file() else "is not the file written there (damaged or edited)"
             raise DataError(f"{path} {why}: its sha256 differs from {folder / SEAL_NAME}; refusing to use {folder}; "
                             f"{fix} (an edit of your own: delete {SEAL_NAME} to accept the folder as it is)")
+    listed = {line.partition("  ")[2] for line in lines} | set(skip)
+    for path in sorted(folder.rglob("*")) if exact else ():  # the files `seal` would list
+        if path.is_file() and path.name != SEAL_NAME and not path.name.startswith("."):
+            if path.relative_to(folder).as_posix() not in listed:
+                raise DataError(f"{path} is not listed in {folder / SEAL_NAME} (a file added, or its line deleted, "
+                                f"since it was written); refusing to use {folder}; {fix} (a file of your own: move "
+                                f"it out of {folder})")
 
 
 @contextlib.contextmanager

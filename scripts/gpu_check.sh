@@ -11,9 +11,9 @@
 #      exact with training.deterministic, seeded sampling repeating on the first call, bf16 both CSV stages,
 #      forecast cuda vs CPU, LoRA, calibration, a NaN batch never applied by the sync-free guard; and
 #      tests/test_model_decode.py's CUDA-graph decode tests),
-#   3. the speed targets: bench_train_step.py --targets (Kronos-small 64 x 512, Kronos-base 32 x 512, engine
-#      defaults, MFU against 790 TFLOP/s) and bench_generation.py --full (the four forecast workloads: eager, static,
-#      graph, identical greedy output) and --host,
+#   3. the speed targets: finetune.benchmarks.train_step --targets (Kronos-small 64 x 512, Kronos-base 32 x 512,
+#      engine defaults, MFU against 790 TFLOP/s) and finetune.benchmarks.generation --full (the four forecast
+#      workloads: eager, static, graph, identical greedy output) and --host,
 #   4. the CSV demo on the GPU (`kronos finetune`, `kronos forecast`, configs/csv_demo.yaml),
 #   5. the Qlib demo trainers under torchrun --standalone --nproc_per_node=1 with DIST_BACKEND=nccl, on the splits in
 #      $QLIB_PROCESSED (a folder finetune/qlib_data_preprocess.py wrote with configs/qlib_demo.yaml; 3 MB: build it
@@ -160,11 +160,11 @@ if step "cuda tests (pytest -m cuda, -n 4)" 200 "$PY" -m pytest -v -p no:cachepr
 fi
 
 # 3. the speed targets (train step with the engine's defaults; the four forecast workloads; the host side)
-step "bench_train_step.py --targets" 110 "$PY" scripts/bench_train_step.py --targets \
+step "bench_train_step.py --targets" 110 "$PY" -m finetune.benchmarks.train_step --targets \
   --json "$WORK/results/bench_train_step.json" && tail -n 3 "$log"
-step "bench_generation.py --full" 80 "$PY" scripts/bench_generation.py --full --repeats 3 \
+step "bench_generation.py --full" 80 "$PY" -m finetune.benchmarks.generation --full --repeats 3 \
   --json "$WORK/results/bench_generation.json" && tail -n 8 "$log"
-step "bench_generation.py --host" 30 "$PY" scripts/bench_generation.py --host \
+step "bench_generation.py --host" 30 "$PY" -m finetune.benchmarks.generation --host \
   --json "$WORK/results/bench_host.json" && tail -n 1 "$log"
 
 # 4. the CSV demo on the GPU (the engine trains on cuda:0 when CUDA is available)

@@ -4,7 +4,7 @@
 # What gets installed is declared in pyproject.toml (requirements*.txt list the same for `pip install -r` users).
 #
 # torch is installed *first* and pinned (TORCH_SPEC, default torch==2.13.0): pyproject.toml only says
-# torch>=2.3, which an installed torch satisfies, so pip never replaces it with the newest multi-GB CUDA build.
+# torch>=2.6, which an installed torch satisfies, so pip never replaces it with the newest multi-GB CUDA build.
 # On a CUDA machine pick the build you want, e.g.
 #   TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" bash scripts/setup_env.sh
 # Re-running is cheap: a stamp keyed on the requirement files skips pip when nothing changed.

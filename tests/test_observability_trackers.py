@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import json
+import sys
+import types
 
 import pytest
 
@@ -109,3 +112,41 @@ def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 0.5), (4, 0.25)]
     assert [e.value for e in events.Scalars("val/val_loss")] == [0.5]
+
+
+class _CometExperiment:
+    """Stands in for comet_ml.Experiment: records the calls our CometTracker makes (no account, no network)."""
+
+    made: list[_CometExperiment] = []
+
+    def __init__(self, project_name=None):
+        self.project, self.calls = project_name, []
+        _CometExperiment.made.append(self)
+
+    def __getattr__(self, name):  # set_name, log_metrics, log_parameters, log_asset, end
+        return lambda *args, **kwargs: self.calls.append((name, args, kwargs))
+
+
+def test_comet_experiment_gets_the_name_params_metrics_artifacts_and_one_end(tmp_path, monkeypatch):
+    comet = types.ModuleType("comet_ml")
+    comet.__spec__ = importlib.machinery.ModuleSpec("comet_ml", None)  # find_spec (tracker_problems) sees it
+    comet.Experiment = _CometExperiment
+    monkeypatch.setitem(sys.modules, "comet_ml", comet)
+    monkeypatch.setattr(_CometExperiment, "made", [])
+    (tmp_path / "run_info.json").write_text("{}")
+    with MetricsLogger(tmp_path / "out", comet=True, comet_project="proj", run_name="run-a") as logger:
+        logger.log_params(CONFIG)
+        _log_run(logger, [1, 2])
+        logger.log_artifacts(tmp_path / "run_info.json", tmp_path / "missing.png", None)
+    (experiment,) = _CometExperiment.made
+    assert experiment.project == "proj"
+    assert experiment.calls == [
+        ("set_name", ("run-a",), {}),
+        ("log_parameters", (flatten_params(CONFIG),), {}),
+        ("log_metrics", ({"epoch": 1, "loss": 1.0, "lr": 1e-4},), {"prefix": "train", "step": 1}),
+        ("log_metrics", ({"epoch": 1, "loss": 0.5, "lr": 1e-4},), {"prefix": "train", "step": 2}),
+        ("log_metrics", ({"epoch": 1, "val_loss": 0.5},), {"prefix": "val", "step": 2}),
+        ("log_asset", (str(tmp_path / "run_info.json"),), {}),  # the missing file and None are skipped
+        ("end", (), {}),
+    ]
+    assert read_metrics(tmp_path / "out" / "metrics.jsonl")[0]["loss"] == 1.0  # the JSON log is written as well

@@ -30,14 +30,15 @@ ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PROJECT = PYPROJECT["project"]
 OUR_PACKAGES = ("model", "finetune", "finetune_csv")
-# Imported inside try/except ImportError with a warning (training.comet): not a dependency.
-OPTIONAL_IMPORTS = {"comet_ml"}
+# Imported only by a mode that says so: the `store` benchmark's pandas baseline reads tests/csv_reference.py, from
+# a source checkout (finetune/benchmarks/data.py documents it; --baseline-rows 0 skips it).
+OPTIONAL_IMPORTS = {"tests"}
 # Imported lazily where used, with an error naming the extra to install when missing.
-LAZY_EXTRAS = {"mlflow": "mlflow", "peft": "lora", "holidays": "calendars", "optuna": "tune"}
+LAZY_EXTRAS = {"mlflow": "mlflow", "peft": "lora", "holidays": "calendars", "optuna": "tune", "comet_ml": "comet"}
 # Modules only the Qlib pipeline imports (besides finetune/qlib_*.py).
 QLIB_ONLY = {"finetune/evaluation/signals.py"}
 # The distribution of an optional library's module when it is not installed here (no metadata to ask).
-NOT_INSTALLED_DISTS = {"qlib": "pyqlib"}
+NOT_INSTALLED_DISTS = {"qlib": "pyqlib", "comet_ml": "comet-ml"}
 
 
 def _req_set(lines: list[str]) -> set[str]:
@@ -74,6 +75,11 @@ def test_extras_and_torch_requirement():
     torch = next(packaging_req.Requirement(r) for r in PROJECT["dependencies"] if r.startswith("torch"))
     # The torch installed here, and any later CUDA build of it, satisfy the requirement: pip never swaps the build.
     assert torch.specifier.contains(md.version("torch")) and torch.specifier.contains("99.0+cu999") and not torch.url
+    # The lowest torch allowed has what the engine calls: torch.nn.utils.get_total_norm arrived in 2.6.0.
+    assert torch.specifier.contains("2.6.0") and not torch.specifier.contains("2.5.1")
+    dev = _names(extras["dev"])  # only tests compare with these CRPS references: no runtime dependency on them
+    assert {"scoringrules", "properscoring"} <= dev and not {"scoringrules", "properscoring"} & _declared()
+    assert "comet-ml" in _names(extras["comet"])  # training.comet has its extra
 
 
 def test_console_script_points_at_the_cli(capsys):
@@ -237,8 +243,20 @@ def test_pip_install_into_a_fresh_venv_gives_kronos_and_the_csv_pipeline(tmp_pat
     assert res.stderr.startswith("error: kronos qlib-preprocess needs the optional dependency 'qlib'")
     assert "pip install 'kronos-finetune[qlib]'" in res.stderr and "Traceback" not in res.stderr
 
-    res = _run(["kronos", "make-synthetic", "--out", "x"], work, env)  # lives in the checkout's scripts/
-    assert res.returncode == 4 and "source checkout" in res.stderr.splitlines()[0], res.stderr
+    # Every command answers --help, and the three that once ran scripts/ files of a clone run from the package.
+    listed = re.findall(r"^  ([a-z][a-z-]+)  ", _run(["kronos", "--help"], work, env).stdout, re.M)
+    assert len(listed) >= 14 and {"make-synthetic", "build-qlib-store", "benchmark"} <= set(listed)
+    for command in listed:
+        res = _run(["kronos", command, "--help"], work, env)
+        assert res.returncode == 0 and "usage: kronos" in res.stdout, (command, res.stderr[-2000:])
+    res = _run(["kronos", "make-synthetic", "--out", "synthetic", "--n-series", "2", "--n-bars", "50"], work, env)
+    assert res.returncode == 0 and sorted(os.listdir(work / "synthetic")) == ["SH600000.csv", "SH600001.csv"], res
+    res = _run(["kronos", "build-qlib-store", "--synthetic", "2", "--out", "qlib_store", "--start", "2024-01-02",
+                "--end", "2024-03-29"], work, env)
+    assert res.returncode == 0 and (work / "qlib_store" / "instruments" / "csi300.txt").is_file(), res.stderr
+    res = _run(["kronos", "benchmark", "csv_data", "--", "--series", "2", "--bars", "300", "--lookback", "16",
+                "--predict", "4", "--batch", "4", "--batches", "2", "--steps", "1"], work, env)
+    assert res.returncode == 0 and "store + WindowDataset" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]
 
     # The CSV pipeline end to end with the installed package: data, finetune (tiny, from scratch), forecast.
     gen = ("from finetune.synthetic import generate_ohlcv, write_csv_folder; "
@@ -258,3 +276,11 @@ def test_pip_install_into_a_fresh_venv_gives_kronos_and_the_csv_pipeline(tmp_pat
     assert res.returncode == 0, res.stderr[-4000:]
     assert (work / "outputs/csv_scratch_tiny/forecast").is_dir()
     assert os.listdir(work / "outputs/csv_scratch_tiny/forecast")
+
+
+def test_readme_install_section_names_every_command_and_extra():
+    from finetune.cli import COMMANDS
+
+    section = (ROOT / "README.md").read_text(encoding="utf-8").split("## Install as a package", 1)[1].split("\n## ")[0]
+    assert [name for name in COMMANDS if f"`{name}`" not in section] == []
+    assert [extra for extra in PROJECT["optional-dependencies"] if f"`[{extra}]`" not in section] == []

@@ -21,8 +21,10 @@ from finetune.dataset import load_split, read_manifest, split_path
 from finetune.qlib_builder import build_qlib_provider
 from finetune.qlib_data_preprocess import preprocess
 from finetune.qlib_io import init_qlib
-from finetune.qlib_test import evaluate, write_results
+from finetune.qlib_test import evaluate, publish
 from finetune.synthetic import generate_ohlcv
+from model.errors import EXIT_CONFIG, EXIT_REFUSED, DataError
+from model.fileio import check_seal
 
 TEST = ["2022-04-01", "2022-05-31"]
 LOOKBACK = 10
@@ -190,10 +192,26 @@ def test_report_perfect_foresight_first_day_and_strict_json(tmp_path, data):
     assert best["horizon"] == 3 and best["line"].startswith("best by IC at h=3: ")
     assert {"last", "mean", "momentum"} <= set(best["ranking"]) and "last@seed0" not in best["ranking"]
     assert best["signal"] == max(best["ranking"], key=best["ranking"].get)
-    out = write_results(tmp_path / "out", {"report.json": report, **files})
+    out = publish(tmp_path / "out", report, files)
     json.loads((out / "report.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-strict {c}"))
     written = {p.name for p in out.iterdir()}
-    assert {"summary.csv", "ic_decay.png", "cumulative_return.png", "backtest_daily.csv"} <= written
+    assert {"summary.csv", "ic_decay.png", "cumulative_return.png", "backtest_daily.csv", "report.html"} <= written
+    # sealed as a forecast folder: every file listed, so an edit is refused by name (kronos report included)
+    sealed = {line.split("  ", 1)[1] for line in (out / "SHA256SUMS").read_text().splitlines()}
+    assert sealed == written - {"SHA256SUMS"} and {"report.json", "signals.csv"} <= sealed
+    check_seal(out, exact=True)
+    (out / "signals.csv").write_text((out / "signals.csv").read_text().replace("0.", "0.9", 1))
+    with pytest.raises(DataError, match="signals.csv is not the file written there"):
+        check_seal(out)
+    # a second run's folder replaces the whole first one: no file of the first is left beside the second's
+    publish(out, {**report, "warnings": ["second"]}, {"signals.csv": files["signals.csv"]})
+    assert {p.name for p in out.iterdir()} == {"report.json", "signals.csv", "report.html", "SHA256SUMS"}
+    assert json.loads((out / "report.json").read_text())["warnings"] == ["second"]
+    check_seal(out, exact=True)
+    from finetune import cli
+
+    assert cli.main(["report", str(out)]) == 0  # the page rebuilt from the sealed files, the folder sealed again
+    check_seal(out, exact=True)
 
     # perfect foresight of the deal-price label: IC = 1 and the best long-short of all signals
     first = qf_first(cfg)
@@ -276,3 +294,22 @@ def test_no_position_is_held_after_an_instruments_last_bar(tmp_path, data):
     assert "no t-statistic" in warned[0] and f"{ended} (2022-05-13)" in warned[1]
     head = {"IC": 0.1, "ICIR": 1.0, "IC_t": 3.0, "RankIC": 0.1, "RankICIR": 1.0, "days": 50}
     assert math.isnan(summary_table({"last": {"horizon": 1, "headline": head}}, t_ok=False).loc["last", "t_IC"])
+
+
+def test_a_second_backtest_into_a_locked_results_folder_refuses_and_writes_nothing(tmp_path, capsys):
+    """Two qlib-backtest runs into one folder: the second refuses at once (exit 5 naming the setting and the holder),
+    before any work, and leaves the folder as the first run has it."""
+    from finetune import cli
+    from finetune.utils.safety import RunLock
+
+    out = tmp_path / "backtest"
+    args = ["qlib-backtest", "--config", "configs/qlib_demo.yaml", "--set", f"paths.backtest_result_path={out}"]
+    with RunLock(tmp_path, name=".backtest.lock", key="paths.backtest_result_path"):  # the first run, still going
+        assert cli.main(args) == EXIT_REFUSED
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "paths.backtest_result_path" in err and "Traceback" not in err
+    assert not out.exists()
+    out.mkdir()  # a folder of the user's, not a backtest's: refused, as it would be replaced whole
+    (out / "notes.txt").write_text("mine")
+    assert cli.main([*args, "--set", f"data.dataset_path={tmp_path / 'none'}"]) == EXIT_CONFIG
+    assert "paths.backtest_result_path" in capsys.readouterr().err and (out / "notes.txt").read_text() == "mine"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from finetune import cli
 from finetune.evaluation import report
 from finetune_csv import forecast
 from finetune_csv.config import load
-from model.errors import EXIT_PATH
+from model.errors import EXIT_DATA, EXIT_PATH
 from tests.test_csv_eval import make_run
 from tests.test_packaging import PYPROJECT
 
@@ -70,6 +71,32 @@ def test_kronos_report_rebuilds_the_same_page_apart_from_its_timestamp(forecast_
     assert len(STAMP.findall(written)) == 1 and STAMP.sub("", written) == STAMP.sub("", rebuilt)
     assert (forecast_run / "context.csv").read_bytes() == context  # a rebuild reads, it does not rewrite
     assert "written:" in capsys.readouterr().out
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow  # a forecast of a tiny run (~20 s on a busy CPU)
+def test_kronos_report_refuses_a_sealed_folder_with_files_the_seal_does_not_list(forecast_run, tmp_path, capsys):
+    """The audit's reproduction: metrics.json edited and its SHA256SUMS line deleted; a foreign extra.csv dropped in.
+    Each is exit 3 naming the file, and the folder is left as it was (not rebuilt, not sealed again)."""
+    edited, extra = tmp_path / "edited", tmp_path / "extra"
+    for folder in (edited, extra):
+        shutil.copytree(forecast_run, folder)
+    metrics = json.loads((edited / "metrics.json").read_text())
+    metrics["windows"] += 1
+    (edited / "metrics.json").write_text(json.dumps(metrics))
+    sums = (edited / "SHA256SUMS").read_text().splitlines(keepends=True)
+    (edited / "SHA256SUMS").write_text("".join(line for line in sums if not line.endswith("  metrics.json\n")))
+    (extra / "extra.csv").write_text("a,b\n1,2\n")
+    for folder, name in ((edited, "metrics.json"), (extra, "extra.csv")):
+        before = _files(folder)
+        assert cli.main(["report", str(folder)]) == EXIT_DATA
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {folder / name} is not listed in {folder / 'SHA256SUMS'}"), err
+        assert "Traceback" not in err and _files(folder) == before
+    assert cli.main(["report", str(forecast_run)]) == 0  # the untouched folder still rebuilds
 
 
 @pytest.mark.slow  # a forecast of a tiny run (~20 s on a busy CPU)

@@ -1,6 +1,6 @@
-"""Proper scoring rules for sample ensembles (pure numpy): `samples (..., S)` with S samples on the LAST axis and
-`obs (...)` give one score per observation, `(...)`. Every score uses the fair CRPS estimator; why, and the O(S log S)
-pair sum: docs/architecture.md, "Formats and designs"."""
+"""Proper scoring rules for sample ensembles (numpy; pandas reads the bars' spacing in `infer_season`): `samples (...,
+S)` with S samples on the LAST axis and `obs (...)` give one score per observation, `(...)`. Every score uses the
+fair CRPS estimator; why, and the O(S log S) pair sum: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 

@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                         "walk-forward, tune, qlib-backtest or qlib-walk-forward")
     sealed = (run / SEAL_NAME).is_file()  # a folder written whole (kronos forecast): checked, then sealed again
     if sealed:
-        check_seal(run, "run the command that wrote it again", skip=("report.html",))
+        check_seal(run, "run the command that wrote it again", skip=("report.html",), exact=True)
     print(f"written: {write_report(run)}")
     if sealed:
         seal(run)

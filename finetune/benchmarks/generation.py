@@ -12,9 +12,9 @@ Without CUDA the defaults are small (--quick: about a minute on 2 CPU cores); --
 DataFrames) for 300 DataFrames of 90 daily bars -> 10, with the model replaced by a stub that returns at once: the
 CPU stand-in of the 300-series target (issue 34: <= 100 ms on 2 cores).
 
-    python scripts/bench_generation.py                 # quick on CPU, full on CUDA
-    python scripts/bench_generation.py --full --repeats 3
-    python scripts/bench_generation.py --host          # PYTHONPATH=<another checkout> times that one's host side
+    python -m finetune.benchmarks.generation                 # quick on CPU, full on CUDA
+    python -m finetune.benchmarks.generation --full --repeats 3
+    python -m finetune.benchmarks.generation --host          # PYTHONPATH=<another checkout> times that one's host side
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def host_side(repeats: int, json_path: Path | None) -> None:
     import pandas as pd
 
     torch.set_num_threads(1)
-    kp = KronosPredictor(Kronos(**KRONOS_SMALL), KronosTokenizer(**TOKENIZER_BASE), device="cpu")
+    kp = KronosPredictor.from_models(Kronos(**KRONOS_SMALL), KronosTokenizer(**TOKENIZER_BASE), device="cpu")
     kp.generate = lambda x, x_stamp, y_stamp, steps, *a, **k: np.zeros((len(x), 1, steps, 6), np.float32)
     rng, idx = np.random.default_rng(0), pd.bdate_range("2023-01-02", periods=100)
     frames = []
@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(0)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    kp = KronosPredictor(Kronos(**KRONOS_SMALL), KronosTokenizer(**TOKENIZER_BASE), device=device,
-                         max_context=args.max_context)
+    kp = KronosPredictor.from_models(Kronos(**KRONOS_SMALL), KronosTokenizer(**TOKENIZER_BASE), device=device,
+                                    max_context=args.max_context)
     full = args.full or (device.startswith("cuda") and not args.quick)
     fast = ["static", "graph"] if device.startswith("cuda") else ["static"]
     name = torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu ({torch.get_num_threads()} threads)"

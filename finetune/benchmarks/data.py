@@ -1,8 +1,9 @@
 """Benchmark the data paths, each against the per-sample pandas approach it replaces, in the same run.
 
-    python scripts/bench_data.py csv   [--series 8 --bars 20000 --lookback 512 --predict 48 --batch 32]
-    python scripts/bench_data.py qlib  [--symbols 300 --days 3600 --batch 50 --seconds 3]
-    python scripts/bench_data.py store --rows 100_000_000 --series 2000 [--nproc 2] [--data-dir /tmp/kronos_store_bench]
+    python -m finetune.benchmarks.data csv   [--series 8 --bars 20000 --lookback 512 --predict 48 --batch 32]
+    python -m finetune.benchmarks.data qlib  [--symbols 300 --days 3600 --batch 50 --seconds 3]
+    python -m finetune.benchmarks.data store --rows 100_000_000 --series 2000 [--nproc 2]
+                                             [--data-dir /tmp/kronos_store_bench]
 
 csv    the CSV pipeline's memory-mapped store + WindowDataset through the engine's DataLoader against
        `df.iloc[start:start + window]` per sample (the original Kronos CSV dataset), and the share of a small
@@ -10,10 +11,11 @@ csv    the CSV pipeline's memory-mapped store + WindowDataset through the engine
 qlib   Qlib-layout daily data: preprocessing (one sort + offsets vs the original's pandas pivot per symbol, timed on
        --baseline-symbols and scaled) and training samples/s (pandas per sample, ours per sample, ours batched).
 store  data larger than memory: --series Parquet files under <data-dir>/parquet (kept for re-runs, never in the
-       repository), then `torchrun --nproc_per_node=<nproc>` of this script's worker twice (rank 0 prepares the store,
+       repository), then `torchrun --nproc_per_node=<nproc>` of this module's worker twice (rank 0 prepares the store,
        then it is reused): seconds from launch to each stage and peak memory per rank (RssAnon: private; RssFile:
        mapped pages, shared); then the preparation throughput on --baseline-rows rows (pandas in memory vs
-       prepare_store on CSV and on Parquet, each in a fresh process).
+       prepare_store on CSV and on Parquet, each in a fresh process; the pandas side is tests/csv_reference.py, so
+       a source checkout only: --baseline-rows 0 skips it).
 The numbers depend on the machine: run on an idle one. Results and what made them fast: docs/benchmarks.md.
 """
 
@@ -340,9 +342,9 @@ def worker(data: str, store: str, lookback: int, predict: int, batch: int) -> No
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def run_torchrun(script: Path, args: argparse.Namespace, data: Path, store: Path) -> list[dict]:
+def run_torchrun(args: argparse.Namespace, data: Path, store: Path) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           str(script), "store", "--worker", "--data", str(data), "--store", str(store),
+           "-m", "finetune.benchmarks.data", "store", "--worker", "--data", str(data), "--store", str(store),
            "--lookback", str(args.lookback), "--predict", str(args.predict), "--batch", str(args.batch)]
     env = {**os.environ, T0_ENV: repr(time.time()), "DIST_BACKEND": "gloo", "OMP_NUM_THREADS": "1"}
     job = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -369,7 +371,7 @@ def measure_prepare(kind: str, path: str, out: str) -> None:
     print("RESULT " + json.dumps({"kind": kind, "rows": rows, "seconds": seconds, "peak_rss_mib": rss}), flush=True)
 
 
-def prepare_throughput(script: Path, root: Path, rows: int, bars: int) -> list[dict]:
+def prepare_throughput(root: Path, rows: int, bars: int) -> list[dict]:
     import pyarrow.csv as pa_csv
     import pyarrow.parquet as pq
 
@@ -388,7 +390,8 @@ def prepare_throughput(script: Path, root: Path, rows: int, bars: int) -> list[d
     for kind, path in (("pandas", csv_dir), ("store_csv", csv_dir), ("store_parquet", pq_dir)):
         out = root / f"baseline_store_{kind}"
         shutil.rmtree(out, ignore_errors=True)
-        cmd = [sys.executable, str(script), "store", "--measure", kind, "--data", str(path), "--store", str(out)]
+        cmd = [sys.executable, "-m", "finetune.benchmarks.data", "store", "--measure", kind, "--data", str(path),
+               "--store", str(out)]
         job = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         if job.returncode != 0:
             raise SystemExit(f"{kind} failed:\n{job.stderr[-3000:]}")
@@ -402,14 +405,13 @@ def store_bench(args: argparse.Namespace) -> None:
         return worker(args.data, args.store, args.lookback, args.predict, args.batch)
     if args.measure:
         return measure_prepare(args.measure, args.data, args.store)
-    script = Path(__file__).resolve()
     root = Path(args.data_dir)
     bars = args.rows // args.series
     data, store = root / "parquet", root / "store"
     generate_parquet(data, args.series, bars)
     shutil.rmtree(store, ignore_errors=True)
-    runs = {"first run (prepare)": run_torchrun(script, args, data, store),
-            "re-run (reuse)": run_torchrun(script, args, data, store)}
+    runs = {"first run (prepare)": run_torchrun(args, data, store),
+            "re-run (reuse)": run_torchrun(args, data, store)}
     size = sum(f.stat().st_size for f in store.iterdir()) / 2**30
     print(f"\ndata: {args.series} series x {bars:,} 5-min bars = {args.series * bars:,} rows (Parquet "
           f"{sum(f.stat().st_size for f in data.iterdir()) / 2**30:.2f} GiB, store {size:.2f} GiB), "
@@ -426,7 +428,7 @@ def store_bench(args: argparse.Namespace) -> None:
                   f"{r['t_first_step_s']:.1f} | {r['peak_anon_mib']:.0f} | {r['anon_after_sampler_mib']:.0f} | "
                   f"{r['peak_file_mib']:.0f} | {prep} |")
     if args.baseline_rows:
-        results = prepare_throughput(script, root, args.baseline_rows, bars)
+        results = prepare_throughput(root, args.baseline_rows, bars)
         base = next(r for r in results if r["kind"] == "pandas")
         print(f"\npreparation of {base['rows']:,} rows ({max(1, args.baseline_rows // bars)} files):")
         print("| path | seconds | rows/s | speed-up | peak RSS MiB |")

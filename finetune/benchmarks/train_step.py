@@ -1,10 +1,10 @@
 """Train-step time at the published shapes: a plain fp32 step vs the shared engine's step (more columns on CUDA).
 What each column measures, and the results, are in docs/benchmarks.md.
 
-    python scripts/bench_train_step.py                                  # CPU defaults: batch 2 x 128, few steps
-    python scripts/bench_train_step.py --batch 8 --seq 512 --models tokenizer-base kronos-small kronos-base
-    python scripts/bench_train_step.py --safety        # run-safety overheads, demo and Kronos-small scale
-    python scripts/bench_train_step.py --modes full lora freeze        # finetune modes, Kronos-small predictor
+    python -m finetune.benchmarks.train_step                                  # CPU defaults: batch 2 x 128, few steps
+    python -m finetune.benchmarks.train_step --batch 8 --seq 512 --models tokenizer-base kronos-small kronos-base
+    python -m finetune.benchmarks.train_step --safety        # run-safety overheads, demo and Kronos-small scale
+    python -m finetune.benchmarks.train_step --modes full lora freeze        # finetune modes, Kronos-small predictor
 
 "plain" is the minimal hand-written step on tensors already in memory (forward, loss, backward, clip, AdamW);
 "engine" runs `train_tokenizer` / `train_predictor` for one epoch and reads the per-step wall time from its
