@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -259,3 +260,29 @@ def test_windows_beyond_the_pages_budget_are_thinned_evenly(tmp_path, monkeypatc
     picked = [w["window"] for w in shown["windows"]]
     assert picked[0] == 0 and picked[-1] == n - 1
     assert np.ptp(np.diff(picked)) <= 1  # evenly spaced
+
+
+def screen(text: str) -> list[str]:
+    """The lines a terminal shows for `text`: each carriage return starts the line again, overwriting it."""
+    lines = []
+    for line in text.split("\n"):
+        shown = ""
+        for part in line.split("\r"):
+            shown = part + shown[len(part):]
+        lines.append(shown.rstrip())
+    return lines
+
+
+def test_tune_log_lines_never_share_a_line_with_its_progress_bar(tmp_path, capsys):
+    from finetune.utils.errors import setup_logging
+
+    setup_logging()  # kronos's console handler, on this test's stderr
+    try:
+        tune_study(tmp_path / "tune")
+    finally:
+        for handler in [h for h in logging.getLogger().handlers if getattr(h, "_kronos_setup", False)]:
+            logging.getLogger().removeHandler(handler)
+    lines = screen(capsys.readouterr().err)
+    failed = [line for line in lines if "trial 3 failed" in line]
+    assert failed and all("tune tune-" not in line for line in failed)  # the log line alone
+    assert any(re.match(r"tune tune-\w+: 100%.* 8/8", line) for line in lines)  # the bar on its own line, finished
