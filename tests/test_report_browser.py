@@ -264,3 +264,20 @@ def test_tune_page_formats_every_number_and_shows_trials_pbo_and_the_selection(b
                 report["outer"]["tuned_vs_zero_shot"]["mean"], report["outer"]["tuned_vs_default"]["mean"]]
     assert [number(c) for c in inner_outer] == pytest.approx(expected, rel=5e-3)
     page.close()
+
+
+def test_a_panel_files_series_are_shown_by_symbol(browser, tmp_path):
+    """forecast.csv of one panel file's series (named panel.csv[AAPL] by finetune_csv/sources.py): the picker and
+    the chart title say AAPL, the note names the file once."""
+    stamps = pd.date_range("2024-01-01", periods=8, freq="D").astype(str)
+    pd.concat([pd.DataFrame({"window": k, "series": name, "timestamps": stamps,
+                             **{f"close_q{q}": 100.0 + q / 100 for q in (10, 25, 50, 75, 90)},
+                             **{f"actual_{f}": 100.0 for f in ("open", "high", "low", "close")}})
+               for k, name in enumerate(["panel.csv[AAPL]", "panel.csv[MSFT]"])]).to_csv(tmp_path / "forecast.csv",
+                                                                                        index=False)
+    page, _, errors = open_page(browser, write_report(tmp_path).resolve().as_uri())
+    page.wait_for_selector("#forecast-chart .main-svg")
+    assert page.locator("#series-picker option").all_inner_texts() == ["AAPL", "MSFT"]
+    assert page.locator("#forecast-chart .gtitle").text_content().startswith("AAPL, window 0")
+    assert "the series of panel.csv" in page.inner_text("#forecasts") and errors == []
+    page.close()
