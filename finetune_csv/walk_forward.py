@@ -151,8 +151,8 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) 
 def paired_from_windows(frame: pd.DataFrame) -> dict:
     """paired.finetuned_vs_zero_shot from windows.csv rows (the verdict's windows): {"crps": ..., "mae": ...}, each
     `session_test` (intraday windows: one date per trading session) on the finetuned - zero_shot differences
-    (windows are non-overlapping: no known lag) with each
-    fold's own mean and interval and the share of folds finetuning won."""
+    (windows are non-overlapping: no known lag) with each fold's own mean and interval (or the reason there is none)
+    and the share of folds finetuning won."""
     keys = ["fold", "series", "window_start"]
     wide = frame[frame.candidate == "finetuned"].merge(frame[frame.candidate == "zero_shot"], on=keys,
                                                        suffixes=("_f", "_z"))
@@ -160,9 +160,9 @@ def paired_from_windows(frame: pd.DataFrame) -> dict:
     for s in ("crps", "mae"):
         wide["d"] = wide[f"{s}_f"] - wide[f"{s}_z"]
         test = session_test(wide["d"], wide["window_start"], what=f"finetuned - zero_shot {s.upper()}")
-        test["per_fold"] = [{"fold": int(k), **{x: session_test(g["d"], g["window_start"])[x] for x in
-                                                ("mean", "windows")}}
-                            for k, g in wide.groupby("fold")]
+        test["per_fold"] = [{"fold": int(k), **{x: t[x] for x in ("mean", "windows", "ci_low", "ci_high", "reason")}}
+                            for k, g in wide.groupby("fold") for t in [session_test(g["d"], g["window_start"],
+                                                                                    what=f"fold {k} {s.upper()}")]]
         test["share_folds_won"] = float(np.mean([r["mean"] < 0 for r in test["per_fold"]]))
         out[s] = test
     return out

@@ -3,7 +3,9 @@ self-contained, carrying the run's own numbers; pages of walk-forward, Qlib and 
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -14,9 +16,12 @@ import pytest
 
 from finetune import cli
 from finetune.evaluation import report
+from finetune.evaluation.statistics import paired_test, session_test
+from finetune.utils import tune
 from finetune_csv import forecast
+from finetune_csv import walk_forward as wf
 from finetune_csv.config import load
-from model.errors import EXIT_DATA, EXIT_PATH
+from model.errors import EXIT_DATA, EXIT_PATH, DataError
 from tests.test_csv_eval import make_run
 from tests.test_packaging import PYPROJECT
 
@@ -118,23 +123,63 @@ def test_report_on_a_folder_without_run_files_is_one_path_error(tmp_path, capsys
     assert not (tmp_path / "report.html").exists()
 
 
+def tune_study(folder: Path) -> dict:
+    """tune/report.json as `kronos tune` writes it, by the study engine itself (finetune/utils/tune.py: Optuna, the
+    trial table, PBO, the report) on a stand-in objective instead of training: 8 trials of lr (log) and temperature,
+    trial 0 the config as given (lr 6.8e-05), trial 3 failing with a user error; 24 inner dates, 40 judged ones."""
+    pytest.importorskip("optuna")
+    tc = tune.TuneConfig(n_trials=8, heartbeat_seconds=5, space={
+        "predictor_training.lr": {"low": 1e-5, "high": 1e-3, "log": True},
+        "forecast.temperature": {"low": 0.5, "high": 1.5}})
+    inner = pd.date_range("2024-01-01", periods=24, freq="B")
+
+    def objective(params: dict, number: int) -> dict:  # trial - zero_shot CRPS per inner date: lr near 1e-4 helps
+        if number == 3:
+            raise DataError("the trial's data.lookback leaves no window")
+        noise = np.random.default_rng(number).normal(0, 2e-4, len(inner))
+        gap = 1e-4 * abs(np.log10(params["predictor_training.lr"]) + 4)
+        return {str(d.date()): gap + e for d, e in zip(inner, noise)}
+
+    args = argparse.Namespace(worker=False, workers=1, config="tune.yaml", set=[])
+    given = {"predictor_training": {"lr": 6.8e-05}, "forecast": {"temperature": 1.0}}
+    found = tune.run(folder, tc, {"space": tc.space}, ["judged"], given, objective, args, "tune", paired_test)
+    judged, rng = pd.date_range("2024-03-01", periods=40, freq="B"), np.random.default_rng(1)
+    outer = {f"tuned_vs_{o}": session_test(rng.normal(m, 4e-4, 40), judged, what=f"CRPS tuned - {o}")
+             for o, m in (("zero_shot", 3e-4), ("default", 0.0))}
+    frame = pd.DataFrame({"fold": 0, "series": "A", "window_start": np.tile(judged, 3),
+                          "candidate": np.repeat(["tuned", "default", "zero_shot"], 40),
+                          "crps": np.r_[rng.normal(0.0093, 4e-4, 40), rng.normal(0.0092, 4e-4, 40),
+                                        np.full(40, 0.009)]})
+    return tune.write_report(folder, found, outer, wf.best_candidate(frame), holdout=[
+        {"test_start": "2024-03-01", "test_end": "2024-04-25"}], scores={"tuned": 0.0093})
+
+
 def other_runs(root: Path) -> dict[str, Path]:
-    """Folders of a CSV walk-forward, a Qlib backtest, a Qlib walk-forward and a tune, with hand-written files in the
-    shapes those commands write (Qlib is not installed in every test environment; kronos tune may not be merged)."""
-    wf, bt, qwf, tuned = root / "walk_forward", root / "backtest", root / "qlib_wf" / "walk_forward", root / "tuned"
-    per_fold = [{"fold": k, "mean": -0.01 * k, "ci_low": -0.02, "ci_high": 0.01, "windows": 4} for k in range(2)]
+    """Folders of a CSV walk-forward, a Qlib backtest, a Qlib walk-forward and a tune, with files in the shapes those
+    commands write: the walk-forward's paired tests and the tune report by their writers on stand-in scores, the rest
+    by hand (Qlib is not installed in every test environment)."""
+    wf_dir, bt, qwf, tuned = root / "walk_forward", root / "backtest", root / "qlib_wf" / "walk_forward", root / "tuned"
     score = {"crps": 0.1, "mae": 0.2, "cov50": 0.5, "cov80": 0.8, "direction": 0.5}
-    (wf / "fold_0" / "basemodel").mkdir(parents=True)
-    (wf / "fold_0" / "basemodel" / "metrics.jsonl").write_text(
+    (wf_dir / "fold_0" / "basemodel").mkdir(parents=True)
+    (wf_dir / "fold_0" / "basemodel" / "metrics.jsonl").write_text(
         json.dumps({"kind": "train", "step": 1, "loss": 2.0, "lr": 1e-3}) + "\n{torn")
-    (wf / "report.json").write_text(json.dumps({
-        "verdict": "no_evidence", "verdict_reason": "contains 0", "scores": {"finetuned": score, "zero_shot": score},
-        "folds": [{"fold": k, "test_start": f"2024-01-0{k + 1}", "test_end": "x", "windows": {"test": 4},
-                   "scores": {"finetuned": score}, "before_pretraining_cutoff": False} for k in range(2)],
-        "paired": {"finetuned_vs_zero_shot": {"crps": {"per_fold": per_fold, "mean": -0.005, "reason": "r"}}},
-        "best": {"line": "best by CRPS: finetuned"}}))
-    pd.DataFrame({"candidate": ["finetuned", "finetuned", "zero_shot"], "window_start": ["a", "b", "a"],
-                  "crps": [1.0, 2.0, 5.0], "in_verdict": [True, True, True]}).to_csv(wf / "windows.csv", index=False)
+    # windows of a panel file's two series: fold 0 on 8 dates (no interval), fold 1 on 20 (an interval)
+    days = [pd.date_range("2024-01-01", periods=8, freq="B"), pd.date_range("2024-02-01", periods=20, freq="B")]
+    rng = np.random.default_rng(0)
+    windows = pd.concat([pd.DataFrame({"fold": k, "series": np.repeat(["panel.csv[AAPL]", "panel.csv[MSFT]"], len(d)),
+                                       "window_start": np.tile(d, 2), "candidate": c, "in_verdict": True,
+                                       "crps": rng.normal(0.01 + 0.002 * (c == "zero_shot"), 0.001, 2 * len(d)),
+                                       "mae": rng.normal(0.02, 0.001, 2 * len(d))})
+                         for k, d in enumerate(days) for c in ("finetuned", "zero_shot", "persistence")])
+    paired = wf.paired_from_windows(windows)
+    (wf_dir / "report.json").write_text(json.dumps({
+        "verdict": paired["crps"]["verdict"], "verdict_reason": paired["crps"]["reason"],
+        "scores": {"finetuned": score, "zero_shot": score},
+        "folds": [{"fold": k, "test_start": str(d[0].date()), "test_end": str(d[-1].date()),
+                   "windows": {"test": 2 * len(d)}, "scores": {"finetuned": score}, "before_pretraining_cutoff": False}
+                  for k, d in enumerate(days)],
+        "paired": {"finetuned_vs_zero_shot": paired}, "best": wf.best_candidate(windows)}))
+    windows.to_csv(wf_dir / "windows.csv", index=False)
 
     bt.mkdir()
     (bt / "report.json").write_text(json.dumps({
@@ -161,11 +206,8 @@ def other_runs(root: Path) -> dict[str, Path]:
         "periods": [{"period": k, "test_start": f"2022-0{k + 1}-01", "IC_finetuned": 0.01 * k, "IC_zero_shot": 0.0}
                     for k in range(3)], "backtest": {"finetuned": bt_stats, "zero_shot": bt_stats}}))
 
-    (tuned / "tune").mkdir(parents=True)
-    (tuned / "tune" / "report.json").write_text(json.dumps(
-        {"trials": [{"number": k, "score": 0.3 - 0.01 * k, "params": {"lr": k}} for k in range(4)],
-         "selected": {"lr": 1e-3}, "inner": 0.28, "outer": 0.31, "pbo": 0.2, "verdict": "keep"}))
-    return {"walk_forward": wf, "qlib": bt, "qlib_walk_forward": qwf, "tune": tuned}
+    tune_study(tuned / "tune")
+    return {"walk_forward": wf_dir, "qlib": bt, "qlib_walk_forward": qwf, "tune": tuned}
 
 
 def test_walk_forward_qlib_and_tune_folders_get_their_sections(tmp_path):
@@ -175,9 +217,13 @@ def test_walk_forward_qlib_and_tune_folders_get_their_sections(tmp_path):
         assert page["kind"] == kind
         if kind in ("walk_forward", "qlib_walk_forward", "tune"):
             assert page[kind] == json.loads((folder / ("tune" if kind == "tune" else "") / "report.json").read_text())
-    wf = report.collect(runs["walk_forward"])
-    assert wf["walk_forward_cumulative"]["finetuned"]["v"] == [1.0, 3.0]  # by date, summed over time
-    assert [s["name"] for s in wf["training"]] == ["fold_0/basemodel"] and wf["training"][0]["train"][0]["loss"] == 2
+    walk = report.collect(runs["walk_forward"])
+    rows = pd.read_csv(runs["walk_forward"] / "windows.csv")
+    by_date = rows[rows.candidate == "finetuned"].groupby("window_start")["crps"].mean().sort_index()
+    assert walk["walk_forward_cumulative"]["finetuned"]["v"] == pytest.approx(by_date.cumsum().tolist())  # over time
+    assert [s["name"] for s in walk["training"]] == ["fold_0/basemodel"]
+    assert walk["training"][0]["train"][0]["loss"] == 2
+    assert walk["run"] == f"{tmp_path.name}/walk_forward"  # the run's name, never the absolute path
 
     q = report.collect(runs["qlib"])["qlib"]
     daily = pd.read_csv(runs["qlib"] / "backtest_daily.csv")
@@ -214,3 +260,29 @@ def test_windows_beyond_the_pages_budget_are_thinned_evenly(tmp_path, monkeypatc
     picked = [w["window"] for w in shown["windows"]]
     assert picked[0] == 0 and picked[-1] == n - 1
     assert np.ptp(np.diff(picked)) <= 1  # evenly spaced
+
+
+def screen(text: str) -> list[str]:
+    """The lines a terminal shows for `text`: each carriage return starts the line again, overwriting it."""
+    lines = []
+    for line in text.split("\n"):
+        shown = ""
+        for part in line.split("\r"):
+            shown = part + shown[len(part):]
+        lines.append(shown.rstrip())
+    return lines
+
+
+def test_tune_log_lines_never_share_a_line_with_its_progress_bar(tmp_path, capsys):
+    from finetune.utils.errors import setup_logging
+
+    setup_logging()  # kronos's console handler, on this test's stderr
+    try:
+        tune_study(tmp_path / "tune")
+    finally:
+        for handler in [h for h in logging.getLogger().handlers if getattr(h, "_kronos_setup", False)]:
+            logging.getLogger().removeHandler(handler)
+    lines = screen(capsys.readouterr().err)
+    failed = [line for line in lines if "trial 3 failed" in line]
+    assert failed and all("tune tune-" not in line for line in failed)  # the log line alone
+    assert any(re.match(r"tune tune-\w+: 100%.* 8/8", line) for line in lines)  # the bar on its own line, finished

@@ -39,6 +39,12 @@ def _csv(path: Path) -> pd.DataFrame | None:
         return None
 
 
+def _name(run: Path) -> str:
+    """The run as the page names it: its folder and the output folder in it (csv_demo/forecast), never the absolute
+    path (a page is shared, screenshotted; the path says where it was built, not what it shows)."""
+    return "/".join(run.parts[-2:])
+
+
 def _thin(items: list, limit: int) -> list:
     """At most `limit` of `items`, evenly spaced, the first and last kept."""
     if len(items) <= limit:
@@ -119,7 +125,7 @@ def collect(run_dir: str | Path) -> dict[str, Any]:
     # where the training stages are: beside a forecast's folder; inside a walk-forward's (one per fold or period);
     # under paths.save_path for a Qlib backtest
     roots = [run.parent]
-    page: dict[str, Any] = {"run": str(run), "kind": "tune" if tune else "run", "metrics": metrics,
+    page: dict[str, Any] = {"run": _name(run), "kind": "tune" if tune else "run", "metrics": metrics,
                             "forecast": _windows(run), "tune": tune}
     if metrics is not None or page["forecast"] is not None:
         page["kind"] = "forecast" if metrics is not None else "future"
@@ -194,7 +200,7 @@ def write_report(run_dir: str | Path, context: tuple | None = None, horizon: int
     if context is not None:
         write_context(run_dir, *context, horizon=horizon or context[2].shape[1])
     page = collect(run_dir)
-    text = render({**page, "run": str(Path(shown).resolve())} if shown else page)
+    text = render({**page, "run": _name(Path(shown).resolve())} if shown else page)
     return atomic_write(Path(run_dir) / "report.html", lambda p: Path(p).write_text(text, encoding="utf-8"))
 
 

@@ -324,6 +324,7 @@ def run(folder: Path, tc: TuneConfig, identity: dict, holdout: Any, given: Mappi
         study = open_study(folder, tc, identity, holdout, workers + worker)
     defaults = {k: get_dotted(given, k) for k in tc.space}
     from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     extra = spawn_workers(workers, argv) if workers > 1 else []
     bar = tqdm(total=tc.n_trials, desc=f"tune {study.study_name}", disable=worker)
@@ -332,7 +333,8 @@ def run(folder: Path, tc: TuneConfig, identity: dict, holdout: Any, given: Mappi
         bar.n = sum(t.state.name == "COMPLETE" for t in s.get_trials(deepcopy=False))
         bar.set_postfix(best=f"{s.best_value:+.5f} (trial {s.best_trial.number})")
     try:
-        work(study, tc, folder, given, defaults, objective, progress)
+        with logging_redirect_tqdm(tqdm_class=tqdm):  # a log line while the bar is drawn goes above it, on its own line
+            work(study, tc, folder, given, defaults, objective, progress)
     finally:
         for p in extra:
             if p.wait() != 0:
