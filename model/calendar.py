@@ -14,6 +14,7 @@ from model.features import to_datetime_index
 
 RECENT_WEEKS = 8  # the history that defines the calendar (a market changes its hours; DST moves UTC sessions)
 DAY, WEEK = pd.Timedelta(days=1), pd.Timedelta(days=7)
+_WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
 
 
 class HolidaysNotSkipped(UserWarning):
@@ -70,18 +71,19 @@ class TradingCalendar:
         date = recent.normalize()
         tod = (recent - date).asi8  # time of day, ns
         unique = date.unique()
+        day = unique.get_indexer(date)  # (T,) each bar's date, as an index into `unique`
         weeks = (unique[-1] - unique[0]) / WEEK
         counts = pd.Series(unique.day_of_week).value_counts()
         traded = {int(d) for d, c in counts.items() if c >= weeks / 2} | (set(range(5)) if weeks < 1 else set())
         traded = traded or set(counts.index)
-        edge = {unique[0], unique[-1]}
 
         def common(keep: np.ndarray) -> np.ndarray:
-            """Times of day on at least half of the (full, when there are any) dates selected by `keep`."""
-            full = keep & ~np.isin(date, list(edge))
-            keep = full if full.any() else keep
-            t, c = np.unique(tod[keep], return_counts=True)
-            return t[c >= len(np.unique(date[keep])) / 2]
+            """Times of day seen on at least half of the dates selected by `keep` ((D,) bool over `unique`) that
+            cover them: the first date (maybe cut by the window) covers its times from its first bar on, the last
+            (maybe cut mid-session) up to its last bar, so a partial day votes only on the times it saw."""
+            t, c = np.unique(tod[keep[day]], return_counts=True)
+            covering = keep[1:-1].sum() + (keep[0] & (t >= tod[0])) + (keep[-1] & (t <= tod[-1]))
+            return t[c >= covering / 2]
 
         if step >= DAY / 2:  # daily bars: one per trading day, at the last bar's time of day
             typical = np.array([tod[-1]])
@@ -89,9 +91,21 @@ class TradingCalendar:
         elif len(unique) < 3:  # no whole day seen: its session is unknown, the bars continue at their spacing
             return cls(step, {}, np.zeros(0, np.int64), pd.tseries.frequencies.to_offset(step), days, ts.tz, closed)
         else:
-            typical = common(np.ones(len(tod), bool))
-            times = {d: (common(date.day_of_week == d) if d in counts else typical) for d in traded}
-        if not any(len(t) for t in times.values()):
+            typical = common(np.ones(len(unique), bool))
+            times, borrowed = {}, []
+            for d in sorted(traded):
+                own = np.asarray(unique.day_of_week == d)
+                if not own[1:-1].any():  # no whole session of this weekday: the other weekdays' (the typical) one
+                    times[d] = typical
+                    borrowed.append(_WEEKDAYS[d])
+                    continue
+                t = common(own)  # a time the typical session trades inside this weekday's hours is open too
+                times[d] = np.union1d(t, typical[(typical >= t[0]) & (typical <= t[-1])]) if len(t) else t
+            if borrowed:
+                warnings.warn(f"{name}: {len(unique)} day(s) of recent history hold no whole session of "
+                              f"{', '.join(borrowed)}: its bars after the history are stamped on the other weekdays' "
+                              "session; give a few weeks of history for each weekday's own hours", stacklevel=2)
+        if not len(typical) or not any(len(t) for t in times.values()):
             raise DataError(f"{name}: no time of day recurs in its bars, so they follow no trading calendar; pass "
                             "freq= or the future timestamps")
         if step >= DAY / 2 and sorted(times) == list(range(5)) and days is None and closed is None:

@@ -215,3 +215,36 @@ def test_thanksgiving_is_skipped_with_a_holiday_calendar_or_said_not_to_be(predi
     assert list(named["Date"]) == [pd.Timestamp("2019-11-29"), pd.Timestamp("2019-12-02")]
     with pytest.raises(DataError, match="neither a market.*nor a country"):
         predictor.predict_df(frame, prediction_length=2, top_k=1, holidays="Atlantis")
+
+
+# ------------------------------------------------------------------- minute sessions cut mid-session (issue 48)
+def minute_bars(days: pd.DatetimeIndex, market: str) -> pd.DatetimeIndex:
+    """One-minute bar starts of a market on `days`: 'spy' 09:30-15:59, 'fx' around the clock, 'es' around the clock
+    but a daily halt 20:15-20:29 and a break 21:15-21:59 (UTC, futures-like)."""
+    minutes = pd.timedelta_range(0, periods=24 * 60, freq="min")
+    keep = {"spy": (minutes >= "9h30min") & (minutes < "16h"), "fx": np.ones(len(minutes), bool),
+            "es": ~(((minutes >= "20h15min") & (minutes < "20h30min")) | ((minutes >= "21h15min") & (minutes < "22h")))}
+    return pd.DatetimeIndex([d + m for d in days for m in minutes[keep[market]]])
+
+
+def no_trade(bars: pd.DatetimeIndex) -> pd.DatetimeIndex:
+    """The bars less the minutes with no trade: a ninth of each day's minutes, a different ninth on each day."""
+    day = (bars.normalize() - bars[0].normalize()).days
+    return bars[(bars.hour * 60 + bars.minute) % 9 != day % 9]
+
+
+@pytest.mark.parametrize("market, cut", [("spy", "2024-03-14 15:30"), ("fx", "2024-03-13 12:00"),
+                                         ("es", "2024-03-14 21:14"), ("es", "2024-03-14 20:10")])
+@pytest.mark.parametrize("days", [3, 63])
+def test_a_context_cut_mid_session_continues_that_session_at_every_minute(market, cut, days):
+    cut = pd.Timestamp(cut)
+    history = no_trade(minute_bars(pd.bdate_range(end=cut.normalize(), periods=days), market))
+    history = history[history <= cut]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        got = TradingCalendar.learn(history).after(cut, 120)
+    expected = minute_bars(pd.bdate_range(cut.normalize(), periods=3), market)  # the market's own next minutes
+    assert list(got) == list(expected[expected > cut][:120])
+    short = [str(w.message) for w in said if "no whole session" in str(w.message)]
+    assert len(short) == (days == 3)
+    assert days == 63 or "3 day(s) of recent history hold no whole session of Monday, " in short[0]
