@@ -298,7 +298,7 @@ def _build(sources: list[tuple[Path | csv_sources.Frame, Path | csv_sources.Fram
                     except csv_sources.SourceProblems as e:
                         problems.extend(named(e.problems))
                         continue
-                    notes, cleaning = named(notes), named(cleaning)
+                    notes, cleaning = named(notes), named(cleaning + jump_notes(ts, values, where))
                     for note in notes + cleaning:
                         log.warning(note)
                     warnings.extend(notes + cleaning)
@@ -389,6 +389,25 @@ def candle_problems(values: np.ndarray, lines: np.ndarray, columns: Mapping[str,
                         "data.allow_zero_volume: true if the data has no volume (e.g. an index), or "
                         "data.columns.volume: null")
     return problems, notes
+
+
+def jump_notes(ts: np.ndarray, values: np.ndarray, where: str) -> list[str]:
+    """Warnings, with dates, about bar-to-bar moves of a split-like ratio (2, 3, 4, 5, 8, 10 or their inverse,
+    close-to-close) that the new bar's own high / low range does not show (an unadjusted split), and about gaps over
+    20 bar spacings and 14 days (a series that stopped and restarted). `ts (n,)` ns, `values (n, 6)` open..amount."""
+    if len(ts) < 3:
+        return []
+    close, step = values[:, 3], np.diff(ts)  # (n,), (n - 1,)
+    ratio = np.maximum(close[1:] / close[:-1], close[:-1] / close[1:])  # (n - 1,) >= 1
+    split_like = (np.abs(ratio[:, None] / np.array([2, 3, 4, 5, 8, 10]) - 1) < 0.03).any(axis=1)
+    calm = values[1:, 1] / values[1:, 2] < 1.5  # the new bar's high / low: no such move inside it
+    gap = step > max(20 * np.median(step), pd.Timedelta(days=14).value)
+    dates = lambda at: ", ".join(stamp_text(int(ts[i])) for i in (np.flatnonzero(at) + 1)[:5])  # noqa: E731
+    return ([f"{where}: the close jumps by a split-like ratio at {dates(split_like & calm)}: prices not adjusted "
+             "for a split? give adjusted prices (data.adjust: adj_close with an adjusted close column)"]
+            if (split_like & calm).any() else []) + \
+        ([f"{where}: {int(gap.sum())} gap(s) of many bar spacings, the bar after each at {dates(gap)}: windows join "
+          "the bars across them; cut the series there (remove the earlier rows from the file)"] if gap.any() else [])
 
 
 def clean_series(ts: np.ndarray, values: np.ndarray, lines: np.ndarray, present: tuple[bool, ...], nan_policy: str,

@@ -75,3 +75,27 @@ def test_a_forecast_folder_made_with_other_settings_is_refused_not_replaced(date
     err = capsys.readouterr().err
     assert "forecast.sample_count" in err and "remove it to replace it" in err and "Traceback" not in err
     assert (date_run.parent / "out/tiny/forecast/forecast.csv").read_bytes() == before
+
+
+def test_a_planted_split_and_gap_are_warned_with_the_series_and_dates(tmp_path, caplog):
+    from finetune_csv.prepare import prepare_store
+
+    frame = generate_ohlcv(n_series=1, n_bars=300, freq="1D", seed=1)["SH600000"]
+    frame = frame[frame["timestamps"].dt.day_of_week < 5].reset_index(drop=True)
+    split_at = 100  # a 4:1 split not adjusted: every price from here on a quarter
+    frame.loc[split_at:, ["open", "high", "low", "close"]] /= 4
+    frame.loc[150:, "timestamps"] += pd.Timedelta(days=3 * 365)  # three years without bars
+    frame.to_csv(tmp_path / "AAPL.csv", index=False)
+    with caplog.at_level("WARNING"):
+        prepare_store(tmp_path / "AAPL.csv", tmp_path / "store")
+    text = caplog.text
+    assert "AAPL" in text and f"split-like ratio at {frame['timestamps'][split_at].date()}" in text
+    assert f"1 gap(s) of many bar spacings, the bar after each at {frame['timestamps'][150].date()}" in text
+
+
+def test_an_ordinary_daily_series_gets_no_split_or_gap_warning():
+    from finetune_csv.prepare import jump_notes
+
+    frame = generate_ohlcv(n_series=1, n_bars=300, freq="1D", seed=1)["SH600000"]
+    values = frame[["open", "high", "low", "close", "volume", "amount"]].to_numpy()
+    assert jump_notes(frame["timestamps"].to_numpy().view("int64"), values, "AAPL") == []
