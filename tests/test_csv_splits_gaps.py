@@ -99,3 +99,14 @@ def test_an_ordinary_daily_series_gets_no_split_or_gap_warning():
     frame = generate_ohlcv(n_series=1, n_bars=300, freq="1D", seed=1)["SH600000"]
     values = frame[["open", "high", "low", "close", "volume", "amount"]].to_numpy()
     assert jump_notes(frame["timestamps"].to_numpy().view("int64"), values, "AAPL") == []
+
+
+def test_max_gap_days_drops_the_bars_before_the_last_long_gap(tmp_path):
+    from finetune_csv.prepare import StoreSettings, prepare_store
+
+    frame = generate_ohlcv(n_series=1, n_bars=300, freq="1D", seed=1)["SH600000"]
+    frame.loc[150:, "timestamps"] += pd.Timedelta(days=3 * 365)
+    frame.to_csv(tmp_path / "FB.csv", index=False)
+    info = prepare_store(tmp_path / "FB.csv", tmp_path / "store", StoreSettings(max_gap_days=30))
+    assert info.manifest["series"][0]["rows"] == 150
+    assert info.manifest["series"][0]["start"] == str(frame["timestamps"][150])
