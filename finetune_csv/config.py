@@ -102,6 +102,9 @@ class DataConfig(WindowSettings):
     """by_date with train_end: first date of the test period; null = no test split (validation runs to the end)."""
     bad_candles: str = "error"
     """A high below max(open, close) or a low above min(open, close): error | warn (train on them, warned)."""
+    max_gap_days: int | None = None
+    """Drop each series' bars before its last gap of more than this many calendar days (a series that stopped and
+    restarted: no window joins bars across the gap); null = keep them (gaps of many bar spacings are warned)."""
     allow_zero_volume: bool = False
     """Allow a volume column that is zero in every row of a series (e.g. an index); false = an error."""
 
@@ -278,6 +281,8 @@ def check_data_settings(d: Mapping[str, Any], p: Problems) -> None:
             f"must be one of {', '.join(NAN_POLICIES)} (got '{d['nan_policy']}')")
     p.check(d["bad_candles"] in BAD_CANDLE_POLICIES, "data.bad_candles",
             f"must be error or warn, got {d['bad_candles']!r}")
+    p.check(d.get("max_gap_days") is None or d["max_gap_days"] >= 1, "data.max_gap_days",
+            f"must be >= 1 or null, got {d.get('max_gap_days')}")
     for key, problem in (("data.timezone", timezone_problem(d["timezone"])),
                          ("data.frequency", frequency_problem(d["frequency"]))):
         p.check(problem is None, key, problem or "")

@@ -42,11 +42,12 @@ from finetune_csv.config import CsvFinetuneConfig, best_dir, load
 from finetune_csv.pipeline import CsvPipeline
 from finetune_csv.prepare import StoreSettings, prepare_data
 from finetune_csv.sources import list_sources, source_fingerprint
+from finetune_csv.splits import held_out_from
 from model import KronosPredictor, KronosTokenizer
 from model.calendar import TradingCalendar
 from model.calibration import apply_calibration
 from model.config import Window
-from model.errors import ConfigError, DataError, PathError
+from model.errors import ConfigError, DataError, PathError, RefusedError
 from model.features import BODY_RULES, CLOSE, FEATURES, PRICE_FEATURES, candle_faults, quantile_column
 from model.fileio import atomic_dir, read_json_object, write_json
 from model.hub import weights_fingerprint
@@ -486,25 +487,60 @@ def provenance(cfg: CsvFinetuneConfig, command: str, predictor: KronosPredictor,
 def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: tuple | None = None) -> dict:
     """Score every held-out test window (and the zero-shot model); write metrics.json, forecast.csv, forecast.json
     and the plot (`folders`: `run_folders`' answer, when the caller asked already)."""
-    if cfg.data.test_ratio <= 0:
-        raise ConfigError(["data.test_ratio: is 0, so there is no held-out test split to forecast; set it > 0 (and "
-                           "retrain, since the ratios move the split boundaries)"], "Invalid forecast configuration")
+    d = cfg.data
+    no_test = d.val_end is None if d.train_end else d.test_ratio <= 0  # a date split's test starts at val_end
+    if no_test:
+        raise ConfigError([f"data.{'val_end' if d.train_end else 'test_ratio'}: is {'unset' if d.train_end else 0}, "
+                           "so there is no held-out test split to forecast; set it (and retrain: the run's "
+                           "validation reached into what would be the test)"], "Invalid forecast configuration")
     finetuned, calibration = finetuned_predictor(cfg)
     store_dir, out_dir, made = folders or run_folders(cfg, out_dir, "forecast")
     with output_folder(out_dir):
+        _refuse_replacing(cfg, out_dir)
         data = prepare_data(cfg.data, store_dir)  # the store training made (re-prepared if the files changed)
         windows = held_out_windows(data.splits["test"], cfg.data.window, cfg.forecast.window_stride,
                                    cfg.forecast.max_windows,
                                    history=cfg.forecast.empirical_window + 1)  # + 1: n returns need n + 1 closes
+        windows, dropped = _unseen(cfg, data.panel, windows)
         check_memory(cfg, len(windows), 6)  # raw, reported, zero-shot and ensemble paths, and their scoring
         metrics, paths, raw = evaluate_held_out(cfg, finetuned, windows, zero_shot_predictor(cfg),
                                            _season(cfg, data.panel), calibration)
         metrics["series_without_test_windows"] = sorted(set(data.panel.names) - set(windows.names))
+        metrics["windows_dropped_seen_in_training"] = dropped
         files = {"forecast.csv": forecast_table(windows.names, windows.y_timestamps, paths, windows.actual, raw),
                  "metrics.json": metrics, "forecast.json": provenance(cfg, "forecast", finetuned, made)}
         write_outputs(cfg, out_dir, files, "forecast_vs_actual.png", windows.names, windows.x_timestamps,
                       windows.context, windows.y_timestamps, paths, windows.actual)
     return metrics
+
+
+def _refuse_replacing(cfg: CsvFinetuneConfig, out_dir: Path) -> None:
+    """A held-out forecast folder made with other forecast.* settings is never replaced silently."""
+    made = out_dir / "forecast.json"
+    was = ((read_json_object(made) if made.is_file() else {}).get("settings") or {}).get("forecast")
+    now = config_to_dict(cfg)["forecast"]
+    changed = [f"forecast.{k}: {was[k]!r} -> {v!r}" for k, v in now.items() if was is not None and was.get(k) != v]
+    if changed:
+        raise RefusedError(f"{out_dir} holds a forecast made with other settings ({'; '.join(changed)}); move it "
+                           "elsewhere to keep it, or remove it to replace it")
+
+
+def _unseen(cfg: CsvFinetuneConfig, panel, windows: HeldOutWindows) -> tuple[HeldOutWindows, int]:
+    """The windows whose targets lie after all the run trained and validated on (its run_info.json), and how many
+    were dropped: a split that moved into the run's own data is never scored as held-out."""
+    info = cfg.predictor_dir / "run_info.json"
+    bounds = held_out_from(panel, read_json_object(info)) if info.is_file() else {}
+    first = np.array([ts[0].value for ts in windows.y_timestamps], dtype=np.int64)  # (N,) first target time
+    clean = first >= np.array([bounds.get(n, np.iinfo(np.int64).min) for n in windows.names], dtype=np.int64)
+    if not clean.all():
+        if not clean.any():
+            raise ConfigError([f"data: every one of the {len(windows)} held-out windows overlaps what the run in "
+                               f"{cfg.predictor_dir} trained or validated on; forecast with the split it was trained "
+                               "with (data.train_ratio / val_ratio / test_ratio, data.train_end / val_end)"],
+                              "Invalid forecast configuration")
+        log.warning("scoring %d of %d held-out windows: %d overlap what the run trained or validated on (metrics.json: "
+                    "windows_dropped_seen_in_training)", clean.sum(), len(windows), (~clean).sum())
+    return windows.subset(np.flatnonzero(clean)), int((~clean).sum())
 
 
 def run_future(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: tuple | None = None) -> pd.DataFrame:

@@ -54,6 +54,7 @@ class StoreSettings:
     frequency: str | None = None
     bad_candles: str = "error"
     allow_zero_volume: bool = False
+    max_gap_days: int | None = None
 
     @classmethod
     def from_data_config(cls, data: DataConfig) -> StoreSettings:
@@ -298,7 +299,8 @@ def _build(sources: list[tuple[Path | csv_sources.Frame, Path | csv_sources.Fram
                     except csv_sources.SourceProblems as e:
                         problems.extend(named(e.problems))
                         continue
-                    notes, cleaning = named(notes), named(cleaning)
+                    ts, values, cut = after_last_gap(ts, values, settings.max_gap_days, where)
+                    notes, cleaning = named(notes), named(cleaning + cut + jump_notes(ts, values, where))
                     for note in notes + cleaning:
                         log.warning(note)
                     warnings.extend(notes + cleaning)
@@ -389,6 +391,37 @@ def candle_problems(values: np.ndarray, lines: np.ndarray, columns: Mapping[str,
                         "data.allow_zero_volume: true if the data has no volume (e.g. an index), or "
                         "data.columns.volume: null")
     return problems, notes
+
+
+def after_last_gap(ts: np.ndarray, values: np.ndarray, max_gap_days: int | None,
+                   where: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """data.max_gap_days: the bars after the last gap of more than that many days (the earlier ones dropped, said):
+    a window never joins bars across it, and the series keeps its one name (as --future forecasts its last bars)."""
+    gaps = np.flatnonzero(np.diff(ts) > pd.Timedelta(days=max_gap_days or 0).value) if max_gap_days else []
+    if not len(gaps):
+        return ts, values, []
+    k = int(gaps[-1]) + 1
+    return ts[k:], values[k:], [f"{where}: dropped the {k} bars before {stamp_text(int(ts[k]))}, after a gap of more "
+                                f"than {max_gap_days} days (data.max_gap_days)"]
+
+
+def jump_notes(ts: np.ndarray, values: np.ndarray, where: str) -> list[str]:
+    """Warnings, with dates, about bar-to-bar moves of a split-like ratio (2, 3, 4, 5, 8, 10 or their inverse,
+    close-to-close) that the new bar's own high / low range does not show (an unadjusted split), and about gaps over
+    20 bar spacings and 14 days (a series that stopped and restarted). `ts (n,)` ns, `values (n, 6)` open..amount."""
+    if len(ts) < 3:
+        return []
+    close, step = values[:, 3], np.diff(ts)  # (n,), (n - 1,)
+    ratio = np.maximum(close[1:] / close[:-1], close[:-1] / close[1:])  # (n - 1,) >= 1
+    split_like = (np.abs(ratio[:, None] / np.array([2, 3, 4, 5, 8, 10]) - 1) < 0.03).any(axis=1)
+    calm = values[1:, 1] / values[1:, 2] < 1.5  # the new bar's high / low: no such move inside it
+    gap = step > max(20 * np.median(step), pd.Timedelta(days=14).value)
+    dates = lambda at: ", ".join(stamp_text(int(ts[i])) for i in (np.flatnonzero(at) + 1)[:5])  # noqa: E731
+    return ([f"{where}: the close jumps by a split-like ratio at {dates(split_like & calm)}: prices not adjusted "
+             "for a split? give adjusted prices (data.adjust: adj_close with an adjusted close column)"]
+            if (split_like & calm).any() else []) + \
+        ([f"{where}: {int(gap.sum())} gap(s) of many bar spacings, the bar after each at {dates(gap)}: windows join "
+          "the bars across them; data.max_gap_days drops the bars before such a gap"] if gap.any() else [])
 
 
 def clean_series(ts: np.ndarray, values: np.ndarray, lines: np.ndarray, present: tuple[bool, ...], nan_policy: str,

@@ -169,6 +169,25 @@ def split_data(panel: SeriesPanel, cfg: DataConfig) -> tuple[dict[str, PanelSegm
     return splits, how
 
 
+def held_out_from(panel: SeriesPanel, run_info: dict) -> dict[str, int]:
+    """{series: earliest first-target time (ns) of a window that lies after what the run in `run_info` (its
+    run_info.json) trained and validated on}: by_date its test boundary (or, without one, after its last bar);
+    per_series each series' own row split of the rows it had. Series the run never saw are absent (all clean)."""
+    data, ratios = run_info.get("data") or {}, (run_info.get("config") or {}).get("data") or {}
+    how, when = data.get("split") or {}, np.asarray(panel.datetimes)
+    rows = {str(n): (int(o), int(k)) for n, o, k in zip(panel.names, panel.offsets[:-1], panel.lengths())}
+    bounds = {}
+    for s in data.get("series") or []:
+        after_end = pd.Timestamp(s["end"]).value + 1  # the run saw every bar it had
+        if how.get("mode") == "by_date":
+            bounds[s["name"]] = pd.Timestamp(how["val_end"]).value if how.get("val_end") else after_end
+        elif s["name"] in rows:  # (its first column, its rows) now
+            first, n = rows[s["name"]]
+            val_end = split_bounds(s["rows"], ratios["train_ratio"], ratios["val_ratio"])[1]
+            bounds[s["name"]] = int(when[first + val_end]) if val_end < min(s["rows"], n) else after_end
+    return bounds
+
+
 def _warn_overlapping_periods(splits: dict[str, PanelSegments]) -> None:
     """per_series: warn when a series' validation or test period begins before another series' training (or, for
     test, validation) period ends: correlated series then leak the future into training and model selection."""

@@ -1,0 +1,112 @@
+"""Splits against the run that was trained (finetune_csv/forecast.py, splits.py): a date split forecasts its own test
+windows, a moved split scores only what the run never saw, an earlier forecast folder is never replaced silently;
+splits and gaps in the data are named (prepare.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from finetune.synthetic import generate_ohlcv, write_csv_folder
+from finetune.utils.errors import run_main
+from finetune_csv import forecast, train_sequential
+from finetune_csv.config import load
+from model.errors import EXIT_REFUSED
+from tests.test_csv_train import TINY_YAML
+
+# the ratios say no test (test_ratio 0): the dates alone make it
+DATE_SPLIT = ["data.train_end=2024-01-05", "data.val_end=2024-01-08", "data.train_ratio=0.85", "data.val_ratio=0.15",
+              "data.test_ratio=0", "forecast.max_windows=null", "forecast.sample_count=4"]
+
+
+@pytest.fixture(scope="module")
+def date_run(tmp_path_factory):
+    """Two series of 240 five-minute bars (2024-01-02 .. 01-08, 48 a day) trained with a date split: validation
+    from 2024-01-05, test from 2024-01-08."""
+    root = tmp_path_factory.mktemp("date_run")
+    write_csv_folder(generate_ohlcv(n_series=2, n_bars=240, freq="5min", seed=0), root / "data")
+    config = root / "tiny.yaml"
+    config.write_text(TINY_YAML.format(data=root / "data", out=root / "out"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert train_sequential.main(["--config", str(config), *sum((["--set", s] for s in DATE_SPLIT), [])]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return config
+
+
+def forecast_table(config, name: str = "forecast") -> pd.DataFrame:
+    return pd.read_csv(config.parent / "out" / "tiny" / name / "forecast.csv", parse_dates=["timestamps"])
+
+
+def test_a_date_split_run_forecasts_the_test_windows_of_its_dates(date_run, capsys):
+    argv = ["--config", str(date_run), *sum((["--set", s] for s in DATE_SPLIT), [])]
+    assert run_main(forecast.main, argv) == 0
+    table = forecast_table(date_run)
+    # 48 test bars per series from 2024-01-08, windows of predict 4 bars, non-overlapping: 12 per series
+    assert table.groupby("window")["timestamps"].min().min() == pd.Timestamp("2024-01-08 09:30")
+    assert table["window"].nunique() == 2 * 12
+    metrics = json.loads((date_run.parent / "out/tiny/forecast/metrics.json").read_text())
+    assert metrics["windows_dropped_seen_in_training"] == 0
+
+
+def test_a_split_moved_into_the_training_data_scores_only_the_unseen_windows(date_run, caplog):
+    # ratios 0.5 / 0.15 / 0.35 of all candles: the test starts at row 156 of each series (2024-01-05 10:30),
+    # inside the run's validation (to 2024-01-08): first targets at rows 156, 160, ..., 188 were seen (9 a series)
+    cfg = load(date_run, ["data.train_ratio=0.5", "data.val_ratio=0.15", "data.test_ratio=0.35",
+                          "data.train_end=null", "data.val_end=null", "forecast.max_windows=null",
+                          "forecast.sample_count=4"])
+    metrics = forecast.run_forecast(cfg)
+    assert metrics["windows_dropped_seen_in_training"] == 2 * 9 and metrics["windows"] == 2 * 12
+    assert "overlap what the run trained or validated on" in caplog.text
+    folder = next(p for p in (date_run.parent / "out/tiny").iterdir() if p.name.startswith("forecast_"))
+    assert forecast_table(date_run, folder.name)["timestamps"].min() == pd.Timestamp("2024-01-08 09:30")
+
+
+def test_a_forecast_folder_made_with_other_settings_is_refused_not_replaced(date_run, capsys):
+    argv = ["--config", str(date_run), *sum((["--set", s] for s in DATE_SPLIT), [])]
+    assert run_main(forecast.main, argv) == 0
+    before = (date_run.parent / "out/tiny/forecast/forecast.csv").read_bytes()
+    assert run_main(forecast.main, [*argv, "--set", "forecast.sample_count=3"]) == EXIT_REFUSED
+    err = capsys.readouterr().err
+    assert "forecast.sample_count" in err and "remove it to replace it" in err and "Traceback" not in err
+    assert (date_run.parent / "out/tiny/forecast/forecast.csv").read_bytes() == before
+
+
+def test_a_planted_split_and_gap_are_warned_with_the_series_and_dates(tmp_path, caplog):
+    from finetune_csv.prepare import prepare_store
+
+    frame = generate_ohlcv(n_series=1, n_bars=300, freq="1D", seed=1)["SH600000"]
+    frame = frame[frame["timestamps"].dt.day_of_week < 5].reset_index(drop=True)
+    split_at = 100  # a 4:1 split not adjusted: every price from here on a quarter
+    frame.loc[split_at:, ["open", "high", "low", "close"]] /= 4
+    frame.loc[150:, "timestamps"] += pd.Timedelta(days=3 * 365)  # three years without bars
+    frame.to_csv(tmp_path / "AAPL.csv", index=False)
+    with caplog.at_level("WARNING"):
+        prepare_store(tmp_path / "AAPL.csv", tmp_path / "store")
+    text = caplog.text
+    assert "AAPL" in text and f"split-like ratio at {frame['timestamps'][split_at].date()}" in text
+    assert f"1 gap(s) of many bar spacings, the bar after each at {frame['timestamps'][150].date()}" in text
+
+
+def test_an_ordinary_daily_series_gets_no_split_or_gap_warning():
+    from finetune_csv.prepare import jump_notes
+
+    frame = generate_ohlcv(n_series=1, n_bars=300, freq="1D", seed=1)["SH600000"]
+    values = frame[["open", "high", "low", "close", "volume", "amount"]].to_numpy()
+    assert jump_notes(frame["timestamps"].to_numpy().view("int64"), values, "AAPL") == []
+
+
+def test_max_gap_days_drops_the_bars_before_the_last_long_gap(tmp_path):
+    from finetune_csv.prepare import StoreSettings, prepare_store
+
+    frame = generate_ohlcv(n_series=1, n_bars=300, freq="1D", seed=1)["SH600000"]
+    frame.loc[150:, "timestamps"] += pd.Timedelta(days=3 * 365)
+    frame.to_csv(tmp_path / "FB.csv", index=False)
+    info = prepare_store(tmp_path / "FB.csv", tmp_path / "store", StoreSettings(max_gap_days=30))
+    assert info.manifest["series"][0]["rows"] == 150
+    assert info.manifest["series"][0]["start"] == str(frame["timestamps"][150])
