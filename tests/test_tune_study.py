@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import time
 from pathlib import Path
@@ -78,3 +79,21 @@ def test_epochs_at_the_bound_load_and_above_it_are_named_with_the_bound(tune_con
         csv_config.load(tune_config, ["predictor_training.epochs=100001", "tune.n_trials=1000000"])
     with pytest.raises(ConfigError, match=r"tune.n_trials: must be <= 100_000"):
         csv_config.load(tune_config, ["tune.n_trials=1000000"])
+
+
+@pytest.mark.slow
+def test_a_unit_trained_by_a_run_stopped_before_recording_it_is_in_trainings_jsonl_after_the_rerun(
+    tune_config,  # noqa: F811
+    tmp_path,
+):
+    import finetune_csv.config as csv_config
+    from finetune_csv.prepare import prepare_data
+
+    cfg = csv_config.load(tune_config)
+    data = prepare_data(cfg.data, cfg.store_dir, with_splits=False)
+    files = [f.get("sha256") for f in data.store.manifest.get("sources", [])]
+    fold, out = wf.tune_folds(cfg, data.panel, True)[0], cfg.base_dir / "tune"
+    folder = out / "units" / tune.unit_fingerprint(wf._settings(cfg), wf.fold_dates(fold), files)
+    wf._train_fold(cfg, fold, folder)  # what a run SIGTERMed after the unit's last epoch leaves: trained, unrecorded
+    wf._unit(cfg, cfg, fold, out, files)  # the rerun reuses it
+    assert [json.loads(line)["unit"] for line in (out / "trainings.jsonl").read_text().splitlines()] == [folder.name]
