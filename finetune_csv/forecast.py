@@ -39,14 +39,14 @@ from finetune.utils.plots import Panel, plot_panels, stamp_text
 from finetune.utils.safety import LOCK_NAME, GracefulStop, RunLock, read_holder
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir, load
-from finetune_csv.pipeline import CsvPipeline
+from finetune_csv.pipeline import CsvPipeline, decoding
 from finetune_csv.prepare import StoreSettings, prepare_data
 from finetune_csv.sources import list_sources, source_fingerprint
 from model import KronosPredictor, KronosTokenizer
 from model.calendar import TradingCalendar
-from model.calibration import apply_calibration
+from model.calibration import apply_calibration, decoding_changes
 from model.config import Window
-from model.errors import ConfigError, DataError, PathError
+from model.errors import ConfigError, DataError, PathError, RefusedError
 from model.features import BODY_RULES, CLOSE, FEATURES, PRICE_FEATURES, candle_faults, quantile_column
 from model.fileio import atomic_dir, read_json_object, write_json
 from model.hub import weights_fingerprint
@@ -154,6 +154,11 @@ def finetuned_predictor(cfg: CsvFinetuneConfig) -> tuple[KronosPredictor, dict |
     if wrong:
         raise ConfigError(wrong, "Invalid forecast configuration")
     calibration = info.get("calibration") if cfg.forecast.calibrate else None
+    changed = decoding_changes(calibration, decoding(cfg.forecast)) if calibration is not None else []
+    if changed:  # margins of other sampling would mis-state every band
+        raise RefusedError(f"the calibration in {predictor_dir / PREDICTOR_INFO_NAME} was fitted with other forecast "
+                           f"sampling ({', '.join(changed)}; T = forecast.temperature): set those forecast.* settings "
+                           "back, or --set forecast.calibrate=false for the raw bands")
     horizons = len(calibration["margins"][0]) if calibration is not None else cfg.data.predict
     if horizons < cfg.data.predict:  # said before any sampling
         raise ConfigError([f"data.predict: is {cfg.data.predict} but the calibration in "
