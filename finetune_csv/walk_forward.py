@@ -474,8 +474,12 @@ def _unit(cfg: CsvFinetuneConfig, c: CsvFinetuneConfig, fold: Fold, out: Path, f
     unit = dataclasses.replace(c, forecast=cfg.forecast)
     folder = out / "units" / tune.unit_fingerprint(_settings(unit), fold_dates(fold), files)
     rows = folder / f"windows_{digest(config_to_dict(c.forecast))[:12]}.csv"  # one file per forecast settings
+    sealed = rows.with_suffix(".sha256")  # its hash, written after it: reused only while the bytes are tune's
     folder.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder) + ".lock"):  # another worker on the same unit: wait, then reuse its result
+        if rows.is_file() and not (sealed.is_file() and sealed.read_text() == sha256_file(rows)):
+            log.warning("%s is not the file tune wrote (edited, damaged or unsealed): scoring the unit again", rows)
+            rows.unlink()
         if not rows.is_file():
             fold_cfg, (results, _, _) = _train_fold(unit, fold, folder)
             ledger = out / "trainings.jsonl"  # every unit, whichever run trained it: tests count units trained twice
@@ -485,6 +489,7 @@ def _unit(cfg: CsvFinetuneConfig, c: CsvFinetuneConfig, fold: Fold, out: Path, f
                     fh.write(json.dumps({"unit": folder.name, "fold": fold.index}) + "\n")
             frame = score_fold(c, fold_cfg, fold)
             atomic_write(rows, lambda p: frame.to_csv(p, index=False))
+            atomic_write(sealed, lambda p: Path(p).write_text(sha256_file(rows)))
     return pd.read_csv(rows, parse_dates=["window_start"])
 
 

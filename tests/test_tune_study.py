@@ -97,3 +97,65 @@ def test_a_unit_trained_by_a_run_stopped_before_recording_it_is_in_trainings_jso
     wf._train_fold(cfg, fold, folder)  # what a run SIGTERMed after the unit's last epoch leaves: trained, unrecorded
     wf._unit(cfg, cfg, fold, out, files)  # the rerun reuses it
     assert [json.loads(line)["unit"] for line in (out / "trainings.jsonl").read_text().splitlines()] == [folder.name]
+
+
+def _study(folder: Path, n: int) -> dict:
+    """A study of `n` trials on `folder`'s journal, its objective free (the lr as the score)."""
+    tc = tune.TuneConfig(n_trials=n, space=SPACE, heartbeat_seconds=2)
+    study = tune.open_study(folder, tc, {"setup": 1}, [], 1)
+    tune.work(
+        study,
+        tc,
+        folder,
+        {"predictor_training": {"lr": 1e-3}},
+        {"predictor_training.lr": 1e-3},
+        lambda params, number: {"2024-01-01": params["predictor_training.lr"]},
+    )
+    return tune.trial_table(study)[0]
+
+
+@pytest.mark.parametrize("damage", ["kill mid-write", "truncated copy", "garbled last line"])
+def test_a_journal_with_a_broken_last_record_is_cut_back_said_and_the_study_goes_on(tmp_path, caplog, damage):
+    _study(tmp_path, 2)
+    journal = tmp_path / "journal.log"
+    whole = journal.read_bytes()
+    journal.write_bytes(
+        {
+            "kill mid-write": whole + b'{"op_code": 5, "trial_id": 2, "sta',
+            "truncated copy": whole[:-7],
+            "garbled last line": whole + b"\x00\x00garbage\n",
+        }[damage]
+    )
+    trials = _study(tmp_path, 3)
+    assert "cut back to its last whole record" in caplog.text
+    assert trials["complete"] == 3 and journal.read_bytes().endswith(b"\n")
+    assert _study(tmp_path, 3)["complete"] == 3  # the rerun reads it whole
+
+
+def test_a_garbled_record_before_the_last_is_refused_naming_the_journal(tmp_path):
+    from model.errors import RefusedError
+
+    _study(tmp_path, 2)
+    journal = tmp_path / "journal.log"
+    lines = journal.read_bytes().split(b"\n")
+    journal.write_bytes(b"\n".join([lines[0], b"{garbled", *lines[1:]]))
+    with pytest.raises(RefusedError, match="journal.log: record 2 is garbled"):
+        _study(tmp_path, 3)
+
+
+@pytest.mark.slow
+def test_an_edited_unit_windows_file_is_scored_again_not_used(tune_config, tmp_path):  # noqa: F811
+    import finetune_csv.config as csv_config
+    from finetune_csv.prepare import prepare_data
+
+    cfg = csv_config.load(tune_config)
+    data = prepare_data(cfg.data, cfg.store_dir, with_splits=False)
+    files = [f.get("sha256") for f in data.store.manifest.get("sources", [])]
+    fold, out = wf.tune_folds(cfg, data.panel, True)[0], cfg.base_dir / "tune"
+    first = wf._unit(cfg, cfg, fold, out, files)
+    (rows,) = (out / "units").glob("*/windows_*.csv")
+    edited = pd.read_csv(rows)
+    edited["crps"] /= 2  # the audit's edit: CRPS halved
+    edited.to_csv(rows, index=False)
+    pd.testing.assert_frame_equal(wf._unit(cfg, cfg, fold, out, files), first)
+    assert len((out / "trainings.jsonl").read_text().splitlines()) == 1  # scored again, not retrained

@@ -29,8 +29,8 @@ from filelock import FileLock
 from finetune.utils.config_utils import Problems, get_dotted, plain
 from finetune.utils.errors import require_extra
 from finetune.utils.fingerprint import digest
-from model.errors import ConfigError, UserError
-from model.fileio import read_json_object, write_json
+from model.errors import ConfigError, RefusedError, UserError
+from model.fileio import atomic_write, read_json_object, write_json
 
 log = logging.getLogger("finetune.tune")
 FORECAST_ONLY = ("forecast.temperature", "forecast.top_k", "forecast.top_p", "forecast.sample_count",
@@ -192,8 +192,33 @@ def open_study(folder: Path, tc: TuneConfig, identity: dict, holdout: Any, worke
     if url is None:
         from optuna.storages.journal import JournalFileBackend, JournalStorage
 
+        _repair_journal(folder / "journal.log")
         url = JournalStorage(JournalFileBackend(str(folder / "journal.log")))
     return optuna.create_study(study_name=name, storage=url, direction="minimize", load_if_exists=True)
+
+
+def _repair_journal(path: Path) -> None:
+    """A journal whose last record is partial or garbled (a kill mid-write, a truncated copy) is cut back to its
+    last whole record, said in the log, so the study goes on from there and appends after a whole line; a garbled
+    record before the last one is refused naming the file."""
+    lines = path.read_bytes().split(b"\n") if path.is_file() else [b""]
+    *whole, tail = lines  # `tail`: what follows the last newline (b"" when the file ends with one)
+    bad = [i for i, line in enumerate(whole) if not _json_line(line)]
+    if bad and bad != [len(whole) - 1]:
+        raise RefusedError(f"{path}: record {bad[0] + 1} is garbled, not only the last; restore the file from a "
+                           "copy, or delete it (and tune/units/ stays: the study re-runs, reusing every unit)")
+    keep = whole[:-1] if bad else whole
+    if tail or bad:
+        log.warning("tune: %s ends in a partial or garbled record (a kill mid-write or a truncated copy): cut back "
+                    "to its last whole record (%d); the trials after it re-run", path, len(keep))
+        atomic_write(path, lambda p: Path(p).write_bytes(b"".join(line + b"\n" for line in keep)))
+
+
+def _json_line(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
 
 
 def _beat(path: Path, stop: threading.Event | None = None, every: float = 0) -> None:
