@@ -39,7 +39,7 @@ from finetune.utils.plots import Panel, plot_panels, stamp_text
 from finetune.utils.safety import LOCK_NAME, GracefulStop, RunLock, read_holder
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir, load
-from finetune_csv.pipeline import CsvPipeline, decoding
+from finetune_csv.pipeline import CsvPipeline
 from finetune_csv.prepare import StoreSettings, prepare_data
 from finetune_csv.sources import list_sources, source_fingerprint
 from model import KronosPredictor, KronosTokenizer
@@ -154,7 +154,7 @@ def finetuned_predictor(cfg: CsvFinetuneConfig) -> tuple[KronosPredictor, dict |
     if wrong:
         raise ConfigError(wrong, "Invalid forecast configuration")
     calibration = info.get("calibration") if cfg.forecast.calibrate else None
-    changed = decoding_changes(calibration, decoding(cfg.forecast)) if calibration is not None else []
+    changed = decoding_changes(calibration, cfg.forecast.decoding()) if calibration is not None else []
     if changed:  # margins of other sampling would mis-state every band
         raise RefusedError(f"the calibration in {predictor_dir / PREDICTOR_INFO_NAME} was fitted with other forecast "
                            f"sampling ({', '.join(changed)}; T = forecast.temperature): set those forecast.* settings "

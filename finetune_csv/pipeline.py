@@ -164,18 +164,12 @@ def calibrate(best: Path, windows: HeldOutWindows, sampling: Any, window: Window
         log.warning("calibration: %d of %d validation windows left out, their sampled closes reach <= 0 (series: "
                     "%s)", int((~ok).sum()), len(windows), ", ".join(f"{k} ({v})" for k, v in excluded.items()))
     calibration = {**conformal.fit_calibration(paths[ok][..., CLOSE], windows.actual[ok][..., CLOSE],
-                                               windows.context[ok][:, -1, CLOSE]), "decoding": decoding(sampling)}
+                                               windows.context[ok][:, -1, CLOSE]), "decoding": sampling.decoding()}
     conformal.write_calibration(best / forecaster.PREDICTOR_INFO_NAME,
                                 {**calibration, **({"excluded": excluded} if excluded else {})})
     log.info("calibration of the bands fitted on %d validation windows -> %s", int(ok.sum()),
              best / forecaster.PREDICTOR_INFO_NAME)
     return calibration
-
-
-def decoding(sampling: Any) -> dict[str, Any]:
-    """The sampling settings a calibration holds for (model.calibration.decoding_changes), in the predictor's names."""
-    return {"T": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
-            "sample_count": sampling.sample_count}
 
 
 def make_crps_val_metric(cfg: CsvFinetuneConfig, val_windows: HeldOutWindows, tokenizer: KronosTokenizer,

@@ -37,7 +37,6 @@ from finetune.utils.safety import GracefulStop, RunLock
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir
 from finetune_csv.forecast import CLOSE, ensemble_paths
-from finetune_csv.pipeline import decoding
 from finetune_csv.prepare import prepare_data
 from finetune_csv.train_sequential import run_finetune
 from model import KronosPredictor
@@ -133,7 +132,7 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) 
     if "empirical" in candidates:
         paths["empirical"] = empirical_samples(windows.history, d.predict, windows.history.shape[1])
     calibration = read_predictor_info(best_dir(fold_cfg.predictor_dir)).get("calibration")
-    if calibration is not None and (changed := decoding_changes(calibration, decoding(f))):
+    if calibration is not None and (changed := decoding_changes(calibration, f.decoding())):
         log.info("fold %d: refitting the calibration on its validation windows under this sampling (it was fitted "
                  "with %s)", fold.index, ", ".join(changed))  # cheap: sampling only, no training
         val = held_out_windows(fold.val, d.window, f.window_stride)

@@ -3,6 +3,8 @@ top_k or top_p is refused in `kronos forecast` and the Python API, refitted in t
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -53,3 +55,8 @@ def test_kronos_forecast_refuses_margins_fitted_with_4_samples_for_6_sample_fore
         run_forecast(load(config, ["forecast.sample_count=6"]))
     assert not (tmp_path / "out/tiny/forecast").exists()
     assert run_forecast(load(config, ["forecast.sample_count=4"]))["calibration"] is not None
+    # kronos finetune with the new sampling reuses the trained stages and refits the calibration under it
+    assert train_sequential.main(["--config", str(config), "--set", "forecast.sample_count=6"]) == 0
+    info = json.loads((tmp_path / "out/tiny/basemodel/best_model/kronos_predictor.json").read_text())
+    assert info["calibration"]["decoding"]["sample_count"] == 6
+    assert run_forecast(load(config, ["forecast.sample_count=6"]))["calibration"] is not None
