@@ -45,7 +45,7 @@ from finetune_csv.sources import list_sources, source_fingerprint
 from finetune_csv.splits import held_out_from
 from model import KronosPredictor, KronosTokenizer
 from model.calendar import TradingCalendar
-from model.calibration import apply_calibration
+from model.calibration import apply_calibration, decoding_changes
 from model.config import Window
 from model.errors import ConfigError, DataError, PathError, RefusedError
 from model.features import BODY_RULES, CLOSE, FEATURES, PRICE_FEATURES, candle_faults, quantile_column
@@ -155,6 +155,11 @@ def finetuned_predictor(cfg: CsvFinetuneConfig) -> tuple[KronosPredictor, dict |
     if wrong:
         raise ConfigError(wrong, "Invalid forecast configuration")
     calibration = info.get("calibration") if cfg.forecast.calibrate else None
+    changed = decoding_changes(calibration, cfg.forecast.decoding()) if calibration is not None else []
+    if changed:  # margins of other sampling would mis-state every band
+        raise RefusedError(f"the calibration in {predictor_dir / PREDICTOR_INFO_NAME} was fitted with other forecast "
+                           f"sampling ({', '.join(changed)}; T = forecast.temperature): set those forecast.* settings "
+                           "back, or --set forecast.calibrate=false for the raw bands")
     horizons = len(calibration["margins"][0]) if calibration is not None else cfg.data.predict
     if horizons < cfg.data.predict:  # said before any sampling
         raise ConfigError([f"data.predict: is {cfg.data.predict} but the calibration in "

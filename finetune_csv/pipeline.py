@@ -163,8 +163,8 @@ def calibrate(best: Path, windows: HeldOutWindows, sampling: Any, window: Window
     if excluded:
         log.warning("calibration: %d of %d validation windows left out, their sampled closes reach <= 0 (series: "
                     "%s)", int((~ok).sum()), len(windows), ", ".join(f"{k} ({v})" for k, v in excluded.items()))
-    calibration = conformal.fit_calibration(paths[ok][..., CLOSE], windows.actual[ok][..., CLOSE],
-                                            windows.context[ok][:, -1, CLOSE])
+    calibration = {**conformal.fit_calibration(paths[ok][..., CLOSE], windows.actual[ok][..., CLOSE],
+                                               windows.context[ok][:, -1, CLOSE]), "decoding": sampling.decoding()}
     conformal.write_calibration(best / forecaster.PREDICTOR_INFO_NAME,
                                 {**calibration, **({"excluded": excluded} if excluded else {})})
     log.info("calibration of the bands fitted on %d validation windows -> %s", int(ok.sum()),

@@ -40,7 +40,7 @@ from finetune_csv.forecast import CLOSE, ensemble_paths
 from finetune_csv.prepare import prepare_data
 from finetune_csv.train_sequential import run_finetune
 from model import KronosPredictor
-from model.calibration import apply_calibration
+from model.calibration import apply_calibration, decoding_changes, fit_calibration
 from model.config import Window
 from model.errors import ConfigError, DataError, RefusedError
 from model.fileio import atomic_write, read_json_object, sha256_file, write_json
@@ -122,17 +122,24 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) 
     # The empirical baseline's trailing closes (the last context bar included): n returns need n + 1 closes.
     history = f.empirical_window + 1 if "empirical" in candidates else 0
     windows = held_out_windows(fold.test, d.window, history=history)
-    x_stamps, y_stamps = windows.stamps()
     last = windows.context[:, -1, CLOSE]  # (W,)
     obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, H)
-    sample = lambda pair, c: sample_paths(KronosPredictor.from_models(*pair, window=c.data.window), windows.context,
-                                          x_stamps, y_stamps, d.predict, f, f.batch_size)[..., CLOSE]  # (W, S, H)
+    sample = lambda pair, c, w=windows: sample_paths(KronosPredictor.from_models(*pair, window=c.data.window),
+                                                     w.context, *w.stamps(), d.predict, f, f.batch_size)[..., CLOSE]
     paths = {"zero_shot": sample(load_pretrained_pair(m.pretrained_predictor, m.pretrained_tokenizer), cfg),
              "finetuned": sample(load_trained_pair(best_dir(fold_cfg.predictor_dir))[:2], fold_cfg),
              "persistence": persistence_samples(last, d.predict)}
     if "empirical" in candidates:
         paths["empirical"] = empirical_samples(windows.history, d.predict, windows.history.shape[1])
     calibration = read_predictor_info(best_dir(fold_cfg.predictor_dir)).get("calibration")
+    if calibration is not None and (changed := decoding_changes(calibration, f.decoding())):
+        log.info("fold %d: refitting the calibration on its validation windows under this sampling (it was fitted "
+                 "with %s)", fold.index, ", ".join(changed))  # cheap: sampling only, no training
+        val = held_out_windows(fold.val, d.window, f.window_stride)
+        raw = sample(load_trained_pair(best_dir(fold_cfg.predictor_dir))[:2], fold_cfg, val)  # (V, S, H)
+        ok = (raw > 0).all(axis=(1, 2))
+        calibration = fit_calibration(raw[ok], val.actual[ok][..., CLOSE], val.context[ok][:, -1, CLOSE]) \
+            if ok.any() else None
     if calibration is not None:  # as `kronos forecast` ships it: bands fitted on the fold's validation windows
         paths["calibrated"] = apply_calibration(calibration, paths["finetuned"], last)
     if "ensemble" in candidates:
@@ -466,15 +473,22 @@ def _unit(cfg: CsvFinetuneConfig, c: CsvFinetuneConfig, fold: Fold, out: Path, f
     unit = dataclasses.replace(c, forecast=cfg.forecast)
     folder = out / "units" / tune.unit_fingerprint(_settings(unit), fold_dates(fold), files)
     rows = folder / f"windows_{digest(config_to_dict(c.forecast))[:12]}.csv"  # one file per forecast settings
+    sealed = rows.with_suffix(".sha256")  # its hash, written after it: reused only while the bytes are tune's
     folder.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder) + ".lock"):  # another worker on the same unit: wait, then reuse its result
+        if rows.is_file() and not (sealed.is_file() and sealed.read_text() == sha256_file(rows)):
+            log.warning("%s is not the file tune wrote (edited, damaged or unsealed): scoring the unit again", rows)
+            rows.unlink()
         if not rows.is_file():
             fold_cfg, (results, _, _) = _train_fold(unit, fold, folder)
-            if any(not r.skipped for r in results):  # the ledger of trainings: tests count units trained twice
-                with open(out / "trainings.jsonl", "a") as fh:
+            ledger = out / "trainings.jsonl"  # every unit, whichever run trained it: tests count units trained twice
+            known = ledger.is_file() and f'"unit": "{folder.name}"' in ledger.read_text()
+            if any(not r.skipped for r in results) or not known:  # e.g. trained by a run stopped before scoring
+                with open(ledger, "a") as fh:
                     fh.write(json.dumps({"unit": folder.name, "fold": fold.index}) + "\n")
             frame = score_fold(c, fold_cfg, fold)
             atomic_write(rows, lambda p: frame.to_csv(p, index=False))
+            atomic_write(sealed, lambda p: Path(p).write_text(sha256_file(rows)))
     return pd.read_csv(rows, parse_dates=["window_start"])
 
 

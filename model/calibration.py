@@ -106,6 +106,14 @@ def calibration_margins(calibration: Any, where: str) -> tuple[np.ndarray, np.nd
     return levels, margins
 
 
+def decoding_changes(calibration: dict[str, Any], decoding: dict[str, Any]) -> list[str]:
+    """How `decoding` ({T, top_k, top_p, sample_count}) differs from the sampling the margins were fitted under
+    (its "decoding" record): ["sample_count 4 -> 6", ...]; [] when it records none (a calibration made by hand).
+    The margins hold only for that sampling: a path's quantile level depends on all four."""
+    was = calibration.get("decoding")
+    return [] if was is None else [f"{k} {was.get(k)!r} -> {v!r}" for k, v in decoding.items() if was.get(k) != v]
+
+
 def write_calibration(info_path: str | os.PathLike, calibration: dict[str, Any]) -> Path:
     """Add (or replace) "calibration" in the predictor's kronos_predictor.json at `info_path` (created when absent),
     atomically, keeping its other keys, and re-seal its folder (SHA256SUMS); returns its path."""

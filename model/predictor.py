@@ -17,9 +17,9 @@ import pandas as pd
 import torch
 
 from model.calendar import TradingCalendar
-from model.calibration import calibration_margins, calibration_shift
+from model.calibration import calibration_margins, calibration_shift, decoding_changes
 from model.config import Window
-from model.errors import DataError, PathError, TokenizerMismatchError
+from model.errors import DataError, PathError, RefusedError, TokenizerMismatchError
 from model.features import (
     CLOSE,
     FEATURES,
@@ -294,6 +294,11 @@ class KronosPredictor:
         forward pass (None = a whole group). Returns a list in the input order, as `predict` returns."""
         calibration = self.calibration if calibrated else None
         self._check_options(pred_len, sample_count, quantiles, calibration)  # before any work
+        changed = decoding_changes(calibration, {"T": T, "top_k": top_k, "top_p": top_p,
+                                                 "sample_count": sample_count}) if calibration is not None else []
+        if changed:
+            raise RefusedError(f"the predictor's calibration was fitted with other sampling ({', '.join(changed)}); "
+                               "pass the sampling it was fitted with, or calibrated=False")
         if not isinstance(df_list, (list, tuple)) or not df_list:
             raise DataError("df_list must be a non-empty list of DataFrames")
         if not (len(df_list) == len(x_timestamp_list) == len(y_timestamp_list)):

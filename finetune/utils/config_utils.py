@@ -284,6 +284,8 @@ def convert(value: Any, tp: Any, key: str, problems: Problems) -> Any:
             problems.add(key, f"expected int, got {_show(value)}")
         elif _SEED.search(key) and not 0 <= value < 2**32:  # numpy's and torch's seeds: one rule for every seed
             problems.add(key, f"must be a seed in [0, 2**32 - 1], got {value}")
+        elif not _SEED.search(key) and value > (cap := COUNT_CAPS.get(key.rsplit(".", 1)[-1], MAX_COUNT)):
+            problems.add(key, f"must be <= {cap:_} (no real run needs more), got {value}")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string: accept it when clearly a number
@@ -312,6 +314,10 @@ def convert(value: Any, tp: Any, key: str, problems: Problems) -> Any:
 
 
 _SEED = re.compile(r"(^|\.)seeds?(\[\d+\])?$")
+# Upper bounds of count settings (a typo like epochs 1000000000000 would run until killed): every int setting is
+# <= MAX_COUNT, the loop counts below by name.
+MAX_COUNT = 10**9
+COUNT_CAPS = {"epochs": 100_000, "n_trials": 100_000, "sample_count": 100_000, "folds": 10_000, "inner_folds": 10_000}
 _SHORT = reprlib.Repr()
 # At most ~5 items per level and 3 levels: the text stays short (and cheap) even for a value built from thousands
 # of YAML aliases, which a full repr would expand to gigabytes before it could be cut.

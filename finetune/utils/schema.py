@@ -281,6 +281,10 @@ class SamplingConfig:
     seed: int = 0
     """Seed of the sampling, so a forecast can be reproduced."""
 
+    def decoding(self) -> dict:
+        """The settings a calibration holds for (model.calibration.decoding_changes), in the predictor's names."""
+        return {"T": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "sample_count": self.sample_count}
+
     def check(self, problems: Problems, prefix: str = "forecast") -> None:
         """Add every problem of these settings to `problems`, named `prefix.key`."""
         problems.check(self.temperature > 0, f"{prefix}.temperature", f"must be > 0, got {self.temperature}")

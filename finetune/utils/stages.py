@@ -24,6 +24,7 @@ from finetune.utils.schema import STAGES, PipelineConfig
 from finetune.utils.training_utils import TrainResult, train_predictor, train_tokenizer
 from finetune.utils.validate import ValMetric
 from model import Kronos, KronosTokenizer
+from model.calibration import decoding_changes
 from model.config import KronosConfig, KronosTokenizerConfig
 from model.hub import load_pretrained, weights_fingerprint
 
@@ -98,11 +99,12 @@ def run_stages(pipe: Pipeline, plan: Mapping[str, str | None], resume: Mapping[s
             raise_if_stop_requested("after the predictor stage", dist)
         if dist.is_main:
             # Calibrate the finished predictor's bands when this run trained it or its kronos_predictor.json lacks a
-            # calibration (a run stopped between the two).
+            # calibration (a run stopped between the two) or holds one of other sampling (forecast.sample_count...).
             trained = any(r.stage == "predictor" and not r.skipped for r in results)
             folder = pipe.stage_dir("predictor")
-            if stage_status(folder) == "finished" and (
-                    trained or "calibration" not in forecaster.read_predictor_info(folder / "best_model")):
+            cal = forecaster.read_predictor_info(folder / "best_model").get("calibration")
+            if stage_status(folder) == "finished" and (trained or cal is None or decoding_changes(
+                    cal, cfg.forecast.decoding())):  # fitted with other sampling: refit (no retraining)
                 pipe.calibrate(folder / "best_model")
             done = [f"  {r.stage}: best val loss {r.best_val_loss:.4f} (epoch {r.best_epoch}), {r.global_step} steps "
                     f"-> {r.best_model_dir}" for r in results]

@@ -29,8 +29,8 @@ from filelock import FileLock
 from finetune.utils.config_utils import Problems, get_dotted, plain
 from finetune.utils.errors import require_extra
 from finetune.utils.fingerprint import digest
-from model.errors import ConfigError, UserError
-from model.fileio import read_json_object, write_json
+from model.errors import ConfigError, RefusedError, UserError
+from model.fileio import atomic_write, read_json_object, write_json
 
 log = logging.getLogger("finetune.tune")
 FORECAST_ONLY = ("forecast.temperature", "forecast.top_k", "forecast.top_p", "forecast.sample_count",
@@ -54,7 +54,7 @@ class TuneConfig:
     storage: str | None = None
     """Optuna storage: null = <output folder>/tune/journal.log; postgresql://... for clusters (sqlite: one worker)."""
     seed: int = 0
-    """Seed of the sampler (TPE, reseeded per trial with seed + complete trials so a resumed study draws the same)."""
+    """Seed of the sampler (TPE, reseeded per trial with seed + live trials so a resumed study draws the same)."""
     heartbeat_seconds: float = 30.0
     """A running trial silent for 3x this (or whose local process is gone) is failed and re-run with its settings."""
 
@@ -121,8 +121,9 @@ def unit_fingerprint(settings: Mapping[str, Any], dates: Any, data: Any) -> str:
 def pbo(inner: pd.DataFrame, blocks: int = 8) -> float | None:
     """Probability of backtest overfitting by CSCV: the T dates (columns, time order) cut into S even blocks; for
     every half of them as in-sample, the in-sample best trial's rank among all on the other half; PBO = share of
-    splits where it falls below the median (logit < 0; exactly at it, as with an odd N, counts half): 0.5 when no
-    trial is really better, whatever N; None for fewer than 2 trials or dates."""
+    splits where it falls below the median (logit < 0; exactly at it, as with an odd N, counts half; a trial tied
+    with it out of sample counts as beating it): 0.5 when no trial is really better, whatever N; None for fewer
+    than 2 trials or dates."""
     m = inner.to_numpy(dtype=np.float64)  # (N, T)
     n, t = m.shape
     s = min(blocks, t) // 2 * 2
@@ -136,7 +137,7 @@ def pbo(inner: pd.DataFrame, blocks: int = 8) -> float | None:
         other = [b for b in range(s) if b not in half]
         is_, oos = sums[:, half].sum(1) / sizes[list(half)].sum(), sums[:, other].sum(1) / sizes[other].sum()
         best = int(np.argmin(is_))
-        omega = (1 + np.sum(oos > oos[best])) / (n + 1)  # relative rank out of sample, 1 = the best
+        omega = np.sum(oos >= oos[best]) / (n + 1)  # relative rank out of sample (a tie ranks above it)
         below.append(1.0 if omega < 0.5 else 0.5 if omega == 0.5 else 0.0)
     return float(np.mean(below))
 
@@ -191,8 +192,33 @@ def open_study(folder: Path, tc: TuneConfig, identity: dict, holdout: Any, worke
     if url is None:
         from optuna.storages.journal import JournalFileBackend, JournalStorage
 
+        _repair_journal(folder / "journal.log")
         url = JournalStorage(JournalFileBackend(str(folder / "journal.log")))
     return optuna.create_study(study_name=name, storage=url, direction="minimize", load_if_exists=True)
+
+
+def _repair_journal(path: Path) -> None:
+    """A journal whose last record is partial or garbled (a kill mid-write, a truncated copy) is cut back to its
+    last whole record, said in the log, so the study goes on from there and appends after a whole line; a garbled
+    record before the last one is refused naming the file."""
+    lines = path.read_bytes().split(b"\n") if path.is_file() else [b""]
+    *whole, tail = lines  # `tail`: what follows the last newline (b"" when the file ends with one)
+    bad = [i for i, line in enumerate(whole) if not _json_line(line)]
+    if bad and bad != [len(whole) - 1]:
+        raise RefusedError(f"{path}: record {bad[0] + 1} is garbled, not only the last; restore the file from a "
+                           "copy, or delete it (and tune/units/ stays: the study re-runs, reusing every unit)")
+    keep = whole[:-1] if bad else whole
+    if tail or bad:
+        log.warning("tune: %s ends in a partial or garbled record (a kill mid-write or a truncated copy): cut back "
+                    "to its last whole record (%d); the trials after it re-run", path, len(keep))
+        atomic_write(path, lambda p: Path(p).write_bytes(b"".join(line + b"\n" for line in keep)))
+
+
+def _json_line(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
 
 
 def _beat(path: Path, stop: threading.Event | None = None, every: float = 0) -> None:
@@ -218,7 +244,8 @@ def work(study: Any, tc: TuneConfig, folder: Path, given: Mapping[str, Any], def
          objective: Callable[[dict, int], dict], progress: Callable[[Any], None] = lambda s: None) -> None:
     """Run trials until `tc.n_trials` are complete in the study (other workers count too). Under one lock per study
     folder: stale running trials are failed and re-queued with their settings, the next trial is drawn by a sampler
-    seeded with seed + complete trials (a resumed single worker draws what an uninterrupted one would)."""
+    seeded with seed + complete + running trials (concurrent workers draw distinct settings; a resumed single
+    worker draws what an uninterrupted one would)."""
     optuna = _optuna()
     TrialState = optuna.trial.TrialState
     from finetune.utils.safety import TrainingStopped  # (torch) not when loading settings
@@ -244,7 +271,9 @@ def work(study: Any, tc: TuneConfig, folder: Path, given: Mapping[str, Any], def
                 return
             trial = None
             if done + running < tc.n_trials:
-                study.sampler = optuna.samplers.TPESampler(seed=tc.seed + done)
+                # Seeded by the new trial's place among the live ones: concurrent asks draw apart, a resumed
+                # worker draws what an uninterrupted one would; constant liar: TPE avoids the running settings.
+                study.sampler = optuna.samplers.TPESampler(seed=tc.seed + done + running, constant_liar=True)
                 trial = study.ask()
                 params = defaults if trial.user_attrs.get("role") == "defaults" else suggest(trial, tc, given)
                 stop, beat = threading.Event(), beats / f"{study.study_name}-{trial.number}"
@@ -318,6 +347,8 @@ def run(folder: Path, tc: TuneConfig, identity: dict, holdout: Any, given: Mappi
     {trials, inner (`in_sample` with the pipeline's `test`), selected trial, study: name, storage, studies this
     holdout has judged}. `args`: the command's parsed flags (config, set, workers, worker)."""
     worker, workers = args.worker, args.workers
+    if not 1 <= workers <= 1024:
+        raise ConfigError([f"--workers: must be in [1, 1024], got {workers}"], "Invalid tune: settings")
     argv = [command, "--config", args.config, *(x for s in args.set for x in ("--set", s))]
     folder.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder / "study.lock")):

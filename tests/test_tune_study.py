@@ -1,0 +1,161 @@
+"""kronos tune's study (finetune/utils/tune.py): parallel workers' draws, PBO's ties, bounds of its counts."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from finetune.utils import tune
+from finetune_csv import walk_forward as wf
+from model.errors import EXIT_CONFIG, ConfigError
+from tests.test_tune import tune_config  # noqa: F401 (the fixture)
+from tests.test_walk_forward import run_config  # noqa: F401 (the fixture)
+
+SPACE = {"predictor_training.lr": {"low": 1e-5, "high": 1e-2, "log": True}}
+
+
+def _worker(folder: str) -> None:
+    """One worker of a 6-trial study whose objective takes a second (the units' cost, without training)."""
+    tc = tune.TuneConfig(n_trials=6, space=SPACE, heartbeat_seconds=2)
+    study = tune.open_study(Path(folder), tc, {"setup": 1}, [], 3)
+    tune.work(
+        study,
+        tc,
+        Path(folder),
+        {"predictor_training": {"lr": 1e-3}},
+        {"predictor_training.lr": 1e-3},
+        lambda params, number: (time.sleep(1.0), {"2024-01-01": params["predictor_training.lr"]})[1],
+    )
+
+
+@pytest.mark.slow
+def test_three_workers_of_a_six_trial_study_evaluate_six_distinct_settings(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    jobs = [ctx.Process(target=_worker, args=(str(tmp_path),)) for _ in range(3)]
+    for job in jobs:
+        job.start()
+    for job in jobs:
+        job.join(120)
+    assert [job.exitcode for job in jobs] == [0, 0, 0]
+    trials = tune.trial_table(tune.open_study(tmp_path, tune.TuneConfig(space=SPACE), {"setup": 1}, [], 1))[0]
+    settings = [r["settings"]["predictor_training.lr"] for r in trials["list"] if r["state"] == "complete"]
+    assert len(settings) == 6 and len(set(settings)) == 6, settings
+
+
+def test_pbo_of_a_dominating_setting_with_an_exact_duplicate_is_zero():
+    rng = np.random.default_rng(0)
+    best = rng.standard_normal(16) - 10.0
+    inner = pd.DataFrame([best, best, rng.standard_normal(16)], columns=range(16))
+    assert tune.pbo(inner) == 0.0
+
+
+@pytest.mark.parametrize("value", ["1000000000000", "1e12"])
+def test_a_count_beyond_its_bound_is_refused_at_load_on_the_command_line_and_in_a_tune_space(
+    tune_config,  # noqa: F811
+    tmp_path,
+    value,
+):
+    for flags in (
+        ["--set", f"predictor_training.epochs={value}"],
+        ["--set", f"tune.space={{predictor_training.epochs: {{low: 1, high: {value}}}}}"],
+    ):
+        with pytest.raises(ConfigError, match="predictor_training.epochs") as err:
+            wf.tune_main(["--config", str(tune_config), *flags])
+        assert err.value.exit_code == EXIT_CONFIG
+    assert not (tmp_path / "out/wf/tune").exists()
+
+
+def test_epochs_at_the_bound_load_and_above_it_are_named_with_the_bound(tune_config):  # noqa: F811
+    import finetune_csv.config as csv_config
+
+    assert csv_config.load(tune_config, ["predictor_training.epochs=100000"]).predictor_training.epochs == 100_000
+    with pytest.raises(ConfigError, match=r"predictor_training.epochs: must be <= 100_000.*got 100001"):
+        csv_config.load(tune_config, ["predictor_training.epochs=100001", "tune.n_trials=1000000"])
+    with pytest.raises(ConfigError, match=r"tune.n_trials: must be <= 100_000"):
+        csv_config.load(tune_config, ["tune.n_trials=1000000"])
+
+
+@pytest.mark.slow
+def test_a_unit_trained_by_a_run_stopped_before_recording_it_is_in_trainings_jsonl_after_the_rerun(
+    tune_config,  # noqa: F811
+    tmp_path,
+):
+    import finetune_csv.config as csv_config
+    from finetune_csv.prepare import prepare_data
+
+    cfg = csv_config.load(tune_config)
+    data = prepare_data(cfg.data, cfg.store_dir, with_splits=False)
+    files = [f.get("sha256") for f in data.store.manifest.get("sources", [])]
+    fold, out = wf.tune_folds(cfg, data.panel, True)[0], cfg.base_dir / "tune"
+    folder = out / "units" / tune.unit_fingerprint(wf._settings(cfg), wf.fold_dates(fold), files)
+    wf._train_fold(cfg, fold, folder)  # what a run SIGTERMed after the unit's last epoch leaves: trained, unrecorded
+    wf._unit(cfg, cfg, fold, out, files)  # the rerun reuses it
+    assert [json.loads(line)["unit"] for line in (out / "trainings.jsonl").read_text().splitlines()] == [folder.name]
+
+
+def _study(folder: Path, n: int) -> dict:
+    """A study of `n` trials on `folder`'s journal, its objective free (the lr as the score)."""
+    tc = tune.TuneConfig(n_trials=n, space=SPACE, heartbeat_seconds=2)
+    study = tune.open_study(folder, tc, {"setup": 1}, [], 1)
+    tune.work(
+        study,
+        tc,
+        folder,
+        {"predictor_training": {"lr": 1e-3}},
+        {"predictor_training.lr": 1e-3},
+        lambda params, number: {"2024-01-01": params["predictor_training.lr"]},
+    )
+    return tune.trial_table(study)[0]
+
+
+@pytest.mark.parametrize("damage", ["kill mid-write", "truncated copy", "garbled last line"])
+def test_a_journal_with_a_broken_last_record_is_cut_back_said_and_the_study_goes_on(tmp_path, caplog, damage):
+    _study(tmp_path, 2)
+    journal = tmp_path / "journal.log"
+    whole = journal.read_bytes()
+    journal.write_bytes(
+        {
+            "kill mid-write": whole + b'{"op_code": 5, "trial_id": 2, "sta',
+            "truncated copy": whole[:-7],
+            "garbled last line": whole + b"\x00\x00garbage\n",
+        }[damage]
+    )
+    trials = _study(tmp_path, 3)
+    assert "cut back to its last whole record" in caplog.text
+    assert trials["complete"] == 3 and journal.read_bytes().endswith(b"\n")
+    assert _study(tmp_path, 3)["complete"] == 3  # the rerun reads it whole
+
+
+def test_a_garbled_record_before_the_last_is_refused_naming_the_journal(tmp_path):
+    from model.errors import RefusedError
+
+    _study(tmp_path, 2)
+    journal = tmp_path / "journal.log"
+    lines = journal.read_bytes().split(b"\n")
+    journal.write_bytes(b"\n".join([lines[0], b"{garbled", *lines[1:]]))
+    with pytest.raises(RefusedError, match="journal.log: record 2 is garbled"):
+        _study(tmp_path, 3)
+
+
+@pytest.mark.slow
+def test_an_edited_unit_windows_file_is_scored_again_not_used(tune_config, tmp_path):  # noqa: F811
+    import finetune_csv.config as csv_config
+    from finetune_csv.prepare import prepare_data
+
+    cfg = csv_config.load(tune_config)
+    data = prepare_data(cfg.data, cfg.store_dir, with_splits=False)
+    files = [f.get("sha256") for f in data.store.manifest.get("sources", [])]
+    fold, out = wf.tune_folds(cfg, data.panel, True)[0], cfg.base_dir / "tune"
+    first = wf._unit(cfg, cfg, fold, out, files)
+    (rows,) = (out / "units").glob("*/windows_*.csv")
+    edited = pd.read_csv(rows)
+    edited["crps"] /= 2  # the audit's edit: CRPS halved
+    edited.to_csv(rows, index=False)
+    pd.testing.assert_frame_equal(wf._unit(cfg, cfg, fold, out, files), first)
+    assert len((out / "trainings.jsonl").read_text().splitlines()) == 1  # scored again, not retrained
