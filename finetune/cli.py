@@ -54,6 +54,7 @@ COMMANDS: dict[str, Command] = {
     "build-qlib-store": Command("finetune.qlib_builder",
                                "write a Qlib data folder from daily CSVs (or synthetic data) for the Qlib pipeline"),
     "make-synthetic": Command("finetune.synthetic", "write synthetic OHLCV candles, one CSV per symbol"),
+    "serve": Command("finetune_csv.serve", "serve models over HTTP: forecasts micro-batched, metrics, a page"),
     "benchmark": Command("finetune.benchmarks", "run the benchmarks (finetune/benchmarks/) and print their tables"),
 }
 

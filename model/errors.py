@@ -30,7 +30,8 @@ EXIT_STOPPED = 75  # EX_TEMPFAIL: a scheduler may requeue the job
 EXIT_INTERRUPTED = 130
 
 # Top-level module -> the extra of this package that installs it.
-OPTIONAL_MODULES = {"qlib": "qlib", "tensorboard": "tensorboard", "holidays": "calendars", "optuna": "tune"}
+OPTIONAL_MODULES = {"qlib": "qlib", "tensorboard": "tensorboard", "holidays": "calendars", "optuna": "tune",
+                    "fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve"}
 PACKAGE_NAME = "kronos-finetune"
 
 

@@ -4,6 +4,7 @@ holds until the window slides: docs/architecture.md, "Formats and designs"."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -40,9 +41,15 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | N
 
 
 def sample_from_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = 0,
-                       top_p: float | None = 1.0) -> torch.Tensor:
-    """logits (B, V) -> sampled ids (B, 1), filtered as `filter_logits` says."""
-    return torch.multinomial(F.softmax(filter_logits(logits, temperature, top_k, top_p), dim=-1), num_samples=1)
+                       top_p: float | None = 1.0, generators: Sequence[torch.Generator] | None = None) -> torch.Tensor:
+    """logits (B, V) -> sampled ids (B, 1), filtered as `filter_logits` says. generators: one per series, each
+    drawing for its B / len(generators) consecutive rows (its sample paths), so a series' draws never depend on
+    the rows beside it; None = the global generator."""
+    probs = F.softmax(filter_logits(logits, temperature, top_k, top_p), dim=-1)
+    if generators is None:
+        return torch.multinomial(probs, num_samples=1)
+    rows = probs.split(len(probs) // len(generators))
+    return torch.cat([torch.multinomial(p, num_samples=1, generator=g) for p, g in zip(rows, generators)])
 
 
 def race_sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = 0,
@@ -174,16 +181,18 @@ def _generate_static(model: Kronos, step: _StaticStep, s1_ctx: torch.Tensor, s2_
 def generate_tokens(model: Kronos, s1_ctx: torch.Tensor, s2_ctx: torch.Tensor, stamps: torch.Tensor, pred_len: int,
                     max_context: int, temperature: float = 1.0, top_k: int | None = 0, top_p: float | None = 1.0,
                     use_cache: bool = True, verbose: bool = False, sample_count: int = 1, decode: str = "eager",
-                    graphs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    graphs: dict | None = None, generators: Sequence[torch.Generator] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Continue context ids s1_ctx, s2_ctx (B, N) by `pred_len` steps, `sample_count` paths per series, with
     `stamps` (B, N + pred_len, 5) -> the full sequences (s1, s2), each (B * S, N + pred_len) int64, the S paths of
     a series in consecutive rows. use_cache False: the published full recompute. decode (with the cache): "eager",
     "static" (the CUDA graph's step without the graph: preallocated cache, `race_sample`) or "graph" (falls back to
     "eager" with one warning when capture fails); `graphs` keeps the recorded steps between calls (None = record
-    afresh). What each guarantees (same greedy tokens; same distribution, not the same draws): README "Decoding"."""
+    afresh). What each guarantees (same greedy tokens; same distribution, not the same draws): README "Decoding".
+    generators: one per series (`sample_from_logits`); the static step cannot take them, so they decode eagerly."""
     sampling = (temperature, top_k, top_p)
     check_temperature(temperature)  # before a graph capture, which would take the error for a failed capture
-    if use_cache and decode in ("static", "graph"):
+    if use_cache and decode in ("static", "graph") and generators is None:
         rows, length = len(s1_ctx) * sample_count, min(max_context, s1_ctx.shape[1] + pred_len - 1)
         graph = decode == "graph" and s1_ctx.is_cuda
         step = (_graphed_step(model, rows, length, s1_ctx.device, sampling, {} if graphs is None else graphs) if graph
@@ -206,14 +215,14 @@ def generate_tokens(model: Kronos, s1_ctx: torch.Tensor, s2_ctx: torch.Tensor, s
             lo = offset + length  # feed what the cache has not seen (the whole window at first)
             s1_logits, h_last = model.decode_s1_cached(s1[:, lo:cur], s2[:, lo:cur], stamps[:, lo:cur], cache, length)
             length = cur - offset
-            s1_next = sample_from_logits(s1_logits, temperature, top_k, top_p)
+            s1_next = sample_from_logits(s1_logits, temperature, top_k, top_p, generators)
             s2_logits = model.decode_s2_cached(h_last, s1_next, cache, length)  # the s1 query sees the whole window
         else:
             # Full recompute of the window (the published algorithm).
             s1_logits, context = model.decode_s1(s1[:, start:cur], s2[:, start:cur], stamps[:, start:cur])
-            s1_next = sample_from_logits(s1_logits[:, -1], temperature, top_k, top_p)
+            s1_next = sample_from_logits(s1_logits[:, -1], temperature, top_k, top_p, generators)
             s2_logits = model.decode_s2(context, s1_next)[:, -1]
-        s2_next = sample_from_logits(s2_logits, temperature, top_k, top_p)
+        s2_next = sample_from_logits(s2_logits, temperature, top_k, top_p, generators)
         s1[:, cur] = s1_next[:, 0]
         s2[:, cur] = s2_next[:, 0]
     return s1, s2

@@ -287,11 +287,14 @@ class KronosPredictor:
                       top_p: float | None = 0.9, sample_count: int = 1, verbose: bool = True,
                       return_samples: bool = False, quantiles: Sequence[float] | None = None,
                       calibrated: bool = True, batch_size: int | None = None, *,
-                      series_names: Sequence[str] | None = None) -> list[pd.DataFrame] | list[Forecast]:
+                      series_names: Sequence[str] | None = None,
+                      seeds: Sequence[int] | None = None) -> list[pd.DataFrame] | list[Forecast]:
         """Forecast several series; arguments as `predict`, one entry per series in each list (series_names: what
         messages call them, default df_list[i]). Series of equal context length are batched together (in greedy mode
         the results equal calling `predict` one by one), at most `batch_size` series (x sample_count sequences) per
-        forward pass (None = a whole group). Returns a list in the input order, as `predict` returns."""
+        forward pass (None = a whole group). seeds: one per series, each drawing from its own generator so its numbers
+        do not depend on the series batched with it (a series with seed s draws what `predict_df(..., seed=s)` of it
+        alone draws); None = the global generator. Returns a list in the input order, as `predict` returns."""
         calibration = self.calibration if calibrated else None
         self._check_options(pred_len, sample_count, quantiles, calibration)  # before any work
         changed = decoding_changes(calibration, {"T": T, "top_k": top_k, "top_p": top_p,
@@ -315,7 +318,8 @@ class KronosPredictor:
             samples, mean = self.sample_windows(
                 np.stack([prepared[i]["x"] for i in members]), np.stack([prepared[i]["x_stamp"] for i in members]),
                 np.stack([prepared[i]["y_stamp"] for i in members]), pred_len, T=T, top_k=top_k, top_p=top_p,
-                sample_count=sample_count, batch_size=batch_size, verbose=verbose)  # (G, S, P, 6), (G, P, 6)
+                sample_count=sample_count, batch_size=batch_size, verbose=verbose,
+                seeds=None if seeds is None else [seeds[i] for i in members])  # (G, S, P, 6), (G, P, 6)
             for j, i in enumerate(members):
                 results[i] = self._result(prepared[i], samples[j], mean[j], return_samples, quantiles, calibration)
         frames = [r.mean if isinstance(r, Forecast) else r for r in results]
@@ -384,12 +388,14 @@ class KronosPredictor:
 
     def sample_windows(self, context: np.ndarray, x_stamp: np.ndarray, y_stamp: np.ndarray, pred_len: int, *,
                        T: float = 1.0, top_k: int | None = 0, top_p: float | None = 0.9, sample_count: int = 1,
-                       batch_size: int | None = None, verbose: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                       batch_size: int | None = None, verbose: bool = False,
+                       seeds: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The batched window sampler every forecast runs: raw contexts (W, L, 6) (no cut) + stamps (W, L, 5),
         (W, pred_len, 5) -> (sample paths (W, S, pred_len, 6), mean forecast (W, pred_len, 6)), float32 in the
         input's units; `batch_size` windows (None = all) per `generate`. Each window is normalised over its own rows
         (float32, row-major: the bits of predict). The mean averages the paths in normalised space and then undoes
-        the normalisation, the published order (the same float32 bits as the original Kronos' forecast)."""
+        the normalisation, the published order (the same float32 bits as the original Kronos' forecast). seeds: one
+        per window (`predict_batch`)."""
         check_batch_size(batch_size)
         w, step = len(context), batch_size or max(1, len(context))
         samples = np.zeros((w, sample_count, pred_len, len(FEATURES)), dtype=np.float32)
@@ -398,7 +404,8 @@ class KronosPredictor:
             stats = [normalize(x, self.clip, axis=0) for x in np.asarray(context[lo:lo + step], dtype=np.float32)]
             mu, sd = np.stack([m for _, m, _ in stats]), np.stack([d for _, _, d in stats])  # (B, 1, 6) each
             paths = self.generate(np.stack([x for x, _, _ in stats]), x_stamp[lo:lo + step], y_stamp[lo:lo + step],
-                                  pred_len, T, top_k, top_p, sample_count, verbose)  # (B, S, P, 6) normalised
+                                  pred_len, T, top_k, top_p, sample_count, verbose, None if seeds is None else
+                                  [torch.Generator(self.device).manual_seed(int(s)) for s in seeds[lo:lo + step]])
             samples[lo:lo + step] = denormalize(paths, mu[:, None], sd[:, None])
             mean[lo:lo + step] = denormalize(paths.mean(axis=1), mu, sd)
         still = ~np.asarray(context)[..., 4:].any(axis=1)  # (W, 2) volume / amount zero in the whole context
@@ -409,10 +416,10 @@ class KronosPredictor:
     @torch.inference_mode()
     def generate(self, x: np.ndarray, x_stamp: np.ndarray, y_stamp: np.ndarray, pred_len: int, T: float = 1.0,
                  top_k: int | None = 0, top_p: float | None = 0.9, sample_count: int = 1,
-                 verbose: bool = False) -> np.ndarray:
+                 verbose: bool = False, generators: Sequence[torch.Generator] | None = None) -> np.ndarray:
         """Normalised context x (B, N, 6) + stamps (B, N, 5), (B, pred_len, 5) -> sample paths (B, S, pred_len, 6):
         `generate_tokens` with a predictor window of `max_context`, the last `max_context` tokens of every path
-        decoded. No cut, no calibration."""
+        decoded. No cut, no calibration. generators: one per series (`generate_tokens`)."""
         dev = self.device
         b, n, d = x.shape
         x_t = torch.clip(torch.tensor(np.asarray(x), dtype=torch.float32, device=dev), -self.clip, self.clip)
@@ -420,7 +427,7 @@ class KronosPredictor:
         s1_ctx, s2_ctx = self.tokenizer.encode(x_t, half=True)  # (B, N) each
         s1, s2 = generate_tokens(self.model, s1_ctx, s2_ctx, stamps, pred_len, self.max_context, T, top_k, top_p,
                                  use_cache=self.use_cache, verbose=verbose, sample_count=sample_count,
-                                 decode=self.decode, graphs=self._graphs)  # (B * S, N + P) each
+                                 decode=self.decode, graphs=self._graphs, generators=generators)  # (B * S, N + P)
         start = max(0, n + pred_len - self.max_context)
         z = self.tokenizer.decode((s1[:, start:], s2[:, start:]), half=True)  # (B*S, window, 6)
         return z[:, -pred_len:].float().cpu().numpy().reshape(b, sample_count, pred_len, d)
