@@ -42,9 +42,9 @@ from finetune_csv.config import CsvFinetuneConfig, best_dir, load
 from finetune_csv.pipeline import CsvPipeline
 from finetune_csv.prepare import StoreSettings, prepare_data
 from finetune_csv.sources import list_sources, source_fingerprint
-from model import KronosPredictor, KronosTokenizer
+from model import KronosPredictor, KronosTokenizer, adaptive
 from model.calendar import TradingCalendar
-from model.calibration import apply_calibration
+from model.calibration import apply_calibration, write_calibration
 from model.config import Window
 from model.errors import ConfigError, DataError, PathError
 from model.features import BODY_RULES, CLOSE, FEATURES, PRICE_FEATURES, candle_faults, quantile_column
@@ -417,6 +417,10 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
                                           history, pd.to_datetime(windows.dates()).to_numpy())
     raw = sample(finetuned)  # (W, S, P, 6)
     paths = finish_paths(raw, calibration, last, f.repair_candles)
+    if calibration is not None and f.calibration_method == "adaptive":  # replayed in publication order
+        split_paths, calibration = paths, adaptive_held_out(cfg, calibration, raw, windows)
+        paths = np.stack([finish_paths(raw[w : w + 1], calibration["per_window"][w], last[w : w + 1],
+                                       f.repair_candles)[0] for w in range(len(raw))])
     metrics = {"windows": len(windows), "horizon": horizon, "series": sorted(set(windows.names)),
                "window_stride": f.window_stride or horizon, "finetuned": score(paths),
                "zero_shot": None, "finetuned_vs_zero_shot": None, "ensemble": None, "ensemble_vs_zero_shot": None,
@@ -431,6 +435,9 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
                                   "cov80_calibrated": cover(paths, 0.8).mean(), "method": calibration.get("method"),
                                   "fitted_on_windows": calibration.get("windows"),
                                   "too_few_windows": calibration.get("too_few_windows", [])}
+        metrics["calibration"] |= band_quality(obs, cover, raw, paths, last, windows)
+        if f.calibration_method == "adaptive":
+            metrics["calibration"] |= {"method": "adaptive", "cov80_split": cover(split_paths, 0.8).mean()}
         metrics["calibration"] |= {f"test_{p}": coverage_test(cover(paths, p / 100), pd.to_datetime(windows.dates()),
                                                               p / 100, settings.min_block - 1) for p in (50, 80)}
     if zero_shot is not None:
@@ -441,6 +448,39 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
         metrics["ensemble_vs_zero_shot"] = paired_difference(ens_paths, zs_paths, windows, settings)
         metrics["ensemble"]["weight"] = f.ensemble_weight
     return metrics, paths, None if calibration is None else finish_paths(raw, None, last, f.repair_candles)
+
+
+def adaptive_held_out(cfg: CsvFinetuneConfig, calibration: dict, raw: np.ndarray, windows: HeldOutWindows) -> dict:
+    """The adaptive calibration of the test windows: tracked from the split margins on the outcomes published by each
+    window's origin (`model.adaptive.replay`); the end state saved beside the margins in kronos_predictor.json, so
+    --future continues from it. Returns the calibration with "per_window" [calibration of window w]."""
+    last = windows.context[:, -1, CLOSE]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        quant = np.quantile(np.log(raw[..., CLOSE] / last[:, None, None]), adaptive.SCORE_LEVELS, axis=1)  # (Q, W, P)
+        scores = adaptive.band_scores(np.moveaxis(quant, 0, 1), np.log(windows.actual[..., CLOSE] / last[:, None]))
+    names = list(windows.names)
+    split = {k: v for k, v in calibration.items() if k != "adaptive"}
+    state = adaptive.start_state(split, sorted(set(names)) if cfg.forecast.per_series else None)
+    origins = pd.to_datetime(windows.dates()).to_numpy()
+    arrivals = np.stack([pd.DatetimeIndex(ts).to_numpy() for ts in windows.y_timestamps])  # (W, P)
+    margins = adaptive.replay(state, np.nan_to_num(scores, nan=0.0), origins, arrivals, names)
+    write_calibration(best_dir(cfg.predictor_dir) / PREDICTOR_INFO_NAME, {**split, "adaptive": state})
+    return {**split, "adaptive": state, "per_window": [adaptive.with_margins(split, m) for m in margins]}
+
+
+def band_quality(obs: np.ndarray, cover, raw: np.ndarray, paths: np.ndarray, last: np.ndarray,
+                 windows: HeldOutWindows) -> dict:
+    """Widths of the central 80% band (return units), its worst coverage over 50 consecutive windows in time order,
+    and its coverage per tercile of realised volatility (low, mid, high)."""
+    width = lambda p: float(np.ptp(np.quantile(p[..., CLOSE] / last[:, None, None], [0.1, 0.9], axis=1), 0).mean())
+    covered = cover(paths, 0.8).mean(axis=1)[np.argsort(pd.to_datetime(windows.dates()), kind="stable")]  # (W,)
+    rolling = np.convolve(covered, np.ones(50) / 50, "valid") if len(covered) >= 50 else covered.mean(keepdims=True)
+    vol = np.abs(np.diff(np.log(np.c_[last, windows.actual[..., CLOSE]]), axis=1)).mean(axis=1)  # (W,)
+    tercile = np.searchsorted(np.quantile(vol, [1 / 3, 2 / 3]), vol, side="right")
+    by_vol = cover(paths, 0.8).mean(axis=1)
+    return {"width80_raw": width(raw), "width80_calibrated": width(paths), "cov80_rolling_worst": float(rolling.min()),
+            "cov80_by_volatility": [float(by_vol[tercile == k].mean()) if (tercile == k).any() else None
+                                    for k in range(3)]}
 
 
 def _panels(names: list[str], past_ts, past_close, future_ts, paths, actual=None, max_panels: int = 4) -> list[Panel]:
@@ -541,7 +581,12 @@ def _future(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, calibration: dic
              " (repaired: forecast.repair_candles)" if cfg.forecast.repair_candles else
              " (kept; forecast.repair_candles: true repairs them)")
     raw = finish_paths(paths, None, context[:, -1, CLOSE], cfg.forecast.repair_candles) if calibration else None
-    paths = finish_paths(paths, calibration, context[:, -1, CLOSE], cfg.forecast.repair_candles)
+    if calibration is not None and cfg.forecast.calibration_method == "adaptive":
+        paths = np.stack([finish_paths(paths[i : i + 1], adaptive.current_calibration(calibration, name),
+                                       context[i : i + 1, -1, CLOSE], cfg.forecast.repair_candles)[0]
+                          for i, name in enumerate(names)])
+    else:
+        paths = finish_paths(paths, calibration, context[:, -1, CLOSE], cfg.forecast.repair_candles)
     table = forecast_table(names, future_ts, paths, raw=raw).drop(columns="window")
     if zone:  # aware in, aware out (as predict_df); a wall-clock time DST skips or repeats: the later one
         table["timestamps"] = table["timestamps"].dt.tz_localize(zone, ambiguous=False, nonexistent="shift_forward")
