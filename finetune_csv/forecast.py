@@ -39,6 +39,7 @@ from finetune.utils.plots import Panel, plot_panels, stamp_text
 from finetune.utils.safety import LOCK_NAME, GracefulStop, RunLock, read_holder
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir, load
+from finetune_csv.journal import append_forecasts, journal_records
 from finetune_csv.pipeline import CsvPipeline
 from finetune_csv.prepare import StoreSettings, prepare_data
 from finetune_csv.sources import list_sources, source_fingerprint
@@ -577,21 +578,27 @@ def _future(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, calibration: dic
     paths = sample_paths(finetuned, context, *last.stamps(), predict, cfg.forecast,
                          cfg.forecast.batch_size)  # (N, S, P, 6)
     violations = candle_violations(*np.moveaxis(paths[..., :5], -1, 0))  # open .. volume
+    sampled, used = paths[..., CLOSE], None  # (N, S, P) raw closes; the margins applied per series
     log.info("invalid sampled candles: %.1f%%%s", 100 * violations["any"],
              " (repaired: forecast.repair_candles)" if cfg.forecast.repair_candles else
              " (kept; forecast.repair_candles: true repairs them)")
     raw = finish_paths(paths, None, context[:, -1, CLOSE], cfg.forecast.repair_candles) if calibration else None
-    if calibration is not None and cfg.forecast.calibration_method == "adaptive":
-        paths = np.stack([finish_paths(paths[i : i + 1], adaptive.current_calibration(calibration, name),
-                                       context[i : i + 1, -1, CLOSE], cfg.forecast.repair_candles)[0]
-                          for i, name in enumerate(names)])
+    if calibration is not None:
+        used = [adaptive.current_calibration(calibration, name if cfg.forecast.calibration_method == "adaptive"
+                                             else None) for name in names]  # split: the stored margins
+        paths = np.stack([finish_paths(paths[i : i + 1], used[i], context[i : i + 1, -1, CLOSE],
+                                       cfg.forecast.repair_candles)[0] for i in range(len(names))])
     else:
         paths = finish_paths(paths, calibration, context[:, -1, CLOSE], cfg.forecast.repair_candles)
     table = forecast_table(names, future_ts, paths, raw=raw).drop(columns="window")
     if zone:  # aware in, aware out (as predict_df); a wall-clock time DST skips or repeats: the later one
         table["timestamps"] = table["timestamps"].dt.tz_localize(zone, ambiguous=False, nonexistent="shift_forward")
-    write_outputs(cfg, out_dir, {"forecast.csv": table, "forecast.json": provenance(cfg, "future", finetuned, made)},
-                  "forecast.png", names, past_ts, context, future_ts, paths)
+    made = provenance(cfg, "future", finetuned, made)
+    write_outputs(cfg, out_dir, {"forecast.csv": table, "forecast.json": made}, "forecast.png", names, past_ts,
+                  context, future_ts, paths)
+    append_forecasts(cfg.base_dir, journal_records(made["model"], config_to_dict(cfg.forecast), names,
+                                                   [ts[-1] for ts in past_ts], context[:, -1, CLOSE], sampled,
+                                                   paths[..., CLOSE], used and [u["margins"] for u in used]))
     return table
 
 
