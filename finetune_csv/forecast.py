@@ -45,7 +45,7 @@ from finetune_csv.prepare import StoreSettings, prepare_data
 from finetune_csv.sources import list_sources, source_fingerprint
 from model import KronosPredictor, KronosTokenizer, adaptive
 from model.calendar import TradingCalendar
-from model.calibration import apply_calibration, write_calibration
+from model.calibration import apply_calibration, fit_calibration, write_calibration
 from model.config import Window
 from model.errors import ConfigError, DataError, PathError
 from model.features import BODY_RULES, CLOSE, FEATURES, PRICE_FEATURES, candle_faults, quantile_column
@@ -362,10 +362,12 @@ def format_report(metrics: dict) -> str:
     lines.append(f"dir = sign of the {d['horizon']}-bar move; coin 0.500, majority class {d['majority_class']:.3f}")
     for name, test in (metrics["finetuned"].get("versus") or {}).items():
         lines.append(f"finetuned vs {name}: {test['reason']}")
-    for name in ("finetuned", "ensemble"):
+    for name in ("finetuned", "finetuned_raw", "ensemble"):
         diff = metrics.get(f"{name}_vs_zero_shot")
         if diff:
-            lines.append(f"{name} vs zero-shot: {diff['test']['crps']['reason']} (< 0 = better; better on "
+            bands = f"{name.removesuffix('_raw')} vs zero-shot" + (f" ({diff['bands']} bands, both)" if
+                                                                    diff.get("bands") else "")
+            lines.append(f"{bands}: {diff['test']['crps']['reason']} (< 0 = better; better on "
                          f"{diff['windows_finetuned_better_crps']:.0%} of windows)")
     per = (metrics.get("finetuned_vs_zero_shot") or {}).get("per_series")
     if per:  # the series that gained most and least: whether one group carries the panel's number
@@ -397,7 +399,8 @@ def format_report(metrics: dict) -> str:
 
 def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, windows: HeldOutWindows,
                       zero_shot: KronosPredictor | None = None, season: int | dict[str, int] | None = None,
-                      calibration: dict | None = None) -> tuple[dict, np.ndarray, np.ndarray | None]:
+                      calibration: dict | None = None, zs_calibration: dict | None = None
+                      ) -> tuple[dict, np.ndarray, np.ndarray | None]:
     """Sample, score and compare; returns (metrics dict for metrics.json, finetuned paths (W, S, P, 6) as reported:
     calibrated and, with forecast.repair_candles, repaired; the same uncalibrated when calibrated, else None).
     `season`: of the seasonal-naive baseline (None = none);
@@ -441,11 +444,18 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
             metrics["calibration"] |= {"method": "adaptive", "cov80_split": cover(split_paths, 0.8).mean()}
         metrics["calibration"] |= {f"test_{p}": coverage_test(cover(paths, p / 100), pd.to_datetime(windows.dates()),
                                                               p / 100, settings.min_block - 1) for p in (50, 80)}
-    if zero_shot is not None:
-        zs_paths = finish_paths(sample(zero_shot), None, last, f.repair_candles)
+    if zero_shot is not None:  # like with like: both calibrated (zs_calibration), else both raw
+        zs_raw = sample(zero_shot)
+        zs_paths = finish_paths(zs_raw, zs_calibration if calibration else None, last, f.repair_candles)
+        ft_paths = paths if calibration is None or zs_calibration else finish_paths(raw, None, last, f.repair_candles)
         ens_paths = ensemble_paths(paths, zs_paths, f.ensemble_weight)
         metrics["zero_shot"], metrics["ensemble"] = score(zs_paths), score(ens_paths)
-        metrics["finetuned_vs_zero_shot"] = paired_difference(paths, zs_paths, windows, settings)
+        metrics["finetuned_vs_zero_shot"] = paired_difference(ft_paths, zs_paths, windows, settings)
+        metrics["finetuned_vs_zero_shot"]["bands"] = "calibrated" if calibration and zs_calibration else "raw"
+        if calibration and zs_calibration:
+            metrics["finetuned_raw_vs_zero_shot"] = paired_difference(
+                finish_paths(raw, None, last, f.repair_candles), finish_paths(zs_raw, None, last, f.repair_candles),
+                windows, settings) | {"bands": "raw"}
         metrics["ensemble_vs_zero_shot"] = paired_difference(ens_paths, zs_paths, windows, settings)
         metrics["ensemble"]["weight"] = f.ensemble_weight
     return metrics, paths, None if calibration is None else finish_paths(raw, None, last, f.repair_candles)
@@ -538,8 +548,17 @@ def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: t
                                    cfg.forecast.max_windows,
                                    history=cfg.forecast.empirical_window + 1)  # + 1: n returns need n + 1 closes
         check_memory(cfg, len(windows), 6)  # raw, reported, zero-shot and ensemble paths, and their scoring
-        metrics, paths, raw = evaluate_held_out(cfg, finetuned, windows, zero_shot_predictor(cfg),
-                                           _season(cfg, data.panel), calibration)
+        zero_shot = zero_shot_predictor(cfg)
+        zs_calibration = None
+        if zero_shot is not None and calibration is not None:  # its margins from the same validation windows
+            val = held_out_windows(data.splits["val"], cfg.data.window, cfg.forecast.window_stride)
+            zs_val = sample_paths(zero_shot, val.context, *val.stamps(), cfg.data.predict, cfg.forecast,
+                                  cfg.forecast.batch_size)[..., CLOSE]  # (V, S, P)
+            ok = (zs_val > 0).all(axis=(1, 2)) & (val.actual[..., CLOSE] > 0).all(axis=1)
+            zs_calibration = fit_calibration(zs_val[ok], val.actual[ok][..., CLOSE], val.context[ok][:, -1, CLOSE]) \
+                if ok.any() else None
+        metrics, paths, raw = evaluate_held_out(cfg, finetuned, windows, zero_shot, _season(cfg, data.panel),
+                                                calibration, zs_calibration)
         metrics["series_without_test_windows"] = sorted(set(data.panel.names) - set(windows.names))
         files = {"forecast.csv": forecast_table(windows.names, windows.y_timestamps, paths, windows.actual, raw),
                  "metrics.json": metrics, "forecast.json": provenance(cfg, "forecast", finetuned, made)}

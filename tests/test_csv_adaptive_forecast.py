@@ -33,3 +33,21 @@ def test_adaptive_bands_are_scored_in_time_order_and_their_state_kept(tmp_path):
     assert again == state  # a rerun replays from the split margins: the same end state
     table = forecast.run_future(cfg, tmp_path / "future")
     assert set(table["series"]) == set(series) and (table["close_q90"] > table["close_q10"]).all()
+
+
+@pytest.mark.slow
+def test_finetuned_and_zero_shot_are_compared_with_the_same_bands(tmp_path):
+    cfg = load(make_run(tmp_path))
+    best = record_tokenizer(cfg, tmp_path / "start/tokenizer")
+    val = held_out_windows(prepare_data(cfg.data, cfg.store_dir).splits["val"], Window(24, 6), None)
+    calibrate(best, val, cfg.forecast, Window(24, 6, cfg.data.clip))
+    metrics = forecast.run_forecast(cfg)
+    assert metrics["finetuned_vs_zero_shot"]["bands"] == "calibrated"  # zero-shot's margins fitted on val too
+    assert metrics["finetuned_raw_vs_zero_shot"]["bands"] == "raw"
+    ft, zs = metrics["finetuned"]["model"]["overall"]["crps"], metrics["zero_shot"]["model"]["overall"]["crps"]
+    assert metrics["finetuned_vs_zero_shot"]["crps"] == pytest.approx(ft - zs)
+    report = forecast.format_report(metrics)
+    assert "finetuned vs zero-shot (calibrated bands, both)" in report
+    assert "finetuned vs zero-shot (raw bands, both)" in report
+    raw = forecast.run_forecast(load(make_run(tmp_path, extra=", calibrate: false")), tmp_path / "raw")
+    assert raw["finetuned_vs_zero_shot"]["bands"] == "raw" and "finetuned_raw_vs_zero_shot" not in raw
