@@ -34,6 +34,8 @@ COMMANDS: dict[str, Command] = {
     "finetune": Command("finetune_csv.train_sequential",
                         "CSV pipeline: finetune the tokenizer, then the predictor (also under torchrun)"),
     "forecast": Command("finetune_csv.forecast", "CSV pipeline: forecast the held-out test split and score it"),
+    "track": Command("finetune_csv.journal", "CSV pipeline: score the journaled --future forecasts whose outcomes "
+                     "arrived"),
     "walk-forward": Command("finetune_csv.walk_forward",
                             "CSV pipeline: does finetuning pay? purged walk-forward folds, paired test, verdict"),
     "tune": Command("finetune_csv.walk_forward", "CSV pipeline: which finetuning settings pay? a study judged on the "

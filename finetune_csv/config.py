@@ -147,6 +147,11 @@ class ForecastConfig(SamplingConfig):
     calibrate: bool = True
     """Fit a conformal calibration of the bands on the validation windows after training (stored in
     best_model/kronos_predictor.json) and apply it in forecasts."""
+    calibration_method: str = "split"
+    """split: the margins fitted on the validation windows, fixed; adaptive: tracked from there on every published
+    outcome (model/adaptive.py: held-out windows replayed in time order, the end state kept for --future)."""
+    per_series: bool = False
+    """adaptive: one margin tracker per series (each needs its own test windows) instead of one shared."""
     ensemble_weight: float = 0.5
     """Share of the `ensemble` candidate's sample paths drawn from the finetuned model (the rest: zero-shot)."""
     compare_pretrained: bool = True
@@ -324,6 +329,8 @@ def _check_forecast(f: ForecastConfig, p: Problems) -> None:
     for name, null in (("window_stride", " (= data.predict)"), ("max_windows", " (= every window)"), ("season", "")):
         value = getattr(f, name)
         p.check(value is None or value >= 1, f"forecast.{name}", f"must be >= 1 or null{null} (got {value})")
+    p.check(f.calibration_method in ("split", "adaptive"), "forecast.calibration_method",
+            f"must be split or adaptive (got {f.calibration_method!r})")
     p.check(f.empirical_window >= 2, "forecast.empirical_window", f"must be >= 2 (got {f.empirical_window})")
     p.check(0 <= f.ensemble_weight <= 1, "forecast.ensemble_weight", f"must be in [0, 1] (got {f.ensemble_weight})")
     p.check(f.batch_size >= 1, "forecast.batch_size", f"must be >= 1 (got {f.batch_size})")

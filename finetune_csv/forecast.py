@@ -39,13 +39,14 @@ from finetune.utils.plots import Panel, plot_panels, stamp_text
 from finetune.utils.safety import LOCK_NAME, GracefulStop, RunLock, read_holder
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir, load
+from finetune_csv.journal import append_forecasts, journal_records
 from finetune_csv.pipeline import CsvPipeline
 from finetune_csv.prepare import StoreSettings, prepare_data
 from finetune_csv.sources import list_sources, source_fingerprint
 from finetune_csv.splits import held_out_from
-from model import KronosPredictor, KronosTokenizer
+from model import KronosPredictor, KronosTokenizer, adaptive
 from model.calendar import TradingCalendar
-from model.calibration import apply_calibration, decoding_changes
+from model.calibration import apply_calibration, decoding_changes, fit_calibration, write_calibration
 from model.config import Window
 from model.errors import ConfigError, DataError, PathError, RefusedError
 from model.features import BODY_RULES, CLOSE, FEATURES, PRICE_FEATURES, candle_faults, quantile_column
@@ -367,10 +368,12 @@ def format_report(metrics: dict) -> str:
     lines.append(f"dir = sign of the {d['horizon']}-bar move; coin 0.500, majority class {d['majority_class']:.3f}")
     for name, test in (metrics["finetuned"].get("versus") or {}).items():
         lines.append(f"finetuned vs {name}: {test['reason']}")
-    for name in ("finetuned", "ensemble"):
+    for name in ("finetuned", "finetuned_raw", "ensemble"):
         diff = metrics.get(f"{name}_vs_zero_shot")
         if diff:
-            lines.append(f"{name} vs zero-shot: {diff['test']['crps']['reason']} (< 0 = better; better on "
+            bands = f"{name.removesuffix('_raw')} vs zero-shot" + (f" ({diff['bands']} bands, both)" if
+                                                                    diff.get("bands") else "")
+            lines.append(f"{bands}: {diff['test']['crps']['reason']} (< 0 = better; better on "
                          f"{diff['windows_finetuned_better_crps']:.0%} of windows)")
     per = (metrics.get("finetuned_vs_zero_shot") or {}).get("per_series")
     if per:  # the series that gained most and least: whether one group carries the panel's number
@@ -402,7 +405,8 @@ def format_report(metrics: dict) -> str:
 
 def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, windows: HeldOutWindows,
                       zero_shot: KronosPredictor | None = None, season: int | dict[str, int] | None = None,
-                      calibration: dict | None = None) -> tuple[dict, np.ndarray, np.ndarray | None]:
+                      calibration: dict | None = None, zs_calibration: dict | None = None
+                      ) -> tuple[dict, np.ndarray, np.ndarray | None]:
     """Sample, score and compare; returns (metrics dict for metrics.json, finetuned paths (W, S, P, 6) as reported:
     calibrated and, with forecast.repair_candles, repaired; the same uncalibrated when calibrated, else None).
     `season`: of the seasonal-naive baseline (None = none);
@@ -423,6 +427,10 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
                                           history, pd.to_datetime(windows.dates()).to_numpy())
     raw = sample(finetuned)  # (W, S, P, 6)
     paths = finish_paths(raw, calibration, last, f.repair_candles)
+    if calibration is not None and f.calibration_method == "adaptive":  # replayed in publication order
+        split_paths, calibration = paths, adaptive_held_out(cfg, calibration, raw, windows)
+        paths = np.stack([finish_paths(raw[w : w + 1], calibration["per_window"][w], last[w : w + 1],
+                                       f.repair_candles)[0] for w in range(len(raw))])
     metrics = {"windows": len(windows), "horizon": horizon, "series": sorted(set(windows.names)),
                "window_stride": f.window_stride or horizon, "finetuned": score(paths),
                "zero_shot": None, "finetuned_vs_zero_shot": None, "ensemble": None, "ensemble_vs_zero_shot": None,
@@ -437,16 +445,59 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
                                   "cov80_calibrated": cover(paths, 0.8).mean(), "method": calibration.get("method"),
                                   "fitted_on_windows": calibration.get("windows"),
                                   "too_few_windows": calibration.get("too_few_windows", [])}
+        metrics["calibration"] |= band_quality(obs, cover, raw, paths, last, windows)
+        if f.calibration_method == "adaptive":
+            metrics["calibration"] |= {"method": "adaptive", "cov80_split": cover(split_paths, 0.8).mean()}
         metrics["calibration"] |= {f"test_{p}": coverage_test(cover(paths, p / 100), pd.to_datetime(windows.dates()),
                                                               p / 100, settings.min_block - 1) for p in (50, 80)}
-    if zero_shot is not None:
-        zs_paths = finish_paths(sample(zero_shot), None, last, f.repair_candles)
+    if zero_shot is not None:  # like with like: both calibrated (zs_calibration), else both raw
+        zs_raw = sample(zero_shot)
+        zs_paths = finish_paths(zs_raw, zs_calibration if calibration else None, last, f.repair_candles)
+        ft_paths = paths if calibration is None or zs_calibration else finish_paths(raw, None, last, f.repair_candles)
         ens_paths = ensemble_paths(paths, zs_paths, f.ensemble_weight)
         metrics["zero_shot"], metrics["ensemble"] = score(zs_paths), score(ens_paths)
-        metrics["finetuned_vs_zero_shot"] = paired_difference(paths, zs_paths, windows, settings)
+        metrics["finetuned_vs_zero_shot"] = paired_difference(ft_paths, zs_paths, windows, settings)
+        metrics["finetuned_vs_zero_shot"]["bands"] = "calibrated" if calibration and zs_calibration else "raw"
+        if calibration and zs_calibration:
+            metrics["finetuned_raw_vs_zero_shot"] = paired_difference(
+                finish_paths(raw, None, last, f.repair_candles), finish_paths(zs_raw, None, last, f.repair_candles),
+                windows, settings) | {"bands": "raw"}
         metrics["ensemble_vs_zero_shot"] = paired_difference(ens_paths, zs_paths, windows, settings)
         metrics["ensemble"]["weight"] = f.ensemble_weight
     return metrics, paths, None if calibration is None else finish_paths(raw, None, last, f.repair_candles)
+
+
+def adaptive_held_out(cfg: CsvFinetuneConfig, calibration: dict, raw: np.ndarray, windows: HeldOutWindows) -> dict:
+    """The adaptive calibration of the test windows: tracked from the split margins on the outcomes published by each
+    window's origin (`model.adaptive.replay`); the end state saved beside the margins in kronos_predictor.json, so
+    --future continues from it. Returns the calibration with "per_window" [calibration of window w]."""
+    last = windows.context[:, -1, CLOSE]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        quant = np.quantile(np.log(raw[..., CLOSE] / last[:, None, None]), adaptive.SCORE_LEVELS, axis=1)  # (Q, W, P)
+        scores = adaptive.band_scores(np.moveaxis(quant, 0, 1), np.log(windows.actual[..., CLOSE] / last[:, None]))
+    names = list(windows.names)
+    split = {k: v for k, v in calibration.items() if k != "adaptive"}
+    state = adaptive.start_state(split, sorted(set(names)) if cfg.forecast.per_series else None)
+    origins = pd.to_datetime(windows.dates()).to_numpy()
+    arrivals = np.stack([pd.DatetimeIndex(ts).to_numpy() for ts in windows.y_timestamps])  # (W, P)
+    margins = adaptive.replay(state, np.nan_to_num(scores, nan=0.0), origins, arrivals, names)
+    write_calibration(best_dir(cfg.predictor_dir) / PREDICTOR_INFO_NAME, {**split, "adaptive": state})
+    return {**split, "adaptive": state, "per_window": [adaptive.with_margins(split, m) for m in margins]}
+
+
+def band_quality(obs: np.ndarray, cover, raw: np.ndarray, paths: np.ndarray, last: np.ndarray,
+                 windows: HeldOutWindows) -> dict:
+    """Widths of the central 80% band (return units), its worst coverage over 50 consecutive windows in time order,
+    and its coverage per tercile of realised volatility (low, mid, high)."""
+    width = lambda p: float(np.ptp(np.quantile(p[..., CLOSE] / last[:, None, None], [0.1, 0.9], axis=1), 0).mean())
+    covered = cover(paths, 0.8).mean(axis=1)[np.argsort(pd.to_datetime(windows.dates()), kind="stable")]  # (W,)
+    rolling = np.convolve(covered, np.ones(50) / 50, "valid") if len(covered) >= 50 else covered.mean(keepdims=True)
+    vol = np.abs(np.diff(np.log(np.c_[last, windows.actual[..., CLOSE]]), axis=1)).mean(axis=1)  # (W,)
+    tercile = np.searchsorted(np.quantile(vol, [1 / 3, 2 / 3]), vol, side="right")
+    by_vol = cover(paths, 0.8).mean(axis=1)
+    return {"width80_raw": width(raw), "width80_calibrated": width(paths), "cov80_rolling_worst": float(rolling.min()),
+            "cov80_by_volatility": [float(by_vol[tercile == k].mean()) if (tercile == k).any() else None
+                                    for k in range(3)]}
 
 
 def _panels(names: list[str], past_ts, past_close, future_ts, paths, actual=None, max_panels: int = 4) -> list[Panel]:
@@ -508,8 +559,17 @@ def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: t
                                    history=cfg.forecast.empirical_window + 1)  # + 1: n returns need n + 1 closes
         windows, dropped = _unseen(cfg, data.panel, windows)
         check_memory(cfg, len(windows), 6)  # raw, reported, zero-shot and ensemble paths, and their scoring
-        metrics, paths, raw = evaluate_held_out(cfg, finetuned, windows, zero_shot_predictor(cfg),
-                                           _season(cfg, data.panel), calibration)
+        zero_shot = zero_shot_predictor(cfg)
+        zs_calibration = None
+        if zero_shot is not None and calibration is not None:  # its margins from the same validation windows
+            val = held_out_windows(data.splits["val"], cfg.data.window, cfg.forecast.window_stride)
+            zs_val = sample_paths(zero_shot, val.context, *val.stamps(), cfg.data.predict, cfg.forecast,
+                                  cfg.forecast.batch_size)[..., CLOSE]  # (V, S, P)
+            ok = (zs_val > 0).all(axis=(1, 2)) & (val.actual[..., CLOSE] > 0).all(axis=1)
+            zs_calibration = fit_calibration(zs_val[ok], val.actual[ok][..., CLOSE], val.context[ok][:, -1, CLOSE]) \
+                if ok.any() else None
+        metrics, paths, raw = evaluate_held_out(cfg, finetuned, windows, zero_shot, _season(cfg, data.panel),
+                                                calibration, zs_calibration)
         metrics["series_without_test_windows"] = sorted(set(data.panel.names) - set(windows.names))
         metrics["windows_dropped_seen_in_training"] = dropped
         files = {"forecast.csv": forecast_table(windows.names, windows.y_timestamps, paths, windows.actual, raw),
@@ -578,16 +638,27 @@ def _future(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, calibration: dic
     paths = sample_paths(finetuned, context, *last.stamps(), predict, cfg.forecast,
                          cfg.forecast.batch_size)  # (N, S, P, 6)
     violations = candle_violations(*np.moveaxis(paths[..., :5], -1, 0))  # open .. volume
+    sampled, used = paths[..., CLOSE], None  # (N, S, P) raw closes; the margins applied per series
     log.info("invalid sampled candles: %.1f%%%s", 100 * violations["any"],
              " (repaired: forecast.repair_candles)" if cfg.forecast.repair_candles else
              " (kept; forecast.repair_candles: true repairs them)")
     raw = finish_paths(paths, None, context[:, -1, CLOSE], cfg.forecast.repair_candles) if calibration else None
-    paths = finish_paths(paths, calibration, context[:, -1, CLOSE], cfg.forecast.repair_candles)
+    if calibration is not None:
+        used = [adaptive.current_calibration(calibration, name if cfg.forecast.calibration_method == "adaptive"
+                                             else None) for name in names]  # split: the stored margins
+        paths = np.stack([finish_paths(paths[i : i + 1], used[i], context[i : i + 1, -1, CLOSE],
+                                       cfg.forecast.repair_candles)[0] for i in range(len(names))])
+    else:
+        paths = finish_paths(paths, calibration, context[:, -1, CLOSE], cfg.forecast.repair_candles)
     table = forecast_table(names, future_ts, paths, raw=raw).drop(columns="window")
     if zone:  # aware in, aware out (as predict_df); a wall-clock time DST skips or repeats: the later one
         table["timestamps"] = table["timestamps"].dt.tz_localize(zone, ambiguous=False, nonexistent="shift_forward")
-    write_outputs(cfg, out_dir, {"forecast.csv": table, "forecast.json": provenance(cfg, "future", finetuned, made)},
-                  "forecast.png", names, past_ts, context, future_ts, paths)
+    made = provenance(cfg, "future", finetuned, made)
+    write_outputs(cfg, out_dir, {"forecast.csv": table, "forecast.json": made}, "forecast.png", names, past_ts,
+                  context, future_ts, paths)
+    append_forecasts(cfg.base_dir, journal_records(made["model"], config_to_dict(cfg.forecast), names,
+                                                   [ts[-1] for ts in past_ts], context[:, -1, CLOSE], sampled,
+                                                   paths[..., CLOSE], used and [u["margins"] for u in used]))
     return table
 
 

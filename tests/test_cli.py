@@ -22,6 +22,7 @@ SCRIPT_OF = {  # the file each subcommand stands for (README commands)
     "forecast": "finetune_csv/forecast.py",
     "walk-forward": "finetune_csv/walk_forward.py",
     "tune": "finetune_csv/walk_forward.py",
+    "track": "finetune_csv/journal.py",
     "qlib-preprocess": "finetune/qlib_data_preprocess.py",
     "qlib-train-tokenizer": "finetune/train_tokenizer.py",
     "qlib-train-predictor": "finetune/train_predictor.py",

@@ -110,7 +110,7 @@ def test_metrics_json_holds_scores_baselines_intervals_and_the_zero_shot_compari
     assert test["windows"] == ft["setup"]["windows"] and test["verdict"] == "no_evidence"
     assert "no 95% interval: only" in test["reason"]
     report = forecast.format_report(metrics)
-    assert "finetuned vs zero-shot: CRPS - zero-shot" in report and len(report.splitlines()) <= 18
+    assert "finetuned vs zero-shot (raw bands, both): CRPS - zero-shot" in report and len(report.splitlines()) <= 18
     crps = {k: on_disk[k]["model"]["overall"]["crps"] for k in ("finetuned", "zero_shot", "ensemble") if on_disk[k]}
     crps |= {k: ft[k]["overall"]["crps"] for k in ("persistence", "empirical", "seasonal_naive") if k in ft}
     best = min(crps, key=crps.get)  # the verdict line names the best of all, models and baselines

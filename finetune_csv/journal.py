@@ -1,0 +1,221 @@
+"""The forecast journal: every `kronos forecast --future` (and served) forecast appended under <base_dir>/journal/,
+and `kronos track`, which scores the journaled forecasts whose outcomes have arrived in data.path since.
+
+    kronos track --config configs/csv_demo.yaml"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from finetune.evaluation.forecast_scores import crps_ensemble
+from finetune.utils.cli_args import add_config_args, parse_config_args
+from finetune.utils.errors import setup_logging
+from finetune.utils.fingerprint import digest
+from finetune_csv.config import CsvFinetuneConfig, best_dir, load
+from finetune_csv.prepare import prepare_data
+from model import adaptive
+from model.calibration import write_calibration
+from model.errors import DataError
+from model.features import CLOSE
+from model.fileio import read_json_object, write_json
+from model.hub import weights_fingerprint
+from model.kronos import Kronos
+from model.predictor import PREDICTOR_INFO_NAME, read_predictor_info
+
+LEVELS = (0.5, 0.8, 0.9, 0.95)  # central bands whose live coverage is tracked
+
+
+def journal_records(
+    model: dict,
+    settings: dict,
+    names: list[str],
+    origins: list,
+    last: np.ndarray,
+    raw: np.ndarray,
+    paths: np.ndarray,
+    margins: list | None = None,
+) -> list[dict]:
+    """One record per series of a forecast: `model` {"folder", "predictor_sha256", ...}, `settings` the request's,
+    `origins` each series' last bar time, `last (N,)` its close, `raw (N, S, H)` the sampled closes, `paths (N, S, H)`
+    the published (calibrated) ones, `margins` [(L, H) margins applied per series] or None (raw bands)."""
+    q = lambda p: np.quantile(p, adaptive.SCORE_LEVELS, axis=1)  # noqa: E731 - (Q, N, H)
+    qr, qc = q(raw), q(paths)
+    out = []
+    for i, name in enumerate(names):
+        rec = {
+            "series": name,
+            "origin": pd.Timestamp(origins[i]).isoformat(),
+            "model": model,
+            "settings": settings,
+            "last_close": float(last[i]),
+            "levels": list(adaptive.SCORE_LEVELS),
+            "raw_quantiles": qr[:, i].tolist(),
+            "quantiles": qc[:, i].tolist(),
+            "samples": paths[i].tolist(),
+            "margins": None if margins is None else np.asarray(margins[i]).tolist(),
+        }
+        out.append({"id": digest(rec)[:16], **rec})
+    return out
+
+
+def append_forecasts(base_dir: str | os.PathLike, records: list[dict]) -> Path:
+    """Append `records` (journal_records') to <base_dir>/journal/forecasts.jsonl, one JSON line each, flushed to
+    disk; returns its path. Never rewrites a line."""
+    path = Path(base_dir) / "journal" / "forecasts.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r, allow_nan=False) + "\n" for r in records))
+        f.flush()
+        os.fsync(f.fileno())
+    return path
+
+
+def read_journal(path: Path) -> list[dict]:
+    """The journal's records, each once (a forecast repeated bit for bit is one forecast)."""
+    seen: dict[str, dict] = {}
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            rec = json.loads(line)
+            seen.setdefault(rec["id"], rec)
+        except (ValueError, KeyError, TypeError):
+            raise DataError(f"{path}: line {n} is not a journal record; restore the file (it is append-only)") from None
+    return list(seen.values())
+
+
+def track(cfg: CsvFinetuneConfig) -> dict:
+    """Score every journaled forecast step whose bar has arrived (the j-th bar after its origin in data.path), per
+    model; feed the steps not fed before, in publication order, to the adaptive state of the model that made them
+    when it is the current one; write journal/track.json and journal/track.html. Same data: same files."""
+    folder = cfg.base_dir / "journal"
+    if not (folder / "forecasts.jsonl").is_file():
+        raise DataError(f"no forecast journal in {folder}; run `kronos forecast --future` first")
+    records = read_journal(folder / "forecasts.jsonl")
+    panel = prepare_data(cfg.data, folder / "store", with_splits=False).panel  # data.path as it is now
+    bars = {
+        n: (
+            pd.DatetimeIndex(np.asarray(panel.datetimes[panel.rows(s)]).astype("datetime64[ns]")),
+            np.asarray(panel.features[CLOSE, panel.rows(s)], dtype=np.float64),
+        )
+        for s, n in enumerate(panel.names)
+    }
+    before = read_json_object(folder / "track.json") if (folder / "track.json").is_file() else {}
+    rows, missing = [], []
+    for rec in records:
+        times, close = bars.get(rec["series"], (pd.DatetimeIndex([]), None))
+        at = times.get_indexer([pd.Timestamp(rec["origin"]).tz_localize(None)])[0]
+        if at < 0:
+            missing.append(f"{rec['series']} {rec['origin']}")
+            continue
+        lv, qc, qr = np.asarray(rec["levels"]), np.asarray(rec["quantiles"]), np.asarray(rec["raw_quantiles"])
+        for j in range(min(len(qc[0]), len(times) - at - 1)):
+            y, last = close[at + j + 1], rec["last_close"]
+            row = {
+                "id": rec["id"],
+                "step": j,
+                "model": rec["model"]["predictor_sha256"],
+                "series": rec["series"],
+                "origin": rec["origin"],
+                "arrived": times[at + j + 1].isoformat(),
+                "crps": float(
+                    crps_ensemble(np.array(y / last - 1), np.asarray(rec["samples"])[:, j] / last - 1, fair=True)
+                ),
+                "persistence_crps": abs(y / last - 1),
+            }
+            for c in LEVELS:
+                lo, hi = (qc[np.argmin(np.abs(lv - x)), j] for x in ((1 - c) / 2, (1 + c) / 2))
+                row[f"cov{round(c * 100)}"] = float(lo <= y <= hi)
+            row["score"] = adaptive.band_scores(np.log(qr[:, j : j + 1] / last), np.log(np.array([y / last])))[:, 0]
+            rows.append(row)
+    if missing:
+        raise DataError(
+            f"journaled forecasts whose origin bar is no longer in data.path: {missing[:5]}; point "
+            "data.path at the data they were made from (with the new bars appended)"
+        )
+    rows.sort(key=lambda r: (r["arrived"], r["origin"], r["series"], r["step"]))  # publication order
+    best = best_dir(cfg.predictor_dir)
+    current = weights_fingerprint(Kronos.from_pretrained(best))  # forecasts of a replaced model keep their own
+    calibration = read_predictor_info(best).get("calibration")
+    fed = set(before.get("fed", []))
+    if calibration is not None and cfg.forecast.calibration_method == "adaptive":
+        state = calibration.get("adaptive") or adaptive.start_state(calibration)
+        new = [r for r in rows if r["model"] == current and f"{r['id']}:{r['step']}" not in fed]
+        for r in new:
+            adaptive.update(state, r["score"], r["step"], r["series"])
+            fed.add(f"{r['id']}:{r['step']}")
+        if new:
+            write_calibration(best / PREDICTOR_INFO_NAME, {**calibration, "adaptive": state})
+    held = cfg.base_dir / "forecast" / "metrics.json"
+    held = read_json_object(held) if held.is_file() else {}
+    report = {"forecasts": len(records), "scored_steps": len(rows), "fed": sorted(fed), "models": {}}
+    for sha in sorted({r["model"] for r in rows}):
+        mine = [r for r in rows if r["model"] == sha]
+        n, cov80 = len(mine), float(np.mean([r["cov80"] for r in mine]))
+        p = ((held.get("calibration") or {}).get("cov80_calibrated") if sha == current else None) or 0.8
+        allowed = [p - 1.96 * (p * (1 - p) / n) ** 0.5, p + 1.96 * (p * (1 - p) / n) ** 0.5]
+        report["models"][sha] = {
+            "steps": n,
+            "crps": float(np.mean([r["crps"] for r in mine])),
+            "persistence_crps": float(np.mean([r["persistence_crps"] for r in mine])),
+            "held_out_crps": ((held.get("finetuned") or {}).get("model") or {}).get("overall", {}).get("crps")
+            if sha == current
+            else None,
+            **{f"cov{round(c * 100)}": float(np.mean([r[f"cov{round(c * 100)}"] for r in mine])) for c in LEVELS},
+            "cov80_allowed": allowed,
+            "warning": None
+            if allowed[0] <= cov80 <= allowed[1]
+            else f"live 80% coverage {cov80:.2f} outside [{allowed[0]:.2f}, {allowed[1]:.2f}] "
+            f"(held-out {p:.2f}, {n} steps)",
+            "cov80_over_time": [
+                [r["arrived"], float(np.mean([x["cov80"] for x in mine[: k + 1]]))] for k, r in enumerate(mine)
+            ],
+        }
+    if report != before:  # a rerun on the same data changes nothing
+        write_json(folder / "track.json", report)
+        (folder / "track.html").write_text(page(report), encoding="utf-8")
+    return report
+
+
+def page(report: dict) -> str:
+    """journal/track.html: per model, live CRPS beside the held-out figure, live coverage over time, the warning."""
+    parts = ["<!doctype html><meta charset=utf-8><title>kronos track</title><h1>Live forecasts</h1>"]
+    for sha, m in report["models"].items():
+        parts.append(
+            f"<h2>model {sha[:12]}</h2><p>{m['steps']} steps scored; CRPS {m['crps']:.5f} (held-out "
+            f"{m['held_out_crps'] if m['held_out_crps'] is not None else '-'}, persistence "
+            f"{m['persistence_crps']:.5f}); coverage 50/80/90/95%: {m['cov50']:.2f} / {m['cov80']:.2f} / "
+            f"{m['cov90']:.2f} / {m['cov95']:.2f}</p>"
+            + (f"<p><b>warning: {m['warning']}</b></p>" if m["warning"] else "")
+        )
+        parts.append(
+            "<table><tr><th>arrived</th><th>80% coverage so far</th></tr>"
+            + "".join(f"<tr><td>{t}</td><td>{c:.2f}</td></tr>" for t, c in m["cov80_over_time"])
+            + "</table>"
+        )
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = add_config_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]), CsvFinetuneConfig, load)
+    args = parse_config_args(parser, argv)
+    setup_logging()
+    report = track(cfg := load(args.config, args.set))
+    for sha, m in report["models"].items():
+        print(
+            f"model {sha[:12]}: {m['steps']} steps scored, CRPS {m['crps']:.5f}, 80% coverage {m['cov80']:.2f}"
+            + (f"; warning: {m['warning']}" if m["warning"] else "")
+        )
+    print(f"written: {cfg.base_dir}/journal/{{track.json, track.html}}")
+    return 0
+
+
+if __name__ == "__main__":
+    from finetune.utils.errors import run_main
+
+    sys.exit(run_main(main))
