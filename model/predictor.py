@@ -52,6 +52,10 @@ MIN_CONTEXT = 2  # rows of context a forecast needs: one row has no spread to no
 SHORT_CONTEXT = 16  # fewer rows than this (and than lookback) are forecast with a warning, said once
 CALIBRATION_FAILED = "calibration_failed"  # kronos_predictor.json: why a run could not calibrate, and what to do
 NONPOSITIVE = "nonpositive_samples"  # attrs key of a forecast's count of sampled prices <= 0
+# A result's columns, built once: a list is re-validated per series, and pd.Index of strings (pandas 3: Arrow-backed)
+# costs ~0.2 ms, a third of the host side of a 300-series forecast (docs/benchmarks.md).
+FEATURE_INDEX = pd.Index(FEATURES)
+NS_PER_UNIT = {"s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}  # a DatetimeIndex's .unit -> nanoseconds per tick
 
 
 # ------------------------------------------------------------------------------------- kronos_predictor.json
@@ -295,7 +299,8 @@ class KronosPredictor:
                         failed["advice"])
         if lookback is None and "lookback" not in info:
             log.info("%s records no training window (%s): the context, max_context=%s, is assumed, not known; pass "
-                     "lookback=", folder_or_id, PREDICTOR_INFO_NAME, max_context or info.get("max_context", DEFAULT_MAX_CONTEXT))
+                     "lookback=", folder_or_id, PREDICTOR_INFO_NAME,
+                     max_context or info.get("max_context", DEFAULT_MAX_CONTEXT))
         return cls.from_models(model, tokenizer, info, device=device, max_context=max_context, lookback=lookback,
                                clip=clip, use_cache=use_cache)
 
@@ -360,8 +365,10 @@ class KronosPredictor:
         names = list(series_names or (["df"] if len(df_list) == 1 else [f"df_list[{i}]" for i in range(len(df_list))]))
         prepared = [self._prepare(df, x_ts, y_ts, pred_len, name)
                     for df, x_ts, y_ts, name in zip(df_list, x_timestamp_list, y_timestamp_list, names)]
+        stamps = stamp_features([i for p in prepared for i in (p["x_index"], p["y_index"])])
         groups: dict[int, list[int]] = {}
         for i, p in enumerate(prepared):
+            p["x_stamp"], p["y_stamp"] = stamps[2 * i], stamps[2 * i + 1]  # (N, 5), (pred_len, 5)
             groups.setdefault(len(p["x"]), []).append(i)
         results: list[pd.DataFrame | Forecast | None] = [None] * len(prepared)
         for members in groups.values():
@@ -485,7 +492,7 @@ class KronosPredictor:
     # ----------------------------------------------------------- helpers
     def _prepare(self, df: pd.DataFrame, x_ts: Any, y_ts: Any, pred_len: int, name: str) -> dict[str, Any]:
         """Check one series (all rows given) and cut it to the last `lookback` rows: x (N, 6) float32, last_close,
-        x_stamp (N, 5), y_stamp (pred_len, 5)."""
+        x_index (N), y_index (pred_len)."""
         x = candle_matrix(df, name)
         x_idx = to_datetime_index(x_ts, f"{name}'s x_timestamp")
         y_idx = to_datetime_index(y_ts, f"{name}'s y_timestamp")
@@ -515,15 +522,14 @@ class KronosPredictor:
                             "(said once per predictor)", name, len(x), self.lookback, self.context_note)
                 self._cut_said = True
             x, x_idx = np.ascontiguousarray(x[-self.lookback:]), x_idx[-self.lookback:]
-        return {"x": x, "y_index": y_idx, "last_close": float(x[-1, CLOSE]),
-                "x_stamp": time_features(x_idx).astype(np.float32), "y_stamp": time_features(y_idx).astype(np.float32)}
+        return {"x": x, "x_index": x_idx, "y_index": y_idx, "last_close": float(x[-1, CLOSE])}
 
     @staticmethod
     def _result(p: dict[str, Any], samples: np.ndarray, mean: np.ndarray, return_samples: bool,
                 quantiles: Sequence[float] | None, calibration: dict[str, Any] | None) -> pd.DataFrame | Forecast:
         """`sample_windows`' paths (S, pred_len, 6) and mean (pred_len, 6) of one series -> the mean DataFrame, or a
         Forecast, calibrated when `calibration` is given; the mean's attrs[NONPOSITIVE]: its sampled prices <= 0."""
-        cols, y_idx = pd.Index(FEATURES), p["y_index"]  # an Index: a list would be re-validated per series
+        cols, y_idx = FEATURE_INDEX, p["y_index"]
         if calibration is not None:
             shift = calibration_shift(calibration, samples[..., CLOSE], np.float64(p["last_close"]))  # (S, pred_len)
             samples[..., :len(PRICE_FEATURES)] *= np.exp(shift)[..., None]  # volume and amount stay as drawn
@@ -552,6 +558,16 @@ class KronosPredictor:
         if calibration is not None and pred_len > len(calibration["margins"][0]):
             raise DataError(f"the predictor's calibration covers {len(calibration['margins'][0])} horizons but "
                             f"{key} is {pred_len}; forecast fewer steps or pass calibrated=False")
+
+
+def stamp_features(indexes: Sequence[pd.DatetimeIndex]) -> list[np.ndarray]:
+    """`time_features` of many DatetimeIndexes, each read on its own wall clock, in one call -> [(len(i), 5) float32]:
+    its fixed cost (~0.1 ms a call) paid once, not twice per series (a third of the host side of a 300-series
+    forecast, docs/benchmarks.md). Every index is in datetime64[ns]'s range (`to_datetime_index` checked it)."""
+    walls = [i.tz_localize(None) if i.tz is not None else i for i in indexes]
+    ns = np.concatenate([w.asi8 * NS_PER_UNIT[w.unit] for w in walls])  # wall-clock ns since 1970
+    feats = time_features(pd.DatetimeIndex(ns.view("M8[ns]"))).astype(np.float32)
+    return np.split(feats, np.cumsum([len(i) for i in indexes])[:-1])
 
 
 def check_batch_size(batch_size: int | None) -> None:

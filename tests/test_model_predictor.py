@@ -236,3 +236,20 @@ def test_predict_batch_rejects_mismatched_inputs():
         cached.predict_batch([a[0], b[0]], [a[1]], [a[2][:3], b[2][:3]], 3, verbose=False)
     with pytest.raises(ValueError, match="sample_count"):
         cached.predict(a[0], a[1], a[2][:3], 3, sample_count=0, verbose=False)
+
+
+def test_stamp_features_of_many_indexes_equal_time_features_of_each():
+    """The host side reads every series' stamps in one call (issue 48 item 8): the same numbers as one call each,
+    whatever the unit and zone (each on its own wall clock, across a DST change)."""
+    from model.features import time_features
+    from model.predictor import stamp_features
+
+    dst = pd.date_range("2024-03-09 22:00", periods=40, freq="37min", tz="America/New_York")
+    indexes = [dst, dst.tz_convert("Asia/Tokyo").as_unit("s"), pd.date_range("1700-01-01", periods=5, freq="MS"),
+               pd.bdate_range("2261-12-01", periods=7).as_unit("ms"), pd.DatetimeIndex([], dtype="M8[us]"),
+               pd.date_range("2024-01-02 09:30", periods=3, freq="min").as_unit("us")]
+    got = stamp_features(indexes)
+    assert len(got) == len(indexes)
+    for index, feats in zip(indexes, got):
+        assert feats.dtype == np.float32
+        np.testing.assert_array_equal(feats, time_features(index).astype(np.float32))
