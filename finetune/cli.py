@@ -122,7 +122,7 @@ def _dispatch(argv: list[str]) -> int:
         return 2
     _check_ready(name, COMMANDS[name], args)
     entry = resolve(name)
-    from finetune.utils.distributed import use_chosen_threads  # torch loads only for a command that runs
+    from model.predictor import use_chosen_threads  # torch loads only for a command that runs
 
     use_chosen_threads()
     # argparse names the program after sys.argv[0]; the lock and logs quote sys.argv ("kronos finetune --config x")

@@ -5,9 +5,10 @@ kronos_predictor.json"; `load_trained_pair` refuses any tokenizer other than the
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,10 @@ MIN_CONTEXT = 2  # rows of context a forecast needs: one row has no spread to no
 SHORT_CONTEXT = 16  # fewer rows than this (and than lookback) are forecast with a warning, said once
 CALIBRATION_FAILED = "calibration_failed"  # kronos_predictor.json: why a run could not calibrate, and what to do
 NONPOSITIVE = "nonpositive_samples"  # attrs key of a forecast's count of sampled prices <= 0
+# A result's columns, built once: a list is re-validated per series, and pd.Index of strings (pandas 3: Arrow-backed)
+# costs ~0.2 ms, a third of the host side of a 300-series forecast (docs/benchmarks.md).
+FEATURE_INDEX = pd.Index(FEATURES)
+NS_PER_UNIT = {"s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}  # a DatetimeIndex's .unit -> nanoseconds per tick
 
 
 # ------------------------------------------------------------------------------------- kronos_predictor.json
@@ -169,6 +174,44 @@ def load_trained_pair(folder_or_id: str | os.PathLike, tokenizer: str | os.PathL
     return model, loaded, info
 
 
+# ------------------------------------------------------------------------------------------- CPU threads
+def torch_default_threads() -> int:
+    """The intra-op threads torch starts with when no variable sets them: the machine's physical cores (cpuinfo's
+    count, read from sysfs; the logical CPUs where sysfs does not say)."""
+    topology = Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology")
+    cores = {(t / "physical_package_id").read_text() + (t / "core_id").read_text() for t in topology
+             if (t / "core_id").is_file()}
+    return len(cores) or os.cpu_count() or 1
+
+
+def choose_threads(env: Mapping[str, str] | None = None) -> str:
+    """Set torch's intra-op threads and return the line a run logs: OMP_NUM_THREADS when set, else a count the user
+    gave torch.set_num_threads (torch's differs from its default), else the cores per rank (cores / LOCAL_WORLD_SIZE,
+    as torchrun does for several ranks) less those other processes keep busy (1-minute load average): threads beyond
+    the idle cores only wait on each other (predict_df: 49.5 s with torch's default on a busy 2-core box, 12.6 s
+    with one)."""
+    env = os.environ if env is None else env
+    if env.get("OMP_NUM_THREADS", "").strip().isdigit() and int(env["OMP_NUM_THREADS"]) >= 1:
+        threads, why = int(env["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
+    elif (threads := torch.get_num_threads()) != torch_default_threads():
+        why = "torch.set_num_threads, kept"
+    else:
+        cores, ranks = len(os.sched_getaffinity(0)), max(1, int(env.get("LOCAL_WORLD_SIZE") or 1))
+        busy = min(cores, int(os.getloadavg()[0]))
+        threads = max(1, min(cores // ranks, cores - busy))
+        why = f"{cores} cores / {ranks} rank(s), {busy} busy; set OMP_NUM_THREADS to override"
+    torch.set_num_threads(threads)
+    return f"{threads} intra-op thread(s) ({why})"
+
+
+@functools.cache
+def use_chosen_threads() -> str:
+    """`choose_threads` once per process, logged: the CLI, every stage's log and the first CPU KronosPredictor."""
+    line = choose_threads()
+    log.info("torch: %s", line)
+    return line
+
+
 # --------------------------------------------------------------------------------------------- the predictor
 @dataclass
 class Forecast:
@@ -216,10 +259,15 @@ class KronosPredictor:
         if calibration is not None:
             calibration_margins(calibration, "calibration")
         self.device = torch.device(device or default_device())
+        if self.device.type == "cpu":
+            use_chosen_threads()  # the CLI's rule: torch's default oversubscribes a busy machine
         self.model = model.to(self.device).eval()
         self.tokenizer = tokenizer.to(self.device).eval()
         self.max_context = int(max_context)
         self.lookback = int(lookback or max_context)
+        # What the cut / short-context logs say the context is: from_models names a recorded training window.
+        self.context_note = "lookback, as passed" if lookback else \
+            "max_context: assumed, not known (no training window recorded; pass lookback=)"
         self.clip = clip
         self.use_cache = use_cache
         self.decode = ("graph" if self.device.type == "cuda" else "eager") if decode == "auto" else decode
@@ -249,6 +297,10 @@ class KronosPredictor:
             log.warning("%s was trained with forecast.calibrate: true but holds no calibration (%s %s): its bands are "
                         "the raw samples', too narrow; %s", folder_or_id, failed["reason"], failed["series"][:5],
                         failed["advice"])
+        if lookback is None and "lookback" not in info:
+            log.info("%s records no training window (%s): the context, max_context=%s, is assumed, not known; pass "
+                     "lookback=", folder_or_id, PREDICTOR_INFO_NAME,
+                     max_context or info.get("max_context", DEFAULT_MAX_CONTEXT))
         return cls.from_models(model, tokenizer, info, device=device, max_context=max_context, lookback=lookback,
                                clip=clip, use_cache=use_cache)
 
@@ -261,9 +313,12 @@ class KronosPredictor:
         `window` (the one the pair trains on) gives max_context, lookback and clip at once."""
         info = {**(info or {}), **(window.info() if window is not None else {})}
         pick = lambda given, key, default=None: info.get(key, default) if given is None else given
-        return cls(model, tokenizer, device=device, use_cache=use_cache, calibration=pick(None, "calibration"),
+        made = cls(model, tokenizer, device=device, use_cache=use_cache, calibration=pick(None, "calibration"),
                    max_context=pick(max_context, "max_context", DEFAULT_MAX_CONTEXT), clip=pick(clip, "clip", 5),
                    lookback=pick(lookback, "lookback"))
+        if lookback is None and "lookback" in info:
+            made.context_note = "the context the model was trained on (lookback)"
+        return made
 
     # ------------------------------------------------------------ public
     def predict(self, df: pd.DataFrame, x_timestamp: Any, y_timestamp: Any, pred_len: int, T: float = 1.0,
@@ -310,8 +365,10 @@ class KronosPredictor:
         names = list(series_names or (["df"] if len(df_list) == 1 else [f"df_list[{i}]" for i in range(len(df_list))]))
         prepared = [self._prepare(df, x_ts, y_ts, pred_len, name)
                     for df, x_ts, y_ts, name in zip(df_list, x_timestamp_list, y_timestamp_list, names)]
+        stamps = stamp_features([i for p in prepared for i in (p["x_index"], p["y_index"])])
         groups: dict[int, list[int]] = {}
         for i, p in enumerate(prepared):
+            p["x_stamp"], p["y_stamp"] = stamps[2 * i], stamps[2 * i + 1]  # (N, 5), (pred_len, 5)
             groups.setdefault(len(p["x"]), []).append(i)
         results: list[pd.DataFrame | Forecast | None] = [None] * len(prepared)
         for members in groups.values():
@@ -435,7 +492,7 @@ class KronosPredictor:
     # ----------------------------------------------------------- helpers
     def _prepare(self, df: pd.DataFrame, x_ts: Any, y_ts: Any, pred_len: int, name: str) -> dict[str, Any]:
         """Check one series (all rows given) and cut it to the last `lookback` rows: x (N, 6) float32, last_close,
-        x_stamp (N, 5), y_stamp (pred_len, 5)."""
+        x_index (N), y_index (pred_len)."""
         x = candle_matrix(df, name)
         x_idx = to_datetime_index(x_ts, f"{name}'s x_timestamp")
         y_idx = to_datetime_index(y_ts, f"{name}'s y_timestamp")
@@ -453,28 +510,26 @@ class KronosPredictor:
             raise DataError(f"{name} has {len(x)} row(s) of context (lookback {self.lookback}); a forecast needs at "
                             f"least {MIN_CONTEXT} (one row has no spread to normalise by)")
         if len(x) < min(SHORT_CONTEXT, self.lookback) and not self._short_said:
-            log.warning("%s has %d rows of context, little for the model (trained with up to %d); said once",
-                        name, len(x), self.lookback)
+            log.warning("%s has %d rows of context, little for the model (up to %d: %s); said once", name, len(x),
+                        self.lookback, self.context_note)
             self._short_said = True
         if x_idx[-1] >= y_idx[0]:
             raise DataError(f"y_timestamp must start after the context: first forecast time {y_idx[0]} is not "
                             f"after the last context time {x_idx[-1]}")
         if len(x) > self.lookback:
             if not self._cut_said:
-                log.warning("%s has %d rows of history; the forecast uses (and normalises over) the last %d, the "
-                            "context the model was trained for (lookback; said once per predictor)", name, len(x),
-                            self.lookback)
+                log.warning("%s has %d rows of history; the forecast uses (and normalises over) the last %d, %s "
+                            "(said once per predictor)", name, len(x), self.lookback, self.context_note)
                 self._cut_said = True
             x, x_idx = np.ascontiguousarray(x[-self.lookback:]), x_idx[-self.lookback:]
-        return {"x": x, "y_index": y_idx, "last_close": float(x[-1, CLOSE]),
-                "x_stamp": time_features(x_idx).astype(np.float32), "y_stamp": time_features(y_idx).astype(np.float32)}
+        return {"x": x, "x_index": x_idx, "y_index": y_idx, "last_close": float(x[-1, CLOSE])}
 
     @staticmethod
     def _result(p: dict[str, Any], samples: np.ndarray, mean: np.ndarray, return_samples: bool,
                 quantiles: Sequence[float] | None, calibration: dict[str, Any] | None) -> pd.DataFrame | Forecast:
         """`sample_windows`' paths (S, pred_len, 6) and mean (pred_len, 6) of one series -> the mean DataFrame, or a
         Forecast, calibrated when `calibration` is given; the mean's attrs[NONPOSITIVE]: its sampled prices <= 0."""
-        cols, y_idx = pd.Index(FEATURES), p["y_index"]  # an Index: a list would be re-validated per series
+        cols, y_idx = FEATURE_INDEX, p["y_index"]
         if calibration is not None:
             shift = calibration_shift(calibration, samples[..., CLOSE], np.float64(p["last_close"]))  # (S, pred_len)
             samples[..., :len(PRICE_FEATURES)] *= np.exp(shift)[..., None]  # volume and amount stay as drawn
@@ -503,6 +558,16 @@ class KronosPredictor:
         if calibration is not None and pred_len > len(calibration["margins"][0]):
             raise DataError(f"the predictor's calibration covers {len(calibration['margins'][0])} horizons but "
                             f"{key} is {pred_len}; forecast fewer steps or pass calibrated=False")
+
+
+def stamp_features(indexes: Sequence[pd.DatetimeIndex]) -> list[np.ndarray]:
+    """`time_features` of many DatetimeIndexes, each read on its own wall clock, in one call -> [(len(i), 5) float32]:
+    its fixed cost (~0.1 ms a call) paid once, not twice per series (a third of the host side of a 300-series
+    forecast, docs/benchmarks.md). Every index is in datetime64[ns]'s range (`to_datetime_index` checked it)."""
+    walls = [i.tz_localize(None) if i.tz is not None else i for i in indexes]
+    ns = np.concatenate([w.asi8 * NS_PER_UNIT[w.unit] for w in walls])  # wall-clock ns since 1970
+    feats = time_features(pd.DatetimeIndex(ns.view("M8[ns]"))).astype(np.float32)
+    return np.split(feats, np.cumsum([len(i) for i in indexes])[:-1])
 
 
 def check_batch_size(batch_size: int | None) -> None:

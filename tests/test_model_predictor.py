@@ -207,7 +207,26 @@ def test_any_case_columns_are_read_and_a_short_context_is_said_once(caplog):
         for _ in range(2):
             cached.predict(df.iloc[-5:], x_ts[-5:], y_ts[:3], 3, top_k=1, verbose=False)
     assert [r.getMessage() for r in caplog.records if "little for the model" in r.getMessage()] == [
-        "df has 5 rows of context, little for the model (trained with up to 64); said once"]
+        "df has 5 rows of context, little for the model (up to 64: max_context: assumed, not known (no training "
+        "window recorded; pass lookback=)); said once"]
+
+
+def test_the_cut_says_whether_the_context_was_recorded_or_assumed(caplog):
+    """Issue 48 item 2: a recorded training window is named as such; none recorded: max_context, assumed."""
+    tok, pred = tiny_models(seed=1)
+    df, x_ts, y_ts = candles(40)
+    said = {}
+    for name, kp in (("assumed", KronosPredictor.from_models(pred, tok, max_context=32, device="cpu")),
+                     ("recorded", KronosPredictor.from_models(pred, tok, {"max_context": 32, "lookback": 24},
+                                                              device="cpu")),
+                     ("passed", KronosPredictor.from_models(pred, tok, {"lookback": 24}, lookback=20, device="cpu"))):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="model.predictor"):
+            kp.predict(df, x_ts, y_ts[:3], 3, top_k=1, verbose=False)
+        said[name] = next(r.getMessage() for r in caplog.records if "rows of history" in r.getMessage())
+    assert "the last 32, max_context: assumed, not known (no training window recorded" in said["assumed"]
+    assert "the last 24, the context the model was trained on (lookback)" in said["recorded"]
+    assert "the last 20, lookback, as passed" in said["passed"] and "trained" not in said["passed"]
 
 
 def test_predict_batch_rejects_mismatched_inputs():
@@ -217,3 +236,20 @@ def test_predict_batch_rejects_mismatched_inputs():
         cached.predict_batch([a[0], b[0]], [a[1]], [a[2][:3], b[2][:3]], 3, verbose=False)
     with pytest.raises(ValueError, match="sample_count"):
         cached.predict(a[0], a[1], a[2][:3], 3, sample_count=0, verbose=False)
+
+
+def test_stamp_features_of_many_indexes_equal_time_features_of_each():
+    """The host side reads every series' stamps in one call (issue 48 item 8): the same numbers as one call each,
+    whatever the unit and zone (each on its own wall clock, across a DST change)."""
+    from model.features import time_features
+    from model.predictor import stamp_features
+
+    dst = pd.date_range("2024-03-09 22:00", periods=40, freq="37min", tz="America/New_York")
+    indexes = [dst, dst.tz_convert("Asia/Tokyo").as_unit("s"), pd.date_range("1700-01-01", periods=5, freq="MS"),
+               pd.bdate_range("2261-12-01", periods=7).as_unit("ms"), pd.DatetimeIndex([], dtype="M8[us]"),
+               pd.date_range("2024-01-02 09:30", periods=3, freq="min").as_unit("us")]
+    got = stamp_features(indexes)
+    assert len(got) == len(indexes)
+    for index, feats in zip(indexes, got):
+        assert feats.dtype == np.float32
+        np.testing.assert_array_equal(feats, time_features(index).astype(np.float32))

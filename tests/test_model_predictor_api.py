@@ -129,6 +129,23 @@ def test_from_pretrained_run_folder_loads_pair_and_window(tmp_path):
     assert p2.max_context == 16
 
 
+def test_from_pretrained_says_a_context_it_cannot_know_is_assumed(tmp_path, caplog):
+    """Issue 48 item 2: no recorded lookback (the published weights' case): the log says max_context is assumed;
+    a recorded one is used and nothing is said."""
+    _, _, folder = _run_folder(tmp_path)
+    with caplog.at_level("INFO", logger="model.predictor"):
+        p = KronosPredictor.from_pretrained(folder, device="cpu")
+    assert p.lookback == 40
+    assert any("records no training window" in m and "max_context=40, is assumed, not known" in m
+               for m in caplog.messages)
+    info = json.loads((folder / PREDICTOR_INFO_NAME).read_text())
+    write_json(folder / PREDICTOR_INFO_NAME, {**info, "lookback": 24})
+    caplog.clear()
+    with caplog.at_level("INFO", logger="model.predictor"):
+        assert KronosPredictor.from_pretrained(folder, device="cpu").lookback == 24
+    assert not any("training window" in m for m in caplog.messages)
+
+
 def test_from_pretrained_errors(tmp_path):
     tok, _, folder = _run_folder(tmp_path)
     (folder / PREDICTOR_INFO_NAME).unlink()

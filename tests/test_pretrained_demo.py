@@ -45,7 +45,8 @@ def demo_windows():
 def test_published_format_small_and_finite():
     for name in ("tokenizer", "predictor"):
         folder = CKPT / name
-        assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+        window = ["kronos_predictor.json"] if name == "predictor" else []  # its training window (issue 48)
+        assert sorted(p.name for p in folder.iterdir()) == ["config.json", *window, "model.safetensors"]
         assert (folder / "model.safetensors").stat().st_size < 3 * 2**20  # a few MB at most
         weights = load_file(str(folder / "model.safetensors"))
         assert weights and all(torch.isfinite(v).all() for v in weights.values())
@@ -114,3 +115,21 @@ def test_the_built_checkpoint_loads_as_a_forecaster_with_its_window(tmp_path):
           "--stride", "64", "--tokenizer-epochs", "1", "--predictor-epochs", "1", "--batch-size", "16"])
     predictor = KronosPredictor.from_pretrained(tmp_path / "ck" / "predictor", device="cpu")  # tokenizer recorded
     assert (predictor.max_context, predictor.lookback, predictor.clip) == (64 + 16, 64, 5.0)  # LOOKBACK, PREDICT
+
+
+def test_python_and_the_cli_forecast_with_the_window_it_was_trained_on():
+    """Issue 48 item 2: from_pretrained uses the recorded 64 + 16 (not 512 rows), as the CLI's zero-shot does, and
+    both give the same forecast of the same daily history."""
+    from finetune_csv.forecast import zero_shot_predictor
+
+    python = KronosPredictor.from_pretrained(CKPT / "predictor", device="cpu")  # tokenizer: the recorded ../tokenizer
+    cli = zero_shot_predictor(load(REPO / "configs" / "csv_us_daily.yaml"))
+    assert (python.lookback, python.max_context, python.clip) == (64, 64 + 16, 5.0)
+    assert cli.lookback == python.lookback and cli.clip == python.clip
+    rng = np.random.default_rng(0)
+    close = 400 * np.exp(np.cumsum(rng.normal(0, 0.01, 300)))
+    df = pd.DataFrame({"timestamps": pd.bdate_range("2020-01-02", periods=300), "open": close, "high": close * 1.01,
+                       "low": close * 0.99, "close": close, "volume": 1e6})
+    a, b = (kp.predict_df(df, prediction_length=5) for kp in (python, cli))
+    pd.testing.assert_frame_equal(a, b)
+    assert abs(a["close"].iloc[0] / close[-1] - 1) < 0.05  # not the 13.5% drop of a 512-row context

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import inspect
 import os
 import random
@@ -23,25 +22,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from model.errors import DataError, UserError
-
-
-def choose_threads(env: Mapping[str, str] | None = None) -> str:
-    """Set torch's intra-op threads and return the line a run logs: OMP_NUM_THREADS when set, else the cores per rank
-    (cores / LOCAL_WORLD_SIZE, as torchrun does for several ranks) less those other processes keep busy (1-minute
-    load average): threads beyond the idle cores only wait on each other."""
-    env = os.environ if env is None else env
-    if env.get("OMP_NUM_THREADS", "").strip().isdigit() and int(env["OMP_NUM_THREADS"]) >= 1:
-        threads, why = int(env["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
-    else:
-        cores, ranks = len(os.sched_getaffinity(0)), max(1, int(env.get("LOCAL_WORLD_SIZE") or 1))
-        busy = min(cores, int(os.getloadavg()[0]))
-        threads = max(1, min(cores // ranks, cores - busy))
-        why = f"{cores} cores / {ranks} rank(s), {busy} busy; set OMP_NUM_THREADS to override"
-    torch.set_num_threads(threads)
-    return f"{threads} intra-op thread(s) ({why})"
-
-
-use_chosen_threads = functools.cache(choose_threads)  # once per process: the CLI, then every stage's log
 
 
 def seed_everything(seed: int, rank: int = 0) -> int:

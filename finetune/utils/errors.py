@@ -259,7 +259,7 @@ def stage_log(log_file: str | Path, *, rank: int | None = None, resumed_from: st
     now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     how = f"resumed from {resumed_from}" if resumed_from is not None else "fresh start"
     where = f"{stage} " if stage else ""
-    from finetune.utils.distributed import use_chosen_threads  # torch: loaded by then
+    from model.predictor import use_chosen_threads  # torch: loaded by then
 
     handler.stream.write(f"===== {now} {where}run ({how}); command: {shlex.join(sys.argv)}; "
                          f"{use_chosen_threads()} =====\n")
