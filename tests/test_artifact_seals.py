@@ -172,7 +172,7 @@ def test_a_forecast_on_other_split_ratios_writes_beside_the_run_and_says_what_di
     ("training.seed=-5", "training.seed: must be a seed in [0, 2**32 - 1], got -5"),
     ("predictor_training.lr=inf", "predictor_training.lr: must be a finite number, got inf"),
     ("training.weight_decay=.nan", "training.weight_decay: must be a finite number, got nan"),
-    ("data.lookback=1000000000000", "data.lookback: must be <= 1000000, got 1000000000000"),
+    ("data.lookback=1000000000000", "data.lookback: must be <= 1_000_000 (no real run needs more), got 1000000000000"),
 ])
 def test_absurd_settings_are_one_line_config_errors(tmp_path, capsys, setting, message):
     config = make_eval_run(tmp_path)

@@ -317,7 +317,9 @@ _SEED = re.compile(r"(^|\.)seeds?(\[\d+\])?$")
 # Upper bounds of count settings (a typo like epochs 1000000000000 would run until killed): every int setting is
 # <= MAX_COUNT, the loop counts below by name.
 MAX_COUNT = 10**9
-COUNT_CAPS = {"epochs": 100_000, "n_trials": 100_000, "sample_count": 100_000, "folds": 10_000, "inner_folds": 10_000}
+# sample_count takes MAX_COUNT: the memory check (forecast's check_memory) refuses far less, naming the GiB it needs.
+COUNT_CAPS = {"epochs": 100_000, "n_trials": 100_000, "folds": 10_000, "inner_folds": 10_000,
+              "lookback": 1_000_000, "predict": 1_000_000}
 _SHORT = reprlib.Repr()
 # At most ~5 items per level and 3 levels: the text stays short (and cheap) even for a value built from thousands
 # of YAML aliases, which a full repr would expand to gigabytes before it could be cut.

@@ -204,9 +204,6 @@ class WindowSettings:
         problems.check(self.lookback >= 2, "data.lookback",
                        f"must be >= 2 (a window is normalised by the std of its lookback bars), got {self.lookback}")
         problems.check(self.predict >= 1, "data.predict", f"must be >= 1, got {self.predict}")
-        for name in ("lookback", "predict"):  # refused up front, before any allocation or search by rows
-            problems.check(getattr(self, name) <= 1_000_000, f"data.{name}", f"must be <= 1000000, got "
-                           f"{getattr(self, name)}")
         problems.check(self.clip > 0, "data.clip", f"must be > 0, got {self.clip}")
 
 
