@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 def _default_columns() -> dict[str, str | None]:
-    return {f: f for f in ("timestamps",) + FEATURES}
+    return {f: f for f in ("timestamps",) + FEATURES} | {"factor": None}
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class StoreSettings:
     identity (a change re-prepares)."""
 
     columns: Mapping[str, str | None] = field(default_factory=_default_columns)
+    header: str = "first_row"
     symbol_column: str | None = None
     timestamp_format: str | None = None
     timestamp_unit: str | None = None
@@ -168,10 +169,12 @@ def check_store(store_dir: str | Path, sources: Sequence[Path | csv_sources.Fram
         manifest = store.read_manifest(store_dir)
     except StoreError as e:
         return False, str(e), None
-    old, new = manifest["settings"], settings.as_dict()
-    for key in new:
-        if old.get(key) != new[key]:
-            return False, f"setting data.{key} changed from {old.get(key)!r} to {new[key]!r}", None
+    old, new, default = manifest["settings"], settings.as_dict(), StoreSettings().as_dict()
+    for key in new:  # a setting newer than the store reads there as its default
+        was = old.get(key, default[key])
+        was = {**default[key], **was} if isinstance(was, dict) else was
+        if was != new[key]:
+            return False, f"setting data.{key} changed from {was!r} to {new[key]!r}", None
     recorded = {s["path"]: s for s in manifest["sources"]}
     current = {csv_sources.source_fingerprint(f, with_hash=False)["path"]: f for f in sources}
     added, removed = sorted(set(current) - set(recorded)), sorted(set(recorded) - set(current))
@@ -287,7 +290,7 @@ def _build(sources: list[tuple[Path | csv_sources.Frame, Path | csv_sources.Fram
                 reader = csv_sources.SourceReader(source, settings.as_dict()["columns"], settings.symbol_column,
                                                   settings.timestamp_format, block_rows, timezone=settings.timezone,
                                                   adjust=settings.adjust, shown_as=original,
-                                                  timestamp_unit=settings.timestamp_unit)
+                                                  timestamp_unit=settings.timestamp_unit, header=settings.header)
                 for name, ts, values, lines in csv_sources.file_series(reader, writer.path, block_rows):
                     where = reader.label if name == reader.name else f"{reader.label} (series {name})"
                     bad, notes = candle_problems(values, lines, reader.columns, where, reader.unit, settings,
@@ -418,7 +421,8 @@ def jump_notes(ts: np.ndarray, values: np.ndarray, where: str) -> list[str]:
     gap = step > max(20 * np.median(step), pd.Timedelta(days=14).value)
     dates = lambda at: ", ".join(stamp_text(int(ts[i])) for i in (np.flatnonzero(at) + 1)[:5])  # noqa: E731
     return ([f"{where}: the close jumps by a split-like ratio at {dates(split_like & calm)}: prices not adjusted "
-             "for a split? give adjusted prices (data.adjust: adj_close with an adjusted close column)"]
+             "for a split? give adjusted prices, an adjustment factor column (data.columns.factor) or data.adjust: "
+             "adj_close with an adjusted close column"]
             if (split_like & calm).any() else []) + \
         ([f"{where}: {int(gap.sum())} gap(s) of many bar spacings, the bar after each at {dates(gap)}: windows join "
           "the bars across them; data.max_gap_days drops the bars before such a gap"] if gap.any() else [])

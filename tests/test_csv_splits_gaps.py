@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -110,3 +111,42 @@ def test_max_gap_days_drops_the_bars_before_the_last_long_gap(tmp_path):
     info = prepare_store(tmp_path / "FB.csv", tmp_path / "store", StoreSettings(max_gap_days=30))
     assert info.manifest["series"][0]["rows"] == 150
     assert info.manifest["series"][0]["start"] == str(frame["timestamps"][150])
+
+
+def test_an_adjustment_factor_column_removes_the_split_warning_and_joins_the_prices(tmp_path, caplog):
+    from finetune.utils.store import open_store
+    from finetune_csv.prepare import StoreSettings, prepare_store
+
+    frame = generate_ohlcv(n_series=1, n_bars=200, freq="1D", seed=1)["SH600000"]
+    adjusted = frame.copy()
+    prices = ["open", "high", "low", "close"]
+    frame.loc[:99, prices] *= 4  # unadjusted: a 4:1 split at row 100 (AAPL 2020-08-31), 4x the price before it
+    frame.loc[:99, "volume"] /= 4
+    frame["factor"] = np.where(np.arange(len(frame)) < 100, 0.25, 1.0)  # cumulative back-adjustment (Qlib's $factor)
+    frame.to_csv(tmp_path / "AAPL.csv", index=False)
+    with caplog.at_level("WARNING"):
+        prepare_store(tmp_path / "AAPL.csv", tmp_path / "raw", StoreSettings(columns={"amount": None}))
+    assert f"split-like ratio at {frame['timestamps'][100].date()}" in caplog.text
+    assert "data.columns.factor" in caplog.text  # the warning names the setting that fixes it
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        prepare_store(tmp_path / "AAPL.csv", tmp_path / "adj", StoreSettings(columns={"amount": None,
+                                                                                      "factor": "factor"}))
+    assert "split-like" not in caplog.text
+    stored = np.asarray(open_store(tmp_path / "adj").features)  # (6, N) open..amount
+    np.testing.assert_allclose(stored[:4].T, adjusted[prices].to_numpy(), rtol=1e-6)  # continuous again
+    np.testing.assert_allclose(stored[4], adjusted["volume"].to_numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, "", "x"])
+def test_an_adjustment_factor_that_is_not_finite_and_positive_is_named(tmp_path, bad):
+    from finetune_csv.prepare import StoreSettings, prepare_store
+    from model.errors import DataError
+
+    frame = generate_ohlcv(n_series=1, n_bars=40, freq="1D", seed=1)["SH600000"]
+    frame["factor"] = 1.0
+    frame["factor"] = frame["factor"].astype(object)
+    frame.loc[7, "factor"] = bad
+    frame.to_csv(tmp_path / "AAPL.csv", index=False)
+    with pytest.raises(DataError, match=r"column 'factor' \(data.columns.factor\) has 1 .* line\(s\) 9\b"):
+        prepare_store(tmp_path / "AAPL.csv", tmp_path / "s", StoreSettings(columns={"factor": "factor"}))
