@@ -72,6 +72,10 @@ class DataConfig(WindowSettings):
     adjust: Literal["none", "adj_close"] = "none"
     """adj_close: scale open/high/low by 'Adj Close' / close and train on the adjusted candles (a Yahoo export
     adjusts only its 'Adj Close' for splits and dividends); none: the prices as they are."""
+    splits_path: str | None = None
+    """A CSV of splits, columns symbol, date, ratio (4 or 4:1 = a 4:1 split, 0.125 or 1:8 = a 1:8 reverse split):
+    each series' bars before the date are back-adjusted as by data.columns.factor (prices / ratio, volume x ratio);
+    a series is matched by its symbol (data.symbol_column) or its file name without suffix. null = none."""
     timestamp_format: str | None = None
     """strftime format of the timestamps (e.g. '%Y/%m/%d %H:%M'); null = let pandas infer it."""
     timestamp_unit: Literal["s", "ms", "us", "ns"] | None = None
@@ -295,6 +299,8 @@ def check_data_settings(d: Mapping[str, Any], p: Problems) -> None:
             f"must be error or warn, got {d['bad_candles']!r}")
     p.check(d.get("max_gap_days") is None or d["max_gap_days"] >= 1, "data.max_gap_days",
             f"must be >= 1 or null, got {d.get('max_gap_days')}")
+    p.check(d.get("splits_path") is None or Path(d["splits_path"]).is_file(), "data.splits_path",
+            f"{d.get('splits_path')!r} is not a file: give a CSV with columns symbol, date, ratio, or null")
     for key, problem in (("data.timezone", timezone_problem(d["timezone"])),
                          ("data.frequency", frequency_problem(d["frequency"]))):
         p.check(problem is None, key, problem or "")
