@@ -72,9 +72,10 @@ def test_a_forecast_folder_made_with_other_settings_is_refused_not_replaced(date
     argv = ["--config", str(date_run), *sum((["--set", s] for s in DATE_SPLIT), [])]
     assert run_main(forecast.main, argv) == 0
     before = (date_run.parent / "out/tiny/forecast/forecast.csv").read_bytes()
-    assert run_main(forecast.main, [*argv, "--set", "forecast.sample_count=3"]) == EXIT_REFUSED
+    # a setting the calibration does not depend on (other sampling is refused by the calibration itself)
+    assert run_main(forecast.main, [*argv, "--set", "forecast.max_windows=5"]) == EXIT_REFUSED
     err = capsys.readouterr().err
-    assert "forecast.sample_count" in err and "remove it to replace it" in err and "Traceback" not in err
+    assert "forecast.max_windows" in err and "remove it to replace it" in err and "Traceback" not in err
     assert (date_run.parent / "out/tiny/forecast/forecast.csv").read_bytes() == before
 
 
