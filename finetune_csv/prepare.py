@@ -467,7 +467,8 @@ def jump_notes(ts: np.ndarray, values: np.ndarray, where: str) -> list[str]:
     if len(ts) < 3:
         return []
     close, step = values[:, 3], np.diff(ts)  # (n,), (n - 1,)
-    ratio = np.maximum(close[1:] / close[:-1], close[:-1] / close[1:])  # (n - 1,) >= 1
+    with np.errstate(divide="ignore", invalid="ignore"):  # a price <= 0 is refused by candle_problems
+        ratio = np.maximum(close[1:] / close[:-1], close[:-1] / close[1:])  # (n - 1,) >= 1
     split_like = (np.abs(ratio[:, None] / np.array([2, 3, 4, 5, 8, 10]) - 1) < 0.03).any(axis=1)
     calm = values[1:, 1] / values[1:, 2] < 1.5  # the new bar's high / low: no such move inside it
     gap = step > max(20 * np.median(step), pd.Timedelta(days=14).value)

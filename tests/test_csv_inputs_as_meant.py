@@ -106,6 +106,11 @@ def test_a_headerless_csv_is_named_so_and_reads_right_with_header_none(tmp_path)
     assert len(when) == 30 and when[0] == pd.Timestamp("2013-10-01") and when[-1] == pd.Timestamp("2013-10-30")
     values = np.asarray(data.panel.features)[:, 0]  # (6,) the first line, all of it (no row taken as a header)
     np.testing.assert_allclose(values[:5], [6449000, 6469000, 6444000, 6466000, 1264801])
+    lines = LEAN_DAILY.splitlines()
+    lines[4] = lines[4].replace(",", ",x", 1)  # a bad open on the file's fifth line: named as line 5, not 6
+    (tmp_path / "in" / "spy.csv").write_text("\n".join(lines) + "\n")
+    with pytest.raises(StoreError, match=r"column '1' \(data.columns.open\) has 1 non-numeric .* line\(s\) 5:"):
+        prepare_data(cfg.data, tmp_path / "store2")
 
 
 def test_a_named_header_with_a_misspelled_column_is_not_called_headerless(tmp_path):
