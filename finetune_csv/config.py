@@ -32,22 +32,25 @@ BAD_CANDLE_POLICIES = ("error", "warn")  # data.bad_candles
 
 @dataclass
 class ColumnsConfig:
-    """Which column of the user's CSV holds each field (user name -> our name)."""
+    """Which column of the user's CSV holds each field (user name -> our name; a number with data.header: none)."""
 
-    timestamps: str = "timestamps"
+    timestamps: str | int = "timestamps"
     """Column with the bar's timestamp (anything pandas.to_datetime parses)."""
-    open: str = "open"
+    open: str | int = "open"
     """Column with the opening price."""
-    high: str = "high"
+    high: str | int = "high"
     """Column with the highest price."""
-    low: str = "low"
+    low: str | int = "low"
     """Column with the lowest price."""
-    close: str = "close"
+    close: str | int = "close"
     """Column with the closing price."""
-    volume: str | None = "volume"
+    volume: str | int | None = "volume"
     """Column with the traded volume; null = the data has none (volume and amount become 0)."""
-    amount: str | None = "amount"
+    amount: str | int | None = "amount"
     """Column with the traded amount (turnover); null = none (amount = volume * mean(open, high, low, close))."""
+    factor: str | int | None = None
+    """Column with a cumulative back-adjustment factor (Qlib's $factor; e.g. 0.25 before a 4:1 split, 1 after):
+    open/high/low/close are multiplied by it and volume divided (amount kept); finite and > 0. null = none."""
 
 
 @dataclass
@@ -61,11 +64,18 @@ class DataConfig(WindowSettings):
     """A CSV or Parquet file, or a folder of them (one series per file unless `symbol_column` is set)."""
     columns: ColumnsConfig = field(default_factory=ColumnsConfig)
     """Column mapping: the name in your CSV of each field."""
+    header: Literal["first_row", "none"] = "first_row"
+    """CSV files: first_row = the first line names the columns; none = there is no header row (Lean, many vendor
+    and exchange dumps): the columns are named by position, 0, 1, ..., for data.columns (e.g. timestamps: 0)."""
     symbol_column: str | None = None
     """Column whose values split a file into several series (e.g. a ticker column); null = one series per file."""
     adjust: Literal["none", "adj_close"] = "none"
     """adj_close: scale open/high/low by 'Adj Close' / close and train on the adjusted candles (a Yahoo export
     adjusts only its 'Adj Close' for splits and dividends); none: the prices as they are."""
+    splits_path: str | None = None
+    """A CSV of splits, columns symbol, date, ratio (4 or 4:1 = a 4:1 split, 0.125 or 1:8 = a 1:8 reverse split):
+    each series' bars before the date are back-adjusted as by data.columns.factor (prices / ratio, volume x ratio);
+    a series is matched by its symbol (data.symbol_column) or its file name without suffix. null = none."""
     timestamp_format: str | None = None
     """strftime format of the timestamps (e.g. '%Y/%m/%d %H:%M'); null = let pandas infer it."""
     timestamp_unit: Literal["s", "ms", "us", "ns"] | None = None
@@ -271,14 +281,15 @@ def check_data_settings(d: Mapping[str, Any], p: Problems) -> None:
     bad_candles, timezone, frequency), from `d` {setting: value} with `columns` a mapping {field: column}; checked by
     `validate` and by the data store (`StoreSettings.validate`) for callers that build its settings directly."""
     columns = d["columns"]
-    known = ("timestamps", *FEATURES)
+    known = ("timestamps", *FEATURES, "factor")
     for key in columns:
         p.check(key in known, f"data.columns.{key}", f"unknown field; the fields are {list(known)}")
     for name in known[:5]:
-        p.check(bool(columns.get(name)), f"data.columns.{name}", f"is empty: name the CSV column holding {name}")
+        p.check(columns.get(name) not in (None, ""), f"data.columns.{name}",
+                f"is empty: name the CSV column holding {name}")
     p.check(not (columns.get("volume") is None and columns.get("amount") is not None), "data.columns.amount",
             "is set but data.columns.volume is null: amount without volume is not supported")
-    mapped = [v for v in columns.values() if v]
+    mapped = [str(v) for v in columns.values() if v is not None]
     p.check(len(set(mapped)) == len(mapped), "data.columns", f"maps one CSV column to several fields: {mapped}")
     p.check(d["symbol_column"] is None or d["symbol_column"] not in mapped, "data.symbol_column",
             f"'{d['symbol_column']}' is also mapped in data.columns")
@@ -288,6 +299,8 @@ def check_data_settings(d: Mapping[str, Any], p: Problems) -> None:
             f"must be error or warn, got {d['bad_candles']!r}")
     p.check(d.get("max_gap_days") is None or d["max_gap_days"] >= 1, "data.max_gap_days",
             f"must be >= 1 or null, got {d.get('max_gap_days')}")
+    p.check(d.get("splits_path") is None or Path(d["splits_path"]).is_file(), "data.splits_path",
+            f"{d.get('splits_path')!r} is not a file: give a CSV with columns symbol, date, ratio, or null")
     for key, problem in (("data.timezone", timezone_problem(d["timezone"])),
                          ("data.frequency", frequency_problem(d["frequency"]))):
         p.check(problem is None, key, problem or "")

@@ -27,7 +27,7 @@ from finetune.utils.windows import PanelSegments, wallclock_stamps
 from finetune_csv.config import DataConfig, check_data_settings
 from finetune_csv.splits import split_data
 from model.features import FEATURES, candle_faults, fill_amount
-from model.fileio import atomic_dir, write_json
+from model.fileio import atomic_dir, sha256_file, write_json
 
 _MAX_PROBLEMS_SHOWN = 50
 
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 def _default_columns() -> dict[str, str | None]:
-    return {f: f for f in ("timestamps",) + FEATURES}
+    return {f: f for f in ("timestamps",) + FEATURES} | {"factor": None}
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class StoreSettings:
     identity (a change re-prepares)."""
 
     columns: Mapping[str, str | None] = field(default_factory=_default_columns)
+    header: str = "first_row"
     symbol_column: str | None = None
     timestamp_format: str | None = None
     timestamp_unit: str | None = None
@@ -55,6 +56,7 @@ class StoreSettings:
     bad_candles: str = "error"
     allow_zero_volume: bool = False
     max_gap_days: int | None = None
+    splits_path: str | None = None
 
     @classmethod
     def from_data_config(cls, data: DataConfig) -> StoreSettings:
@@ -63,8 +65,10 @@ class StoreSettings:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able form recorded in (and compared with) the manifest; unmapped fields keep their own name."""
+        splits = self.splits_path is not None and Path(self.splits_path).is_file()  # its content is identity too
         return {f.name: getattr(self, f.name) for f in fields(self)} | {"columns": {**_default_columns(),
-                                                                                     **self.columns}}
+                                                                                     **self.columns}} \
+            | ({"splits_sha256": sha256_file(self.splits_path)} if splits else {})
 
     def validate(self) -> None:
         p = Problems("Invalid data store settings")
@@ -168,10 +172,12 @@ def check_store(store_dir: str | Path, sources: Sequence[Path | csv_sources.Fram
         manifest = store.read_manifest(store_dir)
     except StoreError as e:
         return False, str(e), None
-    old, new = manifest["settings"], settings.as_dict()
-    for key in new:
-        if old.get(key) != new[key]:
-            return False, f"setting data.{key} changed from {old.get(key)!r} to {new[key]!r}", None
+    old, new, default = manifest["settings"], settings.as_dict(), StoreSettings().as_dict()
+    for key in new:  # a setting newer than the store reads there as its default
+        was = old.get(key, default.get(key))
+        was = {**default[key], **was} if isinstance(was, dict) else was
+        if was != new[key]:
+            return False, f"setting data.{key} changed from {was!r} to {new[key]!r}", None
     recorded = {s["path"]: s for s in manifest["sources"]}
     current = {csv_sources.source_fingerprint(f, with_hash=False)["path"]: f for f in sources}
     added, removed = sorted(set(current) - set(recorded)), sorted(set(recorded) - set(current))
@@ -281,13 +287,14 @@ def _build(sources: list[tuple[Path | csv_sources.Frame, Path | csv_sources.Fram
     zones: set[str | None] = set()  # the zones of the wall clocks of those that do
     freqs: dict[str, pd.Timedelta] = {}  # series name -> inferred bar length
     try:
+        splits, used = read_splits(settings.splits_path), set()  # {SYMBOL: [(date ns, ratio), ...]}
         for source, original in sources:
             named = lambda texts, a=str(source), b=str(original): [t.replace(a, b) for t in texts]  # noqa: E731
             try:
                 reader = csv_sources.SourceReader(source, settings.as_dict()["columns"], settings.symbol_column,
                                                   settings.timestamp_format, block_rows, timezone=settings.timezone,
                                                   adjust=settings.adjust, shown_as=original,
-                                                  timestamp_unit=settings.timestamp_unit)
+                                                  timestamp_unit=settings.timestamp_unit, header=settings.header)
                 for name, ts, values, lines in csv_sources.file_series(reader, writer.path, block_rows):
                     where = reader.label if name == reader.name else f"{reader.label} (series {name})"
                     bad, notes = candle_problems(values, lines, reader.columns, where, reader.unit, settings,
@@ -299,6 +306,8 @@ def _build(sources: list[tuple[Path | csv_sources.Frame, Path | csv_sources.Fram
                     except csv_sources.SourceProblems as e:
                         problems.extend(named(e.problems))
                         continue
+                    used.add(series_symbol(name))
+                    values = back_adjust(ts, values, splits.get(series_symbol(name), []), where)
                     ts, values, cut = after_last_gap(ts, values, settings.max_gap_days, where)
                     notes, cleaning = named(notes), named(cleaning + cut + jump_notes(ts, values, where))
                     for note in notes + cleaning:
@@ -321,6 +330,8 @@ def _build(sources: list[tuple[Path | csv_sources.Frame, Path | csv_sources.Fram
             except csv_sources.SourceProblems as e:
                 problems.extend(named(e.problems))
         problems.extend(_cross_file_checks(aware, freqs, settings, warnings))
+        if unused := sorted(set(splits) - used):  # a vendor's list may cover more symbols than the data: said
+            log.info("data.splits_path: no series for %d symbol(s): %s", len(unused), ", ".join(unused[:10]))
         if problems:
             shown = problems[:_MAX_PROBLEMS_SHOWN]
             more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
@@ -405,6 +416,50 @@ def after_last_gap(ts: np.ndarray, values: np.ndarray, max_gap_days: int | None,
                                 f"than {max_gap_days} days (data.max_gap_days)"]
 
 
+def read_splits(path: str | None) -> dict[str, list[tuple[int, float]]]:
+    """data.splits_path as {SYMBOL: [(date ns, ratio), ...]}: a CSV with columns symbol, date, ratio (any case; a
+    ratio 4, 0.125, 4:1 or 1:8); StoreError naming the setting and the line of a bad row."""
+    if path is None:
+        return {}
+    try:
+        rows = pd.read_csv(path, dtype=str, skipinitialspace=True).rename(columns=str.lower)[["symbol", "date",
+                                                                                                "ratio"]]
+    except (KeyError, ValueError, OSError) as e:
+        raise StoreError(f"data.splits_path: {path} is not a CSV with columns symbol, date, ratio ({e})") from None
+    out: dict[str, list[tuple[int, float]]] = {}
+    for line, (symbol, date, ratio) in enumerate(rows.itertuples(index=False), start=2):
+        try:
+            a, b = (str(ratio).split(":") + ["1"])[:2] if str(ratio).count(":") < 2 else ("", "")
+            r, when = float(a) / float(b), pd.Timestamp(date).value
+        except (ValueError, TypeError, ZeroDivisionError):
+            r = when = None
+        if r is None or pd.isna(symbol) or pd.isna(date) or not (np.isfinite(r) and r > 0):
+            raise StoreError(f"data.splits_path: {path} line {line}: ({symbol}, {date}, {ratio}) is not a symbol, a "
+                             "date and a finite ratio > 0 (4 or 4:1 for a 4:1 split, 0.125 or 1:8 for a 1:8 reverse)")
+        out.setdefault(str(symbol).strip().upper(), []).append((when, r))
+    return out
+
+
+def series_symbol(name: str) -> str:
+    """The symbol of a series name, as data.splits_path lists it: 'prices.csv[AAPL]', 'AAPL.csv', a frame 'AAPL'."""
+    if name.endswith("]") and "[" in name:
+        return name[name.rindex("[") + 1:-1].upper()
+    return (name[:-len(Path(name).suffix)] if Path(name).suffix.lower() in csv_sources.SUFFIXES else name).upper()
+
+
+def back_adjust(ts: np.ndarray, values: np.ndarray, splits: list[tuple[int, float]], where: str) -> np.ndarray:
+    """`values (n, 6)` with each split applied to the bars before its date (`ts (n,)` ns): prices / ratio, volume x
+    ratio, amount kept (data.columns.factor's cumulative factor, built from the splits)."""
+    values = np.array(values, dtype=np.float64)
+    for when, ratio in splits:
+        before = ts < when  # (n,) the bars before the ex-date
+        values[before, :4] /= ratio
+        values[before, 4] *= ratio
+    if splits:
+        log.info("%s: %d split(s) from data.splits_path applied to the bars before them", where, len(splits))
+    return values
+
+
 def jump_notes(ts: np.ndarray, values: np.ndarray, where: str) -> list[str]:
     """Warnings, with dates, about bar-to-bar moves of a split-like ratio (2, 3, 4, 5, 8, 10 or their inverse,
     close-to-close) that the new bar's own high / low range does not show (an unadjusted split), and about gaps over
@@ -412,13 +467,15 @@ def jump_notes(ts: np.ndarray, values: np.ndarray, where: str) -> list[str]:
     if len(ts) < 3:
         return []
     close, step = values[:, 3], np.diff(ts)  # (n,), (n - 1,)
-    ratio = np.maximum(close[1:] / close[:-1], close[:-1] / close[1:])  # (n - 1,) >= 1
+    with np.errstate(divide="ignore", invalid="ignore"):  # a price <= 0 is refused by candle_problems
+        ratio = np.maximum(close[1:] / close[:-1], close[:-1] / close[1:])  # (n - 1,) >= 1
     split_like = (np.abs(ratio[:, None] / np.array([2, 3, 4, 5, 8, 10]) - 1) < 0.03).any(axis=1)
     calm = values[1:, 1] / values[1:, 2] < 1.5  # the new bar's high / low: no such move inside it
     gap = step > max(20 * np.median(step), pd.Timedelta(days=14).value)
     dates = lambda at: ", ".join(stamp_text(int(ts[i])) for i in (np.flatnonzero(at) + 1)[:5])  # noqa: E731
     return ([f"{where}: the close jumps by a split-like ratio at {dates(split_like & calm)}: prices not adjusted "
-             "for a split? give adjusted prices (data.adjust: adj_close with an adjusted close column)"]
+             "for a split? give adjusted prices, a splits file (data.splits_path), an adjustment factor column "
+             "(data.columns.factor) or data.adjust: adj_close with an adjusted close column"]
             if (split_like & calm).any() else []) + \
         ([f"{where}: {int(gap.sum())} gap(s) of many bar spacings, the bar after each at {dates(gap)}: windows join "
           "the bars across them; data.max_gap_days drops the bars before such a gap"] if gap.any() else [])

@@ -205,7 +205,8 @@ class SourceReader:
 
     def __init__(self, path: str | Path | Frame, columns: Mapping[str, str | None], symbol_column: str | None = None,
                  timestamp_format: str | None = None, block_rows: int = 1 << 20, timezone: str | None = None,
-                 adjust: str = "none", shown_as: str | Path | Frame | None = None, timestamp_unit: str | None = None):
+                 adjust: str = "none", shown_as: str | Path | Frame | None = None, timestamp_unit: str | None = None,
+                 header: str = "first_row"):
         self._table = path.table() if isinstance(path, Frame) else None  # a DataFrame from Python, as Arrow
         if not isinstance(path, Frame) and Path(path).suffix.lower() in TABLE_SUFFIXES:
             self._table = read_table(Path(path), str(shown_as or path))
@@ -229,9 +230,12 @@ class SourceReader:
         self._issues: dict[tuple[str, str], _Issue] = {}
         self._guessed_format: str | None = None
         self.n_rows = 0
+        self.headerless = header == "none" and not self.is_parquet  # data.header: none (CSV): columns 0, 1, ...
         header = self._parquet_header() if self.is_parquet else self._csv_header()
         self._unnamed_hint: str | None = None
-        columns = self._adopt_unnamed_index(header, dict(columns))
+        columns = {f: None if c is None else str(c) for f, c in columns.items()}  # a position: 0 -> '0'
+        factor = columns.pop("factor", None)
+        columns = self._adopt_unnamed_index(header, columns)
         self.adj_close = adj_close_column(header)  # named by a candle refusal as data.adjust: adj_close
         self.adjust = adjust
         if adjust == "adj_close" and (self.adj_close is None or columns.get("close") == self.adj_close):
@@ -249,7 +253,16 @@ class SourceReader:
             self.columns = _resolve_columns(header, columns, symbol_column, self.label)
             if self._ts_parts:
                 self.columns["timestamps"] = "+".join(self._ts_parts)
+            if factor is not None and factor not in header:
+                raise SourceProblems([f"{self.label}: no column '{factor}' (data.columns.factor); columns: "
+                                      f"{header[:12]}"])
+            self.columns["factor"] = factor
         except SourceProblems as e:
+            if not self.is_parquet and not self.headerless and _looks_like_data(header):
+                raise SourceProblems([f"{self.label}: the file seems to have no header row (its first line reads as "
+                                      f"data: {header[:6]}); set data.header: none and map the columns by position "
+                                      "with data.columns (e.g. timestamps: 0, open: 1, high: 2, low: 3, close: 4, "
+                                      "volume: 5, amount: null)"]) from None
             if self._unnamed_hint is not None:  # e.g. a to_csv index of numbers: say what the unnamed column is
                 e.problems[:] = [p + (f"; the first column has no header (read as '{self._unnamed_hint}'): if it "
                                       f"holds the timestamps set data.columns.timestamps: '{self._unnamed_hint}', "
@@ -274,7 +287,7 @@ class SourceReader:
     def blocks(self) -> Iterator[ParsedBlock]:
         """Parsed blocks in file order; cells with problems are recorded in `problems` (their values are NaN/0)."""
         batches = self._parquet_batches() if self.is_parquet else self._csv_batches()
-        first = 2 if not self.is_parquet else 1  # line/row number of the first data row
+        first = 1 if self.is_parquet or self.headerless else 2  # line/row number of the first data row
         blank = np.zeros(0, np.int64) if self.is_parquet else blank_lines(self.path)  # the reader skips these
         for batch in batches:
             n = batch.num_rows
@@ -331,7 +344,8 @@ class SourceReader:
             raise SourceProblems([f"{self.path}: not a readable CSV ({e})"]) from None
         if not row:
             raise SourceProblems([f"{self.path}: the file is empty"])
-        row = [c if c != "" else f"Unnamed: {i}" for i, c in enumerate(row)]  # pandas' names for empty cells
+        # data.header: none names the columns by position; else an empty cell gets pandas' name
+        row = [str(i) if self.headerless else c if c != "" else f"Unnamed: {i}" for i, c in enumerate(row)]
         self._header = row
         return row
 
@@ -347,7 +361,8 @@ class SourceReader:
         wanted = self._wanted()
         # Column names come from our header read (leading spaces stripped, as pandas' skipinitialspace does).
         names = _unique(self._header)
-        opts = pa_csv.ReadOptions(column_names=names, skip_rows=1, block_size=max(1 << 16, self.block_rows * 64))
+        opts = pa_csv.ReadOptions(column_names=names, skip_rows=int(not self.headerless),
+                                  block_size=max(1 << 16, self.block_rows * 64))
         conv = pa_csv.ConvertOptions(include_columns=wanted, column_types={c: pa.string() for c in wanted},
                                      strings_can_be_null=False, quoted_strings_can_be_null=False)
         try:
@@ -391,6 +406,13 @@ class SourceReader:
                 values[:, i] = self._parse_numbers(batch.column(col), col, lines)
         if self.adjust == "adj_close":
             values = adjust_prices(values, self._parse_numbers(batch.column(self.adj_close), self.adj_close, lines))
+        if self.columns["factor"] is not None:  # back-adjusted as Qlib's $factor: prices x factor, volume / factor
+            factor = self._parse_numbers(batch.column(self.columns["factor"]), self.columns["factor"], lines)  # (n,)
+            bad = ~(factor > 0) & ~np.isinf(factor)  # NaN (missing), 0 or negative; infinite ones are named apart
+            if bad.any():
+                self._issue("factor", self.columns["factor"], lines[bad], [repr(v) for v in factor[bad][:3]])
+            values[:, :4] *= factor[:, None]
+            values[:, 4] /= np.where(bad, 1.0, factor)
         if not any(m.startswith((f"{self.label} line", f"{self.label} row")) for m in self._messages):
             try:  # the first out-of-range value of the file is reported (one message per file)
                 check_float32_range(values, [self.columns.get(f) or f for f in FEATURES], self.label,
@@ -600,7 +622,21 @@ _ISSUE_TEXT = {
     "ts_mixed": "{file}: column '{column}' (data.columns.timestamps) cannot be parsed as one series of times near "
                 "{where} ({examples}); use one time zone and format (data.timestamp_format)",
     "symbol_empty": "{file}: column '{symbol}' (data.symbol_column) is empty at {where}",
+    "factor": "{file}: column '{column}' (data.columns.factor) has {n} adjustment factor(s) that are not finite and "
+              "> 0 at {where}: {examples}",
 }
+
+
+def _looks_like_data(header: list[str]) -> bool:
+    """Whether a header row reads as a row of values (numbers, dates such as 20131001 or 2024-01-02): no names."""
+    def value(cell: str) -> bool:
+        try:
+            return float(cell) is not None
+        except ValueError:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                return any(ch.isdigit() for ch in cell) and not pd.isna(pd.to_datetime(cell, errors="coerce"))
+    return sum(value(c.strip()) for c in header) >= max(2, len(header) // 2)
 
 
 def _unique(names: list[str]) -> list[str]:

@@ -45,13 +45,17 @@ def split_panel(panel: SeriesPanel, train_ratio: float, val_ratio: float, test_r
     return out
 
 
-def date_bounds(panel: SeriesPanel, train_ratio: float, val_ratio: float, test: bool) -> tuple[int, int | None]:
+def date_bounds(panel: SeriesPanel, train_ratio: float, val_ratio: float, test: bool,
+                stop: np.ndarray | None = None) -> tuple[int, int | None]:
     """(train_end, val_end or None) in ns: dates that put the ratios of ALL candles (every series pooled) before,
     between and after them, so every series is cut at the same dates and each split holds about its share of the
     data. (Ratios of the distinct dates instead would hand the held-out splits to whichever series runs longest: on
     daily US data from 1986-2025, a test of only the one stock still listed in 2021.) val_end is None without a
-    test split."""
-    pooled = np.sort(np.asarray(panel.datetimes))  # (N,) int64 ns, one entry per candle
+    test split. `stop` (S,) panel columns: only each series' candles before it count (a walk-forward fold's span)."""
+    when = np.asarray(panel.datetimes)
+    if stop is not None:
+        when = np.concatenate([when[o:e] for o, e in zip(np.asarray(panel.offsets)[:-1], stop)])
+    pooled = np.sort(when)  # (N,) int64 ns, one entry per candle
     train_end, val_end = split_bounds(len(pooled), train_ratio, val_ratio)
     last = len(pooled) - 1
     return int(pooled[min(train_end, last)]), (int(pooled[min(val_end, last)]) if test else None)

@@ -38,6 +38,7 @@ from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir
 from finetune_csv.forecast import CLOSE, ensemble_paths
 from finetune_csv.prepare import prepare_data
+from finetune_csv.splits import date_bounds
 from finetune_csv.train_sequential import run_finetune
 from model import KronosPredictor
 from model.calibration import apply_calibration, decoding_changes, fit_calibration
@@ -76,13 +77,16 @@ def make_folds(panel, window: Window, folds: int, test_bars: int, purge: int, em
         c1 = len(calendar) - (folds - 1 - k) * (test_bars + embargo)  # one past the block's last calendar bar
         c0 = max(c1 - test_bars, 0)
         t0, t1 = rows(calendar[c0], "left"), rows(calendar[max(c1 - 1, 0)], "right")  # (S,) local test rows
-        end = t0 - purge  # (S,) one past the last validation target: `purge` of the series' own bars before t0
-        v0 = end - np.maximum(predict, np.round(end * val_ratio).astype(np.int64))  # first validation target
+        end = np.maximum(t0 - purge, 0)  # (S,) one past the last validation target: `purge` own bars before t0
+        # Validation as `kronos finetune` cuts it (splits.date_bounds): from the date that leaves val_ratio of all
+        # the series' candles before `end` after it, the same date for every series
+        when_val = date_bounds(panel, 1 - val_ratio, val_ratio, False, first + end)[0] if end.any() else 0
+        v0 = np.minimum(rows(when_val, "left"), end)  # (S,) first validation target
         stop = v0 - purge  # one past the last training target
         # A series with a training window before the block trains; without a test window in it, it is not scored.
         trains = (stop >= window.size) & (c1 > test_bars)  # (S,)
         on = trains & (t0 >= lookback) & (t1 - t0 >= predict)
-        if not on.any():
+        if not on.any() or not (trains & (end - v0 >= predict)).any():  # a test window; a validation window
             raise DataError(f"fold {k} of walk_forward.folds={folds} blocks of walk_forward.test_bars={test_bars} "
                             f"(+ embargo {embargo}, purge {purge}) leaves no series with a training window of "
                             f"data.lookback + data.predict = {window.size} rows, a validation block and a "

@@ -78,3 +78,45 @@ def test_predict_df_on_several_series_without_an_id_names_the_column_to_pass(tin
     with pytest.raises(DataError, match=r"strictly increasing.*id_column='symbol'"):
         predictor.predict_df(candles(40, symbol="A").pipe(lambda f: pd.concat([f, f.assign(symbol="B")])),
                              prediction_length=2, top_k=1)
+
+
+LEAN_DAILY = "".join(f"201310{d:02d} 00:00,{6448000 + 1000 * d},{6468000 + 1000 * d},{6443000 + 1000 * d},"
+                     f"{6465000 + 1000 * d},{1264800 + d}\n" for d in range(1, 31))  # Lean: no header, 1/10000 $
+
+
+def test_a_headerless_csv_is_named_so_and_reads_right_with_header_none(tmp_path):
+    from finetune.utils.config_utils import build_config
+    from finetune_csv.config import CsvFinetuneConfig, validate
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "spy.csv").write_text(LEAN_DAILY)
+    with pytest.raises(StoreError) as e:
+        prepare_data(data_cfg(tmp_path / "in"), tmp_path / "store")
+    text = str(e.value)
+    assert "the file seems to have no header row" in text and "data.header: none" in text
+    assert "no 'timestamps' column" not in text  # the first data row is not listed as missing column names
+    # the YAML a user writes: positions as numbers
+    cfg = build_config(CsvFinetuneConfig, {"data": {
+        "path": str(tmp_path / "in"), "header": "none", "lookback": 8, "predict": 4, "train_ratio": 0.6,
+        "val_ratio": 0.2, "test_ratio": 0.2, "split": "per_series",
+        "columns": {"timestamps": 0, "open": 1, "high": 2, "low": 3, "close": 4, "volume": 5, "amount": None}}})
+    validate(cfg)
+    data = prepare_data(cfg.data, tmp_path / "store")
+    when = pd.DatetimeIndex(np.asarray(data.panel.datetimes))
+    assert len(when) == 30 and when[0] == pd.Timestamp("2013-10-01") and when[-1] == pd.Timestamp("2013-10-30")
+    values = np.asarray(data.panel.features)[:, 0]  # (6,) the first line, all of it (no row taken as a header)
+    np.testing.assert_allclose(values[:5], [6449000, 6469000, 6444000, 6466000, 1264801])
+    lines = LEAN_DAILY.splitlines()
+    lines[4] = lines[4].replace(",", ",x", 1)  # a bad open on the file's fifth line: named as line 5, not 6
+    (tmp_path / "in" / "spy.csv").write_text("\n".join(lines) + "\n")
+    with pytest.raises(StoreError, match=r"column '1' \(data.columns.open\) has 1 non-numeric .* line\(s\) 5:"):
+        prepare_data(cfg.data, tmp_path / "store2")
+
+
+def test_a_named_header_with_a_misspelled_column_is_not_called_headerless(tmp_path):
+    (tmp_path / "in").mkdir()
+    frame = candles(30).rename(columns={"close": "clsoe"})
+    frame.to_csv(tmp_path / "in" / "a.csv", index=False)
+    with pytest.raises(StoreError) as e:
+        prepare_data(data_cfg(tmp_path / "in"), tmp_path / "store")
+    assert "no header row" not in str(e.value) and "clsoe" in str(e.value)

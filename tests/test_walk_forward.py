@@ -84,6 +84,34 @@ def test_folds_are_date_ranges_shared_by_all_series_and_purged_on_each(purge, em
         assert when[f.val.stop[2] - 1] < calendar[len(calendar) - (2 - f.index) * (12 + embargo) - 12]
 
 
+def test_a_folds_validation_is_what_kronos_finetune_cuts_from_the_same_span():
+    from finetune_csv.config import DataConfig
+    from finetune_csv.splits import split_data
+
+    lookback, predict, val_ratio = 16, 4, 0.2
+    # uneven lengths and end dates: a per-series share would start each series' validation on another date
+    p = panel([300, 220, 260], ["2024-03-01 00:00", "2024-03-01 00:00", "2024-02-28 18:00"])
+    when = np.asarray(p.datetimes)
+    cfg = DataConfig(path="x", lookback=lookback, predict=predict, train_ratio=1 - val_ratio, val_ratio=val_ratio,
+                     test_ratio=0.0, split="by_date")
+    for fold in wf.make_folds(p, Window(lookback, predict), folds=3, test_bars=12, purge=predict, embargo=0,
+                              val_ratio=val_ratio):
+        first = np.asarray(p.offsets[:-1])
+        span = SeriesPanel.from_series(  # each series up to its last validation target: what the fold trains on
+            [np.ones((e - o, 6), np.float32) for o, e in zip(first, fold.val.stop)],
+            [np.zeros((e - o, 5), np.int64) for o, e in zip(first, fold.val.stop)], p.names,
+            [when[o:e] for o, e in zip(first, fold.val.stop)])
+        splits, how = split_data(span, cfg)
+        for name, got in (("val", fold.val), ("train", fold.train)):  # purge = predict: finetune's purge too
+            ref = splits[name]
+            for a in ("start", "first_target", "stop"):  # the same rows of each series (local row numbers)
+                assert (getattr(got, a) - first == getattr(ref, a) - np.asarray(span.offsets[:-1])).all(), (name, a)
+            assert len(got.dataset(Window(lookback, predict))) == len(ref.dataset(Window(lookback, predict))) > 0
+        val_first = when[fold.val.first_target[fold.val.stop > fold.val.first_target]]
+        assert val_first.min() >= pd.Timestamp(how["train_end"]).value  # one date for every series
+        assert (when[fold.val.first_target - 1] < pd.Timestamp(how["train_end"]).value).all()
+
+
 def test_a_series_that_ends_before_every_test_block_is_named_in_a_warning(caplog):
     # s1 ends (is delisted) 100 hours before the others: the 3 blocks of 12 bars follow s0, s1 is in no fold
     p = panel([300, 260], ["2024-03-01 00:00", "2024-02-26 20:00"])
