@@ -11,6 +11,7 @@ import ipaddress
 import logging
 import os
 import secrets
+import signal
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -187,9 +188,10 @@ class Batcher:
         self.task: asyncio.Task | None = None
 
     async def submit(self, key: tuple, job: Job) -> Job:
-        if self.task is None:  # started by the first request, inside the server's event loop
-            self.queue, self.task = asyncio.Queue(), asyncio.create_task(self._loop())
-        done = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        if self.task is None or self.task.get_loop() is not loop:  # started inside the loop that serves: a queue
+            self.queue, self.task = asyncio.Queue(), loop.create_task(self._loop())  # of a closed loop never drains
+        done = loop.create_future()
         self.depth.inc()
         self.queue.put_nowait((key, job, done))
         return await done
@@ -400,7 +402,10 @@ def main(argv: list[str] | None = None) -> int:
                      max_body_bytes=int(args.max_body_mb * 2**20))
     app.state.load_all()  # a folder that cannot load is refused here, before the port opens
     log.info("serving %s on http://%s:%d", ", ".join(names), args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")  # SIGTERM: finish in-flight, exit 0
+    # uvicorn stops accepting on SIGTERM, finishes the requests in flight, then raises the signal again under the
+    # handler it found: a stop that was asked for exits 0, not -15.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 
