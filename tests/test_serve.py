@@ -5,6 +5,7 @@ refused folders, and one real `kronos serve` process on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -18,8 +19,11 @@ import pandas as pd
 import pytest
 
 from finetune.cli import main as cli_main
-from finetune_csv.serve import create_app
+from finetune_csv.journal import read_journal
+from finetune_csv.serve import create_app, journal_served
 from model import KronosPredictor
+from model.calibration import fit_calibration
+from model.hub import weights_fingerprint
 from tests.model_factory import tiny_models
 
 KEY = "s3cret"
@@ -186,3 +190,35 @@ def test_the_real_server_on_loopback_forecasts_and_stops_on_sigterm(folder):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+def test_a_calibrated_run_answers_as_predict_df_and_journals_each_served_series(folder, tmp_path):
+    """A run's <base_dir>/basemodel/best_model with a calibration: the served numbers equal predict_df's calibrated
+    ones, and each forecast series is one record of <base_dir>/journal/forecasts.jsonl that `kronos track` reads."""
+    best = tmp_path / "myrun" / "basemodel" / "best_model"
+    tok, pred = tiny_models(0)
+    pred.save_pretrained(best)
+    tok.save_pretrained(best / "tokenizer")
+    r = np.random.default_rng(1)
+    cal = fit_calibration(100 * np.exp(r.normal(0, 0.01, (30, 20, 6))), 100 * np.exp(r.normal(0, 0.03, (30, 6))),
+                          np.full(30, 100.0))
+    (best / "kronos_predictor.json").write_text(json.dumps({"max_context": 64, "lookback": 48, "calibration": cal}))
+    app = create_app({"myrun": (str(best), None, "cpu")}, journal=journal_served)
+    app.state.load_all()
+    bad = series("bad")
+    bad["timestamps"][3] = "not a time"
+    body = {"series": [series("A"), bad, series("B", 40, 1)], "horizon": 4, "quantiles": [0.1, 0.9], "seed": 2}
+    out = run(call(app, "POST", "/v1/forecast", json=body)).json()["outputs"]
+    assert [o["status"] for o in out] == ["ok", "error", "ok"] and out[0]["calibrated"] is True
+    ref = KronosPredictor.from_pretrained(best, device="cpu").predict_df(frame(40, 1), prediction_length=4,
+                                                                          quantiles=[0.1, 0.9], seed=2)
+    np.testing.assert_allclose(out[2]["quantiles"]["0.1"]["close"], ref["close_q10"], rtol=1e-5)
+    np.testing.assert_allclose(out[2]["mean"]["open"], ref["open"], rtol=1e-5)
+    records = read_journal(tmp_path / "myrun" / "journal" / "forecasts.jsonl")
+    assert [(x["series"], x["origin"]) for x in records] == [("A", frame().timestamps.iloc[-1].isoformat()),
+                                                             ("B", frame(40, 1).timestamps.iloc[-1].isoformat())]
+    fingerprint = run(call(app, "GET", "/v1/models")).json()["models"][0]
+    assert records[0]["model"]["predictor_sha256"] == weights_fingerprint(pred) and fingerprint["name"] == "myrun"
+    assert np.asarray(records[1]["samples"]).shape == (20, 4) and records[1]["margins"] == cal["margins"]
+    np.testing.assert_allclose(np.asarray(records[1]["samples"])[:, 1].mean(), out[2]["mean"]["close"][1], rtol=1e-5)
+    assert records[0]["raw_quantiles"] != records[0]["quantiles"]  # the raw draws are kept beside the published ones
