@@ -34,7 +34,9 @@ OUR_PACKAGES = ("model", "finetune", "finetune_csv")
 # a source checkout (finetune/benchmarks/data.py documents it; --baseline-rows 0 skips it).
 OPTIONAL_IMPORTS = {"tests"}
 # Imported lazily where used, with an error naming the extra to install when missing.
-LAZY_EXTRAS = {"mlflow": "mlflow", "peft": "lora", "holidays": "calendars", "optuna": "tune", "comet_ml": "comet"}
+LAZY_EXTRAS = {"mlflow": "mlflow", "peft": "lora", "holidays": "calendars", "optuna": "tune", "comet_ml": "comet",
+               # `kronos serve` alone imports them (finetune_csv/serve.py); pydantic and starlette come with fastapi
+               **dict.fromkeys(("fastapi", "uvicorn", "prometheus_client", "pydantic", "starlette"), "serve")}
 # Modules only the Qlib pipeline imports (besides finetune/qlib_*.py).
 QLIB_ONLY = {"finetune/evaluation/signals.py"}
 # The distribution of an optional library's module when it is not installed here (no metadata to ask).
