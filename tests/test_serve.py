@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -25,6 +26,7 @@ from model import KronosPredictor
 from model.calibration import fit_calibration
 from model.hub import weights_fingerprint
 from tests.model_factory import tiny_models
+from tests.readme_blocks import readme_block
 
 KEY = "s3cret"
 
@@ -171,25 +173,41 @@ def test_missing_extra_exits_6_with_the_install_line(folder, monkeypatch, capsys
 
 
 @pytest.mark.slow
-def test_the_real_server_on_loopback_forecasts_and_stops_on_sigterm(folder):
+def test_the_real_server_on_loopback_answers_the_readme_client_and_stops_on_sigterm(folder, tmp_path, monkeypatch):
+    """`kronos serve` as a process on a free port: ready, the README's Python client, then SIGTERM while a request
+    is in flight: the request is answered and the process exits 0. Every wait is bounded."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "finetune.cli", "serve", str(folder), "--port", str(port),
-                             "--device", "cpu"], env={**os.environ, "PYTHONPATH": os.getcwd()})
+                             "--device", "cpu"], env={**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(120):
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None:
             try:
-                if httpx.get(f"{url}/v2/health/ready").status_code == 200:
+                if httpx.get(f"{url}/v2/health/ready", timeout=5).status_code == 200:
                     break
-            except httpx.ConnectError:
-                time.sleep(0.5)
-        r = httpx.post(f"{url}/v1/forecast", json={"series": [series("A")], "horizon": 3}, timeout=60)
-        assert r.status_code == 200 and r.json()["outputs"][0]["status"] == "ok"
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        monkeypatch.chdir(tmp_path)
+        frame(60).to_csv("candles.csv", index=False)
+        snippet = readme_block("serve-client").replace("http://127.0.0.1:8000", url)
+        exec(compile(snippet, "README serve-client", "exec"), {})  # noqa: S102 - the README's snippet, as written
+        with ThreadPoolExecutor(1) as pool:
+            flying = pool.submit(httpx.post, f"{url}/v1/forecast", timeout=60,
+                                 json={"series": [series(i) for i in range(64)], "horizon": 8, "sample_count": 20})
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            answer = flying.result(timeout=90)
+        assert answer.status_code == 200 and {o["status"] for o in answer.json()["outputs"]} == {"ok"}
+        assert proc.wait(60) == 0
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
 
 
 def test_a_calibrated_run_answers_as_predict_df_and_journals_each_served_series(folder, tmp_path):
