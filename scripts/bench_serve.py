@@ -126,8 +126,9 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--max-wait-ms", type=float, default=10.0)
     args = parser.parse_args()
-    print(f"kronos serve under locust: {os.cpu_count()} CPU cores, {args.seconds:g} s per cell, context 512 -> 24, "
-          f"{args.samples} sample paths, --max-batch-size {args.max_batch_size} --max-wait-ms {args.max_wait_ms:g}")
+    print(f"kronos serve under locust: {os.cpu_count()} CPU cores, {args.seconds:g} s per cell, context "
+          f"{args.context} -> {args.horizon}, {args.samples} sample paths, --max-batch-size {args.max_batch_size} "
+          f"--max-wait-ms {args.max_wait_ms:g}")
     print("| model | series / request | clients | requests | errors | p50 s | p95 s | req/s | series/s | "
           "forward passes by size |\n|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:

@@ -72,6 +72,11 @@ def run(coro):
 
 
 def test_endpoints_forecast_equals_predict_df_and_metrics(folder):
+    loading = create_app({"run": (str(folder), None, "cpu")})  # not loaded yet: live, not ready, forecasts wait
+    assert run(call(loading, "GET", "/v2/health/live")).status_code == 200
+    assert run(call(loading, "GET", "/v2/health/ready")).status_code == 503
+    r = run(call(loading, "POST", "/v1/forecast", json={"series": [series("A")], "horizon": 2}))
+    assert (r.status_code, r.json()["error"]["code"]) == (503, "not_ready")
     app = serve(folder)
     assert run(call(app, "GET", "/v2/health/live")).json() == {"live": True}
     assert run(call(app, "GET", "/v2/health/ready")).json() == {"ready": True}
