@@ -387,7 +387,8 @@ def create_app(models: dict[str, tuple[str, str | None, str | None]], *, api_key
             series.labels(out["status"]).inc()
         if journal is not None:
             try:
-                journal(model, req.model_dump(exclude={"series"}), job)
+                await asyncio.get_running_loop().run_in_executor(  # an fsync: off the event loop
+                    None, journal, model, req.model_dump(exclude={"series"}), job)
             except Exception:  # noqa: BLE001 - the forecast is answered; the journal's failure is logged
                 log.exception("the forecast journal failed")
         return JSONResponse({"model": name, "sha256": model.sha256, "outputs": job.outputs})
