@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,7 +27,7 @@ from model import KronosPredictor
 from model.calibration import fit_calibration
 from model.hub import weights_fingerprint
 from tests.model_factory import tiny_models
-from tests.readme_blocks import readme_block
+from tests.readme_blocks import ROOT, readme_block
 
 KEY = "s3cret"
 
@@ -245,3 +246,12 @@ def test_a_calibrated_run_answers_as_predict_df_and_journals_each_served_series(
     assert np.asarray(records[1]["samples"]).shape == (20, 4) and records[1]["margins"] == cal["margins"]
     np.testing.assert_allclose(np.asarray(records[1]["samples"])[:, 1].mean(), out[2]["mean"]["close"][1], rtol=1e-5)
     assert records[0]["raw_quantiles"] != records[0]["quantiles"]  # the raw draws are kept beside the published ones
+
+
+def test_the_readme_curl_call_forecasts(folder):
+    """README "Serve a model": the body of its curl call, as written, gets a forecast."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8").split("## Serve a model", 1)[1]
+    body = json.loads(re.search(r"curl -s localhost:8000/v1/forecast .*? -d '(.*?)'\n", text, re.S)[1])
+    out = run(call(serve(folder), "POST", "/v1/forecast", json=body)).json()["outputs"]
+    assert [(o["status"], len(o["timestamps"]), sorted(o["quantiles"])) for o in out] == [("ok", 3, ["0.1", "0.9"])]
+    assert out[0]["timestamps"][0] == "2024-01-08T00:00:00"  # the next business day after Friday 2024-01-05

@@ -56,6 +56,8 @@ def test_the_page_uploads_forecasts_draws_and_downloads_offline(server, tmp_path
             page.on("console", lambda m: m.type == "error" and errors.append(m.text))
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(server + "/", timeout=30_000)
+            page.fill("#paste", "id,timestamps,open,high,low,close\nX,2024-01-02,1,2,0.5,1.5\nY,2024-01-02,1,2,0.5,1.5")
+            assert page.eval_on_selector_all("#series option", "os => os.map(o => o.value)") == ["X", "Y"]
             page.set_input_files("#file", str(tmp_path / "c.csv"))
             page.wait_for_function("document.querySelectorAll('#series option').length == 2", timeout=10_000)
             page.select_option("#series", "BBB")
