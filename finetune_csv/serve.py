@@ -230,8 +230,9 @@ class Batcher:
 
     async def submit(self, key: tuple, job: Job) -> Job:
         loop = asyncio.get_running_loop()
-        if self.task is None or self.task.get_loop() is not loop:  # started inside the loop that serves: a queue
-            self.queue, self.task = asyncio.Queue(), loop.create_task(self._loop())  # of a closed loop never drains
+        if self.task is None or self.task.get_loop() is not loop or self.task.done():  # started inside the loop
+            self.queue, self.task = asyncio.Queue(), loop.create_task(self._loop())  # that serves: a closed one's
+            # queue never drains
         done = loop.create_future()
         self.depth.inc()
         self.queue.put_nowait((key, job, done))
@@ -249,7 +250,7 @@ class Batcher:
                     return
                 try:
                     waiting.append(await asyncio.wait_for(self.queue.get(), left))
-                except TimeoutError:
+                except asyncio.TimeoutError:  # noqa: UP041 - not the builtin TimeoutError on Python 3.10
                     return
 
     async def _loop(self) -> None:

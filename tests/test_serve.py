@@ -149,6 +149,13 @@ def test_reload_with_requests_in_flight_and_the_new_sha(folder, tmp_path):
     after = run(call(app, "GET", "/v1/models")).json()["models"][0]["sha256"]
     assert after != before and after == reloaded.json()["sha256"]
     assert run(call(app, "POST", "/v1/models/nope/reload")).status_code == 404
+    (folder / "SHA256SUMS").write_text("0" * 64 + "  model.safetensors\n")  # a folder whose seal does not verify
+    try:
+        refused = run(call(app, "POST", "/v1/models/run/reload"))
+    finally:
+        (folder / "SHA256SUMS").unlink()
+    assert (refused.status_code, refused.json()["error"]["code"]) == (409, "reload_failed")
+    assert run(call(app, "GET", "/v1/models")).json()["models"][0]["sha256"] == after  # the loaded one still serves
 
 
 def test_the_key_rule(folder):
