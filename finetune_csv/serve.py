@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException
 
 from finetune.utils.errors import run_main, setup_logging
 from finetune_csv.journal import append_forecasts, journal_records
+from model import adaptive
 from model.calibration import calibration_shift, decoding_changes
 from model.errors import UserError
 from model.features import CLOSE, FEATURES, PRICE_FEATURES
@@ -189,11 +190,11 @@ def forecast_jobs(model: Served, jobs: list[Job]) -> None:
             job.outputs[i] = {"id": sid, "status": "error", "error": res}
             continue
         raw, last = res.samples, float(candles["close"].iloc[-1])  # (S, P, 6) as drawn
-        paths = raw.copy()
-        if cal is not None:
-            paths[..., :len(PRICE_FEATURES)] *= np.exp(calibration_shift(cal, raw[..., CLOSE], np.float64(last)))[
+        paths, used = raw.copy(), adaptive.current_calibration(cal, str(sid))  # an adaptive state's margins, as
+        if used is not None:  # `kronos forecast --future` applies them, else the split ones
+            paths[..., :len(PRICE_FEATURES)] *= np.exp(calibration_shift(used, raw[..., CLOSE], np.float64(last)))[
                 ..., None]
-        job.paths[i] = (stamps[-1], last, raw[..., CLOSE], paths[..., CLOSE], cal and cal["margins"])
+        job.paths[i] = (stamps[-1], last, raw[..., CLOSE], paths[..., CLOSE], used and used["margins"])
         job.outputs[i] = _output(sid, res.mean.index, paths, paths.mean(0) if cal else res.mean.to_numpy(),
                                  cal is not None, job.body.quantiles, job.body.return_samples)
 
