@@ -23,7 +23,7 @@ import pytest
 from finetune.cli import main as cli_main
 from finetune_csv.journal import read_journal
 from finetune_csv.serve import create_app, journal_served
-from model import KronosPredictor
+from model import KronosPredictor, adaptive
 from model.calibration import fit_calibration
 from model.hub import weights_fingerprint
 from tests.model_factory import tiny_models
@@ -253,6 +253,18 @@ def test_a_calibrated_run_answers_as_predict_df_and_journals_each_served_series(
     assert np.asarray(records[1]["samples"]).shape == (20, 4) and records[1]["margins"] == cal["margins"]
     np.testing.assert_allclose(np.asarray(records[1]["samples"])[:, 1].mean(), out[2]["mean"]["close"][1], rtol=1e-5)
     assert records[0]["raw_quantiles"] != records[0]["quantiles"]  # the raw draws are kept beside the published ones
+
+    # kronos track stored an adaptive state: A's tracker moved, B's did not; served forecasts follow it per series
+    state = adaptive.start_state(cal, ["A", "B"])
+    state["trackers"]["A"]["q"] = (np.asarray(state["trackers"]["A"]["q"]) + 0.5).tolist()
+    (best / "kronos_predictor.json").write_text(json.dumps({"max_context": 64, "lookback": 48,
+                                                            "calibration": {**cal, "adaptive": state}}))
+    assert run(call(app, "POST", "/v1/models/myrun/reload")).status_code == 200
+    run(call(app, "POST", "/v1/forecast", json={**body, "series": [series("A"), series("B", 40, 1)]}))
+    now = read_journal(tmp_path / "myrun" / "journal" / "forecasts.jsonl")
+    assert [x["series"] for x in now] == ["A", "B", "A"]  # B's repeat, split margins again, is the same forecast
+    np.testing.assert_allclose(now[2]["margins"], adaptive.tracker_margins(state, "A"))
+    assert not np.allclose(now[2]["margins"], cal["margins"])
 
 
 def test_the_readme_curl_call_forecasts(folder):
