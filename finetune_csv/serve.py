@@ -11,6 +11,7 @@ import ipaddress
 import logging
 import os
 import secrets
+import signal
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,8 +29,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from finetune.utils.errors import run_main, setup_logging
+from finetune_csv.journal import append_forecasts, journal_records
+from model import adaptive
+from model.calibration import calibration_shift, decoding_changes
 from model.errors import UserError
-from model.features import FEATURES
+from model.features import CLOSE, FEATURES, PRICE_FEATURES
 from model.fileio import sha256_file
 from model.frames import read_frame
 from model.hub import weights_fingerprint
@@ -38,8 +42,8 @@ from model.predictor import MIN_QUANTILE_SAMPLES, KronosPredictor
 log = logging.getLogger(__name__)
 PAGE = Path(__file__).with_name("serve_page.html")
 OPEN = {"/", "/v2/health/live", "/v2/health/ready", "/docs", "/openapi.json"}  # answered without the API key
-# A journal hook: (model folder, the request's settings, its outputs) after each served forecast (`kronos track`).
-Journal = Callable[[Path, dict[str, Any], list[dict[str, Any]]], None]
+# A journal hook: (the model, the request's settings, its job) after each served forecast (`journal_served`).
+Journal = Callable[["Served", dict[str, Any], "Job"], None]
 
 
 class SeriesIn(BaseModel):
@@ -81,6 +85,7 @@ class Served:
     predictor: KronosPredictor
     sha256: str
     tokenizer: str  # what --tokenizer named, else the one the folder records
+    fingerprint: str  # weights_fingerprint of the predictor: what `kronos track` matches journaled forecasts by
 
     def describe(self) -> dict[str, Any]:
         p, cal = self.predictor, self.predictor.calibration
@@ -92,20 +97,22 @@ class Served:
 def model_name(source: str) -> str:
     """A run's best_model/ is called by its run folder, anything else by its own name (a Hub id by its last part)."""
     path = Path(source.rstrip("/"))
-    return path.parent.name if path.name == "best_model" and path.parent.name else path.name
+    run = run_dir(path)
+    return run.name if run else path.parent.name if path.name == "best_model" and path.parent.name else path.name
 
 
 def load_model(name: str, source: str, tokenizer: str | None, device: str | None) -> Served:
     """`from_pretrained` (a folder whose seal does not verify is refused there), then one forecast to warm it up."""
     predictor = KronosPredictor.from_pretrained(source, tokenizer=tokenizer, device=device)
     weights = Path(source) / "model.safetensors"
-    sha = sha256_file(weights) if weights.is_file() else weights_fingerprint(predictor.model)
+    sha = sha256_file(weights) if weights.is_file() else weights_fingerprint(predictor.model)  # the seal's
     n = min(predictor.lookback, predictor.max_context)
     close = 100 * np.exp(np.cumsum(np.random.default_rng(0).normal(0, 0.01, n)))  # a random walk, hourly
     frame = pd.DataFrame({"open": close, "high": close * 1.01, "low": close * 0.99, "close": close})
     stamps = pd.date_range("2024-01-01", periods=n + 1, freq="h")
     predictor.predict_batch([frame], [stamps[:-1]], [stamps[-1:]], 1, verbose=False, seeds=[0])
-    return Served(name, source, predictor, sha, tokenizer or "the one the folder records")
+    return Served(name, source, predictor, sha, tokenizer or "the one the folder records",
+                  weights_fingerprint(predictor.model))
 
 
 @dataclass
@@ -116,6 +123,8 @@ class Job:
     model: Served
     seed: int
     outputs: list[dict[str, Any] | None] = field(default_factory=list)
+    paths: dict[int, tuple] = field(default_factory=dict)  # series position -> (origin, last close, raw, published
+    # closes (S, P), the margins applied or None): what the journal keeps
 
 
 def _series_frame(s: SeriesIn, horizon: int, holidays: str | None) -> tuple[pd.DataFrame, pd.DatetimeIndex, Any]:
@@ -131,25 +140,31 @@ def _series_frame(s: SeriesIn, horizon: int, holidays: str | None) -> tuple[pd.D
     return fs.frame(rows), fs.stamps[rows], future
 
 
-def _output(sid: Any, forecast: Any, calibrated: bool, quantiles: list[float], samples: bool) -> dict[str, Any]:
-    table = lambda f: {c: f[c].astype(float).tolist() for c in FEATURES}  # noqa: E731  (P, 6) -> {feature: [P]}
-    out = {"id": sid, "status": "ok", "timestamps": [t.isoformat() for t in forecast.mean.index],
-           "mean": table(forecast.mean), "quantiles": {str(q): table(forecast.quantiles[q]) for q in quantiles},
-           "calibrated": calibrated}
+def _output(sid: Any, index: pd.Index, paths: np.ndarray, mean: np.ndarray, calibrated: bool, quantiles: list[float],
+            samples: bool) -> dict[str, Any]:
+    """One series' answer from its (S, P, 6) published paths and (P, 6) mean, as `predict_batch` makes them."""
+    table = lambda a: {c: a[:, i].astype(float).tolist() for i, c in enumerate(FEATURES)}  # noqa: E731 (P, 6)
+    out = {"id": sid, "status": "ok", "timestamps": [t.isoformat() for t in index], "mean": table(mean),
+           "quantiles": {str(q): table(np.quantile(paths, q, axis=0)) for q in quantiles}, "calibrated": calibrated}
     if samples:  # (S, P, 6) -> {feature: S x P}
-        out["samples"] = {c: forecast.samples[..., i].astype(float).tolist() for i, c in enumerate(FEATURES)}
+        out["samples"] = {c: paths[..., i].astype(float).tolist() for i, c in enumerate(FEATURES)}
     return out
 
 
 def forecast_jobs(model: Served, jobs: list[Job]) -> None:
     """Forecast the series of every job in one batched pass (they share horizon and decoding settings); each series
     draws from its own generator seeded by its request's seed, so its numbers never depend on its batch. A bad series
-    gets status "error" with the one-line message; the others still forecast."""
+    gets status "error" with the one-line message; the others still forecast. The predictor's calibration is
+    applied here, as `predict_batch` applies it, so the raw draws stay for the journal; where it does not hold (other
+    decoding, a longer horizon) the answer is raw and says `"calibrated": false`."""
     p, body = model.predictor, jobs[0].body
-    quantiles = sorted({q for job in jobs for q in job.body.quantiles})
+    cal = p.calibration
+    if cal is not None and (decoding_changes(cal, {"T": body.T, "top_k": 0, "top_p": body.top_p, "sample_count":
+                                                   body.sample_count}) or body.horizon > len(cal["margins"][0])):
+        cal = None
     todo = []  # (job, position, series id, candles, stamps, forecast stamps)
     for job in jobs:
-        job.outputs = [None] * len(job.body.series)
+        job.outputs, job.paths = [None] * len(job.body.series), {}
         for i, s in enumerate(job.body.series):
             try:
                 todo.append((job, i, s.id, *_series_frame(s, body.horizon, job.body.holidays)))
@@ -158,7 +173,7 @@ def forecast_jobs(model: Served, jobs: list[Job]) -> None:
 
     def run(items: list) -> list:
         return p.predict_batch([t[3] for t in items], [t[4] for t in items], [t[5] for t in items], body.horizon,
-                               body.T, 0, body.top_p, body.sample_count, False, True, quantiles or None,
+                               body.T, 0, body.top_p, body.sample_count, False, True, None, False,
                                series_names=[f"series {t[2]!r}" for t in items], seeds=[t[0].seed for t in items])
 
     try:
@@ -170,9 +185,37 @@ def forecast_jobs(model: Served, jobs: list[Job]) -> None:
                 results.append(run([t])[0])
             except UserError as exc:
                 results.append(str(exc).splitlines()[0])
-    for (job, i, sid, *_), res in zip(todo, results):
-        job.outputs[i] = ({"id": sid, "status": "error", "error": res} if isinstance(res, str) else
-                          _output(sid, res, p.calibration is not None, job.body.quantiles, job.body.return_samples))
+    for (job, i, sid, candles, stamps, _), res in zip(todo, results):
+        if isinstance(res, str):
+            job.outputs[i] = {"id": sid, "status": "error", "error": res}
+            continue
+        raw, last = res.samples, float(candles["close"].iloc[-1])  # (S, P, 6) as drawn
+        paths, used = raw.copy(), adaptive.current_calibration(cal, str(sid))  # an adaptive state's margins, as
+        if used is not None:  # `kronos forecast --future` applies them, else the split ones
+            paths[..., :len(PRICE_FEATURES)] *= np.exp(calibration_shift(used, raw[..., CLOSE], np.float64(last)))[
+                ..., None]
+        job.paths[i] = (stamps[-1], last, raw[..., CLOSE], paths[..., CLOSE], used and used["margins"])
+        job.outputs[i] = _output(sid, res.mean.index, paths, paths.mean(0) if cal else res.mean.to_numpy(),
+                                 cal is not None, job.body.quantiles, job.body.return_samples)
+
+
+def run_dir(source: str | Path) -> Path | None:
+    """The run folder (paths.base_dir) of a run's <base_dir>/basemodel/best_model, else None."""
+    path = Path(source)
+    return path.parent.parent if path.name == "best_model" and path.parent.name == "basemodel" else None
+
+
+def journal_served(model: Served, settings: dict[str, Any], job: Job) -> None:
+    """Append the forecast `job` got from a run's best_model to the run's journal (`kronos track` scores it): one
+    record per series that forecast, as `kronos forecast --future` writes them."""
+    base, ok = run_dir(model.source), sorted(job.paths)
+    if base is None or not ok:
+        return
+    origins, last, raw, paths, margins = zip(*(job.paths[i] for i in ok))
+    append_forecasts(base, journal_records(
+        {"folder": model.source, "predictor_sha256": model.fingerprint, "served_sha256": model.sha256},
+        {**settings, "command": "serve"}, [str(job.body.series[i].id) for i in ok], list(origins), np.array(last),
+        np.stack(raw), np.stack(paths), None if margins[0] is None else list(margins)))
 
 
 class Batcher:
@@ -187,9 +230,11 @@ class Batcher:
         self.task: asyncio.Task | None = None
 
     async def submit(self, key: tuple, job: Job) -> Job:
-        if self.task is None:  # started by the first request, inside the server's event loop
-            self.queue, self.task = asyncio.Queue(), asyncio.create_task(self._loop())
-        done = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        if self.task is None or self.task.get_loop() is not loop or self.task.done():  # started inside the loop
+            self.queue, self.task = asyncio.Queue(), loop.create_task(self._loop())  # that serves: a closed one's
+            # queue never drains
+        done = loop.create_future()
         self.depth.inc()
         self.queue.put_nowait((key, job, done))
         return await done
@@ -206,7 +251,7 @@ class Batcher:
                     return
                 try:
                     waiting.append(await asyncio.wait_for(self.queue.get(), left))
-                except TimeoutError:
+                except asyncio.TimeoutError:  # noqa: UP041 - not the builtin TimeoutError on Python 3.10
                     return
 
     async def _loop(self) -> None:
@@ -245,7 +290,7 @@ def create_app(models: dict[str, tuple[str, str | None, str | None]], *, api_key
                ) -> FastAPI:
     """The service over `models` {name: (folder or Hub id, tokenizer or None, device or None)}; `load_all()` (or the
     server's start) loads and warms them up, and ready turns true. journal: called with (model folder, the
-    request's settings, its outputs) after each forecast (errors there are logged, the forecast still answered)."""
+    request's settings, its job) after each forecast (errors there are logged, the forecast still answered)."""
     app = FastAPI(title="Kronos forecast service")
     reg = CollectorRegistry()
     requests = Counter("kronos_requests", "HTTP requests by route and status", ["route", "status"], registry=reg)
@@ -344,7 +389,8 @@ def create_app(models: dict[str, tuple[str, str | None, str | None]], *, api_key
             series.labels(out["status"]).inc()
         if journal is not None:
             try:
-                journal(Path(model.source), req.model_dump(exclude={"series"}), job.outputs)
+                await asyncio.get_running_loop().run_in_executor(  # an fsync: off the event loop
+                    None, journal, model, req.model_dump(exclude={"series"}), job)
             except Exception:  # noqa: BLE001 - the forecast is answered; the journal's failure is logged
                 log.exception("the forecast journal failed")
         return JSONResponse({"model": name, "sha256": model.sha256, "outputs": job.outputs})
@@ -397,10 +443,13 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app({n: (m, args.tokenizer, args.device) for n, m in zip(names, args.models)},
                      api_key=args.api_key, max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
                      max_series=args.max_series, max_horizon=args.max_horizon,
-                     max_body_bytes=int(args.max_body_mb * 2**20))
+                     max_body_bytes=int(args.max_body_mb * 2**20), journal=journal_served)
     app.state.load_all()  # a folder that cannot load is refused here, before the port opens
     log.info("serving %s on http://%s:%d", ", ".join(names), args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")  # SIGTERM: finish in-flight, exit 0
+    # uvicorn stops accepting on SIGTERM, finishes the requests in flight, then raises the signal again under the
+    # handler it found: a stop that was asked for exits 0, not -15.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 
