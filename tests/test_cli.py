@@ -23,6 +23,7 @@ SCRIPT_OF = {  # the file each subcommand stands for (README commands)
     "walk-forward": "finetune_csv/walk_forward.py",
     "tune": "finetune_csv/walk_forward.py",
     "track": "finetune_csv/journal.py",
+    "serve": "finetune_csv/serve.py",
     "qlib-preprocess": "finetune/qlib_data_preprocess.py",
     "qlib-train-tokenizer": "finetune/train_tokenizer.py",
     "qlib-train-predictor": "finetune/train_predictor.py",
