@@ -14,6 +14,8 @@ from model.errors import DataError
 
 MIN_BLOCKS = 16  # non-overlapping stretches of q + 1 dates below which no interval is claimed (8-12: AR(1) 0.9
 # still fires 7%)
+RHO_MARGIN = 1.5  # standard errors of rho_hat added before the Satterthwaite df (1: AR(1) 0.97 at 24-32 dates 5.3%)
+POWER = 0.8  # the power at which the minimum detectable effect (mde) and windows_needed are stated
 
 
 def hac_variance(x: np.ndarray, lag: int, flat: int = 0) -> np.ndarray:
@@ -31,8 +33,10 @@ def hac_variance(x: np.ndarray, lag: int, flat: int = 0) -> np.ndarray:
 
 def mean_interval(x: np.ndarray, flat: int = 0, level: float = 0.95) -> dict[str, np.ndarray]:
     """The interval rule (docs/evaluation.md) for the mean of each row of `x (R, T)` (R runs of T date values,
-    time order, finite): {"mean", "se", "df", "half" (the half-width), "rho", "lag", "blocks", "has_interval"}, arrays
-    `(R,)` except the ints lag and blocks; has_interval False below MIN_BLOCKS stretches or at zero variance."""
+    time order, finite): {"mean", "se", "df", "half" (the half-width), "rho", "lag", "blocks", "mde" (the smallest
+    true mean detected with POWER), "clipped" (HAC variance clipped to 0: se floored at the i.i.d. one, df 1),
+    "has_interval"}, arrays `(R,)` except the ints lag and blocks; has_interval False below MIN_BLOCKS stretches or
+    at zero variance."""
     x = np.atleast_2d(np.asarray(x, dtype=np.float64))
     n, flat = x.shape[1], int(flat)
     lag = max(2 * flat, int(4 * (n / 100) ** (2 / 9)))
@@ -40,7 +44,7 @@ def mean_interval(x: np.ndarray, flat: int = 0, level: float = 0.95) -> dict[str
     if n < 4:  # the bias correction divides by 1 - 3 / T
         nan = np.full(len(x), math.nan)
         return {"mean": x.mean(axis=1), "se": nan, "df": nan, "half": nan, "rho": nan, "lag": lag, "blocks": 0,
-                "has_interval": np.zeros(len(x), dtype=bool)}
+                "mde": nan, "clipped": np.zeros(len(x), dtype=bool), "has_interval": np.zeros(len(x), dtype=bool)}
     with np.errstate(divide="ignore", invalid="ignore"):
         rho = (dev[:, 1:] * dev[:, :-1]).sum(axis=1) / (dev[:, :-1] ** 2).sum(axis=1)
     rho = np.clip(np.nan_to_num((rho + 1 / n) / (1 - 3 / n)), -0.9, 0.97)  # (R,) bias-corrected lag-1 coefficient
@@ -49,10 +53,21 @@ def mean_interval(x: np.ndarray, flat: int = 0, level: float = 0.95) -> dict[str
     se = np.sqrt(hac_variance(dev[:, 1:] - rho[:, None] * dev[:, :-1], lag, flat) / demeaned / (1 - rho) ** 2 / n)
     a = flat / (flat + 1)  # lag-1 correlation of MA(flat) overlap alone: not counted twice
     r = np.clip((rho - a) / (1 - a), 0.0, 1.0)
-    blocks = min(n // (lag + 1), n / (1 + 2 * (taper**2).sum()))  # flat weights are noisier than Bartlett's
-    df = np.maximum(blocks * (1 - r) / (1 + r) - 1, 1.0)
-    return {"mean": x.mean(axis=1), "se": se, "df": df, "half": sps.t.ppf(0.5 + level / 2, df) * se, "rho": rho,
-            "lag": lag, "blocks": blocks, "has_interval": (n // (flat + 1) >= MIN_BLOCKS) & (se > 0)}
+    blocks = max(min(n // (lag + 1), n / (1 + 2 * (taper**2).sum())), 1)  # flat weights are noisier than Bartlett's
+    # Two df, the larger kept (docs/evaluation.md, issue 51): the product rule's, and Satterthwaite's for the noise of
+    # the residual HAC (2 / B) plus that of the recolouring, 3 (1 + r) / (T' (1 - r)) (delta method), r taken
+    # RHO_MARGIN standard errors above the estimate because rho_hat is biased low in short persistent series.
+    up = np.clip(rho + RHO_MARGIN * np.sqrt(np.maximum(1 - rho**2, 0) / n), -0.9, 0.99)
+    r_up = np.clip((up - a) / (1 - a), 0.0, 0.99)
+    df = np.maximum(np.maximum(blocks * (1 - r) / (1 + r) - 1, 2 / (2 / blocks + 3 * (1 + r_up) * (flat + 1) / (
+        n * (1 - r_up)))), 1.0)
+    raw = np.sqrt(dev.var(axis=1) / n)  # (R,) the i.i.d. standard error: the floor when the HAC variance is clipped
+    clipped = (se <= 0) & (raw > 0)
+    se, df = np.where(clipped, raw, se), np.where(clipped, 1.0, df)  # t(1): the interval is wide, never "exact"
+    cv = sps.t.ppf(0.5 + level / 2, df)
+    return {"mean": x.mean(axis=1), "se": se, "df": df, "half": cv * se, "rho": rho, "lag": lag, "blocks": blocks,
+            "mde": (cv + sps.t.ppf(POWER, df)) * se, "clipped": clipped,
+            "has_interval": (n // (flat + 1) >= MIN_BLOCKS) & (se > 0)}
 
 
 def mean_test(x, lag: int = 0, level: float = 0.95) -> dict[str, float]:
@@ -87,7 +102,8 @@ def paired_test(diff, dates, lag: int = 0, level: float = 0.95, what: str = "dif
     """The verdict (docs/architecture.md) on paired differences `diff (W,)` at `dates (W,)` (sortable; < 0 = the
     first better unless `higher_is_better`); `lag`: the known dependence q; `what` names the difference. Returns
     mean (over windows), ci_low / ci_high, dm_stat and p_value (None without an interval), df, windows, dates, lag
-    (the bandwidth), rho, blocks, windows_needed (for 80% power at this difference), verdict, reason."""
+    (the bandwidth), rho, blocks, mde (the smallest true difference detected with 80% power), windows_needed (for
+    80% power at this difference), verdict, reason."""
     frame = pd.DataFrame({"d": np.asarray(diff, dtype=np.float64), "when": np.asarray(dates)}).dropna()
     sums = frame.groupby("when")["d"].sum().sort_index().to_numpy()  # (T,) date totals, time order
     n_dates, n_win = len(sums), len(frame)
@@ -95,12 +111,12 @@ def paired_test(diff, dates, lag: int = 0, level: float = 0.95, what: str = "dif
     r = {k: v[0] if isinstance(v, np.ndarray) else v for k, v in mean_interval(x[None], lag, level).items()}
     mean, se, df, ok = float(r["mean"]) if n_dates else math.nan, float(r["se"]), float(r["df"]), r["has_interval"]
     dm = mean / se if ok else math.nan
-    z = sps.norm.ppf(0.5 + level / 2) + sps.norm.ppf(0.8)  # a two-sided test at `level` with 80% power
-    needed = z**2 * se**2 * n_win / mean**2 if mean and se > 0 else None  # se^2 n_win: the variance per window
+    mde = float(r["mde"]) if ok else math.nan
+    needed = windows_needed(mean, se, df, n_win, level) if ok else None
     out = {"mean": mean, "ci_low": mean - r["half"] if ok else None, "ci_high": mean + r["half"] if ok else None,
            "level": level, "dm_stat": dm, "df": df, "p_value": float(2 * sps.t.sf(abs(dm), df)) if ok else math.nan,
            "windows": n_win, "dates": n_dates, "lag": int(r["lag"]), "rho": float(r["rho"]),
-           "blocks": n_dates // (int(lag) + 1), "windows_needed": None if needed is None else int(math.ceil(needed))}
+           "blocks": n_dates // (int(lag) + 1), "mde": mde, "windows_needed": needed}
     span = f"{what} {mean:+.3g} over {n_win} windows on {n_dates} dates or sessions"
     if not ok:
         out["verdict"] = "no_evidence"
@@ -110,13 +126,28 @@ def paired_test(diff, dates, lag: int = 0, level: float = 0.95, what: str = "dif
                else f"no {level:.0%} interval: the differences do not vary")
     else:
         span += f", {level:.0%} interval [{out['ci_low']:+.3g}, {out['ci_high']:+.3g}] (t with {df:.1f} df)"
+        if r["clipped"]:
+            span += " -- wide: the dependence-robust variance came out negative, floored at the i.i.d. one with 1 df"
         if out["ci_high"] < 0 or out["ci_low"] > 0:
             below = out["ci_high"] < 0
             out["verdict"], why = "helps" if below != higher_is_better else "hurts", \
                 f"entirely {'below' if below else 'above'} 0"
         else:
-            out["verdict"], why = "no_evidence", "contains 0"
+            out["verdict"], why = "no_evidence", (f"contains 0; these data detect only a true difference of at least "
+                                                  f"{mde:.3g} in size ({POWER:.0%} power)")
             if needed:
-                why += f"; about {out['windows_needed']} windows would detect a difference this size (80% power)"
+                why += f"; about {needed} windows would detect a difference the size of this one"
     out["reason"] = f"{span}: {why}"
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in out.items()}  # strict JSON
+
+
+def windows_needed(mean: float, se: float, df: float, n_win: int, level: float = 0.95) -> int | None:
+    """Windows at which the rule detects a true difference `mean` with POWER, from this run's variance per window
+    se^2 n_win and its df grown in proportion (the rule's effective sample scales with the span); None at mean 0."""
+    if not mean or not se > 0:
+        return None
+    need = float(n_win)
+    for _ in range(20):  # fixed point: the critical values fall as the df grow with the windows
+        d = max(df * need / n_win, 1.0)
+        need = ((sps.t.ppf(0.5 + level / 2, d) + sps.t.ppf(POWER, d)) * se / abs(mean)) ** 2 * n_win
+    return int(math.ceil(need))
