@@ -155,3 +155,55 @@ def test_mean_test_claims_nothing_on_too_short_a_series_and_refuses_a_negative_l
     assert strong["t"] > 10 and strong["ci_low"] < 1.0 < strong["ci_high"] and strong["p_value"] < 1e-6
     with pytest.raises(ValueError, match="lag=-1"):
         mean_test(np.arange(40.0), -1)
+
+
+def test_hac_variance_is_statsmodels_newey_west_without_small_sample_correction():
+    import statsmodels.api as sm
+
+    x = np.random.default_rng(0).standard_normal(100).cumsum() * 0.1 + np.random.default_rng(1).standard_normal(100)
+    for lag in (1, 3, 8):
+        fit = sm.OLS(x, np.ones(100)).fit(cov_type="HAC", cov_kwds={"maxlags": lag, "use_correction": False})
+        assert hac_variance(x[None], lag)[0] == pytest.approx(fit.bse[0] ** 2 * 100, rel=1e-12)
+
+
+def ar1(rng, runs: int, n: int, rho: float) -> np.ndarray:
+    x = np.empty((runs, n))
+    x[:, 0] = rng.standard_normal(runs)
+    for t in range(1, n):
+        x[:, t] = rho * x[:, t - 1] + np.sqrt(1 - rho**2) * rng.standard_normal(runs)
+    return x
+
+
+def test_issue_51_reduced_size_keeps_size_and_finds_a_half_sd_gain_under_ar_0_6():
+    """Reduced scripts/simulate_intervals.py (1,000 runs; full tables in docs/evaluation.md): size where the old
+    rule's rival (B3) broke, power at 100 dates above the old rule's 0.38, and the printed MDE is what power says."""
+    rng = np.random.default_rng(51)
+    for rho, n in ((0.97, 24), (0.97, 32), (0.9, 50), (0.6, 50), (-0.5, 100)):
+        r = mean_interval(ar1(rng, 1000, n, rho))
+        assert (np.abs(r["mean"]) > r["half"]).mean() <= 0.07, (rho, n)  # 5% + 2.9 binomial s.e.
+    x = ar1(rng, 1000, 100, 0.6)
+    r = mean_interval(x - 0.5)
+    assert (r["mean"] + r["half"] < 0).mean() >= 0.47  # 0.54 at 2,000 runs; the old rule 0.38, the oracle 0.73
+    mde = np.median(r["mde"])
+    assert 0.7 <= (mean_interval(x + mde)["mean"] - r["half"] > 0).mean() <= 0.9  # 80% power at the printed MDE
+    iid = rng.standard_normal((1000, 24)) - 0.5
+    assert (mean_interval(iid)["mean"] + mean_interval(iid)["half"] < 0).mean() >= 0.44  # the old rule's 0.47-0.49
+
+
+def test_windows_needed_gives_80_percent_power_and_no_evidence_states_the_mde():
+    rng = np.random.default_rng(7)
+    x = ar1(rng, 1, 100, 0.6)[0] - 0.2
+    out = paired_test(x, np.arange(100))
+    assert out["verdict"] == "no_evidence" and f"at least {out['mde']:.3g} in size (80% power)" in out["reason"]
+    need = out["windows_needed"]
+    ys = ar1(rng, 600, need, 0.6) + out["mean"]  # a true difference the size of the one seen, at `need` windows
+    power = (mean_interval(ys)["mean"] + mean_interval(ys)["half"] < 0).mean()
+    assert need > 100 and 0.6 <= power <= 0.95, (need, power)
+
+
+def test_a_clipped_variance_is_floored_and_called_wide_never_constant():
+    w = np.random.default_rng(3).standard_normal((4000, 84))
+    x = sum(w[36:37, j:j + 80] for j in range(5))[0]  # MA(4) overlap whose flat-weight HAC comes out negative
+    assert mean_interval(x[None], 4)["clipped"][0]
+    out = paired_test(x, np.arange(80), lag=4)
+    assert "wide" in out["reason"] and "do not vary" not in out["reason"] and out["df"] == 1.0
