@@ -34,40 +34,42 @@ def hac_variance(x: np.ndarray, lag: int, flat: int = 0) -> np.ndarray:
 def mean_interval(x: np.ndarray, flat: int = 0, level: float = 0.95) -> dict[str, np.ndarray]:
     """The interval rule (docs/evaluation.md) for the mean of each row of `x (R, T)` (R runs of T date values,
     time order, finite): {"mean", "se", "df", "half" (the half-width), "rho", "lag", "blocks", "mde" (the smallest
-    true mean detected with POWER), "clipped" (HAC variance clipped to 0: se floored at the i.i.d. one, df 1),
+    true mean detected with POWER, at the df "mde_df"), "clipped" (HAC variance clipped to 0: se floored at the i.i.d. one, df 1),
     "has_interval"}, arrays `(R,)` except the ints lag and blocks; has_interval False below MIN_BLOCKS stretches or
     at zero variance."""
     x = np.atleast_2d(np.asarray(x, dtype=np.float64))
-    n, flat = x.shape[1], int(flat)
-    lag = max(2 * flat, int(4 * (n / 100) ** (2 / 9)))
+    n, q = x.shape[1], int(flat)
+    h, flat = q + 1, q + 1 if q else 0  # prewhitening at lag h leaves MA(q + 1) residuals (issue 51)
+    lag, stretches = max(2 * flat, int(4 * (n / 100) ** (2 / 9))), n / h
     dev = x - x.mean(axis=1, keepdims=True)
-    if n < 4:  # the bias correction divides by 1 - 3 / T
+    if n // h < 4:  # the bias correction divides by 1 - 3 h / T
         nan = np.full(len(x), math.nan)
         return {"mean": x.mean(axis=1), "se": nan, "df": nan, "half": nan, "rho": nan, "lag": lag, "blocks": 0,
-                "mde": nan, "clipped": np.zeros(len(x), dtype=bool), "has_interval": np.zeros(len(x), dtype=bool)}
+                "mde": nan, "mde_df": nan, "clipped": np.zeros(len(x), dtype=bool), "has_interval": np.zeros(len(x), dtype=bool)}
     with np.errstate(divide="ignore", invalid="ignore"):
-        rho = (dev[:, 1:] * dev[:, :-1]).sum(axis=1) / (dev[:, :-1] ** 2).sum(axis=1)
-    rho = np.clip(np.nan_to_num((rho + 1 / n) / (1 - 3 / n)), -0.9, 0.97)  # (R,) bias-corrected lag-1 coefficient
+        rho = (dev[:, h:] * dev[:, :-h]).sum(axis=1) / (dev[:, :-h] ** 2).sum(axis=1)
+    # (R,) bias-corrected lag-h coefficient: the persistence between non-overlapping targets, not the overlap's own
+    rho = np.clip(np.nan_to_num((rho + 1 / stretches) / (1 - 3 / stretches)), -0.9, 0.97)
     taper = np.minimum(1.0, 1.0 - (np.arange(1, lag + 1) - flat) / (lag - flat + 1))  # (lag,) the HAC weights
-    demeaned = max(1 - (1 + 2 * taper.sum()) / (n - 1), 0.5)  # E[HAC] / long-run variance, the mean estimated
-    se = np.sqrt(hac_variance(dev[:, 1:] - rho[:, None] * dev[:, :-1], lag, flat) / demeaned / (1 - rho) ** 2 / n)
-    a = flat / (flat + 1)  # lag-1 correlation of MA(flat) overlap alone: not counted twice
-    r = np.clip((rho - a) / (1 - a), 0.0, 1.0)
+    demeaned = max(1 - (1 + 2 * taper.sum()) / (n - h), 0.5)  # E[HAC] / long-run variance, the mean estimated
+    se = np.sqrt(hac_variance(dev[:, h:] - rho[:, None] * dev[:, :-h], lag, flat) / demeaned / (1 - rho) ** 2 / n)
+    r = np.clip(rho, 0.0, 1.0)
     blocks = max(min(n // (lag + 1), n / (1 + 2 * (taper**2).sum())), 1)  # flat weights are noisier than Bartlett's
     # Two df, the larger kept (docs/evaluation.md, issue 51): the product rule's, and Satterthwaite's for the noise of
-    # the residual HAC (2 / B) plus that of the recolouring, 3 (1 + r) / (T' (1 - r)) (delta method), r taken
+    # the residual HAC (2 / B) plus that of the recolouring, 3 (1 + r) / (T / h (1 - r)) (delta method), r taken
     # RHO_MARGIN standard errors above the estimate because rho_hat is biased low in short persistent series.
-    up = np.clip(rho + RHO_MARGIN * np.sqrt(np.maximum(1 - rho**2, 0) / n), -0.9, 0.99)
-    r_up = np.clip((up - a) / (1 - a), 0.0, 0.99)
-    df = np.maximum(np.maximum(blocks * (1 - r) / (1 + r) - 1, 2 / (2 / blocks + 3 * (1 + r_up) * (flat + 1) / (
-        n * (1 - r_up)))), 1.0)
+    r_up = np.clip(rho + RHO_MARGIN * np.sqrt(np.maximum(1 - rho**2, 0) / stretches), 0.0, 0.99)
+    low = np.maximum(blocks * (1 - r) / (1 + r) - 1, 1.0)  # (R,) the product rule's df
+    df = np.maximum(low, 2 / (2 / blocks + 3 * (1 + r_up) / (stretches * (1 - r_up))))
     raw = np.sqrt(dev.var(axis=1) / n)  # (R,) the i.i.d. standard error: the floor when the HAC variance is clipped
     clipped = (se <= 0) & (raw > 0)
-    se, df = np.where(clipped, raw, se), np.where(clipped, 1.0, df)  # t(1): the interval is wide, never "exact"
-    cv = sps.t.ppf(0.5 + level / 2, df)
-    return {"mean": x.mean(axis=1), "se": se, "df": df, "half": cv * se, "rho": rho, "lag": lag, "blocks": blocks,
-            "mde": (cv + sps.t.ppf(POWER, df)) * se, "clipped": clipped,
-            "has_interval": (n // (flat + 1) >= MIN_BLOCKS) & (se > 0)}
+    se, df, low = np.where(clipped, raw, se), np.where(clipped, 1.0, df), np.where(clipped, 1.0, low)  # t(1): wide
+    # The mde at the smaller df: power averages over the df's own noise, which the larger df understates (AR(1) 0.6,
+    # 50 dates: 0.71 of the simulated mde at the larger df, 0.98 at the smaller; docs/evaluation.md).
+    mde = (sps.t.ppf(0.5 + level / 2, low) + sps.t.ppf(POWER, low)) * se
+    return {"mean": x.mean(axis=1), "se": se, "df": df, "half": sps.t.ppf(0.5 + level / 2, df) * se, "rho": rho,
+            "lag": lag, "blocks": blocks, "mde": mde, "mde_df": low, "clipped": clipped,
+            "has_interval": (n // h >= MIN_BLOCKS) & (se > 0)}
 
 
 def mean_test(x, lag: int = 0, level: float = 0.95) -> dict[str, float]:
@@ -112,7 +114,7 @@ def paired_test(diff, dates, lag: int = 0, level: float = 0.95, what: str = "dif
     mean, se, df, ok = float(r["mean"]) if n_dates else math.nan, float(r["se"]), float(r["df"]), r["has_interval"]
     dm = mean / se if ok else math.nan
     mde = float(r["mde"]) if ok else math.nan
-    needed = windows_needed(mean, se, df, n_win, level) if ok else None
+    needed = windows_needed(mean, se, float(r["mde_df"]), n_win, level) if ok else None
     out = {"mean": mean, "ci_low": mean - r["half"] if ok else None, "ci_high": mean + r["half"] if ok else None,
            "level": level, "dm_stat": dm, "df": df, "p_value": float(2 * sps.t.sf(abs(dm), df)) if ok else math.nan,
            "windows": n_win, "dates": n_dates, "lag": int(r["lag"]), "rho": float(r["rho"]),
