@@ -12,7 +12,8 @@ from scipy.optimize import brentq
 from finetune.evaluation.statistics import mean_interval
 
 SPANS = (24, 32, 50, 100, 200, 500)
-NULLS = ("iid", "t3", "garch", "ar-0.5", "ar0.3", "ar0.6", "ar0.9", "ar0.97", "shift", "ov5_0", "ov5_0.6", "ov20_0")
+NULLS = ("iid", "t3", "garch", "uneven", "factor", "ar-0.5", "ar0.3", "ar0.6", "ar0.9", "ar0.97", "shift", "ov5_0",
+         "ov5_0.6", "ov5_-0.5", "ov20_0", "garch_ov5")
 
 
 def ar(rng, runs: int, n: int, rho: float) -> np.ndarray:
@@ -31,12 +32,17 @@ def design(name: str, rng, runs: int, n: int) -> tuple[np.ndarray, int]:
         return rng.standard_normal((runs, n)), 0
     if name == "t3":
         return rng.standard_t(3, (runs, n)), 0
-    if name == "garch":  # GARCH(1,1) 0.08 / 0.90: persistence 0.98
-        z, h, x = rng.standard_normal((runs, n + 200)), np.ones(runs), np.empty((runs, n + 200))
-        for t in range(n + 200):
+    if name.startswith("garch"):  # GARCH(1,1) 0.08 / 0.90 (persistence 0.98), alone or summed over 5 steps
+        z, h, x = rng.standard_normal((runs, n + 204)), np.ones(runs), np.empty((runs, n + 204))
+        for t in range(n + 204):
             x[:, t] = np.sqrt(h) * z[:, t]
             h = 0.02 + 0.08 * x[:, t] ** 2 + 0.90 * h
-        return x[:, 200:], 0
+        return (x[:, 200:-4], 0) if name == "garch" else (sum(x[:, 200 + j:200 + j + n] for j in range(5)), 4)
+    if name == "uneven":  # session means of 1-20 windows
+        return rng.standard_normal((runs, n)) / np.sqrt(rng.integers(1, 21, (runs, n))), 0
+    if name == "factor":  # a session factor shared by 1-39 windows, window-weighted
+        w = rng.integers(1, 40, (runs, n))
+        return (0.3 * rng.standard_normal((runs, n)) + rng.standard_normal((runs, n)) / np.sqrt(w)) * w / w.mean(), 0
     if name == "shift":  # +0.5 SD then -0.5 SD: a level shift at mid-span, mean 0
         return rng.standard_normal((runs, n)) + np.where(np.arange(n) < n // 2, 0.5, -0.5), 0
     if name.startswith("ov"):  # h-step sums over AR(rho) innovations (overlapping targets)

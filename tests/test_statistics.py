@@ -48,12 +48,12 @@ def false_positive_rates(runs: int, sizes, seed: int = 39) -> dict[tuple[str, in
 
 
 @pytest.mark.slow
-def test_the_rule_holds_at_most_7_percent_in_every_null_design_2000_runs():
+def test_the_rule_holds_at_most_5_5_percent_in_every_null_design_2000_runs():
     # Measured (seed 39): docs/evaluation.md, "Conventions". The plain prewhitened HAC-t it replaces gave 26% at
     # AR(1) 0.9 and 24 dates, 7.5-8.2% at AR(1) 0.6, up to 11% with a session factor.
     rates = false_positive_rates(2000, (24, 28, 32, 48, 100, 200))
     worst = max(rates, key=rates.get)
-    assert rates[worst] <= 0.07, (worst, rates[worst])
+    assert rates[worst] <= 0.055, (worst, rates[worst])  # issue 51: at most 5.5% two-sided (worst 5.1%)
     assert min(rates[k] for k in rates if k[0] in ("iid", "garch", "t3")) >= 0.02  # not silent either
 
 
