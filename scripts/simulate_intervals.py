@@ -77,7 +77,7 @@ def main(runs: int = 2000) -> None:
         oracle = float(((x.mean(axis=1) + 0.5 * sd) / sd_mean > 1.96).mean())
         printed = float(np.median(mean_interval(x, q)["mde"]))
         top = 40 * sd_mean
-        sim = brentq(lambda e: fires(x, q, e)[0] - 0.8, 0, top, xtol=1e-3 * sd_mean) \
+        sim = brentq(lambda e, x=x, q=q: fires(x, q, e)[0] - 0.8, 0, top, xtol=1e-3 * sd_mean) \
             if fires(x, q, top)[0] > 0.8 else float("nan")
         print(f"{name} {n} dates: rule {rule:.3f} oracle {oracle:.3f} share {rule / oracle:.2f}; "
               f"MDE printed {printed:.3f} simulated {sim:.3f} ratio {printed / sim:.2f}")

@@ -14,7 +14,7 @@ from model.errors import DataError
 
 MIN_BLOCKS = 16  # non-overlapping stretches of q + 1 dates below which no interval is claimed (8-12: AR(1) 0.9
 # still fires 7%)
-RHO_MARGIN = 1.5  # standard errors of rho_hat added before the Satterthwaite df (1: AR(1) 0.97 at 24-32 dates 5.3%)
+RHO_MARGIN = 1.5  # standard errors of rho_hat added before the Satterthwaite df (1: AR(1) 0.97 at 24 dates 7.7%)
 POWER = 0.8  # the power at which the minimum detectable effect (mde) and windows_needed are stated
 
 
@@ -33,10 +33,10 @@ def hac_variance(x: np.ndarray, lag: int, flat: int = 0) -> np.ndarray:
 
 def mean_interval(x: np.ndarray, flat: int = 0, level: float = 0.95) -> dict[str, np.ndarray]:
     """The interval rule (docs/evaluation.md) for the mean of each row of `x (R, T)` (R runs of T date values,
-    time order, finite): {"mean", "se", "df", "half" (the half-width), "rho", "lag", "blocks", "mde" (the smallest
-    true mean detected with POWER, at the df "mde_df"), "clipped" (HAC variance clipped to 0: se floored at the i.i.d. one, df 1),
-    "has_interval"}, arrays `(R,)` except the ints lag and blocks; has_interval False below MIN_BLOCKS stretches or
-    at zero variance."""
+    time order, finite; `flat` the known overlap q): {"mean", "se", "df", "half" (the half-width), "rho" (lag q + 1),
+    "lag", "blocks", "mde" (the smallest true mean detected with POWER, at the df "mde_df"), "clipped" (HAC variance
+    clipped to 0: se floored at the i.i.d. one, df 1), "has_interval"}, arrays `(R,)` except the ints lag and blocks;
+    has_interval False below MIN_BLOCKS stretches of q + 1 dates or at zero variance."""
     x = np.atleast_2d(np.asarray(x, dtype=np.float64))
     n, q = x.shape[1], int(flat)
     h, flat = q + 1, q + 1 if q else 0  # prewhitening at lag h leaves MA(q + 1) residuals (issue 51)
@@ -44,8 +44,9 @@ def mean_interval(x: np.ndarray, flat: int = 0, level: float = 0.95) -> dict[str
     dev = x - x.mean(axis=1, keepdims=True)
     if n // h < 4:  # the bias correction divides by 1 - 3 h / T
         nan = np.full(len(x), math.nan)
+        none = np.zeros(len(x), dtype=bool)
         return {"mean": x.mean(axis=1), "se": nan, "df": nan, "half": nan, "rho": nan, "lag": lag, "blocks": 0,
-                "mde": nan, "mde_df": nan, "clipped": np.zeros(len(x), dtype=bool), "has_interval": np.zeros(len(x), dtype=bool)}
+                "mde": nan, "mde_df": nan, "clipped": none, "has_interval": none}
     with np.errstate(divide="ignore", invalid="ignore"):
         rho = (dev[:, h:] * dev[:, :-h]).sum(axis=1) / (dev[:, :-h] ** 2).sum(axis=1)
     # (R,) bias-corrected lag-h coefficient: the persistence between non-overlapping targets, not the overlap's own
