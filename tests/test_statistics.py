@@ -164,6 +164,12 @@ def test_hac_variance_is_statsmodels_newey_west_without_small_sample_correction(
     for lag in (1, 3, 8):
         fit = sm.OLS(x, np.ones(100)).fit(cov_type="HAC", cov_kwds={"maxlags": lag, "use_correction": False})
         assert hac_variance(x[None], lag)[0] == pytest.approx(fit.bse[0] ** 2 * 100, rel=1e-12)
+    from statsmodels.stats.sandwich_covariance import S_hac_simple
+
+    flat, lag = 5, 10  # the rule's weights for 5-step targets: 1 up to q + 1, Bartlett to 0 at lag + 1
+    weights = lambda n_lags: np.minimum(1.0, 1.0 - (np.arange(n_lags + 1) - flat) / (lag - flat + 1))  # noqa: E731
+    got = S_hac_simple((x - x.mean())[:, None], nlags=lag, weights_func=weights)[0, 0] / 100
+    assert hac_variance(x[None], lag, flat)[0] == pytest.approx(got, rel=1e-12)
 
 
 def ar1(rng, runs: int, n: int, rho: float) -> np.ndarray:
