@@ -57,8 +57,9 @@ def test_verdict_direction_and_recomputation():
     none = ic_verdict(noise - noise.mean(), 9)
     assert none["verdict"] == "no_evidence" and none["ci_low"] < 0 < none["ci_high"]
     assert none["mean"] == pytest.approx(0.0, abs=1e-12) and none["dates"] == 300
-    # the same rule as the CSV verdict: 9 days of dependence -> bandwidth 18, 30 stretches of 10 days
-    assert (none["lag"], none["blocks"]) == (18, 30)
+    # the same rule as the CSV verdict: 9 days of dependence -> prewhitening at lag 10 leaves MA(10) residuals,
+    # bandwidth 2 x 10 (issue 51), 30 stretches of 10 days
+    assert (none["lag"], none["blocks"]) == (20, 30)
     short = ic_verdict(noise[:100] + 0.03, 9)  # 10 stretches of 10 days: too few for an interval, whatever the mean
     assert short["verdict"] == "no_evidence" and "only 10 non-overlapping stretches of 10 dates" in short["reason"]
     assert short["ci_low"] is None  # nothing for a plot to draw either

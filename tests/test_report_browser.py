@@ -142,7 +142,8 @@ def test_the_page_in_chromium_shows_the_runs_numbers_offline(browser, run_dir):
             else:
                 low, high = map(number, re.findall(r"[-+]?[\d.]+(?:e[-+]?\d+)?", cells[5]))
                 assert (low, high) == pytest.approx((test["ci_low"], test["ci_high"]), rel=5e-3)
-                assert cells[6] == test["verdict"]
+                assert cells[6].startswith(test["verdict"])  # "no_evidence" with what it could detect (issue 51)
+                assert (test["verdict"] != "no_evidence") == ("detects only |difference| >=" not in cells[6])
     off = [f"{p}%" for p in (50, 80) if cal and cal[f"test_{p}"]["verdict"] != "no_evidence"]
     assert page.locator("#refit").count() == bool(off)
     if off:

@@ -48,12 +48,12 @@ def false_positive_rates(runs: int, sizes, seed: int = 39) -> dict[tuple[str, in
 
 
 @pytest.mark.slow
-def test_the_rule_holds_at_most_7_percent_in_every_null_design_2000_runs():
+def test_the_rule_holds_at_most_5_5_percent_in_every_null_design_2000_runs():
     # Measured (seed 39): docs/evaluation.md, "Conventions". The plain prewhitened HAC-t it replaces gave 26% at
     # AR(1) 0.9 and 24 dates, 7.5-8.2% at AR(1) 0.6, up to 11% with a session factor.
     rates = false_positive_rates(2000, (24, 28, 32, 48, 100, 200))
     worst = max(rates, key=rates.get)
-    assert rates[worst] <= 0.07, (worst, rates[worst])
+    assert rates[worst] <= 0.055, (worst, rates[worst])  # issue 51: at most 5.5% two-sided (worst 5.1%)
     assert min(rates[k] for k in rates if k[0] in ("iid", "garch", "t3")) >= 0.02  # not silent either
 
 
@@ -155,3 +155,66 @@ def test_mean_test_claims_nothing_on_too_short_a_series_and_refuses_a_negative_l
     assert strong["t"] > 10 and strong["ci_low"] < 1.0 < strong["ci_high"] and strong["p_value"] < 1e-6
     with pytest.raises(ValueError, match="lag=-1"):
         mean_test(np.arange(40.0), -1)
+
+
+def test_hac_variance_is_statsmodels_newey_west_without_small_sample_correction():
+    import statsmodels.api as sm
+
+    x = np.random.default_rng(0).standard_normal(100).cumsum() * 0.1 + np.random.default_rng(1).standard_normal(100)
+    for lag in (1, 3, 8):
+        fit = sm.OLS(x, np.ones(100)).fit(cov_type="HAC", cov_kwds={"maxlags": lag, "use_correction": False})
+        assert hac_variance(x[None], lag)[0] == pytest.approx(fit.bse[0] ** 2 * 100, rel=1e-12)
+    from statsmodels.stats.sandwich_covariance import S_hac_simple
+
+    flat, lag = 5, 10  # the rule's weights for 5-step targets: 1 up to q + 1, Bartlett to 0 at lag + 1
+    weights = lambda n_lags: np.minimum(1.0, 1.0 - (np.arange(n_lags + 1) - flat) / (lag - flat + 1))  # noqa: E731
+    got = S_hac_simple((x - x.mean())[:, None], nlags=lag, weights_func=weights)[0, 0] / 100
+    assert hac_variance(x[None], lag, flat)[0] == pytest.approx(got, rel=1e-12)
+
+
+def ar1(rng, runs: int, n: int, rho: float) -> np.ndarray:
+    x = np.empty((runs, n))
+    x[:, 0] = rng.standard_normal(runs)
+    for t in range(1, n):
+        x[:, t] = rho * x[:, t - 1] + np.sqrt(1 - rho**2) * rng.standard_normal(runs)
+    return x
+
+
+def test_issue_51_reduced_size_keeps_size_and_finds_a_half_sd_gain_under_ar_0_6():
+    """Reduced scripts/simulate_intervals.py (1,000 runs; full tables in docs/evaluation.md): size where the old
+    rule's rival (B3) broke, power at 100 dates above the old rule's 0.38, and the printed MDE is what power says."""
+    rng = np.random.default_rng(51)
+    for rho, n in ((0.97, 24), (0.97, 32), (0.9, 50), (0.6, 50), (-0.5, 100)):
+        r = mean_interval(ar1(rng, 1000, n, rho))
+        assert (np.abs(r["mean"]) > r["half"]).mean() <= 0.07, (rho, n)  # 5% + 2.9 binomial s.e.
+    x = ar1(rng, 1000, 100, 0.6)
+    r = mean_interval(x - 0.5)
+    assert (r["mean"] + r["half"] < 0).mean() >= 0.47  # 0.54 at 2,000 runs; the old rule 0.38, the oracle 0.73
+    mde = np.median(r["mde"])
+    assert 0.7 <= (mean_interval(x + mde)["mean"] - r["half"] > 0).mean() <= 0.9  # 80% power at the printed MDE
+    c = np.cumsum(np.pad(ar1(rng, 600, 204, 0.6), ((0, 0), (1, 0))), axis=1)
+    overlap = c[:, 5:] - c[:, :-5]  # 5-step targets over AR(1) 0.6: 0.02 with the old rule, oracle 0.72
+    r = mean_interval(overlap - 0.5 * overlap.std(), 4)
+    assert (r["mean"] + r["half"] < 0).mean() >= 0.42  # 0.49-0.51 at 2,000 runs
+    iid = rng.standard_normal((1000, 24)) - 0.5
+    assert (mean_interval(iid)["mean"] + mean_interval(iid)["half"] < 0).mean() >= 0.44  # the old rule's 0.47-0.49
+
+
+def test_windows_needed_gives_80_percent_power_and_no_evidence_states_the_mde():
+    rng = np.random.default_rng(7)
+    x = ar1(rng, 1, 100, 0.6)[0] - 0.2
+    out = paired_test(x, np.arange(100))
+    assert out["verdict"] == "no_evidence" and f"at least {out['mde']:.3g} in size (80% power)" in out["reason"]
+    need = out["windows_needed"]
+    ys = ar1(rng, 600, need, 0.6) + out["mean"]  # a true difference the size of the one seen, at `need` windows
+    power = (mean_interval(ys)["mean"] + mean_interval(ys)["half"] < 0).mean()
+    assert need > 100 and 0.6 <= power <= 0.95, (need, power)
+
+
+def test_a_clipped_variance_is_floored_and_called_wide_never_constant():
+    x = np.random.default_rng(0).standard_normal((400, 80))  # i.i.d. values read as 5-step overlapping targets
+    r = mean_interval(x, 4)
+    clipped = np.flatnonzero(r["clipped"])  # the flat-weight HAC came out negative: about 1% of runs
+    assert 0 < len(clipped) <= 20 and (r["df"][clipped] == 1.0).all() and (r["se"][clipped] > 0).all()
+    out = paired_test(x[clipped[0]], np.arange(80), lag=4)
+    assert "wide" in out["reason"] and "do not vary" not in out["reason"] and out["df"] == 1.0

@@ -55,6 +55,26 @@ def test_pbo_of_a_dominating_setting_with_an_exact_duplicate_is_zero():
     assert tune.pbo(inner) == 0.0
 
 
+def test_pbo_under_persistent_luck_is_not_stated_or_near_a_half_and_counts_its_independent_blocks():
+    """Issue 51: each trial's luck AR(1) 0.9, no effect; plain CSCV read 0.24-0.32 (falsely reassuring)."""
+    rng = np.random.default_rng(9)
+    for dates, draws in ((60, 5), (120, 5), (250, 5), (500, 30)):
+        got = []
+        for _ in range(draws):
+            x = np.empty((20, dates))
+            x[:, 0] = rng.standard_normal(20)
+            for t in range(1, dates):
+                x[:, t] = 0.9 * x[:, t - 1] + np.sqrt(1 - 0.81) * rng.standard_normal(20)
+            inner = pd.DataFrame(x, columns=range(dates))
+            got.append(tune.pbo(inner))
+            assert (got[-1] is None) == (tune.pbo_blocks(inner) < tune.PBO_MIN_SHARE * 8)
+        if dates < 500:
+            assert got == [None] * draws, (dates, got)  # 2.6-5.6 independent blocks of 8: not stated
+        else:  # 6.7 independent blocks: stated, and about a half (one draw is noisy: the mean of 30, s.e. ~0.04)
+            assert None not in got and 0.35 <= np.mean(got) <= 0.6, got
+    assert tune.pbo_blocks(pd.DataFrame(rng.standard_normal((20, 120)))) > 7.5  # i.i.d. scores: all 8 blocks
+
+
 @pytest.mark.parametrize("value", ["1000000000000", "1e12"])
 def test_a_count_beyond_its_bound_is_refused_at_load_on_the_command_line_and_in_a_tune_space(
     tune_config,  # noqa: F811

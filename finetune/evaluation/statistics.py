@@ -14,6 +14,8 @@ from model.errors import DataError
 
 MIN_BLOCKS = 16  # non-overlapping stretches of q + 1 dates below which no interval is claimed (8-12: AR(1) 0.9
 # still fires 7%)
+RHO_MARGIN = 1.5  # standard errors of rho_hat added before the Satterthwaite df (1: AR(1) 0.97 at 24 dates 7.7%)
+POWER = 0.8  # the power at which the minimum detectable effect (mde) and windows_needed are stated
 
 
 def hac_variance(x: np.ndarray, lag: int, flat: int = 0) -> np.ndarray:
@@ -31,28 +33,44 @@ def hac_variance(x: np.ndarray, lag: int, flat: int = 0) -> np.ndarray:
 
 def mean_interval(x: np.ndarray, flat: int = 0, level: float = 0.95) -> dict[str, np.ndarray]:
     """The interval rule (docs/evaluation.md) for the mean of each row of `x (R, T)` (R runs of T date values,
-    time order, finite): {"mean", "se", "df", "half" (the half-width), "rho", "lag", "blocks", "has_interval"}, arrays
-    `(R,)` except the ints lag and blocks; has_interval False below MIN_BLOCKS stretches or at zero variance."""
+    time order, finite; `flat` the known overlap q): {"mean", "se", "df", "half" (the half-width), "rho" (lag q + 1),
+    "lag", "blocks", "mde" (the smallest true mean detected with POWER, at the df "mde_df"), "clipped" (HAC variance
+    clipped to 0: se floored at the i.i.d. one, df 1), "has_interval"}, arrays `(R,)` except the ints lag and blocks;
+    has_interval False below MIN_BLOCKS stretches of q + 1 dates or at zero variance."""
     x = np.atleast_2d(np.asarray(x, dtype=np.float64))
-    n, flat = x.shape[1], int(flat)
-    lag = max(2 * flat, int(4 * (n / 100) ** (2 / 9)))
+    n, q = x.shape[1], int(flat)
+    h, flat = q + 1, q + 1 if q else 0  # prewhitening at lag h leaves MA(q + 1) residuals (issue 51)
+    lag, stretches = max(2 * flat, int(4 * (n / 100) ** (2 / 9))), n / h
     dev = x - x.mean(axis=1, keepdims=True)
-    if n < 4:  # the bias correction divides by 1 - 3 / T
+    if n // h < 4:  # the bias correction divides by 1 - 3 h / T
         nan = np.full(len(x), math.nan)
+        none = np.zeros(len(x), dtype=bool)
         return {"mean": x.mean(axis=1), "se": nan, "df": nan, "half": nan, "rho": nan, "lag": lag, "blocks": 0,
-                "has_interval": np.zeros(len(x), dtype=bool)}
+                "mde": nan, "mde_df": nan, "clipped": none, "has_interval": none}
     with np.errstate(divide="ignore", invalid="ignore"):
-        rho = (dev[:, 1:] * dev[:, :-1]).sum(axis=1) / (dev[:, :-1] ** 2).sum(axis=1)
-    rho = np.clip(np.nan_to_num((rho + 1 / n) / (1 - 3 / n)), -0.9, 0.97)  # (R,) bias-corrected lag-1 coefficient
+        rho = (dev[:, h:] * dev[:, :-h]).sum(axis=1) / (dev[:, :-h] ** 2).sum(axis=1)
+    # (R,) bias-corrected lag-h coefficient: the persistence between non-overlapping targets, not the overlap's own
+    rho = np.clip(np.nan_to_num((rho + 1 / stretches) / (1 - 3 / stretches)), -0.9, 0.97)
     taper = np.minimum(1.0, 1.0 - (np.arange(1, lag + 1) - flat) / (lag - flat + 1))  # (lag,) the HAC weights
-    demeaned = max(1 - (1 + 2 * taper.sum()) / (n - 1), 0.5)  # E[HAC] / long-run variance, the mean estimated
-    se = np.sqrt(hac_variance(dev[:, 1:] - rho[:, None] * dev[:, :-1], lag, flat) / demeaned / (1 - rho) ** 2 / n)
-    a = flat / (flat + 1)  # lag-1 correlation of MA(flat) overlap alone: not counted twice
-    r = np.clip((rho - a) / (1 - a), 0.0, 1.0)
-    blocks = min(n // (lag + 1), n / (1 + 2 * (taper**2).sum()))  # flat weights are noisier than Bartlett's
-    df = np.maximum(blocks * (1 - r) / (1 + r) - 1, 1.0)
+    demeaned = max(1 - (1 + 2 * taper.sum()) / (n - h), 0.5)  # E[HAC] / long-run variance, the mean estimated
+    se = np.sqrt(hac_variance(dev[:, h:] - rho[:, None] * dev[:, :-h], lag, flat) / demeaned / (1 - rho) ** 2 / n)
+    r = np.clip(rho, 0.0, 1.0)
+    blocks = max(min(n // (lag + 1), n / (1 + 2 * (taper**2).sum())), 1)  # flat weights are noisier than Bartlett's
+    # Two df, the larger kept (docs/evaluation.md, issue 51): the product rule's, and Satterthwaite's for the noise of
+    # the residual HAC (2 / B) plus that of the recolouring, 3 (1 + r) / (T / h (1 - r)) (delta method), r taken
+    # RHO_MARGIN standard errors above the estimate because rho_hat is biased low in short persistent series.
+    r_up = np.clip(rho + RHO_MARGIN * np.sqrt(np.maximum(1 - rho**2, 0) / stretches), 0.0, 0.99)
+    low = np.maximum(blocks * (1 - r) / (1 + r) - 1, 1.0)  # (R,) the product rule's df
+    df = np.maximum(low, 2 / (2 / blocks + 3 * (1 + r_up) / (stretches * (1 - r_up))))
+    raw = np.sqrt(dev.var(axis=1) / n)  # (R,) the i.i.d. standard error: the floor when the HAC variance is clipped
+    clipped = (se <= 0) & (raw > 0)
+    se, df, low = np.where(clipped, raw, se), np.where(clipped, 1.0, df), np.where(clipped, 1.0, low)  # t(1): wide
+    # The mde at the smaller df: power averages over the df's own noise, which the larger df understates (AR(1) 0.6,
+    # 50 dates: 0.71 of the simulated mde at the larger df, 0.98 at the smaller; docs/evaluation.md).
+    mde = (sps.t.ppf(0.5 + level / 2, low) + sps.t.ppf(POWER, low)) * se
     return {"mean": x.mean(axis=1), "se": se, "df": df, "half": sps.t.ppf(0.5 + level / 2, df) * se, "rho": rho,
-            "lag": lag, "blocks": blocks, "has_interval": (n // (flat + 1) >= MIN_BLOCKS) & (se > 0)}
+            "lag": lag, "blocks": blocks, "mde": mde, "mde_df": low, "clipped": clipped,
+            "has_interval": (n // h >= MIN_BLOCKS) & (se > 0)}
 
 
 def mean_test(x, lag: int = 0, level: float = 0.95) -> dict[str, float]:
@@ -87,7 +105,8 @@ def paired_test(diff, dates, lag: int = 0, level: float = 0.95, what: str = "dif
     """The verdict (docs/architecture.md) on paired differences `diff (W,)` at `dates (W,)` (sortable; < 0 = the
     first better unless `higher_is_better`); `lag`: the known dependence q; `what` names the difference. Returns
     mean (over windows), ci_low / ci_high, dm_stat and p_value (None without an interval), df, windows, dates, lag
-    (the bandwidth), rho, blocks, windows_needed (for 80% power at this difference), verdict, reason."""
+    (the bandwidth), rho, blocks, mde (the smallest true difference detected with 80% power), windows_needed (for
+    80% power at this difference), verdict, reason."""
     frame = pd.DataFrame({"d": np.asarray(diff, dtype=np.float64), "when": np.asarray(dates)}).dropna()
     sums = frame.groupby("when")["d"].sum().sort_index().to_numpy()  # (T,) date totals, time order
     n_dates, n_win = len(sums), len(frame)
@@ -95,12 +114,12 @@ def paired_test(diff, dates, lag: int = 0, level: float = 0.95, what: str = "dif
     r = {k: v[0] if isinstance(v, np.ndarray) else v for k, v in mean_interval(x[None], lag, level).items()}
     mean, se, df, ok = float(r["mean"]) if n_dates else math.nan, float(r["se"]), float(r["df"]), r["has_interval"]
     dm = mean / se if ok else math.nan
-    z = sps.norm.ppf(0.5 + level / 2) + sps.norm.ppf(0.8)  # a two-sided test at `level` with 80% power
-    needed = z**2 * se**2 * n_win / mean**2 if mean and se > 0 else None  # se^2 n_win: the variance per window
+    mde = float(r["mde"]) if ok else math.nan
+    needed = windows_needed(mean, se, float(r["mde_df"]), n_win, level) if ok else None
     out = {"mean": mean, "ci_low": mean - r["half"] if ok else None, "ci_high": mean + r["half"] if ok else None,
            "level": level, "dm_stat": dm, "df": df, "p_value": float(2 * sps.t.sf(abs(dm), df)) if ok else math.nan,
            "windows": n_win, "dates": n_dates, "lag": int(r["lag"]), "rho": float(r["rho"]),
-           "blocks": n_dates // (int(lag) + 1), "windows_needed": None if needed is None else int(math.ceil(needed))}
+           "blocks": n_dates // (int(lag) + 1), "mde": mde, "windows_needed": needed}
     span = f"{what} {mean:+.3g} over {n_win} windows on {n_dates} dates or sessions"
     if not ok:
         out["verdict"] = "no_evidence"
@@ -110,13 +129,28 @@ def paired_test(diff, dates, lag: int = 0, level: float = 0.95, what: str = "dif
                else f"no {level:.0%} interval: the differences do not vary")
     else:
         span += f", {level:.0%} interval [{out['ci_low']:+.3g}, {out['ci_high']:+.3g}] (t with {df:.1f} df)"
+        if r["clipped"]:
+            span += " -- wide: the dependence-robust variance came out negative, floored at the i.i.d. one with 1 df"
         if out["ci_high"] < 0 or out["ci_low"] > 0:
             below = out["ci_high"] < 0
             out["verdict"], why = "helps" if below != higher_is_better else "hurts", \
                 f"entirely {'below' if below else 'above'} 0"
         else:
-            out["verdict"], why = "no_evidence", "contains 0"
+            out["verdict"], why = "no_evidence", (f"contains 0; these data detect only a true difference of at least "
+                                                  f"{mde:.3g} in size ({POWER:.0%} power)")
             if needed:
-                why += f"; about {out['windows_needed']} windows would detect a difference this size (80% power)"
+                why += f"; about {needed} windows would detect a difference the size of this one"
     out["reason"] = f"{span}: {why}"
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in out.items()}  # strict JSON
+
+
+def windows_needed(mean: float, se: float, df: float, n_win: int, level: float = 0.95) -> int | None:
+    """Windows at which the rule detects a true difference `mean` with POWER, from this run's variance per window
+    se^2 n_win and its df grown in proportion (the rule's effective sample scales with the span); None at mean 0."""
+    if not mean or not se > 0:
+        return None
+    need = float(n_win)
+    for _ in range(20):  # fixed point: the critical values fall as the df grow with the windows
+        d = max(df * need / n_win, 1.0)
+        need = ((sps.t.ppf(0.5 + level / 2, d) + sps.t.ppf(POWER, d)) * se / abs(mean)) ** 2 * n_win
+    return int(math.ceil(need))

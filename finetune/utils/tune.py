@@ -123,11 +123,12 @@ def pbo(inner: pd.DataFrame, blocks: int = 8) -> float | None:
     every half of them as in-sample, the in-sample best trial's rank among all on the other half; PBO = share of
     splits where it falls below the median (logit < 0; exactly at it, as with an odd N, counts half; a trial tied
     with it out of sample counts as beating it): 0.5 when no trial is really better, whatever N; None for fewer
-    than 2 trials or dates."""
+    than 2 trials or dates, and when the blocks are not independent (`pbo_blocks` below PBO_MIN_SHARE of S):
+    persistent luck carries from an in-sample block to the next, and PBO then reads 0.25-0.3 with no effect."""
     m = inner.to_numpy(dtype=np.float64)  # (N, T)
     n, t = m.shape
     s = min(blocks, t) // 2 * 2
-    if n < 2 or s < 2:
+    if n < 2 or s < 2 or pbo_blocks(inner, blocks) < PBO_MIN_SHARE * s:
         return None
     parts = np.array_split(np.arange(t), s)
     sums = np.stack([m[:, p].sum(axis=1) for p in parts], axis=1)  # (N, S) score sums per block
@@ -140,6 +141,29 @@ def pbo(inner: pd.DataFrame, blocks: int = 8) -> float | None:
         omega = np.sum(oos >= oos[best]) / (n + 1)  # relative rank out of sample (a tie ranks above it)
         below.append(1.0 if omega < 0.5 else 0.5 if omega == 0.5 else 0.0)
     return float(np.mean(below))
+
+
+PBO_MIN_SHARE = 0.8  # independent blocks / S below which PBO is not stated (adjacent-block correlation > 0.11)
+
+
+def pbo_blocks(inner: pd.DataFrame, blocks: int = 8) -> float:
+    """How many independent blocks PBO's S rest on: S (1 - c) / (1 + c), c the correlation of adjacent blocks' mean
+    scores under an AR(1) with the trials' pooled lag-1 autocorrelation of their luck (each trial's scores less the
+    date's mean over trials, which the ranking ignores); S for fewer than 2 trials or 3 dates."""
+    m = inner.to_numpy(dtype=np.float64)  # (N, T)
+    n, t = m.shape
+    s = min(blocks, t) // 2 * 2
+    if n < 2 or t < 3:
+        return float(s)
+    luck = m - m.mean(axis=0)
+    luck = luck - luck.mean(axis=1, keepdims=True)
+    den = (luck[:, :-1] ** 2).sum()
+    rho = float(np.clip((luck[:, 1:] * luck[:, :-1]).sum() / den if den > 0 else 0.0, 0.0, 0.999))
+    size = t / max(s, 1)  # dates per block
+    cov = rho * (1 - rho**size) ** 2 / (1 - rho) ** 2  # AR(1), unit variance: adjacent block sums
+    var = size * (1 + rho) / (1 - rho) - 2 * rho * (1 - rho**size) / (1 - rho) ** 2
+    c = min(max(cov / var, 0.0), 1.0) if var > 0 else 1.0
+    return float(s * (1 - c) / (1 + c))
 
 
 def expected_best_null(n: int) -> float:
@@ -156,7 +180,7 @@ def in_sample(inner: pd.DataFrame, test: Callable[..., dict]) -> dict:
     sel, n = int(inner.mean(axis=1).idxmin()), len(inner)
     sd = float(inner.to_numpy().std(ddof=1)) if inner.size > 1 else 0.0
     return {"selected": sel, "trials": n, "dates": inner.shape[1], "mean": float(inner.loc[sel].mean()),
-            "default_mean": float(inner.iloc[0].mean()), "pbo": pbo(inner),
+            "default_mean": float(inner.iloc[0].mean()), "pbo": pbo(inner), "pbo_blocks": pbo_blocks(inner),
             "expected_best_null": -expected_best_null(n) * sd / math.sqrt(max(inner.shape[1], 1)),
             "optimistic": test(inner.loc[sel].to_numpy(), np.asarray(inner.columns),
                                what="in-sample (optimistic) selected - zero_shot")}
