@@ -36,7 +36,7 @@ from finetune.utils.plots import pyplot, save_figure, stamp_text
 from finetune.utils.safety import GracefulStop, RunLock
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir
-from finetune_csv.forecast import CLOSE, ensemble_paths
+from finetune_csv.forecast import CLOSE, adaptive_held_out, band_quality, band_stats, ensemble_paths, realised_vol
 from finetune_csv.prepare import prepare_data
 from finetune_csv.train_sequential import run_finetune
 from model import KronosPredictor
@@ -140,19 +140,38 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) 
         ok = (raw > 0).all(axis=(1, 2))
         calibration = fit_calibration(raw[ok], val.actual[ok][..., CLOSE], val.context[ok][:, -1, CLOSE]) \
             if ok.any() else None
-    if calibration is not None:  # as `kronos forecast` ships it: bands fitted on the fold's validation windows
+    if calibration is not None and f.calibration_method == "adaptive":  # replayed in publication order, as forecast
+        per = adaptive_held_out(calibration, paths["finetuned"], windows, f.per_series)["per_window"]
+        paths["calibrated"] = np.concatenate([apply_calibration(c, paths["finetuned"][w:w + 1], last[w:w + 1])
+                                              for w, c in enumerate(per)])
+    elif calibration is not None:  # as `kronos forecast` ships it: bands fitted on the fold's validation windows
         paths["calibrated"] = apply_calibration(calibration, paths["finetuned"], last)
     if "ensemble" in candidates:
         paths["ensemble"] = ensemble_paths(paths["finetuned"], paths["zero_shot"], f.ensemble_weight)
-    rows = []
+    rows, vol = [], realised_vol(windows.actual[..., CLOSE], last)  # (W,)
     for name in [c for c in [*candidates, "calibrated"] if c in paths]:
         sc = window_scores(paths[name] / last[:, None, None] - 1.0, obs, ScoreSettings())
+        width = band_stats(paths[name], windows.actual[..., CLOSE], last)[1]  # (W,) for calibration_fields
         rows.append(pd.DataFrame({
             "fold": fold.index, "series": windows.names, "window_start": [ts[0] for ts in windows.y_timestamps],
             "candidate": name, "crps": sc["crps"].mean(axis=1), "mae": sc["abs_err"].mean(axis=1),
             "cov50": sc["coverage_50"].mean(axis=1), "cov80": sc["coverage_80"].mean(axis=1),
-            "direction": sc["direction_hit"]}))
+            "direction": sc["direction_hit"], "width80": width, "vol": vol}))
     return pd.concat(rows, ignore_index=True)
+
+
+def calibration_fields(frame: pd.DataFrame, method: str) -> dict | None:
+    """metrics.json's band fields (`finetune_csv.forecast.band_quality`) of windows.csv rows: raw = the "finetuned"
+    candidate, calibrated = "calibrated" (split or adaptive: `method`); None without calibrated rows."""
+    if "width80" not in frame.columns or not (frame.candidate == "calibrated").any():
+        return None
+    wide = frame[frame.candidate == "finetuned"].merge(frame[frame.candidate == "calibrated"], suffixes=("_raw", ""),
+                                                       on=["fold", "series", "window_start"])
+    cov = {"raw": wide["cov80_raw"].to_numpy(), "calibrated": wide["cov80"].to_numpy()}
+    width = {"raw": wide["width80_raw"].to_numpy(), "calibrated": wide["width80"].to_numpy()}
+    return {"method": "adaptive" if method == "adaptive" else "conformal", "cov80_raw": float(cov["raw"].mean()),
+            "cov80_calibrated": float(cov["calibrated"].mean()),
+            **band_quality(cov, width, wide["vol"].to_numpy(), wide["window_start"])}
 
 
 def paired_from_windows(frame: pd.DataFrame) -> dict:
@@ -314,6 +333,7 @@ def _run_fold(cfg: CsvFinetuneConfig, fold: Fold, folder: Path, fp: dict) -> dic
                     "test": int((frame.candidate == "finetuned").sum())},
         "trained": ", ".join(f"{s} {reused.get(s) or f'skipped ({why})'}" for s, why in plan.items()),
         "scores": {c: {s: float(g[s].mean()) for s in SCORES} for c, g in frame.groupby("candidate", sort=False)},
+        "calibration": calibration_fields(frame, cfg.forecast.calibration_method),
         "seconds": {"train": round(t1 - t0, 1), "score": round(time.monotonic() - t1, 1)}}
     write_json(folder / "fold.json", record)
     return record
@@ -341,6 +361,7 @@ def _report(cfg: CsvFinetuneConfig, out: Path, frame: pd.DataFrame, meta: list[d
         report["paired"] = {"finetuned_vs_zero_shot": paired}
         report["verdict"], report["verdict_reason"] = paired["crps"]["verdict"], paired["crps"]["reason"]
         report["best"] = best_candidate(used)
+    report["calibration"] = calibration_fields(used, f.calibration_method)
     report["seconds"] = {k: round(sum(r["seconds"][k] for r in meta), 1) for k in ("train", "score")}
     out_frame = frame.assign(window_start=frame["window_start"].astype(str))
     atomic_write(out / "windows.csv", lambda p: out_frame.to_csv(p, index=False))
@@ -451,7 +472,8 @@ def run_tune(cfg: CsvFinetuneConfig, build, args: argparse.Namespace) -> dict:
     outer = {f"tuned_vs_{o}": session_test(wide["tuned"] - wide[o], when, what=f"CRPS tuned - {o}")
              for o in ("zero_shot", "default")}
     report = tune.write_report(out, found[0] if ks == [None] else tune.pool(found), outer, best_candidate(frame),
-                               holdout=holdout, scores={c: float(v) for c, v in wide.mean().items()})
+                               holdout=holdout, scores={c: float(v) for c, v in wide.mean().items()},
+                               calibration=calibration_fields(frames["tuned"], cfg.forecast.calibration_method))
     write_report(out)  # tune/report.html
     return report
 
