@@ -126,12 +126,13 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) 
     obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, H)
     sample = lambda pair, c, w=windows: sample_paths(KronosPredictor.from_models(*pair, window=c.data.window),
                                                      w.context, *w.stamps(), d.predict, f, f.batch_size)[..., CLOSE]
-    paths = {"zero_shot": sample(load_pretrained_pair(m.pretrained_predictor, m.pretrained_tokenizer), cfg),
+    zs_pair = load_pretrained_pair(m.pretrained_predictor, m.pretrained_tokenizer)
+    paths = {"zero_shot": sample(zs_pair, cfg),
              "finetuned": sample(load_trained_pair(best_dir(fold_cfg.predictor_dir))[:2], fold_cfg),
              "persistence": persistence_samples(last, d.predict)}
     if "empirical" in candidates:
         paths["empirical"] = empirical_samples(windows.history, d.predict, windows.history.shape[1])
-    calibration = read_predictor_info(best_dir(fold_cfg.predictor_dir)).get("calibration")
+    calibration, zs_cal = read_predictor_info(best_dir(fold_cfg.predictor_dir)).get("calibration"), None
     if calibration is not None and (changed := decoding_changes(calibration, f.decoding())):
         log.info("fold %d: refitting the calibration on its validation windows under this sampling (it was fitted "
                  "with %s)", fold.index, ", ".join(changed))  # cheap: sampling only, no training
@@ -140,16 +141,23 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) 
         ok = (raw > 0).all(axis=(1, 2))
         calibration = fit_calibration(raw[ok], val.actual[ok][..., CLOSE], val.context[ok][:, -1, CLOSE]) \
             if ok.any() else None
-    if calibration is not None and f.calibration_method == "adaptive":  # replayed in publication order, as forecast
-        per = adaptive_held_out(calibration, paths["finetuned"], windows, f.per_series)["per_window"]
-        paths["calibrated"] = np.concatenate([apply_calibration(c, paths["finetuned"][w:w + 1], last[w:w + 1])
-                                              for w, c in enumerate(per)])
-    elif calibration is not None:  # as `kronos forecast` ships it: bands fitted on the fold's validation windows
-        paths["calibrated"] = apply_calibration(calibration, paths["finetuned"], last)
+    if calibration is not None:  # like with like: zero-shot's margins too, from the same validation windows
+        val = held_out_windows(fold.val, d.window, f.window_stride)
+        zs = sample(zs_pair, cfg, val)  # (V, S, H)
+        ok = (zs > 0).all(axis=(1, 2))
+        zs_cal = fit_calibration(zs[ok], val.actual[ok][..., CLOSE], val.context[ok][:, -1, CLOSE]) \
+            if ok.any() else None
+    for name, cal, raw in (("calibrated", calibration, "finetuned"), ("zero_shot_calibrated", zs_cal, "zero_shot")):
+        if cal is not None and f.calibration_method == "adaptive":  # replayed in publication order, as forecast
+            per = adaptive_held_out(cal, paths[raw], windows, f.per_series)["per_window"]
+            paths[name] = np.concatenate([apply_calibration(c, paths[raw][w:w + 1], last[w:w + 1])
+                                          for w, c in enumerate(per)])
+        elif cal is not None:  # as `kronos forecast` ships it: bands fitted on the fold's validation windows
+            paths[name] = apply_calibration(cal, paths[raw], last)
     if "ensemble" in candidates:
         paths["ensemble"] = ensemble_paths(paths["finetuned"], paths["zero_shot"], f.ensemble_weight)
     rows, vol = [], realised_vol(windows.actual[..., CLOSE], last)  # (W,)
-    for name in [c for c in [*candidates, "calibrated"] if c in paths]:
+    for name in [c for c in [*candidates, "calibrated", "zero_shot_calibrated"] if c in paths]:
         sc = window_scores(paths[name] / last[:, None, None] - 1.0, obs, ScoreSettings())
         width = band_stats(paths[name], windows.actual[..., CLOSE], last)[1]  # (W,) for calibration_fields
         rows.append(pd.DataFrame({
@@ -445,12 +453,15 @@ def run_tune(cfg: CsvFinetuneConfig, build, args: argparse.Namespace) -> dict:
             frames = [_unit(cfg, c, f, out, files) for f in (folds if inner or k is None else folds[k:k + 1])]
             frame = pd.concat(frames, ignore_index=True)
             own = "calibrated" if c.forecast.calibrate and (frame.candidate == "calibrated").any() else "finetuned"
-            return pd.concat([frame, frame[frame.candidate == own].assign(candidate="trial")], ignore_index=True)
+            zs = "zero_shot_calibrated" if own == "calibrated" and (frame.candidate == "zero_shot_calibrated").any() \
+                else "zero_shot"  # like with like: the zero-shot model with the trial's bands
+            return pd.concat([frame, frame[frame.candidate == own].assign(candidate="trial"),
+                              frame[frame.candidate == zs].assign(candidate="zero_shot_trial")], ignore_index=True)
 
         def objective(params: dict, number: int, k: int | None = None) -> dict:
             wide = scored(build(params), True, k).pivot_table(index=["fold", "series", "window_start"],
                                                               columns="candidate", values="crps")
-            diff = (wide["trial"] - wide["zero_shot"]).groupby(
+            diff = (wide["trial"] - wide["zero_shot_trial"]).groupby(
                 wide.index.get_level_values("window_start").normalize()).mean()  # one value per session
             return {str(d.date()): v for d, v in diff.items()}
 
@@ -465,14 +476,20 @@ def run_tune(cfg: CsvFinetuneConfig, build, args: argparse.Namespace) -> dict:
             return {}
         frames = {"tuned": pd.concat([scored(build(f["selected"]["settings"]), False, k) for k, f in zip(ks, found)]),
                   "default": scored(cfg, False)}
-    frame = pd.concat([frames["tuned"][~frames["tuned"].candidate.isin(["finetuned", "calibrated", "trial"])],
+    tuned = frames["tuned"]
+    frame = pd.concat([tuned[~tuned.candidate.isin(["finetuned", "calibrated", "trial", "zero_shot_trial",
+                                                    "zero_shot_calibrated"])],
                        *(f[f.candidate == "trial"].assign(candidate=k) for k, f in frames.items())])
-    wide = frame.pivot_table(index=["fold", "series", "window_start"], columns="candidate", values="crps").dropna()
+    keys = ["fold", "series", "window_start"]
+    wide = frame.pivot_table(index=keys, columns="candidate", values="crps")
+    wide = wide.assign(like=tuned[tuned.candidate == "zero_shot_trial"].groupby(keys)["crps"].mean()  # same bands
+                       .reindex(wide.index)).dropna()
     when = wide.index.get_level_values("window_start")
-    outer = {f"tuned_vs_{o}": session_test(wide["tuned"] - wide[o], when, what=f"CRPS tuned - {o}")
-             for o in ("zero_shot", "default")}
+    outer = {f"tuned_vs_{o}": session_test(wide["tuned"] - wide[x], when, what=f"CRPS tuned - {o}")
+             for o, x in (("zero_shot", "like"), ("default", "default"))}
     report = tune.write_report(out, found[0] if ks == [None] else tune.pool(found), outer, best_candidate(frame),
-                               holdout=holdout, scores={c: float(v) for c, v in wide.mean().items()},
+                               holdout=holdout,
+                               scores={c: float(v) for c, v in wide.drop(columns="like").mean().items()},
                                calibration=calibration_fields(frames["tuned"], cfg.forecast.calibration_method))
     write_report(out)  # tune/report.html
     return report

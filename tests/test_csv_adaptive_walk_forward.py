@@ -24,6 +24,11 @@ def test_walk_forward_replays_adaptive_bands_in_time_order(run_config, tmp_path)
     assert set(cal["cov80_over_time"]) >= {"time", "raw", "calibrated"}
     assert [f["calibration"]["method"] for f in report["folds"]] == ["adaptive", "adaptive"]
     rows = pd.read_csv(out / "windows.csv", parse_dates=["window_start"])
+    # like with like: the zero-shot model's bands calibrated too (its own validation margins, replayed the same way)
+    per = rows.groupby("candidate").size()
+    assert per["zero_shot_calibrated"] == per["calibrated"] == per["zero_shot"]
+    assert not np.allclose(rows.query("candidate == 'zero_shot_calibrated'").width80,
+                           rows.query("candidate == 'zero_shot'").width80)
     adaptive_rows = rows[rows.candidate == "calibrated"].set_index(["fold", "series", "window_start"])
 
     # the same fold models scored with split bands: windows forecast before any test outcome was published get the
