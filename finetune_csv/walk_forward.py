@@ -152,12 +152,14 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) 
             per = adaptive_held_out(cal, paths[raw], windows, f.per_series)["per_window"]
             paths[name] = np.concatenate([apply_calibration(c, paths[raw][w:w + 1], last[w:w + 1])
                                           for w, c in enumerate(per)])
+            if name == "calibrated":  # beside it, the split bands it started from
+                paths["split"] = apply_calibration(cal, paths[raw], last)
         elif cal is not None:  # as `kronos forecast` ships it: bands fitted on the fold's validation windows
             paths[name] = apply_calibration(cal, paths[raw], last)
     if "ensemble" in candidates:
         paths["ensemble"] = ensemble_paths(paths["finetuned"], paths["zero_shot"], f.ensemble_weight)
     rows, vol = [], realised_vol(windows.actual[..., CLOSE], last)  # (W,)
-    for name in [c for c in [*candidates, "calibrated", "zero_shot_calibrated"] if c in paths]:
+    for name in [c for c in [*candidates, "calibrated", "split", "zero_shot_calibrated"] if c in paths]:
         sc = window_scores(paths[name] / last[:, None, None] - 1.0, obs, ScoreSettings())
         width = band_stats(paths[name], windows.actual[..., CLOSE], last)[1]  # (W,) for calibration_fields
         rows.append(pd.DataFrame({
@@ -170,13 +172,19 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) 
 
 def calibration_fields(frame: pd.DataFrame, method: str) -> dict | None:
     """metrics.json's band fields (`finetune_csv.forecast.band_quality`) of windows.csv rows: raw = the "finetuned"
-    candidate, calibrated = "calibrated" (split or adaptive: `method`); None without calibrated rows."""
+    candidate, calibrated = "calibrated" (split or adaptive: `method`), and "split" beside adaptive; None without
+    calibrated rows."""
     if "width80" not in frame.columns or not (frame.candidate == "calibrated").any():
         return None
     wide = frame[frame.candidate == "finetuned"].merge(frame[frame.candidate == "calibrated"], suffixes=("_raw", ""),
                                                        on=["fold", "series", "window_start"])
-    cov = {"raw": wide["cov80_raw"].to_numpy(), "calibrated": wide["cov80"].to_numpy()}
-    width = {"raw": wide["width80_raw"].to_numpy(), "calibrated": wide["width80"].to_numpy()}
+    if wide.empty:
+        return None
+    split = frame[frame.candidate == "split"].rename(columns={"cov80": "cov80_split", "width80": "width80_split"})
+    wide = wide.merge(split[["fold", "series", "window_start", "cov80_split", "width80_split"]], "left")
+    bands = ("raw", "calibrated", "split") if len(split) else ("raw", "calibrated")
+    cov = {k: wide[f"cov80_{k}" if k != "calibrated" else "cov80"].to_numpy() for k in bands}
+    width = {k: wide[f"width80_{k}" if k != "calibrated" else "width80"].to_numpy() for k in bands}
     return {"method": "adaptive" if method == "adaptive" else "conformal", "cov80_raw": float(cov["raw"].mean()),
             "cov80_calibrated": float(cov["calibrated"].mean()),
             **band_quality(cov, width, wide["vol"].to_numpy(), wide["window_start"])}

@@ -21,15 +21,16 @@ def test_walk_forward_replays_adaptive_bands_in_time_order(run_config, tmp_path)
     cal = report["calibration"]
     assert cal["method"] == "adaptive" and 0 < cal["width80_raw"] and 0 < cal["width80_calibrated"] < np.inf
     assert 0 <= cal["cov80_rolling_worst"] <= 1 and len(cal["cov80_by_volatility"]) == 3
-    assert set(cal["cov80_over_time"]) >= {"time", "raw", "calibrated"}
+    assert set(cal["cov80_over_time"]) >= {"time", "raw", "calibrated", "split"} and cal["width80_split"] > 0
     assert [f["calibration"]["method"] for f in report["folds"]] == ["adaptive", "adaptive"]
     rows = pd.read_csv(out / "windows.csv", parse_dates=["window_start"])
     # like with like: the zero-shot model's bands calibrated too (its own validation margins, replayed the same way)
     per = rows.groupby("candidate").size()
-    assert per["zero_shot_calibrated"] == per["calibrated"] == per["zero_shot"]
+    assert per["zero_shot_calibrated"] == per["calibrated"] == per["split"] == per["zero_shot"]
     assert not np.allclose(rows.query("candidate == 'zero_shot_calibrated'").width80,
                            rows.query("candidate == 'zero_shot'").width80)
-    adaptive_rows = rows[rows.candidate == "calibrated"].set_index(["fold", "series", "window_start"])
+    adaptive_rows, split_rows = (rows[rows.candidate == c].set_index(["fold", "series", "window_start"])
+                                 for c in ("calibrated", "split"))
 
     # the same fold models scored with split bands: windows forecast before any test outcome was published get the
     # split margins; later ones the margins moved by the outcomes published by their origin
@@ -40,6 +41,7 @@ def test_walk_forward_replays_adaptive_bands_in_time_order(run_config, tmp_path)
         split = wf.score_fold(cfg, fold_cfg, fold).query("candidate == 'calibrated'")
         split = split.set_index(["fold", "series", "window_start"])
         mine = adaptive_rows.loc[split.index]
+        assert np.allclose(split_rows.loc[split.index].crps, split.crps)  # the "split" rows: the split bands
         first = split.index.get_level_values("window_start") == split.index.get_level_values("window_start").min()
         assert np.allclose(mine.crps[first], split.crps[first])
         assert not np.allclose(mine.width80[~first], split.width80[~first])
