@@ -422,9 +422,9 @@ def format_table(report: dict) -> str:
     n = report["paired"]["finetuned_vs_zero_shot"]["crps"]["windows"] if report.get("paired") else 0
     lines = [f"walk-forward: {s['folds']} folds, test blocks of {s['test_bars']} calendar bars (purge {s['purge']},"
              f" embargo {s['embargo']}), {n} paired test windows of {s['predict']} bars; returns vs the last close",
-             f"{'':13}{'CRPS':>9}{'MAE':>9}{'cov50':>7}{'cov80':>7}{'dir':>7}"]
+             f"{'':21}{'CRPS':>9}{'MAE':>9}{'cov50':>7}{'cov80':>7}{'dir':>7}"]
     for name, sc in report["scores"].items():
-        lines.append(f"{name:13}{sc['crps']:9.5f}{sc['mae']:9.5f}{sc['cov50']:7.2f}{sc['cov80']:7.2f}"
+        lines.append(f"{name:21}{sc['crps']:9.5f}{sc['mae']:9.5f}{sc['cov50']:7.2f}{sc['cov80']:7.2f}"
                      f"{sc['direction']:7.3f}")
     if report.get("paired"):
         p = report["paired"]["finetuned_vs_zero_shot"]
@@ -485,7 +485,7 @@ def run_tune(cfg: CsvFinetuneConfig, build, args: argparse.Namespace) -> dict:
         frames = {"tuned": pd.concat([scored(build(f["selected"]["settings"]), False, k) for k, f in zip(ks, found)]),
                   "default": scored(cfg, False)}
     tuned = frames["tuned"]
-    frame = pd.concat([tuned[~tuned.candidate.isin(["finetuned", "calibrated", "trial", "zero_shot_trial",
+    frame = pd.concat([tuned[~tuned.candidate.isin(["finetuned", "calibrated", "split", "trial", "zero_shot_trial",
                                                     "zero_shot_calibrated"])],
                        *(f[f.candidate == "trial"].assign(candidate=k) for k, f in frames.items())])
     keys = ["fold", "series", "window_start"]
