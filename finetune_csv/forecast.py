@@ -315,7 +315,9 @@ def ranking(metrics: dict) -> str:
     best = order[0]  # its interval: against the next in the ranking that it was compared with (signs as printed)
     rival = next((o for o in order[1:] if frozenset((best, o)) in tests), None)
     name = lambda k: k.replace("_", "-")  # noqa: E731
-    vs = f"; against {name(rival)}: {tests[frozenset((best, rival))]['reason']}" if rival else ""
+    bands = (metrics.get("finetuned_vs_zero_shot") or {}).get("bands")  # like with like: which bands both had
+    same = f" ({bands} bands, both)" if bands and {best, rival} == {"finetuned", "zero_shot"} else ""
+    vs = f"; against {name(rival)}{same}: {tests[frozenset((best, rival))]['reason']}" if rival else ""
     return f"best by CRPS: {name(best)} (" + " < ".join(f"{name(k)} {crps[k]:.5f} [S={overall[k].get('samples')}]"
                                                          for k in order) + ")" + vs
 
@@ -427,10 +429,13 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
                                           history, pd.to_datetime(windows.dates()).to_numpy())
     raw = sample(finetuned)  # (W, S, P, 6)
     paths = finish_paths(raw, calibration, last, f.repair_candles)
-    if calibration is not None and f.calibration_method == "adaptive":  # replayed in publication order
-        split_paths, calibration = paths, adaptive_held_out(cfg, calibration, raw, windows)
-        paths = np.stack([finish_paths(raw[w : w + 1], calibration["per_window"][w], last[w : w + 1],
-                                       f.repair_candles)[0] for w in range(len(raw))])
+    # adaptive: each window calibrated with the margins tracked on the outcomes published by its origin
+    adapt = lambda cal, r, save=None: np.stack([finish_paths(r[w : w + 1], c, last[w : w + 1], f.repair_candles)[0]
+                                                for w, c in enumerate(adaptive_held_out(
+                                                    cal, r[..., CLOSE], windows, f.per_series, save)["per_window"])])
+    adaptive_on = calibration is not None and f.calibration_method == "adaptive"
+    if adaptive_on:
+        split_paths, paths = paths, adapt(calibration, raw, best_dir(cfg.predictor_dir) / PREDICTOR_INFO_NAME)
     metrics = {"windows": len(windows), "horizon": horizon, "series": sorted(set(windows.names)),
                "window_stride": f.window_stride or horizon, "finetuned": score(paths),
                "zero_shot": None, "finetuned_vs_zero_shot": None, "ensemble": None, "ensemble_vs_zero_shot": None,
@@ -445,14 +450,18 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
                                   "cov80_calibrated": cover(paths, 0.8).mean(), "method": calibration.get("method"),
                                   "fitted_on_windows": calibration.get("windows"),
                                   "too_few_windows": calibration.get("too_few_windows", [])}
-        metrics["calibration"] |= band_quality(obs, cover, raw, paths, last, windows)
-        if f.calibration_method == "adaptive":
+        bands = {"raw": raw, "calibrated": paths} | ({"split": split_paths} if adaptive_on else {})
+        stats = {k: band_stats(p[..., CLOSE], windows.actual[..., CLOSE], last) for k, p in bands.items()}
+        metrics["calibration"] |= band_quality({k: v[0] for k, v in stats.items()}, {k: v[1] for k, v in stats.items()},
+                                               realised_vol(windows.actual[..., CLOSE], last), windows.dates())
+        if adaptive_on:
             metrics["calibration"] |= {"method": "adaptive", "cov80_split": cover(split_paths, 0.8).mean()}
         metrics["calibration"] |= {f"test_{p}": coverage_test(cover(paths, p / 100), pd.to_datetime(windows.dates()),
                                                               p / 100, settings.min_block - 1) for p in (50, 80)}
     if zero_shot is not None:  # like with like: both calibrated (zs_calibration), else both raw
         zs_raw = sample(zero_shot)
-        zs_paths = finish_paths(zs_raw, zs_calibration if calibration else None, last, f.repair_candles)
+        zs_paths = adapt(zs_calibration, zs_raw) if adaptive_on and zs_calibration else \
+            finish_paths(zs_raw, zs_calibration if calibration else None, last, f.repair_candles)
         ft_paths = paths if calibration is None or zs_calibration else finish_paths(raw, None, last, f.repair_candles)
         ens_paths = ensemble_paths(paths, zs_paths, f.ensemble_weight)
         metrics["zero_shot"], metrics["ensemble"] = score(zs_paths), score(ens_paths)
@@ -467,37 +476,58 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
     return metrics, paths, None if calibration is None else finish_paths(raw, None, last, f.repair_candles)
 
 
-def adaptive_held_out(cfg: CsvFinetuneConfig, calibration: dict, raw: np.ndarray, windows: HeldOutWindows) -> dict:
-    """The adaptive calibration of the test windows: tracked from the split margins on the outcomes published by each
-    window's origin (`model.adaptive.replay`); the end state saved beside the margins in kronos_predictor.json, so
-    --future continues from it. Returns the calibration with "per_window" [calibration of window w]."""
+def adaptive_held_out(calibration: dict, raw: np.ndarray, windows: HeldOutWindows, per_series: bool,
+                      save: Path | None = None) -> dict:
+    """The adaptive calibration of held-out windows (`kronos forecast`, each walk-forward fold): tracked from the split
+    margins on the outcomes published by each window's origin (`model.adaptive.replay`) from the sampled closes
+    `raw (W, S, P)`; the end state saved beside the margins in `save` (kronos_predictor.json), so --future continues
+    from it. Returns the calibration with "per_window" [calibration of window w]."""
     last = windows.context[:, -1, CLOSE]
     with np.errstate(divide="ignore", invalid="ignore"):
-        quant = np.quantile(np.log(raw[..., CLOSE] / last[:, None, None]), adaptive.SCORE_LEVELS, axis=1)  # (Q, W, P)
+        quant = np.quantile(np.log(raw / last[:, None, None]), adaptive.SCORE_LEVELS, axis=1)  # (Q, W, P)
         scores = adaptive.band_scores(np.moveaxis(quant, 0, 1), np.log(windows.actual[..., CLOSE] / last[:, None]))
     names = list(windows.names)
     split = {k: v for k, v in calibration.items() if k != "adaptive"}
-    state = adaptive.start_state(split, sorted(set(names)) if cfg.forecast.per_series else None)
+    state = adaptive.start_state(split, sorted(set(names)) if per_series else None)
     origins = pd.to_datetime(windows.dates()).to_numpy()
     arrivals = np.stack([pd.DatetimeIndex(ts).to_numpy() for ts in windows.y_timestamps])  # (W, P)
     margins = adaptive.replay(state, np.nan_to_num(scores, nan=0.0), origins, arrivals, names)
-    write_calibration(best_dir(cfg.predictor_dir) / PREDICTOR_INFO_NAME, {**split, "adaptive": state})
+    if save is not None:
+        write_calibration(save, {**split, "adaptive": state})
     return {**split, "adaptive": state, "per_window": [adaptive.with_margins(split, m) for m in margins]}
 
 
-def band_quality(obs: np.ndarray, cover, raw: np.ndarray, paths: np.ndarray, last: np.ndarray,
-                 windows: HeldOutWindows) -> dict:
-    """Widths of the central 80% band (return units), its worst coverage over 50 consecutive windows in time order,
-    and its coverage per tercile of realised volatility (low, mid, high)."""
-    width = lambda p: float(np.ptp(np.quantile(p[..., CLOSE] / last[:, None, None], [0.1, 0.9], axis=1), 0).mean())
-    covered = cover(paths, 0.8).mean(axis=1)[np.argsort(pd.to_datetime(windows.dates()), kind="stable")]  # (W,)
-    rolling = np.convolve(covered, np.ones(50) / 50, "valid") if len(covered) >= 50 else covered.mean(keepdims=True)
-    vol = np.abs(np.diff(np.log(np.c_[last, windows.actual[..., CLOSE]]), axis=1)).mean(axis=1)  # (W,)
+def band_stats(close: np.ndarray, actual: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per window (W,): the 80% coverage of sampled closes (W, S, P) against the actual ones (W, P), and the mean width
+    of that central band in return units (vs the last context close (W,))."""
+    lo, hi = np.quantile(close / last[:, None, None], [0.1, 0.9], axis=1)  # (W, P) each
+    y = actual / last[:, None]
+    return ((y >= lo) & (y <= hi)).mean(axis=1), (hi - lo).mean(axis=1)
+
+
+def realised_vol(actual: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """(W,) mean absolute log return of each window's actual closes (W, P), from its last context close (W,)."""
+    return np.abs(np.diff(np.log(np.c_[last, actual]), axis=1)).mean(axis=1)
+
+
+def band_quality(cov80: dict[str, np.ndarray], width80: dict[str, np.ndarray], vol: np.ndarray, when) -> dict:
+    """metrics' band fields from per-window (W,) 80% coverage and width of each band ("raw", "calibrated", and
+    "split" beside adaptive ones), realised volatility and window times `when`: mean widths, the worst coverage over
+    50 consecutive windows in time order, coverage per tercile of volatility (low, mid, high), and that rolling
+    coverage over time for the page. The one home of these numbers (kronos forecast, walk-forward, tune)."""
+    when = pd.to_datetime(np.asarray(when)).to_numpy()
+    order = np.argsort(when, kind="stable")
+    n = min(50, len(order))
+    roll = {k: np.convolve(np.asarray(v, dtype=np.float64)[order], np.ones(n) / n, "valid") for k, v in cov80.items()}
     tercile = np.searchsorted(np.quantile(vol, [1 / 3, 2 / 3]), vol, side="right")
-    by_vol = cover(paths, 0.8).mean(axis=1)
-    return {"width80_raw": width(raw), "width80_calibrated": width(paths), "cov80_rolling_worst": float(rolling.min()),
-            "cov80_by_volatility": [float(by_vol[tercile == k].mean()) if (tercile == k).any() else None
-                                    for k in range(3)]}
+    by_vol = lambda c: [float(c[tercile == k].mean()) if (tercile == k).any() else None for k in range(3)]  # noqa: E731
+    keep = np.unique(np.linspace(0, len(order) - n, min(400, len(order) - n + 1)).round().astype(int))
+    out = {f"width80_{k}": float(np.mean(v)) for k, v in width80.items()}
+    return out | {"cov80_rolling_worst": float(roll["calibrated"].min()), "cov80_rolling_worst_raw":
+                  float(roll["raw"].min()), "cov80_by_volatility": by_vol(np.asarray(cov80["calibrated"])),
+                  "cov80_by_volatility_raw": by_vol(np.asarray(cov80["raw"])), "cov80_over_time": {
+                      "window": n, "time": [str(pd.Timestamp(when[order][n - 1 + i])) for i in keep],
+                      **{k: [float(x) for x in r[keep]] for k, r in roll.items()}}}
 
 
 def _panels(names: list[str], past_ts, past_close, future_ts, paths, actual=None, max_panels: int = 4) -> list[Panel]:

@@ -36,7 +36,7 @@ from finetune.utils.plots import pyplot, save_figure, stamp_text
 from finetune.utils.safety import GracefulStop, RunLock
 from finetune.utils.windows import PanelSegments
 from finetune_csv.config import CsvFinetuneConfig, best_dir
-from finetune_csv.forecast import CLOSE, ensemble_paths
+from finetune_csv.forecast import CLOSE, adaptive_held_out, band_quality, band_stats, ensemble_paths, realised_vol
 from finetune_csv.prepare import prepare_data
 from finetune_csv.splits import date_bounds
 from finetune_csv.train_sequential import run_finetune
@@ -130,12 +130,13 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) 
     obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, H)
     sample = lambda pair, c, w=windows: sample_paths(KronosPredictor.from_models(*pair, window=c.data.window),
                                                      w.context, *w.stamps(), d.predict, f, f.batch_size)[..., CLOSE]
-    paths = {"zero_shot": sample(load_pretrained_pair(m.pretrained_predictor, m.pretrained_tokenizer), cfg),
+    zs_pair = load_pretrained_pair(m.pretrained_predictor, m.pretrained_tokenizer)
+    paths = {"zero_shot": sample(zs_pair, cfg),
              "finetuned": sample(load_trained_pair(best_dir(fold_cfg.predictor_dir))[:2], fold_cfg),
              "persistence": persistence_samples(last, d.predict)}
     if "empirical" in candidates:
         paths["empirical"] = empirical_samples(windows.history, d.predict, windows.history.shape[1])
-    calibration = read_predictor_info(best_dir(fold_cfg.predictor_dir)).get("calibration")
+    calibration, zs_cal = read_predictor_info(best_dir(fold_cfg.predictor_dir)).get("calibration"), None
     if calibration is not None and (changed := decoding_changes(calibration, f.decoding())):
         log.info("fold %d: refitting the calibration on its validation windows under this sampling (it was fitted "
                  "with %s)", fold.index, ", ".join(changed))  # cheap: sampling only, no training
@@ -144,19 +145,53 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) 
         ok = (raw > 0).all(axis=(1, 2))
         calibration = fit_calibration(raw[ok], val.actual[ok][..., CLOSE], val.context[ok][:, -1, CLOSE]) \
             if ok.any() else None
-    if calibration is not None:  # as `kronos forecast` ships it: bands fitted on the fold's validation windows
-        paths["calibrated"] = apply_calibration(calibration, paths["finetuned"], last)
+    if calibration is not None:  # like with like: zero-shot's margins too, from the same validation windows
+        val = held_out_windows(fold.val, d.window, f.window_stride)
+        zs = sample(zs_pair, cfg, val)  # (V, S, H)
+        ok = (zs > 0).all(axis=(1, 2))
+        zs_cal = fit_calibration(zs[ok], val.actual[ok][..., CLOSE], val.context[ok][:, -1, CLOSE]) \
+            if ok.any() else None
+    for name, cal, raw in (("calibrated", calibration, "finetuned"), ("zero_shot_calibrated", zs_cal, "zero_shot")):
+        if cal is not None and f.calibration_method == "adaptive":  # replayed in publication order, as forecast
+            per = adaptive_held_out(cal, paths[raw], windows, f.per_series)["per_window"]
+            paths[name] = np.concatenate([apply_calibration(c, paths[raw][w:w + 1], last[w:w + 1])
+                                          for w, c in enumerate(per)])
+            if name == "calibrated":  # beside it, the split bands it started from
+                paths["split"] = apply_calibration(cal, paths[raw], last)
+        elif cal is not None:  # as `kronos forecast` ships it: bands fitted on the fold's validation windows
+            paths[name] = apply_calibration(cal, paths[raw], last)
     if "ensemble" in candidates:
         paths["ensemble"] = ensemble_paths(paths["finetuned"], paths["zero_shot"], f.ensemble_weight)
-    rows = []
-    for name in [c for c in [*candidates, "calibrated"] if c in paths]:
+    rows, vol = [], realised_vol(windows.actual[..., CLOSE], last)  # (W,)
+    for name in [c for c in [*candidates, "calibrated", "split", "zero_shot_calibrated"] if c in paths]:
         sc = window_scores(paths[name] / last[:, None, None] - 1.0, obs, ScoreSettings())
+        width = band_stats(paths[name], windows.actual[..., CLOSE], last)[1]  # (W,) for calibration_fields
         rows.append(pd.DataFrame({
             "fold": fold.index, "series": windows.names, "window_start": [ts[0] for ts in windows.y_timestamps],
             "candidate": name, "crps": sc["crps"].mean(axis=1), "mae": sc["abs_err"].mean(axis=1),
             "cov50": sc["coverage_50"].mean(axis=1), "cov80": sc["coverage_80"].mean(axis=1),
-            "direction": sc["direction_hit"]}))
+            "direction": sc["direction_hit"], "width80": width, "vol": vol}))
     return pd.concat(rows, ignore_index=True)
+
+
+def calibration_fields(frame: pd.DataFrame, method: str) -> dict | None:
+    """metrics.json's band fields (`finetune_csv.forecast.band_quality`) of windows.csv rows: raw = the "finetuned"
+    candidate, calibrated = "calibrated" (split or adaptive: `method`), and "split" beside adaptive; None without
+    calibrated rows."""
+    if "width80" not in frame.columns or not (frame.candidate == "calibrated").any():
+        return None
+    wide = frame[frame.candidate == "finetuned"].merge(frame[frame.candidate == "calibrated"], suffixes=("_raw", ""),
+                                                       on=["fold", "series", "window_start"])
+    if wide.empty:
+        return None
+    split = frame[frame.candidate == "split"].rename(columns={"cov80": "cov80_split", "width80": "width80_split"})
+    wide = wide.merge(split[["fold", "series", "window_start", "cov80_split", "width80_split"]], "left")
+    bands = ("raw", "calibrated", "split") if len(split) else ("raw", "calibrated")
+    cov = {k: wide[f"cov80_{k}" if k != "calibrated" else "cov80"].to_numpy() for k in bands}
+    width = {k: wide[f"width80_{k}" if k != "calibrated" else "width80"].to_numpy() for k in bands}
+    return {"method": "adaptive" if method == "adaptive" else "conformal", "cov80_raw": float(cov["raw"].mean()),
+            "cov80_calibrated": float(cov["calibrated"].mean()),
+            **band_quality(cov, width, wide["vol"].to_numpy(), wide["window_start"])}
 
 
 def paired_from_windows(frame: pd.DataFrame) -> dict:
@@ -318,6 +353,7 @@ def _run_fold(cfg: CsvFinetuneConfig, fold: Fold, folder: Path, fp: dict) -> dic
                     "test": int((frame.candidate == "finetuned").sum())},
         "trained": ", ".join(f"{s} {reused.get(s) or f'skipped ({why})'}" for s, why in plan.items()),
         "scores": {c: {s: float(g[s].mean()) for s in SCORES} for c, g in frame.groupby("candidate", sort=False)},
+        "calibration": calibration_fields(frame, cfg.forecast.calibration_method),
         "seconds": {"train": round(t1 - t0, 1), "score": round(time.monotonic() - t1, 1)}}
     write_json(folder / "fold.json", record)
     return record
@@ -345,6 +381,7 @@ def _report(cfg: CsvFinetuneConfig, out: Path, frame: pd.DataFrame, meta: list[d
         report["paired"] = {"finetuned_vs_zero_shot": paired}
         report["verdict"], report["verdict_reason"] = paired["crps"]["verdict"], paired["crps"]["reason"]
         report["best"] = best_candidate(used)
+    report["calibration"] = calibration_fields(used, f.calibration_method)
     report["seconds"] = {k: round(sum(r["seconds"][k] for r in meta), 1) for k in ("train", "score")}
     out_frame = frame.assign(window_start=frame["window_start"].astype(str))
     atomic_write(out / "windows.csv", lambda p: out_frame.to_csv(p, index=False))
@@ -389,9 +426,9 @@ def format_table(report: dict) -> str:
     n = report["paired"]["finetuned_vs_zero_shot"]["crps"]["windows"] if report.get("paired") else 0
     lines = [f"walk-forward: {s['folds']} folds, test blocks of {s['test_bars']} calendar bars (purge {s['purge']},"
              f" embargo {s['embargo']}), {n} paired test windows of {s['predict']} bars; returns vs the last close",
-             f"{'':13}{'CRPS':>9}{'MAE':>9}{'cov50':>7}{'cov80':>7}{'dir':>7}"]
+             f"{'':21}{'CRPS':>9}{'MAE':>9}{'cov50':>7}{'cov80':>7}{'dir':>7}"]
     for name, sc in report["scores"].items():
-        lines.append(f"{name:13}{sc['crps']:9.5f}{sc['mae']:9.5f}{sc['cov50']:7.2f}{sc['cov80']:7.2f}"
+        lines.append(f"{name:21}{sc['crps']:9.5f}{sc['mae']:9.5f}{sc['cov50']:7.2f}{sc['cov80']:7.2f}"
                      f"{sc['direction']:7.3f}")
     if report.get("paired"):
         p = report["paired"]["finetuned_vs_zero_shot"]
@@ -428,12 +465,15 @@ def run_tune(cfg: CsvFinetuneConfig, build, args: argparse.Namespace) -> dict:
             frames = [_unit(cfg, c, f, out, files) for f in (folds if inner or k is None else folds[k:k + 1])]
             frame = pd.concat(frames, ignore_index=True)
             own = "calibrated" if c.forecast.calibrate and (frame.candidate == "calibrated").any() else "finetuned"
-            return pd.concat([frame, frame[frame.candidate == own].assign(candidate="trial")], ignore_index=True)
+            zs = "zero_shot_calibrated" if own == "calibrated" and (frame.candidate == "zero_shot_calibrated").any() \
+                else "zero_shot"  # like with like: the zero-shot model with the trial's bands
+            return pd.concat([frame, frame[frame.candidate == own].assign(candidate="trial"),
+                              frame[frame.candidate == zs].assign(candidate="zero_shot_trial")], ignore_index=True)
 
         def objective(params: dict, number: int, k: int | None = None) -> dict:
             wide = scored(build(params), True, k).pivot_table(index=["fold", "series", "window_start"],
                                                               columns="candidate", values="crps")
-            diff = (wide["trial"] - wide["zero_shot"]).groupby(
+            diff = (wide["trial"] - wide["zero_shot_trial"]).groupby(
                 wide.index.get_level_values("window_start").normalize()).mean()  # one value per session
             return {str(d.date()): v for d, v in diff.items()}
 
@@ -448,14 +488,21 @@ def run_tune(cfg: CsvFinetuneConfig, build, args: argparse.Namespace) -> dict:
             return {}
         frames = {"tuned": pd.concat([scored(build(f["selected"]["settings"]), False, k) for k, f in zip(ks, found)]),
                   "default": scored(cfg, False)}
-    frame = pd.concat([frames["tuned"][~frames["tuned"].candidate.isin(["finetuned", "calibrated", "trial"])],
+    tuned = frames["tuned"]
+    frame = pd.concat([tuned[~tuned.candidate.isin(["finetuned", "calibrated", "split", "trial", "zero_shot_trial",
+                                                    "zero_shot_calibrated"])],
                        *(f[f.candidate == "trial"].assign(candidate=k) for k, f in frames.items())])
-    wide = frame.pivot_table(index=["fold", "series", "window_start"], columns="candidate", values="crps").dropna()
+    keys = ["fold", "series", "window_start"]
+    wide = frame.pivot_table(index=keys, columns="candidate", values="crps")
+    wide = wide.assign(like=tuned[tuned.candidate == "zero_shot_trial"].groupby(keys)["crps"].mean()  # same bands
+                       .reindex(wide.index)).dropna()
     when = wide.index.get_level_values("window_start")
-    outer = {f"tuned_vs_{o}": session_test(wide["tuned"] - wide[o], when, what=f"CRPS tuned - {o}")
-             for o in ("zero_shot", "default")}
+    outer = {f"tuned_vs_{o}": session_test(wide["tuned"] - wide[x], when, what=f"CRPS tuned - {o}")
+             for o, x in (("zero_shot", "like"), ("default", "default"))}
     report = tune.write_report(out, found[0] if ks == [None] else tune.pool(found), outer, best_candidate(frame),
-                               holdout=holdout, scores={c: float(v) for c, v in wide.mean().items()})
+                               holdout=holdout,
+                               scores={c: float(v) for c, v in wide.drop(columns="like").mean().items()},
+                               calibration=calibration_fields(frames["tuned"], cfg.forecast.calibration_method))
     write_report(out)  # tune/report.html
     return report
 

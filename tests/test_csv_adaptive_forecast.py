@@ -51,3 +51,12 @@ def test_finetuned_and_zero_shot_are_compared_with_the_same_bands(tmp_path):
     assert "finetuned vs zero-shot (raw bands, both)" in report
     raw = forecast.run_forecast(load(make_run(tmp_path, extra=", calibrate: false")), tmp_path / "raw")
     assert raw["finetuned_vs_zero_shot"]["bands"] == "raw" and "finetuned_raw_vs_zero_shot" not in raw
+
+
+@pytest.mark.parametrize("bands", ["raw", "calibrated"])
+def test_the_verdict_line_says_which_bands_finetuned_and_zero_shot_were_compared_on(bands):
+    block = lambda crps: {"model": {"overall": {"crps": crps, "samples": 8}}}  # noqa: E731
+    metrics = {"finetuned": {**block(0.2), "versus": {}}, "zero_shot": block(0.1),
+               "finetuned_vs_zero_shot": {"bands": bands, "test": {"crps": {"reason": "no evidence"}}}}
+    line = forecast.ranking(metrics)
+    assert line.startswith("best by CRPS: zero-shot") and f"against finetuned ({bands} bands, both): " in line
