@@ -159,3 +159,47 @@ def test_an_edited_unit_windows_file_is_scored_again_not_used(tune_config, tmp_p
     edited.to_csv(rows, index=False)
     pd.testing.assert_frame_equal(wf._unit(cfg, cfg, fold, out, files), first)
     assert len((out / "trainings.jsonl").read_text().splitlines()) == 1  # scored again, not retrained
+
+
+def _edit(journal: Path, trial: int, what: str) -> None:
+    """The audit's edits of a complete trial's record in tune/journal.log, by hand as a user would."""
+    lines = [json.loads(line) for line in journal.read_text().splitlines()]
+    for r in lines:
+        if r.get("trial_id") != trial:
+            continue
+        if what == "value" and r.get("state") == 1:
+            r["values"] = [-1.0]  # now the best of all, while its scores say otherwise
+        attr = r.get("user_attr") or {}
+        if what in attr:
+            key = next(iter(attr[what]))
+            attr[what][key] = attr[what][key] * (0.5 if what == "scores" else 2)
+    journal.write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+@pytest.mark.parametrize("what", ["value", "scores", "settings"])
+def test_an_edited_trial_record_in_the_journal_is_refused_naming_the_journal_not_reported(tmp_path, what):
+    import argparse
+
+    from finetune.evaluation.statistics import paired_test
+    from model.errors import EXIT_REFUSED, RefusedError
+
+    calls = []
+    tc = tune.TuneConfig(n_trials=4, space=SPACE, heartbeat_seconds=2)
+    dates = [f"2024-01-{d:02d}" for d in range(1, 9)]
+
+    def objective(params: dict, number: int) -> dict:  # the trial's inner scores, as its units' files give them
+        calls.append(number)
+        return {d: params["predictor_training.lr"] * (1 + i % 3) for i, d in enumerate(dates)}
+
+    args = argparse.Namespace(worker=False, workers=1, config="tune.yaml", set=[])
+    given = {"predictor_training": {"lr": 1e-3}}
+    study = lambda: tune.run(tmp_path, tc, {"setup": 1}, [], given, objective, args, "tune", paired_test)
+    first = study()
+    assert study() == first and sorted(calls) == [0, 0, 1, 1, 2, 2, 3, 3]  # intact: every trial checked, the same report
+    other = next(r["number"] for r in first["trials"]["list"] if r["number"] != first["selected"]["number"])
+    _edit(tmp_path / "journal.log", other, what)
+    with pytest.raises(RefusedError, match=rf"journal.log: trial {other}'s recorded settings or scores") as err:
+        study()
+    assert err.value.exit_code == EXIT_REFUSED and "delete it" in str(err.value)
+    (tmp_path / "journal.log").unlink()  # the fix the refusal names: the study re-runs from the units
+    assert {k: v for k, v in study().items() if k != "study"} == {k: v for k, v in first.items() if k != "study"}
