@@ -241,4 +241,5 @@ def test_a_unit_samples_its_validation_windows_once_and_the_zero_shot_once_per_f
     folder = out / "units" / json.loads((out / "trainings.jsonl").read_text().splitlines()[0])["unit"]
     fold_cfg, _ = wf._train_fold(cfg, fold, folder)
     before = wf.score_fold(cfg, fold_cfg, fold)
-    pd.testing.assert_frame_equal(wf._unit(cfg, cfg, fold, out, files), before, check_dtype=False, check_exact=False, rtol=1e-12)
+    now = wf._unit(cfg, cfg, fold, out, files)
+    pd.testing.assert_frame_equal(now, before, check_dtype=False, check_exact=False, rtol=1e-12)
