@@ -220,7 +220,7 @@ def test_a_unit_samples_its_validation_windows_once_and_the_zero_shot_once_per_f
     data = prepare_data(cfg.data, cfg.store_dir, with_splits=False)
     files = [f.get("sha256") for f in data.store.manifest.get("sources", [])]
     fold, out = wf.tune_folds(cfg, data.panel, True)[0], cfg.base_dir / "tune"
-    passes = []
+    passes, frames = [], []
     for module in (wf, pipeline):
         real = module.sample_paths
         spy = lambda *a, real=real, **k: passes.append(len(a[1])) or real(*a, **k)  # noqa: E731
@@ -234,9 +234,16 @@ def test_a_unit_samples_its_validation_windows_once_and_the_zero_shot_once_per_f
         ({"predictor_training.lr": 0.003, "forecast.temperature": 0.8}, [test, val]),  # forecast-only: no training
     ):
         passes.clear()
-        wf._unit(cfg, trial(**settings), fold, out, files)
+        frames.append(wf._unit(cfg, trial(**settings), fold, out, files))
         assert passes == expected, settings
     assert len((out / "trainings.jsonl").read_text().splitlines()) == 3
+    for kept in (out / "zero_shot").glob("*.npy"):  # T 1.0 and 0.8; edited: sampled again, never used
+        np.save(kept, np.load(kept) * 0.5)
+    passes.clear()
+    zero_shot = lambda f: f[f.candidate == "zero_shot"].reset_index(drop=True)  # noqa: E731
+    again = wf._unit(cfg, trial(**{"predictor_training.lr": 0.004}), fold, out, files)
+    assert passes == [test, test, val]
+    pd.testing.assert_frame_equal(zero_shot(again), zero_shot(frames[0]))
     # as before: the unit calibrated at training (reusing its trained predictor), scored with a fresh zero-shot
     folder = out / "units" / json.loads((out / "trainings.jsonl").read_text().splitlines()[0])["unit"]
     fold_cfg, _ = wf._train_fold(cfg, fold, folder)
