@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import logging
 import shutil
@@ -45,7 +46,7 @@ from model.calibration import apply_calibration, decoding_changes, fit_calibrati
 from model.config import Window
 from model.errors import ConfigError, DataError, RefusedError
 from model.fileio import atomic_write, read_json_object, sha256_file, write_json
-from model.predictor import load_pretrained_pair, load_trained_pair, read_predictor_info
+from model.predictor import CALIBRATION_FAILED, load_pretrained_pair, load_trained_pair, read_predictor_info
 
 log = logging.getLogger("finetune_csv.walk_forward")
 SCORES = ("crps", "mae", "cov50", "cov80", "direction")  # windows.csv score columns (returns vs the last close)
@@ -120,8 +121,11 @@ def fold_dates(fold: Fold) -> dict:
             "test_end": when(fold.test.stop - 1, np.max)}
 
 
-def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) -> pd.DataFrame:
-    """Every non-overlapping test window of the fold scored with each candidate: one row per (window, candidate)."""
+def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold, zero_shot: Path | None = None
+               ) -> pd.DataFrame:
+    """Every non-overlapping test window of the fold scored with each candidate: one row per (window, candidate).
+    `zero_shot`: where the zero-shot's sampled closes (W, S, H) are kept (tune: the same for every trial of these
+    data and forecast settings on this fold; sampled once, sealed by sha256)."""
     d, f, m, candidates = cfg.data, cfg.forecast, cfg.model, cfg.walk_forward.candidates
     # The empirical baseline's trailing closes (the last context bar included): n returns need n + 1 closes.
     history = f.empirical_window + 1 if "empirical" in candidates else 0
@@ -130,16 +134,19 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) 
     obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, H)
     sample = lambda pair, c, w=windows: sample_paths(KronosPredictor.from_models(*pair, window=c.data.window),
                                                      w.context, *w.stamps(), d.predict, f, f.batch_size)[..., CLOSE]
-    zs_pair = load_pretrained_pair(m.pretrained_predictor, m.pretrained_tokenizer)
-    paths = {"zero_shot": sample(zs_pair, cfg),
+    zs_pair = lambda: load_pretrained_pair(m.pretrained_predictor, m.pretrained_tokenizer)
+    zs = lambda: sample(zs_pair(), cfg)
+    paths = {"zero_shot": zs() if zero_shot is None else _kept(zero_shot, zs),
              "finetuned": sample(load_trained_pair(best_dir(fold_cfg.predictor_dir))[:2], fold_cfg),
              "persistence": persistence_samples(last, d.predict)}
     if "empirical" in candidates:
         paths["empirical"] = empirical_samples(windows.history, d.predict, windows.history.shape[1])
-    calibration, zs_cal = read_predictor_info(best_dir(fold_cfg.predictor_dir)).get("calibration"), None
-    if calibration is not None and (changed := decoding_changes(calibration, f.decoding())):
-        log.info("fold %d: refitting the calibration on its validation windows under this sampling (it was fitted "
-                 "with %s)", fold.index, ", ".join(changed))  # cheap: sampling only, no training
+    info = read_predictor_info(best_dir(fold_cfg.predictor_dir))
+    calibration, zs_cal = info.get("calibration") if f.calibrate else None, None
+    changed = decoding_changes(calibration, f.decoding()) if calibration else ["none fitted yet"]
+    if f.calibrate and changed and CALIBRATION_FAILED not in info:  # tune's units train without one: fitted here once
+        log.info("fold %d: fitting the calibration on its validation windows under this sampling (%s)", fold.index,
+                 ", ".join(changed))  # sampling only, no training
         val = held_out_windows(fold.val, d.window, f.window_stride)
         raw = sample(load_trained_pair(best_dir(fold_cfg.predictor_dir))[:2], fold_cfg, val)  # (V, S, H)
         ok = (raw > 0).all(axis=(1, 2))
@@ -147,9 +154,10 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold) 
             if ok.any() else None
     if calibration is not None:  # like with like: zero-shot's margins too, from the same validation windows
         val = held_out_windows(fold.val, d.window, f.window_stride)
-        zs = sample(zs_pair, cfg, val)  # (V, S, H)
-        ok = (zs > 0).all(axis=(1, 2))
-        zs_cal = fit_calibration(zs[ok], val.actual[ok][..., CLOSE], val.context[ok][:, -1, CLOSE]) \
+        zs_make = lambda: sample(zs_pair(), cfg, val)  # (V, S, H); kept beside the test paths in tune
+        zs_val = zs_make() if zero_shot is None else _kept(zero_shot.with_name(zero_shot.stem + "_val.npy"), zs_make)
+        ok = (zs_val > 0).all(axis=(1, 2))
+        zs_cal = fit_calibration(zs_val[ok], val.actual[ok][..., CLOSE], val.context[ok][:, -1, CLOSE]) \
             if ok.any() else None
     for name, cal, raw in (("calibrated", calibration, "finetuned"), ("zero_shot_calibrated", zs_cal, "zero_shot")):
         if cal is not None and f.calibration_method == "adaptive":  # replayed in publication order, as forecast
@@ -521,7 +529,8 @@ def tune_folds(cfg: CsvFinetuneConfig, panel, inner: bool, before: int = 0) -> l
 def _unit(cfg: CsvFinetuneConfig, c: CsvFinetuneConfig, fold: Fold, out: Path, files: list) -> pd.DataFrame:
     """The windows of trial settings `c` on `fold`, trained once per unit (training settings, fold dates, data; the
     forecast-only keys fixed to the given config's, so they never retrain) and scored once per forecast settings."""
-    unit = dataclasses.replace(c, forecast=cfg.forecast)
+    # No calibration at training: fitted once per forecast settings when scored (under the trial's sampling)
+    unit = dataclasses.replace(c, forecast=dataclasses.replace(cfg.forecast, calibrate=False))
     folder = out / "units" / tune.unit_fingerprint(_settings(unit), fold_dates(fold), files)
     rows = folder / f"windows_{digest(config_to_dict(c.forecast))[:12]}.csv"  # one file per forecast settings
     sealed = rows.with_suffix(".sha256")  # its hash, written after it: reused only while the bytes are tune's
@@ -537,10 +546,30 @@ def _unit(cfg: CsvFinetuneConfig, c: CsvFinetuneConfig, fold: Fold, out: Path, f
             if any(not r.skipped for r in results) or not known:  # e.g. trained by a run stopped before scoring
                 with open(ledger, "a") as fh:
                     fh.write(json.dumps({"unit": folder.name, "fold": fold.index}) + "\n")
-            frame = score_fold(c, fold_cfg, fold)
+            zero = digest([training_settings(c)["data"], _settings(c)["start"], forecast_settings(c),
+                           fold_dates(fold), files])[:16]  # its windows, models and sampling: shared by the trials
+            frame = score_fold(c, fold_cfg, fold, out / "zero_shot" / f"{zero}.npy")
             atomic_write(rows, lambda p: frame.to_csv(p, index=False))
             atomic_write(sealed, lambda p: Path(p).write_text(sha256_file(rows)))
     return pd.read_csv(rows, parse_dates=["window_start"])
+
+
+def _kept(path: Path, make) -> np.ndarray:
+    """`make()`'s array, kept in `path` (.npy) with its sha256 beside it: reused only while the bytes are those."""
+    sealed = path.with_suffix(".sha256")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        if not (path.is_file() and sealed.is_file() and sealed.read_text() == sha256_file(path)):
+            value = make()
+            atomic_write(path, lambda p: Path(p).write_bytes(_npy(value)))
+            atomic_write(sealed, lambda p: Path(p).write_text(sha256_file(path)))
+        return np.load(path)
+
+
+def _npy(value: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, value)
+    return buffer.getvalue()
 
 
 def tune_main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ import pytest
 from finetune.evaluation.statistics import paired_test
 from finetune.utils import tune
 from finetune_csv import walk_forward as wf
+from model.errors import RefusedError
 from tests.test_walk_forward import run_config  # noqa: F401 (the fixture)
 
 
@@ -115,6 +116,22 @@ def test_a_small_csv_study_end_to_end_writes_the_report_and_a_rerun_trains_nothi
     assert wf.tune_main(["--config", str(tune_config)]) == 0
     assert trainings(out) == units
     assert json.loads((out / "report.json").read_text())["outer"] == report["outer"]
+    # the audit's edit: a trial's value in the journal made the best; refused naming the journal, the report kept
+    other = next(r["number"] for r in report["trials"]["list"] if r["number"] != report["selected"]["number"])
+    journal, kept = out / "journal.log", (out / "report.json").read_text()
+    records = [json.loads(line) for line in journal.read_text().splitlines()]
+    for r in records:
+        if r.get("trial_id") == other and r.get("state") == 1:
+            r["values"] = [-1.0]
+    journal.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(RefusedError, match=rf"journal.log: trial {other}'s recorded settings or scores"):
+        wf.tune_main(["--config", str(tune_config)])
+    assert (out / "report.json").read_text() == kept
+    journal.unlink()  # the fix the refusal names: the study re-runs from its units, nothing retrains
+    assert wf.tune_main(["--config", str(tune_config)]) == 0
+    assert trainings(out) == units
+    again = json.loads((out / "report.json").read_text())
+    assert (again["selected"], again["outer"]) == (report["selected"], report["outer"])
 
 
 @pytest.mark.parametrize("seed", range(12))

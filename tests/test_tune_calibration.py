@@ -4,6 +4,7 @@ top_k or top_p is refused in `kronos forecast` and the Python API, refitted in t
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -59,4 +60,5 @@ def test_kronos_forecast_refuses_margins_fitted_with_4_samples_for_6_sample_fore
     assert train_sequential.main(["--config", str(config), "--set", "forecast.sample_count=6"]) == 0
     info = json.loads((tmp_path / "out/tiny/basemodel/best_model/kronos_predictor.json").read_text())
     assert info["calibration"]["decoding"]["sample_count"] == 6
+    shutil.rmtree(tmp_path / "out/tiny/forecast")  # the 4-sample forecast: never replaced by one of other settings
     assert run_forecast(load(config, ["forecast.sample_count=6"]))["calibration"] is not None

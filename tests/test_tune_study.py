@@ -179,3 +179,94 @@ def test_an_edited_unit_windows_file_is_scored_again_not_used(tune_config, tmp_p
     edited.to_csv(rows, index=False)
     pd.testing.assert_frame_equal(wf._unit(cfg, cfg, fold, out, files), first)
     assert len((out / "trainings.jsonl").read_text().splitlines()) == 1  # scored again, not retrained
+
+
+def _edit(journal: Path, trial: int, what: str) -> None:
+    """The audit's edits of a complete trial's record in tune/journal.log, by hand as a user would."""
+    lines = [json.loads(line) for line in journal.read_text().splitlines()]
+    for r in lines:
+        if r.get("trial_id") != trial:
+            continue
+        if what == "value" and r.get("state") == 1:
+            r["values"] = [-1.0]  # now the best of all, while its scores say otherwise
+        attr = r.get("user_attr") or {}
+        if what in attr:
+            key = next(iter(attr[what]))
+            attr[what][key] = attr[what][key] * (0.5 if what == "scores" else 2)
+    journal.write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+@pytest.mark.parametrize("what", ["value", "scores", "settings"])
+def test_an_edited_trial_record_in_the_journal_is_refused_naming_the_journal_not_reported(tmp_path, what):
+    import argparse
+
+    from finetune.evaluation.statistics import paired_test
+    from model.errors import EXIT_REFUSED, RefusedError
+
+    calls = []
+    tc = tune.TuneConfig(n_trials=4, space=SPACE, heartbeat_seconds=2)
+    dates = [f"2024-01-{d:02d}" for d in range(1, 9)]
+
+    def objective(params: dict, number: int) -> dict:  # the trial's inner scores, as its units' files give them
+        calls.append(number)
+        return {d: params["predictor_training.lr"] * (1 + i % 3) for i, d in enumerate(dates)}
+
+    args = argparse.Namespace(worker=False, workers=1, config="tune.yaml", set=[])
+    given = {"predictor_training": {"lr": 1e-3}}
+    study = lambda: tune.run(tmp_path, tc, {"setup": 1}, [], given, objective, args, "tune", paired_test)
+    first = study()
+    assert study() == first and sorted(calls) == [0, 0, 1, 1, 2, 2, 3, 3]  # intact: all checked, same report
+    other = next(r["number"] for r in first["trials"]["list"] if r["number"] != first["selected"]["number"])
+    _edit(tmp_path / "journal.log", other, what)
+    with pytest.raises(RefusedError, match=rf"journal.log: trial {other}'s recorded settings or scores") as err:
+        study()
+    assert err.value.exit_code == EXIT_REFUSED and "delete it" in str(err.value)
+    (tmp_path / "journal.log").unlink()  # the fix the refusal names: the study re-runs from the units
+    assert {k: v for k, v in study().items() if k != "study"} == {k: v for k, v in first.items() if k != "study"}
+
+
+@pytest.mark.slow
+def test_a_unit_samples_its_validation_windows_once_and_the_zero_shot_once_per_fold_and_sampling(
+    tune_config,  # noqa: F811
+    monkeypatch,
+):
+    """Issue 48 item 9: a unit's calibration sampled the validation windows at training and, under a trial's other
+    sampling, again when scored; every unit sampled the same zero-shot again. Now one pass each, same numbers."""
+    import finetune_csv.config as csv_config
+    import finetune_csv.pipeline as pipeline
+    from finetune_csv.prepare import prepare_data
+
+    cfg = csv_config.load(tune_config)
+    data = prepare_data(cfg.data, cfg.store_dir, with_splits=False)
+    files = [f.get("sha256") for f in data.store.manifest.get("sources", [])]
+    fold, out = wf.tune_folds(cfg, data.panel, True)[0], cfg.base_dir / "tune"
+    passes, frames = [], []
+    for module in (wf, pipeline):
+        real = module.sample_paths
+        spy = lambda *a, real=real, **k: passes.append(len(a[1])) or real(*a, **k)  # noqa: E731
+        monkeypatch.setattr(module, "sample_paths", spy)
+    trial = lambda **values: csv_config.load(tune_config, [f"{k}={v}" for k, v in values.items()])
+    test, val = (len(wf.held_out_windows(s, cfg.data.window)) for s in (fold.test, fold.val))
+    for settings, expected in (
+        ({}, [test, test, val]),  # zero-shot, finetuned, the calibration under this sampling
+        ({"predictor_training.lr": 0.002, "forecast.temperature": 0.8}, [test, test, val]),  # other sampling
+        ({"predictor_training.lr": 0.003}, [test, val]),  # the zero-shot of this sampling is kept
+        ({"predictor_training.lr": 0.003, "forecast.temperature": 0.8}, [test, val]),  # forecast-only: no training
+    ):
+        passes.clear()
+        frames.append(wf._unit(cfg, trial(**settings), fold, out, files))
+        assert passes == expected, settings
+    assert len((out / "trainings.jsonl").read_text().splitlines()) == 3
+    for kept in (out / "zero_shot").glob("*.npy"):  # T 1.0 and 0.8; edited: sampled again, never used
+        np.save(kept, np.load(kept) * 0.5)
+    passes.clear()
+    zero_shot = lambda f: f[f.candidate == "zero_shot"].reset_index(drop=True)  # noqa: E731
+    again = wf._unit(cfg, trial(**{"predictor_training.lr": 0.004}), fold, out, files)
+    assert passes == [test, test, val]
+    pd.testing.assert_frame_equal(zero_shot(again), zero_shot(frames[0]))
+    # as before: the unit calibrated at training (reusing its trained predictor), scored with a fresh zero-shot
+    folder = out / "units" / json.loads((out / "trainings.jsonl").read_text().splitlines()[0])["unit"]
+    fold_cfg, _ = wf._train_fold(cfg, fold, folder)
+    before = wf.score_fold(cfg, fold_cfg, fold)
+    now = wf._unit(cfg, cfg, fold, out, files)
+    pd.testing.assert_frame_equal(now, before, check_dtype=False, check_exact=False, rtol=1e-12)

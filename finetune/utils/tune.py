@@ -329,6 +329,22 @@ def work(study: Any, tc: TuneConfig, folder: Path, given: Mapping[str, Any], def
         progress(study)
 
 
+def check_recorded(study: Any, defaults: dict[str, Any], objective: Callable[[dict, int], dict], where: str) -> None:
+    """Each complete trial's recorded settings, value and inner scores against what its units' files give now
+    (`objective` reuses them: hash-checked, rescored when edited): a study record that was edited or damaged is
+    refused naming `where`, never reported (its best and its selection would disagree)."""
+    for t in study.get_trials(deepcopy=False, states=(_optuna().trial.TrialState.COMPLETE,)):
+        settings, scores = t.user_attrs.get("settings"), t.user_attrs.get("scores") or {}
+        drawn = json.loads(json.dumps(defaults if t.user_attrs.get("role") == "defaults" else t.params, default=str))
+        fresh = {str(k): float(v) for k, v in objective(settings, t.number).items()} if settings == drawn else {}
+        if fresh.keys() != scores.keys() or not np.allclose(
+                [t.value, *scores.values()], [np.mean(list(fresh.values())), *(fresh[k] for k in scores)],
+                rtol=1e-9, atol=0, equal_nan=True):
+            raise RefusedError(f"{where}: trial {t.number}'s recorded settings or scores (value {t.value}) are not "
+                               "what its units' files give: the study record was edited or damaged; delete it (or "
+                               "restore a copy) and rerun: tune/units/ stays, so the study re-runs reusing every unit")
+
+
 def spawn_workers(n: int, argv: list[str]) -> list[subprocess.Popen]:
     """n - 1 more local workers (`kronos ... --worker`), each with its share of the CPU threads or one GPU."""
     import torch
@@ -378,6 +394,8 @@ def run(folder: Path, tc: TuneConfig, identity: dict, holdout: Any, given: Mappi
     with FileLock(str(folder / "study.lock")):
         study = open_study(folder, tc, identity, holdout, workers + worker)
     defaults = {k: get_dotted(given, k) for k in tc.space}
+    if not worker:  # before any work: the journal's values must not steer the sampler or the report
+        check_recorded(study, defaults, objective, tc.storage or str(folder / "journal.log"))
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
