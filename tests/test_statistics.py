@@ -9,8 +9,15 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from finetune.evaluation.statistics import (MIN_BLOCKS, ar1_interval, hac_variance, mean_interval, mean_test, paired_test,
-                                             session_test)
+from finetune.evaluation.statistics import (
+    MIN_BLOCKS,
+    ar1_interval,
+    hac_variance,
+    mean_interval,
+    mean_test,
+    paired_test,
+    session_test,
+)
 
 
 def null_designs(rng, runs: int, n: int) -> dict[str, tuple[np.ndarray, int]]:

@@ -17,17 +17,17 @@ MIN_BLOCKS = 16  # non-overlapping stretches of q + 1 dates below which no inter
 RHO_MARGIN = 1.5  # standard errors of rho_hat added before the Satterthwaite df (1: AR(1) 0.97 at 24 dates 7.7%)
 POWER = 0.8  # the power at which the minimum detectable effect (mde) and windows_needed are stated
 # The AR(1) branch (issue 51, fifth pass; docs/evaluation.md): for q = 0 and at least AR1_SPANS[0] dates, the mean's
-# se is s (1 + a) / (1 - a) / T with a the Kendall-corrected lag-1 coefficient, and its 95% critical value is read
-# from AR1_CV (AR1_SPANS x AR1_RHOS; simulated 95% quantile of |mean| / se under a true AR(1), 30,000 runs, made
-# non-decreasing in rho and rounded up) at a + AR1_MARGIN (by span) standard errors: rho_hat of an AR(1) 0.97 over
-# 50 dates looks like an AR(1) 0.6's, and the margin keeps its size (1.75 at 100 dates: 5.9%). Below 50 dates the
-# margin that holds AR(1) 0.97 (2.5) costs i.i.d. power, so the rule above is kept there.
+# se^2 is s^2 (1 + a) / ((1 - a) T), a the Kendall-corrected lag-1 coefficient, and its 95% critical value is read
+# from AR1_CV (AR1_SPANS x AR1_RHOS: the simulated 95% quantile of |mean| / se under a true AR(1), 30,000 runs, made
+# non-decreasing in rho, rounded up; `python scripts/simulate_intervals.py table`) at a + AR1_MARGIN (by span)
+# standard errors: rho_hat of an AR(1) 0.97 over 50 dates looks like an AR(1) 0.6's, and the margin keeps its size
+# (1.5 at 50 dates: 8.5%). Below 50 dates the margin that holds AR(1) 0.97 (2.5) costs i.i.d. power: the HAC rule.
 AR1_SPANS, AR1_MARGIN = (50, 100, 200, 500), (2.25, 1.75, 1.5, 1.5)
 AR1_RHOS = (-0.9, -0.5, 0.0, 0.3, 0.6, 0.8, 0.9, 0.95, 0.97, 0.99)
-AR1_CV = ((2.03, 2.07, 2.07, 2.13, 2.31, 2.77, 3.55, 5.09, 6.75, 12.44),
-          (1.95, 2.02, 2.02, 2.06, 2.13, 2.34, 2.79, 3.63, 4.59, 8.45),
-          (1.94, 1.97, 1.98, 1.99, 2.05, 2.12, 2.35, 2.78, 3.36, 5.83),
-          (1.93, 1.98, 1.99, 1.99, 2.01, 2.03, 2.12, 2.30, 2.50, 3.61))
+AR1_CV = ((2.06, 2.07, 2.07, 2.15, 2.31, 2.76, 3.63, 5.15, 6.66, 12.31),
+          (1.97, 2.00, 2.00, 2.04, 2.12, 2.34, 2.76, 3.64, 4.68, 8.36),
+          (1.94, 1.98, 1.99, 2.00, 2.04, 2.14, 2.34, 2.76, 3.36, 5.85),
+          (1.92, 1.98, 1.98, 1.99, 2.00, 2.04, 2.11, 2.28, 2.53, 3.65))
 AR1_FIT_P = 0.05  # Ljung-Box p-value on the AR(1) residuals below which the fit is poor and the HAC rule is used
 
 
