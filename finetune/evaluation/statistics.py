@@ -46,7 +46,8 @@ def hac_variance(x: np.ndarray, lag: int, flat: int = 0) -> np.ndarray:
 
 def mean_interval(x: np.ndarray, flat: int = 0, level: float = 0.95) -> dict[str, np.ndarray]:
     """The interval rule (docs/evaluation.md) for the mean of each row of `x (R, T)` (R runs of T date values,
-    time order, finite; `flat` the known overlap q): {"mean", "se", "df", "half" (the half-width), "rho" (lag q + 1),
+    time order, finite; `flat` the known overlap q; q = 0 from 50 dates on: the AR(1) branch where it fits, its df the
+    t df of its critical value): {"mean", "se", "df", "half" (the half-width), "rho" (lag q + 1, or the branch's a),
     "lag", "blocks", "mde" (the smallest true mean detected with POWER, at the df "mde_df"), "clipped" (HAC variance
     clipped to 0: se floored at the i.i.d. one, df 1), "has_interval"}, arrays `(R,)` except the ints lag and blocks;
     has_interval False below MIN_BLOCKS stretches of q + 1 dates or at zero variance."""
