@@ -79,8 +79,6 @@ def mean_interval(x: np.ndarray, flat: int = 0, level: float = 0.95) -> dict[str
     raw = np.sqrt(dev.var(axis=1) / n)  # (R,) the i.i.d. standard error: the floor when the HAC variance is clipped
     clipped = (se <= 0) & (raw > 0)
     se, df, low = np.where(clipped, raw, se), np.where(clipped, 1.0, df), np.where(clipped, 1.0, low)  # t(1): wide
-    # The mde at the smaller df: power averages over the df's own noise, which the larger df understates (AR(1) 0.6,
-    # 50 dates: 0.71 of the simulated mde at the larger df, 0.98 at the smaller; docs/evaluation.md).
     if q == 0 and n >= AR1_SPANS[0]:
         a, se1, cv, fit = ar1_interval(dev)
         # (R,) the df whose t(0.975) is the table's critical value, so p-values and other levels follow the same t
@@ -95,6 +93,8 @@ def mean_interval(x: np.ndarray, flat: int = 0, level: float = 0.95) -> dict[str
         use = fit & (se1 > 0) & ~clipped
         rho, se, df, low = (np.where(use, a, rho), np.where(use, se1, se), np.where(use, d1, df),
                             np.where(use, dm, low))
+    # The mde at the smaller df: power averages over the df's own noise, which the larger df understates (AR(1) 0.6,
+    # 50 dates: 0.71 of the simulated mde at the larger df, 0.98 at the smaller; docs/evaluation.md).
     mde = (sps.t.ppf(0.5 + level / 2, low) + sps.t.ppf(POWER, low)) * se
     return {"mean": x.mean(axis=1), "se": se, "df": df, "half": sps.t.ppf(0.5 + level / 2, df) * se, "rho": rho,
             "lag": lag, "blocks": blocks, "mde": mde, "mde_df": low, "clipped": clipped,
