@@ -16,6 +16,19 @@ MIN_BLOCKS = 16  # non-overlapping stretches of q + 1 dates below which no inter
 # still fires 7%)
 RHO_MARGIN = 1.5  # standard errors of rho_hat added before the Satterthwaite df (1: AR(1) 0.97 at 24 dates 7.7%)
 POWER = 0.8  # the power at which the minimum detectable effect (mde) and windows_needed are stated
+# The AR(1) branch (issue 51, fifth pass; docs/evaluation.md): for q = 0 and at least AR1_SPANS[0] dates, the mean's
+# se^2 is s^2 (1 + a) / ((1 - a) T), a the Kendall-corrected lag-1 coefficient, and its 95% critical value is read
+# from AR1_CV (AR1_SPANS x AR1_RHOS: the simulated 95% quantile of |mean| / se under a true AR(1), 30,000 runs, made
+# non-decreasing in rho, rounded up; `python scripts/simulate_intervals.py table`) at a + AR1_MARGIN (by span)
+# standard errors: rho_hat of an AR(1) 0.97 over 50 dates looks like an AR(1) 0.6's, and the margin keeps its size
+# (1.5 at 50 dates: 8.5%). Below 50 dates the margin that holds AR(1) 0.97 (2.5) costs i.i.d. power: the HAC rule.
+AR1_SPANS, AR1_MARGIN = (50, 100, 200, 500), (2.25, 1.75, 1.5, 1.5)
+AR1_RHOS = (-0.9, -0.5, 0.0, 0.3, 0.6, 0.8, 0.9, 0.95, 0.97, 0.99)
+AR1_CV = ((2.06, 2.07, 2.07, 2.15, 2.31, 2.76, 3.63, 5.15, 6.66, 12.31),
+          (1.97, 2.00, 2.00, 2.04, 2.12, 2.34, 2.76, 3.64, 4.68, 8.36),
+          (1.94, 1.98, 1.99, 2.00, 2.04, 2.14, 2.34, 2.76, 3.36, 5.85),
+          (1.92, 1.98, 1.98, 1.99, 2.00, 2.04, 2.11, 2.28, 2.53, 3.65))
+AR1_FIT_P = 0.05  # Ljung-Box p-value on the AR(1) residuals below which the fit is poor and the HAC rule is used
 
 
 def hac_variance(x: np.ndarray, lag: int, flat: int = 0) -> np.ndarray:
@@ -33,7 +46,8 @@ def hac_variance(x: np.ndarray, lag: int, flat: int = 0) -> np.ndarray:
 
 def mean_interval(x: np.ndarray, flat: int = 0, level: float = 0.95) -> dict[str, np.ndarray]:
     """The interval rule (docs/evaluation.md) for the mean of each row of `x (R, T)` (R runs of T date values,
-    time order, finite; `flat` the known overlap q): {"mean", "se", "df", "half" (the half-width), "rho" (lag q + 1),
+    time order, finite; `flat` the known overlap q; q = 0 from 50 dates on: the AR(1) branch where it fits, its df the
+    t df of its critical value): {"mean", "se", "df", "half" (the half-width), "rho" (lag q + 1, or the branch's a),
     "lag", "blocks", "mde" (the smallest true mean detected with POWER, at the df "mde_df"), "clipped" (HAC variance
     clipped to 0: se floored at the i.i.d. one, df 1), "has_interval"}, arrays `(R,)` except the ints lag and blocks;
     has_interval False below MIN_BLOCKS stretches of q + 1 dates or at zero variance."""
@@ -65,12 +79,50 @@ def mean_interval(x: np.ndarray, flat: int = 0, level: float = 0.95) -> dict[str
     raw = np.sqrt(dev.var(axis=1) / n)  # (R,) the i.i.d. standard error: the floor when the HAC variance is clipped
     clipped = (se <= 0) & (raw > 0)
     se, df, low = np.where(clipped, raw, se), np.where(clipped, 1.0, df), np.where(clipped, 1.0, low)  # t(1): wide
+    if q == 0 and n >= AR1_SPANS[0]:
+        a, se1, cv, fit = ar1_interval(dev)
+        # (R,) the df whose t(0.975) is the table's critical value, so p-values and other levels follow the same t
+        grid = np.geomspace(1.0, 1e5, 2000)
+        d1 = np.interp(-cv, -sps.t.ppf(0.975, grid), grid)
+        # The mde takes a at POWER's normal quantile of its noise (s.e. sqrt((1 - a^2) / T)): power averages over
+        # that noise (at a itself the mde is 0.72 of the simulated one at AR(1) 0.6, 50 dates); stated as a df so
+        # that windows_needed grows it with the span: (t_0.975(d) + t_POWER(d)) se1 = (cv + z_POWER) se_POWER.
+        am = np.clip(a + sps.norm.ppf(POWER) * np.sqrt((1 - a**2) / n), -0.9, 0.99)
+        ratio = (cv + sps.norm.ppf(POWER)) * np.sqrt((1 + am) / (1 - am) * (1 - a) / (1 + a))
+        dm = np.interp(-ratio, -(sps.t.ppf(0.975, grid) + sps.t.ppf(POWER, grid)), grid)
+        use = fit & (se1 > 0) & ~clipped
+        rho, se, df, low = (np.where(use, a, rho), np.where(use, se1, se), np.where(use, d1, df),
+                            np.where(use, dm, low))
     # The mde at the smaller df: power averages over the df's own noise, which the larger df understates (AR(1) 0.6,
     # 50 dates: 0.71 of the simulated mde at the larger df, 0.98 at the smaller; docs/evaluation.md).
     mde = (sps.t.ppf(0.5 + level / 2, low) + sps.t.ppf(POWER, low)) * se
     return {"mean": x.mean(axis=1), "se": se, "df": df, "half": sps.t.ppf(0.5 + level / 2, df) * se, "rho": rho,
             "lag": lag, "blocks": blocks, "mde": mde, "mde_df": low, "clipped": clipped,
             "has_interval": (n // h >= MIN_BLOCKS) & (se > 0)}
+
+
+def ar1_interval(dev: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The AR(1) branch for demeaned rows `dev (R, T)`: (a, se, cv, fit), each `(R,)`: the Kendall-corrected lag-1
+    coefficient a + (1 + 3 a) / T clipped to [-0.9, 0.99], the se of the mean s^2 (1 + a) / ((1 - a) T), the 95%
+    critical value (AR1_CV at a + AR1_MARGIN s.e., interpolated in log T), and whether the Ljung-Box test on the
+    residuals (K = 2 + ln T lags, K - 1 df, as statsmodels' acorr_ljungbox with model_df=1) passes AR1_FIT_P."""
+    n = dev.shape[1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        a = np.nan_to_num((dev[:, 1:] * dev[:, :-1]).sum(axis=1) / (dev**2).sum(axis=1))
+    a = np.clip(a + (1 + 3 * a) / n, -0.9, 0.99)
+    se = np.sqrt((dev**2).sum(axis=1) / (n - 1) * (1 + a) / (1 - a) / n)
+    at = np.interp(np.log(n), np.log(AR1_SPANS), np.arange(len(AR1_SPANS)))  # fractional row of the table
+    row, w = min(int(at), len(AR1_SPANS) - 2), at - min(int(at), len(AR1_SPANS) - 2)
+    up = np.clip(a + np.interp(at, np.arange(len(AR1_SPANS)), AR1_MARGIN) * np.sqrt((1 - a**2) / n), -0.9, 0.99)
+    table = np.asarray(AR1_CV)
+    cv = np.interp(up, AR1_RHOS, (1 - w) * table[row] + w * table[row + 1])
+    e = dev[:, 1:] - a[:, None] * dev[:, :-1]
+    e = e - e.mean(axis=1, keepdims=True)
+    m, lags = n - 1, 2 + int(math.log(n))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        acf = np.stack([(e[:, k:] * e[:, :-k]).sum(axis=1) for k in range(1, lags + 1)], 1) / (e**2).sum(1)[:, None]
+    lb = m * (m + 2) * (np.nan_to_num(acf) ** 2 / (m - np.arange(1, lags + 1))).sum(axis=1)
+    return a, se, cv, sps.chi2.sf(lb, lags - 1) >= AR1_FIT_P
 
 
 def mean_test(x, lag: int = 0, level: float = 0.95) -> dict[str, float]:
