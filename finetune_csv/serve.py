@@ -61,16 +61,17 @@ class SeriesIn(BaseModel):
 
 
 class ForecastIn(BaseModel):
-    """POST /v1/forecast's body; the defaults are `predict_df`'s."""
+    """POST /v1/forecast's body. sample_count, T and top_p left out take the sampling the model's calibration was
+    fitted with (so a default request gets calibrated bands), else `predict_df`'s defaults."""
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     series: list[SeriesIn] = Field(min_length=1)
     horizon: int = Field(ge=1)
     quantiles: list[float] = []
-    sample_count: int = Field(MIN_QUANTILE_SAMPLES, ge=1, le=1000)
-    T: float = Field(1.0, gt=0)
-    top_p: float = Field(0.9, gt=0, le=1)
+    sample_count: int | None = Field(None, ge=1, le=1000)
+    T: float | None = Field(None, gt=0)
+    top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = 0  # None: a fresh random seed per request
     holidays: str | None = None
     return_samples: bool = False
@@ -110,7 +111,8 @@ def load_model(name: str, source: str, tokenizer: str | None, device: str | None
     close = 100 * np.exp(np.cumsum(np.random.default_rng(0).normal(0, 0.01, n)))  # a random walk, hourly
     frame = pd.DataFrame({"open": close, "high": close * 1.01, "low": close * 0.99, "close": close})
     stamps = pd.date_range("2024-01-01", periods=n + 1, freq="h")
-    predictor.predict_batch([frame], [stamps[:-1]], [stamps[-1:]], 1, verbose=False, seeds=[0])
+    predictor.predict_batch([frame], [stamps[:-1]], [stamps[-1:]], 1, verbose=False, calibrated=False,
+                            seeds=[0])  # raw: a calibrated folder refuses sampling other than its margins
     return Served(name, source, predictor, sha, tokenizer or "the one the folder records",
                   weights_fingerprint(predictor.model))
 
@@ -377,6 +379,9 @@ def create_app(models: dict[str, tuple[str, str | None, str | None]], *, api_key
                             f"model {name!r} is not served (the models are {sorted(models)})" if name not in models
                             else f"model {name!r} is still loading")
         model = served[name]
+        fitted = (model.predictor.calibration or {}).get("decoding") or {}
+        req = req.model_copy(update={k: fitted.get(k, default) for k, default in (
+            ("sample_count", MIN_QUANTILE_SAMPLES), ("T", 1.0), ("top_p", 0.9)) if getattr(req, k) is None})
         cap = min(model.predictor.max_context, max_horizon or model.predictor.max_context)
         problem = (f"horizon {req.horizon} is over {cap} (the model's window, or --max-horizon)" if req.horizon > cap
                    else f"{len(req.series)} series are over {max_series} per request (--max-series)"

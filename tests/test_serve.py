@@ -274,3 +274,27 @@ def test_the_readme_curl_call_forecasts(folder):
     out = run(call(serve(folder), "POST", "/v1/forecast", json=body)).json()["outputs"]
     assert [(o["status"], len(o["timestamps"]), sorted(o["quantiles"])) for o in out] == [("ok", 3, ["0.1", "0.9"])]
     assert out[0]["timestamps"][0] == "2024-01-08T00:00:00"  # the next business day after Friday 2024-01-05
+
+
+def test_a_default_request_takes_the_sampling_the_calibration_was_fitted_with(folder, tmp_path):
+    """A run's calibration records its sampling (32 paths, top_p 1.0 here): a request that names none gets those and
+    calibrated bands equal to predict_df's under them; a request with other sampling gets raw bands, said."""
+    best = tmp_path / "cal" / "best_model"
+    tok, pred = tiny_models(0)
+    pred.save_pretrained(best)
+    tok.save_pretrained(best / "tokenizer")
+    r = np.random.default_rng(1)
+    cal = fit_calibration(100 * np.exp(r.normal(0, 0.01, (30, 32, 6))), 100 * np.exp(r.normal(0, 0.03, (30, 6))),
+                          np.full(30, 100.0))
+    cal["decoding"] = {"T": 1.0, "top_k": 0, "top_p": 1.0, "sample_count": 32}
+    (best / "kronos_predictor.json").write_text(json.dumps({"max_context": 64, "lookback": 48, "calibration": cal}))
+    app = create_app({"cal": (str(best), None, "cpu")})
+    app.state.load_all()
+    body = {"series": [series("A")], "horizon": 4, "quantiles": [0.1, 0.9], "seed": 3}
+    out = run(call(app, "POST", "/v1/forecast", json=body)).json()["outputs"][0]
+    ref = KronosPredictor.from_pretrained(best, device="cpu").predict_df(
+        frame(), prediction_length=4, quantiles=[0.1, 0.9], seed=3, sample_count=32, top_p=1.0)
+    assert out["calibrated"] is True
+    np.testing.assert_allclose(out["quantiles"]["0.9"]["close"], ref["close_q90"], rtol=1e-5)
+    other = run(call(app, "POST", "/v1/forecast", json={**body, "sample_count": 20})).json()["outputs"][0]
+    assert other["status"] == "ok" and other["calibrated"] is False
