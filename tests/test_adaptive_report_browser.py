@@ -52,15 +52,19 @@ def test_coverage_over_time_and_like_with_like_on_the_page(browser, tmp_path):  
     assert "(calibrated bands, both)" in forecast.format_report(metrics)
     page.close()
 
-    # a walk-forward's report.json with its band fields (walk_forward.calibration_fields): the same chart
-    folder = other_runs(tmp_path / "runs")["walk_forward"]
-    report = json.loads((folder / "report.json").read_text())
-    rng, when = np.random.default_rng(0), np.arange(120).astype("datetime64[D]")
-    report["calibration"] = {"method": "adaptive", **forecast.band_quality(
-        {"raw": rng.random(120) < 0.5, "calibrated": rng.random(120) < 0.8}, {"raw": np.ones(120), "calibrated":
-                                                                              2 * np.ones(120)}, rng.random(120), when)}
-    (folder / "report.json").write_text(json.dumps(report))
-    page, requests, errors = open_page(browser, write_report(folder).resolve().as_uri())
-    assert errors == [] and page.locator("#coverage-over-time .legendtext").all_text_contents() == ["raw", "adaptive"]
-    check_layout(page, folder)
-    page.close()
+    # a walk-forward's report.json and a tune's tune/report.json with their band fields
+    # (walk_forward.calibration_fields): the same chart on both pages
+    runs = other_runs(tmp_path / "runs")
+    for folder, path in ((runs["walk_forward"], runs["walk_forward"] / "report.json"),
+                         (runs["tune"], runs["tune"] / "tune" / "report.json")):
+        report = json.loads(path.read_text())
+        rng, when = np.random.default_rng(0), np.arange(120).astype("datetime64[D]")
+        report["calibration"] = {"method": "adaptive", **forecast.band_quality(
+            {"raw": rng.random(120) < 0.5, "calibrated": rng.random(120) < 0.8},
+            {"raw": np.ones(120), "calibrated": 2 * np.ones(120)}, rng.random(120), when)}
+        path.write_text(json.dumps(report))
+        page, requests, errors = open_page(browser, write_report(folder).resolve().as_uri())
+        assert errors == [] and page.locator("#coverage-over-time .legendtext").all_text_contents() == [
+            "raw", "adaptive"], folder
+        check_layout(page, folder)
+        page.close()
