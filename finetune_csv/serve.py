@@ -12,6 +12,7 @@ import logging
 import os
 import secrets
 import signal
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -129,17 +130,20 @@ class Job:
     # closes (S, P), the margins applied or None): what the journal keeps
 
 
-def _series_frame(s: SeriesIn, horizon: int, holidays: str | None) -> tuple[pd.DataFrame, pd.DatetimeIndex, Any]:
-    """A series of the request -> (its candles indexed by time, its stamps, the forecast stamps of its calendar), by
-    `predict_df`'s rules (`read_frame`)."""
+def _series_frame(s: SeriesIn, horizon: int, holidays: str | None
+                  ) -> tuple[pd.DataFrame, pd.DatetimeIndex, Any, list[str]]:
+    """A series of the request -> (its candles indexed by time, its stamps, the forecast stamps of its calendar, the
+    calendar's warnings), by `predict_df`'s rules (`read_frame`)."""
     cols = {c: getattr(s, c) for c in ("timestamps", *FEATURES) if getattr(s, c, None) is not None}
     lengths = {c: len(v) for c, v in cols.items()}
     if len(set(lengths.values())) > 1:
         raise UserError(f"series {s.id!r}: its columns have different lengths {lengths}")
     frame = pd.DataFrame({c: np.asarray(v, dtype=object if c == "timestamps" else float) for c, v in cols.items()})
-    fs = read_frame(frame, horizon, holidays=holidays)
+    with warnings.catch_warnings(record=True) as said:  # the calendar's caveats go back to the caller, not the log
+        warnings.simplefilter("always")
+        fs = read_frame(frame, horizon, holidays=holidays)
     _, rows, future = fs.series[0]
-    return fs.frame(rows), fs.stamps[rows], future
+    return fs.frame(rows), fs.stamps[rows], future, [str(w.message) for w in said]
 
 
 def _output(sid: Any, index: pd.Index, paths: np.ndarray, mean: np.ndarray, calibrated: bool, quantiles: list[float],
@@ -164,7 +168,7 @@ def forecast_jobs(model: Served, jobs: list[Job]) -> None:
     if cal is not None and (decoding_changes(cal, {"T": body.T, "top_k": 0, "top_p": body.top_p, "sample_count":
                                                    body.sample_count}) or body.horizon > len(cal["margins"][0])):
         cal = None
-    todo = []  # (job, position, series id, candles, stamps, forecast stamps)
+    todo = []  # (job, position, series id, candles, stamps, forecast stamps, warnings)
     for job in jobs:
         job.outputs, job.paths = [None] * len(job.body.series), {}
         for i, s in enumerate(job.body.series):
@@ -187,7 +191,7 @@ def forecast_jobs(model: Served, jobs: list[Job]) -> None:
                 results.append(run([t])[0])
             except UserError as exc:
                 results.append(str(exc).splitlines()[0])
-    for (job, i, sid, candles, stamps, _), res in zip(todo, results):
+    for (job, i, sid, candles, stamps, _, said), res in zip(todo, results):
         if isinstance(res, str):
             job.outputs[i] = {"id": sid, "status": "error", "error": res}
             continue
@@ -199,6 +203,8 @@ def forecast_jobs(model: Served, jobs: list[Job]) -> None:
         job.paths[i] = (stamps[-1], last, raw[..., CLOSE], paths[..., CLOSE], used and used["margins"])
         job.outputs[i] = _output(sid, res.mean.index, paths, paths.mean(0) if cal else res.mean.to_numpy(),
                                  cal is not None, job.body.quantiles, job.body.return_samples)
+        if said:
+            job.outputs[i]["warnings"] = said
 
 
 def run_dir(source: str | Path) -> Path | None:

@@ -298,3 +298,20 @@ def test_a_default_request_takes_the_sampling_the_calibration_was_fitted_with(fo
     np.testing.assert_allclose(out["quantiles"]["0.9"]["close"], ref["close_q90"], rtol=1e-5)
     other = run(call(app, "POST", "/v1/forecast", json={**body, "sample_count": 20})).json()["outputs"][0]
     assert other["status"] == "ok" and other["calibrated"] is False
+
+
+def test_the_calendars_caveats_come_back_with_the_series_they_concern(folder):
+    """Daily business-day bars without a holiday calendar: predict_df warns that holidays are forecast as trading
+    days; the service says so in that series' output (not only in its log), and a series gets only its own caveats."""
+    app = serve(folder)
+    daily = series("D")
+    daily["timestamps"] = pd.bdate_range("2024-01-01", periods=60).astype(str).tolist()
+    out = run(call(app, "POST", "/v1/forecast", json={"series": [daily, series("H")], "horizon": 3}))
+    d, h = out.json()["outputs"]
+    assert d["status"] == "ok" and any("holiday" in w for w in d["warnings"])
+    assert not any("holiday" in w for w in h["warnings"])  # 60 hourly bars: its own caveat (too little history)
+    assert any("no whole session" in w for w in h["warnings"])
+    with pytest.warns(UserWarning, match="holiday"):  # the same caveat predict_df gives for these bars
+        KronosPredictor.from_pretrained(folder, device="cpu").predict_df(
+            pd.DataFrame({**{c: daily[c] for c in ("open", "high", "low", "close")},
+                          "timestamps": pd.to_datetime(daily["timestamps"])}), prediction_length=3)
