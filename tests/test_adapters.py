@@ -44,8 +44,8 @@ def train(tmp_path: Path, cfg: TrainingConfig, pred: Kronos | None = None):
 
 
 def forecast(predictor: Kronos | KronosPredictor) -> np.ndarray:
-    """Greedy (top_k=1), uncalibrated forecast of 3 bars of a fixed frame (prices, (3, 6)); a bare Kronos forecasts with the
-    tiny tokenizer."""
+    """Greedy (top_k=1), uncalibrated forecast of 3 bars of a fixed frame (prices, (3, 6)); a bare Kronos forecasts
+    with the tiny tokenizer."""
     ts = pd.date_range("2024-01-01", periods=12, freq="1h")
     values = np.random.default_rng(0).uniform(10, 11, (12, 6))
     values[:, 1], values[:, 2] = values[:, :4].max(axis=1), values[:, :4].min(axis=1)  # valid candles
