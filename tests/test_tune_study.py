@@ -248,21 +248,22 @@ def test_a_unit_samples_its_validation_windows_once_and_the_zero_shot_once_per_f
     trial = lambda **values: csv_config.load(tune_config, [f"{k}={v}" for k, v in values.items()])
     test, val = (len(wf.held_out_windows(s, cfg.data.window)) for s in (fold.test, fold.val))
     for settings, expected in (
-        ({}, [test, test, val]),  # zero-shot, finetuned, the calibration under this sampling
-        ({"predictor_training.lr": 0.002, "forecast.temperature": 0.8}, [test, test, val]),  # other sampling
-        ({"predictor_training.lr": 0.003}, [test, val]),  # the zero-shot of this sampling is kept
+        # zero-shot, finetuned, the calibration under this sampling, the zero-shot's own margins (like with like)
+        ({}, [test, test, val, val]),
+        ({"predictor_training.lr": 0.002, "forecast.temperature": 0.8}, [test, test, val, val]),  # other sampling
+        ({"predictor_training.lr": 0.003}, [test, val]),  # the zero-shot's paths of this sampling are kept
         ({"predictor_training.lr": 0.003, "forecast.temperature": 0.8}, [test, val]),  # forecast-only: no training
     ):
         passes.clear()
         frames.append(wf._unit(cfg, trial(**settings), fold, out, files))
         assert passes == expected, settings
     assert len((out / "trainings.jsonl").read_text().splitlines()) == 3
-    for kept in (out / "zero_shot").glob("*.npy"):  # T 1.0 and 0.8; edited: sampled again, never used
+    for kept in (out / "zero_shot").glob("*.npy"):  # T 1.0 and 0.8, test and validation; edited: sampled again
         np.save(kept, np.load(kept) * 0.5)
     passes.clear()
     zero_shot = lambda f: f[f.candidate == "zero_shot"].reset_index(drop=True)  # noqa: E731
     again = wf._unit(cfg, trial(**{"predictor_training.lr": 0.004}), fold, out, files)
-    assert passes == [test, test, val]
+    assert passes == [test, test, val, val]
     pd.testing.assert_frame_equal(zero_shot(again), zero_shot(frames[0]))
     # as before: the unit calibrated at training (reusing its trained predictor), scored with a fresh zero-shot
     folder = out / "units" / json.loads((out / "trainings.jsonl").read_text().splitlines()[0])["unit"]
