@@ -223,17 +223,26 @@ def test_the_real_server_on_loopback_answers_the_readme_client_and_stops_on_sigt
 
 
 
-def test_a_calibrated_run_answers_as_predict_df_and_journals_each_served_series(folder, tmp_path):
-    """A run's <base_dir>/basemodel/best_model with a calibration: the served numbers equal predict_df's calibrated
-    ones, and each forecast series is one record of <base_dir>/journal/forecasts.jsonl that `kronos track` reads."""
-    best = tmp_path / "myrun" / "basemodel" / "best_model"
+def calibrated_folder(best, paths: int, decoding: dict | None = None):
+    """A tiny predictor folder at `best` with margins fitted on stand-in paths (and their sampling record, if
+    given) -> (the predictor, the calibration)."""
     tok, pred = tiny_models(0)
     pred.save_pretrained(best)
     tok.save_pretrained(best / "tokenizer")
     r = np.random.default_rng(1)
-    cal = fit_calibration(100 * np.exp(r.normal(0, 0.01, (30, 20, 6))), 100 * np.exp(r.normal(0, 0.03, (30, 6))),
+    cal = fit_calibration(100 * np.exp(r.normal(0, 0.01, (30, paths, 6))), 100 * np.exp(r.normal(0, 0.03, (30, 6))),
                           np.full(30, 100.0))
+    if decoding is not None:
+        cal["decoding"] = decoding
     (best / "kronos_predictor.json").write_text(json.dumps({"max_context": 64, "lookback": 48, "calibration": cal}))
+    return pred, cal
+
+
+def test_a_calibrated_run_answers_as_predict_df_and_journals_each_served_series(folder, tmp_path):
+    """A run's <base_dir>/basemodel/best_model with a calibration: the served numbers equal predict_df's calibrated
+    ones, and each forecast series is one record of <base_dir>/journal/forecasts.jsonl that `kronos track` reads."""
+    best = tmp_path / "myrun" / "basemodel" / "best_model"
+    pred, cal = calibrated_folder(best, 20)
     app = create_app({"myrun": (str(best), None, "cpu")}, journal=journal_served)
     app.state.load_all()
     bad = series("bad")
@@ -280,14 +289,7 @@ def test_a_default_request_takes_the_sampling_the_calibration_was_fitted_with(fo
     """A run's calibration records its sampling (32 paths, top_p 1.0 here): a request that names none gets those and
     calibrated bands equal to predict_df's under them; a request with other sampling gets raw bands, said."""
     best = tmp_path / "cal" / "best_model"
-    tok, pred = tiny_models(0)
-    pred.save_pretrained(best)
-    tok.save_pretrained(best / "tokenizer")
-    r = np.random.default_rng(1)
-    cal = fit_calibration(100 * np.exp(r.normal(0, 0.01, (30, 32, 6))), 100 * np.exp(r.normal(0, 0.03, (30, 6))),
-                          np.full(30, 100.0))
-    cal["decoding"] = {"T": 1.0, "top_k": 0, "top_p": 1.0, "sample_count": 32}
-    (best / "kronos_predictor.json").write_text(json.dumps({"max_context": 64, "lookback": 48, "calibration": cal}))
+    calibrated_folder(best, 32, {"T": 1.0, "top_k": 0, "top_p": 1.0, "sample_count": 32})
     app = create_app({"cal": (str(best), None, "cpu")})
     app.state.load_all()
     body = {"series": [series("A")], "horizon": 4, "quantiles": [0.1, 0.9], "seed": 3}
