@@ -301,6 +301,11 @@ def check_data_settings(d: Mapping[str, Any], p: Problems) -> None:
             f"must be >= 1 or null, got {d.get('max_gap_days')}")
     p.check(d.get("splits_path") is None or Path(d["splits_path"]).is_file(), "data.splits_path",
             f"{d.get('splits_path')!r} is not a file: give a CSV with columns symbol, date, ratio, or null")
+    ways = [k for k, on in (("data.columns.factor", (d.get("columns") or {}).get("factor") is not None),
+                            ("data.splits_path", d.get("splits_path") is not None),
+                            ("data.adjust: adj_close", d.get("adjust") == "adj_close")) if on]
+    p.check(len(ways) <= 1, ways[-1] if ways else "data.adjust",  # each would adjust the same splits again
+            f"{' and '.join(ways)} both adjust the prices: keep one")
     for key, problem in (("data.timezone", timezone_problem(d["timezone"])),
                          ("data.frequency", frequency_problem(d["frequency"]))):
         p.check(problem is None, key, problem or "")

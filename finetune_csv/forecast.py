@@ -674,8 +674,9 @@ def _future(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, calibration: dic
              " (kept; forecast.repair_candles: true repairs them)")
     raw = finish_paths(paths, None, context[:, -1, CLOSE], cfg.forecast.repair_candles) if calibration else None
     if calibration is not None:
-        used = [adaptive.current_calibration(calibration, name if cfg.forecast.calibration_method == "adaptive"
-                                             else None) for name in names]  # split: the stored margins
+        split = {k: v for k, v in calibration.items() if k != "adaptive"}  # split: the stored margins, never a
+        used = [adaptive.current_calibration(calibration, name) if cfg.forecast.calibration_method == "adaptive"
+                else split for name in names]  # state an earlier adaptive run or `kronos track` left beside them
         paths = np.stack([finish_paths(paths[i : i + 1], used[i], context[i : i + 1, -1, CLOSE],
                                        cfg.forecast.repair_candles)[0] for i in range(len(names))])
     else:

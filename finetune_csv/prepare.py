@@ -288,10 +288,11 @@ def _build(sources: list[tuple[Path | csv_sources.Frame, Path | csv_sources.Fram
     freqs: dict[str, pd.Timedelta] = {}  # series name -> inferred bar length
     try:
         splits, used = read_splits(settings.splits_path), set()  # {SYMBOL: [(date ns, ratio), ...]}
+        columns = settings.as_dict()["columns"]  # once: as_dict hashes the splits file
         for source, original in sources:
             named = lambda texts, a=str(source), b=str(original): [t.replace(a, b) for t in texts]  # noqa: E731
             try:
-                reader = csv_sources.SourceReader(source, settings.as_dict()["columns"], settings.symbol_column,
+                reader = csv_sources.SourceReader(source, columns, settings.symbol_column,
                                                   settings.timestamp_format, block_rows, timezone=settings.timezone,
                                                   adjust=settings.adjust, shown_as=original,
                                                   timestamp_unit=settings.timestamp_unit, header=settings.header)

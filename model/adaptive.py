@@ -114,7 +114,12 @@ def with_margins(calibration: dict[str, Any], margins: np.ndarray) -> dict[str, 
 
 def current_calibration(calibration: dict[str, Any] | None, series: str | None = None) -> dict[str, Any] | None:
     """What a forecast made now applies: the stored adaptive state's margins for `series` when the calibration holds
-    one (kronos_predictor.json "calibration"."adaptive"), else the split calibration as stored."""
-    if calibration is None or not calibration.get("adaptive"):
+    one (kronos_predictor.json "calibration"."adaptive"), else the split calibration as stored. A series the
+    per-series state holds no tracker for (no held-out windows; an id a served request names) gets the split margins
+    the trackers started from, not an error."""
+    state = calibration and calibration.get("adaptive")
+    if not state:
         return calibration
+    if ALL not in state["trackers"] and series not in state["trackers"]:
+        return {k: v for k, v in calibration.items() if k != "adaptive"}
     return with_margins(calibration, tracker_margins(calibration["adaptive"], series))

@@ -71,3 +71,17 @@ def test_per_series_covers_each_series():
     _, cover, _, _, names = replay(2, 1.0, (0.6, 1.6), series=("calm", "wild"), per_series=True)
     for name in ("calm", "wild"):
         assert abs(cover[np.asarray(names) == name].mean() - 0.80) <= 0.04
+
+
+def test_a_series_without_its_own_tracker_gets_the_split_margins_not_an_error():
+    """Per-series state only for the series that had held-out windows: a forecast for another (a series without test
+    windows, an id a served request names) applies the split margins; a tracked series its own, moved ones."""
+    r = np.random.default_rng(0)
+    cal = fit_calibration(100 * np.exp(r.normal(0, 0.01, (40, 30, 3))), 100 * np.exp(r.normal(0, 0.02, (40, 3))),
+                          np.full(40, 100.0))
+    state = adaptive.start_state(cal, ["A"])
+    state["trackers"]["A"]["q"] = (np.asarray(state["trackers"]["A"]["q"]) + 0.5).tolist()
+    stored = {**cal, "adaptive": state}
+    other = adaptive.current_calibration(stored, "B")
+    assert "adaptive" not in other and np.allclose(other["margins"], cal["margins"])
+    assert not np.allclose(adaptive.current_calibration(stored, "A")["margins"], cal["margins"])

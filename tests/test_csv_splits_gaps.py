@@ -209,3 +209,8 @@ def test_the_adjustment_settings_are_checked_when_the_config_is_read(tmp_path):
     with pytest.raises(ConfigError, match=r"data.columns: maps one CSV column to several fields"):
         load(config, ["data.columns.factor=close"])
     assert load(config, ["data.columns.factor=Factor", "data.header=none"]).data.columns.factor == "Factor"
+    (tmp_path / "s.csv").write_text("symbol,date,ratio\nAAPL,2020-08-31,4\n")
+    with pytest.raises(ConfigError, match=r"data.columns.factor and data.splits_path both adjust the prices"):
+        load(config, ["data.columns.factor=Factor", f"data.splits_path={tmp_path / 's.csv'}"])
+    with pytest.raises(ConfigError, match=r"data.splits_path and data.adjust: adj_close both adjust the prices"):
+        load(config, [f"data.splits_path={tmp_path / 's.csv'}", "data.adjust=adj_close"])

@@ -122,7 +122,8 @@ def pbo(inner: pd.DataFrame, blocks: int = 8) -> float | None:
     """Probability of backtest overfitting by CSCV: the T dates (columns, time order) cut into S even blocks; for
     every half of them as in-sample, the in-sample best trial's rank among all on the other half; PBO = share of
     splits where it falls below the median (logit < 0; exactly at it, as with an odd N, counts half; a trial tied
-    with it out of sample counts as beating it): 0.5 when no trial is really better, whatever N; None for fewer
+    with it out of sample ranks below it, as the issue's rule asks: a dominating setting with an exact duplicate
+    scores 0, not 0.5): 0.5 when no trial is really better, whatever N; None for fewer
     than 2 trials or dates, and when the blocks are not independent (`pbo_blocks` below PBO_MIN_SHARE of S):
     persistent luck carries from an in-sample block to the next, and PBO then reads 0.25-0.3 with no effect."""
     m = inner.to_numpy(dtype=np.float64)  # (N, T)
@@ -138,7 +139,7 @@ def pbo(inner: pd.DataFrame, blocks: int = 8) -> float | None:
         other = [b for b in range(s) if b not in half]
         is_, oos = sums[:, half].sum(1) / sizes[list(half)].sum(), sums[:, other].sum(1) / sizes[other].sum()
         best = int(np.argmin(is_))
-        omega = np.sum(oos >= oos[best]) / (n + 1)  # relative rank out of sample (a tie ranks above it)
+        omega = np.sum(oos >= oos[best]) / (n + 1)  # relative rank out of sample (a tie ranks below it)
         below.append(1.0 if omega < 0.5 else 0.5 if omega == 0.5 else 0.0)
     return float(np.mean(below))
 
