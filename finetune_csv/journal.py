@@ -127,6 +127,7 @@ def track(cfg: CsvFinetuneConfig) -> dict:
                     crps_ensemble(np.array(y / last - 1), np.asarray(rec["samples"])[:, j] / last - 1, fair=True)
                 ),
                 "persistence_crps": abs(y / last - 1),
+                "calibrated": rec.get("margins") is not None,  # raw bands (other sampling when served): not fed
             }
             for c in LEVELS:
                 lo, hi = (qc[np.argmin(np.abs(lv - x)), j] for x in ((1 - c) / 2, (1 + c) / 2))
@@ -145,7 +146,9 @@ def track(cfg: CsvFinetuneConfig) -> dict:
     fed = set(before.get("fed", []))
     if calibration is not None and cfg.forecast.calibration_method == "adaptive":
         state = calibration.get("adaptive") or adaptive.start_state(calibration)
-        new = [r for r in rows if r["model"] == current and f"{r['id']}:{r['step']}" not in fed]
+        tracked = lambda name: adaptive.ALL in state["trackers"] or name in state["trackers"]  # noqa: E731
+        new = [r for r in rows if r["model"] == current and r["calibrated"] and tracked(r["series"])
+               and f"{r['id']}:{r['step']}" not in fed]
         for r in new:
             adaptive.update(state, r["score"], r["step"], r["series"])
             fed.add(f"{r['id']}:{r['step']}")

@@ -34,6 +34,9 @@ def test_track_scores_exactly_the_arrived_steps_and_a_rerun_changes_nothing(tmp_
     forecast.run_future(load(config, ["forecast.seed=2"]))  # another draw: a second journaled forecast per series
     lines = (cfg.base_dir / "journal" / "forecasts.jsonl").read_text().splitlines()
     assert len(lines) == 4 and {json.loads(x)["margins"] is not None for x in lines} == {True}
+    raw = {**json.loads(lines[0]), "id": "served-with-other-sampling", "margins": None}  # raw bands (serve's
+    with open(cfg.base_dir / "journal" / "forecasts.jsonl", "a") as f:  # answer to other sampling): scored, not fed
+        f.write(json.dumps(raw) + "\n")
     assert journal.track(cfg)["scored_steps"] == 0  # no bar after the origins yet
     for path in sorted((tmp_path / "data").glob("*.csv")):  # three new bars per series
         frame = pd.read_csv(path, parse_dates=["timestamps"])
@@ -43,9 +46,9 @@ def test_track_scores_exactly_the_arrived_steps_and_a_rerun_changes_nothing(tmp_
     info = lambda: (best / "kronos_predictor.json").read_text()  # noqa: E731
     before = info()
     report = journal.track(cfg)
-    assert report["scored_steps"] == 4 * 3 and len(report["fed"]) == 12  # 4 forecasts x 3 arrived steps, all fed
+    assert report["scored_steps"] == 5 * 3 and len(report["fed"]) == 12  # 4 calibrated forecasts x 3 steps fed
     (model,) = report["models"].values()
-    assert model["steps"] == 12 and 0 <= model["cov80"] <= 1 and model["crps"] > 0
+    assert model["steps"] == 15 and 0 <= model["cov80"] <= 1 and model["crps"] > 0
     assert info() != before  # the adaptive state moved on
     after, track_json = info(), (cfg.base_dir / "journal" / "track.json").read_text()
     assert journal.track(cfg) == report and info() == after
