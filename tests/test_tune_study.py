@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import time
 from pathlib import Path
 
@@ -271,3 +272,18 @@ def test_a_unit_samples_its_validation_windows_once_and_the_zero_shot_once_per_f
     before = wf.score_fold(cfg, fold_cfg, fold)
     now = wf._unit(cfg, cfg, fold, out, files)
     pd.testing.assert_frame_equal(now, before, check_dtype=False, check_exact=False, rtol=1e-12)
+
+
+def test_a_partial_last_line_is_left_alone_while_another_workers_heartbeat_is_fresh(tmp_path):
+    """Another worker (another host here) may be writing that line: cutting the file would drop its record. Once
+    its heartbeat is stale (3 beats), the line is a kill's leftover and is cut back."""
+    journal, beats = tmp_path / "journal.log", tmp_path / "heartbeats"
+    beats.mkdir()
+    journal.write_bytes(b'{"op_code": 0}\n{"op_code": 5, "trial_id": 2, "sta')
+    (beats / "study-2").write_text(json.dumps({"host": "another-host", "pid": 1}))
+    tune._repair_journal(journal, beats, every=30.0)
+    assert journal.read_bytes().endswith(b'"sta')  # untouched
+    old = time.time() - 100
+    os.utime(beats / "study-2", (old, old))
+    tune._repair_journal(journal, beats, every=30.0)
+    assert journal.read_bytes() == b'{"op_code": 0}\n'

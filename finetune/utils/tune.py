@@ -217,15 +217,18 @@ def open_study(folder: Path, tc: TuneConfig, identity: dict, holdout: Any, worke
     if url is None:
         from optuna.storages.journal import JournalFileBackend, JournalStorage
 
-        _repair_journal(folder / "journal.log")
+        _repair_journal(folder / "journal.log", folder / "heartbeats", tc.heartbeat_seconds)
         url = JournalStorage(JournalFileBackend(str(folder / "journal.log")))
     return optuna.create_study(study_name=name, storage=url, direction="minimize", load_if_exists=True)
 
 
-def _repair_journal(path: Path) -> None:
+def _repair_journal(path: Path, beats: Path, every: float) -> None:
     """A journal whose last record is partial or garbled (a kill mid-write, a truncated copy) is cut back to its
     last whole record, said in the log, so the study goes on from there and appends after a whole line; a garbled
-    record before the last one is refused naming the file."""
+    record before the last one is refused naming the file. While another worker's heartbeat is fresh its partial
+    last line may be a write in progress: left alone (cutting it would drop that worker's record)."""
+    if any(_other_worker(b, every) for b in beats.glob("*") if b.suffix != ".tmp"):
+        return
     lines = path.read_bytes().split(b"\n") if path.is_file() else [b""]
     *whole, tail = lines  # `tail`: what follows the last newline (b"" when the file ends with one)
     bad = [i for i, line in enumerate(whole) if not _json_line(line)]
@@ -237,6 +240,15 @@ def _repair_journal(path: Path) -> None:
         log.warning("tune: %s ends in a partial or garbled record (a kill mid-write or a truncated copy): cut back "
                     "to its last whole record (%d); the trials after it re-run", path, len(keep))
         atomic_write(path, lambda p: Path(p).write_bytes(b"".join(line + b"\n" for line in keep)))
+
+
+def _other_worker(beat: Path, every: float) -> bool:
+    """A fresh heartbeat of a worker other than this process."""
+    with suppress(OSError, ValueError, KeyError):
+        info = json.loads(beat.read_text())
+        if info.get("host") == socket.gethostname() and int(info["pid"]) == os.getpid():
+            return False
+    return not _stale(beat, every)
 
 
 def _json_line(line: bytes) -> bool:
