@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from safetensors.torch import load_file
 
 from finetune.evaluation.forecast_scores import crps_ensemble
 from finetune.utils.cli_args import add_config_args, parse_config_args
@@ -24,12 +27,13 @@ from model import adaptive
 from model.calibration import write_calibration
 from model.errors import DataError
 from model.features import CLOSE
-from model.fileio import read_json_object, write_json
-from model.hub import weights_fingerprint
-from model.kronos import Kronos
+from model.fileio import check_seal, read_json_object, write_json
+from model.hub import WEIGHTS_NAME, weights_fingerprint
 from model.predictor import PREDICTOR_INFO_NAME, read_predictor_info
 
+log = logging.getLogger(__name__)
 LEVELS = (0.5, 0.8, 0.9, 0.95)  # central bands whose live coverage is tracked
+NOT_IN_DATA = "no such series in data.path (a served id, or a series removed from it)"
 
 
 def journal_records(
@@ -91,8 +95,10 @@ def read_journal(path: Path) -> list[dict]:
 
 def track(cfg: CsvFinetuneConfig) -> dict:
     """Score every journaled forecast step whose bar has arrived (the j-th bar after its origin in data.path), per
-    model; feed the steps not fed before, in publication order, to the adaptive state of the model that made them
-    when it is the current one; write journal/track.json and journal/track.html. Same data: same files."""
+    model (a forecast of a series data.path lacks is counted in "unscored"); feed the steps not fed before, in
+    publication order, to the adaptive state of the model that made them when it is the current one (all of them
+    again when `kronos forecast` rebuilt the state since: its digest is not the one track.json records); write
+    journal/track.json and journal/track.html. Same data: same files."""
     folder = cfg.base_dir / "journal"
     if not (folder / "forecasts.jsonl").is_file():
         raise DataError(f"no forecast journal in {folder}; run `kronos forecast --future` first")
@@ -107,8 +113,9 @@ def track(cfg: CsvFinetuneConfig) -> dict:
     }
     before = read_json_object(folder / "track.json") if (folder / "track.json").is_file() else {}
     rows, missing = [], []
-    for rec in records:
-        times, close = bars.get(rec["series"], (pd.DatetimeIndex([]), None))
+    unscored = Counter(rec["series"] for rec in records if rec["series"] not in bars)
+    for rec in (rec for rec in records if rec["series"] in bars):
+        times, close = bars[rec["series"]]
         at = times.get_indexer([pd.Timestamp(rec["origin"]).tz_localize(None)])[0]
         if at < 0:
             missing.append(f"{rec['series']} {rec['origin']}")
@@ -141,14 +148,22 @@ def track(cfg: CsvFinetuneConfig) -> dict:
         )
     rows.sort(key=lambda r: (r["arrived"], r["origin"], r["series"], r["step"]))  # publication order
     best = best_dir(cfg.predictor_dir)
-    current = weights_fingerprint(Kronos.from_pretrained(best))  # forecasts of a replaced model keep their own
+    check_seal(best, "train it again (training.overwrite=true) or copy the model again")
+    # the journal's weights_fingerprint(model) without building the model: its state dict is the file's tensors
+    # loaded into float32 parameters (forecasts of a replaced model keep their own fingerprint)
+    current = weights_fingerprint({k: v.float() if v.is_floating_point() else v
+                                   for k, v in load_file(best / WEIGHTS_NAME).items()})
     calibration = read_predictor_info(best).get("calibration")
-    fed = set(before.get("fed", []))
+    fed, state = set(before.get("fed", [])), None
     if calibration is not None and cfg.forecast.calibration_method == "adaptive":
         state = calibration.get("adaptive") or adaptive.start_state(calibration)
+        rebuilt = before.get("adaptive_state") not in (None, digest(state))  # by `kronos forecast`: feed all again
         tracked = lambda name: adaptive.ALL in state["trackers"] or name in state["trackers"]  # noqa: E731
         new = [r for r in rows if r["model"] == current and r["calibrated"] and tracked(r["series"])
-               and f"{r['id']}:{r['step']}" not in fed]
+               and (rebuilt or f"{r['id']}:{r['step']}" not in fed)]
+        if again := sum(f"{r['id']}:{r['step']}" in fed for r in new):
+            log.warning("the adaptive state was rebuilt since the last track (kronos forecast?): %d live outcomes fed "
+                        "again", again)
         for r in new:
             adaptive.update(state, r["score"], r["step"], r["series"])
             fed.add(f"{r['id']}:{r['step']}")
@@ -156,10 +171,13 @@ def track(cfg: CsvFinetuneConfig) -> dict:
             write_calibration(best / PREDICTOR_INFO_NAME, {**calibration, "adaptive": state})
     held = cfg.base_dir / "forecast" / "metrics.json"
     held = read_json_object(held) if held.is_file() else {}
-    report = {"forecasts": len(records), "scored_steps": len(rows), "fed": sorted(fed), "models": {}}
+    report = {"forecasts": len(records), "scored_steps": len(rows), "fed": sorted(fed), "models": {},
+              "adaptive_state": state and digest(state),  # what track left: another one next time was rebuilt
+              "unscored": {s: {"forecasts": n, "reason": NOT_IN_DATA} for s, n in sorted(unscored.items())}}
     for sha in sorted({r["model"] for r in rows}):
         mine = [r for r in rows if r["model"] == sha]
         n, cov80 = len(mine), float(np.mean([r["cov80"] for r in mine]))
+        hits = np.cumsum([r["cov80"] for r in mine]).tolist()  # 80% hits so far (0/1 sums: exact prefix means)
         p = ((held.get("calibration") or {}).get("cov80_calibrated") if sha == current else None) or 0.8
         allowed = [p - 1.96 * (p * (1 - p) / n) ** 0.5, p + 1.96 * (p * (1 - p) / n) ** 0.5]
         report["models"][sha] = {
@@ -175,9 +193,7 @@ def track(cfg: CsvFinetuneConfig) -> dict:
             if allowed[0] <= cov80 <= allowed[1]
             else f"live 80% coverage {cov80:.2f} outside [{allowed[0]:.2f}, {allowed[1]:.2f}] "
             f"(held-out {p:.2f}, {n} steps)",
-            "cov80_over_time": [
-                [r["arrived"], float(np.mean([x["cov80"] for x in mine[: k + 1]]))] for k, r in enumerate(mine)
-            ],
+            "cov80_over_time": [[r["arrived"], h / (k + 1)] for k, (r, h) in enumerate(zip(mine, hits))],
         }
     if report != before:  # a rerun on the same data changes nothing
         write_json(folder / "track.json", report)
@@ -188,6 +204,7 @@ def track(cfg: CsvFinetuneConfig) -> dict:
 def page(report: dict) -> str:
     """journal/track.html: per model, live CRPS beside the held-out figure, live coverage over time, the warning."""
     parts = ["<!doctype html><meta charset=utf-8><title>kronos track</title><h1>Live forecasts</h1>"]
+    parts += [f"<p><b>{unscored_line(report)}</b></p>"] if report["unscored"] else []
     for sha, m in report["models"].items():
         parts.append(
             f"<h2>model {sha[:12]}</h2><p>{m['steps']} steps scored; CRPS {m['crps']:.5f} (held-out "
@@ -204,6 +221,13 @@ def page(report: dict) -> str:
     return "\n".join(parts)
 
 
+def unscored_line(report: dict) -> str:
+    """The one line naming the journaled forecasts track could not score (their series is not in data.path)."""
+    u = report["unscored"]
+    return (f"{sum(x['forecasts'] for x in u.values())} journaled forecasts not scored, {NOT_IN_DATA}: "
+            + ", ".join(f"{s} ({x['forecasts']})" for s, x in u.items()))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = add_config_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]), CsvFinetuneConfig, load)
     args = parse_config_args(parser, argv)
@@ -214,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             f"model {sha[:12]}: {m['steps']} steps scored, CRPS {m['crps']:.5f}, 80% coverage {m['cov80']:.2f}"
             + (f"; warning: {m['warning']}" if m["warning"] else "")
         )
+    if report["unscored"]:
+        print(unscored_line(report))
     print(f"written: {cfg.base_dir}/journal/{{track.json, track.html}}")
     return 0
 
