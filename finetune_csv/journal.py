@@ -202,7 +202,8 @@ def track(cfg: CsvFinetuneConfig) -> dict:
 
 
 def page(report: dict) -> str:
-    """journal/track.html: per model, live CRPS beside the held-out figure, live coverage over time, the warning."""
+    """journal/track.html: the unscored line; per model, live CRPS beside the held-out figure, live coverage over time,
+    the warning."""
     parts = ["<!doctype html><meta charset=utf-8><title>kronos track</title><h1>Live forecasts</h1>"]
     parts += [f"<p><b>{unscored_line(report)}</b></p>"] if report["unscored"] else []
     for sha, m in report["models"].items():
