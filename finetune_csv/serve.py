@@ -404,8 +404,9 @@ def create_app(models: dict[str, tuple[str, str | None, str | None]], *, api_key
         if problem:
             return envelope(422, "limit", problem)
         job = Job(req, model, secrets.randbits(63) if req.seed is None else req.seed)
-        try:  # off the event loop, beside the forward pass
-            job.ready = await asyncio.get_running_loop().run_in_executor(None, check_series, model.predictor, req)
+        try:  # on the forecast thread: catch_warnings is process-wide, and each series gets only its own caveats
+            job.ready = await asyncio.get_running_loop().run_in_executor(batcher.pool, check_series, model.predictor,
+                                                                         req)
         except DataError as exc:
             series.labels("error").inc()
             return envelope(422, "invalid_series", str(exc))
