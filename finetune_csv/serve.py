@@ -33,7 +33,7 @@ from finetune.utils.errors import run_main, setup_logging
 from finetune_csv.journal import append_forecasts, journal_records
 from model import adaptive
 from model.calibration import calibration_shift, decoding_changes
-from model.errors import UserError
+from model.errors import DataError, UserError
 from model.features import CLOSE, FEATURES, PRICE_FEATURES
 from model.fileio import sha256_file
 from model.frames import read_frame
@@ -125,25 +125,36 @@ class Job:
     body: ForecastIn
     model: Served
     seed: int
+    ready: list[tuple] = field(default_factory=list)  # its series as `check_series` returns them
     outputs: list[dict[str, Any] | None] = field(default_factory=list)
     paths: dict[int, tuple] = field(default_factory=dict)  # series position -> (origin, last close, raw, published
     # closes (S, P), the margins applied or None): what the journal keeps
 
 
-def _series_frame(s: SeriesIn, horizon: int, holidays: str | None
-                  ) -> tuple[pd.DataFrame, pd.DatetimeIndex, Any, list[str]]:
-    """A series of the request -> (its candles indexed by time, its stamps, the forecast stamps of its calendar, the
-    calendar's warnings), by `predict_df`'s rules (`read_frame`)."""
-    cols = {c: getattr(s, c) for c in ("timestamps", *FEATURES) if getattr(s, c, None) is not None}
-    lengths = {c: len(v) for c, v in cols.items()}
-    if len(set(lengths.values())) > 1:
-        raise UserError(f"series {s.id!r}: its columns have different lengths {lengths}")
-    frame = pd.DataFrame({c: np.asarray(v, dtype=object if c == "timestamps" else float) for c, v in cols.items()})
-    with warnings.catch_warnings(record=True) as said:  # the calendar's caveats go back to the caller, not the log
-        warnings.simplefilter("always")
-        fs = read_frame(frame, horizon, holidays=holidays)
-    _, rows, future = fs.series[0]
-    return fs.frame(rows), fs.stamps[rows], future, [str(w.message) for w in said]
+def check_series(p: KronosPredictor, body: ForecastIn) -> list[tuple]:
+    """A request's series -> (id, its candles indexed by time, its stamps, the forecast stamps of its calendar, the
+    calendar's warnings) each, by `predict_df`'s rules (`read_frame`), checked as `predict_batch` checks a series
+    (its `_prepare`) before the request joins a batch: a bad series refuses its own request (a DataError naming it)
+    instead of failing the merged pass of every request batched with it."""
+    out = []
+    for s in body.series:
+        cols = {c: getattr(s, c) for c in ("timestamps", *FEATURES) if getattr(s, c, None) is not None}
+        try:
+            if len(set((lengths := {c: len(v) for c, v in cols.items()}).values())) > 1:
+                raise DataError(f"its columns have different lengths {lengths}")
+            frame = pd.DataFrame({c: np.asarray(v, dtype=object if c == "timestamps" else float)
+                                  for c, v in cols.items()})
+            with warnings.catch_warnings(record=True) as said:  # the calendar's caveats go back to the caller
+                warnings.simplefilter("always")
+                fs = read_frame(frame, body.horizon, holidays=body.holidays)
+            _, rows, future = fs.series[0]
+            candles, stamps = fs.frame(rows), fs.stamps[rows]
+            p._prepare(candles, stamps, future, body.horizon, f"series {s.id!r}")
+        except (UserError, ValueError) as exc:
+            msg, name = str(exc).splitlines()[0], f"series {s.id!r}"
+            raise DataError(msg if name in msg else f"{name}: {msg}") from None
+        out.append((s.id, candles, stamps, future, [str(w.message) for w in said]))
+    return out
 
 
 def _output(sid: Any, index: pd.Index, paths: np.ndarray, mean: np.ndarray, calibrated: bool, quantiles: list[float],
@@ -158,9 +169,10 @@ def _output(sid: Any, index: pd.Index, paths: np.ndarray, mean: np.ndarray, cali
 
 
 def forecast_jobs(model: Served, jobs: list[Job]) -> None:
-    """Forecast the series of every job in one batched pass (they share horizon and decoding settings); each series
-    draws from its own generator seeded by its request's seed, so its numbers never depend on its batch. A bad series
-    gets status "error" with the one-line message; the others still forecast. The predictor's calibration is
+    """Forecast the checked series (`check_series`) of every job in one batched pass (they share horizon and decoding
+    settings); each series draws from its own generator seeded by its request's seed, so its numbers never depend on
+    its batch. Should that pass still fail, each series is forecast alone (logged), so a failure lands on its own
+    series only (status "error" with the one-line message). The predictor's calibration is
     applied here, as `predict_batch` applies it, so the raw draws stay for the journal; where it does not hold (other
     decoding, a longer horizon) the answer is raw and says `"calibrated": false`."""
     p, body = model.predictor, jobs[0].body
@@ -168,14 +180,10 @@ def forecast_jobs(model: Served, jobs: list[Job]) -> None:
     if cal is not None and (decoding_changes(cal, {"T": body.T, "top_k": 0, "top_p": body.top_p, "sample_count":
                                                    body.sample_count}) or body.horizon > len(cal["margins"][0])):
         cal = None
-    todo = []  # (job, position, series id, candles, stamps, forecast stamps, warnings)
+    todo = [(job, i, *ready) for job in jobs for i, ready in enumerate(job.ready)]  # (job, position, series id,
+    # candles, stamps, forecast stamps, warnings)
     for job in jobs:
         job.outputs, job.paths = [None] * len(job.body.series), {}
-        for i, s in enumerate(job.body.series):
-            try:
-                todo.append((job, i, s.id, *_series_frame(s, body.horizon, job.body.holidays)))
-            except (UserError, ValueError) as exc:
-                job.outputs[i] = {"id": s.id, "status": "error", "error": str(exc).splitlines()[0]}
 
     def run(items: list) -> list:
         return p.predict_batch([t[3] for t in items], [t[4] for t in items], [t[5] for t in items], body.horizon,
@@ -183,8 +191,9 @@ def forecast_jobs(model: Served, jobs: list[Job]) -> None:
                                series_names=[f"series {t[2]!r}" for t in items], seeds=[t[0].seed for t in items])
 
     try:
-        results = run(todo) if todo else []
-    except UserError:  # one bad series: forecast each alone, so the error lands on that one only (same numbers)
+        results = run(todo)
+    except Exception:  # noqa: BLE001 - unexpected (the series were checked): each alone (same numbers), N passes
+        log.exception("a merged pass of %d series failed; forecasting each alone", len(todo))
         results = []
         for t in todo:
             try:
@@ -395,6 +404,12 @@ def create_app(models: dict[str, tuple[str, str | None, str | None]], *, api_key
         if problem:
             return envelope(422, "limit", problem)
         job = Job(req, model, secrets.randbits(63) if req.seed is None else req.seed)
+        try:  # on the forecast thread: catch_warnings is process-wide, and each series gets only its own caveats
+            job.ready = await asyncio.get_running_loop().run_in_executor(batcher.pool, check_series, model.predictor,
+                                                                         req)
+        except DataError as exc:
+            series.labels("error").inc()
+            return envelope(422, "invalid_series", str(exc))
         await batcher.submit((model, req.horizon, req.sample_count, req.T, req.top_p), job)
         for out in job.outputs:
             series.labels(out["status"]).inc()

@@ -107,8 +107,9 @@ def test_a_bad_series_errors_alone_and_limits_answer_one_envelope(folder):
     app = serve(folder, max_series=3, max_body_bytes=200_000)
     bad = series("bad")
     bad["close"][5] = None
-    out = run(call(app, "POST", "/v1/forecast", json={"series": [series("A"), bad], "horizon": 3})).json()
-    assert [o["status"] for o in out["outputs"]] == ["ok", "error"] and "bad" in out["outputs"][1]["error"]
+    r = run(call(app, "POST", "/v1/forecast", json={"series": [series("A"), bad], "horizon": 3}))
+    assert (r.status_code, r.json()["error"]["code"]) == (422, "invalid_series")
+    assert r.json()["error"]["message"].startswith("series 'bad' has 1 value(s) NaN/inf, first in column 'close'")
     for body, status in [({"series": [series(i) for i in range(4)], "horizon": 3}, 422),
                          ({"series": [series("A")], "horizon": 65}, 422),
                          ({"series": [series("A")], "horizon": 3, "colour": 1}, 422),
@@ -132,6 +133,59 @@ def test_a_request_alone_and_among_16_others_gets_the_same_numbers(folder):
     np.testing.assert_allclose(among["quantiles"]["0.5"]["close"], alone["quantiles"]["0.5"]["close"], rtol=1e-5)
     sizes = run(call(app, "GET", "/metrics")).text
     assert "kronos_batch_size_bucket{le=\"1.0\"} 1.0" in sizes  # the crowd was merged (not 18 passes of one)
+
+
+def test_a_bad_request_among_good_ones_is_refused_alone_and_the_good_ones_share_one_pass(folder, monkeypatch,
+                                                                                         caplog):
+    """Four good requests and one bad (unreadable stamps; broken candles), at once: the bad ones answer 422 naming
+    their series before joining a batch, the good ones 200 with each one's numbers alone, from ONE merged pass (the
+    batch closes when its 4 series are in: no timing). A merged pass that still fails falls back to one pass per
+    series, logged, with the same numbers."""
+    alone = serve(folder)
+    bodies = [{"series": [series(i, 60, i)], "horizon": 3, "quantiles": [0.5], "seed": i} for i in range(4)]
+    want = [run(call(alone, "POST", "/v1/forecast", json=b)).json()["outputs"][0] for b in bodies]
+    stamps, candles = series("s"), series("c")
+    stamps["timestamps"][3] = "not a time"
+    candles["low"][7] = candles["high"][7] * 2
+    passes, real = [], KronosPredictor.predict_batch
+
+    def counted(self, df_list, *args, **kw):
+        passes.append(len(df_list))
+        return real(self, df_list, *args, **kw)
+
+    monkeypatch.setattr(KronosPredictor, "predict_batch", counted)
+    app = serve(folder, max_batch_size=4, max_wait_ms=10_000)
+    passes.clear()  # the warm-up's
+
+    async def crowd():
+        return await asyncio.gather(*(call(app, "POST", "/v1/forecast", json={**b, "series": [s]}) for b, s in
+                                      [(bodies[0], stamps), (bodies[1], candles)]),
+                                    *(call(app, "POST", "/v1/forecast", json=b) for b in bodies))
+
+    bad_stamps, bad_candles, *good = run(crowd())
+    assert passes == [4]
+    assert (bad_stamps.status_code, bad_stamps.json()["error"]["code"]) == (422, "invalid_series")
+    assert bad_stamps.json()["error"]["message"].startswith("series 's': ")
+    assert "series 'c': column 'low' is" in bad_candles.json()["error"]["message"]
+    for got, ref in zip(good, want):
+        assert got.status_code == 200
+        np.testing.assert_allclose(got.json()["outputs"][0]["quantiles"]["0.5"]["close"], ref["quantiles"]["0.5"][
+            "close"], rtol=1e-5)
+
+    def merged_fails(self, df_list, *args, **kw):  # e.g. out of memory at the merged size only
+        if len(df_list) > 1:
+            raise RuntimeError("out of memory")
+        return counted(self, df_list, *args, **kw)
+
+    monkeypatch.setattr(KronosPredictor, "predict_batch", merged_fails)
+    passes.clear()
+
+    async def good_only():
+        return await asyncio.gather(*(call(app, "POST", "/v1/forecast", json=b) for b in bodies))
+
+    again = run(good_only())
+    assert passes == [1, 1, 1, 1] and "a merged pass of 4 series failed; forecasting each alone" in caplog.text
+    assert [a.json()["outputs"][0]["quantiles"] for a in again] == [g.json()["outputs"][0]["quantiles"] for g in good]
 
 
 def test_reload_with_requests_in_flight_and_the_new_sha(folder, tmp_path):
@@ -245,22 +299,20 @@ def test_a_calibrated_run_answers_as_predict_df_and_journals_each_served_series(
     pred, cal = calibrated_folder(best, 20)
     app = create_app({"myrun": (str(best), None, "cpu")}, journal=journal_served)
     app.state.load_all()
-    bad = series("bad")
-    bad["timestamps"][3] = "not a time"
-    body = {"series": [series("A"), bad, series("B", 40, 1)], "horizon": 4, "quantiles": [0.1, 0.9], "seed": 2}
+    body = {"series": [series("A"), series("B", 40, 1)], "horizon": 4, "quantiles": [0.1, 0.9], "seed": 2}
     out = run(call(app, "POST", "/v1/forecast", json=body)).json()["outputs"]
-    assert [o["status"] for o in out] == ["ok", "error", "ok"] and out[0]["calibrated"] is True
+    assert [o["status"] for o in out] == ["ok", "ok"] and out[0]["calibrated"] is True
     ref = KronosPredictor.from_pretrained(best, device="cpu").predict_df(frame(40, 1), prediction_length=4,
                                                                           quantiles=[0.1, 0.9], seed=2)
-    np.testing.assert_allclose(out[2]["quantiles"]["0.1"]["close"], ref["close_q10"], rtol=1e-5)
-    np.testing.assert_allclose(out[2]["mean"]["open"], ref["open"], rtol=1e-5)
+    np.testing.assert_allclose(out[1]["quantiles"]["0.1"]["close"], ref["close_q10"], rtol=1e-5)
+    np.testing.assert_allclose(out[1]["mean"]["open"], ref["open"], rtol=1e-5)
     records = read_journal(tmp_path / "myrun" / "journal" / "forecasts.jsonl")
     assert [(x["series"], x["origin"]) for x in records] == [("A", frame().timestamps.iloc[-1].isoformat()),
                                                              ("B", frame(40, 1).timestamps.iloc[-1].isoformat())]
     fingerprint = run(call(app, "GET", "/v1/models")).json()["models"][0]
     assert records[0]["model"]["predictor_sha256"] == weights_fingerprint(pred) and fingerprint["name"] == "myrun"
     assert np.asarray(records[1]["samples"]).shape == (20, 4) and records[1]["margins"] == cal["margins"]
-    np.testing.assert_allclose(np.asarray(records[1]["samples"])[:, 1].mean(), out[2]["mean"]["close"][1], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(records[1]["samples"])[:, 1].mean(), out[1]["mean"]["close"][1], rtol=1e-5)
     assert records[0]["raw_quantiles"] != records[0]["quantiles"]  # the raw draws are kept beside the published ones
 
     # kronos track stored an adaptive state: A's tracker moved, B's did not; served forecasts follow it per series
@@ -269,7 +321,7 @@ def test_a_calibrated_run_answers_as_predict_df_and_journals_each_served_series(
     (best / "kronos_predictor.json").write_text(json.dumps({"max_context": 64, "lookback": 48,
                                                             "calibration": {**cal, "adaptive": state}}))
     assert run(call(app, "POST", "/v1/models/myrun/reload")).status_code == 200
-    run(call(app, "POST", "/v1/forecast", json={**body, "series": [series("A"), series("B", 40, 1)]}))
+    run(call(app, "POST", "/v1/forecast", json=body))
     now = read_journal(tmp_path / "myrun" / "journal" / "forecasts.jsonl")
     assert [x["series"] for x in now] == ["A", "B", "A"]  # B's repeat, split margins again, is the same forecast
     np.testing.assert_allclose(now[2]["margins"], adaptive.tracker_margins(state, "A"))
