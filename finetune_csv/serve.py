@@ -134,7 +134,7 @@ class Job:
 def check_series(p: KronosPredictor, body: ForecastIn) -> list[tuple]:
     """A request's series -> (id, its candles indexed by time, its stamps, the forecast stamps of its calendar, the
     calendar's warnings) each, by `predict_df`'s rules (`read_frame`), checked as `predict_batch` checks a series
-    (its `_prepare`) before the request joins a batch: a bad series refuses its own request (a DataError naming it)
+    (its `prepare`) before the request joins a batch: a bad series refuses its own request (a DataError naming it)
     instead of failing the merged pass of every request batched with it."""
     out = []
     for s in body.series:
@@ -149,7 +149,7 @@ def check_series(p: KronosPredictor, body: ForecastIn) -> list[tuple]:
                 fs = read_frame(frame, body.horizon, holidays=body.holidays)
             _, rows, future = fs.series[0]
             candles, stamps = fs.frame(rows), fs.stamps[rows]
-            p._prepare(candles, stamps, future, body.horizon, f"series {s.id!r}")
+            p.prepare(candles, stamps, future, body.horizon, f"series {s.id!r}")
         except (UserError, ValueError) as exc:
             msg, name = str(exc).splitlines()[0], f"series {s.id!r}"
             raise DataError(msg if name in msg else f"{name}: {msg}") from None

@@ -363,7 +363,7 @@ class KronosPredictor:
             raise DataError(f"df_list, x_timestamp_list and y_timestamp_list have different lengths: "
                             f"{len(df_list)}, {len(x_timestamp_list)}, {len(y_timestamp_list)}")
         names = list(series_names or (["df"] if len(df_list) == 1 else [f"df_list[{i}]" for i in range(len(df_list))]))
-        prepared = [self._prepare(df, x_ts, y_ts, pred_len, name)
+        prepared = [self.prepare(df, x_ts, y_ts, pred_len, name)
                     for df, x_ts, y_ts, name in zip(df_list, x_timestamp_list, y_timestamp_list, names)]
         stamps = stamp_features([i for p in prepared for i in (p["x_index"], p["y_index"])])
         groups: dict[int, list[int]] = {}
@@ -490,9 +490,9 @@ class KronosPredictor:
         return z[:, -pred_len:].float().cpu().numpy().reshape(b, sample_count, pred_len, d)
 
     # ----------------------------------------------------------- helpers
-    def _prepare(self, df: pd.DataFrame, x_ts: Any, y_ts: Any, pred_len: int, name: str) -> dict[str, Any]:
-        """Check one series (all rows given) and cut it to the last `lookback` rows: x (N, 6) float32, last_close,
-        x_index (N), y_index (pred_len)."""
+    def prepare(self, df: pd.DataFrame, x_ts: Any, y_ts: Any, pred_len: int, name: str) -> dict[str, Any]:
+        """Check one series (all rows given; a DataError naming it) and cut it to the last `lookback` rows: x (N, 6)
+        float32, last_close, x_index (N), y_index (pred_len)."""
         x = candle_matrix(df, name)
         x_idx = to_datetime_index(x_ts, f"{name}'s x_timestamp")
         y_idx = to_datetime_index(y_ts, f"{name}'s y_timestamp")
