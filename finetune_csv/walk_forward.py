@@ -25,7 +25,7 @@ from filelock import FileLock
 
 import finetune_csv.config as csv_config
 from finetune.evaluation.forecast_scores import ScoreSettings, empirical_samples, persistence_samples, window_scores
-from finetune.evaluation.held_out import held_out_windows, sample_paths
+from finetune.evaluation.held_out import HeldOutWindows, held_out_windows, sample_paths
 from finetune.evaluation.report import write_report
 from finetune.evaluation.statistics import paired_test, session_test
 from finetune.utils import tune
@@ -42,7 +42,7 @@ from finetune_csv.prepare import prepare_data
 from finetune_csv.splits import date_bounds
 from finetune_csv.train_sequential import run_finetune
 from model import KronosPredictor
-from model.calibration import apply_calibration, decoding_changes, fit_calibration
+from model.calibration import apply_calibration, decoding_changes, fit_windows
 from model.config import Window
 from model.errors import ConfigError, DataError, RefusedError
 from model.fileio import atomic_write, read_json_object, sha256_file, write_json
@@ -132,33 +132,35 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold, 
     windows = held_out_windows(fold.test, d.window, history=history)
     last = windows.context[:, -1, CLOSE]  # (W,)
     obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, H)
-    sample = lambda pair, c, w=windows: sample_paths(KronosPredictor.from_models(*pair, window=c.data.window),
-                                                     w.context, *w.stamps(), d.predict, f, f.batch_size)[..., CLOSE]
-    zs_pair = lambda: load_pretrained_pair(m.pretrained_predictor, m.pretrained_tokenizer)
-    zs = lambda: sample(zs_pair(), cfg)
-    paths = {"zero_shot": zs() if zero_shot is None else _kept(zero_shot, zs),
-             "finetuned": sample(load_trained_pair(best_dir(fold_cfg.predictor_dir))[:2], fold_cfg),
-             "persistence": persistence_samples(last, d.predict)}
+    folder = best_dir(fold_cfg.predictor_dir)
+    # Each model loaded once per fold, when first sampled (zero-shot: not at all when tune keeps its paths)
+    load = {"zero_shot": lambda: load_pretrained_pair(m.pretrained_predictor, m.pretrained_tokenizer),
+            "finetuned": lambda: load_trained_pair(folder)[:2]}
+    models: dict[str, KronosPredictor] = {}
+
+    def sample(name: str, w: HeldOutWindows = windows) -> np.ndarray:  # sampled closes (W, S, H) of `name`
+        if name not in models:
+            models[name] = KronosPredictor.from_models(*load[name](), window=d.window)
+        return sample_paths(models[name], w.context, *w.stamps(), d.predict, f, f.batch_size)[..., CLOSE]
+
+    paths = {"zero_shot": sample("zero_shot") if zero_shot is None else _kept(zero_shot, lambda: sample("zero_shot")),
+             "finetuned": sample("finetuned"), "persistence": persistence_samples(last, d.predict)}
     if "empirical" in candidates:
         paths["empirical"] = empirical_samples(windows.history, d.predict, windows.history.shape[1])
-    info = read_predictor_info(best_dir(fold_cfg.predictor_dir))
+    info = read_predictor_info(folder)
     calibration, zs_cal = info.get("calibration") if f.calibrate else None, None
     changed = decoding_changes(calibration, f.decoding()) if calibration else ["none fitted yet"]
+    val = held_out_windows(fold.val, d.window, f.window_stride)
+    fit = lambda raw, what: fit_windows(raw, val.actual[..., CLOSE], val.context[:, -1, CLOSE], val.names,
+                                        f.decoding(), f"fold {fold.index}'s {what}", "its raw bands are scored")[0]
     if f.calibrate and changed and CALIBRATION_FAILED not in info:  # tune's units train without one: fitted here once
         log.info("fold %d: fitting the calibration on its validation windows under this sampling (%s)", fold.index,
                  ", ".join(changed))  # sampling only, no training
-        val = held_out_windows(fold.val, d.window, f.window_stride)
-        raw = sample(load_trained_pair(best_dir(fold_cfg.predictor_dir))[:2], fold_cfg, val)  # (V, S, H)
-        ok = (raw > 0).all(axis=(1, 2))
-        calibration = fit_calibration(raw[ok], val.actual[ok][..., CLOSE], val.context[ok][:, -1, CLOSE]) \
-            if ok.any() else None
+        calibration = fit(sample("finetuned", val), "calibration")
     if calibration is not None:  # like with like: zero-shot's margins too, from the same validation windows
-        val = held_out_windows(fold.val, d.window, f.window_stride)
-        zs_make = lambda: sample(zs_pair(), cfg, val)  # (V, S, H); kept beside the test paths in tune
-        zs_val = zs_make() if zero_shot is None else _kept(zero_shot.with_name(zero_shot.stem + "_val.npy"), zs_make)
-        ok = (zs_val > 0).all(axis=(1, 2))
-        zs_cal = fit_calibration(zs_val[ok], val.actual[ok][..., CLOSE], val.context[ok][:, -1, CLOSE]) \
-            if ok.any() else None
+        zs_make = lambda: sample("zero_shot", val)  # (V, S, H); kept beside the test paths in tune
+        zs_cal = fit(zs_make() if zero_shot is None else _kept(zero_shot.with_name(zero_shot.stem + "_val.npy"),
+                                                                zs_make), "zero-shot calibration")
     for name, cal, raw in (("calibrated", calibration, "finetuned"), ("zero_shot_calibrated", zs_cal, "zero_shot")):
         if cal is not None and f.calibration_method == "adaptive":  # replayed in publication order, as forecast
             per = adaptive_held_out(cal, paths[raw], windows, f.per_series)["per_window"]

@@ -1,11 +1,14 @@
-"""Split-conformal calibration of a predictor's sampled bands: fitted on validation windows (`fit_calibration`),
-stored in kronos_predictor.json (`write_calibration`) and applied to every forecast's sample paths
+"""Split-conformal calibration of a predictor's sampled bands: fitted on validation windows (`fit_windows`, the
+one fit `kronos finetune`, the zero-shot side of `kronos forecast` and each walk-forward fold use; `fit_calibration`,
+its arithmetic), stored in kronos_predictor.json (`write_calibration`) and applied to every forecast's sample paths
 (`apply_calibration`). Why the margins are in band units: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,7 @@ import numpy as np
 from model.errors import DataError
 from model.fileio import check_seal, read_json_object, seal, write_json
 
+log = logging.getLogger(__name__)
 MAX_MARGIN = 5.0  # |calibration margin| in log-return units (x148 in price): beyond it a file is not a calibration
 MIN_KEEP = 0.1  # a calibration keeps at least this share of each path's distance from the median: no zero-width band
 CALIBRATION_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)  # central band levels with a margin
@@ -47,6 +51,31 @@ def fit_calibration(samples: np.ndarray, outcomes: np.ndarray, last: np.ndarray)
         margins.append(np.clip(scores[min(rank, w) - 1], MIN_KEEP - 1, MAX_MARGIN).tolist())
     return {"method": "conformal", "space": "band", "levels": list(CALIBRATION_LEVELS), "margins": margins,
             "windows": w, "too_few_windows": short}
+
+
+def fit_windows(samples: np.ndarray, outcomes: np.ndarray, last: np.ndarray, names: list[str],
+                decoding: dict[str, Any], what: str, advice: str) -> tuple[dict[str, Any] | None, dict[str, int]]:
+    """The calibration of a model's bands fitted on validation windows: `samples (W, S, H)` its sampled closes drawn
+    under `decoding` ({T, top_k, top_p, sample_count}, recorded as "decoding": `decoding_changes` compares it),
+    `outcomes (W, H)` realised closes, `last (W,)` last context closes, `names (W,)` the windows' series. A window
+    with a close <= 0 (or not finite) among these has no log return: it is left out, counted in "excluded" {series:
+    windows} and one WARNING naming `what` (the data's closes are positive by the candle rules, so in practice a
+    sampled path crossed zero); `advice` is said when none is left. Returns (the calibration, None when none is
+    left; excluded)."""
+    samples, outcomes, last = (np.asarray(a, dtype=np.float64) for a in (samples, outcomes, last))
+    with np.errstate(invalid="ignore"):
+        ok = np.ones(len(samples), bool)  # (W,) every close of the window finite and positive
+        for a in (samples, outcomes, last):
+            ok &= (np.isfinite(a) & (a > 0)).reshape(len(a), -1).all(axis=1)
+    excluded = dict(Counter(n for n, good in zip(names, ok) if not good))
+    if excluded:
+        log.warning("%s: %d of %d validation windows left out, a sampled or realised close <= 0 (series: %s)%s", what,
+                    int((~ok).sum()), len(ok), ", ".join(f"{k} ({v})" for k, v in excluded.items()),
+                    "" if ok.any() else f"; none is left: no calibration; {advice}")
+    if not ok.any():
+        return None, excluded
+    return {**fit_calibration(samples[ok], outcomes[ok], last[ok]), "decoding": dict(decoding),
+            **({"excluded": excluded} if excluded else {})}, excluded
 
 
 def apply_calibration(calibration: dict[str, Any], samples: np.ndarray, last: np.ndarray) -> np.ndarray:
