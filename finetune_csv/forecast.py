@@ -446,11 +446,10 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
         obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, P)
         cover = lambda p, level: interval_coverage(obs, np.moveaxis(p[..., CLOSE] / last[:, None, None] - 1, 1, -1),
                                                    level)  # (W, P)
-        metrics["calibration"] = {"cov50_raw": cover(raw, 0.5).mean(), "cov80_raw": cover(raw, 0.8).mean(),
-                                  "cov50_calibrated": cover(paths, 0.5).mean(),
-                                  "cov80_calibrated": cover(paths, 0.8).mean(), "method": calibration.get("method"),
-                                  "fitted_on_windows": calibration.get("windows"),
-                                  "too_few_windows": calibration.get("too_few_windows", [])}
+        metrics["calibration"] = {f"cov{p}_{k}": cover(b, p / 100).mean()
+                                  for k, b in (("raw", raw), ("calibrated", paths)) for p in (50, 80)}
+        metrics["calibration"] |= {"method": calibration.get("method"), "fitted_on_windows": calibration.get("windows"),
+                                   "too_few_windows": calibration.get("too_few_windows", [])}
         bands = {"raw": raw, "calibrated": paths} | ({"split": split_paths} if adaptive_on else {})
         stats = {k: band_stats(p[..., CLOSE], windows.actual[..., CLOSE], last) for k, p in bands.items()}
         metrics["calibration"] |= band_quality({k: v[0] for k, v in stats.items()}, {k: v[1] for k, v in stats.items()},
@@ -598,8 +597,7 @@ def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: t
             zs_val = sample_paths(zero_shot, val.context, *val.stamps(), cfg.data.predict, cfg.forecast,
                                   cfg.forecast.batch_size)[..., CLOSE]  # (V, S, P)
             zs_calibration = fit_windows(zs_val, val.actual[..., CLOSE], val.context[:, -1, CLOSE], val.names,
-                                         cfg.forecast.decoding(), "the zero-shot calibration",
-                                         "it is compared with the finetuned model on raw bands")[0]
+                                         cfg.forecast.decoding(), "zero-shot calibration", "both compared raw")[0]
         metrics, paths, raw = evaluate_held_out(cfg, finetuned, windows, zero_shot, _season(cfg, data.panel),
                                                 calibration, zs_calibration)
         metrics["series_without_test_windows"] = sorted(set(data.panel.names) - set(windows.names))
@@ -704,16 +702,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load(args.config, args.set)
     with GracefulStop():  # SIGTERM while sampling: exit 75 before the next batch, nothing half-written
         folders = run_folders(cfg, None, "future" if args.future else "forecast")
-        if args.future:
-            table = run_future(cfg, folders=folders)
-        else:
-            metrics = run_forecast(cfg, folders=folders)
+        made = (run_future if args.future else run_forecast)(cfg, folders=folders)  # the table, or the metrics
     if args.future:
-        print(f"future forecast: {table['series'].nunique()} series x {cfg.data.predict} candles, from "
-              f"{table['timestamps'].min()} to {table['timestamps'].max()}")
+        print(f"future forecast: {made['series'].nunique()} series x {cfg.data.predict} candles, from "
+              f"{made['timestamps'].min()} to {made['timestamps'].max()}")
         print(f"written: {folders[1]}/{{forecast.csv, forecast.json, forecast.png}}")
         return 0
-    print(format_report(metrics))
+    print(format_report(made))
     print(f"written: {folders[1]}/{{metrics.json, forecast.csv, forecast.json, forecast_vs_actual.png}}")
     return 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import io
 import json
 import logging
@@ -25,7 +26,7 @@ from filelock import FileLock
 
 import finetune_csv.config as csv_config
 from finetune.evaluation.forecast_scores import ScoreSettings, empirical_samples, persistence_samples, window_scores
-from finetune.evaluation.held_out import HeldOutWindows, held_out_windows, sample_paths
+from finetune.evaluation.held_out import held_out_windows, sample_paths
 from finetune.evaluation.report import write_report
 from finetune.evaluation.statistics import paired_test, session_test
 from finetune.utils import tune
@@ -133,18 +134,14 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold, 
     last = windows.context[:, -1, CLOSE]  # (W,)
     obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, H)
     folder = best_dir(fold_cfg.predictor_dir)
-    # Each model loaded once per fold, when first sampled (zero-shot: not at all when tune keeps its paths)
-    load = {"zero_shot": lambda: load_pretrained_pair(m.pretrained_predictor, m.pretrained_tokenizer),
-            "finetuned": lambda: load_trained_pair(folder)[:2]}
-    models: dict[str, KronosPredictor] = {}
-
-    def sample(name: str, w: HeldOutWindows = windows) -> np.ndarray:  # sampled closes (W, S, H) of `name`
-        if name not in models:
-            models[name] = KronosPredictor.from_models(*load[name](), window=d.window)
-        return sample_paths(models[name], w.context, *w.stamps(), d.predict, f, f.batch_size)[..., CLOSE]
-
-    paths = {"zero_shot": sample("zero_shot") if zero_shot is None else _kept(zero_shot, lambda: sample("zero_shot")),
-             "finetuned": sample("finetuned"), "persistence": persistence_samples(last, d.predict)}
+    pairs = {"finetuned": lambda: load_trained_pair(folder)[:2],
+             "zero_shot": lambda: load_pretrained_pair(m.pretrained_predictor, m.pretrained_tokenizer)}
+    predictor = functools.cache(lambda name: KronosPredictor.from_models(*pairs[name](), window=d.window))  # once
+    sample = lambda name, w=windows: sample_paths(predictor(name), w.context, *w.stamps(), d.predict, f,
+                                                  f.batch_size)[..., CLOSE]  # (W, S, H)
+    zs = lambda w, kept: sample("zero_shot", w) if kept is None else _kept(kept, lambda: sample("zero_shot", w))
+    paths = {"zero_shot": zs(windows, zero_shot), "finetuned": sample("finetuned"),
+             "persistence": persistence_samples(last, d.predict)}
     if "empirical" in candidates:
         paths["empirical"] = empirical_samples(windows.history, d.predict, windows.history.shape[1])
     info = read_predictor_info(folder)
@@ -158,18 +155,14 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold, 
                  ", ".join(changed))  # sampling only, no training
         calibration = fit(sample("finetuned", val), "calibration")
     if calibration is not None:  # like with like: zero-shot's margins too, from the same validation windows
-        zs_make = lambda: sample("zero_shot", val)  # (V, S, H); kept beside the test paths in tune
-        zs_cal = fit(zs_make() if zero_shot is None else _kept(zero_shot.with_name(zero_shot.stem + "_val.npy"),
-                                                                zs_make), "zero-shot calibration")
+        zs_cal = fit(zs(val, zero_shot and zero_shot.with_name(zero_shot.stem + "_val.npy")), "zero-shot calibration")
     for name, cal, raw in (("calibrated", calibration, "finetuned"), ("zero_shot_calibrated", zs_cal, "zero_shot")):
         if cal is not None and f.calibration_method == "adaptive":  # replayed in publication order, as forecast
             per = adaptive_held_out(cal, paths[raw], windows, f.per_series)["per_window"]
             paths[name] = np.concatenate([apply_calibration(c, paths[raw][w:w + 1], last[w:w + 1])
                                           for w, c in enumerate(per)])
-            if name == "calibrated":  # beside it, the split bands it started from
-                paths["split"] = apply_calibration(cal, paths[raw], last)
-        elif cal is not None:  # as `kronos forecast` ships it: bands fitted on the fold's validation windows
-            paths[name] = apply_calibration(cal, paths[raw], last)
+        if cal is not None and (name == "calibrated" or f.calibration_method != "adaptive"):  # split bands, as
+            paths["split" if name in paths else name] = apply_calibration(cal, paths[raw], last)  # forecast ships them
     if "ensemble" in candidates:
         paths["ensemble"] = ensemble_paths(paths["finetuned"], paths["zero_shot"], f.ensemble_weight)
     rows, vol = [], realised_vol(windows.actual[..., CLOSE], last)  # (W,)

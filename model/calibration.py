@@ -1,7 +1,6 @@
-"""Split-conformal calibration of a predictor's sampled bands: fitted on validation windows (`fit_windows`, the
-one fit `kronos finetune`, the zero-shot side of `kronos forecast` and each walk-forward fold use; `fit_calibration`,
-its arithmetic), stored in kronos_predictor.json (`write_calibration`) and applied to every forecast's sample paths
-(`apply_calibration`). Why the margins are in band units: docs/architecture.md, "Formats and designs"."""
+"""Split-conformal calibration of a predictor's sampled bands: fitted on validation windows (`fit_windows`), stored in
+kronos_predictor.json (`write_calibration`) and applied to every forecast's sample paths (`apply_calibration`). Why
+the margins are in band units: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 
@@ -55,27 +54,20 @@ def fit_calibration(samples: np.ndarray, outcomes: np.ndarray, last: np.ndarray)
 
 def fit_windows(samples: np.ndarray, outcomes: np.ndarray, last: np.ndarray, names: list[str],
                 decoding: dict[str, Any], what: str, advice: str) -> tuple[dict[str, Any] | None, dict[str, int]]:
-    """The calibration of a model's bands fitted on validation windows: `samples (W, S, H)` its sampled closes drawn
-    under `decoding` ({T, top_k, top_p, sample_count}, recorded as "decoding": `decoding_changes` compares it),
-    `outcomes (W, H)` realised closes, `last (W,)` last context closes, `names (W,)` the windows' series. A window
-    with a close <= 0 (or not finite) among these has no log return: it is left out, counted in "excluded" {series:
-    windows} and one WARNING naming `what` (the data's closes are positive by the candle rules, so in practice a
-    sampled path crossed zero); `advice` is said when none is left. Returns (the calibration, None when none is
-    left; excluded)."""
+    """`fit_calibration` on the validation windows whose closes are all finite and positive, the one fit of `kronos
+    finetune`, forecast's zero-shot and each walk-forward fold: `samples (W, S, H)` sampled closes (drawn under
+    `decoding`, recorded), `outcomes (W, H)`, `last (W,)`, `names (W,)` series. Any other window (in practice: a path
+    crossed zero) is left out, counted in "excluded" {series: n} and one WARNING (`what`; `advice` when none is left).
+    -> (the calibration or None, excluded)."""
     samples, outcomes, last = (np.asarray(a, dtype=np.float64) for a in (samples, outcomes, last))
-    with np.errstate(invalid="ignore"):
-        ok = np.ones(len(samples), bool)  # (W,) every close of the window finite and positive
-        for a in (samples, outcomes, last):
-            ok &= (np.isfinite(a) & (a > 0)).reshape(len(a), -1).all(axis=1)
+    ok = np.all([(np.isfinite(a) & (a > 0)).reshape(len(a), -1).all(1) for a in (samples, outcomes, last)], 0)  # (W,)
     excluded = dict(Counter(n for n, good in zip(names, ok) if not good))
     if excluded:
         log.warning("%s: %d of %d validation windows left out, a sampled or realised close <= 0 (series: %s)%s", what,
                     int((~ok).sum()), len(ok), ", ".join(f"{k} ({v})" for k, v in excluded.items()),
                     "" if ok.any() else f"; none is left: no calibration; {advice}")
-    if not ok.any():
-        return None, excluded
-    return {**fit_calibration(samples[ok], outcomes[ok], last[ok]), "decoding": dict(decoding),
-            **({"excluded": excluded} if excluded else {})}, excluded
+    return ({**fit_calibration(samples[ok], outcomes[ok], last[ok]), "decoding": dict(decoding)}
+            | ({"excluded": excluded} if excluded else {}) if ok.any() else None), excluded
 
 
 def apply_calibration(calibration: dict[str, Any], samples: np.ndarray, last: np.ndarray) -> np.ndarray:
