@@ -597,7 +597,7 @@ def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: t
             zs_val = sample_paths(zero_shot, val.context, *val.stamps(), cfg.data.predict, cfg.forecast,
                                   cfg.forecast.batch_size)[..., CLOSE]  # (V, S, P)
             zs_calibration = fit_windows(zs_val, val.actual[..., CLOSE], val.context[:, -1, CLOSE], val.names,
-                                         cfg.forecast.decoding(), "zero-shot calibration", "both compared raw")[0]
+                                         cfg.forecast.decoding(), "zero-shot calibration", "both on raw bands")[0]
         metrics, paths, raw = evaluate_held_out(cfg, finetuned, windows, zero_shot, _season(cfg, data.panel),
                                                 calibration, zs_calibration)
         metrics["series_without_test_windows"] = sorted(set(data.panel.names) - set(windows.names))

@@ -134,9 +134,10 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold, 
     last = windows.context[:, -1, CLOSE]  # (W,)
     obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, H)
     folder = best_dir(fold_cfg.predictor_dir)
+    # Each model loaded once per fold, when first sampled (the zero-shot not at all while tune keeps its paths)
     pairs = {"finetuned": lambda: load_trained_pair(folder)[:2],
              "zero_shot": lambda: load_pretrained_pair(m.pretrained_predictor, m.pretrained_tokenizer)}
-    predictor = functools.cache(lambda name: KronosPredictor.from_models(*pairs[name](), window=d.window))  # once
+    predictor = functools.cache(lambda name: KronosPredictor.from_models(*pairs[name](), window=d.window))
     sample = lambda name, w=windows: sample_paths(predictor(name), w.context, *w.stamps(), d.predict, f,
                                                   f.batch_size)[..., CLOSE]  # (W, S, H)
     zs = lambda w, kept: sample("zero_shot", w) if kept is None else _kept(kept, lambda: sample("zero_shot", w))
