@@ -46,7 +46,7 @@ from finetune_csv.sources import list_sources, source_fingerprint
 from finetune_csv.splits import held_out_from
 from model import KronosPredictor, KronosTokenizer, adaptive
 from model.calendar import TradingCalendar
-from model.calibration import apply_calibration, decoding_changes, fit_calibration, write_calibration
+from model.calibration import apply_calibration, decoding_changes, fit_windows, write_calibration
 from model.config import Window
 from model.errors import ConfigError, DataError, PathError, RefusedError
 from model.features import BODY_RULES, CLOSE, FEATURES, PRICE_FEATURES, candle_faults, quantile_column
@@ -428,7 +428,8 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
                                           windows.context[..., CLOSE], np.asarray(windows.names), settings,
                                           history, pd.to_datetime(windows.dates()).to_numpy())
     raw = sample(finetuned)  # (W, S, P, 6)
-    paths = finish_paths(raw, calibration, last, f.repair_candles)
+    plain = finish_paths(raw, None, last, f.repair_candles)  # uncalibrated, as reported
+    paths = plain if calibration is None else finish_paths(raw, calibration, last, f.repair_candles)
     # adaptive: each window calibrated with the margins tracked on the outcomes published by its origin
     adapt = lambda cal, r, save=None: np.stack([finish_paths(r[w : w + 1], c, last[w : w + 1], f.repair_candles)[0]
                                                 for w, c in enumerate(adaptive_held_out(
@@ -445,11 +446,10 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
         obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, P)
         cover = lambda p, level: interval_coverage(obs, np.moveaxis(p[..., CLOSE] / last[:, None, None] - 1, 1, -1),
                                                    level)  # (W, P)
-        metrics["calibration"] = {"cov50_raw": cover(raw, 0.5).mean(), "cov80_raw": cover(raw, 0.8).mean(),
-                                  "cov50_calibrated": cover(paths, 0.5).mean(),
-                                  "cov80_calibrated": cover(paths, 0.8).mean(), "method": calibration.get("method"),
-                                  "fitted_on_windows": calibration.get("windows"),
-                                  "too_few_windows": calibration.get("too_few_windows", [])}
+        metrics["calibration"] = {f"cov{p}_{k}": cover(b, p / 100).mean()
+                                  for k, b in (("raw", raw), ("calibrated", paths)) for p in (50, 80)}
+        metrics["calibration"] |= {"method": calibration.get("method"), "fitted_on_windows": calibration.get("windows"),
+                                   "too_few_windows": calibration.get("too_few_windows", [])}
         bands = {"raw": raw, "calibrated": paths} | ({"split": split_paths} if adaptive_on else {})
         stats = {k: band_stats(p[..., CLOSE], windows.actual[..., CLOSE], last) for k, p in bands.items()}
         metrics["calibration"] |= band_quality({k: v[0] for k, v in stats.items()}, {k: v[1] for k, v in stats.items()},
@@ -460,20 +460,21 @@ def evaluate_held_out(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, window
                                                               p / 100, settings.min_block - 1) for p in (50, 80)}
     if zero_shot is not None:  # like with like: both calibrated (zs_calibration), else both raw
         zs_raw = sample(zero_shot)
-        zs_paths = adapt(zs_calibration, zs_raw) if adaptive_on and zs_calibration else \
-            finish_paths(zs_raw, zs_calibration if calibration else None, last, f.repair_candles)
-        ft_paths = paths if calibration is None or zs_calibration else finish_paths(raw, None, last, f.repair_candles)
+        zs_plain = finish_paths(zs_raw, None, last, f.repair_candles)
+        both = calibration is not None and zs_calibration is not None
+        zs_paths = zs_plain if not both else adapt(zs_calibration, zs_raw) if adaptive_on else \
+            finish_paths(zs_raw, zs_calibration, last, f.repair_candles)
+        ft_paths = paths if calibration is None or both else plain
         ens_paths = ensemble_paths(paths, zs_paths, f.ensemble_weight)
         metrics["zero_shot"], metrics["ensemble"] = score(zs_paths), score(ens_paths)
         metrics["finetuned_vs_zero_shot"] = paired_difference(ft_paths, zs_paths, windows, settings)
-        metrics["finetuned_vs_zero_shot"]["bands"] = "calibrated" if calibration and zs_calibration else "raw"
-        if calibration and zs_calibration:
-            metrics["finetuned_raw_vs_zero_shot"] = paired_difference(
-                finish_paths(raw, None, last, f.repair_candles), finish_paths(zs_raw, None, last, f.repair_candles),
-                windows, settings) | {"bands": "raw"}
+        metrics["finetuned_vs_zero_shot"]["bands"] = "calibrated" if both else "raw"
+        if both:
+            metrics["finetuned_raw_vs_zero_shot"] = paired_difference(plain, zs_plain, windows, settings) | {
+                "bands": "raw"}
         metrics["ensemble_vs_zero_shot"] = paired_difference(ens_paths, zs_paths, windows, settings)
         metrics["ensemble"]["weight"] = f.ensemble_weight
-    return metrics, paths, None if calibration is None else finish_paths(raw, None, last, f.repair_candles)
+    return metrics, paths, None if calibration is None else plain
 
 
 def adaptive_held_out(calibration: dict, raw: np.ndarray, windows: HeldOutWindows, per_series: bool,
@@ -595,9 +596,8 @@ def run_forecast(cfg: CsvFinetuneConfig, out_dir: Path | None = None, folders: t
             val = held_out_windows(data.splits["val"], cfg.data.window, cfg.forecast.window_stride)
             zs_val = sample_paths(zero_shot, val.context, *val.stamps(), cfg.data.predict, cfg.forecast,
                                   cfg.forecast.batch_size)[..., CLOSE]  # (V, S, P)
-            ok = (zs_val > 0).all(axis=(1, 2)) & (val.actual[..., CLOSE] > 0).all(axis=1)
-            zs_calibration = fit_calibration(zs_val[ok], val.actual[ok][..., CLOSE], val.context[ok][:, -1, CLOSE]) \
-                if ok.any() else None
+            zs_calibration = fit_windows(zs_val, val.actual[..., CLOSE], val.context[:, -1, CLOSE], val.names,
+                                         cfg.forecast.decoding(), "zero-shot calibration", "both on raw bands")[0]
         metrics, paths, raw = evaluate_held_out(cfg, finetuned, windows, zero_shot, _season(cfg, data.panel),
                                                 calibration, zs_calibration)
         metrics["series_without_test_windows"] = sorted(set(data.panel.names) - set(windows.names))
@@ -672,7 +672,7 @@ def _future(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, calibration: dic
     log.info("invalid sampled candles: %.1f%%%s", 100 * violations["any"],
              " (repaired: forecast.repair_candles)" if cfg.forecast.repair_candles else
              " (kept; forecast.repair_candles: true repairs them)")
-    raw = finish_paths(paths, None, context[:, -1, CLOSE], cfg.forecast.repair_candles) if calibration else None
+    raw = finish_paths(paths, None, context[:, -1, CLOSE], cfg.forecast.repair_candles)  # uncalibrated, as reported
     if calibration is not None:
         split = {k: v for k, v in calibration.items() if k != "adaptive"}  # split: the stored margins, never a
         used = [adaptive.current_calibration(calibration, name) if cfg.forecast.calibration_method == "adaptive"
@@ -680,7 +680,7 @@ def _future(cfg: CsvFinetuneConfig, finetuned: KronosPredictor, calibration: dic
         paths = np.stack([finish_paths(paths[i : i + 1], used[i], context[i : i + 1, -1, CLOSE],
                                        cfg.forecast.repair_candles)[0] for i in range(len(names))])
     else:
-        paths = finish_paths(paths, calibration, context[:, -1, CLOSE], cfg.forecast.repair_candles)
+        paths, raw = raw, None  # no calibration: the raw bands are the reported ones
     table = forecast_table(names, future_ts, paths, raw=raw).drop(columns="window")
     if zone:  # aware in, aware out (as predict_df); a wall-clock time DST skips or repeats: the later one
         table["timestamps"] = table["timestamps"].dt.tz_localize(zone, ambiguous=False, nonexistent="shift_forward")
@@ -702,16 +702,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load(args.config, args.set)
     with GracefulStop():  # SIGTERM while sampling: exit 75 before the next batch, nothing half-written
         folders = run_folders(cfg, None, "future" if args.future else "forecast")
-        if args.future:
-            table = run_future(cfg, folders=folders)
-        else:
-            metrics = run_forecast(cfg, folders=folders)
+        made = (run_future if args.future else run_forecast)(cfg, folders=folders)  # the table, or the metrics
     if args.future:
-        print(f"future forecast: {table['series'].nunique()} series x {cfg.data.predict} candles, from "
-              f"{table['timestamps'].min()} to {table['timestamps'].max()}")
+        print(f"future forecast: {made['series'].nunique()} series x {cfg.data.predict} candles, from "
+              f"{made['timestamps'].min()} to {made['timestamps'].max()}")
         print(f"written: {folders[1]}/{{forecast.csv, forecast.json, forecast.png}}")
         return 0
-    print(format_report(metrics))
+    print(format_report(made))
     print(f"written: {folders[1]}/{{metrics.json, forecast.csv, forecast.json, forecast_vs_actual.png}}")
     return 0
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -129,46 +128,31 @@ def describe(cfg: CsvFinetuneConfig, data_info: dict, plan: dict[str, str | None
 
 
 def calibrate(best: Path, windows: HeldOutWindows, sampling: Any, window: Window) -> dict | None:
-    """Fit the conformal calibration of the bands of the predictor in `best` (loaded with the tokenizer it was
-    trained with) on held-out VALIDATION `windows` and store it in its kronos_predictor.json: the test windows stay
-    untouched, so the coverage a forecast reports after calibration is out of sample. `sampling`: temperature,
-    top_k, top_p, sample_count, seed, batch_size. A window with a sampled close <= 0 has no log returns: it is left
-    out, its series named in the calibration's "excluded" {series: windows}; when no window is left, one WARNING
-    verdict and FAILED_KEY {"reason", "series", "advice"} in kronos_predictor.json say why. Returns the calibration
-    (None when there is no window or none is left)."""
+    """Fit the bands of the predictor in `best` (with the tokenizer it was trained with) on held-out VALIDATION
+    `windows` (`model.calibration.fit_windows`; the test windows stay untouched: a forecast's coverage is out of sample)
+    under `sampling` (forecast.*), stored in its kronos_predictor.json; when no window is left, FAILED_KEY {"reason",
+    "series", "advice"} in its place. Returns the calibration (None when there is no window or none is left)."""
     if len(windows) == 0:
         log.warning("no calibration: the validation split has no %d-bar window (raise data.val_ratio)", window.size)
         return None
     model, tokenizer, _ = forecaster.load_trained_pair(best)  # not from_pretrained: it warns "never calibrated"
-    predictor = forecaster.KronosPredictor.from_models(model, tokenizer, window=window)
-    x_stamps, y_stamps = windows.stamps()
-    predict = windows.actual.shape[1]
-    paths = sample_paths(predictor, windows.context, x_stamps, y_stamps, predict, sampling,
-                         sampling.batch_size)  # (W, S, P, 6) raw samples
-    ok = (paths[..., CLOSE] > 0).all(axis=(1, 2))  # (W,) the data's own prices are positive (the candle rules)
-    excluded = dict(Counter(n for n, good in zip(windows.names, ok) if not good))
-    check_seal(best)  # the folder is re-sealed after each write below
+    paths = sample_paths(forecaster.KronosPredictor.from_models(model, tokenizer, window=window), windows.context,
+                         *windows.stamps(), windows.actual.shape[1], sampling, sampling.batch_size)  # (W, S, P, 6)
+    advice = ("forecast.calibrate: false forecasts with the raw bands; a series whose sampled paths cross zero is "
+              "priced near zero next to its moves: check its prices")
+    calibration, excluded = conformal.fit_windows(paths[..., CLOSE], windows.actual[..., CLOSE],
+                                                  windows.context[:, -1, CLOSE], windows.names, sampling.decoding(),
+                                                  "calibration of the bands", advice)
+    failed = {"reason": f"every validation window has a sampled or realised close <= 0 ({len(windows)} windows)",
+              "series": sorted(excluded), "advice": advice}
+    check_seal(best)  # re-sealed after the write: an earlier verdict or calibration no longer holds
     info = {k: v for k, v in forecaster.read_predictor_info(best).items() if k not in (FAILED_KEY, "calibration")}
-    write_json(best / forecaster.PREDICTOR_INFO_NAME, info)  # an earlier verdict or calibration no longer holds
+    write_json(best / forecaster.PREDICTOR_INFO_NAME, info | ({"calibration": calibration} if calibration else
+                                                              {FAILED_KEY: failed}))
     seal(best)
-    if not ok.any():
-        failed = {"reason": f"every validation window has sampled closes <= 0 ({len(windows)} windows)",
-                  "series": sorted(excluded), "advice": "forecast.calibrate: false forecasts with the raw bands; "
-                  "a series whose sampled paths cross zero is priced near zero next to its moves: check its prices"}
-        log.warning("no calibration of the bands: %s, in series %s; %s", failed["reason"],
-                    ", ".join(failed["series"][:5]), failed["advice"])
-        write_json(best / forecaster.PREDICTOR_INFO_NAME, {**info, FAILED_KEY: failed})
-        seal(best)
-        return None
-    if excluded:
-        log.warning("calibration: %d of %d validation windows left out, their sampled closes reach <= 0 (series: "
-                    "%s)", int((~ok).sum()), len(windows), ", ".join(f"{k} ({v})" for k, v in excluded.items()))
-    calibration = {**conformal.fit_calibration(paths[ok][..., CLOSE], windows.actual[ok][..., CLOSE],
-                                               windows.context[ok][:, -1, CLOSE]), "decoding": sampling.decoding()}
-    conformal.write_calibration(best / forecaster.PREDICTOR_INFO_NAME,
-                                {**calibration, **({"excluded": excluded} if excluded else {})})
-    log.info("calibration of the bands fitted on %d validation windows -> %s", int(ok.sum()),
-             best / forecaster.PREDICTOR_INFO_NAME)
+    if calibration is not None:
+        log.info("calibration of the bands fitted on %d validation windows -> %s", calibration["windows"],
+                 best / forecaster.PREDICTOR_INFO_NAME)
     return calibration
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import io
 import json
 import logging
@@ -42,7 +43,7 @@ from finetune_csv.prepare import prepare_data
 from finetune_csv.splits import date_bounds
 from finetune_csv.train_sequential import run_finetune
 from model import KronosPredictor
-from model.calibration import apply_calibration, decoding_changes, fit_calibration
+from model.calibration import apply_calibration, decoding_changes, fit_windows
 from model.config import Window
 from model.errors import ConfigError, DataError, RefusedError
 from model.fileio import atomic_write, read_json_object, sha256_file, write_json
@@ -132,42 +133,37 @@ def score_fold(cfg: CsvFinetuneConfig, fold_cfg: CsvFinetuneConfig, fold: Fold, 
     windows = held_out_windows(fold.test, d.window, history=history)
     last = windows.context[:, -1, CLOSE]  # (W,)
     obs = windows.actual[..., CLOSE] / last[:, None] - 1.0  # (W, H)
-    sample = lambda pair, c, w=windows: sample_paths(KronosPredictor.from_models(*pair, window=c.data.window),
-                                                     w.context, *w.stamps(), d.predict, f, f.batch_size)[..., CLOSE]
-    zs_pair = lambda: load_pretrained_pair(m.pretrained_predictor, m.pretrained_tokenizer)
-    zs = lambda: sample(zs_pair(), cfg)
-    paths = {"zero_shot": zs() if zero_shot is None else _kept(zero_shot, zs),
-             "finetuned": sample(load_trained_pair(best_dir(fold_cfg.predictor_dir))[:2], fold_cfg),
+    folder = best_dir(fold_cfg.predictor_dir)
+    # Each model loaded once per fold, when first sampled (the zero-shot not at all while tune keeps its paths)
+    pairs = {"finetuned": lambda: load_trained_pair(folder)[:2],
+             "zero_shot": lambda: load_pretrained_pair(m.pretrained_predictor, m.pretrained_tokenizer)}
+    predictor = functools.cache(lambda name: KronosPredictor.from_models(*pairs[name](), window=d.window))
+    sample = lambda name, w=windows: sample_paths(predictor(name), w.context, *w.stamps(), d.predict, f,
+                                                  f.batch_size)[..., CLOSE]  # (W, S, H)
+    zs = lambda w, kept: sample("zero_shot", w) if kept is None else _kept(kept, lambda: sample("zero_shot", w))
+    paths = {"zero_shot": zs(windows, zero_shot), "finetuned": sample("finetuned"),
              "persistence": persistence_samples(last, d.predict)}
     if "empirical" in candidates:
         paths["empirical"] = empirical_samples(windows.history, d.predict, windows.history.shape[1])
-    info = read_predictor_info(best_dir(fold_cfg.predictor_dir))
+    info = read_predictor_info(folder)
     calibration, zs_cal = info.get("calibration") if f.calibrate else None, None
     changed = decoding_changes(calibration, f.decoding()) if calibration else ["none fitted yet"]
+    val = held_out_windows(fold.val, d.window, f.window_stride)
+    fit = lambda raw, what: fit_windows(raw, val.actual[..., CLOSE], val.context[:, -1, CLOSE], val.names,
+                                        f.decoding(), f"fold {fold.index}'s {what}", "its raw bands are scored")[0]
     if f.calibrate and changed and CALIBRATION_FAILED not in info:  # tune's units train without one: fitted here once
         log.info("fold %d: fitting the calibration on its validation windows under this sampling (%s)", fold.index,
                  ", ".join(changed))  # sampling only, no training
-        val = held_out_windows(fold.val, d.window, f.window_stride)
-        raw = sample(load_trained_pair(best_dir(fold_cfg.predictor_dir))[:2], fold_cfg, val)  # (V, S, H)
-        ok = (raw > 0).all(axis=(1, 2))
-        calibration = fit_calibration(raw[ok], val.actual[ok][..., CLOSE], val.context[ok][:, -1, CLOSE]) \
-            if ok.any() else None
+        calibration = fit(sample("finetuned", val), "calibration")
     if calibration is not None:  # like with like: zero-shot's margins too, from the same validation windows
-        val = held_out_windows(fold.val, d.window, f.window_stride)
-        zs_make = lambda: sample(zs_pair(), cfg, val)  # (V, S, H); kept beside the test paths in tune
-        zs_val = zs_make() if zero_shot is None else _kept(zero_shot.with_name(zero_shot.stem + "_val.npy"), zs_make)
-        ok = (zs_val > 0).all(axis=(1, 2))
-        zs_cal = fit_calibration(zs_val[ok], val.actual[ok][..., CLOSE], val.context[ok][:, -1, CLOSE]) \
-            if ok.any() else None
+        zs_cal = fit(zs(val, zero_shot and zero_shot.with_name(zero_shot.stem + "_val.npy")), "zero-shot calibration")
     for name, cal, raw in (("calibrated", calibration, "finetuned"), ("zero_shot_calibrated", zs_cal, "zero_shot")):
         if cal is not None and f.calibration_method == "adaptive":  # replayed in publication order, as forecast
             per = adaptive_held_out(cal, paths[raw], windows, f.per_series)["per_window"]
             paths[name] = np.concatenate([apply_calibration(c, paths[raw][w:w + 1], last[w:w + 1])
                                           for w, c in enumerate(per)])
-            if name == "calibrated":  # beside it, the split bands it started from
-                paths["split"] = apply_calibration(cal, paths[raw], last)
-        elif cal is not None:  # as `kronos forecast` ships it: bands fitted on the fold's validation windows
-            paths[name] = apply_calibration(cal, paths[raw], last)
+        if cal is not None and (name == "calibrated" or f.calibration_method != "adaptive"):  # split bands, as
+            paths["split" if name in paths else name] = apply_calibration(cal, paths[raw], last)  # forecast ships them
     if "ensemble" in candidates:
         paths["ensemble"] = ensemble_paths(paths["finetuned"], paths["zero_shot"], f.ensemble_weight)
     rows, vol = [], realised_vol(windows.actual[..., CLOSE], last)  # (W,)

@@ -1,11 +1,13 @@
-"""Split-conformal calibration of a predictor's sampled bands: fitted on validation windows (`fit_calibration`),
-stored in kronos_predictor.json (`write_calibration`) and applied to every forecast's sample paths
-(`apply_calibration`). Why the margins are in band units: docs/architecture.md, "Formats and designs"."""
+"""Split-conformal calibration of a predictor's sampled bands: fitted on validation windows (`fit_windows`), stored in
+kronos_predictor.json (`write_calibration`) and applied to every forecast's sample paths (`apply_calibration`). Why
+the margins are in band units: docs/architecture.md, "Formats and designs"."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import numpy as np
 from model.errors import DataError
 from model.fileio import check_seal, read_json_object, seal, write_json
 
+log = logging.getLogger(__name__)
 MAX_MARGIN = 5.0  # |calibration margin| in log-return units (x148 in price): beyond it a file is not a calibration
 MIN_KEEP = 0.1  # a calibration keeps at least this share of each path's distance from the median: no zero-width band
 CALIBRATION_LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)  # central band levels with a margin
@@ -47,6 +50,24 @@ def fit_calibration(samples: np.ndarray, outcomes: np.ndarray, last: np.ndarray)
         margins.append(np.clip(scores[min(rank, w) - 1], MIN_KEEP - 1, MAX_MARGIN).tolist())
     return {"method": "conformal", "space": "band", "levels": list(CALIBRATION_LEVELS), "margins": margins,
             "windows": w, "too_few_windows": short}
+
+
+def fit_windows(samples: np.ndarray, outcomes: np.ndarray, last: np.ndarray, names: list[str],
+                decoding: dict[str, Any], what: str, advice: str) -> tuple[dict[str, Any] | None, dict[str, int]]:
+    """`fit_calibration` on the validation windows whose closes are all finite and positive, the one fit of `kronos
+    finetune`, forecast's zero-shot and each walk-forward fold: `samples (W, S, H)` sampled closes (drawn under
+    `decoding`, recorded), `outcomes (W, H)`, `last (W,)`, `names (W,)` series. Any other window (in practice: a path
+    crossed zero) is left out, counted in "excluded" {series: n} and one WARNING (`what`; `advice` when none is left).
+    -> (the calibration or None, excluded)."""
+    samples, outcomes, last = (np.asarray(a, dtype=np.float64) for a in (samples, outcomes, last))
+    ok = np.all([(np.isfinite(a) & (a > 0)).reshape(len(a), -1).all(1) for a in (samples, outcomes, last)], 0)  # (W,)
+    excluded = dict(Counter(n for n, good in zip(names, ok) if not good))
+    if excluded:
+        log.warning("%s: %d of %d validation windows left out, a sampled or realised close <= 0 (series: %s)%s", what,
+                    int((~ok).sum()), len(ok), ", ".join(f"{k} ({v})" for k, v in excluded.items()),
+                    "" if ok.any() else f"; none is left: no calibration; {advice}")
+    return ({**fit_calibration(samples[ok], outcomes[ok], last[ok]), "decoding": dict(decoding)}
+            | ({"excluded": excluded} if excluded else {}) if ok.any() else None), excluded
 
 
 def apply_calibration(calibration: dict[str, Any], samples: np.ndarray, last: np.ndarray) -> np.ndarray:

@@ -14,7 +14,7 @@ from tests.test_walk_forward import run_config  # noqa: F401 - the fixture: thre
 
 
 @pytest.mark.slow
-def test_walk_forward_replays_adaptive_bands_in_time_order(run_config, tmp_path):  # noqa: F811
+def test_walk_forward_replays_adaptive_bands_in_time_order(run_config, tmp_path, monkeypatch):  # noqa: F811
     assert wf.main(["--config", str(run_config), "--set", "forecast.calibration_method=adaptive"]) == 0
     out = tmp_path / "out" / "wf" / "walk_forward"
     report = json.loads((out / "report.json").read_text())
@@ -36,9 +36,15 @@ def test_walk_forward_replays_adaptive_bands_in_time_order(run_config, tmp_path)
     # split margins; later ones the margins moved by the outcomes published by their origin
     cfg = load(run_config)
     panel = prepare_data(cfg.data, cfg.store_dir, with_splits=False).panel
+    loads = []  # each model is loaded once per fold: sampled on the test and the validation windows
+    counted = lambda name, real: lambda *a: loads.append(name) or real(*a)  # noqa: E731
+    for name in ("load_trained_pair", "load_pretrained_pair"):
+        monkeypatch.setattr(wf, name, counted(name, getattr(wf, name)))
     for fold in wf.tune_folds(cfg, panel, False):
         fold_cfg, _ = wf._train_fold(cfg, fold, out / f"fold_{fold.index}")  # finished: reused, not retrained
+        loads.clear()
         split = wf.score_fold(cfg, fold_cfg, fold).query("candidate == 'calibrated'")
+        assert sorted(loads) == ["load_pretrained_pair", "load_trained_pair"]
         split = split.set_index(["fold", "series", "window_start"])
         mine = adaptive_rows.loc[split.index]
         assert np.allclose(split_rows.loc[split.index].crps, split.crps)  # the "split" rows: the split bands

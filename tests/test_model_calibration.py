@@ -1,6 +1,7 @@
 """Split-conformal calibration of the sampled bands (fit on validation windows, applied to new paths),
 stored in kronos_predictor.json and applied by KronosPredictor unless calibrated=False."""
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from model import Kronos, KronosPredictor, KronosTokenizer
-from model.calibration import apply_calibration, fit_calibration, write_calibration
+from model.calibration import apply_calibration, fit_calibration, fit_windows, write_calibration
 from model.errors import DataError
 from model.fileio import write_json
 from model.predictor import PREDICTOR_INFO_NAME, predictor_info
@@ -64,6 +65,36 @@ def test_fit_calibration_rejects_bad_input():
     paths[0, 0, 0] = -1.0
     with pytest.raises(ValueError, match="finite positive prices"):
         fit_calibration(paths, outcomes, last)
+
+
+def test_fit_windows_leaves_out_every_window_with_a_close_at_or_below_zero_counts_it_and_records_the_sampling(
+        caplog):
+    """One rule for every caller (kronos finetune, forecast's zero-shot margins, walk-forward folds): a window whose
+    sampled, realised or last close is <= 0 or not finite has no log return; it is left out, counted by series and
+    said in one warning; the sampling the paths were drawn with is recorded."""
+    paths, outcomes, last = _draws(np.random.default_rng(4), 10)
+    names = ["a"] * 5 + ["b"] * 5
+    decoding = {"T": 1.0, "top_k": 0, "top_p": 0.9, "sample_count": 200}
+    fit = lambda p, o, c: fit_windows(p, o, c, names, decoding, "fold 3's calibration", "its raw bands are scored")
+    with caplog.at_level(logging.WARNING):
+        whole, excluded = fit(paths, outcomes, last)
+    assert excluded == {} and "excluded" not in whole and not caplog.records
+    assert whole == {**fit_calibration(paths, outcomes, last), "decoding": decoding}
+    paths[0, 3, 1], outcomes[6, 2], last[7] = -0.5, 0.0, np.nan  # a sampled path crossed zero; a bad price; no price
+    with caplog.at_level(logging.WARNING):
+        cal, excluded = fit(paths, outcomes, last)
+    keep = np.r_[1:6, 8:10]
+    assert excluded == cal["excluded"] == {"a": 1, "b": 2} and cal["windows"] == 7 and cal["decoding"] == decoding
+    assert cal["margins"] == fit_calibration(paths[keep], outcomes[keep], last[keep])["margins"] != whole["margins"]
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith("fold 3's calibration: 3 of 10 validation windows left out") and "a (1), b (2)" in line
+    assert "raw bands" not in line
+    caplog.clear()
+    paths[:, 0, 0] = 0.0
+    with caplog.at_level(logging.WARNING):
+        assert fit(paths, outcomes, last) == (None, {"a": 5, "b": 5})
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "10 of 10" in line and line.endswith("none is left: no calibration; its raw bands are scored")
 
 
 def _folder(tmp_path, calibration):
