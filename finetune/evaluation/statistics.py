@@ -5,6 +5,8 @@ windows: docs/architecture.md, "Formats and designs"; the rule itself: docs/eval
 from __future__ import annotations
 
 import math
+from functools import cache
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -16,18 +18,15 @@ MIN_BLOCKS = 16  # non-overlapping stretches of q + 1 dates below which no inter
 # still fires 7%)
 RHO_MARGIN = 1.5  # standard errors of rho_hat added before the Satterthwaite df (1: AR(1) 0.97 at 24 dates 7.7%)
 POWER = 0.8  # the power at which the minimum detectable effect (mde) and windows_needed are stated
-# The AR(1) branch (issue 51, fifth pass; docs/evaluation.md): for q = 0 and at least AR1_SPANS[0] dates, the mean's
-# se^2 is s^2 (1 + a) / ((1 - a) T), a the Kendall-corrected lag-1 coefficient, and its 95% critical value is read
-# from AR1_CV (AR1_SPANS x AR1_RHOS: the simulated 95% quantile of |mean| / se under a true AR(1), 30,000 runs, made
-# non-decreasing in rho, rounded up; `python scripts/simulate_intervals.py table`) at a + AR1_MARGIN (by span)
-# standard errors: rho_hat of an AR(1) 0.97 over 50 dates looks like an AR(1) 0.6's, and the margin keeps its size
-# (1.5 at 50 dates: 8.5%). Below 50 dates the margin that holds AR(1) 0.97 (2.5) costs i.i.d. power: the HAC rule.
-AR1_SPANS, AR1_MARGIN = (50, 100, 200, 500), (2.25, 1.75, 1.5, 1.5)
-AR1_RHOS = (-0.9, -0.5, 0.0, 0.3, 0.6, 0.8, 0.9, 0.95, 0.97, 0.99)
-AR1_CV = ((2.06, 2.07, 2.07, 2.15, 2.31, 2.76, 3.63, 5.15, 6.66, 12.31),
-          (1.97, 2.00, 2.00, 2.04, 2.12, 2.34, 2.76, 3.64, 4.68, 8.36),
-          (1.94, 1.98, 1.99, 2.00, 2.04, 2.14, 2.34, 2.76, 3.36, 5.85),
-          (1.92, 1.98, 1.98, 1.99, 2.00, 2.04, 2.11, 2.28, 2.53, 3.65))
+# The AR(1) branch (issue 51, seventh pass; docs/evaluation.md): for q = 0 and at least AR1_SPANS[0] dates, the
+# mean's se^2 is s^2 (1 + a) / ((1 - a) T), a the Kendall-corrected lag-1 coefficient, and its 95% critical value
+# cv(a, T) is read from AR1_TABLE (rows AR1_SPANS, interpolated in log T; columns AR1_A, linear in a): per span the
+# rejection region |mean| / se >= cv(a) of largest average power over AR(1) alternatives whose size is at most 5% under
+# every AR(1) from -0.9 to 0.99 (a linear programme over simulated (a, |t|) cells; `python scripts/
+# simulate_intervals.py table`). A margin on a (the fifth pass) spent the size budget where AR(1) 0.6 lives.
+AR1_SPANS = (24, 32, 50, 100, 200, 500, 1000, 2000)
+AR1_A = np.round(np.r_[np.arange(-0.88, 0.97, 0.04), 0.98], 2)  # (48,) the table's columns: a past 0.97 apart
+AR1_TABLE = Path(__file__).with_name("ar1_critical_values.csv")
 AR1_FIT_P = 0.05  # Ljung-Box p-value on the AR(1) residuals below which the fit is poor and the HAC rule is used
 
 
@@ -60,7 +59,7 @@ def mean_interval(x: np.ndarray, flat: int = 0, level: float = 0.95) -> dict[str
         nan = np.full(len(x), math.nan)
         none = np.zeros(len(x), dtype=bool)
         return {"mean": x.mean(axis=1), "se": nan, "df": nan, "half": nan, "rho": nan, "lag": lag, "blocks": 0,
-                "mde": nan, "mde_df": nan, "clipped": none, "has_interval": none}
+                "mde": nan, "mde_df": nan, "clipped": none, "ar1": none, "persistent": none, "has_interval": none}
     with np.errstate(divide="ignore", invalid="ignore"):
         rho = (dev[:, h:] * dev[:, :-h]).sum(axis=1) / (dev[:, :-h] ** 2).sum(axis=1)
     # (R,) bias-corrected lag-h coefficient: the persistence between non-overlapping targets, not the overlap's own
@@ -79,50 +78,72 @@ def mean_interval(x: np.ndarray, flat: int = 0, level: float = 0.95) -> dict[str
     raw = np.sqrt(dev.var(axis=1) / n)  # (R,) the i.i.d. standard error: the floor when the HAC variance is clipped
     clipped = (se <= 0) & (raw > 0)
     se, df, low = np.where(clipped, raw, se), np.where(clipped, 1.0, df), np.where(clipped, 1.0, low)  # t(1): wide
+    ar1 = persistent = np.zeros(len(x), dtype=bool)
     if q == 0 and n >= AR1_SPANS[0]:
-        a, se1, cv, fit = ar1_interval(dev)
+        a, se1, fit = ar1_interval(dev)
+        cv = ar1_critical(a, n)
         # (R,) the df whose t(0.975) is the table's critical value, so p-values and other levels follow the same t
         grid = np.geomspace(1.0, 1e5, 2000)
         d1 = np.interp(-cv, -sps.t.ppf(0.975, grid), grid)
-        # The mde takes a at POWER's normal quantile of its noise (s.e. sqrt((1 - a^2) / T)): power averages over
-        # that noise (at a itself the mde is 0.72 of the simulated one at AR(1) 0.6, 50 dates); stated as a df so
-        # that windows_needed grows it with the span: (t_0.975(d) + t_POWER(d)) se1 = (cv + z_POWER) se_POWER.
-        am = np.clip(a + sps.norm.ppf(POWER) * np.sqrt((1 - a**2) / n), -0.9, 0.99)
-        ratio = (cv + sps.norm.ppf(POWER)) * np.sqrt((1 + am) / (1 - am) * (1 - a) / (1 + a))
-        dm = np.interp(-ratio, -(sps.t.ppf(0.975, grid) + sps.t.ppf(POWER, grid)), grid)
-        use = fit & (se1 > 0) & ~clipped
-        rho, se, df, low = (np.where(use, a, rho), np.where(use, se1, se), np.where(use, d1, df),
-                            np.where(use, dm, low))
+        ar1 = fit & (se1 > 0) & ~clipped
+        persistent = ar1 & ~np.isfinite(cv)  # the table never rejects there: no interval, and the reason says why
+        rho, se, df = np.where(ar1, a, rho), np.where(ar1, se1, se), np.where(ar1, d1, df)
     # The mde at the smaller df: power averages over the df's own noise, which the larger df understates (AR(1) 0.6,
     # 50 dates: 0.71 of the simulated mde at the larger df, 0.98 at the smaller; docs/evaluation.md).
-    mde = (sps.t.ppf(0.5 + level / 2, low) + sps.t.ppf(POWER, low)) * se
-    return {"mean": x.mean(axis=1), "se": se, "df": df, "half": sps.t.ppf(0.5 + level / 2, df) * se, "rho": rho,
-            "lag": lag, "blocks": blocks, "mde": mde, "mde_df": low, "clipped": clipped,
-            "has_interval": (n // h >= MIN_BLOCKS) & (se > 0)}
+    mde = np.where(ar1, ar1_mde(rho, se, n, n), (sps.t.ppf(0.5 + level / 2, low) + sps.t.ppf(POWER, low)) * se)
+    half = np.where(persistent, np.inf, sps.t.ppf(0.5 + level / 2, df) * se)  # no interval: the whole line
+    return {"mean": x.mean(axis=1), "se": se, "df": df, "half": half, "rho": rho,
+            "lag": lag, "blocks": blocks, "mde": mde, "mde_df": low, "clipped": clipped, "ar1": ar1,
+            "persistent": persistent, "has_interval": (n // h >= MIN_BLOCKS) & (se > 0) & ~persistent}
+
+
+def ar1_mde(a: np.ndarray, se: np.ndarray, n: int, span: float) -> np.ndarray:
+    """The AR(1) branch's mde `(R,)` at `span` dates for series like these (coefficients `a`, se of the mean `se` over
+    n dates): (cv(a_m, span) + z_POWER) se_m, with a_m = a + z_POWER s.e. of a at span (power averages over the noise
+    of a: at a itself the mde is 0.72 of the simulated one at AR(1) 0.6, 50 dates) and se_m the se at a_m and span;
+    inf where cv(a_m, span) is (no power at any size)."""
+    a = np.clip(a, -0.9, 0.99)
+    am = np.clip(a + sps.norm.ppf(POWER) * np.sqrt((1 - a**2) / span), -0.9, 0.99)
+    ratio = (1 + am) / (1 - am) * (1 - a) / (1 + a) * n / span
+    return (ar1_critical(am, span) + sps.norm.ppf(POWER)) * se * np.sqrt(ratio)
+
+
+@cache
+def ar1_table() -> np.ndarray:
+    """AR1_TABLE's critical values `(len(AR1_SPANS), len(AR1_A))`, checked against the grid it was built on."""
+    rows = [line.split(",") for line in AR1_TABLE.read_text(encoding="utf-8").split()]
+    if [float(v) for v in rows[0][1:]] != AR1_A.tolist() or [int(r[0]) for r in rows[1:]] != list(AR1_SPANS):
+        raise RuntimeError(f"{AR1_TABLE} does not match AR1_SPANS x AR1_A: rebuild it (scripts/simulate_intervals.py)")
+    return np.array([[float(v) for v in r[1:]] for r in rows[1:]])
+
+
+def ar1_critical(a: np.ndarray, n: int) -> np.ndarray:
+    """cv(a, n) of AR1_TABLE for coefficients `a (R,)` at span n: the cell of a (the table's cells are where it was
+    simulated), linear in log n between spans (clamped); inf (no interval) where a span on either side is."""
+    at = np.interp(np.log(n), np.log(AR1_SPANS), np.arange(len(AR1_SPANS)))  # fractional row of the table
+    row, col = min(int(at), len(AR1_SPANS) - 2), np.digitize(a, (AR1_A[:-1] + AR1_A[1:]) / 2)
+    w, lo, hi = at - row, ar1_table()[row, col], ar1_table()[row + 1, col]
+    none = (np.isinf(lo) & (w < 1)) | (np.isinf(hi) & (w > 0))
+    return np.where(none, np.inf, (1 - w) * np.minimum(lo, 1e6) + w * np.minimum(hi, 1e6))
 
 
 def ar1_interval(dev: np.ndarray) -> tuple[np.ndarray, ...]:
-    """The AR(1) branch for demeaned rows `dev (R, T)`: (a, se, cv, fit), each `(R,)`: the Kendall-corrected lag-1
-    coefficient a + (1 + 3 a) / T clipped to [-0.9, 0.99], the se of the mean s^2 (1 + a) / ((1 - a) T), the 95%
-    critical value (AR1_CV at a + AR1_MARGIN s.e., interpolated in log T), and whether the Ljung-Box test on the
-    residuals (K = 2 + ln T lags, K - 1 df, as statsmodels' acorr_ljungbox with model_df=1) passes AR1_FIT_P."""
+    """The AR(1) branch for demeaned rows `dev (R, T)`: (a, se, fit), each `(R,)`: the Kendall-corrected lag-1
+    coefficient a + (1 + 3 a) / T clipped to [-0.9, 0.99], the se of the mean s^2 (1 + a) / ((1 - a) T), and whether
+    the Ljung-Box test on the residuals (K = 2 + ln T lags, K - 1 df, as statsmodels' acorr_ljungbox with model_df=1)
+    passes AR1_FIT_P."""
     n = dev.shape[1]
     with np.errstate(divide="ignore", invalid="ignore"):
         a = np.nan_to_num((dev[:, 1:] * dev[:, :-1]).sum(axis=1) / (dev**2).sum(axis=1))
     a = np.clip(a + (1 + 3 * a) / n, -0.9, 0.99)
     se = np.sqrt((dev**2).sum(axis=1) / (n - 1) * (1 + a) / (1 - a) / n)
-    at = np.interp(np.log(n), np.log(AR1_SPANS), np.arange(len(AR1_SPANS)))  # fractional row of the table
-    row, w = min(int(at), len(AR1_SPANS) - 2), at - min(int(at), len(AR1_SPANS) - 2)
-    up = np.clip(a + np.interp(at, np.arange(len(AR1_SPANS)), AR1_MARGIN) * np.sqrt((1 - a**2) / n), -0.9, 0.99)
-    table = np.asarray(AR1_CV)
-    cv = np.interp(up, AR1_RHOS, (1 - w) * table[row] + w * table[row + 1])
     e = dev[:, 1:] - a[:, None] * dev[:, :-1]
     e = e - e.mean(axis=1, keepdims=True)
     m, lags = n - 1, 2 + int(math.log(n))
     with np.errstate(divide="ignore", invalid="ignore"):
         acf = np.stack([(e[:, k:] * e[:, :-k]).sum(axis=1) for k in range(1, lags + 1)], 1) / (e**2).sum(1)[:, None]
     lb = m * (m + 2) * (np.nan_to_num(acf) ** 2 / (m - np.arange(1, lags + 1))).sum(axis=1)
-    return a, se, cv, sps.chi2.sf(lb, lags - 1) >= AR1_FIT_P
+    return a, se, sps.chi2.sf(lb, lags - 1) >= AR1_FIT_P
 
 
 def mean_test(x, lag: int = 0, level: float = 0.95) -> dict[str, float]:
@@ -167,7 +188,12 @@ def paired_test(diff, dates, lag: int = 0, level: float = 0.95, what: str = "dif
     mean, se, df, ok = float(r["mean"]) if n_dates else math.nan, float(r["se"]), float(r["df"]), r["has_interval"]
     dm = mean / se if ok else math.nan
     mde = float(r["mde"]) if ok else math.nan
-    needed = windows_needed(mean, se, float(r["mde_df"]), n_win, level) if ok else None
+    if r["ar1"]:  # the mde at f times the span, for windows_needed: the same rule at a longer span
+        mde_at = lambda f: float(ar1_mde(np.array([r["rho"]]), np.array([se]), n_dates, n_dates * f)[0])  # noqa: E731
+    else:  # the df grow in proportion to the span
+        mde_at = lambda f: (sps.t.ppf(0.5 + level / 2, max(r["mde_df"] * f, 1.0))  # noqa: E731
+                            + sps.t.ppf(POWER, max(r["mde_df"] * f, 1.0))) * se / math.sqrt(f)
+    needed = windows_needed(mean, mde_at, n_win) if ok and se > 0 else None
     out = {"mean": mean, "ci_low": mean - r["half"] if ok else None, "ci_high": mean + r["half"] if ok else None,
            "level": level, "dm_stat": dm, "df": df, "p_value": float(2 * sps.t.sf(abs(dm), df)) if ok else math.nan,
            "windows": n_win, "dates": n_dates, "lag": int(r["lag"]), "rho": float(r["rho"]),
@@ -178,6 +204,7 @@ def paired_test(diff, dates, lag: int = 0, level: float = 0.95, what: str = "dif
         why = (f"no {level:.0%} interval: only {out['blocks']} non-overlapping stretches of {int(lag) + 1} dates "
                f"(at least {MIN_BLOCKS} needed: about {MIN_BLOCKS * (int(lag) + 1) - n_dates} more dates or sessions "
                "of test data -- days on a 24/7 market -- or more folds)" if out["blocks"] < MIN_BLOCKS
+               else persistent_reason(float(r["rho"]), n_dates) if r["persistent"]
                else f"no {level:.0%} interval: the differences do not vary")
     else:
         span += f", {level:.0%} interval [{out['ci_low']:+.3g}, {out['ci_high']:+.3g}] (t with {df:.1f} df)"
@@ -196,13 +223,27 @@ def paired_test(diff, dates, lag: int = 0, level: float = 0.95, what: str = "dif
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in out.items()}  # strict JSON
 
 
-def windows_needed(mean: float, se: float, df: float, n_win: int, level: float = 0.95) -> int | None:
-    """Windows at which the rule detects a true difference `mean` with POWER, from this run's variance per window
-    se^2 n_win and its df grown in proportion (the rule's effective sample scales with the span); None at mean 0."""
-    if not mean or not se > 0:
+def windows_needed(mean: float, mde_at, n_win: int) -> int | None:
+    """Windows at which the rule detects a true difference `mean` with POWER: n_win f for the smallest f with
+    mde_at(f) <= |mean| (`mde_at(f)`: the rule's mde with f times the span, falling in f); None at mean 0 or beyond
+    10^7 windows."""
+    if not mean or not mde_at(1e7 / n_win) <= abs(mean):
         return None
-    need = float(n_win)
-    for _ in range(20):  # fixed point: the critical values fall as the df grow with the windows
-        d = max(df * need / n_win, 1.0)
-        need = ((sps.t.ppf(0.5 + level / 2, d) + sps.t.ppf(POWER, d)) * se / abs(mean)) ** 2 * n_win
-    return int(math.ceil(need))
+    lo, hi = math.log(1e-3), math.log(1e7 / n_win)
+    for _ in range(60):  # bisection in log f
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if mde_at(math.exp(mid)) <= abs(mean) else (mid, hi)
+    return int(math.ceil(n_win * math.exp(hi)))
+
+
+def persistent_reason(a: float, n: int) -> str:
+    """Why the AR(1) branch gives no interval at lag-1 coefficient `a` over n dates, and how many more would."""
+    finite = lambda m: bool(np.isfinite(ar1_critical(np.array([a]), m))[0])  # noqa: E731
+    lo, hi, more = n, 10 * AR1_SPANS[-1], None
+    if finite(hi):
+        while hi - lo > 1:  # bisection: the table's cells of no interval shrink as the span grows
+            lo, hi = (lo, (lo + hi) // 2) if finite((lo + hi) // 2) else ((lo + hi) // 2, hi)
+        more = hi
+    return (f"no 95% interval: the differences are too persistent for {n} dates (lag-1 autocorrelation {a:.2f}, "
+            "which a near-unit-root series also shows over so few dates: no interval keeps its 5% error rate there)"
+            + (f"; about {more - n} more dates or sessions would give one" if more else ""))
