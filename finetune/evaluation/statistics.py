@@ -45,11 +45,12 @@ def hac_variance(x: np.ndarray, lag: int, flat: int = 0) -> np.ndarray:
 
 def mean_interval(x: np.ndarray, flat: int = 0, level: float = 0.95) -> dict[str, np.ndarray]:
     """The interval rule (docs/evaluation.md) for the mean of each row of `x (R, T)` (R runs of T date values,
-    time order, finite; `flat` the known overlap q; q = 0 from 50 dates on: the AR(1) branch where it fits, its df the
-    t df of its critical value): {"mean", "se", "df", "half" (the half-width), "rho" (lag q + 1, or the branch's a),
-    "lag", "blocks", "mde" (the smallest true mean detected with POWER, at the df "mde_df"), "clipped" (HAC variance
-    clipped to 0: se floored at the i.i.d. one, df 1), "has_interval"}, arrays `(R,)` except the ints lag and blocks;
-    has_interval False below MIN_BLOCKS stretches of q + 1 dates or at zero variance."""
+    time order, finite; `flat` the known overlap q; q = 0 from AR1_SPANS[0] dates on: the AR(1) branch where it fits,
+    its df the t df of its critical value): {"mean", "se", "df", "half" (the half-width), "rho" (lag q + 1, or the
+    branch's a), "lag", "blocks", "mde" (the smallest true mean detected with POWER; the HAC rule's at the df
+    "mde_df"), "clipped" (HAC variance clipped to 0: se floored at the i.i.d. one, df 1), "ar1" (the branch used),
+    "persistent" (the branch's table has no critical value: half inf), "has_interval"}, arrays `(R,)` except the ints
+    lag and blocks; has_interval False below MIN_BLOCKS stretches of q + 1 dates, at zero variance, or persistent."""
     x = np.atleast_2d(np.asarray(x, dtype=np.float64))
     n, q = x.shape[1], int(flat)
     h, flat = q + 1, q + 1 if q else 0  # prewhitening at lag h leaves MA(q + 1) residuals (issue 51)
