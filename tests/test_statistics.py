@@ -261,3 +261,13 @@ def test_a_clipped_variance_is_floored_and_called_wide_never_constant():
     assert 0 < len(clipped) <= 20 and (r["df"][clipped] == 1.0).all() and (r["se"][clipped] > 0).all()
     out = paired_test(x[clipped[0]], np.arange(80), lag=4)
     assert "wide" in out["reason"] and "do not vary" not in out["reason"] and out["df"] == 1.0
+
+
+def test_an_interval_whose_power_is_nil_at_this_span_says_so_and_how_many_windows_would_do():
+    # AR(1) 0.75 over 50 dates: some runs have an interval, but at a + 0.84 s.e. the table has none (no power)
+    x = ar1(np.random.default_rng(3), 300, 50, 0.75)
+    r = mean_interval(x)
+    first = np.flatnonzero(r["has_interval"] & ~np.isfinite(r["mde"]))[0]
+    out = paired_test(x[first], np.arange(50))
+    assert out["ci_low"] is not None and out["mde"] is None and out["verdict"] == "no_evidence"
+    assert "detect no difference of any size with 80% power" in out["reason"] and out["windows_needed"] > 50

@@ -217,7 +217,9 @@ def paired_test(diff, dates, lag: int = 0, level: float = 0.95, what: str = "dif
                 f"entirely {'below' if below else 'above'} 0"
         else:
             out["verdict"], why = "no_evidence", (f"contains 0; these data detect only a true difference of at least "
-                                                  f"{mde:.3g} in size ({POWER:.0%} power)")
+                                                  f"{mde:.3g} in size ({POWER:.0%} power)" if math.isfinite(mde) else
+                                                  f"contains 0; at this persistence these dates detect no difference "
+                                                  f"of any size with {POWER:.0%} power")
             if needed:
                 why += f"; about {needed} windows would detect a difference the size of this one"
     out["reason"] = f"{span}: {why}"
