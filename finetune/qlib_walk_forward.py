@@ -24,7 +24,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +118,15 @@ def period_config(cfg: QlibConfig, p: Period, folder: Path) -> QlibConfig:
     return c
 
 
+def prepare(c: QlibConfig) -> None:
+    """Preprocess the period's data unless done with these settings and source; qlib initialised again after."""
+    problems = Problems()
+    check_processed(c, SPLITS, problems)
+    if problems:
+        preprocess(c)
+    init_qlib(c)
+
+
 def train_period(c: QlibConfig, folder: Path, nproc: int) -> None:
     """Run both trainers under torchrun (a finished stage is reused while current, else trained again:
     --skip-existing)."""
@@ -137,27 +148,22 @@ def train_period(c: QlibConfig, folder: Path, nproc: int) -> None:
             raise UserError(f"walk-forward: {module} failed (exit {rc}) for {folder.name}; see {folder / 'train.log'}")
 
 
-def period_signals(c: QlibConfig, folder: Path, zero: tuple, device: str, train: QlibConfig, nproc: int,
+def period_signals(c: QlibConfig, folder: Path, zero: tuple, device: str, train: Callable[[], None] = lambda: None,
                    name: str = "signals.csv") -> pd.DataFrame:
-    """Signals of the period's test days under `c`'s forecast settings, columns <signal>/<candidate>, its data
-    preprocessed first (unless done with these settings and source). Kept in `name` (written atomically) while the
-    ledger finds it current: its bytes as recorded, made from these models, data and settings; then nothing is trained
-    or forecast. Else the models are trained (`train_period` with config `train`) unless trained.json records them as
-    trained from these settings and data (a trainer started only to skip its finished stage costs a torchrun start),
-    then forecast; the file is read back either way, so a rerun scores the very numbers the first run did."""
-    problems = Problems()
-    check_processed(c, SPLITS, problems)
-    if problems:
-        preprocess(c)
+    """Signals of the period's test days under `c`'s forecast settings (data `prepare`d), columns
+    <signal>/<candidate>. Kept in `name` (written atomically) while the ledger finds it current: its bytes as
+    recorded, made from these models, data and settings; then nothing is trained or forecast. Else `train()` (e.g.
+    `train_period`) unless trained.json records these models as trained from these settings and data (a trainer
+    started only to skip its finished stage costs a torchrun start), then a forecast; the file is read back either
+    way, so a rerun scores the very numbers the first run did."""
     zero_shot, cache, trained = [weights_fingerprint(m) for m in zero], folder / name, folder / "trained.json"
     made = lambda: {"predictor": tree_sha256(c.paths.finetuned_predictor_path), "zero_shot": zero_shot,  # noqa: E731
                     "settings": training_settings(c), "data": content_sha256(c.data.dataset_path)}
     if check_record(cache, {**made(), "forecast": forecast_settings(c)}) != "reuse":
         models = lambda: plain({**made(), "tokenizer": tree_sha256(c.paths.finetuned_tokenizer_path)})  # noqa: E731
         if read_json_or_empty(trained) != models():
-            train_period(train, folder, nproc)
+            train()
             write_json(trained, models())
-        init_qlib(c)
         table = forecast_signals(c, zero, device)
         atomic_write(cache, lambda p: table.reset_index().to_csv(p, index=False))
         write_record(cache, {**made(), "forecast": forecast_settings(c)})
@@ -282,8 +288,9 @@ def _main(argv: list[str] | None) -> dict[str, Any]:
         folder = root / f"period_{p.k}"
         folder.mkdir(parents=True, exist_ok=True)
         c = period_config(cfg, p, folder)
+        prepare(c)
         lo, hi = signal_days(calendar, periods, p.k)
-        frame = period_signals(c, folder, zero, device, c, w.nproc_per_node)
+        frame = period_signals(c, folder, zero, device, partial(train_period, c, folder, w.nproc_per_node))
         frames.append(frame[(frame.index.get_level_values("datetime") >= lo)
                             & (frame.index.get_level_values("datetime") <= hi)])
         spent = time.monotonic() - started
@@ -354,9 +361,10 @@ def tune_main(argv: list[str] | None = None) -> int:
             folder.mkdir(parents=True, exist_ok=True)
             with FileLock(str(folder) + ".lock"):
                 pc = period_config(unit, p, folder)
+                prepare(pc)
                 fc = copy.deepcopy(pc)  # the trial's forecast settings, each kept in its own sealed signals file
                 fc.forecast, fc.forecast.seeds = copy.deepcopy(c.forecast), None
-                frame = period_signals(fc, folder, zero, device, pc, w.nproc_per_node,
+                frame = period_signals(fc, folder, zero, device, partial(train_period, pc, folder, w.nproc_per_node),
                                        f"signals_{digest(forecast_settings(fc))[:12]}.csv")
             lo, hi = signal_days(calendar, ps, p.k)
             frames.append(frame[(frame.index.get_level_values("datetime") >= lo)
