@@ -24,7 +24,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +45,14 @@ from finetune.qlib_io import benchmark_label, check_qlib_folder, init_qlib, read
 from finetune.qlib_test import backtest_period, forecast_all, score_signal, write_results
 from finetune.utils import tune
 from finetune.utils.cli_args import parse_config_args
-from finetune.utils.config_utils import Problems, config_to_dict, dump_config
+from finetune.utils.config_utils import Problems, config_to_dict, dump_config, plain
 from finetune.utils.errors import require_extra, setup_logging
-from finetune.utils.fingerprint import forecast_settings, training_settings, tree_sha256
+from finetune.utils.fingerprint import digest, forecast_settings, training_settings, tree_sha256
 from finetune.utils.ledger import check_record, write_record
 from finetune.utils.plots import pyplot, save_figure
 from finetune.utils.safety import GracefulStop, raise_if_stop_requested
 from model.errors import ConfigError, UserError
-from model.fileio import atomic_write
+from model.fileio import atomic_write, read_json_or_empty, write_json
 from model.hub import weights_fingerprint
 from model.predictor import default_device, load_pretrained_pair, load_trained_pair
 
@@ -116,13 +118,18 @@ def period_config(cfg: QlibConfig, p: Period, folder: Path) -> QlibConfig:
     return c
 
 
-def train_period(c: QlibConfig, folder: Path, nproc: int) -> None:
-    """Preprocess (unless done with these settings and source) and run both trainers under torchrun (a finished
-    stage is reused while current, else trained again: --skip-existing)."""
+def prepare(c: QlibConfig) -> None:
+    """Preprocess the period's data unless done with these settings and source; qlib initialised again after."""
     problems = Problems()
     check_processed(c, SPLITS, problems)
     if problems:
         preprocess(c)
+    init_qlib(c)
+
+
+def train_period(c: QlibConfig, folder: Path, nproc: int) -> None:
+    """Run both trainers under torchrun (a finished stage is reused while current, else trained again:
+    --skip-existing)."""
     (folder / "config.yaml").write_text(dump_config(c), encoding="utf-8")
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
@@ -141,19 +148,26 @@ def train_period(c: QlibConfig, folder: Path, nproc: int) -> None:
             raise UserError(f"walk-forward: {module} failed (exit {rc}) for {folder.name}; see {folder / 'train.log'}")
 
 
-def period_signals(c: QlibConfig, folder: Path, zero: tuple, device: str) -> pd.DataFrame:
-    """Signals of the period's test days, columns <signal>/<candidate>; kept in signals.csv (written atomically)
-    while the ledger finds it current: its bytes as recorded, made from these models and settings."""
-    cache = folder / "signals.csv"
-    inputs = {"predictor": tree_sha256(c.paths.finetuned_predictor_path),
-              "zero_shot": [weights_fingerprint(m) for m in zero], "settings": training_settings(c),
-              "forecast": forecast_settings(c), "data": content_sha256(c.data.dataset_path)}
-    if check_record(cache, inputs) == "reuse":
-        return pd.read_csv(cache, parse_dates=["datetime"]).set_index(["datetime", "instrument"])
-    table = forecast_signals(c, zero, device)
-    atomic_write(cache, lambda p: table.reset_index().to_csv(p, index=False))
-    write_record(cache, inputs)
-    return table
+def period_signals(c: QlibConfig, folder: Path, zero: tuple, device: str, train: Callable[[], None] = lambda: None,
+                   name: str = "signals.csv") -> pd.DataFrame:
+    """Signals of the period's test days under `c`'s forecast settings (data `prepare`d), columns
+    <signal>/<candidate>. Kept in `name` (written atomically) while the ledger finds it current: its bytes as
+    recorded, made from these models, data and settings; then nothing is trained or forecast. Else `train()` (e.g.
+    `train_period`) unless trained.json records these models as trained from these settings and data (a trainer
+    started only to skip its finished stage costs a torchrun start), then a forecast; the file is read back either
+    way, so a rerun scores the very numbers the first run did."""
+    zero_shot, cache, trained = [weights_fingerprint(m) for m in zero], folder / name, folder / "trained.json"
+    made = lambda: {"predictor": tree_sha256(c.paths.finetuned_predictor_path), "zero_shot": zero_shot,  # noqa: E731
+                    "settings": training_settings(c), "data": content_sha256(c.data.dataset_path)}
+    if check_record(cache, {**made(), "forecast": forecast_settings(c)}) != "reuse":
+        models = lambda: plain({**made(), "tokenizer": tree_sha256(c.paths.finetuned_tokenizer_path)})  # noqa: E731
+        if read_json_or_empty(trained) != models():
+            train()
+            write_json(trained, models())
+        table = forecast_signals(c, zero, device)
+        atomic_write(cache, lambda p: table.reset_index().to_csv(p, index=False))
+        write_record(cache, {**made(), "forecast": forecast_settings(c)})
+    return pd.read_csv(cache, parse_dates=["datetime"]).set_index(["datetime", "instrument"])
 
 
 def forecast_signals(c: QlibConfig, zero: tuple, device: str) -> pd.DataFrame:
@@ -274,14 +288,13 @@ def _main(argv: list[str] | None) -> dict[str, Any]:
         folder = root / f"period_{p.k}"
         folder.mkdir(parents=True, exist_ok=True)
         c = period_config(cfg, p, folder)
-        train_period(c, folder, w.nproc_per_node)
-        init_qlib(cfg)
+        prepare(c)
         lo, hi = signal_days(calendar, periods, p.k)
-        frame = period_signals(c, folder, zero, device)
+        frame = period_signals(c, folder, zero, device, partial(train_period, c, folder, w.nproc_per_node))
         frames.append(frame[(frame.index.get_level_values("datetime") >= lo)
                             & (frame.index.get_level_values("datetime") <= hi)])
         spent = time.monotonic() - started
-        log.info("period %d of 0..%d test %s..%s (train ..%s, val %s..%s): trained and forecast; %.0f s so far, "
+        log.info("period %d of 0..%d test %s..%s (train ..%s, val %s..%s): done; %.0f s so far, "
                  "~%.0f s left", p.k, len(periods) - 1, p.test[0].date(), p.test[1].date(), p.train[1].date(),
                  p.val[0].date(), p.val[1].date(), spent, spent / (p.k + 1) * (len(periods) - p.k - 1))
     signals = pd.concat(frames).sort_index()
@@ -340,7 +353,7 @@ def tune_main(argv: list[str] | None = None) -> int:
     def daily(c: QlibConfig, ps: list[Period]) -> dict[str, pd.Series]:
         """Daily IC of both candidates of trial settings `c` over the signal days of periods `ps`."""
         frames = []
-        for p in ps:  # a unit: trained once (forecast settings fixed to the given ones), re-forecast per forecast
+        for p in ps:  # a unit: trained once (forecast settings fixed to the given ones), forecast once per forecast
             unit = dataclasses.replace(c, forecast=cfg.forecast)  # period_config copies it
             settings = {k: v for k, v in config_to_dict(unit).items() if k not in ("paths", "tune")}
             folder = root / "units" / tune.unit_fingerprint(settings, [str(x.date()) for x in (*p.train, *p.val,
@@ -348,10 +361,11 @@ def tune_main(argv: list[str] | None = None) -> int:
             folder.mkdir(parents=True, exist_ok=True)
             with FileLock(str(folder) + ".lock"):
                 pc = period_config(unit, p, folder)
-                train_period(pc, folder, w.nproc_per_node)
-                pc.forecast, pc.forecast.seeds = copy.deepcopy(c.forecast), None
-                init_qlib(cfg)
-                frame = period_signals(pc, folder, zero, device)
+                prepare(pc)
+                fc = copy.deepcopy(pc)  # the trial's forecast settings, each kept in its own sealed signals file
+                fc.forecast, fc.forecast.seeds = copy.deepcopy(c.forecast), None
+                frame = period_signals(fc, folder, zero, device, partial(train_period, pc, folder, w.nproc_per_node),
+                                       f"signals_{digest(forecast_settings(fc))[:12]}.csv")
             lo, hi = signal_days(calendar, ps, p.k)
             frames.append(frame[(frame.index.get_level_values("datetime") >= lo)
                                 & (frame.index.get_level_values("datetime") <= hi)])
