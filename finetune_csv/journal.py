@@ -224,8 +224,8 @@ def page(report: dict) -> str:
 
 def unscored_line(report: dict) -> str:
     """The one line naming the journaled forecasts track could not score (their series is not in data.path)."""
-    u = report["unscored"]
-    return (f"{sum(x['forecasts'] for x in u.values())} journaled forecasts not scored, {NOT_IN_DATA}: "
+    u, n = report["unscored"], sum(x["forecasts"] for x in report["unscored"].values())
+    return (f"{n} journaled forecast{'s' * (n != 1)} not scored, {NOT_IN_DATA}: "
             + ", ".join(f"{s} ({x['forecasts']})" for s, x in u.items()))
 
 

@@ -70,7 +70,7 @@ def test_track_scores_exactly_the_arrived_steps_and_a_rerun_changes_nothing(tmp_
     assert info() != before  # the adaptive state moved on
     after, track_json = info(), (folder / "track.json").read_text()
     assert journal.main(["--config", str(config)]) == 0 and info() == after  # a rerun changes nothing
-    assert "1 journaled forecasts not scored, no such series in data.path" in capsys.readouterr().out
+    assert "1 journaled forecast not scored, no such series in data.path" in capsys.readouterr().out
     assert (folder / "track.json").read_text() == track_json
     assert "Live forecasts" in (page := (folder / "track.html").read_text()) and "A (1)" in page
     # `kronos forecast` again rebuilds the state from the split margins and the held-out replay: the next track
