@@ -235,6 +235,10 @@ def test_pip_install_into_a_fresh_venv_gives_kronos_and_the_csv_pipeline(tmp_pat
 
     res = _run(["kronos", "--help"], work, env)
     assert res.returncode == 0 and "qlib-train-tokenizer" in res.stdout, res.stderr
+    rule = ("import numpy as np; from finetune.evaluation.statistics import mean_interval; "
+            "print(mean_interval(np.random.default_rng(0).standard_normal((1, 60)))['has_interval'][0])")
+    res = _run([str(py), "-c", rule], work, env)  # the interval rule's table is package data
+    assert res.returncode == 0 and res.stdout.strip() == "True", res.stderr[-2000:]
     for command in shell_commands(readme_block("install")):  # the README's install section, as written
         if command[0] == "kronos":
             res = _run(command, work, env)
