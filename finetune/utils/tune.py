@@ -295,9 +295,14 @@ def work(study: Any, tc: TuneConfig, folder: Path, given: Mapping[str, Any], def
             for t in trials:
                 if t.state == TrialState.RUNNING and _stale(beats / f"{study.study_name}-{t.number}",
                                                             tc.heartbeat_seconds):
-                    log.warning("tune: trial %d's worker is gone: failed, re-queued with its settings", t.number)
                     study.tell(t.number, state=TrialState.FAIL)
-                    study.enqueue_trial(t.params, user_attrs=t.user_attrs)
+                    if t.user_attrs.get("drawn") or t.user_attrs.get("role") == "defaults":
+                        log.warning("tune: trial %d's worker is gone: failed, re-queued with its settings", t.number)
+                        study.enqueue_trial(t.params, user_attrs=t.user_attrs)
+                    else:  # killed while drawing: its partial settings would fix some keys and redraw the rest
+                        # apart; failed alone, the next draw (same seed, same history) is the one it was making
+                        log.warning("tune: trial %d's worker is gone before its settings were drawn: drawn again",
+                                    t.number)
             if not trials:  # trial 0: the config as given
                 study.enqueue_trial({}, user_attrs={"role": "defaults"})
             trials = study.get_trials(deepcopy=False)
@@ -313,6 +318,7 @@ def work(study: Any, tc: TuneConfig, folder: Path, given: Mapping[str, Any], def
                 study.sampler = optuna.samplers.TPESampler(seed=tc.seed + done + running, constant_liar=True)
                 trial = study.ask()
                 params = defaults if trial.user_attrs.get("role") == "defaults" else suggest(trial, tc, given)
+                trial.set_user_attr("drawn", True)  # every setting drawn: a stale copy is re-queued with them
                 stop, beat = threading.Event(), beats / f"{study.study_name}-{trial.number}"
                 _beat(beat)  # before the unlock
                 threading.Thread(target=_beat, args=(beat, stop, tc.heartbeat_seconds), daemon=True).start()
