@@ -118,7 +118,7 @@ def load_model(name: str, source: str, tokenizer: str | None, device: str | None
                   weights_fingerprint(predictor.model))
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: identical requests are two jobs (field equality would compare DataFrames)
 class Job:
     """One forecast request on its way through the batcher: the outputs are filled in, in the series' order."""
 

@@ -369,3 +369,18 @@ def test_the_calendars_caveats_come_back_with_the_series_they_concern(folder):
         KronosPredictor.from_pretrained(folder, device="cpu").predict_df(
             pd.DataFrame({**{c: daily[c] for c in ("open", "high", "low", "close")},
                           "timestamps": pd.to_datetime(daily["timestamps"])}), prediction_length=3)
+
+
+def test_identical_requests_at_once_are_each_answered_and_the_batcher_lives_on(folder):
+    """Two clients sending the same body at once: two jobs in one pass (the batcher once compared jobs field by
+    field, DataFrames included, and its loop died: every later request hung)."""
+    app = serve(folder, max_batch_size=2, max_wait_ms=10_000)
+    body = {"series": [series(0, 60, 0)], "horizon": 3, "quantiles": [0.5], "seed": 0}
+
+    async def crowd():
+        return await asyncio.wait_for(asyncio.gather(*(call(app, "POST", "/v1/forecast", json=body)
+                                                       for _ in range(3))), 60)  # a dead batcher: fail, not hang
+
+    answers = run(crowd())
+    assert [a.status_code for a in answers] == [200, 200, 200]
+    assert answers[0].json()["outputs"] == answers[1].json()["outputs"] == answers[2].json()["outputs"]
