@@ -296,7 +296,8 @@ def work(study: Any, tc: TuneConfig, folder: Path, given: Mapping[str, Any], def
                 if t.state == TrialState.RUNNING and _stale(beats / f"{study.study_name}-{t.number}",
                                                             tc.heartbeat_seconds):
                     study.tell(t.number, state=TrialState.FAIL)
-                    if t.user_attrs.get("drawn") or t.user_attrs.get("role") == "defaults":
+                    # its heartbeat is written only once its settings are drawn (old journals' trials too)
+                    if (beats / f"{study.study_name}-{t.number}").is_file() or t.user_attrs.get("role") == "defaults":
                         log.warning("tune: trial %d's worker is gone: failed, re-queued with its settings", t.number)
                         study.enqueue_trial(t.params, user_attrs=t.user_attrs)
                     else:  # killed while drawing: its partial settings would fix some keys and redraw the rest
@@ -318,9 +319,8 @@ def work(study: Any, tc: TuneConfig, folder: Path, given: Mapping[str, Any], def
                 study.sampler = optuna.samplers.TPESampler(seed=tc.seed + done + running, constant_liar=True)
                 trial = study.ask()
                 params = defaults if trial.user_attrs.get("role") == "defaults" else suggest(trial, tc, given)
-                trial.set_user_attr("drawn", True)  # every setting drawn: a stale copy is re-queued with them
                 stop, beat = threading.Event(), beats / f"{study.study_name}-{trial.number}"
-                _beat(beat)  # before the unlock
+                _beat(beat)  # before the unlock, after the draw: a stale trial with a heartbeat is re-queued whole
                 threading.Thread(target=_beat, args=(beat, stop, tc.heartbeat_seconds), daemon=True).start()
         if trial is None:  # the rest are running elsewhere: wait for them (or for their heartbeat to stop)
             time.sleep(min(tc.heartbeat_seconds, 2.0))
