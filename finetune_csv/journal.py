@@ -172,7 +172,8 @@ def track(cfg: CsvFinetuneConfig) -> dict:
     held = cfg.base_dir / "forecast" / "metrics.json"
     held = read_json_object(held) if held.is_file() else {}
     report = {"forecasts": len(records), "scored_steps": len(rows), "fed": sorted(fed), "models": {},
-              "adaptive_state": state and digest(state),  # what track left: another one next time was rebuilt
+              "adaptive_state": digest(state) if state else before.get("adaptive_state"),  # what track left:
+              # another one next time was rebuilt (kept through a track without an adaptive state)
               "unscored": {s: {"forecasts": n, "reason": NOT_IN_DATA} for s, n in sorted(unscored.items())}}
     for sha in sorted({r["model"] for r in rows}):
         mine = [r for r in rows if r["model"] == sha]

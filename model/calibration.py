@@ -60,7 +60,8 @@ def fit_windows(samples: np.ndarray, outcomes: np.ndarray, last: np.ndarray, nam
     crossed zero) is left out, counted in "excluded" {series: n} and one WARNING (`what`; `advice` when none is left).
     -> (the calibration or None, excluded)."""
     samples, outcomes, last = (np.asarray(a, dtype=np.float64) for a in (samples, outcomes, last))
-    ok = np.all([(np.isfinite(a) & (a > 0)).reshape(len(a), -1).all(1) for a in (samples, outcomes, last)], 0)  # (W,)
+    ok = np.all([(np.isfinite(a) & (a > 0)).all(axis=tuple(range(1, a.ndim))) for a in (samples, outcomes, last)],
+                0).astype(bool)  # (W,); W = 0 too
     excluded = dict(Counter(n for n, good in zip(names, ok) if not good))
     if excluded:
         log.warning("%s: %d of %d validation windows left out, a sampled or realised close <= 0 (series: %s)%s", what,
